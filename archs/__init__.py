@@ -1,0 +1,57 @@
+"""Architecture plugins and their registry (keyed by Hugging Face `architectures` strings)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from .base import ArchPlugin, Checkpoint, MetaKV, MtpMode, Role, SourceTensor, TensorPlan
+from .errors import SpecconvError
+
+_REGISTRY: dict[str, type[ArchPlugin]] = {}
+
+
+def register(cls: type[ArchPlugin]) -> type[ArchPlugin]:
+    """Class decorator: make a plugin available for each HF architecture string it accepts."""
+    for arch in cls.hf_architectures:
+        if arch in _REGISTRY and _REGISTRY[arch] is not cls:
+            raise ValueError(f"architecture {arch} registered twice")
+        _REGISTRY[arch] = cls
+    return cls
+
+
+def _load_builtin_plugins() -> None:
+    # Importing a plugin module registers it.
+    from . import qwen35  # noqa: F401
+
+
+def supported_architectures() -> list[str]:
+    _load_builtin_plugins()
+    return sorted(_REGISTRY)
+
+
+def plugin_class_for(config: Mapping) -> type[ArchPlugin]:
+    """The plugin class for a config.json, or a SpecconvError listing what is supported."""
+    _load_builtin_plugins()
+    archs = config.get("architectures") or []
+    for arch in archs:
+        if arch in _REGISTRY:
+            return _REGISTRY[arch]
+    named = ", ".join(archs) if archs else "(config.json has no 'architectures')"
+    raise SpecconvError(
+        f"unsupported architecture {named}; supported: {', '.join(supported_architectures())}"
+    )
+
+
+__all__ = [
+    "ArchPlugin",
+    "Checkpoint",
+    "MetaKV",
+    "MtpMode",
+    "Role",
+    "SourceTensor",
+    "SpecconvError",
+    "TensorPlan",
+    "plugin_class_for",
+    "register",
+    "supported_architectures",
+]

@@ -1,0 +1,146 @@
+"""The architecture plugin contract.
+
+A plugin describes one architecture family: which Hugging Face `architectures` it accepts, the GGUF
+arch string, the metadata to write and, for every GGUF tensor, which HF tensors feed it and how they
+are transformed. It is pure description: it never opens a file. The conversion engine reads the
+sources lazily, calls `TensorPlan.transform`, picks the storage type and routes each tensor to the
+trunk file, the MTP sidecar or both, according to `TensorPlan.role`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+import torch
+from gguf import GGMLQuantizationType, GGUFValueType
+
+
+class Role(enum.Enum):
+    """Where a tensor goes."""
+
+    TRUNK = "trunk"  # the main model only
+    MTP = "mtp"  # an MTP / nextn block: embedded file and sidecar
+    SHARED = "shared"  # token_embd / output_norm / output: trunk file and sidecar
+
+
+class MtpMode(enum.Enum):
+    EMBED = "embed"  # one file with the trunk and the MTP blocks
+    NONE = "none"  # trunk only
+    ONLY = "only"  # the mtp- sidecar only
+    SEPARATE = "separate"  # trunk-only file and sidecar in one run
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """What the checkpoint header says about one HF tensor (after name normalisation)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype string: "F32", "BF16", "F16", ...
+
+
+@dataclass
+class TensorPlan:
+    """One GGUF output tensor."""
+
+    name: str  # GGUF name, e.g. "blk.3.attn_qkv.weight"
+    sources: tuple[str, ...]  # normalised HF names read to produce it
+    shape: tuple[int, ...]  # torch order (reverse of the ggml order GGUF shows)
+    role: Role
+    # Receives the source tensors (in `sources` order, float32) and returns the output tensor.
+    transform: Callable[[list[torch.Tensor]], torch.Tensor] = field(default=lambda ts: ts[0], repr=False)
+    # A storage type forced by the architecture, overriding the engine's generic rules.
+    force_type: GGMLQuantizationType | None = None
+
+
+@dataclass(frozen=True)
+class MetaKV:
+    key: str
+    value: Any
+    vtype: GGUFValueType
+    sub_type: GGUFValueType | None = None  # element type of arrays
+
+
+@dataclass
+class Checkpoint:
+    """The plugin's whole view of a checkpoint: its config and its tensor headers."""
+
+    config: Mapping[str, Any]
+    tensors: Mapping[str, SourceTensor]  # normalised name -> header
+    skipped: Mapping[str, str] = field(default_factory=dict)  # raw name -> reason (towers, ...)
+
+
+class ArchPlugin:
+    """Base class. Subclasses set `hf_architectures` and implement the abstract members."""
+
+    hf_architectures: ClassVar[tuple[str, ...]] = ()
+    family: ClassVar[str] = ""  # plugin family name shown to users, e.g. "qwen35"
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint = checkpoint
+
+    # --- naming -----------------------------------------------------------------------------
+    @property
+    def gguf_arch(self) -> str:
+        raise NotImplementedError
+
+    @classmethod
+    def normalize_name(cls, raw_name: str) -> str | None | tuple[None, str]:
+        """Map a raw checkpoint name to the plugin's canonical HF name.
+
+        Returns the canonical name, or `(None, reason)` to skip the tensor with a notice.
+        """
+        return raw_name
+
+    # --- structure --------------------------------------------------------------------------
+    @property
+    def n_trunk_layers(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def n_mtp_layers(self) -> int:
+        """MTP / nextn layers present in the checkpoint (0 when none)."""
+        raise NotImplementedError
+
+    def tensor_plan(self) -> list[TensorPlan]:
+        """Every GGUF tensor the checkpoint yields, trunk and MTP, in file order."""
+        raise NotImplementedError
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        """Architecture KV pairs (not `general.*`, not tokenizer).
+
+        keep_mtp=True: block_count = N + k and nextn_predict_layers = k (embedded file and sidecar).
+        keep_mtp=False: block_count = N and no nextn key (trunk-only file).
+        """
+        raise NotImplementedError
+
+    # --- tokenizer --------------------------------------------------------------------------
+    tokenizer_model: ClassVar[str] = "gpt2"
+    tokenizer_pre: ClassVar[str] = "default"
+
+    def vocab_size(self) -> int:
+        """Rows of the token embedding (the GGUF vocabulary is padded to this)."""
+        raise NotImplementedError
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text model's config, whether nested under `text_config` (VL releases) or top level."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, Mapping) else config
+
+
+def config_field(cfg: Mapping[str, Any], name: str, default: Any = None) -> Any:
+    """Read a field that transformers v5 may have moved into `rope_parameters` (or `rope_scaling`)."""
+    if name in cfg and cfg[name] is not None:
+        return cfg[name]
+    for nest in ("rope_parameters", "rope_scaling"):
+        sub = cfg.get(nest)
+        if isinstance(sub, Mapping) and sub.get(name) is not None:
+            return sub[name]
+    return default
+
+
+PluginFactory = Callable[[Checkpoint], ArchPlugin]
+ArchList = Sequence[str]

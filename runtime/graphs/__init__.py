@@ -1,0 +1,1 @@
+"""Per-architecture runtime graphs; each knows GGUF names only."""

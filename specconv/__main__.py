@@ -1,0 +1,3 @@
+from specconv.cli import main
+
+main()
