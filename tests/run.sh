@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The project's test command (README command 2). Installs everything the tests need from the
+# project's own files, then runs the whole suite with the llama.cpp peer checks made mandatory.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+"$PY" -m pip install -q torch==2.13.0
+# llama-cpp-python 0.3.36 has no wheel: pip compiles it once (about 7 minutes on 2 cores) and
+# keeps the wheel in its cache for later runs.
+export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF}"
+export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
+"$PY" -m pip install -q -e ".[test,peers]"
+
+export SPECCONV_REQUIRE_PEERS=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
+exec "$PY" -m pytest -q -s "$@"
