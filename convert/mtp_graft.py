@@ -1,0 +1,383 @@
+"""Move MTP (nextn) heads between GGUF files without touching the trunk.
+
+* extract: an embedded file (trunk + MTP blocks) -> an MTP-only sidecar in the llama.cpp `--mtp`
+  layout: same arch, same KV and tokenizer, `block_count = N + k`, `nextn_predict_layers = k`,
+  tensors `token_embd`, `output_norm`, `output` (when untied) and `blk.N .. blk.N+k-1`.
+* merge: a trunk-only file (any quantization, e.g. a third-party quant) + a sidecar (or an
+  embedded file) -> one embedded file. Trunk tensors are copied byte for byte; only the grafted
+  tensors may be re-typed, on request.
+
+The result of either is a `GraftPlan` (KV list + tensor list with lazy data); `write_plan` writes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
+from gguf.constants import GGML_QUANT_SIZES
+
+from specconv.archs.base import MetaKV
+from specconv.archs.errors import SpecconvError
+
+from .gguf_io import GgufFile, GgufTensor, RawTensor, decode_value, tensor_nbytes, write_gguf
+
+SHARED_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+
+# Per-layer arrays the graft knows how to pad when the MTP file gives no value for its blocks.
+# Every other per-layer array takes its MTP entries from the MTP file (array or scalar).
+_PAD_WHEN_UNKNOWN = {"attention.recurrent_layers": False}  # MTP blocks are full attention
+
+
+# --- storage types ------------------------------------------------------------------------------
+
+# Types gguf.quants can produce in pure Python (K-quants need llama-quantize).
+PRODUCIBLE_TYPES = {t.name: t for t in (
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1)}
+
+
+def parse_type(name: str) -> GGMLQuantizationType:
+    """A user-facing type name ("q8_0", "F16", ...) -> GGML type; only types we can produce."""
+    key = name.strip().upper()
+    if key not in PRODUCIBLE_TYPES:
+        choices = ", ".join(t.lower() for t in PRODUCIBLE_TYPES)
+        raise SpecconvError(f"unknown or unsupported storage type {name!r}; choose one of {choices}")
+    return PRODUCIBLE_TYPES[key]
+
+
+_F32_NAME_PARTS = ("ffn_gate_inp", "ssm_conv1d", "position_embd", "token_types")
+
+
+def forced_f32(name: str, n_dims: int) -> bool:
+    """llama.cpp's converter rule: 1-D tensors, norms, routers, conv1d and non-`.weight` tensors stay F32."""
+    if n_dims <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+        return True
+    return any(part in name for part in _F32_NAME_PARTS)
+
+
+@dataclass(frozen=True)
+class TypeOverride:
+    pattern: str  # a regular expression, searched in the GGUF tensor name (as llama-quantize's --tensor-type)
+    ggml_type: GGMLQuantizationType
+
+    @classmethod
+    def parse(cls, text: str) -> "TypeOverride":
+        pattern, sep, tname = text.rpartition("=")
+        if not sep or not pattern or not tname:
+            raise SpecconvError(f"type override {text!r}: expected PATTERN=TYPE, e.g. 'nextn\\.eh_proj=q8_0'")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise SpecconvError(f"type override {text!r}: bad regular expression ({exc})") from None
+        return cls(pattern, parse_type(tname))
+
+    def matches(self, name: str) -> bool:
+        return re.search(self.pattern, name) is not None
+
+
+# --- the plan -------------------------------------------------------------------------------------
+
+@dataclass
+class OutTensor:
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # ggml order
+    nbytes: int
+    source: GgufTensor
+    note: str = ""  # why the type differs from the source, when it does
+
+    @property
+    def copied(self) -> bool:
+        return self.ggml_type == self.source.ggml_type
+
+    def data(self) -> np.ndarray:
+        """The bytes to write: a view of the source when the type is kept, else re-typed values."""
+        if self.copied:
+            return self.source.raw()
+        return retype(self.source, self.ggml_type)
+
+
+@dataclass
+class GraftPlan:
+    arch: str
+    kv: list[MetaKV]
+    tensors: list[OutTensor]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def retype(src: GgufTensor, target: GGMLQuantizationType) -> np.ndarray:
+    from gguf.quants import quantize
+
+    values = src.to_float32()
+    out = quantize(values, target)
+    return np.ascontiguousarray(out).reshape(-1).view(np.uint8)
+
+
+def _row_fits(shape: tuple[int, ...], ggml_type: GGMLQuantizationType) -> bool:
+    block = GGML_QUANT_SIZES[ggml_type][0]
+    return shape[0] % block == 0
+
+
+def _plan_tensor(t: GgufTensor, requested: GGMLQuantizationType | None, strict: bool, warnings: list[str]) -> OutTensor:
+    """The output entry for `t` with the requested type, after the F32-forced rules."""
+    target = t.ggml_type if requested is None else requested
+    note = ""
+    if requested is not None and forced_f32(t.name, t.n_dims):
+        target = GGMLQuantizationType.F32 if t.ggml_type != GGMLQuantizationType.F32 else t.ggml_type
+        note = "F32 forced (norm / 1-D / non-weight tensor)"
+    elif target != t.ggml_type and not _row_fits(t.shape, target):
+        block = GGML_QUANT_SIZES[target][0]
+        if strict:
+            raise SpecconvError(f"{t.name}: rows of {t.shape[0]} values cannot be stored as {target.name} (blocks of {block})")
+        warnings.append(f"{t.name}: rows of {t.shape[0]} are not a multiple of {block}; stored as F16 instead of {target.name}")
+        target, note = GGMLQuantizationType.F16, f"F16 fallback ({target.name} needs rows of {block})"
+    return OutTensor(t.name, target, t.shape, tensor_nbytes(t.shape, target), t, note)
+
+
+def _apply_types(tensors: Sequence[GgufTensor], outtype: GGMLQuantizationType | None,
+                 overrides: Sequence[TypeOverride], warnings: list[str]) -> list[OutTensor]:
+    used = [False] * len(overrides)
+    planned = []
+    for t in tensors:
+        requested, strict = outtype, False
+        for i, ov in enumerate(overrides):  # the last matching override wins, as on a command line
+            if ov.matches(t.name):
+                requested, strict, used[i] = ov.ggml_type, True, True
+        planned.append(_plan_tensor(t, requested, strict, warnings))
+    unused = [ov.pattern for ov, u in zip(overrides, used) if not u]
+    if unused:
+        raise SpecconvError(f"type override pattern(s) {', '.join(map(repr, unused))} match no tensor that is written "
+                            f"(candidates: {tensors[0].name} ... {tensors[-1].name})" if tensors else "no tensors")
+    return planned
+
+
+# --- shared inspection ----------------------------------------------------------------------------
+
+def block_index(name: str) -> int | None:
+    m = _BLOCK_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def mtp_tensors(f: GgufFile) -> tuple[int, int, list[GgufTensor]]:
+    """(N, k, the tensors of blocks N..N+k-1) of a file that carries an MTP head."""
+    k = f.nextn_layers()
+    if k <= 0:
+        raise SpecconvError(f"{f.path.name} has no MTP head ({f.arch_key('nextn_predict_layers')} is absent or 0)")
+    total = f.block_count()
+    if k > total:
+        raise SpecconvError(f"{f.path.name}: nextn_predict_layers={k} exceeds block_count={total}")
+    n = total - k
+    blocks = [t for t in f if (b := block_index(t.name)) is not None and b >= n]
+    for i in range(n, total):
+        if f"blk.{i}.nextn.eh_proj.weight" not in f.tensors:
+            raise SpecconvError(f"{f.path.name} declares {k} MTP block(s) but blk.{i}.nextn.eh_proj.weight is missing")
+    return n, k, blocks
+
+
+def tokenizer_fingerprint(f: GgufFile) -> str | None:
+    """sha256 over the token strings and merges; None when the file has no token list."""
+    tokens = f.kv.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return None
+    h = hashlib.sha256()
+    for part in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        kv = f.kv.get(part)
+        h.update(part.encode() + b"\x01")
+        for item in (kv.value if kv is not None else []):
+            h.update(item if isinstance(item, bytes) else str(item).encode())
+            h.update(b"\x00")
+    return h.hexdigest()[:16]
+
+
+def file_type_for(t: GGMLQuantizationType) -> int | None:
+    mapping = {
+        GGMLQuantizationType.F32: LlamaFileType.ALL_F32, GGMLQuantizationType.F16: LlamaFileType.MOSTLY_F16,
+        GGMLQuantizationType.BF16: LlamaFileType.MOSTLY_BF16, GGMLQuantizationType.Q8_0: LlamaFileType.MOSTLY_Q8_0,
+        GGMLQuantizationType.Q4_0: LlamaFileType.MOSTLY_Q4_0, GGMLQuantizationType.Q4_1: LlamaFileType.MOSTLY_Q4_1,
+        GGMLQuantizationType.Q5_0: LlamaFileType.MOSTLY_Q5_0, GGMLQuantizationType.Q5_1: LlamaFileType.MOSTLY_Q5_1,
+    }
+    ft = mapping.get(t)
+    return int(ft) if ft is not None else None
+
+
+# --- extract --------------------------------------------------------------------------------------
+
+def plan_extract(src: GgufFile, outtype: GGMLQuantizationType | None = None,
+                 overrides: Sequence[TypeOverride] = ()) -> GraftPlan:
+    n, k, blocks = mtp_tensors(src)
+    missing = [name for name in SHARED_TENSORS[:2] if name not in src.tensors]
+    if missing:
+        raise SpecconvError(f"{src.path.name}: missing {', '.join(missing)}, which the sidecar must carry")
+    keep = {t.name for t in blocks} | {name for name in SHARED_TENSORS if name in src.tensors}
+    chosen = [t for t in src if t.name in keep]  # source order
+    warnings: list[str] = []
+    tensors = _apply_types(chosen, outtype, overrides, warnings)
+    kv = list(src.kv.values())
+    if outtype is not None and (ft := file_type_for(outtype)) is not None:
+        kv = [replace(e, value=ft) if e.key == "general.file_type" else e for e in kv]
+    return GraftPlan(src.arch, kv, tensors, warnings)
+
+
+# --- merge ----------------------------------------------------------------------------------------
+
+def _embd_shape(f: GgufFile) -> tuple[int, int] | None:
+    t = f.tensors.get("token_embd.weight")
+    return (t.shape[0], t.shape[1]) if t is not None and t.n_dims == 2 else None
+
+
+def mismatches(trunk: GgufFile, mtp: GgufFile, n_trunk: int, n_mtp_trunk: int) -> list[str]:
+    """Every reason the two files do not belong together (one short phrase each)."""
+    found = []
+    if trunk.arch != mtp.arch:
+        found.append(f"architecture differs ({trunk.arch} vs {mtp.arch})")
+    if n_trunk != n_mtp_trunk:
+        found.append(f"trunk layer count differs ({n_trunk} vs {n_mtp_trunk} in the MTP file)")
+    te, me = _embd_shape(trunk), _embd_shape(mtp)
+    h_t = trunk.get(trunk.arch_key("embedding_length"), te[0] if te else None)
+    h_m = mtp.get(mtp.arch_key("embedding_length"), me[0] if me else None)
+    if h_t != h_m or (te and me and te[0] != me[0]):
+        found.append(f"hidden size differs ({h_t} vs {h_m})")
+    v_t = te[1] if te else len(trunk.kv["tokenizer.ggml.tokens"].value) if "tokenizer.ggml.tokens" in trunk.kv else None
+    v_m = me[1] if me else len(mtp.kv["tokenizer.ggml.tokens"].value) if "tokenizer.ggml.tokens" in mtp.kv else None
+    if v_t != v_m:
+        found.append(f"vocabulary size differs ({v_t} vs {v_m})")
+    f_t, f_m = tokenizer_fingerprint(trunk), tokenizer_fingerprint(mtp)
+    if f_t != f_m:
+        found.append(f"tokenizer fingerprint differs ({f_t} vs {f_m})")
+    return found
+
+
+def _hparam_differences(trunk: GgufFile, mtp: GgufFile, per_layer: set[str]) -> list[str]:
+    """Arch keys (other than layer counts and per-layer arrays) whose values differ: worth a warning."""
+    skip = {trunk.arch_key("block_count"), trunk.arch_key("nextn_predict_layers"), trunk.arch_key("context_length")}
+    prefix = trunk.arch + "."
+    out = []
+    for key, kv in trunk.kv.items():
+        if not key.startswith(prefix) or key in skip or key in per_layer:
+            continue
+        other = mtp.kv.get(key)
+        if other is not None and (other.value != kv.value):
+            out.append(f"{key}: trunk {decode_value(kv.value)!r}, MTP file {decode_value(other.value)!r}")
+    return out
+
+
+def _extend_per_layer(trunk: GgufFile, mtp: GgufFile, n: int, k: int, force: bool,
+                      warnings: list[str]) -> tuple[dict[str, MetaKV], set[str]]:
+    """New values for the trunk's per-layer arrays (length N) extended to N + k entries."""
+    prefix = trunk.arch + "."
+    updated: dict[str, MetaKV] = {}
+    for key, kv in trunk.kv.items():
+        if not key.startswith(prefix) or kv.vtype != GGUFValueType.ARRAY or len(kv.value) != n:
+            continue
+        other = mtp.kv.get(key)
+        suffix = key[len(prefix):]
+        if other is not None and other.vtype == GGUFValueType.ARRAY:
+            if len(other.value) == len(kv.value):
+                continue  # a fixed-length array (e.g. rope sections) that happens to have N entries
+            if len(other.value) != n + k:
+                raise SpecconvError(f"{key}: {len(other.value)} entries in the MTP file, expected {n + k}")
+            tail = list(other.value[n:])
+        elif other is not None:
+            tail = [other.value] * k  # the MTP file stores one value for every layer
+        elif suffix in _PAD_WHEN_UNKNOWN:
+            tail = [_PAD_WHEN_UNKNOWN[suffix]] * k
+        elif force:
+            tail = [kv.value[-1]] * k
+            warnings.append(f"{key}: the MTP file has no value for its blocks; repeated the last trunk entry")
+        else:
+            raise SpecconvError(f"{key} is per-layer in the trunk but absent from the MTP file; "
+                                "cannot tell the MTP blocks' value (use --force to repeat the last trunk entry)")
+        updated[key] = replace(kv, value=list(kv.value) + tail)
+    # The trunk may store a scalar where the MTP file has a per-layer array: expand only if needed.
+    for key, other in mtp.kv.items():
+        kv = trunk.kv.get(key)
+        if (key.startswith(prefix) and kv is not None and kv.vtype != GGUFValueType.ARRAY
+                and other.vtype == GGUFValueType.ARRAY and len(other.value) == n + k):
+            tail = list(other.value[n:])
+            if any(v != kv.value for v in tail):
+                updated[key] = MetaKV(key, [kv.value] * n + tail, GGUFValueType.ARRAY, other.sub_type)
+    return updated, set(updated)
+
+
+def plan_merge(trunk: GgufFile, mtp: GgufFile, overrides: Sequence[TypeOverride] = (),
+               force: bool = False) -> GraftPlan:
+    if trunk.nextn_layers() > 0:
+        raise SpecconvError(f"{trunk.path.name} already has an MTP head (nextn_predict_layers="
+                            f"{trunk.nextn_layers()}); give a trunk-only file, or extract its head instead")
+    n = trunk.block_count()
+    if "blk.0.attn_norm.weight" not in trunk.tensors and not any(block_index(t.name) == 0 for t in trunk):
+        raise SpecconvError(f"{trunk.path.name} has no trunk blocks (blk.0.*); is it a sidecar?")
+    n_m, k, blocks = mtp_tensors(mtp)
+    problems = mismatches(trunk, mtp, n, n_m)
+    warnings: list[str] = []
+    if problems and not force:
+        raise SpecconvError(f"{trunk.path.name} and {mtp.path.name} do not belong together: "
+                            + "; ".join(problems) + " (use --force to graft anyway)")
+    warnings += [f"forced despite: {p}" for p in problems]
+    if n != n_m:  # renumber the grafted blocks so they follow this trunk
+        blocks = [_renamed(t, n - n_m) for t in blocks]
+
+    updated, per_layer = _extend_per_layer(trunk, mtp, n, k, force, warnings)
+    warnings += [f"hyper-parameter differs, trunk value kept: {d}" for d in _hparam_differences(trunk, mtp, per_layer)]
+    kv = _merged_kv(trunk, mtp, n, k, updated)
+
+    grafted = _apply_types(blocks, None, overrides, warnings)
+    trunk_out = [OutTensor(t.name, t.ggml_type, t.shape, t.n_bytes, t) for t in trunk]
+    last_block = max((i for i, t in enumerate(trunk_out) if block_index(t.name) is not None), default=len(trunk_out) - 1)
+    tensors = trunk_out[: last_block + 1] + grafted + trunk_out[last_block + 1:]
+    extra = [t.name for t in mtp if block_index(t.name) is None and t.name not in SHARED_TENSORS and t.name not in trunk.tensors]
+    if extra:
+        warnings.append(f"not grafted (global tensors of the MTP file the trunk lacks): {', '.join(extra)}")
+    return GraftPlan(trunk.arch, kv, tensors, warnings)
+
+
+def _renamed(t: GgufTensor, shift: int) -> GgufTensor:
+    b = block_index(t.name)
+    return replace(t, name=f"blk.{b + shift}." + t.name.split(".", 2)[2])
+
+
+def _merged_kv(trunk: GgufFile, mtp: GgufFile, n: int, k: int, updated: dict[str, MetaKV]) -> list[MetaKV]:
+    block_key, nextn_key = trunk.arch_key("block_count"), trunk.arch_key("nextn_predict_layers")
+    nextn_vtype = mtp.kv[mtp.arch_key("nextn_predict_layers")].vtype if mtp.arch == trunk.arch else GGUFValueType.UINT32
+    out: list[MetaKV] = []
+    for key, kv in trunk.kv.items():
+        if key == block_key:
+            out.append(replace(kv, value=n + k))
+            out.append(MetaKV(nextn_key, k, nextn_vtype))  # upstream writes it right after block_count
+        else:
+            out.append(updated.get(key, kv))
+    return out
+
+
+# --- summary for users ----------------------------------------------------------------------------
+
+def describe(plan: GraftPlan) -> list[str]:
+    copied = sum(1 for t in plan.tensors if t.copied)
+    lines = [f"{len(plan.tensors)} tensors ({copied} copied byte for byte, {len(plan.tensors) - copied} re-typed), "
+             f"{plan.total_bytes / 2**20:.1f} MiB of tensor data"]
+    for t in plan.tensors:
+        if not t.copied:
+            lines.append(f"  {t.name}: {t.source.ggml_type.name} -> {t.ggml_type.name}" + (f" ({t.note})" if t.note else ""))
+    return lines
+
+
+def write_plan(plan: GraftPlan, out_path, split_max_size: int = 0, overwrite: bool = False,
+               inputs: Sequence[GgufFile] = (), on_tensor: Callable[[RawTensor], None] | None = None) -> list[Path]:
+    """Write the plan atomically (temporary names, renamed when complete); returns the written paths."""
+    out = Path(out_path).resolve()
+    for f in inputs:
+        if any(out == p.resolve() or out.stem == p.stem for p in f.paths if p.parent.resolve() == out.parent):
+            raise SpecconvError(f"{out_path}: the output would replace an input file; choose another name")
+    raws = [RawTensor(t.name, t.ggml_type, t.shape, t.nbytes, t.data) for t in plan.tensors]
+    return write_gguf(out, plan.arch, plan.kv, raws, split_max_size=split_max_size, overwrite=overwrite, on_tensor=on_tensor)

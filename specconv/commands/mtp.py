@@ -1,0 +1,87 @@
+"""`specconv mtp extract|merge`: move an MTP head between GGUF files (see docs/mtp.md)."""
+
+from __future__ import annotations
+
+import re
+
+import click
+
+from specconv.errors import SpecconvError
+
+
+def parse_size(text: str | None) -> int:
+    """'500M', '2G', '1.5G', '4096' (bytes) -> bytes; 0 or None means no splitting."""
+    if not text:
+        return 0
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise SpecconvError(f"--split-max-size {text!r}: expected a size such as 500M or 2G")
+    scale = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}[m.group(2).upper()]
+    return int(float(m.group(1)) * scale)
+
+
+def _run(plan, out, split_max_size, overwrite, inputs):
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from specconv.convert.mtp_graft import describe, write_plan
+
+    console = Console(stderr=True)
+    for line in describe(plan):
+        console.print(line, highlight=False)
+    for w in plan.warnings:
+        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("writing", total=plan.total_bytes)
+        paths = write_plan(plan, out, split_max_size=split_max_size, overwrite=overwrite, inputs=inputs,
+                           on_tensor=lambda t: progress.update(task, advance=t.nbytes, description=t.name[:40]))
+        progress.update(task, description="done")
+    for p in paths:
+        click.echo(str(p))
+
+
+@click.group(name="mtp")
+def command():
+    """Extract an MTP head into a sidecar, or graft one into an MTP-less GGUF."""
+
+
+@command.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False),
+              help="Sidecar to write; name it mtp-<model>.gguf so that llama.cpp tools find it.")
+@click.option("--outtype", default=None, help="Re-type every tensor (f32, f16, bf16, q8_0, q4_0, ...); "
+              "norms and 1-D tensors stay F32. Default: bytes copied unchanged.")
+@click.option("--type-override", "overrides", multiple=True, metavar="PATTERN=TYPE",
+              help="Storage type for tensors whose name matches the regex PATTERN (repeatable, last match wins).")
+@click.option("--split-max-size", default=None, help="Split the output into shards of at most this size (e.g. 2G).")
+@click.option("--force", is_flag=True, help="Overwrite an existing output.")
+def extract(model, out, outtype, overrides, split_max_size, force):
+    """Write the MTP head of MODEL (a GGUF with an embedded head) as an MTP-only sidecar."""
+    from specconv.convert.gguf_io import open_gguf
+    from specconv.convert.mtp_graft import TypeOverride, parse_type, plan_extract
+
+    src = open_gguf(model)
+    plan = plan_extract(src, parse_type(outtype) if outtype else None, [TypeOverride.parse(o) for o in overrides])
+    _run(plan, out, parse_size(split_max_size), force, [src])
+
+
+@command.command()
+@click.argument("trunk", type=click.Path(dir_okay=False))
+@click.argument("mtp", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False))
+@click.option("--type-override", "overrides", multiple=True, metavar="PATTERN=TYPE",
+              help="Storage type for grafted tensors whose name matches the regex PATTERN (repeatable, last match "
+                   "wins); trunk tensors are never re-typed. Norms and 1-D tensors stay F32.")
+@click.option("--split-max-size", default=None, help="Split the output into shards of at most this size (e.g. 2G).")
+@click.option("--force", is_flag=True, help="Graft even when the files do not look like they belong together, "
+              "and overwrite an existing output.")
+def merge(trunk, mtp, out, overrides, split_max_size, force):
+    """Graft the MTP blocks of MTP (a sidecar or an embedded GGUF) into TRUNK (a trunk-only GGUF)."""
+    from specconv.convert.gguf_io import open_gguf
+    from specconv.convert.mtp_graft import TypeOverride, plan_merge
+
+    trunk_file, mtp_file = open_gguf(trunk), open_gguf(mtp)
+    plan = plan_merge(trunk_file, mtp_file, [TypeOverride.parse(o) for o in overrides], force=force)
+    _run(plan, out, parse_size(split_max_size), force, [trunk_file, mtp_file])
