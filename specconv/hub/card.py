@@ -1,0 +1,241 @@
+"""The repository's README.md: Hub front matter, a file table, llama.cpp run commands, verify results.
+
+Front matter follows reference/hub.md §3: `base_model` + `base_model_relation: quantized` lists the
+repository under the base model's quantizations; `library_name: gguf` puts it in the GGUF filter.
+Run commands use the flags of the pinned llama.cpp (reference/peers.md §1.5): `--spec-type
+draft-mtp` for an embedded head, `-md mtp-X.gguf --spec-type draft-mtp` for a sidecar.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import metadata
+
+from huggingface_hub import ModelCardData
+
+from specconv.hub.naming import Role, human_size
+from specconv.hub.report import VerifyReport
+
+TAGS = ["gguf", "llama.cpp", "mtp", "speculative-decoding", "specconv"]
+DRAFT_N_MAX = 3  # llama.cpp's default --spec-draft-n-max
+
+
+@dataclass
+class CardEntry:
+    """One model artifact as the card shows it."""
+
+    name: str  # unsplit repository file name, e.g. Model-Q8_0.gguf
+    paths: list[str]  # repository paths (one, or every shard in order)
+    base: str
+    quant: str
+    role: Role
+    size: int
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ").strip()
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.3e}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("specconv")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def front_matter(*, base_model: str | None, license: str | None, quantized_by: str) -> str:
+    data = ModelCardData(
+        base_model=base_model,
+        base_model_relation="quantized" if base_model else None,
+        library_name="gguf",
+        pipeline_tag="text-generation",
+        license=license,
+        tags=list(TAGS),
+        quantized_by=quantized_by,
+    )
+    return "---\n" + data.to_yaml() + "\n---\n"
+
+
+def _pair_target(draft: CardEntry, entries: list[CardEntry]) -> CardEntry | None:
+    """The model a draft belongs with: same base and quant, else same base, else any model."""
+    models = [e for e in entries if not e.role.is_draft]
+    for rule in (
+        lambda m: m.base == draft.base and m.quant == draft.quant and m.role is Role.TRUNK,
+        lambda m: m.base == draft.base and m.role is Role.TRUNK,
+        lambda m: m.base == draft.base,
+        lambda m: True,
+    ):
+        found = [m for m in models if rule(m)]
+        if found:
+            return found[0]
+    return None
+
+
+def _download(repo_id: str, entries: list[CardEntry]) -> str:
+    """`hf download` for the given artifacts: file names, or `FOLDER/` for split shards in a folder."""
+    names: list[str] = []
+    for e in entries:
+        folder = e.paths[0].rsplit("/", 1)[0] if "/" in e.paths[0] else None
+        names.extend([folder + "/"] if folder and len(e.paths) > 1 else e.paths)
+    return " ".join(["hf download", repo_id, *names, "--local-dir ."])
+
+
+def usage_section(repo_id: str, entries: list[CardEntry]) -> str:
+    lines = ["## How to run with llama.cpp", ""]
+    spec = f"--spec-type draft-mtp --spec-draft-n-max {DRAFT_N_MAX}"
+    shown = False
+    sidecars = [e for e in entries if e.role is Role.SIDECAR]
+    hf_lines = []
+    for e in entries:
+        paired = any(_pair_target(s, entries) is e and s.quant == e.quant for s in sidecars)
+        if e.role is Role.EMBEDDED or (e.role is Role.TRUNK and paired):
+            hf_lines.append(f"llama-server -hf {repo_id}:{e.quant} {spec}")
+    if hf_lines:
+        lines += [
+            "Straight from the Hub (with `--spec-type draft-mtp`, llama.cpp also fetches the `mtp-` "
+            "sidecar of the same quant):",
+            "",
+            "```sh",
+            *dict.fromkeys(hf_lines),
+            "```",
+            "",
+            "Or with downloaded files:",
+            "",
+        ]
+    for e in entries:
+        if e.role is Role.EMBEDDED:
+            lines += [
+                f"**{e.name}** carries its MTP head; llama.cpp drafts with it when asked:",
+                "",
+                "```sh",
+                _download(repo_id, [e]),
+                f"llama-server -m {e.paths[0]} {spec}",
+                "```",
+                "",
+            ]
+            shown = True
+    for e in entries:
+        if not e.role.is_draft:
+            continue
+        target = _pair_target(e, entries)
+        model_path = target.paths[0] if target else "YOUR-MODEL.gguf"
+        kind = "--spec-type draft-eagle3" if e.role is Role.EAGLE3 else spec
+        if e.role is Role.EAGLE3:
+            kind += f" --spec-draft-n-max {DRAFT_N_MAX}"
+        lines += [
+            f"**{e.name}** is the {e.role.value} for {target.name if target else 'the base model'}; "
+            "pass it with `-md`:",
+            "",
+            "```sh",
+            _download(repo_id, [t for t in (target, e) if t is not None]),
+            f"llama-server -m {model_path} -md {e.paths[0]} {kind}",
+            "```",
+            "",
+        ]
+        shown = True
+    trunks = [e for e in entries if e.role is Role.TRUNK]
+    if trunks:
+        lines += [
+            "Without speculative decoding (any loader, including ones that predate MTP):",
+            "",
+            "```sh",
+            f"llama-server -m {trunks[0].paths[0]}",
+            "```",
+            "",
+        ]
+        shown = True
+    if any(len(e.paths) > 1 for e in entries):
+        lines += ["Split files: pass the first shard (`-00001-of-`); llama.cpp finds the others.", ""]
+    if any(e.role is Role.EMBEDDED for e in entries):
+        lines += [
+            "Loaders that predate MTP may refuse a file with an embedded head; use a trunk-only file "
+            "with its `mtp-` sidecar there.",
+            "",
+        ]
+    return "\n".join(lines) if shown else ""
+
+
+def file_table(entries: list[CardEntry]) -> str:
+    lines = ["## Files", "", "| File | Quant type | Size | Split | Role |", "|---|---|---|---|---|"]
+    for e in entries:
+        split = f"{len(e.paths)} parts, first `{e.paths[0]}`" if len(e.paths) > 1 else "no"
+        lines.append(
+            f"| `{_cell(e.name)}` | {_cell(e.quant)} | {human_size(e.size)} | {_cell(split)} | {_cell(e.role.value)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def verify_section(report: VerifyReport) -> str:
+    lines = ["## Verification (`specconv verify`)", ""]
+    if report.passed is not None:
+        lines += [f"Overall: **{'passed' if report.passed else 'FAILED'}**", ""]
+    parity = report.parity
+    if parity.get("max_abs_logit_diff") is not None:
+        ref = parity.get("reference") or "the reference"
+        lines += [f"Parity: max |Δlogit| = {_fmt(parity['max_abs_logit_diff'])} against {ref}.", ""]
+    spec = report.speculative
+    rows = [
+        ("Output identical to plain greedy decoding", spec.get("exact")),
+        ("Draft tokens", spec.get("drafted")),
+        ("Accepted draft tokens", spec.get("accepted")),
+        ("Acceptance rate", spec.get("acceptance_rate")),
+        ("Acceptance length (tokens per round)", spec.get("acceptance_length")),
+        ("Tokens per target forward", spec.get("tokens_per_target_forward")),
+        ("Bound", spec.get("bound")),
+        ("Speed-up", spec.get("speedup")),
+        ("Rollback", spec.get("rollback")),
+    ]
+    rows = [(k, v) for k, v in rows if v is not None]
+    if rows:
+        lines += ["### Speculative decoding", "", "| Measure | Value |", "|---|---|"]
+        for key, value in rows:
+            shown = ("yes" if value else "no") if isinstance(value, bool) else _fmt(value)
+            if key == "Speed-up" and not isinstance(value, bool):
+                shown += "×"
+            lines.append(f"| {key} | {_cell(shown)} |")
+        lines.append("")
+    if report.per_position:
+        lines += ["### Acceptance by draft position", "", "| Position | Acceptance | Accepted / drafted |", "|---|---|---|"]
+        for p in report.per_position:
+            counts = f"{p.accepted} / {p.drafted}" if p.drafted is not None else "n/a"
+            lines.append(f"| {p.position} | {_fmt(p.rate)} | {counts} |")
+        lines.append("")
+    if report.checks:
+        lines += ["### Checks", "", "| Check | Result | Detail |", "|---|---|---|"]
+        for c in report.checks:
+            lines.append(f"| {_cell(c['name'])} | {'pass' if c['passed'] else 'FAIL'} | {_cell(c['detail'])} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render_card(
+    *,
+    repo_id: str,
+    entries: list[CardEntry],
+    base_model: str | None,
+    license: str | None,
+    quantized_by: str,
+    report: VerifyReport | None,
+) -> str:
+    title = repo_id.split("/", 1)[1]
+    intro = f"GGUF files with multi-token-prediction (MTP) heads for speculative decoding in llama.cpp"
+    intro += f", quantized from [{base_model}](https://huggingface.co/{base_model})." if base_model else "."
+    parts = [front_matter(base_model=base_model, license=license, quantized_by=quantized_by), f"# {title}", "", intro, ""]
+    parts.append(file_table(entries))
+    usage = usage_section(repo_id, entries)
+    if usage:
+        parts.append(usage)
+    if report is not None:
+        parts.append(verify_section(report))
+    parts.append(f"Made with specconv {_version()}.\n")
+    return "\n".join(parts)

@@ -1,0 +1,171 @@
+"""What the upload plan needs to know about one GGUF model (a single file or a complete shard set).
+
+Only the header is read (gguf.GGUFReader memory-maps the file), so this is cheap even for 50 GB
+files.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+
+from specconv.errors import SpecconvError
+from specconv.hub.naming import SHARD_RE, Role, file_type_tag, tensor_type_tag
+
+SPLIT_KEYS = (
+    gguf.Keys.Split.LLM_KV_SPLIT_NO,
+    gguf.Keys.Split.LLM_KV_SPLIT_COUNT,
+    gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT,
+)
+
+
+@dataclass
+class GgufModel:
+    """One model as found on disk: `paths` has one file, or every shard in order."""
+
+    paths: list[Path]
+    arch: str
+    role: Role
+    quant: str
+    kv: dict[str, object]  # scalar/string KV of the first file (arrays left out)
+    tensor_types: dict[str, str]  # tensor name -> ggml type name
+    size: int  # bytes on disk, all shards
+    shard_sizes: list[int] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def is_split(self) -> bool:
+        return len(self.paths) > 1
+
+    def get(self, key: str, default=None):
+        return self.kv.get(key, default)
+
+
+def open_reader(path: Path) -> gguf.GGUFReader:
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError) as exc:
+        raise SpecconvError(f"{path.name}: not a readable GGUF file ({exc})") from None
+    host_little = sys.byteorder == "little"
+    if (reader.byte_order == "S") == host_little:
+        raise SpecconvError(f"{path.name}: big-endian GGUF files are not supported")
+    return reader
+
+
+def scalar_kv(reader: gguf.GGUFReader) -> dict[str, object]:
+    """Scalar and string KV pairs (arrays such as the tokenizer are skipped: large and not needed)."""
+    out: dict[str, object] = {}
+    for name, fld in reader.fields.items():
+        if name.startswith("GGUF.") or not fld.types or fld.types[0] == gguf.GGUFValueType.ARRAY:
+            continue
+        out[name] = fld.contents()
+    return out
+
+
+def detect_role(arch: str, kv: dict[str, object], tensor_names: set[str]) -> Role:
+    """llama.cpp's rule (reference/gguf-layout.md §4.3): nextn > 0 without `blk.0.attn_norm` is a
+    sidecar; no nextn key (or 0) is a trunk-only model."""
+    if arch == "eagle3":
+        return Role.EAGLE3
+    if arch == "gemma4-assistant":
+        return Role.ASSISTANT
+    nextn = kv.get(f"{arch}.nextn_predict_layers")
+    if not nextn:
+        return Role.TRUNK
+    if "blk.0.attn_norm.weight" not in tensor_names:
+        return Role.SIDECAR
+    return Role.EMBEDDED
+
+
+def dominant_tensor_type(types: dict[str, gguf.GGMLQuantizationType], sizes: dict[str, int]) -> str:
+    """The storage type holding most bytes among matrices: what `general.file_type` would say."""
+    weight = collections.Counter()
+    for name, ttype in types.items():
+        weight[ttype] += sizes[name]
+    non_f32 = {t: w for t, w in weight.items() if t != gguf.GGMLQuantizationType.F32}
+    pool = non_f32 or weight
+    return tensor_type_tag(max(pool, key=pool.get))
+
+
+def read_model(paths: list[Path]) -> GgufModel:
+    """Inspect one file or an ordered, complete shard set."""
+    first = open_reader(paths[0])
+    kv = scalar_kv(first)
+    arch = kv.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise SpecconvError(f"{paths[0].name}: no general.architecture key")
+    count = int(kv.get(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, 1) or 1)
+    if count != len(paths):
+        raise SpecconvError(
+            f"{paths[0].name}: split.count is {count} but {len(paths)} shard file(s) were found"
+        )
+
+    types: dict[str, gguf.GGMLQuantizationType] = {}
+    sizes: dict[str, int] = {}
+    declared_total = kv.get(gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+    for index, path in enumerate(paths):
+        reader = first if index == 0 else open_reader(path)
+        if len(paths) > 1:
+            field_no = reader.get_field(gguf.Keys.Split.LLM_KV_SPLIT_NO)
+            if field_no is None or int(field_no.contents()) != index:
+                raise SpecconvError(f"{path.name}: split.no does not match its position {index} in the shard set")
+        for tensor in reader.tensors:
+            if tensor.name in types:
+                raise SpecconvError(f"{path.name}: tensor {tensor.name} appears in two shards")
+            types[tensor.name] = tensor.tensor_type
+            sizes[tensor.name] = int(tensor.n_bytes)
+    if len(paths) > 1 and declared_total is not None and int(declared_total) != len(types):
+        raise SpecconvError(
+            f"{paths[0].name}: split.tensors.count is {declared_total} but the shards hold {len(types)} tensors"
+        )
+    if not types:
+        raise SpecconvError(f"{paths[0].name}: the file holds no tensors")
+
+    warnings: list[str] = []
+    file_type = kv.get("general.file_type")
+    quant = file_type_tag(int(file_type)) if isinstance(file_type, int) else None
+    from_tensors = dominant_tensor_type(types, sizes)
+    if quant is None:
+        quant = from_tensors
+        if file_type is not None:
+            warnings.append(f"{paths[0].name}: unknown general.file_type {file_type}; using {quant} from the tensors")
+    role = detect_role(arch, kv, set(types))
+    shard_sizes = [p.stat().st_size for p in paths]
+    return GgufModel(
+        paths=list(paths),
+        arch=arch,
+        role=role,
+        quant=quant,
+        kv=kv,
+        tensor_types={n: tensor_type_tag(t) for n, t in types.items()},
+        size=sum(shard_sizes),
+        shard_sizes=shard_sizes,
+        warnings=warnings,
+    )
+
+
+def group_files(files: list[Path]) -> list[list[Path]]:
+    """Group `.gguf` files into single files and complete, ordered shard sets (by file name)."""
+    groups: dict[tuple[Path, str, int], dict[int, Path]] = {}
+    singles: list[list[Path]] = []
+    for path in sorted(files):
+        match = SHARD_RE.match(path.name)
+        if not match:
+            singles.append([path])
+            continue
+        key = (path.parent, match.group("prefix"), int(match.group("count")))
+        groups.setdefault(key, {})[int(match.group("no"))] = path
+    out = list(singles)
+    for (parent, prefix, count), members in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        missing = [i for i in range(1, count + 1) if i not in members]
+        if missing or count < 1:
+            raise SpecconvError(
+                f"incomplete shard set {prefix}-*-of-{count:05d}.gguf in {parent}: missing shard(s) "
+                + ", ".join(f"{i:05d}" for i in missing)
+            )
+        out.append([members[i] for i in range(1, count + 1)])
+    return out

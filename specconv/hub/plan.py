@@ -1,0 +1,331 @@
+"""The upload plan: which repository path each output file gets, what must be re-split, the card.
+
+The plan is pure data computed from a folder of GGUF outputs (only headers are read), so a dry run
+can print it and tests can check it without any network. `stage()` then writes the files the plan
+generates (re-split shards) next to the outputs; the upload sends exactly the plan's files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specconv.errors import SpecconvError
+from specconv.hub import card as card_mod
+from specconv.hub.gguf_info import GgufModel, group_files, read_model
+from specconv.hub.naming import (
+    SHARD_RE,
+    Role,
+    check_model_base,
+    repo_file_name,
+    sanitize_base,
+    shard_paths,
+    strip_quant_tag,
+    validate_repo_id,
+    validate_repo_path,
+    validate_revision,
+)
+from specconv.hub.report import VerifyReport, load_report
+from specconv.hub.split import ShardLayout, plan_split, write_split
+
+DEFAULT_MAX_FILE_SIZE = 50 * 10**9  # the Hub's hard per-file limit (reference/hub.md §2)
+STAGING_DIR = ".specconv-upload"
+README = "README.md"
+
+
+@dataclass
+class PlanFile:
+    path_in_repo: str
+    size: int
+    source: Path | None = None  # uploaded verbatim (an input file)
+    staged: Path | None = None  # written by stage() (a re-split shard)
+    content: bytes | None = None  # generated in memory (README.md)
+    artifact: str | None = None  # the unsplit file name it belongs to
+
+    @property
+    def local_path(self) -> Path | None:
+        return self.source or self.staged
+
+
+@dataclass
+class Artifact:
+    name: str  # unsplit repository file name, e.g. Model-Q8_0.gguf
+    base: str
+    quant: str
+    role: Role
+    arch: str
+    sources: list[Path]
+    files: list[PlanFile]
+    layout: ShardLayout | None = None  # set when the plan re-splits the sources
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def paths(self) -> list[str]:
+        return [f.path_in_repo for f in self.files]
+
+
+@dataclass
+class UploadPlan:
+    repo_id: str
+    folder: Path
+    max_file_size: int
+    artifacts: list[Artifact]
+    readme: PlanFile
+    base_model: str | None
+    license: str | None
+    revision: str | None = None
+    ignored: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def files(self) -> list[PlanFile]:
+        """Every file the upload sends, models first and the card last."""
+        return [f for a in self.artifacts for f in a.files] + [self.readme]
+
+    @property
+    def staging_dir(self) -> Path:
+        return self.folder / STAGING_DIR
+
+    def to_dict(self) -> dict:
+        return {
+            "repo_id": self.repo_id,
+            "revision": self.revision,
+            "max_file_size": self.max_file_size,
+            "base_model": self.base_model,
+            "license": self.license,
+            "artifacts": [
+                {
+                    "name": a.name,
+                    "quant": a.quant,
+                    "role": a.role.value,
+                    "arch": a.arch,
+                    "size": a.size,
+                    "resplit": a.layout is not None,
+                    "sources": [str(p) for p in a.sources],
+                    "files": [{"path_in_repo": f.path_in_repo, "size": f.size} for f in a.files],
+                }
+                for a in self.artifacts
+            ],
+            "files": [
+                {"path_in_repo": f.path_in_repo, "size": f.size, "local": str(f.local_path) if f.local_path else None}
+                for f in self.files
+            ],
+            "ignored": self.ignored,
+            "warnings": self.warnings,
+        }
+
+
+# --- scanning --------------------------------------------------------------------------------
+
+
+def scan_folder(folder: Path) -> tuple[list[Path], list[str]]:
+    """`.gguf` files under `folder` (hidden entries skipped) and the names of everything ignored.
+
+    A symbolic link that leads outside the folder is refused: the upload must never send a file
+    the user did not put in the output folder.
+    """
+    root = folder.resolve()
+    ggufs: list[Path] = []
+    ignored: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            rel = path.relative_to(folder).as_posix()
+            if name.startswith("."):
+                continue
+            if not path.resolve().is_relative_to(root):
+                raise SpecconvError(f"refusing {rel}: it is a link to a file outside {folder}")
+            if not path.is_file():
+                ignored.append(rel)
+            elif name.endswith(".gguf"):
+                ggufs.append(path)
+            else:
+                ignored.append(rel)
+    return ggufs, ignored
+
+
+# --- naming ----------------------------------------------------------------------------------
+
+
+def _hf_repo_from_url(url: str) -> str | None:
+    match = re.match(r"^https?://(?:www\.)?huggingface\.co/([^/?#]+/[^/?#]+?)/?$", url.strip())
+    return match.group(1) if match else None
+
+
+def model_base(model: GgufModel, name: str | None) -> str:
+    """The `{Base}` of `{Base}-{QUANT}.gguf`: --name, else the GGUF's general.* naming keys, else the
+    file name without its prefix, shard suffix and quant tag."""
+    if name:
+        base = sanitize_base(name)
+    else:
+        basename = model.get("general.basename")
+        full = model.get("general.name")
+        extras = [model.get(k) for k in ("general.size_label", "general.finetune", "general.version")]
+        extras = [str(x) for x in extras if isinstance(x, str) and x]
+        if isinstance(basename, str) and basename:
+            base = "-".join([basename, *extras])
+        elif isinstance(full, str) and full:
+            base = "-".join([full, *[x for x in extras if x.lower() not in full.lower()]])
+        else:
+            stem = model.paths[0].name
+            match = SHARD_RE.match(stem)
+            stem = match.group("prefix") if match else stem.removesuffix(".gguf")
+            for prefix in ("mtp-", "eagle3-"):
+                stem = stem.removeprefix(prefix)
+            base = stem
+        base = sanitize_base(base)
+        if model.role is Role.ASSISTANT:
+            base = re.sub(r"-assistant$", "", base, flags=re.IGNORECASE)
+    base = strip_quant_tag(base, model.quant)
+    return check_model_base(base)
+
+
+def _artifact(model: GgufModel, name: str | None, max_file_size: int, staging: Path) -> Artifact:
+    base = model_base(model, name)
+    file_name = repo_file_name(base, model.quant, model.role)
+    layout = None
+    if all(size <= max_file_size for size in model.shard_sizes):
+        paths = [file_name] if not model.is_split else shard_paths(file_name, len(model.paths), model.role)
+        files = [PlanFile(p, s, source=src) for p, s, src in zip(paths, model.shard_sizes, model.paths)]
+    else:
+        layout = plan_split(model.paths, max_file_size)
+        paths = [file_name] if layout.count == 1 else shard_paths(file_name, layout.count, model.role)
+        files = [PlanFile(p, s, staged=staging / p) for p, s in zip(paths, layout.sizes)]
+    for f in files:
+        f.artifact = file_name
+    return Artifact(file_name, base, model.quant, model.role, model.arch, list(model.paths), files, layout)
+
+
+def build_plan(
+    folder: Path,
+    *,
+    repo_id: str,
+    max_file_size: int = DEFAULT_MAX_FILE_SIZE,
+    report: VerifyReport | Path | None = None,
+    base_model: str | None = None,
+    name: str | None = None,
+    license: str | None = None,
+    quantized_by: str = "specconv",
+    revision: str | None = None,
+) -> UploadPlan:
+    validate_repo_id(repo_id)
+    if revision is not None:
+        validate_revision(revision)
+    if base_model is not None:
+        validate_repo_id(base_model, namespace_required=False, what="--base-model")
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise SpecconvError(f"{folder} is not a folder")
+    if isinstance(report, (str, Path)):
+        report = load_report(Path(report))
+
+    ggufs, ignored = scan_folder(folder)
+    if not ggufs:
+        raise SpecconvError(f"no .gguf files in {folder}")
+    staging = folder / STAGING_DIR
+    models = [read_model(group) for group in group_files(ggufs)]
+    artifacts = [_artifact(m, name, max_file_size, staging) for m in models]
+    order = {Role.EMBEDDED: 0, Role.TRUNK: 0, Role.SIDECAR: 1, Role.ASSISTANT: 1, Role.EAGLE3: 1}
+    artifacts.sort(key=lambda a: (a.base, a.quant, order[a.role], a.name))
+
+    warnings = [w for m in models for w in m.warnings]
+    seen: dict[str, Artifact] = {}
+    for a in artifacts:
+        for f in a.files:
+            validate_repo_path(f.path_in_repo)
+            other = seen.get(f.path_in_repo.lower())
+            if other is not None and {other.role, a.role} == {Role.EMBEDDED, Role.TRUNK}:
+                raise SpecconvError(
+                    f"{other.sources[0].name} and {a.sources[0].name} are the embedded-MTP and trunk-only "
+                    f"variants of {a.name}; publish them in separate repositories (llama.cpp's -hf picks one "
+                    "model file per quant tag)"
+                )
+            if other is not None:
+                raise SpecconvError(
+                    f"{other.sources[0].name} and {a.sources[0].name} would both be uploaded as "
+                    f"{f.path_in_repo}; keep one or pass --name"
+                )
+            seen[f.path_in_repo.lower()] = a
+        if a.role.is_draft and len(a.files) > 1:
+            warnings.append(f"{a.name} is split; llama.cpp then needs an explicit --spec-type (the card shows it)")
+    if README.lower() in seen:
+        raise SpecconvError("an input file would be uploaded as README.md")
+
+    if base_model is None:
+        for m in models:
+            url = m.get("general.base_model.0.repo_url") or m.get("general.source.repo_url")
+            base_model = _hf_repo_from_url(url) if isinstance(url, str) else None
+            if base_model:
+                break
+    if base_model is None:
+        warnings.append("base model unknown (no general.base_model.0.repo_url): pass --base-model ORG/NAME")
+    if license is None:
+        license = next((m.get("general.license") for m in models if isinstance(m.get("general.license"), str)), None)
+    if any(a.role is Role.SIDECAR for a in artifacts) and not any(
+        a.role in (Role.TRUNK, Role.EMBEDDED) for a in artifacts
+    ):
+        warnings.append("the folder has an mtp- sidecar but no model file for it")
+
+    entries = [card_mod.CardEntry(a.name, a.paths, a.base, a.quant, a.role, a.size) for a in artifacts]
+    text = card_mod.render_card(
+        repo_id=repo_id,
+        entries=entries,
+        base_model=base_model,
+        license=license,
+        quantized_by=quantized_by,
+        report=report,
+    )
+    data = text.encode("utf-8")
+    readme = PlanFile(README, len(data), content=data)
+    return UploadPlan(
+        repo_id=repo_id,
+        folder=folder,
+        max_file_size=max_file_size,
+        artifacts=artifacts,
+        readme=readme,
+        base_model=base_model,
+        license=license,
+        revision=revision,
+        ignored=ignored,
+        warnings=warnings,
+    )
+
+
+# --- staging ---------------------------------------------------------------------------------
+
+
+def _source_identity(paths: list[Path]) -> list[list]:
+    return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
+
+
+def stage(plan: UploadPlan, on_artifact=None) -> None:
+    """Write every re-split artifact into the staging folder (reused when already complete)."""
+    for a in plan.artifacts:
+        if a.layout is None:
+            continue
+        manifest = plan.staging_dir / ".manifests" / f"{a.name}.json"
+        wanted = {
+            "sources": _source_identity(a.sources),
+            "max_file_size": plan.max_file_size,
+            "files": [[f.path_in_repo, f.size] for f in a.files],
+        }
+        if manifest.is_file() and all(f.staged.is_file() and f.staged.stat().st_size == f.size for f in a.files):
+            try:
+                if json.loads(manifest.read_text()) == wanted:
+                    continue
+            except (OSError, json.JSONDecodeError):
+                pass
+        if on_artifact is not None:
+            on_artifact(a)
+        write_split(a.layout, [f.staged for f in a.files])
+        manifest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = manifest.with_suffix(".tmp")
+        tmp.write_text(json.dumps(wanted))
+        os.replace(tmp, manifest)

@@ -1,0 +1,176 @@
+"""Re-split a GGUF model into shards no larger than a byte limit, tensor by tensor.
+
+The shards follow the GGUF split convention llama.cpp loads natively (reference/gguf-layout.md §5):
+`{stem}-00001-of-0000N.gguf`, every shard carries `split.no` (u16, 0-based), `split.count` (u16)
+and `split.tensors.count` (i32); every other KV pair is written only in shard 1. Tensor bytes are
+copied verbatim from the source through gguf's reader (memory-mapped) and writer, so nothing is
+re-quantized.
+
+Unlike `GGUFWriter(split_max_size=...)`, which counts tensor data only, the limit here applies to
+the whole file (header, KV, tensor infos and padding included), because the Hub's limit is per
+file. Sizes are computed exactly before anything is written, so a dry run can show them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+from gguf.quants import quant_shape_to_byte_shape
+
+from specconv.errors import SpecconvError
+from specconv.hub.gguf_info import SPLIT_KEYS, open_reader
+
+HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, kv count
+
+
+def _kv_entry_bytes(key: str, value_bytes: int) -> int:
+    return 8 + len(key.encode()) + 4 + value_bytes
+
+
+# split.no (u16), split.count (u16), split.tensors.count (i32)
+SPLIT_KV_BYTES = (
+    _kv_entry_bytes(gguf.Keys.Split.LLM_KV_SPLIT_NO, 2)
+    + _kv_entry_bytes(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, 2)
+    + _kv_entry_bytes(gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, 4)
+)
+
+
+def _pad(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    source: int  # index into the source paths
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    byte_shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in its source file
+    n_bytes: int
+    n_dims: int
+
+    @property
+    def info_bytes(self) -> int:
+        return 8 + len(self.name.encode()) + 4 + 8 * self.n_dims + 4 + 8
+
+
+@dataclass
+class ShardLayout:
+    sources: list[Path]
+    alignment: int
+    kv_bytes: int  # KV section of shard 1 without the split keys
+    shards: list[list[TensorRef]]
+    sizes: list[int]  # exact file size of each shard
+
+    @property
+    def count(self) -> int:
+        return len(self.shards)
+
+
+def _copied_fields(reader: gguf.GGUFReader):
+    for name, fld in reader.fields.items():
+        if name.startswith("GGUF.") or name in SPLIT_KEYS:
+            continue
+        yield name, fld
+
+
+def _tensor_refs(paths: list[Path]) -> tuple[list[TensorRef], gguf.GGUFReader]:
+    refs: list[TensorRef] = []
+    first = None
+    for index, path in enumerate(paths):
+        reader = open_reader(path)
+        first = first or reader
+        for t in reader.tensors:
+            np_dims = tuple(int(d) for d in reversed(t.shape.tolist()))
+            refs.append(
+                TensorRef(
+                    source=index,
+                    name=t.name,
+                    tensor_type=t.tensor_type,
+                    byte_shape=tuple(quant_shape_to_byte_shape(np_dims, t.tensor_type)),
+                    offset=int(t.data_offset),
+                    n_bytes=int(t.n_bytes),
+                    n_dims=len(np_dims),
+                )
+            )
+    assert first is not None
+    return refs, first
+
+
+def _shard_size(kv_bytes: int, tensors: list[TensorRef], align: int) -> int:
+    meta = HEADER_BYTES + kv_bytes + sum(t.info_bytes for t in tensors)
+    return _pad(meta, align) + sum(_pad(t.n_bytes, align) for t in tensors)
+
+
+def plan_split(paths: list[Path], max_size: int) -> ShardLayout:
+    """Greedy, order-preserving assignment of tensors to shards of at most `max_size` bytes."""
+    refs, first = _tensor_refs(paths)
+    align = int(first.alignment)
+    kv_bytes = sum(sum(int(p.nbytes) for p in fld.parts) for _, fld in _copied_fields(first))
+    shards: list[list[TensorRef]] = [[]]
+    for ref in refs:
+        current = shards[-1]
+        kv = kv_bytes + SPLIT_KV_BYTES if len(shards) == 1 else SPLIT_KV_BYTES
+        if current and _shard_size(kv, current + [ref], align) > max_size:
+            shards.append([])
+            current = shards[-1]
+            kv = SPLIT_KV_BYTES
+        if _shard_size(kv, [ref], align) > max_size:
+            raise SpecconvError(
+                f"tensor {ref.name} ({ref.n_bytes} bytes) does not fit in a file of --max-file-size {max_size} bytes"
+            )
+        current.append(ref)
+    if len(shards) == 1:
+        sizes = [_shard_size(kv_bytes, shards[0], align)]
+    else:
+        sizes = [_shard_size(kv_bytes + SPLIT_KV_BYTES, shards[0], align)]
+        sizes += [_shard_size(SPLIT_KV_BYTES, s, align) for s in shards[1:]]
+    return ShardLayout(sources=list(paths), alignment=align, kv_bytes=kv_bytes, shards=shards, sizes=sizes)
+
+
+def write_split(layout: ShardLayout, out_paths: list[Path]) -> None:
+    """Write the shards of `layout` to `out_paths` (temporary names, renamed when complete)."""
+    if len(out_paths) != layout.count:
+        raise ValueError("one output path per shard is required")
+    readers = [open_reader(p) for p in layout.sources]
+    arch = readers[0].get_field("general.architecture").contents()
+    writer = gguf.GGUFWriter(path=None, arch=arch)
+    writer.data_alignment = layout.alignment
+    for name, fld in _copied_fields(readers[0]):
+        if name == "general.architecture":
+            continue  # the writer writes it first, from `arch`
+        main = fld.types[0]
+        if main == gguf.GGUFValueType.ARRAY:
+            if len(fld.types) > 2:
+                raise SpecconvError(f"{layout.sources[0].name}: nested array KV {name} is not supported")
+            writer.add_key_value(name, fld.contents(), main, sub_type=fld.types[-1])
+        else:
+            writer.add_key_value(name, fld.contents(), main)
+    for index, shard in enumerate(layout.shards):
+        if index > 0:
+            writer.tensors.append({})  # start the next shard explicitly: our limit, not the writer's
+        for ref in shard:
+            data = readers[ref.source].data[ref.offset : ref.offset + ref.n_bytes]
+            writer.add_tensor(ref.name, data, raw_shape=ref.byte_shape, raw_dtype=ref.tensor_type)
+
+    tmp_dir = out_paths[0].parent / f".{out_paths[0].name}.partial"
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    stem = "shard"
+    try:
+        writer.write_header_to_file(path=tmp_dir / f"{stem}.gguf")
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    tmp_names = writer.format_shard_names(tmp_dir / f"{stem}.gguf")
+    for tmp, size in zip(tmp_names, layout.sizes):
+        actual = tmp.stat().st_size
+        if actual != size:
+            raise SpecconvError(f"internal error: shard {tmp.name} is {actual} bytes, planned {size}")
+    for tmp, final in zip(tmp_names, out_paths):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, final)
+    tmp_dir.rmdir()
