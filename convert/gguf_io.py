@@ -204,7 +204,7 @@ class RawTensor:
 
 
 def output_paths(out_path: Path, n_shards: int) -> list[Path]:
-    from gguf.constants import SHARD_NAME_FORMAT
+    from gguf.gguf_writer import SHARD_NAME_FORMAT
 
     if n_shards == 1:
         return [out_path]

@@ -272,9 +272,11 @@ def _hparam_differences(trunk: GgufFile, mtp: GgufFile, per_layer: set[str]) -> 
     return out
 
 
-def _extend_per_layer(trunk: GgufFile, mtp: GgufFile, n: int, k: int, force: bool,
+def _extend_per_layer(trunk: GgufFile, mtp: GgufFile, n: int, n_m: int, k: int, force: bool,
                       warnings: list[str]) -> tuple[dict[str, MetaKV], set[str]]:
-    """New values for the trunk's per-layer arrays (length N) extended to N + k entries."""
+    """New values for the trunk's per-layer arrays (length N) extended to N + k entries.
+
+    The MTP entries come from the MTP file (N_m trunk layers + k; N_m == N unless forced)."""
     prefix = trunk.arch + "."
     updated: dict[str, MetaKV] = {}
     for key, kv in trunk.kv.items():
@@ -285,9 +287,9 @@ def _extend_per_layer(trunk: GgufFile, mtp: GgufFile, n: int, k: int, force: boo
         if other is not None and other.vtype == GGUFValueType.ARRAY:
             if len(other.value) == len(kv.value):
                 continue  # a fixed-length array (e.g. rope sections) that happens to have N entries
-            if len(other.value) != n + k:
-                raise SpecconvError(f"{key}: {len(other.value)} entries in the MTP file, expected {n + k}")
-            tail = list(other.value[n:])
+            if len(other.value) != n_m + k:
+                raise SpecconvError(f"{key}: {len(other.value)} entries in the MTP file, expected {n_m + k}")
+            tail = list(other.value[n_m:])
         elif other is not None:
             tail = [other.value] * k  # the MTP file stores one value for every layer
         elif suffix in _PAD_WHEN_UNKNOWN:
@@ -303,8 +305,8 @@ def _extend_per_layer(trunk: GgufFile, mtp: GgufFile, n: int, k: int, force: boo
     for key, other in mtp.kv.items():
         kv = trunk.kv.get(key)
         if (key.startswith(prefix) and kv is not None and kv.vtype != GGUFValueType.ARRAY
-                and other.vtype == GGUFValueType.ARRAY and len(other.value) == n + k):
-            tail = list(other.value[n:])
+                and other.vtype == GGUFValueType.ARRAY and len(other.value) == n_m + k):
+            tail = list(other.value[n_m:])
             if any(v != kv.value for v in tail):
                 updated[key] = MetaKV(key, [kv.value] * n + tail, GGUFValueType.ARRAY, other.sub_type)
     return updated, set(updated)
@@ -328,7 +330,7 @@ def plan_merge(trunk: GgufFile, mtp: GgufFile, overrides: Sequence[TypeOverride]
     if n != n_m:  # renumber the grafted blocks so they follow this trunk
         blocks = [_renamed(t, n - n_m) for t in blocks]
 
-    updated, per_layer = _extend_per_layer(trunk, mtp, n, k, force, warnings)
+    updated, per_layer = _extend_per_layer(trunk, mtp, n, n_m, k, force, warnings)
     warnings += [f"hyper-parameter differs, trunk value kept: {d}" for d in _hparam_differences(trunk, mtp, per_layer)]
     kv = _merged_kv(trunk, mtp, n, k, updated)
 
