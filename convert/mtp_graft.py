@@ -312,15 +312,33 @@ def _extend_per_layer(trunk: GgufFile, mtp: GgufFile, n: int, n_m: int, k: int, 
     return updated, set(updated)
 
 
+def trunk_layers(trunk: GgufFile) -> tuple[int, bool]:
+    """(N, stripped) for the file to graft onto.
+
+    A trunk-only file has no nextn key. A "stripped" file still declares k MTP layers (block_count =
+    N + k, per-layer arrays with N + k entries) but lost their tensors, as some quantization tools do;
+    llama.cpp loads such glm4moe / deepseek2 files as trunk-only. Both can receive a head.
+    """
+    k = trunk.nextn_layers()
+    total = trunk.block_count()
+    if k <= 0:
+        return total, False
+    n = total - k
+    if any(f"blk.{i}.nextn.eh_proj.weight" in trunk.tensors for i in range(n, total)):
+        raise SpecconvError(f"{trunk.path.name} already has an MTP head (nextn_predict_layers={k}); "
+                            "give a trunk-only file, or extract its head instead")
+    return n, True
+
+
 def plan_merge(trunk: GgufFile, mtp: GgufFile, overrides: Sequence[TypeOverride] = (),
                force: bool = False) -> GraftPlan:
-    if trunk.nextn_layers() > 0:
-        raise SpecconvError(f"{trunk.path.name} already has an MTP head (nextn_predict_layers="
-                            f"{trunk.nextn_layers()}); give a trunk-only file, or extract its head instead")
-    n = trunk.block_count()
-    if "blk.0.attn_norm.weight" not in trunk.tensors and not any(block_index(t.name) == 0 for t in trunk):
+    n, stripped = trunk_layers(trunk)
+    if not any(block_index(t.name) == 0 for t in trunk):
         raise SpecconvError(f"{trunk.path.name} has no trunk blocks (blk.0.*); is it a sidecar?")
     n_m, k, blocks = mtp_tensors(mtp)
+    if stripped and trunk.nextn_layers() != k:  # its per-layer arrays are sized for its own k
+        raise SpecconvError(f"{trunk.path.name} declares {trunk.nextn_layers()} MTP layer(s) but "
+                            f"{mtp.path.name} has {k}")
     problems = mismatches(trunk, mtp, n, n_m)
     warnings: list[str] = []
     if problems and not force:
@@ -330,12 +348,21 @@ def plan_merge(trunk: GgufFile, mtp: GgufFile, overrides: Sequence[TypeOverride]
     if n != n_m:  # renumber the grafted blocks so they follow this trunk
         blocks = [_renamed(t, n - n_m) for t in blocks]
 
-    updated, per_layer = _extend_per_layer(trunk, mtp, n, n_m, k, force, warnings)
+    if stripped:  # the trunk's KV already describes N + k layers; only leftovers of blk.N.. go
+        updated, per_layer = {}, set()
+        leftovers = [t.name for t in trunk if (b := block_index(t.name)) is not None and b >= n]
+        if leftovers:
+            warnings.append(f"replaced {len(leftovers)} leftover tensor(s) of the trunk's MTP blocks")
+        trunk_tensors = [t for t in trunk if t.name not in set(leftovers)]
+        kv = list(trunk.kv.values())
+    else:
+        updated, per_layer = _extend_per_layer(trunk, mtp, n, n_m, k, force, warnings)
+        trunk_tensors = list(trunk)
+        kv = _merged_kv(trunk, mtp, n, k, updated)
     warnings += [f"hyper-parameter differs, trunk value kept: {d}" for d in _hparam_differences(trunk, mtp, per_layer)]
-    kv = _merged_kv(trunk, mtp, n, k, updated)
 
     grafted = _apply_types(blocks, None, overrides, warnings)
-    trunk_out = [OutTensor(t.name, t.ggml_type, t.shape, t.n_bytes, t) for t in trunk]
+    trunk_out = [OutTensor(t.name, t.ggml_type, t.shape, t.n_bytes, t) for t in trunk_tensors]
     last_block = max((i for i, t in enumerate(trunk_out) if block_index(t.name) is not None), default=len(trunk_out) - 1)
     tensors = trunk_out[: last_block + 1] + grafted + trunk_out[last_block + 1:]
     extra = [t.name for t in mtp if block_index(t.name) is None and t.name not in SHARED_TENSORS and t.name not in trunk.tensors]

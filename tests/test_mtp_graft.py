@@ -48,7 +48,8 @@ def tokens_for(vocab: int, variant: int = 0) -> list[str]:
 def write_layout(path: Path, layout: str, *, n: int = 4, k: int = 1, vocab: int = 128, hidden: int = H,
                  seed: int = 0, arch: str = "qwen35", trunk_type: T = T.F32, head_type: T = T.F32,
                  token_variant: int = 0, mtp_kv_heads: int = 4, split_max_tensors: int = 0) -> Path:
-    """layout: 'embedded' (N+k blocks), 'trunk' (N blocks, no nextn key) or 'sidecar' (MTP-only)."""
+    """layout: 'embedded' (N+k blocks), 'trunk' (N blocks, no nextn key), 'sidecar' (MTP-only) or
+    'stripped' (the embedded KV, but the MTP blocks' tensors dropped, as some quantization tools do)."""
     w = make_weights(n, k, vocab, hidden, seed)
     total = n + k if layout != "trunk" else n
     writer = GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
@@ -72,7 +73,7 @@ def write_layout(path: Path, layout: str, *, n: int = 4, k: int = 1, vocab: int 
 
     def keep(name: str) -> bool:
         block = int(name.split(".")[1]) if name.startswith("blk.") else None
-        if layout == "trunk":
+        if layout in ("trunk", "stripped"):
             return block is None or block < n
         if layout == "sidecar":
             return block is None or block >= n
@@ -173,6 +174,17 @@ def test_merge_updates_every_per_layer_array(tmp_path):
     assert r.fields["qwen35.attention.head_count_kv"].contents() == [2, 2, 2, 2, 8]
     # A fixed-length array with N entries is not per-layer and must stay as it is.
     assert r.fields["qwen35.rope.dimension_sections"].contents() == [1, 1, 0, 0]
+
+
+def test_merge_restores_a_stripped_file(tmp_path, capsys):
+    embedded = write_layout(tmp_path / "m.gguf", "embedded", trunk_type=T.Q8_0)
+    stripped = write_layout(tmp_path / "stripped.gguf", "stripped", trunk_type=T.Q8_0)
+    sidecar = write_layout(tmp_path / "mtp.gguf", "sidecar")
+    assert run_cli("merge", stripped, sidecar, "-o", tmp_path / "out.gguf") == 0
+    assert (tmp_path / "out.gguf").read_bytes() == embedded.read_bytes()
+    two_heads = write_layout(tmp_path / "mtp2.gguf", "sidecar", k=2)
+    assert run_cli("merge", stripped, two_heads, "-o", tmp_path / "out2.gguf") == 2
+    assert "declares 1 MTP layer(s)" in capsys.readouterr().err
 
 
 def test_merge_onto_q8_0_trunk_keeps_trunk_bytes(tmp_path):
