@@ -226,6 +226,7 @@ def plan_extract(src: GgufFile, outtype: GGMLQuantizationType | None = None,
     kv = list(src.kv.values())
     if outtype is not None and (ft := file_type_for(outtype)) is not None:
         kv = [replace(e, value=ft) if e.key == "general.file_type" else e for e in kv]
+    kv = _relabel_size(kv, src, tensors)
     return GraftPlan(src.arch, kv, tensors, warnings)
 
 
@@ -362,12 +363,12 @@ def plan_merge(trunk: GgufFile, mtp: GgufFile, overrides: Sequence[TypeOverride]
     warnings += [f"hyper-parameter differs, trunk value kept: {d}" for d in _hparam_differences(trunk, mtp, per_layer)]
 
     grafted = _apply_types(blocks, None, overrides, warnings)
-    trunk_out = [OutTensor(t.name, t.ggml_type, t.shape, t.n_bytes, t) for t in trunk_tensors]
-    last_block = max((i for i, t in enumerate(trunk_out) if block_index(t.name) is not None), default=len(trunk_out) - 1)
-    tensors = trunk_out[: last_block + 1] + grafted + trunk_out[last_block + 1:]
+    # After every trunk tensor, as llama.cpp's converter orders an embedded file (mtp.* come last).
+    tensors = [OutTensor(t.name, t.ggml_type, t.shape, t.n_bytes, t) for t in trunk_tensors] + grafted
     extra = [t.name for t in mtp if block_index(t.name) is None and t.name not in SHARED_TENSORS and t.name not in trunk.tensors]
     if extra:
         warnings.append(f"not grafted (global tensors of the MTP file the trunk lacks): {', '.join(extra)}")
+    kv = _relabel_size(kv, trunk, tensors)
     return GraftPlan(trunk.arch, kv, tensors, warnings)
 
 
@@ -379,14 +380,39 @@ def _renamed(t: GgufTensor, shift: int) -> GgufTensor:
 def _merged_kv(trunk: GgufFile, mtp: GgufFile, n: int, k: int, updated: dict[str, MetaKV]) -> list[MetaKV]:
     block_key, nextn_key = trunk.arch_key("block_count"), trunk.arch_key("nextn_predict_layers")
     nextn_vtype = mtp.kv[mtp.arch_key("nextn_predict_layers")].vtype if mtp.arch == trunk.arch else GGUFValueType.UINT32
+    # Put the new key where the MTP file (written by the same converter as the trunk, usually) has
+    # it: after the key that precedes it there; else right after block_count.
+    mtp_keys = list(mtp.kv)
+    anchor = block_key
+    if nextn_key in mtp_keys and mtp_keys.index(nextn_key) > 0:
+        before = mtp_keys[mtp_keys.index(nextn_key) - 1]
+        anchor = before if before in trunk.kv else block_key
     out: list[MetaKV] = []
     for key, kv in trunk.kv.items():
-        if key == block_key:
-            out.append(replace(kv, value=n + k))
-            out.append(MetaKV(nextn_key, k, nextn_vtype))  # upstream writes it right after block_count
-        else:
-            out.append(updated.get(key, kv))
+        out.append(replace(kv, value=n + k) if key == block_key else updated.get(key, kv))
+        if key == anchor:
+            out.append(MetaKV(nextn_key, k, nextn_vtype))
     return out
+
+
+def size_label_of(tensors: Sequence[tuple[str, tuple[int, ...]]]) -> str:
+    """The `general.size_label` gguf-py derives from a tensor list (names, ggml shapes)."""
+    from gguf import GGUFWriter
+    from gguf.utility import size_label
+
+    counter = GGUFWriter(None, "counter")
+    for name, shape in tensors:
+        counter.add_tensor_info(name, tuple(reversed(shape)), np.dtype(np.float32), 0)
+    return size_label(*counter.get_total_parameter_count())
+
+
+def _relabel_size(kv: list[MetaKV], src: GgufFile, out: Sequence[OutTensor]) -> list[MetaKV]:
+    """Recompute general.size_label when the source's label was derived from its own tensors."""
+    label = src.get("general.size_label")
+    if label is None or label != size_label_of([(t.name, t.shape) for t in src]):
+        return kv  # absent, or a label from model metadata (e.g. "27B"): keep it
+    new = size_label_of([(t.name, t.shape) for t in out]).encode()
+    return [replace(e, value=new) if e.key == "general.size_label" else e for e in kv]
 
 
 # --- summary for users ----------------------------------------------------------------------------

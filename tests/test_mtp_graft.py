@@ -27,17 +27,22 @@ def make_weights(n: int, k: int, vocab: int, hidden: int, seed: int) -> dict[str
     """Random weights (numpy order) for N trunk blocks and k qwen35-style MTP blocks."""
     rng = np.random.default_rng(seed)
     w: dict[str, np.ndarray] = {"token_embd.weight": rng.standard_normal((vocab, hidden), dtype=np.float32)}
-    for i in range(n + k):
+
+    def block(i: int) -> None:
         w[f"blk.{i}.attn_norm.weight"] = 1 + 0.2 * rng.standard_normal(hidden, dtype=np.float32)
         w[f"blk.{i}.attn_qkv.weight"] = rng.standard_normal((3 * hidden, hidden), dtype=np.float32) / 8
         w[f"blk.{i}.ffn_down.weight"] = rng.standard_normal((hidden, FF), dtype=np.float32) / 8
         w[f"blk.{i}.ssm_a"] = -rng.uniform(1, 16, 4).astype(np.float32)
-        if i >= n:
-            w[f"blk.{i}.nextn.eh_proj.weight"] = rng.standard_normal((hidden, 2 * hidden), dtype=np.float32) / 8
-            for norm in ("enorm", "hnorm", "shared_head_norm"):
-                w[f"blk.{i}.nextn.{norm}.weight"] = 1 + 0.2 * rng.standard_normal(hidden, dtype=np.float32)
+
+    for i in range(n):
+        block(i)
     w["output_norm.weight"] = 1 + 0.2 * rng.standard_normal(hidden, dtype=np.float32)
     w["output.weight"] = rng.standard_normal((vocab, hidden), dtype=np.float32)
+    for i in range(n, n + k):  # MTP blocks last, as llama.cpp's converter writes them
+        w[f"blk.{i}.nextn.eh_proj.weight"] = rng.standard_normal((hidden, 2 * hidden), dtype=np.float32) / 8
+        block(i)
+        for norm in ("enorm", "hnorm", "shared_head_norm"):
+            w[f"blk.{i}.nextn.{norm}.weight"] = 1 + 0.2 * rng.standard_normal(hidden, dtype=np.float32)
     return w
 
 
