@@ -1,0 +1,350 @@
+"""Qwen3.5 / 3.6, dense (`qwen35`) and MoE (`qwen35moe`), with the `mtp.*` head as nextn blocks.
+
+Mapping and transforms follow gguf-layout.md §7.1 / §7.2 (the pinned llama.cpp converter's
+`Qwen3_5TextModel` / `Qwen3_5MoeTextModel`), with specconv's fixes of its pitfalls (§4.4, §7.1):
+MTP count from config and names with an error when they disagree, `full_attention_interval` from
+the actual layer pattern, `rope.dimension_sections` consistent with the rotary dimension.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+from typing import Any, Callable, ClassVar, Sequence
+
+import torch
+from gguf import GGMLQuantizationType, GGUFValueType, Keys
+
+from . import names, register
+from . import transforms as tf
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, SourceTensor, TensorPlan
+from .errors import SpecconvError
+from .qwen35_hparams import Qwen35Hparams, parse_hparams
+
+F32 = GGMLQuantizationType.F32
+FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+_TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.audio_tower.",
+           "audio_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+Transform = Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+class _Plan:
+    """Collects TensorPlans while checking every source against the config (presence, shape, dtype)."""
+
+    def __init__(self, tensors: dict[str, SourceTensor]):
+        self.tensors = tensors
+        self.used: set[str] = set()
+        self.plans: list[TensorPlan] = []
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def source(self, name: str, shape: Sequence[int] | Sequence[Sequence[int]]) -> str:
+        """Check one HF tensor; `shape` may be a list of accepted shapes."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise SpecconvError(f"checkpoint lacks tensor {name}")
+        accepted = [tuple(s) for s in shape] if shape and isinstance(shape[0], (list, tuple)) else [tuple(shape)]
+        if tuple(info.shape) not in accepted:
+            want = " or ".join(str(list(s)) for s in accepted)
+            raise SpecconvError(f"tensor {name} has shape {list(info.shape)}, but config.json implies {want}")
+        if info.dtype not in FLOAT_DTYPES:
+            raise SpecconvError(f"tensor {name} has dtype {info.dtype}; only F32/F16/BF16 checkpoints are "
+                                f"supported (dequantize FP8/int checkpoints first)")
+        self.used.add(name)
+        return name
+
+    def add(self, gguf_name: str, sources: Sequence[str], shape: Sequence[int], role: Role,
+            transform: Transform = tf.identity, f32: bool = False) -> None:
+        self.plans.append(TensorPlan(gguf_name, tuple(sources), tuple(shape), role, transform,
+                                     F32 if f32 else None))
+
+
+class Qwen35Base(ArchPlugin):
+    family: ClassVar[str] = "qwen35"
+    moe: ClassVar[bool] = False
+    tokenizer_model: ClassVar[str] = "gpt2"
+    tokenizer_pre: ClassVar[str] = "qwen35"
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        self.hp: Qwen35Hparams = parse_hparams(checkpoint.config, self.moe)
+        self._k = self._count_mtp_layers()
+
+    # ------------------------------------------------------------------ naming
+
+    @property
+    def gguf_arch(self) -> str:
+        return names.QWEN35MOE if self.moe else names.QWEN35
+
+    @classmethod
+    def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
+        if raw_name.endswith("rotary_emb.inv_freq"):
+            return (None, "rotary inv_freq buffer (recomputed from the config)")
+        if raw_name.startswith(_TOWERS):
+            return (None, "vision/audio tower (belongs in a separate mmproj file)")
+        name = re.sub(r"(^|\.)language_model\.", r"\1", raw_name)
+        if name.startswith("model.mtp."):
+            name = name[len("model."):]
+        return name
+
+    # ------------------------------------------------------------------ structure
+
+    @property
+    def n_trunk_layers(self) -> int:
+        return self.hp.n_layer
+
+    @property
+    def n_mtp_layers(self) -> int:
+        return self._k
+
+    def _count_mtp_layers(self) -> int:
+        """k per gguf-layout.md §4.4: from the config, else from `mtp.layers.*`; both must agree."""
+        from_names = 0
+        for name in self.checkpoint.tensors:
+            m = _MTP_LAYER.match(name)
+            if m:
+                from_names = max(from_names, int(m.group(1)) + 1)
+        configured = self.hp.mtp_layers_config
+        if configured and configured != from_names:
+            raise SpecconvError(
+                f"config.json says mtp_num_hidden_layers={configured}, but the checkpoint holds "
+                f"{from_names} MTP layer(s) (mtp.layers.*); the checkpoint's MTP weights are incomplete")
+        if not from_names and any(n.startswith("mtp.") for n in self.checkpoint.tensors):
+            raise SpecconvError("checkpoint has mtp.* tensors but no mtp.layers.* block")
+        return from_names
+
+    def vocab_size(self) -> int:
+        info = self.checkpoint.tensors.get("model.embed_tokens.weight")
+        if info is None:
+            raise SpecconvError("checkpoint lacks tensor model.embed_tokens.weight")
+        return int(info.shape[0])
+
+    # ------------------------------------------------------------------ tensors
+
+    def tensor_plan(self) -> list[TensorPlan]:
+        hp, plan = self.hp, _Plan(dict(self.checkpoint.tensors))
+        H, V = hp.hidden, hp.vocab
+        plan.add("token_embd.weight", [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
+        for i in range(hp.n_layer):
+            self._block(plan, i, f"model.layers.{i}.", linear=hp.recurrent[i], role=Role.TRUNK)
+        plan.add(names.OUTPUT_NORM, [plan.source("model.norm.weight", (H,))], (H,), Role.SHARED, tf.plus_one, True)
+        if hp.tie_embeddings:
+            plan.used.add("lm_head.weight")  # a tied head saved anyway is the embedding again
+        else:
+            if not plan.has("lm_head.weight"):
+                raise SpecconvError("checkpoint lacks tensor lm_head.weight (config.json says "
+                                    "tie_word_embeddings=false)")
+            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (V, H))], (V, H), Role.SHARED)
+        for j in range(self._k):
+            bid = hp.n_layer + j
+            if j == 0:
+                self._nextn_extras(plan, bid)
+            self._block(plan, bid, f"mtp.layers.{j}.", linear=False, role=Role.MTP)
+        unused = sorted(set(plan.tensors) - plan.used)
+        if unused:
+            more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+            raise SpecconvError(f"unexpected tensor(s) for {self.gguf_arch}: {', '.join(unused[:3])}{more}")
+        return plan.plans
+
+    def _nextn_extras(self, plan: _Plan, bid: int) -> None:
+        H = self.hp.hidden
+        plan.add(names.nextn(bid, names.NEXTN_EH_PROJ), [plan.source("mtp.fc.weight", (H, 2 * H))], (H, 2 * H), Role.MTP)
+        for part, hf in ((names.NEXTN_ENORM, "pre_fc_norm_embedding"), (names.NEXTN_HNORM, "pre_fc_norm_hidden"),
+                         (names.NEXTN_SHARED_HEAD_NORM, "norm")):
+            plan.add(names.nextn(bid, part), [plan.source(f"mtp.{hf}.weight", (H,))], (H,), Role.MTP, tf.plus_one, True)
+
+    def _block(self, plan: _Plan, bid: int, p: str, linear: bool, role: Role) -> None:
+        H = self.hp.hidden
+        plan.add(names.blk(bid, "attn_norm"), [plan.source(p + "input_layernorm.weight", (H,))], (H,), role,
+                 tf.plus_one, True)
+        (self._gated_delta_net if linear else self._attention)(plan, bid, p, role)
+        plan.add(names.blk(bid, "post_attention_norm"), [plan.source(p + "post_attention_layernorm.weight", (H,))],
+                 (H,), role, tf.plus_one, True)
+        (self._moe if self.moe else self._mlp)(plan, bid, p, role)
+
+    def _attention(self, plan: _Plan, bid: int, p: str, role: Role) -> None:
+        hp = self.hp
+        H, q, kv = hp.hidden, hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+        a = p + "self_attn."
+        # q_proj rows stay per head [q_h ; gate_h]: llama.cpp splits them itself (§7.1.1 item 5).
+        for gguf_part, hf, shape in (("attn_q", "q_proj", (2 * q, H)), ("attn_k", "k_proj", (kv, H)),
+                                     ("attn_v", "v_proj", (kv, H)), ("attn_output", "o_proj", (H, q))):
+            plan.add(names.blk(bid, gguf_part), [plan.source(f"{a}{hf}.weight", shape)], shape, role)
+        for gguf_part, hf in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
+            plan.add(names.blk(bid, gguf_part), [plan.source(f"{a}{hf}.weight", (hp.head_dim,))], (hp.head_dim,),
+                     role, tf.plus_one, True)
+
+    def _gated_delta_net(self, plan: _Plan, bid: int, p: str, role: Role) -> None:
+        hp = self.hp
+        H, nk, nv, r, dv, C, K = hp.hidden, hp.nk, hp.nv, hp.r, hp.dv, hp.conv_channels, hp.conv_kernel
+        a = p + "linear_attn."
+        # Every tensor indexed by value head is re-tiled with the same permutation (§7.1.1 item 4).
+        rows = partial(_retiled, dim=0, nk=nk, r=r)
+        plan.add(names.blk(bid, "attn_qkv"), [plan.source(a + "in_proj_qkv.weight", (C, H))], (C, H), role,
+                 partial(_retiled, dim=0, nk=nk, r=r, block=dv, start=hp.qk_channels))
+        plan.add(names.blk(bid, "attn_gate"), [plan.source(a + "in_proj_z.weight", (nv * dv, H))], (nv * dv, H),
+                 role, partial(rows, block=dv))
+        plan.add(names.blk(bid, "ssm_beta"), [plan.source(a + "in_proj_b.weight", (nv, H))], (nv, H), role,
+                 partial(rows, block=1))
+        plan.add(names.blk(bid, "ssm_alpha"), [plan.source(a + "in_proj_a.weight", (nv, H))], (nv, H), role,
+                 partial(rows, block=1))
+        plan.add(names.blk(bid, "ssm_a", None), [plan.source(a + "A_log", (nv,))], (nv,), role,
+                 partial(_ssm_a, nk=nk, r=r), True)
+        plan.add(names.blk(bid, "ssm_dt", "bias"), [plan.source(a + "dt_bias", (nv,))], (nv,), role,
+                 partial(rows, block=1), True)
+        plan.add(names.blk(bid, "ssm_conv1d"), [plan.source(a + "conv1d.weight", [(C, 1, K), (C, K)])], (C, K), role,
+                 partial(_conv1d, shape=(C, K), nk=nk, r=r, block=dv, start=hp.qk_channels), True)
+        plan.add(names.blk(bid, "ssm_norm"), [plan.source(a + "norm.weight", (dv,))], (dv,), role, tf.identity, True)
+        plan.add(names.blk(bid, "ssm_out"), [plan.source(a + "out_proj.weight", (H, nv * dv))], (H, nv * dv), role,
+                 partial(_retiled, dim=1, nk=nk, r=r, block=dv))
+
+    def _mlp(self, plan: _Plan, bid: int, p: str, role: Role) -> None:
+        H, F = self.hp.hidden, self.hp.ffn
+        for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
+            plan.add(names.blk(bid, f"ffn_{part}"), [plan.source(f"{p}mlp.{part}_proj.weight", shape)], shape, role)
+
+    def _moe(self, plan: _Plan, bid: int, p: str, role: Role) -> None:
+        hp = self.hp
+        H, E, Fe, Fs = hp.hidden, hp.n_expert, hp.expert_ffn, hp.shared_ffn
+        m = p + "mlp."
+        plan.add(names.blk(bid, "ffn_gate_inp"), [plan.source(m + "gate.weight", (E, H))], (E, H), role,
+                 tf.identity, True)
+        self._experts(plan, bid, m, role)
+        for part, shape in (("gate", (Fs, H)), ("up", (Fs, H)), ("down", (H, Fs))):
+            plan.add(names.blk(bid, f"ffn_{part}_shexp"), [plan.source(f"{m}shared_expert.{part}_proj.weight", shape)],
+                     shape, role)
+        # Written {H, 1}; llama.cpp accepts it as {H}.
+        plan.add(names.blk(bid, "ffn_gate_inp_shexp"), [plan.source(m + "shared_expert_gate.weight", (1, H))],
+                 (1, H), role, tf.identity, True)
+
+    def _experts(self, plan: _Plan, bid: int, m: str, role: Role) -> None:
+        """Routed experts from the fused 3-D layout (releases) or per-expert tensors (save_pretrained)."""
+        hp = self.hp
+        H, E, Fe = hp.hidden, hp.n_expert, hp.expert_ffn
+        ex = m + "experts."
+        fused = [n for n in (ex + "gate_up_proj", ex + "gate_up_proj.weight") if plan.has(n)]
+        down_fused = [n for n in (ex + "down_proj", ex + "down_proj.weight") if plan.has(n)]
+        per_expert = re.compile(re.escape(ex) + r"(\d+)\.(gate|up|down)_proj\.weight$")
+        found: dict[str, set[int]] = {"gate": set(), "up": set(), "down": set()}
+        for name in plan.tensors:
+            hit = per_expert.match(name)
+            if hit:
+                found[hit.group(2)].add(int(hit.group(1)))
+        has_split = any(found.values())
+        where = f"layer {bid} ({m.rstrip('.')})"
+        if (fused or down_fused) and has_split:
+            raise SpecconvError(f"{where}: both fused and per-expert expert tensors are present")
+        gate_n, up_n, down_n = (names.blk(bid, f"ffn_{x}_exps") for x in ("gate", "up", "down"))
+        if fused or down_fused:
+            if not (fused and down_fused):
+                missing = ex + ("gate_up_proj" if not fused else "down_proj")
+                raise SpecconvError(f"{where}: fused experts lack {missing}")
+            src = plan.source(fused[0], (E, 2 * Fe, H))
+            plan.add(gate_n, [src], (E, Fe, H), role, partial(tf.slice_axis, dim=1, start=0, stop=Fe))
+            plan.add(up_n, [src], (E, Fe, H), role, partial(tf.slice_axis, dim=1, start=Fe, stop=2 * Fe))
+            plan.add(down_n, [plan.source(down_fused[0], (E, H, Fe))], (E, H, Fe), role)
+            return
+        if not has_split:
+            raise SpecconvError(f"{where}: no expert tensors (neither {ex}gate_up_proj nor {ex}<e>.*_proj.weight)")
+        incomplete = sorted(e for e in range(E) if any(e not in ids for ids in found.values()))
+        extra = sorted(e for ids in found.values() for e in ids if e >= E)
+        if incomplete or extra:
+            detail = (f"experts {incomplete} missing" if incomplete else "") + \
+                     (f"{'; ' if incomplete else ''}expert ids {sorted(set(extra))} >= num_experts {E}" if extra else "")
+            raise SpecconvError(f"{where}: {detail} (every expert needs gate_proj, up_proj and down_proj)")
+        for gguf_name, part, shape in ((gate_n, "gate", (Fe, H)), (up_n, "up", (Fe, H)), (down_n, "down", (H, Fe))):
+            srcs = [plan.source(f"{ex}{e}.{part}_proj.weight", shape) for e in range(E)]
+            plan.add(gguf_name, srcs, (E, *shape), role, tf.stack)
+
+    # ------------------------------------------------------------------ metadata
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        hp, arch = self.hp, self.gguf_arch
+        k = self._k if keep_mtp else 0
+        u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+        kv: list[MetaKV] = []
+
+        def put(fmt: str, value: Any, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> None:
+            kv.append(MetaKV(fmt.format(arch=arch), value, vtype, sub))
+
+        # Same keys and order as the pinned upstream converter (TextModel, Qwen2Moe, mixins).
+        put(Keys.LLM.BLOCK_COUNT, hp.n_layer + k, u32)
+        put(Keys.LLM.CONTEXT_LENGTH, hp.context_length, u32)
+        put(Keys.LLM.EMBEDDING_LENGTH, hp.hidden, u32)
+        if hp.ffn is not None:
+            put(Keys.LLM.FEED_FORWARD_LENGTH, hp.ffn, u32)
+        put(Keys.Attention.HEAD_COUNT, hp.n_head, u32)
+        put(Keys.Attention.HEAD_COUNT_KV, hp.n_head_kv, u32)
+        self._rope_scaling_kv(put)
+        put(Keys.Rope.DIMENSION_SECTIONS, list(hp.rope_sections), GGUFValueType.ARRAY, GGUFValueType.INT32)
+        put(Keys.Rope.FREQ_BASE, hp.rope_theta, f32)
+        put(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps, f32)
+        if hp.moe:
+            put(Keys.LLM.EXPERT_COUNT, hp.n_expert, u32)
+            put(Keys.LLM.EXPERT_USED_COUNT, hp.n_expert_used, u32)
+        put(Keys.Attention.KEY_LENGTH, hp.head_dim, u32)
+        put(Keys.Attention.VALUE_LENGTH, hp.head_dim, u32)
+        if hp.moe:
+            put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn, u32)
+            put(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_ffn, u32)
+        if k:
+            put(Keys.LLM.NEXTN_PREDICT_LAYERS, k, u32)
+        put(Keys.SSM.CONV_KERNEL, hp.conv_kernel, u32)
+        put(Keys.SSM.STATE_SIZE, hp.dk, u32)
+        put(Keys.SSM.GROUP_COUNT, hp.nk, u32)
+        put(Keys.SSM.TIME_STEP_RANK, hp.nv, u32)
+        put(Keys.SSM.INNER_SIZE, hp.nv * hp.dv, u32)
+        put(names.recurrent_layers_key("{arch}"), hp.recurrent + [False] * k, GGUFValueType.ARRAY,
+            GGUFValueType.BOOL)
+        put(Keys.LLM.FULL_ATTENTION_INTERVAL, hp.full_attention_interval, u32)
+        put(Keys.Rope.DIMENSION_COUNT, hp.rope_dim, u32)
+        return kv
+
+    def _rope_scaling_kv(self, put: Callable[..., None]) -> None:
+        s = self.hp.rope_scaling
+        if s is None:
+            return
+        f32 = GGUFValueType.FLOAT32
+        put(Keys.Rope.SCALING_TYPE, s.kind, GGUFValueType.STRING)
+        put(Keys.Rope.SCALING_FACTOR, s.factor, f32)
+        if s.kind != "yarn":
+            return
+        put(Keys.Rope.SCALING_ORIG_CTX_LEN, s.original_context, GGUFValueType.UINT32)
+        for key, value in ((Keys.Rope.SCALING_YARN_EXT_FACTOR, s.ext_factor),
+                           (Keys.Rope.SCALING_YARN_ATTN_FACTOR, s.attn_factor),
+                           (Keys.Rope.SCALING_YARN_BETA_FAST, s.beta_fast),
+                           (Keys.Rope.SCALING_YARN_BETA_SLOW, s.beta_slow)):
+            if value is not None:
+                put(key, value, f32)
+
+
+# ---------------------------------------------------------------------- transforms
+
+
+def _retiled(ts: list[torch.Tensor], dim: int, nk: int, r: int, block: int, start: int = 0) -> torch.Tensor:
+    return tf.retile_tail(ts[0], dim, start, nk, r, block)
+
+
+def _ssm_a(ts: list[torch.Tensor], nk: int, r: int) -> torch.Tensor:
+    """ssm_a = -exp(A_log), in value-head tiled order (the two operations commute)."""
+    return tf.retile_v_heads(-torch.exp(ts[0].float()), 0, nk, r, 1)
+
+
+def _conv1d(ts: list[torch.Tensor], shape: tuple[int, int], nk: int, r: int, block: int, start: int) -> torch.Tensor:
+    """[C,1,K] -> [C,K]; only the V channels (after q|k) are re-tiled."""
+    return tf.retile_tail(ts[0].reshape(shape), 0, start, nk, r, block)
+
+
+@register
+class Qwen35(Qwen35Base):
+    hf_architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+    moe = False
+
+
+@register
+class Qwen35Moe(Qwen35Base):
+    hf_architectures = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+    moe = True
