@@ -72,14 +72,15 @@ class Repo:
 
 @dataclass
 class Fault:
-    """Answer the next `times` requests matching `method` and `path` (regex) with `status`
-    (None: drop the connection without an answer)."""
+    """Let `after` matching requests through, then answer the next `times` requests matching
+    `method` and `path` (regex) with `status` (None: drop the connection without an answer)."""
 
     method: str
     path: str
     status: int | None = 500
     times: int = 1
     message: str = "injected failure"
+    after: int = 0
 
 
 class HubError(Exception):
@@ -154,6 +155,9 @@ class FakeHub:
         with self._lock:
             for fault in self.faults:
                 if fault.times > 0 and fault.method == method and re.search(fault.path, path):
+                    if fault.after > 0:
+                        fault.after -= 1
+                        continue
                     fault.times -= 1
                     return fault
         return None
@@ -208,7 +212,7 @@ class FakeHub:
         repo_id = f"{ns}/{payload['name']}"
         if repo_id in self.repos:
             raise HubError(409, "You already created this model repo", extra={"url": f"{self.url}/{repo_id}"})
-        repo = Repo(private=bool(payload.get("private")))
+        repo = Repo(private=payload.get("visibility") == "private" or bool(payload.get("private")))
         first = hashlib.sha1(f"init {repo_id}".encode()).hexdigest()
         repo.commits[first] = {".gitattributes": Blob(len(GITATTRIBUTES), data=GITATTRIBUTES)}
         repo.refs["main"] = first
