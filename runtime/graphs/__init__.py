@@ -1,1 +1,26 @@
-"""Per-architecture runtime graphs; each knows GGUF names only."""
+"""Per-architecture runtime graphs; each knows GGUF names only.
+
+A graph module exposes: `HParams.from_kv(kv)`, `main_tensors(hp)`, `mtp_tensors(hp)`,
+`optional_mtp_tensors(hp)`, `OPTIONAL`, `keep_float32(name)`, `main_layout(hp)`, `mtp_layout(hp)`,
+`forward_main(...)` and `forward_mtp(...)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from specconv.archs.errors import SpecconvError
+
+# GGUF arch -> module under specconv.runtime.graphs
+GRAPHS: dict[str, str] = {
+    "qwen35": "qwen35",
+    "qwen35moe": "qwen35",
+}
+
+
+def graph_module(arch: str) -> ModuleType:
+    module = GRAPHS.get(arch)
+    if module is None:
+        raise SpecconvError(f"the runtime has no graph for GGUF arch {arch!r} (supported: {', '.join(sorted(GRAPHS))})")
+    return importlib.import_module(f"specconv.runtime.graphs.{module}")

@@ -1,0 +1,143 @@
+"""`Context` = model weights + graph type + per-sequence memory; `decode` evaluates a batch.
+
+MAIN: `decode(tokens, positions=None, seq=0, hidden=("post_norm",), layers=())` returns logits for
+every row (or `logits="last"` / `None`) and the hidden states asked for: "post_norm" (the input of
+the LM head, what the MTP head consumes), "pre_norm" (the residual stream after the last block) and
+"layer:J" (the input of block J; J = n_layer gives post_norm).
+MTP: `decode(tokens, positions, seq=0, hidden_in=h)` with one target hidden row per token; returns
+logits and hidden["nextn"] (the normed output, fed back when chaining drafts) and "pre_norm".
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.memory import Memory, SeqCheckpoint
+from specconv.runtime.model import Model
+from specconv.runtime.types import DecodeOutput, GraphType
+
+ROLLBACK_MODES = ("snapshot", "checkpoint")
+GDN_MODES = ("auto", "chunked", "recurrent")
+
+
+class Context:
+    def __init__(self, model: Model, graph_type: GraphType = GraphType.MAIN, n_seq: int = 1, n_ctx: int = 4096,
+                 n_rs_seq: int = 8, rollback: str = "snapshot", gdn_mode: str = "auto",
+                 state_dtype: torch.dtype | None = None):
+        model.require(graph_type)
+        if rollback not in ROLLBACK_MODES:
+            raise SpecconvError(f"rollback must be one of {ROLLBACK_MODES}, not {rollback!r}")
+        if gdn_mode not in GDN_MODES:
+            raise SpecconvError(f"gdn_mode must be one of {GDN_MODES}, not {gdn_mode!r}")
+        if n_seq < 1 or n_ctx < 1 or n_rs_seq < 0:
+            raise SpecconvError("n_seq and n_ctx must be ≥ 1 and n_rs_seq ≥ 0")
+        self.model, self.graph_type = model, graph_type
+        self.rollback = rollback
+        self.n_rs_seq = n_rs_seq if rollback == "snapshot" else 0
+        self.gdn_mode = gdn_mode
+        self.n_seq, self.n_ctx = n_seq, n_ctx
+        g, hp = model.graph, model.hparams
+        if state_dtype is None:  # the recurrence always runs at least in float32
+            state_dtype = torch.float64 if model.dtype == torch.float64 else torch.float32
+        layout = g.main_layout(hp, state_dtype) if graph_type == GraphType.MAIN else g.mtp_layout(hp)
+        self.memory = Memory(layout, n_seq, n_ctx, self.n_rs_seq, model.device, model.dtype)
+        self.n_evaluated = 0  # tokens evaluated so far (statistics)
+        self.n_decode_calls = 0
+
+    # ---- evaluation ---------------------------------------------------------------------------
+    def decode(self, tokens, positions=None, seq: int = 0, hidden: Sequence[str] = ("post_norm",),
+               layers: Sequence[int] = (), hidden_in: torch.Tensor | None = None,
+               logits: str | None = "all") -> DecodeOutput:
+        self.memory.check_seq(seq)
+        dev = self.model.device
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=dev).reshape(-1)
+        n = tokens.shape[0]
+        if n == 0:
+            raise SpecconvError("decode: empty batch")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.model.n_vocab:
+            raise SpecconvError(f"decode: token id out of range [0, {self.model.n_vocab})")
+        if positions is None:
+            start = self.memory.n_past(seq)
+            positions = torch.arange(start, start + n, device=dev)
+        else:
+            positions = torch.as_tensor(positions, dtype=torch.long, device=dev).reshape(-1)
+            if positions.shape[0] != n:
+                raise SpecconvError(f"decode: {n} tokens but {positions.shape[0]} positions")
+            if n > 1 and bool((positions[1:] <= positions[:-1]).any()):
+                raise SpecconvError("decode: positions must increase within a batch")
+        rows = {"all": None, "last": torch.tensor([n - 1], device=dev), None: torch.zeros(0, dtype=torch.long, device=dev)}
+        if logits not in rows:
+            raise SpecconvError("decode: logits must be 'all', 'last' or None")
+        batch = self.memory.begin(seq, positions)
+        g, hp, w = self.model.graph, self.model.hparams, self.model.weights
+        with torch.inference_mode():
+            if self.graph_type == GraphType.MAIN:
+                out = self._main(tokens, batch, hidden, layers, rows[logits])
+            elif self.graph_type == GraphType.MTP:
+                if hidden_in is None:
+                    raise SpecconvError("MTP decode needs hidden_in: one target hidden row per token")
+                h = torch.as_tensor(hidden_in, device=dev).reshape(n, hp.n_embd).to(self.model.dtype)
+                lg, z, pre = g.forward_mtp(w, hp, tokens, h, batch)
+                if rows[logits] is not None:
+                    lg = lg[rows[logits]]
+                out = DecodeOutput(logits=lg, hidden={"nextn": z, "pre_norm": pre})
+            else:
+                raise SpecconvError(f"graph type {self.graph_type.value} is not implemented by this runtime")
+        self.memory.commit(batch)
+        self.n_evaluated += n
+        self.n_decode_calls += 1
+        out.positions = positions
+        return out
+
+    def _main(self, tokens, batch, hidden, layers, logit_rows) -> DecodeOutput:
+        hp = self.model.hparams
+        want = set(layers)
+        for name in hidden:
+            if name.startswith("layer:"):
+                want.add(int(name.split(":", 1)[1]))
+            elif name not in ("post_norm", "pre_norm"):
+                raise SpecconvError(f"unknown hidden state {name!r} (post_norm, pre_norm, layer:J)")
+        bad = [j for j in want if not 0 <= j <= hp.n_layer]
+        if bad:
+            raise SpecconvError(f"layer:{bad[0]} out of range 0..{hp.n_layer}")
+        lg, post, pre, per_layer = self.model.graph.forward_main(self.model.weights, hp, tokens, batch, want,
+                                                                  self.gdn_mode, logit_rows)
+        out = {}
+        if "post_norm" in hidden:
+            out["post_norm"] = post
+        if "pre_norm" in hidden:
+            out["pre_norm"] = pre
+        for j, h in per_layer.items():
+            out[f"layer:{j}"] = h
+        return DecodeOutput(logits=lg, hidden=out)
+
+    # ---- memory -------------------------------------------------------------------------------
+    def n_past(self, seq: int = 0) -> int:
+        self.memory.check_seq(seq)
+        return self.memory.n_past(seq)
+
+    def seq_rm(self, seq: int, from_pos: int) -> bool:
+        """Forget positions ≥ from_pos of `seq`. False when a recurrent state for from_pos-1 is not
+        held (further back than n_rs_seq, or checkpoint mode): then nothing changed."""
+        self.memory.check_seq(seq)
+        return self.memory.seq_rm(seq, from_pos)
+
+    def checkpoint(self, seq: int = 0) -> SeqCheckpoint:
+        self.memory.check_seq(seq)
+        return self.memory.checkpoint(seq)
+
+    def restore(self, seq: int, state: SeqCheckpoint):
+        self.memory.check_seq(seq)
+        self.memory.restore(seq, state)
+
+    def clear(self, seq: int | None = None):
+        if seq is not None:
+            self.memory.check_seq(seq)
+        self.memory.clear(seq)
+
+    def recurrent_state(self, seq: int, layer: int):
+        """(conv window, SSM state) of trunk block `layer` now, for tests."""
+        return self.memory.recurrent_state(seq, layer)

@@ -1,0 +1,88 @@
+"""Gated DeltaNet kernels (model-math.md §2.2): causal conv, and the gated delta rule in its
+recurrent and chunked forms. Both forms can return the state after each of the last `keep`
+tokens, so the memory can keep per-position snapshots for rollback without recomputation.
+
+Shapes (one sequence): q, k [n, nv, dk] (already expanded to value heads, L2-normed, q scaled),
+v [n, nv, dv], g (log-decay ≤ 0) and beta [n, nv], state S [nv, dk, dv]; all in the state dtype
+(float32, or float64 for a float64 context).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64  # as HF torch_chunk_gated_delta_rule and llama.cpp's prefill path
+
+
+def causal_conv(m: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, keep: int):
+    """Depthwise causal conv + SiLU over pre-conv inputs m [n, C] with the previous K-1 inputs
+    conv_state [C, K-1] (oldest first); weight [C, K].
+
+    Returns (activations [n, C], conv states after each of the last `keep` tokens [keep, C, K-1]).
+    """
+    n = m.shape[0]
+    k_size = weight.shape[1]
+    x = torch.cat([conv_state.t().to(m.dtype), m], dim=0)  # [K-1+n, C]
+    windows = x.unfold(0, k_size, 1)  # [n, C, K]
+    wide = torch.float64 if m.dtype == torch.float64 else torch.float32
+    out = F.silu((windows.to(wide) * weight.to(wide)).sum(-1)).to(m.dtype)
+    # the state after token i is inputs i+1 .. i+K-1 of x, i.e. x[i+1 : i+K]
+    first = n - keep
+    states = x.unfold(0, k_size - 1, 1)[first + 1: n + 1]  # [keep, C, K-1]
+    return out, states
+
+
+def recurrent_delta_rule(q, k, v, g, beta, state, keep: int = 1):
+    """Token-by-token: S ← e^g S; δ = β(v − Sᵀk); S ← S + k δᵀ; o = Sᵀq.
+    Returns (o [n, nv, dv], states after each of the last `keep` tokens [keep, nv, dk, dv])."""
+    n = q.shape[0]
+    outs, states = [], []
+    s = state
+    for t in range(n):
+        s = s * torch.exp(g[t])[:, None, None]
+        u = torch.einsum("hkv,hk->hv", s, k[t])
+        delta = beta[t][:, None] * (v[t] - u)
+        s = s + k[t][:, :, None] * delta[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", s, q[t]))
+        if t >= n - keep:
+            states.append(s)
+    return torch.stack(outs), torch.stack(states)
+
+
+def chunked_delta_rule(q, k, v, g, beta, state, keep: int = 1, chunk: int = CHUNK):
+    """The same function evaluated chunk-wise (WY form). Per chunk of L rows with cumulative decay Γ:
+    (I + T) U = βV, (I + T) W = β e^Γ K, V_new = U − W S, O = (Q e^Γ) S + (QKᵀ ⊙ D) V_new,
+    S_i = e^{Γ_i} S + Σ_{j≤i} D_ij k_j V_new_jᵀ (only for the rows whose state is kept)."""
+    n, nv, dk = k.shape
+    outs, kept = [], []
+    s = state
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        qc, kc, vc = q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+        gc, bc = g[start:end].t(), beta[start:end].t()  # [nv, L]
+        length = end - start
+        gamma = gc.cumsum(-1)  # Γ_i
+        lower = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        diff = (gamma[:, :, None] - gamma[:, None, :]).masked_fill(~lower, float("-inf"))
+        decay = torch.exp(diff)  # D_ij, zero above the diagonal
+        kk = kc @ kc.transpose(-1, -2)
+        t_mat = (bc[:, :, None] * kk * decay).tril(-1)
+        eye = torch.eye(length, dtype=q.dtype, device=q.device).expand(nv, length, length)
+        a_mat = eye + t_mat
+        u = torch.linalg.solve_triangular(a_mat, bc[:, :, None] * vc, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(a_mat, (bc * gamma.exp())[:, :, None] * kc, upper=False,
+                                          unitriangular=True)
+        v_new = u - w @ s  # [nv, L, dv]
+        o = (qc * gamma.exp()[:, :, None]) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ v_new
+        outs.append(o.transpose(0, 1))
+        first_kept = max(n - keep, start)
+        if first_kept < end:
+            rows = torch.arange(first_kept - start, length, device=q.device)
+            d_rows = decay[:, rows, :]  # [nv, m, L]
+            s_rows = torch.einsum("hij,hjk,hjv->ihkv", d_rows, kc, v_new)
+            s_rows = s_rows + gamma.exp()[:, rows].t()[:, :, None, None] * s[None]
+            kept.append(s_rows)
+        last = gamma[:, -1]
+        s = last.exp()[:, None, None] * s + (kc * torch.exp(last[:, None] - gamma)[:, :, None]).transpose(-1, -2) @ v_new
+    return torch.cat(outs), torch.cat(kept)

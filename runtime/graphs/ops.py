@@ -1,0 +1,93 @@
+"""Building blocks shared by the graphs (model-math.md §1): norms, rope, attention, FFNs.
+
+Reductions run in float32 whatever the compute dtype; results come back in the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def acc(x: torch.Tensor) -> torch.Tensor:
+    """x in the accumulation dtype: float32, or float64 when computing in float64."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x · (mean(x²) + ε)^(-1/2) ⊙ w over the last axis (the GGUF weight already holds any +1)."""
+    xf = acc(x)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(xf.dtype)
+    return y.to(x.dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = acc(x)
+    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ wᵀ for a GGUF matrix in torch order [out, in]."""
+    return x @ w.to(x.dtype).t()
+
+
+def rope_cos_sin(positions: torch.Tensor, n_rot: int, base: float,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, n_rot/2] for NEOX rope with θ_i = base^(-2i/n_rot). The frequencies are rounded to
+    float32 as HF and llama.cpp hold them; angles and cos/sin in `dtype` (float32 or float64)."""
+    exponent = torch.arange(0, n_rot, 2, device=positions.device, dtype=torch.int64).float() / n_rot
+    inv_freq = (1.0 / (base ** exponent)).to(dtype)
+    angles = positions.to(dtype)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def rope_neox_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + d/2) of the first d = 2·cos.shape[-1] dims of every head; x: [n, heads, hd]."""
+    half = cos.shape[-1]
+    d = 2 * half
+    xr = acc(x[..., :d])
+    x1, x2 = xr[..., :half], xr[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    return torch.cat([rotated, x[..., d:]], dim=-1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                     k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q·kᵀ·scale) v with key visible iff k_pos ≤ q_pos; grouped-query heads.
+
+    q: [n, nh, hd], k/v: [T, nkv, hd] -> [n, nh, hd]. Query head j uses KV head j // (nh/nkv).
+    """
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,thd->hnt", acc(q), acc(k)) * scale
+    visible = k_pos[None, :] <= q_pos[:, None]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hnt,thd->nhd", probs, acc(v)).to(q.dtype)
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def moe_softmax_topk(x: torch.Tensor, router: torch.Tensor, n_used: int, gate_exps: torch.Tensor,
+                     up_exps: torch.Tensor, down_exps: torch.Tensor) -> torch.Tensor:
+    """Softmax router over all experts, top-k, weights renormalised over the chosen k (model-math §3.1).
+
+    router [E, H]; gate/up_exps [E, Fe, H]; down_exps [E, H, Fe].
+    """
+    xf = acc(x)
+    probs = torch.softmax(xf @ router.to(xf.dtype).t(), dim=-1)
+    weights, chosen = torch.topk(probs, n_used, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros(x.shape[0], down_exps.shape[1], dtype=xf.dtype, device=x.device)
+    for e in torch.unique(chosen).tolist():
+        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+        y = swiglu(x[rows], gate_exps[e], up_exps[e], down_exps[e])
+        out.index_add_(0, rows, acc(y) * weights[rows, slot][:, None])
+    return out.to(x.dtype)

@@ -1,0 +1,278 @@
+"""Qwen3.5 / Qwen3.5-MoE graphs (GGUF arch `qwen35`, `qwen35moe`), model-math.md §2, §3.1, §7.
+
+MAIN: the trunk (blocks 0..n_layer-1): gated full attention with partial NEOX rope, Gated DeltaNet,
+dense SwiGLU or MoE with a gated shared expert. MTP: the one nextn block (block n_layer) with its
+own KV cache; input rows are (token, target post-norm hidden), embedding first in the concat.
+Only GGUF names are used here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs import gdn
+from specconv.runtime.graphs.ops import (
+    acc, causal_attention, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
+)
+from specconv.runtime.memory import Batch, MemoryLayout
+
+ARCHES = ("qwen35", "qwen35moe")
+
+
+@dataclass
+class HParams:
+    arch: str
+    n_layer: int  # trunk blocks
+    n_nextn: int  # MTP blocks after the trunk
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rope_base: float
+    eps: float
+    recurrent: list[bool]  # per trunk block
+    conv_kernel: int
+    ssm_dk: int  # ssm.state_size
+    ssm_groups: int  # nk
+    ssm_heads: int  # nv (ssm.time_step_rank)
+    ssm_inner: int  # nv * dv
+    n_ff: int = 0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    context_length: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+    @property
+    def ssm_dv(self) -> int:
+        return self.ssm_inner // self.ssm_heads
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.ssm_groups * self.ssm_dk + self.ssm_inner
+
+    @classmethod
+    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        arch = kv["general.architecture"]
+
+        def get(key, default=None, required=True):
+            v = kv.get(f"{arch}.{key}", default)
+            if v is None and required:
+                raise SpecconvError(f"GGUF metadata lacks {arch}.{key}")
+            return v
+
+        block_count = get("block_count")
+        n_nextn = get("nextn_predict_layers", 0)
+        if n_nextn > block_count:
+            raise SpecconvError(f"{arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({block_count})")
+        n_layer = block_count - n_nextn
+        key_len, val_len = get("attention.key_length"), get("attention.value_length")
+        if key_len != val_len:
+            raise SpecconvError(f"attention.key_length {key_len} != value_length {val_len}")
+        rec = kv.get(f"{arch}.attention.recurrent_layers")
+        if rec is not None:
+            recurrent = [bool(x) for x in rec[:n_layer]]
+        else:
+            interval = get("full_attention_interval", 4)
+            recurrent = [(i + 1) % interval != 0 for i in range(n_layer)]
+        hp = cls(
+            arch=arch, n_layer=n_layer, n_nextn=n_nextn, n_embd=get("embedding_length"),
+            n_head=get("attention.head_count"), n_head_kv=_scalar(get("attention.head_count_kv")),
+            head_dim=key_len, n_rot=get("rope.dimension_count", key_len), rope_base=float(get("rope.freq_base", 10000.0)),
+            eps=float(get("attention.layer_norm_rms_epsilon")), recurrent=recurrent,
+            conv_kernel=get("ssm.conv_kernel"), ssm_dk=get("ssm.state_size"), ssm_groups=get("ssm.group_count"),
+            ssm_heads=get("ssm.time_step_rank"), ssm_inner=get("ssm.inner_size"),
+            n_ff=_scalar(get("feed_forward_length", 0, required=False) or 0),
+            n_expert=get("expert_count", 0, required=False) or 0,
+            n_expert_used=get("expert_used_count", 0, required=False) or 0,
+            n_ff_exp=get("expert_feed_forward_length", 0, required=False) or 0,
+            n_ff_shexp=get("expert_shared_feed_forward_length", 0, required=False) or 0,
+            context_length=get("context_length", 0, required=False) or 0,
+        )
+        if hp.ssm_inner % hp.ssm_heads or hp.ssm_heads % hp.ssm_groups:
+            raise SpecconvError(f"inconsistent SSM sizes: inner {hp.ssm_inner}, heads {hp.ssm_heads}, groups {hp.ssm_groups}")
+        if arch == "qwen35moe" and not hp.n_expert:
+            raise SpecconvError("qwen35moe file without expert_count")
+        return hp
+
+
+def _scalar(v):
+    """head_count_kv / feed_forward_length may be per-layer lists; this graph needs one value."""
+    if isinstance(v, list):
+        if len(set(v)) != 1:
+            raise SpecconvError(f"per-layer values {v} are not supported by the qwen35 graph")
+        return v[0]
+    return v
+
+
+# ---- which tensors the graphs need ------------------------------------------------------------
+
+def _ffn_names(hp: HParams, i: int) -> list[str]:
+    if hp.is_moe:
+        return [f"blk.{i}.{n}.weight" for n in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+                                                "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")]
+    return [f"blk.{i}.ffn_{n}.weight" for n in ("gate", "up", "down")]
+
+
+def _attn_names(i: int) -> list[str]:
+    return [f"blk.{i}.{n}.weight" for n in ("attn_norm", "post_attention_norm", "attn_q", "attn_k", "attn_v",
+                                           "attn_output", "attn_q_norm", "attn_k_norm")]
+
+
+def _gdn_names(i: int) -> list[str]:
+    return [f"blk.{i}.{n}" for n in ("attn_norm.weight", "post_attention_norm.weight", "attn_qkv.weight",
+                                      "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_a",
+                                      "ssm_dt.bias", "ssm_conv1d.weight", "ssm_norm.weight", "ssm_out.weight")]
+
+
+def main_tensors(hp: HParams) -> list[str]:
+    names = ["token_embd.weight", "output_norm.weight"]
+    for i in range(hp.n_layer):
+        names += (_gdn_names(i) if hp.recurrent[i] else _attn_names(i)) + _ffn_names(hp, i)
+    return names
+
+
+def mtp_tensors(hp: HParams) -> list[str]:
+    n = hp.n_layer
+    return (["token_embd.weight", "output_norm.weight"] + _attn_names(n) + _ffn_names(hp, n)
+            + [f"blk.{n}.nextn.{x}.weight" for x in ("eh_proj", "enorm", "hnorm")])
+
+
+OPTIONAL = ("output.weight",)  # absent when tied to token_embd
+
+
+def optional_mtp_tensors(hp: HParams) -> list[str]:
+    n = hp.n_layer
+    return [f"blk.{n}.nextn.{x}.weight" for x in ("shared_head_norm", "embed_tokens", "shared_head_head")]
+
+
+def keep_float32(name: str) -> bool:
+    """Tensors GGUF keeps in F32 (norms, gates, conv, decay) stay float32 whatever the compute dtype."""
+    return (name.endswith("norm.weight") or name.endswith(".bias") or name.endswith("ssm_a")
+            or "ssm_conv1d" in name or "ffn_gate_inp" in name)
+
+
+def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
+    return MemoryLayout(
+        attn_layers=[i for i in range(hp.n_layer) if not hp.recurrent[i]], n_head_kv=hp.n_head_kv,
+        head_dim=hp.head_dim, rec_layers=[i for i in range(hp.n_layer) if hp.recurrent[i]],
+        conv_channels=hp.conv_channels, conv_kernel=hp.conv_kernel, ssm_heads=hp.ssm_heads,
+        ssm_dk=hp.ssm_dk, ssm_dv=hp.ssm_dv, state_dtype=state_dtype)
+
+
+def mtp_layout(hp: HParams) -> MemoryLayout:
+    return MemoryLayout(attn_layers=[hp.n_layer], n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, rec_layers=[])
+
+
+# ---- blocks -----------------------------------------------------------------------------------
+
+def gated_attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+    n = a.shape[0]
+    qg = linear(a, w[f"blk.{i}.attn_q.weight"]).view(n, hp.n_head, 2 * hp.head_dim)
+    q, gate = qg[..., :hp.head_dim], qg[..., hp.head_dim:]  # q and gate interleaved per head
+    k = linear(a, w[f"blk.{i}.attn_k.weight"]).view(n, hp.n_head_kv, hp.head_dim)
+    v = linear(a, w[f"blk.{i}.attn_v.weight"]).view(n, hp.n_head_kv, hp.head_dim)
+    q = rms_norm(q, w[f"blk.{i}.attn_q_norm.weight"], hp.eps)
+    k = rms_norm(k, w[f"blk.{i}.attn_k_norm.weight"], hp.eps)
+    cos, sin = rope
+    q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
+    k_all, v_all, k_pos = batch.attend_kv(i, k, v)
+    o = causal_attention(q, k_all, v_all, batch.positions, k_pos, hp.head_dim ** -0.5)
+    o = o * torch.sigmoid(acc(gate)).to(o.dtype)
+    return linear(o.reshape(n, hp.n_head * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
+
+
+def gated_deltanet(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, mode: str) -> torch.Tensor:
+    n = a.shape[0]
+    nk, nv, dk, dv = hp.ssm_groups, hp.ssm_heads, hp.ssm_dk, hp.ssm_dv
+    m = linear(a, w[f"blk.{i}.attn_qkv.weight"])  # [n, C] = [q | k | v]
+    z = linear(a, w[f"blk.{i}.attn_gate.weight"]).view(n, nv, dv)
+    b = acc(linear(a, w[f"blk.{i}.ssm_beta.weight"]))
+    alpha = acc(linear(a, w[f"blk.{i}.ssm_alpha.weight"]))
+    conv_state, ssm_state = batch.recurrent_in(i)
+    c, conv_states = gdn.causal_conv(m, conv_state, w[f"blk.{i}.ssm_conv1d.weight"], batch.keep)
+    q = c[:, :nk * dk].view(n, nk, dk)
+    k = c[:, nk * dk:2 * nk * dk].view(n, nk, dk)
+    v = acc(c[:, 2 * nk * dk:].reshape(n, nv, dv))
+    q = l2_norm(q, hp.eps) * dk ** -0.5
+    k = l2_norm(k, hp.eps)
+    # GGUF value heads are tiled: value head h reads key head h mod nk
+    q, k = q.repeat(1, nv // nk, 1), k.repeat(1, nv // nk, 1)
+    beta = torch.sigmoid(b)
+    g = w[f"blk.{i}.ssm_a"].to(alpha.dtype) * F.softplus(alpha + w[f"blk.{i}.ssm_dt.bias"].to(alpha.dtype))
+    sd = ssm_state.dtype  # float32, or float64 for a reference-grade recurrence
+    q, k, v, g, beta = q.to(sd), k.to(sd), v.to(sd), g.to(sd), beta.to(sd)
+    if mode == "recurrent" or (mode == "auto" and n == 1):
+        o, states = gdn.recurrent_delta_rule(q, k, v, g, beta, ssm_state, keep=batch.keep)
+    else:
+        o, states = gdn.chunked_delta_rule(q, k, v, g, beta, ssm_state, keep=batch.keep)
+    batch.recurrent_out(i, conv_states, states)
+    y = rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], hp.eps) * F.silu(acc(z))
+    return linear(y.reshape(n, nv * dv).to(a.dtype), w[f"blk.{i}.ssm_out.weight"])
+
+
+def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
+    p = f"blk.{i}."
+    if not hp.is_moe:
+        return swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+    routed = moe_softmax_topk(x, w[p + "ffn_gate_inp.weight"], hp.n_expert_used, w[p + "ffn_gate_exps.weight"],
+                              w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"])
+    shared = swiglu(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
+    xf = acc(x)
+    gate = torch.sigmoid(xf @ w[p + "ffn_gate_inp_shexp.weight"].to(xf.dtype).reshape(-1, 1))
+    return routed + (acc(shared) * gate).to(x.dtype)
+
+
+def output_head(w) -> torch.Tensor:
+    return w["output.weight"] if "output.weight" in w else w["token_embd.weight"]
+
+
+# ---- graphs -----------------------------------------------------------------------------------
+
+def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
+                 want_logits: torch.Tensor | None):
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J})."""
+    h = w["token_embd.weight"][tokens]
+    rope = rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, acc(h).dtype)
+    layer_inputs = {}
+    for i in range(hp.n_layer):
+        if i in want_layers:
+            layer_inputs[i] = h
+        a = rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps)
+        h = h + (gated_deltanet(w, hp, i, a, batch, gdn_mode) if hp.recurrent[i]
+                 else gated_attention(w, hp, i, a, batch, rope))
+        h = h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.eps))
+    post = rms_norm(h, w["output_norm.weight"], hp.eps)
+    if hp.n_layer in want_layers:
+        layer_inputs[hp.n_layer] = post
+    rows = post if want_logits is None else post[want_logits]
+    logits = acc(linear(rows, output_head(w)))
+    return logits, post, h, layer_inputs
+
+
+def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
+    """One MTP row per token: u = eh_proj·[enorm(E[x]) ; hnorm(h)], one full-attention block,
+    z = shared_head_norm(y); returns (logits, z = "nextn", y = pre-norm)."""
+    n = hp.n_layer
+    p = f"blk.{n}."
+    embd = w.get(p + "nextn.embed_tokens.weight", w["token_embd.weight"])
+    e = rms_norm(embd[tokens], w[p + "nextn.enorm.weight"], hp.eps)
+    hn = rms_norm(hidden_in.to(e.dtype), w[p + "nextn.hnorm.weight"], hp.eps)
+    h = linear(torch.cat([e, hn], dim=-1), w[p + "nextn.eh_proj.weight"])
+    rope = rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, acc(h).dtype)
+    h = h + gated_attention(w, hp, n, rms_norm(h, w[p + "attn_norm.weight"], hp.eps), batch, rope)
+    h = h + ffn(w, hp, n, rms_norm(h, w[p + "post_attention_norm.weight"], hp.eps))
+    z = rms_norm(h, w.get(p + "nextn.shared_head_norm.weight", w["output_norm.weight"]), hp.eps)
+    head = w.get(p + "nextn.shared_head_head.weight", output_head(w))
+    return acc(linear(z, head)), z, h

@@ -1,0 +1,210 @@
+"""Per-sequence memory of a context: attention KV cells and Gated DeltaNet state with snapshots.
+
+Attention: every layer has K/V buffers [n_seq, n_ctx, nkv, hd]; a sequence's cells are appended in
+order and each remembers its position (the mask compares positions, so rope stays relative and the
+row conventions of the MTP head need no special casing). `seq_rm(seq, p)` drops the cells with
+position ≥ p, which is a length change.
+
+Recurrent (Gated DeltaNet) layers: every layer has a ring of R+1 slots per sequence holding the
+conv window [C, K-1] and the SSM state [nv, dk, dv] (float32; float64 in a float64 context) after some position; all layers share
+one bookkeeping per sequence (`slot_pos`, `cur`). Evaluating n tokens writes the states after each
+of the last min(n, R+1) tokens into the slots after `cur` and moves `cur` to the last one. Rolling
+back to position p therefore means finding the slot that holds the state after p-1 and making it
+current: an index change, no recomputation. R = `n_rs_seq`; R = 0 is the checkpoint mode, in which
+only whole-sequence removal or `restore` of a `checkpoint` can move the state back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specconv.archs.errors import SpecconvError
+
+EMPTY = -2  # slot holds nothing valid
+BEFORE_START = -1  # slot holds the zero state before position 0
+
+
+@dataclass
+class MemoryLayout:
+    """What one graph needs: attention layer shapes and recurrent layer shapes (by graph-local index)."""
+
+    attn_layers: list[int]  # graph layer ids with a KV cache
+    n_head_kv: int
+    head_dim: int
+    rec_layers: list[int]  # graph layer ids with recurrent state
+    conv_channels: int = 0
+    conv_kernel: int = 0
+    ssm_heads: int = 0
+    ssm_dk: int = 0
+    ssm_dv: int = 0
+    state_dtype: torch.dtype = torch.float32  # of the SSM state and the delta-rule arithmetic
+
+
+@dataclass
+class SeqCheckpoint:
+    """A saved sequence: its cell count and the current recurrent state of every layer."""
+
+    n_cells: int
+    slot_pos: int
+    conv: list[torch.Tensor]
+    ssm: list[torch.Tensor]
+
+
+class Memory:
+    def __init__(self, layout: MemoryLayout, n_seq: int, n_ctx: int, n_rs_seq: int, device, dtype):
+        self.layout = layout
+        self.n_seq, self.n_ctx = n_seq, n_ctx
+        self.ring = n_rs_seq + 1
+        self.device, self.dtype = device, dtype
+        shape = (n_seq, n_ctx, layout.n_head_kv, layout.head_dim)
+        self.k = {l: torch.zeros(shape, dtype=dtype, device=device) for l in layout.attn_layers}
+        self.v = {l: torch.zeros(shape, dtype=dtype, device=device) for l in layout.attn_layers}
+        self.cell_pos = torch.full((n_seq, n_ctx), -1, dtype=torch.long, device=device)
+        self.n_cells = [0] * n_seq
+        self.conv = {l: torch.zeros(n_seq, self.ring, layout.conv_channels, layout.conv_kernel - 1,
+                                    dtype=layout.state_dtype, device=device) for l in layout.rec_layers}
+        self.ssm = {l: torch.zeros(n_seq, self.ring, layout.ssm_heads, layout.ssm_dk, layout.ssm_dv,
+                                   dtype=layout.state_dtype, device=device) for l in layout.rec_layers}
+        self.slot_pos = [[EMPTY] * self.ring for _ in range(n_seq)]
+        self.cur = [0] * n_seq
+        self.last_pos = [-1] * n_seq  # highest position evaluated in the sequence
+        for s in range(n_seq):
+            self.slot_pos[s][0] = BEFORE_START
+        self._pending = None
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+    def check_seq(self, seq: int):
+        if not 0 <= seq < self.n_seq:
+            raise SpecconvError(f"sequence {seq} out of range (the context has {self.n_seq})")
+
+    def n_past(self, seq: int) -> int:
+        return self.last_pos[seq] + 1
+
+    @property
+    def has_recurrent(self) -> bool:
+        return bool(self.layout.rec_layers)
+
+    def begin(self, seq: int, positions: torch.Tensor) -> "Batch":
+        """Reserve cells for a batch; layers then write/read through the returned Batch."""
+        n = positions.shape[0]
+        start = self.n_cells[seq]
+        if start + n > self.n_ctx:
+            raise SpecconvError(f"context full: sequence {seq} has {start} cells, {n} more exceed n_ctx={self.n_ctx}")
+        first = int(positions[0])
+        if first <= self.last_pos[seq]:
+            raise SpecconvError(f"position {first} is not after the last position {self.last_pos[seq]} "
+                                f"of sequence {seq}; remove it with seq_rm first")
+        keep = min(n, self.ring)
+        slots = [(self.cur[seq] + 1 + i) % self.ring for i in range(keep)]
+        return Batch(self, seq, positions, start, slots)
+
+    def commit(self, batch: "Batch"):
+        seq, n = batch.seq, batch.positions.shape[0]
+        self.cell_pos[seq, batch.start:batch.start + n] = batch.positions
+        self.n_cells[seq] = batch.start + n
+        kept = batch.positions[n - len(batch.slots):].tolist()
+        for slot, pos in zip(batch.slots, kept):
+            self.slot_pos[seq][slot] = pos
+        self.cur[seq] = batch.slots[-1]
+        self.last_pos[seq] = int(batch.positions[-1])
+
+    # ---- rollback -----------------------------------------------------------------------------
+    def seq_rm(self, seq: int, from_pos: int) -> bool:
+        """Forget positions ≥ from_pos. False (nothing changed) when a recurrent state for
+        from_pos-1 is not in the ring."""
+        from_pos = max(from_pos, 0)
+        if from_pos > self.last_pos[seq]:
+            return True
+        if from_pos == 0:
+            self.clear(seq)
+            return True
+        if self.has_recurrent:
+            slots = self.slot_pos[seq]
+            if (from_pos - 1) not in slots:
+                return False
+            self.cur[seq] = slots.index(from_pos - 1)
+            for i, p in enumerate(slots):
+                if p >= from_pos:
+                    slots[i] = EMPTY
+        self._truncate_cells(seq, from_pos)
+        self.last_pos[seq] = from_pos - 1
+        return True
+
+    def _truncate_cells(self, seq: int, from_pos: int):
+        n = self.n_cells[seq]
+        keep = int((self.cell_pos[seq, :n] < from_pos).sum())
+        self.cell_pos[seq, keep:n] = -1
+        self.n_cells[seq] = keep
+
+    def clear(self, seq: int | None = None):
+        for s in range(self.n_seq) if seq is None else [seq]:
+            self.n_cells[s] = 0
+            self.cell_pos[s] = -1
+            self.last_pos[s] = -1
+            self.slot_pos[s] = [EMPTY] * self.ring
+            self.slot_pos[s][0] = BEFORE_START
+            self.cur[s] = 0
+            for l in self.layout.rec_layers:
+                self.conv[l][s, 0].zero_()
+                self.ssm[l][s, 0].zero_()
+
+    def checkpoint(self, seq: int) -> SeqCheckpoint:
+        c = self.cur[seq]
+        return SeqCheckpoint(
+            n_cells=self.n_cells[seq],
+            slot_pos=self.slot_pos[seq][c],
+            conv=[self.conv[l][seq, c].clone() for l in self.layout.rec_layers],
+            ssm=[self.ssm[l][seq, c].clone() for l in self.layout.rec_layers],
+        )
+
+    def restore(self, seq: int, state: SeqCheckpoint):
+        """Back to a checkpoint. The attention cells before it must still be the same ones
+        (true when the sequence was only extended, or cut back no further than the checkpoint)."""
+        if self.n_cells[seq] < state.n_cells:
+            raise SpecconvError("restore: the sequence was cut back past its checkpoint; its attention cells are gone")
+        if state.n_cells:
+            self._truncate_cells(seq, int(self.cell_pos[seq, state.n_cells - 1]) + 1)
+        self.slot_pos[seq] = [EMPTY] * self.ring
+        self.cur[seq] = 0
+        self.slot_pos[seq][0] = state.slot_pos
+        for l, conv, ssm in zip(self.layout.rec_layers, state.conv, state.ssm):
+            self.conv[l][seq, 0].copy_(conv)
+            self.ssm[l][seq, 0].copy_(ssm)
+        self.last_pos[seq] = int(self.cell_pos[seq, state.n_cells - 1]) if state.n_cells else state.slot_pos
+
+    def recurrent_state(self, seq: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current (conv, ssm) state of a recurrent layer, for tests and drafters."""
+        c = self.cur[seq]
+        return self.conv[layer][seq, c], self.ssm[layer][seq, c]
+
+
+class Batch:
+    """One evaluation in progress on one sequence: where its cells and snapshots go."""
+
+    def __init__(self, memory: Memory, seq: int, positions: torch.Tensor, start: int, slots: list[int]):
+        self.memory, self.seq, self.positions, self.start, self.slots = memory, seq, positions, start, slots
+
+    @property
+    def keep(self) -> int:
+        return len(self.slots)
+
+    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store this batch's K/V and return (K, V, positions) of every visible cell incl. the new ones."""
+        m, s, n = self.memory, self.seq, k.shape[0]
+        end = self.start + n
+        m.k[layer][s, self.start:end] = k.to(m.dtype)
+        m.v[layer][s, self.start:end] = v.to(m.dtype)
+        pos = torch.cat([m.cell_pos[s, :self.start], self.positions])
+        return m.k[layer][s, :end], m.v[layer][s, :end], pos
+
+    def recurrent_in(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.memory.recurrent_state(self.seq, layer)
+
+    def recurrent_out(self, layer: int, conv_states: torch.Tensor, ssm_states: torch.Tensor):
+        """States after each of the last `keep` tokens, oldest first."""
+        m, s = self.memory, self.seq
+        idx = torch.tensor(self.slots, device=m.device)
+        m.conv[layer][s].index_copy_(0, idx, conv_states.to(m.layout.state_dtype))
+        m.ssm[layer][s].index_copy_(0, idx, ssm_states.to(m.layout.state_dtype))

@@ -1,0 +1,120 @@
+"""`load_model`: a GGUF file (or split shards) -> weights on a device + hparams + tokenizer.
+
+Which graphs a file serves is decided from its tensors, as llama.cpp does:
+* `nextn_predict_layers > 0` and no `blk.0.attn_norm.weight` -> an MTP-only sidecar: serves MTP;
+* a trunk plus `blk.{n_layer}.nextn.eh_proj.weight` -> embedded: serves MAIN and MTP;
+* a trunk without MTP tensors (key absent, or declared but the block missing) -> serves MAIN.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.device import resolve_device, resolve_dtype
+from specconv.runtime.gguf_file import GGUFModelFile
+from specconv.runtime.graphs import graph_module
+from specconv.runtime.tokenizer import GGUFTokenizer
+from specconv.runtime.types import GraphType
+
+SHAREABLE = ("token_embd.weight", "output.weight", "output_norm.weight")
+
+
+class Model:
+    """Weights of one GGUF model on one device, and what it can run."""
+
+    def __init__(self, file: GGUFModelFile, device: torch.device, dtype: torch.dtype, share_from: "Model | None"):
+        self.file = file
+        self.paths = file.paths
+        self.arch = file.arch
+        self.graph = graph_module(self.arch)
+        self.hparams = self.graph.HParams.from_kv(file.kv)
+        self.device, self.dtype = device, dtype
+        self.serves = self._detect_graphs()
+        self.kind = ("sidecar" if self.serves == {GraphType.MTP}
+                     else "embedded" if GraphType.MTP in self.serves else "trunk")
+        self.weights = self._load_weights(share_from)
+        self.n_embd = self.hparams.n_embd
+        self.n_vocab = int(self.weights["token_embd.weight"].shape[0])
+        self._tokenizer = None
+
+    def _detect_graphs(self) -> set[GraphType]:
+        hp, f = self.hparams, self.file
+        has_trunk = f.has("blk.0.attn_norm.weight")
+        has_mtp = hp.n_nextn > 0 and f.has(f"blk.{hp.n_layer}.nextn.eh_proj.weight")
+        if hp.n_nextn > 0 and not has_trunk:
+            if not has_mtp:
+                raise SpecconvError(f"{self.paths[0].name}: declares {hp.n_nextn} MTP layer(s) but holds neither "
+                                    f"the trunk nor blk.{hp.n_layer}.nextn.eh_proj.weight")
+            return {GraphType.MTP}
+        if not has_trunk:
+            raise SpecconvError(f"{self.paths[0].name}: no trunk (blk.0.attn_norm.weight) and no MTP layers")
+        return {GraphType.MAIN, GraphType.MTP} if has_mtp else {GraphType.MAIN}
+
+    def _load_weights(self, share_from: "Model | None") -> dict[str, torch.Tensor]:
+        g, hp = self.graph, self.hparams
+        needed: list[str] = []
+        if GraphType.MAIN in self.serves:
+            needed += g.main_tensors(hp)
+        if GraphType.MTP in self.serves:
+            needed += g.mtp_tensors(hp)
+            needed += [n for n in g.optional_mtp_tensors(hp) if self.file.has(n)]
+        needed += [n for n in g.OPTIONAL if self.file.has(n)]
+        needed = list(dict.fromkeys(needed))
+        missing = [n for n in needed if not self.file.has(n)]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise SpecconvError(f"{self.paths[0].name}: missing tensor(s) {', '.join(missing[:5])}{more}")
+        weights = {}
+        for name in needed:
+            shared = share_from.weights.get(name) if share_from is not None and name in SHAREABLE else None
+            if shared is not None and tuple(shared.shape) == self._torch_shape(name):
+                weights[name] = shared  # one copy of the embedding / head for target and sidecar
+                continue
+            wide = self.dtype if self.dtype == torch.float64 else torch.float32
+            dtype = wide if g.keep_float32(name) else self.dtype
+            weights[name] = self.file.load(name, self.device, dtype)
+        return weights
+
+    def _torch_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(reversed([int(d) for d in self.file.tensors[name].shape]))
+
+    @property
+    def tokenizer(self) -> GGUFTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = GGUFTokenizer(self.file.kv)
+        return self._tokenizer
+
+    def require(self, graph_type: GraphType):
+        if graph_type in self.serves:
+            return
+        name = self.paths[0].name
+        if graph_type == GraphType.MAIN and self.kind == "sidecar":
+            raise SpecconvError(f"{name} is an MTP-only sidecar (no trunk): it cannot run as the main model; "
+                                f"load the trunk file as MAIN and this one with --mtp")
+        if graph_type == GraphType.MTP:
+            raise SpecconvError(f"{name} has no MTP head (no blk.{self.hparams.n_layer}.nextn.eh_proj.weight); "
+                                f"give an mtp- sidecar file")
+        raise SpecconvError(f"{name} cannot run graph type {graph_type.value}")
+
+    def __repr__(self):
+        return (f"Model({self.paths[0].name}, arch={self.arch}, kind={self.kind}, "
+                f"serves={sorted(g.value for g in self.serves)}, device={self.device}, dtype={self.dtype})")
+
+
+def load_model(paths: str | os.PathLike | Iterable[str | os.PathLike], device: str | torch.device | None = "auto",
+               dtype: str | torch.dtype | None = None, share_from: Model | None = None) -> Model:
+    """Load a GGUF model (one file, any shard of a split model, or the list of shards).
+
+    `share_from`: a model already loaded (the target) whose token embedding / output head / output
+    norm are reused when identical in shape, so a sidecar adds only its own block.
+    """
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [Path(paths)]
+    return Model(GGUFModelFile(list(paths)), dev, dt, share_from)

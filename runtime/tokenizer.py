@@ -1,0 +1,91 @@
+"""A tokenizer built from GGUF metadata with the `tokenizers` library (no hand-written BPE).
+
+`tokenizer.ggml.model = gpt2` is byte-level BPE: the vocabulary is `tokenizer.ggml.tokens` (ids are
+positions), the merges are `tokenizer.ggml.merges`, and `tokenizer.ggml.pre` names the split regex.
+Tokens typed CONTROL (3) become special added tokens, USER_DEFINED (4) plain added tokens, as the
+converter derived them from the HF added tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from specconv.archs.errors import SpecconvError
+
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+
+# tokenizer.ggml.pre -> (split regex, NFC normalisation); names as llama.cpp's llama-vocab.cpp accepts them
+PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
+    "qwen35": (_QWEN35, True),
+    "qwen2": (_QWEN2, True),
+    "deepseek-r1-qwen": (_QWEN2, True),
+    "llama-bpe": (_LLAMA3, False),
+    "llama3": (_LLAMA3, False),
+    "llama-v3": (_LLAMA3, False),
+    "gpt2": (_GPT2, False),
+    "default": (_GPT2, False),
+}
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+
+class GGUFTokenizer:
+    """encode(text) -> ids, decode(ids) -> text, plus the special ids the file declares."""
+
+    def __init__(self, kv: Mapping[str, Any]):
+        model = kv.get("tokenizer.ggml.model")
+        if model is None:
+            raise SpecconvError("the GGUF file has no tokenizer (tokenizer.ggml.model is absent)")
+        if model != "gpt2":
+            raise SpecconvError(f"tokenizer model {model!r} is not supported by the runtime (only byte-level BPE 'gpt2')")
+        tokens: list[str] = kv["tokenizer.ggml.tokens"]
+        types: Sequence[int] = kv.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in kv.get("tokenizer.ggml.merges", [])]
+        pre = kv.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise SpecconvError(f"pre-tokenizer {pre!r} is not known to the runtime tokenizer "
+                                f"(known: {', '.join(sorted(PRE_TOKENIZERS))})")
+        regex, nfc = PRE_TOKENIZERS[pre]
+
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        if nfc:
+            tk.normalizer = normalizers.NFC()
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        tk.decoder = decoders.ByteLevel()
+        added = [AddedToken(tokens[i], special=(t == TOKEN_TYPE_CONTROL), normalized=False)
+                 for i, t in enumerate(types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)]
+        if added:
+            tk.add_tokens(added)
+        self._tk = tk
+        self.n_vocab = len(tokens)
+        self.special_ids = {i for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL}
+        self.bos_id = kv.get("tokenizer.ggml.bos_token_id")
+        self.eos_id = kv.get("tokenizer.ggml.eos_token_id")
+        self.eot_id = kv.get("tokenizer.ggml.eot_token_id")
+        self.add_bos = bool(kv.get("tokenizer.ggml.add_bos_token", False))
+        self.chat_template = kv.get("tokenizer.chat_template")
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self._tk.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return token in {t for t in (self.eos_id, self.eot_id) if t is not None}
