@@ -256,3 +256,97 @@ def test_builds_are_fast(tmp):
     cached = time.perf_counter() - t0
     print(f"fresh MoE build {fresh:.3f} s, cached copy {cached:.3f} s")
     assert fresh < 3 and cached < 1
+
+
+# ------------------------------------------------------------------ llama.cpp harness
+
+CONVERTERS = ["specconv", "upstream"]
+
+
+def _gguf(tmp, converter, moe, **build):
+    from tests.fixtures.gguf_files import convert_gguf, convert_gguf_upstream
+
+    d = build_qwen35(tmp / f"{converter}-{moe}-src", moe=moe, layout="release", **build)
+    out = tmp / f"{converter}-{moe}.gguf"
+    if not out.exists():
+        (convert_gguf if converter == "specconv" else convert_gguf_upstream)(d, out)
+    return d, out
+
+
+@pytest.fixture(scope="module")
+def peers():
+    from tests.fixtures import peers as p
+
+    p.require_llama_cpp()
+    return p
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+@pytest.mark.parametrize("moe", [False, True])
+def test_llama_harness_self_consistent(tmp, peers, converter, moe):
+    """One batch == one decode per token; greedy == argmax of batch logits; logits == h · W_outᵀ."""
+    d, g = _gguf(tmp, converter, moe)
+    batch = peers.llama_logits(g, IDS)
+    steps = peers.llama_logits(g, IDS, one_by_one=True)
+    assert batch.shape == (len(IDS), V) and np.isfinite(batch).all()
+    d_steps = np.abs(batch - steps).max()
+
+    greedy = peers.llama_greedy(g, IDS, 6)
+    full = peers.llama_logits(g, np.concatenate([IDS, greedy[:-1]]))
+    assert greedy == [int(x) for x in full[len(IDS) - 1:].argmax(-1)]
+
+    h = peers.llama_hidden(g, IDS)  # post-norm: the LM head applied to it gives the logits
+    w_out = read_all(d)["lm_head.weight"].double().numpy()
+    d_head = np.abs(h.astype(np.float64) @ w_out.T - batch).max()
+    print(f"[{converter} moe={moe}] llama.cpp batch vs token-by-token |Δ| {d_steps:.2e}; h·W_outᵀ vs logits {d_head:.2e}")
+    # Gated DeltaNet's chunked (batch) and recurrent (1 token) paths round differently (~1e-5).
+    assert d_steps < 1e-3
+    assert d_head < 1e-4
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+@pytest.mark.parametrize("moe", [False, True])
+def test_llama_harness_against_transformers(tmp, peers, converter, moe):
+    """Trunk, post-norm hidden and MTP logits of llama.cpp vs transformers, with float64 noise floor."""
+    d, g = _gguf(tmp, converter, moe)
+    assert peers.llama_mtp_context_ok(g)
+    ll = peers.llama_logits(g, IDS)
+    hf32 = ref.hf_logits(d, IDS)
+    hf64 = ref.hf_logits(d, IDS, float64=True)
+    e_ll, e_hf = np.abs(ll - hf64).max(), np.abs(hf32 - hf64).max()
+    e_h = np.abs(peers.llama_hidden(g, IDS) - ref.hf_hidden_post_norm(d, IDS)).max()
+
+    mtp, h, nextn = peers.llama_mtp_logits(g, IDS, return_hidden=True)
+    want, want_nextn = ref.hf_mtp_forward(d, *ref.llamacpp_mtp_rows(IDS, h))
+    e_mtp, e_nextn = np.abs(mtp - want).max(), np.abs(nextn - want_nextn).max()
+    e_conv = np.abs(mtp[1:] - ref.hf_mtp_logits_transformers_rows(d, IDS)[:-1]).max()
+    print(f"[{converter} moe={moe}] trunk |Δ| vs float64: llama.cpp {e_ll:.2e}, transformers f32 {e_hf:.2e}; "
+          f"hidden {e_h:.2e}; MTP (llama.cpp rows, same h) {e_mtp:.2e}, nextn out {e_nextn:.2e}; "
+          f"vs transformers rows {e_conv:.3f}")
+    assert e_ll < 10 * max(e_hf, 1e-5)  # llama.cpp is as close to exact as transformers' own float32
+    assert e_mtp < 1e-5 and e_nextn < 1e-5
+    assert e_conv > 1e-2  # the row convention matters (model-math.md §7.2)
+
+
+def test_require_llama_cpp_fails_under_ci_flag(monkeypatch):
+    """SPECCONV_REQUIRE_PEERS=1 turns a missing llama_cpp into a failure, not a skip."""
+    import builtins
+
+    from tests.fixtures import peers as p
+
+    real_import = builtins.__import__
+
+    def no_llama(name, *args, **kwargs):
+        if name == "llama_cpp" or name.startswith("llama_cpp."):
+            raise ImportError("simulated: no llama_cpp")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_llama)
+    for mod in [m for m in list(__import__("sys").modules) if m == "llama_cpp" or m.startswith("llama_cpp.")]:
+        monkeypatch.delitem(__import__("sys").modules, mod)
+    monkeypatch.setenv("SPECCONV_REQUIRE_PEERS", "1")
+    with pytest.raises(pytest.fail.Exception, match="SPECCONV_REQUIRE_PEERS=1"):
+        p.require_llama_cpp()
+    monkeypatch.setenv("SPECCONV_REQUIRE_PEERS", "0")
+    with pytest.raises(pytest.skip.Exception):
+        p.require_llama_cpp()
