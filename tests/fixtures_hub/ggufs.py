@@ -134,3 +134,62 @@ def tensor_bytes(paths: list[Path]) -> dict[str, tuple[int, tuple[int, ...], byt
             raw = bytes(reader.data[t.data_offset : t.data_offset + t.n_bytes])
             out[t.name] = (int(t.tensor_type), tuple(int(d) for d in t.shape), raw)
     return out
+
+
+def write_tiny_llama_gguf(path: Path, *, seed: int = 0, n_layer: int = 2, hidden: int = 64, ff: int = 128) -> Path:
+    """A complete tiny `llama` GGUF that llama.cpp loads and runs (SPM vocab with byte tokens),
+    Q8_0 matrices and F32 norms, random weights. Used to check that re-split shards load in
+    llama.cpp and compute exactly what the unsplit file computes."""
+    rng = np.random.default_rng(seed)
+    n_head, n_kv = 4, 2
+    head_dim = hidden // n_head
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [f"▁w{i}" for i in range(61)]
+    types = [2, 3, 3] + [6] * 256 + [1] * 61
+    vocab = len(tokens)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_type("model")
+    w.add_name("Tiny Llama")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(head_dim)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+
+    def mat(name, rows, cols, scale=0.2):
+        w.add_tensor(name, quantize((scale * rng.standard_normal((rows, cols))).astype(np.float32), q8), raw_dtype=q8)
+
+    def norm(name):
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+
+    mat("token_embd.weight", vocab, hidden, 1.0)
+    for i in range(n_layer):
+        norm(f"blk.{i}.attn_norm.weight")
+        mat(f"blk.{i}.attn_q.weight", hidden, hidden)
+        mat(f"blk.{i}.attn_k.weight", n_kv * head_dim, hidden)
+        mat(f"blk.{i}.attn_v.weight", n_kv * head_dim, hidden)
+        mat(f"blk.{i}.attn_output.weight", hidden, hidden)
+        norm(f"blk.{i}.ffn_norm.weight")
+        mat(f"blk.{i}.ffn_gate.weight", ff, hidden)
+        mat(f"blk.{i}.ffn_up.weight", ff, hidden)
+        mat(f"blk.{i}.ffn_down.weight", hidden, ff)
+    norm("output_norm.weight")
+    mat("output.weight", vocab, hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
