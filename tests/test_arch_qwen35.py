@@ -1,0 +1,572 @@
+"""The qwen35 / qwen35moe plugin: names, shapes, roles, storage types, transforms, metadata, errors.
+
+Expected values are written out from gguf-layout.md §4 / §7.1 / §7.2 / §9 and from the HF config,
+never computed by the plugin's own helpers. The forward-level checks (re-tiling, MoE) live in
+test_arch_qwen35_math.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFValueType
+
+from specconv.archs import Role, SpecconvError, plugin_class_for, supported_architectures
+from specconv.archs import names
+from tests.arch_qwen35_synth import (DK, DV, E, FE, FF, FS, H, HD, K_CONV, NH, NKV, V, convert, fused_to_per_expert,
+                                     hf_shapes, plugin, random_tensors, text_config)
+
+F32 = GGMLQuantizationType.F32
+
+
+def dense(nk=2, nv=6, **kw):
+    cfg = text_config(nk=nk, nv=nv, **kw)
+    return cfg, random_tensors(hf_shapes(cfg))
+
+
+def moe(experts="fused", **kw):
+    cfg = text_config(moe=True, **kw)
+    return cfg, random_tensors(hf_shapes(cfg, experts=experts))
+
+
+def kv_dict(p, keep_mtp=True):
+    return {m.key: (m.value, m.vtype, m.sub_type) for m in p.metadata(keep_mtp)}
+
+
+def tiled_to_hf(n: int, nk: int, r: int) -> int:
+    """gguf-layout.md §9: GGUF value head n holds HF head (n mod nk)·r + ⌊n/nk⌋."""
+    return (n % nk) * r + n // nk
+
+
+def untile(t: torch.Tensor, dim: int, nk: int, nv: int, block: int) -> torch.Tensor:
+    """Inverse of the re-tiling, head by head with an explicit loop."""
+    r = nv // nk
+    out = torch.empty_like(t)
+    for n in range(nv):
+        h = tiled_to_hf(n, nk, r)
+        out.narrow(dim, h * block, block).copy_(t.narrow(dim, n * block, block))
+    return out
+
+
+# ----------------------------------------------------------------------------- registry and names
+
+
+def test_registry_covers_the_four_hf_classes():
+    for arch, gguf_arch in (("Qwen3_5ForCausalLM", "qwen35"), ("Qwen3_5ForConditionalGeneration", "qwen35"),
+                            ("Qwen3_5MoeForCausalLM", "qwen35moe"),
+                            ("Qwen3_5MoeForConditionalGeneration", "qwen35moe")):
+        assert arch in supported_architectures()
+        cls = plugin_class_for({"architectures": [arch]})
+        assert cls.family == "qwen35" and cls.tokenizer_pre == "qwen35" and cls.tokenizer_model == "gpt2"
+        is_moe = "Moe" in arch
+        cfg, tensors = moe() if is_moe else dense()
+        cfg["architectures"] = [arch]
+        assert plugin(cfg, tensors).gguf_arch == gguf_arch
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("model.language_model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.q_proj.weight"),
+    ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight"),
+    ("language_model.model.norm.weight", "model.norm.weight"),
+    ("language_model.lm_head.weight", "lm_head.weight"),
+    ("model.mtp.fc.weight", "mtp.fc.weight"),
+    ("model.language_model.mtp.layers.0.input_layernorm.weight", "mtp.layers.0.input_layernorm.weight"),
+    ("mtp.layers.0.mlp.experts.gate_up_proj", "mtp.layers.0.mlp.experts.gate_up_proj"),
+    ("lm_head.weight", "lm_head.weight"),
+])
+def test_normalize_name(raw, expected):
+    assert plugin_class_for({"architectures": ["Qwen3_5ForConditionalGeneration"]}).normalize_name(raw) == expected
+
+
+@pytest.mark.parametrize("raw", ["model.visual.blocks.0.attn.qkv.weight", "model.visual.merger.linear_fc1.weight",
+                                 "model.layers.0.self_attn.rotary_emb.inv_freq",
+                                 "model.language_model.rotary_emb.inv_freq"])
+def test_normalize_name_skips_towers_and_inv_freq_with_reason(raw):
+    out = plugin_class_for({"architectures": ["Qwen3_5ForConditionalGeneration"]}).normalize_name(raw)
+    assert isinstance(out, tuple) and out[0] is None and out[1]
+
+
+def test_names_module_formats():
+    assert names.nextn(4, names.NEXTN_EH_PROJ) == "blk.4.nextn.eh_proj.weight"
+    assert names.nextn(4, names.NEXTN_SHARED_HEAD_NORM) == "blk.4.nextn.shared_head_norm.weight"
+    assert names.blk(2, "ssm_a", None) == "blk.2.ssm_a"
+    assert names.blk(2, "ssm_dt", "bias") == "blk.2.ssm_dt.bias"
+    assert names.recurrent_layers_key("qwen35") == "qwen35.attention.recurrent_layers"
+    assert names.nextn_predict_layers_key("qwen35moe") == "qwen35moe.nextn_predict_layers"
+    assert names.target_layers_key() == "eagle3.target_layers"
+    with pytest.raises(ValueError):
+        names.nextn(0, "bogus")
+
+
+# ----------------------------------------------------------------------------- tensor map
+
+
+def expected_dense_map(cfg, n_mtp=1):
+    """gguf-layout.md §7.1 tensor table, written out: GGUF name -> (HF source, torch shape, role)."""
+    N, nk, nv = cfg["num_hidden_layers"], cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    C = 2 * nk * DK + nv * DV
+    out = {"token_embd.weight": ("model.embed_tokens.weight", (V, H), Role.SHARED),
+           "output_norm.weight": ("model.norm.weight", (H,), Role.SHARED),
+           "output.weight": ("lm_head.weight", (V, H), Role.SHARED)}
+
+    def block(b, p, linear, role):
+        out[f"blk.{b}.attn_norm.weight"] = (p + "input_layernorm.weight", (H,), role)
+        out[f"blk.{b}.post_attention_norm.weight"] = (p + "post_attention_layernorm.weight", (H,), role)
+        if linear:
+            a = p + "linear_attn."
+            for g, hf, shape in (("attn_qkv.weight", "in_proj_qkv.weight", (C, H)),
+                                 ("attn_gate.weight", "in_proj_z.weight", (nv * DV, H)),
+                                 ("ssm_beta.weight", "in_proj_b.weight", (nv, H)),
+                                 ("ssm_alpha.weight", "in_proj_a.weight", (nv, H)),
+                                 ("ssm_a", "A_log", (nv,)), ("ssm_dt.bias", "dt_bias", (nv,)),
+                                 ("ssm_conv1d.weight", "conv1d.weight", (C, K_CONV)),
+                                 ("ssm_norm.weight", "norm.weight", (DV,)),
+                                 ("ssm_out.weight", "out_proj.weight", (H, nv * DV))):
+                out[f"blk.{b}.{g}"] = (a + hf, shape, role)
+        else:
+            a = p + "self_attn."
+            for g, hf, shape in (("attn_q", "q_proj", (2 * NH * HD, H)), ("attn_k", "k_proj", (NKV * HD, H)),
+                                 ("attn_v", "v_proj", (NKV * HD, H)), ("attn_output", "o_proj", (H, NH * HD)),
+                                 ("attn_q_norm", "q_norm", (HD,)), ("attn_k_norm", "k_norm", (HD,))):
+                out[f"blk.{b}.{g}.weight"] = (f"{a}{hf}.weight", shape, role)
+        for g, shape in (("gate", (FF, H)), ("up", (FF, H)), ("down", (H, FF))):
+            out[f"blk.{b}.ffn_{g}.weight"] = (f"{p}mlp.{g}_proj.weight", shape, role)
+
+    for i, t in enumerate(cfg["layer_types"]):
+        block(i, f"model.layers.{i}.", t == "linear_attention", Role.TRUNK)
+    for j in range(n_mtp):
+        block(N + j, f"mtp.layers.{j}.", False, Role.MTP)
+    if n_mtp:
+        for g, hf, shape in (("eh_proj", "fc", (H, 2 * H)), ("enorm", "pre_fc_norm_embedding", (H,)),
+                             ("hnorm", "pre_fc_norm_hidden", (H,)), ("shared_head_norm", "norm", (H,))):
+            out[f"blk.{N}.nextn.{g}.weight"] = (f"mtp.{hf}.weight", shape, Role.MTP)
+    return out
+
+
+def test_dense_plan_matches_reference_table():
+    cfg, tensors = dense()
+    plans = plugin(cfg, tensors).tensor_plan()
+    got = {p.name: (p.sources[0] if len(p.sources) == 1 else p.sources, p.shape, p.role) for p in plans}
+    assert len(got) == len(plans), "duplicate GGUF names"
+    assert got == expected_dense_map(cfg)
+
+
+def test_mtp_sidecar_tensor_count_matches_upstream():
+    # gguf-layout.md §4.2: tiny qwen35 (4 trunk + 1 MTP) -> 15 MTP tensors + 3 shared = 18.
+    cfg, tensors = dense()
+    plans = plugin(cfg, tensors).tensor_plan()
+    assert sum(p.role == Role.MTP for p in plans) == 15
+    assert {p.name for p in plans if p.role == Role.SHARED} == {"token_embd.weight", "output_norm.weight",
+                                                                "output.weight"}
+
+
+def test_storage_types_follow_the_f32_rule():
+    """§2: 1-D, *_norm.weight, names without .weight, ssm_conv1d, ffn_gate_inp(_shexp) are F32."""
+    cfg, tensors = moe()
+    for p in plugin(cfg, tensors).tensor_plan():
+        must_f32 = (len(p.shape) <= 1 or p.name.endswith("_norm.weight") or not p.name.endswith(".weight")
+                    or ".ssm_conv1d." in p.name or ".ffn_gate_inp." in p.name or ".ffn_gate_inp_shexp." in p.name)
+        assert (p.force_type == F32) == must_f32, p.name
+
+
+def test_norms_get_plus_one_except_ssm_norm():
+    cfg, tensors = dense()
+    out = convert(plugin(cfg, tensors), tensors)
+    ref = expected_dense_map(cfg)
+    n_checked = 0
+    for name, (src, _, _) in ref.items():
+        if not name.endswith("norm.weight"):
+            continue
+        want = tensors[src] if name.endswith("ssm_norm.weight") else tensors[src] + 1
+        assert torch.equal(out[name], want), name
+        n_checked += 1
+    # 5 blocks x 2 layer norms, 3 ssm_norm, 2 full-attention blocks x q/k norm, 3 nextn norms, output_norm
+    assert n_checked == 5 * 2 + 3 + 2 * 2 + 3 + 1
+
+
+def test_unchanged_tensors_are_byte_identical():
+    cfg, tensors = dense()
+    out = convert(plugin(cfg, tensors), tensors)
+    for name, (src, _, _) in expected_dense_map(cfg).items():
+        if any(x in name for x in ("attn_q.", "attn_k.", "attn_v.", "attn_output", "ffn_", "token_embd", "output.w",
+                                   "eh_proj")):
+            assert torch.equal(out[name], tensors[src]), name  # q_proj stays unsplit ([q_h; gate_h] rows)
+
+
+@pytest.mark.parametrize("nk, nv", [(2, 6), (3, 6), (2, 2), (1, 4)])
+def test_retiling_inverts_per_reference_section_9(nk, nv):
+    cfg, tensors = dense(nk=nk, nv=nv)
+    out = convert(plugin(cfg, tensors), tensors)
+    qk = 2 * nk * DK
+    for i in range(3):  # the linear-attention layers
+        a, b = f"model.layers.{i}.linear_attn.", f"blk.{i}."
+        qkv = out[b + "attn_qkv.weight"]
+        assert torch.equal(qkv[:qk], tensors[a + "in_proj_qkv.weight"][:qk])  # q and k rows untouched
+        assert torch.equal(untile(qkv[qk:], 0, nk, nv, DV), tensors[a + "in_proj_qkv.weight"][qk:])
+        assert torch.equal(untile(out[b + "attn_gate.weight"], 0, nk, nv, DV), tensors[a + "in_proj_z.weight"])
+        assert torch.equal(untile(out[b + "ssm_beta.weight"], 0, nk, nv, 1), tensors[a + "in_proj_b.weight"])
+        assert torch.equal(untile(out[b + "ssm_alpha.weight"], 0, nk, nv, 1), tensors[a + "in_proj_a.weight"])
+        assert torch.equal(untile(out[b + "ssm_dt.bias"], 0, nk, nv, 1), tensors[a + "dt_bias"])
+        A_log = torch.log(-untile(out[b + "ssm_a"], 0, nk, nv, 1))
+        assert torch.allclose(A_log, tensors[a + "A_log"], atol=1e-6)
+        conv = out[b + "ssm_conv1d.weight"]
+        hf_conv = tensors[a + "conv1d.weight"][:, 0, :]
+        assert torch.equal(conv[:qk], hf_conv[:qk])
+        assert torch.equal(untile(conv[qk:], 0, nk, nv, DV), hf_conv[qk:])
+        assert torch.equal(untile(out[b + "ssm_out.weight"], 1, nk, nv, DV), tensors[a + "out_proj.weight"])
+        assert torch.equal(out[b + "ssm_norm.weight"], tensors[a + "norm.weight"])
+        if nk == nv or nk == 1:  # a single key head or r = 1: tiled order == grouped order
+            assert torch.equal(out[b + "attn_gate.weight"], tensors[a + "in_proj_z.weight"])
+        else:
+            assert not torch.equal(out[b + "attn_gate.weight"], tensors[a + "in_proj_z.weight"])
+
+
+def test_conv1d_squeezed_source_is_accepted():
+    cfg, tensors = dense()
+    squeezed = dict(tensors)
+    for name in list(squeezed):
+        if name.endswith("conv1d.weight"):
+            squeezed[name] = squeezed[name][:, 0, :].clone()
+    a, b = convert(plugin(cfg, tensors), tensors), convert(plugin(cfg, squeezed), squeezed)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_tied_embeddings_omit_output():
+    cfg, tensors = dense()
+    cfg["tie_word_embeddings"] = True
+    names_with_head = {p.name for p in plugin(cfg, tensors).tensor_plan()}
+    del tensors["lm_head.weight"]
+    names_without = {p.name for p in plugin(cfg, tensors).tensor_plan()}
+    assert "output.weight" not in names_with_head and names_with_head == names_without
+
+
+def test_vocab_size_is_embedding_rows():
+    cfg, tensors = dense()
+    assert plugin(cfg, tensors).vocab_size() == V
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+def test_moe_plan_names_shapes_and_roles():
+    cfg, tensors = moe()
+    plans = {p.name: p for p in plugin(cfg, tensors).tensor_plan()}
+    for b in range(5):  # every layer, the MTP block included, is MoE
+        role = Role.MTP if b == 4 else Role.TRUNK
+        for name, shape in ((f"blk.{b}.ffn_gate_inp.weight", (E, H)), (f"blk.{b}.ffn_gate_exps.weight", (E, FE, H)),
+                            (f"blk.{b}.ffn_up_exps.weight", (E, FE, H)), (f"blk.{b}.ffn_down_exps.weight", (E, H, FE)),
+                            (f"blk.{b}.ffn_gate_shexp.weight", (FS, H)), (f"blk.{b}.ffn_up_shexp.weight", (FS, H)),
+                            (f"blk.{b}.ffn_down_shexp.weight", (H, FS)), (f"blk.{b}.ffn_gate_inp_shexp.weight", (1, H))):
+            assert plans[name].shape == shape and plans[name].role == role, name
+        assert f"blk.{b}.ffn_gate.weight" not in plans
+
+
+def test_moe_both_expert_layouts_give_identical_tensors():
+    cfg, fused = moe()
+    split = fused_to_per_expert(fused)
+    assert not any(n.endswith("gate_up_proj") for n in split)
+    a, b = convert(plugin(cfg, fused), fused), convert(plugin(cfg, split), split)
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+    for b_id, p in ((0, "model.layers.0."), (4, "mtp.layers.0.")):  # expert stacking keyed on the GGUF block id
+        gate_up = fused[p + "mlp.experts.gate_up_proj"]
+        for e in range(E):
+            assert torch.equal(a[f"blk.{b_id}.ffn_gate_exps.weight"][e], gate_up[e, :FE])  # gate = first half
+            assert torch.equal(a[f"blk.{b_id}.ffn_up_exps.weight"][e], gate_up[e, FE:])
+            assert torch.equal(a[f"blk.{b_id}.ffn_down_exps.weight"][e], fused[p + "mlp.experts.down_proj"][e])
+
+
+def test_moe_fused_with_weight_suffix_is_accepted():
+    cfg, fused = moe()
+    renamed = {(n + ".weight" if n.endswith(("experts.gate_up_proj", "experts.down_proj")) else n): t
+               for n, t in fused.items()}
+    a, b = convert(plugin(cfg, fused), fused), convert(plugin(cfg, renamed), renamed)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_moe_missing_expert_names_the_layer():
+    cfg, fused = moe()
+    split = fused_to_per_expert(fused)
+    del split["model.layers.2.mlp.experts.3.up_proj.weight"]
+    with pytest.raises(SpecconvError, match=r"layer 2 .*experts \[3\] missing"):
+        plugin(cfg, split).tensor_plan()
+
+
+def test_moe_mixed_or_incomplete_fused_layouts_are_errors():
+    cfg, fused = moe()
+    mixed = dict(fused)
+    mixed["model.layers.1.mlp.experts.0.gate_proj.weight"] = torch.zeros(FE, H)
+    with pytest.raises(SpecconvError, match="both fused and per-expert"):
+        plugin(cfg, mixed).tensor_plan()
+    partial = dict(fused)
+    del partial["model.layers.1.mlp.experts.down_proj"]
+    with pytest.raises(SpecconvError, match="lack model.layers.1.mlp.experts.down_proj"):
+        plugin(cfg, partial).tensor_plan()
+    none = {n: t for n, t in fused.items() if "layers.1.mlp.experts" not in n}
+    with pytest.raises(SpecconvError, match="layer 1 .*no expert tensors"):
+        plugin(cfg, none).tensor_plan()
+
+
+def test_moe_extra_expert_id_is_an_error():
+    cfg, fused = moe()
+    split = fused_to_per_expert(fused)
+    for part in ("gate", "up", "down"):
+        split[f"model.layers.0.mlp.experts.{E}.{part}_proj.weight"] = split[f"model.layers.0.mlp.experts.0.{part}_proj.weight"]
+    with pytest.raises(SpecconvError, match=f"expert ids \\[{E}\\] >= num_experts"):
+        plugin(cfg, split).tensor_plan()
+
+
+# ----------------------------------------------------------------------------- MTP
+
+
+def test_mtp_count_from_tensor_names_when_config_lacks_it():
+    for mtp_cfg in (None, 0):
+        cfg, tensors = dense(mtp=mtp_cfg)
+        p = plugin(cfg, tensors)
+        assert p.n_mtp_layers == 1 and p.n_trunk_layers == 4
+        assert kv_dict(p)["qwen35.nextn_predict_layers"][0] == 1
+        assert kv_dict(p)["qwen35.block_count"][0] == 5
+
+
+def test_mtp_config_and_names_must_agree():
+    cfg = text_config(mtp=1)
+    no_mtp = random_tensors(hf_shapes(cfg, n_mtp=0))
+    with pytest.raises(SpecconvError, match=r"mtp_num_hidden_layers=1.*0 MTP layer"):
+        plugin(cfg, no_mtp)
+    cfg2 = text_config(mtp=2)
+    with pytest.raises(SpecconvError, match=r"mtp_num_hidden_layers=2.*1 MTP layer"):
+        plugin(cfg2, random_tensors(hf_shapes(cfg2, n_mtp=1)))
+
+
+def test_no_mtp_anywhere_gives_a_trunk_only_model():
+    cfg = text_config(mtp=None)
+    tensors = random_tensors(hf_shapes(cfg, n_mtp=0))
+    p = plugin(cfg, tensors)
+    assert p.n_mtp_layers == 0
+    assert all(pl.role != Role.MTP for pl in p.tensor_plan())
+    kv = kv_dict(p, keep_mtp=True)
+    assert "qwen35.nextn_predict_layers" not in kv and kv["qwen35.block_count"][0] == 4
+    assert kv["qwen35.attention.recurrent_layers"][0] == [True, True, True, False]
+
+
+def test_mtp_tensors_without_a_block_are_an_error():
+    cfg = text_config(mtp=None)
+    tensors = random_tensors(hf_shapes(cfg, n_mtp=0))
+    tensors["mtp.fc.weight"] = torch.zeros(H, 2 * H)
+    with pytest.raises(SpecconvError, match="no mtp.layers"):
+        plugin(cfg, tensors)
+
+
+def test_model_mtp_prefix_is_the_same_as_mtp():
+    cfg, tensors = dense()
+    prefixed = {("model." + n if n.startswith("mtp.") else n): t for n, t in tensors.items()}
+    a, b = convert(plugin(cfg, tensors), tensors), convert(plugin(cfg, prefixed), prefixed)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def test_metadata_values_and_types_dense():
+    cfg, tensors = dense()
+    kv = kv_dict(plugin(cfg, tensors))
+    u32, f32, arr = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.ARRAY
+    want = {
+        "qwen35.block_count": (5, u32, None), "qwen35.nextn_predict_layers": (1, u32, None),
+        "qwen35.context_length": (2048, u32, None), "qwen35.embedding_length": (H, u32, None),
+        "qwen35.feed_forward_length": (FF, u32, None), "qwen35.attention.head_count": (NH, u32, None),
+        "qwen35.attention.head_count_kv": (NKV, u32, None), "qwen35.attention.key_length": (HD, u32, None),
+        "qwen35.attention.value_length": (HD, u32, None),
+        "qwen35.attention.layer_norm_rms_epsilon": (1e-5, f32, None), "qwen35.rope.freq_base": (5e5, f32, None),
+        "qwen35.rope.dimension_count": (4, u32, None),  # int(head_dim 8 * partial 0.5)
+        "qwen35.rope.dimension_sections": ([1, 1, 0, 0], arr, GGUFValueType.INT32),
+        "qwen35.ssm.conv_kernel": (K_CONV, u32, None), "qwen35.ssm.state_size": (DK, u32, None),
+        "qwen35.ssm.group_count": (2, u32, None), "qwen35.ssm.time_step_rank": (6, u32, None),
+        "qwen35.ssm.inner_size": (6 * DV, u32, None),
+        "qwen35.attention.recurrent_layers": ([True, True, True, False, False], arr, GGUFValueType.BOOL),
+        "qwen35.full_attention_interval": (4, u32, None),
+    }
+    assert kv == want
+
+
+def test_metadata_trunk_only():
+    cfg, tensors = dense()
+    kv = kv_dict(plugin(cfg, tensors), keep_mtp=False)
+    assert kv["qwen35.block_count"][0] == 4 and "qwen35.nextn_predict_layers" not in kv
+    assert kv["qwen35.attention.recurrent_layers"][0] == [True, True, True, False]
+
+
+def test_metadata_moe_keys():
+    cfg, tensors = moe()
+    kv = kv_dict(plugin(cfg, tensors))
+    assert "qwen35moe.feed_forward_length" not in kv
+    assert kv["qwen35moe.expert_count"][0] == E and kv["qwen35moe.expert_used_count"][0] == 2
+    assert kv["qwen35moe.expert_feed_forward_length"][0] == FE
+    assert kv["qwen35moe.expert_shared_feed_forward_length"][0] == FS
+    assert not any("gating" in k or "weights_" in k for k in kv)
+    assert kv["qwen35moe.block_count"][0] == 5 and kv["qwen35moe.nextn_predict_layers"][0] == 1
+
+
+def nested(cfg: dict, rope_top_level: bool = False) -> dict:
+    """The VL release form of a flat text config (fields under text_config)."""
+    text = {k: v for k, v in cfg.items() if k != "architectures"}
+    if rope_top_level:
+        rope = dict(text.pop("rope_parameters"))
+        text["rope_theta"], text["partial_rotary_factor"] = rope.pop("rope_theta"), rope.pop("partial_rotary_factor")
+        text["rope_scaling"] = rope
+    arch = cfg["architectures"][0].replace("ForCausalLM", "ForConditionalGeneration")
+    return {"architectures": [arch], "text_config": text, "tie_word_embeddings": cfg["tie_word_embeddings"],
+            "vision_config": {"depth": 1}}
+
+
+@pytest.mark.parametrize("make", [dense, moe])
+def test_nested_and_flat_config_forms_give_identical_metadata(make):
+    cfg, tensors = make()
+    release = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): t
+               for n, t in tensors.items()}
+    release["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(6, 2)
+    base = plugin(cfg, tensors)
+    for form in (nested(cfg), nested(cfg, rope_top_level=True)):
+        other = plugin(form, release)
+        assert other.checkpoint.skipped.keys() == {"model.visual.blocks.0.attn.qkv.weight"}
+        for keep in (True, False):
+            assert other.metadata(keep) == base.metadata(keep)
+        a, b = convert(base, tensors), convert(other, release)
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_rope_defaults_and_absent_sections():
+    cfg, tensors = dense()
+    cfg["rope_parameters"] = {"rope_type": "default"}
+    cfg["head_dim"] = HD
+    kv = kv_dict(plugin(cfg, tensors))
+    # transformers' defaults: partial_rotary_factor 0.25, rope_theta 1e4; sections [rot/2, 0, 0, 0]
+    assert kv["qwen35.rope.dimension_count"][0] == 2
+    assert kv["qwen35.rope.freq_base"][0] == 10000.0
+    assert kv["qwen35.rope.dimension_sections"][0] == [1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("section", [[1, 1, 1], [2, 1], [1, 1, 0, 0, 0]])
+def test_rope_sections_must_sum_to_half_the_rotary_dim(section):
+    cfg, tensors = dense()
+    cfg["rope_parameters"]["mrope_section"] = section
+    with pytest.raises(SpecconvError, match="mrope_section"):
+        plugin(cfg, tensors)
+
+
+def test_rope_yarn_scaling_keys_and_unknown_type():
+    cfg, tensors = dense()
+    cfg["rope_parameters"].update(rope_type="yarn", factor=4.0, original_max_position_embeddings=512, beta_fast=32.0)
+    kv = kv_dict(plugin(cfg, tensors))
+    assert kv["qwen35.rope.scaling.type"][0] == "yarn" and kv["qwen35.rope.scaling.factor"][0] == 4.0
+    assert kv["qwen35.rope.scaling.original_context_length"][0] == 512
+    assert kv["qwen35.rope.scaling.yarn_beta_fast"][0] == 32.0
+    cfg["rope_parameters"]["rope_type"] = "longrope"
+    with pytest.raises(SpecconvError, match="longrope"):
+        plugin(cfg, tensors)
+
+
+@pytest.mark.parametrize("types, interval, want", [
+    (["linear_attention", "full_attention"] * 2, None, 2),   # v5 drops the key; the pattern has period 2
+    (["linear_attention"] * 3 + ["full_attention"], None, 4),
+    (["linear_attention", "full_attention", "linear_attention", "linear_attention"], None, 4),  # aperiodic
+    (["linear_attention"] * 2 + ["full_attention"] + ["linear_attention"], 3, 3),
+])
+def test_full_attention_interval_follows_layer_types(types, interval, want):
+    cfg = text_config(layer_types=types)
+    if interval:
+        cfg["full_attention_interval"] = interval
+    kv = kv_dict(plugin(cfg, random_tensors(hf_shapes(cfg))))
+    assert kv["qwen35.full_attention_interval"][0] == want
+    assert kv["qwen35.attention.recurrent_layers"][0] == [t == "linear_attention" for t in types] + [False]
+
+
+def test_layer_types_derived_from_interval_when_absent():
+    cfg = text_config(layer_types=["linear_attention", "linear_attention", "full_attention"] * 2, n_layer=6)
+    tensors = random_tensors(hf_shapes(cfg))
+    del cfg["layer_types"]
+    cfg["full_attention_interval"] = 3
+    kv = kv_dict(plugin(cfg, tensors))
+    assert kv["qwen35.attention.recurrent_layers"][0] == [True, True, False, True, True, False, False]
+    assert kv["qwen35.full_attention_interval"][0] == 3
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_dk_ne_dv_is_rejected():
+    cfg, tensors = dense()
+    cfg["linear_value_head_dim"] = DV * 2
+    with pytest.raises(SpecconvError, match=r"linear_key_head_dim \(8\) != linear_value_head_dim \(16\)"):
+        plugin(cfg, tensors)
+
+
+def test_nv_not_multiple_of_nk_is_rejected():
+    cfg, tensors = dense()
+    cfg["linear_num_value_heads"] = 5
+    with pytest.raises(SpecconvError, match="not a multiple"):
+        plugin(cfg, tensors)
+
+
+def test_shape_mismatch_names_tensor_and_both_shapes():
+    cfg, tensors = dense()
+    tensors["model.layers.1.linear_attn.in_proj_z.weight"] = torch.zeros(40, H)
+    with pytest.raises(SpecconvError, match=r"model\.layers\.1\.linear_attn\.in_proj_z\.weight has shape \[40, 32\].*\[48, 32\]"):
+        plugin(cfg, tensors).tensor_plan()
+    cfg, tensors = dense()
+    cfg["vocab_size"] = V + 2
+    with pytest.raises(SpecconvError, match=r"model\.embed_tokens\.weight has shape \[48, 32\].*\[50, 32\]"):
+        plugin(cfg, tensors).tensor_plan()
+
+
+def test_missing_and_unexpected_tensors():
+    cfg, tensors = dense()
+    del tensors["model.layers.3.self_attn.k_norm.weight"]
+    with pytest.raises(SpecconvError, match="lacks tensor model.layers.3.self_attn.k_norm.weight"):
+        plugin(cfg, tensors).tensor_plan()
+    cfg, tensors = dense()
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(4)
+    with pytest.raises(SpecconvError, match="unexpected tensor.*model.layers.0.self_attn.q_proj.bias"):
+        plugin(cfg, tensors).tensor_plan()
+    cfg, tensors = dense()
+    del tensors["lm_head.weight"]
+    with pytest.raises(SpecconvError, match="lm_head.weight"):
+        plugin(cfg, tensors).tensor_plan()
+
+
+def test_layer_type_and_tensor_kind_must_agree():
+    cfg, tensors = dense()
+    cfg["layer_types"] = ["full_attention"] + cfg["layer_types"][1:]  # layer 0 holds linear_attn tensors
+    with pytest.raises(SpecconvError, match="lacks tensor model.layers.0.self_attn"):
+        plugin(cfg, tensors).tensor_plan()
+
+
+@pytest.mark.parametrize("types, match", [(["linear_attention"] * 3, "3 entries"),
+                                          (["linear_attention"] * 3 + ["sliding_attention"], "sliding_attention")])
+def test_bad_layer_types(types, match):
+    cfg, tensors = dense()
+    cfg["layer_types"] = types
+    with pytest.raises(SpecconvError, match=match):
+        plugin(cfg, tensors)
+
+
+def test_non_float_dtype_is_rejected():
+    cfg, tensors = dense()
+    with pytest.raises(SpecconvError, match="F8_E4M3"):
+        plugin(cfg, tensors, dtypes={"model.layers.0.mlp.up_proj.weight": "F8_E4M3"}).tensor_plan()
+
+
+def test_missing_required_config_field_and_dedicated_mtp_embeddings():
+    cfg, tensors = dense()
+    del cfg["hidden_size"]
+    with pytest.raises(SpecconvError, match="hidden_size"):
+        plugin(cfg, tensors)
+    cfg, tensors = dense()
+    cfg["mtp_use_dedicated_embeddings"] = True
+    with pytest.raises(SpecconvError, match="mtp_use_dedicated_embeddings"):
+        plugin(cfg, tensors)
+    cfg, tensors = moe()
+    del cfg["num_experts"]
+    with pytest.raises(SpecconvError, match="num_experts"):
+        plugin(cfg, tensors)
