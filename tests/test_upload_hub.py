@@ -284,3 +284,13 @@ def test_cli_upload_uses_env_token_and_endpoint(hub, outputs, capsys, monkeypatc
 def test_cli_refuses_bad_repo_ids_before_reading_anything(outputs, capsys):
     code, out, err = _run_cli(["upload", str(outputs), "--repo", "../etc"], capsys)
     assert code == 2 and err.startswith("error: --repo '../etc' is not a valid Hub repository id")
+
+
+def test_token_from_the_credential_store(hub, outputs, monkeypatch, tmp_path):
+    token_file = tmp_path / "stored-token"
+    token_file.write_text(WRITE_TOKEN + "\n")  # what `hf auth login` writes
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(token_file))
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    result = upload_plan(build_plan(outputs, repo_id=REPO), retry=FAST)
+    assert len(result.uploaded) == 3
+    assert result.url.startswith(hub.url)

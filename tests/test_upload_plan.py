@@ -288,3 +288,12 @@ def test_staging_is_reused_when_complete_and_redone_when_stale(tmp_path):
     stage(plan, on_artifact=written.append)
     assert len(written) == 2
     assert plan.artifacts[0].files[-1].staged.stat().st_size == plan.artifacts[0].files[-1].size
+
+
+def test_per_position_counts_become_rates(tmp_path):
+    write_tiny_gguf(tmp_path / "e.gguf", "embedded")
+    report = {"speculative": {"per_position": [{"drafted": 40, "accepted": 30}, {"drafted": 30, "accepted": 12}]}}
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    text = build_plan(tmp_path, repo_id="me/x", report=tmp_path / "r.json").readme.content.decode()
+    rows = table_rows(text, "| Position |")
+    assert rows == [["1", "0.750", "30 / 40"], ["2", "0.400", "12 / 30"]]
