@@ -21,7 +21,7 @@ from huggingface_hub import constants
 
 from specconv.cli import main
 from specconv.errors import SpecconvError
-from specconv.hub.client import RetryPolicy, upload_plan
+from specconv.hub.client import RetryPolicy, UploadEvents, upload_plan
 from specconv.hub.plan import build_plan
 
 FAST = RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.01)
@@ -102,7 +102,8 @@ def test_upload_lands_exactly_the_plan_with_lfs_models_and_the_card(hub, outputs
     messages = set(hub.repos[REPO].messages.values())
     assert {f"Upload {f.path_in_repo} with specconv" for f in plan.files} == messages
     assert hub.count("POST", "/api/validate-yaml") == 1  # the card was validated by the Hub
-    assert not plan.staging_dir.exists()  # staged shards are removed after success
+    # staged shards are removed after success; only the small manifests stay
+    assert [p.suffix for p in plan.staging_dir.rglob("*") if p.is_file()] == [".json"]
 
 
 def test_rerun_skips_everything_already_there(hub, outputs):
@@ -115,6 +116,39 @@ def test_rerun_skips_everything_already_there(hub, outputs):
     assert len(hub.repos[REPO].commits) == commits
     new = hub.requests[before:]
     assert not any("/commit/" in p or "/lfs-upload/" in p or "/preupload/" in p for _, p in new), new
+
+
+class Stages(UploadEvents):
+    def __init__(self):
+        self.stages = []
+
+    def stage(self, name):
+        self.stages.append(name)
+
+
+def test_rerun_after_success_does_not_split_again(hub, outputs):
+    upload_plan(build_plan(outputs, repo_id=REPO, max_file_size=60_000), token=WRITE_TOKEN, endpoint=hub.url, retry=FAST)
+    events = Stages()
+    mark = len(hub.requests)
+    plan = build_plan(outputs, repo_id=REPO, max_file_size=60_000)
+    result = upload_plan(plan, token=WRITE_TOKEN, endpoint=hub.url, retry=FAST, events=events)
+    assert result.uploaded == [] and len(result.skipped) == 4
+    assert not any(s.startswith("splitting") for s in events.stages), events.stages
+    assert not any(f.staged.exists() for f in plan.artifacts[0].files)
+    assert not any("/commit/" in p for _, p in hub.requests[mark:])
+
+    # a changed source is split again and its shards replace the old ones
+    write_tiny_gguf(outputs / "model.gguf", "trunk", seed=5)
+    events = Stages()
+    plan = build_plan(outputs, repo_id=REPO, max_file_size=60_000)
+    result = upload_plan(plan, token=WRITE_TOKEN, endpoint=hub.url, retry=FAST, events=events)
+    assert any(s.startswith("splitting Tiny-Qwen3.5-0.1M-Q8_0.gguf") for s in events.stages)
+    assert result.uploaded[:2] == plan.artifacts[0].paths
+    got = outputs.parent / "got"
+    got.mkdir()
+    for path in plan.artifacts[0].paths:
+        (got / path.rsplit("/", 1)[-1]).write_bytes(hub.content(REPO, path))
+    assert tensor_bytes(sorted(got.iterdir())) == tensor_bytes([outputs / "model.gguf"])
 
 
 def test_server_errors_are_retried_with_back_off(hub, outputs):

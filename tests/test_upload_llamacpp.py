@@ -10,7 +10,8 @@ import numpy as np
 from fixtures.peers import llama_logits, require_llama_cpp
 from fixtures_hub.ggufs import write_tiny_llama_gguf
 
-from specconv.hub.plan import build_plan, stage
+from specconv.hub.plan import build_plan
+from specconv.hub.staging import stage
 
 
 def test_resplit_shards_load_in_llama_cpp_with_identical_logits(tmp_path):

@@ -13,7 +13,8 @@ from fixtures_hub.ggufs import tensor_bytes, write_tiny_gguf
 
 from specconv.errors import SpecconvError
 from specconv.hub.naming import Role
-from specconv.hub.plan import build_plan, stage
+from specconv.hub.plan import build_plan
+from specconv.hub.staging import stage
 from specconv.hub.split import plan_split, write_split
 
 REPORT = {

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -25,7 +24,8 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from huggingface_hub.utils import sha as hf_sha
 
 from specconv.errors import SpecconvError
-from specconv.hub.plan import PlanFile, UploadPlan, stage
+from specconv.hub.plan import PlanFile, UploadPlan
+from specconv.hub.staging import recorded_digests, remove_shards, sha256_file, stage
 
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 
@@ -182,24 +182,36 @@ def with_retries(fn, *, action: str, repo_id: str, retry: RetryPolicy, events: U
 # --- hashing ---------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> bytes:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(8 << 20), b""):
-            digest.update(block)
-    return digest.digest()
-
-
 def _same_remote(pf: PlanFile, remote) -> tuple[bool, bytes | None]:
-    """(identical?, local sha256 if it was computed). Hashes only when the sizes already agree."""
+    """(identical?, local sha256 if known or computed). Hashes only when the sizes already agree."""
     if remote is None or remote.size != pf.size:
-        return False, None
+        return False, pf.sha256
     data = pf.content
     if remote.lfs is not None:
-        digest = hashlib.sha256(data).digest() if data is not None else _sha256(pf.local_path)
+        digest = pf.sha256
+        if digest is None:
+            digest = hashlib.sha256(data).digest() if data is not None else sha256_file(pf.local_path)
         return digest.hex() == remote.lfs.sha256, digest
     raw = data if data is not None else pf.local_path.read_bytes()
-    return hf_sha.git_hash(raw) == remote.blob_id, None
+    return hf_sha.git_hash(raw) == remote.blob_id, pf.sha256
+
+
+def _already_published(plan: UploadPlan, remote: dict) -> set[str]:
+    """Re-split artifacts whose recorded shard digests all match the remote tree: no need to split."""
+    done = set()
+    for a in plan.artifacts:
+        digests = recorded_digests(plan, a) if a.layout is not None else None
+        if digests is None:
+            continue
+        entries = [remote.get(f.path_in_repo) for f in a.files]
+        if all(
+            e is not None and e.lfs is not None and e.size == f.size and e.lfs.sha256 == d.hex()
+            for e, f, d in zip(entries, a.files, digests)
+        ):
+            for f, d in zip(a.files, digests):
+                f.sha256 = d
+            done.add(a.name)
+    return done
 
 
 # --- the upload ------------------------------------------------------------------------------
@@ -257,15 +269,15 @@ def upload_plan(
     if revision and not revision.startswith("refs/pr/"):
         call(lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), f"creating branch {revision}")
 
-    events.stage("writing split files")
-    stage(plan, on_artifact=lambda a: events.stage(f"splitting {a.name} into {len(a.files)} files"))
-
     def remote_files(rev: str) -> dict:
         files = api.list_repo_tree(repo_id, recursive=True, revision=rev)
         return {f.path: f for f in files if hasattr(f, "blob_id")}
 
     events.stage("listing the repository")
     remote = call(lambda: remote_files(target), f"listing {repo_id}@{target}")
+    events.stage("writing split files")
+    published = _already_published(plan, remote)
+    stage(plan, on_artifact=lambda a: events.stage(f"splitting {a.name} into {len(a.files)} files"), skip=published)
     result = UploadResult(repo_id=repo_id, revision=target, url=str(repo_url))
     pr_open = create_pr
     events.start(sum(f.size for f in plan.files), len(plan.files))
@@ -309,6 +321,6 @@ def upload_plan(
                 result.pr_url = info.pr_url
         result.uploaded.append(pf.path_in_repo)
         events.file_done(pf, "uploaded")
-    if not keep_staging and plan.staging_dir.exists():
-        shutil.rmtree(plan.staging_dir, ignore_errors=True)
+    if not keep_staging:
+        remove_shards(plan)
     return result

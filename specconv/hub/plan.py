@@ -7,7 +7,6 @@ generates (re-split shards) next to the outputs; the upload sends exactly the pl
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from specconv.hub.naming import (
     validate_revision,
 )
 from specconv.hub.report import VerifyReport, load_report
-from specconv.hub.split import ShardLayout, plan_split, write_split
+from specconv.hub.split import ShardLayout, plan_split
 
 DEFAULT_MAX_FILE_SIZE = 50 * 10**9  # the Hub's hard per-file limit (reference/hub.md §2)
 STAGING_DIR = ".specconv-upload"
@@ -44,6 +43,7 @@ class PlanFile:
     staged: Path | None = None  # written by stage() (a re-split shard)
     content: bytes | None = None  # generated in memory (README.md)
     artifact: str | None = None  # the unsplit file name it belongs to
+    sha256: bytes | None = None  # known digest (a staged shard's, from its manifest)
 
     @property
     def local_path(self) -> Path | None:
@@ -296,36 +296,3 @@ def build_plan(
         ignored=ignored,
         warnings=warnings,
     )
-
-
-# --- staging ---------------------------------------------------------------------------------
-
-
-def _source_identity(paths: list[Path]) -> list[list]:
-    return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
-
-
-def stage(plan: UploadPlan, on_artifact=None) -> None:
-    """Write every re-split artifact into the staging folder (reused when already complete)."""
-    for a in plan.artifacts:
-        if a.layout is None:
-            continue
-        manifest = plan.staging_dir / ".manifests" / f"{a.name}.json"
-        wanted = {
-            "sources": _source_identity(a.sources),
-            "max_file_size": plan.max_file_size,
-            "files": [[f.path_in_repo, f.size] for f in a.files],
-        }
-        if manifest.is_file() and all(f.staged.is_file() and f.staged.stat().st_size == f.size for f in a.files):
-            try:
-                if json.loads(manifest.read_text()) == wanted:
-                    continue
-            except (OSError, json.JSONDecodeError):
-                pass
-        if on_artifact is not None:
-            on_artifact(a)
-        write_split(a.layout, [f.staged for f in a.files])
-        manifest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = manifest.with_suffix(".tmp")
-        tmp.write_text(json.dumps(wanted))
-        os.replace(tmp, manifest)
