@@ -298,3 +298,24 @@ def test_per_position_counts_become_rates(tmp_path):
     text = build_plan(tmp_path, repo_id="me/x", report=tmp_path / "r.json").readme.content.decode()
     rows = table_rows(text, "| Position |")
     assert rows == [["1", "0.750", "30 / 40"], ["2", "0.400", "12 / 30"]]
+
+
+def test_draft_heads_of_other_kinds_are_named_and_documented(tmp_path):
+    write_tiny_gguf(tmp_path / "t.gguf", "trunk")
+    write_tiny_gguf(tmp_path / "e3.gguf", "sidecar", arch="eagle3", seed=3)
+    write_tiny_gguf(tmp_path / "ga.gguf", "sidecar", arch="gemma4-assistant", seed=4, name="Tiny Qwen3.5 assistant",
+                    basename="Tiny-Qwen3.5-assistant")
+    plan = build_plan(tmp_path, repo_id="me/x")
+    names = {a.role: a.name for a in plan.artifacts}
+    assert names[Role.EAGLE3] == "eagle3-Tiny-Qwen3.5-0.1M-Q8_0.gguf"
+    assert names[Role.ASSISTANT] == "mtp-Tiny-Qwen3.5-0.1M-assistant-Q8_0.gguf"
+    text = plan.readme.content.decode()
+    assert "-md eagle3-Tiny-Qwen3.5-0.1M-Q8_0.gguf --spec-type draft-eagle3" in text
+    # the assistant is never auto-detected: the card always passes --spec-type draft-mtp with it
+    assert "-md mtp-Tiny-Qwen3.5-0.1M-assistant-Q8_0.gguf --spec-type draft-mtp" in text
+
+
+def test_a_tensor_larger_than_the_limit_is_a_clear_error(tmp_path):
+    write_tiny_gguf(tmp_path / "t.gguf", "trunk")
+    with pytest.raises(SpecconvError, match=r"tensor \S+ \(\d+ bytes\) does not fit"):
+        build_plan(tmp_path, repo_id="me/x", max_file_size=5_000)

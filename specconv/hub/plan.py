@@ -182,7 +182,7 @@ def model_base(model: GgufModel, name: str | None) -> str:
             base = stem
         base = sanitize_base(base)
         if model.role is Role.ASSISTANT:
-            base = re.sub(r"-assistant$", "", base, flags=re.IGNORECASE)
+            base = re.sub(r"-assistant(?=-|$)", "", base, flags=re.IGNORECASE)  # the name adds it back
     base = strip_quant_tag(base, model.quant)
     return check_model_base(base)
 
