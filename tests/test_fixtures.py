@@ -263,13 +263,17 @@ def test_builds_are_fast(tmp):
 CONVERTERS = ["specconv", "upstream"]
 
 
-def _gguf(tmp, converter, moe, **build):
+def _gguf(tmp, converter, moe, mtp="embed"):
+    """(HF dir, GGUF) with the MTP head embedded, left out ("none") or alone ("only")."""
     from tests.fixtures.gguf_files import convert_gguf, convert_gguf_upstream
 
-    d = build_qwen35(tmp / f"{converter}-{moe}-src", moe=moe, layout="release", **build)
-    out = tmp / f"{converter}-{moe}.gguf"
+    d = build_qwen35(tmp / f"{converter}-{moe}-src", moe=moe, layout="release")
+    out = tmp / f"{converter}-{moe}-{mtp}.gguf"
     if not out.exists():
-        (convert_gguf if converter == "specconv" else convert_gguf_upstream)(d, out)
+        if converter == "specconv":
+            convert_gguf(d, out, mtp=mtp)
+        else:
+            convert_gguf_upstream(d, out, extra_args={"embed": [], "none": ["--no-mtp"], "only": ["--mtp"]}[mtp])
     return d, out
 
 
@@ -328,6 +332,21 @@ def test_llama_harness_against_transformers(tmp, peers, converter, moe):
     assert e_conv > 1e-2  # the row convention matters (model-math.md §7.2)
 
 
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_llama_harness_mtp_sidecar(tmp, peers, converter):
+    """An MTP-only sidecar on a trunk-only target gives the embedded head's logits."""
+    _, embedded = _gguf(tmp, converter, True)
+    _, trunk = _gguf(tmp, converter, True, mtp="none")
+    _, sidecar = _gguf(tmp, converter, True, mtp="only")
+    assert peers.llama_mtp_context_ok(trunk, sidecar)
+    with pytest.raises(RuntimeError, match="no MTP layer"):
+        peers.llama_mtp_context_ok(trunk)
+    a = peers.llama_mtp_logits(embedded, IDS)
+    b = peers.llama_mtp_logits(trunk, IDS, sidecar)
+    print(f"[{converter}] MTP sidecar vs embedded |Δ| {np.abs(a - b).max():.2e}")
+    assert np.abs(a - b).max() < 1e-6
+
+
 def test_require_llama_cpp_fails_under_ci_flag(monkeypatch):
     """SPECCONV_REQUIRE_PEERS=1 turns a missing llama_cpp into a failure, not a skip."""
     import builtins
@@ -350,3 +369,12 @@ def test_require_llama_cpp_fails_under_ci_flag(monkeypatch):
     monkeypatch.setenv("SPECCONV_REQUIRE_PEERS", "0")
     with pytest.raises(pytest.skip.Exception):
         p.require_llama_cpp()
+
+
+def test_pytest_plugin_fixtures(tmp_path_factory):
+    """The plugin's factory builds into fresh folders (here called directly, not via registration)."""
+    from tests.fixtures import pytest_plugin
+
+    make = pytest_plugin.qwen35_dir.__wrapped__(tmp_path_factory)
+    a, b = make(), make(moe=True, layout="release")
+    assert a != b and (a / "config.json").is_file() and (b / "model.safetensors").is_file()
