@@ -151,3 +151,17 @@ def convert(p, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         assert tuple(t.shape) == plan.shape, (plan.name, tuple(t.shape), plan.shape)
         out[plan.name] = t
     return out
+
+
+def dense(nk=2, nv=6, **kw):
+    cfg = text_config(nk=nk, nv=nv, **kw)
+    return cfg, random_tensors(hf_shapes(cfg))
+
+
+def moe(experts="fused", **kw):
+    cfg = text_config(moe=True, **kw)
+    return cfg, random_tensors(hf_shapes(cfg, experts=experts))
+
+
+def kv_dict(p, keep_mtp=True):
+    return {m.key: (m.value, m.vtype, m.sub_type) for m in p.metadata(keep_mtp)}

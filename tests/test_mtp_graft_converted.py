@@ -1,24 +1,20 @@
-"""`specconv mtp` against llama.cpp's own converter and runtime (the independent references).
+"""`specconv mtp` on files written by a converter, run by llama.cpp and by our runtime.
 
-The tiny Qwen3.5 checkpoint (tests/fixtures/tiny_qwen35.py) is converted by the upstream
-`convert_hf_to_gguf.py` of the pinned llama.cpp tree in its three MTP modes (embedded, `--no-mtp`,
-`--mtp`), in f32 and q8_0. Those files are what third-party quants and sidecars look like, so:
+The tiny Qwen3.5 checkpoint (tests/fixtures/tiny_qwen35.py) is converted in the three MTP layouts
+(embedded, trunk-only, `mtp-` sidecar), in f32 and q8_0, by two independent writers: llama.cpp's own
+`convert_hf_to_gguf.py` (what third-party quants and sidecars look like; needs SPECCONV_LLAMA_CPP_SRC)
+and `specconv convert`. For each writer:
 
-* extract(embedded) must be the upstream `--mtp` sidecar, byte for byte (also with --outtype q8_0);
-* merge(upstream trunk-only, sidecar) must be the upstream embedded file, byte for byte (also onto a
-  q8_0 trunk, and with the head re-typed to q8_0 by an override);
-* the grafted file must load in llama.cpp, create an MTP context and give the MTP logits of the
-  transformers reference (MtpModel), printed as max |Δlogit|.
-
-The upstream converter lives in the llama-cpp-python sdist (peers.md §1.1); the test skips when that
-tree is not on the machine (set SPECCONV_LLAMA_CPP_TREE to its vendor/llama.cpp folder).
+* extract(embedded) is that converter's sidecar, byte for byte (also with --outtype q8_0 from f32);
+* merge(trunk-only, sidecar) is that converter's embedded file, byte for byte (also onto a q8_0 trunk,
+  and with an f32 head re-typed to q8_0 by an override);
+* the grafted file loads in llama.cpp, creates an MTP context and gives the MTP logits of the
+  transformers reference (MtpModel); our runtime gives the same MTP logits from the grafted file as
+  from the trunk + sidecar pair. Measured max |Δlogit| values are printed.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,41 +25,30 @@ from tests.fixtures import peers
 
 pytestmark = pytest.mark.slow
 
-TREE = Path(os.environ.get("SPECCONV_LLAMA_CPP_TREE",
-                           "/work/.cache/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 IDS = [5, 17, 42, 99, 3, 250, 7, 77, 301, 12, 64, 128]
-
-# Runs the upstream converter (one process per file: its mode flags leave state behind). Tiny
-# self-trained tokenizers have no known pre-tokenizer hash, so the name is forced (peers.md §1.4).
-_DRIVER = r"""
-import runpy, sys
-tree = sys.argv[1]
-sys.path.insert(0, tree); sys.path.insert(1, tree + "/gguf-py")
-import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
-sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[2:]
-runpy.run_path(tree + "/convert_hf_to_gguf.py", run_name="__main__")
-"""
+MODES = {"embedded": ("embed", []), "trunk": ("none", ["--no-mtp"]), "sidecar": ("only", ["--mtp"])}
 
 
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory):
-    if not (TREE / "convert_hf_to_gguf.py").is_file():
-        pytest.skip(f"llama.cpp source tree not found at {TREE} (set SPECCONV_LLAMA_CPP_TREE)")
+@pytest.fixture(scope="module", params=["upstream", "specconv"])
+def converted(request, tmp_path_factory):
+    """(checkpoint dir, work dir, {(mode, outtype): path}) from one converter.
+
+    "upstream": llama.cpp's convert_hf_to_gguf.py (skips unless SPECCONV_LLAMA_CPP_SRC is set);
+    "specconv": `specconv convert` (skips until the command is registered).
+    """
+    from tests.fixtures.gguf_files import convert_gguf, convert_gguf_upstream
     from tests.fixtures.tiny_qwen35 import build_qwen35
 
-    root = tmp_path_factory.mktemp("upstream")
+    root = tmp_path_factory.mktemp(request.param)
     src = build_qwen35(root / "src")
-    modes = {"embedded": [], "trunk": ["--no-mtp"], "sidecar": ["--mtp"]}
-    files, jobs = {}, []
+    files = {}
     for outtype in ("f32", "q8_0"):
-        for mode, flags in modes.items():
-            path = root / f"{mode}-{outtype}.gguf"
-            files[(mode, outtype)] = path
-            jobs.append([str(src), "--outfile", str(path), "--outtype", outtype, *flags])
-    for argv in jobs:
-        proc = subprocess.run([sys.executable, "-c", _DRIVER, str(TREE), *argv], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        for mode, (ours, theirs) in MODES.items():
+            path = root / f"{'mtp-' if mode == 'sidecar' else ''}{mode}-{outtype}.gguf"
+            if request.param == "upstream":
+                files[(mode, outtype)] = convert_gguf_upstream(src, path, outtype=outtype, extra_args=theirs)
+            else:
+                files[(mode, outtype)] = convert_gguf(src, path, outtype=outtype, mtp=ours)
     return src, root, files
 
 
@@ -74,26 +59,26 @@ def mtp(*args) -> None:
     assert exc.value.code == 0
 
 
-# --- byte identity with the upstream converter's layouts ----------------------------------------
+# --- byte identity with the converter's own layouts ------------------------------------------------
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
-def test_extract_is_the_upstream_sidecar(upstream, outtype):
-    _, root, files = upstream
+def test_extract_is_the_converters_sidecar(converted, outtype):
+    _, root, files = converted
     out = root / f"mtp-extracted-{outtype}.gguf"
     mtp("extract", files[("embedded", outtype)], "-o", out, "--force")
     assert out.read_bytes() == files[("sidecar", outtype)].read_bytes()
 
 
-def test_extract_outtype_q8_0_from_f32_is_the_upstream_q8_0_sidecar(upstream):
-    _, root, files = upstream
+def test_extract_outtype_q8_0_from_f32_is_the_q8_0_sidecar(converted):
+    _, root, files = converted
     out = root / "mtp-requantized.gguf"
     mtp("extract", files[("embedded", "f32")], "-o", out, "--outtype", "q8_0", "--force")
     assert out.read_bytes() == files[("sidecar", "q8_0")].read_bytes()
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
-def test_merge_rebuilds_the_upstream_embedded_file(upstream, outtype):
-    _, root, files = upstream
+def test_merge_rebuilds_the_embedded_file(converted, outtype):
+    _, root, files = converted
     side = root / f"mtp-x-{outtype}.gguf"
     mtp("extract", files[("embedded", outtype)], "-o", side, "--force")
     out = root / f"merged-{outtype}.gguf"
@@ -101,10 +86,10 @@ def test_merge_rebuilds_the_upstream_embedded_file(upstream, outtype):
     assert out.read_bytes() == files[("embedded", outtype)].read_bytes()
 
 
-def test_q8_0_head_override_on_q8_0_trunk_is_the_upstream_q8_0_file(upstream):
-    # An f32 sidecar grafted onto a q8_0 trunk with the head re-typed to q8_0: the same bytes as
-    # upstream's q8_0 conversion (norms stay F32 by the forced rule, as upstream keeps them).
-    _, root, files = upstream
+def test_q8_0_head_override_on_q8_0_trunk_is_the_q8_0_file(converted):
+    # An f32 sidecar grafted onto a q8_0 trunk with the head re-typed to q8_0: the same bytes as the
+    # converter's q8_0 embedded file (norms stay F32 by the forced rule, as converters keep them).
+    _, root, files = converted
     out = root / "merged-q8-override.gguf"
     mtp("merge", files[("trunk", "q8_0")], files[("sidecar", "f32")], "-o", out, "--type-override", ".=q8_0",
         "--force")
@@ -119,9 +104,9 @@ def _mtp_reference(src, hidden):
     return hf_mtp_logits_llamacpp_rows(src, IDS, hidden=hidden)
 
 
-def test_grafted_f32_file_runs_mtp_in_llama_cpp(upstream):
+def test_grafted_f32_file_runs_mtp_in_llama_cpp(converted):
     peers.require_llama_cpp()
-    src, root, files = upstream
+    src, root, files = converted
     out = root / "graft-f32.gguf"
     mtp("merge", files[("trunk", "f32")], files[("sidecar", "f32")], "-o", out, "--force")
     assert peers.llama_mtp_context_ok(out)
@@ -131,9 +116,9 @@ def test_grafted_f32_file_runs_mtp_in_llama_cpp(upstream):
     assert diff < 1e-4
 
 
-def test_extracted_sidecar_runs_beside_the_trunk_in_llama_cpp(upstream):
+def test_extracted_sidecar_runs_beside_the_trunk_in_llama_cpp(converted):
     peers.require_llama_cpp()
-    src, root, files = upstream
+    src, root, files = converted
     side = root / "mtp-side-f32.gguf"
     mtp("extract", files[("embedded", "f32")], "-o", side, "--force")
     assert peers.llama_mtp_context_ok(files[("trunk", "f32")], side)
@@ -143,9 +128,9 @@ def test_extracted_sidecar_runs_beside_the_trunk_in_llama_cpp(upstream):
     assert diff < 1e-4
 
 
-def test_graft_onto_q8_0_trunk_runs_in_llama_cpp(upstream):
+def test_graft_onto_q8_0_trunk_runs_in_llama_cpp(converted):
     peers.require_llama_cpp()
-    src, root, files = upstream
+    src, root, files = converted
     out = root / "graft-q8-trunk.gguf"
     mtp("merge", files[("trunk", "q8_0")], files[("sidecar", "f32")], "-o", out, "--force")
     # The trunk is untouched: its logits are those of the q8_0 trunk-only file, exactly.
@@ -185,3 +170,48 @@ def _with_trunk_embeddings(src: Path, gguf_path: Path, out_dir: Path) -> Path:
     weights["lm_head.weight"] = torch.from_numpy(tables["output.weight"].copy())
     save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
     return out_dir
+
+
+# --- our runtime --------------------------------------------------------------------------------
+
+def _runtime_mtp_logits(target_path, mtp_path=None):
+    """(MTP logits, target post-norm hidden) from specconv.runtime, llama.cpp's row convention."""
+    from specconv.runtime import Context, GraphType, load_model
+    from specconv.runtime.mtp_rows import mtp_rows
+
+    target = load_model(target_path, device="cpu")
+    head = target if mtp_path is None else load_model(mtp_path, device="cpu")
+    h = Context(target, GraphType.MAIN, n_ctx=len(IDS)).decode(IDS).hidden["post_norm"]
+    toks, rows, pos = mtp_rows(IDS, h, "llama.cpp")
+    logits = Context(head, GraphType.MTP, n_ctx=len(IDS)).decode(toks, pos, hidden_in=rows).logits
+    return logits.float().cpu().numpy(), h.float().cpu().numpy()
+
+
+def test_runtime_mtp_logits_unchanged_by_grafting(converted):
+    src, root, files = converted
+    side = root / "mtp-rt.gguf"
+    mtp("extract", files[("embedded", "f32")], "-o", side, "--force")
+    out = root / "graft-rt.gguf"
+    mtp("merge", files[("trunk", "f32")], side, "-o", out, "--force")
+    grafted, h = _runtime_mtp_logits(out)
+    pair, _ = _runtime_mtp_logits(files[("trunk", "f32")], side)
+    original, _ = _runtime_mtp_logits(files[("embedded", "f32")])
+    vs_ref = np.abs(grafted - _mtp_reference(src, h)).max()
+    print(f"runtime MTP logits: grafted vs original embedded {np.abs(grafted - original).max():.2e}, "
+          f"vs trunk + extracted sidecar {np.abs(grafted - pair).max():.2e}, vs transformers {vs_ref:.2e}")
+    assert np.array_equal(grafted, original)
+    assert np.abs(grafted - pair).max() < 1e-5
+    assert vs_ref < 1e-4
+
+
+def test_runtime_runs_head_grafted_onto_q8_0_trunk(converted):
+    # The runtime dequantizes to float32 and so has no activation rounding: with the same q8_0
+    # embedding / LM head tables, the grafted f32 head must match transformers to float32 noise.
+    src, root, files = converted
+    out = root / "graft-q8-rt.gguf"
+    mtp("merge", files[("trunk", "q8_0")], files[("sidecar", "f32")], "-o", out, "--force")
+    logits, h = _runtime_mtp_logits(out)
+    ref_dir = _with_trunk_embeddings(src, files[("trunk", "q8_0")], root / "src-q8-embeddings")
+    diff = np.abs(logits - _mtp_reference(ref_dir, h)).max()
+    print(f"runtime, f32 head on q8_0 trunk vs transformers (q8_0 tables): max |dlogit| = {diff:.2e}")
+    assert diff < 1e-4
