@@ -15,7 +15,6 @@ import os
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
-from pathlib import Path
 from typing import Callable
 
 import huggingface_hub
