@@ -299,10 +299,22 @@ def test_llama_harness_self_consistent(tmp, peers, converter, moe):
     full = peers.llama_logits(g, np.concatenate([IDS, greedy[:-1]]))
     assert greedy == [int(x) for x in full[len(IDS) - 1:].argmax(-1)]
 
+    # llama-cpp-python's high-level class is a second, independent path to the same numbers.
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(g), n_ctx=256, n_batch=256, n_threads=1, logits_all=True,
+                          type_k=0, type_v=0, flash_attn=False, verbose=False)
+    llm.reset()
+    llm.eval([int(x) for x in IDS])
+    d_high = np.abs(np.array(llm.scores[: llm.n_tokens]) - batch).max()
+    llm.close()
+
     h = peers.llama_hidden(g, IDS)  # post-norm: the LM head applied to it gives the logits
     w_out = read_all(d)["lm_head.weight"].double().numpy()
     d_head = np.abs(h.astype(np.float64) @ w_out.T - batch).max()
-    print(f"[{converter} moe={moe}] llama.cpp batch vs token-by-token |Δ| {d_steps:.2e}; h·W_outᵀ vs logits {d_head:.2e}")
+    print(f"[{converter} moe={moe}] llama.cpp batch vs token-by-token |Δ| {d_steps:.2e}; "
+          f"vs high-level Llama.eval {d_high:.2e}; h·W_outᵀ vs logits {d_head:.2e}")
+    assert d_high < 1e-6
     # Gated DeltaNet's chunked (batch) and recurrent (1 token) paths round differently (~1e-5).
     assert d_steps < 1e-3
     assert d_head < 1e-4
