@@ -191,6 +191,13 @@ def parse_hparams(config: Mapping[str, Any], moe: bool) -> Qwen35Hparams:
         raise SpecconvError(f"config.json: linear_num_value_heads ({nv}) is not a multiple of "
                             f"linear_num_key_heads ({nk})")
 
+    # llama.cpp's qwen35 graphs have no attention biases and hard-code SiLU.
+    if tc.get("attention_bias"):
+        raise SpecconvError("config.json: attention_bias=true is not supported (llama.cpp's qwen35 has no "
+                            "attention biases)")
+    if tc.get("hidden_act", "silu") != "silu":
+        raise SpecconvError(f"config.json: hidden_act {tc['hidden_act']!r} is not supported (qwen35 uses silu)")
+
     factor = float(config_field(tc, "partial_rotary_factor", 0.25))
     rope_dim = int(head_dim * factor)
     types = layer_types_of(tc, n_layer)

@@ -426,6 +426,11 @@ def test_missing_required_config_field_and_dedicated_mtp_embeddings():
     cfg["mtp_use_dedicated_embeddings"] = True
     with pytest.raises(SpecconvError, match="mtp_use_dedicated_embeddings"):
         plugin(cfg, tensors)
+    for field, value in (("attention_bias", True), ("hidden_act", "gelu")):
+        cfg, tensors = dense()
+        cfg[field] = value
+        with pytest.raises(SpecconvError, match=field):
+            plugin(cfg, tensors)
     cfg, tensors = moe()
     del cfg["num_experts"]
     with pytest.raises(SpecconvError, match="num_experts"):
