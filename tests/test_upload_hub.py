@@ -163,6 +163,19 @@ def test_server_errors_are_retried_with_back_off(hub, outputs):
     assert len(hub.puts) == len(set(hub.puts)) == 2
 
 
+def test_rate_limits_are_waited_out_as_the_hub_asks(hub, outputs):
+    delays = []
+    retry = RetryPolicy(attempts=3, base_delay=0.5, sleep=delays.append)
+    hub.faults.append(Fault("POST", r"/commit/", status=429, headers={"Retry-After": "7"}, message="commit rate limit"))
+    hub.faults.append(
+        Fault("POST", r"/commit/", status=429, headers={"RateLimit": '"commits";r=0;t=42'}, message="commit rate limit")
+    )
+    plan = build_plan(outputs, repo_id=REPO)
+    result = upload_plan(plan, token=WRITE_TOKEN, endpoint=hub.url, retry=retry)
+    assert delays == [7.0, 42.0]
+    assert len(result.uploaded) == 3
+
+
 def test_a_dropped_connection_is_retried(hub, outputs):
     hub.faults.append(Fault("POST", r"/commit/", status=None, times=1))
     plan = build_plan(outputs, repo_id=REPO)

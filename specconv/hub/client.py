@@ -49,10 +49,14 @@ class RetryPolicy:
     attempts: int = 6
     base_delay: float = 2.0
     max_delay: float = 60.0
+    max_server_wait: float = 900.0  # how long a rate limit's Retry-After is honoured
     sleep: Callable[[float], None] = time.sleep
 
-    def delay(self, attempt: int) -> float:
-        return min(self.max_delay, self.base_delay * (2 ** (attempt - 1)))
+    def delay(self, attempt: int, server_wait: float | None = None) -> float:
+        backoff = min(self.max_delay, self.base_delay * (2 ** (attempt - 1)))
+        if server_wait is None:
+            return backoff
+        return max(backoff, min(float(server_wait), self.max_server_wait))
 
 
 class UploadEvents:
@@ -112,6 +116,25 @@ def is_transient(exc: BaseException) -> bool:
     return any(isinstance(e, TRANSPORT_ERRORS) for e in _chain(exc))
 
 
+def server_wait(exc: BaseException) -> float | None:
+    """Seconds the Hub asked us to wait (Retry-After, or the RateLimit header's reset), if any."""
+    for e in _chain(exc):
+        response = getattr(e, "response", None)
+        if not isinstance(e, HfHubHTTPError) or response is None:
+            continue
+        value = response.headers.get("Retry-After", "").strip()
+        if value.isdigit():
+            return float(value)
+        try:
+            from huggingface_hub.utils import parse_ratelimit_headers
+        except ImportError:
+            return None
+        info = parse_ratelimit_headers(response.headers)
+        if info is not None and info.remaining == 0:
+            return float(info.reset_in_seconds)
+    return None
+
+
 def _server_message(exc: BaseException) -> str:
     for e in _chain(exc):
         response = getattr(e, "response", None)
@@ -168,7 +191,7 @@ def with_retries(fn, *, action: str, repo_id: str, retry: RetryPolicy, events: U
         except Exception as exc:  # noqa: BLE001 - classified below, re-raised as one line
             if not is_transient(exc) or attempt == retry.attempts:
                 raise user_error(exc, action, repo_id, attempt) from exc
-            delay = retry.delay(attempt)
+            delay = retry.delay(attempt, server_wait(exc))
             events.retry(action, attempt, delay, _server_message(exc))
             retry.sleep(delay)
             if before_retry is not None:

@@ -81,6 +81,7 @@ class Fault:
     times: int = 1
     message: str = "injected failure"
     after: int = 0
+    headers: dict = field(default_factory=dict)
 
 
 class HubError(Exception):
@@ -402,16 +403,18 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 self.connection.close()  # a dropped connection: the client sees a transport error
                 return
-            return self._send(fault.status, {"error": fault.message}, message=fault.message)
+            return self._send(fault.status, {"error": fault.message}, message=fault.message, extra=fault.headers)
         try:
             status, payload = fake.handle(self.command, self.path, self.headers, body)
         except HubError as exc:
             return self._send(exc.status, {"error": exc.message, **exc.extra}, message=exc.message, code=exc.code)
         self._send(status, payload)
 
-    def _send(self, status: int, payload, message: str | None = None, code: str | None = None):
+    def _send(self, status: int, payload, message: str | None = None, code: str | None = None, extra=None):
         data = json.dumps(payload).encode()
         self.send_response(status)
+        for key, value in (extra or {}).items():
+            self.send_header(key, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         if message:
