@@ -136,3 +136,27 @@ def test_layer_types_derived_from_interval_when_absent():
     kv = kv_dict(plugin(cfg, tensors))
     assert kv["qwen35.attention.recurrent_layers"][0] == [True, True, False, True, True, False, False]
     assert kv["qwen35.full_attention_interval"][0] == 3
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: c.update(head_dim=6), "rotary dimension 3"),  # int(6 * 0.5) is odd
+    (lambda c: c["rope_parameters"].update(rope_type="yarn", factor=2.0), "original_max_position_embeddings"),
+    (lambda c: c["rope_parameters"].update(rope_type="linear"), "'linear' is not supported"),  # no factor
+    (lambda c: c.update(num_experts_per_tok=9), "exceeds num_experts"),
+    (lambda c: c.update(num_hidden_layers="4"), "num_hidden_layers"),
+    (lambda c: c.update(mtp_num_hidden_layers=-1), "mtp_num_hidden_layers"),
+    (lambda c: c.update(linear_conv_kernel_dim=0), "linear_conv_kernel_dim"),
+])
+def test_config_errors(edit, match):
+    cfg, tensors = moe()
+    edit(cfg)
+    with pytest.raises(SpecconvError, match=match):
+        plugin(cfg, tensors)
+
+
+def test_linear_rope_scaling_keys():
+    cfg, tensors = dense()
+    cfg["rope_parameters"].update(rope_type="linear", factor=2.0)
+    kv = kv_dict(plugin(cfg, tensors))
+    assert kv["qwen35.rope.scaling.type"][0] == "linear" and kv["qwen35.rope.scaling.factor"][0] == 2.0
+    assert "qwen35.rope.scaling.original_context_length" not in kv
