@@ -319,3 +319,14 @@ def test_a_tensor_larger_than_the_limit_is_a_clear_error(tmp_path):
     write_tiny_gguf(tmp_path / "t.gguf", "trunk")
     with pytest.raises(SpecconvError, match=r"tensor \S+ \(\d+ bytes\) does not fit"):
         build_plan(tmp_path, repo_id="me/x", max_file_size=5_000)
+
+
+def test_shards_named_out_of_order_are_refused(tmp_path):
+    src = write_tiny_gguf(tmp_path / "x.gguf", "trunk")
+    layout = plan_split([src], 40_000)
+    assert layout.count >= 2
+    names = [tmp_path / f"m-{i + 1:05d}-of-{layout.count:05d}.gguf" for i in range(layout.count)]
+    write_split(layout, names[::-1])  # shard 1's content under the last name, and so on
+    src.unlink()
+    with pytest.raises(SpecconvError, match="split.no does not match"):
+        build_plan(tmp_path, repo_id="me/x")
