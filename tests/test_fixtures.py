@@ -345,6 +345,19 @@ def test_llama_harness_against_transformers(tmp, peers, converter, moe):
 
 
 @pytest.mark.parametrize("converter", CONVERTERS)
+@pytest.mark.parametrize("moe", [False, True])
+def test_llama_mtp_draft_chain_matches_transformers(tmp, peers, converter, moe):
+    """Multi-token MTP drafting (normed output fed back) agrees between llama.cpp and MtpModel."""
+    d, g = _gguf(tmp, converter, moe)
+    id_last, drafts, logits = peers.llama_mtp_draft(g, IDS, 4)
+    ref_last, ref_drafts, ref_logits = ref.hf_mtp_draft(d, IDS, 4, hidden=peers.llama_hidden(g, IDS))
+    err = np.abs(logits - ref_logits).max()
+    print(f"[{converter} moe={moe}] 4 MTP drafts {drafts}, draft logits |Δ| {err:.2e}")
+    assert id_last == ref_last and drafts == ref_drafts
+    assert err < 1e-5
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
 def test_llama_harness_mtp_sidecar(tmp, peers, converter):
     """An MTP-only sidecar on a trunk-only target gives the embedded head's logits."""
     _, embedded = _gguf(tmp, converter, True)
