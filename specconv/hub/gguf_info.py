@@ -95,6 +95,8 @@ def read_model(paths: list[Path]) -> GgufModel:
     """Inspect one file or an ordered, complete shard set."""
     first = open_reader(paths[0])
     kv = scalar_kv(first)
+    if int(kv.get(gguf.Keys.Split.LLM_KV_SPLIT_NO, 0) or 0) != 0:
+        raise SpecconvError(f"{paths[0].name}: split.no does not match its position 0 in the shard set")
     arch = kv.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise SpecconvError(f"{paths[0].name}: no general.architecture key")
