@@ -279,6 +279,22 @@ def test_pull_request_and_branch_targets(hub, outputs):
     assert sha256(hub.content(REPO, changed, ref="q8-dev")) == sha256((outputs / "model.gguf").read_bytes())
 
 
+def test_an_interrupted_pull_request_is_resumed_into_the_same_pr(hub, outputs):
+    plan = build_plan(outputs, repo_id=REPO)
+    hub.faults.append(Fault("POST", r"/commit/", status=500, times=99, after=1))
+    with pytest.raises(SpecconvError) as info:
+        upload_plan(plan, token=WRITE_TOKEN, endpoint=hub.url, retry=FAST, create_pr=True)
+    message = str(info.value)
+    print("pr:", message)
+    assert message.endswith("rerun the same command to resume (with --revision refs/pr/1 instead of --create-pr)")
+    hub.faults.clear()
+    result = upload_plan(build_plan(outputs, repo_id=REPO), token=WRITE_TOKEN, endpoint=hub.url, retry=FAST, revision="refs/pr/1")
+    assert hub.repos[REPO].n_pr == 1
+    assert len(result.skipped) == 1 and len(result.uploaded) == 2
+    assert set(hub.files(REPO, ref="refs/pr/1")) == {".gitattributes", *(f.path_in_repo for f in plan.files)}
+    assert set(hub.files(REPO)) == {".gitattributes"}  # main untouched
+
+
 def _run_cli(args, capsys):
     code = 0
     try:

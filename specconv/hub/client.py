@@ -333,7 +333,12 @@ def upload_plan(
                 return None
             return "already" if _same_remote(pf, again.get(pf.path_in_repo))[0] else None
 
-        info = call(commit, f"uploading {pf.path_in_repo}", before_retry=landed)
+        try:
+            info = call(commit, f"uploading {pf.path_in_repo}", before_retry=landed)
+        except SpecconvError as exc:
+            if create_pr and not pr_open:  # a PR exists: say how to continue it rather than open another
+                raise SpecconvError(f"{exc} (with --revision {target} instead of --create-pr)") from exc
+            raise
         if info != "already":
             result.commits.append(info.oid)
             if pr_open:
