@@ -7,6 +7,9 @@ the plugin only ever sees a Checkpoint (config + headers).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from specconv.archs import Checkpoint, SourceTensor, plugin_class_for
@@ -165,3 +168,12 @@ def moe(experts="fused", **kw):
 
 def kv_dict(p, keep_mtp=True):
     return {m.key: (m.value, m.vtype, m.sub_type) for m in p.metadata(keep_mtp)}
+
+
+def plugin_from_dir(model_dir: Path):
+    """A fixture checkpoint directory (single model.safetensors) -> (plugin, normalised tensors)."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    raw = load_file(str(Path(model_dir) / "model.safetensors"))
+    return plugin(cfg, raw), normalised(cfg, raw)

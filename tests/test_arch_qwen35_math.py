@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tests.arch_qwen35_synth import DK, DV, H, convert, hf_shapes, plugin, random_tensors, text_config
+from tests.arch_qwen35_synth import (DK, DV, H, convert, hf_shapes, plugin, plugin_from_dir, random_tensors,
+                                     text_config)
+from tests.fixtures.tiny_qwen35 import build_qwen35
 
 
 def gdn_gguf(x: torch.Tensor, w: dict[str, torch.Tensor], b: int, nk: int, nv: int, eps: float) -> torch.Tensor:
@@ -151,3 +153,19 @@ def test_zero_centred_norms_match_hf_rmsnorm():
         plain = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"]) * out[gguf_name]
         with torch.no_grad():
             assert (plain - norm(x)).abs().max() < 1e-5, gguf_name
+
+
+def test_fixture_checkpoints_release_and_save_pretrained_convert_identically(tmp_path):
+    """Real tiny checkpoints (tests/fixtures): VL release layout (nested config, fused experts, towers)
+    and save_pretrained layout (flat config, per-expert tensors) of the same weights."""
+    for moe in (False, True):
+        a, ta = plugin_from_dir(build_qwen35(tmp_path / f"sp{moe}", moe=moe, layout="save_pretrained"))
+        b, tb = plugin_from_dir(build_qwen35(tmp_path / f"rel{moe}", moe=moe, layout="release"))
+        c, tc = plugin_from_dir(build_qwen35(tmp_path / f"nm{moe}", moe=moe, mtp_in_config=False))
+        assert len(b.checkpoint.skipped) == 3 and not a.checkpoint.skipped  # the model.visual.* tensors
+        assert a.n_mtp_layers == b.n_mtp_layers == c.n_mtp_layers == 1
+        for keep in (True, False):
+            assert a.metadata(keep) == b.metadata(keep) == c.metadata(keep)
+        out_a, out_b = convert(a, ta), convert(b, tb)
+        assert out_a.keys() == out_b.keys() and len(out_a) == (96 if moe else 71)
+        assert all(torch.equal(out_a[n], out_b[n]) for n in out_a)

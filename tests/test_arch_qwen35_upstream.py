@@ -8,7 +8,6 @@ architecture KV. Skips when the source tree is absent (SPECCONV_LLAMA_CPP_SRC na
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -16,9 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from safetensors.torch import load_file
-
-from specconv.archs import Checkpoint, SourceTensor, plugin_class_for
+from tests.arch_qwen35_synth import plugin_from_dir
 from tests.fixtures import gguf_files
 from tests.fixtures.tiny_qwen35 import build_qwen35
 
@@ -29,21 +26,6 @@ DEFAULT_TREE = Path("/work/.cache/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp
 def _upstream_tree(monkeypatch):
     if not os.environ.get("SPECCONV_LLAMA_CPP_SRC") and (DEFAULT_TREE / "convert_hf_to_gguf.py").is_file():
         monkeypatch.setenv("SPECCONV_LLAMA_CPP_SRC", str(DEFAULT_TREE))
-
-
-def plugin_for(model_dir: Path):
-    cfg = json.loads((model_dir / "config.json").read_text())
-    cls = plugin_class_for(cfg)
-    raw = load_file(str(model_dir / "model.safetensors"))
-    tensors, headers, skipped = {}, {}, {}
-    for name, t in raw.items():
-        norm = cls.normalize_name(name)
-        if isinstance(norm, tuple):
-            skipped[name] = norm[1]
-            continue
-        tensors[norm] = t
-        headers[norm] = SourceTensor(norm, tuple(t.shape), "F32")
-    return cls(Checkpoint(cfg, headers, skipped)), tensors
 
 
 def field_value(field):
@@ -62,7 +44,7 @@ def field_value(field):
 def test_plugin_matches_upstream_converter(tmp_path, kwargs):
     src = build_qwen35(tmp_path / "src", **kwargs)
     up = GGUFReader(str(gguf_files.convert_gguf_upstream(src, tmp_path / "up.gguf", outtype="f16")))
-    p, tensors = plugin_for(src)
+    p, tensors = plugin_from_dir(src)
     plans = p.tensor_plan()
 
     up_tensors = {t.name: t for t in up.tensors}
