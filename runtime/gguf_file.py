@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -135,7 +136,9 @@ class GGUFModelFile:
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
     """Raw GGUF tensor data (a memory-mapped numpy view) to a float32 (or integer) CPU tensor."""
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return torch.from_numpy(np.ascontiguousarray(data)).float().reshape(shape)
+        with warnings.catch_warnings():  # read-only map: F32 weights on CPU stay backed by the file, never written
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(np.ascontiguousarray(data)).float().reshape(shape)
     if qtype == GGMLQuantizationType.BF16:  # raw uint8 rows: reinterpret the bits, no rounding
         raw = torch.from_numpy(np.ascontiguousarray(data).view(np.int16))
         return raw.view(torch.bfloat16).float().reshape(shape)

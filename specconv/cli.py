@@ -16,6 +16,7 @@ from specconv.errors import SpecconvError
 
 # command name -> module under specconv.commands (each defines `command`)
 COMMANDS: dict[str, str] = {
+    "generate": "generate",
     "mtp": "mtp",
     "upload": "upload",
 }

@@ -47,11 +47,6 @@ def tiny_gguf(tmp_path_factory, *, moe=False, layout="save_pretrained", mtp="emb
             assert len(sidecars) == 1 and len(trunks) == 1, sorted(out.iterdir())
             _files[key] = (src, (trunks[0], sidecars[0]))
         else:
-            import os  # DEVHACK
-            if os.environ.get("RT_DEV_UPSTREAM"):  # DEVHACK
-                from tests.fixtures.gguf_files import convert_gguf_upstream  # DEVHACK
-                _files[key] = (src, convert_gguf_upstream(src, out / "model.gguf", outtype=outtype))  # DEVHACK
-                return _files[key]  # DEVHACK
             _files[key] = (src, convert_gguf(src, out / "model.gguf", outtype=outtype, mtp=mtp))
     return _files[key]
 

@@ -50,39 +50,46 @@ def recurrent_delta_rule(q, k, v, g, beta, state, keep: int = 1):
     return torch.stack(outs), torch.stack(states)
 
 
-def chunked_delta_rule(q, k, v, g, beta, state, keep: int = 1, chunk: int = CHUNK):
-    """The same function evaluated chunk-wise (WY form). Per chunk of L rows with cumulative decay Γ:
-    (I + T) U = βV, (I + T) W = β e^Γ K, V_new = U − W S, O = (Q e^Γ) S + (QKᵀ ⊙ D) V_new,
-    S_i = e^{Γ_i} S + Σ_{j≤i} D_ij k_j V_new_jᵀ (only for the rows whose state is kept)."""
+def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The same function evaluated chunk-wise (WY form), for long inputs. Per chunk of L rows with
+    cumulative decay Γ and D_ij = e^{Γ_i − Γ_j} (j ≤ i): (I + T) U = βV, (I + T) W = β e^Γ K with
+    T = strict-lower(β_i k_i·k_j D_ij), V_new = U − W S, O = (Q e^Γ) S + (QKᵀ ⊙ D) V_new,
+    S ← e^{Γ_L} S + (K ⊙ e^{Γ_L − Γ})ᵀ V_new. Returns (o [n, nv, dv], final state [nv, dk, dv])."""
     n, nv, dk = k.shape
-    outs, kept = [], []
+    outs = []
     s = state
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
         qc, kc, vc = q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
         gc, bc = g[start:end].t(), beta[start:end].t()  # [nv, L]
         length = end - start
-        gamma = gc.cumsum(-1)  # Γ_i
+        gamma = gc.cumsum(-1)
         lower = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        diff = (gamma[:, :, None] - gamma[:, None, :]).masked_fill(~lower, float("-inf"))
-        decay = torch.exp(diff)  # D_ij, zero above the diagonal
-        kk = kc @ kc.transpose(-1, -2)
-        t_mat = (bc[:, :, None] * kk * decay).tril(-1)
-        eye = torch.eye(length, dtype=q.dtype, device=q.device).expand(nv, length, length)
-        a_mat = eye + t_mat
+        decay = torch.exp((gamma[:, :, None] - gamma[:, None, :]).masked_fill(~lower, float("-inf")))
+        t_mat = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
+        a_mat = torch.eye(length, dtype=q.dtype, device=q.device).expand(nv, length, length) + t_mat
         u = torch.linalg.solve_triangular(a_mat, bc[:, :, None] * vc, upper=False, unitriangular=True)
         w = torch.linalg.solve_triangular(a_mat, (bc * gamma.exp())[:, :, None] * kc, upper=False,
                                           unitriangular=True)
         v_new = u - w @ s  # [nv, L, dv]
         o = (qc * gamma.exp()[:, :, None]) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ v_new
         outs.append(o.transpose(0, 1))
-        first_kept = max(n - keep, start)
-        if first_kept < end:
-            rows = torch.arange(first_kept - start, length, device=q.device)
-            d_rows = decay[:, rows, :]  # [nv, m, L]
-            s_rows = torch.einsum("hij,hjk,hjv->ihkv", d_rows, kc, v_new)
-            s_rows = s_rows + gamma.exp()[:, rows].t()[:, :, None, None] * s[None]
-            kept.append(s_rows)
         last = gamma[:, -1]
         s = last.exp()[:, None, None] * s + (kc * torch.exp(last[:, None] - gamma)[:, :, None]).transpose(-1, -2) @ v_new
-    return torch.cat(outs), torch.cat(kept)
+    return torch.cat(outs), s
+
+
+def delta_rule(q, k, v, g, beta, state, keep: int, mode: str = "auto"):
+    """Outputs for every token and the states after each of the last `keep` tokens.
+
+    "recurrent": token by token. "chunked"/"auto" (auto with more than one token): the chunked form
+    up to the last `keep` tokens, whose per-token states the snapshot ring needs, then the
+    recurrent form for those (exact per-token states; a verification batch of ≤ keep tokens is
+    thus evaluated recurrently, as model-math.md §2.2 recommends)."""
+    n = q.shape[0]
+    head = 0 if mode == "recurrent" or (mode == "auto" and n == 1) else n - keep
+    if head <= 0:
+        return recurrent_delta_rule(q, k, v, g, beta, state, keep=keep)
+    o_head, state = chunked_delta_rule(q[:head], k[:head], v[:head], g[:head], beta[:head], state)
+    o_tail, states = recurrent_delta_rule(q[head:], k[head:], v[head:], g[head:], beta[head:], state, keep=keep)
+    return torch.cat([o_head, o_tail]), states
