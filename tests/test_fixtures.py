@@ -173,6 +173,17 @@ def test_tied_and_no_mtp_variants(tmp):
     assert set(MTP_DENSE) <= set(read_all(d))
 
 
+@pytest.mark.parametrize("n_layers,nk,nv", [(2, 4, 4), (6, 2, 4)])
+def test_shape_variants_load(tmp, n_layers, nk, nv):
+    d = build_qwen35(tmp / f"shape{n_layers}{nk}{nv}", n_layers=n_layers, nk=nk, nv=nv, layout="release")
+    text = json.loads((d / "config.json").read_text())["text_config"]
+    assert text["layer_types"][-1] == "full_attention" and len(text["layer_types"]) == n_layers
+    assert (text["linear_num_key_heads"], text["linear_num_value_heads"]) == (nk, nv)
+    main, mtp = ref.load_hf(d, with_mtp=True)
+    assert len(main.model.layers) == n_layers and len(mtp.layers) == 1
+    assert np.isfinite(ref.hf_mtp_logits_transformers_rows(d, IDS)).all()
+
+
 # ------------------------------------------------------------------ weights
 
 
