@@ -8,12 +8,13 @@ so writing them back reproduces the original metadata byte for byte.
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES, Keys
 
 from specconv.archs.base import MetaKV
@@ -32,7 +33,7 @@ class GgufTensor:
     shape: tuple[int, ...]  # ggml order (ne0 first), as GGUF stores it
     n_bytes: int
     shard: int  # 0-based index of the shard holding it
-    _view: np.ndarray  # the reader's memory-mapped view
+    _view: np.ndarray  # the stored bytes: a uint8 slice of the file's memory map
 
     @property
     def torch_shape(self) -> tuple[int, ...]:
@@ -45,15 +46,19 @@ class GgufTensor:
 
     def raw(self) -> np.ndarray:
         """The stored bytes, as a flat uint8 view (no copy)."""
-        return self._view.reshape(-1).view(np.uint8)
+        return self._view
 
     def to_float32(self) -> np.ndarray:
         """Dequantized values in numpy order (works for every type gguf.quants knows, K-quants included)."""
         from gguf.quants import dequantize
 
-        if self.ggml_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            return np.asarray(self._view, dtype=np.float32).reshape(self.torch_shape)
-        return dequantize(np.asarray(self._view), self.ggml_type).reshape(self.torch_shape).astype(np.float32)
+        if self.ggml_type == GGMLQuantizationType.F32:
+            return np.array(self._view.view(np.float32)).reshape(self.torch_shape)
+        if self.ggml_type == GGMLQuantizationType.F16:
+            return self._view.view(np.float16).astype(np.float32).reshape(self.torch_shape)
+        block, size = GGML_QUANT_SIZES[self.ggml_type]
+        rows = np.asarray(self._view).reshape(-1, self.shape[0] // block * size)
+        return dequantize(rows, self.ggml_type).reshape(self.torch_shape).astype(np.float32)
 
 
 class GgufFile:
@@ -126,20 +131,112 @@ def shard_paths(path: str | Path) -> list[Path]:
     return paths
 
 
-def _field_to_kv(field) -> MetaKV:
-    vtype = GGUFValueType(field.types[0])
-    if vtype == GGUFValueType.ARRAY:
-        sub = GGUFValueType(field.types[-1])
-        if len(field.types) > 2:
-            raise SpecconvError(f"KV {field.name}: nested arrays are not supported")
+_SCALARS = {  # GGUF scalar value types -> (struct format, size)
+    GGUFValueType.UINT8: ("<B", 1), GGUFValueType.INT8: ("<b", 1), GGUFValueType.UINT16: ("<H", 2),
+    GGUFValueType.INT16: ("<h", 2), GGUFValueType.UINT32: ("<I", 4), GGUFValueType.INT32: ("<i", 4),
+    GGUFValueType.FLOAT32: ("<f", 4), GGUFValueType.BOOL: ("<?", 1), GGUFValueType.UINT64: ("<Q", 8),
+    GGUFValueType.INT64: ("<q", 8), GGUFValueType.FLOAT64: ("<d", 8),
+}
+_GGUF_MAGIC = 0x46554747  # "GGUF" read as a little-endian u32
+
+
+class _Cursor:
+    """Sequential little-endian reads over a memory map.
+
+    gguf.GGUFReader builds one numpy array per string, which takes tens of seconds on a real
+    vocabulary (150k-250k tokens); plain struct reads take a fraction of a second.
+    """
+
+    def __init__(self, buf, name: str):
+        self.buf, self.pos, self.name = buf, 0, name
+
+    def take(self, fmt: str, size: int):
+        if self.pos + size > len(self.buf):
+            raise SpecconvError(f"{self.name}: truncated GGUF header")
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += size
+        return value
+
+    def string(self) -> bytes:
+        n = self.take("<Q", 8)
+        if self.pos + n > len(self.buf):
+            raise SpecconvError(f"{self.name}: truncated GGUF header")
+        value = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return value
+
+    def value(self, vtype: GGUFValueType, key: str) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype in _SCALARS:
+            return self.take(*_SCALARS[vtype])
+        raise SpecconvError(f"{self.name}: KV {key} has unknown value type {int(vtype)}")
+
+    def kv(self) -> MetaKV:
+        key = self.string().decode("utf-8", errors="replace")
+        vtype = self._vtype(key)
+        if vtype != GGUFValueType.ARRAY:
+            return MetaKV(key, self.value(vtype, key), vtype)
+        sub = self._vtype(key)
+        count = self.take("<Q", 8)
+        if sub == GGUFValueType.ARRAY:
+            raise SpecconvError(f"{self.name}: KV {key}: nested arrays are not supported")
         if sub == GGUFValueType.STRING:
-            value = [bytes(field.parts[i]) for i in field.data]
-        else:
-            value = [v for i in field.data for v in field.parts[i].tolist()]
-        return MetaKV(field.name, value, vtype, sub)
-    if vtype == GGUFValueType.STRING:
-        return MetaKV(field.name, bytes(field.parts[-1]), vtype)
-    return MetaKV(field.name, field.parts[-1].tolist()[0], vtype)
+            return MetaKV(key, [self.string() for _ in range(count)], vtype, sub)
+        fmt, size = _SCALARS[sub]
+        end = self.pos + size * count
+        if end > len(self.buf):
+            raise SpecconvError(f"{self.name}: truncated GGUF header")
+        values = np.frombuffer(self.buf, dtype=np.dtype(fmt), count=count, offset=self.pos).tolist()
+        self.pos = end
+        return MetaKV(key, values, vtype, sub)
+
+    def _vtype(self, key: str) -> GGUFValueType:
+        raw = self.take("<I", 4)
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise SpecconvError(f"{self.name}: KV {key} has unknown value type {raw}") from None
+
+
+def _read_shard(path: Path, index: int) -> tuple[dict[str, MetaKV], list[GgufTensor]]:
+    try:
+        buf = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as exc:
+        raise SpecconvError(f"{path.name}: cannot map the file ({exc})") from None
+    cur = _Cursor(buf, path.name)
+    if len(buf) < 24 or cur.take("<I", 4) != _GGUF_MAGIC:
+        raise SpecconvError(f"{path.name}: not a GGUF file (bad magic)")
+    version = cur.take("<I", 4)
+    if version not in (2, 3):
+        raise SpecconvError(f"{path.name}: GGUF version {version} is not supported (big-endian or too old/new)")
+    n_tensors, n_kv = cur.take("<Q", 8), cur.take("<Q", 8)
+    kv: dict[str, MetaKV] = {}
+    for _ in range(n_kv):
+        entry = cur.kv()
+        kv[entry.key] = entry
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string().decode("utf-8", errors="replace")
+        n_dims = cur.take("<I", 4)
+        dims = tuple(cur.take("<Q", 8) for _ in range(n_dims))
+        raw_type, offset = cur.take("<I", 4), cur.take("<Q", 8)
+        try:
+            ggml_type = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise SpecconvError(f"{path.name}: tensor {name} has unknown type {raw_type}") from None
+        infos.append((name, dims, ggml_type, offset))
+    align_kv = kv.get("general.alignment")
+    align = int(align_kv.value) if align_kv is not None else 32
+    data_start = (cur.pos + align - 1) // align * align
+    tensors = []
+    for name, dims, ggml_type, offset in infos:
+        nbytes = tensor_nbytes(dims, ggml_type)
+        start = data_start + offset
+        if start + nbytes > len(buf):
+            raise SpecconvError(f"{path.name}: tensor {name} lies beyond the end of the file (truncated?)")
+        tensors.append(GgufTensor(name, ggml_type, dims, nbytes, index, buf[start:start + nbytes]))
+    return kv, tensors
 
 
 def open_gguf(path: str | Path) -> GgufFile:
@@ -149,36 +246,23 @@ def open_gguf(path: str | Path) -> GgufFile:
     tensors: dict[str, GgufTensor] = {}
     declared_total = None
     for index, shard in enumerate(paths):
-        try:
-            reader = GGUFReader(shard, "r")
-        except Exception as exc:  # the reader raises bare ValueErrors / struct errors on garbage
-            raise SpecconvError(f"{shard.name}: not a readable GGUF file ({exc})") from None
-        fields = {f.name: f for f in reader.fields.values() if not f.name.startswith("GGUF.")}
+        shard_kv, shard_tensors = _read_shard(shard, index)
         if len(paths) > 1:
-            split_no = fields.get(Keys.Split.LLM_KV_SPLIT_NO)
-            split_count = fields.get(Keys.Split.LLM_KV_SPLIT_COUNT)
+            split_no = shard_kv.get(Keys.Split.LLM_KV_SPLIT_NO)
+            split_count = shard_kv.get(Keys.Split.LLM_KV_SPLIT_COUNT)
             if split_no is None or split_count is None:
                 raise SpecconvError(f"{shard.name}: named like a split shard but has no split.* keys")
-            if int(split_no.parts[-1][0]) != index or int(split_count.parts[-1][0]) != len(paths):
+            if int(split_no.value) != index or int(split_count.value) != len(paths):
                 raise SpecconvError(f"{shard.name}: split.no/split.count do not match its file name")
-            total = fields.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+            total = shard_kv.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
             if total is not None:
-                declared_total = int(total.parts[-1][0])
+                declared_total = int(total.value)
         if index == 0:
-            for name, field in fields.items():
-                if name not in _SPLIT_KEYS:
-                    kv[name] = _field_to_kv(field)
-        for t in reader.tensors:
+            kv = {k: v for k, v in shard_kv.items() if k not in _SPLIT_KEYS}
+        for t in shard_tensors:
             if t.name in tensors:
-                raise SpecconvError(f"{shard.name}: tensor {t.name} appears twice across shards")
-            tensors[t.name] = GgufTensor(
-                name=t.name,
-                ggml_type=GGMLQuantizationType(t.tensor_type),
-                shape=tuple(int(d) for d in t.shape),
-                n_bytes=int(t.n_bytes),
-                shard=index,
-                _view=t.data,
-            )
+                raise SpecconvError(f"{shard.name}: tensor {t.name} appears twice")
+            tensors[t.name] = t
     if declared_total is not None and declared_total != len(tensors):
         raise SpecconvError(f"{paths[0].name}: split.tensors.count says {declared_total}, shards hold {len(tensors)}")
     return GgufFile(paths, kv, tensors)

@@ -367,3 +367,29 @@ def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
     assert run_cli("merge", trunk, sidecar, "-o", tmp_path / "out.gguf") == 1
     assert calls["n"] == 5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mtp.gguf", "trunk.gguf"]
+
+
+def test_extract_retypes_a_quantized_head(tmp_path):
+    # A q8_0 embedded file re-typed to f16: the values are the q8_0 values (dequantized by gguf-py,
+    # independently of the graft code) rounded to f16.
+    embedded = write_layout(tmp_path / "m.gguf", "embedded", trunk_type=T.Q8_0, head_type=T.Q8_0)
+    out = tmp_path / "mtp-m.gguf"
+    assert run_cli("extract", embedded, "-o", out, "--outtype", "f16") == 0
+    for name in ("token_embd.weight", "blk.4.nextn.eh_proj.weight", "blk.4.attn_qkv.weight"):
+        expected = _values(embedded, name).astype(np.float16)
+        got = {t.name: t for t in GGUFReader(out).tensors}[name]
+        assert got.tensor_type == T.F16
+        assert np.array_equal(np.asarray(got.data), expected), name
+
+
+def test_garbage_and_truncated_inputs_are_refused(tmp_path, capsys):
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all, sorry" * 4)
+    assert run_cli("extract", tmp_path / "junk.gguf", "-o", tmp_path / "o.gguf") == 2
+    assert "not a GGUF file" in capsys.readouterr().err
+    embedded = write_layout(tmp_path / "m.gguf", "embedded")
+    data = embedded.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 4096])
+    assert run_cli("extract", tmp_path / "cut.gguf", "-o", tmp_path / "o.gguf") == 2
+    assert "beyond the end of the file" in capsys.readouterr().err
+    assert run_cli("extract", tmp_path / "missing.gguf", "-o", tmp_path / "o.gguf") == 2
+    assert "no such file" in capsys.readouterr().err
