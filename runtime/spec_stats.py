@@ -1,0 +1,121 @@
+"""Acceptance statistics of a speculative run, with the definitions of speculative.md §6-§7.
+
+* `rounds`: verification rounds (target evaluations of [id_last, d_1..d_n]), zero-draft rounds
+  included; `drafts`: rounds with at least one draft token; `drafted`: draft tokens proposed and
+  verified (drafts cut by `draft_min` are counted apart, in `discarded`); `accepted`: accepted
+  draft tokens, never the correction / bonus token and never tokens re-evaluated by the
+  checkpoint rollback.
+* `acceptance_rate` = accepted / drafted; `acceptance_length` = 1 + accepted / drafts.
+* `per_position[i]` = (rounds whose (i+1)-th draft was accepted) / drafts, for i < draft_max:
+  cumulative, so non-increasing with Σ = acceptance_length - 1. `per_position_drafted[i]` counts
+  the rounds that drafted at least i+1 tokens (so the conditional acceptance can be read off when
+  rounds drafted fewer than draft_max).
+* `target_forwards`: target evaluations after the prompt: every round, plus the re-decodes of the
+  checkpoint rollback; `tokens_per_target_forward` = generated / target_forwards.
+* `alpha` and `bound` (Leviathan et al.): alpha is the i.i.d. per-token acceptance probability for
+  which the expected number of accepted drafts, given the draft length n_r each round actually
+  proposed, equals the measured count: Σ_r Σ_{i=1..n_r} alpha^i = accepted. When every round
+  drafted k tokens this is acceptance_rate = (alpha + … + alpha^k)/k (speculative.md §7).
+  bound = E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) with k = draft_max: the expected tokens per
+  target forward of full-length drafting at that alpha. With full-length drafts in every round it
+  equals acceptance_length by construction; `uniform_drafts` says whether that was the case.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Leviathan's E = (1 - α^(k+1)) / (1 - α): tokens per target forward for i.i.d. acceptance α."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def solve_alpha(draft_lengths: Counter, accepted: int) -> float | None:
+    """α in [0, 1] with Σ_r Σ_{i=1..n_r} α^i = accepted (bisection; the left side increases in α)."""
+    total = sum(n * c for n, c in draft_lengths.items())
+    if total == 0:
+        return None
+
+    def expected(a: float) -> float:
+        return sum(c * sum(a ** i for i in range(1, n + 1)) for n, c in draft_lengths.items())
+
+    if accepted >= total:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected(mid) < accepted else (lo, mid)
+    return (lo + hi) / 2
+
+
+@dataclass
+class SpecStats:
+    draft_max: int
+    rounds: int = 0
+    drafts: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    discarded: int = 0
+    generated: int = 0
+    redecode_forwards: int = 0
+    reevaluated_tokens: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+    drafted_at: list[int] = field(default_factory=list)
+    histogram: Counter = field(default_factory=Counter)  # accepted count -> rounds (drafting rounds)
+    draft_lengths: Counter = field(default_factory=Counter)  # draft length -> rounds (drafting rounds)
+
+    def __post_init__(self):
+        self.accepted_at = [0] * self.draft_max
+        self.drafted_at = [0] * self.draft_max
+
+    def record_round(self, n_drafted: int, n_accepted: int) -> None:
+        if not 0 <= n_accepted <= n_drafted <= self.draft_max:
+            raise ValueError(f"impossible round: {n_accepted} accepted of {n_drafted} (draft_max {self.draft_max})")
+        self.rounds += 1
+        if n_drafted == 0:
+            return
+        self.drafts += 1
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        self.histogram[n_accepted] += 1
+        self.draft_lengths[n_drafted] += 1
+        for i in range(n_drafted):
+            self.drafted_at[i] += 1
+        for i in range(n_accepted):
+            self.accepted_at[i] += 1
+
+    def record_redecode(self, n_tokens: int) -> None:
+        self.redecode_forwards += 1
+        self.reevaluated_tokens += n_tokens
+
+    @property
+    def target_forwards(self) -> int:
+        return self.rounds + self.redecode_forwards
+
+    def to_json(self) -> dict:
+        k = self.draft_max
+        alpha = solve_alpha(self.draft_lengths, self.accepted)
+        return {
+            "rounds": self.rounds,
+            "drafts": self.drafts,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "discarded": self.discarded,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            "acceptance_length": 1 + self.accepted / self.drafts if self.drafts else None,
+            "per_position": [a / self.drafts if self.drafts else 0.0 for a in self.accepted_at],
+            "per_position_drafted": list(self.drafted_at),
+            "acceptance_histogram": {str(a): c for a, c in sorted(self.histogram.items())},
+            "target_forwards": self.target_forwards,
+            "generated": self.generated,
+            "tokens_per_target_forward": self.generated / self.target_forwards if self.target_forwards else None,
+            "redecode_forwards": self.redecode_forwards,
+            "reevaluated_tokens": self.reevaluated_tokens,
+            "uniform_drafts": set(self.draft_lengths) == {k} if self.drafts else False,
+            "alpha": alpha,
+            "bound": expected_tokens(alpha, k) if alpha is not None else None,
+        }

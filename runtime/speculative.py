@@ -1,0 +1,147 @@
+"""Speculative decoding: draft, verify with one target evaluation, accept, roll back, count.
+
+One round (speculative.md §1): the drafter proposes d_1..d_n after `id_last` (the target's last
+chosen token, not yet evaluated by it, at position pos0 = n_past); the target evaluates
+[id_last, d_1..d_n] at pos0..pos0+n once; the rule of `spec_rules` accepts j drafts and adds one
+target token t; the target's memory is cut back to positions ≤ pos0+j; the drafter is told.
+The prompt is split as llama.cpp does: all but its last token are evaluated first (feeding the
+drafter), the last one is the first round's id_last.
+
+Rollback of the target's memory:
+* "snapshot" (default): the context keeps a ring of n_rs_seq = draft_max recurrent states, one per
+  verified token, so dropping rejected positions is `seq_rm`, an index change; no target token is
+  evaluated twice.
+* "checkpoint": the sequence state is saved before a verification with drafts; on a partial
+  acceptance it is restored and the j+1 kept tokens are evaluated again. Those re-evaluated
+  tokens are counted in `reevaluated_tokens` (and the extra evaluations in `target_forwards`),
+  never as accepted drafts.
+A round with zero drafts (no n-gram match, `draft_min`, `p_min`, the budget near n_predict) is an
+ordinary one-token evaluation after whichever state the previous round promoted (§5.5).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.context import ROLLBACK_MODES, Context
+from specconv.runtime.drafters import Draft, Drafter
+from specconv.runtime.generate import GenerationResult, decode_text
+from specconv.runtime.model import Model
+from specconv.runtime.sampling import make_generator
+from specconv.runtime.spec_rules import verify_rows
+from specconv.runtime.spec_stats import SpecStats
+from specconv.runtime.types import GraphType
+
+
+@dataclass
+class SpecConfig:
+    draft_max: int = 3
+    draft_min: int = 0  # a shorter draft is discarded (a zero-draft round), as llama.cpp's n_min
+    p_min: float = 0.0  # drafting stops when the best candidate's top-10 probability is below it
+    temperature: float = 0.0
+    seed: int | None = 0
+    rollback: str = "snapshot"
+    stop_at_eos: bool = False
+
+    def check(self) -> None:
+        if self.draft_max < 0 or self.draft_min < 0:
+            raise SpecconvError("--draft-max and --draft-min must be ≥ 0")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise SpecconvError("--p-min must be in [0, 1]")
+        if self.rollback not in ROLLBACK_MODES:
+            raise SpecconvError(f"rollback must be one of {ROLLBACK_MODES}, not {self.rollback!r}")
+
+
+@dataclass
+class Round:
+    """What one round did (for tests and tracing)."""
+
+    pos0: int
+    drafts: list[int]
+    accepted: int
+    token: int
+    rule: str
+
+
+def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequence[int], n_predict: int,
+                         config: SpecConfig | None = None, n_ctx: int | None = None,
+                         on_round: Callable[[Context, Round], None] | None = None) -> GenerationResult:
+    """Generate up to n_predict tokens; result.stats["speculative"] holds the statistics."""
+    cfg = config or SpecConfig()
+    cfg.check()
+    prompt = [int(t) for t in prompt_tokens]
+    if not prompt:
+        raise SpecconvError("generate: the prompt is empty")
+    n_ctx = n_ctx or len(prompt) + n_predict + cfg.draft_max + 2
+    ctx = Context(target, GraphType.MAIN, n_ctx=n_ctx, n_rs_seq=cfg.draft_max, rollback=cfg.rollback)
+    want = ("post_norm",) if drafter.needs_hidden else ()
+    gen = make_generator(cfg.seed)
+    stats = SpecStats(cfg.draft_max)
+    out_tokens: list[int] = []
+    start = time.perf_counter()
+    if n_predict > 0:
+        prefix, id_last = prompt[:-1], prompt[-1]
+        hidden = ctx.decode(prefix, hidden=want, logits=None).hidden.get("post_norm") if prefix else None
+        drafter.start(prefix, hidden)
+        while len(out_tokens) < n_predict:
+            pos0 = ctx.n_past()
+            budget = max(0, min(cfg.draft_max, n_predict - len(out_tokens) - 1, n_ctx - pos0 - 2))
+            draft = drafter.draft(id_last, budget, cfg.p_min, cfg.temperature, gen) if budget else Draft([])
+            draft = draft.truncated(budget)
+            if len(draft) < cfg.draft_min:
+                stats.discarded += len(draft)
+                draft = Draft([])
+            new, stop = _round(ctx, drafter, id_last, draft, cfg, gen, stats, want, on_round)
+            out_tokens.extend(new)
+            id_last = out_tokens[-1]
+            if stop:
+                break
+    seconds = time.perf_counter() - start
+    stats.generated = len(out_tokens)
+    report = stats.to_json()
+    report.update(drafter=drafter.name, draft_max=cfg.draft_max, draft_min=cfg.draft_min, p_min=cfg.p_min,
+                  temperature=cfg.temperature, rollback=cfg.rollback, seconds=seconds)
+    return GenerationResult(prompt_tokens=prompt, tokens=out_tokens, text=decode_text(target, out_tokens),
+                            seconds=seconds, target_evaluations=ctx.n_decode_calls, stats={"speculative": report})
+
+
+def _round(ctx: Context, drafter: Drafter, id_last: int, draft: Draft, cfg: SpecConfig, gen, stats: SpecStats,
+           want, on_round) -> tuple[list[int], bool]:
+    pos0, drafts = ctx.n_past(), list(draft.tokens)
+    saved = ctx.checkpoint(0) if cfg.rollback == "checkpoint" and drafts else None
+    batch = [id_last] + drafts
+    out = ctx.decode(batch, hidden=want, logits="all")
+    j, t, rule = verify_rows(out.logits, drafts, draft.probs, cfg.temperature, gen)
+    stats.record_round(len(drafts), j)
+    if j < len(drafts):
+        if saved is not None:
+            ctx.restore(0, saved)
+            ctx.decode(batch[:j + 1], hidden=(), logits=None)
+            stats.record_redecode(j + 1)
+        elif not ctx.seq_rm(0, pos0 + j + 1):
+            raise SpecconvError(f"rollback of {len(drafts) - j} position(s) is outside the snapshot ring "
+                                f"(n_rs_seq={ctx.n_rs_seq})")
+    drafter.accept(j, batch, out.hidden.get("post_norm"))
+    if on_round is not None:
+        on_round(ctx, Round(pos0, drafts, j, t, rule))
+    new = drafts[:j] + [t]
+    if cfg.stop_at_eos:
+        tok = ctx.model.tokenizer
+        for i, x in enumerate(new):
+            if tok.is_end_of_generation(x):
+                return new[:i + 1], True
+    return new, False
+
+
+def measure_speedup(target: Model, result: GenerationResult, temperature: float = 0.0, seed: int | None = 0) -> dict:
+    """Plain decoding of the same prompt and length, timed in the same process: speed-up = plain / spec."""
+    from specconv.runtime.generate import generate
+
+    plain = generate(target, result.prompt_tokens, len(result.tokens), temperature=temperature, seed=seed)
+    spec = result.stats["speculative"]
+    spec["plain_seconds"] = plain.seconds
+    spec["speedup"] = plain.seconds / result.seconds if result.seconds > 0 else None
+    return {"plain": plain, "speedup": spec["speedup"]}
