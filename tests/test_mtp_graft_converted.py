@@ -29,27 +29,36 @@ IDS = [5, 17, 42, 99, 3, 250, 7, 77, 301, 12, 64, 128]
 MODES = {"embedded": ("embed", []), "trunk": ("none", ["--no-mtp"]), "sidecar": ("only", ["--mtp"])}
 
 
-@pytest.fixture(scope="module", params=["upstream", "specconv"])
-def converted(request, tmp_path_factory):
-    """(checkpoint dir, work dir, {(mode, outtype): path}) from one converter.
-
-    "upstream": llama.cpp's convert_hf_to_gguf.py (skips unless SPECCONV_LLAMA_CPP_SRC is set);
-    "specconv": `specconv convert` (skips until the command is registered).
-    """
+def _convert_all(writer, root, *, moe=False, outtypes=("f32", "q8_0")):
     from tests.fixtures.gguf_files import convert_gguf, convert_gguf_upstream
     from tests.fixtures.tiny_qwen35 import build_qwen35
 
-    root = tmp_path_factory.mktemp(request.param)
-    src = build_qwen35(root / "src")
+    src = build_qwen35(root / "src", moe=moe)
     files = {}
-    for outtype in ("f32", "q8_0"):
+    for outtype in outtypes:
         for mode, (ours, theirs) in MODES.items():
             path = root / f"{'mtp-' if mode == 'sidecar' else ''}{mode}-{outtype}.gguf"
-            if request.param == "upstream":
+            if writer == "upstream":
                 files[(mode, outtype)] = convert_gguf_upstream(src, path, outtype=outtype, extra_args=theirs)
             else:
                 files[(mode, outtype)] = convert_gguf(src, path, outtype=outtype, mtp=ours)
     return src, root, files
+
+
+@pytest.fixture(scope="module", params=["upstream", "specconv"])
+def converted(request, tmp_path_factory):
+    """(checkpoint dir, work dir, {(mode, outtype): path}) of the dense model from one converter.
+
+    "upstream": llama.cpp's convert_hf_to_gguf.py (skips unless SPECCONV_LLAMA_CPP_SRC is set);
+    "specconv": `specconv convert` (skips until the command is registered).
+    """
+    return _convert_all(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module", params=["upstream", "specconv"])
+def converted_moe(request, tmp_path_factory):
+    """The same for the Qwen3.5-MoE fixture (f32 only)."""
+    return _convert_all(request.param, tmp_path_factory.mktemp(request.param + "-moe"), moe=True, outtypes=("f32",))
 
 
 def mtp(*args) -> None:
@@ -214,4 +223,22 @@ def test_runtime_runs_head_grafted_onto_q8_0_trunk(converted):
     ref_dir = _with_trunk_embeddings(src, files[("trunk", "q8_0")], root / "src-q8-embeddings")
     diff = np.abs(logits - _mtp_reference(ref_dir, h)).max()
     print(f"runtime, f32 head on q8_0 trunk vs transformers (q8_0 tables): max |dlogit| = {diff:.2e}")
+    assert diff < 1e-4
+
+
+# --- MoE (qwen35moe) ------------------------------------------------------------------------------
+
+def test_moe_round_trip_and_llama_cpp_mtp(converted_moe):
+    src, root, files = converted_moe
+    side = root / "mtp-moe-x.gguf"
+    mtp("extract", files[("embedded", "f32")], "-o", side, "--force")
+    assert side.read_bytes() == files[("sidecar", "f32")].read_bytes()
+    out = root / "moe-merged.gguf"
+    mtp("merge", files[("trunk", "f32")], side, "-o", out, "--force")
+    assert out.read_bytes() == files[("embedded", "f32")].read_bytes()
+    peers.require_llama_cpp()
+    assert peers.llama_mtp_context_ok(out)
+    logits, hidden, _ = peers.llama_mtp_logits(out, IDS, return_hidden=True)
+    diff = np.abs(logits - _mtp_reference(src, hidden)).max()
+    print(f"qwen35moe grafted file, llama.cpp MTP logits vs transformers: max |dlogit| = {diff:.2e}")
     assert diff < 1e-4
