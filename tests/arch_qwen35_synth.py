@@ -170,10 +170,18 @@ def kv_dict(p, keep_mtp=True):
     return {m.key: (m.value, m.vtype, m.sub_type) for m in p.metadata(keep_mtp)}
 
 
-def plugin_from_dir(model_dir: Path):
-    """A fixture checkpoint directory (single model.safetensors) -> (plugin, normalised tensors)."""
+def plugin_from_dir(model_dir: Path, header_order: bool = False):
+    """A fixture checkpoint directory (single model.safetensors) -> (plugin, normalised tensors).
+
+    header_order: keep the tensors in the order of the file's JSON header (as llama.cpp reads them).
+    """
     from safetensors.torch import load_file
 
+    path = Path(model_dir) / "model.safetensors"
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    raw = load_file(str(Path(model_dir) / "model.safetensors"))
+    raw = load_file(str(path))
+    if header_order:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        raw = {name: raw[name] for name in header if name != "__metadata__"}
     return plugin(cfg, raw), normalised(cfg, raw)
