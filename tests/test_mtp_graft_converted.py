@@ -37,11 +37,14 @@ def _convert_all(writer, root, *, moe=False, outtypes=("f32", "q8_0")):
     files = {}
     for outtype in outtypes:
         for mode, (ours, theirs) in MODES.items():
-            path = root / f"{'mtp-' if mode == 'sidecar' else ''}{mode}-{outtype}.gguf"
+            path = root / f"{mode}-{outtype}.gguf"
             if writer == "upstream":
                 files[(mode, outtype)] = convert_gguf_upstream(src, path, outtype=outtype, extra_args=theirs)
             else:
-                files[(mode, outtype)] = convert_gguf(src, path, outtype=outtype, mtp=ours)
+                convert_gguf(src, path, outtype=outtype, mtp=ours)
+                # `specconv convert --mtp only -o DIR/NAME.gguf` may name its sidecar DIR/mtp-NAME.gguf
+                prefixed = path.with_name("mtp-" + path.name)
+                files[(mode, outtype)] = path if path.exists() or not prefixed.exists() else prefixed
     return src, root, files
 
 
