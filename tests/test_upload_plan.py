@@ -7,6 +7,7 @@ import os
 import re
 
 import gguf
+import numpy as np
 import pytest
 import yaml
 from fixtures_hub.ggufs import tensor_bytes, write_tiny_gguf
@@ -330,3 +331,48 @@ def test_shards_named_out_of_order_are_refused(tmp_path):
     src.unlink()
     with pytest.raises(SpecconvError, match="split.no does not match"):
         build_plan(tmp_path, repo_id="me/x")
+
+
+def test_header_scan_agrees_with_gguf_reader(tmp_path):
+    import time
+
+    from specconv.hub.gguf_header import read_header
+
+    paths = [
+        write_tiny_gguf(tmp_path / "e.gguf", "embedded"),
+        write_tiny_gguf(tmp_path / "s.gguf", "sidecar", seed=1),
+    ]
+    layout = plan_split([paths[0]], 40_000)
+    shards = [tmp_path / f"x-{i + 1:05d}-of-{layout.count:05d}.gguf" for i in range(layout.count)]
+    write_split(layout, shards)
+    for path in paths + shards:
+        header, reader = read_header(path), gguf.GGUFReader(path)
+        fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        assert list(header.kv) == list(fields)
+        for key, entry in header.kv.items():
+            f = fields[key]
+            assert entry.vtype == f.types[0], key
+            assert entry.nbytes == sum(int(p.nbytes) for p in f.parts), key
+            if f.types[0] != gguf.GGUFValueType.ARRAY:
+                assert entry.value == f.contents(), key
+        assert header.data_offset == reader.data_offset and header.alignment == reader.alignment
+        assert [(t.name, t.dims, t.tensor_type, t.offset, t.n_bytes) for t in header.tensors] == [
+            (t.name, tuple(int(d) for d in t.shape), t.tensor_type, int(t.data_offset), int(t.n_bytes))
+            for t in reader.tensors
+        ]
+
+    # a tokenizer of release size is skipped, not decoded
+    big = tmp_path / "big.gguf"
+    w = gguf.GGUFWriter(big, "qwen35")
+    w.add_token_list([f"token{i}" for i in range(150_000)])
+    w.add_token_merges([f"a{i} b{i}" for i in range(150_000)])
+    w.add_token_types([1] * 150_000)
+    w.add_file_type(7)
+    w.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    start = time.perf_counter()
+    header = read_header(big)
+    elapsed = time.perf_counter() - start
+    print(f"header scan of a 150k-token tokenizer: {elapsed:.2f} s")
+    assert header.kv["general.file_type"].value == 7 and [t.name for t in header.tensors] == ["output_norm.weight"]
+    assert header.kv["tokenizer.ggml.tokens"].value is None

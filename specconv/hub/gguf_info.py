@@ -1,7 +1,6 @@
 """What the upload plan needs to know about one GGUF model (a single file or a complete shard set).
 
-Only the header is read (gguf.GGUFReader memory-maps the file), so this is cheap even for 50 GB
-files.
+Only the header is read (gguf_header's scan), so this is cheap even for 50 GB files.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from pathlib import Path
 import gguf
 
 from specconv.errors import SpecconvError
+from specconv.hub.gguf_header import read_header
 from specconv.hub.naming import SHARD_RE, Role, file_type_tag, tensor_type_tag
 
 SPLIT_KEYS = (
@@ -56,16 +56,6 @@ def open_reader(path: Path) -> gguf.GGUFReader:
     return reader
 
 
-def scalar_kv(reader: gguf.GGUFReader) -> dict[str, object]:
-    """Scalar and string KV pairs (arrays such as the tokenizer are skipped: large and not needed)."""
-    out: dict[str, object] = {}
-    for name, fld in reader.fields.items():
-        if name.startswith("GGUF.") or not fld.types or fld.types[0] == gguf.GGUFValueType.ARRAY:
-            continue
-        out[name] = fld.contents()
-    return out
-
-
 def detect_role(arch: str, kv: dict[str, object], tensor_names: set[str]) -> Role:
     """llama.cpp's rule (reference/gguf-layout.md §4.3): nextn > 0 without `blk.0.attn_norm` is a
     sidecar; no nextn key (or 0) is a trunk-only model."""
@@ -92,9 +82,9 @@ def dominant_tensor_type(types: dict[str, gguf.GGMLQuantizationType], sizes: dic
 
 
 def read_model(paths: list[Path]) -> GgufModel:
-    """Inspect one file or an ordered, complete shard set."""
-    first = open_reader(paths[0])
-    kv = scalar_kv(first)
+    """Inspect one file or an ordered, complete shard set (headers only)."""
+    first = read_header(paths[0])
+    kv = first.scalars()
     if int(kv.get(gguf.Keys.Split.LLM_KV_SPLIT_NO, 0) or 0) != 0:
         raise SpecconvError(f"{paths[0].name}: split.no does not match its position 0 in the shard set")
     arch = kv.get("general.architecture")
@@ -110,16 +100,16 @@ def read_model(paths: list[Path]) -> GgufModel:
     sizes: dict[str, int] = {}
     declared_total = kv.get(gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
     for index, path in enumerate(paths):
-        reader = first if index == 0 else open_reader(path)
+        header = first if index == 0 else read_header(path)
         if len(paths) > 1:
-            field_no = reader.get_field(gguf.Keys.Split.LLM_KV_SPLIT_NO)
-            if field_no is None or int(field_no.contents()) != index:
+            field_no = header.kv.get(gguf.Keys.Split.LLM_KV_SPLIT_NO)
+            if field_no is None or int(field_no.value) != index:
                 raise SpecconvError(f"{path.name}: split.no does not match its position {index} in the shard set")
-        for tensor in reader.tensors:
+        for tensor in header.tensors:
             if tensor.name in types:
                 raise SpecconvError(f"{path.name}: tensor {tensor.name} appears in two shards")
             types[tensor.name] = tensor.tensor_type
-            sizes[tensor.name] = int(tensor.n_bytes)
+            sizes[tensor.name] = tensor.n_bytes
     if len(paths) > 1 and declared_total is not None and int(declared_total) != len(types):
         raise SpecconvError(
             f"{paths[0].name}: split.tensors.count is {declared_total} but the shards hold {len(types)} tensors"

@@ -21,6 +21,7 @@ import gguf
 from gguf.quants import quant_shape_to_byte_shape
 
 from specconv.errors import SpecconvError
+from specconv.hub.gguf_header import GgufHeader, read_header
 from specconv.hub.gguf_info import SPLIT_KEYS, open_reader
 
 HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, kv count
@@ -77,27 +78,24 @@ def _copied_fields(reader: gguf.GGUFReader):
         yield name, fld
 
 
-def _tensor_refs(paths: list[Path]) -> tuple[list[TensorRef], gguf.GGUFReader]:
+def _tensor_refs(paths: list[Path]) -> tuple[list[TensorRef], GgufHeader]:
     refs: list[TensorRef] = []
-    first = None
-    for index, path in enumerate(paths):
-        reader = open_reader(path)
-        first = first or reader
-        for t in reader.tensors:
-            np_dims = tuple(int(d) for d in reversed(t.shape.tolist()))
+    headers = [read_header(p) for p in paths]
+    for index, header in enumerate(headers):
+        for t in header.tensors:
+            np_dims = tuple(reversed(t.dims))
             refs.append(
                 TensorRef(
                     source=index,
                     name=t.name,
                     tensor_type=t.tensor_type,
                     byte_shape=tuple(quant_shape_to_byte_shape(np_dims, t.tensor_type)),
-                    offset=int(t.data_offset),
-                    n_bytes=int(t.n_bytes),
+                    offset=t.offset,
+                    n_bytes=t.n_bytes,
                     n_dims=len(np_dims),
                 )
             )
-    assert first is not None
-    return refs, first
+    return refs, headers[0]
 
 
 def _shard_size(kv_bytes: int, tensors: list[TensorRef], align: int) -> int:
@@ -108,8 +106,8 @@ def _shard_size(kv_bytes: int, tensors: list[TensorRef], align: int) -> int:
 def plan_split(paths: list[Path], max_size: int) -> ShardLayout:
     """Greedy, order-preserving assignment of tensors to shards of at most `max_size` bytes."""
     refs, first = _tensor_refs(paths)
-    align = int(first.alignment)
-    kv_bytes = sum(sum(int(p.nbytes) for p in fld.parts) for _, fld in _copied_fields(first))
+    align = first.alignment
+    kv_bytes = sum(e.nbytes for k, e in first.kv.items() if k not in SPLIT_KEYS)
     shards: list[list[TensorRef]] = [[]]
     for ref in refs:
         current = shards[-1]
