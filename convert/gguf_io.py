@@ -307,6 +307,11 @@ def write_gguf(out_path: str | Path, arch: str, kv: list[MetaKV], tensors: list[
         raise SpecconvError(f"{out_path}: the output name must end in .gguf")
     tmp = out_path.with_name(f".{out_path.stem}.partial-{os.getpid()}.gguf")
     writer = GGUFWriter(tmp, arch, split_max_size=split_max_size)
+    alignment = next((int(e.value) for e in kv if e.key == "general.alignment"), None)
+    if alignment is not None:  # the copied key must describe the data we write
+        if alignment <= 0 or alignment % 8:
+            raise SpecconvError(f"general.alignment = {alignment} is not a positive multiple of 8")
+        writer.data_alignment = alignment
     for entry in kv:
         if entry.key == "general.architecture":
             continue  # the writer adds it first, from `arch`

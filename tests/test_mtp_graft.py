@@ -393,3 +393,30 @@ def test_garbage_and_truncated_inputs_are_refused(tmp_path, capsys):
     assert "beyond the end of the file" in capsys.readouterr().err
     assert run_cli("extract", tmp_path / "missing.gguf", "-o", tmp_path / "o.gguf") == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_custom_alignment_is_honoured(tmp_path):
+    # A trunk written with general.alignment = 64: the output declares it and its data follow it.
+    src = write_layout(tmp_path / "trunk.gguf", "trunk")
+    reader = GGUFReader(src)
+    writer = GGUFWriter(tmp_path / "trunk64.gguf", "qwen35")
+    writer.add_custom_alignment(64)
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vtype = GGUFValueType(f.types[0])
+        sub = GGUFValueType(f.types[-1]) if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(f.name, f.contents(), vtype, sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    sidecar = write_layout(tmp_path / "mtp.gguf", "sidecar")
+    assert run_cli("merge", tmp_path / "trunk64.gguf", sidecar, "-o", tmp_path / "out.gguf") == 0
+    out = GGUFReader(tmp_path / "out.gguf")
+    assert out.alignment == 64 and out.fields["general.alignment"].contents() == 64
+    assert all(t.data_offset % 64 == 0 for t in out.tensors)
+    expected = {**read_tensors(src), **{k: v for k, v in read_tensors(sidecar).items() if k.startswith("blk.4.")}}
+    assert read_tensors(tmp_path / "out.gguf") == expected
