@@ -142,5 +142,16 @@ def config_field(cfg: Mapping[str, Any], name: str, default: Any = None) -> Any:
     return default
 
 
+def plans_in_checkpoint_order(plans: list[TensorPlan], tensors: Mapping[str, SourceTensor]) -> list[TensorPlan]:
+    """Each output at the position of its last source in the checkpoint's order (stable).
+
+    llama.cpp's converter walks the checkpoint in that order and emits an output as soon as its
+    last input arrives (stacked experts after the layer's last expert), so with `tensors` in file
+    order the GGUF tensor order is the upstream one.
+    """
+    index = {name: i for i, name in enumerate(tensors)}
+    return sorted(plans, key=lambda p: max(index[s] for s in p.sources))
+
+
 PluginFactory = Callable[[Checkpoint], ArchPlugin]
 ArchList = Sequence[str]

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, SourceTensor, TensorPlan
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, SourceTensor, TensorPlan, plans_in_checkpoint_order
 from .errors import SpecconvError
 from .qwen35_hparams import Qwen35Hparams, parse_hparams
 
@@ -147,7 +147,7 @@ class Qwen35Base(ArchPlugin):
         if unused:
             more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
             raise SpecconvError(f"unexpected tensor(s) for {self.gguf_arch}: {', '.join(unused[:3])}{more}")
-        return in_checkpoint_order(plan.plans, plan.tensors)
+        return plans_in_checkpoint_order(plan.plans, plan.tensors)
 
     def _nextn_extras(self, plan: _Plan, bid: int) -> None:
         H = self.hp.hidden
@@ -319,17 +319,6 @@ class Qwen35Base(ArchPlugin):
                            (Keys.Rope.SCALING_YARN_BETA_SLOW, s.beta_slow)):
             if value is not None:
                 put(key, value, f32)
-
-
-def in_checkpoint_order(plans: list[TensorPlan], tensors: dict[str, SourceTensor]) -> list[TensorPlan]:
-    """Each output at the position of its last source in the checkpoint's order (stable).
-
-    llama.cpp's converter walks the checkpoint in that order and emits an output as soon as its
-    last input arrives (stacked experts after the layer's last expert), so with `tensors` in file
-    order the GGUF tensor order is the upstream one.
-    """
-    index = {name: i for i, name in enumerate(tensors)}
-    return sorted(plans, key=lambda p: max(index[s] for s in p.sources))
 
 
 # ---------------------------------------------------------------------- transforms
