@@ -376,3 +376,24 @@ def test_header_scan_agrees_with_gguf_reader(tmp_path):
     print(f"header scan of a 150k-token tokenizer: {elapsed:.2f} s")
     assert header.kv["general.file_type"].value == 7 and [t.name for t in header.tensors] == ["output_norm.weight"]
     assert header.kv["tokenizer.ggml.tokens"].value is None
+
+
+def test_sidecar_shards_written_by_specconv_mtp_extract(tmp_path):
+    from click.testing import CliRunner
+
+    from specconv import cli as cli_module
+
+    if "mtp" not in cli_module.COMMANDS:
+        pytest.skip("`specconv mtp` is not registered")
+    emb = write_tiny_gguf(tmp_path / "emb.gguf", "embedded")
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["mtp", "extract", str(emb), "-o", str(out / "mtp-x.gguf"), "--split-max-size", "30K"]
+    result = CliRunner().invoke(cli_module.cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    plan = build_plan(out, repo_id="me/x")
+    (art,) = plan.artifacts
+    assert art.role is Role.SIDECAR and art.layout is None
+    assert art.paths == ["mtp-Tiny-Qwen3.5-0.1M-Q8_0-00001-of-00002.gguf", "mtp-Tiny-Qwen3.5-0.1M-Q8_0-00002-of-00002.gguf"]
+    assert any("is split" in w for w in plan.warnings)
+    assert "-md mtp-Tiny-Qwen3.5-0.1M-Q8_0-00001-of-00002.gguf --spec-type draft-mtp" in plan.readme.content.decode()
