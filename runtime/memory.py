@@ -164,8 +164,8 @@ class Memory:
         (true when the sequence was only extended, or cut back no further than the checkpoint)."""
         if self.n_cells[seq] < state.n_cells:
             raise SpecconvError("restore: the sequence was cut back past its checkpoint; its attention cells are gone")
-        if state.n_cells:
-            self._truncate_cells(seq, int(self.cell_pos[seq, state.n_cells - 1]) + 1)
+        # a checkpoint of an empty sequence keeps no cell at all
+        self._truncate_cells(seq, int(self.cell_pos[seq, state.n_cells - 1]) + 1 if state.n_cells else 0)
         self.slot_pos[seq] = [EMPTY] * self.ring
         self.cur[seq] = 0
         self.slot_pos[seq][0] = state.slot_pos
