@@ -44,7 +44,10 @@ def _open_reader(path: Path) -> GGUFReader:
     try:
         reader = GGUFReader(path, "r")
     except Exception as exc:  # the reader raises assorted errors on short or foreign files
-        raise SpecconvError(f"{path.name}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        with open(path, "rb") as fh:
+            is_gguf = fh.read(4) == b"GGUF"
+        what = "truncated or damaged GGUF file" if is_gguf else "not a readable GGUF file"
+        raise SpecconvError(f"{path.name}: {what} ({type(exc).__name__}: {exc})") from None
     size = path.stat().st_size
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
