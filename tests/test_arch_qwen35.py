@@ -435,3 +435,54 @@ def test_missing_required_config_field_and_dedicated_mtp_embeddings():
     del cfg["num_experts"]
     with pytest.raises(SpecconvError, match="num_experts"):
         plugin(cfg, tensors)
+
+
+def test_release_scale_dimensions_headers_only():
+    """Qwen3.5-9B-like dims (gguf-layout.md §7.1, model-math.md §2): hd 256, rot 64, nk 16, nv 32,
+    dk = dv = 128, K 4, 3:1 layers. Only headers: the plan and metadata never touch data."""
+    from specconv.archs import Checkpoint, SourceTensor, plugin_class_for
+
+    hidden, n_layer, vocab = 4096, 32, 248320
+    cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "tie_word_embeddings": False,
+           "text_config": {"hidden_size": hidden, "num_hidden_layers": n_layer, "num_attention_heads": 16,
+                           "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 12288, "vocab_size": vocab,
+                           "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                           "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "max_position_embeddings": 262144,
+                           "rms_norm_eps": 1e-6, "mtp_num_hidden_layers": 1,
+                           "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                           for i in range(n_layer)],
+                           "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                               "mrope_section": [11, 11, 10], "mrope_interleaved": True}}}
+    # The tensor names of the synthetic layout at 32 layers; shapes are rewritten from the real dims.
+    names_only = hf_shapes(text_config(n_layer=n_layer, layer_types=cfg["text_config"]["layer_types"]))
+    scale = {H: hidden, V: vocab}
+    C, nvdv = 2 * 16 * 128 + 32 * 128, 32 * 128
+    real = {"in_proj_qkv.weight": (C, hidden), "in_proj_z.weight": (nvdv, hidden), "in_proj_b.weight": (32, hidden),
+            "in_proj_a.weight": (32, hidden), "A_log": (32,), "dt_bias": (32,), "conv1d.weight": (C, 1, 4),
+            "linear_attn.norm.weight": (128,), "out_proj.weight": (hidden, nvdv), "q_proj.weight": (2 * 16 * 256, hidden),
+            "k_proj.weight": (4 * 256, hidden), "v_proj.weight": (4 * 256, hidden), "o_proj.weight": (hidden, 16 * 256),
+            "q_norm.weight": (256,), "k_norm.weight": (256,), "gate_proj.weight": (12288, hidden),
+            "up_proj.weight": (12288, hidden), "down_proj.weight": (hidden, 12288), "mtp.fc.weight": (hidden, 2 * hidden)}
+    headers = {}
+    for name, shape in names_only.items():
+        key = next((k for k in real if name.endswith(k)), None)
+        new = real[key] if key else tuple(scale.get(d, d) for d in shape)
+        raw = "model.language_model." + name[len("model."):] if name.startswith("model.") else name
+        headers[raw] = new
+    cls = plugin_class_for(cfg)
+    ckpt = Checkpoint(cfg, {cls.normalize_name(n): SourceTensor(cls.normalize_name(n), s, "BF16")
+                            for n, s in headers.items()}, {})
+    p = cls(ckpt)
+    plans = {pl.name: pl for pl in p.tensor_plan()}
+    assert plans["blk.0.attn_qkv.weight"].shape == (8192, hidden)
+    assert plans["blk.0.ssm_conv1d.weight"].shape == (8192, 4)
+    assert plans["blk.3.attn_q.weight"].shape == (8192, hidden)
+    assert plans["blk.32.nextn.eh_proj.weight"].shape == (hidden, 2 * hidden)
+    assert len(plans) == 8 * (3 * 14 + 11) + 15 + 3  # 8 x (3 linear + 1 full) blocks, MTP, shared
+    kv = kv_dict(p)
+    assert kv["qwen35.rope.dimension_count"][0] == 64
+    assert kv["qwen35.rope.dimension_sections"][0] == [11, 11, 10, 0]
+    assert kv["qwen35.ssm.inner_size"][0] == 4096 and kv["qwen35.ssm.state_size"][0] == 128
+    assert kv["qwen35.block_count"][0] == 33 and kv["qwen35.full_attention_interval"][0] == 4
+    assert kv["qwen35.attention.recurrent_layers"][0] == [(i + 1) % 4 != 0 for i in range(32)] + [False]
+    assert p.vocab_size() == vocab
