@@ -89,3 +89,29 @@ def test_mtp_logits_match_transformers_mtpmodel(tmp_path_factory, device, moe, l
     print(f"\n[MTP {head.kind} {'moe' if moe else 'dense'} {layout} {device}] {len(ids)} rows: "
           f"transformers rows max|Δlogit| {hf_rows:.2e}, llama.cpp rows {llama_rows:.2e}, nextn hidden {nextn:.2e}")
     assert hf_rows <= TOL and llama_rows <= TOL and nextn <= TOL  # the MTP block is attention only: well conditioned
+
+
+VARIANTS = [
+    pytest.param(dict(tie=True), id="tied-embeddings"),
+    pytest.param(dict(nk=4, nv=4), id="nk-equals-nv"),
+    pytest.param(dict(nk=2, nv=6, n_layers=6), id="r3-six-layers"),
+]
+
+
+@pytest.mark.parametrize("build", VARIANTS)
+def test_config_variants_match_transformers(tmp_path_factory, build):
+    """Tied head (no output.weight), no V-head re-tiling (nk = nv), ratio 3 and two attention layers."""
+    src, path = tiny_gguf(tmp_path_factory, **build)
+    model = load_model(path, device="cpu")
+    ids = prompt_ids()
+    ref_batch, ref_steps = ref.hf_logits(src, ids), hf_logits_token_by_token(src, ids)
+    ctx = Context(model, GraphType.MAIN, n_ctx=len(ids))
+    batch = ctx.decode(ids).logits
+    ctx.clear()
+    steps = np.stack([ctx.decode([t]).logits[0].numpy() for t in ids])
+    noise = max_abs(ref_batch, ref_steps)
+    print(f"\n[variant {build}] has output.weight: {'output.weight' in model.weights}; prompt max|Δlogit| "
+          f"{max_abs(batch, ref_batch):.2e}, token-by-token {max_abs(steps, ref_steps):.2e} "
+          f"(transformers batched vs cached {noise:.2e})")
+    parity(batch, ref_batch, noise)
+    parity(steps, ref_steps, noise)
