@@ -127,7 +127,7 @@ class Qwen35Base(ArchPlugin):
     def tensor_plan(self) -> list[TensorPlan]:
         hp, plan = self.hp, _Plan(dict(self.checkpoint.tensors))
         H, V = hp.hidden, hp.vocab
-        plan.add("token_embd.weight", [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
+        plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
         for i in range(hp.n_layer):
             self._block(plan, i, f"model.layers.{i}.", linear=hp.recurrent[i], role=Role.TRUNK)
         plan.add(names.OUTPUT_NORM, [plan.source("model.norm.weight", (H,))], (H,), Role.SHARED, tf.plus_one, True)
@@ -151,7 +151,8 @@ class Qwen35Base(ArchPlugin):
 
     def _nextn_extras(self, plan: _Plan, bid: int) -> None:
         H = self.hp.hidden
-        plan.add(names.nextn(bid, names.NEXTN_EH_PROJ), [plan.source("mtp.fc.weight", (H, 2 * H))], (H, 2 * H), Role.MTP)
+        eh_proj = plan.source("mtp.fc.weight", (H, 2 * H))  # input order: embedding half first, as llama.cpp
+        plan.add(names.nextn(bid, names.NEXTN_EH_PROJ), [eh_proj], (H, 2 * H), Role.MTP)
         for part, hf in ((names.NEXTN_ENORM, "pre_fc_norm_embedding"), (names.NEXTN_HNORM, "pre_fc_norm_hidden"),
                          (names.NEXTN_SHARED_HEAD_NORM, "norm")):
             plan.add(names.nextn(bid, part), [plan.source(f"mtp.{hf}.weight", (H,))], (H,), Role.MTP, tf.plus_one, True)
@@ -252,8 +253,9 @@ class Qwen35Base(ArchPlugin):
         incomplete = sorted(e for e in range(E) if any(e not in ids for ids in found.values()))
         extra = sorted(e for ids in found.values() for e in ids if e >= E)
         if incomplete or extra:
-            detail = (f"experts {incomplete} missing" if incomplete else "") + \
-                     (f"{'; ' if incomplete else ''}expert ids {sorted(set(extra))} >= num_experts {E}" if extra else "")
+            parts = [f"experts {incomplete} missing"] if incomplete else []
+            parts += [f"expert ids {sorted(set(extra))} >= num_experts {E}"] if extra else []
+            detail = "; ".join(parts)
             raise SpecconvError(f"{where}: {detail} (every expert needs gate_proj, up_proj and down_proj)")
         for gguf_name, part, shape in ((gate_n, "gate", (Fe, H)), (up_n, "up", (Fe, H)), (down_n, "down", (H, Fe))):
             srcs = [plan.source(f"{ex}{e}.{part}_proj.weight", shape) for e in range(E)]
