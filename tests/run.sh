@@ -13,5 +13,17 @@ export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAM
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
 "$PY" -m pip install -q -e ".[test,peers]"
 
+# llama.cpp's own converter (from the same sdist, used as an external tool by the peer tests).
+SRC_CACHE="${SPECCONV_CACHE:-$HOME/.cache/specconv}"
+if [ -z "${SPECCONV_LLAMA_CPP_SRC:-}" ]; then
+  tree="$SRC_CACHE/llama_cpp_python-0.3.36/vendor/llama.cpp"
+  if [ ! -f "$tree/convert_hf_to_gguf.py" ]; then
+    mkdir -p "$SRC_CACHE"
+    "$PY" -m pip download -q --no-deps --no-binary :all: -d "$SRC_CACHE" llama-cpp-python==0.3.36
+    tar -xzf "$SRC_CACHE/llama_cpp_python-0.3.36.tar.gz" -C "$SRC_CACHE"
+  fi
+  export SPECCONV_LLAMA_CPP_SRC="$tree"
+fi
+
 export SPECCONV_REQUIRE_PEERS=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 exec "$PY" -m pytest -q -s "$@"
