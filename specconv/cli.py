@@ -16,7 +16,9 @@ from specconv.errors import SpecconvError
 
 # command name -> module under specconv.commands (each defines `command`)
 COMMANDS: dict[str, str] = {
+    "convert": "convert",
     "generate": "generate",
+    "inspect": "inspect",
     "mtp": "mtp",
     "upload": "upload",
 }

@@ -1,0 +1,224 @@
+"""Lazy reading of Hugging Face safetensors checkpoints (one file, or shards with an index).
+
+Only headers are parsed up front; tensor bytes are memory-mapped and copied one tensor at a time,
+so converting a model never needs more memory than its largest tensor. Every way a checkpoint can
+be broken (missing shard, truncated file, corrupt header, unknown dtype) becomes a one-line
+SpecconvError naming the file. Pickled weights (`pytorch_model.bin`) are never opened.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from specconv.archs.base import SourceTensor
+from specconv.archs.errors import SpecconvError
+
+INDEX_NAME = "model.safetensors.index.json"
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit on the JSON header
+
+# safetensors dtype -> bytes per element
+DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}
+FLOAT_DTYPES = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32, "F64": np.float64}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes live."""
+
+    raw_name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class SafetensorsFile:
+    """One safetensors file: a validated header and a lazily created read-only memory map."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.tensors = _parse_header(path)
+        self._map: mmap.mmap | None = None
+
+    def buffer(self) -> mmap.mmap:
+        if self._map is None:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._map
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+def _parse_header(path: Path) -> dict[str, StoredTensor]:
+    name = path.name
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise SpecconvError(f"{name}: truncated safetensors file ({size} bytes, no header)")
+            n = int.from_bytes(head, "little")
+            if n > _MAX_HEADER or 8 + n > size:
+                raise SpecconvError(f"{name}: corrupt or truncated safetensors header (declares {n} header bytes, "
+                                    f"file has {size})")
+            raw = f.read(n)
+    except OSError as exc:
+        raise SpecconvError(f"{name}: cannot read ({exc.strerror or exc})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SpecconvError(f"{name}: corrupt safetensors header (not valid JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise SpecconvError(f"{name}: corrupt safetensors header (not a JSON object)")
+    data_start, data_size = 8 + n, size - 8 - n
+    out: dict[str, StoredTensor] = {}
+    for tname, meta in header.items():
+        if tname == "__metadata__":
+            continue
+        out[tname] = _entry(name, path, tname, meta, data_start, data_size)
+    return out
+
+
+def _entry(fname: str, path: Path, tname: str, meta: Any, data_start: int, data_size: int) -> StoredTensor:
+    try:
+        dtype, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+        begin, end = int(begin), int(end)
+    except (TypeError, KeyError, ValueError):
+        raise SpecconvError(f"{fname}: corrupt safetensors header entry for {tname}") from None
+    if dtype not in DTYPE_SIZES:
+        raise SpecconvError(f"{fname}: tensor {tname} has unsupported dtype {dtype}")
+    expected = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZES[dtype]
+    if any(d < 0 for d in shape) or begin < 0 or end - begin != expected:
+        raise SpecconvError(f"{fname}: corrupt safetensors header: {tname} {dtype}{list(shape)} "
+                            f"does not match its byte range [{begin}, {end})")
+    if end > data_size:
+        raise SpecconvError(f"{fname}: truncated safetensors file: {tname} ends at data byte {end}, "
+                            f"but the file holds only {data_size}")
+    return StoredTensor(tname, dtype, shape, path, data_start + begin, end - begin)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files to read, in llama.cpp's converter order (sorted by file name)."""
+    index = model_dir / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+            raise SpecconvError(f"{INDEX_NAME}: cannot be parsed ({exc})") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise SpecconvError(f"{INDEX_NAME} has no weight_map")
+        files = sorted(set(map(str, weight_map.values())))
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise SpecconvError(f"shard {missing[0]}{more} named in {INDEX_NAME} is missing from {model_dir}")
+        return [model_dir / f for f in files]
+    files = sorted(model_dir.glob("model*.safetensors")) or sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in model_dir.glob("*.bin"))
+        hint = f" ({pickles[0]} is a pickle, which specconv never loads)" if pickles else ""
+        raise SpecconvError(f"no safetensors weights in {model_dir}{hint}")
+    return files
+
+
+class CheckpointReader:
+    """config.json plus every tensor header of a checkpoint folder, read lazily.
+
+    `tensors` keeps llama.cpp's converter order: files sorted by name, and tensors sorted by name
+    within each file (what its safetensors reader does), so plugins can reproduce its GGUF order.
+    """
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        if not self.dir.is_dir():
+            raise SpecconvError(f"{model_dir}: not a checkpoint folder")
+        self.config = read_config(self.dir)
+        self.files = [SafetensorsFile(p) for p in _weight_files(self.dir)]
+        self.tensors: dict[str, StoredTensor] = {}
+        for f in self.files:
+            for raw_name in sorted(f.tensors):
+                if raw_name in self.tensors:
+                    raise SpecconvError(f"tensor {raw_name} appears in both {self.tensors[raw_name].file.name} "
+                                        f"and {f.path.name}")
+                self.tensors[raw_name] = f.tensors[raw_name]
+        self._check_index()
+        self._by_path = {f.path: f for f in self.files}
+        self.reads: dict[str, int] = {}  # raw name -> times read (each should be read once)
+
+    def _check_index(self) -> None:
+        index = self.dir / INDEX_NAME
+        if not index.is_file():
+            return
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        for tname, fname in weight_map.items():
+            stored = self.tensors.get(tname)
+            if stored is None or stored.file.name != fname:
+                raise SpecconvError(f"{INDEX_NAME} places {tname} in {fname}, but that shard does not hold it "
+                                    "(incomplete or mismatched shard)")
+
+    def headers(self, normalize: Callable[[str], Any]) -> tuple[dict[str, SourceTensor], dict[str, str], dict[str, str]]:
+        """(normalised name -> header, normalised -> raw name, skipped raw name -> reason)."""
+        out: dict[str, SourceTensor] = {}
+        raw_of: dict[str, str] = {}
+        skipped: dict[str, str] = {}
+        for raw_name, st in self.tensors.items():
+            name = normalize(raw_name)
+            if isinstance(name, tuple):
+                skipped[raw_name] = name[1]
+                continue
+            if name is None:
+                skipped[raw_name] = "not used"
+                continue
+            if name in out:
+                raise SpecconvError(f"tensors {raw_of[name]} and {raw_name} both map to {name}")
+            out[name] = SourceTensor(name, st.shape, st.dtype)
+            raw_of[name] = raw_name
+        return out, raw_of, skipped
+
+    def read_float32(self, raw_name: str) -> torch.Tensor:
+        """The tensor as float32 (a private copy; the memory map is not kept alive by it)."""
+        st = self.tensors[raw_name]
+        if st.dtype not in FLOAT_DTYPES:
+            raise SpecconvError(f"tensor {raw_name} has dtype {st.dtype}; a floating-point tensor is needed")
+        self.reads[raw_name] = self.reads.get(raw_name, 0) + 1
+        np_dtype = FLOAT_DTYPES[st.dtype]
+        count = st.nbytes // np.dtype(np_dtype).itemsize
+        buf = self._by_path[st.file].buffer()
+        arr = np.frombuffer(buf, dtype=np_dtype, count=count, offset=st.offset).reshape(st.shape)
+        if st.dtype == "BF16":  # numpy has no bfloat16: reinterpret the bits in torch
+            return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16).float()
+        return torch.from_numpy(arr.astype(np.float32, copy=True))
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+
+def read_config(model_dir: Path) -> Mapping[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise SpecconvError(f"{model_dir} has no config.json")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SpecconvError(f"config.json is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise SpecconvError("config.json is not a JSON object")
+    return config
+

@@ -1,0 +1,212 @@
+"""The conversion engine: checkpoint -> plugin plan -> storage types -> one or two GGUF files.
+
+`plan_conversion` reads only headers and decides everything (files, names, KV, every tensor's type,
+shape and size), which is also what `--dry-run` shows. `run_conversion` then streams the tensors:
+each source tensor is read once, transformed once, encoded once, and written to every file that
+holds it (`--mtp separate` writes the trunk-only file and the sidecar in the same pass).
+
+Routing by MTP mode (gguf-layout.md §4.2), by the plugin's `Role` of each tensor:
+  embed    one file: TRUNK + SHARED + MTP, block_count = N + k, nextn_predict_layers = k
+  none     one file: TRUNK + SHARED, block_count = N, no nextn key
+  only     the mtp- sidecar: SHARED + MTP, with the embedded file's KV and the full tokenizer
+  separate both `none` and `only`, byte-identical to two separate runs
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from gguf import GGMLQuantizationType
+
+from specconv.archs import plugin_class_for
+from specconv.archs.base import Checkpoint, MetaKV, MtpMode, Role, TensorPlan
+from specconv.archs.errors import SpecconvError
+
+from . import kv as kvmod
+from .checkpoint import CheckpointReader
+from .naming import output_names
+from .outtype import choose_storage, encode, file_type, nbytes, resolve_outtype, type_label
+from .tokenizer import tokenizer_kv
+from .writer import AtomicOutputs, GgufOutput, TensorEntry
+
+ROLES = {  # file kind -> roles it holds
+    "embedded": {Role.TRUNK, Role.SHARED, Role.MTP},
+    "trunk": {Role.TRUNK, Role.SHARED},
+    "sidecar": {Role.SHARED, Role.MTP},
+}
+
+
+@dataclass(frozen=True)
+class ConvertRequest:
+    src: Path
+    out: str
+    outtype: str = "auto"
+    mtp: MtpMode = MtpMode.EMBED
+    split_max_size: int = 0
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    plan: TensorPlan
+    ggml_type: GGMLQuantizationType
+    nbytes: int
+    note: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    def entry(self) -> TensorEntry:
+        return TensorEntry(self.plan.name, tuple(self.plan.shape), self.ggml_type, self.nbytes)
+
+
+@dataclass
+class PlannedFile:
+    kind: str  # "embedded" | "trunk" | "sidecar"
+    output: GgufOutput
+    tensors: list[PlannedTensor]
+
+    @property
+    def path(self) -> Path:
+        return self.output.path
+
+    @property
+    def kv(self) -> list[MetaKV]:
+        return self.output.kv
+
+
+@dataclass
+class ConversionPlan:
+    src: Path
+    arch: str
+    hf_architecture: str
+    outtype: GGMLQuantizationType
+    mode: MtpMode
+    n_trunk: int
+    n_mtp: int
+    files: list[PlannedFile]
+    reader: CheckpointReader
+    raw_of: dict[str, str]  # normalised HF name -> name in the checkpoint
+    tensors: list[PlannedTensor]  # every tensor of the plugin's plan, in write order
+    skipped: dict[str, str] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _file_kinds(mode: MtpMode, k: int, notices: list[str]) -> list[str]:
+    if mode in (MtpMode.ONLY, MtpMode.SEPARATE) and k == 0:
+        raise SpecconvError(f"--mtp {mode.value}: the checkpoint has no MTP tensors (mtp.* / nextn layers), "
+                            "so there is no MTP head to write")
+    if mode == MtpMode.EMBED:
+        if k == 0:
+            notices.append("the checkpoint has no MTP tensors; writing the trunk only")
+        return ["embedded"]
+    return {MtpMode.NONE: ["trunk"], MtpMode.ONLY: ["sidecar"], MtpMode.SEPARATE: ["trunk", "sidecar"]}[mode]
+
+
+def plan_conversion(req: ConvertRequest) -> ConversionPlan:
+    """Everything a conversion will do, decided from headers alone (nothing is written)."""
+    reader = CheckpointReader(req.src)
+    try:
+        return _plan(req, reader)
+    except BaseException:
+        reader.close()
+        raise
+
+
+def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
+    plugin_cls = plugin_class_for(reader.config)
+    headers, raw_of, skipped = reader.headers(plugin_cls.normalize_name)
+    plugin = plugin_cls(Checkpoint(reader.config, headers, skipped))
+    plans = plugin.tensor_plan()
+    k, notices = plugin.n_mtp_layers, []
+    kinds = _file_kinds(req.mtp, k, notices)
+    if skipped:
+        reasons = Counter(skipped.values())
+        notices += [f"skipped {n} tensor(s): {why}" for why, n in reasons.items()]
+
+    first_matrix = next((h.dtype for h in headers.values() if len(h.shape) >= 2), None)
+    outtype = resolve_outtype(req.outtype, first_matrix)
+    planned = []
+    for p in plans:
+        choice = choose_storage(p.name, tuple(p.shape), outtype, p.force_type)
+        planned.append(PlannedTensor(p, choice.ggml_type, nbytes(tuple(p.shape), choice.ggml_type), choice.note))
+
+    meta = kvmod.load_model_metadata(reader.dir, sum(_numel(p.plan.shape) for p in planned))
+    tok_kv = tokenizer_kv(reader.dir, plugin.vocab_size(), plugin.tokenizer_model, plugin.tokenizer_pre)
+    closing = kvmod.closing_general_kv(file_type(outtype))
+    selected = {kind: [t for t in planned if t.plan.role in ROLES[kind]] for kind in kinds}
+    labels = {kind: kvmod.parameter_label((t.name, tuple(t.plan.shape)) for t in ts) for kind, ts in selected.items()}
+    model_kind = next((kind for kind in kinds if kind != "sidecar"), None)
+    names = output_names(req.out, want_model=model_kind is not None, want_sidecar="sidecar" in kinds, meta=meta,
+                         type_label=type_label(outtype),
+                         model_size_label=meta.size_label or (labels[model_kind] if model_kind else None))
+    files = []
+    for kind in kinds:
+        keep_mtp = kind != "trunk" and k > 0
+        kv = kvmod.general_kv(meta, labels[kind]) + plugin.metadata(keep_mtp) + closing + tok_kv
+        path = names.sidecar if kind == "sidecar" else names.model
+        output = GgufOutput(path, plugin.gguf_arch, kv, [t.entry() for t in selected[kind]], req.split_max_size)
+        files.append(PlannedFile(kind, output, selected[kind]))
+    hf_arch = next(a for a in reader.config.get("architectures") or [] if a in plugin_cls.hf_architectures)
+    return ConversionPlan(reader.dir, plugin.gguf_arch, hf_arch, outtype, req.mtp, plugin.n_trunk_layers, k,
+                          files, reader, raw_of, planned, skipped, notices)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+class _SourceCache:
+    """Source tensors read once each, kept only until the last tensor that needs them is made."""
+
+    def __init__(self, reader: CheckpointReader, raw_of: dict[str, str], needed: list[TensorPlan]):
+        self.reader, self.raw_of = reader, raw_of
+        self.uses = Counter(s for p in needed for s in p.sources)
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str) -> torch.Tensor:
+        tensor = self.cache.get(name)
+        if tensor is None:
+            tensor = self.reader.read_float32(self.raw_of[name])
+        self.uses[name] -= 1
+        if self.uses[name] > 0:
+            self.cache[name] = tensor
+        else:
+            self.cache.pop(name, None)
+        return tensor
+
+
+def produce(t: PlannedTensor, sources: list[torch.Tensor]):
+    """Apply the plugin's transform and encode the result in the tensor's storage type."""
+    with torch.no_grad():
+        out = t.plan.transform(sources)
+    if tuple(out.shape) != tuple(t.plan.shape):
+        raise SpecconvError(f"internal: {t.name} came out as {list(out.shape)}, planned {list(t.plan.shape)}")
+    return encode(out.detach().to(torch.float32).contiguous().numpy(), t.ggml_type)
+
+
+def run_conversion(plan: ConversionPlan, overwrite: bool = False,
+                   on_tensor: Callable[[str, int], None] | None = None) -> list[Path]:
+    """Write every planned file; returns the written paths (shards included). Atomic as a whole."""
+    members = [{t.name for t in f.tensors} for f in plan.files]
+    needed = [t for t in plan.tensors if any(t.name in m for m in members)]
+    sources = _SourceCache(plan.reader, plan.raw_of, [t.plan for t in needed])
+    with AtomicOutputs([f.output for f in plan.files], overwrite=overwrite):
+        for t in needed:
+            data = produce(t, [sources.take(s) for s in t.plan.sources])
+            for f, m in zip(plan.files, members):
+                if t.name in m:
+                    f.output.write(t.name, data)
+            if on_tensor is not None:
+                on_tensor(t.name, data.nbytes * sum(t.name in m for m in members))
+    return [p for f in plan.files for p in f.output.final_paths]

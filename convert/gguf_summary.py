@@ -1,0 +1,85 @@
+"""What a GGUF file is, for `specconv inspect`: arch, graph types it serves, hparams, tensors, sizes.
+
+The serving classification follows the pinned llama.cpp loaders (gguf-layout.md §4.3):
+* MTP-only (all MTP-capable arches): nextn_predict_layers > 0 and `blk.0.attn_norm.weight` absent;
+* trunk-only: no nextn key (or 0); for glm4moe / deepseek2 also nextn > 0 with
+  `blk.{n_layer}.nextn.eh_proj.weight` absent (those loaders then skip the MTP tensors);
+* otherwise both the main graph and the MTP graph.
+A Qwen file that declares nextn layers but lacks their tensors does not load in llama.cpp (qwen35,
+qwen35moe and qwen3next have no trunk-only detection); that is reported as a problem.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from specconv.archs import names
+
+from .gguf_io import GgufFile, open_gguf
+from .plan_report import kv_value
+
+TRUNK_ONLY_DETECTING_ARCHES = {names.GLM4MOE, names.DEEPSEEK2}
+
+
+def serves(f: GgufFile) -> tuple[list[str], list[str]]:
+    """(graph types the file serves: "main" and/or "mtp", problems that keep llama.cpp from loading it)."""
+    nextn = f.nextn_layers()
+    problems: list[str] = []
+    if nextn <= 0:
+        return ["main"], problems
+    total = f.block_count()
+    if nextn > total:
+        return [], [f"nextn_predict_layers={nextn} exceeds block_count={total}"]
+    n_layer = total - nextn
+    if "blk.0.attn_norm.weight" not in f.tensors:
+        missing = [f"blk.{i}.nextn.eh_proj.weight" for i in range(n_layer, total) if f"blk.{i}.nextn.eh_proj.weight"
+                   not in f.tensors]
+        if missing:
+            problems.append(f"MTP-only file without {missing[0]}")
+        return ["mtp"], problems
+    head = f"blk.{n_layer}.nextn.eh_proj.weight"
+    if head not in f.tensors:
+        if f.arch in TRUNK_ONLY_DETECTING_ARCHES:
+            return ["main"], problems
+        problems.append(f"declares {nextn} MTP layer(s) but {head} is missing; llama.cpp's {f.arch} loader "
+                        "refuses such a file (write it trunk-only: no nextn key, block_count = N)")
+        return ["main"], problems
+    return ["main", "mtp"], problems
+
+
+def summarize(path: str | Path) -> dict[str, Any]:
+    f = open_gguf(path)
+    graph_types, problems = serves(f)
+    arch = f.arch
+    prefix = arch + "."
+    hparams = {k[len(prefix):]: kv_value(v) for k, v in f.kv.items() if k.startswith(prefix)}
+    general = {k: kv_value(v) for k, v in f.kv.items() if k.startswith("general.")}
+    tokenizer = {k: kv_value(v, 4) for k, v in f.kv.items() if k.startswith("tokenizer.")}
+    tensors = [{"name": t.name, "type": t.ggml_type.name, "shape": list(t.shape), "bytes": t.n_bytes,
+                "shard": t.shard + 1} for t in f]
+    by_type: dict[str, dict[str, int]] = {}
+    for t in f:
+        entry = by_type.setdefault(t.ggml_type.name, {"tensors": 0, "bytes": 0})
+        entry["tensors"] += 1
+        entry["bytes"] += t.n_bytes
+    nextn = f.nextn_layers()
+    return {
+        "path": str(f.path),
+        "shards": [str(p) for p in f.paths],
+        "file_bytes": sum(p.stat().st_size for p in f.paths),
+        "arch": arch,
+        "serves": graph_types,
+        "kind": {("main",): "trunk-only", ("mtp",): "mtp-only", ("main", "mtp"): "embedded"}.get(tuple(graph_types),
+                                                                                                "unusable"),
+        "block_count": f.block_count(),
+        "nextn_predict_layers": nextn,
+        "problems": problems,
+        "general": general,
+        "hparams": hparams,
+        "tokenizer": tokenizer,
+        "n_tensors": len(tensors),
+        "tensor_bytes": sum(t["bytes"] for t in tensors),
+        "by_type": by_type,
+        "tensors": tensors,
+    }

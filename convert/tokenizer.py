@@ -1,0 +1,84 @@
+"""Tokenizer export (gguf-layout.md §3): byte-level BPE vocabulary, merges, special ids, chat template.
+
+The vocabulary is read with gguf-py's `BpeVocab` and the rest with `SpecialVocab`, the readers
+llama.cpp's converter uses. Token types follow the converter: added tokens that are `special` (or
+look like `<|...|>`) are CONTROL, other added tokens USER_DEFINED, and ids the tokenizer lacks up to
+the embedding's row count become `[PAD{i}]` entries of type UNUSED. The pre-tokenizer name comes
+from the plugin (tiny self-trained tokenizers have no hash llama.cpp would recognise).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gguf import GGUFWriter, TokenType
+from gguf.vocab import BpeVocab, SpecialVocab
+
+from specconv.archs.base import MetaKV
+from specconv.archs.errors import SpecconvError
+
+from .kv import captured_kv
+
+
+def _added_token_flags(model_dir: Path) -> dict[str, bool]:
+    """content -> `special` flag of every added token (tokenizer.json, else tokenizer_config.json)."""
+    flags: dict[str, bool] = {}
+    tok_json = model_dir / "tokenizer.json"
+    if tok_json.is_file():
+        for item in json.loads(tok_json.read_text(encoding="utf-8")).get("added_tokens") or []:
+            flags[item["content"]] = bool(item.get("special", False))
+    cfg = model_dir / "tokenizer_config.json"
+    if not flags and cfg.is_file():
+        decoder = json.loads(cfg.read_text(encoding="utf-8")).get("added_tokens_decoder") or {}
+        for item in decoder.values():
+            flags[item["content"]] = bool(item.get("special", False))
+    return flags
+
+
+def _looks_special(text: str) -> bool:
+    # Some releases mark control tokens as non-special; llama.cpp's converter treats these as CONTROL.
+    return (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (text.startswith("<|") and text.endswith("|>"))
+            or (text.startswith("<｜") and text.endswith("｜>")) or (text.startswith("<unused") and text.endswith(">")))
+
+
+def vocabulary(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int]]:
+    """(tokens, token types), padded to `n_vocab` entries."""
+    try:
+        vocab = BpeVocab(model_dir)
+    except FileNotFoundError:
+        raise SpecconvError(f"no byte-level BPE tokenizer (tokenizer.json or vocab.json) in {model_dir}") from None
+    except (ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise SpecconvError(f"tokenizer in {model_dir} cannot be read: {exc}") from None
+    flags = _added_token_flags(model_dir)
+    tokens: list[str] = []
+    types: list[int] = []
+    for text, _score, _type in vocab.all_tokens():
+        text = text.decode("utf-8") if isinstance(text, bytes) else text
+        tokens.append(text)
+        if text in flags:
+            types.append(int(TokenType.CONTROL if flags[text] or _looks_special(text) else TokenType.USER_DEFINED))
+        else:
+            types.append(int(TokenType.NORMAL))
+    if len(tokens) > n_vocab:
+        raise SpecconvError(f"the tokenizer has {len(tokens)} tokens but the token embedding has only {n_vocab} rows")
+    for i in range(len(tokens), n_vocab):
+        tokens.append(f"[PAD{i}]")
+        types.append(int(TokenType.UNUSED))
+    return tokens, types
+
+
+def tokenizer_kv(model_dir: str | Path, n_vocab: int, model: str, pre: str) -> list[MetaKV]:
+    """The `tokenizer.*` KV pairs for a vocabulary of `n_vocab` entries (the embedding's rows)."""
+    model_dir = Path(model_dir)
+    tokens, types = vocabulary(model_dir, n_vocab)
+    writer = GGUFWriter(None, "capture")
+    writer.add_tokenizer_model(model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    special = SpecialVocab(model_dir, load_merges=True, n_vocab=n_vocab)
+    if model == "gpt2" and not special.merges:
+        raise SpecconvError(f"the BPE tokenizer in {model_dir} has no merges")
+    special.add_to_gguf(writer, quiet=True)
+    return captured_kv(writer)

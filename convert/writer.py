@@ -1,0 +1,145 @@
+"""Atomic GGUF output: temporary names in the target folder, renamed only when every file is complete.
+
+One `GgufOutput` is one logical file (possibly split into `-00001-of-0000N.gguf` shards by
+gguf-py's writer, which puts `split.no`/`split.count`/`split.tensors.count` in every shard and all
+other KV in shard 1). `AtomicOutputs` writes several outputs in one pass, so `--mtp separate` reads
+each source tensor once, and guarantees that on any error or Ctrl-C no file is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf.gguf_writer import SHARD_NAME_FORMAT
+
+from specconv.archs.base import MetaKV
+from specconv.archs.errors import SpecconvError
+
+# gguf-py warns through logging when a split limit leaves one shard ("not splitting"); that is expected.
+logging.getLogger("gguf.gguf_writer").setLevel(logging.ERROR)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    shape: tuple[int, ...]  # torch order (GGUF shows the reverse)
+    ggml_type: GGMLQuantizationType
+    nbytes: int
+
+
+class GgufOutput:
+    """A GGUF file to be written: its KV, its tensor list (in write order) and its shard layout."""
+
+    def __init__(self, path: Path, arch: str, kv: Sequence[MetaKV], tensors: Sequence[TensorEntry],
+                 split_max_size: int = 0):
+        self.path = Path(path)
+        self.arch = arch
+        self.kv = list(kv)
+        self.tensors = list(tensors)
+        self._writer = GGUFWriter(None, arch, split_max_size=split_max_size)
+        for entry in self.kv:
+            if entry.key == "general.architecture":
+                continue  # the writer adds it first, from `arch`
+            if entry.vtype == GGUFValueType.ARRAY and len(entry.value) == 0:
+                continue  # GGUF cannot encode an empty array; readers treat absent and empty alike
+            self._writer.add_key_value(entry.key, entry.value, entry.vtype, entry.sub_type)
+        for t in self.tensors:
+            # A non-uint8 dtype makes the writer take the shape as given (torch order).
+            self._writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.ggml_type)
+        n = len(self._writer.tensors)
+        self.final_paths = [self.path] if n == 1 else [
+            self.path.with_name(SHARD_NAME_FORMAT.format(self.path.stem, i + 1, n)) for i in range(n)]
+        self.shard_sizes = [sum(ti.nbytes for ti in shard.values()) for shard in self._writer.tensors]
+        self._temp_stem = self.path.with_name(f".{self.path.stem}.partial-{os.getpid()}.gguf")
+        self.temp_paths = self._writer.format_shard_names(self._temp_stem)
+        self._next = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def existing(self) -> list[Path]:
+        return [p for p in self.final_paths if p.exists()]
+
+    def open(self) -> None:
+        self._writer.write_header_to_file(self._temp_stem)
+        self._writer.write_kv_data_to_file()
+        self._writer.write_ti_data_to_file()
+
+    def write(self, name: str, data: np.ndarray) -> None:
+        """The next tensor's bytes (flat uint8); tensors must come in the declared order."""
+        expected = self.tensors[self._next]
+        if name != expected.name or data.nbytes != expected.nbytes:
+            raise SpecconvError(f"internal: {self.path.name} expected {expected.name} ({expected.nbytes} bytes), "
+                                f"got {name} ({data.nbytes} bytes)")
+        self._writer.write_tensor_data(data)
+        self._next += 1
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def complete(self) -> bool:
+        return self._next == len(self.tensors)
+
+
+class AtomicOutputs:
+    """Context manager: open every output, and on exit rename all (success) or remove all (any error)."""
+
+    def __init__(self, outputs: Sequence[GgufOutput], overwrite: bool = False):
+        self.outputs = list(outputs)
+        finals = [p for o in self.outputs for p in o.final_paths]
+        if len(set(finals)) != len(finals):
+            raise SpecconvError(f"two outputs would share the name {finals[0].name}; choose another -o")
+        existing = [p for o in self.outputs for p in o.existing()]
+        if existing and not overwrite:
+            raise SpecconvError(f"{existing[0]} already exists (use --force to overwrite)")
+        self._made_dirs: list[Path] = []
+
+    def __enter__(self) -> "AtomicOutputs":
+        try:
+            for o in self.outputs:
+                self._make_dir(o.path.parent)
+                o.open()
+        except BaseException:
+            self._discard()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            self._discard()
+            return False
+        try:
+            for o in self.outputs:
+                o.close()
+                if not o.complete():
+                    raise SpecconvError(f"internal: {o.path.name} was closed before all tensors were written")
+            for o in self.outputs:
+                for src, dst in zip(o.temp_paths, o.final_paths):
+                    os.replace(src, dst)
+        except BaseException:
+            self._discard()
+            raise
+        return False
+
+    def _make_dir(self, folder: Path) -> None:
+        missing = [p for p in [folder, *folder.parents] if not p.exists()]
+        folder.mkdir(parents=True, exist_ok=True)
+        self._made_dirs.extend(missing)  # deepest first, so they can be removed in this order
+
+    def _discard(self) -> None:
+        for o in self.outputs:
+            o.close()
+            for p in o.temp_paths:
+                p.unlink(missing_ok=True)
+        for d in self._made_dirs:
+            try:
+                d.rmdir()  # only folders this run created, and only when empty
+            except OSError:
+                pass

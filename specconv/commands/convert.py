@@ -1,0 +1,135 @@
+"""`specconv convert`: a Hugging Face checkpoint folder -> GGUF file(s), with the MTP head where you want it."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from specconv.errors import SpecconvError
+
+MTP_HELP = (
+    "Where the MTP (multi-token prediction) head goes. "
+    "embed: one file with the trunk and the MTP block(s) (default). "
+    "none: the trunk only (block_count = N, no nextn key). "
+    "only: just the mtp- sidecar (token_embd, output_norm, output and the MTP blocks, with the model's "
+    "full metadata and tokenizer), for use with a trunk-only file. "
+    "separate: the trunk-only file and its mtp- sidecar in one run.")
+OUTTYPE_HELP = (
+    "Storage type of the weight matrices: f32, f16, bf16, q8_0, q4_0, or auto (bf16 for a bf16 checkpoint, "
+    "else f16). Norms, 1-D tensors, routers, conv kernels and biases are always F32; q8_0/q4_0 fall back to "
+    "F16 for tensors whose rows are not a multiple of 32.")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)B?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'500M' -> 500_000_000 (decimal units, as llama.cpp's converter and gguf-split read them)."""
+    m = _SIZE.match(text or "")
+    if not m:
+        raise SpecconvError(f"--split-max-size {text!r}: expected a size such as 500M or 2G")
+    value = float(m.group(1)) * {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3}[m.group(2).upper()]
+    if value < 1:
+        raise SpecconvError(f"--split-max-size {text!r} must be positive")
+    return int(value)
+
+
+@click.command("convert")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out", required=True, metavar="OUT",
+              help="Output file (DIR/NAME.gguf; a sidecar written next to it is DIR/mtp-NAME.gguf) or a folder "
+                   "(DIR/: names follow the GGUF naming convention, e.g. Name-F16.gguf and mtp-Name-F16.gguf).")
+@click.option("--outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "auto"], case_sensitive=False),
+              default="auto", show_default=True, help=OUTTYPE_HELP)
+@click.option("--mtp", "mtp_mode", type=click.Choice(["embed", "none", "only", "separate"]), default="embed",
+              show_default=True, help=MTP_HELP)
+@click.option("--split-max-size", metavar="SIZE", default=None,
+              help="Split each output into shards of at most SIZE (e.g. 500M, 2G), named NAME-00001-of-0000N.gguf; "
+                   "give llama.cpp the first shard.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (files, tensors, types, shapes, sizes, metadata); "
+                                              "write nothing.")
+@click.option("--force", is_flag=True, help="Overwrite output files that already exist.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result (or the --dry-run plan) as JSON on stdout.")
+def command(src, out, outtype, mtp_mode, split_max_size, dry_run, force, as_json):
+    """Convert the checkpoint folder SRC (config.json, safetensors, tokenizer) to GGUF.
+
+    Files are written under temporary names and renamed only when complete; on any error or Ctrl-C
+    nothing is left behind. Existing outputs are refused unless --force is given.
+    """
+    from specconv.archs.base import MtpMode
+    from specconv.convert.engine import ConvertRequest, plan_conversion
+    from specconv.convert.plan_report import plan_summary
+
+    req = ConvertRequest(src=Path(src), out=out, outtype=outtype.lower(), mtp=MtpMode(mtp_mode),
+                         split_max_size=parse_size(split_max_size) if split_max_size else 0)
+    plan = plan_conversion(req)
+    try:
+        summary = plan_summary(plan, tensors=dry_run)
+        if dry_run:
+            _emit(summary, as_json, dry_run=True)
+            return
+        existing = [p for f in plan.files for p in f.output.existing()]
+        if existing and not force:
+            raise SpecconvError(f"{existing[0]} already exists (use --force to overwrite)")
+        written = _run_with_progress(plan, force, quiet=as_json)
+        summary["written"] = [str(p) for p in written]
+        _emit(summary, as_json, dry_run=False)
+    finally:
+        plan.close()
+
+
+def _run_with_progress(plan, force: bool, quiet: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from specconv.convert.engine import run_conversion
+
+    total = sum(f.output.total_bytes for f in plan.files)
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=console, transient=True, disable=quiet) as progress:
+        task = progress.add_task("converting", total=total)
+
+        def on_tensor(name: str, n: int) -> None:
+            progress.update(task, advance=n, description=f"converting {name}")
+
+        return run_conversion(plan, overwrite=force, on_tensor=on_tensor)
+
+
+def _emit(summary: dict, as_json: bool, dry_run: bool) -> None:
+    if as_json:
+        click.echo(json.dumps({"dry_run": dry_run, **summary}, indent=2))
+        return
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Column, Table
+
+    from specconv.convert.plan_report import human_bytes
+
+    console = Console(soft_wrap=True)
+    err = Console(stderr=True)
+    for notice in summary["notices"]:
+        err.print(f"[yellow]note:[/] {notice}")
+    console.print(f"{summary['hf_architecture']} -> [bold]{summary['arch']}[/]: {summary['trunk_layers']} trunk "
+                  f"layer(s), {summary['mtp_layers']} MTP layer(s); --mtp {summary['mtp_mode']}, "
+                  f"--outtype {summary['outtype'].lower()}")
+    for f in summary["files"]:
+        types = ", ".join(f"{n} {t}" for t, n in sorted(f["types"].items()))
+        verb = "would write" if dry_run else "wrote"
+        console.print(f"{verb} [bold]{f['kind']}[/] {', '.join(f['shards'])}: {f['n_tensors']} tensors ({types}), "
+                      f"{human_bytes(f['tensor_bytes'])} of tensor data")
+        if not dry_run:
+            continue
+        table = Table(Column("tensor", no_wrap=True), "type", Column("shape (ggml)", no_wrap=True), Column("size", no_wrap=True), "note",
+                      title=f"{Path(f['path']).name}: tensors")
+        for t in f["tensors"]:
+            table.add_row(t["name"], t["type"], escape(str(t["shape"])), human_bytes(t["bytes"]), escape(t.get("note", "")))
+        console.print(table)
+        meta = Table(Column("key", no_wrap=True), "value", title=f"{Path(f['path']).name}: metadata")
+        for key, value in f["metadata"].items():
+            meta.add_row(key, escape(json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value))
+        console.print(meta)
+    sys.stdout.flush()

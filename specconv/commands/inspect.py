@@ -1,0 +1,58 @@
+"""`specconv inspect`: what a GGUF file holds and which graphs (main, MTP) llama.cpp can build from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+@click.command("inspect")
+@click.argument("file", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print everything as JSON on stdout.")
+@click.option("--all-tensors", is_flag=True, help="List every tensor (by default long tables are shortened).")
+def command(file, as_json, all_tensors):
+    """Show FILE's architecture, the graph types it serves (main, mtp or both, decided as llama.cpp's
+    loaders decide), hyper-parameters, tensor table (name, type, ggml shape) and sizes.
+
+    For split models give the first shard (NAME-00001-of-0000N.gguf); the others are found by name.
+    """
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Column, Table
+
+    from specconv.convert.gguf_summary import summarize
+    from specconv.convert.plan_report import human_bytes
+
+    info = summarize(file)
+    if as_json:
+        click.echo(json.dumps(info, indent=2, ensure_ascii=False))
+        return
+    console = Console(soft_wrap=True)
+    shards = f" ({len(info['shards'])} shards)" if len(info["shards"]) > 1 else ""
+    console.print(f"[bold]{Path(info['path']).name}[/]{shards}: arch [bold]{info['arch']}[/], {info['kind']} "
+                  f"(serves: {', '.join(info['serves']) or 'nothing'}), block_count {info['block_count']}, "
+                  f"nextn_predict_layers {info['nextn_predict_layers']}")
+    for problem in info["problems"]:
+        console.print(f"[red]problem:[/] {problem}")
+    console.print(f"{info['n_tensors']} tensors, {human_bytes(info['tensor_bytes'])} of tensor data, "
+                  f"{human_bytes(info['file_bytes'])} on disk: "
+                  + ", ".join(f"{v['tensors']} {t}" for t, v in sorted(info["by_type"].items())))
+    kv = Table(Column("key", no_wrap=True), "value", title="metadata")
+    for section in ("general", "hparams"):
+        for key, value in info[section].items():
+            name = key if section == "general" else f"{info['arch']}.{key}"
+            kv.add_row(name, escape(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)))
+    for key, value in info["tokenizer"].items():
+        kv.add_row(key, escape(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)[:120]))
+    console.print(kv)
+    rows = info["tensors"]
+    shown = rows if all_tensors or len(rows) <= 80 else rows[:40] + rows[-20:]
+    table = Table(Column("tensor", no_wrap=True), "type", Column("shape (ggml)", no_wrap=True), "size",
+                  *(["shard"] if shards else []), title="tensors")
+    for i, t in enumerate(shown):
+        if not all_tensors and len(rows) > 80 and i == 40:
+            table.add_row(f"... {len(rows) - 60} more (--all-tensors)", "", "", "")
+        table.add_row(t["name"], t["type"], escape(str(t["shape"])), human_bytes(t["bytes"]), *([str(t["shard"])] if shards else []))
+    console.print(table)
