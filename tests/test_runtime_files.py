@@ -18,26 +18,74 @@ from tests.test_runtime_common import DEVICES, max_abs, prompt_ids, skip_unless_
 
 # max |Δlogit| against transformers' float32 logits (logits of std ~1) over 64 positions. The tiny
 # random Gated DeltaNet layers amplify weight rounding strongly (float32 rounding alone gives ~1e-4),
-# so these are loose: about twice the values measured here (f16 0.15, bf16 1.1, q8_0 1.4), plus
-# argmax agreement; they prove the types load, dequantize and run, not their accuracy on real models.
-STORAGE_BOUNDS = {"f16": 0.5, "bf16": 3.0, "q8_0": 3.0, "q4_0": 6.0}
+# so logits only show that the types load and run (measured: f16 0.15, bf16 1.1, q8_0 1.4, q4_0 5.1,
+# where llama.cpp running the same q4_0 file is 5.1 from transformers as well and 0.96 from us).
+# Dequantization itself is checked exactly, weight by weight, in test_dequantized_weights_*.
+LOGIT_BOUNDS = {"f16": (0.5, 0.9), "bf16": (3.0, 0.7), "q8_0": (3.0, 0.7), "q4_0": (None, None)}
+# GGUF tensors stored without any transform, and their HF sources (save_pretrained layout)
+UNTRANSFORMED = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output.weight": "lm_head.weight",
+    "blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj.weight",
+    "blk.3.attn_k.weight": "model.layers.3.self_attn.k_proj.weight",
+    "blk.4.nextn.eh_proj.weight": "mtp.fc.weight",
+}
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("outtype", list(STORAGE_BOUNDS))
+@pytest.mark.parametrize("outtype", list(LOGIT_BOUNDS))
 def test_storage_types_load_and_run(tmp_path_factory, device, outtype):
     skip_unless_device(device)
     src, path = tiny_gguf(tmp_path_factory, outtype=outtype)
     model = load_model(path, device=device)
     ids = prompt_ids()
-    logits = Context(model, GraphType.MAIN, n_ctx=len(ids)).decode(ids).logits
+    logits = Context(model, GraphType.MAIN, n_ctx=len(ids)).decode(ids).logits.cpu()
     reference = ref.hf_logits(src, ids)
     diff = max_abs(logits, reference)
-    agree = float((logits.argmax(-1).cpu().numpy() == reference.argmax(-1)).mean())
+    agree = float((logits.argmax(-1).numpy() == reference.argmax(-1)).mean())
     types = sorted({model.file.tensor_type(n).name for n in model.file.tensors})
-    print(f"\n[{outtype} {device}] tensor types {types}: max|Δlogit| vs transformers f32 {diff:.3e}, "
-          f"argmax agreement {agree:.2f}")
-    assert np.isfinite(logits.cpu().numpy()).all() and diff <= STORAGE_BOUNDS[outtype] and agree >= 0.7
+    bound, min_agree = LOGIT_BOUNDS[outtype]
+    line = (f"\n[{outtype} {device}] tensor types {types}: max|Δlogit| vs transformers f32 {diff:.3e}, "
+            f"argmax agreement {agree:.2f}")
+    assert np.isfinite(logits.numpy()).all()
+    if bound is None:  # too coarse for this tiny model: the peer running the same file is the reference
+        from tests.fixtures import peers
+
+        peers.require_llama_cpp()
+        peer = peers.llama_logits(path, ids)
+        line += f"; vs llama.cpp on the same file {max_abs(logits, peer):.3e} (llama.cpp vs transformers {max_abs(peer, reference):.3e})"
+        assert max_abs(logits, peer) < 0.5 * max_abs(peer, reference)
+    else:
+        assert diff <= bound and agree >= min_agree
+    print(line)
+
+
+# |dequantized − original| per element, in units of the 32-element block's max |w| (block types) or of |w|
+STEP = {"f16": ("rel", 2.0 ** -11), "bf16": ("rel", 2.0 ** -8), "q8_0": ("block", 1 / 127), "q4_0": ("block", 1 / 7)}
+
+
+@pytest.mark.parametrize("outtype", list(STEP))
+def test_dequantized_weights_match_the_checkpoint(tmp_path_factory, outtype):
+    from safetensors.torch import load_file
+
+    src, path = tiny_gguf(tmp_path_factory, outtype=outtype)
+    model = load_model(path)
+    hf = load_file(str(src / "model.safetensors"))
+    kind, step = STEP[outtype]
+    worst = 0.0
+    for gguf_name, hf_name in UNTRANSFORMED.items():
+        w, orig = model.weights[gguf_name].double(), hf[hf_name].double()
+        assert w.shape == orig.shape and model.file.tensor_type(gguf_name).name == outtype.upper()
+        err = (w - orig).abs()
+        if kind == "rel":
+            scale = orig.abs()
+        else:
+            scale = orig.reshape(-1, 32).abs().amax(-1, keepdim=True).expand(-1, 32).reshape(orig.shape)
+        floor = 2.0 ** -24 if outtype == "f16" else 1e-12  # f16 subnormals have an absolute spacing of 2^-24
+        ratio = float((err / (scale * step + floor)).max())
+        worst = max(worst, ratio)
+    print(f"\n[{outtype}] dequantized vs checkpoint weights: max error = {worst:.2f} x the type's step")
+    assert worst <= 1.0
 
 
 def test_split_shards_load_from_any_shard_and_match(tmp_path_factory, tmp_path):
@@ -132,3 +180,18 @@ def test_generate_command_greedy_matches_transformers(tmp_path_factory):
     assert payload["text"] == load_model(path).tokenizer.decode(payload["tokens"])
     bad = CliRunner().invoke(cli.cli, ["generate", str(path), "-n", "2"])
     assert bad.exit_code != 0
+
+
+def test_runs_files_written_by_llama_cpp_converter(tmp_path):
+    """The runtime follows the GGUF contract, not our converter: llama.cpp's own converter's file
+    (skips unless SPECCONV_LLAMA_CPP_SRC names a llama.cpp tree) gives the same logits as transformers."""
+    from tests.fixtures.gguf_files import convert_gguf_upstream
+    from tests.fixtures.tiny_qwen35 import build_qwen35
+
+    src = build_qwen35(tmp_path / "hf")
+    path = convert_gguf_upstream(src, tmp_path / "up.gguf")
+    model = load_model(path)
+    ids = prompt_ids()
+    diff = max_abs(Context(model).decode(ids).logits, ref.hf_logits(src, ids))
+    print(f"\n[llama.cpp-converted file] serves {sorted(g.value for g in model.serves)}, prompt max|Δlogit| {diff:.2e}")
+    assert model.serves == {GraphType.MAIN, GraphType.MTP} and diff <= 1e-4

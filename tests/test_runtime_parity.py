@@ -74,9 +74,13 @@ def test_mtp_logits_match_transformers_mtpmodel(tmp_path_factory, device, moe, l
     h = main.hidden["post_norm"]
     next_token = int(main.logits[-1].argmax())
 
-    # transformers' rows: (x_{t+1}, h_t) at position t+1
+    # transformers' rows: (x_{t+1}, h_t) at position t+1, with transformers' own trunk hidden states and
+    # next token (as its reference uses), so that the MTP head is compared in isolation
     mtp_ctx = Context(head, GraphType.MTP, n_ctx=len(ids) + 1)
-    toks, rows, pos = mtp_rows(ids, h, "transformers", next_token=next_token)
+    hf_h = torch.as_tensor(ref.hf_hidden_post_norm(src, ids), device=h.device)
+    hf_next = int(ref.hf_logits(src, ids)[-1].argmax())
+    assert hf_next == next_token
+    toks, rows, pos = mtp_rows(ids, hf_h, "transformers", next_token=hf_next)
     hf_rows = max_abs(mtp_ctx.decode(toks, pos, hidden_in=rows).logits, ref.hf_mtp_logits_transformers_rows(src, ids))
 
     # llama.cpp's rows: (x_p, h_{p-1}) at position p, h_{-1} = 0; the same target hidden states fed to both
@@ -115,3 +119,26 @@ def test_config_variants_match_transformers(tmp_path_factory, build):
           f"(transformers batched vs cached {noise:.2e})")
     parity(batch, ref_batch, noise)
     parity(steps, ref_steps, noise)
+
+
+def test_layer_hidden_states_match_transformers(tmp_path_factory):
+    """hidden["layer:J"] is the input of block J (HF hidden_states[J]); J = n_layer is the post-norm state."""
+    from tests.fixtures.hf_reference import load_hf
+
+    src, path = tiny_gguf(tmp_path_factory)
+    model = load_model(path, device="cpu")
+    ids = prompt_ids()
+    n = model.hparams.n_layer
+    out = Context(model, GraphType.MAIN, n_ctx=len(ids)).decode(ids, hidden=("pre_norm",), layers=range(n + 1))
+    main, _ = load_hf(src)
+    with torch.no_grad():
+        hf = main(torch.tensor([ids]), output_hidden_states=True, use_cache=False).hidden_states
+        hf64 = ref.load_hf_float64(src)(torch.tensor([ids]), output_hidden_states=True, use_cache=False).hidden_states
+    diffs = [max_abs(out.hidden[f"layer:{j}"], hf[j][0]) for j in range(n + 1)]
+    floors = [max_abs(hf[j][0], hf64[j][0]) for j in range(n + 1)]
+    print(f"\n[layer hidden states] max|Δ| per layer input 0..{n}: " + ", ".join(f"{d:.1e}" for d in diffs)
+          + "; transformers f32 vs its f64 copy: " + ", ".join(f"{d:.1e}" for d in floors))
+    assert diffs[0] == 0.0  # the embedding row itself
+    for j in range(1, n + 1):
+        parity(out.hidden[f"layer:{j}"], hf[j][0].numpy(), floors[j])
+    assert "pre_norm" in out.hidden and "post_norm" not in out.hidden
