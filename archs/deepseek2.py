@@ -1,0 +1,148 @@
+"""DeepSeek-V3 / R1 (`DeepseekV3ForCausalLM`) -> GGUF arch `deepseek2` (gguf-layout.md §7.5).
+
+Multi-head latent attention written the MLA way llama.cpp loads it: `kv_b_proj` split per head into
+`attn_k_b` ([nh, kv_lora, dn], the transposed key half) and `attn_v_b` ([nh, dv, kv_lora]), KV
+written as one latent head (`head_count_kv = 1`, `key_length = kv_lora + dr`). The expert gating
+function is written explicitly (llama.cpp defaults deepseek2 to softmax), YaRN and the
+`mscale_all_dim` log multiplier are written in llama.cpp's legacy encoding (0.1·mscale_all_dim).
+
+Beyond llama.cpp's own converter, which drops it, the nextn layer `model.layers.{N}` is kept:
+llama.cpp's deepseek2 runtime runs it (MTP contexts), and so does specconv's.
+
+HF's `rope_interleave=True` (the releases) rotates adjacent pairs, which is llama.cpp's NORM rope,
+so the weights go as they are. With `rope_interleave=False` HF rotates halves; the rope rows of
+`q_b_proj` / `q_proj` and `kv_a_proj_with_mqa` are then reordered so adjacent-pair rope on the new
+rows equals rotate-half on the old ones (q and k alike, so q·k is unchanged).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import ClassVar
+
+import torch
+from gguf import GGUFValueType, Keys
+
+from . import names, register
+from .base import Checkpoint, MetaKV, Role, text_config
+from .errors import SpecconvError
+from .nextn_moe import NextnMoePlugin, _Plan
+
+# Layer counts for which llama.cpp's loader takes a "lite" model (no q_lora_rank read) when the
+# vocabulary is 128256 (gguf-layout.md §7.5).
+_LITE_LAYERS = (26, 27, 48)
+
+
+def kv_b_keys(ts: list[torch.Tensor], nh: int, dn: int, dv: int) -> torch.Tensor:
+    """kv_b_proj [nh·(dn+dv), kv_lora] -> attn_k_b [nh, kv_lora, dn] (W_kb[h]ᵀ per head)."""
+    w = ts[0].reshape(nh, dn + dv, -1)
+    return w[:, :dn, :].transpose(1, 2).contiguous()
+
+
+def kv_b_values(ts: list[torch.Tensor], nh: int, dn: int, dv: int) -> torch.Tensor:
+    """kv_b_proj [nh·(dn+dv), kv_lora] -> attn_v_b [nh, dv, kv_lora] (W_vb[h] per head)."""
+    w = ts[0].reshape(nh, dn + dv, -1)
+    return w[:, dn:, :].contiguous()
+
+
+def half_to_pairs(dr: int) -> torch.Tensor:
+    """Row order turning rotate-half rope rows into adjacent pairs: new 2i <- old i, 2i+1 <- old i+dr/2."""
+    return torch.stack([torch.arange(dr // 2), torch.arange(dr // 2) + dr // 2], dim=1).reshape(-1)
+
+
+def reorder_rope_rows(ts: list[torch.Tensor], block: int, rope_start: int, dr: int) -> torch.Tensor:
+    """Reorder the dr rope rows at offset rope_start of every `block` rows (a head, or the whole matrix)."""
+    w = ts[0]
+    g = w.reshape(-1, block, w.shape[-1]).clone()
+    g[:, rope_start:rope_start + dr] = g[:, rope_start:rope_start + dr][:, half_to_pairs(dr)]
+    return g.reshape(w.shape)
+
+
+@register
+class Deepseek2(NextnMoePlugin):
+    hf_architectures = ("DeepseekV3ForCausalLM",)
+    family: ClassVar[str] = "deepseek2"
+    post_attention_norm: ClassVar[str] = "ffn_norm"  # deepseek2 names the FFN-input norm ffn_norm
+    tokenizer_model: ClassVar[str] = "gpt2"
+    tokenizer_pre: ClassVar[str] = "deepseek-v3"
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        tc, hp = text_config(checkpoint.config), self.hp
+
+        def need(name: str) -> int:
+            v = tc.get(name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise SpecconvError(f"config.json: '{name}' must be a positive integer for DeepSeek MLA, got {v!r}")
+            return v
+
+        self.q_lora = tc.get("q_lora_rank")
+        if self.q_lora is not None:
+            self.q_lora = need("q_lora_rank")
+        self.kv_lora, self.dn, self.dr, self.dv = (need(k) for k in ("kv_lora_rank", "qk_nope_head_dim",
+                                                                      "qk_rope_head_dim", "v_head_dim"))
+        if self.dr % 2:
+            raise SpecconvError(f"config.json: qk_rope_head_dim ({self.dr}) must be even")
+        if tc.get("attention_bias"):
+            raise SpecconvError("config.json: attention_bias=true is not supported (llama.cpp's deepseek2 has no "
+                                "attention biases)")
+        self.rope_interleave = bool(tc.get("rope_interleave", True))
+        if self.q_lora is not None and hp.n_layer + self._k in _LITE_LAYERS and hp.vocab == 128256:
+            raise SpecconvError(f"a deepseek2 file with {hp.n_layer + self._k} blocks and vocabulary 128256 is read "
+                                f"by llama.cpp as DeepSeek-V2-Lite, which ignores q_lora_rank")
+
+    @property
+    def gguf_arch(self) -> str:
+        return names.DEEPSEEK2
+
+    def _attention(self, plan: _Plan, bid: int, a: str, role: Role) -> None:
+        hp = self.hp
+        H, nh, dn, dr, dv, kvl = hp.hidden, hp.n_head, self.dn, self.dr, self.dv, self.kv_lora
+        qk = dn + dr
+        # Only when HF rotates halves do the rope rows need reordering (module docstring).
+        q_rows = (partial(reorder_rope_rows, block=qk, rope_start=dn, dr=dr) if not self.rope_interleave
+                  else None)
+        kv_rows = (partial(reorder_rope_rows, block=kvl + dr, rope_start=kvl, dr=dr) if not self.rope_interleave
+                   else None)
+        if self.q_lora is None:
+            self._linear(plan, names.blk(bid, "attn_q"), a + "q_proj.weight", (nh * qk, H), role, q_rows)
+        else:
+            ql = self.q_lora
+            self._linear(plan, names.blk(bid, "attn_q_a"), a + "q_a_proj.weight", (ql, H), role)
+            self._norm(plan, names.blk(bid, "attn_q_a_norm"), a + "q_a_layernorm.weight", role, ql)
+            self._linear(plan, names.blk(bid, "attn_q_b"), a + "q_b_proj.weight", (nh * qk, ql), role, q_rows)
+        self._linear(plan, names.blk(bid, "attn_kv_a_mqa"), a + "kv_a_proj_with_mqa.weight", (kvl + dr, H), role,
+                     kv_rows)
+        self._norm(plan, names.blk(bid, "attn_kv_a_norm"), a + "kv_a_layernorm.weight", role, kvl)
+        kv_b = plan.source(a + "kv_b_proj.weight", (nh * (dn + dv), kvl))
+        plan.add(names.blk(bid, "attn_k_b"), [kv_b], (nh, kvl, dn), role, partial(kv_b_keys, nh=nh, dn=dn, dv=dv))
+        plan.add(names.blk(bid, "attn_v_b"), [kv_b], (nh, dv, kvl), role, partial(kv_b_values, nh=nh, dn=dn, dv=dv))
+        self._linear(plan, names.blk(bid, "attn_output"), a + "o_proj.weight", (H, nh * dv), role)
+
+    @staticmethod
+    def _linear(plan: _Plan, gguf_name: str, hf: str, shape: tuple[int, int], role: Role, transform=None) -> None:
+        src = plan.source(hf, shape)
+        if transform is None:
+            plan.add(gguf_name, [src], shape, role)
+        else:
+            plan.add(gguf_name, [src], shape, role, transform)
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        hp = self.hp
+        kv: list[MetaKV] = []
+        put = self._putter(kv)
+        u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+        self._common_head_kv(put, keep_mtp, 1)  # MLA is written as MQA over the latent
+        put(Keys.LLM.VOCAB_SIZE, hp.vocab, u32)
+        if self.q_lora is not None:
+            put(Keys.Attention.Q_LORA_RANK, self.q_lora, u32)
+        put(Keys.Attention.KV_LORA_RANK, self.kv_lora, u32)
+        put(Keys.Attention.KEY_LENGTH, self.kv_lora + self.dr, u32)
+        put(Keys.Attention.VALUE_LENGTH, self.kv_lora, u32)
+        put(Keys.Attention.KEY_LENGTH_MLA, self.dn + self.dr, u32)  # selects llama.cpp's attn_k_b/attn_v_b path
+        put(Keys.Attention.VALUE_LENGTH_MLA, self.dv, u32)
+        put(Keys.Rope.DIMENSION_COUNT, self.dr, u32)
+        if hp.yarn is not None and hp.yarn.mscale_all_dim is not None:
+            put(Keys.Rope.SCALING_YARN_LOG_MUL, 0.1 * hp.yarn.mscale_all_dim, f32)  # llama.cpp's legacy encoding
+        self._common_moe_kv(put, keep_mtp)
+        return kv

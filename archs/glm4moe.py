@@ -1,0 +1,71 @@
+"""GLM-4.5 / 4.6 / 4.5-Air (`Glm4MoeForCausalLM`) -> GGUF arch `glm4moe` (gguf-layout.md §7.4).
+
+GQA attention with optional q/k/v biases and per-head q/k norms, partial NEOX rope (factor 0.5 by
+default; no Q/K permutation), leading dense blocks then sigmoid-routed MoE with a correction bias
+and expert groups, and the nextn layer(s) at `model.layers.{N}`. All norms are plain RMSNorm.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from gguf import GGUFValueType, Keys
+
+from . import names, register
+from .base import Checkpoint, MetaKV, Role, config_field, text_config
+from .errors import SpecconvError
+from .nextn_moe import NextnMoePlugin, _Plan
+
+
+@register
+class Glm4Moe(NextnMoePlugin):
+    hf_architectures = ("Glm4MoeForCausalLM",)
+    family: ClassVar[str] = "glm4moe"
+    post_attention_norm: ClassVar[str] = "post_attention_norm"
+    tokenizer_model: ClassVar[str] = "gpt2"
+    tokenizer_pre: ClassVar[str] = "glm4"
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        tc = text_config(checkpoint.config)
+        hp = self.hp
+        self.n_head_kv = int(tc.get("num_key_value_heads") or hp.n_head)
+        self.head_dim = int(tc.get("head_dim") or hp.hidden // hp.n_head)
+        if hp.n_head % self.n_head_kv:
+            raise SpecconvError(f"config.json: num_attention_heads ({hp.n_head}) is not a multiple of "
+                                f"num_key_value_heads ({self.n_head_kv})")
+        factor = float(config_field(tc, "partial_rotary_factor", 0.5))  # GLM's default (upstream too)
+        self.rope_dim = int(self.head_dim * factor)
+        if self.rope_dim % 2 or self.rope_dim == 0:
+            raise SpecconvError(f"rotary dimension {self.rope_dim} (head_dim * partial_rotary_factor) must be even "
+                                f"and positive")
+        self.attention_bias = bool(tc.get("attention_bias", False))
+        self.qk_norm = bool(tc.get("use_qk_norm", False))
+
+    @property
+    def gguf_arch(self) -> str:
+        return names.GLM4MOE
+
+    def _attention(self, plan: _Plan, bid: int, a: str, role: Role) -> None:
+        H, hd = self.hp.hidden, self.head_dim
+        q, kv = self.hp.n_head * hd, self.n_head_kv * hd
+        for part, hf, rows in (("attn_q", "q_proj", q), ("attn_k", "k_proj", kv), ("attn_v", "v_proj", kv)):
+            plan.add(names.blk(bid, part), [plan.source(f"{a}{hf}.weight", (rows, H))], (rows, H), role)
+            if self.attention_bias:
+                plan.add(names.blk(bid, part, "bias"), [plan.source(f"{a}{hf}.bias", (rows,))], (rows,), role,
+                         f32=True)
+        plan.add(names.blk(bid, "attn_output"), [plan.source(a + "o_proj.weight", (H, q))], (H, q), role)
+        if self.qk_norm:
+            self._norm(plan, names.blk(bid, "attn_q_norm"), a + "q_norm.weight", role, hd)
+            self._norm(plan, names.blk(bid, "attn_k_norm"), a + "k_norm.weight", role, hd)
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        kv: list[MetaKV] = []
+        put = self._putter(kv)
+        u32 = GGUFValueType.UINT32
+        self._common_head_kv(put, keep_mtp, self.n_head_kv)
+        put(Keys.Attention.KEY_LENGTH, self.head_dim, u32)
+        put(Keys.Attention.VALUE_LENGTH, self.head_dim, u32)
+        put(Keys.Rope.DIMENSION_COUNT, self.rope_dim, u32)
+        self._common_moe_kv(put, keep_mtp)
+        return kv

@@ -1,0 +1,368 @@
+"""What GLM-4.5 (`glm4moe`) and DeepSeek-V3 (`deepseek2`) share: sigmoid-routed MoE with a
+correction bias and expert groups, leading dense blocks, and nextn (MTP) layers stored as ordinary
+`model.layers.{N+j}.*` blocks plus their `eh_proj / enorm / hnorm / shared_head.* / embed_tokens`
+extras (gguf-layout.md §4.1, §6, §7.4, §7.5).
+
+Subclasses supply the attention tensors, the name of the post-attention norm and the arch-specific
+metadata; everything else (names, MTP count, FFN/MoE mapping, nextn extras, common KV) lives here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, ClassVar, Mapping
+
+from gguf import GGUFValueType, Keys
+
+from . import names
+from . import transforms as tf
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field, plans_in_checkpoint_order, text_config
+from .errors import SpecconvError
+from .qwen35 import _Plan  # the checked-source plan collector shared by plugins
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.")
+# HF nextn extras -> GGUF nextn part (gguf-layout.md §4.1)
+NEXTN_EXTRAS = (("eh_proj", names.NEXTN_EH_PROJ), ("enorm", names.NEXTN_ENORM), ("hnorm", names.NEXTN_HNORM),
+                ("shared_head.norm", names.NEXTN_SHARED_HEAD_NORM))
+NEXTN_OPTIONAL = (("embed_tokens", names.NEXTN_EMBED_TOKENS), ("shared_head.head", names.NEXTN_SHARED_HEAD_HEAD))
+
+
+def _int(cfg: Mapping[str, Any], name: str, default: int | None = None, family: str = "") -> int:
+    value = cfg.get(name, default)
+    if value is None:
+        raise SpecconvError(f"config.json lacks '{name}', needed for a {family} model")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecconvError(f"config.json: '{name}' must be a non-negative integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Yarn:
+    factor: float
+    original_context: int
+    ext_factor: float | None
+    attn_factor: float | None
+    beta_fast: float | None
+    beta_slow: float | None
+    mscale_all_dim: float | None
+
+
+@dataclass(frozen=True)
+class MoeHparams:
+    """Fields both families read the same way (transformers' Glm4MoeConfig / DeepseekV3Config)."""
+
+    n_layer: int
+    hidden: int
+    vocab: int
+    n_head: int
+    ffn: int  # dense width (leading dense blocks)
+    n_expert: int
+    n_expert_used: int
+    expert_ffn: int
+    n_shared: int
+    first_dense: int
+    n_group: int | None
+    topk_group: int | None
+    routed_scale: float
+    norm_topk: bool
+    rms_eps: float
+    rope_theta: float
+    context_length: int
+    tie_embeddings: bool
+    mtp_layers_config: int
+    yarn: Yarn | None
+
+    @property
+    def shared_ffn(self) -> int:
+        return self.expert_ffn * self.n_shared
+
+
+def _yarn(tc: Mapping[str, Any]) -> Yarn | None:
+    kind = config_field(tc, "rope_type")
+    if kind is None and isinstance(tc.get("rope_scaling"), Mapping):
+        kind = tc["rope_scaling"].get("type")
+    if kind in (None, "default"):
+        return None
+    if kind != "yarn":
+        raise SpecconvError(f"config.json: rope scaling type {kind!r} is not supported here (default or yarn)")
+    factor, orig = config_field(tc, "factor"), config_field(tc, "original_max_position_embeddings")
+    if factor is None or orig is None:
+        raise SpecconvError("config.json: yarn rope scaling needs 'factor' and 'original_max_position_embeddings'")
+
+    def opt(*keys: str) -> float | None:
+        for key in keys:
+            v = config_field(tc, key)
+            if v is not None:
+                return float(v)
+        return None
+
+    return Yarn(float(factor), int(orig), opt("extrapolation_factor"), opt("attention_factor", "attn_factor"),
+                opt("beta_fast"), opt("beta_slow"), opt("mscale_all_dim"))
+
+
+def parse_moe_hparams(config: Mapping[str, Any], family: str) -> MoeHparams:
+    tc = text_config(config)
+    req = partial(_int, tc, family=family)
+    n_layer, n_expert, used = req("num_hidden_layers"), req("n_routed_experts"), req("num_experts_per_tok")
+    if n_layer == 0 or n_expert == 0 or used == 0:
+        raise SpecconvError("config.json: num_hidden_layers, n_routed_experts and num_experts_per_tok must be positive")
+    if used > n_expert:
+        raise SpecconvError(f"config.json: num_experts_per_tok ({used}) exceeds n_routed_experts ({n_expert})")
+    n_group, topk_group = tc.get("n_group"), tc.get("topk_group")
+    if n_group is not None and n_group > 1:
+        # llama.cpp's loader asserts exactly these (gguf-layout.md §7.4)
+        if n_expert % n_group or not (0 < (topk_group or 0) < n_group) or n_group >= n_expert:
+            raise SpecconvError(f"config.json: expert groups n_group={n_group}, topk_group={topk_group} do not fit "
+                                f"{n_expert} experts (need E % n_group == 0, 0 < topk_group < n_group < E)")
+    if tc.get("hidden_act", "silu") != "silu":
+        raise SpecconvError(f"config.json: hidden_act {tc['hidden_act']!r} is not supported ({family} uses silu)")
+    mtp = tc.get("num_nextn_predict_layers", tc.get("num_mtp_layers", 0)) or 0
+    if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+        raise SpecconvError(f"config.json: 'num_nextn_predict_layers' must be a non-negative integer, got {mtp!r}")
+    first_dense = tc.get("first_k_dense_replace")
+    first_dense = 0 if first_dense is None else req("first_k_dense_replace")
+    return MoeHparams(
+        n_layer=n_layer, hidden=req("hidden_size"), vocab=req("vocab_size"), n_head=req("num_attention_heads"),
+        ffn=req("intermediate_size"), n_expert=n_expert, n_expert_used=used, expert_ffn=req("moe_intermediate_size"),
+        n_shared=req("n_shared_experts", 0), first_dense=first_dense, n_group=n_group, topk_group=topk_group,
+        routed_scale=float(tc.get("routed_scaling_factor", 1.0) or 1.0), norm_topk=bool(tc.get("norm_topk_prob", True)),
+        rms_eps=float(tc.get("rms_norm_eps") or 1e-6), rope_theta=float(config_field(tc, "rope_theta", 10000.0)),
+        context_length=req("max_position_embeddings", 4096),
+        tie_embeddings=bool(config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))),
+        mtp_layers_config=mtp, yarn=_yarn(tc),
+    )
+
+
+class NextnMoePlugin(ArchPlugin):
+    """Base of the glm4moe and deepseek2 plugins."""
+
+    family: ClassVar[str] = ""
+    post_attention_norm: ClassVar[str] = "post_attention_norm"  # GGUF name of the FFN-input norm
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        self.hp = parse_moe_hparams(checkpoint.config, self.family)
+        self._k = self._count_mtp_layers()
+        if self._k and self.hp.first_dense > self.hp.n_layer:
+            raise SpecconvError(f"config.json: first_k_dense_replace ({self.hp.first_dense}) exceeds "
+                                f"num_hidden_layers ({self.hp.n_layer}); the nextn block must be an MoE block")
+
+    # ------------------------------------------------------------------ naming
+
+    @classmethod
+    def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
+        if raw_name.endswith("rotary_emb.inv_freq"):
+            return (None, "rotary inv_freq buffer (recomputed from the config)")
+        if raw_name.startswith(_TOWERS):
+            return (None, "vision tower (belongs in a separate mmproj file)")
+        name = re.sub(r"(^|\.)language_model\.", r"\1", raw_name)
+        if name.endswith("e_score_correction_bias"):
+            name = name[: -len("_bias")] + ".bias"  # gguf-layout.md §6: -> exp_probs_b.bias
+        return name
+
+    # ------------------------------------------------------------------ structure
+
+    @property
+    def n_trunk_layers(self) -> int:
+        return self.hp.n_layer
+
+    @property
+    def n_mtp_layers(self) -> int:
+        return self._k
+
+    def _count_mtp_layers(self) -> int:
+        """k = the layers `model.layers.{N..}` present; they must be the config's count, contiguous.
+
+        A checkpoint without any nextn tensors converts without MTP even when config.json declares
+        some: transformers' configs default to num_nextn_predict_layers=1 and its save_pretrained
+        drops the nextn weights, so that config value alone does not mean they were ever there.
+        """
+        n = self.hp.n_layer
+        seen = set()
+        for name in self.checkpoint.tensors:
+            m = _LAYER.match(name)
+            if m and int(m.group(1)) >= n:
+                seen.add(int(m.group(1)) - n)
+        k = max(seen) + 1 if seen else 0
+        if seen and sorted(seen) != list(range(k)):
+            raise SpecconvError(f"checkpoint holds nextn layers {sorted(i + n for i in seen)}, not a contiguous run "
+                                f"from layer {n}")
+        configured = self.hp.mtp_layers_config
+        if k and k != configured:
+            raise SpecconvError(f"config.json says num_nextn_predict_layers={configured}, but the checkpoint holds "
+                                f"{k} nextn layer(s) (model.layers.{n}..{n + k - 1})")
+        return k
+
+    def vocab_size(self) -> int:
+        info = self.checkpoint.tensors.get("model.embed_tokens.weight")
+        if info is None:
+            raise SpecconvError("checkpoint lacks tensor model.embed_tokens.weight")
+        return int(info.shape[0])
+
+    # ------------------------------------------------------------------ tensors
+
+    def tensor_plan(self) -> list[TensorPlan]:
+        hp, plan = self.hp, _Plan(dict(self.checkpoint.tensors))
+        H, V = hp.hidden, hp.vocab
+        plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
+        for i in range(hp.n_layer + self._k):
+            role = Role.TRUNK if i < hp.n_layer else Role.MTP
+            p = f"model.layers.{i}."
+            if role == Role.MTP:
+                self._nextn_extras(plan, i, p)
+            self._norm(plan, names.blk(i, "attn_norm"), p + "input_layernorm.weight", role)
+            self._attention(plan, i, p + "self_attn.", role)
+            self._norm(plan, names.blk(i, self.post_attention_norm), p + "post_attention_layernorm.weight", role)
+            (self._dense if i < hp.first_dense else self._moe)(plan, i, p + "mlp.", role)
+        self._norm(plan, names.OUTPUT_NORM, "model.norm.weight", Role.SHARED)
+        if hp.tie_embeddings:
+            plan.used.add("lm_head.weight")
+        else:
+            if not plan.has("lm_head.weight"):
+                raise SpecconvError("checkpoint lacks tensor lm_head.weight (config.json says tie_word_embeddings=false)")
+            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (V, H))], (V, H), Role.SHARED)
+        unused = sorted(set(plan.tensors) - plan.used)
+        if unused:
+            more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+            raise SpecconvError(f"unexpected tensor(s) for {self.gguf_arch}: {', '.join(unused[:3])}{more}")
+        return plans_in_checkpoint_order(plan.plans, plan.tensors)
+
+    def _norm(self, plan: _Plan, gguf_name: str, hf: str, role: Role, width: int | None = None) -> None:
+        """A plain-weight RMSNorm (no +1 for these families), kept F32."""
+        w = self.hp.hidden if width is None else width
+        plan.add(gguf_name, [plan.source(hf, (w,))], (w,), role, tf.identity, True)
+
+    def _nextn_extras(self, plan: _Plan, bid: int, p: str) -> None:
+        H, V = self.hp.hidden, self.hp.vocab
+        plan.add(names.nextn(bid, names.NEXTN_EH_PROJ), [plan.source(p + "eh_proj.weight", (H, 2 * H))], (H, 2 * H),
+                 Role.MTP)  # input order: embedding half first, as in HF and llama.cpp
+        for hf, part in NEXTN_EXTRAS[1:]:
+            self._norm(plan, names.nextn(bid, part), f"{p}{hf}.weight", Role.MTP)
+        # Optional copies (GLM-4.5, DeepSeek-V3 ship them; GLM-4.6 does not): kept as they are,
+        # since llama.cpp prefers them over token_embd / output when present.
+        for hf, part in NEXTN_OPTIONAL:
+            if plan.has(f"{p}{hf}.weight"):
+                plan.add(names.nextn(bid, part), [plan.source(f"{p}{hf}.weight", (V, H))], (V, H), Role.MTP)
+
+    def _attention(self, plan: _Plan, bid: int, a: str, role: Role) -> None:
+        raise NotImplementedError
+
+    def _dense(self, plan: _Plan, bid: int, m: str, role: Role) -> None:
+        H, F = self.hp.hidden, self.hp.ffn
+        for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
+            plan.add(names.blk(bid, f"ffn_{part}"), [plan.source(f"{m}{part}_proj.weight", shape)], shape, role)
+
+    def _moe(self, plan: _Plan, bid: int, m: str, role: Role) -> None:
+        hp = self.hp
+        H, E, Fs = hp.hidden, hp.n_expert, hp.shared_ffn
+        plan.add(names.blk(bid, "ffn_gate_inp"), [plan.source(m + "gate.weight", (E, H))], (E, H), role,
+                 tf.identity, True)
+        plan.add(names.blk(bid, "exp_probs_b", "bias"), [plan.source(m + "gate.e_score_correction.bias", (E,))],
+                 (E,), role, tf.identity, True)
+        plan_experts(plan, bid, m + "experts.", E, hp.expert_ffn, H, role)
+        if hp.n_shared:
+            for part, shape in (("gate", (Fs, H)), ("up", (Fs, H)), ("down", (H, Fs))):
+                plan.add(names.blk(bid, f"ffn_{part}_shexp"),
+                         [plan.source(f"{m}shared_experts.{part}_proj.weight", shape)], shape, role)
+
+    # ------------------------------------------------------------------ metadata
+
+    def _putter(self, kv: list[MetaKV]) -> Callable[..., None]:
+        arch = self.gguf_arch
+
+        def put(fmt: str, value: Any, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> None:
+            kv.append(MetaKV(fmt.format(arch=arch), value, vtype, sub))
+
+        return put
+
+    def _common_head_kv(self, put: Callable[..., None], keep_mtp: bool, n_head_kv: int) -> None:
+        hp, u32, f32 = self.hp, GGUFValueType.UINT32, GGUFValueType.FLOAT32
+        put(Keys.LLM.BLOCK_COUNT, hp.n_layer + (self._k if keep_mtp else 0), u32)
+        put(Keys.LLM.CONTEXT_LENGTH, hp.context_length, u32)
+        put(Keys.LLM.EMBEDDING_LENGTH, hp.hidden, u32)
+        put(Keys.LLM.FEED_FORWARD_LENGTH, hp.ffn, u32)
+        put(Keys.Attention.HEAD_COUNT, hp.n_head, u32)
+        put(Keys.Attention.HEAD_COUNT_KV, n_head_kv, u32)
+        self._yarn_kv(put)
+        put(Keys.Rope.FREQ_BASE, hp.rope_theta, f32)
+        put(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps, f32)
+        put(Keys.LLM.EXPERT_COUNT, hp.n_expert, u32)
+        put(Keys.LLM.EXPERT_USED_COUNT, hp.n_expert_used, u32)
+        if hp.n_group is not None:
+            put(Keys.LLM.EXPERT_GROUP_COUNT, hp.n_group, u32)
+        if hp.topk_group is not None:
+            put(Keys.LLM.EXPERT_GROUP_USED_COUNT, hp.topk_group, u32)
+
+    def _common_moe_kv(self, put: Callable[..., None], keep_mtp: bool) -> None:
+        hp, u32 = self.hp, GGUFValueType.UINT32
+        put(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, hp.first_dense, u32)
+        put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn, u32)
+        put(Keys.LLM.EXPERT_SHARED_COUNT, hp.n_shared, u32)
+        # Always explicit: a missing key means softmax to llama.cpp's deepseek2 (gguf-layout.md §7.5).
+        put(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID, u32)
+        put(Keys.LLM.EXPERT_WEIGHTS_SCALE, hp.routed_scale, GGUFValueType.FLOAT32)
+        put(Keys.LLM.EXPERT_WEIGHTS_NORM, hp.norm_topk, GGUFValueType.BOOL)
+        if keep_mtp and self._k:
+            put(Keys.LLM.NEXTN_PREDICT_LAYERS, self._k, u32)
+
+    def _yarn_kv(self, put: Callable[..., None]) -> None:
+        y = self.hp.yarn
+        if y is None:
+            return
+        f32 = GGUFValueType.FLOAT32
+        put(Keys.Rope.SCALING_TYPE, "yarn", GGUFValueType.STRING)
+        put(Keys.Rope.SCALING_FACTOR, y.factor, f32)
+        put(Keys.Rope.SCALING_ORIG_CTX_LEN, y.original_context, GGUFValueType.UINT32)
+        for key, value in ((Keys.Rope.SCALING_YARN_EXT_FACTOR, y.ext_factor),
+                           (Keys.Rope.SCALING_YARN_ATTN_FACTOR, y.attn_factor),
+                           (Keys.Rope.SCALING_YARN_BETA_FAST, y.beta_fast),
+                           (Keys.Rope.SCALING_YARN_BETA_SLOW, y.beta_slow)):
+            if value is not None:
+                put(key, value, f32)
+
+
+def plan_experts(plan: _Plan, bid: int, ex: str, E: int, Fe: int, H: int, role: Role) -> None:
+    """Routed experts -> ffn_{gate,up,down}_exps [E, ...]: per-expert tensors (the GLM/DeepSeek
+    releases) are stacked; the fused 3-D layout of transformers (`gate_up_proj [E, 2Fe, H]`, gate
+    rows first, `down_proj [E, H, Fe]`) is sliced."""
+    where = f"layer {bid} ({ex.rstrip('.')})"
+    fused = [n for n in (ex + "gate_up_proj", ex + "gate_up_proj.weight") if plan.has(n)]
+    down_fused = [n for n in (ex + "down_proj", ex + "down_proj.weight") if plan.has(n)]
+    per_expert = re.compile(re.escape(ex) + r"(\d+)\.(gate|up|down)_proj\.weight$")
+    found: dict[str, set[int]] = {"gate": set(), "up": set(), "down": set()}
+    for name in plan.tensors:
+        hit = per_expert.match(name)
+        if hit:
+            found[hit.group(2)].add(int(hit.group(1)))
+    has_split = any(found.values())
+    gate_n, up_n, down_n = (names.blk(bid, f"ffn_{x}_exps") for x in ("gate", "up", "down"))
+    if (fused or down_fused) and has_split:
+        raise SpecconvError(f"{where}: both fused and per-expert expert tensors are present")
+    if fused or down_fused:
+        if not (fused and down_fused):
+            raise SpecconvError(f"{where}: fused experts lack {ex + ('gate_up_proj' if not fused else 'down_proj')}")
+        src = plan.source(fused[0], (E, 2 * Fe, H))
+        plan.add(gate_n, [src], (E, Fe, H), role, partial(tf.slice_axis, dim=1, start=0, stop=Fe))
+        plan.add(up_n, [src], (E, Fe, H), role, partial(tf.slice_axis, dim=1, start=Fe, stop=2 * Fe))
+        plan.add(down_n, [plan.source(down_fused[0], (E, H, Fe))], (E, H, Fe), role)
+        return
+    if not has_split:
+        raise SpecconvError(f"{where}: no expert tensors (neither {ex}<e>.*_proj.weight nor {ex}gate_up_proj)")
+    incomplete = sorted(e for e in range(E) if any(e not in ids for ids in found.values()))
+    extra = sorted({e for ids in found.values() for e in ids if e >= E})
+    if incomplete or extra:
+        parts = [f"experts {incomplete} missing"] if incomplete else []
+        parts += [f"expert ids {extra} >= n_routed_experts {E}"] if extra else []
+        raise SpecconvError(f"{where}: {'; '.join(parts)} (every expert needs gate_proj, up_proj and down_proj)")
+    for gguf_name, part, shape in ((gate_n, "gate", (Fe, H)), (up_n, "up", (Fe, H)), (down_n, "down", (H, Fe))):
+        srcs = [plan.source(f"{ex}{e}.{part}_proj.weight", shape) for e in range(E)]
+        plan.add(gguf_name, srcs, (E, *shape), role, tf.stack)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """transformers' / DeepSeek's `0.1·mscale·ln(factor) + 1` (1 for factor ≤ 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
