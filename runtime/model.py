@@ -60,6 +60,8 @@ class Model:
         needed: list[str] = []
         if GraphType.MAIN in self.serves:
             needed += g.main_tensors(hp)
+            # per-block tensors a graph can do without (e.g. attention biases), when the file has them
+            needed += [n for n in getattr(g, "optional_main_tensors", lambda _: [])(hp) if self.file.has(n)]
         if GraphType.MTP in self.serves:
             needed += g.mtp_tensors(hp)
             needed += [n for n in g.optional_mtp_tensors(hp) if self.file.has(n)]

@@ -1,0 +1,206 @@
+"""DeepSeek-V3 graphs (GGUF arch `deepseek2`), model-math.md §5, §3.2, §7.
+
+Attention is Multi-head Latent Attention in the **absorbed** form, as llama.cpp runs it: the cache
+holds one latent row per token, `[c (kv_lora) | rope(k_pe) (dr)]`; each head's no-rope query is
+mapped into the latent space with `attn_k_b` (q_lat = W_kbᵀ·q_nope), scores are
+`q_lat·c + q_pe·k_pe`, the softmax-weighted latent is mapped back per head with `attn_v_b`. It
+equals HF's expanded form up to rounding and keeps the cache at kv_lora + dr numbers per token
+instead of nh·(dn+dr+dv). (The runtime's KV cache has one width for K and V, so the latent row is
+stored as both; V reads its first kv_lora entries.)
+
+Rope is llama.cpp's NORM kind (adjacent pairs) on the dr rope dims, with YaRN frequencies, cos/sin
+factor and the mscale² softmax factor computed as transformers does (model-math.md §1.3, §5).
+The FFN is dense SwiGLU for the leading dense blocks and the sigmoid group-limited MoE otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs import moe_sigmoid as ms
+from specconv.runtime.graphs.ops import acc, causal_attention, linear, rms_norm
+from specconv.runtime.memory import Batch, MemoryLayout
+
+keep_float32 = ms.keep_float32
+OPTIONAL = ("output.weight",)
+
+
+@dataclass
+class HParams(ms.MoeKV):
+    q_lora: int = 0  # 0: a plain attn_q
+    kv_lora: int = 0
+    dn: int = 0  # qk_nope_head_dim
+    dr: int = 0  # qk_rope_head_dim
+    dv: int = 0  # v_head_dim
+    yarn_factor: float = 1.0  # 1: no YaRN
+    yarn_orig_ctx: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_attn_factor: float | None = None
+    yarn_log_mul: float = 0.0  # mscale_all_dim, decoded from the legacy 0.1·x encoding
+
+    @classmethod
+    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        base = ms.MoeKV.read(kv)
+        _, get = ms.kv_getter(kv)
+        if get("attention.key_length_mla", None, required=False) is None:
+            raise SpecconvError("deepseek2 file without attention.key_length_mla (an old unsplit attn_kv_b "
+                                "layout); reconvert it")
+        dr = get("rope.dimension_count")
+        extra = dict(q_lora=get("attention.q_lora_rank", 0, required=False) or 0,
+                     kv_lora=get("attention.kv_lora_rank"), dr=dr,
+                     dn=get("attention.key_length_mla") - dr, dv=get("attention.value_length_mla"))
+        if get("rope.scaling.type", None, required=False) == "yarn":
+            extra.update(yarn_factor=float(get("rope.scaling.factor")),
+                         yarn_orig_ctx=int(get("rope.scaling.original_context_length")),
+                         yarn_beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0, required=False)),
+                         yarn_beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
+                         yarn_attn_factor=get("rope.scaling.yarn_attn_factor", None, required=False),
+                         yarn_log_mul=float(get("rope.scaling.yarn_log_multiplier", 0.0, required=False)) / 0.1)
+        return cls(**vars(base), **extra)
+
+
+def _attn_names(hp: HParams, i: int) -> list[str]:
+    p = f"blk.{i}."
+    q = ["attn_q_a", "attn_q_a_norm", "attn_q_b"] if hp.q_lora else ["attn_q"]
+    return [p + n + ".weight" for n in ["attn_norm", *q, "attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b", "attn_v_b",
+                                        "attn_output", "ffn_norm"]]
+
+
+def main_tensors(hp: HParams) -> list[str]:
+    names = ["token_embd.weight", "output_norm.weight"]
+    for i in range(hp.n_layer):
+        names += _attn_names(hp, i) + ms.ffn_names(hp, i)
+    return names
+
+
+def mtp_tensors(hp: HParams) -> list[str]:
+    n = hp.n_layer
+    if not ms.is_moe_block(hp, n):
+        raise SpecconvError(f"deepseek2: the nextn block {n} is below leading_dense_block_count {hp.n_dense_lead}")
+    return (["token_embd.weight", "output_norm.weight"] + _attn_names(hp, n) + ms.ffn_names(hp, n)
+            + [f"blk.{n}.nextn.{x}.weight" for x in ms.NEXTN_REQUIRED])
+
+
+def optional_mtp_tensors(hp: HParams) -> list[str]:
+    return [f"blk.{hp.n_layer}.nextn.{x}.weight" for x in ms.NEXTN_OPTIONAL]
+
+
+def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
+    return MemoryLayout(attn_layers=list(range(hp.n_layer)), n_head_kv=1, head_dim=hp.kv_lora + hp.dr, rec_layers=[])
+
+
+def mtp_layout(hp: HParams) -> MemoryLayout:
+    return MemoryLayout(attn_layers=[hp.n_layer], n_head_kv=1, head_dim=hp.kv_lora + hp.dr, rec_layers=[])
+
+
+# ---- rope ---------------------------------------------------------------------------------------
+
+def _yarn_get_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def inv_freq(hp: HParams, device) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dr/2] in float32, cos/sin factor), as transformers' default / YaRN rope."""
+    d, base = hp.dr, hp.rope_base
+    pos_freqs = base ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d)
+    if hp.yarn_factor == 1.0:
+        return 1.0 / pos_freqs, 1.0
+    f = hp.yarn_factor
+
+    def corr(n_rot: float) -> float:
+        return d * math.log(hp.yarn_orig_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(corr(hp.yarn_beta_fast)), 0), min(math.ceil(corr(hp.yarn_beta_slow)), d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    freq = (1.0 / (f * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    if hp.yarn_attn_factor is not None:
+        attn = float(hp.yarn_attn_factor)
+    elif hp.yarn_log_mul:
+        attn = 1.0  # mscale / mscale_all_dim with mscale = mscale_all_dim, DeepSeek-V3's configuration
+    else:
+        attn = _yarn_get_mscale(f, 1.0)
+    return freq, attn
+
+
+def softmax_scale(hp: HParams) -> float:
+    m = _yarn_get_mscale(hp.yarn_factor, hp.yarn_log_mul) if hp.yarn_log_mul else 1.0
+    return (hp.dn + hp.dr) ** -0.5 * m * m
+
+
+def rope_cos_sin(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
+    freq, attn = inv_freq(hp, positions.device)
+    angles = positions.to(dtype)[:, None] * freq.to(dtype)[None, :]
+    return angles.cos() * attn, angles.sin() * attn
+
+
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (2i, 2i+1) by angle i (llama.cpp NORM rope); x: [n, heads, dr]."""
+    xf = acc(x)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2).to(x.dtype)
+
+
+# ---- blocks -------------------------------------------------------------------------------------
+
+def mla(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+    n, p = a.shape[0], f"blk.{i}."
+    nh, dn, dr, kvl = hp.n_head, hp.dn, hp.dr, hp.kv_lora
+    if hp.q_lora:
+        cq = rms_norm(linear(a, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"], hp.eps)
+        q = linear(cq, w[p + "attn_q_b.weight"])
+    else:
+        q = linear(a, w[p + "attn_q.weight"])
+    q = q.view(n, nh, dn + dr)
+    kv = linear(a, w[p + "attn_kv_a_mqa.weight"])
+    c = rms_norm(kv[:, :kvl], w[p + "attn_kv_a_norm.weight"], hp.eps)
+    cos, sin = rope
+    q_pe = rope_pairs(q[..., dn:], cos, sin)
+    k_pe = rope_pairs(kv[:, None, kvl:], cos, sin)
+    # absorb W_kb into the query: q_lat[h] = W_kb[h]ᵀ q_nope[h]; attn_k_b[h] is [kv_lora, dn]
+    q_lat = torch.einsum("nhd,hld->nhl", acc(q[..., :dn]), acc(w[p + "attn_k_b.weight"])).to(q.dtype)
+    latent = torch.cat([c[:, None, :], k_pe], dim=-1)  # [n, 1, kv_lora + dr]
+    k_all, _, k_pos = batch.attend_kv(i, latent, latent)
+    o = causal_attention(torch.cat([q_lat, q_pe], dim=-1), k_all, k_all, batch.positions, k_pos, softmax_scale(hp))
+    o = torch.einsum("nhl,hvl->nhv", acc(o[..., :kvl]), acc(w[p + "attn_v_b.weight"])).to(a.dtype)
+    return linear(o.reshape(n, nh * hp.dv), w[p + "attn_output.weight"])
+
+
+def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+    h = h + mla(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope)
+    return h + ms.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
+
+
+def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
+                 want_logits: torch.Tensor | None):
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J})."""
+    h = w["token_embd.weight"][tokens]
+    rope = rope_cos_sin(hp, batch.positions, acc(h).dtype)
+    layer_inputs = {}
+    for i in range(hp.n_layer):
+        if i in want_layers:
+            layer_inputs[i] = h
+        h = _block(w, hp, i, h, batch, rope)
+    post = rms_norm(h, w["output_norm.weight"], hp.eps)
+    if hp.n_layer in want_layers:
+        layer_inputs[hp.n_layer] = post
+    rows = post if want_logits is None else post[want_logits]
+    return acc(linear(rows, ms.output_head(w))), post, h, layer_inputs
+
+
+def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
+    """Returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
+    h = ms.nextn_input(w, hp, tokens, hidden_in)
+    rope = rope_cos_sin(hp, batch.positions, acc(h).dtype)
+    y = _block(w, hp, hp.n_layer, h, batch, rope)
+    logits, z = ms.nextn_output(w, hp, y)
+    return logits, z, y

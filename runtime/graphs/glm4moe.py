@@ -1,0 +1,137 @@
+"""GLM-4.5 graphs (GGUF arch `glm4moe`), model-math.md §4, §3.2, §7.
+
+MAIN: GQA attention with optional q/k/v biases and per-head q/k RMSNorms (before rope), NEOX rope
+on the first `rope.dimension_count` dims of each head, scale hd^-1/2; then a dense SwiGLU for the
+leading dense blocks and the sigmoid, group-limited MoE with shared experts for the rest.
+MTP: the nextn block (block n_layer, always MoE) on eh_proj·[enorm(E[x]); hnorm(h)], its own KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs import moe_sigmoid as ms
+from specconv.runtime.graphs.ops import acc, causal_attention, linear, rms_norm, rope_cos_sin, rope_neox_partial
+from specconv.runtime.memory import Batch, MemoryLayout
+
+keep_float32 = ms.keep_float32
+OPTIONAL = ("output.weight",)  # absent when tied to token_embd
+_ATTN_OPTIONAL = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm.weight", "attn_k_norm.weight")
+
+
+@dataclass
+class HParams(ms.MoeKV):
+    n_head_kv: int = 0
+    head_dim: int = 0
+    n_rot: int = 0
+
+    @classmethod
+    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        base = ms.MoeKV.read(kv)
+        _, get = ms.kv_getter(kv)
+        head_dim = get("attention.key_length", base.n_embd // base.n_head, required=False)
+        if get("attention.value_length", head_dim, required=False) != head_dim:
+            raise SpecconvError("glm4moe: attention.key_length != value_length")
+        n_head_kv = get("attention.head_count_kv", base.n_head)
+        if base.n_head % n_head_kv:
+            raise SpecconvError(f"glm4moe: {base.n_head} heads are not a multiple of {n_head_kv} KV heads")
+        return cls(**vars(base), n_head_kv=n_head_kv, head_dim=head_dim,
+                   n_rot=get("rope.dimension_count", head_dim // 2, required=False))
+
+
+def _block_names(hp: HParams, i: int) -> list[str]:
+    p = f"blk.{i}."
+    names = [p + n + ".weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                                         "post_attention_norm")]
+    return names + ms.ffn_names(hp, i)
+
+
+def main_tensors(hp: HParams) -> list[str]:
+    names = ["token_embd.weight", "output_norm.weight"]
+    for i in range(hp.n_layer):
+        names += _block_names(hp, i)
+    return names
+
+
+def optional_main_tensors(hp: HParams) -> list[str]:
+    return [f"blk.{i}.{n}" for i in range(hp.n_layer) for n in _ATTN_OPTIONAL]
+
+
+def mtp_tensors(hp: HParams) -> list[str]:
+    n = hp.n_layer
+    if not ms.is_moe_block(hp, n):
+        raise SpecconvError(f"glm4moe: the nextn block {n} is below leading_dense_block_count {hp.n_dense_lead}")
+    return (["token_embd.weight", "output_norm.weight"] + _block_names(hp, n)
+            + [f"blk.{n}.nextn.{x}.weight" for x in ms.NEXTN_REQUIRED])
+
+
+def optional_mtp_tensors(hp: HParams) -> list[str]:
+    n = hp.n_layer
+    return ([f"blk.{n}.nextn.{x}.weight" for x in ms.NEXTN_OPTIONAL]
+            + [f"blk.{n}.{x}" for x in _ATTN_OPTIONAL])
+
+
+def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
+    return MemoryLayout(attn_layers=list(range(hp.n_layer)), n_head_kv=hp.n_head_kv, head_dim=hp.head_dim,
+                        rec_layers=[])
+
+
+def mtp_layout(hp: HParams) -> MemoryLayout:
+    return MemoryLayout(attn_layers=[hp.n_layer], n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, rec_layers=[])
+
+
+def _proj(w, p: str, a: torch.Tensor, part: str) -> torch.Tensor:
+    y = linear(a, w[p + part + ".weight"])
+    bias = w.get(p + part + ".bias")
+    return y if bias is None else (acc(y) + bias.to(acc(y).dtype)).to(y.dtype)
+
+
+def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+    n, p = a.shape[0], f"blk.{i}."
+    q = _proj(w, p, a, "attn_q").view(n, hp.n_head, hp.head_dim)
+    k = _proj(w, p, a, "attn_k").view(n, hp.n_head_kv, hp.head_dim)
+    v = _proj(w, p, a, "attn_v").view(n, hp.n_head_kv, hp.head_dim)
+    if p + "attn_q_norm.weight" in w:
+        q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
+    if p + "attn_k_norm.weight" in w:
+        k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
+    cos, sin = rope
+    q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
+    k_all, v_all, k_pos = batch.attend_kv(i, k, v)
+    o = causal_attention(q, k_all, v_all, batch.positions, k_pos, hp.head_dim ** -0.5)
+    return linear(o.reshape(n, hp.n_head * hp.head_dim), w[p + "attn_output.weight"])
+
+
+def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope)
+    return h + ms.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.eps))
+
+
+def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
+                 want_logits: torch.Tensor | None):
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J})."""
+    h = w["token_embd.weight"][tokens]
+    rope = rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, acc(h).dtype)
+    layer_inputs = {}
+    for i in range(hp.n_layer):
+        if i in want_layers:
+            layer_inputs[i] = h
+        h = _block(w, hp, i, h, batch, rope)
+    post = rms_norm(h, w["output_norm.weight"], hp.eps)
+    if hp.n_layer in want_layers:
+        layer_inputs[hp.n_layer] = post
+    rows = post if want_logits is None else post[want_logits]
+    return acc(linear(rows, ms.output_head(w))), post, h, layer_inputs
+
+
+def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
+    """Returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
+    h = ms.nextn_input(w, hp, tokens, hidden_in)
+    rope = rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, acc(h).dtype)
+    y = _block(w, hp, hp.n_layer, h, batch, rope)
+    logits, z = ms.nextn_output(w, hp, y)
+    return logits, z, y

@@ -1,0 +1,167 @@
+"""Pieces shared by the glm4moe and deepseek2 graphs (model-math.md §3.2, §7.1).
+
+* `MoeKV`: the hyperparameters both read the same way from GGUF metadata.
+* `sigmoid_group_moe`: sigmoid router, correction bias for selection only, group-limited top-k,
+  un-biased weights (optionally renormalised) times the routed scale, plus un-gated shared experts.
+* `ffn_names` / `ffn`: dense SwiGLU for blocks < leading_dense_block_count, that MoE otherwise.
+* `nextn_input` / `nextn_output`: the MTP head's input projection and its output norm and head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs.ops import acc, linear, rms_norm, swiglu
+
+GATING_SIGMOID = 2
+
+
+def kv_getter(kv: Mapping[str, Any]) -> tuple[str, Callable[..., Any]]:
+    arch = kv["general.architecture"]
+
+    def get(key: str, default: Any = None, required: bool = True) -> Any:
+        v = kv.get(f"{arch}.{key}", default)
+        if v is None and required:
+            raise SpecconvError(f"GGUF metadata lacks {arch}.{key}")
+        return v
+
+    return arch, get
+
+
+@dataclass
+class MoeKV:
+    arch: str
+    n_layer: int
+    n_nextn: int
+    n_embd: int
+    n_head: int
+    eps: float
+    rope_base: float
+    n_ff: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_expert_shared: int
+    n_dense_lead: int
+    n_group: int
+    n_group_used: int
+    weights_scale: float
+    weights_norm: bool
+
+    @classmethod
+    def read(cls, kv: Mapping[str, Any]) -> "MoeKV":
+        arch, get = kv_getter(kv)
+        block_count = get("block_count")
+        n_nextn = get("nextn_predict_layers", 0)
+        if n_nextn > block_count:
+            raise SpecconvError(f"{arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({block_count})")
+        gating = get("expert_gating_func", GATING_SIGMOID if arch == "glm4moe" else 1, required=False)
+        if gating != GATING_SIGMOID:
+            # llama.cpp's deepseek2 default is softmax, which these models never use (gguf-layout.md §7.5)
+            raise SpecconvError(f"{arch}.expert_gating_func is {gating}; this graph implements sigmoid (2) only")
+        m = cls(
+            arch=arch, n_layer=block_count - n_nextn, n_nextn=n_nextn, n_embd=get("embedding_length"),
+            n_head=get("attention.head_count"), eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope_base=float(get("rope.freq_base", 10000.0)), n_ff=get("feed_forward_length", 0, required=False) or 0,
+            n_expert=get("expert_count"), n_expert_used=get("expert_used_count"),
+            n_ff_exp=get("expert_feed_forward_length"), n_expert_shared=get("expert_shared_count", 0),
+            n_dense_lead=get("leading_dense_block_count", 0), n_group=get("expert_group_count", 1, required=False) or 1,
+            n_group_used=get("expert_group_used_count", 1, required=False) or 1,
+            weights_scale=float(get("expert_weights_scale", 1.0, required=False) or 1.0),
+            weights_norm=bool(get("expert_weights_norm", False, required=False)),
+        )
+        if m.n_group > 1 and (m.n_expert % m.n_group or not 0 < m.n_group_used < m.n_group):
+            raise SpecconvError(f"{arch}: {m.n_group} expert groups ({m.n_group_used} used) do not fit "
+                                f"{m.n_expert} experts")
+        return m
+
+
+def is_moe_block(hp, i: int) -> bool:
+    return i >= hp.n_dense_lead
+
+
+def ffn_names(hp, i: int) -> list[str]:
+    p = f"blk.{i}."
+    if not is_moe_block(hp, i):
+        return [p + f"ffn_{n}.weight" for n in ("gate", "up", "down")]
+    names = [p + "ffn_gate_inp.weight", p + "exp_probs_b.bias"]
+    names += [p + f"ffn_{n}_exps.weight" for n in ("gate", "up", "down")]
+    if hp.n_expert_shared:
+        names += [p + f"ffn_{n}_shexp.weight" for n in ("gate", "up", "down")]
+    return names
+
+
+def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, hp) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [n, k], chosen experts [n, k]) of the sigmoid, group-limited router."""
+    xf = acc(x)
+    scores = torch.sigmoid(xf @ router.to(xf.dtype).t())
+    choice = scores + bias.to(xf.dtype)  # the correction bias steers selection only
+    if hp.n_group > 1:
+        n, E = choice.shape
+        grouped = choice.view(n, hp.n_group, E // hp.n_group)
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)  # sum of each group's two best
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(hp.n_group_used, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // hp.n_group, dim=1), float("-inf"))
+    chosen = choice.topk(hp.n_expert_used, dim=-1).indices
+    weights = scores.gather(1, chosen)
+    if hp.weights_norm:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * hp.weights_scale, chosen
+
+
+def sigmoid_group_moe(w, hp, i: int, x: torch.Tensor) -> torch.Tensor:
+    p = f"blk.{i}."
+    weights, chosen = route(x, w[p + "ffn_gate_inp.weight"], w[p + "exp_probs_b.bias"], hp)
+    gate_e, up_e, down_e = (w[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down"))
+    out = torch.zeros(x.shape[0], down_e.shape[1], dtype=weights.dtype, device=x.device)
+    for e in torch.unique(chosen).tolist():
+        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+        y = swiglu(x[rows], gate_e[e], up_e[e], down_e[e])
+        out.index_add_(0, rows, acc(y) * weights[rows, slot][:, None])
+    if hp.n_expert_shared:
+        out = out + acc(swiglu(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+                               w[p + "ffn_down_shexp.weight"]))
+    return out.to(x.dtype)
+
+
+def ffn(w, hp, i: int, x: torch.Tensor) -> torch.Tensor:
+    p = f"blk.{i}."
+    if not is_moe_block(hp, i):
+        return swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+    return sigmoid_group_moe(w, hp, i, x)
+
+
+def keep_float32(name: str) -> bool:
+    """Norms, biases and the router stay float32 whatever the compute dtype (they are F32 in GGUF)."""
+    return name.endswith("norm.weight") or name.endswith(".bias") or "ffn_gate_inp" in name
+
+
+# ---- the MTP head's ends (model-math.md §7.1) --------------------------------------------------
+
+NEXTN_REQUIRED = ("eh_proj", "enorm", "hnorm")
+NEXTN_OPTIONAL = ("shared_head_norm", "embed_tokens", "shared_head_head")
+
+
+def output_head(w) -> torch.Tensor:
+    return w["output.weight"] if "output.weight" in w else w["token_embd.weight"]
+
+
+def nextn_input(w, hp, tokens: torch.Tensor, hidden_in: torch.Tensor) -> torch.Tensor:
+    """eh_proj · [enorm(E[x]) ; hnorm(h)], embedding first."""
+    p = f"blk.{hp.n_layer}.nextn."
+    embd = w.get(p + "embed_tokens.weight", w["token_embd.weight"])
+    e = rms_norm(embd[tokens], w[p + "enorm.weight"], hp.eps)
+    hn = rms_norm(hidden_in.to(e.dtype), w[p + "hnorm.weight"], hp.eps)
+    return linear(torch.cat([e, hn], dim=-1), w[p + "eh_proj.weight"])
+
+
+def nextn_output(w, hp, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, z): z = shared_head_norm(y) (or output_norm), logits from shared_head_head (or output)."""
+    p = f"blk.{hp.n_layer}.nextn."
+    z = rms_norm(y, w.get(p + "shared_head_norm.weight", w["output_norm.weight"]), hp.eps)
+    return acc(linear(z, w.get(p + "shared_head_head.weight", output_head(w)))), z
