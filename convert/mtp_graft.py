@@ -25,7 +25,9 @@ from gguf.constants import GGML_QUANT_SIZES
 from specconv.archs.base import MetaKV
 from specconv.archs.errors import SpecconvError
 
-from .gguf_io import GgufFile, GgufTensor, RawTensor, decode_value, tensor_nbytes, write_gguf
+from .gguf_io import GgufFile, GgufTensor, decode_value, tensor_nbytes
+from .outtype import encode, is_forced_f32
+from .writer import AtomicOutputs, GgufOutput, TensorEntry
 
 SHARED_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
@@ -52,14 +54,9 @@ def parse_type(name: str) -> GGMLQuantizationType:
     return PRODUCIBLE_TYPES[key]
 
 
-_F32_NAME_PARTS = ("ffn_gate_inp", "ssm_conv1d", "position_embd", "token_types")
-
-
 def forced_f32(name: str, n_dims: int) -> bool:
-    """llama.cpp's converter rule: 1-D tensors, norms, routers, conv1d and non-`.weight` tensors stay F32."""
-    if n_dims <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
-        return True
-    return any(part in name for part in _F32_NAME_PARTS)
+    """The converter's rule (convert/outtype.py): norms, 1-D, routers, conv and non-`.weight` stay F32."""
+    return is_forced_f32(name, n_dims)
 
 
 @dataclass(frozen=True)
@@ -117,11 +114,8 @@ class GraftPlan:
 
 
 def retype(src: GgufTensor, target: GGMLQuantizationType) -> np.ndarray:
-    from gguf.quants import quantize
-
-    values = src.to_float32()
-    out = quantize(values, target)
-    return np.ascontiguousarray(out).reshape(-1).view(np.uint8)
+    """Dequantize (any readable type) and encode as `target`; flat uint8 bytes."""
+    return encode(src.to_float32(), target)
 
 
 def _row_fits(shape: tuple[int, ...], ggml_type: GGMLQuantizationType) -> bool:
@@ -201,13 +195,10 @@ def tokenizer_fingerprint(f: GgufFile) -> str | None:
 
 
 def file_type_for(t: GGMLQuantizationType) -> int | None:
-    mapping = {
-        GGMLQuantizationType.F32: LlamaFileType.ALL_F32, GGMLQuantizationType.F16: LlamaFileType.MOSTLY_F16,
-        GGMLQuantizationType.BF16: LlamaFileType.MOSTLY_BF16, GGMLQuantizationType.Q8_0: LlamaFileType.MOSTLY_Q8_0,
-        GGMLQuantizationType.Q4_0: LlamaFileType.MOSTLY_Q4_0, GGMLQuantizationType.Q4_1: LlamaFileType.MOSTLY_Q4_1,
-        GGMLQuantizationType.Q5_0: LlamaFileType.MOSTLY_Q5_0, GGMLQuantizationType.Q5_1: LlamaFileType.MOSTLY_Q5_1,
-    }
-    ft = mapping.get(t)
+    """`general.file_type` of a file mostly stored as `t` (LlamaFileType ALL_F32 / MOSTLY_<type>)."""
+    if t == GGMLQuantizationType.F32:
+        return int(LlamaFileType.ALL_F32)
+    ft = LlamaFileType.__members__.get(f"MOSTLY_{t.name}")
     return int(ft) if ft is not None else None
 
 
@@ -428,11 +419,19 @@ def describe(plan: GraftPlan) -> list[str]:
 
 
 def write_plan(plan: GraftPlan, out_path, split_max_size: int = 0, overwrite: bool = False,
-               inputs: Sequence[GgufFile] = (), on_tensor: Callable[[RawTensor], None] | None = None) -> list[Path]:
+               inputs: Sequence[GgufFile] = (), on_tensor: Callable[[OutTensor], None] | None = None) -> list[Path]:
     """Write the plan atomically (temporary names, renamed when complete); returns the written paths."""
-    out = Path(out_path).resolve()
-    for f in inputs:
-        if any(out == p.resolve() or out.stem == p.stem for p in f.paths if p.parent.resolve() == out.parent):
-            raise SpecconvError(f"{out_path}: the output would replace an input file; choose another name")
-    raws = [RawTensor(t.name, t.ggml_type, t.shape, t.nbytes, t.data) for t in plan.tensors]
-    return write_gguf(out, plan.arch, plan.kv, raws, split_max_size=split_max_size, overwrite=overwrite, on_tensor=on_tensor)
+    out = Path(out_path)
+    if out.suffix != ".gguf":
+        raise SpecconvError(f"{out}: the output name must end in .gguf")
+    entries = [TensorEntry(t.name, tuple(reversed(t.shape)), t.ggml_type, t.nbytes) for t in plan.tensors]
+    output = GgufOutput(out, plan.arch, plan.kv, entries, split_max_size=split_max_size)
+    sources = {p.resolve() for f in inputs for p in f.paths}
+    if any(p.resolve() in sources for p in output.final_paths):
+        raise SpecconvError(f"{out_path}: the output would replace an input file; choose another name")
+    with AtomicOutputs([output], overwrite=overwrite):
+        for t in plan.tensors:
+            output.write(t.name, t.data())
+            if on_tensor is not None:
+                on_tensor(t)
+    return output.final_paths

@@ -44,6 +44,8 @@ class GgufOutput:
         self.tensors = list(tensors)
         self._writer = GGUFWriter(None, arch, split_max_size=split_max_size)
         for entry in self.kv:
+            if entry.key == "general.alignment":  # a copied key must describe the data written
+                self._writer.data_alignment = int(entry.value)
             if entry.key == "general.architecture":
                 continue  # the writer adds it first, from `arch`
             if entry.vtype == GGUFValueType.ARRAY and len(entry.value) == 0:
