@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import re
-
 import click
-
-from specconv.errors import SpecconvError
 
 
 def parse_size(text: str | None) -> int:
-    """'500M', '2G', '1.5G', '4096' (bytes) -> bytes; 0 or None means no splitting."""
-    if not text:
-        return 0
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", text, re.IGNORECASE)
-    if m is None:
-        raise SpecconvError(f"--split-max-size {text!r}: expected a size such as 500M or 2G")
-    scale = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}[m.group(2).upper()]
-    return int(float(m.group(1)) * scale)
+    """--split-max-size as `specconv convert` reads it (decimal K/M/G); None means no splitting."""
+    from specconv.commands.convert import parse_size as convert_parse_size
+
+    return convert_parse_size(text) if text else 0
 
 
 def _run(plan, out, split_max_size, overwrite, inputs):
