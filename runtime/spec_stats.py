@@ -88,6 +88,24 @@ class SpecStats:
         for i in range(n_accepted):
             self.accepted_at[i] += 1
 
+    @classmethod
+    def merge(cls, parts: "list[SpecStats]") -> "SpecStats":
+        """The statistics of several runs with the same draft_max taken together (counts add up)."""
+        if not parts:
+            raise ValueError("nothing to merge")
+        out = cls(parts[0].draft_max)
+        for s in parts:
+            if s.draft_max != out.draft_max:
+                raise ValueError("merging statistics of different draft_max")
+            for name in ("rounds", "drafts", "drafted", "accepted", "discarded", "generated", "redecode_forwards",
+                         "reevaluated_tokens"):
+                setattr(out, name, getattr(out, name) + getattr(s, name))
+            out.accepted_at = [a + b for a, b in zip(out.accepted_at, s.accepted_at)]
+            out.drafted_at = [a + b for a, b in zip(out.drafted_at, s.drafted_at)]
+            out.histogram.update(s.histogram)
+            out.draft_lengths.update(s.draft_lengths)
+        return out
+
     def record_redecode(self, n_tokens: int) -> None:
         self.redecode_forwards += 1
         self.reevaluated_tokens += n_tokens

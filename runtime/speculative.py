@@ -104,8 +104,10 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
     report = stats.to_json()
     report.update(drafter=drafter.name, draft_max=cfg.draft_max, draft_min=cfg.draft_min, p_min=cfg.p_min,
                   temperature=cfg.temperature, rollback=cfg.rollback, seconds=seconds)
-    return GenerationResult(prompt_tokens=prompt, tokens=out_tokens, text=decode_text(target, out_tokens),
-                            seconds=seconds, target_evaluations=ctx.n_decode_calls, stats={"speculative": report})
+    result = GenerationResult(prompt_tokens=prompt, tokens=out_tokens, text=decode_text(target, out_tokens),
+                              seconds=seconds, target_evaluations=ctx.n_decode_calls, stats={"speculative": report})
+    result.spec_stats = stats  # the raw counts, for merging runs (verify)
+    return result
 
 
 def _round(ctx: Context, drafter: Drafter, id_last: int, draft: Draft, cfg: SpecConfig, gen, stats: SpecStats,

@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "inspect": "inspect",
     "mtp": "mtp",
     "upload": "upload",
+    "verify": "verify",
 }
 
 

@@ -1,0 +1,97 @@
+"""Parity with transformers on the checkpoint folder that was converted (`--hf`).
+
+The trunk: our runtime's logits for every prompt position vs `Qwen3_5(Moe)ForCausalLM` (float32).
+Release layouts (`...ForConditionalGeneration` configs with `text_config`, `model.language_model.*`
+names) load into the CausalLM class through transformers' own key mapping; a load report with
+missing or mismatched keys fails the check instead of comparing against random weights.
+The MTP head: our MTP graph vs transformers' `MtpModel` on llama.cpp's rows (row p = (x_p, h_{p-1}),
+h_{-1} = 0, model-math.md §7.2), both fed transformers' trunk hidden states so the head is judged alone.
+
+Tolerances by the file's weight storage: float32 files still differ by float32 rounding, which
+tiny random Gated DeltaNet layers amplify to ~4e-4 (docs/testing.md); quantized files differ by
+their quantization error. A planted defect (a swapped or perturbed tensor) moves logits by O(1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from specconv.errors import SpecconvError
+from specconv.runtime import Context, GraphType
+from specconv.runtime.model import Model
+
+TOLERANCE = {Q.F32: 2e-3, Q.F16: 5e-2, Q.BF16: 2e-1, Q.Q8_0: 3e-1}
+DEFAULT_QUANT_TOLERANCE = 1.5
+HF_CLASSES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
+
+
+def tolerance_for(*models: Model) -> float:
+    """The loosest tolerance among the storage types of the 2-D weights of the given files."""
+    worst = 0.0
+    for m in models:
+        for t in m.file.tensors.values():
+            if len(t.shape) >= 2:
+                worst = max(worst, TOLERANCE.get(t.tensor_type, DEFAULT_QUANT_TOLERANCE))
+    return worst or TOLERANCE[Q.F32]
+
+
+def load_reference(hf_dir: Path, arch: str):
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    if arch not in HF_CLASSES:
+        raise SpecconvError(f"--hf: no transformers reference for GGUF arch {arch!r} (known: {', '.join(HF_CLASSES)})")
+    if not (hf_dir / "config.json").is_file():
+        raise SpecconvError(f"--hf {hf_dir}: no config.json")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    cls = getattr(transformers, HF_CLASSES[arch])
+    model, info = cls.from_pretrained(str(hf_dir), output_loading_info=True, dtype=torch.float32)
+    bad = {k: v for k, v in info.items() if k in ("missing_keys", "mismatched_keys", "error_msgs") and v}
+    return model.eval(), bad
+
+
+def load_mtp_reference(main, n_mtp: int):
+    from transformers.modeling_layers import MtpModel
+
+    # Qwen configs do not carry the names MtpModel reads (peers.md §2.2)
+    main.config.num_mtp_layers = n_mtp
+    main.config.mtp_layer_types = ["full_attention"] * n_mtp
+    return MtpModel.from_pretrained(main).eval()
+
+
+@torch.no_grad()
+def trunk_parity(target: Model, hf_main, prompts: list[list[int]]) -> tuple[float, list[torch.Tensor]]:
+    """(max |Δlogit| over all prompt positions, transformers' post-norm hidden per prompt)."""
+    worst, hidden = 0.0, []
+    for ids in prompts:
+        ours = Context(target, GraphType.MAIN, n_ctx=len(ids)).decode(ids, hidden=()).logits.float().cpu()
+        out = hf_main(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+        worst = max(worst, float((ours - out.logits[0].float()).abs().max()))
+        hidden.append(out.hidden_states[-1][0].float())
+    return worst, hidden
+
+
+@torch.no_grad()
+def mtp_parity(head: Model, hf_mtp, prompts: list[list[int]], hidden: list[torch.Tensor]) -> float:
+    worst = 0.0
+    for ids, h in zip(prompts, hidden):
+        rows = torch.cat([torch.zeros(1, h.shape[1]), h[:-1]])
+        pos = list(range(len(ids)))
+        ours = Context(head, GraphType.MTP, n_ctx=len(ids)).decode(ids, pos, hidden_in=rows.to(head.device))
+        hs = hf_mtp.forward_layer(0, rows[None], position_ids=torch.tensor([pos]), mtp_cache=None,
+                                  input_ids=torch.tensor([ids]))
+        ref = hf_mtp._project_to_logits(hs)[0].float()
+        worst = max(worst, float((ours.logits.float().cpu() - ref).abs().max()))
+    return worst
+
+
+def hf_config_summary(hf_dir: Path) -> str:
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    return ",".join(cfg.get("architectures", [])) or cfg.get("model_type", "?")

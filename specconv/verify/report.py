@@ -1,0 +1,96 @@
+"""The verify report: a list of named checks plus the parity and speculative sections.
+
+JSON keys (ARCHITECTURE.md): `passed`, `checks` [{name, passed, detail}], `parity`
+{max_abs_logit_diff, reference, ...}, `speculative` {exact, drafted, accepted, acceptance_rate,
+acceptance_length, per_position, tokens_per_target_forward, bound, speedup, rollback, ...}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    model: str
+    checks: list[Check] = field(default_factory=list)
+    parity: dict = field(default_factory=lambda: {"max_abs_logit_diff": None, "reference": None})
+    speculative: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+
+    def add(self, name: str, passed: bool, detail: str = "") -> bool:
+        self.checks.append(Check(name, bool(passed), detail))
+        return bool(passed)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    def to_json(self) -> dict:
+        return _clean({"passed": self.passed, "model": self.model, "checks": [asdict(c) for c in self.checks],
+                       "parity": self.parity, "speculative": self.speculative, "settings": self.settings})
+
+    def write(self, path) -> None:
+        """Written to a temporary name and renamed, so a reader never sees half a report."""
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_json(), f, indent=2)
+                f.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def render(self, console) -> None:
+        from rich.table import Table
+
+        table = Table(title=f"specconv verify {Path(self.model).name}")
+        table.add_column("check")
+        table.add_column("result")
+        table.add_column("detail", overflow="fold")
+        for c in self.checks:
+            table.add_row(c.name, "[green]pass[/]" if c.passed else "[red]FAIL[/]", c.detail)
+        console.print(table)
+        s = self.speculative
+        if s.get("drafter"):
+            per = ", ".join(f"{x:.2f}" for x in s.get("per_position") or [])
+            console.print(
+                f"speculative ({s['drafter']}, draft_max {s.get('draft_max')}, {s.get('rollback')}): "
+                f"exact={s.get('exact')}  accepted {s.get('accepted')}/{s.get('drafted')}  "
+                f"rate {_fmt(s.get('acceptance_rate'))}  AL {_fmt(s.get('acceptance_length'))}  "
+                f"per-position [{per}]  tokens/forward {_fmt(s.get('tokens_per_target_forward'))}  "
+                f"bound {_fmt(s.get('bound'))}  speed-up {_fmt(s.get('speedup'))}")
+        if self.parity.get("reference"):
+            console.print(f"parity vs {self.parity['reference']}: max |Δlogit| = {_fmt(self.parity['max_abs_logit_diff'], 'e')}")
+        console.print("[bold green]PASSED[/]" if self.passed else "[bold red]FAILED[/]")
+
+
+def _fmt(x, style: str = "f") -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:.2e}" if style == "e" else f"{x:.3f}"
+
+
+def _clean(obj):
+    """JSON-safe: NaN/inf become None (strict JSON has neither)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj

@@ -1,0 +1,218 @@
+"""Run every verify check on a GGUF model and collect them in a Report.
+
+Order: load and structure checks (each file alone, then the pair), parity with transformers
+(`--hf`), speculative round trips for the main drafter (the MTP head, `--mtp` sidecar or embedded,
+or the `--draft` model) and the n-gram drafter, the statistics algebra, and at T > 0 the
+distribution check. A check that cannot run because an earlier one failed is reported as failed
+with the reason, so the exit status never hides a skipped check.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specconv.errors import SpecconvError
+from specconv.runtime import GraphType, load_model
+from specconv.runtime.drafters import DraftModelDrafter, MtpDrafter, NgramDrafter
+from specconv.runtime.drafters.draft_model import check_same_vocabulary
+from specconv.runtime.spec_stats import expected_tokens
+from specconv.verify import parity, roundtrip, structure
+from specconv.verify.report import Report
+
+DEFAULT_PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "import os\nimport sys\n\nfor name in sorted(os.listdir(path)):\n    print(name)\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+]
+
+
+@dataclass
+class VerifyOptions:
+    model: Path
+    mtp: Path | None = None
+    draft: Path | None = None
+    hf: Path | None = None
+    prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
+    n_predict: int = 32
+    draft_max: int = 3
+    temperature: float = 0.0
+    device: str = "auto"
+    seed: int = 0
+
+
+def read_prompts(path) -> list[str]:
+    text = Path(path).read_text(encoding="utf-8")
+    prompts = [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise SpecconvError(f"--prompts {path}: no prompt (one per line)")
+    return prompts
+
+
+def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
+    if opts.mtp and opts.draft:
+        raise SpecconvError("give at most one of --mtp and --draft")
+    if opts.draft_max < 1 or opts.n_predict < 1:
+        raise SpecconvError("--draft-max and -n must be ≥ 1")
+    report = Report(model=str(opts.model))
+    report.settings = {"mtp": str(opts.mtp) if opts.mtp else None, "draft": str(opts.draft) if opts.draft else None,
+                       "hf": str(opts.hf) if opts.hf else None, "n_predict": opts.n_predict,
+                       "draft_max": opts.draft_max, "temperature": opts.temperature, "prompts": len(opts.prompts)}
+    progress("loading")
+    target = _load(report, "model", opts.model, opts.device)
+    if target is None:
+        return report
+    report.settings["device"] = str(target.device)
+    structure.check_file(report, target, "model")
+    report.add("model: runs the main graph", GraphType.MAIN in target.serves,
+               f"kind {target.kind}" + ("" if GraphType.MAIN in target.serves else ": an MTP-only sidecar needs its trunk"))
+    if GraphType.MAIN not in target.serves:
+        return report
+    head = draft_model = None
+    if opts.mtp:
+        head = _load(report, "sidecar", opts.mtp, opts.device, share_from=target)
+        if head is not None:
+            structure.check_file(report, head, "sidecar")
+            report.add("sidecar: serves the MTP graph", GraphType.MTP in head.serves, f"kind {head.kind}")
+            structure.check_pair(report, target, head, "sidecar")
+    elif GraphType.MTP in target.serves:
+        head = target
+    if opts.draft:
+        draft_model = _load(report, "draft", opts.draft, opts.device)
+        if draft_model is not None:
+            structure.check_file(report, draft_model, "draft")
+            try:
+                check_same_vocabulary(target, draft_model)
+                report.add("draft: same vocabulary as the model", True, f"{draft_model.n_vocab} tokens")
+            except SpecconvError as exc:
+                report.add("draft: same vocabulary as the model", False, str(exc))
+                draft_model = None
+    prompts = _tokenize(report, target, opts.prompts)
+    if prompts is None:
+        return report
+    if opts.hf:
+        progress("parity with transformers")
+        _parity(report, target, head, Path(opts.hf), prompts)
+    progress("speculative round trips")
+    _speculative(report, target, head, draft_model, prompts, opts)
+    return report
+
+
+def _load(report: Report, label: str, path, device, share_from=None):
+    try:
+        model = load_model(path, device=device, share_from=share_from)
+    except SpecconvError as exc:
+        report.add(f"{label}: loads", False, str(exc))
+        return None
+    report.add(f"{label}: loads", True, f"{Path(path).name}: {model.arch}, {model.kind}, vocab {model.n_vocab}, "
+                                         f"{len(model.file.tensors)} tensors")
+    return model
+
+
+def _tokenize(report: Report, target, texts):
+    try:
+        ids = [target.tokenizer.encode(t) for t in texts]
+    except SpecconvError as exc:
+        report.add("tokenizer encodes the prompts", False, str(exc))
+        return None
+    back_ok = all(target.tokenizer.decode(i) == t for i, t in zip(ids, texts))
+    report.add("tokenizer round-trips the prompts", back_ok and all(ids),
+               f"{len(texts)} prompts, {sum(map(len, ids))} tokens")
+    return [i for i in ids if i]
+
+
+def _parity(report: Report, target, head, hf_dir: Path, prompts):
+    tol = parity.tolerance_for(*[m for m in (target, head) if m is not None])
+    try:
+        main, bad = parity.load_reference(hf_dir, target.arch)
+    except SpecconvError as exc:
+        report.add("parity: transformers reference loads", False, str(exc))
+        return
+    except Exception as exc:  # a foreign folder: say so in one line
+        report.add("parity: transformers reference loads", False, f"{type(exc).__name__}: {exc}")
+        return
+    report.add("parity: transformers reference loads", not bad,
+               f"{parity.hf_config_summary(hf_dir)} from {hf_dir}" + (f"; load report {bad}" if bad else ""))
+    ref = f"transformers {importlib.metadata.version('transformers')} {type(main).__name__}"
+    trunk, hidden = parity.trunk_parity(target, main, prompts)
+    report.add("parity: trunk logits vs transformers", trunk <= tol, f"max |Δlogit| {trunk:.2e} (tolerance {tol:g})")
+    worst = trunk
+    report.parity = {"max_abs_logit_diff": trunk, "reference": ref, "trunk": trunk, "tolerance": tol}
+    if head is not None:
+        n_mtp = head.hparams.n_nextn
+        try:
+            hf_mtp = parity.load_mtp_reference(main, n_mtp)
+        except Exception as exc:
+            report.add("parity: MTP head vs transformers MtpModel", False, f"no MTP reference: {type(exc).__name__}: {exc}")
+            return
+        mtp = parity.mtp_parity(head, hf_mtp, prompts, hidden)
+        report.add("parity: MTP head vs transformers MtpModel", mtp <= tol,
+                   f"max |Δlogit| {mtp:.2e} (tolerance {tol:g}; llama.cpp rows, transformers' hidden states)")
+        worst = max(worst, mtp)
+        report.parity.update(mtp=mtp, reference=ref + " + MtpModel", max_abs_logit_diff=worst)
+
+
+def _speculative(report: Report, target, head, draft_model, prompts, opts: VerifyOptions):
+    n, k = opts.n_predict, opts.draft_max
+    n_ctx = max(map(len, prompts)) + n + k + 2
+    drafters = {}
+    if head is not None and GraphType.MTP in head.serves:
+        drafters["mtp"] = lambda kk: MtpDrafter(head, n_ctx, target)
+    if draft_model is not None:
+        drafters["draft"] = lambda kk: DraftModelDrafter(draft_model, n_ctx, kk, target)
+    drafters["ngram"] = lambda kk: NgramDrafter()
+    t0 = time.perf_counter()
+    plain = roundtrip.plain_runs(target, prompts, n)
+    plain_seconds = sum(r.seconds for r in plain)
+    exact, main_stats = True, None
+    for name, make in drafters.items():
+        div, stats, seconds = roundtrip.greedy_round_trips(target, make, prompts, plain, k, n)
+        report.add(f"greedy exact: {name}", div is None,
+                   str(div) if div else f"{len(prompts)} prompts x {n} tokens identical to plain greedy, "
+                                        f"draft_max 1..{k} (snapshot) and {k} (checkpoint)")
+        exact &= div is None
+        if main_stats is None and stats is not None:
+            main_stats, main_name, main_seconds = stats, name, seconds
+    if main_stats is None:
+        report.speculative = {"exact": exact, "drafter": next(iter(drafters)), "rollback": "snapshot"}
+        return
+    s = main_stats.to_json()
+    s.update(exact=exact, drafter=main_name, draft_max=k, rollback="snapshot", temperature=0.0,
+             seconds=main_seconds, plain_seconds=plain_seconds,
+             speedup=plain_seconds / main_seconds if main_seconds > 0 else None,
+             verify_seconds=time.perf_counter() - t0)
+    report.speculative = s
+    _metrics_algebra(report, s, k)
+    if opts.temperature > 0:
+        _distribution(report, target, drafters[main_name](k), prompts, opts)
+
+
+def _metrics_algebra(report: Report, s: dict, k: int):
+    problems = []
+    if s["drafts"]:
+        if abs((s["acceptance_length"] - 1) - sum(s["per_position"])) > 1e-9:
+            problems.append("AL - 1 ≠ Σ per_position")
+        if any(a < b for a, b in zip(s["per_position"], s["per_position"][1:])):
+            problems.append("per_position increases")
+        if s["alpha"] is not None and abs(s["bound"] - expected_tokens(s["alpha"], k)) > 1e-9:
+            problems.append("bound ≠ E(alpha, k)")
+    if s["accepted"] > s["drafted"]:
+        problems.append("accepted > drafted")
+    if s["tokens_per_target_forward"] is not None and s["tokens_per_target_forward"] > k + 1 + 1e-12:
+        problems.append(f"tokens per target forward > {k + 1}")
+    report.add("statistics algebra", not problems, "; ".join(problems) or
+               "AL - 1 = Σ per_position, per_position non-increasing, accepted ≤ drafted, "
+               f"tokens/forward ≤ {k + 1}, bound = E(alpha, {k})")
+
+
+def _distribution(report: Report, target, drafter, prompts, opts: VerifyOptions):
+    results = roundtrip.distribution_check(target, drafter, prompts, opts.temperature, opts.seed)
+    alpha = roundtrip.DIST_ALPHA / len(results)
+    ok_dist = all(p >= alpha for p, *_ in results)
+    ok_rate = all(roundtrip.acceptance_close(m, e) for _, m, e, _ in results)
+    rule = results[0][3] if results else "?"
+    report.add(f"distribution at T={opts.temperature:g} ({rule} rule)", ok_dist and ok_rate,
+               "; ".join(f"chi-square p {p:.3f}, acceptance {m:.3f} vs exact {e:.3f}" for p, m, e, _ in results)
+               + f" ({roundtrip.DIST_TRIALS} draws per prompt, fails at p < {alpha:.1e})")
