@@ -14,7 +14,9 @@ from click.testing import CliRunner
 from specconv.archs.errors import SpecconvError
 from specconv.runtime import Context, GraphType, load_model
 from tests.fixtures import hf_reference as ref
-from tests.test_runtime_common import DEVICES, max_abs, prompt_ids, skip_unless_device, tiny_gguf
+from tests.test_runtime_common import (
+    DEVICES, hf_logits_token_by_token, max_abs, parity, prompt_ids, skip_unless_device, tiny_gguf,
+)
 
 # max |Δlogit| against transformers' float32 logits (logits of std ~1) over 64 positions. The tiny
 # random Gated DeltaNet layers amplify weight rounding strongly (float32 rounding alone gives ~1e-4),
@@ -192,6 +194,9 @@ def test_runs_files_written_by_llama_cpp_converter(tmp_path):
     path = convert_gguf_upstream(src, tmp_path / "up.gguf")
     model = load_model(path)
     ids = prompt_ids()
-    diff = max_abs(Context(model).decode(ids).logits, ref.hf_logits(src, ids))
-    print(f"\n[llama.cpp-converted file] serves {sorted(g.value for g in model.serves)}, prompt max|Δlogit| {diff:.2e}")
-    assert model.serves == {GraphType.MAIN, GraphType.MTP} and diff <= 1e-4
+    logits, reference = Context(model).decode(ids).logits, ref.hf_logits(src, ids)
+    noise = max_abs(reference, hf_logits_token_by_token(src, ids))
+    print(f"\n[llama.cpp-converted file] serves {sorted(g.value for g in model.serves)}, prompt max|Δlogit| "
+          f"{max_abs(logits, reference):.2e} (transformers batched vs cached {noise:.2e})")
+    assert model.serves == {GraphType.MAIN, GraphType.MTP}
+    parity(logits, reference, noise)
