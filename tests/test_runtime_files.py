@@ -4,7 +4,6 @@ sidecar as MAIN; the GGUF tokenizer against the HF tokenizer; the generate comma
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest

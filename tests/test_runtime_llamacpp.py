@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from specconv.runtime import Context, GraphType, load_model
 from specconv.runtime.generate import generate
@@ -57,16 +58,11 @@ def test_mtp_logits_match_llama_cpp(tmp_path_factory, moe, mtp):
     ids = prompt_ids()
     ref_logits, ref_h, ref_nextn = peers.llama_mtp_logits(target_path, ids, head_path, return_hidden=True)
     # feed llama.cpp's own target hidden states so the MTP head is compared in isolation
-    h = __import__("torch").as_tensor(ref_h)
-    ctx = Context(head, GraphType.MTP, n_ctx=len(ids))
-    out = ctx.decode(*_rows(ids, h))
+    toks, rows, pos = mtp_rows(ids, torch.as_tensor(ref_h), "llama.cpp")
+    out = Context(head, GraphType.MTP, n_ctx=len(ids)).decode(toks, pos, hidden_in=rows)
     logits, nextn = max_abs(out.logits, ref_logits), max_abs(out.hidden["nextn"], ref_nextn)
     ours_h = Context(target, GraphType.MAIN, n_ctx=len(ids)).decode(ids).hidden["post_norm"]
     print(f"\n[llama.cpp MTP {target.arch} {mtp}] {len(ids)} rows: max|Δlogit| {logits:.2e}, nextn hidden {nextn:.2e}; "
           f"target post-norm hidden {max_abs(ours_h, ref_h):.2e}")
     assert logits <= 1e-4 and nextn <= 1e-4
 
-
-def _rows(ids, h):
-    toks, rows, pos = mtp_rows(ids, h, "llama.cpp")
-    return toks, pos, 0, ("post_norm",), (), rows
