@@ -21,9 +21,17 @@ _QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# llama.cpp's CHATGLM4 (GLM-4.5 "glm4") and DEEPSEEK3_LLM ("deepseek-v3": three splits in a row)
+_GLM4 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DEEPSEEK3 = (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
+              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # tokenizer.ggml.pre -> (split regex, NFC normalisation); names as llama.cpp's llama-vocab.cpp accepts them
-PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
+PRE_TOKENIZERS: dict[str, tuple[str | tuple[str, ...], bool]] = {
+    "glm4": (_GLM4, False),
+    "deepseek-v3": (_DEEPSEEK3, False),
     "qwen35": (_QWEN35, True),
     "qwen2": (_QWEN2, True),
     "deepseek-r1-qwen": (_QWEN2, True),
@@ -60,10 +68,10 @@ class GGUFTokenizer:
         tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         if nfc:
             tk.normalizer = normalizers.NFC()
-        tk.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        splits = [regex] if isinstance(regex, str) else list(regex)
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tk.decoder = decoders.ByteLevel()
         added = [AddedToken(tokens[i], special=(t == TOKEN_TYPE_CONTROL), normalized=False)
                  for i, t in enumerate(types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)]
