@@ -70,6 +70,10 @@ class Checkpoint:
     config: Mapping[str, Any]
     tensors: Mapping[str, SourceTensor]  # normalised name -> header
     skipped: Mapping[str, str] = field(default_factory=dict)  # raw name -> reason (towers, ...)
+    # Draft heads (EAGLE-3) are converted against their target (`--target`): its config.json and folder
+    # (tokenizer). Plugins that use it set the class attribute `uses_target = True`.
+    target_config: Mapping[str, Any] | None = None
+    target_dir: str | None = None
 
 
 class ArchPlugin:

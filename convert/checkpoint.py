@@ -31,6 +31,7 @@ DTYPE_SIZES = {
     "I64": 8, "U64": 8, "F64": 8,
 }
 FLOAT_DTYPES = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32, "F64": np.float64}
+INT_DTYPES = {"I8": np.int8, "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,19 @@ class CheckpointReader:
             out[name] = SourceTensor(name, st.shape, st.dtype)
             raw_of[name] = raw_name
         return out, raw_of, skipped
+
+    def read_tensor(self, raw_name: str) -> torch.Tensor:
+        """Floating tensors as float32, integer ones (e.g. EAGLE-3 d2t) as int64, both exact."""
+        st = self.tensors[raw_name]
+        if st.dtype in FLOAT_DTYPES:
+            return self.read_float32(raw_name)
+        if st.dtype not in INT_DTYPES:
+            raise SpecconvError(f"tensor {raw_name} has dtype {st.dtype}, which cannot be converted")
+        self.reads[raw_name] = self.reads.get(raw_name, 0) + 1
+        np_dtype = INT_DTYPES[st.dtype]
+        count = st.nbytes // np.dtype(np_dtype).itemsize
+        arr = np.frombuffer(self._by_path[st.file].buffer(), dtype=np_dtype, count=count, offset=st.offset)
+        return torch.from_numpy(arr.reshape(st.shape).astype(np.int64, copy=True))
 
     def read_float32(self, raw_name: str) -> torch.Tensor:
         """The tensor as float32 (a private copy; the memory map is not kept alive by it)."""

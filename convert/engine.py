@@ -27,9 +27,10 @@ from specconv.archs.base import Checkpoint, MetaKV, MtpMode, Role, TensorPlan
 from specconv.archs.errors import SpecconvError
 
 from . import kv as kvmod
-from .checkpoint import CheckpointReader
+from .checkpoint import CheckpointReader, read_config
 from .naming import output_names
-from .outtype import choose_storage, encode, file_type, nbytes, resolve_outtype, type_label
+from .outtype import (INTEGER_TYPES, choose_storage, encode, encode_integer, file_type, nbytes, resolve_outtype,
+                      type_label)
 from .tokenizer import tokenizer_kv
 from .writer import AtomicOutputs, GgufOutput, TensorEntry
 
@@ -47,6 +48,7 @@ class ConvertRequest:
     outtype: str = "auto"
     mtp: MtpMode = MtpMode.EMBED
     split_max_size: int = 0
+    target: Path | None = None  # the target model folder of a draft head (EAGLE-3)
 
 
 @dataclass(frozen=True)
@@ -123,10 +125,15 @@ def plan_conversion(req: ConvertRequest) -> ConversionPlan:
 def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
     plugin_cls = plugin_class_for(reader.config)
     headers, raw_of, skipped = reader.headers(plugin_cls.normalize_name)
-    plugin = plugin_cls(Checkpoint(reader.config, headers, skipped))
+    uses_target = getattr(plugin_cls, "uses_target", False)
+    if req.target is not None and not uses_target:
+        raise SpecconvError("--target is only for draft heads converted against their target (EAGLE-3)")
+    target_config = read_config(Path(req.target)) if req.target is not None and uses_target else None
+    plugin = plugin_cls(Checkpoint(reader.config, headers, skipped, target_config,
+                                   str(req.target) if target_config is not None else None))
     plans = plugin.tensor_plan()
     k, notices = plugin.n_mtp_layers, []
-    kinds = _file_kinds(req.mtp, k, notices)
+    kinds = _file_kinds(req.mtp, k, [] if uses_target else notices)  # a draft head has no MTP layers to miss
     if skipped:
         reasons = Counter(skipped.values())
         notices += [f"skipped {n} tensor(s): {why}" for why, n in reasons.items()]
@@ -139,7 +146,8 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
         planned.append(PlannedTensor(p, choice.ggml_type, nbytes(tuple(p.shape), choice.ggml_type), choice.note))
 
     meta = kvmod.load_model_metadata(reader.dir, sum(_numel(p.plan.shape) for p in planned))
-    tok_kv = tokenizer_kv(reader.dir, plugin.vocab_size(), plugin.tokenizer_model, plugin.tokenizer_pre)
+    tok_dir = getattr(plugin, "tokenizer_dir", None) or reader.dir  # a draft head carries its target's
+    tok_kv = tokenizer_kv(tok_dir, plugin.vocab_size(), plugin.tokenizer_model, plugin.tokenizer_pre)
     closing = kvmod.closing_general_kv(file_type(outtype))
     selected = {kind: [t for t in planned if t.plan.role in ROLES[kind]] for kind in kinds}
     labels = {kind: kvmod.parameter_label((t.name, tuple(t.plan.shape)) for t in ts) for kind, ts in selected.items()}
@@ -177,7 +185,7 @@ class _SourceCache:
     def take(self, name: str) -> torch.Tensor:
         tensor = self.cache.get(name)
         if tensor is None:
-            tensor = self.reader.read_float32(self.raw_of[name])
+            tensor = self.reader.read_tensor(self.raw_of[name])
         self.uses[name] -= 1
         if self.uses[name] > 0:
             self.cache[name] = tensor
@@ -192,6 +200,8 @@ def produce(t: PlannedTensor, sources: list[torch.Tensor]):
         out = t.plan.transform(sources)
     if tuple(out.shape) != tuple(t.plan.shape):
         raise SpecconvError(f"internal: {t.name} came out as {list(out.shape)}, planned {list(t.plan.shape)}")
+    if t.ggml_type in INTEGER_TYPES:  # e.g. EAGLE-3 d2t (I64): exact integers, never through float32
+        return encode_integer(out.detach().contiguous().numpy(), t.ggml_type)
     return encode(out.detach().to(torch.float32).contiguous().numpy(), t.ggml_type)
 
 

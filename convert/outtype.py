@@ -90,6 +90,16 @@ def nbytes(shape: tuple[int, ...], ggml_type: GGMLQuantizationType) -> int:
     return n // block * size
 
 
+INTEGER_TYPES = {Q.I8: np.int8, Q.I16: np.int16, Q.I32: np.int32, Q.I64: np.int64}
+
+
+def encode_integer(values: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """Integer values -> the bytes of an integer GGUF tensor (plugins force these types, e.g. d2t I64)."""
+    if values.dtype.kind not in "iu":
+        raise SpecconvError(f"internal: an {ggml_type.name} tensor needs integer values, got {values.dtype}")
+    return np.ascontiguousarray(values.astype(INTEGER_TYPES[ggml_type])).reshape(-1).view(np.uint8)
+
+
 def encode(values: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
     """float32 values (torch order) -> the bytes GGUF stores for `ggml_type`, as a flat uint8 array."""
     from gguf import quants

@@ -42,7 +42,8 @@ class Context:
         g, hp = model.graph, model.hparams
         if state_dtype is None:  # the recurrence always runs at least in float32
             state_dtype = torch.float64 if model.dtype == torch.float64 else torch.float32
-        layout = g.main_layout(hp, state_dtype) if graph_type == GraphType.MAIN else g.mtp_layout(hp)
+        layout = (g.main_layout(hp, state_dtype) if graph_type == GraphType.MAIN
+                  else g.encoder_layout(hp) if graph_type == GraphType.ENCODER else g.mtp_layout(hp))
         self.memory = Memory(layout, n_seq, n_ctx, self.n_rs_seq, model.device, model.dtype)
         self.n_evaluated = 0  # tokens evaluated so far (statistics)
         self.n_decode_calls = 0
@@ -85,12 +86,26 @@ class Context:
                     lg = lg[rows[logits]]
                 out = DecodeOutput(logits=lg, hidden={"nextn": z, "pre_norm": pre})
             else:
-                raise SpecconvError(f"graph type {self.graph_type.value} is not implemented by this runtime")
+                raise SpecconvError(f"graph type {self.graph_type.value} takes feature rows: use Context.encode")
         self.memory.commit(batch)
         self.n_evaluated += n
         self.n_decode_calls += 1
         out.positions = positions
         return out
+
+    def encode(self, features: torch.Tensor) -> DecodeOutput:
+        """ENCODER graph (EAGLE-3): target feature rows [n, 3·Ht] -> hidden["g"] [n, n_embd]; no memory.
+
+        `logits` is empty ([n, 0]): an encoder has no output head."""
+        if self.graph_type != GraphType.ENCODER:
+            raise SpecconvError("encode() needs a context of graph type ENCODER")
+        x = torch.as_tensor(features, device=self.model.device)
+        if x.dim() != 2 or x.shape[0] == 0:
+            raise SpecconvError("encode: features must be a non-empty [n, width] matrix")
+        with torch.inference_mode():
+            g = self.model.graph.forward_encoder(self.model.weights, self.model.hparams, x.to(self.model.dtype))
+        self.n_decode_calls += 1
+        return DecodeOutput(logits=g.new_zeros(g.shape[0], 0), hidden={"g": g})
 
     def _main(self, tokens, batch, hidden, layers, logit_rows) -> DecodeOutput:
         hp = self.model.hparams

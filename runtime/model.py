@@ -34,12 +34,15 @@ class Model:
         self.graph = graph_module(self.arch)
         self.hparams = self.graph.HParams.from_kv(file.kv)
         self.device, self.dtype = device, dtype
-        self.serves = self._detect_graphs()
-        self.kind = ("sidecar" if self.serves == {GraphType.MTP}
-                     else "embedded" if GraphType.MTP in self.serves else "trunk")
+        # A graph module may decide itself what its files serve (EAGLE-3 heads: ENCODER + decoder as MTP).
+        custom = getattr(self.graph, "serves", None)
+        self.serves = custom(self.hparams, file) if custom is not None else self._detect_graphs()
+        self.kind = getattr(self.graph, "KIND", None) or (
+            "sidecar" if self.serves == {GraphType.MTP} else "embedded" if GraphType.MTP in self.serves else "trunk")
         self.weights = self._load_weights(share_from)
         self.n_embd = self.hparams.n_embd
-        self.n_vocab = int(self.weights["token_embd.weight"].shape[0])
+        self.n_vocab = (int(self.weights["token_embd.weight"].shape[0]) if "token_embd.weight" in self.weights
+                        else self.graph.n_vocab(self.hparams))
         self._tokenizer = None
 
     def _detect_graphs(self) -> set[GraphType]:
@@ -62,6 +65,8 @@ class Model:
             needed += g.main_tensors(hp)
             # per-block tensors a graph can do without (e.g. attention biases), when the file has them
             needed += [n for n in getattr(g, "optional_main_tensors", lambda _: [])(hp) if self.file.has(n)]
+        if GraphType.ENCODER in self.serves:
+            needed += g.encoder_tensors(hp)
         if GraphType.MTP in self.serves:
             needed += g.mtp_tensors(hp)
             needed += [n for n in g.optional_mtp_tensors(hp) if self.file.has(n)]
@@ -73,13 +78,20 @@ class Model:
             raise SpecconvError(f"{self.paths[0].name}: missing tensor(s) {', '.join(missing[:5])}{more}")
         weights = {}
         for name in needed:
-            shared = share_from.weights.get(name) if share_from is not None and name in SHAREABLE else None
+            shareable = getattr(g, "SHAREABLE", SHAREABLE)  # a draft head's own tensors are never the target's
+            shared = share_from.weights.get(name) if share_from is not None and name in shareable else None
             if shared is not None and tuple(shared.shape) == self._torch_shape(name):
                 weights[name] = shared  # one copy of the embedding / head for target and sidecar
                 continue
             wide = self.dtype if self.dtype == torch.float64 else torch.float32
             dtype = wide if g.keep_float32(name) else self.dtype
             weights[name] = self.file.load(name, self.device, dtype)
+        # Tensors a draft head takes from its target when it has none of its own (EAGLE-3 embedding / head).
+        for name, candidates in getattr(g, "FROM_TARGET", {}).items():
+            if name not in weights and share_from is not None:
+                found = next((share_from.weights[c] for c in candidates if c in share_from.weights), None)
+                if found is not None:
+                    weights[name] = found
         return weights
 
     def _torch_shape(self, name: str) -> tuple[int, ...]:

@@ -16,6 +16,8 @@ from specconv.archs.errors import SpecconvError
 GRAPHS: dict[str, str] = {
     "qwen35": "qwen35",
     "qwen35moe": "qwen35",
+    "llama": "llama",
+    "eagle3": "eagle3",
     "glm4moe": "glm4moe",
     "deepseek2": "deepseek2",
 }

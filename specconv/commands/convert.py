@@ -49,11 +49,15 @@ def parse_size(text: str) -> int:
 @click.option("--split-max-size", metavar="SIZE", default=None,
               help="Split each output into shards of at most SIZE (e.g. 500M, 2G), named NAME-00001-of-0000N.gguf; "
                    "give llama.cpp the first shard.")
+@click.option("--target", "target", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              metavar="TARGET_DIR",
+              help="For an EAGLE-3 draft head: the target model's folder (config.json and tokenizer). The GGUF gets "
+                   "the target's tokenizer, hidden size and default target layers.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, tensors, types, shapes, sizes, metadata); "
                                               "write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite output files that already exist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (or the --dry-run plan) as JSON on stdout.")
-def command(src, out, outtype, mtp_mode, split_max_size, dry_run, force, as_json):
+def command(src, out, outtype, mtp_mode, split_max_size, target, dry_run, force, as_json):
     """Convert the checkpoint folder SRC (config.json, safetensors, tokenizer) to GGUF.
 
     Files are written under temporary names and renamed only when complete; on any error or Ctrl-C
@@ -64,7 +68,7 @@ def command(src, out, outtype, mtp_mode, split_max_size, dry_run, force, as_json
     from specconv.convert.plan_report import plan_summary
 
     req = ConvertRequest(src=Path(src), out=out, outtype=outtype.lower(), mtp=MtpMode(mtp_mode),
-                         split_max_size=parse_size(split_max_size) if split_max_size else 0)
+                         split_max_size=parse_size(split_max_size) if split_max_size else 0, target=target)
     plan = plan_conversion(req)
     try:
         summary = plan_summary(plan, tensors=dry_run)

@@ -1,0 +1,202 @@
+"""EAGLE-3 draft heads (GGUF arch `eagle3`), gguf-layout.md §7.8 and model-math.md §9.
+
+Accepted layouts:
+* `LlamaForCausalLMEagle3` / `Eagle3LlamaForCausalLM` (the EAGLE authors' checkpoints): flat config,
+  tensors `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, optionally `embed_tokens`;
+* speculators-style (`Eagle3Speculator`, `Eagle3DraftModel`): the LLaMA layer config nested in
+  `transformer_layer_config`, the layer named `layers.0.*` (sometimes under `model.`).
+`eagle_aux_hidden_state_layer_ids` is read at the top level or inside `eagle_config` (llama.cpp's
+converter reads only the top level and silently writes the default otherwise).
+
+A head only makes sense with its target: the conversion needs the target's folder
+(`Checkpoint.target_config` / `target_dir`), from which come the tokenizer (the GGUF carries the
+target's full vocabulary), the target hidden size, the default target layers and the vocabulary
+size that `d2t` must map into. `d2t` is written as absolute target ids (I64), checked in range and
+unique; `t2d` (training only) is dropped; q/k rows get the LLaMA pair permutation.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, ClassVar, Mapping
+
+import torch
+from gguf import GGMLQuantizationType, GGUFValueType
+
+from . import names, plugin_class_for, register
+from .base import ArchPlugin, Checkpoint, MetaKV, TensorPlan, text_config
+from .errors import SpecconvError
+from .llama import PlanBuilder, _permuted, add_rope_freqs, attention_shapes, llama_kv
+
+I64 = GGMLQuantizationType.I64
+INT_DTYPES = {"I64", "I32"}
+# tokenizer.ggml.pre of targets whose plugin this project lacks (model_type -> name llama.cpp knows)
+_PRE_BY_MODEL_TYPE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+
+
+def merged_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The draft config with a speculators `transformer_layer_config` merged into the top level."""
+    nested = config.get("transformer_layer_config")
+    return {**config, **nested} if isinstance(nested, Mapping) else dict(config)
+
+
+def aux_layer_ids(config: Mapping[str, Any]) -> list[int] | None:
+    """`eagle_aux_hidden_state_layer_ids` from the top level or `eagle_config` (None when absent)."""
+    for where in (config, config.get("eagle_config") or {}):
+        ids = where.get("eagle_aux_hidden_state_layer_ids") if isinstance(where, Mapping) else None
+        if ids:
+            return [int(i) for i in ids]
+    return None
+
+
+def absolute_d2t(ts: list[torch.Tensor], n_target_vocab: int) -> torch.Tensor:
+    """HF offsets (target id - draft id) -> absolute target ids, validated in range and unique."""
+    offsets = ts[0].reshape(-1).to(torch.int64)
+    ids = offsets + torch.arange(offsets.numel(), dtype=torch.int64)
+    bad = ((ids < 0) | (ids >= n_target_vocab)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise SpecconvError(f"d2t maps draft token {i} to target id {int(ids[i])}, outside the target vocabulary "
+                            f"[0, {n_target_vocab}); the head does not belong to this target")
+    if torch.unique(ids).numel() != ids.numel():
+        raise SpecconvError("d2t maps two draft tokens to the same target id (a corrupt or mismatched d2t)")
+    return ids
+
+
+@register
+class Eagle3(ArchPlugin):
+    hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM",
+                                                   "Eagle3Speculator", "Eagle3DraftModel")
+    family: ClassVar[str] = "eagle3"
+    uses_target: ClassVar[bool] = True  # the engine passes --target TARGET_DIR through the Checkpoint
+    tokenizer_model: ClassVar[str] = "gpt2"
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        if checkpoint.target_config is None:
+            raise SpecconvError("an EAGLE-3 head needs its target model: give --target TARGET_DIR (the target's "
+                                "config.json and tokenizer)")
+        self.cfg = cfg = merged_config(checkpoint.config)
+        self.target = target = text_config(checkpoint.target_config)
+        try:
+            self.n_head, self.n_kv, self.hd = attention_shapes(cfg)
+            self.H, self.F = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+            self.V, self.L_target = int(target["vocab_size"]), int(target["num_hidden_layers"])
+        except KeyError as exc:
+            raise SpecconvError(f"config.json (draft or target) lacks {exc.args[0]}") from None
+        if int(cfg.get("num_hidden_layers", 1)) != 1:
+            raise SpecconvError(f"an EAGLE-3 head has one decoder layer, config.json says {cfg['num_hidden_layers']}")
+        own_vocab = cfg.get("vocab_size")
+        if own_vocab is not None and int(own_vocab) != self.V:
+            raise SpecconvError(f"the EAGLE-3 head was trained for a vocabulary of {own_vocab} tokens, but the target "
+                                f"has {self.V}: wrong --target")
+        self.Vd = int(cfg.get("draft_vocab_size") or self.V)
+        self.Ht = self._target_hidden_size()
+        self.layers = self._target_layers()
+        self.norm_before_residual = bool(cfg.get("norm_before_residual", False))
+        self.norm_before_fc = bool(cfg.get("norm_before_fc", False))
+        self.tokenizer_dir = checkpoint.target_dir
+        self.tokenizer_pre = self._target_tokenizer_pre(checkpoint.target_config)
+
+    def _target_hidden_size(self) -> int:
+        target_h = int(self.target["hidden_size"])
+        own = self.cfg.get("target_hidden_size")
+        if own is not None and int(own) != target_h:
+            raise SpecconvError(f"the EAGLE-3 head expects target hidden size {own}, but the target has {target_h}: "
+                                f"wrong --target")
+        return target_h
+
+    def _target_layers(self) -> list[int]:
+        L = self.L_target
+        ids = aux_layer_ids(self.checkpoint.config) or aux_layer_ids(self.cfg) or [2, L // 2, L - 3]
+        if len(ids) != 3:
+            raise SpecconvError(f"eagle_aux_hidden_state_layer_ids must have 3 entries, not {ids}")
+        bad = [j for j in ids if not 0 <= j <= L]
+        if bad:
+            raise SpecconvError(f"target layer {bad[0]} is outside 0..{L} (the target has {L} layers; id {L} is its "
+                                f"final normed output)")
+        return ids
+
+    @staticmethod
+    def _target_tokenizer_pre(target_config: Mapping[str, Any]) -> str:
+        try:
+            return plugin_class_for(target_config).tokenizer_pre
+        except SpecconvError:
+            model_type = text_config(target_config).get("model_type") or target_config.get("model_type")
+            return _PRE_BY_MODEL_TYPE.get(model_type, "default")
+
+    # ------------------------------------------------------------------ naming
+
+    @property
+    def gguf_arch(self) -> str:
+        return names.EAGLE3
+
+    @classmethod
+    def normalize_name(cls, raw_name: str):
+        if raw_name == "t2d":
+            return (None, "t2d (target-to-draft mask, used only in training)")
+        if raw_name.endswith("rotary_emb.inv_freq"):
+            return (None, "rotary inv_freq buffer (recomputed from the config)")
+        name = raw_name[len("model."):] if raw_name.startswith("model.") else raw_name
+        if name.startswith("midlayer."):
+            name = "layers.0." + name[len("midlayer."):]
+        return name
+
+    @property
+    def n_trunk_layers(self) -> int:
+        return 1
+
+    @property
+    def n_mtp_layers(self) -> int:
+        return 0
+
+    def vocab_size(self) -> int:
+        return self.V  # the GGUF carries the target's full vocabulary
+
+    # ------------------------------------------------------------------ tensors
+
+    def tensor_plan(self) -> list[TensorPlan]:
+        plan, H, F, V, Vd, Ht = PlanBuilder(self.checkpoint), self.H, self.F, self.V, self.Vd, self.Ht
+        q, kv, p = self.n_head * self.hd, self.n_kv * self.hd, "layers.0."
+        if plan.has("embed_tokens.weight"):
+            plan.add(names.TOKEN_EMBD, [plan.source("embed_tokens.weight", (V, H))], (V, H))
+        plan.add(names.EAGLE3_FC, [plan.source("fc.weight", (H, 3 * Ht))], (H, 3 * Ht))
+        if self.norm_before_fc:
+            plan.add("enc.output_norm.weight", [plan.source("input_norm.weight", (3 * Ht,))], (3 * Ht,))
+        plan.add(names.blk(0, "attn_norm"), [plan.source(p + "input_layernorm.weight", (H,))], (H,))
+        plan.add(names.blk(0, "attn_norm_2"), [plan.source(p + "hidden_norm.weight", (H,))], (H,))
+        a = p + "self_attn."
+        plan.add(names.blk(0, "attn_q"), [plan.source(a + "q_proj.weight", (q, 2 * H))], (q, 2 * H),
+                 partial(_permuted, n_head=self.n_head))
+        plan.add(names.blk(0, "attn_k"), [plan.source(a + "k_proj.weight", (kv, 2 * H))], (kv, 2 * H),
+                 partial(_permuted, n_head=self.n_kv))
+        plan.add(names.blk(0, "attn_v"), [plan.source(a + "v_proj.weight", (kv, 2 * H))], (kv, 2 * H))
+        plan.add(names.blk(0, "attn_output"), [plan.source(a + "o_proj.weight", (H, q))], (H, q))
+        plan.add(names.blk(0, "ffn_norm"), [plan.source(p + "post_attention_layernorm.weight", (H,))], (H,))
+        for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
+            plan.add(names.blk(0, f"ffn_{part}"), [plan.source(f"{p}mlp.{part}_proj.weight", shape)], shape)
+        plan.add(names.OUTPUT_NORM, [plan.source("norm.weight", (H,))], (H,))
+        has_head = plan.has("lm_head.weight")
+        if has_head:
+            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (Vd, H))], (Vd, H))
+        if plan.has("d2t"):
+            if not has_head:
+                raise SpecconvError("the head has d2t but no lm_head.weight: a reduced vocabulary needs its own head")
+            plan.add(names.EAGLE3_D2T, [plan.source("d2t", (Vd,), INT_DTYPES)], (Vd,),
+                     partial(absolute_d2t, n_target_vocab=V), I64)
+        elif Vd != V:
+            raise SpecconvError(f"draft_vocab_size {Vd} differs from the vocabulary {V} but the checkpoint has no d2t "
+                                f"mapping")
+        add_rope_freqs(plan, self.cfg, self.hd, "norm.weight")
+        return plan.finish(self.gguf_arch)
+
+    # ------------------------------------------------------------------ metadata
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        arch = self.gguf_arch
+        kv = llama_kv(arch, self.cfg, 1, self.V)
+        kv += [MetaKV(names.target_layers_key(arch), list(self.layers), GGUFValueType.ARRAY, GGUFValueType.INT32),
+               MetaKV(names.target_hidden_size_key(arch), self.Ht, GGUFValueType.UINT32),
+               MetaKV(names.norm_before_residual_key(arch), self.norm_before_residual, GGUFValueType.BOOL),
+               MetaKV(names.norm_before_fc_key(arch), self.norm_before_fc, GGUFValueType.BOOL)]
+        return kv

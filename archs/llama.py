@@ -1,0 +1,215 @@
+"""Plain LLaMA-style dense models (`LlamaForCausalLM`, GGUF arch `llama`), and the q/k pair
+permutation that LLaMA-family GGUF files (and EAGLE-3 heads) share.
+
+HF stores q/k rows in rotate-half order (rope pairs (i, i + hd/2)); llama.cpp's `llama` and
+`eagle3` graphs use NORM rope on adjacent pairs (2i, 2i+1). The converter therefore reorders the
+rows of every head so that new row 2i is old row i and new row 2i+1 is old row i + hd/2
+(gguf-layout.md §7.8); the attention scores are unchanged, because q and k get the same order.
+Supported here: what a LLaMA-3-style target needs (GQA, SwiGLU, untied or tied head, default or
+`llama3` rope scaling through `rope_freqs.weight`), with a byte-level BPE tokenizer.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, ClassVar, Mapping
+
+import torch
+from gguf import GGMLQuantizationType, GGUFValueType, Keys
+
+from . import names, register
+from . import transforms as tf
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field, plans_in_checkpoint_order
+from .errors import SpecconvError
+
+F32 = GGMLQuantizationType.F32
+FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def pair_permute(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of each head from rotate-half order to adjacent pairs: [n_head, 2, hd/2] -> [n_head, hd/2, 2]."""
+    rows = t.shape[0]
+    if rows % (2 * n_head):
+        raise SpecconvError(f"cannot pair-permute {rows} rows over {n_head} heads (head_dim must be even)")
+    return t.reshape(n_head, 2, rows // n_head // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
+
+
+def pair_unpermute(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of `pair_permute` (GGUF -> HF order), for tests and readers."""
+    rows = t.shape[0]
+    return t.reshape(n_head, rows // n_head // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
+
+
+def _permuted(ts: list[torch.Tensor], n_head: int) -> torch.Tensor:
+    return pair_permute(ts[0], n_head)
+
+
+def llama3_rope_factors(cfg: Mapping[str, Any], head_dim: int) -> list[float] | None:
+    """Per-frequency divisors of θ for `rope_type: llama3` (None for unscaled rope)."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = (scaling.get("rope_type") or scaling.get("type") or "default").lower()
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise SpecconvError(f"rope scaling type {kind!r} is not supported for LLaMA-style models (default, llama3)")
+    base = float(config_field(cfg, "rope_theta", 10000.0))
+    factor = float(scaling.get("factor", 8.0))
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+class PlanBuilder:
+    """TensorPlans with every source checked for presence, shape and a floating dtype."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.tensors = dict(ckpt.tensors)
+        self.used: set[str] = set()
+        self.plans: list[TensorPlan] = []
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def source(self, name: str, shape, dtypes=FLOAT_DTYPES) -> str:
+        info = self.tensors.get(name)
+        if info is None:
+            raise SpecconvError(f"checkpoint lacks tensor {name}")
+        if tuple(info.shape) != tuple(shape):
+            raise SpecconvError(f"tensor {name} has shape {list(info.shape)}, but config.json implies {list(shape)}")
+        if info.dtype not in dtypes:
+            raise SpecconvError(f"tensor {name} has dtype {info.dtype}; expected one of {', '.join(sorted(dtypes))}")
+        self.used.add(name)
+        return name
+
+    def add(self, gguf_name, sources, shape, transform=tf.identity, force=None) -> None:
+        self.plans.append(TensorPlan(gguf_name, tuple(sources), tuple(shape), Role.TRUNK, transform, force))
+
+    def finish(self, arch: str) -> list[TensorPlan]:
+        unused = sorted(set(self.tensors) - self.used)
+        if unused:
+            more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+            raise SpecconvError(f"unexpected tensor(s) for {arch}: {', '.join(unused[:3])}{more}")
+        return plans_in_checkpoint_order(self.plans, self.tensors)
+
+
+def attention_shapes(cfg: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(n_head, n_head_kv, head_dim) of a LLaMA-style config."""
+    n_head = int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_head)
+    hd = int(cfg.get("head_dim") or cfg["hidden_size"] // n_head)
+    if n_head % n_kv:
+        raise SpecconvError(f"num_attention_heads {n_head} is not a multiple of num_key_value_heads {n_kv}")
+    return n_head, n_kv, hd
+
+
+def llama_kv(arch: str, cfg: Mapping[str, Any], n_layer: int, vocab: int) -> list[MetaKV]:
+    """The LLaMA key set llama.cpp's converter writes (TextModel + LlamaModel)."""
+    n_head, n_kv, hd = attention_shapes(cfg)
+    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    kv = [MetaKV(Keys.LLM.BLOCK_COUNT.format(arch=arch), n_layer, u32)]
+    if cfg.get("max_position_embeddings"):
+        kv.append(MetaKV(Keys.LLM.CONTEXT_LENGTH.format(arch=arch), int(cfg["max_position_embeddings"]), u32))
+    kv += [MetaKV(Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), int(cfg["hidden_size"]), u32),
+           MetaKV(Keys.LLM.FEED_FORWARD_LENGTH.format(arch=arch), int(cfg["intermediate_size"]), u32),
+           MetaKV(Keys.Attention.HEAD_COUNT.format(arch=arch), n_head, u32),
+           MetaKV(Keys.Attention.HEAD_COUNT_KV.format(arch=arch), n_kv, u32),
+           MetaKV(Keys.Rope.FREQ_BASE.format(arch=arch), float(config_field(cfg, "rope_theta", 10000.0)), f32),
+           MetaKV(Keys.Attention.LAYERNORM_RMS_EPS.format(arch=arch), float(cfg.get("rms_norm_eps", 1e-6)), f32)]
+    if cfg.get("head_dim"):
+        kv += [MetaKV(Keys.Attention.KEY_LENGTH.format(arch=arch), hd, u32),
+               MetaKV(Keys.Attention.VALUE_LENGTH.format(arch=arch), hd, u32)]
+    kv += [MetaKV(Keys.LLM.VOCAB_SIZE.format(arch=arch), vocab, u32),
+           MetaKV(Keys.Rope.DIMENSION_COUNT.format(arch=arch), hd, u32)]
+    return kv
+
+
+def add_rope_freqs(plan: PlanBuilder, cfg: Mapping[str, Any], head_dim: int, anchor: str) -> None:
+    """`rope_freqs.weight` for llama3 rope scaling: a generated tensor, placed after `anchor` (a small
+    tensor, read but unused: plans need a source to have a place in the checkpoint order)."""
+    factors = llama3_rope_factors(cfg, head_dim)
+    if factors is not None:
+        values = torch.tensor(factors, dtype=torch.float32)
+        plan.add(ROPE_FREQS, [anchor], (head_dim // 2,), lambda ts, v=values: v.clone(), F32)
+
+
+@register
+class Llama(ArchPlugin):
+    hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)
+    family: ClassVar[str] = "llama"
+    tokenizer_model: ClassVar[str] = "gpt2"
+    tokenizer_pre: ClassVar[str] = "llama-bpe"
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        cfg = checkpoint.config
+        if "draft_vocab_size" in cfg:
+            raise SpecconvError("this is an EAGLE-3 draft head (draft_vocab_size in config.json); "
+                                "its architectures entry should be LlamaForCausalLMEagle3")
+        try:
+            self.n_head, self.n_kv, self.hd = attention_shapes(cfg)
+            self.H, self.F, self.L = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
+        except KeyError as exc:
+            raise SpecconvError(f"config.json lacks {exc.args[0]}") from None
+
+    @property
+    def gguf_arch(self) -> str:
+        return "llama"
+
+    @classmethod
+    def normalize_name(cls, raw_name: str):
+        if raw_name.endswith("rotary_emb.inv_freq"):
+            return (None, "rotary inv_freq buffer (recomputed from the config)")
+        return raw_name
+
+    @property
+    def n_trunk_layers(self) -> int:
+        return self.L
+
+    @property
+    def n_mtp_layers(self) -> int:
+        return 0
+
+    def vocab_size(self) -> int:
+        info = self.checkpoint.tensors.get("model.embed_tokens.weight")
+        if info is None:
+            raise SpecconvError("checkpoint lacks tensor model.embed_tokens.weight")
+        return int(info.shape[0])
+
+    def tensor_plan(self) -> list[TensorPlan]:
+        plan, H, F, V = PlanBuilder(self.checkpoint), self.H, self.F, self.vocab_size()
+        q, kv = self.n_head * self.hd, self.n_kv * self.hd
+        plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H))
+        for i in range(self.L):
+            p = f"model.layers.{i}."
+            plan.add(names.blk(i, "attn_norm"), [plan.source(p + "input_layernorm.weight", (H,))], (H,))
+            plan.add(names.blk(i, "attn_q"), [plan.source(p + "self_attn.q_proj.weight", (q, H))], (q, H),
+                     partial(_permuted, n_head=self.n_head))
+            plan.add(names.blk(i, "attn_k"), [plan.source(p + "self_attn.k_proj.weight", (kv, H))], (kv, H),
+                     partial(_permuted, n_head=self.n_kv))
+            plan.add(names.blk(i, "attn_v"), [plan.source(p + "self_attn.v_proj.weight", (kv, H))], (kv, H))
+            plan.add(names.blk(i, "attn_output"), [plan.source(p + "self_attn.o_proj.weight", (H, q))], (H, q))
+            plan.add(names.blk(i, "ffn_norm"), [plan.source(p + "post_attention_layernorm.weight", (H,))], (H,))
+            for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
+                plan.add(names.blk(i, f"ffn_{part}"), [plan.source(f"{p}mlp.{part}_proj.weight", shape)], shape)
+        plan.add(names.OUTPUT_NORM, [plan.source("model.norm.weight", (H,))], (H,))
+        if plan.has("lm_head.weight") and not self.checkpoint.config.get("tie_word_embeddings", False):
+            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (V, H))], (V, H))
+        else:
+            plan.used.add("lm_head.weight")
+        add_rope_freqs(plan, self.checkpoint.config, self.hd, "model.norm.weight")
+        return plan.finish(self.gguf_arch)
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        return llama_kv(self.gguf_arch, self.checkpoint.config, self.L, self.vocab_size())

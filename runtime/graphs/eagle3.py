@@ -1,0 +1,148 @@
+"""EAGLE-3 draft head graphs (GGUF arch `eagle3`), model-math.md §9-§10.
+
+ENCODER: target features f = [H^(l1) ; H^(l2) ; H^(l3)] (3·Ht per row) -> g = fc · f, with an RMSNorm
+(`enc.output_norm`) first when `norm_before_fc`. No memory.
+Decoder (served as GraphType.MTP: token rows plus one hidden row each, its own KV cache): the row
+at position t takes (token x_{t+1}, g_t):
+    e = attn_norm(Emb[x]); ĝ = attn_norm_2(g); c = [e ; ĝ] (2H)
+    r = (norm_before_residual ? ĝ : g) + attn_output · Attn(c)        (NORM rope at t, scale hd^-1/2)
+    out = r + FFN(ffn_norm(r));  logits = output · output_norm(out)    over the draft vocabulary
+The logits come back over the TARGET vocabulary: draft column i is written at target id d2t[i] and
+every other id is -inf, as llama.cpp does, so nothing outside d2t can be chosen or sampled. The
+hidden output ("nextn", also "pre_norm") is the pre-norm `out`, fed back as g for the next draft.
+Token embedding and (without its own lm_head) the output head come from the target
+(`load_model(head, share_from=target)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from specconv.archs import names
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs import llama
+from specconv.runtime.graphs.ops import acc, linear, rms_norm
+from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.types import GraphType
+
+KIND = "eagle3"  # Model.kind of these files
+ENC_NORM = "enc.output_norm.weight"
+# Tensors a head may leave to its target: own name -> target names tried in order.
+FROM_TARGET = {names.TOKEN_EMBD: (names.TOKEN_EMBD,), names.OUTPUT: (names.OUTPUT, names.TOKEN_EMBD)}
+SHAREABLE = ()  # same-named tensors of the head (its output_norm, its own embedding) are its own
+
+
+@dataclass
+class HParams(llama.HParams):
+    target_layers: tuple[int, ...] = ()
+    target_hidden_size: int = 0
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+
+    @classmethod
+    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        base = llama.HParams.from_kv(kv)
+        arch = base.arch
+        layers = kv.get(names.target_layers_key(arch))
+        if layers is None or len(layers) != 3:
+            raise SpecconvError(f"an eagle3 file needs {names.target_layers_key(arch)} with exactly 3 entries")
+        ht = kv.get(names.target_hidden_size_key(arch))
+        if ht is None:
+            raise SpecconvError(f"GGUF metadata lacks {names.target_hidden_size_key(arch)}")
+        if base.n_layer != 1:
+            raise SpecconvError(f"an eagle3 head has one decoder layer, this file declares {base.n_layer}")
+        return cls(**vars(base), target_layers=tuple(int(x) for x in layers), target_hidden_size=int(ht),
+                   norm_before_residual=bool(kv.get(names.norm_before_residual_key(arch), False)),
+                   norm_before_fc=bool(kv.get(names.norm_before_fc_key(arch), False)))
+
+
+def serves(hp: HParams, file) -> set[GraphType]:
+    return {GraphType.ENCODER, GraphType.MTP}
+
+
+def encoder_tensors(hp: HParams) -> list[str]:
+    return [names.EAGLE3_FC] + ([ENC_NORM] if hp.norm_before_fc else [])
+
+
+def main_tensors(hp: HParams) -> list[str]:
+    return []
+
+
+def mtp_tensors(hp: HParams) -> list[str]:
+    return ["output_norm.weight", "blk.0.attn_norm_2.weight"] + llama.block_tensors(0)
+
+
+def optional_mtp_tensors(hp: HParams) -> list[str]:
+    return [names.TOKEN_EMBD, names.OUTPUT, names.EAGLE3_D2T, llama.ROPE_FREQS]
+
+
+OPTIONAL = ()
+
+
+def keep_float32(name: str) -> bool:
+    return llama.keep_float32(name)
+
+
+def mtp_layout(hp: HParams) -> MemoryLayout:
+    return MemoryLayout(attn_layers=[0], n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, rec_layers=[])
+
+
+def encoder_layout(hp: HParams) -> MemoryLayout:
+    return MemoryLayout(attn_layers=[], n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, rec_layers=[])
+
+
+def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
+    raise SpecconvError("an EAGLE-3 head has no main graph; run it as ENCODER + MTP next to its target")
+
+
+def n_vocab(hp: HParams) -> int:
+    """Target vocabulary (what the decoder's logits span), from the KV / tokenizer."""
+    return hp.n_vocab
+
+
+# ---- graphs -----------------------------------------------------------------------------------
+
+def forward_encoder(w, hp: HParams, features: torch.Tensor) -> torch.Tensor:
+    want = 3 * hp.target_hidden_size
+    if features.shape[-1] != want:
+        raise SpecconvError(f"EAGLE-3 encoder: feature rows have width {features.shape[-1]}, expected 3 x "
+                            f"{hp.target_hidden_size} = {want}")
+    x = rms_norm(features, w[ENC_NORM], hp.eps) if hp.norm_before_fc else features
+    return linear(x, w[names.EAGLE3_FC])
+
+
+def _needed(w, name: str) -> torch.Tensor:
+    t = w.get(name)
+    if t is None:
+        raise SpecconvError(f"the EAGLE-3 head has no {name}; load it with load_model(head, share_from=target)")
+    return t
+
+
+def forward_mtp(w, hp: HParams, tokens: torch.Tensor, g: torch.Tensor, batch: Batch):
+    """Decoder rows (x_{t+1}, g_t) at positions t -> (logits over the target vocabulary, out, out)."""
+    e = rms_norm(_needed(w, names.TOKEN_EMBD)[tokens], w["blk.0.attn_norm.weight"], hp.eps)
+    g = g.to(e.dtype)
+    g_norm = rms_norm(g, w["blk.0.attn_norm_2.weight"], hp.eps)
+    rope = llama.rope_for(w, hp, batch.positions, acc(e).dtype)
+    residual = g_norm if hp.norm_before_residual else g
+    r = residual + llama.attention(w, hp, 0, torch.cat([e, g_norm], dim=-1), batch, rope)
+    out = r + llama.ffn(w, 0, rms_norm(r, w["blk.0.ffn_norm.weight"], hp.eps))
+    draft_logits = acc(linear(rms_norm(out, w["output_norm.weight"], hp.eps), _needed(w, names.OUTPUT)))
+    return to_target_vocab(draft_logits, w.get(names.EAGLE3_D2T), hp.n_vocab), out, out
+
+
+def to_target_vocab(draft_logits: torch.Tensor, d2t: torch.Tensor | None, n_vocab: int) -> torch.Tensor:
+    """Scatter draft-vocabulary logits [n, Vd] to target ids [n, V]; ids outside d2t get -inf."""
+    if d2t is None:
+        return draft_logits
+    full = torch.full((draft_logits.shape[0], n_vocab), float("-inf"), dtype=draft_logits.dtype,
+                      device=draft_logits.device)
+    full[:, d2t.to(draft_logits.device)] = draft_logits
+    return full
+
+
+def forward_main(*args, **kwargs):
+    raise SpecconvError("an EAGLE-3 head has no main graph")

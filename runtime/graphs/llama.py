@@ -1,0 +1,160 @@
+"""LLaMA-style dense graph (GGUF arch `llama`): the MAIN graph of a plain target (model-math.md §1).
+
+Attention with GQA and NORM rope on adjacent pairs (the converter pair-permuted the q/k rows, so
+this equals HF's rotate-half on the original weights), SwiGLU FFN, optional `rope_freqs.weight`
+(llama3 scaling: θ_i divided by the stored factor). The attention block is shared with the EAGLE-3
+decoder graph, which is the same layer on a 2H input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs.ops import acc, causal_attention, linear, rms_norm, swiglu
+from specconv.runtime.memory import Batch, MemoryLayout
+
+ROPE_FREQS = "rope_freqs.weight"
+
+
+@dataclass
+class HParams:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rope_base: float
+    eps: float
+    n_ff: int = 0
+    n_vocab: int = 0
+    context_length: int = 0
+    n_nextn: int = 0  # no MTP layers in this family
+
+    @classmethod
+    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        arch = kv["general.architecture"]
+
+        def get(key, default=None):
+            v = kv.get(f"{arch}.{key}", default)
+            if v is None:
+                raise SpecconvError(f"GGUF metadata lacks {arch}.{key}")
+            return v
+
+        n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
+        head_dim = int(get("attention.key_length", n_embd // n_head))
+        tokens = kv.get("tokenizer.ggml.tokens")
+        return cls(arch=arch, n_layer=int(get("block_count")), n_embd=n_embd, n_head=n_head,
+                   n_head_kv=int(get("attention.head_count_kv", n_head)), head_dim=head_dim,
+                   n_rot=int(get("rope.dimension_count", head_dim)), rope_base=float(get("rope.freq_base", 10000.0)),
+                   eps=float(get("attention.layer_norm_rms_epsilon")), n_ff=int(get("feed_forward_length", 0)),
+                   n_vocab=int(kv.get(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else 0)),
+                   context_length=int(get("context_length", 0)))
+
+
+def block_tensors(i: int) -> list[str]:
+    return [f"blk.{i}.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+                                           "ffn_gate", "ffn_up", "ffn_down")]
+
+
+def main_tensors(hp: HParams) -> list[str]:
+    return ["token_embd.weight", "output_norm.weight"] + [n for i in range(hp.n_layer) for n in block_tensors(i)]
+
+
+def mtp_tensors(hp: HParams) -> list[str]:
+    return []
+
+
+def optional_mtp_tensors(hp: HParams) -> list[str]:
+    return []
+
+
+OPTIONAL = ("output.weight", ROPE_FREQS)
+
+
+def keep_float32(name: str) -> bool:
+    return name.endswith("norm.weight") or name == ROPE_FREQS
+
+
+def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
+    return MemoryLayout(attn_layers=list(range(hp.n_layer)), n_head_kv=hp.n_head_kv, head_dim=hp.head_dim,
+                        rec_layers=[])
+
+
+def mtp_layout(hp: HParams) -> MemoryLayout:
+    return MemoryLayout(attn_layers=[], n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, rec_layers=[])
+
+
+# ---- blocks -----------------------------------------------------------------------------------
+
+def rope_norm(positions: torch.Tensor, n_rot: int, base: float, dtype: torch.dtype,
+              factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, n_rot/2] with θ_i = base^(-2i/n_rot) / factor_i (llama.cpp's rope_freqs divide θ)."""
+    exponent = torch.arange(0, n_rot, 2, device=positions.device, dtype=torch.int64).float() / n_rot
+    inv_freq = 1.0 / (base ** exponent)
+    if factors is not None:
+        inv_freq = inv_freq / factors.float().to(inv_freq.device)
+    angles = positions.to(dtype)[:, None] * inv_freq.to(dtype)[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NORM rope: rotate adjacent pairs (2i, 2i+1) of the first 2·cos.shape[-1] dims; x: [n, heads, hd]."""
+    d = 2 * cos.shape[-1]
+    xr = acc(x[..., :d]).unflatten(-1, (d // 2, 2))
+    x0, x1 = xr[..., 0], xr[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rotated = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([rotated, x[..., d:]], dim=-1)
+
+
+def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+    """Plain GQA attention of block i on input rows `a` (any width the q/k/v matrices take)."""
+    n = a.shape[0]
+    q = linear(a, w[f"blk.{i}.attn_q.weight"]).view(n, hp.n_head, hp.head_dim)
+    k = linear(a, w[f"blk.{i}.attn_k.weight"]).view(n, hp.n_head_kv, hp.head_dim)
+    v = linear(a, w[f"blk.{i}.attn_v.weight"]).view(n, hp.n_head_kv, hp.head_dim)
+    cos, sin = rope
+    q, k = apply_rope_pairs(q, cos, sin), apply_rope_pairs(k, cos, sin)
+    k_all, v_all, k_pos = batch.attend_kv(i, k, v)
+    o = causal_attention(q, k_all, v_all, batch.positions, k_pos, hp.head_dim ** -0.5)
+    return linear(o.reshape(n, hp.n_head * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
+
+
+def ffn(w, i: int, x: torch.Tensor) -> torch.Tensor:
+    p = f"blk.{i}."
+    return swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+
+
+def rope_for(w, hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
+    return rope_norm(positions, hp.n_rot, hp.rope_base, dtype, w.get(ROPE_FREQS))
+
+
+# ---- graph ------------------------------------------------------------------------------------
+
+def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
+                 want_logits: torch.Tensor | None):
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
+    h = w["token_embd.weight"][tokens]
+    rope = rope_for(w, hp, batch.positions, acc(h).dtype)
+    layer_inputs = {}
+    for i in range(hp.n_layer):
+        if i in want_layers:
+            layer_inputs[i] = h
+        h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope)
+        h = h + ffn(w, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
+    post = rms_norm(h, w["output_norm.weight"], hp.eps)
+    if hp.n_layer in want_layers:
+        layer_inputs[hp.n_layer] = post
+    rows = post if want_logits is None else post[want_logits]
+    head = w["output.weight"] if "output.weight" in w else w["token_embd.weight"]
+    return acc(linear(rows, head)), post, h, layer_inputs
+
+
+def forward_mtp(*args, **kwargs):
+    raise SpecconvError("llama files have no MTP head")
