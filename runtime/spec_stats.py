@@ -45,6 +45,8 @@ def solve_alpha(draft_lengths: Counter, accepted: int) -> float | None:
 
     if accepted >= total:
         return 1.0
+    if accepted <= 0:
+        return 0.0
     lo, hi = 0.0, 1.0
     for _ in range(100):
         mid = (lo + hi) / 2

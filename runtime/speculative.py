@@ -147,3 +147,25 @@ def measure_speedup(target: Model, result: GenerationResult, temperature: float 
     spec["plain_seconds"] = plain.seconds
     spec["speedup"] = plain.seconds / result.seconds if result.seconds > 0 else None
     return {"plain": plain, "speedup": spec["speedup"]}
+
+
+SPEC_KINDS = ("mtp", "draft", "ngram")
+
+
+def build_drafter(kind: str, target: Model, n_ctx: int, draft_max: int, mtp_path=None, draft_path=None) -> Drafter:
+    """A drafter by name: "mtp" (the target's embedded head or an --mtp sidecar), "draft" (a --draft GGUF),
+    "ngram" (prompt lookup)."""
+    from specconv.runtime.drafters import DraftModelDrafter, MtpDrafter, NgramDrafter
+    from specconv.runtime.model import load_model
+
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "mtp":
+        head = load_model(mtp_path, device=target.device, dtype=target.dtype, share_from=target) if mtp_path else target
+        head.require(GraphType.MTP)
+        return MtpDrafter(head, n_ctx, target)
+    if kind == "draft":
+        if not draft_path:
+            raise SpecconvError("--spec draft needs --draft D.gguf")
+        return DraftModelDrafter(load_model(draft_path, device=target.device, dtype=target.dtype), n_ctx, draft_max, target)
+    raise SpecconvError(f"unknown drafter {kind!r} (one of {', '.join(SPEC_KINDS)})")

@@ -42,14 +42,32 @@ def prompt_ids(model, prompt: str | None, tokens: str | None) -> list[int]:
 @click.option("--dtype", default=None, help="Compute dtype: f32 (default), f16, bf16, f64.")
 @click.option("--stop-at-eos", is_flag=True, help="Stop at the end-of-generation token.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object (tokens, text, seconds, ...).")
-def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dtype, stop_at_eos, as_json):
-    """Generate N tokens after a prompt (plain decoding)."""
+@click.option("--spec", type=click.Choice(["mtp", "draft", "ngram", "none"]), default="none", show_default=True,
+              help="Speculative decoding with this drafter.")
+@click.option("--draft-max", default=3, show_default=True, type=click.IntRange(min=0), help="Draft tokens per round.")
+@click.option("--draft-min", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Shorter drafts are discarded.")
+@click.option("--p-min", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="Stop drafting below this top-10 probability.")
+@click.option("--mtp", "mtp_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="MTP sidecar for --spec mtp (default: the model's own head).")
+@click.option("--draft", "draft_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Draft model GGUF for --spec draft.")
+@click.option("--rollback", type=click.Choice(["snapshot", "checkpoint"]), default="snapshot", show_default=True)
+@click.option("--no-baseline", is_flag=True, help="With --spec: skip the plain run that measures the speed-up.")
+def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dtype, stop_at_eos, as_json,
+            spec, draft_max, draft_min, p_min, mtp_path, draft_path, rollback, no_baseline):
+    """Generate N tokens after a prompt (plain or speculative decoding)."""
     from specconv.runtime import load_model
     from specconv.runtime.generate import generate
 
     model = load_model(model_path, device=device, dtype=dtype)
     ids = prompt_ids(model, prompt, tokens)
-    result = generate(model, ids, n_predict, temperature=temperature, seed=seed, stop_at_eos=stop_at_eos)
+    if spec == "none":
+        result = generate(model, ids, n_predict, temperature=temperature, seed=seed, stop_at_eos=stop_at_eos)
+    else:
+        result = _speculative(model, ids, n_predict, spec, temperature, seed, stop_at_eos, draft_max, draft_min, p_min,
+                              mtp_path, draft_path, rollback, not no_baseline)
     if as_json:
         payload = result.to_json()
         payload.update(device=str(model.device), model=str(model_path), temperature=temperature, seed=seed)
@@ -58,3 +76,31 @@ def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dt
     click.echo(result.text)
     rate = len(result.tokens) / result.seconds if result.seconds > 0 else float("inf")
     click.echo(f"[{len(result.tokens)} tokens in {result.seconds:.2f} s, {rate:.1f} tok/s on {model.device}]", err=True)
+    s = result.stats.get("speculative")
+    if s:
+        speedup = f", speed-up {s['speedup']:.2f}x" if s.get("speedup") else ""
+        click.echo(f"[{s['drafter']}: accepted {s['accepted']}/{s['drafted']} drafts, "
+                   f"{s['tokens_per_target_forward']:.2f} tokens per target forward{speedup}]", err=True)
+
+
+def _speculative(model, ids, n_predict, spec, temperature, seed, stop_at_eos, draft_max, draft_min, p_min, mtp_path,
+                 draft_path, rollback, baseline):
+    """--spec: the speculative loop; its JSON adds `speculative` with verify's key names."""
+    from specconv.runtime.generate import generate
+    from specconv.runtime.speculative import SpecConfig, build_drafter, measure_speedup, speculative_generate
+
+    if mtp_path and spec != "mtp" or draft_path and spec != "draft":
+        raise SpecconvError("--mtp goes with --spec mtp, --draft with --spec draft")
+    n_ctx = len(ids) + n_predict + draft_max + 2
+    drafter = build_drafter(spec, model, n_ctx, draft_max, mtp_path=mtp_path, draft_path=draft_path)
+    cfg = SpecConfig(draft_max=draft_max, draft_min=draft_min, p_min=p_min, temperature=temperature, seed=seed,
+                     rollback=rollback, stop_at_eos=stop_at_eos)
+    if baseline:  # first calls pay one-time costs (allocator, kernels): keep them out of both timings
+        speculative_generate(model, drafter, ids[:1], 2, cfg)
+        generate(model, ids[:1], 2)
+    result = speculative_generate(model, drafter, ids, n_predict, cfg, n_ctx=n_ctx)
+    if baseline:
+        measure_speedup(model, result, temperature=temperature, seed=seed)
+    else:
+        result.stats["speculative"]["speedup"] = None
+    return result
