@@ -28,9 +28,12 @@ from .base import Checkpoint, MetaKV, Role, text_config
 from .errors import SpecconvError
 from .nextn_moe import NextnMoePlugin, _Plan
 
-# Layer counts for which llama.cpp's loader takes a "lite" model (no q_lora_rank read) when the
-# vocabulary is 128256 (gguf-layout.md §7.5).
-_LITE_LAYERS = (26, 27, 48)
+
+
+def llamacpp_reads_as_lite(n_layer: int, vocab: int) -> bool:
+    """llama.cpp's deepseek2 loader treats these trunk sizes as DeepSeek-V2-Lite and never reads
+    q_lora_rank (src/models/deepseek2.cpp `is_lite`)."""
+    return n_layer in (26, 27) or (n_layer == 48 and vocab == 128256)
 
 
 def kv_b_keys(ts: list[torch.Tensor], nh: int, dn: int, dv: int) -> torch.Tensor:
@@ -87,9 +90,9 @@ class Deepseek2(NextnMoePlugin):
             raise SpecconvError("config.json: attention_bias=true is not supported (llama.cpp's deepseek2 has no "
                                 "attention biases)")
         self.rope_interleave = bool(tc.get("rope_interleave", True))
-        if self.q_lora is not None and hp.n_layer + self._k in _LITE_LAYERS and hp.vocab == 128256:
-            raise SpecconvError(f"a deepseek2 file with {hp.n_layer + self._k} blocks and vocabulary 128256 is read "
-                                f"by llama.cpp as DeepSeek-V2-Lite, which ignores q_lora_rank")
+        if self.q_lora is not None and llamacpp_reads_as_lite(hp.n_layer, hp.vocab):
+            raise SpecconvError(f"a deepseek2 model with {hp.n_layer} layers and vocabulary {hp.vocab} is read by "
+                                f"llama.cpp as DeepSeek-V2-Lite, which ignores q_lora_rank (q_a/q_b projections)")
 
     @property
     def gguf_arch(self) -> str:
@@ -134,8 +137,8 @@ class Deepseek2(NextnMoePlugin):
         u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
         self._common_head_kv(put, keep_mtp, 1)  # MLA is written as MQA over the latent
         put(Keys.LLM.VOCAB_SIZE, hp.vocab, u32)
-        if self.q_lora is not None:
-            put(Keys.Attention.Q_LORA_RANK, self.q_lora, u32)
+        # 0 = a plain attn_q; llama.cpp needs the key except for its "lite" layer counts
+        put(Keys.Attention.Q_LORA_RANK, self.q_lora or 0, u32)
         put(Keys.Attention.KV_LORA_RANK, self.kv_lora, u32)
         put(Keys.Attention.KEY_LENGTH, self.kv_lora + self.dr, u32)
         put(Keys.Attention.VALUE_LENGTH, self.kv_lora, u32)

@@ -1,0 +1,171 @@
+"""deepseek2 plugin: a tiny DeepSeek-V3 with its MTP layer (kept as nextn, beyond llama.cpp's own
+converter) converts in every MTP mode; MLA is written the way llama.cpp's MLA path loads it
+(kv_b split per head, one latent KV head); the gating function is explicit; YaRN and
+rope_interleave=False configs also match. llama.cpp loads every file and matches transformers
+(trunk) and MtpModel (nextn head); embedded and sidecar files give llama.cpp MTP contexts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from specconv.archs import SpecconvError
+from specconv.convert.gguf_io import open_gguf
+from tests.fixtures import tiny_glm_deepseek as tiny
+from tests.fixtures.gguf_files import convert_gguf
+
+FAMILY = "deepseek2"
+N = tiny.N_LAYERS
+IDS = [int(x) for x in np.random.default_rng(11).integers(0, tiny.VOCAB - 3, 40)]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("ds")
+
+
+@pytest.fixture(scope="module")
+def conv(root):
+    return tiny.converted(FAMILY, root)
+
+
+@pytest.fixture(scope="module")
+def cfg(conv):
+    return json.loads((conv[0] / "config.json").read_text())
+
+
+def test_modes_block_counts_and_tensor_sets(conv):
+    _, files = conv
+    emb, none, only = (open_gguf(files[m]) for m in ("embed", "none", "only"))
+    assert emb.block_count() == N + 1 and emb.nextn_layers() == 1
+    assert none.block_count() == N and none.get("deepseek2.nextn_predict_layers") is None
+    assert only.block_count() == N + 1 and only.nextn_layers() == 1
+    mtp_names = {n for n in emb.tensors if n.startswith(f"blk.{N}.")}
+    assert set(none.tensors) == set(emb.tensors) - mtp_names
+    assert set(only.tensors) == mtp_names | {"token_embd.weight", "output_norm.weight", "output.weight"}
+    for part in ("eh_proj", "enorm", "hnorm", "shared_head_norm", "embed_tokens", "shared_head_head"):
+        assert f"blk.{N}.nextn.{part}.weight" in emb.tensors
+    # the nextn block is a full MLA + MoE block
+    for name in ("attn_q_a", "attn_q_b", "attn_kv_a_mqa", "attn_k_b", "attn_v_b", "ffn_norm", "ffn_gate_inp"):
+        assert f"blk.{N}.{name}.weight" in emb.tensors
+    assert f"blk.{N}.exp_probs_b.bias" in emb.tensors
+    sep, side = open_gguf(files["separate"]), open_gguf(files["mtp-separate"])
+    for a, b in ((sep, none), (side, only)):
+        assert set(a.tensors) == set(b.tensors)
+        for name in a.tensors:
+            assert np.array_equal(a.tensors[name].raw(), b.tensors[name].raw()), name
+
+
+def test_mla_metadata(conv, cfg):
+    f = open_gguf(conv[1]["embed"])
+    g = lambda k: f.get(f"deepseek2.{k}")  # noqa: E731
+    kvl, dn, dr, dv = cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    assert g("attention.head_count") == cfg["num_attention_heads"]
+    assert g("attention.head_count_kv") == 1  # MLA as MQA over the latent
+    assert g("attention.q_lora_rank") == cfg["q_lora_rank"] and g("attention.kv_lora_rank") == kvl
+    assert g("attention.key_length") == kvl + dr and g("attention.value_length") == kvl
+    assert g("attention.key_length_mla") == dn + dr and g("attention.value_length_mla") == dv
+    assert g("rope.dimension_count") == dr
+    assert g("vocab_size") == cfg["vocab_size"]
+    assert g("expert_gating_func") == 2  # must be explicit: llama.cpp's deepseek2 default is softmax
+    assert g("expert_weights_scale") == pytest.approx(cfg["routed_scaling_factor"])
+    assert g("leading_dense_block_count") == cfg["first_k_dense_replace"]
+    assert g("expert_group_count") == cfg["n_group"] and g("expert_group_used_count") == cfg["topk_group"]
+    assert g("rope.scaling.type") is None
+
+
+def test_kv_b_split_per_head(conv, cfg):
+    src, files = conv
+    hf = load_file(str(src / "model.safetensors"))
+    f = open_gguf(files["embed"])
+    nh, kvl, dn, dv = cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    for i in (0, N):
+        kv_b = hf[f"model.layers.{i}.self_attn.kv_b_proj.weight"].numpy()
+        k_b, v_b = f.tensors[f"blk.{i}.attn_k_b.weight"], f.tensors[f"blk.{i}.attn_v_b.weight"]
+        assert k_b.shape == (dn, kvl, nh) and v_b.shape == (kvl, dv, nh)  # ggml order (gguf-layout §7.5)
+        k_b, v_b = k_b.to_float32(), v_b.to_float32()
+        for h in range(nh):
+            rows = kv_b[h * (dn + dv):(h + 1) * (dn + dv)]
+            assert np.array_equal(k_b[h], rows[:dn].T)
+            assert np.array_equal(v_b[h], rows[dn:])
+        # the routing bias and post-attention norm land where llama.cpp reads them
+    assert np.array_equal(f.tensors["blk.1.exp_probs_b.bias"].to_float32(),
+                          hf["model.layers.1.mlp.gate.e_score_correction_bias"].numpy())
+    assert np.array_equal(f.tensors["blk.1.ffn_norm.weight"].to_float32(),
+                          hf["model.layers.1.post_attention_layernorm.weight"].numpy())
+
+
+def test_yarn_keys(root):
+    src, files = tiny.converted(FAMILY, root, yarn=True)
+    rope = json.loads((src / "config.json").read_text())["rope_parameters"]
+    f = open_gguf(files["embed"])
+    g = lambda k: f.get(f"deepseek2.{k}")  # noqa: E731
+    assert g("rope.scaling.type") == "yarn"
+    assert g("rope.scaling.factor") == pytest.approx(rope["factor"])
+    assert g("rope.scaling.original_context_length") == rope["original_max_position_embeddings"]
+    assert g("rope.scaling.yarn_beta_fast") == pytest.approx(rope["beta_fast"])
+    assert g("rope.scaling.yarn_log_multiplier") == pytest.approx(0.1 * rope["mscale_all_dim"])  # legacy encoding
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"num_nextn_predict_layers": 3}, "num_nextn_predict_layers=3"),
+    ({"n_group": 8}, "expert groups"),  # groups must be fewer than experts
+    ({"qk_rope_head_dim": 7}, "shape|even"),
+    ({"num_hidden_layers": 27}, "Lite"),  # llama.cpp would ignore q_lora_rank and miss attn_q
+])
+def test_bad_configs_are_refused(conv, change, message):
+    from specconv.archs.base import Checkpoint, SourceTensor
+    from specconv.archs.deepseek2 import Deepseek2
+
+    cfg = json.loads((conv[0] / "config.json").read_text())
+    cfg.update(change)
+    tensors = {}
+    for k, v in load_file(str(conv[0] / "model.safetensors")).items():
+        name = Deepseek2.normalize_name(k)
+        tensors[name] = SourceTensor(name, tuple(v.shape), "F32")
+    with pytest.raises(SpecconvError, match=message):
+        Deepseek2(Checkpoint(cfg, tensors)).tensor_plan()
+
+
+# ------------------------------------------------------------------ llama.cpp vs transformers
+
+@pytest.mark.parametrize("variant", [{}, {"yarn": True}, {"yarn": True, "rope_interleave": False}],
+                         ids=["default", "yarn", "yarn-rotate-half"])
+def test_llamacpp_trunk_logits_equal_transformers(root, llama_peer, variant):
+    src, files = tiny.converted(FAMILY, root, **variant)
+    ref, _ = tiny.hf_trunk(src, IDS)  # 40 positions: past YaRN's original context of 16
+    for mode in ("embed", "none"):
+        diff = float(np.abs(llama_peer.llama_logits(files[mode], IDS) - ref).max())
+        print(f"deepseek2 {variant} llama.cpp vs transformers trunk logits ({mode}): max |Δ| = {diff:.3g}")
+        assert diff < 1e-4
+
+
+@pytest.mark.parametrize("variant", [{}, {"yarn": True}], ids=["default", "yarn"])
+def test_llamacpp_mtp_contexts_and_logits_equal_mtpmodel(root, llama_peer, variant):
+    src, files = tiny.converted(FAMILY, root, **variant)
+    _, hidden = tiny.hf_trunk(src, IDS)
+    ref = tiny.hf_mtp_llamacpp_rows(src, IDS, hidden)
+    for target, head in (("embed", None), ("separate", "mtp-separate"), ("none", "only")):
+        assert llama_peer.llama_mtp_context_ok(files[target], None if head is None else files[head])
+        got = llama_peer.llama_mtp_logits(files[target], IDS, None if head is None else files[head], hidden=hidden)
+        diff = float(np.abs(got - ref).max())
+        print(f"deepseek2 {variant} llama.cpp MTP head ({target}+{head or 'embedded'}) vs MtpModel: "
+              f"max |Δ| = {diff:.3g}")
+        assert diff < 1e-4
+
+
+def test_q_lora_free_variant_runs_in_llamacpp(tmp_path, llama_peer):
+    """q_lora_rank = null (DeepSeek-V2-Lite style attention): a plain attn_q."""
+    src = tiny.build_tiny(tmp_path / "noq", FAMILY, mtp=False, q_lora_rank=None)
+    out = convert_gguf(src, tmp_path / "noq.gguf", mtp="none")
+    f = open_gguf(out)
+    assert "blk.0.attn_q.weight" in f.tensors and "blk.0.attn_q_a.weight" not in f.tensors
+    ref, _ = tiny.hf_trunk(src, IDS)
+    diff = float(np.abs(llama_peer.llama_logits(out, IDS) - ref).max())
+    print(f"deepseek2 q_lora_rank=null llama.cpp vs transformers: max |Δ| = {diff:.3g}")
+    assert diff < 1e-4
