@@ -113,7 +113,7 @@ def _emit(summary: dict, as_json: bool, dry_run: bool) -> None:
 
     from specconv.convert.plan_report import human_bytes
 
-    console = Console(soft_wrap=True)
+    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)  # pipes: no cut names
     err = Console(stderr=True)
     for notice in summary["notices"]:
         err.print(f"[yellow]note:[/] {notice}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -29,7 +30,7 @@ def command(file, as_json, all_tensors):
     if as_json:
         click.echo(json.dumps(info, indent=2, ensure_ascii=False))
         return
-    console = Console(soft_wrap=True)
+    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)  # pipes: no cut names
     shards = f" ({len(info['shards'])} shards)" if len(info["shards"]) > 1 else ""
     console.print(f"[bold]{Path(info['path']).name}[/]{shards}: arch [bold]{info['arch']}[/], {info['kind']} "
                   f"(serves: {', '.join(info['serves']) or 'nothing'}), block_count {info['block_count']}, "
