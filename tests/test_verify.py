@@ -47,7 +47,8 @@ def _tensor_view(path, name) -> np.ndarray:
 
 
 def test_clean_model_passes(tmp_path, prompts):
-    code, rep = verify(tmp_path, prompts, speculative_models.gguf("embedded"), "--hf", speculative_models.checkpoint())
+    code, rep = verify(tmp_path, prompts, speculative_models.gguf("embedded"), "--hf", speculative_models.checkpoint(),
+                       "--temperature", "0.8")
     print(f"clean: parity {rep['parity']}, speculative exact {rep['speculative']['exact']}")
     assert code == 0 and rep["passed"] and not failed(rep)
     assert {"passed", "checks", "parity", "speculative"} <= set(rep)
@@ -56,7 +57,17 @@ def test_clean_model_passes(tmp_path, prompts):
             "tokens_per_target_forward", "bound", "speedup", "rollback"}
     assert keys <= set(rep["speculative"]) and rep["speculative"]["exact"] is True
     names = {c["name"] for c in rep["checks"]}
-    assert {"greedy exact: mtp", "greedy exact: ngram", "parity: MTP head vs transformers MtpModel"} <= names
+    assert {"greedy exact: mtp", "greedy exact: ngram", "parity: MTP head vs transformers MtpModel",
+            "distribution at T=0.8 (compare rule)"} <= names
+
+
+def test_release_layout_moe_passes(tmp_path, prompts):
+    # the Hub layout (model.language_model.*, fused 3-D experts, nested text_config) as --hf
+    kw = dict(moe=True, layout="release")
+    code, rep = verify(tmp_path, prompts, speculative_models.gguf("embedded", **kw), "--hf",
+                       speculative_models.checkpoint(**kw))
+    print(f"release-layout MoE: parity {rep['parity']}")
+    assert code == 0 and not failed(rep) and rep["parity"]["mtp"] is not None
 
 
 def test_perturbed_mtp_tensor_fails(tmp_path, prompts):
