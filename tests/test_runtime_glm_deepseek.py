@@ -1,0 +1,173 @@
+"""specconv's runtime on converted tiny GLM-4.5 (glm4moe) and DeepSeek-V3 (deepseek2) files.
+
+* MAIN logits (one batch, and a cached prefill + decode) equal transformers' forward;
+* the MTP head equals transformers' MtpModel on llama.cpp's rows and on transformers' rows, from
+  the embedded file and from the mtp- sidecar (weights shared with the trunk);
+* the MTP drafter's greedy draft chain equals llama.cpp's draft-mtp chain on the same file;
+* greedy speculative decoding (MTP and n-gram drafters, snapshot and checkpoint rollback) returns
+  exactly plain greedy decoding, which equals transformers' greedy generate;
+* `specconv verify` passes on the converted files and fails on a planted defect.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from specconv.runtime import Context, GraphType, load_model
+from specconv.runtime.drafters import MtpDrafter, NgramDrafter
+from specconv.runtime.generate import generate
+from specconv.runtime.speculative import SpecConfig, speculative_generate
+from tests.fixtures import tiny_glm_deepseek as tiny
+from tests.fixtures.hf_reference import llamacpp_mtp_rows
+
+IDS = [int(x) for x in np.random.default_rng(3).integers(0, tiny.VOCAB - 3, 40)]
+VARIANTS = {"glm4moe": ("glm4moe", {}), "deepseek2": ("deepseek2", {}), "deepseek2-yarn": ("deepseek2", {"yarn": True})}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("rt")
+
+
+def _conv(root, variant):
+    family, kw = VARIANTS[variant]
+    return tiny.converted(family, root, **kw)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_main_logits_equal_transformers(root, variant):
+    src, files = _conv(root, variant)
+    ref, ref_h = tiny.hf_trunk(src, IDS)
+    model = load_model(files["embed"], device="cpu")
+    ctx = Context(model, GraphType.MAIN, n_ctx=64)
+    out = ctx.decode(IDS)
+    diff = float(np.abs(out.logits.numpy() - ref).max())
+    dh = float(np.abs(out.hidden["post_norm"].numpy() - ref_h).max())
+    ctx.clear()
+    steps = [ctx.decode(IDS[:17]).logits] + [ctx.decode([t]).logits for t in IDS[17:]]
+    diff_cached = float(np.abs(torch.cat(steps).numpy() - ref).max())
+    trunk = load_model(files["none"], device="cpu")
+    diff_trunk = float(np.abs(Context(trunk, GraphType.MAIN, n_ctx=64).decode(IDS).logits.numpy() - ref).max())
+    print(f"{variant} runtime MAIN vs transformers: max |Δlogit| = {diff:.3g} (post-norm hidden {dh:.3g}); "
+          f"prefill+decode {diff_cached:.3g}; trunk-only file {diff_trunk:.3g}")
+    assert max(diff, dh, diff_cached, diff_trunk) < 1e-4
+    assert model.serves == {GraphType.MAIN, GraphType.MTP} and trunk.serves == {GraphType.MAIN}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_mtp_logits_equal_mtpmodel(root, variant):
+    src, files = _conv(root, variant)
+    _, h = tiny.hf_trunk(src, IDS)
+    ref_llama_rows = tiny.hf_mtp_llamacpp_rows(src, IDS, h)
+    tok_t, pos_t = IDS[1:], list(range(1, len(IDS)))  # transformers' rows (x_{t+1}, h_t) at t+1
+    ref_hf_rows = tiny.hf_mtp_forward(src, tok_t, h[:-1], pos_t)[0]
+    trunk = load_model(files["none"], device="cpu")
+    heads = {"embedded": load_model(files["embed"], device="cpu"),
+             "sidecar": load_model(files["only"], device="cpu", share_from=trunk)}
+    assert heads["sidecar"].serves == {GraphType.MTP}
+    for kind, head in heads.items():
+        t, rows, pos = llamacpp_mtp_rows(IDS, h)
+        got = Context(head, GraphType.MTP, n_ctx=64).decode(t, pos, hidden_in=torch.tensor(rows)).logits.numpy()
+        got_hf = Context(head, GraphType.MTP, n_ctx=64).decode(tok_t, pos_t, hidden_in=torch.tensor(h[:-1]))
+        d1 = float(np.abs(got - ref_llama_rows).max())
+        d2 = float(np.abs(got_hf.logits.numpy() - ref_hf_rows).max())
+        print(f"{variant} runtime MTP ({kind}) vs MtpModel: max |Δlogit| = {d1:.3g} (llama.cpp rows), "
+              f"{d2:.3g} (transformers rows)")
+        assert d1 < 1e-4 and d2 < 1e-4
+
+
+@pytest.mark.parametrize("variant", ["glm4moe", "deepseek2"])
+def test_mtp_draft_chain_equals_llamacpp(root, variant, llama_peer):
+    src, files = _conv(root, variant)
+    prompt, n_draft = IDS[:20], 4
+    id_last, drafts, ref_logits = llama_peer.llama_mtp_draft(files["none"], prompt, n_draft, files["only"])
+    target = load_model(files["none"], device="cpu")
+    head = load_model(files["only"], device="cpu", share_from=target)
+    out = Context(target, GraphType.MAIN, n_ctx=64).decode(prompt)
+    assert int(out.logits[-1].argmax()) == id_last
+    drafter = MtpDrafter(head, 64, target)
+    drafter.start(prompt, out.hidden["post_norm"])
+    ours = drafter.draft(id_last, n_draft).tokens
+    print(f"{variant} MTP draft chain: ours {ours}, llama.cpp {drafts}")
+    assert ours == drafts
+
+
+@pytest.mark.parametrize("variant", ["glm4moe", "deepseek2"])
+@pytest.mark.parametrize("rollback", ["snapshot", "checkpoint"])
+def test_greedy_speculative_equals_plain(root, variant, rollback):
+    src, files = _conv(root, variant)
+    n = 16
+    target = load_model(files["none"], device="cpu")
+    head = load_model(files["only"], device="cpu", share_from=target)
+    embedded = load_model(files["embed"], device="cpu")
+    for prompt in (IDS[:1], IDS[:12], [5, 17, 42, 99, 3, 5, 17, 42, 99, 3, 5, 17]):
+        plain = generate(target, prompt, n).tokens
+        assert plain == tiny.hf_greedy(src, prompt, n)  # the plain loop itself against transformers
+        for name, drafter, tgt in (("mtp-sidecar", MtpDrafter(head, 64, target), target),
+                                   ("mtp-embedded", MtpDrafter(embedded, 64, embedded), embedded),
+                                   ("ngram", NgramDrafter(), target)):
+            res = speculative_generate(tgt, drafter, prompt, n, SpecConfig(draft_max=3, rollback=rollback))
+            s = res.stats["speculative"]
+            print(f"{variant} {rollback} {name} prompt[{len(prompt)}]: accepted {s['accepted']}/{s['drafted']}")
+            assert res.tokens == plain, (name, prompt)
+
+
+# ------------------------------------------------------------------ specconv verify
+
+def _verify(args, tmp_path):
+    from click.testing import CliRunner
+
+    from specconv import cli as cli_module
+
+    if "verify" not in cli_module.COMMANDS:
+        pytest.skip("`specconv verify` is not registered yet")
+    report = tmp_path / "report.json"
+    result = CliRunner().invoke(cli_module.cli, ["verify", *map(str, args), "-n", "6", "--draft-max", "2",
+                                                 "--device", "cpu", "--json", str(report)])
+    return result.exit_code, json.loads(report.read_text()) if report.exists() else None, result.output
+
+
+def _plant(path, dst, tensor, fn):
+    """Copy a GGUF and rewrite one F32 tensor's bytes in place (same size, so the file stays valid)."""
+    from gguf import GGUFReader
+
+    shutil.copy(path, dst)
+    reader = GGUFReader(dst, "r+")
+    t = next(t for t in reader.tensors if t.name == tensor)
+    t.data[...] = fn(np.array(t.data))
+    reader.data.flush()
+    return dst
+
+
+def test_verify_passes_and_catches_planted_defects(root, tmp_path):
+    src, files = _conv(root, "glm4moe")
+    code, report, out = _verify([files["embed"], "--hf", src], tmp_path)
+    assert code == 0 and report["passed"], out
+    parity = {c["name"]: c["passed"] for c in report["checks"]}
+    assert any("MTP" in n for n in parity), parity  # the MTP head was compared too
+    print(f"glm4moe verify (embedded): passed; max |Δlogit| {report['parity']['max_abs_logit_diff']:.3g}")
+
+    src_d, files_d = _conv(root, "deepseek2")
+    code, report, out = _verify([files_d["none"], "--mtp", files_d["only"], "--hf", src_d], tmp_path)
+    assert code == 0 and report["passed"], out
+    print(f"deepseek2 verify (trunk + sidecar): passed; max |Δlogit| {report['parity']['max_abs_logit_diff']:.3g}")
+
+    # a routing bias zeroed in the sidecar's nextn block: only the MTP head is wrong
+    bad_head = _plant(files_d["only"], tmp_path / "mtp-bad.gguf", f"blk.{tiny.N_LAYERS}.exp_probs_b.bias",
+                      np.zeros_like)
+    code, report, out = _verify([files_d["none"], "--mtp", bad_head, "--hf", src_d], tmp_path)
+    failed = [c["name"] for c in report["checks"] if not c["passed"]]
+    print(f"deepseek2 verify with a zeroed nextn routing bias: exit {code}, failed {failed}")
+    assert code != 0 and not report["passed"] and any("MTP" in n for n in failed)
+
+    # GLM attention key biases reversed in block 1: the trunk parity fails
+    bad_trunk = _plant(files["embed"], tmp_path / "bad.gguf", "blk.1.attn_k.bias", lambda a: a[::-1].copy())
+    code, report, out = _verify([bad_trunk, "--hf", src], tmp_path)
+    failed = [c["name"] for c in report["checks"] if not c["passed"]]
+    print(f"glm4moe verify with reversed attn_k.bias: exit {code}, failed {failed}")
+    assert code != 0 and not report["passed"] and any("trunk" in n for n in failed)
