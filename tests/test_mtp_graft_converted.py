@@ -245,3 +245,52 @@ def test_moe_round_trip_and_llama_cpp_mtp(converted_moe):
     diff = np.abs(logits - _mtp_reference(src, hidden)).max()
     print(f"qwen35moe grafted file, llama.cpp MTP logits vs transformers: max |dlogit| = {diff:.2e}")
     assert diff < 1e-4
+
+
+# --- specconv verify ----------------------------------------------------------------------------
+
+VERIFY_FAST = ["-n", "6", "--draft-max", "2", "--device", "cpu"]
+
+
+def _verify(root: Path, *args) -> tuple[int, dict]:
+    import json
+
+    prompts = root / "prompts.txt"
+    prompts.write_text("def f(x):\\n    return x\nimport os\n")
+    report = root / "verify-report.json"
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["verify", *map(str, args), "--prompts", str(prompts), "--json", str(report), *VERIFY_FAST])
+    return exc.value.code, json.loads(report.read_text())
+
+
+def _once(root: Path) -> None:
+    if not root.name.startswith("specconv"):
+        pytest.skip("verify runs once per session, on the specconv-converted files")
+
+
+def test_verify_passes_head_grafted_onto_q8_0_trunk(converted):
+    # No --hf: a q8_0 trunk is not expected to match the f32 checkpoint to parity tolerance; the
+    # structure, greedy exactness of MTP speculation and the statistics checks must all pass.
+    src, root, files = converted
+    _once(root)
+    out = root / "graft-q8-verify.gguf"
+    mtp("merge", files[("trunk", "q8_0")], files[("sidecar", "f32")], "-o", out, "--force")
+    code, report = _verify(root, out)
+    failed = {c["name"]: c["detail"] for c in report["checks"] if not c["passed"]}
+    print(f"verify on the q8_0 graft: exit {code}, {len(report['checks'])} checks, failed {failed}")
+    assert code == 0 and report["passed"] and not failed
+    assert report["speculative"]["exact"] is True
+
+
+def test_verify_with_parity_passes_f32_graft_and_extracted_sidecar(converted):
+    src, root, files = converted
+    _once(root)
+    side = root / "mtp-verify.gguf"
+    mtp("extract", files[("embedded", "f32")], "-o", side, "--force")
+    out = root / "graft-f32-verify.gguf"
+    mtp("merge", files[("trunk", "f32")], side, "-o", out, "--force")
+    for args in ((out,), (files[("trunk", "f32")], "--mtp", side)):
+        code, report = _verify(root, *args, "--hf", src)
+        print(f"verify {' '.join(Path(str(a)).name for a in args)} --hf: exit {code}, "
+              f"parity {report['parity']['max_abs_logit_diff']:.2e}")
+        assert code == 0 and report["passed"], [c for c in report["checks"] if not c["passed"]]
