@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import torch
+
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import ROLLBACK_MODES, Context
 from specconv.runtime.drafters import Draft, Drafter
@@ -66,6 +68,21 @@ class Round:
     rule: str
 
 
+def hidden_request(drafter: Drafter) -> tuple[str, ...]:
+    """The target hidden states a drafter needs: its `target_hidden` (EAGLE-3: "layer:J" for its three
+    layers), else the post-norm rows; none when it needs no hidden states."""
+    if not drafter.needs_hidden:
+        return ()
+    return tuple(getattr(drafter, "target_hidden", ("post_norm",)))
+
+
+def drafter_rows(hidden: dict, want: Sequence[str]):
+    """The rows given to the drafter: the requested hidden states concatenated in order (None if none)."""
+    if not want:
+        return None
+    return hidden[want[0]] if len(want) == 1 else torch.cat([hidden[name] for name in want], dim=-1)
+
+
 def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequence[int], n_predict: int,
                          config: SpecConfig | None = None, n_ctx: int | None = None,
                          on_round: Callable[[Context, Round], None] | None = None) -> GenerationResult:
@@ -77,14 +94,14 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
         raise SpecconvError("generate: the prompt is empty")
     n_ctx = n_ctx or len(prompt) + n_predict + cfg.draft_max + 2
     ctx = Context(target, GraphType.MAIN, n_ctx=n_ctx, n_rs_seq=cfg.draft_max, rollback=cfg.rollback)
-    want = ("post_norm",) if drafter.needs_hidden else ()
+    want = hidden_request(drafter)
     gen = make_generator(cfg.seed)
     stats = SpecStats(cfg.draft_max)
     out_tokens: list[int] = []
     start = time.perf_counter()
     if n_predict > 0:
         prefix, id_last = prompt[:-1], prompt[-1]
-        hidden = ctx.decode(prefix, hidden=want, logits=None).hidden.get("post_norm") if prefix else None
+        hidden = drafter_rows(ctx.decode(prefix, hidden=want, logits=None).hidden, want) if prefix else None
         drafter.start(prefix, hidden)
         while len(out_tokens) < n_predict:
             pos0 = ctx.n_past()
@@ -126,7 +143,7 @@ def _round(ctx: Context, drafter: Drafter, id_last: int, draft: Draft, cfg: Spec
         elif not ctx.seq_rm(0, pos0 + j + 1):
             raise SpecconvError(f"rollback of {len(drafts) - j} position(s) is outside the snapshot ring "
                                 f"(n_rs_seq={ctx.n_rs_seq})")
-    drafter.accept(j, batch, out.hidden.get("post_norm"))
+    drafter.accept(j, batch, drafter_rows(out.hidden, want))
     if on_round is not None:
         on_round(ctx, Round(pos0, drafts, j, t, rule))
     new = drafts[:j] + [t]

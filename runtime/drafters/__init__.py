@@ -69,8 +69,9 @@ def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator 
 
 
 from specconv.runtime.drafters.draft_model import DraftModelDrafter  # noqa: E402
+from specconv.runtime.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 from specconv.runtime.drafters.mtp import MtpDrafter  # noqa: E402
 from specconv.runtime.drafters.ngram import NgramDrafter  # noqa: E402
 
-__all__ = ["Draft", "Drafter", "DraftModelDrafter", "MtpDrafter", "NgramDrafter", "best_candidate_probability",
-           "choose"]
+__all__ = ["Draft", "Drafter", "DraftModelDrafter", "Eagle3Drafter", "MtpDrafter", "NgramDrafter",
+           "best_candidate_probability", "choose"]

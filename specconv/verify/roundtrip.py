@@ -25,7 +25,7 @@ from specconv.runtime.model import Model
 from specconv.runtime.sampling import make_generator, probabilities
 from specconv.runtime.spec_rules import verify_rows
 from specconv.runtime.spec_stats import SpecStats
-from specconv.runtime.speculative import SpecConfig, speculative_generate
+from specconv.runtime.speculative import SpecConfig, drafter_rows, hidden_request, speculative_generate
 
 DIST_TRIALS = 4000
 DIST_ALPHA = 1e-3
@@ -94,9 +94,9 @@ def distribution_check(target: Model, drafter: Drafter, prompts, temperature: fl
     gen = make_generator(seed)
     for prompt in prompts:
         ctx = Context(target, GraphType.MAIN, n_ctx=len(prompt) + 2, n_rs_seq=1)
-        want = ("post_norm",) if drafter.needs_hidden else ()
+        want = hidden_request(drafter)
         prefix = prompt[:-1]
-        hidden = ctx.decode(prefix, hidden=want, logits=None).hidden.get("post_norm") if prefix else None
+        hidden = drafter_rows(ctx.decode(prefix, hidden=want, logits=None).hidden, want) if prefix else None
         drafter.start(prefix, hidden)
         draft = drafter.draft(prompt[-1], 1, 0.0, temperature, gen)
         d = list(draft.tokens) or [0]  # no draft (n-gram without a match): check the rule on token 0

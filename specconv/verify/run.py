@@ -16,8 +16,9 @@ from pathlib import Path
 
 from specconv.errors import SpecconvError
 from specconv.runtime import GraphType, load_model
-from specconv.runtime.drafters import DraftModelDrafter, MtpDrafter, NgramDrafter
+from specconv.runtime.drafters import DraftModelDrafter, Eagle3Drafter, MtpDrafter, NgramDrafter
 from specconv.runtime.drafters.draft_model import check_same_vocabulary
+from specconv.runtime.drafters.eagle3 import check_head_fits_target
 from specconv.runtime.spec_stats import expected_tokens
 from specconv.verify import parity, roundtrip, structure
 from specconv.verify.report import Report
@@ -79,7 +80,10 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
             structure.check_pair(report, target, head, "sidecar")
     elif GraphType.MTP in target.serves:
         head = target
-    if opts.draft:
+    eagle_head = None
+    if opts.draft and _gguf_arch(opts.draft) == "eagle3":
+        eagle_head = _eagle3_head(report, target, opts)
+    elif opts.draft:
         draft_model = _load(report, "draft", opts.draft, opts.device)
         if draft_model is not None:
             structure.check_file(report, draft_model, "draft")
@@ -96,8 +100,35 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
         progress("parity with transformers")
         _parity(report, target, head, Path(opts.hf), prompts)
     progress("speculative round trips")
-    _speculative(report, target, head, draft_model, prompts, opts)
+    _speculative(report, target, head, draft_model, prompts, opts, eagle_head)
     return report
+
+
+def _gguf_arch(path) -> str | None:
+    from specconv.runtime.gguf_file import GGUFModelFile
+
+    try:
+        return GGUFModelFile([Path(path)]).arch
+    except Exception:  # unreadable: _load reports it
+        return None
+
+
+def _eagle3_head(report: Report, target, opts: VerifyOptions):
+    """An EAGLE-3 --draft: loaded next to the target (its embedding / head), checked to belong to it."""
+    head = _load(report, "draft", opts.draft, opts.device, share_from=target)
+    if head is None:
+        return None
+    structure.check_file(report, head, "draft")
+    try:
+        check_head_fits_target(target, head)
+    except SpecconvError as exc:
+        report.add("draft: EAGLE-3 head fits the model", False, str(exc))
+        return None
+    hp = head.hparams
+    report.add("draft: EAGLE-3 head fits the model", True,
+               f"target layers {list(hp.target_layers)} of {target.hparams.n_layer}, width {hp.target_hidden_size}, "
+               f"draft vocabulary {head.weights['output.weight'].shape[0]} of {target.n_vocab}")
+    return head
 
 
 def _load(report: Report, label: str, path, device, share_from=None):
@@ -154,7 +185,7 @@ def _parity(report: Report, target, head, hf_dir: Path, prompts):
         report.parity.update(mtp=mtp, reference=ref + " + MtpModel", max_abs_logit_diff=worst)
 
 
-def _speculative(report: Report, target, head, draft_model, prompts, opts: VerifyOptions):
+def _speculative(report: Report, target, head, draft_model, prompts, opts: VerifyOptions, eagle_head=None):
     n, k = opts.n_predict, opts.draft_max
     n_ctx = max(map(len, prompts)) + n + k + 2
     drafters = {}
@@ -162,6 +193,8 @@ def _speculative(report: Report, target, head, draft_model, prompts, opts: Verif
         drafters["mtp"] = lambda kk: MtpDrafter(head, n_ctx, target)
     if draft_model is not None:
         drafters["draft"] = lambda kk: DraftModelDrafter(draft_model, n_ctx, kk, target)
+    if eagle_head is not None:
+        drafters["eagle3"] = lambda kk: Eagle3Drafter(eagle_head, target, n_ctx)
     drafters["ngram"] = lambda kk: NgramDrafter()
     t0 = time.perf_counter()
     roundtrip.plain_runs(target, [prompts[0][:1]], 2)  # one-time costs out of the timings

@@ -31,6 +31,8 @@ def expected_tensors(model: Model) -> set[str]:
         names |= set(getattr(g, "optional_main_tensors", lambda _: [])(hp))  # e.g. glm4moe attention biases
     if GraphType.MTP in model.serves:
         names |= set(g.mtp_tensors(hp)) | set(g.optional_mtp_tensors(hp))
+    if GraphType.ENCODER in model.serves:  # EAGLE-3 fc (and its optional input norm)
+        names |= set(g.encoder_tensors(hp))
     return names
 
 
@@ -52,7 +54,7 @@ def check_file(report: Report, model: Model, label: str) -> None:
         detail = f"nextn_predict_layers={hp.n_nextn} (blocks {declared}), nextn tensors in blocks {nextn_blocks}"
     report.add(f"{label}: MTP layers vs nextn_predict_layers", ok, detail)
     sizes = {"token_embd rows": model.n_vocab}
-    if "output.weight" in model.weights:
+    if "output.weight" in model.weights and "d2t" not in model.weights:  # with d2t: a draft vocabulary
         sizes["output rows"] = int(model.weights["output.weight"].shape[0])
     tokens = f.get("tokenizer.ggml.tokens")
     if tokens is not None:

@@ -1,0 +1,118 @@
+"""The EAGLE-3 drafter: encoder over three target layers, one-layer decoder with its own KV cache,
+drafts over a reduced vocabulary mapped to target ids (model-math.md §9, speculative.md §5.6).
+
+Rows. The decoder row at position P takes (x_{P+1}, g_P), g_P = fc([H^(l1)_P ; H^(l2)_P ; H^(l3)_P])
+from the target's layer inputs at P. The row of the last committed position waits for the next
+token (`pending_g`), as in llama.cpp's draft-eagle3:
+* `start(prefix, features)`: rows 0..m-2 of the prefix; pending = g_{m-1}.
+* `draft(id_last)`: the seed row (id_last, pending_g) at position n_past-1 gives d_1; then
+  (d_i, out_{i-1}) at n_past-1+i, where out is the decoder's pre-norm output, gives d_{i+1}.
+* `accept(j, batch, features)`: the seed and draft rows go, then rows for the committed part of
+  the batch are written (the pending row completed by batch[0], then (batch[i+1], g_{pos0+i})),
+  and pending = g of the last accepted position. The cache then holds exactly rows 0..n_past-2.
+The decoder's logits span the target vocabulary with -inf outside `d2t`, so greedy drafts are
+always target ids and at T > 0 the draft distribution q is zero outside the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specconv.archs import names
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.context import Context
+from specconv.runtime.drafters import Draft, best_candidate_probability, choose
+from specconv.runtime.drafters.draft_model import check_same_vocabulary
+from specconv.runtime.model import Model
+from specconv.runtime.types import GraphType
+
+
+def check_head_fits_target(target: Model, head: Model) -> None:
+    """A one-line SpecconvError when the EAGLE-3 head was not made for this target."""
+    if head.arch != names.EAGLE3:
+        raise SpecconvError(f"{head.paths[0].name} is not an EAGLE-3 head (arch {head.arch})")
+    hp, n_layer = head.hparams, target.hparams.n_layer
+    if hp.target_hidden_size != target.n_embd:
+        raise SpecconvError(f"the EAGLE-3 head reads target hidden states of width {hp.target_hidden_size}, the "
+                            f"target's are {target.n_embd}: converted against another target")
+    bad = [j for j in hp.target_layers if not 0 <= j <= n_layer]
+    if bad:
+        raise SpecconvError(f"the EAGLE-3 head reads target layer {bad[0]}, but the target has {n_layer} layers "
+                            f"(0..{n_layer}): converted against another target")
+    check_same_vocabulary(target, head)
+    for name in (names.TOKEN_EMBD, names.OUTPUT):
+        if name not in head.weights:
+            raise SpecconvError(f"the EAGLE-3 head has no {name}: load it with load_model(head, share_from=target)")
+    if head.weights[names.TOKEN_EMBD].shape[-1] != head.n_embd:
+        raise SpecconvError(f"the target's token embedding (width {head.weights[names.TOKEN_EMBD].shape[-1]}) does "
+                            f"not fit the head (width {head.n_embd}) and the head has none of its own")
+    d2t = head.weights.get(names.EAGLE3_D2T)
+    if d2t is not None and (int(d2t.min()) < 0 or int(d2t.max()) >= target.n_vocab):
+        raise SpecconvError(f"d2t holds target ids outside [0, {target.n_vocab})")
+
+
+class Eagle3Drafter:
+    name = "eagle3"
+    needs_hidden = True
+
+    def __init__(self, head: Model, target: Model, n_ctx: int):
+        check_head_fits_target(target, head)
+        self.head = head
+        # what the speculative loop asks the target for, concatenated low ‖ mid ‖ high per row
+        self.target_hidden = tuple(f"layer:{j}" for j in head.hparams.target_layers)
+        self.encoder = Context(head, GraphType.ENCODER)
+        self.ctx = Context(head, GraphType.MTP, n_ctx=n_ctx)
+        self.n_committed = 0
+        self.pending_g: torch.Tensor | None = None  # g of position n_committed-1, its row not written yet
+
+    def start(self, prefix: Sequence[int], features: torch.Tensor | None) -> None:
+        self.ctx.clear()
+        self.n_committed, self.pending_g = 0, None
+        if len(prefix):
+            self._commit([int(t) for t in prefix], features)
+
+    def _commit(self, tokens: list[int], features: torch.Tensor | None) -> None:
+        """Committed tokens at positions n_committed.. with their target feature rows."""
+        if features is None or features.shape[0] < len(tokens):
+            raise SpecconvError("EAGLE-3 drafter: the target's layer hidden states are missing")
+        g = self.encoder.encode(features[:len(tokens)]).hidden["g"]
+        row_tokens, row_g = list(tokens[1:]), [g[:-1]]
+        first = self.n_committed
+        if self.pending_g is not None:  # the waiting row of position n_committed-1 gets its token now
+            row_tokens.insert(0, tokens[0])
+            row_g.insert(0, self.pending_g.reshape(1, -1))
+            first -= 1
+        if row_tokens:
+            self.ctx.decode(row_tokens, positions=list(range(first, first + len(row_tokens))),
+                            hidden_in=torch.cat(row_g), logits=None)
+        self.pending_g = g[-1].clone()
+        self.n_committed += len(tokens)
+
+    def draft(self, id_last: int, n_max: int, p_min: float = 0.0, temperature: float = 0.0,
+              generator: torch.Generator | None = None) -> Draft:
+        if n_max <= 0 or self.pending_g is None:  # no committed position yet: nothing to condition on
+            return Draft([])
+        pos, token, g = self.n_committed - 1, int(id_last), self.pending_g
+        tokens, rows = [], []
+        for i in range(n_max):
+            out = self.ctx.decode([token], positions=[pos + i], hidden_in=g.reshape(1, -1))
+            logits = out.logits[-1]
+            if p_min > 0 and best_candidate_probability(logits) < p_min:
+                break
+            token, q = choose(logits, temperature, generator)
+            tokens.append(token)
+            rows.append(q)
+            g = out.hidden["nextn"][-1]
+        probs = torch.stack(rows) if tokens and rows[0] is not None else None
+        return Draft(tokens, probs)
+
+    def accept(self, n_accepted: int, batch: Sequence[int], features: torch.Tensor | None) -> None:
+        # drop the seed row (position n_committed-1) and the draft rows; they are rewritten as committed rows
+        self.ctx.seq_rm(0, self.n_committed - 1 if self.pending_g is not None else self.n_committed)
+        self._commit([int(t) for t in batch[:n_accepted + 1]], features)
+
+    def committed_rows(self) -> int:
+        """Rows in the decoder cache (n_past - 1 after every round: the last one is pending)."""
+        return self.ctx.n_past()
