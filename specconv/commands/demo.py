@@ -1,0 +1,46 @@
+"""`specconv demo`: convert, verify and run the bundled tiny Qwen3.5 + MTP model (exit 0 only if all passed)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command("demo")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep the converted files in this folder (default: a temporary folder, removed afterwards).")
+@click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
+@click.option("-n", "--n-predict", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Tokens generated per prompt.")
+@click.option("--draft-max", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Largest draft length; the acceptance table has draft_max 1..K.")
+@click.option("--outtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
+              help="Storage type of the converted weight matrices.")
+@click.option("--prompts", "n_prompts", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Held-out prompts in the acceptance table.")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Timed repeats (the median is reported).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of tables.")
+def command(out, device, n_predict, draft_max, outtype, n_prompts, repeats, as_json):
+    """Convert the bundled model (embedded MTP, and trunk + mtp- sidecar), verify both, generate with and
+    without MTP, and print the acceptance table with the measured speed-up."""
+    from rich.console import Console
+
+    from specconv.demo import DemoOptions, run_demo
+    from specconv.demo.render import render
+
+    opts = DemoOptions(out=out, device=device, n_predict=n_predict, draft_max=draft_max, outtype=outtype,
+                       prompts=n_prompts, repeats=repeats)
+    if as_json:
+        report = run_demo(opts)
+    else:
+        with Console(stderr=True).status("starting", spinner="dots") as status:
+            report = run_demo(opts, progress=status.update)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        render(report, Console())
+    sys.exit(0 if report["passed"] else 1)

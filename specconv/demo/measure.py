@@ -1,0 +1,114 @@
+"""Acceptance statistics and wall-clock speed-up of speculative decoding, measured against plain decoding.
+
+Greedy (T = 0) only, so every speculative run must reproduce the plain tokens exactly; `exact` says
+whether it did. Timing is honest by construction:
+* plain and speculative runs happen in the same process, on the same prompts and lengths;
+* each repeat runs every configuration over every prompt, the configurations' order rotated from
+  one repeat to the next (interleaved, so drifts in machine load hit all of them alike);
+* a warm-up run of each kind comes first (one-time allocator and kernel costs);
+* the reported time of a configuration is the median over repeats of its total over the prompts,
+  and speed-up = median plain time / median speculative time.
+The statistics (speculative.md §6) are merged over prompts; they do not depend on the repeat.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from specconv.runtime.generate import GenerationResult, generate
+from specconv.runtime.model import Model
+from specconv.runtime.spec_stats import SpecStats
+from specconv.runtime.speculative import SpecConfig, speculative_generate
+
+PLAIN = (0, "plain")
+
+
+@dataclass
+class ConfigRun:
+    draft_max: int
+    rollback: str  # "plain" for plain decoding
+    seconds: list[float] = field(default_factory=list)  # per repeat, summed over prompts
+    results: list[GenerationResult] = field(default_factory=list)  # first repeat, one per prompt
+
+    @property
+    def median_seconds(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [r.tokens for r in self.results]
+
+    def stats(self) -> SpecStats:
+        return SpecStats.merge([r.spec_stats for r in self.results])
+
+
+@dataclass
+class Measurement:
+    n_predict: int
+    repeats: int
+    prompts: list[str]  # where each prompt came from
+    plain: ConfigRun
+    runs: list[ConfigRun]
+
+    def rows(self) -> list[dict]:
+        """One dict per speculative configuration, with verify's key names plus the timing."""
+        plain_tokens = self.plain.tokens
+        plain_s = self.plain.median_seconds
+        plain_forwards = sum(r.target_evaluations for r in self.plain.results)
+        out = []
+        for run in self.runs:
+            s = run.stats().to_json()
+            diverged = [i for i, (a, b) in enumerate(zip(run.tokens, plain_tokens)) if a != b]
+            s.update(draft_max=run.draft_max, rollback=run.rollback, exact=not diverged, diverged_prompts=diverged,
+                     seconds=run.median_seconds, plain_seconds=plain_s, plain_target_forwards=plain_forwards,
+                     speedup=plain_s / run.median_seconds if run.median_seconds > 0 else None,
+                     seconds_per_repeat=list(run.seconds), plain_seconds_per_repeat=list(self.plain.seconds))
+            out.append(s)
+        return out
+
+    def to_json(self) -> dict:
+        return {"n_predict": self.n_predict, "repeats": self.repeats, "prompts": self.prompts,
+                "plain_seconds": self.plain.median_seconds,
+                "plain_target_forwards": sum(r.target_evaluations for r in self.plain.results),
+                "rows": self.rows()}
+
+
+def _run_one(target: Model, make_drafter, prompt: Sequence[int], n_predict: int, draft_max: int, rollback: str):
+    if rollback == "plain":
+        return generate(target, prompt, n_predict)
+    n_ctx = len(prompt) + n_predict + draft_max + 2
+    cfg = SpecConfig(draft_max=draft_max, rollback=rollback)
+    return speculative_generate(target, make_drafter(n_ctx), prompt, n_predict, cfg, n_ctx=n_ctx)
+
+
+def measure(target: Model, make_drafter: Callable[[int], object], prompts: Sequence[Sequence[int]], n_predict: int,
+            configs: Sequence[tuple[int, str]], repeats: int = 3, labels: Sequence[str] | None = None,
+            progress: Callable[[str], None] = lambda msg: None) -> Measurement:
+    """Run plain decoding and each (draft_max, rollback) configuration over `prompts`, `repeats` times.
+
+    make_drafter(n_ctx) returns a fresh drafter (its construction is not timed, like the target
+    context's in both loops)."""
+    if repeats < 1 or not prompts or n_predict < 1:
+        raise ValueError("need repeats ≥ 1, a prompt and n_predict ≥ 1")
+    runs = {c: ConfigRun(*c) for c in [PLAIN, *configs]}
+    order = list(runs)
+    # warm-up: one short run of each kind, outside the timings
+    _run_one(target, make_drafter, prompts[0][:4], 2, 0, "plain")
+    for k, rollback in configs[:1]:
+        _run_one(target, make_drafter, prompts[0][:4], 2, k, rollback)
+    for rep in range(repeats):
+        shift = rep % len(order)
+        for key in order[shift:] + order[:shift]:
+            run = runs[key]
+            progress(f"repeat {rep + 1}/{repeats}: " + ("plain" if key == PLAIN else f"draft_max {key[0]} {key[1]}"))
+            total = 0.0
+            for i, prompt in enumerate(prompts):
+                result = _run_one(target, make_drafter, prompt, n_predict, *key)
+                total += result.seconds
+                if rep == 0:
+                    run.results.append(result)
+            run.seconds.append(total)
+    return Measurement(n_predict=n_predict, repeats=repeats, prompts=list(labels or [str(i) for i in range(len(prompts))]),
+                       plain=runs[PLAIN], runs=[runs[c] for c in configs])
