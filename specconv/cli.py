@@ -17,6 +17,7 @@ from specconv.errors import SpecconvError
 # command name -> module under specconv.commands (each defines `command`)
 COMMANDS: dict[str, str] = {
     "convert": "convert",
+    "demo": "demo",
     "generate": "generate",
     "inspect": "inspect",
     "mtp": "mtp",
