@@ -263,3 +263,13 @@ def test_draft_min_and_p_min_make_zero_draft_rounds(target, plain):
     res = speculative_generate(target, NgramDrafter(), p, N, SpecConfig(draft_max=3, draft_min=4))
     s = res.stats["speculative"]
     assert res.tokens == plain[tuple(p)] and s["drafted"] == 0 and s["rounds"] == N
+
+
+def test_ngram_lookup():
+    from specconv.runtime.drafters.ngram import lookup
+
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 4, 1, 2], 3, 3, 1) == [3, 4, 1]  # longest suffix [1, 2], most recent full match
+    assert lookup([5, 5, 5, 5, 5], 3, 3, 1) == [5, 5]  # suffix [5, 5, 5]: at most two followers
+    assert lookup([7, 7, 7, 7, 7, 7], 3, 2, 1) == [7, 7, 7]  # a repeated token: a match with three followers exists
+    assert lookup([1, 2, 3], 2, 3, 1) == []  # no earlier occurrence: zero-draft round
+    assert lookup([4, 8, 4], 2, 3, 1) == [8, 4]

@@ -1,8 +1,8 @@
 """Prompt-lookup (n-gram) drafter: copy what followed the last occurrence of the current suffix.
 
 For n from `ngram_max` down to `ngram_min`, the last n tokens of the history (committed tokens
-plus `id_last`) are searched for earlier in the history; at the most recent earlier match the
-tokens that followed it become the draft (up to n_max). No match gives an empty draft, a
+plus `id_last`) are searched for earlier in the history; the tokens that followed the most recent
+earlier match with a full continuation become the draft (up to n_max). No match gives an empty draft, a
 zero-draft round (speculative.md §5.5). The drafter has no model and no probabilities: it is
 deterministic, so the loop verifies it with the sample-and-compare rule at T > 0, and `p_min`
 does not apply.
@@ -43,12 +43,24 @@ class NgramDrafter:
 
 
 def lookup(seq: list[int], n_max: int, ngram_max: int, ngram_min: int) -> list[int]:
-    """Tokens following the most recent earlier occurrence of the longest matching suffix of seq."""
+    """Tokens following an earlier occurrence of the longest matching suffix of seq.
+
+    Among the occurrences of that suffix the most recent one with n_max following tokens wins; when
+    none has that many (a match right before the suffix, as in a repeated token, has only one), the
+    one with the most followers, the most recent among equals.
+    """
     size = len(seq)
     for n in range(min(ngram_max, size - 1), ngram_min - 1, -1):
         suffix = seq[size - n:]
+        best: list[int] = []
         # start positions s of earlier occurrences: seq[s:s+n] == suffix, s + n < size
         for s in range(size - n - 1, -1, -1):
             if seq[s:s + n] == suffix:
-                return seq[s + n:s + n + n_max]
+                follow = seq[s + n:s + n + n_max]
+                if len(follow) > len(best):
+                    best = follow
+                if len(best) == n_max:
+                    break
+        if best:
+            return best
     return []
