@@ -169,3 +169,29 @@ def test_q_lora_free_variant_runs_in_llamacpp(tmp_path, llama_peer):
     diff = float(np.abs(llama_peer.llama_logits(out, IDS) - ref).max())
     print(f"deepseek2 q_lora_rank=null llama.cpp vs transformers: max |Δ| = {diff:.3g}")
     assert diff < 1e-4
+
+
+def test_upstream_converter_differs_only_by_gating_and_nextn(conv, tmp_path, llama_peer):
+    """llama.cpp's own converter (SPECCONV_LLAMA_CPP_SRC) drops the MTP layer and leaves out
+    expert_gating_func; its trunk tensors and other KV equal ours. Without the key llama.cpp routes
+    with softmax: far from transformers. specconv's runtime runs the file as written, like llama.cpp."""
+    from specconv.runtime import Context, GraphType, load_model
+    from tests.fixtures.gguf_files import convert_gguf_upstream
+
+    src, files = conv
+    up_path = convert_gguf_upstream(src, tmp_path / "upstream.gguf", pre="deepseek-v3")
+    up, ours = open_gguf(up_path), open_gguf(files["none"])
+    assert set(up.tensors) == set(ours.tensors)
+    for name in up.tensors:
+        assert np.array_equal(up.tensors[name].to_float32(), ours.tensors[name].to_float32()), name
+    arch_kv = lambda f: {k: f.get(k) for k in f.kv if k.startswith("deepseek2.")}  # noqa: E731
+    a, b = arch_kv(up), arch_kv(ours)
+    assert {k for k in set(a) | set(b) if a.get(k) != b.get(k)} == {"deepseek2.expert_gating_func"}
+    ref, _ = tiny.hf_trunk(src, IDS)
+    llama_up = llama_peer.llama_logits(up_path, IDS)
+    ours_up = Context(load_model(up_path, device="cpu"), GraphType.MAIN, n_ctx=64).decode(IDS).logits.numpy()
+    off = float(np.abs(llama_up - ref).max())
+    same = float(np.abs(ours_up - llama_up).max())
+    print(f"upstream deepseek2 file (no gating key): llama.cpp vs transformers {off:.3g}; "
+          f"specconv runtime vs llama.cpp {same:.3g}")
+    assert off > 0.1 and same < 1e-4

@@ -17,6 +17,7 @@ import torch
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs.ops import acc, linear, rms_norm, swiglu
 
+GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
 
 
@@ -51,6 +52,7 @@ class MoeKV:
     n_group_used: int
     weights_scale: float
     weights_norm: bool
+    gating: int = GATING_SIGMOID
 
     @classmethod
     def read(cls, kv: Mapping[str, Any]) -> "MoeKV":
@@ -59,10 +61,14 @@ class MoeKV:
         n_nextn = get("nextn_predict_layers", 0)
         if n_nextn > block_count:
             raise SpecconvError(f"{arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({block_count})")
-        gating = get("expert_gating_func", GATING_SIGMOID if arch == "glm4moe" else 1, required=False)
-        if gating != GATING_SIGMOID:
-            # llama.cpp's deepseek2 default is softmax, which these models never use (gguf-layout.md §7.5)
-            raise SpecconvError(f"{arch}.expert_gating_func is {gating}; this graph implements sigmoid (2) only")
+        # A missing key means what it means to llama.cpp: sigmoid for glm4moe, softmax for deepseek2
+        # (except its GLM-4.7-Flash special case), which is wrong for DeepSeek-V3 but is what files
+        # from llama.cpp's converter say (gguf-layout.md §7.5); the runtime runs the file as written.
+        lite_glm = get("vocab_size", 0, required=False) == 154880 and block_count - n_nextn in (47, 48)
+        default = GATING_SIGMOID if arch == "glm4moe" or lite_glm else GATING_SOFTMAX
+        gating = get("expert_gating_func", default, required=False)
+        if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
+            raise SpecconvError(f"{arch}.expert_gating_func is {gating}; supported: softmax (1), sigmoid (2)")
         m = cls(
             arch=arch, n_layer=block_count - n_nextn, n_nextn=n_nextn, n_embd=get("embedding_length"),
             n_head=get("attention.head_count"), eps=float(get("attention.layer_norm_rms_epsilon")),
@@ -72,7 +78,7 @@ class MoeKV:
             n_dense_lead=get("leading_dense_block_count", 0), n_group=get("expert_group_count", 1, required=False) or 1,
             n_group_used=get("expert_group_used_count", 1, required=False) or 1,
             weights_scale=float(get("expert_weights_scale", 1.0, required=False) or 1.0),
-            weights_norm=bool(get("expert_weights_norm", False, required=False)),
+            weights_norm=bool(get("expert_weights_norm", False, required=False)), gating=gating,
         )
         if m.n_group > 1 and (m.n_expert % m.n_group or not 0 < m.n_group_used < m.n_group):
             raise SpecconvError(f"{arch}: {m.n_group} expert groups ({m.n_group_used} used) do not fit "
@@ -96,9 +102,10 @@ def ffn_names(hp, i: int) -> list[str]:
 
 
 def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, hp) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [n, k], chosen experts [n, k]) of the sigmoid, group-limited router."""
+    """(weights [n, k], chosen experts [n, k]) of the sigmoid (or softmax), group-limited router."""
     xf = acc(x)
-    scores = torch.sigmoid(xf @ router.to(xf.dtype).t())
+    logits = xf @ router.to(xf.dtype).t()
+    scores = torch.sigmoid(logits) if hp.gating == GATING_SIGMOID else torch.softmax(logits, dim=-1)
     choice = scores + bias.to(xf.dtype)  # the correction bias steers selection only
     if hp.n_group > 1:
         n, E = choice.shape
