@@ -166,12 +166,12 @@ def measure_speedup(target: Model, result: GenerationResult, temperature: float 
     return {"plain": plain, "speedup": spec["speedup"]}
 
 
-SPEC_KINDS = ("mtp", "draft", "ngram")
+SPEC_KINDS = ("mtp", "draft", "eagle3", "ngram")
 
 
 def build_drafter(kind: str, target: Model, n_ctx: int, draft_max: int, mtp_path=None, draft_path=None) -> Drafter:
     """A drafter by name: "mtp" (the target's embedded head or an --mtp sidecar), "draft" (a --draft GGUF),
-    "ngram" (prompt lookup)."""
+    "eagle3" (an EAGLE-3 head given as --draft), "ngram" (prompt lookup)."""
     from specconv.runtime.drafters import DraftModelDrafter, MtpDrafter, NgramDrafter
     from specconv.runtime.model import load_model
 
@@ -181,6 +181,13 @@ def build_drafter(kind: str, target: Model, n_ctx: int, draft_max: int, mtp_path
         head = load_model(mtp_path, device=target.device, dtype=target.dtype, share_from=target) if mtp_path else target
         head.require(GraphType.MTP)
         return MtpDrafter(head, n_ctx, target)
+    if kind == "eagle3":
+        from specconv.runtime.drafters import Eagle3Drafter
+
+        if not draft_path:
+            raise SpecconvError("--spec eagle3 needs --draft EAGLE3_HEAD.gguf")
+        head = load_model(draft_path, device=target.device, dtype=target.dtype, share_from=target)
+        return Eagle3Drafter(head, target, n_ctx)
     if kind == "draft":
         if not draft_path:
             raise SpecconvError("--spec draft needs --draft D.gguf")

@@ -13,7 +13,8 @@ _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 @click.command("verify")
 @click.argument("model_path", metavar="MODEL.gguf", type=_FILE)
 @click.option("--mtp", "mtp_path", type=_FILE, default=None, help="MTP sidecar (mtp-*.gguf) for a trunk-only model.")
-@click.option("--draft", "draft_path", type=_FILE, default=None, help="A separate draft model GGUF (same vocabulary).")
+@click.option("--draft", "draft_path", type=_FILE, default=None,
+              help="A separate draft model GGUF (same vocabulary), or an EAGLE-3 head (converted with --target).")
 @click.option("--hf", "hf_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="The checkpoint folder that was converted: parity with transformers.")
 @click.option("--prompts", "prompts_file", type=_FILE, default=None,
