@@ -354,13 +354,30 @@ def plan_merge(trunk: GgufFile, mtp: GgufFile, overrides: Sequence[TypeOverride]
     warnings += [f"hyper-parameter differs, trunk value kept: {d}" for d in _hparam_differences(trunk, mtp, per_layer)]
 
     grafted = _apply_types(blocks, None, overrides, warnings)
-    # After every trunk tensor, as llama.cpp's converter orders an embedded file (mtp.* come last).
-    tensors = [OutTensor(t.name, t.ggml_type, t.shape, t.n_bytes, t) for t in trunk_tensors] + grafted
+    trunk_out = [OutTensor(t.name, t.ggml_type, t.shape, t.n_bytes, t) for t in trunk_tensors]
+    at = _graft_position(trunk_out, mtp, n_m)
+    tensors = trunk_out[:at] + grafted + trunk_out[at:]
     extra = [t.name for t in mtp if block_index(t.name) is None and t.name not in SHARED_TENSORS and t.name not in trunk.tensors]
     if extra:
         warnings.append(f"not grafted (global tensors of the MTP file the trunk lacks): {', '.join(extra)}")
     kv = _relabel_size(kv, trunk, tensors)
     return GraftPlan(trunk.arch, kv, tensors, warnings)
+
+
+def _graft_position(trunk_out: Sequence[OutTensor], mtp: GgufFile, n_mtp_trunk: int) -> int:
+    """Where the MTP blocks go among the trunk's tensors: where the MTP file has them.
+
+    Converters write tensors in checkpoint order, so the blocks sit before `output_norm` for
+    GLM / DeepSeek (`model.layers.N` precedes `model.norm`) and last for Qwen (`mtp.*` follows it).
+    The MTP file shows which: the first shared tensor after its blocks, if any, follows them.
+    """
+    order = list(mtp.tensors)
+    last = max(i for i, name in enumerate(order) if (b := block_index(name)) is not None and b >= n_mtp_trunk)
+    names = [t.name for t in trunk_out]
+    for name in order[last + 1:]:
+        if name in SHARED_TENSORS and name in names:
+            return names.index(name)
+    return len(trunk_out)
 
 
 def _renamed(t: GgufTensor, shift: int) -> GgufTensor:
