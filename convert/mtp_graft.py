@@ -202,6 +202,15 @@ def file_type_for(t: GGMLQuantizationType) -> int | None:
     return int(ft) if ft is not None else None
 
 
+def default_sidecar_path(model_path: Path) -> Path:
+    """mtp-<name>.gguf next to the model (shard suffix dropped), keeping the name's quant tag."""
+    from .gguf_io import _SHARD_RE
+
+    m = _SHARD_RE.match(model_path.name)
+    stem = m["prefix"] if m else model_path.stem
+    return model_path.with_name(f"mtp-{stem}.gguf")
+
+
 # --- extract --------------------------------------------------------------------------------------
 
 def plan_extract(src: GgufFile, outtype: GGMLQuantizationType | None = None,

@@ -420,3 +420,12 @@ def test_custom_alignment_is_honoured(tmp_path):
     assert all(t.data_offset % 64 == 0 for t in out.tensors)
     expected = {**read_tensors(src), **{k: v for k, v in read_tensors(sidecar).items() if k.startswith("blk.4.")}}
     assert read_tensors(tmp_path / "out.gguf") == expected
+
+
+def test_extract_names_the_sidecar_after_the_model_by_default(tmp_path):
+    first = write_layout(tmp_path / "Tiny-Q8_0.gguf", "embedded", trunk_type=T.Q8_0, split_max_tensors=8)
+    assert first.name == "Tiny-Q8_0-00001-of-00004.gguf"
+    assert run_cli("extract", first) == 0
+    side = tmp_path / "mtp-Tiny-Q8_0.gguf"
+    assert read_tensors(side) == {k: v for k, v in read_tensors(first).items()
+                                  if k.startswith("blk.4.") or not k.startswith("blk.")}

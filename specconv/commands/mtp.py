@@ -41,8 +41,9 @@ def command():
 
 @command.command()
 @click.argument("model", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False),
-              help="Sidecar to write; name it mtp-<model>.gguf so that llama.cpp tools find it.")
+@click.option("-o", "--output", "out", default=None, type=click.Path(dir_okay=False),
+              help="Sidecar to write. Default: mtp-<MODEL>.gguf next to MODEL (llama.cpp tools look for "
+                   "the mtp- prefix).")
 @click.option("--outtype", default=None, help="Re-type every tensor (f32, f16, bf16, q8_0, q4_0, ...); "
               "norms and 1-D tensors stay F32. Default: bytes copied unchanged.")
 @click.option("--type-override", "overrides", multiple=True, metavar="PATTERN=TYPE",
@@ -52,9 +53,11 @@ def command():
 def extract(model, out, outtype, overrides, split_max_size, force):
     """Write the MTP head of MODEL (a GGUF with an embedded head) as an MTP-only sidecar."""
     from specconv.convert.gguf_io import open_gguf
-    from specconv.convert.mtp_graft import TypeOverride, parse_type, plan_extract
+    from specconv.convert.mtp_graft import TypeOverride, default_sidecar_path, parse_type, plan_extract
 
     src = open_gguf(model)
+    if out is None:
+        out = str(default_sidecar_path(src.path))
     plan = plan_extract(src, parse_type(outtype) if outtype else None, [TypeOverride.parse(o) for o in overrides])
     _run(plan, out, parse_size(split_max_size), force, [src])
 
