@@ -195,3 +195,72 @@ def test_upstream_converter_differs_only_by_gating_and_nextn(conv, tmp_path, lla
     print(f"upstream deepseek2 file (no gating key): llama.cpp vs transformers {off:.3g}; "
           f"specconv runtime vs llama.cpp {same:.3g}")
     assert off > 0.1 and same < 1e-4
+
+
+def test_release_scale_deepseek_v3_headers():
+    """DeepSeek-V3's real configuration (61 + 1 layers, 256 experts, MLA 1536/512/128/64/128, YaRN
+    x40): tensor names and shapes from transformers' own modules on the meta device, per-expert as
+    in the release; the plan's ggml shapes and KV are those of gguf-layout.md §7.5."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    from specconv.archs.base import Checkpoint, Role, SourceTensor
+    from specconv.archs.deepseek2 import Deepseek2
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    cfg = DeepseekV3Config(max_position_embeddings=163840, rope_parameters=rope, num_nextn_predict_layers=1)
+    with torch.device("meta"):
+        main = DeepseekV3ForCausalLM(cfg)
+        head = MtpModel(main, 1)
+    shapes = {k: tuple(v.shape) for k, v in main.state_dict().items()}
+    shapes.update({tiny.mtp_release_name(k, 61): tuple(v.shape) for k, v in head.state_dict().items()
+                   if tiny.mtp_release_name(k, 61)})
+    shapes["model.layers.61.embed_tokens.weight"] = shapes["model.embed_tokens.weight"]
+    shapes["model.layers.61.shared_head.head.weight"] = shapes["lm_head.weight"]
+    headers = {}
+    for name, shape in shapes.items():
+        if name.endswith("experts.gate_up_proj"):
+            for e in range(shape[0]):
+                for part in ("gate", "up"):
+                    headers[f"{name[:-len('gate_up_proj')]}{e}.{part}_proj.weight"] = (shape[1] // 2, shape[2])
+        elif name.endswith("experts.down_proj"):
+            for e in range(shape[0]):
+                headers[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = shape[1:]
+        else:
+            headers[name] = shape
+    config = {**cfg.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+    tensors = {}
+    for raw, shape in headers.items():
+        name = Deepseek2.normalize_name(raw)
+        tensors[name] = SourceTensor(name, shape, "BF16")
+    plugin = Deepseek2(Checkpoint(config, tensors))
+    plans = {p.name: p for p in plugin.tensor_plan()}
+    ggml = lambda n: tuple(reversed(plans[n].shape))  # noqa: E731
+    assert plugin.n_mtp_layers == 1
+    assert ggml("blk.5.attn_k_b.weight") == (128, 512, 128) and ggml("blk.5.attn_v_b.weight") == (512, 128, 128)
+    assert ggml("blk.61.attn_kv_a_mqa.weight") == (7168, 576) and ggml("blk.61.attn_q_b.weight") == (1536, 128 * 192)
+    assert ggml("blk.3.ffn_gate_exps.weight") == (7168, 2048, 256) and ggml("blk.3.ffn_down_exps.weight") == (2048, 7168, 256)
+    assert ggml("blk.61.nextn.eh_proj.weight") == (14336, 7168) and ggml("blk.0.ffn_gate.weight") == (7168, 18432)
+    assert "blk.2.ffn_gate_inp.weight" not in plans and "blk.3.exp_probs_b.bias" in plans
+    assert plans["blk.61.nextn.embed_tokens.weight"].role == Role.MTP
+    # 3 global + 3 dense + 58 MoE trunk blocks + the nextn block with its 6 extras
+    # per block: 2 norms, 8 MLA tensors (q_a, q_a_norm, q_b, kv_a_mqa, kv_a_norm, k_b, v_b, output),
+    # then 3 dense FFN tensors, or router + bias + 3 expert stacks + 3 shared-expert matrices
+    dense, moe = 2 + 8 + 3, 2 + 8 + 2 + 3 + 3
+    assert len(plans) == 3 + 3 * dense + 58 * moe + moe + 6
+    kv = {m.key: m.value for m in plugin.metadata(keep_mtp=True)}
+    expect = {"block_count": 62, "nextn_predict_layers": 1, "attention.head_count_kv": 1,
+              "attention.key_length": 576, "attention.value_length": 512, "attention.key_length_mla": 192,
+              "attention.value_length_mla": 128, "attention.q_lora_rank": 1536, "attention.kv_lora_rank": 512,
+              "rope.dimension_count": 64, "leading_dense_block_count": 3, "expert_count": 256,
+              "expert_used_count": 8, "expert_group_count": 8, "expert_group_used_count": 4,
+              "expert_gating_func": 2, "rope.scaling.type": "yarn", "rope.scaling.original_context_length": 4096,
+              "vocab_size": 129280, "expert_feed_forward_length": 2048}
+    for key, value in expect.items():
+        assert kv[f"deepseek2.{key}"] == value, key
+    assert kv["deepseek2.rope.scaling.factor"] == pytest.approx(40.0)
+    assert kv["deepseek2.rope.scaling.yarn_log_multiplier"] == pytest.approx(0.1)
+    assert kv["deepseek2.expert_weights_scale"] == pytest.approx(2.5)
+    assert "deepseek2.nextn_predict_layers" not in {m.key for m in plugin.metadata(keep_mtp=False)}

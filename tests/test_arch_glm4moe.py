@@ -188,3 +188,64 @@ def test_llamacpp_mtp_contexts_and_logits_equal_mtpmodel(conv, llama_peer):
         diff = float(np.abs(got - ref).max())
         print(f"glm4moe llama.cpp MTP head ({target}+{head or 'embedded'}) vs MtpModel: max |Δ| = {diff:.3g}")
         assert diff < 1e-4
+
+
+def test_release_scale_glm45_headers():
+    """GLM-4.5's real configuration (92 + 1 layers, 160 experts, head_dim 128 with 96 heads over a
+    5120 hidden size, q/k norms, biases): names and shapes from transformers' modules on the meta
+    device, per-expert as released; ggml shapes and KV as gguf-layout.md §7.4 gives them."""
+    import torch
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    from specconv.archs.base import Checkpoint, SourceTensor
+    from specconv.archs.glm4moe import Glm4Moe
+
+    cfg = Glm4MoeConfig(
+        vocab_size=151552, hidden_size=5120, intermediate_size=12288, num_hidden_layers=92, num_attention_heads=96,
+        num_key_value_heads=8, head_dim=128, attention_bias=True, use_qk_norm=True, moe_intermediate_size=1536,
+        num_experts_per_tok=8, n_shared_experts=1, n_routed_experts=160, routed_scaling_factor=2.5,
+        first_k_dense_replace=3, max_position_embeddings=131072, num_nextn_predict_layers=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5})
+    with torch.device("meta"):
+        main = Glm4MoeForCausalLM(cfg)
+        head = MtpModel(main, 1)
+    shapes = {k: tuple(v.shape) for k, v in main.state_dict().items()}
+    shapes.update({tiny.mtp_release_name(k, 92): tuple(v.shape) for k, v in head.state_dict().items()
+                   if tiny.mtp_release_name(k, 92)})
+    headers = {}
+    for name, shape in shapes.items():
+        if name.endswith("experts.gate_up_proj"):
+            for e in range(shape[0]):
+                for part in ("gate", "up"):
+                    headers[f"{name[:-len('gate_up_proj')]}{e}.{part}_proj.weight"] = (shape[1] // 2, shape[2])
+        elif name.endswith("experts.down_proj"):
+            for e in range(shape[0]):
+                headers[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = shape[1:]
+        else:
+            headers[name] = shape
+    config = {**cfg.to_dict(), "architectures": ["Glm4MoeForCausalLM"]}
+    tensors = {}
+    for raw, shape in headers.items():
+        name = Glm4Moe.normalize_name(raw)
+        tensors[name] = SourceTensor(name, shape, "BF16")
+    plugin = Glm4Moe(Checkpoint(config, tensors))
+    plans = {p.name: p for p in plugin.tensor_plan()}
+    ggml = lambda n: tuple(reversed(plans[n].shape))  # noqa: E731
+    assert ggml("blk.0.attn_q.weight") == (5120, 96 * 128) and ggml("blk.0.attn_k.weight") == (5120, 8 * 128)
+    assert ggml("blk.92.attn_output.weight") == (96 * 128, 5120) and ggml("blk.92.attn_q.bias") == (96 * 128,)
+    assert ggml("blk.3.ffn_gate_exps.weight") == (5120, 1536, 160) and ggml("blk.92.ffn_down_exps.weight") == (1536, 5120, 160)
+    assert ggml("blk.3.ffn_up_shexp.weight") == (5120, 1536) and ggml("blk.92.exp_probs_b.bias") == (160,)
+    assert ggml("blk.2.ffn_gate.weight") == (5120, 12288) and "blk.2.ffn_gate_inp.weight" not in plans
+    # per block: 2 norms, q/k/v weights and biases, output, q/k norms = 11; dense FFN 3, MoE 2 + 3 + 3
+    attn = 2 + 3 + 3 + 1 + 2
+    assert len(plans) == 3 + 3 * (attn + 3) + 89 * (attn + 8) + (attn + 8) + 4  # nextn: no copies here
+    kv = {m.key: m.value for m in plugin.metadata(keep_mtp=True)}
+    expect = {"block_count": 93, "nextn_predict_layers": 1, "attention.head_count": 96, "attention.head_count_kv": 8,
+              "attention.key_length": 128, "attention.value_length": 128, "rope.dimension_count": 64,
+              "leading_dense_block_count": 3, "expert_count": 160, "expert_used_count": 8,
+              "expert_shared_count": 1, "expert_feed_forward_length": 1536, "feed_forward_length": 12288,
+              "expert_gating_func": 2, "embedding_length": 5120}
+    for key, value in expect.items():
+        assert kv[f"glm4moe.{key}"] == value, key
+    assert kv["glm4moe.rope.freq_base"] == pytest.approx(1e6)
