@@ -61,7 +61,8 @@ class Measurement:
         for run in self.runs:
             s = run.stats().to_json()
             diverged = [i for i, (a, b) in enumerate(zip(run.tokens, plain_tokens)) if a != b]
-            s.update(draft_max=run.draft_max, rollback=run.rollback, exact=not diverged, diverged_prompts=diverged,
+            s.update(draft_max=run.draft_max, rollback=run.rollback,
+                     target_decode_calls=sum(r.target_evaluations for r in run.results), exact=not diverged, diverged_prompts=diverged,
                      seconds=run.median_seconds, plain_seconds=plain_s, plain_target_forwards=plain_forwards,
                      speedup=plain_s / run.median_seconds if run.median_seconds > 0 else None,
                      seconds_per_repeat=list(run.seconds), plain_seconds_per_repeat=list(self.plain.seconds))

@@ -96,7 +96,7 @@ def sample(target, head, prompt_ids: list[int], n_predict: int, draft_max: int) 
     spec = speculative_generate(target, MtpDrafter(head, n_ctx, target), prompt_ids, n_predict,
                                 SpecConfig(draft_max=draft_max), n_ctx=n_ctx, on_round=on_round)
     tok = target.tokenizer
-    return {"prompt": tok.decode(prompt_ids), "prompt_tokens": len(prompt_ids), "draft_max": draft_max,
+    return {"prompt": tok.decode(prompt_ids), "prompt_ids": list(prompt_ids), "prompt_tokens": len(prompt_ids), "draft_max": draft_max,
             "plain_text": plain.text, "spec_text": spec.text, "identical": spec.tokens == plain.tokens,
             "plain_tokens": plain.tokens, "spec_tokens": spec.tokens,
             "pieces": token_pieces(tok, spec.tokens), "accepted_draft": marks[:len(spec.tokens)],
