@@ -273,3 +273,18 @@ def test_ngram_lookup():
     assert lookup([7, 7, 7, 7, 7, 7], 3, 2, 1) == [7, 7, 7]  # a repeated token: a match with three followers exists
     assert lookup([1, 2, 3], 2, 3, 1) == []  # no earlier occurrence: zero-draft round
     assert lookup([4, 8, 4], 2, 3, 1) == [8, 4]
+
+
+def test_stop_at_end_of_generation(target, plain, monkeypatch):
+    """An end-of-generation token inside an accepted draft ends the output there, as plain decoding does.
+    The tiny random model never picks its EOS, so the 5th plain token is declared end-of-generation."""
+    p = PROMPTS[1]
+    eog = plain[tuple(p)][4]
+    tok = target.tokenizer
+    monkeypatch.setattr(type(tok), "is_end_of_generation", lambda self, t: t == eog)
+    ref = generate(target, p, N, stop_at_eos=True).tokens
+    assert ref[-1] == eog and len(ref) <= 5
+    for k in (2, 4, 7):
+        res = speculative_generate(target, DraftModelDrafter(target, 128, k, target), p, N,
+                                   SpecConfig(draft_max=k, stop_at_eos=True))
+        assert res.tokens == ref
