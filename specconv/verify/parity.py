@@ -27,7 +27,8 @@ from specconv.runtime.model import Model
 
 TOLERANCE = {Q.F32: 2e-3, Q.F16: 5e-2, Q.BF16: 2e-1, Q.Q8_0: 3e-1}
 DEFAULT_QUANT_TOLERANCE = 1.5
-HF_CLASSES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
+HF_CLASSES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
+              "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM"}
 
 
 def tolerance_for(*models: Model) -> float:
@@ -63,6 +64,10 @@ def load_mtp_reference(main, n_mtp: int):
     # Qwen configs do not carry the names MtpModel reads (peers.md §2.2)
     main.config.num_mtp_layers = n_mtp
     main.config.mtp_layer_types = ["full_attention"] * n_mtp
+    if main.config.model_type in ("glm4_moe", "deepseek_v3"):
+        # their nextn layers are model.layers.{N..}; the class regexes name the release's N (61, 92, 46)
+        n = main.config.num_hidden_layers
+        main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n + j}\..*" for j in range(n_mtp)]
     return MtpModel.from_pretrained(main).eval()
 
 
