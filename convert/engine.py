@@ -148,7 +148,6 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
     meta = kvmod.load_model_metadata(reader.dir, sum(_numel(p.plan.shape) for p in planned))
     tok_dir = getattr(plugin, "tokenizer_dir", None) or reader.dir  # a draft head carries its target's
     tok_kv = tokenizer_kv(tok_dir, plugin.vocab_size(), plugin.tokenizer_model, plugin.tokenizer_pre)
-    closing = kvmod.closing_general_kv(file_type(outtype))
     selected = {kind: [t for t in planned if t.plan.role in ROLES[kind]] for kind in kinds}
     labels = {kind: kvmod.parameter_label((t.name, tuple(t.plan.shape)) for t in ts) for kind, ts in selected.items()}
     model_kind = next((kind for kind in kinds if kind != "sidecar"), None)
@@ -158,7 +157,8 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
     files = []
     for kind in kinds:
         keep_mtp = kind != "trunk" and k > 0
-        kv = kvmod.general_kv(meta, labels[kind]) + plugin.metadata(keep_mtp) + closing + tok_kv
+        arch_kv = kvmod.with_file_type(plugin.gguf_arch, plugin.metadata(keep_mtp), file_type(outtype))
+        kv = kvmod.general_kv(meta, labels[kind]) + arch_kv + tok_kv
         path = names.sidecar if kind == "sidecar" else names.model
         output = GgufOutput(path, plugin.gguf_arch, kv, [t.entry() for t in selected[kind]], req.split_max_size)
         files.append(PlannedFile(kind, output, selected[kind]))

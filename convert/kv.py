@@ -49,9 +49,27 @@ def general_kv(meta: Metadata, label: str) -> list[MetaKV]:
     return captured_kv(writer)
 
 
-def closing_general_kv(file_type: int) -> list[MetaKV]:
-    """`general.file_type` and `general.quantization_version`, written after the arch keys."""
+# Arch keys llama.cpp's converter writes in its generic `TextModel.set_gguf_parameters`, which ends
+# with `general.file_type`; architecture-specific keys follow it.
+_GENERIC_SUFFIXES = {
+    "block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+    "attention.head_count_kv", "attention.causal", "rope.dimension_sections", "rope.freq_base",
+    "rope.freq_base_swa", "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "expert_count",
+    "expert_used_count", "expert_group_count", "expert_group_used_count", "expert_gating_func",
+    "attention.key_length", "attention.value_length",
+}
+
+
+def with_file_type(arch: str, arch_kv: list[MetaKV], file_type: int) -> list[MetaKV]:
+    """The arch KV with `general.file_type` where llama.cpp's converter puts it (after the generic
+    keys) and `general.quantization_version` at the end, so files match the converter's byte for byte."""
     writer = GGUFWriter(None, "capture")
     writer.add_file_type(file_type)
+    ftype = captured_kv(writer)
+    writer = GGUFWriter(None, "capture")
     writer.add_quantization_version(GGML_QUANT_VERSION)
-    return captured_kv(writer)
+    qver = captured_kv(writer)
+    generic = [i for i, e in enumerate(arch_kv) if e.key.startswith(arch + ".")
+               and (e.key[len(arch) + 1:] in _GENERIC_SUFFIXES or e.key[len(arch) + 1:].startswith("rope.scaling."))]
+    at = generic[-1] + 1 if generic else len(arch_kv)
+    return arch_kv[:at] + ftype + arch_kv[at:] + qver
