@@ -188,13 +188,16 @@ class Eagle3(ArchPlugin):
             raise SpecconvError(f"draft_vocab_size {Vd} differs from the vocabulary {V} but the checkpoint has no d2t "
                                 f"mapping")
         add_rope_freqs(plan, self.cfg, self.hd, "norm.weight")
-        return plan.finish(self.gguf_arch)
+        plans = plan.finish(self.gguf_arch)
+        # d2t last, as llama.cpp's converter writes it (after every float tensor)
+        return sorted(plans, key=lambda p: p.name == names.EAGLE3_D2T)
 
     # ------------------------------------------------------------------ metadata
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         arch = self.gguf_arch
-        kv = llama_kv(arch, self.cfg, 1, self.V)
+        cfg = {**self.cfg, "head_dim": self.hd}  # key/value_length always written (llama.cpp's converter: when known)
+        kv = llama_kv(arch, cfg, 1, self.V)
         kv += [MetaKV(names.target_layers_key(arch), list(self.layers), GGUFValueType.ARRAY, GGUFValueType.INT32),
                MetaKV(names.target_hidden_size_key(arch), self.Ht, GGUFValueType.UINT32),
                MetaKV(names.norm_before_residual_key(arch), self.norm_before_residual, GGUFValueType.BOOL),
