@@ -24,7 +24,7 @@ import torch
 from gguf import GGUFValueType, Keys
 
 from . import names, register
-from .base import Checkpoint, MetaKV, Role, text_config
+from .base import Checkpoint, MetaKV, Role
 from .errors import SpecconvError
 from .nextn_moe import NextnMoePlugin, _Plan
 
@@ -68,10 +68,15 @@ class Deepseek2(NextnMoePlugin):
     post_attention_norm: ClassVar[str] = "ffn_norm"  # deepseek2 names the FFN-input norm ffn_norm
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "deepseek-v3"
+    config_defaults: ClassVar[dict] = {  # transformers' DeepseekV3Config (a null q_lora_rank stays null)
+        "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+        "norm_topk_prob": True, "n_shared_experts": 1, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+        "v_head_dim": 128, "rope_interleave": True, "attention_bias": False}
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        tc, hp = text_config(checkpoint.config), self.hp
+        tc, hp = self.tc, self.hp
 
         def need(name: str) -> int:
             v = tc.get(name)

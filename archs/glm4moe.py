@@ -12,7 +12,7 @@ from typing import ClassVar
 from gguf import GGUFValueType, Keys
 
 from . import names, register
-from .base import Checkpoint, MetaKV, Role, config_field, text_config
+from .base import Checkpoint, MetaKV, Role, config_field
 from .errors import SpecconvError
 from .nextn_moe import NextnMoePlugin, _Plan
 
@@ -24,10 +24,14 @@ class Glm4Moe(NextnMoePlugin):
     post_attention_norm: ClassVar[str] = "post_attention_norm"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "glm4"
+    config_defaults: ClassVar[dict] = {  # transformers' Glm4MoeConfig
+        "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+        "norm_topk_prob": True, "n_shared_experts": 1, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "attention_bias": False, "use_qk_norm": False}
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        tc = text_config(checkpoint.config)
+        tc = self.tc
         hp = self.hp
         self.n_head_kv = int(tc.get("num_key_value_heads") or hp.n_head)
         self.head_dim = int(tc.get("head_dim") or hp.hidden // hp.n_head)

@@ -104,8 +104,8 @@ def _yarn(tc: Mapping[str, Any]) -> Yarn | None:
                 opt("beta_fast"), opt("beta_slow"), opt("mscale_all_dim"))
 
 
-def parse_moe_hparams(config: Mapping[str, Any], family: str) -> MoeHparams:
-    tc = text_config(config)
+def parse_moe_hparams(config: Mapping[str, Any], tc: Mapping[str, Any], family: str) -> MoeHparams:
+    """`tc`: the text config with the family's transformers defaults filled in (`text_fields`)."""
     req = partial(_int, tc, family=family)
     n_layer, n_expert, used = req("num_hidden_layers"), req("n_routed_experts"), req("num_experts_per_tok")
     if n_layer == 0 or n_expert == 0 or used == 0:
@@ -142,10 +142,14 @@ class NextnMoePlugin(ArchPlugin):
 
     family: ClassVar[str] = ""
     post_attention_norm: ClassVar[str] = "post_attention_norm"  # GGUF name of the FFN-input norm
+    # transformers' config-class defaults for behavioural fields a config.json may leave out, so a
+    # missing field means what it means to transformers (e.g. DeepSeek's routed scale 2.5)
+    config_defaults: ClassVar[Mapping[str, Any]] = {}
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        self.hp = parse_moe_hparams(checkpoint.config, self.family)
+        self.tc = {**self.config_defaults, **text_config(checkpoint.config)}
+        self.hp = parse_moe_hparams(checkpoint.config, self.tc, self.family)
         self._k = self._count_mtp_layers()
         if self._k and self.hp.first_dense > self.hp.n_layer:
             raise SpecconvError(f"config.json: first_k_dense_replace ({self.hp.first_dense}) exceeds "

@@ -264,3 +264,25 @@ def test_release_scale_deepseek_v3_headers():
     assert kv["deepseek2.rope.scaling.yarn_log_multiplier"] == pytest.approx(0.1)
     assert kv["deepseek2.expert_weights_scale"] == pytest.approx(2.5)
     assert "deepseek2.nextn_predict_layers" not in {m.key for m in plugin.metadata(keep_mtp=False)}
+
+
+def test_missing_fields_mean_transformers_defaults(conv):
+    """A config.json without the routing fields means transformers' DeepseekV3Config defaults."""
+    from transformers import DeepseekV3Config
+
+    from specconv.archs.base import Checkpoint, SourceTensor
+    from specconv.archs.deepseek2 import Deepseek2
+
+    cfg = json.loads((conv[0] / "config.json").read_text())
+    for key in ("routed_scaling_factor", "norm_topk_prob", "rms_norm_eps", "max_position_embeddings"):
+        cfg.pop(key)
+    ref = DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    tensors = {}
+    for k, v in load_file(str(conv[0] / "model.safetensors")).items():
+        name = Deepseek2.normalize_name(k)
+        tensors[name] = SourceTensor(name, tuple(v.shape), "F32")
+    kv = {m.key: m.value for m in Deepseek2(Checkpoint(cfg, tensors)).metadata(keep_mtp=True)}
+    assert kv["deepseek2.expert_weights_scale"] == pytest.approx(ref.routed_scaling_factor)
+    assert kv["deepseek2.expert_weights_norm"] == ref.norm_topk_prob
+    assert kv["deepseek2.attention.layer_norm_rms_epsilon"] == pytest.approx(ref.rms_norm_eps)
+    assert kv["deepseek2.context_length"] == ref.max_position_embeddings
