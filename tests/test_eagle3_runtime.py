@@ -197,3 +197,49 @@ def test_head_must_fit_its_target(built, tmp_path):
     llama_head = load_model(heads["llama-speculators"][1], device="cpu", share_from=qwen)
     with pytest.raises(SpecconvError, match="target layer 5"):
         Eagle3Drafter(llama_head, qwen, n_ctx=32)
+
+
+@pytest.mark.parametrize("case", ["qwen35-eagle", "llama-speculators"])
+def test_draft_chain_matches_llama_cpp(built, case, llama_peer):
+    """Four chained drafts (each step fed the previous pre-norm output) equal llama.cpp's."""
+    from tests.fixtures.eagle3_peer import eagle3_draft_chain
+
+    _, files, heads = built
+    target, head = _models(built, case)
+    id_last, theirs, their_logits = eagle3_draft_chain(files[CASES[case][0]], heads[case][1], PROMPT, 4)
+    layers = tuple(f"layer:{j}" for j in head.hparams.target_layers)
+    out = Context(target).decode(PROMPT, hidden=layers)
+    assert int(out.logits[-1].argmax()) == id_last
+    drafter = Eagle3Drafter(head, target, n_ctx=64)
+    drafter.start(PROMPT, torch.cat([out.hidden[x] for x in layers], -1))
+    seen = []
+    decode = drafter.ctx.decode
+
+    def recording(*args, **kwargs):
+        res = decode(*args, **kwargs)
+        seen.append(res.logits[-1].numpy().copy())
+        return res
+
+    drafter.ctx.decode = recording
+    ours = drafter.draft(id_last, 4).tokens
+    finite = np.isfinite(their_logits)
+    diff = np.abs(np.stack(seen)[finite] - their_logits[finite]).max()
+    print(f"\n{case}: drafts ours {ours} llama.cpp {theirs}, max |Δlogit| over the chain {diff:.2e}")
+    assert ours == theirs
+    np.testing.assert_array_equal(np.isfinite(np.stack(seen)), finite)
+    assert diff < TOL
+
+
+def test_llama_target_graph(built, llama_peer):
+    """The plain LLaMA graph (our conversion, NORM rope on pair-permuted q/k) vs transformers and llama.cpp."""
+    from transformers import AutoModelForCausalLM
+
+    targets, files, _ = built
+    target = load_model(files["llama"], device="cpu")
+    ours = Context(target).decode(PROMPT).logits.double()
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(targets["llama"]).eval()(torch.tensor([PROMPT])).logits[0].double()
+    theirs = torch.from_numpy(llama_peer.llama_logits(files["llama"], PROMPT)).double()
+    d_hf, d_cpp = (ours - hf).abs().max().item(), (ours - theirs).abs().max().item()
+    print(f"\nllama target: max |Δlogit| vs transformers {d_hf:.2e}, vs llama.cpp {d_cpp:.2e}")
+    assert d_hf < TOL and d_cpp < TOL
