@@ -26,6 +26,8 @@ def serves(f: GgufFile) -> tuple[list[str], list[str]]:
     """(graph types the file serves: "main" and/or "mtp", problems that keep llama.cpp from loading it)."""
     nextn = f.nextn_layers()
     problems: list[str] = []
+    if f.arch == names.EAGLE3:  # a draft head: llama.cpp runs its ENCODER graph and its decoder next to a target
+        return ["encoder", "decoder"], problems
     if nextn <= 0:
         return ["main"], problems
     total = f.block_count()
@@ -70,8 +72,8 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "file_bytes": sum(p.stat().st_size for p in f.paths),
         "arch": arch,
         "serves": graph_types,
-        "kind": {("main",): "trunk-only", ("mtp",): "mtp-only", ("main", "mtp"): "embedded"}.get(tuple(graph_types),
-                                                                                                "unusable"),
+        "kind": {("main",): "trunk-only", ("mtp",): "mtp-only", ("main", "mtp"): "embedded",
+                 ("encoder", "decoder"): "EAGLE-3 draft head"}.get(tuple(graph_types), "unusable"),
         "block_count": f.block_count(),
         "nextn_predict_layers": nextn,
         "problems": problems,

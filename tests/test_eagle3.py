@@ -138,3 +138,15 @@ def test_refuses_wrong_target_sizes(tmp_path, llama_target):
 
 def test_target_only_for_draft_heads(tmp_path, llama_target):
     _refused(tmp_path, llama_target, llama_target, "--target is only for draft heads")
+
+
+def test_inspect_names_a_draft_head(tmp_path, llama_target):
+    from click.testing import CliRunner
+
+    from specconv import cli
+
+    head = build_eagle3_head(tmp_path / "head", llama_target, layer_ids=[0, 3, 5])
+    out = _convert(head, llama_target, tmp_path / "h.gguf")
+    res = CliRunner().invoke(cli.cli, ["inspect", str(out), "--json"])
+    info = json.loads(res.output)
+    assert info["arch"] == "eagle3" and info["serves"] == ["encoder", "decoder"] and not info["problems"]
