@@ -243,3 +243,18 @@ def test_llama_target_graph(built, llama_peer):
     d_hf, d_cpp = (ours - hf).abs().max().item(), (ours - theirs).abs().max().item()
     print(f"\nllama target: max |Δlogit| vs transformers {d_hf:.2e}, vs llama.cpp {d_cpp:.2e}")
     assert d_hf < TOL and d_cpp < TOL
+
+
+@pytest.mark.parametrize("case", ["qwen35-eagle", "llama-speculators"])
+def test_rejection_sampling_with_reduced_vocabulary(built, case):
+    """T > 0: the first emitted token, drawn through Leviathan's rule with the head's q (zero outside
+    d2t), follows the target's p (chi-square), and the acceptance rate is Σ min(p, q) over the target vocabulary."""
+    from specconv.verify.roundtrip import DIST_TRIALS, acceptance_close, distribution_check
+
+    target, head = _models(built, case)
+    drafter = Eagle3Drafter(head, target, n_ctx=64)
+    results = distribution_check(target, drafter, [PROMPT, PROMPT[3:]], 1.0, seed=1)
+    for p_value, measured, exact, rule in results:
+        print(f"\n{case}: T=1 {rule}: chi-square p {p_value:.3f}, acceptance {measured:.3f} vs Σmin(p,q) {exact:.3f} "
+              f"({DIST_TRIALS} draws)")
+        assert rule == "leviathan" and p_value > 1e-3 and acceptance_close(measured, exact)
