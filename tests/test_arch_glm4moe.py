@@ -249,3 +249,39 @@ def test_release_scale_glm45_headers():
     for key, value in expect.items():
         assert kv[f"glm4moe.{key}"] == value, key
     assert kv["glm4moe.rope.freq_base"] == pytest.approx(1e6)
+
+
+def test_sharded_checkpoint_converts_identically(conv, tmp_path):
+    src = tiny.build_tiny(tmp_path / "sharded", FAMILY, sharded=True)
+    assert (src / "model.safetensors.index.json").is_file()
+    a, b = open_gguf(conv[1]["embed"]), open_gguf(convert_gguf(src, tmp_path / "s.gguf", mtp="embed"))
+    assert set(a.tensors) == set(b.tensors)  # the order follows the shards' reading order
+    for name in a.tensors:
+        assert np.array_equal(a.tensors[name].raw(), b.tensors[name].raw()), name
+
+
+# the special-token ids llama.cpp's GLM converter hard-codes ([gMASK] as bos, <|user|> as eot, ...)
+GLM_SPECIAL_IDS = {"tokenizer.ggml.bos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id",
+                   "tokenizer.ggml.unknown_token_id"}
+
+
+@pytest.mark.parametrize("mode, upstream_flag", [("embed", None), ("none", "--no-mtp"), ("only", "--mtp")])
+def test_same_files_as_llamacpp_converter(tmp_path, mode, upstream_flag):
+    """llama.cpp's own Glm4MoeModel converter (SPECCONV_LLAMA_CPP_SRC) keeps GLM's nextn layer: in
+    every mode its tensors (bytes, types, order) and architecture KV equal ours."""
+    from tests.fixtures.gguf_files import convert_gguf_upstream
+
+    src = tiny.build_tiny(tmp_path / "hf", FAMILY, glm_tokens=True)
+    up_path = convert_gguf_upstream(src, tmp_path / "up.gguf", pre="glm4",
+                                    extra_args=[upstream_flag] if upstream_flag else [])
+    up, ours = open_gguf(up_path), open_gguf(convert_gguf(src, tmp_path / "ours.gguf", mtp=mode))
+    assert list(up.tensors) == list(ours.tensors)
+    for name, t in up.tensors.items():
+        assert t.ggml_type == ours.tensors[name].ggml_type, name
+        assert np.array_equal(t.raw(), ours.tensors[name].raw()), name
+    keys = lambda f: {k: f.get(k) for k in f.kv if not k.startswith("general.")}  # noqa: E731
+    a, b = keys(up), keys(ours)
+    differing = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    print(f"glm4moe --mtp {mode} vs llama.cpp's converter: {len(up.tensors)} tensors identical; "
+          f"KV differing: {sorted(differing)}")
+    assert differing <= GLM_SPECIAL_IDS
