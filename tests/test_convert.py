@@ -361,3 +361,11 @@ def test_auto_follows_the_checkpoint_dtype(sources, tmp_path, capsys, dtype, exp
              and "gate_inp" not in t.name}
     assert types == {expected}
     assert fields(r)["general.file_type"].contents() == {Q.BF16: 32, Q.F16: 1}[expected]
+
+
+def test_vision_tower_is_skipped_with_a_notice(sources, tmp_path, capsys):
+    """Release checkpoints carry a vision tower: it is left out (mmproj territory) and the user is told."""
+    code, out, err = run_cli(capsys, "convert", sources(layout="release"), "-o", tmp_path / "m.gguf", "--outtype", "f16")
+    assert code == 0, err
+    assert "skipped 3 tensor(s): vision/audio tower" in " ".join(err.split())
+    assert not any(t.name.startswith(("v.", "model.visual")) for t in GGUFReader(str(tmp_path / "m.gguf")).tensors)

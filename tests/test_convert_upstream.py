@@ -51,9 +51,10 @@ def checkpoints(tmp_path_factory):
     ("only", "q8_0", True, "release"),
     ("embed", "q8_0", True, "save_pretrained"),
     ("only", "f32", False, "save_pretrained"),
+    ("embed", "q8_0", True, "release-sharded"),  # shards + index: the same reading order as upstream
 ])
 def test_same_bytes_as_llama_cpp_converter(checkpoints, tmp_path, mode, outtype, moe, layout):
-    src = checkpoints(moe=moe, layout=layout)
+    src = checkpoints(moe=moe, layout=layout.split("-")[0], sharded=layout.endswith("-sharded"))
     theirs = convert_gguf_upstream(src, tmp_path / "up.gguf", outtype=outtype, extra_args=UPSTREAM_FLAGS[mode])
     ours = convert_gguf(src, tmp_path / "ours.gguf", outtype=outtype, mtp=mode)
     assert ours.read_bytes() == theirs.read_bytes()
