@@ -30,19 +30,19 @@ def checkpoint(seed: int = 0, **kwargs) -> Path:
         return _files[key]
 
 
-def gguf(kind: str = "embedded", seed: int = 0, **kwargs) -> Path:
-    """Path of a converted F32 GGUF of the tiny checkpoint (seed, kwargs), kind in UPSTREAM_ARGS."""
+def gguf(kind: str = "embedded", seed: int = 0, outtype: str = "f32", **kwargs) -> Path:
+    """Path of a converted GGUF (F32 by default) of the tiny checkpoint (seed, kwargs), kind in UPSTREAM_ARGS."""
     from specconv import cli
     from tests.fixtures.gguf_files import convert_gguf, convert_gguf_upstream
 
     src = checkpoint(seed, **kwargs)
-    key = (kind, seed, tuple(sorted(kwargs.items())))
+    key = (kind, seed, outtype, tuple(sorted(kwargs.items())))
     with _lock:
         if key not in _files:
-            name = f"{'mtp-' if kind == 'sidecar' else ''}{kind}-{len(_files)}.gguf"
+            name = f"{'mtp-' if kind == 'sidecar' else ''}{kind}-{outtype}-{len(_files)}.gguf"
             out = src.parent / name
             if "convert" in cli.COMMANDS:
-                _files[key] = convert_gguf(src, out, mtp=OUR_MODES[kind])
+                _files[key] = convert_gguf(src, out, outtype=outtype, mtp=OUR_MODES[kind])
             else:
-                _files[key] = convert_gguf_upstream(src, out, extra_args=UPSTREAM_ARGS[kind])
+                _files[key] = convert_gguf_upstream(src, out, outtype=outtype, extra_args=UPSTREAM_ARGS[kind])
         return _files[key]

@@ -105,6 +105,26 @@ def test_swapped_trunk_tensors_fail_parity(tmp_path, prompts):
     assert code != 0 and "parity: trunk logits vs transformers" in failed(rep)
 
 
+def test_quantized_file_judged_on_relative_error(tmp_path, prompts):
+    """A Q8_0 conversion differs from transformers by its rounding (max |Δ| ~2 on this ill-conditioned tiny
+    model) and passes on the relative RMS criterion; the same file with two trunk tensors swapped fails."""
+    good = speculative_models.gguf("embedded", outtype="q8_0")
+    code, rep = verify(tmp_path, prompts, good, "--hf", speculative_models.checkpoint())
+    print(f"q8_0: parity {rep['parity']}")
+    assert code == 0 and rep["parity"]["criterion"] == "rel_rms", failed(rep)
+    bad = tmp_path / "swapped-q8.gguf"
+    shutil.copy(good, bad)
+    reader = GGUFReader(bad, "r+")
+    a, b = (next(t for t in reader.tensors if t.name == n).data for n in ("blk.0.ffn_up.weight", "blk.1.ffn_up.weight"))
+    tmp = np.array(a)
+    a[...] = b
+    b[...] = tmp
+    del a, b, reader
+    code, rep = verify(tmp_path, prompts, bad, "--hf", speculative_models.checkpoint())
+    print(f"q8_0 swapped: parity {rep['parity']}")
+    assert code != 0 and "parity: trunk logits vs transformers" in failed(rep)
+
+
 def test_identical_draft_model_and_temperature(tmp_path, prompts):
     model = speculative_models.gguf("trunk")
     code, rep = verify(tmp_path, prompts, model, "--draft", model, "--temperature", "0.8")

@@ -155,7 +155,7 @@ def _tokenize(report: Report, target, texts):
 
 
 def _parity(report: Report, target, head, hf_dir: Path, prompts):
-    tol = parity.tolerance_for(*[m for m in (target, head) if m is not None])
+    kind, tol = parity.criterion(*[m for m in (target, head) if m is not None])
     try:
         main, bad = parity.load_reference(hf_dir, target.arch)
     except SpecconvError as exc:
@@ -167,10 +167,16 @@ def _parity(report: Report, target, head, hf_dir: Path, prompts):
     report.add("parity: transformers reference loads", not bad,
                f"{parity.hf_config_summary(hf_dir)} from {hf_dir}" + (f"; load report {bad}" if bad else ""))
     ref = f"transformers {importlib.metadata.version('transformers')} {type(main).__name__}"
-    trunk, hidden = parity.trunk_parity(target, main, prompts)
-    report.add("parity: trunk logits vs transformers", trunk <= tol, f"max |Δlogit| {trunk:.2e} (tolerance {tol:g})")
-    worst = trunk
-    report.parity = {"max_abs_logit_diff": trunk, "reference": ref, "trunk": trunk, "tolerance": tol}
+
+    def judge(name, max_abs, rel):
+        value = max_abs if kind == "max_abs" else rel
+        rule = "max |Δlogit|" if kind == "max_abs" else "relative RMS error (rounded weights)"
+        report.add(name, value <= tol, f"max |Δlogit| {max_abs:.2e}, relative RMS {rel:.2e}; judged on {rule} ≤ {tol:g}")
+
+    trunk, trunk_rel, hidden = parity.trunk_parity(target, main, prompts)
+    judge("parity: trunk logits vs transformers", trunk, trunk_rel)
+    report.parity = {"max_abs_logit_diff": trunk, "reference": ref, "trunk": trunk, "trunk_rel_rms": trunk_rel,
+                     "criterion": kind, "tolerance": tol}
     if head is not None:
         n_mtp = head.hparams.n_nextn
         try:
@@ -178,12 +184,10 @@ def _parity(report: Report, target, head, hf_dir: Path, prompts):
         except Exception as exc:
             report.add("parity: MTP head vs transformers MtpModel", False, f"no MTP reference: {type(exc).__name__}: {exc}")
             return
-        mtp = parity.mtp_parity(head, hf_mtp, prompts, hidden)
-        report.add("parity: MTP head vs transformers MtpModel", mtp <= tol,
-                   f"max |Δlogit| {mtp:.2e} (tolerance {tol:g}; llama.cpp rows, transformers' hidden states)")
-        worst = max(worst, mtp)
-        report.parity.update(mtp=mtp, reference=ref + " + MtpModel", max_abs_logit_diff=worst)
-
+        mtp, mtp_rel = parity.mtp_parity(head, hf_mtp, prompts, hidden)
+        judge("parity: MTP head vs transformers MtpModel", mtp, mtp_rel)
+        report.parity.update(mtp=mtp, mtp_rel_rms=mtp_rel, reference=ref + " + MtpModel",
+                             max_abs_logit_diff=max(trunk, mtp))
 
 def _speculative(report: Report, target, head, draft_model, prompts, opts: VerifyOptions, eagle_head=None):
     n, k = opts.n_predict, opts.draft_max
