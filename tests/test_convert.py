@@ -369,3 +369,38 @@ def test_vision_tower_is_skipped_with_a_notice(sources, tmp_path, capsys):
     assert code == 0, err
     assert "skipped 3 tensor(s): vision/audio tower" in " ".join(err.split())
     assert not any(t.name.startswith(("v.", "model.visual")) for t in GGUFReader(str(tmp_path / "m.gguf")).tensors)
+
+
+def test_added_tokens_special_control_other_user_defined(sources, tmp_path):
+    """§3: added tokens marked special are CONTROL, others USER_DEFINED (unless they look like <|...|>)."""
+    import json
+    import shutil
+
+    from specconv.convert.tokenizer import vocabulary
+
+    src = tmp_path / "src"
+    shutil.copytree(sources(), src)
+    tok = json.loads((src / "tokenizer.json").read_text())
+    for item in tok["added_tokens"]:
+        if item["content"] == "<|endoftext|>":
+            item.update(content="<think>", special=False)
+        if item["content"] == "<|im_start|>":
+            item["special"] = False  # still looks special: CONTROL, as llama.cpp's converter decides
+    (src / "tokenizer.json").write_text(json.dumps(tok))
+    tokens, types = vocabulary(src, ref.V)
+    assert tokens[-3:] == ["<think>", "<|im_start|>", "<|im_end|>"]
+    assert types[-3:] == [TokenType.USER_DEFINED, TokenType.CONTROL, TokenType.CONTROL]
+
+
+@pytest.mark.parametrize("text,expected", [("500M", 500_000_000), ("2G", 2_000_000_000), ("100K", 100_000),
+                                           ("1.5G", 1_500_000_000), ("300MB", 300_000_000), ("4096", 4096)])
+def test_split_size_units(text, expected):
+    from specconv.commands.convert import parse_size
+
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["abc", "10T", "", "0"])
+def test_split_size_errors(capsys, tmp_path, text):
+    code, _, err = run_cli(capsys, "convert", tmp_path, "-o", tmp_path / "m.gguf", "--split-max-size", text)
+    assert code == 2 and "--split-max-size" in err and len(err.strip().splitlines()) == 1
