@@ -68,7 +68,7 @@ def command(src, out, outtype, mtp_mode, split_max_size, target, dry_run, force,
     from specconv.convert.plan_report import plan_summary
 
     req = ConvertRequest(src=Path(src), out=out, outtype=outtype.lower(), mtp=MtpMode(mtp_mode),
-                         split_max_size=parse_size(split_max_size) if split_max_size else 0, target=target)
+                         split_max_size=parse_size(split_max_size) if split_max_size is not None else 0, target=target)
     plan = plan_conversion(req)
     try:
         summary = plan_summary(plan, tensors=dry_run)
