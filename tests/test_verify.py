@@ -133,3 +133,23 @@ def test_identical_draft_model_and_temperature(tmp_path, prompts):
           f"checks {[c['name'] for c in rep['checks']]}")
     assert code == 0 and s["drafter"] == "draft" and s["acceptance_rate"] == 1.0
     assert any(c["name"].startswith("distribution at T=0.8") and c["passed"] for c in rep["checks"])
+
+
+def test_broken_rollback_fails_greedy_exactness(tmp_path, prompts, monkeypatch):
+    # Negative control for the round-trip check: a seq_rm that keeps rejected drafts in the target's memory.
+    from specconv.runtime.context import Context
+
+    monkeypatch.setattr(Context, "seq_rm", lambda self, seq, from_pos: True)
+    code, rep = verify(tmp_path, prompts, speculative_models.gguf("embedded"))
+    print(f"no-op rollback: failed checks {failed(rep)}")
+    assert code == 1 and "greedy exact: mtp" in failed(rep) and "greedy exact: ngram" in failed(rep)
+
+
+def test_wrong_sampling_rule_fails_distribution_check(tmp_path, prompts, monkeypatch):
+    # Negative control for the T > 0 check: a rule that accepts every draft unchecked.
+    import specconv.verify.roundtrip as roundtrip
+
+    monkeypatch.setattr(roundtrip, "verify_rows", lambda logits, drafts, q, t, g: (len(drafts), 0, "accept-all"))
+    code, rep = verify(tmp_path, prompts, speculative_models.gguf("embedded"), "--temperature", "0.8")
+    print(f"accept-all rule: failed checks {failed(rep)}")
+    assert code != 0 and any(n.startswith("distribution at T=0.8") for n in failed(rep))

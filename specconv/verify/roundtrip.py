@@ -45,6 +45,17 @@ class Divergence:
                 f"at generated position {self.position}{gap}")
 
 
+@dataclass
+class RunError:
+    prompt: int
+    draft_max: int
+    rollback: str
+    error: str
+
+    def __str__(self):
+        return f"prompt {self.prompt}, draft_max {self.draft_max}, {self.rollback}: the run failed: {self.error}"
+
+
 def plain_runs(target: Model, prompts: list[list[int]], n: int):
     return [generate(target, p, n) for p in prompts]
 
@@ -62,7 +73,10 @@ def greedy_round_trips(target: Model, make: Callable[[int], Drafter], prompts, p
     trials = [(k, "snapshot") for k in range(1, draft_max + 1)] + [(draft_max, "checkpoint")]
     for k, rollback in trials:
         for i, (prompt, ref) in enumerate(zip(prompts, plain)):
-            res = speculative_generate(target, make(k), prompt, n, SpecConfig(draft_max=k, rollback=rollback))
+            try:
+                res = speculative_generate(target, make(k), prompt, n, SpecConfig(draft_max=k, rollback=rollback))
+            except Exception as exc:  # a crash is a failed round trip, reported like a divergence
+                return RunError(i, k, rollback, f"{type(exc).__name__}: {exc}"), None, 0.0
             if res.tokens != ref.tokens:
                 at = next((j for j, (a, b) in enumerate(zip(res.tokens, ref.tokens)) if a != b),
                           min(len(res.tokens), len(ref.tokens)))
