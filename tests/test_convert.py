@@ -404,3 +404,15 @@ def test_split_size_units(text, expected):
 def test_split_size_errors(capsys, tmp_path, text):
     code, _, err = run_cli(capsys, "convert", tmp_path, "-o", tmp_path / "m.gguf", "--split-max-size", text)
     assert code == 2 and "--split-max-size" in err and len(err.strip().splitlines()) == 1
+
+
+def test_json_result_names_the_written_files(sources, tmp_path, capsys):
+    import json
+
+    code, out, err = run_cli(capsys, "convert", sources(), "-o", tmp_path / "m.gguf", "--mtp", "separate",
+                             "--outtype", "q8_0", "--split-max-size", "150K", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    written = sorted(Path(p).name for p in result["written"])
+    assert written == sorted(p.name for p in tmp_path.iterdir()) and len(written) >= 3
+    assert {f["kind"] for f in result["files"]} == {"trunk", "sidecar"} and not result["dry_run"]
