@@ -11,7 +11,7 @@ import torch
 class GraphType(enum.Enum):
     MAIN = "main"  # the trunk: logits and hidden states for every row
     MTP = "mtp"  # the nextn head: (token, target hidden) rows -> logits and its normed hidden
-    ENCODER = "encoder"  # EAGLE-3's feature encoder (no graph in this runtime yet)
+    ENCODER = "encoder"  # EAGLE-3's feature encoder: target feature rows -> g rows (Context.encode)
 
 
 @dataclass
