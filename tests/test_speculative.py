@@ -288,3 +288,40 @@ def test_stop_at_end_of_generation(target, plain, monkeypatch):
         res = speculative_generate(target, DraftModelDrafter(target, 128, k, target), p, N,
                                    SpecConfig(draft_max=k, stop_at_eos=True))
         assert res.tokens == ref
+
+
+def test_alpha_and_merge():
+    from collections import Counter
+
+    from specconv.runtime.spec_stats import SpecStats, solve_alpha
+
+    assert solve_alpha(Counter({1: 4}), 3) == pytest.approx(0.75)  # one draft per round: alpha = rate
+    assert solve_alpha(Counter({2: 4}), 3) == pytest.approx(0.5)  # 4 (a + a^2) = 3
+    assert solve_alpha(Counter({2: 1, 1: 2}), 0) == 0.0 and solve_alpha(Counter({2: 1}), 2) == 1.0
+    a, b = SpecStats(3), SpecStats(3)
+    for s, rounds in ((a, [(3, 3), (0, 0), (2, 1)]), (b, [(1, 0), (3, 2)])):
+        for n, j in rounds:
+            s.record_round(n, j)
+    m, whole = SpecStats.merge([a, b]), SpecStats(3)
+    for n, j in [(3, 3), (0, 0), (2, 1), (1, 0), (3, 2)]:
+        whole.record_round(n, j)
+    assert m.to_json() == whole.to_json()
+    with pytest.raises(ValueError):
+        a.record_round(2, 3)
+
+
+def test_draft_model_vocabulary_check():
+    from types import SimpleNamespace
+
+    from specconv.archs.errors import SpecconvError
+    from specconv.runtime.drafters.draft_model import check_same_vocabulary
+
+    def model(n, tokens):
+        return SimpleNamespace(n_vocab=n, file=SimpleNamespace(get=lambda key: tokens))
+
+    check_same_vocabulary(model(3, ["a", "b", "c"]), model(3, ["a", "b", "c"]))
+    check_same_vocabulary(model(3, ["a", "b", "c"]), model(3, None))  # no token list to compare: sizes decide
+    with pytest.raises(SpecconvError, match="vocabulary"):
+        check_same_vocabulary(model(3, ["a", "b", "c"]), model(4, ["a", "b", "c", "d"]))
+    with pytest.raises(SpecconvError, match="token id 1"):
+        check_same_vocabulary(model(3, ["a", "b", "c"]), model(3, ["a", "x", "c"]))
