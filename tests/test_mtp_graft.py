@@ -52,7 +52,8 @@ def tokens_for(vocab: int, variant: int = 0) -> list[str]:
 
 def write_layout(path: Path, layout: str, *, n: int = 4, k: int = 1, vocab: int = 128, hidden: int = H,
                  seed: int = 0, arch: str = "qwen35", trunk_type: T = T.F32, head_type: T = T.F32,
-                 token_variant: int = 0, mtp_kv_heads: int = 4, split_max_tensors: int = 0) -> Path:
+                 token_variant: int = 0, mtp_kv_heads: int = 4, split_max_tensors: int = 0,
+                 scalar_kv_heads: bool = False) -> Path:
     """layout: 'embedded' (N+k blocks), 'trunk' (N blocks, no nextn key), 'sidecar' (MTP-only) or
     'stripped' (the embedded KV, but the MTP blocks' tensors dropped, as some quantization tools do)."""
     w = make_weights(n, k, vocab, hidden, seed)
@@ -67,7 +68,10 @@ def write_layout(path: Path, layout: str, *, n: int = 4, k: int = 1, vocab: int 
     writer.add_context_length(4096)
     writer.add_embedding_length(hidden)
     writer.add_head_count(4)
-    writer.add_head_count_kv([2] * n + ([mtp_kv_heads] * k if layout != "trunk" else []))
+    if scalar_kv_heads:
+        writer.add_head_count_kv(2)
+    else:
+        writer.add_head_count_kv([2] * n + ([mtp_kv_heads] * k if layout != "trunk" else []))
     writer.add_array(f"{arch}.attention.recurrent_layers", [i % 2 == 0 for i in range(n)] + [False] * (total - n))
     writer.add_rope_dimension_sections([1, 1, 0, 0])  # 4 entries: as many as trunk layers when n == 4
     writer.add_tokenizer_model("gpt2")
@@ -179,6 +183,15 @@ def test_merge_updates_every_per_layer_array(tmp_path):
     assert r.fields["qwen35.attention.head_count_kv"].contents() == [2, 2, 2, 2, 8]
     # A fixed-length array with N entries is not per-layer and must stay as it is.
     assert r.fields["qwen35.rope.dimension_sections"].contents() == [1, 1, 0, 0]
+
+
+def test_scalar_trunk_value_becomes_per_layer_only_when_the_head_differs(tmp_path):
+    trunk = write_layout(tmp_path / "trunk.gguf", "trunk", scalar_kv_heads=True)
+    for heads, expected in ((8, [2, 2, 2, 2, 8]), (2, 2)):
+        sidecar = write_layout(tmp_path / f"mtp{heads}.gguf", "sidecar", mtp_kv_heads=heads)
+        out = tmp_path / f"out{heads}.gguf"
+        assert run_cli("merge", trunk, sidecar, "-o", out) == 0
+        assert GGUFReader(out).fields["qwen35.attention.head_count_kv"].contents() == expected
 
 
 def test_merge_restores_a_stripped_file(tmp_path, capsys):
