@@ -21,7 +21,7 @@ def register(cls: type[ArchPlugin]) -> type[ArchPlugin]:
 
 def _load_builtin_plugins() -> None:
     # Importing a plugin module registers it.
-    from . import deepseek2, eagle3, glm4moe, llama, qwen35  # noqa: F401
+    from . import deepseek2, eagle3, gemma4, glm4moe, llama, qwen35  # noqa: F401
 
 
 def supported_architectures() -> list[str]:

@@ -74,6 +74,9 @@ class Checkpoint:
     # (tokenizer). Plugins that use it set the class attribute `uses_target = True`.
     target_config: Mapping[str, Any] | None = None
     target_dir: str | None = None
+    # The checkpoint folder, for plugins whose shapes depend on the tokenizer (Gemma trims the
+    # embedding to the tokenizer's real size); plugins read only small metadata files from it.
+    source_dir: str | None = None
 
 
 class ArchPlugin:

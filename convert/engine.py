@@ -130,7 +130,7 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
         raise SpecconvError("--target is only for draft heads converted against their target (EAGLE-3)")
     target_config = read_config(Path(req.target)) if req.target is not None and uses_target else None
     plugin = plugin_cls(Checkpoint(reader.config, headers, skipped, target_config,
-                                   str(req.target) if target_config is not None else None))
+                                   str(req.target) if target_config is not None else None, str(reader.dir)))
     plans = plugin.tensor_plan()
     k, notices = plugin.n_mtp_layers, []
     kinds = _file_kinds(req.mtp, k, [] if uses_target else notices)  # a draft head has no MTP layers to miss

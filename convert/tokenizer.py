@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from gguf import GGUFWriter, TokenType
-from gguf.vocab import BpeVocab, SpecialVocab
+from gguf.vocab import BpeVocab, LlamaHfVocab, SpecialVocab
 
 from specconv.archs.base import MetaKV
 from specconv.archs.errors import SpecconvError
@@ -68,9 +68,45 @@ def vocabulary(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+# Gemma 4 tool/channel markers that stay visible (USER_DEFINED) so chat parsers can read them.
+_GEMMA4_VISIBLE = {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                   "<tool_response|>", '<|"|>'}
+
+
+def gemma4_tokenizer_kv(model_dir: Path, n_vocab: int) -> list[MetaKV]:
+    """`tokenizer.ggml.model = gemma4`: BPE with byte fallback, read with gguf-py's LlamaHfVocab, with
+    scores, token types and merges; no `pre` (llama.cpp forces it), add_bos on, no space prefix."""
+    try:
+        vocab = LlamaHfVocab(model_dir)
+    except (FileNotFoundError, TypeError):
+        raise SpecconvError(f"no Gemma-style BPE tokenizer with byte fallback (tokenizer.json) in {model_dir}") from None
+    tokens, scores, types = [], [], []
+    for text, score, toktype in vocab.all_tokens():
+        text = text.decode("utf-8") if isinstance(text, bytes) else text
+        tokens.append(text)
+        scores.append(float(score))
+        types.append(int(TokenType.USER_DEFINED if text in _GEMMA4_VISIBLE else toktype))
+    if len(tokens) != n_vocab:
+        raise SpecconvError(f"the tokenizer has {len(tokens)} tokens but the token embedding keeps {n_vocab} rows")
+    writer = GGUFWriter(None, "capture")
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    special = SpecialVocab(model_dir, load_merges=True, n_vocab=n_vocab)
+    if not special.merges:
+        raise SpecconvError(f"the Gemma tokenizer in {model_dir} has no merges (llama.cpp requires them)")
+    special.add_to_gguf(writer, quiet=True)
+    writer.add_add_space_prefix(False)
+    writer.add_add_bos_token(True)
+    return captured_kv(writer)
+
+
 def tokenizer_kv(model_dir: str | Path, n_vocab: int, model: str, pre: str) -> list[MetaKV]:
     """The `tokenizer.*` KV pairs for a vocabulary of `n_vocab` entries (the embedding's rows)."""
     model_dir = Path(model_dir)
+    if model == "gemma4":
+        return gemma4_tokenizer_kv(model_dir, n_vocab)
     tokens, types = vocabulary(model_dir, n_vocab)
     writer = GGUFWriter(None, "capture")
     writer.add_tokenizer_model(model)

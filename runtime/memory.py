@@ -16,7 +16,7 @@ only whole-sequence removal or `restore` of a `checkpoint` can move the state ba
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,8 @@ class MemoryLayout:
     ssm_dk: int = 0
     ssm_dv: int = 0
     state_dtype: torch.dtype = torch.float32  # of the SSM state and the delta-rule arithmetic
+    # per-layer (n_head_kv, head_dim) where layers differ (Gemma 4: sliding vs full layers)
+    layer_shapes: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,9 +60,11 @@ class Memory:
         self.n_seq, self.n_ctx = n_seq, n_ctx
         self.ring = n_rs_seq + 1
         self.device, self.dtype = device, dtype
-        shape = (n_seq, n_ctx, layout.n_head_kv, layout.head_dim)
-        self.k = {l: torch.zeros(shape, dtype=dtype, device=device) for l in layout.attn_layers}
-        self.v = {l: torch.zeros(shape, dtype=dtype, device=device) for l in layout.attn_layers}
+        def shape(l):
+            return (n_seq, n_ctx) + tuple(layout.layer_shapes.get(l, (layout.n_head_kv, layout.head_dim)))
+
+        self.k = {l: torch.zeros(shape(l), dtype=dtype, device=device) for l in layout.attn_layers}
+        self.v = {l: torch.zeros(shape(l), dtype=dtype, device=device) for l in layout.attn_layers}
         self.cell_pos = torch.full((n_seq, n_ctx), -1, dtype=torch.long, device=device)
         self.n_cells = [0] * n_seq
         self.conv = {l: torch.zeros(n_seq, self.ring, layout.conv_channels, layout.conv_kernel - 1,
@@ -173,6 +177,12 @@ class Memory:
             self.conv[l][seq, 0].copy_(conv)
             self.ssm[l][seq, 0].copy_(ssm)
         self.last_pos[seq] = int(self.cell_pos[seq, state.n_cells - 1]) if state.n_cells else state.slot_pos
+
+    def cells(self, seq: int, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K, V, positions) of the committed cells of an attention layer: read access for a drafter
+        that attends to this memory without owning any (the Gemma 4 assistant)."""
+        n = self.n_cells[seq]
+        return self.k[layer][seq, :n], self.v[layer][seq, :n], self.cell_pos[seq, :n]
 
     def recurrent_state(self, seq: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The current (conv, ssm) state of a recurrent layer, for tests and drafters."""

@@ -46,6 +46,18 @@ TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
 
+def _gemma4_tokenizer(tokens: list[str], merges, unk_id) -> Tokenizer:
+    """Gemma's BPE with byte fallback: spaces become '▁', pieces split after each '▁' run, unknown
+    characters fall back to <0xXX> byte tokens (peers.md §2.9)."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
+    tk.normalizer = normalizers.Replace(" ", "\u2581")
+    tk.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_previous")
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tk
+
+
 class GGUFTokenizer:
     """encode(text) -> ids, decode(ids) -> text, plus the special ids the file declares."""
 
@@ -53,11 +65,16 @@ class GGUFTokenizer:
         model = kv.get("tokenizer.ggml.model")
         if model is None:
             raise SpecconvError("the GGUF file has no tokenizer (tokenizer.ggml.model is absent)")
-        if model != "gpt2":
-            raise SpecconvError(f"tokenizer model {model!r} is not supported by the runtime (only byte-level BPE 'gpt2')")
+        if model not in ("gpt2", "gemma4"):
+            raise SpecconvError(f"tokenizer model {model!r} is not supported by the runtime "
+                                "(byte-level BPE 'gpt2', byte-fallback BPE 'gemma4')")
         tokens: list[str] = kv["tokenizer.ggml.tokens"]
         types: Sequence[int] = kv.get("tokenizer.ggml.token_type", [1] * len(tokens))
         merges = [tuple(m.split(" ", 1)) for m in kv.get("tokenizer.ggml.merges", [])]
+        if model == "gemma4":
+            tk = _gemma4_tokenizer(tokens, merges, kv.get("tokenizer.ggml.unknown_token_id"))
+            self._finish(kv, tk, tokens, types)
+            return
         pre = kv.get("tokenizer.ggml.pre", "default")
         if pre not in PRE_TOKENIZERS:
             raise SpecconvError(f"pre-tokenizer {pre!r} is not known to the runtime tokenizer "
@@ -73,6 +90,9 @@ class GGUFTokenizer:
             [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in splits]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tk.decoder = decoders.ByteLevel()
+        self._finish(kv, tk, tokens, types)
+
+    def _finish(self, kv, tk: Tokenizer, tokens: list[str], types: Sequence[int]) -> None:
         added = [AddedToken(tokens[i], special=(t == TOKEN_TYPE_CONTROL), normalized=False)
                  for i, t in enumerate(types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)]
         if added:

@@ -20,6 +20,8 @@ GRAPHS: dict[str, str] = {
     "eagle3": "eagle3",
     "glm4moe": "glm4moe",
     "deepseek2": "deepseek2",
+    "gemma4": "gemma4",
+    "gemma4-assistant": "gemma4_assistant",
 }
 
 

@@ -1,0 +1,375 @@
+"""Gemma 4 text models -> GGUF arch `gemma4`, and the Gemma 4 MTP assistant -> `gemma4-assistant`
+(gguf-layout.md §7.6, §7.7).
+
+Gemma 4 (`Gemma4ForConditionalGeneration`, text under `model.language_model.`; `Gemma4ForCausalLM`):
+plain RMSNorm weights (no +1), the embedding trimmed to the tokenizer's real size (the √H scale is
+applied by the runtime), tied head, per-layer head dims and KV-head counts (sliding layers use
+`head_dim` / `num_key_value_heads`; full layers `global_head_dim` / `num_global_key_value_heads` in
+Hub configs, or `per_layer_config` in transformers-5 saves), K/V-sharing tail layers without
+k/v tensors, `attention_k_eq_v` (no v_proj on full layers), per-layer inputs (PLE), the layer output
+scalar, a synthesised `rope_freqs` that turns llama.cpp's full NEOX rope into proportional rope, and
+the MoE variant (router with its scale and per-expert scale, fused experts, the extra norms).
+
+The assistant (`Gemma4AssistantForCausalLM`) is always its own file: every layer is a draft layer
+(`nextn_predict_layers = block_count`), it has no K/V tensors (it reads the target's), its own
+embedding is the tied LM head, and `embedding_length_out` carries the backbone (target) width.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+from typing import Any, ClassVar, Mapping
+
+import torch
+from gguf import GGMLQuantizationType, GGUFValueType, Keys
+
+from . import names, register
+from . import transforms as tf
+from .base import ArchPlugin, Checkpoint, MetaKV, text_config
+from .errors import SpecconvError
+from .llama import PlanBuilder
+
+F32 = GGMLQuantizationType.F32
+ROPE_FREQS = "rope_freqs.weight"
+SLIDING, FULL = "sliding_attention", "full_attention"
+_TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
+           "vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
+
+
+def real_vocab_size(model_dir: str | Path | None) -> int | None:
+    """Tokens the tokenizer really has (ids of tokenizer.json's vocab and added tokens), or None."""
+    if model_dir is None:
+        return None
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        ids = set(int(i) for i in (data.get("model") or {}).get("vocab", {}).values())
+        ids |= {int(t["id"]) for t in data.get("added_tokens") or []}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise SpecconvError(f"tokenizer.json cannot be read ({exc})") from None
+    return max(ids) + 1 if ids else None
+
+
+class Gemma4Hparams:
+    """Per-layer structure of a Gemma 4 text config, from either config form."""
+
+    def __init__(self, cfg: Mapping[str, Any]):
+        try:
+            self.H = int(cfg["hidden_size"])
+            self.F = int(cfg["intermediate_size"])
+            self.N = int(cfg["num_hidden_layers"])
+            self.n_head = int(cfg["num_attention_heads"])
+            self.hd_swa = int(cfg.get("head_dim") or 256)
+            self.nkv_swa = int(cfg.get("num_key_value_heads") or self.n_head)
+        except KeyError as exc:
+            raise SpecconvError(f"config.json lacks {exc.args[0]}") from None
+        types = cfg.get("layer_types")
+        if not types:
+            types = [SLIDING if (i + 1) % 6 else FULL for i in range(self.N)]  # transformers' default 5:1
+        if len(types) != self.N or any(t not in (SLIDING, FULL) for t in types):
+            raise SpecconvError(f"config.json layer_types must list {self.N} of {SLIDING!r} / {FULL!r}")
+        self.types = list(types)
+        self.k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+        per_layer = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+        hd_full = cfg.get("global_head_dim")
+        nkv_full = cfg.get("num_global_key_value_heads") if self.k_eq_v else None  # transformers' gate
+        self.hd, self.nkv = [], []
+        for i, t in enumerate(self.types):
+            over = per_layer.get(i, {})
+            if t == FULL:
+                hd = over.get("head_dim") or hd_full or (512 if not per_layer else self.hd_swa)
+                nkv = over.get("num_key_value_heads") or nkv_full or self.nkv_swa
+            else:
+                hd = over.get("head_dim") or self.hd_swa
+                nkv = over.get("num_key_value_heads") or self.nkv_swa
+            if self.n_head % int(nkv):
+                raise SpecconvError(f"layer {i}: {self.n_head} heads are not a multiple of {nkv} KV heads")
+            self.hd.append(int(hd))
+            self.nkv.append(int(nkv))
+        full = [i for i, t in enumerate(self.types) if t == FULL]
+        self.hd_full = self.hd[full[0]] if full else self.hd_swa
+        self.nkv_full = self.nkv[full[0]] if full else self.nkv_swa
+        if any(self.hd[i] != self.hd_full for i in full) or any(self.nkv[i] != self.nkv_full for i in full):
+            raise SpecconvError("full-attention layers with different head dims or KV heads are not supported")
+        self.n_shared = int(cfg.get("num_kv_shared_layers") or 0)
+        if not 0 <= self.n_shared <= self.N:
+            raise SpecconvError(f"num_kv_shared_layers {self.n_shared} is outside 0..{self.N}")
+        self.P = int(cfg.get("hidden_size_per_layer_input") or 0)
+        self.V_ple = int(cfg.get("vocab_size_per_layer_input") or 0)
+        self.double_wide = bool(cfg.get("use_double_wide_mlp", False))
+        self.moe = bool(cfg.get("enable_moe_block", False))
+        if self.moe:
+            try:
+                self.E, self.k_used = int(cfg["num_experts"]), int(cfg["top_k_experts"])
+                self.Fe = int(cfg.get("moe_intermediate_size") or cfg["expert_intermediate_size"])
+            except (KeyError, TypeError):
+                raise SpecconvError("a Gemma 4 MoE config needs num_experts, top_k_experts and "
+                                    "moe_intermediate_size") from None
+        rope = cfg.get("rope_parameters") or {}
+        self.rope_full = rope.get(FULL) or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1_000_000.0}
+        self.rope_swa = rope.get(SLIDING) or {"rope_type": "default", "rope_theta": 10_000.0}
+        if self.rope_full.get("rope_type", "default") not in ("default", "proportional"):
+            raise SpecconvError(f"full-attention rope type {self.rope_full.get('rope_type')!r} is not supported")
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise SpecconvError("attn_logit_softcapping is not supported by the gemma4 GGUF layout")
+        if cfg.get("use_bidirectional_attention") == "all":
+            raise SpecconvError("use_bidirectional_attention='all' models are not causal language models")
+
+    def owns_kv(self, i: int) -> bool:
+        return i < self.N - self.n_shared
+
+    def ffn_width(self, i: int) -> int:
+        return self.F * (2 if self.double_wide and not self.owns_kv(i) else 1)
+
+    def rope_freq_factors(self) -> torch.Tensor:
+        """1 for the rotated pairs of a full layer, 1e30 (θ → 0) for the rest (gguf-layout.md §7.6)."""
+        half = self.hd_full // 2
+        factor = float(self.rope_full.get("partial_rotary_factor", 1.0))
+        n_rot = int(self.hd_full * factor / 2)
+        return torch.tensor([1.0] * n_rot + [1e30] * (half - n_rot), dtype=torch.float32)
+
+
+def _normalize(raw: str):
+    if raw.endswith("rotary_emb.inv_freq"):
+        return (None, "rotary inv_freq buffer (recomputed from the config)")
+    if raw.startswith(_TOWERS):
+        return (None, "vision/audio tower (belongs in an mmproj file)")
+    if raw.startswith("model.language_model."):
+        return "model." + raw[len("model.language_model."):]
+    if raw.startswith("language_model.model."):
+        return "model." + raw[len("language_model.model."):]
+    return raw
+
+
+class _Gemma4Base(ArchPlugin):
+    tokenizer_model: ClassVar[str] = "gemma4"
+    tokenizer_pre: ClassVar[str] = "gemma4"  # not written: llama.cpp forces it for this model
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        self.cfg = text_config(checkpoint.config)
+        self.hp = Gemma4Hparams(self.cfg)
+
+    def vocab_size(self) -> int:
+        info = self.checkpoint.tensors.get("model.embed_tokens.weight")
+        if info is None:
+            raise SpecconvError("checkpoint lacks tensor model.embed_tokens.weight")
+        rows = int(info.shape[0])
+        real = real_vocab_size(self.checkpoint.source_dir)
+        return min(rows, real) if real else rows
+
+    # ---- shared tensor plan pieces --------------------------------------------------------
+    def _embedding(self, plan: PlanBuilder, width: int) -> None:
+        V = self.vocab_size()
+        info = self.checkpoint.tensors.get("model.embed_tokens.weight")
+        rows = int(info.shape[0]) if info is not None else V
+        src = plan.source("model.embed_tokens.weight", (rows, width))
+        plan.add(names.TOKEN_EMBD, [src], (V, width), partial(tf.slice_axis, dim=0, start=0, stop=V))
+        if plan.has("lm_head.weight"):  # tied: the loader duplicates token_embd as the head
+            plan.used.add("lm_head.weight")
+
+    def _norm(self, plan: PlanBuilder, gguf: str, hf: str, width: int) -> None:
+        plan.add(gguf, [plan.source(hf, (width,))], (width,))
+
+    def _layer(self, plan: PlanBuilder, i: int, with_kv: bool) -> None:
+        hp, H = self.hp, self.hp.H
+        p, hd, nkv = f"model.layers.{i}.", hp.hd[i], hp.nkv[i]
+        q, kv = hp.n_head * hd, nkv * hd
+        self._norm(plan, names.blk(i, "attn_norm"), p + "input_layernorm.weight", H)
+        plan.add(names.blk(i, "attn_q"), [plan.source(p + "self_attn.q_proj.weight", (q, H))], (q, H))
+        self._norm(plan, names.blk(i, "attn_q_norm"), p + "self_attn.q_norm.weight", hd)
+        if with_kv:
+            plan.add(names.blk(i, "attn_k"), [plan.source(p + "self_attn.k_proj.weight", (kv, H))], (kv, H))
+            if not (hp.k_eq_v and hp.types[i] == FULL):
+                plan.add(names.blk(i, "attn_v"), [plan.source(p + "self_attn.v_proj.weight", (kv, H))], (kv, H))
+            self._norm(plan, names.blk(i, "attn_k_norm"), p + "self_attn.k_norm.weight", hd)
+        plan.add(names.blk(i, "attn_output"), [plan.source(p + "self_attn.o_proj.weight", (H, q))], (H, q))
+        self._norm(plan, names.blk(i, "post_attention_norm"), p + "post_attention_layernorm.weight", H)
+        self._norm(plan, names.blk(i, "ffn_norm"), p + "pre_feedforward_layernorm.weight", H)
+        self._norm(plan, names.blk(i, "post_ffw_norm"), p + "post_feedforward_layernorm.weight", H)
+        F = hp.ffn_width(i)
+        for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
+            plan.add(names.blk(i, f"ffn_{part}"), [plan.source(f"{p}mlp.{part}_proj.weight", shape)], shape)
+        plan.add(names.blk(i, "layer_output_scale"), [plan.source(p + "layer_scalar", (1,))], (1,), force=F32)
+
+    def _rope_freqs(self, plan: PlanBuilder) -> None:
+        values = self.hp.rope_freq_factors()
+        plan.add(ROPE_FREQS, ["model.norm.weight"], tuple(values.shape), lambda ts, v=values: v.clone(), F32)
+
+    # ---- metadata -------------------------------------------------------------------------
+    def _kv(self, arch: str, n_vocab: int) -> list[MetaKV]:
+        hp, cfg = self.hp, self.cfg
+        u32, f32, b = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
+        out: list[MetaKV] = []
+
+        def put(key, value, vtype, sub=None):
+            out.append(MetaKV(key.format(arch=arch), value, vtype, sub))
+
+        put(Keys.LLM.BLOCK_COUNT, hp.N, u32)
+        put(Keys.LLM.CONTEXT_LENGTH, int(cfg.get("max_position_embeddings") or 131072), u32)
+        put(Keys.LLM.EMBEDDING_LENGTH, hp.H, u32)
+        if hp.double_wide and hp.n_shared:
+            put(Keys.LLM.FEED_FORWARD_LENGTH, [hp.ffn_width(i) for i in range(hp.N)], GGUFValueType.ARRAY, u32)
+        else:
+            put(Keys.LLM.FEED_FORWARD_LENGTH, hp.F, u32)
+        put(Keys.Attention.HEAD_COUNT, hp.n_head, u32)
+        if len(set(hp.nkv)) > 1:
+            put(Keys.Attention.HEAD_COUNT_KV, list(hp.nkv), GGUFValueType.ARRAY, u32)
+        else:
+            put(Keys.Attention.HEAD_COUNT_KV, hp.nkv[0], u32)
+        put(Keys.Rope.FREQ_BASE, float(hp.rope_full.get("rope_theta", 1_000_000.0)), f32)
+        put(Keys.Rope.FREQ_BASE_SWA, float(hp.rope_swa.get("rope_theta", 10_000.0)), f32)
+        put(Keys.Attention.LAYERNORM_RMS_EPS, float(cfg.get("rms_norm_eps", 1e-6)), f32)
+        if hp.moe:
+            put(Keys.LLM.EXPERT_COUNT, hp.E, u32)
+            put(Keys.LLM.EXPERT_USED_COUNT, hp.k_used, u32)
+            put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.Fe, u32)
+        put(Keys.Attention.KEY_LENGTH, hp.hd_full, u32)
+        put(Keys.Attention.VALUE_LENGTH, hp.hd_full, u32)
+        put(Keys.Attention.KEY_LENGTH_SWA, hp.hd_swa, u32)
+        put(Keys.Attention.VALUE_LENGTH_SWA, hp.hd_swa, u32)
+        if cfg.get("final_logit_softcapping"):
+            put(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, float(cfg["final_logit_softcapping"]), f32)
+        put(Keys.Attention.SLIDING_WINDOW, int(cfg.get("sliding_window") or 512), u32)
+        put(Keys.Attention.SHARED_KV_LAYERS, hp.n_shared, u32)
+        put(Keys.LLM.EMBD_LENGTH_PER_LAYER_INP, hp.P, u32)
+        put(Keys.Attention.SLIDING_WINDOW_PATTERN, [t == SLIDING for t in hp.types], GGUFValueType.ARRAY, b)
+        put(Keys.Rope.DIMENSION_COUNT, hp.hd_full, u32)
+        swa_factor = float(hp.rope_swa.get("partial_rotary_factor", 1.0))
+        put(Keys.Rope.DIMENSION_COUNT_SWA, int(hp.hd_swa * swa_factor), u32)
+        return out
+
+
+@register
+class Gemma4(_Gemma4Base):
+    hf_architectures: ClassVar[tuple[str, ...]] = ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM")
+    family: ClassVar[str] = "gemma4"
+
+    @property
+    def gguf_arch(self) -> str:
+        return names.GEMMA4
+
+    @classmethod
+    def normalize_name(cls, raw_name: str):
+        return _normalize(raw_name)
+
+    @property
+    def n_trunk_layers(self) -> int:
+        return self.hp.N
+
+    @property
+    def n_mtp_layers(self) -> int:
+        return 0
+
+    def tensor_plan(self):
+        plan, hp, H = PlanBuilder(self.checkpoint), self.hp, self.hp.H
+        self._embedding(plan, H)
+        if hp.P:
+            NP = hp.N * hp.P
+            v_ple = int(self.checkpoint.tensors["model.embed_tokens_per_layer.weight"].shape[0]) \
+                if "model.embed_tokens_per_layer.weight" in self.checkpoint.tensors else hp.V_ple
+            V = self.vocab_size()
+            if v_ple < V:
+                raise SpecconvError(f"the per-layer embedding has {v_ple} rows, fewer than the {V} tokens")
+            # llama.cpp sizes this table by the vocabulary too: trimmed like token_embd
+            plan.add("per_layer_token_embd.weight", [plan.source("model.embed_tokens_per_layer.weight", (v_ple, NP))],
+                     (V, NP), partial(tf.slice_axis, dim=0, start=0, stop=V))
+            plan.add("per_layer_model_proj.weight", [plan.source("model.per_layer_model_projection.weight", (NP, H))],
+                     (NP, H))
+            self._norm(plan, "per_layer_proj_norm.weight", "model.per_layer_projection_norm.weight", hp.P)
+        for i in range(hp.N):
+            self._layer(plan, i, with_kv=hp.owns_kv(i))
+            p = f"model.layers.{i}."
+            if not hp.owns_kv(i):  # transformers drops these on load; a checkpoint may still carry them
+                for extra in ("k_proj.weight", "v_proj.weight", "k_norm.weight"):
+                    if plan.has(p + "self_attn." + extra):
+                        plan.used.add(p + "self_attn." + extra)
+            if hp.P:
+                plan.add(names.blk(i, "inp_gate"), [plan.source(p + "per_layer_input_gate.weight", (hp.P, H))], (hp.P, H))
+                plan.add(names.blk(i, "proj"), [plan.source(p + "per_layer_projection.weight", (H, hp.P))], (H, hp.P))
+                self._norm(plan, names.blk(i, "post_norm"), p + "post_per_layer_input_norm.weight", H)
+            if hp.moe:
+                self._moe(plan, i)
+        self._norm(plan, names.OUTPUT_NORM, "model.norm.weight", H)
+        self._rope_freqs(plan)
+        return plan.finish(self.gguf_arch)
+
+    def _moe(self, plan: PlanBuilder, i: int) -> None:
+        hp, H, p = self.hp, self.hp.H, f"model.layers.{i}."
+        E, Fe = hp.E, hp.Fe
+        plan.add(names.blk(i, "ffn_gate_inp"), [plan.source(p + "router.proj.weight", (E, H))], (E, H), force=F32)
+        plan.add(names.blk(i, "ffn_gate_inp", "scale"), [plan.source(p + "router.scale", (H,))], (H,), force=F32)
+        plan.add(names.blk(i, "ffn_down_exps", "scale"), [plan.source(p + "router.per_expert_scale", (E,))], (E,),
+                 force=F32)
+        plan.add(names.blk(i, "ffn_gate_up_exps"), [plan.source(p + "experts.gate_up_proj", (E, 2 * Fe, H))],
+                 (E, 2 * Fe, H))
+        plan.add(names.blk(i, "ffn_down_exps"), [plan.source(p + "experts.down_proj", (E, H, Fe))], (E, H, Fe))
+        self._norm(plan, names.blk(i, "pre_ffw_norm_2"), p + "pre_feedforward_layernorm_2.weight", H)
+        self._norm(plan, names.blk(i, "post_ffw_norm_1"), p + "post_feedforward_layernorm_1.weight", H)
+        self._norm(plan, names.blk(i, "post_ffw_norm_2"), p + "post_feedforward_layernorm_2.weight", H)
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        return self._kv(self.gguf_arch, self.vocab_size())
+
+
+@register
+class Gemma4Assistant(_Gemma4Base):
+    hf_architectures: ClassVar[tuple[str, ...]] = ("Gemma4AssistantForCausalLM",)
+    family: ClassVar[str] = "gemma4-assistant"
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        hb = checkpoint.config.get("backbone_hidden_size")
+        if not hb:
+            raise SpecconvError("config.json lacks backbone_hidden_size (the target's hidden size)")
+        self.Hb = int(hb)
+        if self.Hb == self.hp.H:
+            raise SpecconvError("backbone_hidden_size equals the assistant's hidden_size; llama.cpp needs them "
+                                "to differ (embedding_length_out carries the backbone width)")
+        if self.hp.n_shared not in (0, self.hp.N):
+            raise SpecconvError("every assistant layer must read the target's K/V (num_kv_shared_layers = "
+                                "num_hidden_layers)")
+        if self.hp.P or self.hp.moe or self.hp.double_wide:
+            raise SpecconvError("a Gemma 4 assistant has no per-layer inputs, MoE blocks or double-wide MLPs")
+        self.hp.n_shared = self.hp.N  # the assistant config forces it
+
+    @property
+    def gguf_arch(self) -> str:
+        return names.GEMMA4_ASSISTANT
+
+    @classmethod
+    def normalize_name(cls, raw_name: str):
+        if raw_name.startswith("masked_embedding."):
+            return (None, "ordered-embedding centroids (llama.cpp scores the full vocabulary)")
+        return _normalize(raw_name)
+
+    @property
+    def n_trunk_layers(self) -> int:
+        return 0
+
+    @property
+    def n_mtp_layers(self) -> int:
+        return 0  # the whole file is the drafter; there is no trunk/MTP split to route
+
+    def tensor_plan(self):
+        plan, hp, H, Hb = PlanBuilder(self.checkpoint), self.hp, self.hp.H, self.Hb
+        self._embedding(plan, H)
+        plan.add(names.NEXTN_PRE_PROJECTION, [plan.source("pre_projection.weight", (H, 2 * Hb))], (H, 2 * Hb))
+        plan.add(names.NEXTN_POST_PROJECTION, [plan.source("post_projection.weight", (Hb, H))], (Hb, H))
+        for i in range(hp.N):
+            self._layer(plan, i, with_kv=False)
+        self._norm(plan, names.OUTPUT_NORM, "model.norm.weight", H)
+        self._rope_freqs(plan)
+        return plan.finish(self.gguf_arch)
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        arch, u32 = self.gguf_arch, GGUFValueType.UINT32
+        kv = self._kv(arch, self.vocab_size())
+        kv.append(MetaKV(Keys.LLM.EMBEDDING_LENGTH_OUT.format(arch=arch), self.Hb, u32))
+        kv.append(MetaKV(names.nextn_predict_layers_key(arch), self.hp.N, u32))
+        return kv

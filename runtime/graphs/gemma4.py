@@ -1,0 +1,338 @@
+"""Gemma 4 MAIN graph (GGUF arch `gemma4`), model-math.md §1, §6.
+
+Per layer: its own type (sliding / full), head dim and KV-head count. q/k RMSNorm per head, v a
+weightless RMSNorm (v = the raw K projection on full layers of `attention_k_eq_v` files), rope
+NEOX: sliding layers over `rope.dimension_count_swa` dims with base `freq_base_swa`, full layers over
+the whole head with θ divided by `rope_freqs` (1e30 stops a frequency: proportional rope). Scale
+1.0; sliding layers see keys with 0 ≤ t − s < W. The last `shared_kv_layers` layers own no K/V and
+attend to the K/V of the last K/V-owning layer of their type. Sandwich norms around attention and
+the GeGLU FFN (plus the MoE branch with its router), per-layer inputs (PLE), the layer output
+scale, then the tied head with soft-capping.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs.ops import acc, linear, rms_norm, rope_neox_partial
+from specconv.runtime.memory import Batch, MemoryLayout
+
+ROPE_FREQS = "rope_freqs.weight"
+OPTIONAL = ("output.weight",)
+_OWN_KV = ("attn_k", "attn_k_norm")
+
+
+@dataclass
+class HParams:
+    arch: str
+    n_layer: int  # trunk layers (0 for the assistant)
+    n_embd: int
+    n_head: int
+    n_head_kv: list[int]
+    head_dim: list[int]
+    is_swa: list[bool]
+    n_ff: list[int]
+    window: int
+    n_shared: int
+    n_per_layer: int  # PLE width P
+    softcap: float
+    rope_base: float
+    rope_base_swa: float
+    n_rot_swa: int
+    eps: float
+    n_vocab: int = 0
+    context_length: int = 0
+    n_nextn: int = 0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_embd_out: int = 0  # assistant: the backbone (target) width
+    store: dict = field(default_factory=dict)  # layer type (is_swa) -> last K/V-owning layer
+
+    @property
+    def n_blocks(self) -> int:
+        return self.n_layer + self.n_nextn
+
+    @classmethod
+    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        arch = kv["general.architecture"]
+
+        def get(key, default=None):
+            v = kv.get(f"{arch}.{key}", default)
+            if v is None:
+                raise SpecconvError(f"GGUF metadata lacks {arch}.{key}")
+            return v
+
+        n = int(get("block_count"))
+
+        def per_layer(key, default=None):
+            v = get(key, default)
+            if isinstance(v, (list, tuple)):
+                if len(v) != n:
+                    raise SpecconvError(f"{arch}.{key} has {len(v)} entries for {n} blocks")
+                return [int(x) for x in v]
+            return [int(v)] * n
+
+        swa = [bool(x) for x in get("attention.sliding_window_pattern")]
+        if len(swa) != n:
+            raise SpecconvError(f"{arch}.attention.sliding_window_pattern has {len(swa)} entries for {n} blocks")
+        hd_full, hd_swa = int(get("attention.key_length")), int(get("attention.key_length_swa"))
+        if int(get("attention.value_length", hd_full)) != hd_full or int(get("attention.value_length_swa", hd_swa)) != hd_swa:
+            raise SpecconvError(f"{arch}: key and value head sizes must be equal")
+        tokens = kv.get("tokenizer.ggml.tokens")
+        n_nextn = int(kv.get(f"{arch}.nextn_predict_layers", 0) or 0)
+        hp = cls(arch=arch, n_layer=n - n_nextn, n_embd=int(get("embedding_length")),
+                 n_head=int(get("attention.head_count")), n_head_kv=per_layer("attention.head_count_kv"),
+                 head_dim=[hd_swa if s else hd_full for s in swa], is_swa=swa, n_ff=per_layer("feed_forward_length"),
+                 window=int(get("attention.sliding_window")), n_shared=int(get("attention.shared_kv_layers", 0)),
+                 n_per_layer=int(get("embedding_length_per_layer_input", 0)),
+                 softcap=float(kv.get(f"{arch}.final_logit_softcapping") or 0.0),
+                 rope_base=float(get("rope.freq_base")), rope_base_swa=float(get("rope.freq_base_swa")),
+                 n_rot_swa=int(get("rope.dimension_count_swa", hd_swa)),
+                 eps=float(get("attention.layer_norm_rms_epsilon")),
+                 n_vocab=len(tokens) if tokens is not None else 0, context_length=int(get("context_length", 0)),
+                 n_nextn=n_nextn, n_expert=int(get("expert_count", 0)), n_expert_used=int(get("expert_used_count", 0)),
+                 n_ff_exp=int(get("expert_feed_forward_length", 0)),
+                 n_embd_out=int(get("embedding_length_out", 0)))
+        if int(get("rope.dimension_count", hd_full)) != hd_full:
+            raise SpecconvError(f"{arch}.rope.dimension_count must be the full head dim {hd_full} (proportional "
+                                f"rope is expressed with rope_freqs)")
+        if hp.n_layer:
+            owners = range(hp.n_layer - hp.n_shared)
+            for swa_type in set(swa[:hp.n_layer]):
+                found = [i for i in owners if swa[i] == swa_type]
+                if not found:
+                    raise SpecconvError(f"{arch}: K/V-sharing layers of a type no earlier layer produces")
+                hp.store[swa_type] = found[-1]
+        return hp
+
+    def owns_kv(self, i: int) -> bool:
+        return i < self.n_layer - self.n_shared
+
+    def kv_layer(self, i: int) -> int:
+        """The layer whose K/V layer i attends to (itself, or the store layer of its type)."""
+        return i if self.owns_kv(i) else self.store[self.is_swa[i]]
+
+
+def _blk(i: int, name: str) -> str:
+    return f"blk.{i}.{name}.weight"
+
+
+def block_tensors(hp: HParams, i: int, with_kv: bool) -> list[str]:
+    names = [_blk(i, n) for n in ("attn_norm", "attn_q", "attn_q_norm", "attn_output", "post_attention_norm",
+                                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm", "layer_output_scale")]
+    if with_kv:
+        names += [_blk(i, n) for n in _OWN_KV]
+    if hp.n_per_layer and i < hp.n_layer:
+        names += [_blk(i, n) for n in ("inp_gate", "proj", "post_norm")]
+    if hp.n_expert and i < hp.n_layer:
+        names += [_blk(i, n) for n in ("ffn_gate_inp", "ffn_down_exps", "pre_ffw_norm_2", "post_ffw_norm_1",
+                                       "post_ffw_norm_2")]
+        names += [f"blk.{i}.ffn_gate_inp.scale", f"blk.{i}.ffn_down_exps.scale"]
+    return names
+
+
+def main_tensors(hp: HParams) -> list[str]:
+    names = ["token_embd.weight", "output_norm.weight", ROPE_FREQS]
+    if hp.n_per_layer:
+        names += ["per_layer_token_embd.weight", "per_layer_model_proj.weight", "per_layer_proj_norm.weight"]
+    for i in range(hp.n_layer):
+        names += block_tensors(hp, i, hp.owns_kv(i))
+    return names
+
+
+def optional_main_tensors(hp: HParams) -> list[str]:
+    """attn_v (absent on attention_k_eq_v full layers) and the fused or split expert matrices."""
+    names = [_blk(i, "attn_v") for i in range(hp.n_layer) if hp.owns_kv(i)]
+    if hp.n_expert:
+        names += [_blk(i, n) for i in range(hp.n_layer) for n in ("ffn_gate_up_exps", "ffn_gate_exps", "ffn_up_exps")]
+    return names
+
+
+def mtp_tensors(hp: HParams) -> list[str]:
+    return []
+
+
+def optional_mtp_tensors(hp: HParams) -> list[str]:
+    return []
+
+
+def keep_float32(name: str) -> bool:
+    return name.endswith("norm.weight") or name == ROPE_FREQS or "layer_output_scale" in name or name.endswith(".scale")
+
+
+def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
+    owners = [i for i in range(hp.n_layer) if hp.owns_kv(i)]
+    return MemoryLayout(attn_layers=owners, n_head_kv=hp.n_head_kv[0], head_dim=hp.head_dim[0], rec_layers=[],
+                        layer_shapes={i: (hp.n_head_kv[i], hp.head_dim[i]) for i in owners})
+
+
+def mtp_layout(hp: HParams) -> MemoryLayout:
+    raise SpecconvError("gemma4 files have no MTP head; the Gemma 4 drafter is a separate gemma4-assistant file")
+
+
+# ---- blocks -----------------------------------------------------------------------------------
+
+def rope_tables(w, hp: HParams, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple]:
+    """cos/sin per layer type: sliding NEOX over n_rot_swa dims; full NEOX over the head with θ / rope_freqs."""
+    out = {}
+    hd_swa = hp.head_dim[hp.is_swa.index(True)] if True in hp.is_swa else 0
+    if hd_swa:
+        n_rot = hp.n_rot_swa
+        exponent = torch.arange(0, n_rot, 2, device=positions.device, dtype=torch.int64).float() / n_rot
+        inv = (1.0 / (hp.rope_base_swa ** exponent)).to(dtype)
+        ang = positions.to(dtype)[:, None] * inv[None, :]
+        out[True] = (ang.cos(), ang.sin())
+    if False in hp.is_swa:
+        hd = hp.head_dim[hp.is_swa.index(False)]
+        exponent = torch.arange(0, hd, 2, device=positions.device, dtype=torch.int64).float() / hd
+        inv = 1.0 / (hp.rope_base ** exponent)
+        factors = w.get(ROPE_FREQS)
+        if factors is not None:
+            inv = inv / factors.float().to(inv.device)
+        ang = positions.to(dtype)[:, None] * inv.to(dtype)[None, :]
+        out[False] = (ang.cos(), ang.sin())
+    return out
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def geglu(x, gate, up, down):
+    return linear(gelu_tanh(linear(x, gate)) * linear(x, up), down)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+           window: int | None) -> torch.Tensor:
+    """softmax(q·kᵀ) v (scale 1.0), key visible iff 0 ≤ t − s (< window on sliding layers); GQA heads."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,thd->hnt", acc(q), acc(k))
+    dist = q_pos[:, None] - k_pos[None, :]
+    visible = dist >= 0
+    if window is not None:
+        visible = visible & (dist < window)
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hnt,thd->nhd", probs, acc(v)).to(q.dtype)
+
+
+def query(w, hp: HParams, i: int, a: torch.Tensor, rope) -> torch.Tensor:
+    n, hd = a.shape[0], hp.head_dim[i]
+    q = rms_norm(linear(a, w[_blk(i, "attn_q")]).view(n, hp.n_head, hd), w[_blk(i, "attn_q_norm")], hp.eps)
+    cos, sin = rope[hp.is_swa[i]]
+    return rope_neox_partial(q, cos, sin)
+
+
+def keys_values(w, hp: HParams, i: int, a: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+    n, hd, nkv = a.shape[0], hp.head_dim[i], hp.n_head_kv[i]
+    k_raw = linear(a, w[_blk(i, "attn_k")]).view(n, nkv, hd)
+    v_w = w.get(_blk(i, "attn_v"))
+    v = k_raw if v_w is None else linear(a, v_w).view(n, nkv, hd)  # attention_k_eq_v: V is the raw K
+    k = rms_norm(k_raw, w[_blk(i, "attn_k_norm")], hp.eps)
+    cos, sin = rope[hp.is_swa[i]]
+    return rope_neox_partial(k, cos, sin), rms_norm(v, None, hp.eps)
+
+
+def attention_out(w, hp: HParams, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """x + post_attention_norm(attn_output · o)."""
+    y = linear(o.reshape(o.shape[0], -1), w[_blk(i, "attn_output")])
+    return x + rms_norm(y, w[_blk(i, "post_attention_norm")], hp.eps)
+
+
+def ffn_block(w, hp: HParams, i: int, h: torch.Tensor) -> torch.Tensor:
+    """h + post_ffw_norm(dense GeGLU [+ MoE branch])."""
+    x = rms_norm(h, w[_blk(i, "ffn_norm")], hp.eps)
+    f = geglu(x, w[_blk(i, "ffn_gate")], w[_blk(i, "ffn_up")], w[_blk(i, "ffn_down")])
+    if hp.n_expert and i < hp.n_layer:
+        f1 = rms_norm(f, w[_blk(i, "post_ffw_norm_1")], hp.eps)
+        f2 = rms_norm(moe(w, hp, i, h), w[_blk(i, "post_ffw_norm_2")], hp.eps)
+        f = f1 + f2
+    return h + rms_norm(f, w[_blk(i, "post_ffw_norm")], hp.eps)
+
+
+def moe(w, hp: HParams, i: int, h: torch.Tensor) -> torch.Tensor:
+    """model-math.md §6.3: router on the residual stream, experts on pre_ffw_norm_2(h)."""
+    p = f"blk.{i}."
+    t = acc(rms_norm(h, None, hp.eps)) * w[p + "ffn_gate_inp.scale"].to(acc(h).dtype) * hp.n_embd ** -0.5
+    probs = torch.softmax(t @ w[p + "ffn_gate_inp.weight"].to(t.dtype).t(), dim=-1)
+    weights, chosen = torch.topk(probs, hp.n_expert_used, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    weights = weights * w[p + "ffn_down_exps.scale"].to(weights.dtype)[chosen]
+    u = rms_norm(h, w[p + "pre_ffw_norm_2.weight"], hp.eps)
+    fused = w.get(p + "ffn_gate_up_exps.weight")
+    if fused is not None:  # [E, 2Fe, H], gate rows first
+        gate, up = fused[:, :hp.n_ff_exp], fused[:, hp.n_ff_exp:]
+    else:
+        gate, up = w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"]
+    down = w[p + "ffn_down_exps.weight"]
+    out = torch.zeros(h.shape[0], hp.n_embd, dtype=acc(h).dtype, device=h.device)
+    for e in torch.unique(chosen).tolist():
+        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+        y = geglu(u[rows], gate[e], up[e], down[e])
+        out.index_add_(0, rows, acc(y) * weights[rows, slot][:, None])
+    return out.to(h.dtype)
+
+
+def per_layer_inputs(w, hp: HParams, tokens: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """PLE rows [n, N, P] from the scaled embedding h (model-math.md §6.1)."""
+    n, N, P = h.shape[0], hp.n_layer, hp.n_per_layer
+    proj = linear(h, w["per_layer_model_proj.weight"]) * hp.n_embd ** -0.5
+    proj = rms_norm(proj.view(n, N, P), w["per_layer_proj_norm.weight"], hp.eps)
+    tok = w["per_layer_token_embd.weight"][tokens].to(h.dtype).view(n, N, P) * math.sqrt(P)
+    return (proj + tok) * 2 ** -0.5
+
+
+def output_logits(w, hp: HParams, rows: torch.Tensor) -> torch.Tensor:
+    head = w["output.weight"] if "output.weight" in w else w["token_embd.weight"]
+    logits = acc(linear(rows, head))
+    if hp.softcap:
+        logits = hp.softcap * torch.tanh(logits / hp.softcap)
+    return logits
+
+
+# ---- graph ------------------------------------------------------------------------------------
+
+def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
+                 want_logits: torch.Tensor | None):
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
+    emb = w["token_embd.weight"][tokens]
+    h = (acc(emb) * math.sqrt(hp.n_embd)).to(emb.dtype)
+    ple = per_layer_inputs(w, hp, tokens, h) if hp.n_per_layer else None
+    rope = rope_tables(w, hp, batch.positions, acc(h).dtype)
+    kv_of: dict[int, tuple] = {}
+    layer_inputs = {}
+    for i in range(hp.n_layer):
+        if i in want_layers:
+            layer_inputs[i] = h
+        a = rms_norm(h, w[_blk(i, "attn_norm")], hp.eps)
+        q = query(w, hp, i, a, rope)
+        if hp.owns_kv(i):
+            k, v = keys_values(w, hp, i, a, rope)
+            kv_of[i] = batch.attend_kv(i, k, v)
+        k_all, v_all, k_pos = kv_of[hp.kv_layer(i)]
+        o = attend(q, k_all, v_all, batch.positions, k_pos, hp.window if hp.is_swa[i] else None)
+        h = attention_out(w, hp, i, h, o)
+        h = ffn_block(w, hp, i, h)
+        if ple is not None:
+            g = gelu_tanh(linear(h, w[_blk(i, "inp_gate")])) * ple[:, i].to(h.dtype)
+            h = h + rms_norm(linear(g, w[_blk(i, "proj")]), w[_blk(i, "post_norm")], hp.eps)
+        h = (acc(h) * w[_blk(i, "layer_output_scale")].to(acc(h).dtype)).to(h.dtype)
+    post = rms_norm(h, w["output_norm.weight"], hp.eps)
+    if hp.n_layer in want_layers:
+        layer_inputs[hp.n_layer] = post
+    rows = post if want_logits is None else post[want_logits]
+    return output_logits(w, hp, rows), post, h, layer_inputs
+
+
+def forward_mtp(*args, **kwargs):
+    raise SpecconvError("gemma4 files have no MTP head; use a gemma4-assistant file as --draft")
