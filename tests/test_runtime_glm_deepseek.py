@@ -226,3 +226,46 @@ def test_verify_passes_and_catches_planted_defects(root, tmp_path):
     failed = [c["name"] for c in report["checks"] if not c["passed"]]
     print(f"glm4moe verify with reversed attn_k.bias: exit {code}, failed {failed}")
     assert code != 0 and not report["passed"] and any("trunk" in n for n in failed)
+
+
+def _strip_nextn_block(src, dst):
+    """Rewrite a GGUF without its nextn block's tensors but with the same KV (nextn still declared)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    n = int(r.fields[f"{arch}.block_count"].contents()) - int(r.fields[f"{arch}.nextn_predict_layers"].contents())
+    w = GGUFWriter(str(dst), arch)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = f.types[0]
+        w.add_key_value(name, f.contents(), vtype, f.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        if not t.name.startswith(f"blk.{n}."):
+            w.add_tensor(t.name, np.array(t.data), raw_shape=tuple(reversed([int(x) for x in t.shape])),
+                         raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("variant", ["glm4moe", "deepseek2"])
+def test_declared_but_absent_nextn_block_runs_as_trunk(root, variant, tmp_path, llama_peer):
+    """glm4moe/deepseek2 files may declare nextn_predict_layers without holding the block
+    (llama.cpp's `trunk_only` case, gguf-layout.md §4.3): both runtimes run the trunk, ours refuses
+    an MTP context with a clear error."""
+    from specconv.archs import SpecconvError
+
+    _, files = _conv(root, variant)
+    path = _strip_nextn_block(files["embed"], tmp_path / "declared.gguf")
+    model = load_model(path, device="cpu")
+    assert model.serves == {GraphType.MAIN} and model.hparams.n_nextn == 1
+    ours = Context(model, GraphType.MAIN, n_ctx=64).decode(IDS).logits.numpy()
+    diff = float(np.abs(llama_peer.llama_logits(path, IDS) - ours).max())
+    print(f"{variant} nextn declared, block absent: runtime vs llama.cpp max |Δlogit| = {diff:.3g}")
+    assert diff < 1e-4
+    with pytest.raises(SpecconvError, match="no MTP head"):
+        Context(model, GraphType.MTP)
