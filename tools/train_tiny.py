@@ -279,6 +279,8 @@ def main_entry(argv=None) -> dict:
         (tmp / "training.json").write_text(json.dumps(report, indent=1) + "\n")
         if size > MAX_BYTES:
             raise SystemExit(f"checkpoint is {size} bytes, over the {MAX_BYTES} limit")
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)  # safetensors writes owner-only files; this is package data
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
