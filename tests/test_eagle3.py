@@ -150,3 +150,22 @@ def test_inspect_names_a_draft_head(tmp_path, llama_target):
     res = CliRunner().invoke(cli.cli, ["inspect", str(out), "--json"])
     info = json.loads(res.output)
     assert info["arch"] == "eagle3" and info["serves"] == ["encoder", "decoder"] and not info["problems"]
+
+
+def test_release_layout_target(tmp_path):
+    """A Qwen3.5 release folder as target: sizes from the nested text_config, its tokenizer and pre-tokenizer."""
+    from transformers import AutoTokenizer
+
+    from tests.fixtures.tiny_qwen35 import build_qwen35
+
+    target = build_qwen35(tmp_path / "qwen", layout="release", mtp=False, n_layers=8)
+    text = json.loads((target / "config.json").read_text())["text_config"]
+    head = build_eagle3_head(tmp_path / "head", target, layout="speculators")
+    r = GGUFReader(_convert(head, target, tmp_path / "h.gguf"))
+    assert _kv(r, "eagle3.target_hidden_size") == text["hidden_size"]
+    assert _kv(r, "eagle3.target_layers") == [2, 4, 5]  # [2, L//2, L-3] with L from text_config
+    assert _kv(r, "tokenizer.ggml.pre") == "qwen35"
+    tok = AutoTokenizer.from_pretrained(target)
+    tokens = _kv(r, "tokenizer.ggml.tokens")
+    assert len(tokens) == text["vocab_size"]
+    assert tokens == tok.convert_ids_to_tokens(list(range(len(tokens))))

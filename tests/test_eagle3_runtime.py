@@ -1,6 +1,6 @@
 """EAGLE-3 in the runtime: parity with an independent torch forward, llama.cpp as peer, speculative decoding.
 
-Targets: a tiny Qwen3.5 (hybrid: Gated DeltaNet + attention) and a tiny LLaMA. Heads are random
+Targets: a tiny Qwen3.5 (hybrid: Gated DeltaNet + attention), its MoE variant, and a tiny LLaMA. Heads are random
 (tests/fixtures/tiny_eagle3.py), so they accept almost nothing; the acceptance paths are driven by
 a test drafter that runs the real EAGLE-3 machinery and then overrides some draft tokens with the
 target's own continuation, so rounds accept 0..k drafts and the head's cache is checked against a
@@ -31,13 +31,15 @@ CASES = {
     "qwen35-speculators": ("qwen35", "speculators", [0, 3, 4], True),
     "llama-speculators": ("llama", "speculators", [0, 3, 5], False),
     "llama-eagle": ("llama", "eagle", None, False),  # default layers [2, 3, 3]
+    "qwen35moe-eagle": ("qwen35moe", "eagle", [0, 2, 3], False),
 }
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("e3rt")
-    targets = {"qwen35": build_qwen35(root / "qwen35", mtp=False), "llama": build_llama_target(root / "llama")}
+    targets = {"qwen35": build_qwen35(root / "qwen35", mtp=False), "llama": build_llama_target(root / "llama"),
+               "qwen35moe": build_qwen35(root / "qwen35moe", moe=True, mtp=False)}
     files = {name: convert_gguf(d, root / f"{name}.gguf") for name, d in targets.items()}
     heads = {}
     for case, (tname, layout, ids, nbf) in CASES.items():
@@ -108,7 +110,7 @@ def test_llama_cpp_runs_the_head(built, case, llama_peer):
     assert all(v < TOL for v in diffs.values()), diffs
 
 
-@pytest.mark.parametrize("case", ["qwen35-eagle", "llama-eagle"])
+@pytest.mark.parametrize("case", ["qwen35-eagle", "llama-eagle", "qwen35moe-eagle"])
 def test_greedy_speculative_equals_plain(built, case):
     target, head = _models(built, case)
     plain = generate(target, PROMPT, 16).tokens
