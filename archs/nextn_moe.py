@@ -9,7 +9,6 @@ metadata; everything else (names, MTP count, FFN/MoE mapping, nextn extras, comm
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -365,8 +364,3 @@ def plan_experts(plan: _Plan, bid: int, ex: str, E: int, Fe: int, H: int, role: 
     for gguf_name, part, shape in ((gate_n, "gate", (Fe, H)), (up_n, "up", (Fe, H)), (down_n, "down", (H, Fe))):
         srcs = [plan.source(f"{ex}{e}.{part}_proj.weight", shape) for e in range(E)]
         plan.add(gguf_name, srcs, (E, *shape), role, tf.stack)
-
-
-def yarn_mscale(factor: float, mscale: float) -> float:
-    """transformers' / DeepSeek's `0.1·mscale·ln(factor) + 1` (1 for factor ≤ 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
