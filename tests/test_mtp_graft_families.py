@@ -107,3 +107,63 @@ def test_stripped_file_loads_as_trunk_and_merge_restores_it(family_files):
     out = root / "restored.gguf"
     mtp("merge", stripped, files["sidecar"], "-o", out, "--force")
     assert out.read_bytes() == files["embedded"].read_bytes()
+
+
+def test_head_embedding_and_output_copies_in_q4_0(family_files):
+    # The nextn block's own embedding and LM head copies re-typed to q4_0, the rest of the head and
+    # the whole trunk as they were; llama.cpp still builds the MTP graph and its MTP logits follow a
+    # transformers reference given the same (dequantized q4_0) tables. What remains is llama.cpp's
+    # CPU q4_0 matmul rounding its activations to q8_0.
+    peers.require_llama_cpp()
+    from tests.fixtures.tiny_glm_deepseek import hf_mtp_llamacpp_rows
+
+    family, src, root, files = family_files
+    out = root / "graft-q4.gguf"
+    mtp("merge", files["trunk"], files["sidecar"], "-o", out, "--force",
+        "--type-override", r"nextn\.(embed_tokens|shared_head_head)\.weight$=q4_0")
+    reader = GGUFReader(out)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    original = {t.name: t.tensor_type.name for t in GGUFReader(files["embedded"]).tensors}
+    changed = {n for n in types if types[n] != original[n]}
+    assert {n.split(".", 2)[2] for n in changed} == {"nextn.embed_tokens.weight", "nextn.shared_head_head.weight"}
+    assert all(types[n] == "Q4_0" for n in changed)
+    assert peers.llama_mtp_context_ok(out)
+    logits, hidden, _ = peers.llama_mtp_logits(out, IDS, return_hidden=True)
+    ref_dir = _with_head_tables(src, reader, root / "src-q4-head")
+    ref = hf_mtp_llamacpp_rows(ref_dir, IDS, hidden)
+    f32_ref = hf_mtp_llamacpp_rows(src, IDS, hidden)
+    diff = np.abs(logits - ref).max()
+    print(f"{family} head with q4_0 embedding/output copies: llama.cpp MTP logits vs transformers with the "
+          f"same tables max |dlogit| = {diff:.2e}; vs the f32 head {np.abs(logits - f32_ref).max():.2e} "
+          f"(logit std {ref.std():.2f})")
+    assert diff < 0.1
+    assert (logits.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def _with_head_tables(src: Path, reader: GGUFReader, out_dir: Path) -> Path:
+    """A copy of the checkpoint for transformers' MtpModel with the GGUF's nextn tables.
+
+    MtpModel shares the main model's embedding and LM head (the release copies equal them), so the
+    dequantized nextn embed_tokens / shared_head_head go into `model.embed_tokens` / `lm_head`; the
+    trunk is not run (the hidden rows come from llama.cpp).
+    """
+    import shutil
+
+    import torch
+    from gguf.quants import dequantize
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out_dir, dirs_exist_ok=True)
+    tables = {t.name.split(".", 2)[2]: dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+              for t in reader.tensors if t.name.endswith(("nextn.embed_tokens.weight", "nextn.shared_head_head.weight"))}
+    targets = {"model.embed_tokens.weight": "nextn.embed_tokens.weight", "lm_head.weight": "nextn.shared_head_head.weight"}
+    replaced = 0
+    for shard in sorted(out_dir.glob("*.safetensors")):
+        weights = load_file(shard)
+        for hf_name, gguf_name in targets.items():
+            if hf_name in weights:
+                weights[hf_name] = torch.from_numpy(tables[gguf_name].copy())
+                replaced += 1
+        save_file(weights, shard, metadata={"format": "pt"})
+    assert replaced == 2
+    return out_dir
