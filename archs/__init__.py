@@ -35,7 +35,10 @@ def plugin_class_for(config: Mapping) -> type[ArchPlugin]:
     archs = config.get("architectures") or []
     for arch in archs:
         if arch in _REGISTRY:
-            return _REGISTRY[arch]
+            cls = _REGISTRY[arch]
+            # a plugin may hand a config to a more specific one (an EAGLE-3 head saved as LlamaForCausalLM)
+            refine = getattr(cls, "refine", None)
+            return refine(config) if refine is not None else cls
     named = ", ".join(archs) if archs else "(config.json has no 'architectures')"
     raise SpecconvError(
         f"unsupported architecture {named}; supported: {', '.join(supported_architectures())}"

@@ -151,12 +151,18 @@ class Llama(ArchPlugin):
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "llama-bpe"
 
+    @classmethod
+    def refine(cls, config: Mapping[str, Any]) -> type[ArchPlugin]:
+        """Some EAGLE-3 heads say LlamaForCausalLM: one layer and a draft_vocab_size identify them (as upstream)."""
+        if "draft_vocab_size" in config and int(config.get("num_hidden_layers", 0)) == 1:
+            from .eagle3 import Eagle3
+
+            return Eagle3
+        return cls
+
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
         cfg = checkpoint.config
-        if "draft_vocab_size" in cfg:
-            raise SpecconvError("this is an EAGLE-3 draft head (draft_vocab_size in config.json); "
-                                "its architectures entry should be LlamaForCausalLMEagle3")
         try:
             self.n_head, self.n_kv, self.hd = attention_shapes(cfg)
             self.H, self.F, self.L = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])

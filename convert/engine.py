@@ -162,7 +162,8 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
         path = names.sidecar if kind == "sidecar" else names.model
         output = GgufOutput(path, plugin.gguf_arch, kv, [t.entry() for t in selected[kind]], req.split_max_size)
         files.append(PlannedFile(kind, output, selected[kind]))
-    hf_arch = next(a for a in reader.config.get("architectures") or [] if a in plugin_cls.hf_architectures)
+    listed = reader.config.get("architectures") or []
+    hf_arch = next((a for a in listed if a in plugin_cls.hf_architectures), listed[0] if listed else "")
     return ConversionPlan(reader.dir, plugin.gguf_arch, hf_arch, outtype, req.mtp, plugin.n_trunk_layers, k,
                           files, reader, raw_of, planned, skipped, notices)
 

@@ -169,3 +169,14 @@ def test_release_layout_target(tmp_path):
     tokens = _kv(r, "tokenizer.ggml.tokens")
     assert len(tokens) == text["vocab_size"]
     assert tokens == tok.convert_ids_to_tokens(list(range(len(tokens))))
+
+
+def test_head_saved_as_llama_for_causal_lm(tmp_path, llama_target):
+    """Heads whose config says LlamaForCausalLM are recognised by draft_vocab_size and one layer."""
+    head = build_eagle3_head(tmp_path / "head", llama_target, layer_ids=[0, 3, 5])
+    cfg = json.loads((head / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (head / "config.json").write_text(json.dumps(cfg))
+    r = GGUFReader(_convert(head, llama_target, tmp_path / "h.gguf"))
+    assert _kv(r, "general.architecture") == "eagle3"
+    assert _kv(r, "eagle3.target_layers") == [0, 3, 5]
