@@ -32,6 +32,7 @@ CASES = {
     "llama-speculators": ("llama", "speculators", [0, 3, 5], False),
     "llama-eagle": ("llama", "eagle", None, False),  # default layers [2, 3, 3]
     "qwen35moe-eagle": ("qwen35moe", "eagle", [0, 2, 3], False),
+    "qwen35-target-head": ("qwen35", "eagle", [1, 2, 3], False),  # no lm_head / d2t: the target's output
 }
 
 
@@ -44,7 +45,7 @@ def built(tmp_path_factory):
     heads = {}
     for case, (tname, layout, ids, nbf) in CASES.items():
         hdir = build_eagle3_head(root / case, targets[tname], layout=layout, layer_ids=ids, norm_before_fc=nbf,
-                                 seed=len(heads))
+                                 seed=len(heads), lm_head=not case.endswith("target-head"))
         heads[case] = (hdir, convert_gguf(hdir, root / f"{case}.gguf", extra_args=["--target", str(targets[tname])]))
     return targets, files, heads
 
@@ -73,8 +74,10 @@ def test_parity_with_independent_forward(built, case):
     toks, pos = PROMPT[1:], list(range(len(PROMPT) - 1))
     dec = Context(head, GraphType.MTP, n_ctx=64).decode(toks, positions=pos, hidden_in=g[:-1])
     ref_logits, ref_out = reference_decoder(heads[case][0], hf_target.get_input_embeddings().weight.detach(), toks,
-                                            ref_g[:-1], pos)
+                                            ref_g[:-1], pos, hf_target.get_output_embeddings().weight.detach())
     d2t = reference_d2t(heads[case][0])
+    if d2t is None:  # full vocabulary, no mapping
+        d2t = torch.arange(target.n_vocab)
     diffs = {"features": (ours_f.double() - ref_f).abs().max().item(), "g": (g.double() - ref_g).abs().max().item(),
              "logits": (dec.logits[:, d2t].double() - ref_logits).abs().max().item(),
              "out": (dec.hidden["nextn"].double() - ref_out).abs().max().item()}
@@ -87,7 +90,7 @@ def test_parity_with_independent_forward(built, case):
     assert set(dec.logits.argmax(-1).tolist()) <= set(d2t.tolist())
 
 
-@pytest.mark.parametrize("case", ["qwen35-eagle", "llama-speculators"])
+@pytest.mark.parametrize("case", ["qwen35-eagle", "llama-speculators", "qwen35-target-head"])
 def test_llama_cpp_runs_the_head(built, case, llama_peer):
     from tests.fixtures.eagle3_peer import eagle3_rows
 
