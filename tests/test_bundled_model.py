@@ -62,7 +62,10 @@ def window_ids(model_dir: Path, files: list[str], length: int, per_file: int) ->
     rows = []
     for name in files:
         ids = tok((lib / name).read_text(encoding="utf-8", errors="replace"))["input_ids"]
-        for start in range(0, len(ids) - length + 1, length)[:per_file]:
+        starts = range(0, len(ids) - length + 1, length)
+        # Evenly spread through the file: its first window is mostly a licence/docstring header.
+        for k in range(min(per_file, len(starts))):
+            start = starts[k * len(starts) // min(per_file, len(starts))]
             rows.append(ids[start:start + length])
     assert rows, f"no held-out text found in {lib}"
     return torch.tensor(rows)
@@ -134,13 +137,14 @@ def test_bundled_mtp_head_is_trained():
 
     held = json.loads((BUNDLED / "heldout.json").read_text())["heldout_files"]
     lib = Path(sysconfig.get_paths()["stdlib"])
-    present = [n for n in held if (lib / n).is_file()][:3]
+    # The three largest held-out files present here: enough text for a stable figure.
+    present = sorted((n for n in held if (lib / n).is_file()), key=lambda n: -(lib / n).stat().st_size)[:3]
     main, mtp = load(BUNDLED)
-    ids = window_ids(BUNDLED, present, length=128, per_file=2)
+    ids = window_ids(BUNDLED, present, length=128, per_file=4)
     target = ids[:, 2:]
     vocab = main.config.vocab_size
     constant = torch.bincount(target.flatten(), minlength=vocab).max().item() / target.numel()
-    bound = max(10.0 / vocab, 2.0 * constant, 0.2)
+    bound = max(100.0 / vocab, 3.0 * constant, 0.15)
 
     torch.manual_seed(0)
     untrained = MtpModel(main, 1).eval()  # fresh head, shared (trained) embedding and output
