@@ -84,6 +84,9 @@ class ArchPlugin:
 
     hf_architectures: ClassVar[tuple[str, ...]] = ()
     family: ClassVar[str] = ""  # plugin family name shown to users, e.g. "qwen35"
+    # Set when the config declares MTP layers whose weights are absent: only a trunk-only
+    # conversion may proceed, so the head is never dropped silently.
+    missing_mtp: str | None = None
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint

@@ -108,6 +108,11 @@ class Qwen35Base(ArchPlugin):
             if m:
                 from_names = max(from_names, int(m.group(1)) + 1)
         configured = self.hp.mtp_layers_config
+        if configured and not from_names and not any(n.startswith("mtp.") for n in self.checkpoint.tensors):
+            # A stripped head: the trunk is still convertible, but only when the user asks for it.
+            self.missing_mtp = (f"config.json says mtp_num_hidden_layers={configured}, but the checkpoint "
+                                "holds 0 MTP layer(s) (its mtp.* weights were stripped)")
+            return 0
         if configured and configured != from_names:
             raise SpecconvError(
                 f"config.json says mtp_num_hidden_layers={configured}, but the checkpoint holds "

@@ -133,6 +133,10 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
                                    str(req.target) if target_config is not None else None, str(reader.dir)))
     plans = plugin.tensor_plan()
     k, notices = plugin.n_mtp_layers, []
+    if plugin.missing_mtp and req.mtp != MtpMode.NONE:
+        raise SpecconvError(f"{plugin.missing_mtp}; use --mtp none to convert the trunk only")
+    if plugin.missing_mtp:
+        notices.append(plugin.missing_mtp)
     kinds = _file_kinds(req.mtp, k, [] if uses_target else notices)  # a draft head has no MTP layers to miss
     if skipped:
         reasons = Counter(skipped.values())

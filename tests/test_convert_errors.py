@@ -99,6 +99,18 @@ def test_mtp_separate_without_mtp_tensors(build, tmp_path, capsys):
     assert_refused(capsys, src, tmp_path / "out", "--mtp", "separate", expect=["--mtp separate", "no MTP tensors"])
 
 
+def test_stripped_mtp_head_is_never_dropped_silently(build, tmp_path, capsys):
+    """config.json declares an MTP layer but its weights are gone: refused unless --mtp none."""
+    src = build(mtp=False)
+    _edit_config(src, lambda cfg: cfg.update(mtp_num_hidden_layers=1))
+    for mode in ("embed", "only", "separate"):
+        assert_refused(capsys, src, tmp_path / "out", "--mtp", mode,
+                       expect=["mtp_num_hidden_layers=1", "--mtp none"])
+    rc, _, err = run_cli(capsys, "convert", src, "-o", tmp_path / "out" / "trunk.gguf", "--mtp", "none")
+    assert rc == 0, err
+    assert (tmp_path / "out" / "trunk.gguf").is_file()
+
+
 def test_existing_output_needs_force(build, tmp_path, capsys):
     src = build()
     out = tmp_path / "out"
