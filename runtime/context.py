@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.memory import Memory, SeqCheckpoint
+from specconv.runtime.memory import Batch, Memory, SeqCheckpoint
 from specconv.runtime.model import Model
 from specconv.runtime.types import DecodeOutput, GraphType
 
@@ -26,7 +26,7 @@ GDN_MODES = ("auto", "chunked", "recurrent")
 class Context:
     def __init__(self, model: Model, graph_type: GraphType = GraphType.MAIN, n_seq: int = 1, n_ctx: int = 4096,
                  n_rs_seq: int = 8, rollback: str = "snapshot", gdn_mode: str = "auto",
-                 state_dtype: torch.dtype | None = None):
+                 state_dtype: torch.dtype | None = None, kv_from: "Context | None" = None):
         model.require(graph_type)
         if rollback not in ROLLBACK_MODES:
             raise SpecconvError(f"rollback must be one of {ROLLBACK_MODES}, not {rollback!r}")
@@ -45,6 +45,11 @@ class Context:
         layout = (g.main_layout(hp, state_dtype) if graph_type == GraphType.MAIN
                   else g.encoder_layout(hp) if graph_type == GraphType.ENCODER else g.mtp_layout(hp))
         self.memory = Memory(layout, n_seq, n_ctx, self.n_rs_seq, model.device, model.dtype)
+        # A drafter with no memory of its own reads this (target) context's K/V (the Gemma 4 assistant).
+        self.kv_from = kv_from
+        if getattr(g, "NEEDS_KV_FROM", False) and kv_from is None:
+            raise SpecconvError(f"{model.paths[0].name} attends to its target's K/V: create its context with "
+                                "kv_from=<the target's context>")
         self.n_evaluated = 0  # tokens evaluated so far (statistics)
         self.n_decode_calls = 0
 
@@ -72,22 +77,30 @@ class Context:
         rows = {"all": None, "last": torch.tensor([n - 1], device=dev), None: torch.zeros(0, dtype=torch.long, device=dev)}
         if logits not in rows:
             raise SpecconvError("decode: logits must be 'all', 'last' or None")
-        batch = self.memory.begin(seq, positions)
         g, hp, w = self.model.graph, self.model.hparams, self.model.weights
+        if self.kv_from is not None:  # nothing of its own to store: every decode reads the target's cells
+            batch = Batch(self.memory, seq, positions, 0, [])
+        else:
+            batch = self.memory.begin(seq, positions)
         with torch.inference_mode():
             if self.graph_type == GraphType.MAIN:
                 out = self._main(tokens, batch, hidden, layers, rows[logits])
             elif self.graph_type == GraphType.MTP:
                 if hidden_in is None:
                     raise SpecconvError("MTP decode needs hidden_in: one target hidden row per token")
-                h = torch.as_tensor(hidden_in, device=dev).reshape(n, hp.n_embd).to(self.model.dtype)
-                lg, z, pre = g.forward_mtp(w, hp, tokens, h, batch)
+                width = getattr(hp, "n_embd_in", hp.n_embd)  # the assistant takes target-width rows
+                h = torch.as_tensor(hidden_in, device=dev).reshape(n, width).to(self.model.dtype)
+                if self.kv_from is not None:
+                    lg, z, pre = g.forward_mtp(w, hp, tokens, h, batch, kv_from=self.kv_from)
+                else:
+                    lg, z, pre = g.forward_mtp(w, hp, tokens, h, batch)
                 if rows[logits] is not None:
                     lg = lg[rows[logits]]
                 out = DecodeOutput(logits=lg, hidden={"nextn": z, "pre_norm": pre})
             else:
                 raise SpecconvError(f"graph type {self.graph_type.value} takes feature rows: use Context.encode")
-        self.memory.commit(batch)
+        if self.kv_from is None:
+            self.memory.commit(batch)
         self.n_evaluated += n
         self.n_decode_calls += 1
         out.positions = positions

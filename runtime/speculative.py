@@ -94,6 +94,8 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
         raise SpecconvError("generate: the prompt is empty")
     n_ctx = n_ctx or len(prompt) + n_predict + cfg.draft_max + 2
     ctx = Context(target, GraphType.MAIN, n_ctx=n_ctx, n_rs_seq=cfg.draft_max, rollback=cfg.rollback)
+    if hasattr(drafter, "attach"):  # drafters that read the target's K/V (Gemma 4 assistant)
+        drafter.attach(ctx)
     want = hidden_request(drafter)
     gen = make_generator(cfg.seed)
     stats = SpecStats(cfg.draft_max)
@@ -191,5 +193,12 @@ def build_drafter(kind: str, target: Model, n_ctx: int, draft_max: int, mtp_path
     if kind == "draft":
         if not draft_path:
             raise SpecconvError("--spec draft needs --draft D.gguf")
+        from specconv.runtime.gguf_file import GGUFModelFile
+
+        if GGUFModelFile([draft_path]).arch == "gemma4-assistant":  # reads the target's K/V, no memory of its own
+            from specconv.runtime.drafters import Gemma4AssistantDrafter
+
+            assistant = load_model(draft_path, device=target.device, dtype=target.dtype, share_from=target)
+            return Gemma4AssistantDrafter(assistant, target)
         return DraftModelDrafter(load_model(draft_path, device=target.device, dtype=target.dtype), n_ctx, draft_max, target)
     raise SpecconvError(f"unknown drafter {kind!r} (one of {', '.join(SPEC_KINDS)})")

@@ -70,8 +70,10 @@ def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator 
 
 from specconv.runtime.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from specconv.runtime.drafters.eagle3 import Eagle3Drafter  # noqa: E402
+from specconv.runtime.drafters.gemma4_assistant import Gemma4AssistantDrafter  # noqa: E402
 from specconv.runtime.drafters.mtp import MtpDrafter  # noqa: E402
 from specconv.runtime.drafters.ngram import NgramDrafter  # noqa: E402
 
-__all__ = ["Draft", "Drafter", "DraftModelDrafter", "Eagle3Drafter", "MtpDrafter", "NgramDrafter",
+__all__ = ["Draft", "Drafter", "DraftModelDrafter", "Eagle3Drafter", "Gemma4AssistantDrafter", "MtpDrafter",
+           "NgramDrafter",
            "best_candidate_probability", "choose"]

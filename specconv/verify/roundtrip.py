@@ -108,6 +108,8 @@ def distribution_check(target: Model, drafter: Drafter, prompts, temperature: fl
     gen = make_generator(seed)
     for prompt in prompts:
         ctx = Context(target, GraphType.MAIN, n_ctx=len(prompt) + 2, n_rs_seq=1)
+        if hasattr(drafter, "attach"):  # drafters that read the target's K/V (Gemma 4 assistant)
+            drafter.attach(ctx)
         want = hidden_request(drafter)
         prefix = prompt[:-1]
         hidden = drafter_rows(ctx.decode(prefix, hidden=want, logits=None).hidden, want) if prefix else None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specconv.errors import SpecconvError
 from specconv.runtime import GraphType, load_model
-from specconv.runtime.drafters import DraftModelDrafter, Eagle3Drafter, MtpDrafter, NgramDrafter
+from specconv.runtime.drafters import DraftModelDrafter, Eagle3Drafter, Gemma4AssistantDrafter, MtpDrafter, NgramDrafter
 from specconv.runtime.drafters.draft_model import check_same_vocabulary
 from specconv.runtime.drafters.eagle3 import check_head_fits_target
 from specconv.runtime.spec_stats import expected_tokens
@@ -80,9 +80,11 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
             structure.check_pair(report, target, head, "sidecar")
     elif GraphType.MTP in target.serves:
         head = target
-    eagle_head = None
+    eagle_head = assistant = None
     if opts.draft and _gguf_arch(opts.draft) == "eagle3":
         eagle_head = _eagle3_head(report, target, opts)
+    elif opts.draft and _gguf_arch(opts.draft) == "gemma4-assistant":
+        assistant = _assistant(report, target, opts)
     elif opts.draft:
         draft_model = _load(report, "draft", opts.draft, opts.device)
         if draft_model is not None:
@@ -100,7 +102,7 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
         progress("parity with transformers")
         _parity(report, target, head, Path(opts.hf), prompts)
     progress("speculative round trips")
-    _speculative(report, target, head, draft_model, prompts, opts, eagle_head)
+    _speculative(report, target, head, draft_model, prompts, opts, eagle_head, assistant)
     return report
 
 
@@ -131,6 +133,25 @@ def _eagle3_head(report: Report, target, opts: VerifyOptions):
     return head
 
 
+def _assistant(report: Report, target, opts: VerifyOptions):
+    """A Gemma 4 assistant --draft: loaded next to the target (its embedding), checked to fit its K/V."""
+    from specconv.runtime.drafters.gemma4_assistant import check_assistant_fits_target
+
+    assistant = _load(report, "draft", opts.draft, opts.device, share_from=target)
+    if assistant is None:
+        return None
+    structure.check_file(report, assistant, "draft")
+    try:
+        check_assistant_fits_target(target, assistant)
+    except SpecconvError as exc:
+        report.add("draft: Gemma 4 assistant fits the model", False, str(exc))
+        return None
+    report.add("draft: Gemma 4 assistant fits the model", True,
+               f"{assistant.hparams.n_nextn} layers reading target layers "
+               f"{sorted(set(target.hparams.store.values()))}, backbone width {assistant.hparams.n_embd_out}")
+    return assistant
+
+
 def _load(report: Report, label: str, path, device, share_from=None):
     try:
         model = load_model(path, device=device, share_from=share_from)
@@ -148,7 +169,9 @@ def _tokenize(report: Report, target, texts):
     except SpecconvError as exc:
         report.add("tokenizer encodes the prompts", False, str(exc))
         return None
-    back_ok = all(target.tokenizer.decode(i) == t for i, t in zip(ids, texts))
+    tok = target.tokenizer
+    bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []  # encode added it (Gemma)
+    back_ok = all(tok.decode(i[len(bos):] if i[:len(bos)] == bos else i) == t for i, t in zip(ids, texts))
     report.add("tokenizer round-trips the prompts", back_ok and all(ids),
                f"{len(texts)} prompts, {sum(map(len, ids))} tokens")
     return [i for i in ids if i]
@@ -189,7 +212,8 @@ def _parity(report: Report, target, head, hf_dir: Path, prompts):
         report.parity.update(mtp=mtp, mtp_rel_rms=mtp_rel, reference=ref + " + MtpModel",
                              max_abs_logit_diff=max(trunk, mtp))
 
-def _speculative(report: Report, target, head, draft_model, prompts, opts: VerifyOptions, eagle_head=None):
+def _speculative(report: Report, target, head, draft_model, prompts, opts: VerifyOptions, eagle_head=None,
+                 assistant=None):
     n, k = opts.n_predict, opts.draft_max
     n_ctx = max(map(len, prompts)) + n + k + 2
     drafters = {}
@@ -199,6 +223,8 @@ def _speculative(report: Report, target, head, draft_model, prompts, opts: Verif
         drafters["draft"] = lambda kk: DraftModelDrafter(draft_model, n_ctx, kk, target)
     if eagle_head is not None:
         drafters["eagle3"] = lambda kk: Eagle3Drafter(eagle_head, target, n_ctx)
+    if assistant is not None:
+        drafters["gemma4-assistant"] = lambda kk: Gemma4AssistantDrafter(assistant, target)
     drafters["ngram"] = lambda kk: NgramDrafter()
     t0 = time.perf_counter()
     roundtrip.plain_runs(target, [prompts[0][:1]], 2)  # one-time costs out of the timings

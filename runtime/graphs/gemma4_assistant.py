@@ -1,0 +1,132 @@
+"""The Gemma 4 assistant drafter (GGUF arch `gemma4-assistant`), model-math.md §8.
+
+Served as GraphType.MTP: rows (token t, target post-norm hidden h) at the draft position P. It has
+no memory of its own: every layer attends to the target context's K/V (`Context(..., kv_from=
+target_ctx)`), sliding layers to the last K/V-owning sliding layer of the target and full layers to
+the last full one (llama.cpp's n_layer−2 / n_layer−1 in the release layout), keys visible iff
+0 ≤ P − s (and P − s < W on sliding layers).
+
+    x = pre_projection · [E_target[t]·√Hb ; h]
+    per layer: q-only attention (q_norm, rope at P, scale 1) + post_attention_norm, GeGLU with its
+               sandwich norms, × layer_output_scale
+    y = output_norm(x); logits = token_embd_assistant · y (tied, no soft-capping)
+    h_next = post_projection · y                      (fed back as h for the next draft)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specconv.archs import names
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs import gemma4
+from specconv.runtime.graphs.ops import acc, linear, rms_norm
+from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.types import GraphType
+
+KIND = "assistant"
+NEEDS_KV_FROM = True
+TARGET_EMBD = "target.token_embd.weight"  # the target's input embedding, taken at load time
+FROM_TARGET = {TARGET_EMBD: (names.TOKEN_EMBD,)}
+SHAREABLE = ()  # its token_embd / output_norm are its own (the tied head), never the target's
+OPTIONAL = ()
+keep_float32 = gemma4.keep_float32
+
+
+class HParams(gemma4.HParams):
+    @classmethod
+    def from_kv(cls, kv):
+        hp = super().from_kv(kv)
+        if hp.n_layer != 0 or hp.n_nextn == 0:
+            raise SpecconvError("a gemma4-assistant file needs nextn_predict_layers = block_count")
+        if not hp.n_embd_out or hp.n_embd_out == hp.n_embd:
+            raise SpecconvError("a gemma4-assistant file needs embedding_length_out (the target's hidden size)")
+        return hp
+
+    @property
+    def n_embd_in(self) -> int:
+        return self.n_embd_out
+
+
+def serves(hp, file) -> set[GraphType]:
+    return {GraphType.MTP}
+
+
+def n_vocab(hp) -> int:
+    return hp.n_vocab
+
+
+def main_tensors(hp) -> list[str]:
+    return []
+
+
+def mtp_tensors(hp) -> list[str]:
+    out = [names.TOKEN_EMBD, names.OUTPUT_NORM, gemma4.ROPE_FREQS, names.NEXTN_PRE_PROJECTION,
+           names.NEXTN_POST_PROJECTION]
+    for i in range(hp.n_nextn):
+        out += gemma4.block_tensors(hp, i, with_kv=False)
+    return out
+
+
+def optional_mtp_tensors(hp) -> list[str]:
+    return []
+
+
+def main_layout(hp, state_dtype=torch.float32) -> MemoryLayout:
+    raise SpecconvError("a Gemma 4 assistant has no main graph; use it as --draft next to its target")
+
+
+def mtp_layout(hp) -> MemoryLayout:
+    return MemoryLayout(attn_layers=[], n_head_kv=hp.n_head_kv[0], head_dim=hp.head_dim[0], rec_layers=[])
+
+
+def target_layer_for(target_hp, is_swa: bool) -> int:
+    """The target layer whose K/V an assistant layer of this type reads."""
+    layer = target_hp.store.get(is_swa)
+    if layer is None:
+        kind = "sliding" if is_swa else "full"
+        raise SpecconvError(f"the target has no K/V-owning {kind}-attention layer for the assistant to read")
+    return layer
+
+
+def check_fits_target(hp, target_hp) -> None:
+    """One-line SpecconvError unless every assistant layer can read its target layer's K/V."""
+    if hp.n_embd_out != target_hp.n_embd:
+        raise SpecconvError(f"the assistant reads target hidden states of width {hp.n_embd_out}, the target's "
+                            f"are {target_hp.n_embd}")
+    for i in range(hp.n_nextn):
+        t = target_layer_for(target_hp, hp.is_swa[i])
+        if (hp.head_dim[i], hp.n_head_kv[i]) != (target_hp.head_dim[t], target_hp.n_head_kv[t]):
+            raise SpecconvError(f"assistant layer {i} has head dim {hp.head_dim[i]} / {hp.n_head_kv[i]} KV heads, "
+                                f"target layer {t} has {target_hp.head_dim[t]} / {target_hp.n_head_kv[t]}")
+    if hp.window != target_hp.window:
+        raise SpecconvError(f"assistant sliding window {hp.window} differs from the target's {target_hp.window}")
+
+
+def forward_mtp(w, hp, tokens: torch.Tensor, h: torch.Tensor, batch: Batch, kv_from=None):
+    """Rows (t, h) at batch.positions -> (logits [n, V], h_next [n, Hb], y = normed output [n, Ha])."""
+    if kv_from is None:
+        raise SpecconvError("the Gemma 4 assistant reads its target's K/V: create its context with kv_from=")
+    emb = w[TARGET_EMBD][tokens]
+    e = (acc(emb) * math.sqrt(hp.n_embd_out)).to(emb.dtype)
+    x = linear(torch.cat([e, h.to(e.dtype)], dim=-1), w[names.NEXTN_PRE_PROJECTION])
+    rope = gemma4.rope_tables(w, hp, batch.positions, acc(x).dtype)
+    target_hp, memory = kv_from.model.hparams, kv_from.memory
+    for i in range(hp.n_nextn):
+        a = rms_norm(x, w[gemma4._blk(i, "attn_norm")], hp.eps)
+        q = gemma4.query(w, hp, i, a, rope)
+        k, v, k_pos = memory.cells(batch.seq, target_layer_for(target_hp, hp.is_swa[i]))
+        o = gemma4.attend(q, k.to(q.dtype), v.to(q.dtype), batch.positions, k_pos,
+                          hp.window if hp.is_swa[i] else None)
+        x = gemma4.attention_out(w, hp, i, x, o)
+        x = gemma4.ffn_block(w, hp, i, x)
+        x = (acc(x) * w[gemma4._blk(i, "layer_output_scale")].to(acc(x).dtype)).to(x.dtype)
+    y = rms_norm(x, w[names.OUTPUT_NORM], hp.eps)
+    logits = acc(linear(y, w[names.TOKEN_EMBD]))
+    return logits, linear(y, w[names.NEXTN_POST_PROJECTION]), y
+
+
+def forward_main(*args, **kwargs):
+    raise SpecconvError("a Gemma 4 assistant has no main graph")

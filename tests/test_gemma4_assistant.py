@@ -1,0 +1,175 @@
+"""Gemma 4 assistant (`gemma4-assistant`): conversion, draft logits vs transformers'
+Gemma4AssistantForCausalLM, the drafter in the speculative loop and in `specconv verify`, and the
+llama.cpp peer (the assistant context is created with ctx_other = the target's context)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime import Context, GraphType, load_model
+from specconv.runtime.drafters import Gemma4AssistantDrafter
+from specconv.runtime.generate import generate
+from specconv.runtime.gguf_file import field_value
+from specconv.runtime.speculative import SpecConfig, build_drafter, speculative_generate
+from tests.fixtures import tiny_gemma4 as g
+from tests.fixtures.gguf_files import convert_gguf
+
+IDS = [2, 5, 100, 7, 33, 250, 9, 11, 12, 13, 14, 15, 40, 41, 42, 43]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("g4a")
+    target_src, asst_src = g.tiny_gemma4("hub"), g.tiny_assistant("hub")
+    return (target_src, asst_src, convert_gguf(target_src, d / "target.gguf"),
+            convert_gguf(asst_src, d / "assistant.gguf"))
+
+
+@pytest.fixture(scope="module")
+def models(files):
+    target = load_model(files[2], device="cpu")
+    return target, load_model(files[3], device="cpu", share_from=target)
+
+
+def test_assistant_file(files):
+    r = GGUFReader(files[3])
+    kv = {k: field_value(f) for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    names = {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}
+    a = "gemma4-assistant"
+    assert kv["general.architecture"] == a
+    assert kv[f"{a}.nextn_predict_layers"] == kv[f"{a}.block_count"] == 2
+    assert kv[f"{a}.embedding_length_out"] == g.HIDDEN and kv[f"{a}.embedding_length"] == g.ASSIST_HIDDEN
+    assert kv[f"{a}.attention.shared_kv_layers"] == 2 and kv[f"{a}.embedding_length_per_layer_input"] == 0
+    assert kv["tokenizer.ggml.model"] == "gemma4"
+    assert names["nextn.pre_projection.weight"] == (2 * g.HIDDEN, g.ASSIST_HIDDEN)
+    assert names["nextn.post_projection.weight"] == (g.ASSIST_HIDDEN, g.HIDDEN)
+    assert names["token_embd.weight"] == (g.ASSIST_HIDDEN, g.VOCAB_REAL)  # the tied head, trimmed
+    assert not any("attn_k" in n or "attn_v" in n or "masked_embd" in n for n in names)
+    assert "output.weight" not in names and "rope_freqs.weight" in names
+
+
+@pytest.mark.parametrize("P", [6, len(IDS)])  # inside and beyond the sliding window
+def test_draft_logits_match_transformers(files, models, P):
+    """One draft step at P, then a second one fed with the first's projected hidden state (same P)."""
+    target_src, asst_src = files[:2]
+    target, assistant = models
+    tctx = Context(target, GraphType.MAIN, n_ctx=64)
+    out = tctx.decode(IDS[:P])
+    actx = Context(assistant, GraphType.MTP, kv_from=tctx)
+    token, h = int(out.logits[-1].argmax()), out.hidden["post_norm"][-1]
+    for step in range(2):
+        ours = actx.decode([token], positions=[P], hidden_in=h.reshape(1, -1))
+        ref_logits, ref_h = g.hf_assistant_step(target_src, asst_src, IDS[:P], token, h)
+        d = (ours.logits[0] - ref_logits[:g.VOCAB_REAL]).abs().max().item()
+        dh = (ours.hidden["nextn"][0] - ref_h).abs().max().item()
+        print(f"assistant P={P} step {step}: max |Δlogit| {d:.2e}, |Δ h_next| {dh:.2e}")
+        assert d < 1e-4 and dh < 1e-4
+        token, h = int(ours.logits[0].argmax()), ours.hidden["nextn"][0]
+    assert actx.memory.n_past(0) == 0 and tctx.n_past() == P  # nothing written anywhere
+
+
+def test_restricted_head_is_a_different_mode(files):
+    """transformers' ordered-embedding head scores only the top centroid clusters (model-math.md §8);
+    our head is the full vocabulary, as llama.cpp's. Inside the selected clusters both agree."""
+    target_src, asst_src = files[:2]
+    _, h, _ = g.hf_target(target_src, IDS)
+    full, _ = g.hf_assistant_step(target_src, asst_src, IDS, 7, h[-1], ordered=False)
+    restricted, _ = g.hf_assistant_step(target_src, asst_src, IDS, 7, h[-1], ordered=True)
+    kept = restricted > restricted.min()
+    assert 0 < int(kept.sum()) < g.VOCAB_ROWS
+    assert (restricted[kept] - full[kept]).abs().max().item() < 1e-5
+
+
+def test_context_needs_the_target(models):
+    _, assistant = models
+    with pytest.raises(SpecconvError, match="kv_from"):
+        Context(assistant, GraphType.MTP)
+    with pytest.raises(SpecconvError, match="no main graph|cannot run"):
+        Context(assistant, GraphType.MAIN)
+
+
+def test_greedy_speculative_equals_plain(files, models):
+    target, _ = models
+    drafter = build_drafter("draft", target, 64, 3, draft_path=files[3])
+    assert isinstance(drafter, Gemma4AssistantDrafter)
+    plain = generate(target, IDS, 24)
+    for k, rollback in ((1, "snapshot"), (3, "snapshot"), (3, "checkpoint")):
+        res = speculative_generate(target, drafter, IDS, 24, SpecConfig(draft_max=k, rollback=rollback))
+        s = res.stats["speculative"]
+        print(f"assistant draft_max {k} {rollback}: accepted {s['accepted']}/{s['drafted']}")
+        assert res.tokens == plain.tokens
+        assert s["drafted"] > 0
+
+
+def test_drafts_equal_a_step_by_step_reference(files, models):
+    """The drafter's tokens after a prompt = argmax chain of transformers' assistant at a fixed P."""
+    target_src, asst_src = files[:2]
+    target, assistant = models
+    drafter = Gemma4AssistantDrafter(assistant, target)
+    ctx = Context(target, GraphType.MAIN, n_ctx=64)
+    drafter.attach(ctx)
+    prefix = IDS[:-1]
+    drafter.start(prefix, ctx.decode(prefix).hidden["post_norm"])
+    drafts = drafter.draft(IDS[-1], 3).tokens
+    _, h, _ = g.hf_target(target_src, prefix)
+    token, hh, ref = IDS[-1], h[-1], []
+    for _ in range(3):
+        logits, hh = g.hf_assistant_step(target_src, asst_src, prefix, token, hh)
+        token = int(logits[:g.VOCAB_REAL].argmax())
+        ref.append(token)
+    assert drafts == ref
+
+
+def test_refuses_an_assistant_for_another_target(tmp_path, models):
+    target, _ = models
+    other_src = g.tiny_assistant("v5")  # full layers with 2 KV heads: the hub target's full store has 1
+    path = convert_gguf(other_src, tmp_path / "other.gguf")
+    other = load_model(path, device="cpu", share_from=target)
+    with pytest.raises(SpecconvError, match="KV heads"):
+        Gemma4AssistantDrafter(other, target)
+
+
+def test_verify_passes_and_catches_a_planted_defect(files, tmp_path):
+    from click.testing import CliRunner
+
+    from specconv import cli as cli_module
+
+    report = tmp_path / "r.json"
+    args = ["verify", str(files[2]), "--draft", str(files[3]), "-n", "8", "--draft-max", "2", "--json", str(report)]
+    res = CliRunner().invoke(cli_module.cli, args)
+    data = json.loads(report.read_text())
+    assert res.exit_code == 0, res.output
+    assert data["passed"] and any(c["name"] == "draft: Gemma 4 assistant fits the model" and c["passed"]
+                                  for c in data["checks"])
+    assert data["speculative"]["drafter"] == "gemma4-assistant" and data["speculative"]["exact"]
+    # planted defect: the assistant converted for a target whose full layers have another KV-head count
+    bad = convert_gguf(g.tiny_assistant("v5"), tmp_path / "bad.gguf")
+    res = CliRunner().invoke(cli_module.cli, ["verify", str(files[2]), "--draft", str(bad), "-n", "4",
+                                              "--json", str(tmp_path / "bad.json")])
+    assert res.exit_code != 0
+    bad_report = json.loads((tmp_path / "bad.json").read_text())
+    failed = [c for c in bad_report["checks"] if not c["passed"]]
+    assert any("assistant fits" in c["name"] for c in failed)
+
+
+def test_llama_cpp_loads_the_assistant_with_ctx_other(files):
+    """llama.cpp loads the assistant (nextn layers = block_count, embd_out = target width) and creates
+    its context with ctx_other = the target's context, which builds its graph."""
+    from tests.fixtures import peers
+
+    llama_cpp = peers.require_llama_cpp()
+    target = peers.load_model(files[2])
+    assistant = peers.load_model(files[3], load_mtp=True)
+    assert int(llama_cpp.llama_model_n_layer_nextn(assistant)) == 2
+    assert int(llama_cpp.llama_model_n_embd_out(assistant)) == g.HIDDEN
+    tgt = peers.new_context(target, n_ctx=64)
+    try:
+        peers.free_context(peers.new_context(assistant, n_ctx=64, mtp_of=tgt))
+    finally:
+        peers.free_context(tgt)
