@@ -20,11 +20,11 @@ from gguf import GGMLQuantizationType, GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field, plans_in_checkpoint_order
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field
 from .errors import SpecconvError
+from .plan_tools import FLOAT_DTYPES, CheckedPlan, embedding_rows  # noqa: F401 (FLOAT_DTYPES: re-export)
 
 F32 = GGMLQuantizationType.F32
-FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -58,50 +58,33 @@ def llama3_rope_factors(cfg: Mapping[str, Any], head_dim: int) -> list[float] | 
     factor = float(scaling.get("factor", 8.0))
     low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
     old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    # float32 frequencies and float32 scalar arithmetic, as llama.cpp's converter computes them (same bits)
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     out = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi * base ** (i / head_dim)
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
         if wavelen < old_ctx / high:
             out.append(1.0)
         elif wavelen > old_ctx / low:
             out.append(factor)
         else:
             smooth = (old_ctx / wavelen - low) / (high - low)
-            out.append(1.0 / ((1 - smooth) / factor + smooth))
+            out.append(float(1 / ((1 - smooth) / factor + smooth)))
     return out
 
 
-class PlanBuilder:
-    """TensorPlans with every source checked for presence, shape and a floating dtype."""
+class PlanBuilder(CheckedPlan):
+    """TensorPlans with every source checked for presence, shape and a floating dtype; all trunk."""
 
     def __init__(self, ckpt: Checkpoint):
-        self.tensors = dict(ckpt.tensors)
-        self.used: set[str] = set()
-        self.plans: list[TensorPlan] = []
-
-    def has(self, name: str) -> bool:
-        return name in self.tensors
-
-    def source(self, name: str, shape, dtypes=FLOAT_DTYPES) -> str:
-        info = self.tensors.get(name)
-        if info is None:
-            raise SpecconvError(f"checkpoint lacks tensor {name}")
-        if tuple(info.shape) != tuple(shape):
-            raise SpecconvError(f"tensor {name} has shape {list(info.shape)}, but config.json implies {list(shape)}")
-        if info.dtype not in dtypes:
-            raise SpecconvError(f"tensor {name} has dtype {info.dtype}; expected one of {', '.join(sorted(dtypes))}")
-        self.used.add(name)
-        return name
+        super().__init__(ckpt.tensors)
 
     def add(self, gguf_name, sources, shape, transform=tf.identity, force=None) -> None:
         self.plans.append(TensorPlan(gguf_name, tuple(sources), tuple(shape), Role.TRUNK, transform, force))
 
     def finish(self, arch: str) -> list[TensorPlan]:
-        unused = sorted(set(self.tensors) - self.used)
-        if unused:
-            more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
-            raise SpecconvError(f"unexpected tensor(s) for {arch}: {', '.join(unused[:3])}{more}")
-        return plans_in_checkpoint_order(self.plans, self.tensors)
+        # generated rope_freqs first, as llama.cpp's converter emits its extra tensors before the checkpoint's
+        return sorted(super().finish(arch), key=lambda p: p.name != ROPE_FREQS)
 
 
 def attention_shapes(cfg: Mapping[str, Any]) -> tuple[int, int, int]:
@@ -188,10 +171,7 @@ class Llama(ArchPlugin):
         return 0
 
     def vocab_size(self) -> int:
-        info = self.checkpoint.tensors.get("model.embed_tokens.weight")
-        if info is None:
-            raise SpecconvError("checkpoint lacks tensor model.embed_tokens.weight")
-        return int(info.shape[0])
+        return embedding_rows(self.checkpoint)
 
     def tensor_plan(self) -> list[TensorPlan]:
         plan, H, F, V = PlanBuilder(self.checkpoint), self.H, self.F, self.vocab_size()

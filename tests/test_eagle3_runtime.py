@@ -33,7 +33,10 @@ CASES = {
     "llama-eagle": ("llama", "eagle", None, False),  # default layers [2, 3, 3]
     "qwen35moe-eagle": ("qwen35moe", "eagle", [0, 2, 3], False),
     "qwen35-target-head": ("qwen35", "eagle", [1, 2, 3], False),  # no lm_head / d2t: the target's output
+    "llama-rope-llama3": ("llama", "eagle", [1, 2, 4], False),  # llama3 rope scaling: rope_freqs.weight
 }
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # short, so the tiny head's frequencies are scaled
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,8 @@ def built(tmp_path_factory):
     heads = {}
     for case, (tname, layout, ids, nbf) in CASES.items():
         hdir = build_eagle3_head(root / case, targets[tname], layout=layout, layer_ids=ids, norm_before_fc=nbf,
-                                 seed=len(heads), lm_head=not case.endswith("target-head"))
+                                 seed=len(heads), lm_head=not case.endswith("target-head"),
+                                 rope_scaling=LLAMA3_ROPE if case.endswith("llama3") else None)
         heads[case] = (hdir, convert_gguf(hdir, root / f"{case}.gguf", extra_args=["--target", str(targets[tname])]))
     return targets, files, heads
 
@@ -90,7 +94,7 @@ def test_parity_with_independent_forward(built, case):
     assert set(dec.logits.argmax(-1).tolist()) <= set(d2t.tolist())
 
 
-@pytest.mark.parametrize("case", ["qwen35-eagle", "llama-speculators", "qwen35-target-head"])
+@pytest.mark.parametrize("case", ["qwen35-eagle", "llama-speculators", "qwen35-target-head", "llama-rope-llama3"])
 def test_llama_cpp_runs_the_head(built, case, llama_peer):
     from tests.fixtures.eagle3_peer import eagle3_rows
 

@@ -39,12 +39,17 @@ def _compare(ours, theirs, allowed=()):
     return kv_a, kv_b
 
 
-@pytest.mark.parametrize("target_kind,layout", [("qwen35", "eagle"), ("llama", "speculators"), ("llama", "eagle")])
-def test_eagle3_head_matches_llama_cpp_converter(tmp_path, target_kind, layout):
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("target_kind,layout,rope", [("qwen35", "eagle", None), ("llama", "speculators", None),
+                                                     ("llama", "eagle", None), ("qwen35", "eagle", LLAMA3_ROPE)])
+def test_eagle3_head_matches_llama_cpp_converter(tmp_path, target_kind, layout, rope):
     target = (build_qwen35(tmp_path / "t", mtp=False) if target_kind == "qwen35"
               else build_llama_target(tmp_path / "t", n_layers=6))
     ids = [1, 2, 4] if layout == "eagle" else [0, 3, 5]
-    head = build_eagle3_head(tmp_path / "h", target, layout=layout, layer_ids=ids)
+    head = build_eagle3_head(tmp_path / "h", target, layout=layout, layer_ids=ids, rope_scaling=rope)
     ours = convert_gguf(head, tmp_path / "ours.gguf", extra_args=["--target", str(target)])
     pre = "qwen35" if target_kind == "qwen35" else "llama-bpe"
     theirs = convert_gguf_upstream(head, tmp_path / "theirs.gguf", pre=pre,
@@ -58,6 +63,8 @@ def test_eagle3_head_matches_llama_cpp_converter(tmp_path, target_kind, layout):
     assert list(kv_a["eagle3.target_layers"]) == ids
     if nested:
         assert list(kv_b["eagle3.target_layers"]) == [2, 3, 3]  # upstream's default: [2, L//2, L-3]
+    if rope:  # the generated llama3 factors, first in both files
+        assert [t.name for t in GGUFReader(ours).tensors][0] == "rope_freqs.weight"
 
 
 def test_llama_target_matches_llama_cpp_converter(tmp_path):
