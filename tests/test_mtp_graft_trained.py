@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,13 +63,38 @@ def test_trained_head_grafted_onto_q8_0_trunk_keeps_its_acceptance(tmp_path):
     graft = tmp_path / "grafted-q8_0.gguf"
     assert cli("mtp", "merge", trunk, side, "-o", graft) == 0
 
+    # Control: the same sidecar with its head's matrices redrawn at random, grafted the same way.
+    control_side = tmp_path / "mtp-random.gguf"
+    shutil.copyfile(side, control_side)
+    _randomise_head(control_side)
+    control = tmp_path / "grafted-random-q8_0.gguf"
+    assert cli("mtp", "merge", trunk, control_side, "-o", control) == 0
+
     original = verify(embedded, tmp_path / "original.json")
     grafted = verify(graft, tmp_path / "grafted.json")
-    for label, s in (("f32 embedded", original), ("f32 head on q8_0 trunk", grafted)):
+    random_head = verify(control, tmp_path / "control.json")
+    for label, s in (("f32 embedded", original), ("f32 head on q8_0 trunk", grafted),
+                     ("random head on q8_0 trunk", random_head)):
         print(f"{label} ({src.name}): accepted {s['accepted']}/{s['drafted']}, rate {s['acceptance_rate']:.3f}, "
               f"acceptance length {s['acceptance_length']:.2f}, exact {s['exact']}")
     assert grafted["exact"] is True
-    # Control measured by hand: the same q8_0 trunk with the head's matrices redrawn at random
-    # accepted 0/198 drafts; the trained head 52/60.
-    assert grafted["acceptance_rate"] >= 0.3
-    assert abs(grafted["acceptance_rate"] - original["acceptance_rate"]) <= 0.15
+    assert grafted["acceptance_rate"] >= 0.1 and grafted["acceptance_rate"] >= 3 * random_head["acceptance_rate"]
+    assert abs(grafted["acceptance_rate"] - original["acceptance_rate"]) <= 0.1
+
+
+def _randomise_head(path: Path) -> None:
+    """Redraw every 2-D F32 tensor of the MTP block in place (gguf-py's writable memory map)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path, "r+")
+    arch = reader.fields["general.architecture"].contents()
+    n = reader.fields[f"{arch}.block_count"].contents() - reader.fields[f"{arch}.nextn_predict_layers"].contents()
+    rng = np.random.default_rng(0)
+    redrawn = 0
+    for t in reader.tensors:
+        if t.name.startswith(f"blk.{n}.") and t.tensor_type.name == "F32" and t.data.ndim == 2:
+            t.data[...] = rng.standard_normal(t.data.shape).astype(np.float32) / np.sqrt(t.data.shape[1])
+            redrawn += 1
+    assert redrawn >= 5
+    del reader
