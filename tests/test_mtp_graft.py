@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
 from specconv.cli import main as cli_main
@@ -53,7 +54,7 @@ def tokens_for(vocab: int, variant: int = 0) -> list[str]:
 def write_layout(path: Path, layout: str, *, n: int = 4, k: int = 1, vocab: int = 128, hidden: int = H,
                  seed: int = 0, arch: str = "qwen35", trunk_type: T = T.F32, head_type: T = T.F32,
                  token_variant: int = 0, mtp_kv_heads: int = 4, split_max_tensors: int = 0,
-                 scalar_kv_heads: bool = False) -> Path:
+                 scalar_kv_heads: bool = False, kquants: bool = False) -> Path:
     """layout: 'embedded' (N+k blocks), 'trunk' (N blocks, no nextn key), 'sidecar' (MTP-only) or
     'stripped' (the embedded KV, but the MTP blocks' tensors dropped, as some quantization tools do)."""
     w = make_weights(n, k, vocab, hidden, seed)
@@ -97,6 +98,13 @@ def write_layout(path: Path, layout: str, *, n: int = 4, k: int = 1, vocab: int 
             writer.add_tensor(name, quantize(arr, wanted), raw_dtype=wanted)
         else:
             writer.add_tensor(name, arr)
+    if kquants and layout != "sidecar":
+        # Types gguf-py cannot produce, as third-party quants hold them: random bytes of the right size.
+        rng = np.random.default_rng(seed + 1)
+        for i, qtype in enumerate((T.Q4_K, T.Q6_K, T.IQ4_XS)):
+            block, size = GGML_QUANT_SIZES[qtype]
+            raw = rng.integers(0, 256, (4, 2 * size), dtype=np.uint8)  # 4 rows of 2 blocks
+            writer.add_tensor(f"blk.{i}.kquant_demo.weight", raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -170,6 +178,16 @@ def test_extract_then_merge_gives_the_embedded_file(tmp_path, trunk_type):
     assert tensor_order(merged) == tensor_order(embedded)
     # Beyond equal pieces: the whole file is the same bytes.
     assert merged.read_bytes() == embedded.read_bytes()
+
+
+def test_k_and_iq_quant_trunk_tensors_are_copied_unchanged(tmp_path):
+    embedded = write_layout(tmp_path / "m.gguf", "embedded", trunk_type=T.Q8_0, kquants=True)
+    trunk = write_layout(tmp_path / "trunk.gguf", "trunk", trunk_type=T.Q8_0, kquants=True)
+    sidecar = write_layout(tmp_path / "mtp.gguf", "sidecar")
+    assert run_cli("merge", trunk, sidecar, "-o", tmp_path / "out.gguf") == 0
+    out = read_tensors(tmp_path / "out.gguf")
+    assert {out[f"blk.{i}.kquant_demo.weight"][0] for i in range(3)} == {"Q4_K", "Q6_K", "IQ4_XS"}
+    assert out == read_tensors(embedded)
 
 
 def test_merge_updates_every_per_layer_array(tmp_path):
