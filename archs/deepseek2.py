@@ -26,7 +26,8 @@ from gguf import GGUFValueType, Keys
 from . import names, register
 from .base import Checkpoint, MetaKV, Role
 from .errors import SpecconvError
-from .nextn_moe import NextnMoePlugin, _Plan
+from .nextn_moe import NextnMoePlugin
+from .plan_tools import RolePlan
 
 
 
@@ -103,7 +104,7 @@ class Deepseek2(NextnMoePlugin):
     def gguf_arch(self) -> str:
         return names.DEEPSEEK2
 
-    def _attention(self, plan: _Plan, bid: int, a: str, role: Role) -> None:
+    def _attention(self, plan: RolePlan, bid: int, a: str, role: Role) -> None:
         hp = self.hp
         H, nh, dn, dr, dv, kvl = hp.hidden, hp.n_head, self.dn, self.dr, self.dv, self.kv_lora
         qk = dn + dr
@@ -128,7 +129,7 @@ class Deepseek2(NextnMoePlugin):
         self._linear(plan, names.blk(bid, "attn_output"), a + "o_proj.weight", (H, nh * dv), role)
 
     @staticmethod
-    def _linear(plan: _Plan, gguf_name: str, hf: str, shape: tuple[int, int], role: Role, transform=None) -> None:
+    def _linear(plan: RolePlan, gguf_name: str, hf: str, shape: tuple[int, int], role: Role, transform=None) -> None:
         src = plan.source(hf, shape)
         if transform is None:
             plan.add(gguf_name, [src], shape, role)

@@ -14,7 +14,8 @@ from gguf import GGUFValueType, Keys
 from . import names, register
 from .base import Checkpoint, MetaKV, Role, config_field
 from .errors import SpecconvError
-from .nextn_moe import NextnMoePlugin, _Plan
+from .nextn_moe import NextnMoePlugin
+from .plan_tools import RolePlan
 
 
 @register
@@ -50,7 +51,7 @@ class Glm4Moe(NextnMoePlugin):
     def gguf_arch(self) -> str:
         return names.GLM4MOE
 
-    def _attention(self, plan: _Plan, bid: int, a: str, role: Role) -> None:
+    def _attention(self, plan: RolePlan, bid: int, a: str, role: Role) -> None:
         H, hd = self.hp.hidden, self.head_dim
         q, kv = self.hp.n_head * hd, self.n_head_kv * hd
         for part, hf, rows in (("attn_q", "q_proj", q), ("attn_k", "k_proj", kv), ("attn_v", "v_proj", kv)):

@@ -18,9 +18,9 @@ from gguf import GGUFValueType, Keys
 
 from . import names
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field, plans_in_checkpoint_order, text_config
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field, text_config
 from .errors import SpecconvError
-from .qwen35 import _Plan  # the checked-source plan collector shared by plugins
+from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.")
@@ -201,15 +201,12 @@ class NextnMoePlugin(ArchPlugin):
         return k
 
     def vocab_size(self) -> int:
-        info = self.checkpoint.tensors.get("model.embed_tokens.weight")
-        if info is None:
-            raise SpecconvError("checkpoint lacks tensor model.embed_tokens.weight")
-        return int(info.shape[0])
+        return embedding_rows(self.checkpoint)
 
     # ------------------------------------------------------------------ tensors
 
     def tensor_plan(self) -> list[TensorPlan]:
-        hp, plan = self.hp, _Plan(dict(self.checkpoint.tensors))
+        hp, plan = self.hp, RolePlan(self.checkpoint.tensors)
         H, V = hp.hidden, hp.vocab
         plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
         for i in range(hp.n_layer + self._k):
@@ -222,24 +219,15 @@ class NextnMoePlugin(ArchPlugin):
             self._norm(plan, names.blk(i, self.post_attention_norm), p + "post_attention_layernorm.weight", role)
             (self._dense if i < hp.first_dense else self._moe)(plan, i, p + "mlp.", role)
         self._norm(plan, names.OUTPUT_NORM, "model.norm.weight", Role.SHARED)
-        if hp.tie_embeddings:
-            plan.used.add("lm_head.weight")
-        else:
-            if not plan.has("lm_head.weight"):
-                raise SpecconvError("checkpoint lacks tensor lm_head.weight (config.json says tie_word_embeddings=false)")
-            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (V, H))], (V, H), Role.SHARED)
-        unused = sorted(set(plan.tensors) - plan.used)
-        if unused:
-            more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
-            raise SpecconvError(f"unexpected tensor(s) for {self.gguf_arch}: {', '.join(unused[:3])}{more}")
-        return plans_in_checkpoint_order(plan.plans, plan.tensors)
+        add_output_head(plan, hp.tie_embeddings, V, H)
+        return plan.finish(self.gguf_arch)
 
-    def _norm(self, plan: _Plan, gguf_name: str, hf: str, role: Role, width: int | None = None) -> None:
+    def _norm(self, plan: RolePlan, gguf_name: str, hf: str, role: Role, width: int | None = None) -> None:
         """A plain-weight RMSNorm (no +1 for these families), kept F32."""
         w = self.hp.hidden if width is None else width
         plan.add(gguf_name, [plan.source(hf, (w,))], (w,), role, tf.identity, True)
 
-    def _nextn_extras(self, plan: _Plan, bid: int, p: str) -> None:
+    def _nextn_extras(self, plan: RolePlan, bid: int, p: str) -> None:
         H, V = self.hp.hidden, self.hp.vocab
         plan.add(names.nextn(bid, names.NEXTN_EH_PROJ), [plan.source(p + "eh_proj.weight", (H, 2 * H))], (H, 2 * H),
                  Role.MTP)  # input order: embedding half first, as in HF and llama.cpp
@@ -251,26 +239,24 @@ class NextnMoePlugin(ArchPlugin):
             if plan.has(f"{p}{hf}.weight"):
                 plan.add(names.nextn(bid, part), [plan.source(f"{p}{hf}.weight", (V, H))], (V, H), Role.MTP)
 
-    def _attention(self, plan: _Plan, bid: int, a: str, role: Role) -> None:
+    def _attention(self, plan: RolePlan, bid: int, a: str, role: Role) -> None:
         raise NotImplementedError
 
-    def _dense(self, plan: _Plan, bid: int, m: str, role: Role) -> None:
-        H, F = self.hp.hidden, self.hp.ffn
-        for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
-            plan.add(names.blk(bid, f"ffn_{part}"), [plan.source(f"{m}{part}_proj.weight", shape)], shape, role)
+    def _dense(self, plan: RolePlan, bid: int, m: str, role: Role) -> None:
+        add_swiglu(plan, bid, m, self.hp.ffn, self.hp.hidden, role)
 
-    def _moe(self, plan: _Plan, bid: int, m: str, role: Role) -> None:
+    def _moe(self, plan: RolePlan, bid: int, m: str, role: Role) -> None:
         hp = self.hp
         H, E, Fs = hp.hidden, hp.n_expert, hp.shared_ffn
         plan.add(names.blk(bid, "ffn_gate_inp"), [plan.source(m + "gate.weight", (E, H))], (E, H), role,
                  tf.identity, True)
         plan.add(names.blk(bid, "exp_probs_b", "bias"), [plan.source(m + "gate.e_score_correction.bias", (E,))],
                  (E,), role, tf.identity, True)
-        plan_experts(plan, bid, m + "experts.", E, hp.expert_ffn, H, role)
+        ex = m + "experts."
+        plan_experts(plan, bid, ex, E, hp.expert_ffn, H, role, where=f"layer {bid} ({ex.rstrip('.')})",
+                     count_field="n_routed_experts")
         if hp.n_shared:
-            for part, shape in (("gate", (Fs, H)), ("up", (Fs, H)), ("down", (H, Fs))):
-                plan.add(names.blk(bid, f"ffn_{part}_shexp"),
-                         [plan.source(f"{m}shared_experts.{part}_proj.weight", shape)], shape, role)
+            add_swiglu(plan, bid, m + "shared_experts.", Fs, H, role, "_shexp")
 
     # ------------------------------------------------------------------ metadata
 
@@ -326,41 +312,3 @@ class NextnMoePlugin(ArchPlugin):
                            (Keys.Rope.SCALING_YARN_BETA_SLOW, y.beta_slow)):
             if value is not None:
                 put(key, value, f32)
-
-
-def plan_experts(plan: _Plan, bid: int, ex: str, E: int, Fe: int, H: int, role: Role) -> None:
-    """Routed experts -> ffn_{gate,up,down}_exps [E, ...]: per-expert tensors (the GLM/DeepSeek
-    releases) are stacked; the fused 3-D layout of transformers (`gate_up_proj [E, 2Fe, H]`, gate
-    rows first, `down_proj [E, H, Fe]`) is sliced."""
-    where = f"layer {bid} ({ex.rstrip('.')})"
-    fused = [n for n in (ex + "gate_up_proj", ex + "gate_up_proj.weight") if plan.has(n)]
-    down_fused = [n for n in (ex + "down_proj", ex + "down_proj.weight") if plan.has(n)]
-    per_expert = re.compile(re.escape(ex) + r"(\d+)\.(gate|up|down)_proj\.weight$")
-    found: dict[str, set[int]] = {"gate": set(), "up": set(), "down": set()}
-    for name in plan.tensors:
-        hit = per_expert.match(name)
-        if hit:
-            found[hit.group(2)].add(int(hit.group(1)))
-    has_split = any(found.values())
-    gate_n, up_n, down_n = (names.blk(bid, f"ffn_{x}_exps") for x in ("gate", "up", "down"))
-    if (fused or down_fused) and has_split:
-        raise SpecconvError(f"{where}: both fused and per-expert expert tensors are present")
-    if fused or down_fused:
-        if not (fused and down_fused):
-            raise SpecconvError(f"{where}: fused experts lack {ex + ('gate_up_proj' if not fused else 'down_proj')}")
-        src = plan.source(fused[0], (E, 2 * Fe, H))
-        plan.add(gate_n, [src], (E, Fe, H), role, partial(tf.slice_axis, dim=1, start=0, stop=Fe))
-        plan.add(up_n, [src], (E, Fe, H), role, partial(tf.slice_axis, dim=1, start=Fe, stop=2 * Fe))
-        plan.add(down_n, [plan.source(down_fused[0], (E, H, Fe))], (E, H, Fe), role)
-        return
-    if not has_split:
-        raise SpecconvError(f"{where}: no expert tensors (neither {ex}<e>.*_proj.weight nor {ex}gate_up_proj)")
-    incomplete = sorted(e for e in range(E) if any(e not in ids for ids in found.values()))
-    extra = sorted({e for ids in found.values() for e in ids if e >= E})
-    if incomplete or extra:
-        parts = [f"experts {incomplete} missing"] if incomplete else []
-        parts += [f"expert ids {extra} >= n_routed_experts {E}"] if extra else []
-        raise SpecconvError(f"{where}: {'; '.join(parts)} (every expert needs gate_proj, up_proj and down_proj)")
-    for gguf_name, part, shape in ((gate_n, "gate", (Fe, H)), (up_n, "up", (Fe, H)), (down_n, "down", (H, Fe))):
-        srcs = [plan.source(f"{ex}{e}.{part}_proj.weight", shape) for e in range(E)]
-        plan.add(gguf_name, srcs, (E, *shape), role, tf.stack)

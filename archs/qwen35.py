@@ -10,57 +10,21 @@ from __future__ import annotations
 
 import re
 from functools import partial
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar
 
 import torch
-from gguf import GGMLQuantizationType, GGUFValueType, Keys
+from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, SourceTensor, TensorPlan, plans_in_checkpoint_order
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .errors import SpecconvError
+from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts
 from .qwen35_hparams import Qwen35Hparams, parse_hparams
 
-F32 = GGMLQuantizationType.F32
-FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.audio_tower.",
            "audio_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
-
-Transform = Callable[[list[torch.Tensor]], torch.Tensor]
-
-
-class _Plan:
-    """Collects TensorPlans while checking every source against the config (presence, shape, dtype)."""
-
-    def __init__(self, tensors: dict[str, SourceTensor]):
-        self.tensors = tensors
-        self.used: set[str] = set()
-        self.plans: list[TensorPlan] = []
-
-    def has(self, name: str) -> bool:
-        return name in self.tensors
-
-    def source(self, name: str, shape: Sequence[int] | Sequence[Sequence[int]]) -> str:
-        """Check one HF tensor; `shape` may be a list of accepted shapes."""
-        info = self.tensors.get(name)
-        if info is None:
-            raise SpecconvError(f"checkpoint lacks tensor {name}")
-        accepted = [tuple(s) for s in shape] if shape and isinstance(shape[0], (list, tuple)) else [tuple(shape)]
-        if tuple(info.shape) not in accepted:
-            want = " or ".join(str(list(s)) for s in accepted)
-            raise SpecconvError(f"tensor {name} has shape {list(info.shape)}, but config.json implies {want}")
-        if info.dtype not in FLOAT_DTYPES:
-            raise SpecconvError(f"tensor {name} has dtype {info.dtype}; only F32/F16/BF16 checkpoints are "
-                                f"supported (dequantize FP8/int checkpoints first)")
-        self.used.add(name)
-        return name
-
-    def add(self, gguf_name: str, sources: Sequence[str], shape: Sequence[int], role: Role,
-            transform: Transform = tf.identity, f32: bool = False) -> None:
-        self.plans.append(TensorPlan(gguf_name, tuple(sources), tuple(shape), role, transform,
-                                     F32 if f32 else None))
-
 
 class Qwen35Base(ArchPlugin):
     family: ClassVar[str] = "qwen35"
@@ -122,39 +86,26 @@ class Qwen35Base(ArchPlugin):
         return from_names
 
     def vocab_size(self) -> int:
-        info = self.checkpoint.tensors.get("model.embed_tokens.weight")
-        if info is None:
-            raise SpecconvError("checkpoint lacks tensor model.embed_tokens.weight")
-        return int(info.shape[0])
+        return embedding_rows(self.checkpoint)
 
     # ------------------------------------------------------------------ tensors
 
     def tensor_plan(self) -> list[TensorPlan]:
-        hp, plan = self.hp, _Plan(dict(self.checkpoint.tensors))
+        hp, plan = self.hp, RolePlan(self.checkpoint.tensors)
         H, V = hp.hidden, hp.vocab
         plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
         for i in range(hp.n_layer):
             self._block(plan, i, f"model.layers.{i}.", linear=hp.recurrent[i], role=Role.TRUNK)
         plan.add(names.OUTPUT_NORM, [plan.source("model.norm.weight", (H,))], (H,), Role.SHARED, tf.plus_one, True)
-        if hp.tie_embeddings:
-            plan.used.add("lm_head.weight")  # a tied head saved anyway is the embedding again
-        else:
-            if not plan.has("lm_head.weight"):
-                raise SpecconvError("checkpoint lacks tensor lm_head.weight (config.json says "
-                                    "tie_word_embeddings=false)")
-            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (V, H))], (V, H), Role.SHARED)
+        add_output_head(plan, hp.tie_embeddings, V, H)
         for j in range(self._k):
             bid = hp.n_layer + j
             if j == 0:
                 self._nextn_extras(plan, bid)
             self._block(plan, bid, f"mtp.layers.{j}.", linear=False, role=Role.MTP)
-        unused = sorted(set(plan.tensors) - plan.used)
-        if unused:
-            more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
-            raise SpecconvError(f"unexpected tensor(s) for {self.gguf_arch}: {', '.join(unused[:3])}{more}")
-        return plans_in_checkpoint_order(plan.plans, plan.tensors)
+        return plan.finish(self.gguf_arch)
 
-    def _nextn_extras(self, plan: _Plan, bid: int) -> None:
+    def _nextn_extras(self, plan: RolePlan, bid: int) -> None:
         H = self.hp.hidden
         eh_proj = plan.source("mtp.fc.weight", (H, 2 * H))  # input order: embedding half first, as llama.cpp
         plan.add(names.nextn(bid, names.NEXTN_EH_PROJ), [eh_proj], (H, 2 * H), Role.MTP)
@@ -162,7 +113,7 @@ class Qwen35Base(ArchPlugin):
                          (names.NEXTN_SHARED_HEAD_NORM, "norm")):
             plan.add(names.nextn(bid, part), [plan.source(f"mtp.{hf}.weight", (H,))], (H,), Role.MTP, tf.plus_one, True)
 
-    def _block(self, plan: _Plan, bid: int, p: str, linear: bool, role: Role) -> None:
+    def _block(self, plan: RolePlan, bid: int, p: str, linear: bool, role: Role) -> None:
         H = self.hp.hidden
         plan.add(names.blk(bid, "attn_norm"), [plan.source(p + "input_layernorm.weight", (H,))], (H,), role,
                  tf.plus_one, True)
@@ -171,7 +122,7 @@ class Qwen35Base(ArchPlugin):
                  (H,), role, tf.plus_one, True)
         (self._moe if self.moe else self._mlp)(plan, bid, p, role)
 
-    def _attention(self, plan: _Plan, bid: int, p: str, role: Role) -> None:
+    def _attention(self, plan: RolePlan, bid: int, p: str, role: Role) -> None:
         hp = self.hp
         H, q, kv = hp.hidden, hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
         a = p + "self_attn."
@@ -183,7 +134,7 @@ class Qwen35Base(ArchPlugin):
             plan.add(names.blk(bid, gguf_part), [plan.source(f"{a}{hf}.weight", (hp.head_dim,))], (hp.head_dim,),
                      role, tf.plus_one, True)
 
-    def _gated_delta_net(self, plan: _Plan, bid: int, p: str, role: Role) -> None:
+    def _gated_delta_net(self, plan: RolePlan, bid: int, p: str, role: Role) -> None:
         hp = self.hp
         H, nk, nv, r, dv, C, K = hp.hidden, hp.nk, hp.nv, hp.r, hp.dv, hp.conv_channels, hp.conv_kernel
         a = p + "linear_attn."
@@ -207,64 +158,26 @@ class Qwen35Base(ArchPlugin):
         plan.add(names.blk(bid, "ssm_out"), [plan.source(a + "out_proj.weight", (H, nv * dv))], (H, nv * dv), role,
                  partial(_retiled, dim=1, nk=nk, r=r, block=dv))
 
-    def _mlp(self, plan: _Plan, bid: int, p: str, role: Role) -> None:
-        H, F = self.hp.hidden, self.hp.ffn
-        for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
-            plan.add(names.blk(bid, f"ffn_{part}"), [plan.source(f"{p}mlp.{part}_proj.weight", shape)], shape, role)
+    def _mlp(self, plan: RolePlan, bid: int, p: str, role: Role) -> None:
+        add_swiglu(plan, bid, p + "mlp.", self.hp.ffn, self.hp.hidden, role)
 
-    def _moe(self, plan: _Plan, bid: int, p: str, role: Role) -> None:
+    def _moe(self, plan: RolePlan, bid: int, p: str, role: Role) -> None:
         hp = self.hp
         H, E, Fe, Fs = hp.hidden, hp.n_expert, hp.expert_ffn, hp.shared_ffn
         m = p + "mlp."
         plan.add(names.blk(bid, "ffn_gate_inp"), [plan.source(m + "gate.weight", (E, H))], (E, H), role,
                  tf.identity, True)
         self._experts(plan, bid, m, role)
-        for part, shape in (("gate", (Fs, H)), ("up", (Fs, H)), ("down", (H, Fs))):
-            plan.add(names.blk(bid, f"ffn_{part}_shexp"), [plan.source(f"{m}shared_expert.{part}_proj.weight", shape)],
-                     shape, role)
+        add_swiglu(plan, bid, m + "shared_expert.", Fs, H, role, "_shexp")
         # Written {H, 1}; llama.cpp accepts it as {H}.
         plan.add(names.blk(bid, "ffn_gate_inp_shexp"), [plan.source(m + "shared_expert_gate.weight", (1, H))],
                  (1, H), role, tf.identity, True)
 
-    def _experts(self, plan: _Plan, bid: int, m: str, role: Role) -> None:
+    def _experts(self, plan: RolePlan, bid: int, m: str, role: Role) -> None:
         """Routed experts from the fused 3-D layout (releases) or per-expert tensors (save_pretrained)."""
         hp = self.hp
-        H, E, Fe = hp.hidden, hp.n_expert, hp.expert_ffn
-        ex = m + "experts."
-        fused = [n for n in (ex + "gate_up_proj", ex + "gate_up_proj.weight") if plan.has(n)]
-        down_fused = [n for n in (ex + "down_proj", ex + "down_proj.weight") if plan.has(n)]
-        per_expert = re.compile(re.escape(ex) + r"(\d+)\.(gate|up|down)_proj\.weight$")
-        found: dict[str, set[int]] = {"gate": set(), "up": set(), "down": set()}
-        for name in plan.tensors:
-            hit = per_expert.match(name)
-            if hit:
-                found[hit.group(2)].add(int(hit.group(1)))
-        has_split = any(found.values())
-        where = f"layer {bid} ({m.rstrip('.')})"
-        if (fused or down_fused) and has_split:
-            raise SpecconvError(f"{where}: both fused and per-expert expert tensors are present")
-        gate_n, up_n, down_n = (names.blk(bid, f"ffn_{x}_exps") for x in ("gate", "up", "down"))
-        if fused or down_fused:
-            if not (fused and down_fused):
-                missing = ex + ("gate_up_proj" if not fused else "down_proj")
-                raise SpecconvError(f"{where}: fused experts lack {missing}")
-            src = plan.source(fused[0], (E, 2 * Fe, H))
-            plan.add(gate_n, [src], (E, Fe, H), role, partial(tf.slice_axis, dim=1, start=0, stop=Fe))
-            plan.add(up_n, [src], (E, Fe, H), role, partial(tf.slice_axis, dim=1, start=Fe, stop=2 * Fe))
-            plan.add(down_n, [plan.source(down_fused[0], (E, H, Fe))], (E, H, Fe), role)
-            return
-        if not has_split:
-            raise SpecconvError(f"{where}: no expert tensors (neither {ex}gate_up_proj nor {ex}<e>.*_proj.weight)")
-        incomplete = sorted(e for e in range(E) if any(e not in ids for ids in found.values()))
-        extra = sorted(e for ids in found.values() for e in ids if e >= E)
-        if incomplete or extra:
-            parts = [f"experts {incomplete} missing"] if incomplete else []
-            parts += [f"expert ids {sorted(set(extra))} >= num_experts {E}"] if extra else []
-            detail = "; ".join(parts)
-            raise SpecconvError(f"{where}: {detail} (every expert needs gate_proj, up_proj and down_proj)")
-        for gguf_name, part, shape in ((gate_n, "gate", (Fe, H)), (up_n, "up", (Fe, H)), (down_n, "down", (H, Fe))):
-            srcs = [plan.source(f"{ex}{e}.{part}_proj.weight", shape) for e in range(E)]
-            plan.add(gguf_name, srcs, (E, *shape), role, tf.stack)
+        plan_experts(plan, bid, m + "experts.", hp.n_expert, hp.expert_ffn, hp.hidden, role,
+                     where=f"layer {bid} ({m.rstrip('.')})", count_field="num_experts")
 
     # ------------------------------------------------------------------ metadata
 
