@@ -173,3 +173,45 @@ def test_llama_cpp_loads_the_assistant_with_ctx_other(files):
         peers.free_context(peers.new_context(assistant, n_ctx=64, mtp_of=tgt))
     finally:
         peers.free_context(tgt)
+
+
+def test_llama_cpp_draft_chain_matches(files, models):
+    """llama.cpp's assistant steps (rows (token, h) at the fixed position P, h_next fed back) against
+    ours and transformers', inside (P=6) and beyond (P=16) the sliding window. The assistant context
+    is created before the target decodes, as llama.cpp's speculative driver does: created after, its
+    attention saw no cells here (NaN logits with flash attention off)."""
+    from tests.fixtures import peers
+
+    peers.require_llama_cpp()
+    _, ext = peers._lib()
+    target_src, asst_src = files[:2]
+    t_model, a_model = peers.load_model(files[2]), peers.load_model(files[3], load_mtp=True)
+    target, assistant = models
+    tgt = peers.new_context(t_model, n_ctx=64)
+    dft = peers.new_context(a_model, n_ctx=64, mtp_of=tgt)
+    try:
+        ext.llama_set_embeddings_nextn(tgt, True, False)
+        ext.llama_set_embeddings_nextn(dft, True, True)
+        ours_ctx = Context(target, GraphType.MAIN, n_ctx=64)
+        ours_asst = Context(assistant, GraphType.MTP, kv_from=ours_ctx)
+        done = 0
+        for P in (6, len(IDS)):
+            peers.decode_tokens(tgt, IDS[done:P], done)
+            ours_ctx.decode(IDS[done:P])
+            h = peers.row_hidden_nextn(tgt, t_model, P - done)[-1]
+            token = int(peers.row_logits(tgt, t_model, P - done)[-1].argmax())
+            done = P
+            for step in range(2):
+                peers.decode_rows(dft, [token], h[None], [P])
+                theirs = peers.row_logits(dft, a_model, 1)[0]
+                h_next = peers.row_hidden_nextn(dft, a_model, 1)[0]
+                ours = ours_asst.decode([token], positions=[P], hidden_in=torch.tensor(h)[None]).logits[0].numpy()
+                ref = g.hf_assistant_step(target_src, asst_src, IDS[:P], token, torch.tensor(h))[0][:g.VOCAB_REAL]
+                d_ref, d_ours = np.abs(theirs - ref.numpy()).max(), np.abs(theirs - ours).max()
+                print(f"llama.cpp assistant P={P} step {step}: vs transformers {d_ref:.2e}, vs ours {d_ours:.2e}")
+                assert not np.isnan(theirs).any() and d_ref < 5e-3 and d_ours < 5e-3
+                assert int(theirs.argmax()) == int(ours.argmax())
+                token, h = int(theirs.argmax()), h_next
+    finally:
+        peers.free_context(dft)
+        peers.free_context(tgt)
