@@ -172,13 +172,17 @@ class _Cursor:
             return self.take(*_SCALARS[vtype])
         raise SpecconvError(f"{self.name}: KV {key} has unknown value type {int(vtype)}")
 
-    def kv(self) -> MetaKV:
+    def kv(self, arrays: bool = True) -> MetaKV:
+        """One KV entry; with arrays=False an array's elements are skipped and its value is None."""
         key = self.string().decode("utf-8", errors="replace")
         vtype = self._vtype(key)
         if vtype != GGUFValueType.ARRAY:
             return MetaKV(key, self.value(vtype, key), vtype)
         sub = self._vtype(key)
         count = self.take("<Q", 8)
+        if not arrays:
+            self._skip_array(sub, count, key)
+            return MetaKV(key, None, vtype, sub)
         if sub == GGUFValueType.ARRAY:
             raise SpecconvError(f"{self.name}: KV {key}: nested arrays are not supported")
         if sub == GGUFValueType.STRING:
@@ -191,6 +195,23 @@ class _Cursor:
         self.pos = end
         return MetaKV(key, values, vtype, sub)
 
+    def _skip_array(self, sub: GGUFValueType, count: int, key: str) -> None:
+        if sub in _SCALARS:
+            self.skip(count * _SCALARS[sub][1])
+        elif sub == GGUFValueType.STRING:
+            for _ in range(count):
+                self.skip(self.take("<Q", 8))
+        elif sub == GGUFValueType.ARRAY:
+            for _ in range(count):
+                self._skip_array(self._vtype(key), self.take("<Q", 8), key)
+        else:
+            raise SpecconvError(f"{self.name}: KV {key} has unknown value type {int(sub)}")
+
+    def skip(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise SpecconvError(f"{self.name}: truncated GGUF header")
+        self.pos += n
+
     def _vtype(self, key: str) -> GGUFValueType:
         raw = self.take("<I", 4)
         try:
@@ -199,44 +220,91 @@ class _Cursor:
             raise SpecconvError(f"{self.name}: KV {key} has unknown value type {raw}") from None
 
 
-def _read_shard(path: Path, index: int) -> tuple[dict[str, MetaKV], list[GgufTensor]]:
-    try:
-        buf = np.memmap(path, dtype=np.uint8, mode="r")
-    except (OSError, ValueError) as exc:
-        raise SpecconvError(f"{path.name}: cannot map the file ({exc})") from None
-    cur = _Cursor(buf, path.name)
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of a GGUF tensor table, with its data's absolute place in the file."""
+
+    name: str
+    shape: tuple[int, ...]  # ggml order (ne0 first)
+    ggml_type: GGMLQuantizationType
+    offset: int  # absolute offset of the data in the file
+    n_bytes: int
+
+
+@dataclass
+class GgufHeader:
+    """What precedes the tensor data of one GGUF file: KV entries (with their byte sizes) and tensor infos."""
+
+    kv: dict[str, MetaKV]
+    kv_nbytes: dict[str, int]  # each whole entry as stored: key, type and value
+    tensors: list[TensorInfo]
+    alignment: int
+    data_offset: int
+
+
+def scan_header(buf, name: str, arrays: bool = True) -> GgufHeader:
+    """Parse a GGUF header from a byte buffer (a memory map); with arrays=False array values are
+    skipped (None), which keeps a scan of a release-size tokenizer fast."""
+    cur = _Cursor(buf, name)
     if len(buf) < 24 or cur.take("<I", 4) != _GGUF_MAGIC:
-        raise SpecconvError(f"{path.name}: not a GGUF file (bad magic)")
+        raise SpecconvError(f"{name}: not a GGUF file (bad magic), so not a readable GGUF model")
     version = cur.take("<I", 4)
+    if version & 0xFFFF == 0:
+        raise SpecconvError(f"{name}: big-endian GGUF files are not supported")
     if version not in (2, 3):
-        raise SpecconvError(f"{path.name}: GGUF version {version} is not supported (big-endian or too old/new)")
+        raise SpecconvError(f"{name}: GGUF version {version} is not supported")
     n_tensors, n_kv = cur.take("<Q", 8), cur.take("<Q", 8)
     kv: dict[str, MetaKV] = {}
+    kv_nbytes: dict[str, int] = {}
     for _ in range(n_kv):
-        entry = cur.kv()
-        kv[entry.key] = entry
+        start = cur.pos
+        entry = cur.kv(arrays)
+        kv[entry.key], kv_nbytes[entry.key] = entry, cur.pos - start
     infos = []
     for _ in range(n_tensors):
-        name = cur.string().decode("utf-8", errors="replace")
+        tensor_name = cur.string().decode("utf-8", errors="replace")
         n_dims = cur.take("<I", 4)
         dims = tuple(cur.take("<Q", 8) for _ in range(n_dims))
         raw_type, offset = cur.take("<I", 4), cur.take("<Q", 8)
         try:
             ggml_type = GGMLQuantizationType(raw_type)
         except ValueError:
-            raise SpecconvError(f"{path.name}: tensor {name} has unknown type {raw_type}") from None
-        infos.append((name, dims, ggml_type, offset))
+            raise SpecconvError(f"{name}: tensor {tensor_name} has unknown type {raw_type}") from None
+        infos.append((tensor_name, dims, ggml_type, offset))
     align_kv = kv.get("general.alignment")
-    align = int(align_kv.value) if align_kv is not None else 32
+    align = int(align_kv.value) if align_kv is not None and align_kv.value else 32
+    if align & (align - 1):
+        raise SpecconvError(f"{name}: general.alignment {align} is not a power of two")
     data_start = (cur.pos + align - 1) // align * align
     tensors = []
-    for name, dims, ggml_type, offset in infos:
+    for tensor_name, dims, ggml_type, offset in infos:
         nbytes = tensor_nbytes(dims, ggml_type)
         start = data_start + offset
         if start + nbytes > len(buf):
-            raise SpecconvError(f"{path.name}: tensor {name} lies beyond the end of the file (truncated?)")
-        tensors.append(GgufTensor(name, ggml_type, dims, nbytes, index, buf[start:start + nbytes]))
-    return kv, tensors
+            raise SpecconvError(f"{name}: tensor {tensor_name} lies beyond the end of the file (truncated?)")
+        tensors.append(TensorInfo(tensor_name, dims, ggml_type, start, nbytes))
+    return GgufHeader(kv, kv_nbytes, tensors, align, data_start)
+
+
+def _map(path: Path) -> np.memmap:
+    try:
+        return np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as exc:
+        raise SpecconvError(f"{path.name}: cannot map the file ({exc})") from None
+
+
+def read_header(path: str | Path, arrays: bool = True) -> GgufHeader:
+    """The header of one GGUF file (no tensor data is touched)."""
+    path = Path(path)
+    return scan_header(_map(path), path.name, arrays)
+
+
+def _read_shard(path: Path, index: int) -> tuple[dict[str, MetaKV], list[GgufTensor]]:
+    buf = _map(path)
+    header = scan_header(buf, path.name)
+    tensors = [GgufTensor(t.name, t.ggml_type, t.shape, t.n_bytes, index, buf[t.offset:t.offset + t.n_bytes])
+               for t in header.tensors]
+    return header.kv, tensors
 
 
 def open_gguf(path: str | Path) -> GgufFile:
