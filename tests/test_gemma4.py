@@ -211,3 +211,28 @@ def test_moe_llama_cpp(tmp_path):
           f"all {np.abs(theirs - ref).max():.2e}; vs ours with an fp16 GELU table {emulated.max():.2e}")
     assert np.abs(theirs - ref).max(-1)[0] < 5e-3
     assert emulated.max() < 5e-3
+
+
+def test_verify_hf_parity_passes_and_catches_another_checkpoint(converted, tmp_path):
+    """`specconv verify --hf` loads the conditional-generation class (not the trap of peers.md §2.5),
+    passes on the converted file, and fails against a differently seeded checkpoint."""
+    import json
+
+    from click.testing import CliRunner
+
+    from specconv import cli as cli_module
+
+    src, path = converted[("hub", "conditional")]
+    report = tmp_path / "ok.json"
+    res = CliRunner().invoke(cli_module.cli, ["verify", str(path), "--hf", str(src), "-n", "6", "--json", str(report)])
+    data = json.loads(report.read_text())
+    assert res.exit_code == 0, res.output
+    assert data["parity"]["reference"].endswith("Gemma4ForConditionalGeneration")
+    print(f"verify --hf: max |Δlogit| {data['parity']['max_abs_logit_diff']:.2e}")
+    assert data["parity"]["max_abs_logit_diff"] < 1e-4
+    other = g.tiny_gemma4("hub", seed=1)
+    res = CliRunner().invoke(cli_module.cli, ["verify", str(path), "--hf", str(other), "-n", "6",
+                                              "--json", str(tmp_path / "bad.json")])
+    assert res.exit_code != 0
+    bad = json.loads((tmp_path / "bad.json").read_text())
+    assert any(c["name"] == "parity: trunk logits vs transformers" and not c["passed"] for c in bad["checks"])

@@ -35,7 +35,18 @@ F32_MAX_ABS = 2e-3
 REL_RMS_TOLERANCE = {Q.F16: 0.05, Q.BF16: 0.1, Q.Q8_0: 0.4}
 DEFAULT_REL_RMS_TOLERANCE = 0.7
 HF_CLASSES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
-              "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM"}
+              "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
+              "gemma4": "Gemma4ForCausalLM"}
+
+
+def _class_name(hf_dir: Path, arch: str) -> str:
+    """Gemma 4 releases must load into the conditional-generation class: Gemma4ForCausalLM would
+    silently random-initialise them (peers.md §2.5)."""
+    if arch == "gemma4":
+        archs = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+        if "Gemma4ForConditionalGeneration" in archs:
+            return "Gemma4ForConditionalGeneration"
+    return HF_CLASSES[arch]
 
 
 def criterion(*models: Model) -> tuple[str, float]:
@@ -65,7 +76,7 @@ def load_reference(hf_dir: Path, arch: str):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    cls = getattr(transformers, HF_CLASSES[arch])
+    cls = getattr(transformers, _class_name(hf_dir, arch))
     model, info = cls.from_pretrained(str(hf_dir), output_loading_info=True, dtype=torch.float32)
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "mismatched_keys", "error_msgs") and v}
     return model.eval(), bad
@@ -91,7 +102,7 @@ def trunk_parity(target: Model, hf_main, prompts: list[list[int]]) -> tuple[floa
     for ids in prompts:
         ours = Context(target, GraphType.MAIN, n_ctx=len(ids)).decode(ids, hidden=()).logits.float().cpu()
         out = hf_main(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
-        m, r = _errors(ours, out.logits[0])
+        m, r = _errors(ours, out.logits[0][:, :ours.shape[-1]])  # Gemma: the GGUF vocabulary is trimmed
         worst, rels = max(worst, m), rels + [r]
         hidden.append(out.hidden_states[-1][0].float())
     return worst, sum(rels) / len(rels), hidden
