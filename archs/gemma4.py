@@ -321,6 +321,7 @@ class Gemma4(_Gemma4Base):
 class Gemma4Assistant(_Gemma4Base):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Gemma4AssistantForCausalLM",)
     family: ClassVar[str] = "gemma4-assistant"
+    standalone_drafter: ClassVar[bool] = True  # the whole file drafts: no trunk/MTP split, no notice about it
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)

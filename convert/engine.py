@@ -137,7 +137,8 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
         raise SpecconvError(f"{plugin.missing_mtp}; use --mtp none to convert the trunk only")
     if plugin.missing_mtp:
         notices.append(plugin.missing_mtp)
-    kinds = _file_kinds(req.mtp, k, [] if uses_target else notices)  # a draft head has no MTP layers to miss
+    drafter_file = uses_target or getattr(plugin_cls, "standalone_drafter", False)
+    kinds = _file_kinds(req.mtp, k, [] if drafter_file else notices)  # a draft head has no MTP layers to miss
     if skipped:
         reasons = Counter(skipped.values())
         notices += [f"skipped {n} tensor(s): {why}" for why, n in reasons.items()]

@@ -236,3 +236,16 @@ def test_verify_hf_parity_passes_and_catches_another_checkpoint(converted, tmp_p
     assert res.exit_code != 0
     bad = json.loads((tmp_path / "bad.json").read_text())
     assert any(c["name"] == "parity: trunk logits vs transformers" and not c["passed"] for c in bad["checks"])
+
+
+def test_double_wide_mlp_on_shared_layers(tmp_path):
+    """use_double_wide_mlp: the K/V-sharing layers have 2F-wide FFNs (per-layer feed_forward_length)."""
+    src = g.tiny_gemma4("v5", "causal", use_double_wide_mlp=True)
+    path = convert_gguf(src, tmp_path / "wide.gguf")
+    kv, shapes, _ = _kv(path)
+    assert kv["gemma4.feed_forward_length"] == [96, 96, 96, 96, 192, 192]
+    assert shapes["blk.5.ffn_up.weight"] == (g.HIDDEN, 192) and shapes["blk.3.ffn_up.weight"] == (g.HIDDEN, 96)
+    ours = Context(load_model(path, device="cpu"), GraphType.MAIN, n_ctx=64).decode(IDS).logits
+    d = (ours - g.hf_target(src, IDS)[0][:, :g.VOCAB_REAL]).abs().max().item()
+    print(f"gemma4 double-wide MLP: max |Δlogit| vs transformers {d:.2e}")
+    assert d < 1e-4

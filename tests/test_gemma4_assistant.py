@@ -215,3 +215,33 @@ def test_llama_cpp_draft_chain_matches(files, models):
     finally:
         peers.free_context(dft)
         peers.free_context(tgt)
+
+
+def test_generate_cli_with_the_assistant(files):
+    """`specconv generate TARGET --spec draft --draft ASSISTANT` drafts with the assistant and equals
+    plain greedy decoding of the same prompt."""
+    from click.testing import CliRunner
+
+    from specconv import cli as cli_module
+
+    common = ["generate", str(files[2]), "--tokens", ",".join(map(str, IDS)), "-n", "12", "--json", "--device", "cpu"]
+    spec = CliRunner().invoke(cli_module.cli, common + ["--spec", "draft", "--draft", str(files[3]), "--no-baseline"])
+    plain = CliRunner().invoke(cli_module.cli, common)
+    assert spec.exit_code == 0 and plain.exit_code == 0, spec.output + plain.output
+    spec_json, plain_json = json.loads(spec.output), json.loads(plain.output)
+    assert spec_json["tokens"] == plain_json["tokens"]
+    assert spec_json["speculative"]["drafter"] == "gemma4-assistant" and spec_json["speculative"]["drafted"] > 0
+
+
+def test_convert_output_for_the_assistant(files, tmp_path):
+    """The assistant converts without the trunk-only notice (its layers are all draft layers) and
+    names the dropped ordered-embedding tensors."""
+    from click.testing import CliRunner
+
+    from specconv import cli as cli_module
+
+    res = CliRunner().invoke(cli_module.cli, ["convert", str(files[1]), "-o", str(tmp_path / "a.gguf"),
+                                              "--outtype", "f32"])
+    assert res.exit_code == 0, res.output
+    assert "no MTP tensors" not in res.output
+    assert "ordered-embedding" in res.output
