@@ -23,6 +23,7 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import moe_sigmoid as ms
+from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, causal_attention, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -182,25 +183,14 @@ def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J})."""
-    h = w["token_embd.weight"][tokens]
-    rope = rope_cos_sin(hp, batch.positions, acc(h).dtype)
-    layer_inputs = {}
-    for i in range(hp.n_layer):
-        if i in want_layers:
-            layer_inputs[i] = h
-        h = _block(w, hp, i, h, batch, rope)
-    post = rms_norm(h, w["output_norm.weight"], hp.eps)
-    if hp.n_layer in want_layers:
-        layer_inputs[hp.n_layer] = post
-    rows = post if want_logits is None else post[want_logits]
-    return acc(linear(rows, ms.output_head(w))), post, h, layer_inputs
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
+    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
+                         lambda dtype: rope_cos_sin(hp, batch.positions, dtype),
+                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 
 
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
     """Returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
-    h = ms.nextn_input(w, hp, tokens, hidden_in)
-    rope = rope_cos_sin(hp, batch.positions, acc(h).dtype)
-    y = _block(w, hp, hp.n_layer, h, batch, rope)
-    logits, z = ms.nextn_output(w, hp, y)
-    return logits, z, y
+    return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
+                         lambda dtype: rope_cos_sin(hp, batch.positions, dtype),
+                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs.decoder import forward_trunk
 from specconv.runtime.graphs.ops import acc, causal_attention, linear, rms_norm, swiglu
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -137,23 +138,17 @@ def rope_for(w, hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
 
 # ---- graph ------------------------------------------------------------------------------------
 
+def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope)
+    return h + ffn(w, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
+
+
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
     """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
-    h = w["token_embd.weight"][tokens]
-    rope = rope_for(w, hp, batch.positions, acc(h).dtype)
-    layer_inputs = {}
-    for i in range(hp.n_layer):
-        if i in want_layers:
-            layer_inputs[i] = h
-        h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope)
-        h = h + ffn(w, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
-    post = rms_norm(h, w["output_norm.weight"], hp.eps)
-    if hp.n_layer in want_layers:
-        layer_inputs[hp.n_layer] = post
-    rows = post if want_logits is None else post[want_logits]
-    head = w["output.weight"] if "output.weight" in w else w["token_embd.weight"]
-    return acc(linear(rows, head)), post, h, layer_inputs
+    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
+                         lambda dtype: rope_for(w, hp, batch.positions, dtype),
+                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 
 
 def forward_mtp(*args, **kwargs):

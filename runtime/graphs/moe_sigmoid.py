@@ -4,7 +4,7 @@
 * `sigmoid_group_moe`: sigmoid router, correction bias for selection only, group-limited top-k,
   un-biased weights (optionally renormalised) times the routed scale, plus un-gated shared experts.
 * `ffn_names` / `ffn`: dense SwiGLU for blocks < leading_dense_block_count, that MoE otherwise.
-* `nextn_input` / `nextn_output`: the MTP head's input projection and its output norm and head.
+* `NEXTN_REQUIRED` / `NEXTN_OPTIONAL`: the MTP head's tensors (its two ends are in decoder.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.graphs.ops import acc, linear, rms_norm, swiglu
+from specconv.runtime.graphs.ops import acc, swiglu
 
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
@@ -152,23 +152,3 @@ def keep_float32(name: str) -> bool:
 
 NEXTN_REQUIRED = ("eh_proj", "enorm", "hnorm")
 NEXTN_OPTIONAL = ("shared_head_norm", "embed_tokens", "shared_head_head")
-
-
-def output_head(w) -> torch.Tensor:
-    return w["output.weight"] if "output.weight" in w else w["token_embd.weight"]
-
-
-def nextn_input(w, hp, tokens: torch.Tensor, hidden_in: torch.Tensor) -> torch.Tensor:
-    """eh_proj · [enorm(E[x]) ; hnorm(h)], embedding first."""
-    p = f"blk.{hp.n_layer}.nextn."
-    embd = w.get(p + "embed_tokens.weight", w["token_embd.weight"])
-    e = rms_norm(embd[tokens], w[p + "enorm.weight"], hp.eps)
-    hn = rms_norm(hidden_in.to(e.dtype), w[p + "hnorm.weight"], hp.eps)
-    return linear(torch.cat([e, hn], dim=-1), w[p + "eh_proj.weight"])
-
-
-def nextn_output(w, hp, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, z): z = shared_head_norm(y) (or output_norm), logits from shared_head_head (or output)."""
-    p = f"blk.{hp.n_layer}.nextn."
-    z = rms_norm(y, w.get(p + "shared_head_norm.weight", w["output_norm.weight"]), hp.eps)
-    return acc(linear(z, w.get(p + "shared_head_head.weight", output_head(w)))), z

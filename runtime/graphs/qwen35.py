@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import gdn
+from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import (
     acc, causal_attention, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
 )
@@ -231,45 +232,26 @@ def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
     return routed + (acc(shared) * gate).to(x.dtype)
 
 
-def output_head(w) -> torch.Tensor:
-    return w["output.weight"] if "output.weight" in w else w["token_embd.weight"]
-
-
 # ---- graphs -----------------------------------------------------------------------------------
+
+def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope, gdn_mode: str = "") -> torch.Tensor:
+    a = rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps)
+    recurrent = i < hp.n_layer and hp.recurrent[i]  # the MTP block (i = n_layer) is full attention
+    h = h + (gated_deltanet(w, hp, i, a, batch, gdn_mode) if recurrent else gated_attention(w, hp, i, a, batch, rope))
+    return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.eps))
+
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J})."""
-    h = w["token_embd.weight"][tokens]
-    rope = rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, acc(h).dtype)
-    layer_inputs = {}
-    for i in range(hp.n_layer):
-        if i in want_layers:
-            layer_inputs[i] = h
-        a = rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps)
-        h = h + (gated_deltanet(w, hp, i, a, batch, gdn_mode) if hp.recurrent[i]
-                 else gated_attention(w, hp, i, a, batch, rope))
-        h = h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.eps))
-    post = rms_norm(h, w["output_norm.weight"], hp.eps)
-    if hp.n_layer in want_layers:
-        layer_inputs[hp.n_layer] = post
-    rows = post if want_logits is None else post[want_logits]
-    logits = acc(linear(rows, output_head(w)))
-    return logits, post, h, layer_inputs
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
+    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
+                         lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
+                         lambda i, h, rope: _block(w, hp, i, h, batch, rope, gdn_mode))
 
 
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
     """One MTP row per token: u = eh_proj·[enorm(E[x]) ; hnorm(h)], one full-attention block,
     z = shared_head_norm(y); returns (logits, z = "nextn", y = pre-norm)."""
-    n = hp.n_layer
-    p = f"blk.{n}."
-    embd = w.get(p + "nextn.embed_tokens.weight", w["token_embd.weight"])
-    e = rms_norm(embd[tokens], w[p + "nextn.enorm.weight"], hp.eps)
-    hn = rms_norm(hidden_in.to(e.dtype), w[p + "nextn.hnorm.weight"], hp.eps)
-    h = linear(torch.cat([e, hn], dim=-1), w[p + "nextn.eh_proj.weight"])
-    rope = rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, acc(h).dtype)
-    h = h + gated_attention(w, hp, n, rms_norm(h, w[p + "attn_norm.weight"], hp.eps), batch, rope)
-    h = h + ffn(w, hp, n, rms_norm(h, w[p + "post_attention_norm.weight"], hp.eps))
-    z = rms_norm(h, w.get(p + "nextn.shared_head_norm.weight", w["output_norm.weight"]), hp.eps)
-    head = w.get(p + "nextn.shared_head_head.weight", output_head(w))
-    return acc(linear(z, head)), z, h
+    return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
+                         lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
+                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))

@@ -1,0 +1,66 @@
+"""The decoder skeleton the graphs share (model-math.md §7.1): token embedding, the trunk's blocks,
+output norm and head, and the two ends of a nextn (MTP) block. Each graph supplies its own block
+and rope; everything around them is written once here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from specconv.runtime.graphs.ops import acc, linear, rms_norm
+
+# block(i, h, rope) -> h after block i
+Block = Callable[[int, torch.Tensor, object], torch.Tensor]
+
+
+def output_head(w) -> torch.Tensor:
+    """`output.weight`, or the token embedding for a tied head."""
+    return w["output.weight"] if "output.weight" in w else w["token_embd.weight"]
+
+
+def forward_trunk(w, n_layer: int, eps: float, tokens: torch.Tensor, want_layers: set[int],
+                  want_logits: torch.Tensor | None, make_rope: Callable[[torch.dtype], object], block: Block):
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm}).
+
+    `make_rope(dtype)` builds the rope tables in the activations' accumulation dtype.
+    """
+    h = w["token_embd.weight"][tokens]
+    rope = make_rope(acc(h).dtype)
+    layer_inputs = {}
+    for i in range(n_layer):
+        if i in want_layers:
+            layer_inputs[i] = h
+        h = block(i, h, rope)
+    post = rms_norm(h, w["output_norm.weight"], eps)
+    if n_layer in want_layers:
+        layer_inputs[n_layer] = post
+    rows = post if want_logits is None else post[want_logits]
+    return acc(linear(rows, output_head(w))), post, h, layer_inputs
+
+
+def nextn_input(w, n_layer: int, eps: float, tokens: torch.Tensor, hidden_in: torch.Tensor) -> torch.Tensor:
+    """eh_proj · [enorm(E[x]) ; hnorm(h)], embedding first (the nextn block sits at index n_layer)."""
+    p = f"blk.{n_layer}.nextn."
+    embd = w.get(p + "embed_tokens.weight", w["token_embd.weight"])
+    e = rms_norm(embd[tokens], w[p + "enorm.weight"], eps)
+    hn = rms_norm(hidden_in.to(e.dtype), w[p + "hnorm.weight"], eps)
+    return linear(torch.cat([e, hn], dim=-1), w[p + "eh_proj.weight"])
+
+
+def nextn_output(w, n_layer: int, eps: float, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, z): z = shared_head_norm(y) (or output_norm), logits from shared_head_head (or output)."""
+    p = f"blk.{n_layer}.nextn."
+    z = rms_norm(y, w.get(p + "shared_head_norm.weight", w["output_norm.weight"]), eps)
+    return acc(linear(z, w.get(p + "shared_head_head.weight", output_head(w)))), z
+
+
+def forward_nextn(w, n_layer: int, eps: float, tokens: torch.Tensor, hidden_in: torch.Tensor,
+                  make_rope: Callable[[torch.dtype], object], block: Block):
+    """One MTP row per token: u = eh_proj·[enorm(E[x]) ; hnorm(h)], the block at index n_layer,
+    z = shared_head_norm(y); returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
+    h = nextn_input(w, n_layer, eps, tokens, hidden_in)
+    y = block(n_layer, h, make_rope(acc(h).dtype))
+    logits, z = nextn_output(w, n_layer, eps, y)
+    return logits, z, y
