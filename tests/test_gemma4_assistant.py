@@ -245,3 +245,27 @@ def test_convert_output_for_the_assistant(files, tmp_path):
     assert res.exit_code == 0, res.output
     assert "no MTP tensors" not in res.output
     assert "ordered-embedding" in res.output
+
+
+def test_same_keys_and_tensors_as_llama_cpp_converter(files, tmp_path):
+    """llama.cpp's own converter (gguf-layout.md §10, open point 1) writes the same KV pairs (values
+    included) and tensor names for the target and the assistant. The only difference: it trims the
+    embedding to len(vocab) + len(added_tokens), counting added tokens that are already in the vocab
+    twice (404 rows for 400 tokens here, a file llama.cpp then refuses), and leaves the PLE table
+    untrimmed; ours trims both to the real 400."""
+    from gguf import GGUFReader
+
+    from tests.fixtures.gguf_files import convert_gguf_upstream
+
+    for src, ours in ((files[0], files[2]), (files[1], files[3])):
+        theirs = convert_gguf_upstream(src, tmp_path / (ours.stem + "-upstream.gguf"), outtype="f32", pre="default")
+        a, b = GGUFReader(theirs), GGUFReader(ours)
+        ka = {k: field_value(f) for k, f in a.fields.items() if not k.startswith(("GGUF.", "general."))}
+        kb = {k: field_value(f) for k, f in b.fields.items() if not k.startswith(("GGUF.", "general."))}
+        assert ka == kb
+        ta = {t.name: tuple(int(x) for x in t.shape) for t in a.tensors}
+        tb = {t.name: tuple(int(x) for x in t.shape) for t in b.tensors}
+        assert set(ta) == set(tb)
+        differ = {n for n in ta if ta[n] != tb[n]}
+        assert differ <= {"token_embd.weight", "per_layer_token_embd.weight"}
+        assert all(tb[n][1] == g.VOCAB_REAL for n in differ)
