@@ -20,7 +20,7 @@ from . import names
 from . import transforms as tf
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field, text_config
 from .errors import SpecconvError
-from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts
+from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.")
@@ -158,12 +158,8 @@ class NextnMoePlugin(ArchPlugin):
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
-        if raw_name.endswith("rotary_emb.inv_freq"):
-            return (None, "rotary inv_freq buffer (recomputed from the config)")
-        if raw_name.startswith(_TOWERS):
-            return (None, "vision tower (belongs in a separate mmproj file)")
-        name = re.sub(r"(^|\.)language_model\.", r"\1", raw_name)
-        if name.endswith("e_score_correction_bias"):
+        name = text_model_name(raw_name, _TOWERS, "vision tower (belongs in a separate mmproj file)")
+        if isinstance(name, str) and name.endswith("e_score_correction_bias"):
             name = name[: -len("_bias")] + ".bias"  # gguf-layout.md §6: -> exp_probs_b.bias
         return name
 

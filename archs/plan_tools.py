@@ -25,6 +25,16 @@ FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 Transform = Callable[[list[torch.Tensor]], torch.Tensor]
 
 
+def text_model_name(raw_name: str, towers: tuple[str, ...], towers_reason: str) -> str | tuple[None, str]:
+    """The language model's name for a checkpoint tensor (`language_model.` dropped), or (None, why)
+    for what a text GGUF leaves out: rotary buffers and the vision/audio towers listed in `towers`."""
+    if raw_name.endswith("rotary_emb.inv_freq"):
+        return (None, "rotary inv_freq buffer (recomputed from the config)")
+    if raw_name.startswith(towers):
+        return (None, towers_reason)
+    return re.sub(r"(^|\.)language_model\.", r"\1", raw_name)
+
+
 class CheckedPlan:
     """Collects TensorPlans while checking every source against the config (presence, shape, dtype)."""
 

@@ -19,7 +19,7 @@ from . import names, register
 from . import transforms as tf
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .errors import SpecconvError
-from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts
+from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name
 from .qwen35_hparams import Qwen35Hparams, parse_hparams
 
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
@@ -45,12 +45,8 @@ class Qwen35Base(ArchPlugin):
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
-        if raw_name.endswith("rotary_emb.inv_freq"):
-            return (None, "rotary inv_freq buffer (recomputed from the config)")
-        if raw_name.startswith(_TOWERS):
-            return (None, "vision/audio tower (belongs in a separate mmproj file)")
-        name = re.sub(r"(^|\.)language_model\.", r"\1", raw_name)
-        if name.startswith("model.mtp."):
+        name = text_model_name(raw_name, _TOWERS, "vision/audio tower (belongs in a separate mmproj file)")
+        if isinstance(name, str) and name.startswith("model.mtp."):
             name = name[len("model."):]
         return name
 
