@@ -201,41 +201,16 @@ def test_release_scale_deepseek_v3_headers():
     """DeepSeek-V3's real configuration (61 + 1 layers, 256 experts, MLA 1536/512/128/64/128, YaRN
     x40): tensor names and shapes from transformers' own modules on the meta device, per-expert as
     in the release; the plan's ggml shapes and KV are those of gguf-layout.md §7.5."""
-    import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-    from transformers.modeling_layers import MtpModel
 
-    from specconv.archs.base import Checkpoint, Role, SourceTensor
+    from specconv.archs.base import Role
     from specconv.archs.deepseek2 import Deepseek2
 
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
     cfg = DeepseekV3Config(max_position_embeddings=163840, rope_parameters=rope, num_nextn_predict_layers=1)
-    with torch.device("meta"):
-        main = DeepseekV3ForCausalLM(cfg)
-        head = MtpModel(main, 1)
-    shapes = {k: tuple(v.shape) for k, v in main.state_dict().items()}
-    shapes.update({tiny.mtp_release_name(k, 61): tuple(v.shape) for k, v in head.state_dict().items()
-                   if tiny.mtp_release_name(k, 61)})
-    shapes["model.layers.61.embed_tokens.weight"] = shapes["model.embed_tokens.weight"]
-    shapes["model.layers.61.shared_head.head.weight"] = shapes["lm_head.weight"]
-    headers = {}
-    for name, shape in shapes.items():
-        if name.endswith("experts.gate_up_proj"):
-            for e in range(shape[0]):
-                for part in ("gate", "up"):
-                    headers[f"{name[:-len('gate_up_proj')]}{e}.{part}_proj.weight"] = (shape[1] // 2, shape[2])
-        elif name.endswith("experts.down_proj"):
-            for e in range(shape[0]):
-                headers[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = shape[1:]
-        else:
-            headers[name] = shape
-    config = {**cfg.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
-    tensors = {}
-    for raw, shape in headers.items():
-        name = Deepseek2.normalize_name(raw)
-        tensors[name] = SourceTensor(name, shape, "BF16")
-    plugin = Deepseek2(Checkpoint(config, tensors))
+    plugin = tiny.release_scale_plugin(cfg, DeepseekV3ForCausalLM, Deepseek2, "DeepseekV3ForCausalLM", 61,
+                                       tied_copies=True)
     plans = {p.name: p for p in plugin.tensor_plan()}
     ggml = lambda n: tuple(reversed(plans[n].shape))  # noqa: E731
     assert plugin.n_mtp_layers == 1

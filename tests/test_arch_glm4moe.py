@@ -194,11 +194,8 @@ def test_release_scale_glm45_headers():
     """GLM-4.5's real configuration (92 + 1 layers, 160 experts, head_dim 128 with 96 heads over a
     5120 hidden size, q/k norms, biases): names and shapes from transformers' modules on the meta
     device, per-expert as released; ggml shapes and KV as gguf-layout.md §7.4 gives them."""
-    import torch
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-    from transformers.modeling_layers import MtpModel
 
-    from specconv.archs.base import Checkpoint, SourceTensor
     from specconv.archs.glm4moe import Glm4Moe
 
     cfg = Glm4MoeConfig(
@@ -207,29 +204,7 @@ def test_release_scale_glm45_headers():
         num_experts_per_tok=8, n_shared_experts=1, n_routed_experts=160, routed_scaling_factor=2.5,
         first_k_dense_replace=3, max_position_embeddings=131072, num_nextn_predict_layers=1,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5})
-    with torch.device("meta"):
-        main = Glm4MoeForCausalLM(cfg)
-        head = MtpModel(main, 1)
-    shapes = {k: tuple(v.shape) for k, v in main.state_dict().items()}
-    shapes.update({tiny.mtp_release_name(k, 92): tuple(v.shape) for k, v in head.state_dict().items()
-                   if tiny.mtp_release_name(k, 92)})
-    headers = {}
-    for name, shape in shapes.items():
-        if name.endswith("experts.gate_up_proj"):
-            for e in range(shape[0]):
-                for part in ("gate", "up"):
-                    headers[f"{name[:-len('gate_up_proj')]}{e}.{part}_proj.weight"] = (shape[1] // 2, shape[2])
-        elif name.endswith("experts.down_proj"):
-            for e in range(shape[0]):
-                headers[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = shape[1:]
-        else:
-            headers[name] = shape
-    config = {**cfg.to_dict(), "architectures": ["Glm4MoeForCausalLM"]}
-    tensors = {}
-    for raw, shape in headers.items():
-        name = Glm4Moe.normalize_name(raw)
-        tensors[name] = SourceTensor(name, shape, "BF16")
-    plugin = Glm4Moe(Checkpoint(config, tensors))
+    plugin = tiny.release_scale_plugin(cfg, Glm4MoeForCausalLM, Glm4Moe, "Glm4MoeForCausalLM", 92)
     plans = {p.name: p for p in plugin.tensor_plan()}
     ggml = lambda n: tuple(reversed(plans[n].shape))  # noqa: E731
     assert ggml("blk.0.attn_q.weight") == (5120, 96 * 128) and ggml("blk.0.attn_k.weight") == (5120, 8 * 128)
