@@ -249,3 +249,39 @@ def test_double_wide_mlp_on_shared_layers(tmp_path):
     d = (ours - g.hf_target(src, IDS)[0][:, :g.VOCAB_REAL]).abs().max().item()
     print(f"gemma4 double-wide MLP: max |Δlogit| vs transformers {d:.2e}")
     assert d < 1e-4
+
+
+def _refused(capsys, src, tmp_path, edit=None, drop=None):
+    """Convert a copy of `src` (config edited / a tensor dropped); returns the one-line error."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_convert_errors import assert_refused
+
+    copy = tmp_path / "src"
+    shutil.copytree(src, copy)
+    if edit is not None:
+        cfg = json.loads((copy / "config.json").read_text())
+        edit(cfg.get("text_config", cfg), cfg)
+        (copy / "config.json").write_text(json.dumps(cfg))
+    if drop is not None:
+        tensors = load_file(str(copy / "model.safetensors"))
+        del tensors[drop]
+        save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    return assert_refused(capsys, copy, tmp_path / "out", expect=[])
+
+
+def test_refusals(capsys, tmp_path):
+    target, assistant = g.tiny_gemma4("hub"), g.tiny_assistant("hub")
+    line = _refused(capsys, target, tmp_path / "a", edit=lambda t, c: t.update(attn_logit_softcapping=50.0))
+    assert "attn_logit_softcapping" in line
+    line = _refused(capsys, target, tmp_path / "b", edit=lambda t, c: t.update(layer_types=["full_attention"] * 3))
+    assert "layer_types" in line
+    line = _refused(capsys, target, tmp_path / "c", drop="model.language_model.layers.2.self_attn.k_proj.weight")
+    assert "layers.2.self_attn.k_proj" in line
+    line = _refused(capsys, target, tmp_path / "d", edit=lambda t, c: t.update(global_head_dim=16))
+    assert "shape" in line  # the full layers' tensors contradict the config
+    line = _refused(capsys, assistant, tmp_path / "e", edit=lambda t, c: c.update(backbone_hidden_size=g.ASSIST_HIDDEN))
+    assert "backbone_hidden_size" in line
