@@ -269,3 +269,20 @@ def test_same_keys_and_tensors_as_llama_cpp_converter(files, tmp_path):
         differ = {n for n in ta if ta[n] != tb[n]}
         assert differ <= {"token_embd.weight", "per_layer_token_embd.weight"}
         assert all(tb[n][1] == g.VOCAB_REAL for n in differ)
+
+
+def test_verify_sampling_distribution_with_the_assistant(files, tmp_path):
+    """At T > 0 the assistant samples its drafts and hands q to the loop (Leviathan rule); verify's
+    distribution check on real rows passes."""
+    from click.testing import CliRunner
+
+    from specconv import cli as cli_module
+
+    report = tmp_path / "t.json"
+    res = CliRunner().invoke(cli_module.cli, ["verify", str(files[2]), "--draft", str(files[3]), "-n", "6",
+                                              "--temperature", "0.8", "--json", str(report)])
+    data = json.loads(report.read_text())
+    assert res.exit_code == 0, res.output
+    dist = [c for c in data["checks"] if c["name"].startswith("distribution at T=0.8")]
+    print(dist[0]["detail"])
+    assert dist and dist[0]["passed"] and "leviathan" in dist[0]["name"]
