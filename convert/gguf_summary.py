@@ -28,6 +28,14 @@ def serves(f: GgufFile) -> tuple[list[str], list[str]]:
     problems: list[str] = []
     if f.arch == names.EAGLE3:  # a draft head: llama.cpp runs its ENCODER graph and its decoder next to a target
         return ["encoder", "decoder"], problems
+    if f.arch == names.GEMMA4_ASSISTANT:  # every block drafts, reading the target's K/V (gguf-layout.md §7.7)
+        if nextn != f.block_count():
+            problems.append(f"a gemma4-assistant file needs nextn_predict_layers = block_count ({f.block_count()}), "
+                            f"it declares {nextn}")
+        for name in ("nextn.pre_projection.weight", "nextn.post_projection.weight"):
+            if name not in f.tensors:
+                problems.append(f"a gemma4-assistant file needs {name}")
+        return ["mtp"], problems
     if nextn <= 0:
         return ["main"], problems
     total = f.block_count()
@@ -73,7 +81,8 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "arch": arch,
         "serves": graph_types,
         "kind": {("main",): "trunk-only", ("mtp",): "mtp-only", ("main", "mtp"): "embedded",
-                 ("encoder", "decoder"): "EAGLE-3 draft head"}.get(tuple(graph_types), "unusable"),
+                 ("encoder", "decoder"): "EAGLE-3 draft head"}.get(tuple(graph_types), "unusable")
+        if arch != names.GEMMA4_ASSISTANT else "Gemma 4 assistant drafter (reads its target's K/V)",
         "block_count": f.block_count(),
         "nextn_predict_layers": nextn,
         "problems": problems,

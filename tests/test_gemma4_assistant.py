@@ -286,3 +286,11 @@ def test_verify_sampling_distribution_with_the_assistant(files, tmp_path):
     dist = [c for c in data["checks"] if c["name"].startswith("distribution at T=0.8")]
     print(dist[0]["detail"])
     assert dist and dist[0]["passed"] and "leviathan" in dist[0]["name"]
+
+
+def test_inspect_names_the_assistant(files):
+    from specconv.convert.gguf_summary import summarize
+
+    info = summarize(files[3])
+    assert info["serves"] == ["mtp"] and info["problems"] == []
+    assert "assistant" in info["kind"]
