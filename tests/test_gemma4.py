@@ -285,3 +285,80 @@ def test_refusals(capsys, tmp_path):
     assert "shape" in line  # the full layers' tensors contradict the config
     line = _refused(capsys, assistant, tmp_path / "e", edit=lambda t, c: c.update(backbone_hidden_size=g.ASSIST_HIDDEN))
     assert "backbone_hidden_size" in line
+
+
+def _release_plugin(text_cfg: dict, n_vocab_rows: int):
+    """The Gemma4 plugin over release-size headers: names and shapes from transformers'
+    Gemma4ForConditionalGeneration on the meta device (nothing allocated), plus vision-tower names."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from specconv.archs.base import Checkpoint, SourceTensor
+    from specconv.archs.gemma4 import Gemma4
+
+    with torch.device("meta"):
+        model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text_cfg, vision_config=None,
+                                                            audio_config=None))
+    raw = {k: tuple(v.shape) for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    raw["model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight"] = (4, 4)
+    raw["model.embed_vision.embedding_projection.weight"] = (text_cfg["hidden_size"], 4)
+    headers, skipped = {}, {}
+    for name, shape in raw.items():
+        norm = Gemma4.normalize_name(name)
+        if isinstance(norm, tuple):
+            skipped[name] = norm[1]
+        else:
+            headers[norm] = SourceTensor(norm, shape, "BF16")
+    config = {"architectures": ["Gemma4ForConditionalGeneration"], "text_config": text_cfg}
+    return Gemma4(Checkpoint(config, headers, skipped)), skipped
+
+
+def test_release_scale_e2b_like_headers():
+    """An E2B-like text config (35 layers, 20 sharing K/V, PLE 256, double-wide MLP, head dims 256/512,
+    1 KV head): every tensor planned with the ggml shapes of gguf-layout.md §7.6, towers skipped."""
+    types = ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(35)]
+    cfg = dict(vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size=1536, intermediate_size=6144,
+               num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512,
+               layer_types=types, sliding_window=512, num_kv_shared_layers=20, hidden_size_per_layer_input=256,
+               use_double_wide_mlp=True, final_logit_softcapping=30.0, max_position_embeddings=131072)
+    plugin, skipped = _release_plugin(cfg, 262144)
+    plans = {p.name: p for p in plugin.tensor_plan()}
+    ggml = lambda n: tuple(reversed(plans[n].shape))  # noqa: E731
+    assert len(skipped) == 2
+    assert ggml("token_embd.weight") == (1536, 262144)
+    assert ggml("per_layer_token_embd.weight") == (35 * 256, 262144)
+    assert ggml("per_layer_model_proj.weight") == (1536, 35 * 256)
+    assert ggml("blk.4.attn_q.weight") == (1536, 8 * 512) and ggml("blk.4.attn_k.weight") == (1536, 512)
+    assert ggml("blk.0.attn_q.weight") == (1536, 8 * 256) and ggml("blk.13.attn_v.weight") == (1536, 256)
+    assert not any(n.startswith(("blk.15.attn_k", "blk.34.attn_v")) for n in plans)  # shared from layer 15 on
+    assert ggml("blk.15.ffn_up.weight") == (1536, 12288) and ggml("blk.14.ffn_up.weight") == (1536, 6144)
+    assert ggml("rope_freqs.weight") == (256,)
+    kv = {m.key: m.value for m in plugin.metadata(keep_mtp=False)}
+    assert kv["gemma4.feed_forward_length"] == [6144] * 15 + [12288] * 20
+    assert kv["gemma4.attention.key_length"] == 512 and kv["gemma4.attention.key_length_swa"] == 256
+    assert kv["gemma4.attention.head_count_kv"] == 1 and kv["gemma4.attention.shared_kv_layers"] == 20
+    assert kv["gemma4.rope.dimension_count"] == 512 and kv["gemma4.rope.dimension_count_swa"] == 256
+    rope = plans["rope_freqs.weight"].transform([torch.zeros(1)])
+    assert int((rope == 1.0).sum()) == 64 and int((rope > 1e29).sum()) == 192  # gguf-layout.md §7.6
+
+
+def test_release_scale_moe_like_headers():
+    """A 26B-A4B-like config (128 experts, top 8, attention_k_eq_v with 2 global KV heads)."""
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(30)]
+    cfg = dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+               num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+               num_global_key_value_heads=2, attention_k_eq_v=True, layer_types=types, sliding_window=1024,
+               hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, enable_moe_block=True, num_experts=128,
+               top_k_experts=8, moe_intermediate_size=704, final_logit_softcapping=30.0)
+    plugin, _ = _release_plugin(cfg, 262144)
+    plans = {p.name: p for p in plugin.tensor_plan()}
+    ggml = lambda n: tuple(reversed(plans[n].shape))  # noqa: E731
+    assert ggml("blk.5.attn_k.weight") == (2816, 2 * 512) and "blk.5.attn_v.weight" not in plans
+    assert ggml("blk.0.attn_v.weight") == (2816, 8 * 256)
+    assert ggml("blk.0.ffn_gate_up_exps.weight") == (2816, 2 * 704, 128)
+    assert ggml("blk.0.ffn_down_exps.weight") == (704, 2816, 128)
+    assert ggml("blk.0.ffn_gate_inp.weight") == (2816, 128) and ggml("blk.0.ffn_down_exps.scale") == (128,)
+    assert plans["blk.0.ffn_gate_inp.weight"].force_type is not None
+    kv = {m.key: m.value for m in plugin.metadata(keep_mtp=False)}
+    assert kv["gemma4.attention.head_count_kv"] == [2 if t == "full_attention" else 8 for t in types]
+    assert kv["gemma4.expert_count"] == 128 and kv["gemma4.expert_used_count"] == 8
+    assert kv["gemma4.expert_feed_forward_length"] == 704
