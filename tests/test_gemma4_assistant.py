@@ -148,6 +148,8 @@ def test_verify_passes_and_catches_a_planted_defect(files, tmp_path):
     assert data["passed"] and any(c["name"] == "draft: Gemma 4 assistant fits the model" and c["passed"]
                                   for c in data["checks"])
     assert data["speculative"]["drafter"] == "gemma4-assistant" and data["speculative"]["exact"]
+    layers = next(c for c in data["checks"] if c["name"] == "draft: MTP layers vs nextn_predict_layers")
+    assert layers["passed"] and "every layer drafts" in layers["detail"]
     # planted defect: the assistant converted for a target whose full layers have another KV-head count
     bad = convert_gguf(g.tiny_assistant("v5"), tmp_path / "bad.gguf")
     res = CliRunner().invoke(cli_module.cli, ["verify", str(files[2]), "--draft", str(bad), "-n", "4",

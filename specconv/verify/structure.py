@@ -45,7 +45,10 @@ def check_file(report: Report, model: Model, label: str) -> None:
                + (f"; not part of the {model.arch} graph: {', '.join(unexpected[:5])}" if unexpected else ""))
     nextn_blocks = sorted({int(m.group(1)) for n in names if (m := _NEXTN.match(n))})
     declared = list(range(hp.n_layer, hp.n_layer + hp.n_nextn))
-    if not nextn_blocks:
+    if model.kind == "assistant":  # Gemma 4 assistant: every block is a draft layer reading the target's K/V
+        ok = hp.n_layer == 0 and hp.n_nextn > 0
+        detail = f"nextn_predict_layers={hp.n_nextn} = block_count: every layer drafts (no trunk, no nextn blocks)"
+    elif not nextn_blocks:
         ok = True
         detail = (f"declares {hp.n_nextn} MTP layer(s), holds none (a trunk-only file: give the head with --mtp)"
                   if hp.n_nextn else "no MTP layers declared or present")
