@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gguf import GGUFReader
 
 from specconv.runtime import Context, GraphType, load_model
-from specconv.runtime.gguf_file import field_value
+from tests.fixtures.gguf_files import field_value
 
 from tests.fixtures import tiny_gemma4 as g
 from tests.fixtures.gguf_files import convert_gguf

@@ -1,4 +1,8 @@
-"""Read an existing GGUF (one file or split shards) for GGUF-to-GGUF work such as MTP grafting.
+"""Read a GGUF model (one file or split shards): the one GGUF reader of the project.
+
+Used by the runtime (loading), convert (inspect, MTP grafting) and the hub pipeline. It is the one
+module of `archs/` that touches files: GGUF format knowledge shared by every layer, which may
+import nothing but `archs/`.
 
 Everything is memory-mapped: tensor bytes are views into the file and are only touched when they
 are copied or re-typed. KV pairs keep their exact GGUF value types (and strings their raw bytes),
@@ -112,6 +116,15 @@ def decode_value(value: Any) -> Any:
     return value
 
 
+def first_shard(path: str | Path) -> Path:
+    """Shard 1 of the split model `path` belongs to (the path itself for an unsplit file)."""
+    path = Path(path)
+    match = _SHARD_RE.match(path.name)
+    if match is None:
+        return path
+    return path.with_name(f"{match['prefix']}-00001-of-{match['count']}.gguf")
+
+
 def shard_paths(path: str | Path) -> list[Path]:
     """All shards of a model given its first shard (or the one file of an unsplit model)."""
     path = Path(path)
@@ -127,7 +140,7 @@ def shard_paths(path: str | Path) -> list[Path]:
     paths = [path.with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
-        raise SpecconvError(f"{path.name}: missing split shard(s) {', '.join(missing)} next to it")
+        raise SpecconvError(f"{path.name}: missing shard(s) of the split model: {', '.join(missing)} next to it")
     return paths
 
 
