@@ -27,9 +27,9 @@ from gguf import GGMLQuantizationType, GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, text_config
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, text_config
 from .errors import SpecconvError
-from .llama import PlanBuilder
+from .plan_tools import CheckedPlan, text_model_name
 
 F32 = GGMLQuantizationType.F32
 ROPE_FREQS = "rope_freqs.weight"
@@ -135,15 +135,14 @@ class Gemma4Hparams:
 
 
 def _normalize(raw: str):
-    if raw.endswith("rotary_emb.inv_freq"):
-        return (None, "rotary inv_freq buffer (recomputed from the config)")
-    if raw.startswith(_TOWERS):
-        return (None, "vision/audio tower (belongs in an mmproj file)")
-    if raw.startswith("model.language_model."):
-        return "model." + raw[len("model.language_model."):]
-    if raw.startswith("language_model.model."):
-        return "model." + raw[len("language_model.model."):]
-    return raw
+    return text_model_name(raw, _TOWERS, "vision/audio tower (belongs in an mmproj file)")
+
+
+class PlanBuilder(CheckedPlan):
+    """Checked sources; every Gemma 4 output belongs to the one file (no MTP routing)."""
+
+    def add(self, gguf_name, sources, shape, transform=tf.identity, force=None) -> None:
+        self.plans.append(TensorPlan(gguf_name, tuple(sources), tuple(shape), Role.TRUNK, transform, force))
 
 
 class _Gemma4Base(ArchPlugin):
@@ -267,7 +266,7 @@ class Gemma4(_Gemma4Base):
         return 0
 
     def tensor_plan(self):
-        plan, hp, H = PlanBuilder(self.checkpoint), self.hp, self.hp.H
+        plan, hp, H = PlanBuilder(self.checkpoint.tensors), self.hp, self.hp.H
         self._embedding(plan, H)
         if hp.P:
             NP = hp.N * hp.P
@@ -358,7 +357,7 @@ class Gemma4Assistant(_Gemma4Base):
         return 0  # the whole file is the drafter; there is no trunk/MTP split to route
 
     def tensor_plan(self):
-        plan, hp, H, Hb = PlanBuilder(self.checkpoint), self.hp, self.hp.H, self.Hb
+        plan, hp, H, Hb = PlanBuilder(self.checkpoint.tensors), self.hp, self.hp.H, self.Hb
         self._embedding(plan, H)
         plan.add(names.NEXTN_PRE_PROJECTION, [plan.source("pre_projection.weight", (H, 2 * Hb))], (H, 2 * Hb))
         plan.add(names.NEXTN_POST_PROJECTION, [plan.source("post_projection.weight", (Hb, H))], (Hb, H))
