@@ -15,7 +15,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime import Context, GraphType, load_model
 from specconv.runtime.drafters import Gemma4AssistantDrafter
 from specconv.runtime.generate import generate
-from specconv.runtime.gguf_file import field_value
+from tests.fixtures.gguf_files import field_value
 from specconv.runtime.speculative import SpecConfig, build_drafter, speculative_generate
 from tests.fixtures import tiny_gemma4 as g
 from tests.fixtures.gguf_files import convert_gguf
