@@ -23,15 +23,19 @@ import click
               help="Held-out prompts in the acceptance table.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
               help="Timed repeats (the median is reported).")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1),
+              help="CPU threads for torch (one keeps the timings of this tiny model steady on a busy machine).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of tables.")
-def command(out, device, n_predict, draft_max, outtype, n_prompts, repeats, as_json):
+def command(out, device, n_predict, draft_max, outtype, n_prompts, repeats, threads, as_json):
     """Convert the bundled model (embedded MTP, and trunk + mtp- sidecar), verify both, generate with and
     without MTP, and print the acceptance table with the measured speed-up."""
+    import torch
     from rich.console import Console
 
     from specconv.demo import DemoOptions, run_demo
     from specconv.demo.render import render
 
+    torch.set_num_threads(threads)
     opts = DemoOptions(out=out, device=device, n_predict=n_predict, draft_max=draft_max, outtype=outtype,
                        prompts=n_prompts, repeats=repeats)
     if as_json:

@@ -71,8 +71,11 @@ def render(report: dict, console) -> None:
                       "[green]yes[/]" if r["exact"] else "[red]NO[/]")
     console.print(table)
     best = max(a["rows"], key=lambda r: r["speedup"] or 0.0)
-    console.print(f"best measured wall-clock speed-up: {_f(best['speedup'])}x at draft_max {best['draft_max']} "
+    verdict = ("best measured wall-clock speed-up" if (best["speedup"] or 0) >= 1 else
+               "[yellow]no wall-clock gain[/]: speculative decoding was slower than plain here; best ratio")
+    console.print(f"{verdict}: {_f(best['speedup'])}x at draft_max {best['draft_max']} "
                   f"({best['target_forwards']} target forwards instead of {best['plain_target_forwards']}, "
-                  f"{_f(best['tokens_per_target_forward'])} tokens per forward; the MTP head's own forwards are part of the measured time).")
+                  f"{_f(best['tokens_per_target_forward'])} tokens per forward; the MTP head's forwards and the "
+                  "multi-token verification are part of the measured time).")
     console.print(("[bold green]PASSED[/]" if report["passed"] else "[bold red]FAILED[/]")
                   + f" in {report['seconds']:.1f} s")
