@@ -83,6 +83,43 @@ def run_ours(target, prompts, n_predict: int, draft_max: int, repeats: int, chec
     return out
 
 
+def forward_costs(target, prompt: list[int], draft_max: int, reps: int = 21) -> dict:
+    """Median milliseconds of one target decode of 1..K+1 tokens after the prompt (rolled back each time),
+    and of one MTP-head decode of one row: the costs a speculative round pays (speculative.md §7's c)."""
+    import torch
+
+    from specconv.runtime import Context, GraphType
+
+    def median_ms(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+
+    ctx = Context(target, GraphType.MAIN, n_ctx=len(prompt) + draft_max + 8, n_rs_seq=draft_max + 1)
+    ctx.decode(prompt, hidden=(), logits=None)
+    p = ctx.n_past()
+
+    def verify(n):
+        ctx.decode(prompt[:n], hidden=("post_norm",), logits="all")
+        ctx.seq_rm(0, p)
+
+    target_ms = {n: median_ms(lambda n=n: verify(n)) for n in range(1, draft_max + 2)}
+    mtp = Context(target, GraphType.MTP, n_ctx=len(prompt) + 8)
+    rows = torch.zeros(len(prompt), target.n_embd, dtype=target.dtype, device=target.device)
+    mtp.decode(prompt, positions=list(range(len(prompt))), hidden_in=rows, logits=None)
+    q = mtp.n_past()
+
+    def draft_step():
+        mtp.decode(prompt[:1], positions=[q], hidden_in=rows[:1])
+        mtp.seq_rm(0, q)
+
+    mtp_ms = median_ms(draft_step)
+    return {"target_ms": target_ms, "mtp_ms": mtp_ms, "c": mtp_ms / target_ms[1]}
+
+
 def run_llamacpp(files: dict, prompts, n_predict: int, draft_max: int, repeats: int, plain_tokens, ours_rows,
                  progress=print) -> dict:
     """llama.cpp's draft-mtp for draft_max 1..K (embedded file), plain greedy, and the sidecar at K."""
@@ -136,6 +173,10 @@ def summarize(res: dict) -> None:
     ours = [r for r in res["ours"]["rows"] if r["rollback"] == "snapshot"]
     ckpt = {r["draft_max"]: r for r in res["ours"]["rows"] if r["rollback"] == "checkpoint"}
     llama = {r["draft_max"]: r for r in res.get("llamacpp", {}).get("rows", [])}
+    if res.get("costs"):
+        c = res["costs"]
+        print("target decode ms by batch size:", {n: round(v, 2) for n, v in c["target_ms"].items()},
+              f"MTP step {c['mtp_ms']:.2f} ms (c = {c['c']:.2f})")
     print(f"\nplain: {res['ours']['plain_seconds']:.2f} s for {res['ours']['plain_target_forwards']} target forwards")
     for r in ours:
         k = r["draft_max"]
@@ -178,6 +219,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="specconv-bench-") as tmp:
         files, src, target, prompts = load_setup(args.outtype, Path(tmp), args.device, args.prompts, args.prompt_tokens)
         print(f"{len(prompts)} held-out prompts: {', '.join(p.source for p in prompts)}")
+        costs = forward_costs(target, list(prompts[0].ids), args.draft_max)
         ours = run_ours(target, prompts, args.n_predict, args.draft_max, args.repeats, not args.no_checkpoint)
         llama = {"skipped": "--no-llamacpp"} if args.no_llamacpp else run_llamacpp(
             files, prompts, args.n_predict, args.draft_max, args.repeats, ours["plain_tokens"], ours["rows"])
@@ -188,7 +230,7 @@ def main(argv=None) -> dict:
     res = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "date": datetime.date.today().isoformat(),
            "machine": f"{platform.machine()}, {platform.system()}, torch {torch.__version__}",
-           "device": str(target.device), "ours": ours, "llamacpp": llama, "training": training,
+           "device": str(target.device), "costs": costs, "ours": ours, "llamacpp": llama, "training": training,
            "seconds": time.perf_counter() - t0}
     summarize(res)
     if args.json:

@@ -73,6 +73,17 @@ def markdown(res: dict, png_name: str) -> str:
         f"{best['plain_seconds']:.2f} s, speculative {best['seconds']:.2f} s for all prompts).")
     lines.append(f"* Greedy speculative output equal to plain output: "
                  f"{'every prompt, every draft_max, both rollbacks' if res['ours']['all_exact'] else '**NOT everywhere** (see the = plain column)'}.")
+    if res.get("costs"):
+        c = res["costs"]
+        tm = {int(n): v for n, v in c["target_ms"].items()}
+        lines.append(
+            "* Why the wall-clock gain is smaller than tokens per forward: one target decode takes "
+            + ", ".join(f"{v:.1f} ms for {n} token{'s' if n > 1 else ''}" for n, v in sorted(tm.items()))
+            + f", and one MTP-head step {c['mtp_ms']:.1f} ms (c = {c['c']:.2f} of a one-token target forward; "
+            "a round adds one MTP catch-up decode to its draft steps). A round at draft_max k therefore costs the "
+            "target decode of k+1 tokens plus k+1 MTP decodes, against AL single-token target forwards for plain "
+            "decoding; on this CPU runtime and a model this small that leaves little of the forward savings in "
+            "wall time. The speed-up is reported as measured.")
     if ckpt:
         lines.append("* Checkpoint rollback against snapshot: the checkpoint mode restores the state saved before "
                      "the verification and evaluates the kept tokens again after a partial acceptance; those "

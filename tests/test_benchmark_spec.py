@@ -109,3 +109,12 @@ def test_docs_section_and_plot(short_run, tmp_path):
     png = tmp_path / "spec_decode.png"
     spec_report.plot(res, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_forward_costs_measure_every_batch_size(short_run):
+    _, target, prompts, _ = short_run
+    costs = spec_decode.forward_costs(target, list(prompts[0].ids), K, reps=3)
+    print("forward costs:", costs)
+    assert sorted(costs["target_ms"]) == list(range(1, K + 2))
+    assert all(v > 0 for v in costs["target_ms"].values()) and costs["mtp_ms"] > 0
+    assert costs["c"] == pytest.approx(costs["mtp_ms"] / costs["target_ms"][1])
