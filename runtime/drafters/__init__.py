@@ -68,6 +68,27 @@ def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     return int(torch.multinomial(q, 1, generator=generator)), q
 
 
+def chain_drafts(ctx, token: int, hidden: torch.Tensor, positions: Sequence[int], p_min: float,
+                 temperature: float, generator: torch.Generator | None) -> Draft:
+    """Draft one token per position by feeding each step's `nextn` hidden output back in.
+
+    Shared by the heads that chain on their own output (MTP, EAGLE-3, the Gemma 4 assistant); the
+    caller decides the positions (advancing for MTP / EAGLE-3, fixed for the assistant).
+    """
+    tokens, rows = [], []
+    for pos in positions:
+        out = ctx.decode([token], positions=[pos], hidden_in=hidden.reshape(1, -1))
+        logits = out.logits[-1]
+        if p_min > 0 and best_candidate_probability(logits) < p_min:
+            break
+        token, q = choose(logits, temperature, generator)
+        tokens.append(token)
+        rows.append(q)
+        hidden = out.hidden["nextn"][-1]
+    probs = torch.stack(rows) if tokens and rows[0] is not None else None
+    return Draft(tokens, probs)
+
+
 from specconv.runtime.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from specconv.runtime.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 from specconv.runtime.drafters.gemma4_assistant import Gemma4AssistantDrafter  # noqa: E402

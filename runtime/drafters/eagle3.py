@@ -23,7 +23,7 @@ import torch
 from specconv.archs import names
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
-from specconv.runtime.drafters import Draft, best_candidate_probability, choose
+from specconv.runtime.drafters import Draft, chain_drafts
 from specconv.runtime.drafters.draft_model import check_same_vocabulary
 from specconv.runtime.model import Model
 from specconv.runtime.types import GraphType
@@ -95,18 +95,7 @@ class Eagle3Drafter:
         if n_max <= 0 or self.pending_g is None:  # no committed position yet: nothing to condition on
             return Draft([])
         pos, token, g = self.n_committed - 1, int(id_last), self.pending_g
-        tokens, rows = [], []
-        for i in range(n_max):
-            out = self.ctx.decode([token], positions=[pos + i], hidden_in=g.reshape(1, -1))
-            logits = out.logits[-1]
-            if p_min > 0 and best_candidate_probability(logits) < p_min:
-                break
-            token, q = choose(logits, temperature, generator)
-            tokens.append(token)
-            rows.append(q)
-            g = out.hidden["nextn"][-1]
-        probs = torch.stack(rows) if tokens and rows[0] is not None else None
-        return Draft(tokens, probs)
+        return chain_drafts(self.ctx, token, g, range(pos, pos + n_max), p_min, temperature, generator)
 
     def accept(self, n_accepted: int, batch: Sequence[int], features: torch.Tensor | None) -> None:
         # drop the seed row (position n_committed-1) and the draft rows; they are rewritten as committed rows

@@ -20,7 +20,7 @@ import torch
 from specconv.archs import names
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
-from specconv.runtime.drafters import Draft, best_candidate_probability, choose
+from specconv.runtime.drafters import Draft, chain_drafts
 from specconv.runtime.drafters.draft_model import check_same_vocabulary
 from specconv.runtime.graphs import gemma4_assistant as graph
 from specconv.runtime.model import Model
@@ -72,18 +72,8 @@ class Gemma4AssistantDrafter:
             return Draft([])
         pos = self.target_ctx.n_past()
         token, h = int(id_last), self.pending_h
-        tokens, rows = [], []
-        for _ in range(n_max):
-            out = self.ctx.decode([token], positions=[pos], hidden_in=h.reshape(1, -1))
-            logits = out.logits[-1]
-            if p_min > 0 and best_candidate_probability(logits) < p_min:
-                break
-            token, q = choose(logits, temperature, generator)
-            tokens.append(token)
-            rows.append(q)
-            h = out.hidden["nextn"][-1]
-        probs = torch.stack(rows) if tokens and rows[0] is not None else None
-        return Draft(tokens, probs)
+        # every step of a round stays at position P; nothing is written to any cache
+        return chain_drafts(self.ctx, token, h, [pos] * n_max, p_min, temperature, generator)
 
     def accept(self, n_accepted: int, batch: Sequence[int], hidden: torch.Tensor | None) -> None:
         if hidden is None or hidden.shape[0] <= n_accepted:

@@ -25,7 +25,7 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
-from specconv.runtime.drafters import Draft, best_candidate_probability
+from specconv.runtime.drafters import Draft, chain_drafts
 from specconv.runtime.model import Model
 from specconv.runtime.types import GraphType
 
@@ -63,17 +63,9 @@ class MtpDrafter:
 
     def draft(self, id_last: int, n_max: int, p_min: float = 0.0, temperature: float = 0.0,
               generator: torch.Generator | None = None) -> Draft:
-        pos0, tokens = self.n_committed, []
-        token, h = int(id_last), self.pending_h
-        for i in range(max(n_max, 0)):
-            out = self.ctx.decode([token], positions=[pos0 + i], hidden_in=h.reshape(1, -1))
-            logits = out.logits[-1]
-            if p_min > 0 and best_candidate_probability(logits) < p_min:
-                break
-            token = int(logits.argmax())
-            tokens.append(token)
-            h = out.hidden["nextn"][-1]
-        return Draft(tokens)
+        # llama.cpp's MTP drafter is greedy whatever the target's temperature (a one-hot q)
+        positions = range(self.n_committed, self.n_committed + max(n_max, 0))
+        return chain_drafts(self.ctx, int(id_last), self.pending_h, positions, p_min, 0.0, None)
 
     def accept(self, n_accepted: int, batch: Sequence[int], hidden: torch.Tensor | None) -> None:
         self.ctx.seq_rm(0, self.n_committed)  # draft rows go before the catch-up (§7.4 step 1)
