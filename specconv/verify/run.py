@@ -117,39 +117,38 @@ def _gguf_arch(path) -> str | None:
 
 def _eagle3_head(report: Report, target, opts: VerifyOptions):
     """An EAGLE-3 --draft: loaded next to the target (its embedding / head), checked to belong to it."""
-    head = _load(report, "draft", opts.draft, opts.device, share_from=target)
-    if head is None:
-        return None
-    structure.check_file(report, head, "draft")
-    try:
-        check_head_fits_target(target, head)
-    except SpecconvError as exc:
-        report.add("draft: EAGLE-3 head fits the model", False, str(exc))
-        return None
-    hp = head.hparams
-    report.add("draft: EAGLE-3 head fits the model", True,
-               f"target layers {list(hp.target_layers)} of {target.hparams.n_layer}, width {hp.target_hidden_size}, "
-               f"draft vocabulary {head.weights['output.weight'].shape[0]} of {target.n_vocab}")
-    return head
+    def detail(head):
+        hp = head.hparams
+        return (f"target layers {list(hp.target_layers)} of {target.hparams.n_layer}, width {hp.target_hidden_size}, "
+                f"draft vocabulary {head.weights['output.weight'].shape[0]} of {target.n_vocab}")
+
+    return _draft_reading_target(report, target, opts, "EAGLE-3 head", check_head_fits_target, detail)
 
 
 def _assistant(report: Report, target, opts: VerifyOptions):
     """A Gemma 4 assistant --draft: loaded next to the target (its embedding), checked to fit its K/V."""
     from specconv.runtime.drafters.gemma4_assistant import check_assistant_fits_target
 
-    assistant = _load(report, "draft", opts.draft, opts.device, share_from=target)
-    if assistant is None:
+    def detail(assistant):
+        return (f"{assistant.hparams.n_nextn} layers reading target layers "
+                f"{sorted(set(target.hparams.store.values()))}, backbone width {assistant.hparams.n_embd_out}")
+
+    return _draft_reading_target(report, target, opts, "Gemma 4 assistant", check_assistant_fits_target, detail)
+
+
+def _draft_reading_target(report: Report, target, opts: VerifyOptions, kind: str, fits, detail):
+    """Load a draft that borrows the target's tensors, check its file and that it fits the target."""
+    draft = _load(report, "draft", opts.draft, opts.device, share_from=target)
+    if draft is None:
         return None
-    structure.check_file(report, assistant, "draft")
+    structure.check_file(report, draft, "draft")
     try:
-        check_assistant_fits_target(target, assistant)
+        fits(target, draft)
     except SpecconvError as exc:
-        report.add("draft: Gemma 4 assistant fits the model", False, str(exc))
+        report.add(f"draft: {kind} fits the model", False, str(exc))
         return None
-    report.add("draft: Gemma 4 assistant fits the model", True,
-               f"{assistant.hparams.n_nextn} layers reading target layers "
-               f"{sorted(set(target.hparams.store.values()))}, backbone width {assistant.hparams.n_embd_out}")
-    return assistant
+    report.add(f"draft: {kind} fits the model", True, detail(draft))
+    return draft
 
 
 def _load(report: Report, label: str, path, device, share_from=None):
