@@ -16,6 +16,8 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import torch
 from gguf import GGMLQuantizationType, GGUFValueType
 
+from . import transforms
+
 
 class Role(enum.Enum):
     """Where a tensor goes."""
@@ -49,8 +51,9 @@ class TensorPlan:
     sources: tuple[str, ...]  # normalised HF names read to produce it
     shape: tuple[int, ...]  # torch order (reverse of the ggml order GGUF shows)
     role: Role
-    # Receives the source tensors (in `sources` order, float32) and returns the output tensor.
-    transform: Callable[[list[torch.Tensor]], torch.Tensor] = field(default=lambda ts: ts[0], repr=False)
+    # Receives the source tensors (in `sources` order; float32 unless marked layout-only, see
+    # transforms.py) and returns the output tensor.
+    transform: Callable[[list[torch.Tensor]], torch.Tensor] = field(default=transforms.identity, repr=False)
     # A storage type forced by the architecture, overriding the engine's generic rules.
     force_type: GGMLQuantizationType | None = None
 

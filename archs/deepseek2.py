@@ -24,6 +24,7 @@ import torch
 from gguf import GGUFValueType, Keys
 
 from . import names, register
+from . import transforms as tf
 from .base import Checkpoint, MetaKV, Role
 from .errors import SpecconvError
 from .nextn_moe import NextnMoePlugin
@@ -37,12 +38,14 @@ def llamacpp_reads_as_lite(n_layer: int, vocab: int) -> bool:
     return n_layer in (26, 27) or (n_layer == 48 and vocab == 128256)
 
 
+@tf.layout_only
 def kv_b_keys(ts: list[torch.Tensor], nh: int, dn: int, dv: int) -> torch.Tensor:
     """kv_b_proj [nh·(dn+dv), kv_lora] -> attn_k_b [nh, kv_lora, dn] (W_kb[h]ᵀ per head)."""
     w = ts[0].reshape(nh, dn + dv, -1)
     return w[:, :dn, :].transpose(1, 2).contiguous()
 
 
+@tf.layout_only
 def kv_b_values(ts: list[torch.Tensor], nh: int, dn: int, dv: int) -> torch.Tensor:
     """kv_b_proj [nh·(dn+dv), kv_lora] -> attn_v_b [nh, dv, kv_lora] (W_vb[h] per head)."""
     w = ts[0].reshape(nh, dn + dv, -1)
@@ -54,6 +57,7 @@ def half_to_pairs(dr: int) -> torch.Tensor:
     return torch.stack([torch.arange(dr // 2), torch.arange(dr // 2) + dr // 2], dim=1).reshape(-1)
 
 
+@tf.layout_only
 def reorder_rope_rows(ts: list[torch.Tensor], block: int, rope_start: int, dr: int) -> torch.Tensor:
     """Reorder the dr rope rows at offset rope_start of every `block` rows (a head, or the whole matrix)."""
     w = ts[0]

@@ -42,6 +42,7 @@ def pair_unpermute(t: torch.Tensor, n_head: int) -> torch.Tensor:
     return t.reshape(n_head, rows // n_head // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
 
 
+@tf.layout_only
 def _permuted(ts: list[torch.Tensor], n_head: int) -> torch.Tensor:
     return pair_permute(ts[0], n_head)
 

@@ -240,6 +240,7 @@ class Qwen35Base(ArchPlugin):
 # ---------------------------------------------------------------------- transforms
 
 
+@tf.layout_only
 def _retiled(ts: list[torch.Tensor], dim: int, nk: int, r: int, block: int, start: int = 0) -> torch.Tensor:
     return tf.retile_tail(ts[0], dim, start, nk, r, block)
 
@@ -249,6 +250,7 @@ def _ssm_a(ts: list[torch.Tensor], nk: int, r: int) -> torch.Tensor:
     return tf.retile_v_heads(-torch.exp(ts[0].float()), 0, nk, r, 1)
 
 
+@tf.layout_only
 def _conv1d(ts: list[torch.Tensor], shape: tuple[int, int], nk: int, r: int, block: int, start: int) -> torch.Tensor:
     """[C,1,K] -> [C,K]; only the V channels (after q|k) are re-tiled."""
     return tf.retile_tail(ts[0].reshape(shape), 0, start, nk, r, block)

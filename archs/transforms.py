@@ -2,11 +2,47 @@
 
 Plans bind their parameters with `functools.partial`, so every transform takes the list of source
 tensors (in `TensorPlan.sources` order) as its only positional argument and stays picklable.
+
+A transform marked `@layout_only` only moves values (reshape, reorder, slice): it is exact in any
+dtype, so the conversion engine runs it on the checkpoint's own dtype (half the bytes of float32,
+and no copy at all for views). `@concatenates` further says the output is its inputs one after the
+other, which lets the engine stream them without building the result. Unmarked transforms compute
+values and always get float32 inputs.
 """
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
 import torch
+
+
+def layout_only(fn: Callable) -> Callable:
+    fn.layout_only = True
+    return fn
+
+
+def concatenates(fn: Callable) -> Callable:
+    fn.layout_only = fn.concatenates = True
+    return fn
+
+
+def _marked(transform: Callable, mark: str) -> bool:
+    while isinstance(transform, partial):
+        transform = transform.func
+    return bool(getattr(transform, mark, False))
+
+
+def is_layout_only(transform: Callable) -> bool:
+    return _marked(transform, "layout_only")
+
+
+def is_concatenation(transform: Callable) -> bool:
+    return _marked(transform, "concatenates")
+
+
+@layout_only
 
 
 def identity(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -18,17 +54,21 @@ def plus_one(ts: list[torch.Tensor]) -> torch.Tensor:
     return ts[0] + 1.0
 
 
+@layout_only
 def reshape(ts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
     return ts[0].reshape(shape)
 
 
+@concatenates
 def stack(ts: list[torch.Tensor]) -> torch.Tensor:
     """Per-expert matrices -> one [E, ...] tensor, in source order (= expert order)."""
     return torch.stack(ts, dim=0)
 
 
+@layout_only
 def slice_axis(ts: list[torch.Tensor], dim: int, start: int, stop: int) -> torch.Tensor:
-    return ts[0].narrow(dim, start, stop - start).contiguous()
+    """A view (no copy): the engine streams it as the contiguous blocks it is made of."""
+    return ts[0].narrow(dim, start, stop - start)
 
 
 def retile_v_heads(t: torch.Tensor, dim: int, nk: int, r: int, block: int) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Lazy reading of Hugging Face safetensors checkpoints (one file, or shards with an index).
 
-Only headers are parsed up front; tensor bytes are memory-mapped and copied one tensor at a time,
-so converting a model never needs more memory than its largest tensor. Every way a checkpoint can
+Only headers are parsed up front; tensor bytes are memory-mapped. `view` gives a tensor in its own
+dtype straight over the map (no copy), `read_tensor` a float32 or int64 copy; `release` hands the
+pages of a consumed tensor back to the OS (they stay in the page cache), so a conversion's resident
+memory does not grow with the model: mapped pages count in a process's RSS until released. Every way a checkpoint can
 be broken (missing shard, truncated file, corrupt header, unknown dtype) becomes a one-line
 SpecconvError naming the file. Pickled weights (`pytorch_model.bin`) are never opened.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -31,6 +34,9 @@ DTYPE_SIZES = {
     "I64": 8, "U64": 8, "F64": 8,
 }
 FLOAT_DTYPES = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32, "F64": np.float64}
+TORCH_FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+_PAGE = mmap.PAGESIZE
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", 0)
 INT_DTYPES = {"I8": np.int8, "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
@@ -53,17 +59,32 @@ class SafetensorsFile:
         self.path = path
         self.tensors = _parse_header(path)
         self._map: mmap.mmap | None = None
+        self.address = 0  # where the map starts in this process's memory (0: not mapped)
 
     def buffer(self) -> mmap.mmap:
         if self._map is None:
             with open(self.path, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self.address = np.frombuffer(self._map, dtype=np.uint8, count=1).ctypes.data
         return self._map
+
+    def advise(self, start: int, end: int, advice: int) -> None:
+        """madvise over the pages covering file bytes [start, end) (no-op where unsupported)."""
+        if self._map is None or not hasattr(self._map, "madvise") or end <= start:
+            return
+        first = start // _PAGE * _PAGE
+        length = min(end, len(self._map)) - first
+        if length > 0:
+            self._map.madvise(advice, first, length)
 
     def close(self) -> None:
         if self._map is not None:
-            self._map.close()
+            try:
+                self._map.close()
+            except BufferError:  # a tensor view is still alive somewhere: the map closes with it
+                pass
             self._map = None
+            self.address = 0
 
 
 def _parse_header(path: Path) -> dict[str, StoredTensor]:
@@ -160,7 +181,8 @@ class CheckpointReader:
                 self.tensors[raw_name] = f.tensors[raw_name]
         self._check_index()
         self._by_path = {f.path: f for f in self.files}
-        self.reads: dict[str, int] = {}  # raw name -> times read (each should be read once)
+        self.reads: dict[str, int] = {}  # raw name -> times copied out (each should be copied at most once)
+        self.viewed: dict[str, int] = {}  # raw name -> times viewed in place (free: no copy)
 
     def _check_index(self) -> None:
         index = self.dir / INDEX_NAME
@@ -218,6 +240,39 @@ class CheckpointReader:
         if st.dtype == "BF16":  # numpy has no bfloat16: reinterpret the bits in torch
             return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16).float()
         return torch.from_numpy(arr.astype(np.float32, copy=True))
+
+    def view(self, raw_name: str) -> torch.Tensor:
+        """A floating tensor in its stored dtype, directly over the memory map (read-only, no copy)."""
+        st = self.tensors[raw_name]
+        if st.dtype not in TORCH_FLOAT_DTYPES:
+            raise SpecconvError(f"tensor {raw_name} has dtype {st.dtype}; a floating-point tensor is needed")
+        self.viewed[raw_name] = self.viewed.get(raw_name, 0) + 1
+        buf = self._by_path[st.file].buffer()
+        with warnings.catch_warnings():  # torch warns that the map is read-only; nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(buf, dtype=TORCH_FLOAT_DTYPES[st.dtype], count=st.nbytes // DTYPE_SIZES[st.dtype],
+                                    offset=st.offset) if st.nbytes else torch.empty(0, dtype=TORCH_FLOAT_DTYPES[st.dtype])
+        return flat.reshape(st.shape)
+
+    def prefetch(self, raw_name: str) -> None:
+        """Ask the OS to start reading a tensor's bytes (overlaps disk reads with work on earlier tensors)."""
+        st = self.tensors[raw_name]
+        f = self._by_path[st.file]
+        f.buffer()
+        f.advise(st.offset, st.offset + st.nbytes, getattr(mmap, "MADV_WILLNEED", 0))
+
+    def release(self, raw_name: str) -> None:
+        """Drop a tensor's mapped pages from this process (they stay in the page cache)."""
+        st = self.tensors[raw_name]
+        self._by_path[st.file].advise(st.offset, st.offset + st.nbytes, _DONTNEED)
+
+    def release_memory(self, t: torch.Tensor) -> None:
+        """Drop the mapped pages under a contiguous view made by `view` (anything else: no-op)."""
+        start, n = t.data_ptr(), t.numel() * t.element_size()
+        for f in self.files:
+            if f.address and f.address <= start < f.address + len(f.buffer()):
+                f.advise(start - f.address, start - f.address + n, _DONTNEED)
+                return
 
     def close(self) -> None:
         for f in self.files:

@@ -1,9 +1,9 @@
 """The conversion engine: checkpoint -> plugin plan -> storage types -> one or two GGUF files.
 
 `plan_conversion` reads only headers and decides everything (files, names, KV, every tensor's type,
-shape and size), which is also what `--dry-run` shows. `run_conversion` then streams the tensors:
-each source tensor is read once, transformed once, encoded once, and written to every file that
-holds it (`--mtp separate` writes the trunk-only file and the sidecar in the same pass).
+shape and size), which is also what `--dry-run` shows. `run_conversion` then streams the tensors
+(stream.py): each output tensor is made once, encoded in chunks on all cores, and written to every
+file that holds it (`--mtp separate` writes the trunk-only file and the sidecar in the same pass).
 
 Routing by MTP mode (gguf-layout.md §4.2), by the plugin's `Role` of each tensor:
   embed    one file: TRUNK + SHARED + MTP, block_count = N + k, nextn_predict_layers = k
@@ -15,6 +15,7 @@ Routing by MTP mode (gguf-layout.md §4.2), by the plugin's `Role` of each tenso
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,8 +30,9 @@ from specconv.archs.errors import SpecconvError
 from . import kv as kvmod
 from .checkpoint import CheckpointReader, read_config
 from .naming import output_names
-from .outtype import (INTEGER_TYPES, choose_storage, encode, encode_integer, file_type, nbytes, resolve_outtype,
-                      type_label)
+from .outtype import choose_storage, file_type, nbytes, resolve_outtype, type_label
+from .pipeline import OrderedPool, available_cores
+from .stream import Sources, stream_tensor
 from .tokenizer import tokenizer_kv
 from .writer import AtomicOutputs, GgufOutput, TensorEntry
 
@@ -180,49 +182,32 @@ def _numel(shape) -> int:
     return n
 
 
-class _SourceCache:
-    """Source tensors read once each, kept only until the last tensor that needs them is made."""
-
-    def __init__(self, reader: CheckpointReader, raw_of: dict[str, str], needed: list[TensorPlan]):
-        self.reader, self.raw_of = reader, raw_of
-        self.uses = Counter(s for p in needed for s in p.sources)
-        self.cache: dict[str, torch.Tensor] = {}
-
-    def take(self, name: str) -> torch.Tensor:
-        tensor = self.cache.get(name)
-        if tensor is None:
-            tensor = self.reader.read_tensor(self.raw_of[name])
-        self.uses[name] -= 1
-        if self.uses[name] > 0:
-            self.cache[name] = tensor
-        else:
-            self.cache.pop(name, None)
-        return tensor
-
-
-def produce(t: PlannedTensor, sources: list[torch.Tensor]):
-    """Apply the plugin's transform and encode the result in the tensor's storage type."""
-    with torch.no_grad():
-        out = t.plan.transform(sources)
-    if tuple(out.shape) != tuple(t.plan.shape):
-        raise SpecconvError(f"internal: {t.name} came out as {list(out.shape)}, planned {list(t.plan.shape)}")
-    if t.ggml_type in INTEGER_TYPES:  # e.g. EAGLE-3 d2t (I64): exact integers, never through float32
-        return encode_integer(out.detach().contiguous().numpy(), t.ggml_type)
-    return encode(out.detach().to(torch.float32).contiguous().numpy(), t.ggml_type)
-
-
 def run_conversion(plan: ConversionPlan, overwrite: bool = False,
-                   on_tensor: Callable[[str, int], None] | None = None) -> list[Path]:
-    """Write every planned file; returns the written paths (shards included). Atomic as a whole."""
+                   on_tensor: Callable[[str, int], None] | None = None, threads: int = 0) -> list[Path]:
+    """Write every planned file; returns the written paths (shards included). Atomic as a whole.
+
+    `threads` encoding threads (0: one per available core; 1: everything on this thread). The
+    bytes written do not depend on it. `on_tensor(name, n)` reports n more bytes written.
+    """
     members = [{t.name for t in f.tensors} for f in plan.files]
     needed = [t for t in plan.tensors if any(t.name in m for m in members)]
-    sources = _SourceCache(plan.reader, plan.raw_of, [t.plan for t in needed])
-    with AtomicOutputs([f.output for f in plan.files], overwrite=overwrite):
-        for t in needed:
-            data = produce(t, [sources.take(s) for s in t.plan.sources])
-            for f, m in zip(plan.files, members):
-                if t.name in m:
-                    f.output.write(t.name, data)
-            if on_tensor is not None:
-                on_tensor(t.name, data.nbytes * sum(t.name in m for m in members))
+    sources = Sources(plan.reader, plan.raw_of, [t.plan for t in needed])
+    with AtomicOutputs([f.output for f in plan.files], overwrite=overwrite), _torch_threads(1), \
+            OrderedPool(threads or available_cores()) as pool:
+        for i, t in enumerate(needed):
+            if i + 1 < len(needed):
+                sources.prefetch(needed[i + 1].plan)  # the OS reads ahead while this one is encoded
+            outputs = [f.output for f, m in zip(plan.files, members) if t.name in m]
+            stream_tensor(t.plan, t.ggml_type, t.nbytes, sources, outputs, pool, on_tensor)
     return [p for f in plan.files for p in f.output.final_paths]
+
+
+@contextmanager
+def _torch_threads(n: int):
+    """Encoding threads each run single-threaded torch kernels (no nested thread pools)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -61,6 +61,7 @@ class GgufOutput:
         self._temp_stem = self.path.with_name(f".{self.path.stem}.partial-{os.getpid()}.gguf")
         self.temp_paths = self._writer.format_shard_names(self._temp_stem)
         self._next = 0
+        self._open: list | None = None  # [file, bytes still due] of the tensor being written
 
     @property
     def total_bytes(self) -> int:
@@ -75,19 +76,45 @@ class GgufOutput:
         self._writer.write_ti_data_to_file()
 
     def write(self, name: str, data: np.ndarray) -> None:
-        """The next tensor's bytes (flat uint8); tensors must come in the declared order."""
-        expected = self.tensors[self._next]
-        if name != expected.name or data.nbytes != expected.nbytes:
-            raise SpecconvError(f"internal: {self.path.name} expected {expected.name} ({expected.nbytes} bytes), "
-                                f"got {name} ({data.nbytes} bytes)")
-        self._writer.write_tensor_data(data)
+        """The next tensor's bytes (flat uint8) in one piece."""
+        self.begin(name, data.nbytes)
+        self.write_part(data)
+        self.end()
+
+    def begin(self, name: str, nbytes: int) -> None:
+        """Start the next tensor's data; tensors must come in the declared order, parts in byte order."""
+        expected = self.tensors[self._next] if self._next < len(self.tensors) else None
+        if expected is None or name != expected.name or nbytes != expected.nbytes or self._open is not None:
+            raise SpecconvError(f"internal: {self.path.name} expected "
+                                f"{expected.name if expected else 'no more tensors'}, got {name} ({nbytes} bytes)")
+        w = self._writer
+        shard = next(i for i, remaining in enumerate(w.tensors) if remaining)  # shards fill in order
+        info = w.tensors[shard].pop(next(iter(w.tensors[shard])))
+        fout = w.fout[shard]
+        w.write_padding(fout, fout.tell())  # each tensor starts on the alignment boundary
+        self._open = [fout, info.nbytes]
+
+    def write_part(self, data: np.ndarray) -> None:
+        fout, remaining = self._open
+        if data.nbytes > remaining:
+            raise SpecconvError(f"internal: {self.path.name}: {self.tensors[self._next].name} got too many bytes")
+        fout.write(memoryview(data).cast("B"))  # large writes go straight to the OS, outside the GIL
+        self._open[1] = remaining - data.nbytes
+
+    def end(self) -> None:
+        fout, remaining = self._open
+        if remaining:
+            raise SpecconvError(f"internal: {self.path.name}: {self.tensors[self._next].name} is "
+                                f"{remaining} bytes short")
+        self._writer.write_padding(fout, self.tensors[self._next].nbytes)
+        self._open = None
         self._next += 1
 
     def close(self) -> None:
         self._writer.close()
 
     def complete(self) -> bool:
-        return self._next == len(self.tensors)
+        return self._next == len(self.tensors) and self._open is None
 
 
 class AtomicOutputs:

@@ -170,15 +170,15 @@ def test_interrupted_conversion_leaves_no_file(build, tmp_path, capsys, monkeypa
     from specconv.convert import writer
 
     src = build(moe=True)
-    real_write, calls = writer.GgufOutput.write, {"n": 0}
+    real_write, calls = writer.GgufOutput.write_part, {"n": 0}
 
-    def interrupted(self, name, data):
+    def interrupted(self, data):
         calls["n"] += 1
         if calls["n"] == 20:
             raise KeyboardInterrupt
-        return real_write(self, name, data)
+        return real_write(self, data)
 
-    monkeypatch.setattr(writer.GgufOutput, "write", interrupted)
+    monkeypatch.setattr(writer.GgufOutput, "write_part", interrupted)
     out = tmp_path / "out" / "sub"  # a folder the run creates: removed again
     extra = ["--split-max-size", "60K"] if split else []
     rc, _, err = run_cli(capsys, "convert", src, "-o", out / "model.gguf", "--mtp", mode, *extra)
@@ -192,15 +192,15 @@ def test_error_while_writing_leaves_no_file(build, tmp_path, capsys, monkeypatch
     from specconv.convert import writer
 
     src = build()
-    real_write, calls = writer.GgufOutput.write, {"n": 0}
+    real_write, calls = writer.GgufOutput.write_part, {"n": 0}
 
-    def failing(self, name, data):
+    def failing(self, data):
         calls["n"] += 1
         if calls["n"] == 30:
             raise OSError(28, "No space left on device")
-        return real_write(self, name, data)
+        return real_write(self, data)
 
-    monkeypatch.setattr(writer.GgufOutput, "write", failing)
+    monkeypatch.setattr(writer.GgufOutput, "write_part", failing)
     out = tmp_path / "out"
     out.mkdir()
     rc, _, err = run_cli(capsys, "convert", src, "-o", out / "model.gguf", "--mtp", "separate")

@@ -56,8 +56,11 @@ def parse_size(text: str) -> int:
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, tensors, types, shapes, sizes, metadata); "
                                               "write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite output files that already exist.")
+@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Threads that encode tensor chunks (0: one per available core; 1: no worker threads). "
+                   "The output is the same bytes whatever the number.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (or the --dry-run plan) as JSON on stdout.")
-def command(src, out, outtype, mtp_mode, split_max_size, target, dry_run, force, as_json):
+def command(src, out, outtype, mtp_mode, split_max_size, target, dry_run, force, threads, as_json):
     """Convert the checkpoint folder SRC (config.json, safetensors, tokenizer) to GGUF.
 
     Files are written under temporary names and renamed only when complete; on any error or Ctrl-C
@@ -78,14 +81,14 @@ def command(src, out, outtype, mtp_mode, split_max_size, target, dry_run, force,
         existing = [p for f in plan.files for p in f.output.existing()]
         if existing and not force:
             raise SpecconvError(f"{existing[0]} already exists (use --force to overwrite)")
-        written = _run_with_progress(plan, force, quiet=as_json)
+        written = _run_with_progress(plan, force, threads, quiet=as_json)
         summary["written"] = [str(p) for p in written]
         _emit(summary, as_json, dry_run=False)
     finally:
         plan.close()
 
 
-def _run_with_progress(plan, force: bool, quiet: bool):
+def _run_with_progress(plan, force: bool, threads: int, quiet: bool):
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -100,7 +103,7 @@ def _run_with_progress(plan, force: bool, quiet: bool):
         def on_tensor(name: str, n: int) -> None:
             progress.update(task, advance=n, description=f"converting {name}")
 
-        return run_conversion(plan, overwrite=force, on_tensor=on_tensor)
+        return run_conversion(plan, overwrite=force, on_tensor=on_tensor, threads=threads)
 
 
 def _emit(summary: dict, as_json: bool, dry_run: bool) -> None:

@@ -1,0 +1,149 @@
+"""Streaming one planned tensor: sources -> runs of output values -> encoded chunks -> every file holding it.
+
+Memory is what this module is about. A tensor's output values are described as *runs*: tensors
+whose flat concatenation is the output. For an unchanged tensor the run is a view over the
+checkpoint's memory map (no copy); for a stack of experts the runs are the experts' own views; a
+layout-only transform (re-tiling, slicing, ...) runs once in the stored dtype; only value-changing
+transforms (small tensors such as norms) see float32 copies; a slice of a fused tensor streams as
+the contiguous blocks it is made of. Runs are cut into chunks of CHUNK
+elements, each encoded on a worker and written in order; a chunk's mapped pages are released as soon
+as it is encoded, and a source's pages when its last tensor is done. So the resident memory of a
+conversion is bounded by the backlog of chunks plus the largest tensor a transform has to reorder,
+whatever the size of the model (docs/convert.md, "Throughput and memory").
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from specconv.archs import transforms as tf
+from specconv.archs.base import TensorPlan
+from specconv.archs.errors import SpecconvError
+
+from .checkpoint import TORCH_FLOAT_DTYPES, CheckpointReader
+from .kernels import PIECE, encode_run
+from .outtype import INTEGER_TYPES, encode_integer
+from .pipeline import OrderedPool
+from .writer import GgufOutput
+
+CHUNK = 8 * PIECE  # elements per encoding job: 1M, i.e. at most 4 MB of output per chunk in flight
+MIN_RUN = 4096  # a view made of smaller blocks is copied rather than streamed block by block
+
+
+class Sources:
+    """The checkpoint tensors a conversion reads, each released once its last consumer is done."""
+
+    def __init__(self, reader: CheckpointReader, raw_of: dict[str, str], needed: Sequence[TensorPlan]):
+        self.reader, self.raw_of = reader, raw_of
+        self.uses = Counter(s for p in needed for s in p.sources)
+        self._float32: dict[str, torch.Tensor] = {}  # copies kept for a later value transform
+
+    def stored(self, name: str) -> str:
+        return self.reader.tensors[self.raw_of[name]].dtype
+
+    def view(self, name: str) -> torch.Tensor:
+        return self.reader.view(self.raw_of[name])
+
+    def float32(self, name: str) -> torch.Tensor:
+        if name not in self._float32:
+            self._float32[name] = self.reader.read_tensor(self.raw_of[name])
+        return self._float32[name]
+
+    def prefetch(self, plan: TensorPlan) -> None:
+        for s in plan.sources:
+            self.reader.prefetch(self.raw_of[s])
+
+    def release_all(self, plan: TensorPlan) -> None:
+        """The pages of every source (a copying transform has read them all already)."""
+        for s in plan.sources:
+            self.reader.release(self.raw_of[s])
+
+    def done(self, plan: TensorPlan) -> None:
+        for s in plan.sources:
+            self.uses[s] -= 1
+            if self.uses[s] <= 0:
+                self._float32.pop(s, None)
+                self.reader.release(self.raw_of[s])
+
+
+def output_runs(plan: TensorPlan, sources: Sources) -> list[torch.Tensor]:
+    """Tensors whose flat concatenation is the output's values (torch order), in a float dtype."""
+    layout = tf.is_layout_only(plan.transform) and all(sources.stored(s) in TORCH_FLOAT_DTYPES for s in plan.sources)
+    with torch.no_grad():
+        if layout:
+            inputs = [sources.view(s) for s in plan.sources]
+        else:
+            inputs = [sources.float32(s) for s in plan.sources]
+        if tf.is_concatenation(plan.transform):
+            runs = inputs
+            shape = (len(runs), *runs[0].shape) if runs and all(r.shape == runs[0].shape for r in runs) else None
+        else:
+            result = plan.transform(inputs)
+            runs, shape = contiguous_runs(result), tuple(result.shape)
+    if shape is None or tuple(shape) != tuple(plan.shape):
+        raise SpecconvError(f"internal: {plan.name} came out as {list(shape) if shape else '?'}, "
+                            f"planned {list(plan.shape)}")
+    if layout and not any(_shares_memory(r, i) for r in runs for i in inputs):
+        sources.release_all(plan)  # a copy was made: the mapped source pages are no longer needed
+    return runs
+
+
+def contiguous_runs(t: torch.Tensor) -> list[torch.Tensor]:
+    """A view as the contiguous blocks it is made of, in order (e.g. the gate half of every expert of a
+    fused [E, 2F, H] tensor: E blocks); a view that is not blocks of rows (a transpose) is copied."""
+    if t.is_contiguous():
+        return [t]
+    if t.dim() >= 2 and t[0].numel() >= MIN_RUN and t[0].is_contiguous():
+        return [row for i in range(t.shape[0]) for row in contiguous_runs(t[i])]
+    return [t.contiguous()]
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, outputs: Sequence[GgufOutput],
+                  pool: OrderedPool, on_bytes: Callable[[str, int], None] | None = None) -> None:
+    """Queue the encoding and writing of one tensor into every output that holds it."""
+    name = plan.name
+
+    def write(data: np.ndarray) -> None:
+        for o in outputs:
+            o.write_part(data)
+        if on_bytes is not None:
+            on_bytes(name, data.nbytes * len(outputs))
+
+    def finish() -> None:
+        for o in outputs:
+            o.end()
+        sources.done(plan)
+
+    pool.after(lambda: [o.begin(name, nbytes) for o in outputs])
+    if ggml_type in INTEGER_TYPES:  # exact integers (e.g. EAGLE-3 d2t): small, made here, never via float
+        with torch.no_grad():
+            values = plan.transform([sources.reader.read_tensor(sources.raw_of[s]) for s in plan.sources])
+        if tuple(values.shape) != tuple(plan.shape):
+            raise SpecconvError(f"internal: {name} came out as {list(values.shape)}, planned {list(plan.shape)}")
+        data = encode_integer(values.contiguous().numpy(), ggml_type)
+        pool.after(lambda: write(data))
+    else:
+        for run in output_runs(plan, sources):
+            flat = run.reshape(-1)
+            for start in range(0, flat.numel(), CHUNK):
+                pool.submit(_encoder(sources.reader, flat[start:start + CHUNK], ggml_type), write)
+    pool.after(finish)
+
+
+def _encoder(reader: CheckpointReader, chunk: torch.Tensor, ggml_type) -> Callable[[], np.ndarray]:
+    def job() -> np.ndarray:
+        data = encode_run(chunk, ggml_type)
+        reader.release_memory(chunk)  # a view over the map: its pages are done with
+        return data
+    return job
