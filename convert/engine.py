@@ -32,7 +32,7 @@ from .checkpoint import CheckpointReader, read_config
 from .naming import output_names
 from .outtype import choose_storage, file_type, nbytes, resolve_outtype, type_label
 from .pipeline import OrderedPool, available_cores
-from .stream import Sources, stream_tensor
+from .stream import Buffers, Sources, stream_tensor
 from .tokenizer import tokenizer_kv
 from .writer import AtomicOutputs, GgufOutput, TensorEntry
 
@@ -191,14 +191,14 @@ def run_conversion(plan: ConversionPlan, overwrite: bool = False,
     """
     members = [{t.name for t in f.tensors} for f in plan.files]
     needed = [t for t in plan.tensors if any(t.name in m for m in members)]
-    sources = Sources(plan.reader, plan.raw_of, [t.plan for t in needed])
+    sources, buffers = Sources(plan.reader, plan.raw_of, [t.plan for t in needed]), Buffers()
     with AtomicOutputs([f.output for f in plan.files], overwrite=overwrite), _torch_threads(1), \
             OrderedPool(threads or available_cores()) as pool:
         for i, t in enumerate(needed):
             if i + 1 < len(needed):
                 sources.prefetch(needed[i + 1].plan)  # the OS reads ahead while this one is encoded
             outputs = [f.output for f, m in zip(plan.files, members) if t.name in m]
-            stream_tensor(t.plan, t.ggml_type, t.nbytes, sources, outputs, pool, on_tensor)
+            stream_tensor(t.plan, t.ggml_type, t.nbytes, sources, outputs, pool, buffers, on_tensor)
     return [p for f in plan.files for p in f.output.final_paths]
 
 

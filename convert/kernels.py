@@ -15,6 +15,8 @@ any run that starts and ends on a block boundary encodes independently of its ne
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
@@ -24,9 +26,10 @@ from .outtype import encode as reference_encode
 
 Q = GGMLQuantizationType
 
-# Elements per piece: a multiple of every block size (32, 256), small enough that a piece's
-# float32 temporaries stay in the L2 cache (measured fastest on 128K-element pieces).
-PIECE = 131072
+# Elements per piece: a multiple of every block size (32, 256). Each piece costs ~20 torch calls
+# whose dispatch holds the GIL, so pieces must be large for threads to overlap, yet small enough that
+# the per-thread work buffers stay in cache: 256K elements measured best (docs/convert.md).
+PIECE = 262144
 _SIGN_BIT = torch.tensor(-2**31, dtype=torch.int32)
 _FAST = {Q.F32, Q.BF16, Q.Q8_0}  # F16 is numpy's own cast, already fast
 
@@ -36,64 +39,101 @@ def encoded_size(n_elements: int, ggml_type: GGMLQuantizationType) -> int:
     return n_elements // block * size
 
 
-def encode_run(values: torch.Tensor, ggml_type: GGMLQuantizationType) -> np.ndarray:
-    """A contiguous run of elements (any float dtype, any shape) -> its GGUF bytes as flat uint8."""
+def encode_run(values: torch.Tensor, ggml_type: GGMLQuantizationType, out: np.ndarray | None = None) -> np.ndarray:
+    """A contiguous run of elements (any float dtype, any shape) -> its GGUF bytes as flat uint8.
+
+    `out`, when given, is filled and returned (it must hold exactly the encoded size).
+    """
     flat = values.reshape(-1)
     n = flat.numel()
-    out = np.empty(encoded_size(n, ggml_type), dtype=np.uint8)
+    size = encoded_size(n, ggml_type)
+    if out is None:
+        out = np.empty(size, dtype=np.uint8)
+    elif out.nbytes != size:
+        raise ValueError(f"output buffer of {out.nbytes} bytes for {size} encoded bytes")
     step = PIECE
     per_piece = encoded_size(step, ggml_type)
     with torch.no_grad():
         for i, start in enumerate(range(0, n, step)):
             piece = flat[start:start + step]
-            out[i * per_piece:i * per_piece + encoded_size(piece.numel(), ggml_type)] = _encode_piece(piece, ggml_type)
+            _encode_piece(piece, ggml_type, out[i * per_piece:i * per_piece + encoded_size(piece.numel(), ggml_type)])
     return out
 
 
-def _encode_piece(piece: torch.Tensor, ggml_type: GGMLQuantizationType) -> np.ndarray:
+class _Scratch(threading.local):
+    """Per-thread work buffers, reused for every piece: fresh allocations of this size are page
+    faults, and page-table changes serialise the threads of a process."""
+
+    def __init__(self):
+        self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        buf = self.buffers.get((name, dtype))
+        if buf is None or buf.numel() < n:
+            buf = self.buffers[(name, dtype)] = torch.empty(max(n, PIECE), dtype=dtype)
+        return buf[:n]
+
+
+_scratch = _Scratch()
+
+
+def _encode_piece(piece: torch.Tensor, ggml_type: GGMLQuantizationType, out: np.ndarray) -> None:
     if ggml_type not in _FAST:
-        return _reference(piece, ggml_type)
+        out[:] = _reference(piece, ggml_type)
+        return
     if ggml_type == Q.BF16 and piece.dtype == torch.bfloat16:
-        if _has_nan_bf16(piece):  # gguf-py sets the quiet bit of NaNs: let it decide
-            return _reference(piece, ggml_type)
-        return _bytes(piece)  # BF16 -> float32 -> BF16 is exact: the source bits are the answer
-    x = piece.float()
+        out[:] = _bytes(piece)  # BF16 -> float32 -> BF16 is exact: the source bits are the answer
+        if _has_nan_bf16(out.view(np.uint16)):  # gguf-py sets the quiet bit of NaNs: let it decide
+            out[:] = _reference(piece, ggml_type)
+        return
+    n = piece.numel()
+    target = torch.from_numpy(out)
     if ggml_type == Q.F32:
-        return _bytes(x)
-    if ggml_type == Q.Q8_0:
-        return _q8_0(x)
-    if bool(torch.isnan(x).any()):  # gguf-py sets the quiet bit of NaNs: let it decide
-        return _reference(piece, ggml_type)
-    return _bytes(x.to(torch.bfloat16))
+        target.view(torch.float32).copy_(piece)
+    elif ggml_type == Q.Q8_0:
+        x = _scratch.get("x", n).copy_(piece)
+        if not _q8_0(x, target.view(-1, 34)):  # an inf or NaN in some block
+            out[:] = _reference(piece, ggml_type)
+    else:  # BF16 from float32 values
+        target.view(torch.bfloat16).copy_(piece)
+        if bool(torch.isnan(piece).any()):  # gguf-py sets the quiet bit of NaNs: let it decide
+            out[:] = _reference(piece, ggml_type)
 
 
-def _q8_0(x: torch.Tensor) -> np.ndarray:
-    """Blocks of 32: an F16 scale d = max|x| / 127 and 32 int8 values round(x / d), as gguf.quants."""
-    blocks = x.reshape(-1, 32)
-    amax = blocks.abs().amax(dim=1, keepdim=True)
-    if not bool(torch.isfinite(amax).all()):  # an inf or NaN in some block
-        return _reference(x, Q.Q8_0)
-    d = amax / 127
-    inverse = torch.where(d == 0, torch.zeros((), dtype=torch.float32), 1 / d)
-    scaled = blocks * inverse
+def _q8_0(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Blocks of 32: an F16 scale d = max|x| / 127 and 32 int8 values round(x / d), as gguf.quants.
+
+    Writes `out` ([blocks, 34] uint8) and returns True, or returns False for non-finite input.
+    """
+    n, m = x.numel(), x.numel() // 32
+    blocks = x.view(m, 32)
+    work = _scratch.get("work", n).view(m, 32)
+    rounded = _scratch.get("rounded", n).view(m, 32)
+    amax, d = _scratch.get("amax", m).view(m, 1), _scratch.get("d", m).view(m, 1)
+    torch.abs(blocks, out=work)
+    torch.amax(work, dim=1, keepdim=True, out=amax)
+    if not bool(torch.isfinite(amax).all()):
+        return False
+    torch.div(amax, 127, out=d)
+    inverse = torch.reciprocal(d, out=amax).masked_fill_(d == 0, 0)  # 1/d, 0 where d = 0
+    scaled = torch.mul(blocks, inverse, out=blocks)
     # Round half away from zero, exactly as gguf.quants' np_roundf: floor(a) + floor(2 (a - floor(a)))
     # on a = |scaled|, then the sign bit of `scaled` put back (an integer OR: torch's copysign is slow).
-    a = scaled.abs()
-    rounded = a.floor()
-    twice_fraction = a - rounded
-    rounded += twice_fraction.add_(twice_fraction).floor_()
+    torch.abs(scaled, out=work)
+    torch.floor(work, out=rounded)
+    fraction = work.sub_(rounded)
+    rounded += fraction.add_(fraction).floor_()
     sign_bits = scaled.view(torch.int32).bitwise_and_(_SIGN_BIT)
-    rounded = rounded.view(torch.int32).bitwise_or_(sign_bits).view(torch.float32)
-    out = torch.empty((blocks.shape[0], 34), dtype=torch.uint8)
-    out[:, :2] = d.half().view(torch.uint8)
-    out[:, 2:] = rounded.to(torch.int8).view(torch.uint8)  # -0.0 -> 0
-    return out.numpy().reshape(-1)
+    rounded.view(torch.int32).bitwise_or_(sign_bits)
+    out[:, :2].view(torch.float16).copy_(d)
+    out[:, 2:].view(torch.int8).copy_(rounded)  # integral values; -0.0 -> 0
+    return True
 
 
-def _has_nan_bf16(piece: torch.Tensor) -> bool:
+def _has_nan_bf16(bits: np.ndarray) -> bool:
     """Exponent all ones and a non-zero mantissa (numpy's integer kernels: ~8x torch's bf16 isnan)."""
-    bits = piece.view(torch.int16).numpy().view(np.uint16)
-    return bool(np.any((bits & 0x7FFF) > 0x7F80))
+    work = np.bitwise_and(bits, 0x7FFF, out=_scratch.get("nan", bits.size, torch.int16).numpy().view(np.uint16))
+    return bool(np.any(work > 0x7F80))
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:

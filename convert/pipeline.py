@@ -23,6 +23,14 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _single_threaded_torch() -> None:
+    """Each worker runs torch kernels on its own thread only. OpenMP's thread count is per thread, so
+    a new thread would otherwise start a team per kernel and the workers would fight over the cores."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 class OrderedPool:
     """`submit(job, then)` runs job() on a worker and then(result) here, in submission order.
 
@@ -32,8 +40,8 @@ class OrderedPool:
     def __init__(self, threads: int, backlog: int | None = None):
         self.threads = max(1, threads)
         self.backlog = backlog or 2 * self.threads + 2
-        self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="specconv-encode") \
-            if self.threads > 1 else None
+        self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="specconv-encode",
+                                            initializer=_single_threaded_torch) if self.threads > 1 else None
         self._pending: deque[tuple[Future | None, Callable[[Any], None]]] = deque()
 
     def submit(self, job: Callable[[], Any], then: Callable[[Any], None]) -> None:

@@ -14,7 +14,7 @@ whatever the size of the model (docs/convert.md, "Throughput and memory").
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from typing import Callable, Sequence
 
 import numpy as np
@@ -25,12 +25,12 @@ from specconv.archs.base import TensorPlan
 from specconv.archs.errors import SpecconvError
 
 from .checkpoint import TORCH_FLOAT_DTYPES, CheckpointReader
-from .kernels import PIECE, encode_run
+from .kernels import PIECE, encode_run, encoded_size
 from .outtype import INTEGER_TYPES, encode_integer
 from .pipeline import OrderedPool
 from .writer import GgufOutput
 
-CHUNK = 8 * PIECE  # elements per encoding job: 1M, i.e. at most 4 MB of output per chunk in flight
+CHUNK = 4 * PIECE  # elements per encoding job: 1M, i.e. at most 4 MB of output per chunk in flight
 MIN_RUN = 4096  # a view made of smaller blocks is copied rather than streamed block by block
 
 
@@ -109,8 +109,28 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
+class Buffers:
+    """Output buffers for encoded chunks, reused: a fresh multi-MB allocation is page faults, and
+    page-table changes stall every thread of the process. At most backlog + threads are in use."""
+
+    def __init__(self):
+        self._free: deque[np.ndarray] = deque()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        try:
+            buf = self._free.pop()
+        except IndexError:
+            buf = np.empty(0, dtype=np.uint8)
+        if buf.nbytes < nbytes:
+            buf = np.empty(nbytes, dtype=np.uint8)
+        return buf[:nbytes]
+
+    def give(self, data: np.ndarray) -> None:
+        self._free.append(data.base if isinstance(data.base, np.ndarray) else data)
+
+
 def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, outputs: Sequence[GgufOutput],
-                  pool: OrderedPool, on_bytes: Callable[[str, int], None] | None = None) -> None:
+                  pool: OrderedPool, buffers: Buffers, on_bytes: Callable[[str, int], None] | None = None) -> None:
     """Queue the encoding and writing of one tensor into every output that holds it."""
     name = plan.name
 
@@ -119,6 +139,10 @@ def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, ou
             o.write_part(data)
         if on_bytes is not None:
             on_bytes(name, data.nbytes * len(outputs))
+
+    def write_chunk(data: np.ndarray) -> None:
+        write(data)
+        buffers.give(data)
 
     def finish() -> None:
         for o in outputs:
@@ -137,13 +161,13 @@ def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, ou
         for run in output_runs(plan, sources):
             flat = run.reshape(-1)
             for start in range(0, flat.numel(), CHUNK):
-                pool.submit(_encoder(sources.reader, flat[start:start + CHUNK], ggml_type), write)
+                pool.submit(_encoder(sources.reader, flat[start:start + CHUNK], ggml_type, buffers), write_chunk)
     pool.after(finish)
 
 
-def _encoder(reader: CheckpointReader, chunk: torch.Tensor, ggml_type) -> Callable[[], np.ndarray]:
+def _encoder(reader: CheckpointReader, chunk: torch.Tensor, ggml_type, buffers: Buffers) -> Callable[[], np.ndarray]:
     def job() -> np.ndarray:
-        data = encode_run(chunk, ggml_type)
+        data = encode_run(chunk, ggml_type, buffers.take(encoded_size(chunk.numel(), ggml_type)))
         reader.release_memory(chunk)  # a view over the map: its pages are done with
         return data
     return job
