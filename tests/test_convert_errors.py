@@ -206,3 +206,25 @@ def test_error_while_writing_leaves_no_file(build, tmp_path, capsys, monkeypatch
     rc, _, err = run_cli(capsys, "convert", src, "-o", out / "model.gguf", "--mtp", "separate")
     assert rc != 0 and "No space left" in err
     assert list(out.iterdir()) == []
+
+
+def test_error_on_an_encoding_thread_leaves_no_file(build, tmp_path, capsys, monkeypatch):
+    """A failure inside a worker thread (here: the encoder) reaches the user as one error; no file stays."""
+    from specconv.archs.errors import SpecconvError
+    from specconv.convert import stream
+
+    src = build()
+    real_encode, calls = stream.encode_run, {"n": 0}
+
+    def failing(values, ggml_type, out=None):
+        calls["n"] += 1
+        if calls["n"] == 25:
+            raise SpecconvError("simulated encoder failure")
+        return real_encode(values, ggml_type, out)
+
+    monkeypatch.setattr(stream, "encode_run", failing)
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, _, err = run_cli(capsys, "convert", src, "-o", out / "model.gguf", "--mtp", "separate", "--threads", "3")
+    assert rc == 2 and "simulated encoder failure" in err and calls["n"] >= 25, err
+    assert list(out.iterdir()) == []
