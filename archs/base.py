@@ -132,6 +132,9 @@ class ArchPlugin:
     # --- tokenizer --------------------------------------------------------------------------
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "default"
+    # Special-token ids an architecture fixes by token text (kind -> added token), applied as
+    # llama.cpp's converter applies them: only where the tokenizer's own config left the kind unset.
+    special_tokens: ClassVar[dict[str, str]] = {}
 
     def vocab_size(self) -> int:
         """Rows of the token embedding (the GGUF vocabulary is padded to this)."""

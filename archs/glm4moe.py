@@ -25,6 +25,9 @@ class Glm4Moe(NextnMoePlugin):
     post_attention_norm: ClassVar[str] = "post_attention_norm"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "glm4"
+    # <|endoftext|> as end-of-turn makes GLM generate endlessly: llama.cpp's GLM converter fixes these.
+    special_tokens: ClassVar[dict[str, str]] = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>",
+                                                "eom": "<|observation|>"}
     config_defaults: ClassVar[dict] = {  # transformers' Glm4MoeConfig
         "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
         "norm_topk_prob": True, "n_shared_experts": 1, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,

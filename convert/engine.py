@@ -154,7 +154,8 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
 
     meta = kvmod.load_model_metadata(reader.dir, sum(_numel(p.plan.shape) for p in planned))
     tok_dir = getattr(plugin, "tokenizer_dir", None) or reader.dir  # a draft head carries its target's
-    tok_kv = tokenizer_kv(tok_dir, plugin.vocab_size(), plugin.tokenizer_model, plugin.tokenizer_pre)
+    tok_kv = tokenizer_kv(tok_dir, plugin.vocab_size(), plugin.tokenizer_model, plugin.tokenizer_pre,
+                          plugin.special_tokens)
     selected = {kind: [t for t in planned if t.plan.role in ROLES[kind]] for kind in kinds}
     labels = {kind: kvmod.parameter_label((t.name, tuple(t.plan.shape)) for t in ts) for kind, ts in selected.items()}
     model_kind = next((kind for kind in kinds if kind != "sidecar"), None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Mapping
 
 from gguf import GGUFWriter, TokenType
 from gguf.vocab import BpeVocab, LlamaHfVocab, SpecialVocab
@@ -102,8 +103,21 @@ def gemma4_tokenizer_kv(model_dir: Path, n_vocab: int) -> list[MetaKV]:
     return captured_kv(writer)
 
 
-def tokenizer_kv(model_dir: str | Path, n_vocab: int, model: str, pre: str) -> list[MetaKV]:
-    """The `tokenizer.*` KV pairs for a vocabulary of `n_vocab` entries (the embedding's rows)."""
+def _added_token_ids(model_dir: Path) -> dict[str, int]:
+    """content -> id of every added token (tokenizer.json)."""
+    tok_json = model_dir / "tokenizer.json"
+    if not tok_json.is_file():
+        return {}
+    items = json.loads(tok_json.read_text(encoding="utf-8")).get("added_tokens") or []
+    return {item["content"]: int(item["id"]) for item in items}
+
+
+def tokenizer_kv(model_dir: str | Path, n_vocab: int, model: str, pre: str,
+                 special_tokens: Mapping[str, str] | None = None) -> list[MetaKV]:
+    """The `tokenizer.*` KV pairs for a vocabulary of `n_vocab` entries (the embedding's rows).
+
+    `special_tokens` (kind -> added token text): ids an architecture fixes, set only where the
+    tokenizer's config left that kind unset (a token the tokenizer lacks is skipped)."""
     model_dir = Path(model_dir)
     if model == "gemma4":
         return gemma4_tokenizer_kv(model_dir, n_vocab)
@@ -116,5 +130,9 @@ def tokenizer_kv(model_dir: str | Path, n_vocab: int, model: str, pre: str) -> l
     special = SpecialVocab(model_dir, load_merges=True, n_vocab=n_vocab)
     if model == "gpt2" and not special.merges:
         raise SpecconvError(f"the BPE tokenizer in {model_dir} has no merges")
+    added = _added_token_ids(model_dir) if special_tokens else {}
+    for kind, text in (special_tokens or {}).items():
+        if text in added:
+            special._set_special_token(kind, added[text])
     special.add_to_gguf(writer, quiet=True)
     return captured_kv(writer)
