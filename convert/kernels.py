@@ -2,11 +2,13 @@
 
 `outtype.encode` (gguf.quants, numpy) is the reference llama.cpp's converter uses; it makes ~12
 full-size float32 temporaries per call and runs on one core. These kernels produce the same bytes
-from torch ops on small cache-sized pieces, without the Python GIL, so several threads can encode
+on cache-sized pieces into per-thread buffers reused for every piece, with calls that release the
+GIL (a torch copy for the dtype conversion, numpy ufuncs for Q8_0), so several threads encode
 different pieces of a tensor at once. Every quantity is computed with the same IEEE float32
 operations in the same order as gguf.quants (division, reciprocal, product, round-half-away via
 floor), so the results are bit-identical; a piece holding a NaN or an infinity, whose encoding
-depends on NaN payload rules, is passed to the reference encoder instead.
+depends on NaN payload rules, is passed to the reference encoder instead. BF16 from BF16 is the
+source bits, F16 and Q4_0 are gguf.quants itself, piece by piece.
 
 Inputs are flat runs of a tensor in its source dtype (BF16/F16/F32 views of the checkpoint) or in
 float32 (the result of a value-changing transform); the block types used here never span rows, so
@@ -30,7 +32,6 @@ Q = GGMLQuantizationType
 # whose dispatch holds the GIL, so pieces must be large for threads to overlap, yet small enough that
 # the per-thread work buffers stay in cache: 256K elements measured best (docs/convert.md).
 PIECE = 262144
-_SIGN_BIT = torch.tensor(-2**31, dtype=torch.int32)
 _FAST = {Q.F32, Q.BF16, Q.Q8_0}  # F16 is numpy's own cast, already fast
 
 
@@ -92,7 +93,9 @@ def _encode_piece(piece: torch.Tensor, ggml_type: GGMLQuantizationType, out: np.
         target.view(torch.float32).copy_(piece)
     elif ggml_type == Q.Q8_0:
         x = _scratch.get("x", n).copy_(piece)
-        if not _q8_0(x, target.view(-1, 34)):  # an inf or NaN in some block
+        with np.errstate(all="ignore"):  # subnormal scales overflow 1/d exactly as in gguf.quants
+            finite = _q8_0(x, target.view(-1, 34))
+        if not finite:  # an inf or NaN in some block
             out[:] = _reference(piece, ggml_type)
     else:  # BF16 from float32 values
         target.view(torch.bfloat16).copy_(piece)
@@ -104,29 +107,35 @@ def _q8_0(x: torch.Tensor, out: torch.Tensor) -> bool:
     """Blocks of 32: an F16 scale d = max|x| / 127 and 32 int8 values round(x / d), as gguf.quants.
 
     Writes `out` ([blocks, 34] uint8) and returns True, or returns False for non-finite input.
+    numpy's ufuncs cost ~1 µs each outside their loops against ~10 µs for torch's, and release the
+    GIL inside them, so this kernel runs on several threads at once where a torch one serialises.
     """
     n, m = x.numel(), x.numel() // 32
-    blocks = x.view(m, 32)
-    work = _scratch.get("work", n).view(m, 32)
-    rounded = _scratch.get("rounded", n).view(m, 32)
-    amax, d = _scratch.get("amax", m).view(m, 1), _scratch.get("d", m).view(m, 1)
-    torch.abs(blocks, out=work)
-    torch.amax(work, dim=1, keepdim=True, out=amax)
-    if not bool(torch.isfinite(amax).all()):
+    blocks = x.numpy().reshape(m, 32)
+    work = _scratch.get("work", n).numpy().reshape(m, 32)
+    rounded = _scratch.get("rounded", n).numpy().reshape(m, 32)
+    amax, d = _scratch.get("amax", m).numpy().reshape(m, 1), _scratch.get("d", m).numpy().reshape(m, 1)
+    np.abs(blocks, out=work)
+    np.max(work, axis=1, keepdims=True, out=amax)
+    if not np.isfinite(amax).all():
         return False
-    torch.div(amax, 127, out=d)
-    inverse = torch.reciprocal(d, out=amax).masked_fill_(d == 0, 0)  # 1/d, 0 where d = 0
-    scaled = torch.mul(blocks, inverse, out=blocks)
+    np.divide(amax, np.float32(127), out=d)
+    inverse = np.divide(np.float32(1), d, out=amax)
+    inverse[d == 0] = 0
+    scaled = np.multiply(blocks, inverse, out=blocks)
     # Round half away from zero, exactly as gguf.quants' np_roundf: floor(a) + floor(2 (a - floor(a)))
-    # on a = |scaled|, then the sign bit of `scaled` put back (an integer OR: torch's copysign is slow).
-    torch.abs(scaled, out=work)
-    torch.floor(work, out=rounded)
-    fraction = work.sub_(rounded)
-    rounded += fraction.add_(fraction).floor_()
-    sign_bits = scaled.view(torch.int32).bitwise_and_(_SIGN_BIT)
-    rounded.view(torch.int32).bitwise_or_(sign_bits)
-    out[:, :2].view(torch.float16).copy_(d)
-    out[:, 2:].view(torch.int8).copy_(rounded)  # integral values; -0.0 -> 0
+    # on a = |scaled|, then the sign bit of `scaled` put back (an integer OR).
+    np.abs(scaled, out=work)
+    np.floor(work, out=rounded)
+    np.subtract(work, rounded, out=work)
+    np.add(work, work, out=work)
+    np.floor(work, out=work)
+    np.add(rounded, work, out=rounded)
+    sign_bits = np.bitwise_and(scaled.view(np.uint32), np.uint32(0x80000000), out=scaled.view(np.uint32))
+    np.bitwise_or(rounded.view(np.uint32), sign_bits, out=rounded.view(np.uint32))
+    target = out.numpy()
+    target[:, :2] = d.astype(np.float16).view(np.uint8)
+    target[:, 2:] = rounded.astype(np.int8).view(np.uint8)  # integral values; -0.0 -> 0
     return True
 
 
