@@ -61,6 +61,20 @@ def encode_run(values: torch.Tensor, ggml_type: GGMLQuantizationType, out: np.nd
     return out
 
 
+def passthrough(values: torch.Tensor, ggml_type: GGMLQuantizationType) -> np.ndarray | None:
+    """The run's own bytes when encoding would not change them (BF16 from BF16 without NaNs, F32 from
+    F32), as a uint8 view (no copy); None when they must be encoded."""
+    flat = values.reshape(-1)
+    if ggml_type == Q.F32 and flat.dtype == torch.float32:
+        return flat.numpy().view(np.uint8)
+    if ggml_type == Q.BF16 and flat.dtype == torch.bfloat16:
+        bits = flat.view(torch.int16).numpy().view(np.uint16)
+        if any(_has_nan_bf16(bits[i:i + PIECE]) for i in range(0, bits.size, PIECE)):
+            return None  # gguf-py sets the quiet bit of NaNs: encode
+        return bits.view(np.uint8)
+    return None
+
+
 class _Scratch(threading.local):
     """Per-thread work buffers, reused for every piece: fresh allocations of this size are page
     faults, and page-table changes serialise the threads of a process."""

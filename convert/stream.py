@@ -25,7 +25,7 @@ from specconv.archs.base import TensorPlan
 from specconv.archs.errors import SpecconvError
 
 from .checkpoint import TORCH_FLOAT_DTYPES, CheckpointReader
-from .kernels import PIECE, encode_run, encoded_size
+from .kernels import PIECE, encode_run, encoded_size, passthrough
 from .outtype import INTEGER_TYPES, encode_integer
 from .pipeline import OrderedPool
 from .writer import GgufOutput
@@ -140,9 +140,13 @@ def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, ou
         if on_bytes is not None:
             on_bytes(name, data.nbytes * len(outputs))
 
-    def write_chunk(data: np.ndarray) -> None:
+    def write_chunk(result: tuple[np.ndarray, torch.Tensor | None]) -> None:
+        data, borrowed = result
         write(data)
-        buffers.give(data)
+        if borrowed is None:
+            buffers.give(data)
+        else:  # the bytes were the source's own: its mapped pages are done with now
+            sources.reader.release_memory(borrowed)
 
     def finish() -> None:
         for o in outputs:
@@ -165,9 +169,14 @@ def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, ou
     pool.after(finish)
 
 
-def _encoder(reader: CheckpointReader, chunk: torch.Tensor, ggml_type, buffers: Buffers) -> Callable[[], np.ndarray]:
-    def job() -> np.ndarray:
+def _encoder(reader: CheckpointReader, chunk: torch.Tensor, ggml_type,
+             buffers: Buffers) -> Callable[[], tuple[np.ndarray, torch.Tensor | None]]:
+    """The job for one chunk: (bytes to write, the source view they borrow, or None for a pool buffer)."""
+    def job() -> tuple[np.ndarray, torch.Tensor | None]:
+        same = passthrough(chunk, ggml_type)
+        if same is not None:  # written straight from the checkpoint's pages: no copy
+            return same, chunk
         data = encode_run(chunk, ggml_type, buffers.take(encoded_size(chunk.numel(), ggml_type)))
         reader.release_memory(chunk)  # a view over the map: its pages are done with
-        return data
+        return data, None
     return job

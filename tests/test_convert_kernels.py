@@ -82,3 +82,19 @@ def test_rounding_is_half_away_from_zero():
     got = kernels.encode_run(torch.from_numpy(block), Q.Q8_0)
     assert np.frombuffer(got[:2].tobytes(), dtype=np.float16)[0] == 1.0
     assert list(got[2:6].view(np.int8)) == [1, -1, 3, 0]
+
+
+def test_passthrough_only_where_encoding_keeps_the_bytes():
+    """BF16 from BF16 and F32 from F32 are written as the source bytes (no copy), equal to gguf-py's
+    encoding; a BF16 run with a NaN, or any other pairing, is encoded instead."""
+    x = torch.from_numpy(_values(8, 512, seed=4))
+    for source, ggml_type in ((x.bfloat16(), Q.BF16), (x, Q.F32)):
+        same = kernels.passthrough(source, ggml_type)
+        assert same is not None and np.array_equal(same, reference(source.float().numpy(), ggml_type))
+        assert np.shares_memory(same, source.numpy() if source.dtype == torch.float32
+                                else source.view(torch.int16).numpy())
+    with_nan = x.bfloat16().clone()
+    with_nan[3, 5] = float("nan")
+    assert kernels.passthrough(with_nan, Q.BF16) is None
+    assert kernels.passthrough(x, Q.BF16) is None and kernels.passthrough(x.bfloat16(), Q.Q8_0) is None
+    assert kernels.passthrough(x.half(), Q.F16) is None
