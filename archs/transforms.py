@@ -43,8 +43,6 @@ def is_concatenation(transform: Callable) -> bool:
 
 
 @layout_only
-
-
 def identity(ts: list[torch.Tensor]) -> torch.Tensor:
     return ts[0]
 

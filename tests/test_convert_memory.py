@@ -15,7 +15,6 @@ checkpoint vary by a few MB, so the growth allowed from 4 to 24 layers is 10 % o
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
