@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-import torch
+import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from . import transforms
@@ -53,7 +53,7 @@ class TensorPlan:
     role: Role
     # Receives the source tensors (in `sources` order; float32 unless marked layout-only, see
     # transforms.py) and returns the output tensor.
-    transform: Callable[[list[torch.Tensor]], torch.Tensor] = field(default=transforms.identity, repr=False)
+    transform: Callable[[list[np.ndarray]], np.ndarray] = field(default=transforms.identity, repr=False)
     # A storage type forced by the architecture, overriding the engine's generic rules.
     force_type: GGMLQuantizationType | None = None
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from functools import partial
 from typing import ClassVar
 
-import torch
+import numpy as np
 from gguf import GGUFValueType, Keys
 
 from . import names, register
@@ -39,29 +39,29 @@ def llamacpp_reads_as_lite(n_layer: int, vocab: int) -> bool:
 
 
 @tf.layout_only
-def kv_b_keys(ts: list[torch.Tensor], nh: int, dn: int, dv: int) -> torch.Tensor:
+def kv_b_keys(ts: list[np.ndarray], nh: int, dn: int, dv: int) -> np.ndarray:
     """kv_b_proj [nh·(dn+dv), kv_lora] -> attn_k_b [nh, kv_lora, dn] (W_kb[h]ᵀ per head)."""
     w = ts[0].reshape(nh, dn + dv, -1)
-    return w[:, :dn, :].transpose(1, 2).contiguous()
+    return np.ascontiguousarray(w[:, :dn, :].swapaxes(1, 2))
 
 
 @tf.layout_only
-def kv_b_values(ts: list[torch.Tensor], nh: int, dn: int, dv: int) -> torch.Tensor:
+def kv_b_values(ts: list[np.ndarray], nh: int, dn: int, dv: int) -> np.ndarray:
     """kv_b_proj [nh·(dn+dv), kv_lora] -> attn_v_b [nh, dv, kv_lora] (W_vb[h] per head)."""
     w = ts[0].reshape(nh, dn + dv, -1)
-    return w[:, dn:, :].contiguous()
+    return np.ascontiguousarray(w[:, dn:, :])
 
 
-def half_to_pairs(dr: int) -> torch.Tensor:
+def half_to_pairs(dr: int) -> np.ndarray:
     """Row order turning rotate-half rope rows into adjacent pairs: new 2i <- old i, 2i+1 <- old i+dr/2."""
-    return torch.stack([torch.arange(dr // 2), torch.arange(dr // 2) + dr // 2], dim=1).reshape(-1)
+    return np.stack([np.arange(dr // 2), np.arange(dr // 2) + dr // 2], axis=1).reshape(-1)
 
 
 @tf.layout_only
-def reorder_rope_rows(ts: list[torch.Tensor], block: int, rope_start: int, dr: int) -> torch.Tensor:
+def reorder_rope_rows(ts: list[np.ndarray], block: int, rope_start: int, dr: int) -> np.ndarray:
     """Reorder the dr rope rows at offset rope_start of every `block` rows (a head, or the whole matrix)."""
     w = ts[0]
-    g = w.reshape(-1, block, w.shape[-1]).clone()
+    g = w.reshape(-1, block, w.shape[-1]).copy()
     g[:, rope_start:rope_start + dr] = g[:, rope_start:rope_start + dr][:, half_to_pairs(dr)]
     return g.reshape(w.shape)
 

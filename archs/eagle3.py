@@ -20,7 +20,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, ClassVar, Mapping
 
-import torch
+import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from . import names, plugin_class_for, register
@@ -49,16 +49,16 @@ def aux_layer_ids(config: Mapping[str, Any]) -> list[int] | None:
     return None
 
 
-def absolute_d2t(ts: list[torch.Tensor], n_target_vocab: int) -> torch.Tensor:
+def absolute_d2t(ts: list[np.ndarray], n_target_vocab: int) -> np.ndarray:
     """HF offsets (target id - draft id) -> absolute target ids, validated in range and unique."""
-    offsets = ts[0].reshape(-1).to(torch.int64)
-    ids = offsets + torch.arange(offsets.numel(), dtype=torch.int64)
-    bad = ((ids < 0) | (ids >= n_target_vocab)).nonzero()
-    if bad.numel():
+    offsets = ts[0].reshape(-1).astype(np.int64)
+    ids = offsets + np.arange(offsets.size, dtype=np.int64)
+    bad = np.flatnonzero((ids < 0) | (ids >= n_target_vocab))
+    if bad.size:
         i = int(bad[0])
         raise SpecconvError(f"d2t maps draft token {i} to target id {int(ids[i])}, outside the target vocabulary "
                             f"[0, {n_target_vocab}); the head does not belong to this target")
-    if torch.unique(ids).numel() != ids.numel():
+    if np.unique(ids).size != ids.size:
         raise SpecconvError("d2t maps two draft tokens to the same target id (a corrupt or mismatched d2t)")
     return ids
 

@@ -22,7 +22,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-import torch
 from gguf import GGMLQuantizationType, GGUFValueType, Keys
 
 from . import names, register
@@ -126,12 +125,12 @@ class Gemma4Hparams:
     def ffn_width(self, i: int) -> int:
         return self.F * (2 if self.double_wide and not self.owns_kv(i) else 1)
 
-    def rope_freq_factors(self) -> torch.Tensor:
+    def rope_freq_factors(self) -> tuple[float, ...]:
         """1 for the rotated pairs of a full layer, 1e30 (θ → 0) for the rest (gguf-layout.md §7.6)."""
         half = self.hd_full // 2
         factor = float(self.rope_full.get("partial_rotary_factor", 1.0))
         n_rot = int(self.hd_full * factor / 2)
-        return torch.tensor([1.0] * n_rot + [1e30] * (half - n_rot), dtype=torch.float32)
+        return (1.0,) * n_rot + (1e30,) * (half - n_rot)
 
 
 def _normalize(raw: str):
@@ -198,7 +197,7 @@ class _Gemma4Base(ArchPlugin):
 
     def _rope_freqs(self, plan: PlanBuilder) -> None:
         values = self.hp.rope_freq_factors()
-        plan.add(ROPE_FREQS, ["model.norm.weight"], tuple(values.shape), lambda ts, v=values: v.clone(), F32)
+        plan.add(ROPE_FREQS, ["model.norm.weight"], (len(values),), partial(tf.constant, values=values), F32)
 
     # ---- metadata -------------------------------------------------------------------------
     def _kv(self, arch: str, n_vocab: int) -> list[MetaKV]:

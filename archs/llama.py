@@ -15,7 +15,7 @@ import math
 from functools import partial
 from typing import Any, ClassVar, Mapping
 
-import torch
+import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, Keys
 
 from . import names, register
@@ -28,22 +28,22 @@ F32 = GGMLQuantizationType.F32
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def pair_permute(t: torch.Tensor, n_head: int) -> torch.Tensor:
+def pair_permute(t: np.ndarray, n_head: int) -> np.ndarray:
     """Rows of each head from rotate-half order to adjacent pairs: [n_head, 2, hd/2] -> [n_head, hd/2, 2]."""
     rows = t.shape[0]
     if rows % (2 * n_head):
         raise SpecconvError(f"cannot pair-permute {rows} rows over {n_head} heads (head_dim must be even)")
-    return t.reshape(n_head, 2, rows // n_head // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
+    return np.ascontiguousarray(t.reshape(n_head, 2, rows // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape))
 
 
-def pair_unpermute(t: torch.Tensor, n_head: int) -> torch.Tensor:
+def pair_unpermute(t: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of `pair_permute` (GGUF -> HF order), for tests and readers."""
     rows = t.shape[0]
-    return t.reshape(n_head, rows // n_head // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
+    return np.ascontiguousarray(t.reshape(n_head, rows // n_head // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape))
 
 
 @tf.layout_only
-def _permuted(ts: list[torch.Tensor], n_head: int) -> torch.Tensor:
+def _permuted(ts: list[np.ndarray], n_head: int) -> np.ndarray:
     return pair_permute(ts[0], n_head)
 
 
@@ -59,18 +59,24 @@ def llama3_rope_factors(cfg: Mapping[str, Any], head_dim: int) -> list[float] | 
     factor = float(scaling.get("factor", 8.0))
     low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
     old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-    # float32 frequencies and float32 scalar arithmetic, as llama.cpp's converter computes them (same bits)
-    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    # float32 arithmetic step by step as llama.cpp's converter does it with torch scalars (a Python
+    # number is rounded to float32 first; `number / x` is reciprocal(x) * number), so every basic
+    # operation gives the same bits; only the power is computed in float64 and rounded once.
+    f32 = np.float32
+    one = f32(1)
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / f32(head_dim)
+    powers = np.power(np.float64(f32(base)), exponents.astype(np.float64)).astype(np.float32)
     out = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < old_ctx / high:
+    for power in powers:
+        freq = one / power
+        wavelen = (one / freq) * f32(2 * math.pi)
+        if wavelen < f32(old_ctx / high):
             out.append(1.0)
-        elif wavelen > old_ctx / low:
+        elif wavelen > f32(old_ctx / low):
             out.append(factor)
         else:
-            smooth = (old_ctx / wavelen - low) / (high - low)
-            out.append(float(1 / ((1 - smooth) / factor + smooth)))
+            smooth = ((one / wavelen) * f32(old_ctx) - f32(low)) / f32(high - low)
+            out.append(float(one / ((one - smooth) / f32(factor) + smooth)))
     return out
 
 
@@ -124,8 +130,7 @@ def add_rope_freqs(plan: PlanBuilder, cfg: Mapping[str, Any], head_dim: int, anc
     tensor, read but unused: plans need a source to have a place in the checkpoint order)."""
     factors = llama3_rope_factors(cfg, head_dim)
     if factors is not None:
-        values = torch.tensor(factors, dtype=torch.float32)
-        plan.add(ROPE_FREQS, [anchor], (head_dim // 2,), lambda ts, v=values: v.clone(), F32)
+        plan.add(ROPE_FREQS, [anchor], (head_dim // 2,), partial(tf.constant, values=tuple(factors)), F32)
 
 
 @register

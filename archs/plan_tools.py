@@ -11,7 +11,7 @@ import re
 from functools import partial
 from typing import Callable, Mapping, Sequence
 
-import torch
+import numpy as np
 from gguf import GGMLQuantizationType
 
 from . import names
@@ -22,7 +22,7 @@ from .errors import SpecconvError
 F32 = GGMLQuantizationType.F32
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
-Transform = Callable[[list[torch.Tensor]], torch.Tensor]
+Transform = Callable[[list[np.ndarray]], np.ndarray]
 
 
 def text_model_name(raw_name: str, towers: tuple[str, ...], towers_reason: str) -> str | tuple[None, str]:

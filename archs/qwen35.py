@@ -12,7 +12,7 @@ import re
 from functools import partial
 from typing import Any, Callable, ClassVar
 
-import torch
+import numpy as np
 from gguf import GGUFValueType, Keys
 
 from . import names, register
@@ -241,17 +241,17 @@ class Qwen35Base(ArchPlugin):
 
 
 @tf.layout_only
-def _retiled(ts: list[torch.Tensor], dim: int, nk: int, r: int, block: int, start: int = 0) -> torch.Tensor:
+def _retiled(ts: list[np.ndarray], dim: int, nk: int, r: int, block: int, start: int = 0) -> np.ndarray:
     return tf.retile_tail(ts[0], dim, start, nk, r, block)
 
 
-def _ssm_a(ts: list[torch.Tensor], nk: int, r: int) -> torch.Tensor:
+def _ssm_a(ts: list[np.ndarray], nk: int, r: int) -> np.ndarray:
     """ssm_a = -exp(A_log), in value-head tiled order (the two operations commute)."""
-    return tf.retile_v_heads(-torch.exp(ts[0].float()), 0, nk, r, 1)
+    return tf.retile_v_heads(-tf.exp(ts[0]), 0, nk, r, 1)
 
 
 @tf.layout_only
-def _conv1d(ts: list[torch.Tensor], shape: tuple[int, int], nk: int, r: int, block: int, start: int) -> torch.Tensor:
+def _conv1d(ts: list[np.ndarray], shape: tuple[int, int], nk: int, r: int, block: int, start: int) -> np.ndarray:
     """[C,1,K] -> [C,K]; only the V channels (after q|k) are re-tiled."""
     return tf.retile_tail(ts[0].reshape(shape), 0, start, nk, r, block)
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 import mmap
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
-import torch
 
 from specconv.archs.base import SourceTensor
 from specconv.archs.errors import SpecconvError
@@ -33,8 +31,10 @@ DTYPE_SIZES = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8,
 }
+# safetensors float dtype -> the numpy dtype its values travel in. numpy has no bfloat16: BF16 tensors
+# are uint16 arrays of their bit patterns (exact for every layout-only operation; `as_float32` widens).
 FLOAT_DTYPES = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32, "F64": np.float64}
-TORCH_FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+BF16_BITS = np.dtype(np.uint16)
 _PAGE = mmap.PAGESIZE
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", 0)
 INT_DTYPES = {"I8": np.int8, "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
@@ -214,8 +214,8 @@ class CheckpointReader:
             raw_of[name] = raw_name
         return out, raw_of, skipped
 
-    def read_tensor(self, raw_name: str) -> torch.Tensor:
-        """Floating tensors as float32, integer ones (e.g. EAGLE-3 d2t) as int64, both exact."""
+    def read_tensor(self, raw_name: str) -> np.ndarray:
+        """Floating tensors as float32, integer ones (e.g. EAGLE-3 d2t) as int64, both exact copies."""
         st = self.tensors[raw_name]
         if st.dtype in FLOAT_DTYPES:
             return self.read_float32(raw_name)
@@ -225,34 +225,31 @@ class CheckpointReader:
         np_dtype = INT_DTYPES[st.dtype]
         count = st.nbytes // np.dtype(np_dtype).itemsize
         arr = np.frombuffer(self._by_path[st.file].buffer(), dtype=np_dtype, count=count, offset=st.offset)
-        return torch.from_numpy(arr.reshape(st.shape).astype(np.int64, copy=True))
+        return arr.reshape(st.shape).astype(np.int64, copy=True)
 
-    def read_float32(self, raw_name: str) -> torch.Tensor:
+    def read_float32(self, raw_name: str) -> np.ndarray:
         """The tensor as float32 (a private copy; the memory map is not kept alive by it)."""
         st = self.tensors[raw_name]
         if st.dtype not in FLOAT_DTYPES:
             raise SpecconvError(f"tensor {raw_name} has dtype {st.dtype}; a floating-point tensor is needed")
         self.reads[raw_name] = self.reads.get(raw_name, 0) + 1
-        np_dtype = FLOAT_DTYPES[st.dtype]
-        count = st.nbytes // np.dtype(np_dtype).itemsize
-        buf = self._by_path[st.file].buffer()
-        arr = np.frombuffer(buf, dtype=np_dtype, count=count, offset=st.offset).reshape(st.shape)
-        if st.dtype == "BF16":  # numpy has no bfloat16: reinterpret the bits in torch
-            return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16).float()
-        return torch.from_numpy(arr.astype(np.float32, copy=True))
+        return as_float32(self._array(st), copy=True)
 
-    def view(self, raw_name: str) -> torch.Tensor:
-        """A floating tensor in its stored dtype, directly over the memory map (read-only, no copy)."""
+    def view(self, raw_name: str) -> np.ndarray:
+        """A floating tensor in its stored dtype (`FLOAT_DTYPES`), directly over the memory map
+        (read-only, no copy)."""
         st = self.tensors[raw_name]
-        if st.dtype not in TORCH_FLOAT_DTYPES:
+        if st.dtype not in FLOAT_DTYPES:
             raise SpecconvError(f"tensor {raw_name} has dtype {st.dtype}; a floating-point tensor is needed")
         self.viewed[raw_name] = self.viewed.get(raw_name, 0) + 1
+        return self._array(st)
+
+    def _array(self, st: StoredTensor) -> np.ndarray:
+        np_dtype = np.dtype(FLOAT_DTYPES[st.dtype])
+        if not st.nbytes:
+            return np.empty(st.shape, dtype=np_dtype)
         buf = self._by_path[st.file].buffer()
-        with warnings.catch_warnings():  # torch warns that the map is read-only; nothing writes to it
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(buf, dtype=TORCH_FLOAT_DTYPES[st.dtype], count=st.nbytes // DTYPE_SIZES[st.dtype],
-                                    offset=st.offset) if st.nbytes else torch.empty(0, dtype=TORCH_FLOAT_DTYPES[st.dtype])
-        return flat.reshape(st.shape)
+        return np.frombuffer(buf, dtype=np_dtype, count=st.nbytes // np_dtype.itemsize, offset=st.offset).reshape(st.shape)
 
     def prefetch(self, raw_name: str) -> None:
         """Ask the OS to start reading a tensor's bytes (overlaps disk reads with work on earlier tensors)."""
@@ -266,9 +263,9 @@ class CheckpointReader:
         st = self.tensors[raw_name]
         self._by_path[st.file].advise(st.offset, st.offset + st.nbytes, _DONTNEED)
 
-    def release_memory(self, t: torch.Tensor) -> None:
+    def release_memory(self, t: np.ndarray) -> None:
         """Drop the mapped pages under a contiguous view made by `view` (anything else: no-op)."""
-        start, n = t.data_ptr(), t.numel() * t.element_size()
+        start, n = t.ctypes.data, t.nbytes
         for f in self.files:
             if f.address and f.address <= start < f.address + len(f.buffer()):
                 f.advise(start - f.address, start - f.address + n, _DONTNEED)
@@ -277,6 +274,14 @@ class CheckpointReader:
     def close(self) -> None:
         for f in self.files:
             f.close()
+
+
+def as_float32(values: np.ndarray, copy: bool = False) -> np.ndarray:
+    """Float values in a `FLOAT_DTYPES` dtype (BF16 as uint16 bits) -> float32, exactly (F64 rounds to
+    nearest). Without `copy`, float32 input is returned as it is."""
+    if values.dtype == BF16_BITS:
+        return np.left_shift(values, 16, dtype=np.uint32).view(np.float32)
+    return values.astype(np.float32, copy=copy)
 
 
 def read_config(model_dir: Path) -> Mapping[str, Any]:

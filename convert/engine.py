@@ -15,12 +15,10 @@ Routing by MTP mode (gguf-layout.md §4.2), by the plugin's `Role` of each tenso
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
 from gguf import GGMLQuantizationType
 
 from specconv.archs import plugin_class_for
@@ -193,7 +191,7 @@ def run_conversion(plan: ConversionPlan, overwrite: bool = False,
     members = [{t.name for t in f.tensors} for f in plan.files]
     needed = [t for t in plan.tensors if any(t.name in m for m in members)]
     sources, buffers = Sources(plan.reader, plan.raw_of, [t.plan for t in needed]), Buffers()
-    with AtomicOutputs([f.output for f in plan.files], overwrite=overwrite), _torch_threads(1), \
+    with AtomicOutputs([f.output for f in plan.files], overwrite=overwrite), \
             OrderedPool(threads or available_cores()) as pool:
         for i, t in enumerate(needed):
             if i + 1 < len(needed):
@@ -202,13 +200,3 @@ def run_conversion(plan: ConversionPlan, overwrite: bool = False,
             stream_tensor(t.plan, t.ggml_type, t.nbytes, sources, outputs, pool, buffers, on_tensor)
     return [p for f in plan.files for p in f.output.final_paths]
 
-
-@contextmanager
-def _torch_threads(n: int):
-    """Encoding threads each run single-threaded torch kernels (no nested thread pools)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

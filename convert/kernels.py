@@ -3,16 +3,17 @@
 `outtype.encode` (gguf.quants, numpy) is the reference llama.cpp's converter uses; it makes ~12
 full-size float32 temporaries per call and runs on one core. These kernels produce the same bytes
 on cache-sized pieces into per-thread buffers reused for every piece, with calls that release the
-GIL (a torch copy for the dtype conversion, numpy ufuncs for Q8_0), so several threads encode
-different pieces of a tensor at once. Every quantity is computed with the same IEEE float32
-operations in the same order as gguf.quants (division, reciprocal, product, round-half-away via
-floor), so the results are bit-identical; a piece holding a NaN or an infinity, whose encoding
+GIL (numpy ufuncs), so several
+threads encode different pieces of a tensor at once. Every quantity is computed with the same IEEE
+float32 operations in the same order as gguf.quants (division, reciprocal, product, round-half-away
+via floor), so the results are bit-identical; a piece holding a NaN or an infinity, whose encoding
 depends on NaN payload rules, is passed to the reference encoder instead. BF16 from BF16 is the
-source bits, F16 and Q4_0 are gguf.quants itself, piece by piece.
+source bits, F16, Q4_0 and BF16 from other float types are gguf.quants itself, piece by piece.
 
-Inputs are flat runs of a tensor in its source dtype (BF16/F16/F32 views of the checkpoint) or in
-float32 (the result of a value-changing transform); the block types used here never span rows, so
-any run that starts and ends on a block boundary encodes independently of its neighbours.
+Inputs are flat runs of a tensor in its source dtype (BF16 as uint16 bits, F16, F32 views of the
+checkpoint) or in float32 (the result of a value-changing transform); the block types used here
+never span rows, so any run that starts and ends on a block boundary encodes independently of its
+neighbours.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
+from .checkpoint import BF16_BITS, as_float32
 from .outtype import encode as reference_encode
 
 Q = GGMLQuantizationType
 
-# Elements per piece: a multiple of every block size (32, 256). Each piece costs ~20 torch calls
+# Elements per piece: a multiple of every block size (32, 256). Each piece costs ~20 numpy calls
 # whose dispatch holds the GIL, so pieces must be large for threads to overlap, yet small enough that
 # the per-thread work buffers stay in cache: 256K elements measured best (docs/convert.md).
 PIECE = 262144
@@ -40,13 +41,13 @@ def encoded_size(n_elements: int, ggml_type: GGMLQuantizationType) -> int:
     return n_elements // block * size
 
 
-def encode_run(values: torch.Tensor, ggml_type: GGMLQuantizationType, out: np.ndarray | None = None) -> np.ndarray:
+def encode_run(values: np.ndarray, ggml_type: GGMLQuantizationType, out: np.ndarray | None = None) -> np.ndarray:
     """A contiguous run of elements (any float dtype, any shape) -> its GGUF bytes as flat uint8.
 
     `out`, when given, is filled and returned (it must hold exactly the encoded size).
     """
     flat = values.reshape(-1)
-    n = flat.numel()
+    n = flat.size
     size = encoded_size(n, ggml_type)
     if out is None:
         out = np.empty(size, dtype=np.uint8)
@@ -54,24 +55,22 @@ def encode_run(values: torch.Tensor, ggml_type: GGMLQuantizationType, out: np.nd
         raise ValueError(f"output buffer of {out.nbytes} bytes for {size} encoded bytes")
     step = PIECE
     per_piece = encoded_size(step, ggml_type)
-    with torch.no_grad():
-        for i, start in enumerate(range(0, n, step)):
-            piece = flat[start:start + step]
-            _encode_piece(piece, ggml_type, out[i * per_piece:i * per_piece + encoded_size(piece.numel(), ggml_type)])
+    for i, start in enumerate(range(0, n, step)):
+        piece = flat[start:start + step]
+        _encode_piece(piece, ggml_type, out[i * per_piece:i * per_piece + encoded_size(piece.size, ggml_type)])
     return out
 
 
-def passthrough(values: torch.Tensor, ggml_type: GGMLQuantizationType) -> np.ndarray | None:
+def passthrough(values: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray | None:
     """The run's own bytes when encoding would not change them (BF16 from BF16 without NaNs, F32 from
     F32), as a uint8 view (no copy); None when they must be encoded."""
     flat = values.reshape(-1)
-    if ggml_type == Q.F32 and flat.dtype == torch.float32:
-        return flat.numpy().view(np.uint8)
-    if ggml_type == Q.BF16 and flat.dtype == torch.bfloat16:
-        bits = flat.view(torch.int16).numpy().view(np.uint16)
-        if any(_has_nan_bf16(bits[i:i + PIECE]) for i in range(0, bits.size, PIECE)):
+    if ggml_type == Q.F32 and flat.dtype == np.float32:
+        return flat.view(np.uint8)
+    if ggml_type == Q.BF16 and flat.dtype == BF16_BITS:
+        if any(_has_nan_bf16(flat[i:i + PIECE]) for i in range(0, flat.size, PIECE)):
             return None  # gguf-py sets the quiet bit of NaNs: encode
-        return bits.view(np.uint8)
+        return flat.view(np.uint8)
     return None
 
 
@@ -80,55 +79,59 @@ class _Scratch(threading.local):
     faults, and page-table changes serialise the threads of a process."""
 
     def __init__(self):
-        self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.buffers: dict[tuple[str, np.dtype], np.ndarray] = {}
 
-    def get(self, name: str, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        buf = self.buffers.get((name, dtype))
-        if buf is None or buf.numel() < n:
-            buf = self.buffers[(name, dtype)] = torch.empty(max(n, PIECE), dtype=dtype)
+    def get(self, name: str, n: int, dtype=np.float32) -> np.ndarray:
+        key = (name, np.dtype(dtype))
+        buf = self.buffers.get(key)
+        if buf is None or buf.size < n:
+            buf = self.buffers[key] = np.empty(max(n, PIECE), dtype=dtype)
         return buf[:n]
 
 
 _scratch = _Scratch()
 
 
-def _encode_piece(piece: torch.Tensor, ggml_type: GGMLQuantizationType, out: np.ndarray) -> None:
-    if ggml_type not in _FAST:
+def _encode_piece(piece: np.ndarray, ggml_type: GGMLQuantizationType, out: np.ndarray) -> None:
+    bf16_in = piece.dtype == BF16_BITS
+    if ggml_type not in _FAST or (ggml_type == Q.BF16 and not bf16_in):
         out[:] = _reference(piece, ggml_type)
         return
-    if ggml_type == Q.BF16 and piece.dtype == torch.bfloat16:
-        out[:] = _bytes(piece)  # BF16 -> float32 -> BF16 is exact: the source bits are the answer
-        if _has_nan_bf16(out.view(np.uint16)):  # gguf-py sets the quiet bit of NaNs: let it decide
+    if ggml_type == Q.BF16:
+        out[:] = piece.view(np.uint8)  # BF16 -> float32 -> BF16 is exact: the source bits are the answer
+        if _has_nan_bf16(piece):  # gguf-py sets the quiet bit of NaNs: let it decide
             out[:] = _reference(piece, ggml_type)
         return
-    n = piece.numel()
-    target = torch.from_numpy(out)
     if ggml_type == Q.F32:
-        target.view(torch.float32).copy_(piece)
-    elif ggml_type == Q.Q8_0:
-        x = _scratch.get("x", n).copy_(piece)
-        with np.errstate(all="ignore"):  # subnormal scales overflow 1/d exactly as in gguf.quants
-            finite = _q8_0(x, target.view(-1, 34))
-        if not finite:  # an inf or NaN in some block
-            out[:] = _reference(piece, ggml_type)
-    else:  # BF16 from float32 values
-        target.view(torch.bfloat16).copy_(piece)
-        if bool(torch.isnan(piece).any()):  # gguf-py sets the quiet bit of NaNs: let it decide
-            out[:] = _reference(piece, ggml_type)
+        _widen(piece, out.view(np.float32))
+        return
+    with np.errstate(all="ignore"):  # subnormal scales overflow 1/d exactly as in gguf.quants
+        encoded = _q8_0(_widen(piece, _scratch.get("x", piece.size)), out.reshape(-1, 34))
+    if not encoded:  # an inf or NaN in some block
+        out[:] = _reference(piece, ggml_type)
 
 
-def _q8_0(x: torch.Tensor, out: torch.Tensor) -> bool:
+def _widen(piece: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Exact float32 values of a piece (BF16 bits shifted into place, other floats cast) into `target`."""
+    if piece.dtype == BF16_BITS:
+        np.left_shift(piece, 16, out=target.view(np.uint32), dtype=np.uint32)
+    else:
+        np.copyto(target, piece, casting="same_kind")
+    return target
+
+
+def _q8_0(x: np.ndarray, out: np.ndarray) -> bool:
     """Blocks of 32: an F16 scale d = max|x| / 127 and 32 int8 values round(x / d), as gguf.quants.
 
     Writes `out` ([blocks, 34] uint8) and returns True, or returns False for non-finite input.
-    numpy's ufuncs cost ~1 µs each outside their loops against ~10 µs for torch's, and release the
-    GIL inside them, so this kernel runs on several threads at once where a torch one serialises.
+    numpy's ufuncs release the GIL inside their loops, so this kernel runs on several threads at
+    once; `x` (float32 scratch) is overwritten.
     """
-    n, m = x.numel(), x.numel() // 32
-    blocks = x.numpy().reshape(m, 32)
-    work = _scratch.get("work", n).numpy().reshape(m, 32)
-    rounded = _scratch.get("rounded", n).numpy().reshape(m, 32)
-    amax, d = _scratch.get("amax", m).numpy().reshape(m, 1), _scratch.get("d", m).numpy().reshape(m, 1)
+    n, m = x.size, x.size // 32
+    blocks = x.reshape(m, 32)
+    work = _scratch.get("work", n).reshape(m, 32)
+    rounded = _scratch.get("rounded", n).reshape(m, 32)
+    amax, d = _scratch.get("amax", m).reshape(m, 1), _scratch.get("d", m).reshape(m, 1)
     np.abs(blocks, out=work)
     np.max(work, axis=1, keepdims=True, out=amax)
     if not np.isfinite(amax).all():
@@ -147,25 +150,17 @@ def _q8_0(x: torch.Tensor, out: torch.Tensor) -> bool:
     np.add(rounded, work, out=rounded)
     sign_bits = np.bitwise_and(scaled.view(np.uint32), np.uint32(0x80000000), out=scaled.view(np.uint32))
     np.bitwise_or(rounded.view(np.uint32), sign_bits, out=rounded.view(np.uint32))
-    target = out.numpy()
-    target[:, :2] = d.astype(np.float16).view(np.uint8)
-    target[:, 2:] = rounded.astype(np.int8).view(np.uint8)  # integral values; -0.0 -> 0
+    out[:, :2] = d.astype(np.float16).view(np.uint8)
+    out[:, 2:] = rounded.astype(np.int8).view(np.uint8)  # integral values; -0.0 -> 0
     return True
 
 
 def _has_nan_bf16(bits: np.ndarray) -> bool:
-    """Exponent all ones and a non-zero mantissa (numpy's integer kernels: ~8x torch's bf16 isnan)."""
-    work = np.bitwise_and(bits, 0x7FFF, out=_scratch.get("nan", bits.size, torch.int16).numpy().view(np.uint16))
+    """Exponent all ones and a non-zero mantissa."""
+    work = np.bitwise_and(bits, 0x7FFF, out=_scratch.get("nan", bits.size, np.uint16))
     return bool(np.any(work > 0x7F80))
 
 
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    """A tensor's bytes as a flat uint8 array (numpy has no bfloat16: go through int16)."""
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return t.numpy().reshape(-1).view(np.uint8)
-
-
-def _reference(piece: torch.Tensor, ggml_type: GGMLQuantizationType) -> np.ndarray:
+def _reference(piece: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
     with np.errstate(all="ignore"):  # infinities and NaNs encode as gguf-py encodes them, silently
-        return reference_encode(piece.float().numpy(), ggml_type)
+        return reference_encode(as_float32(piece), ggml_type)

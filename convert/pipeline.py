@@ -4,7 +4,7 @@ The conversion engine submits one job per chunk of a tensor (encode) and follows
 do with the result (write it); markers (start a tensor, finish it, release its source) queue
 between them. Results are consumed on the submitting thread, strictly in order, so the output is
 the same bytes whatever the number of threads, while workers encode ahead and the consuming thread
-writes (torch kernels and file writes both run outside the GIL). At most `backlog` jobs are in
+writes (numpy kernels, the native encoder and file writes all run outside the GIL). At most `backlog` jobs are in
 flight, which bounds the memory held by finished-but-unwritten chunks.
 """
 
@@ -23,14 +23,6 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _single_threaded_torch() -> None:
-    """Each worker runs torch kernels on its own thread only. OpenMP's thread count is per thread, so
-    a new thread would otherwise start a team per kernel and the workers would fight over the cores."""
-    import torch
-
-    torch.set_num_threads(1)
-
-
 class OrderedPool:
     """`submit(job, then)` runs job() on a worker and then(result) here, in submission order.
 
@@ -40,8 +32,8 @@ class OrderedPool:
     def __init__(self, threads: int, backlog: int | None = None):
         self.threads = max(1, threads)
         self.backlog = backlog or 2 * self.threads + 2
-        self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="specconv-encode",
-                                            initializer=_single_threaded_torch) if self.threads > 1 else None
+        self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="specconv-encode") \
+            if self.threads > 1 else None
         self._pending: deque[tuple[Future | None, Callable[[Any], None]]] = deque()
 
     def submit(self, job: Callable[[], Any], then: Callable[[Any], None]) -> None:

@@ -18,13 +18,12 @@ from collections import Counter, deque
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 
 from specconv.archs import transforms as tf
 from specconv.archs.base import TensorPlan
 from specconv.archs.errors import SpecconvError
 
-from .checkpoint import TORCH_FLOAT_DTYPES, CheckpointReader
+from .checkpoint import FLOAT_DTYPES, CheckpointReader
 from .kernels import PIECE, encode_run, encoded_size, passthrough
 from .outtype import INTEGER_TYPES, encode_integer
 from .pipeline import OrderedPool
@@ -40,15 +39,15 @@ class Sources:
     def __init__(self, reader: CheckpointReader, raw_of: dict[str, str], needed: Sequence[TensorPlan]):
         self.reader, self.raw_of = reader, raw_of
         self.uses = Counter(s for p in needed for s in p.sources)
-        self._float32: dict[str, torch.Tensor] = {}  # copies kept for a later value transform
+        self._float32: dict[str, np.ndarray] = {}  # copies kept for a later value transform
 
     def stored(self, name: str) -> str:
         return self.reader.tensors[self.raw_of[name]].dtype
 
-    def view(self, name: str) -> torch.Tensor:
+    def view(self, name: str) -> np.ndarray:
         return self.reader.view(self.raw_of[name])
 
-    def float32(self, name: str) -> torch.Tensor:
+    def float32(self, name: str) -> np.ndarray:
         if name not in self._float32:
             self._float32[name] = self.reader.read_tensor(self.raw_of[name])
         return self._float32[name]
@@ -70,43 +69,35 @@ class Sources:
                 self.reader.release(self.raw_of[s])
 
 
-def output_runs(plan: TensorPlan, sources: Sources) -> list[torch.Tensor]:
+def output_runs(plan: TensorPlan, sources: Sources) -> list[np.ndarray]:
     """Tensors whose flat concatenation is the output's values (torch order), in a float dtype."""
-    layout = tf.is_layout_only(plan.transform) and all(sources.stored(s) in TORCH_FLOAT_DTYPES for s in plan.sources)
-    with torch.no_grad():
-        if layout:
-            inputs = [sources.view(s) for s in plan.sources]
-        else:
-            inputs = [sources.float32(s) for s in plan.sources]
-        if tf.is_concatenation(plan.transform):
-            runs = inputs
-            shape = (len(runs), *runs[0].shape) if runs and all(r.shape == runs[0].shape for r in runs) else None
-        else:
-            result = plan.transform(inputs)
-            runs, shape = contiguous_runs(result), tuple(result.shape)
+    layout = tf.is_layout_only(plan.transform) and all(sources.stored(s) in FLOAT_DTYPES for s in plan.sources)
+    if layout:
+        inputs = [sources.view(s) for s in plan.sources]
+    else:
+        inputs = [sources.float32(s) for s in plan.sources]
+    if tf.is_concatenation(plan.transform):
+        runs = inputs
+        shape = (len(runs), *runs[0].shape) if runs and all(r.shape == runs[0].shape for r in runs) else None
+    else:
+        result = np.asarray(plan.transform(inputs))
+        runs, shape = contiguous_runs(result), tuple(result.shape)
     if shape is None or tuple(shape) != tuple(plan.shape):
         raise SpecconvError(f"internal: {plan.name} came out as {list(shape) if shape else '?'}, "
                             f"planned {list(plan.shape)}")
-    if layout and not any(_shares_memory(r, i) for r in runs for i in inputs):
+    if layout and not any(np.may_share_memory(r, i) for r in runs for i in inputs):
         sources.release_all(plan)  # a copy was made: the mapped source pages are no longer needed
     return runs
 
 
-def contiguous_runs(t: torch.Tensor) -> list[torch.Tensor]:
+def contiguous_runs(t: np.ndarray) -> list[np.ndarray]:
     """A view as the contiguous blocks it is made of, in order (e.g. the gate half of every expert of a
     fused [E, 2F, H] tensor: E blocks); a view that is not blocks of rows (a transpose) is copied."""
-    if t.is_contiguous():
+    if t.flags.c_contiguous:
         return [t]
-    if t.dim() >= 2 and t[0].numel() >= MIN_RUN and t[0].is_contiguous():
+    if t.ndim >= 2 and t[0].size >= MIN_RUN and t[0].flags.c_contiguous:
         return [row for i in range(t.shape[0]) for row in contiguous_runs(t[i])]
-    return [t.contiguous()]
-
-
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+    return [np.ascontiguousarray(t)]
 
 
 class Buffers:
@@ -140,7 +131,7 @@ def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, ou
         if on_bytes is not None:
             on_bytes(name, data.nbytes * len(outputs))
 
-    def write_chunk(result: tuple[np.ndarray, torch.Tensor | None]) -> None:
+    def write_chunk(result: tuple[np.ndarray, np.ndarray | None]) -> None:
         data, borrowed = result
         write(data)
         if borrowed is None:
@@ -155,28 +146,27 @@ def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, ou
 
     pool.after(lambda: [o.begin(name, nbytes) for o in outputs])
     if ggml_type in INTEGER_TYPES:  # exact integers (e.g. EAGLE-3 d2t): small, made here, never via float
-        with torch.no_grad():
-            values = plan.transform([sources.reader.read_tensor(sources.raw_of[s]) for s in plan.sources])
+        values = np.asarray(plan.transform([sources.reader.read_tensor(sources.raw_of[s]) for s in plan.sources]))
         if tuple(values.shape) != tuple(plan.shape):
             raise SpecconvError(f"internal: {name} came out as {list(values.shape)}, planned {list(plan.shape)}")
-        data = encode_integer(values.contiguous().numpy(), ggml_type)
+        data = encode_integer(values, ggml_type)
         pool.after(lambda: write(data))
     else:
         for run in output_runs(plan, sources):
             flat = run.reshape(-1)
-            for start in range(0, flat.numel(), CHUNK):
+            for start in range(0, flat.size, CHUNK):
                 pool.submit(_encoder(sources.reader, flat[start:start + CHUNK], ggml_type, buffers), write_chunk)
     pool.after(finish)
 
 
-def _encoder(reader: CheckpointReader, chunk: torch.Tensor, ggml_type,
-             buffers: Buffers) -> Callable[[], tuple[np.ndarray, torch.Tensor | None]]:
+def _encoder(reader: CheckpointReader, chunk: np.ndarray, ggml_type,
+             buffers: Buffers) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
     """The job for one chunk: (bytes to write, the source view they borrow, or None for a pool buffer)."""
-    def job() -> tuple[np.ndarray, torch.Tensor | None]:
+    def job() -> tuple[np.ndarray, np.ndarray | None]:
         same = passthrough(chunk, ggml_type)
         if same is not None:  # written straight from the checkpoint's pages: no copy
             return same, chunk
-        data = encode_run(chunk, ggml_type, buffers.take(encoded_size(chunk.numel(), ggml_type)))
+        data = encode_run(chunk, ggml_type, buffers.take(encoded_size(chunk.size, ggml_type)))
         reader.release_memory(chunk)  # a view over the map: its pages are done with
         return data, None
     return job

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specconv.archs import Checkpoint, SourceTensor, plugin_class_for
@@ -150,7 +151,7 @@ def convert(p, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     src = normalised(p.checkpoint.config, tensors)
     out = {}
     for plan in p.tensor_plan():
-        t = plan.transform([src[s].float() for s in plan.sources])
+        t = torch.from_numpy(np.array(plan.transform([src[s].float().numpy() for s in plan.sources])))
         assert tuple(t.shape) == plan.shape, (plan.name, tuple(t.shape), plan.shape)
         out[plan.name] = t
     return out

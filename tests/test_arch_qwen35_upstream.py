@@ -53,16 +53,22 @@ def test_plugin_matches_upstream_converter(tmp_path, kwargs):
     up_f32 = {n for n, t in up_tensors.items() if t.tensor_type == GGMLQuantizationType.F32}
     assert {pl.name for pl in plans if pl.force_type == GGMLQuantizationType.F32} == up_f32
 
-    worst = 0.0
+    worst, off_by_one_ulp = 0.0, 0
     for pl in plans:
-        ours = pl.transform([tensors[s].float() for s in pl.sources])
+        ours = torch.from_numpy(np.array(pl.transform([tensors[s].float().numpy() for s in pl.sources])))
         if pl.name not in up_f32:
             ours = ours.half()
         theirs = torch.from_numpy(np.array(up_tensors[pl.name].data)).reshape(pl.shape)
         assert theirs.dtype == ours.dtype, pl.name
         worst = max(worst, (ours.float() - theirs.float()).abs().max().item())
-        assert torch.equal(ours, theirs), pl.name
-    print(f"{kwargs}: {len(plans)} tensors, max |plugin - upstream| = {worst:.1e}")
+        if pl.name.endswith("ssm_a"):  # -exp(A_log): ours correctly rounded, upstream torch's float32 exp
+            ulps = (ours.view(torch.int32).long() - theirs.view(torch.int32).long()).abs()
+            assert int(ulps.max()) <= 1, pl.name
+            off_by_one_ulp += int(ulps.sum())
+        else:
+            assert torch.equal(ours, theirs), pl.name
+    print(f"{kwargs}: {len(plans)} tensors, max |plugin - upstream| = {worst:.1e}, "
+          f"{off_by_one_ulp} ssm_a values 1 ulp apart (torch exp vs correctly rounded)")
 
     arch = p.gguf_arch
     assert up.fields["general.architecture"].contents() == arch

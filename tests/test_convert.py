@@ -418,3 +418,19 @@ def test_json_result_names_the_written_files(sources, tmp_path, capsys):
     written = sorted(Path(p).name for p in result["written"])
     assert written == sorted(p.name for p in tmp_path.iterdir()) and len(written) >= 3
     assert {f["kind"] for f in result["files"]} == {"trunk", "sidecar"} and not result["dry_run"]
+
+
+@pytest.mark.parametrize("outtype", ["bf16", "q8_0"])
+def test_conversion_never_imports_torch(sources, tmp_path, outtype):
+    """The converter is numpy only: importing torch costs seconds, more than converting a small model."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "model.gguf"
+    script = ("import sys\nfrom specconv.cli import main\n"
+              "try:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
+              "print('imported:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script, "convert", str(sources(moe=True)), "-o", str(out),
+                           "--outtype", outtype], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert out.is_file() and "imported: []" in done.stdout, done.stdout

@@ -17,6 +17,22 @@ from specconv.convert import kernels
 from specconv.convert.outtype import encode as reference
 
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0]
+SOURCES = ["float32", "bfloat16", "float16"]
+
+
+def _source(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values as the converter receives them: numpy float arrays, BF16 as uint16 bits
+    (rounded to BF16 by torch, independently of the code under test)."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(x).bfloat16().view(torch.int16).numpy().view(np.uint16)
+    return x.astype(dtype)
+
+
+def _float32(source: np.ndarray) -> np.ndarray:
+    """The exact float32 values of a source array (torch widens the BF16 bits)."""
+    if source.dtype == np.uint16:
+        return torch.from_numpy(source.view(np.int16)).view(torch.bfloat16).float().numpy()
+    return source.astype(np.float32)
 
 
 def _values(n_rows: int, row: int, seed: int) -> np.ndarray:
@@ -43,10 +59,10 @@ def _special(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("source_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("source_dtype", SOURCES)
 def test_chunk_encoder_matches_gguf_quants(ggml_type, source_dtype):
-    x = torch.from_numpy(_values(40, 2048, seed=1)).to(source_dtype)
-    want = reference(x.float().numpy(), ggml_type)
+    x = _source(_values(40, 2048, seed=1), source_dtype)
+    want = reference(_float32(x), ggml_type)
     got = kernels.encode_run(x, ggml_type)
     assert got.dtype == np.uint8 and got.nbytes == want.nbytes
     mismatched = int(np.count_nonzero(got != want))
@@ -56,12 +72,12 @@ def test_chunk_encoder_matches_gguf_quants(ggml_type, source_dtype):
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_non_finite_values_encode_as_gguf_quants_does(ggml_type):
-    x = torch.from_numpy(_special(_values(16, 256, seed=2)))
+    x = _special(_values(16, 256, seed=2))
     with np.errstate(all="ignore"):
-        want = reference(x.numpy(), ggml_type)
-    for source in (x, x.bfloat16()):
+        want = reference(x, ggml_type)
+    for source in (x, _source(x, "bfloat16"), _source(x, "float16")):
         with np.errstate(all="ignore"):
-            expected = reference(source.float().numpy(), ggml_type)
+            expected = reference(_float32(source), ggml_type)
         assert np.array_equal(kernels.encode_run(source, ggml_type), expected)
     assert np.array_equal(kernels.encode_run(x, ggml_type), want)
 
@@ -70,8 +86,8 @@ def test_non_finite_values_encode_as_gguf_quants_does(ggml_type):
 def test_runs_across_piece_boundaries(monkeypatch, ggml_type):
     """A run longer than a piece, ending mid-piece, encodes like one whole-tensor call."""
     monkeypatch.setattr(kernels, "PIECE", 256)
-    x = torch.from_numpy(_values(9, 96, seed=3).reshape(-1)[: 9 * 96 - 32]).bfloat16()  # 832 = 3.25 pieces
-    assert np.array_equal(kernels.encode_run(x, ggml_type), reference(x.float().numpy(), ggml_type))
+    x = _source(_values(9, 96, seed=3).reshape(-1)[: 9 * 96 - 32], "bfloat16")  # 832 = 3.25 pieces
+    assert np.array_equal(kernels.encode_run(x, ggml_type), reference(_float32(x), ggml_type))
 
 
 def test_rounding_is_half_away_from_zero():
@@ -79,7 +95,7 @@ def test_rounding_is_half_away_from_zero():
     block = np.zeros(32, dtype=np.float32)
     block[:4] = [0.5, -0.5, 2.5, np.nextafter(np.float32(0.5), np.float32(0))]
     block[31] = 127.0
-    got = kernels.encode_run(torch.from_numpy(block), Q.Q8_0)
+    got = kernels.encode_run(block, Q.Q8_0)
     assert np.frombuffer(got[:2].tobytes(), dtype=np.float16)[0] == 1.0
     assert list(got[2:6].view(np.int8)) == [1, -1, 3, 0]
 
@@ -87,14 +103,14 @@ def test_rounding_is_half_away_from_zero():
 def test_passthrough_only_where_encoding_keeps_the_bytes():
     """BF16 from BF16 and F32 from F32 are written as the source bytes (no copy), equal to gguf-py's
     encoding; a BF16 run with a NaN, or any other pairing, is encoded instead."""
-    x = torch.from_numpy(_values(8, 512, seed=4))
-    for source, ggml_type in ((x.bfloat16(), Q.BF16), (x, Q.F32)):
+    x = _values(8, 512, seed=4)
+    bf16 = _source(x, "bfloat16")
+    for source, ggml_type in ((bf16, Q.BF16), (x, Q.F32)):
         same = kernels.passthrough(source, ggml_type)
-        assert same is not None and np.array_equal(same, reference(source.float().numpy(), ggml_type))
-        assert np.shares_memory(same, source.numpy() if source.dtype == torch.float32
-                                else source.view(torch.int16).numpy())
-    with_nan = x.bfloat16().clone()
-    with_nan[3, 5] = float("nan")
+        assert same is not None and np.array_equal(same, reference(_float32(source), ggml_type))
+        assert np.shares_memory(same, source)
+    with_nan = bf16.copy()
+    with_nan[3, 5] = _source(np.array([np.nan], dtype=np.float32), "bfloat16")[0]
     assert kernels.passthrough(with_nan, Q.BF16) is None
-    assert kernels.passthrough(x, Q.BF16) is None and kernels.passthrough(x.bfloat16(), Q.Q8_0) is None
-    assert kernels.passthrough(x.half(), Q.F16) is None
+    assert kernels.passthrough(x, Q.BF16) is None and kernels.passthrough(bf16, Q.Q8_0) is None
+    assert kernels.passthrough(x.astype(np.float16), Q.F16) is None
