@@ -1,9 +1,11 @@
 """Lazy reading of Hugging Face safetensors checkpoints (one file, or shards with an index).
 
 Only headers are parsed up front; tensor bytes are memory-mapped. `view` gives a tensor in its own
-dtype straight over the map (no copy), `read_tensor` a float32 or int64 copy; `release` hands the
-pages of a consumed tensor back to the OS (they stay in the page cache), so a conversion's resident
-memory does not grow with the model: mapped pages count in a process's RSS until released. Every way a checkpoint can
+dtype straight over the map (no copy, nothing read yet), `read_into` copies a piece of such a view
+with a positioned read (never faulting the map's pages in), `read_tensor` gives a float32 or int64
+copy; `release` hands the pages of a consumed tensor back to the OS (they stay in the page cache),
+so a conversion's resident memory does not grow with the model: mapped pages count in a process's
+RSS until released. Every way a checkpoint can
 be broken (missing shard, truncated file, corrupt header, unknown dtype) becomes a one-line
 SpecconvError naming the file. Pickled weights (`pytorch_model.bin`) are never opened.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -53,12 +56,14 @@ class StoredTensor:
 
 
 class SafetensorsFile:
-    """One safetensors file: a validated header and a lazily created read-only memory map."""
+    """One safetensors file: a validated header, a lazily created read-only memory map, and a file
+    descriptor for positioned reads."""
 
     def __init__(self, path: Path):
         self.path = path
         self.tensors = _parse_header(path)
         self._map: mmap.mmap | None = None
+        self._fd: int | None = None
         self.address = 0  # where the map starts in this process's memory (0: not mapped)
 
     def buffer(self) -> mmap.mmap:
@@ -67,6 +72,17 @@ class SafetensorsFile:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self.address = np.frombuffer(self._map, dtype=np.uint8, count=1).ctypes.data
         return self._map
+
+    def read_at(self, offset: int, out: np.ndarray) -> None:
+        """Fill `out` (contiguous) with the file's bytes from `offset` (GIL released while reading)."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        target, done = memoryview(out).cast("B"), 0
+        while done < len(target):
+            n = os.preadv(self._fd, [target[done:]], offset + done)
+            if n <= 0:
+                raise SpecconvError(f"{self.path.name}: file shrank while being read (at byte {offset + done})")
+            done += n
 
     def advise(self, start: int, end: int, advice: int) -> None:
         """madvise over the pages covering file bytes [start, end) (no-op where unsupported)."""
@@ -78,6 +94,9 @@ class SafetensorsFile:
             self._map.madvise(advice, first, length)
 
     def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._map is not None:
             try:
                 self._map.close()
@@ -263,13 +282,24 @@ class CheckpointReader:
         st = self.tensors[raw_name]
         self._by_path[st.file].advise(st.offset, st.offset + st.nbytes, _DONTNEED)
 
-    def release_memory(self, t: np.ndarray) -> None:
-        """Drop the mapped pages under a contiguous view made by `view` (anything else: no-op)."""
-        start, n = t.ctypes.data, t.nbytes
+    def read_into(self, t: np.ndarray, out: np.ndarray) -> bool:
+        """Copy a contiguous view made by `view` into `out` with a positioned read instead of through the
+        map: no page faults, and the map's pages stay untouched (nothing to release). False, and `out`
+        untouched, when `t` is not such a view (e.g. a transform's result)."""
+        where = self._mapped_at(t)
+        if where is None:
+            return False
+        f, offset = where
+        f.read_at(offset, out)
+        return True
+
+    def _mapped_at(self, t: np.ndarray) -> tuple[SafetensorsFile, int] | None:
+        """(file, byte offset) of a view lying in one of the memory maps."""
+        start = t.ctypes.data
         for f in self.files:
-            if f.address and f.address <= start < f.address + len(f.buffer()):
-                f.advise(start - f.address, start - f.address + n, _DONTNEED)
-                return
+            if f.address and f.address <= start and start + t.nbytes <= f.address + len(f.buffer()):
+                return f, start - f.address
+        return None
 
     def close(self) -> None:
         for f in self.files:

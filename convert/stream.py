@@ -5,9 +5,10 @@ whose flat concatenation is the output. For an unchanged tensor the run is a vie
 checkpoint's memory map (no copy); for a stack of experts the runs are the experts' own views; a
 layout-only transform (re-tiling, slicing, ...) runs once in the stored dtype; only value-changing
 transforms (small tensors such as norms) see float32 copies; a slice of a fused tensor streams as
-the contiguous blocks it is made of. Runs are cut into chunks of CHUNK
-elements, each encoded on a worker and written in order; a chunk's mapped pages are released as soon
-as it is encoded, and a source's pages when its last tensor is done. So the resident memory of a
+the contiguous blocks it is made of. Runs are cut into chunks of CHUNK elements, each encoded on a
+worker and written in order. A chunk of a view is read from the file into a pool buffer (a positioned
+read: the mapped pages are never touched), and the pages a copying transform did touch are released
+when its source is done. So the resident memory of a
 conversion is bounded by the backlog of chunks plus the largest tensor a transform has to reorder,
 whatever the size of the model (docs/convert.md, "Throughput and memory").
 """
@@ -102,7 +103,8 @@ def contiguous_runs(t: np.ndarray) -> list[np.ndarray]:
 
 class Buffers:
     """Output buffers for encoded chunks, reused: a fresh multi-MB allocation is page faults, and
-    page-table changes stall every thread of the process. At most backlog + threads are in use."""
+    page-table changes stall every thread of the process. At most backlog + 2·threads are in use
+    (a chunk in flight holds one; a worker holds one more for the chunk it reads)."""
 
     def __init__(self):
         self._free: deque[np.ndarray] = deque()
@@ -132,12 +134,10 @@ def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, ou
             on_bytes(name, data.nbytes * len(outputs))
 
     def write_chunk(result: tuple[np.ndarray, np.ndarray | None]) -> None:
-        data, borrowed = result
+        data, pooled = result
         write(data)
-        if borrowed is None:
-            buffers.give(data)
-        else:  # the bytes were the source's own: its mapped pages are done with now
-            sources.reader.release_memory(borrowed)
+        if pooled is not None:
+            buffers.give(pooled)
 
     def finish() -> None:
         for o in outputs:
@@ -161,12 +161,24 @@ def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, ou
 
 def _encoder(reader: CheckpointReader, chunk: np.ndarray, ggml_type,
              buffers: Buffers) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
-    """The job for one chunk: (bytes to write, the source view they borrow, or None for a pool buffer)."""
+    """The job for one chunk: (bytes to write, the pool buffer holding them or None).
+
+    A chunk lying in the checkpoint's memory map is first read into a pool buffer with a positioned
+    read (a plain copy from the page cache, like `cp`: no page faults, no mapped pages to release);
+    when encoding keeps its bytes (BF16 from BF16, F32 from F32) that buffer is what gets written.
+    """
     def job() -> tuple[np.ndarray, np.ndarray | None]:
-        same = passthrough(chunk, ggml_type)
-        if same is not None:  # written straight from the checkpoint's pages: no copy
-            return same, chunk
-        data = encode_run(chunk, ggml_type, buffers.take(encoded_size(chunk.size, ggml_type)))
-        reader.release_memory(chunk)  # a view over the map: its pages are done with
-        return data, None
+        staged: np.ndarray | None = buffers.take(chunk.nbytes)
+        if reader.read_into(chunk, staged):
+            values = staged.view(chunk.dtype)
+        else:  # computed values, already in memory
+            buffers.give(staged)
+            staged, values = None, chunk
+        same = passthrough(values, ggml_type)
+        if same is not None:
+            return same, staged
+        data = encode_run(values, ggml_type, buffers.take(encoded_size(chunk.size, ggml_type)))
+        if staged is not None:
+            buffers.give(staged)
+        return data, data
     return job

@@ -6,7 +6,7 @@ its peak resident set is read from the OS by tools/peak_rss.py (rusage of the ch
 mark, which counts mapped file pages as well as heap). The baseline is a `--dry-run` of the large one: the same imports, headers,
 tokenizer and metadata, no tensor data. The stated bound (docs/convert.md, "Throughput and memory")
 is: baseline + 32 MB (the encoding kernels' code pages, worker stacks, allocator slack) +
-(2·threads + 2) chunk buffers of ≤ 4 MB + 4 MB of work buffers per thread + twice the largest
+(2·threads + 2) chunk buffers of ≤ 4 MB + per thread 4 MB of work buffers and a ≤ 4 MB read buffer + twice the largest
 tensor a transform copies (here a re-tiled linear-attention projection). Repeated runs of one
 checkpoint vary by a few MB, so the growth allowed from 4 to 24 layers is 10 % of the added weights
 (mapping the weights without releasing them would add all of them).
@@ -74,7 +74,7 @@ def test_peak_memory_is_independent_of_model_size(checkpoints, tmp_path, outtype
         peaks[name] = _peak_rss(["convert", str(src), "-o", str(tmp_path / f"{name}.gguf"), *common], tmp_path)
         assert (tmp_path / f"{name}.gguf").is_file()
     grown = _bytes_on_disk(large) - _bytes_on_disk(small)
-    bound = 32 * MB + (2 * THREADS + 2) * 4 * MB + THREADS * 4 * MB + 2 * _largest_copied_tensor(large)
+    bound = 32 * MB + (2 * THREADS + 2) * 4 * MB + THREADS * 8 * MB + 2 * _largest_copied_tensor(large)
     print(f"{outtype}: checkpoints {_bytes_on_disk(small) / MB:.0f} MB and {_bytes_on_disk(large) / MB:.0f} MB; "
           f"peak RSS dry-run {baseline / MB:.0f} MB, small {peaks['small'] / MB:.0f} MB, "
           f"large {peaks['large'] / MB:.0f} MB; stated bound over the dry run {bound / MB:.0f} MB")
