@@ -3,7 +3,7 @@
 `outtype.encode` (gguf.quants, numpy) is the reference llama.cpp's converter uses; it makes ~12
 full-size float32 temporaries per call and runs on one core. These kernels produce the same bytes
 on cache-sized pieces into per-thread buffers reused for every piece, with calls that release the
-GIL (numpy ufuncs), so several
+GIL (numpy ufuncs, and the native Q8_0 encoder when it is built: convert/native.py), so several
 threads encode different pieces of a tensor at once. Every quantity is computed with the same IEEE
 float32 operations in the same order as gguf.quants (division, reciprocal, product, round-half-away
 via floor), so the results are bit-identical; a piece holding a NaN or an infinity, whose encoding
@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
 from .checkpoint import BF16_BITS, as_float32
+from .native import q8_0_native
 from .outtype import encode as reference_encode
 
 Q = GGMLQuantizationType
@@ -34,6 +35,7 @@ Q = GGMLQuantizationType
 # the per-thread work buffers stay in cache: 256K elements measured best (docs/convert.md).
 PIECE = 262144
 _FAST = {Q.F32, Q.BF16, Q.Q8_0}  # F16 is numpy's own cast, already fast
+_NATIVE_Q8_0 = q8_0_native()  # the C encoder when built (same bytes, ~5x the numpy kernel)
 
 
 def encoded_size(n_elements: int, ggml_type: GGMLQuantizationType) -> int:
@@ -105,8 +107,12 @@ def _encode_piece(piece: np.ndarray, ggml_type: GGMLQuantizationType, out: np.nd
     if ggml_type == Q.F32:
         _widen(piece, out.view(np.float32))
         return
-    with np.errstate(all="ignore"):  # subnormal scales overflow 1/d exactly as in gguf.quants
-        encoded = _q8_0(_widen(piece, _scratch.get("x", piece.size)), out.reshape(-1, 34))
+    if _NATIVE_Q8_0 is not None:  # reads BF16 bits and float32 directly
+        source = piece if bf16_in or piece.dtype == np.float32 else _widen(piece, _scratch.get("x", piece.size))
+        encoded = _NATIVE_Q8_0(source, out, bf16_in)
+    else:
+        with np.errstate(all="ignore"):  # subnormal scales overflow 1/d exactly as in gguf.quants
+            encoded = _q8_0(_widen(piece, _scratch.get("x", piece.size)), out.reshape(-1, 34))
     if not encoded:  # an inf or NaN in some block
         out[:] = _reference(piece, ggml_type)
 
@@ -123,7 +129,8 @@ def _widen(piece: np.ndarray, target: np.ndarray) -> np.ndarray:
 def _q8_0(x: np.ndarray, out: np.ndarray) -> bool:
     """Blocks of 32: an F16 scale d = max|x| / 127 and 32 int8 values round(x / d), as gguf.quants.
 
-    Writes `out` ([blocks, 34] uint8) and returns True, or returns False for non-finite input.
+    Writes `out` ([blocks, 34] uint8) and returns True, or returns False for non-finite input. The
+    fallback when the native encoder is not built.
     numpy's ufuncs release the GIL inside their loops, so this kernel runs on several threads at
     once; `x` (float32 scratch) is overwritten.
     """
