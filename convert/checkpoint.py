@@ -306,9 +306,16 @@ class CheckpointReader:
             f.close()
 
 
-def as_float32(values: np.ndarray, copy: bool = False) -> np.ndarray:
+def as_float32(values: np.ndarray, copy: bool = False, out: np.ndarray | None = None) -> np.ndarray:
     """Float values in a `FLOAT_DTYPES` dtype (BF16 as uint16 bits) -> float32, exactly (F64 rounds to
-    nearest). Without `copy`, float32 input is returned as it is."""
+    nearest). With `out` (float32, same size) the values are written there and it is returned;
+    otherwise, without `copy`, float32 input is returned as it is."""
+    if out is not None:
+        if values.dtype == BF16_BITS:
+            np.left_shift(values, 16, out=out.view(np.uint32), dtype=np.uint32)
+        else:
+            np.copyto(out, values, casting="same_kind")
+        return out
     if values.dtype == BF16_BITS:
         return np.left_shift(values, 16, dtype=np.uint32).view(np.float32)
     return values.astype(np.float32, copy=copy)

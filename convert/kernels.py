@@ -105,25 +105,16 @@ def _encode_piece(piece: np.ndarray, ggml_type: GGMLQuantizationType, out: np.nd
             out[:] = _reference(piece, ggml_type)
         return
     if ggml_type == Q.F32:
-        _widen(piece, out.view(np.float32))
+        as_float32(piece, out=out.view(np.float32))
         return
     if _NATIVE_Q8_0 is not None:  # reads BF16 bits and float32 directly
-        source = piece if bf16_in or piece.dtype == np.float32 else _widen(piece, _scratch.get("x", piece.size))
+        source = piece if bf16_in or piece.dtype == np.float32 else as_float32(piece, out=_scratch.get("x", piece.size))
         encoded = _NATIVE_Q8_0(source, out, bf16_in)
     else:
         with np.errstate(all="ignore"):  # subnormal scales overflow 1/d exactly as in gguf.quants
-            encoded = _q8_0(_widen(piece, _scratch.get("x", piece.size)), out.reshape(-1, 34))
+            encoded = _q8_0(as_float32(piece, out=_scratch.get("x", piece.size)), out.reshape(-1, 34))
     if not encoded:  # an inf or NaN in some block
         out[:] = _reference(piece, ggml_type)
-
-
-def _widen(piece: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Exact float32 values of a piece (BF16 bits shifted into place, other floats cast) into `target`."""
-    if piece.dtype == BF16_BITS:
-        np.left_shift(piece, 16, out=target.view(np.uint32), dtype=np.uint32)
-    else:
-        np.copyto(target, piece, casting="same_kind")
-    return target
 
 
 def _q8_0(x: np.ndarray, out: np.ndarray) -> bool:

@@ -8,8 +8,6 @@ that end mid-piece.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -17,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from specconv.convert import kernels
 from specconv.convert.outtype import encode as reference
+from tests.fixtures.native import require_native_q8_0
 
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0]
 
@@ -26,10 +25,8 @@ def q8_0_kernel(request, monkeypatch):
     """Every test runs on both Q8_0 kernels: the C encoder (when built) and the numpy fallback."""
     if request.param == "numpy":
         monkeypatch.setattr(kernels, "_NATIVE_Q8_0", None)
-    elif kernels._NATIVE_Q8_0 is None:
-        if os.environ.get("SPECCONV_REQUIRE_NATIVE") == "1":
-            pytest.fail("the native Q8_0 encoder is not built (SPECCONV_REQUIRE_NATIVE=1)")
-        pytest.skip("the native Q8_0 encoder is not built")
+    else:
+        require_native_q8_0()
     return request.param
 SOURCES = ["float32", "bfloat16", "float16"]
 

@@ -5,29 +5,19 @@ Skipped when the extension is not built, unless SPECCONV_REQUIRE_NATIVE=1 (then 
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from specconv.convert.native import q8_0_native
-
-
-def _kernel():
-    fn = q8_0_native()
-    if fn is None:
-        if os.environ.get("SPECCONV_REQUIRE_NATIVE") == "1":
-            pytest.fail("specconv.convert._native is not built but SPECCONV_REQUIRE_NATIVE=1")
-        pytest.skip("specconv.convert._native is not built (no C compiler at install time?)")
-    return fn
+from tests.fixtures.native import require_native_q8_0
 
 
 @pytest.fixture
 def q8_0(monkeypatch):
     monkeypatch.delenv("SPECCONV_NO_NATIVE", raising=False)
-    return _kernel()
+    return require_native_q8_0()
 
 
 def _reference(x32: np.ndarray) -> np.ndarray:
@@ -204,7 +194,7 @@ def test_read_only_source_is_accepted(q8_0):
 
 
 def test_no_native_env_disables_loader(monkeypatch):
-    _kernel()  # only meaningful when the module is built
+    require_native_q8_0()  # only meaningful when the module is built
     monkeypatch.setenv("SPECCONV_NO_NATIVE", "1")
     assert q8_0_native() is None
     monkeypatch.delenv("SPECCONV_NO_NATIVE")
