@@ -58,10 +58,10 @@ def markdown(res: dict) -> str:
         f"Each command ran {res['repeats']}× per output type, interleaved, each run after `sync` with the "
         "previous output deleted and the checkpoint in the page cache. Wall time and peak RSS of the whole "
         "process tree come from the OS (tools/peak_rss.py). The disk floor reads every shard and writes as many "
-        "bytes as specconv's file (plain Python, no compute). specconv ran with "
+        "bytes as specconv's file (plain Python, one 2 MB buffer, no compute). specconv ran with "
         f"`--threads {res['threads']}` (0: one per core), llama.cpp's converter is the one in the "
         "llama-cpp-python 0.3.36 source distribution. Every command includes its interpreter start-up "
-        "(importing torch: about 2 s here).",
+        "(llama.cpp's converter imports torch: about 2 s here; specconv's converter does not).",
         "",
         table(res),
         "",

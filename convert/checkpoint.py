@@ -282,16 +282,18 @@ class CheckpointReader:
         st = self.tensors[raw_name]
         self._by_path[st.file].advise(st.offset, st.offset + st.nbytes, _DONTNEED)
 
-    def read_into(self, t: np.ndarray, out: np.ndarray) -> bool:
+    def is_mapped(self, t: np.ndarray) -> bool:
+        """Whether `t` is a view made by `view` (as opposed to, e.g., a transform's result)."""
+        return self._mapped_at(t) is not None
+
+    def read_into(self, t: np.ndarray, out: np.ndarray) -> None:
         """Copy a contiguous view made by `view` into `out` with a positioned read instead of through the
-        map: no page faults, and the map's pages stay untouched (nothing to release). False, and `out`
-        untouched, when `t` is not such a view (e.g. a transform's result)."""
+        map: no page faults, and the map's pages stay untouched (nothing to release)."""
         where = self._mapped_at(t)
         if where is None:
-            return False
+            raise ValueError("read_into: not a view of a checkpoint file")
         f, offset = where
         f.read_at(offset, out)
-        return True
 
     def _mapped_at(self, t: np.ndarray) -> tuple[SafetensorsFile, int] | None:
         """(file, byte offset) of a view lying in one of the memory maps."""

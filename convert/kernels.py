@@ -156,7 +156,7 @@ def _q8_0(x: np.ndarray, out: np.ndarray) -> bool:
 def _has_nan_bf16(bits: np.ndarray) -> bool:
     """Exponent all ones and a non-zero mantissa."""
     work = np.bitwise_and(bits, 0x7FFF, out=_scratch.get("nan", bits.size, np.uint16))
-    return bool(np.any(work > 0x7F80))
+    return bool(work.max(initial=0) > 0x7F80)  # a reduction: no temporary array (an allocation of this size is an mmap)
 
 
 def _reference(piece: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:

@@ -1,11 +1,11 @@
 """An ordered work pipeline: jobs run on worker threads, their results are consumed in submission order.
 
-The conversion engine submits one job per chunk of a tensor (encode) and follows each with what to
-do with the result (write it); markers (start a tensor, finish it, release its source) queue
-between them. Results are consumed on the submitting thread, strictly in order, so the output is
-the same bytes whatever the number of threads, while workers encode ahead and the consuming thread
-writes (numpy kernels, the native encoder and file writes all run outside the GIL). At most `backlog` jobs are in
-flight, which bounds the memory held by finished-but-unwritten chunks.
+The conversion engine submits one job per chunk of a tensor (read, encode, write at its place) and
+follows each with what to do with the result (account for the bytes, report progress); markers
+(start a tensor, finish it, release its source) queue between them. Results are consumed on the
+submitting thread strictly in order, so every check and progress report happens in tensor order
+whatever the number of threads (numpy kernels, the native encoder and file reads and writes all run
+outside the GIL). At most `backlog` jobs are in flight, which bounds the work queued ahead.
 """
 
 from __future__ import annotations

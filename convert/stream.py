@@ -5,17 +5,19 @@ whose flat concatenation is the output. For an unchanged tensor the run is a vie
 checkpoint's memory map (no copy); for a stack of experts the runs are the experts' own views; a
 layout-only transform (re-tiling, slicing, ...) runs once in the stored dtype; only value-changing
 transforms (small tensors such as norms) see float32 copies; a slice of a fused tensor streams as
-the contiguous blocks it is made of. Runs are cut into chunks of CHUNK elements, each encoded on a
-worker and written in order. A chunk of a view is read from the file into a pool buffer (a positioned
-read: the mapped pages are never touched), and the pages a copying transform did touch are released
-when its source is done. So the resident memory of a
-conversion is bounded by the backlog of chunks plus the largest tensor a transform has to reorder,
-whatever the size of the model (docs/convert.md, "Throughput and memory").
+the contiguous blocks it is made of. Runs are cut into chunks of CHUNK elements; a worker reads a
+chunk of a view from the file into a pool buffer (a positioned read: the mapped pages are never
+touched), encodes it and writes it at its place in every output file (a positioned write), so a chunk
+is in memory only while one worker handles it. The pages a copying transform did touch are released
+when its source is done. So the resident memory of a conversion is bounded by two buffers per worker
+plus the largest tensor a transform has to reorder, whatever the size of the model (docs/convert.md,
+"Throughput and memory").
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
+from itertools import accumulate
 from typing import Callable, Sequence
 
 import numpy as np
@@ -28,7 +30,7 @@ from .checkpoint import FLOAT_DTYPES, CheckpointReader
 from .kernels import PIECE, encode_run, encoded_size, passthrough
 from .outtype import INTEGER_TYPES, encode_integer
 from .pipeline import OrderedPool
-from .writer import GgufOutput
+from .writer import GgufOutput, Place
 
 CHUNK = 4 * PIECE  # elements per encoding job: 1M, i.e. at most 4 MB of output per chunk in flight
 MIN_RUN = 4096  # a view made of smaller blocks is copied rather than streamed block by block
@@ -102,9 +104,9 @@ def contiguous_runs(t: np.ndarray) -> list[np.ndarray]:
 
 
 class Buffers:
-    """Output buffers for encoded chunks, reused: a fresh multi-MB allocation is page faults, and
-    page-table changes stall every thread of the process. At most backlog + 2·threads are in use
-    (a chunk in flight holds one; a worker holds one more for the chunk it reads)."""
+    """Buffers for chunks read and encoded, reused: a fresh multi-MB allocation is page faults, and
+    page-table changes stall every thread of the process. At most two per worker are in use (the
+    chunk it read and its encoding), both given back once the chunk is written."""
 
     def __init__(self):
         self._free: deque[np.ndarray] = deque()
@@ -124,20 +126,18 @@ class Buffers:
 
 def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, outputs: Sequence[GgufOutput],
                   pool: OrderedPool, buffers: Buffers, on_bytes: Callable[[str, int], None] | None = None) -> None:
-    """Queue the encoding and writing of one tensor into every output that holds it."""
+    """Queue the encoding and writing of one tensor into every output that holds it.
+
+    Each chunk is read, encoded and written at its place in every file by the worker that took it;
+    this thread only checks, in order, that every tensor received exactly its bytes."""
     name = plan.name
+    places = [(o, o.place(name)) for o in outputs]
 
-    def write(data: np.ndarray) -> None:
+    def written(n: int) -> None:
         for o in outputs:
-            o.write_part(data)
+            o.written(n)
         if on_bytes is not None:
-            on_bytes(name, data.nbytes * len(outputs))
-
-    def write_chunk(result: tuple[np.ndarray, np.ndarray | None]) -> None:
-        data, pooled = result
-        write(data)
-        if pooled is not None:
-            buffers.give(pooled)
+            on_bytes(name, n * len(outputs))
 
     def finish() -> None:
         for o in outputs:
@@ -150,35 +150,45 @@ def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, ou
         if tuple(values.shape) != tuple(plan.shape):
             raise SpecconvError(f"internal: {name} came out as {list(values.shape)}, planned {list(plan.shape)}")
         data = encode_integer(values, ggml_type)
-        pool.after(lambda: write(data))
+        pool.submit(lambda: _write(places, 0, data), written)
     else:
-        for run in output_runs(plan, sources):
-            flat = run.reshape(-1)
-            for start in range(0, flat.size, CHUNK):
-                pool.submit(_encoder(sources.reader, flat[start:start + CHUNK], ggml_type, buffers), write_chunk)
+        chunks = [flat[start:start + CHUNK] for run in output_runs(plan, sources)
+                  for flat in [run.reshape(-1)] for start in range(0, flat.size, CHUNK)]
+        offsets = list(accumulate((encoded_size(c.size, ggml_type) for c in chunks), initial=0))
+        if offsets[-1] != nbytes:
+            raise SpecconvError(f"internal: {name} encodes to {offsets[-1]} bytes, planned {nbytes}")
+        for chunk, offset in zip(chunks, offsets):
+            pool.submit(_encoder(sources.reader, chunk, ggml_type, buffers, places, offset), written)
     pool.after(finish)
 
 
-def _encoder(reader: CheckpointReader, chunk: np.ndarray, ggml_type,
-             buffers: Buffers) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
-    """The job for one chunk: (bytes to write, the pool buffer holding them or None).
+def _write(places: Sequence[tuple[GgufOutput, Place]], offset: int, data: np.ndarray) -> int:
+    for output, place in places:
+        output.write_at(place, offset, data)
+    return data.nbytes
+
+
+def _encoder(reader: CheckpointReader, chunk: np.ndarray, ggml_type, buffers: Buffers,
+             places: Sequence[tuple[GgufOutput, Place]], offset: int) -> Callable[[], int]:
+    """The job for one chunk: read it, encode it, write it at `offset` in its tensor in every file;
+    returns the number of bytes written per file.
 
     A chunk lying in the checkpoint's memory map is first read into a pool buffer with a positioned
     read (a plain copy from the page cache, like `cp`: no page faults, no mapped pages to release);
     when encoding keeps its bytes (BF16 from BF16, F32 from F32) that buffer is what gets written.
     """
-    def job() -> tuple[np.ndarray, np.ndarray | None]:
-        staged: np.ndarray | None = buffers.take(chunk.nbytes)
-        if reader.read_into(chunk, staged):
-            values = staged.view(chunk.dtype)
-        else:  # computed values, already in memory
-            buffers.give(staged)
-            staged, values = None, chunk
-        same = passthrough(values, ggml_type)
-        if same is not None:
-            return same, staged
-        data = encode_run(values, ggml_type, buffers.take(encoded_size(chunk.size, ggml_type)))
+    def job() -> int:
+        staged = buffers.take(chunk.nbytes) if reader.is_mapped(chunk) else None
         if staged is not None:
-            buffers.give(staged)
-        return data, data
+            reader.read_into(chunk, staged)
+        values = chunk if staged is None else staged.view(chunk.dtype)
+        encoded = None
+        data = passthrough(values, ggml_type)
+        if data is None:
+            data = encoded = encode_run(values, ggml_type, buffers.take(encoded_size(chunk.size, ggml_type)))
+        n = _write(places, offset, data)
+        for used in (staged, encoded):
+            if used is not None:
+                buffers.give(used)
+        return n
     return job

@@ -2,7 +2,9 @@
 
 One `GgufOutput` is one logical file (possibly split into `-00001-of-0000N.gguf` shards by
 gguf-py's writer, which puts `split.no`/`split.count`/`split.tensors.count` in every shard and all
-other KV in shard 1). `AtomicOutputs` writes several outputs in one pass, so `--mtp separate` reads
+other KV in shard 1). Once opened, every tensor has a fixed place in its file, so its chunks are
+written with positioned writes from whichever thread encoded them, in any order; the bytes are the
+same as writing them in sequence. `AtomicOutputs` writes several outputs in one pass, so `--mtp separate` reads
 each source tensor once, and guarantees that on any error or Ctrl-C no file is left behind.
 """
 
@@ -34,6 +36,14 @@ class TensorEntry:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a tensor's bytes lie: an open file and the offset of its first byte."""
+    fd: int
+    offset: int
+    nbytes: int
+
+
 class _Writer(GGUFWriter):
     """gguf-py's writer with array values packed in one call instead of one call per item.
 
@@ -59,7 +69,7 @@ _PLAIN_TYPES = {str: GGUFValueType.STRING, bool: GGUFValueType.BOOL, int: GGUFVa
 
 def _item_type(values: Sequence[Any]) -> GGUFValueType | None:
     first = type(values[0])
-    if first not in _PLAIN_TYPES or not all(type(v) is first for v in values):
+    if first not in _PLAIN_TYPES or set(map(type, values)) != {first}:
         return None  # mixed or numpy items: gguf-py's own inference and checks
     return _PLAIN_TYPES[first]
 
@@ -101,8 +111,9 @@ class GgufOutput:
         self.shard_sizes = [sum(ti.nbytes for ti in shard.values()) for shard in self._writer.tensors]
         self._temp_stem = self.path.with_name(f".{self.path.stem}.partial-{os.getpid()}.gguf")
         self.temp_paths = self._writer.format_shard_names(self._temp_stem)
-        self._next = 0
-        self._open: list | None = None  # [file, bytes still due] of the tensor being written
+        self._places: dict[str, Place] = {}
+        self._next = 0  # tensors accounted for, in order
+        self._due: int | None = None  # bytes still due of the tensor being written
 
     @property
     def total_bytes(self) -> int:
@@ -112,50 +123,67 @@ class GgufOutput:
         return [p for p in self.final_paths if p.exists()]
 
     def open(self) -> None:
-        self._writer.write_header_to_file(self._temp_stem)
-        self._writer.write_kv_data_to_file()
-        self._writer.write_ti_data_to_file()
+        """Write header, KV and tensor infos, and size every file to its final length: from here on each
+        tensor has a fixed place, so any thread can write any chunk of it (`write_at`)."""
+        w = self._writer
+        w.write_header_to_file(self._temp_stem)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        self._places = {}
+        for fout, shard in zip(w.fout, w.tensors):
+            fout.flush()  # header, KV and infos reach the file before any positioned write
+            at = w.ggml_pad(fout.tell(), w.data_alignment)
+            for name, info in shard.items():  # the order and padding of the offsets in the infos
+                self._places[name] = Place(fout.fileno(), at, info.nbytes)
+                at = w.ggml_pad(at + info.nbytes, w.data_alignment)
+            os.ftruncate(fout.fileno(), at)  # alignment padding stays a hole: it reads as the zeros it is
+
+    def place(self, name: str) -> Place:
+        """Where tensor `name`'s bytes go (known once the file is open)."""
+        return self._places[name]
+
+    def write_at(self, place: Place, offset: int, data: np.ndarray) -> None:
+        """Bytes of a tensor starting `offset` bytes into it; safe from any thread, outside the GIL."""
+        if offset < 0 or offset + data.nbytes > place.nbytes:
+            raise SpecconvError(f"internal: {data.nbytes} bytes at {offset} do not fit a {place.nbytes}-byte tensor")
+        view, at = memoryview(data).cast("B"), place.offset + offset
+        while view:
+            n = os.pwrite(place.fd, view, at)
+            view, at = view[n:], at + n
 
     def write(self, name: str, data: np.ndarray) -> None:
         """The next tensor's bytes (flat uint8) in one piece."""
         self.begin(name, data.nbytes)
-        self.write_part(data)
+        self.write_at(self.place(name), 0, data)
+        self.written(data.nbytes)
         self.end()
 
     def begin(self, name: str, nbytes: int) -> None:
-        """Start the next tensor's data; tensors must come in the declared order, parts in byte order."""
+        """Account for the next tensor; tensors must come in the declared order."""
         expected = self.tensors[self._next] if self._next < len(self.tensors) else None
-        if expected is None or name != expected.name or nbytes != expected.nbytes or self._open is not None:
+        if expected is None or name != expected.name or nbytes != expected.nbytes or self._due is not None:
             raise SpecconvError(f"internal: {self.path.name} expected "
                                 f"{expected.name if expected else 'no more tensors'}, got {name} ({nbytes} bytes)")
-        w = self._writer
-        shard = next(i for i, remaining in enumerate(w.tensors) if remaining)  # shards fill in order
-        info = w.tensors[shard].pop(next(iter(w.tensors[shard])))
-        fout = w.fout[shard]
-        w.write_padding(fout, fout.tell())  # each tensor starts on the alignment boundary
-        self._open = [fout, info.nbytes]
+        self._due = nbytes
 
-    def write_part(self, data: np.ndarray) -> None:
-        fout, remaining = self._open
-        if data.nbytes > remaining:
+    def written(self, nbytes: int) -> None:
+        """`nbytes` more of the open tensor's bytes are in the file."""
+        if self._due is None or nbytes > self._due:
             raise SpecconvError(f"internal: {self.path.name}: {self.tensors[self._next].name} got too many bytes")
-        fout.write(memoryview(data).cast("B"))  # large writes go straight to the OS, outside the GIL
-        self._open[1] = remaining - data.nbytes
+        self._due -= nbytes
 
     def end(self) -> None:
-        fout, remaining = self._open
-        if remaining:
+        if self._due:
             raise SpecconvError(f"internal: {self.path.name}: {self.tensors[self._next].name} is "
-                                f"{remaining} bytes short")
-        self._writer.write_padding(fout, self.tensors[self._next].nbytes)
-        self._open = None
+                                f"{self._due} bytes short")
+        self._due = None
         self._next += 1
 
     def close(self) -> None:
         self._writer.close()
 
     def complete(self) -> bool:
-        return self._next == len(self.tensors) and self._open is None
+        return self._next == len(self.tensors) and self._due is None
 
 
 class AtomicOutputs:

@@ -170,19 +170,19 @@ def test_interrupted_conversion_leaves_no_file(build, tmp_path, capsys, monkeypa
     from specconv.convert import writer
 
     src = build(moe=True)
-    real_write, calls = writer.GgufOutput.write_part, {"n": 0}
+    real_write, calls = writer.GgufOutput.write_at, {"n": 0}
 
-    def interrupted(self, data):
+    def interrupted(self, place, offset, data):
         calls["n"] += 1
         if calls["n"] == 20:
             raise KeyboardInterrupt
-        return real_write(self, data)
+        return real_write(self, place, offset, data)
 
-    monkeypatch.setattr(writer.GgufOutput, "write_part", interrupted)
+    monkeypatch.setattr(writer.GgufOutput, "write_at", interrupted)
     out = tmp_path / "out" / "sub"  # a folder the run creates: removed again
     extra = ["--split-max-size", "60K"] if split else []
     rc, _, err = run_cli(capsys, "convert", src, "-o", out / "model.gguf", "--mtp", mode, *extra)
-    assert rc == 130 and calls["n"] == 20, err
+    assert rc == 130 and calls["n"] >= 20, err  # workers may finish the chunks already in flight
     assert not (tmp_path / "out" / "sub").exists()
     assert list((tmp_path / "out").iterdir()) == [] if (tmp_path / "out").exists() else True
 
@@ -192,15 +192,15 @@ def test_error_while_writing_leaves_no_file(build, tmp_path, capsys, monkeypatch
     from specconv.convert import writer
 
     src = build()
-    real_write, calls = writer.GgufOutput.write_part, {"n": 0}
+    real_write, calls = writer.GgufOutput.write_at, {"n": 0}
 
-    def failing(self, data):
+    def failing(self, place, offset, data):
         calls["n"] += 1
         if calls["n"] == 30:
             raise OSError(28, "No space left on device")
-        return real_write(self, data)
+        return real_write(self, place, offset, data)
 
-    monkeypatch.setattr(writer.GgufOutput, "write_part", failing)
+    monkeypatch.setattr(writer.GgufOutput, "write_at", failing)
     out = tmp_path / "out"
     out.mkdir()
     rc, _, err = run_cli(capsys, "convert", src, "-o", out / "model.gguf", "--mtp", "separate")

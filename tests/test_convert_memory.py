@@ -74,7 +74,7 @@ def test_peak_memory_is_independent_of_model_size(checkpoints, tmp_path, outtype
         peaks[name] = _peak_rss(["convert", str(src), "-o", str(tmp_path / f"{name}.gguf"), *common], tmp_path)
         assert (tmp_path / f"{name}.gguf").is_file()
     grown = _bytes_on_disk(large) - _bytes_on_disk(small)
-    bound = 32 * MB + (2 * THREADS + 2) * 4 * MB + THREADS * 8 * MB + 2 * _largest_copied_tensor(large)
+    bound = 32 * MB + THREADS * 12 * MB + 2 * _largest_copied_tensor(large)  # per worker: read, encoded, work
     print(f"{outtype}: checkpoints {_bytes_on_disk(small) / MB:.0f} MB and {_bytes_on_disk(large) / MB:.0f} MB; "
           f"peak RSS dry-run {baseline / MB:.0f} MB, small {peaks['small'] / MB:.0f} MB, "
           f"large {peaks['large'] / MB:.0f} MB; stated bound over the dry run {bound / MB:.0f} MB")
