@@ -9,7 +9,8 @@ once and reused), for each output type, interleaved over the repeats:
 * llama.cpp: its `convert_hf_to_gguf.py` from the llama-cpp-python 0.3.36 source distribution
   (tools/llamacpp_convert.py; the tree is found as tests/run.sh leaves it);
 * floor: a plain Python process that reads every shard and writes as many bytes as our GGUF for
-  that type has, through one 2 MB buffer (no compute: the cost of the bytes alone).
+  that type has, through one 2 MB buffer (no compute: the cost of the bytes alone; for q8_0 it still
+  reads the whole checkpoint, as a conversion must, and writes fewer bytes).
 
 Each command runs under tools/peak_rss.py (wall time; peak RSS of the process tree from the OS).
 Before each run the page cache is flushed to disk (`sync`) and the previous output deleted, so every
@@ -47,14 +48,12 @@ buf = bytearray(2 << 20)  # the fastest plain copy measured here (it stays in th
 view = memoryview(buf)
 left = size
 with open(out, "wb") as w:
-    while left > 0:
-        for path in shards:
-            with open(path, "rb", buffering=0) as r:
-                while left > 0:
-                    n = r.readinto(buf)
-                    if not n:
-                        break
-                    left -= w.write(view[:min(n, left)])
+    for path in shards:  # every byte of the checkpoint is read, as a conversion must
+        with open(path, "rb", buffering=0) as r:
+            while n := r.readinto(buf):
+                left -= w.write(view[:min(n, left)]) if left > 0 else 0
+    while left > 0:  # an output larger than the checkpoint: write the rest again from the buffer
+        left -= w.write(view[:min(len(buf), left)])
 """
 
 

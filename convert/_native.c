@@ -69,51 +69,72 @@ static inline uint32_t bits_from_float(float f)
     return b;
 }
 
-/* Encode one block; returns 0 when it must be left to gguf.quants. */
-static int encode_block(const uint32_t bits[QK], uint8_t *out)
+#define GROUP 8 /* blocks whose scales are computed together: the divisions run as one vector */
+
+/* Encode `n` <= GROUP blocks (GROUP * QK values in `bits`, those past n blocks zero); returns 0
+ * when one of them must be left to gguf.quants. */
+static inline int encode_group(const uint32_t bits[GROUP * QK], uint8_t *out, int n)
 {
     /* For finite values the bit pattern of |x| orders like the value, so an integer max finds
      * amax and, at once, any inf/NaN (exponent all ones). */
-    uint32_t amax_bits = 0;
-    for (int i = 0; i < QK; i++) {
-        uint32_t m = bits[i] & 0x7fffffffu;
-        amax_bits = m > amax_bits ? m : amax_bits;
+    uint32_t amax_bits[GROUP];
+    for (int b = 0; b < GROUP; b++) {
+        uint32_t m = 0;
+        for (int i = 0; i < QK; i++) {
+            uint32_t x = bits[b * QK + i] & 0x7fffffffu;
+            m = x > m ? x : m;
+        }
+        amax_bits[b] = m;
     }
-    if (amax_bits >= 0x7f800000u)
-        return 0;
-    float d = float_from_bits(amax_bits) / 127.0f;
-    float id = d == 0.0f ? 0.0f : 1.0f / d;
-    if (!isfinite(id))
-        return 0;
-    uint16_t dh = half_from_float_bits(bits_from_float(d));
-    out[0] = (uint8_t)(dh & 0xffu);
-    out[1] = (uint8_t)(dh >> 8);
-    for (int i = 0; i < QK; i++) {
-        float v = float_from_bits(bits[i]) * id;
-        float a = fabsf(v); /* |v| <= 127.00002 */
-        /* np_roundf: floor(a) + floor(2 (a - floor(a))). For 0 <= a < 2^23, floor(a) is the
-         * truncation (int)a, a - floor(a) is exact, and floor(2 f) for 0 <= f < 1 is (f >= 0.5);
-         * written this way gcc vectorises it without a libm floorf call. */
-        int fl = (int)a;
-        int q = fl + ((a - (float)fl) >= 0.5f);
-        out[2 + i] = (uint8_t)(int8_t)(v < 0.0f ? -q : q); /* -0.0 -> 0 */
+    float d[GROUP], id[GROUP];
+    for (int b = 0; b < GROUP; b++) {
+        d[b] = float_from_bits(amax_bits[b]) / 127.0f;
+        float r = 1.0f / (d[b] == 0.0f ? 1.0f : d[b]); /* no division by zero, so it vectorises */
+        id[b] = d[b] == 0.0f ? 0.0f : r;
+    }
+    for (int b = 0; b < n; b++)
+        if (amax_bits[b] >= 0x7f800000u || !isfinite(id[b]))
+            return 0;
+    for (int b = 0; b < n; b++) {
+        uint8_t *o = out + (size_t)b * BLOCK_BYTES;
+        uint16_t dh = half_from_float_bits(bits_from_float(d[b]));
+        o[0] = (uint8_t)(dh & 0xffu);
+        o[1] = (uint8_t)(dh >> 8);
+        for (int i = 0; i < QK; i++) {
+            float v = float_from_bits(bits[b * QK + i]) * id[b];
+            float a = fabsf(v); /* |v| <= 127.00002 */
+            /* np_roundf: floor(a) + floor(2 (a - floor(a))). For 0 <= a < 2^23, floor(a) is the
+             * truncation (int)a, a - floor(a) is exact, and floor(2 f) for 0 <= f < 1 is (f >= 0.5);
+             * written this way gcc vectorises it without a libm floorf call. */
+            int fl = (int)a;
+            int q = fl + ((a - (float)fl) >= 0.5f);
+            o[2 + i] = (uint8_t)(int8_t)(v < 0.0f ? -q : q); /* -0.0 -> 0 */
+        }
     }
     return 1;
 }
 
+/* Cloned for AVX2 where the compiler can (picked at load time, so the module still runs on any
+ * x86-64): the same IEEE float32 operations, eight lanes at a time instead of four. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
 static int encode_all(const unsigned char *src, uint8_t *dst, Py_ssize_t blocks, int bf16)
 {
-    uint32_t bits[QK];
-    for (Py_ssize_t b = 0; b < blocks; b++) {
+    uint32_t bits[GROUP * QK];
+    for (Py_ssize_t b = 0; b < blocks; b += GROUP) {
+        int n = blocks - b < GROUP ? (int)(blocks - b) : GROUP;
+        if (n < GROUP)
+            memset(bits, 0, sizeof bits);
         if (bf16) {
-            uint16_t h[QK];
-            memcpy(h, src + (size_t)b * QK * 2, sizeof h); /* buffers need not be aligned */
-            for (int i = 0; i < QK; i++)
+            uint16_t h[GROUP * QK];
+            memcpy(h, src + (size_t)b * QK * 2, (size_t)n * QK * 2); /* buffers need not be aligned */
+            for (int i = 0; i < n * QK; i++)
                 bits[i] = (uint32_t)h[i] << 16;
         } else {
-            memcpy(bits, src + (size_t)b * QK * 4, sizeof bits);
+            memcpy(bits, src + (size_t)b * QK * 4, (size_t)n * QK * 4);
         }
-        if (!encode_block(bits, dst + (size_t)b * BLOCK_BYTES))
+        if (!encode_group(bits, dst + (size_t)b * BLOCK_BYTES, n))
             return 0;
     }
     return 1;

@@ -63,9 +63,9 @@ def vocabulary(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int]]:
             types.append(int(TokenType.NORMAL))
     if len(tokens) > n_vocab:
         raise SpecconvError(f"the tokenizer has {len(tokens)} tokens but the token embedding has only {n_vocab} rows")
-    for i in range(len(tokens), n_vocab):
-        tokens.append(f"[PAD{i}]")
-        types.append(int(TokenType.UNUSED))
+    padding = range(len(tokens), n_vocab)
+    tokens.extend([f"[PAD{i}]" for i in padding])
+    types.extend([int(TokenType.UNUSED)] * len(padding))
     return tokens, types
 
 

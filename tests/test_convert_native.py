@@ -61,6 +61,21 @@ def test_random_f32_and_bf16_match_gguf(q8_0, kind):
     assert np.array_equal(out, _reference(widened))
 
 
+@pytest.mark.parametrize("blocks", [1, 7, 8, 9, 16, 17, 23])
+def test_any_block_count_and_no_write_past_the_end(q8_0, blocks):
+    """Blocks are encoded in groups of 8: full groups, a partial last group, zero blocks inside one."""
+    rng = np.random.default_rng(blocks)
+    x = (rng.standard_normal(32 * blocks) * 10.0 ** rng.uniform(-4, 4, blocks).repeat(32)).astype(np.float32)
+    x[32 * (blocks // 2):32 * (blocks // 2 + 1)] = 0.0
+    for src, bf16, ref_in in [(x, False, x), ((x.view(np.uint32) >> 16).astype(np.uint16), True, None)]:
+        if ref_in is None:
+            ref_in = (src.astype(np.uint32) << 16).view(np.float32)
+        room = np.full(34 * blocks + 64, 0xAA, np.uint8)
+        assert q8_0(src, room[:34 * blocks], bf16) is True
+        assert np.array_equal(room[:34 * blocks], _reference(ref_in))
+        assert np.all(room[34 * blocks:] == 0xAA)
+
+
 def test_zero_and_negative_zero_blocks(q8_0):
     x = np.zeros(32 * 3, np.float32)
     x[32:64] = -0.0
@@ -167,10 +182,10 @@ def test_float32_subnormal_scale_is_refused(q8_0):
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
-@pytest.mark.parametrize("where", [0, 17, 31])
+@pytest.mark.parametrize("where", [32, 49, 63, 32 * 9 + 5])  # in a first, partial group; in a second one
 def test_non_finite_is_refused(q8_0, bad, where):
-    x = np.random.default_rng().standard_normal(32 * 3).astype(np.float32)
-    x[32 + where] = bad
+    x = np.random.default_rng().standard_normal(32 * (3 if where < 96 else 11)).astype(np.float32)
+    x[where] = bad
     assert _encode(q8_0, x)[0] is False
     bits = (x.view(np.uint32) >> 16).astype(np.uint16)
     assert _encode(q8_0, bits, bf16=True)[0] is False
