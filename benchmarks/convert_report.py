@@ -59,7 +59,7 @@ def markdown(res: dict) -> str:
         "previous output deleted and the checkpoint in the page cache. Wall time and peak RSS of the whole "
         "process tree come from the OS (tools/peak_rss.py). The disk floor reads every shard and writes as many "
         "bytes as specconv's file (plain Python, one 2 MB buffer, no compute). specconv ran with "
-        f"`--threads {res['threads']}` (0: one per core), llama.cpp's converter is the one in the "
+        f"`--threads {res['threads']}` (0: one per core plus 2), llama.cpp's converter is the one in the "
         "llama-cpp-python 0.3.36 source distribution. Every command includes its interpreter start-up "
         "(llama.cpp's converter imports torch: about 2 s here; specconv's converter does not).",
         "",

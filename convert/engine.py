@@ -29,7 +29,7 @@ from . import kv as kvmod
 from .checkpoint import CheckpointReader, read_config
 from .naming import output_names
 from .outtype import choose_storage, file_type, nbytes, resolve_outtype, type_label
-from .pipeline import OrderedPool, available_cores
+from .pipeline import OrderedPool, default_workers
 from .stream import Buffers, Sources, stream_tensor
 from .tokenizer import tokenizer_kv
 from .writer import AtomicOutputs, GgufOutput, TensorEntry
@@ -185,14 +185,15 @@ def run_conversion(plan: ConversionPlan, overwrite: bool = False,
                    on_tensor: Callable[[str, int], None] | None = None, threads: int = 0) -> list[Path]:
     """Write every planned file; returns the written paths (shards included). Atomic as a whole.
 
-    `threads` encoding threads (0: one per available core; 1: everything on this thread). The
+    `threads` encoding threads (0: one per available core plus spares, see `default_workers`; 1:
+    everything on this thread). The
     bytes written do not depend on it. `on_tensor(name, n)` reports n more bytes written.
     """
     members = [{t.name for t in f.tensors} for f in plan.files]
     needed = [t for t in plan.tensors if any(t.name in m for m in members)]
     sources, buffers = Sources(plan.reader, plan.raw_of, [t.plan for t in needed]), Buffers()
     with AtomicOutputs([f.output for f in plan.files], overwrite=overwrite), \
-            OrderedPool(threads or available_cores()) as pool:
+            OrderedPool(threads or default_workers()) as pool:
         for i, t in enumerate(needed):
             if i + 1 < len(needed):
                 sources.prefetch(needed[i + 1].plan)  # the OS reads ahead while this one is encoded

@@ -23,6 +23,15 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+SPARE_WORKERS = 2  # workers beyond the cores: they encode while others wait on the disk
+
+
+def default_workers() -> int:
+    """Workers for a conversion: one per core, plus spares, since a worker spends part of its time
+    blocked in a read or a write (measured: docs/benchmarks.md, "Reading the conversion figures")."""
+    return available_cores() + SPARE_WORKERS
+
+
 class OrderedPool:
     """`submit(job, then)` runs job() on a worker and then(result) here, in submission order.
 

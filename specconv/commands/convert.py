@@ -57,7 +57,8 @@ def parse_size(text: str) -> int:
                                               "write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite output files that already exist.")
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Threads that encode tensor chunks (0: one per available core; 1: no worker threads). "
+              help="Threads that read, encode and write tensor chunks (0: one per available core plus 2, which "
+                   "work while others wait on the disk; 1: no worker threads). "
                    "The output is the same bytes whatever the number.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (or the --dry-run plan) as JSON on stdout.")
 def command(src, out, outtype, mtp_mode, split_max_size, target, dry_run, force, threads, as_json):
