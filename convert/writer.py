@@ -10,10 +10,12 @@ each source tensor once, and guarantees that on any error or Ctrl-C no file is l
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -84,11 +86,26 @@ def _pack_items(values: Sequence[Any], item_type: GGUFValueType) -> bytes | None
     return struct.pack(f"{'' if item_type == GGUFValueType.BOOL else '<'}{len(values)}{fmt}", *values)
 
 
+def _cut(shards: list[dict], counts: Sequence[int]) -> list[dict]:
+    """Tensor infos re-cut into shards of `counts` tensors each, order kept."""
+    items = [item for shard in shards for item in shard.items()]
+    if sum(counts) != len(items) or any(c <= 0 for c in counts):
+        raise SpecconvError(f"internal: shards of {list(counts)} tensors for {len(items)} tensors")
+    ends = list(accumulate(counts))
+    return [dict(items[end - c:end]) for c, end in zip(counts, ends)]
+
+
+COPY_BUFFER = 8 << 20
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM}
+
+
 class GgufOutput:
     """A GGUF file to be written: its KV, its tensor list (in write order) and its shard layout."""
 
     def __init__(self, path: Path, arch: str, kv: Sequence[MetaKV], tensors: Sequence[TensorEntry],
-                 split_max_size: int = 0):
+                 split_max_size: int = 0, shard_counts: Sequence[int] | None = None):
+        """`split_max_size` lets gguf-py cut shards by tensor bytes; `shard_counts` (tensors per shard,
+        in order) sets the cut exactly instead."""
         self.path = Path(path)
         self.arch = arch
         self.kv = list(kv)
@@ -105,6 +122,8 @@ class GgufOutput:
         for t in self.tensors:
             # A non-uint8 dtype makes the writer take the shape as given (torch order).
             self._writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.ggml_type)
+        if shard_counts is not None:
+            self._writer.tensors = _cut(self._writer.tensors, shard_counts)
         n = len(self._writer.tensors)
         self.final_paths = [self.path] if n == 1 else [
             self.path.with_name(SHARD_NAME_FORMAT.format(self.path.stem, i + 1, n)) for i in range(n)]
@@ -150,6 +169,27 @@ class GgufOutput:
         while view:
             n = os.pwrite(place.fd, view, at)
             view, at = view[n:], at + n
+
+    def copy_at(self, place: Place, src_fd: int, src_offset: int) -> None:
+        """A whole tensor's bytes copied from another file, by the kernel where it can
+        (`copy_file_range`: the bytes never pass through this process), else through a buffer."""
+        done = 0
+        try:
+            while done < place.nbytes:
+                n = os.copy_file_range(src_fd, place.fd, place.nbytes - done, src_offset + done, place.offset + done)
+                if n == 0:
+                    raise SpecconvError(f"internal: source ended {place.nbytes - done} bytes early")
+                done += n
+        except (AttributeError, OSError) as exc:  # not Linux, or a file system pair that cannot
+            if isinstance(exc, OSError) and exc.errno not in _NO_KERNEL_COPY:
+                raise
+            buf = np.empty(min(place.nbytes - done, COPY_BUFFER), dtype=np.uint8)
+            while done < place.nbytes:
+                piece = buf[:min(buf.size, place.nbytes - done)]
+                if os.preadv(src_fd, [piece], src_offset + done) != piece.size:
+                    raise SpecconvError(f"internal: source ended {place.nbytes - done} bytes early")
+                self.write_at(place, done, piece)
+                done += piece.size
 
     def write(self, name: str, data: np.ndarray) -> None:
         """The next tensor's bytes (flat uint8) in one piece."""

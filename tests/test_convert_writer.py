@@ -26,14 +26,17 @@ def tensors(seed: int) -> list[tuple[TensorEntry, np.ndarray]]:
     return out
 
 
-def reference_files(tmp_path, items, split_max_size: int) -> list[bytes]:
-    """The same KV and tensors through gguf-py's writer, whole tensors in sequence."""
+def reference_files(tmp_path, items, split_max_size: int = 0, shard_counts=None) -> list[bytes]:
+    """The same KV and tensors through gguf-py's writer, whole tensors in sequence (shards cut by
+    gguf-py at `split_max_size`, or after the given numbers of tensors)."""
     w = GGUFWriter(None, "tiny", split_max_size=split_max_size)
     for kv in KV:
         w.add_key_value(kv.key, kv.value, kv.vtype)
     for entry, data in items:
         per_value = 2 if entry.ggml_type == BF16 else 4
         byte_shape = (*entry.shape[:-1], entry.shape[-1] * per_value)  # gguf-py takes raw bytes by their byte shape
+        if shard_counts and len(w.tensors[-1]) == shard_counts[len(w.tensors) - 1]:
+            w.tensors.append({})  # gguf-py's own way to start the next shard
         w.add_tensor(entry.name, data.reshape(byte_shape), raw_dtype=entry.ggml_type)
     stem = tmp_path / "ref.gguf"
     w.write_header_to_file(stem)
@@ -82,3 +85,43 @@ def test_a_tensor_accounted_short_is_an_error(tmp_path):
             output.written(entry.nbytes - 1)
             output.end()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_copy_at_copies_tensors_file_to_file(tmp_path, monkeypatch, kernel_copy):
+    """Whole tensors copied from another file (the hub re-split): by the kernel, or through a small
+    buffer where the kernel cannot; shards cut where `shard_counts` says, bytes as gguf-py's."""
+    import errno
+    import os
+
+    from specconv.convert import writer
+
+    items = tensors(seed=5)
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"".join(data.tobytes() for _, data in items))
+    if not kernel_copy:
+        def refused(*args):
+            raise OSError(errno.EXDEV, "cross-device")
+        monkeypatch.setattr(os, "copy_file_range", refused)
+        monkeypatch.setattr(writer, "COPY_BUFFER", 7)  # several pieces per tensor
+    output = GgufOutput(tmp_path / "out" / "m.gguf", "tiny", KV, [e for e, _ in items], shard_counts=[1, 3])
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        with AtomicOutputs([output]):
+            at = 0
+            for entry, data in items:
+                output.begin(entry.name, entry.nbytes)
+                output.copy_at(output.place(entry.name), fd, at)
+                output.written(entry.nbytes)
+                output.end()
+                at += data.size
+    finally:
+        os.close(fd)
+    assert len(output.final_paths) == 2
+    assert [p.read_bytes() for p in output.final_paths] == reference_files(tmp_path, items, shard_counts=[1, 3])
+
+
+def test_shard_counts_must_cover_every_tensor(tmp_path):
+    items = tensors(seed=6)
+    with pytest.raises(SpecconvError, match="shards of"):
+        GgufOutput(tmp_path / "m.gguf", "tiny", KV, [e for e, _ in items], shard_counts=[1, 2])

@@ -228,7 +228,7 @@ def render_card(
     report: VerifyReport | None,
 ) -> str:
     title = repo_id.split("/", 1)[1]
-    intro = f"GGUF files with multi-token-prediction (MTP) heads for speculative decoding in llama.cpp"
+    intro = "GGUF files with multi-token-prediction (MTP) heads for speculative decoding in llama.cpp"
     intro += f", quantized from [{base_model}](https://huggingface.co/{base_model})." if base_model else "."
     parts = [front_matter(base_model=base_model, license=license, quantized_by=quantized_by), f"# {title}", "", intro, ""]
     parts.append(file_table(entries))

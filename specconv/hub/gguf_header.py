@@ -3,8 +3,7 @@
 The parsing is archs/gguf_reader's (one GGUF header reader in the project); this module only shapes
 its result for the plan: strings decoded, arrays skipped rather than decoded (a release tokenizer's
 248k tokens + merges would cost seconds and the plan needs none of them), absolute tensor offsets.
-Writing shards still goes through gguf's reader and writer; the tests compare this scan with
-gguf.GGUFReader.
+The tests compare this scan with gguf.GGUFReader.
 """
 
 from __future__ import annotations

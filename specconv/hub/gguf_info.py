@@ -6,7 +6,6 @@ Only the header is read (gguf_header's scan), so this is cheap even for 50 GB fi
 from __future__ import annotations
 
 import collections
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,17 +42,6 @@ class GgufModel:
 
     def get(self, key: str, default=None):
         return self.kv.get(key, default)
-
-
-def open_reader(path: Path) -> gguf.GGUFReader:
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError) as exc:
-        raise SpecconvError(f"{path.name}: not a readable GGUF file ({exc})") from None
-    host_little = sys.byteorder == "little"
-    if (reader.byte_order == "S") == host_little:
-        raise SpecconvError(f"{path.name}: big-endian GGUF files are not supported")
-    return reader
 
 
 def detect_role(arch: str, kv: dict[str, object], tensor_names: set[str]) -> Role:

@@ -2,9 +2,10 @@
 
 The shards follow the GGUF split convention llama.cpp loads natively (reference/gguf-layout.md §5):
 `{stem}-00001-of-0000N.gguf`, every shard carries `split.no` (u16, 0-based), `split.count` (u16)
-and `split.tensors.count` (i32); every other KV pair is written only in shard 1. Tensor bytes are
-copied verbatim from the source through gguf's reader (memory-mapped) and writer, so nothing is
-re-quantized.
+and `split.tensors.count` (i32); every other KV pair is written only in shard 1. The KV comes from
+the project's GGUF header reader and is written by the converter's writer (convert/writer.py), with
+the shard boundaries given; tensor bytes are copied verbatim file to file (`copy_file_range` where
+the kernel can), so nothing is re-quantized and nothing is held in memory.
 
 Unlike `GGUFWriter(split_max_size=...)`, which counts tensor data only, the limit here applies to
 the whole file (header, KV, tensor infos and padding included), because the Hub's limit is per
@@ -18,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
-from gguf.quants import quant_shape_to_byte_shape
 
+from specconv.archs.gguf_reader import read_header as read_full_header
+from specconv.convert.writer import AtomicOutputs, GgufOutput, TensorEntry
 from specconv.errors import SpecconvError
 from specconv.hub.gguf_header import GgufHeader, read_header
-from specconv.hub.gguf_info import SPLIT_KEYS, open_reader
+from specconv.hub.gguf_info import SPLIT_KEYS
 
 HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, kv count
 
@@ -48,7 +50,7 @@ class TensorRef:
     source: int  # index into the source paths
     name: str
     tensor_type: gguf.GGMLQuantizationType
-    byte_shape: tuple[int, ...]
+    shape: tuple[int, ...]  # torch order (ggml's dims reversed)
     offset: int  # absolute byte offset of the data in its source file
     n_bytes: int
     n_dims: int
@@ -71,13 +73,6 @@ class ShardLayout:
         return len(self.shards)
 
 
-def _copied_fields(reader: gguf.GGUFReader):
-    for name, fld in reader.fields.items():
-        if name.startswith("GGUF.") or name in SPLIT_KEYS:
-            continue
-        yield name, fld
-
-
 def _tensor_refs(paths: list[Path]) -> tuple[list[TensorRef], GgufHeader]:
     refs: list[TensorRef] = []
     headers = [read_header(p) for p in paths]
@@ -89,7 +84,7 @@ def _tensor_refs(paths: list[Path]) -> tuple[list[TensorRef], GgufHeader]:
                     source=index,
                     name=t.name,
                     tensor_type=t.tensor_type,
-                    byte_shape=tuple(quant_shape_to_byte_shape(np_dims, t.tensor_type)),
+                    shape=np_dims,
                     offset=t.offset,
                     n_bytes=t.n_bytes,
                     n_dims=len(np_dims),
@@ -133,42 +128,32 @@ def write_split(layout: ShardLayout, out_paths: list[Path]) -> None:
     """Write the shards of `layout` to `out_paths` (temporary names, renamed when complete)."""
     if len(out_paths) != layout.count:
         raise ValueError("one output path per shard is required")
-    readers = [open_reader(p) for p in layout.sources]
-    arch = readers[0].get_field("general.architecture").contents()
-    writer = gguf.GGUFWriter(path=None, arch=arch)
-    writer.data_alignment = layout.alignment
-    for name, fld in _copied_fields(readers[0]):
-        if name == "general.architecture":
-            continue  # the writer writes it first, from `arch`
-        main = fld.types[0]
-        if main == gguf.GGUFValueType.ARRAY:
-            if len(fld.types) > 2:
-                raise SpecconvError(f"{layout.sources[0].name}: nested array KV {name} is not supported")
-            writer.add_key_value(name, fld.contents(), main, sub_type=fld.types[-1])
-        else:
-            writer.add_key_value(name, fld.contents(), main)
-    for index, shard in enumerate(layout.shards):
-        if index > 0:
-            writer.tensors.append({})  # start the next shard explicitly: our limit, not the writer's
-        for ref in shard:
-            data = readers[ref.source].data[ref.offset : ref.offset + ref.n_bytes]
-            writer.add_tensor(ref.name, data, raw_shape=ref.byte_shape, raw_dtype=ref.tensor_type)
-
+    first = read_full_header(layout.sources[0])
+    arch = first.kv.get("general.architecture")
+    if arch is None or not isinstance(arch.value, bytes):
+        raise SpecconvError(f"{layout.sources[0].name}: no general.architecture key")
+    kv = [entry for key, entry in first.kv.items() if key not in SPLIT_KEYS]
+    refs = [ref for shard in layout.shards for ref in shard]
+    entries = [TensorEntry(ref.name, ref.shape, ref.tensor_type, ref.n_bytes) for ref in refs]
     tmp_dir = out_paths[0].parent / f".{out_paths[0].name}.partial"
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    stem = "shard"
+    output = GgufOutput(tmp_dir / "shard.gguf", arch.value.decode("utf-8"), kv, entries,
+                        shard_counts=[len(shard) for shard in layout.shards])
+    sources = [os.open(p, os.O_RDONLY) for p in layout.sources]
     try:
-        writer.write_header_to_file(path=tmp_dir / f"{stem}.gguf")
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        with AtomicOutputs([output], overwrite=True):
+            for tmp, size in zip(output.temp_paths, layout.sizes):  # laid out and sized at open
+                if tmp.stat().st_size != size:
+                    raise SpecconvError(f"internal error: shard {tmp.name} is {tmp.stat().st_size} bytes, "
+                                        f"planned {size}")
+            for ref in refs:
+                output.begin(ref.name, ref.n_bytes)
+                output.copy_at(output.place(ref.name), sources[ref.source], ref.offset)
+                output.written(ref.n_bytes)
+                output.end()
     finally:
-        writer.close()
-    tmp_names = writer.format_shard_names(tmp_dir / f"{stem}.gguf")
-    for tmp, size in zip(tmp_names, layout.sizes):
-        actual = tmp.stat().st_size
-        if actual != size:
-            raise SpecconvError(f"internal error: shard {tmp.name} is {actual} bytes, planned {size}")
-    for tmp, final in zip(tmp_names, out_paths):
+        for fd in sources:
+            os.close(fd)
+    for written, final in zip(output.final_paths, out_paths):
         final.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, final)
+        os.replace(written, final)
     tmp_dir.rmdir()
