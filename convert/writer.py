@@ -178,7 +178,7 @@ class GgufOutput:
             while done < place.nbytes:
                 n = os.copy_file_range(src_fd, place.fd, place.nbytes - done, src_offset + done, place.offset + done)
                 if n == 0:
-                    raise SpecconvError(f"internal: source ended {place.nbytes - done} bytes early")
+                    raise SpecconvError(f"the source file ended {place.nbytes - done} bytes early (changed while copying?)")
                 done += n
         except (AttributeError, OSError) as exc:  # not Linux, or a file system pair that cannot
             if isinstance(exc, OSError) and exc.errno not in _NO_KERNEL_COPY:
@@ -187,7 +187,7 @@ class GgufOutput:
             while done < place.nbytes:
                 piece = buf[:min(buf.size, place.nbytes - done)]
                 if os.preadv(src_fd, [piece], src_offset + done) != piece.size:
-                    raise SpecconvError(f"internal: source ended {place.nbytes - done} bytes early")
+                    raise SpecconvError(f"the source file ended {place.nbytes - done} bytes early (changed while copying?)")
                 self.write_at(place, done, piece)
                 done += piece.size
 
