@@ -170,9 +170,17 @@ class GgufOutput:
             n = os.pwrite(place.fd, view, at)
             view, at = view[n:], at + n
 
-    def copy_at(self, place: Place, src_fd: int, src_offset: int) -> None:
-        """A whole tensor's bytes copied from another file, by the kernel where it can
-        (`copy_file_range`: the bytes never pass through this process), else through a buffer."""
+    def copy(self, name: str, src_fd: int, src_offset: int) -> None:
+        """The next tensor's bytes, copied from another file (from `src_offset` on): like `write`,
+        by the kernel where it can (`copy_file_range`: the bytes never pass through this process),
+        else through a buffer."""
+        place = self.place(name)
+        self.begin(name, place.nbytes)
+        self._copy_into(place, src_fd, src_offset)
+        self.written(place.nbytes)
+        self.end()
+
+    def _copy_into(self, place: Place, src_fd: int, src_offset: int) -> None:
         done = 0
         try:
             while done < place.nbytes:

@@ -26,6 +26,10 @@ def tensors(seed: int) -> list[tuple[TensorEntry, np.ndarray]]:
     return out
 
 
+def output_of(path, items, **kwargs) -> GgufOutput:
+    return GgufOutput(path, "tiny", KV, [entry for entry, _ in items], **kwargs)
+
+
 def reference_files(tmp_path, items, split_max_size: int = 0, shard_counts=None) -> list[bytes]:
     """The same KV and tensors through gguf-py's writer, whole tensors in sequence (shards cut by
     gguf-py at `split_max_size`, or after the given numbers of tensors)."""
@@ -49,7 +53,7 @@ def reference_files(tmp_path, items, split_max_size: int = 0, shard_counts=None)
 @pytest.mark.parametrize("split_max_size", [0, 200])
 def test_chunks_written_backwards_give_gguf_pys_bytes(tmp_path, split_max_size):
     items = tensors(seed=split_max_size + 1)
-    output = GgufOutput(tmp_path / "out" / "m.gguf", "tiny", KV, [e for e, _ in items], split_max_size)
+    output = output_of(tmp_path / "out" / "m.gguf", items, split_max_size=split_max_size)
     with AtomicOutputs([output]):
         for entry, data in reversed(items):  # last tensor first, each one's chunks last first
             place = output.place(entry.name)
@@ -67,7 +71,7 @@ def test_chunks_written_backwards_give_gguf_pys_bytes(tmp_path, split_max_size):
 
 def test_write_at_refuses_bytes_outside_the_tensor(tmp_path):
     items = tensors(seed=3)
-    output = GgufOutput(tmp_path / "m.gguf", "tiny", KV, [e for e, _ in items])
+    output = output_of(tmp_path / "m.gguf", items)
     with pytest.raises(SpecconvError, match="do not fit"):
         with AtomicOutputs([output]):
             entry, data = items[0]
@@ -77,7 +81,7 @@ def test_write_at_refuses_bytes_outside_the_tensor(tmp_path):
 
 def test_a_tensor_accounted_short_is_an_error(tmp_path):
     items = tensors(seed=4)
-    output = GgufOutput(tmp_path / "m.gguf", "tiny", KV, [e for e, _ in items])
+    output = output_of(tmp_path / "m.gguf", items)
     with pytest.raises(SpecconvError, match="bytes short"):
         with AtomicOutputs([output]):
             entry, _ = items[0]
@@ -88,7 +92,7 @@ def test_a_tensor_accounted_short_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("kernel_copy", [True, False])
-def test_copy_at_copies_tensors_file_to_file(tmp_path, monkeypatch, kernel_copy):
+def test_copy_copies_tensors_file_to_file(tmp_path, monkeypatch, kernel_copy):
     """Whole tensors copied from another file (the hub re-split): by the kernel, or through a small
     buffer where the kernel cannot; shards cut where `shard_counts` says, bytes as gguf-py's."""
     import errno
@@ -104,16 +108,13 @@ def test_copy_at_copies_tensors_file_to_file(tmp_path, monkeypatch, kernel_copy)
             raise OSError(errno.EXDEV, "cross-device")
         monkeypatch.setattr(os, "copy_file_range", refused)
         monkeypatch.setattr(writer, "COPY_BUFFER", 7)  # several pieces per tensor
-    output = GgufOutput(tmp_path / "out" / "m.gguf", "tiny", KV, [e for e, _ in items], shard_counts=[1, 3])
+    output = output_of(tmp_path / "out" / "m.gguf", items, shard_counts=[1, 3])
     fd = os.open(source, os.O_RDONLY)
     try:
         with AtomicOutputs([output]):
             at = 0
             for entry, data in items:
-                output.begin(entry.name, entry.nbytes)
-                output.copy_at(output.place(entry.name), fd, at)
-                output.written(entry.nbytes)
-                output.end()
+                output.copy(entry.name, fd, at)
                 at += data.size
     finally:
         os.close(fd)
@@ -124,4 +125,4 @@ def test_copy_at_copies_tensors_file_to_file(tmp_path, monkeypatch, kernel_copy)
 def test_shard_counts_must_cover_every_tensor(tmp_path):
     items = tensors(seed=6)
     with pytest.raises(SpecconvError, match="shards of"):
-        GgufOutput(tmp_path / "m.gguf", "tiny", KV, [e for e, _ in items], shard_counts=[1, 2])
+        output_of(tmp_path / "m.gguf", items, shard_counts=[1, 2])

@@ -146,10 +146,7 @@ def write_split(layout: ShardLayout, out_paths: list[Path]) -> None:
                     raise SpecconvError(f"internal error: shard {tmp.name} is {tmp.stat().st_size} bytes, "
                                         f"planned {size}")
             for ref in refs:
-                output.begin(ref.name, ref.n_bytes)
-                output.copy_at(output.place(ref.name), sources[ref.source], ref.offset)
-                output.written(ref.n_bytes)
-                output.end()
+                output.copy(ref.name, sources[ref.source], ref.offset)
     finally:
         for fd in sources:
             os.close(fd)
