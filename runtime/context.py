@@ -44,7 +44,9 @@ class Context:
             state_dtype = torch.float64 if model.dtype == torch.float64 else torch.float32
         layout = (g.main_layout(hp, state_dtype) if graph_type == GraphType.MAIN
                   else g.encoder_layout(hp) if graph_type == GraphType.ENCODER else g.mtp_layout(hp))
-        self.memory = Memory(layout, n_seq, n_ctx, self.n_rs_seq, model.device, model.dtype)
+        placement = model.weights.placement
+        self.memory = Memory(layout, n_seq, n_ctx, self.n_rs_seq, model.device, model.dtype,
+                             layer_device=placement.layer_device if placement.multi else None)
         # A drafter with no memory of its own reads this (target) context's K/V (the Gemma 4 assistant).
         self.kv_from = kv_from
         if getattr(g, "NEEDS_KV_FROM", False) and kv_from is None:

@@ -25,15 +25,29 @@ class GenerationResult:
     seconds: float  # wall time of prompt evaluation + generation
     target_evaluations: int  # decode calls on the target
     stats: dict = field(default_factory=dict)
+    prompt_seconds: float | None = None  # evaluation of the prompt (plain decoding)
+    weight_bytes_read: int | None = None  # stored weight bytes dequantized by the whole run
 
     def to_json(self) -> dict:
         n = len(self.tokens)
-        return {
+        out = {
             "prompt_tokens": self.prompt_tokens, "tokens": self.tokens, "text": self.text,
             "n_generated": n, "seconds": self.seconds,
             "tokens_per_second": n / self.seconds if self.seconds > 0 else None,
             "target_evaluations": self.target_evaluations, **self.stats,
         }
+        if self.prompt_seconds is not None:
+            decode_s = self.seconds - self.prompt_seconds
+            out.update(prompt_seconds=self.prompt_seconds,
+                       prompt_tokens_per_second=_rate(len(self.prompt_tokens), self.prompt_seconds),
+                       decode_tokens_per_second=_rate(n - 1, decode_s) if n > 1 else None)
+        if self.weight_bytes_read is not None:
+            out["weight_bytes_read"] = self.weight_bytes_read
+        return out
+
+
+def _rate(count: int, seconds: float) -> float | None:
+    return count / seconds if seconds > 0 else None
 
 
 def generate(model: Model, prompt_tokens: Sequence[int], n_predict: int, temperature: float = 0.0,
@@ -48,9 +62,13 @@ def generate(model: Model, prompt_tokens: Sequence[int], n_predict: int, tempera
                   rollback="checkpoint")
     gen = make_generator(seed)
     out: list[int] = []
+    counter = model.weights.counter
+    counter.reset()
     start = time.perf_counter()
+    prompt_seconds = 0.0
     if n_predict:
         logits = ctx.decode(prompt, hidden=(), logits="last").logits[-1]
+        prompt_seconds = time.perf_counter() - start
         while True:
             token = sample(logits, temperature, gen)
             out.append(token)
@@ -59,7 +77,8 @@ def generate(model: Model, prompt_tokens: Sequence[int], n_predict: int, tempera
             logits = ctx.decode([token], hidden=(), logits="last").logits[-1]
     seconds = time.perf_counter() - start
     return GenerationResult(prompt_tokens=prompt, tokens=out, text=decode_text(model, out), seconds=seconds,
-                            target_evaluations=ctx.n_decode_calls)
+                            target_evaluations=ctx.n_decode_calls, prompt_seconds=prompt_seconds,
+                            weight_bytes_read=counter.reset())
 
 
 def decode_text(model: Model, tokens: Sequence[int]) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime.placement import active_device
 
 EMPTY = -2  # slot holds nothing valid
 BEFORE_START = -1  # slot holds the zero state before position 0
@@ -55,22 +56,26 @@ class SeqCheckpoint:
 
 
 class Memory:
-    def __init__(self, layout: MemoryLayout, n_seq: int, n_ctx: int, n_rs_seq: int, device, dtype):
+    def __init__(self, layout: MemoryLayout, n_seq: int, n_ctx: int, n_rs_seq: int, device, dtype,
+                 layer_device=None):
+        """`layer_device(l)`: where layer l's cells live when the model spans devices (placement.py)."""
         self.layout = layout
         self.n_seq, self.n_ctx = n_seq, n_ctx
         self.ring = n_rs_seq + 1
         self.device, self.dtype = device, dtype
+        where = layer_device or (lambda _l: device)
+
         def shape(l):
             return (n_seq, n_ctx) + tuple(layout.layer_shapes.get(l, (layout.n_head_kv, layout.head_dim)))
 
-        self.k = {l: torch.zeros(shape(l), dtype=dtype, device=device) for l in layout.attn_layers}
-        self.v = {l: torch.zeros(shape(l), dtype=dtype, device=device) for l in layout.attn_layers}
+        self.k = {l: torch.zeros(shape(l), dtype=dtype, device=where(l)) for l in layout.attn_layers}
+        self.v = {l: torch.zeros(shape(l), dtype=dtype, device=where(l)) for l in layout.attn_layers}
         self.cell_pos = torch.full((n_seq, n_ctx), -1, dtype=torch.long, device=device)
         self.n_cells = [0] * n_seq
         self.conv = {l: torch.zeros(n_seq, self.ring, layout.conv_channels, layout.conv_kernel - 1,
-                                    dtype=layout.state_dtype, device=device) for l in layout.rec_layers}
+                                    dtype=layout.state_dtype, device=where(l)) for l in layout.rec_layers}
         self.ssm = {l: torch.zeros(n_seq, self.ring, layout.ssm_heads, layout.ssm_dk, layout.ssm_dv,
-                                   dtype=layout.state_dtype, device=device) for l in layout.rec_layers}
+                                   dtype=layout.state_dtype, device=where(l)) for l in layout.rec_layers}
         self.slot_pos = [[EMPTY] * self.ring for _ in range(n_seq)]
         self.cur = [0] * n_seq
         self.last_pos = [-1] * n_seq  # highest position evaluated in the sequence
@@ -194,7 +199,18 @@ class Batch:
     """One evaluation in progress on one sequence: where its cells and snapshots go."""
 
     def __init__(self, memory: Memory, seq: int, positions: torch.Tensor, start: int, slots: list[int]):
-        self.memory, self.seq, self.positions, self.start, self.slots = memory, seq, positions, start, slots
+        self.memory, self.seq, self.start, self.slots = memory, seq, start, slots
+        self._positions = {positions.device: positions}
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """The batch's positions, on the device of the block being evaluated (placement.py)."""
+        dev = active_device()
+        if dev is None:
+            return next(iter(self._positions.values()))
+        if dev not in self._positions:
+            self._positions[dev] = next(iter(self._positions.values())).to(dev)
+        return self._positions[dev]
 
     @property
     def keep(self) -> int:
@@ -206,7 +222,7 @@ class Batch:
         end = self.start + n
         m.k[layer][s, self.start:end] = k.to(m.dtype)
         m.v[layer][s, self.start:end] = v.to(m.dtype)
-        pos = torch.cat([m.cell_pos[s, :self.start], self.positions])
+        pos = torch.cat([m.cell_pos[s, :self.start].to(k.device), self.positions.to(k.device)])
         return m.k[layer][s, :end], m.v[layer][s, :end], pos
 
     def recurrent_in(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,6 +231,6 @@ class Batch:
     def recurrent_out(self, layer: int, conv_states: torch.Tensor, ssm_states: torch.Tensor):
         """States after each of the last `keep` tokens, oldest first."""
         m, s = self.memory, self.seq
-        idx = torch.tensor(self.slots, device=m.device)
+        idx = torch.tensor(self.slots, device=m.conv[layer].device)
         m.conv[layer][s].index_copy_(0, idx, conv_states.to(m.layout.state_dtype))
         m.ssm[layer][s].index_copy_(0, idx, ssm_states.to(m.layout.state_dtype))

@@ -15,11 +15,14 @@ from typing import Iterable
 import torch
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.device import resolve_device, resolve_dtype
+from specconv.runtime.device import resolve_devices, resolve_dtype
 from specconv.runtime.gguf_file import GGUFModelFile
 from specconv.runtime.graphs import graph_module
+from specconv.runtime.placement import Placement
+from specconv.runtime.stored import ReadCounter
 from specconv.runtime.tokenizer import GGUFTokenizer
 from specconv.runtime.types import GraphType
+from specconv.runtime.weights import MODES, Weights, load_tensor
 
 SHAREABLE = ("token_embd.weight", "output.weight", "output_norm.weight")
 
@@ -27,19 +30,26 @@ SHAREABLE = ("token_embd.weight", "output.weight", "output_norm.weight")
 class Model:
     """Weights of one GGUF model on one device, and what it can run."""
 
-    def __init__(self, file: GGUFModelFile, device: torch.device, dtype: torch.dtype, share_from: "Model | None"):
+    def __init__(self, file: GGUFModelFile, devices: list[torch.device], dtype: torch.dtype,
+                 share_from: "Model | None", weights: str = "stored", offload: bool = False):
+        if weights not in MODES:
+            raise SpecconvError(f"weights must be one of {MODES}, not {weights!r}")
         self.file = file
         self.paths = file.paths
         self.arch = file.arch
         self.graph = graph_module(self.arch)
         self.hparams = self.graph.HParams.from_kv(file.kv)
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype = devices[0], dtype
+        self.weights_mode, self.offload = weights, offload
+        if len(devices) > 1 and not getattr(self.graph, "MULTI_DEVICE", False):
+            raise SpecconvError(f"{file.paths[0].name}: the {self.arch} graph runs on one device; "
+                                f"give one --device (with --offload for a model bigger than it)")
         # A graph module may decide itself what its files serve (EAGLE-3 heads: ENCODER + decoder as MTP).
         custom = getattr(self.graph, "serves", None)
         self.serves = custom(self.hparams, file) if custom is not None else self._detect_graphs()
         self.kind = getattr(self.graph, "KIND", None) or (
             "sidecar" if self.serves == {GraphType.MTP} else "embedded" if GraphType.MTP in self.serves else "trunk")
-        self.weights = self._load_weights(share_from)
+        self.weights = self._load_weights(share_from, devices)
         self.n_embd = self.hparams.n_embd
         self.n_vocab = (int(self.weights["token_embd.weight"].shape[0]) if "token_embd.weight" in self.weights
                         else self.graph.n_vocab(self.hparams))
@@ -58,7 +68,7 @@ class Model:
             raise SpecconvError(f"{self.paths[0].name}: no trunk (blk.0.attn_norm.weight) and no MTP layers")
         return {GraphType.MAIN, GraphType.MTP} if has_mtp else {GraphType.MAIN}
 
-    def _load_weights(self, share_from: "Model | None") -> dict[str, torch.Tensor]:
+    def _needed(self) -> list[str]:
         g, hp = self.graph, self.hparams
         needed: list[str] = []
         if GraphType.MAIN in self.serves:
@@ -76,7 +86,23 @@ class Model:
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise SpecconvError(f"{self.paths[0].name}: missing tensor(s) {', '.join(missing[:5])}{more}")
-        weights = {}
+        return needed
+
+    def _placement(self, needed: list[str], devices: list[torch.device]) -> Placement:
+        """Blocks cut over the devices by their stored bytes (one device: everything on it)."""
+        n_blocks = self.hparams.n_layer
+        layer_bytes = [0] * n_blocks
+        for name in needed:
+            parts = name.split(".")
+            if parts[0] == "blk" and int(parts[1]) < n_blocks:
+                layer_bytes[int(parts[1])] += self.file.tensors[name].stored.n_bytes
+        return Placement.plan(devices, layer_bytes, self.offload)
+
+    def _load_weights(self, share_from: "Model | None", devices: list[torch.device]) -> Weights:
+        g = self.graph
+        needed = self._needed()
+        placement = self._placement(needed, devices)
+        weights = Weights(placement, ReadCounter())
         for name in needed:
             shareable = getattr(g, "SHAREABLE", SHAREABLE)  # a draft head's own tensors are never the target's
             shared = share_from.weights.get(name) if share_from is not None and name in shareable else None
@@ -85,7 +111,9 @@ class Model:
                 continue
             wide = self.dtype if self.dtype == torch.float64 else torch.float32
             dtype = wide if g.keep_float32(name) else self.dtype
-            weights[name] = self.file.load(name, self.device, dtype)
+            device = placement.tensor_device(name, self.hparams.n_layer)
+            weights[name] = load_tensor(self.file, name, device, dtype, self.weights_mode, self.offload,
+                                        weights.counter)
         # Tensors a draft head takes from its target when it has none of its own (EAGLE-3 embedding / head).
         for name, candidates in getattr(g, "FROM_TARGET", {}).items():
             if name not in weights and share_from is not None:
@@ -121,14 +149,24 @@ class Model:
 
 
 def load_model(paths: str | os.PathLike | Iterable[str | os.PathLike], device: str | torch.device | None = "auto",
-               dtype: str | torch.dtype | None = None, share_from: Model | None = None) -> Model:
+               dtype: str | torch.dtype | None = None, share_from: Model | None = None, weights: str | None = None,
+               offload: bool | None = None) -> Model:
     """Load a GGUF model (one file, any shard of a split model, or the list of shards).
 
+    `device`: auto, cpu, cuda:N, or several (`cuda:0,cuda:1`: blocks split by their bytes).
+    `weights`: "stored" keeps tensors in their GGUF types, dequantized per use; "dense"
+    dequantizes everything at load (runtime/weights.py). `offload`: stored bytes stay in the
+    memory map and come to the device at each use (a model bigger than the device).
     `share_from`: a model already loaded (the target) whose token embedding / output head / output
-    norm are reused when identical in shape, so a sidecar adds only its own block.
+    norm are reused when identical in shape, so a sidecar adds only its own block; `weights` and
+    `offload` default to its choices (else "stored", no offload).
     """
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    if weights is None:
+        weights = share_from.weights_mode if share_from is not None else "stored"
+    if offload is None:
+        offload = share_from.offload if share_from is not None else False
+    devices = resolve_devices(device)
+    dt = resolve_dtype(dtype, devices[0])
     if isinstance(paths, (str, os.PathLike)):
         paths = [Path(paths)]
-    return Model(GGUFModelFile(list(paths)), dev, dt, share_from)
+    return Model(GGUFModelFile(list(paths)), devices, dt, share_from, weights=weights, offload=offload)

@@ -7,8 +7,10 @@ across fork and exec (a child of a 800 MB test process "peaks" at 800 MB before 
 the measured command must be started from a process that is itself small. Two readings, the larger
 is reported: `ru_maxrss` of the waited-for children (the peak of the largest single process of the
 tree, file-backed pages included) and the largest sum of VmRSS over the whole tree, sampled every
-10 ms from /proc (for commands that start helpers). RESULT.json gets `wall_s`, `peak_rss_bytes`,
-`peak_single_bytes`, `peak_tree_sampled_bytes`, `returncode`.
+10 ms from /proc (for commands that start helpers). Also sampled: the largest sum of RssAnon (the
+anonymous memory the kernel cannot evict, unlike the pages of a memory-mapped file). RESULT.json
+gets `wall_s`, `peak_rss_bytes`, `peak_single_bytes`, `peak_tree_sampled_bytes`,
+`peak_anon_sampled_bytes`, `returncode`.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ def _tree(pid: int) -> list[int]:
     return pids
 
 
-def _rss(pid: int) -> int:
+def _status(pid: int, field: str) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -51,13 +53,15 @@ def _rss(pid: int) -> int:
 def measure(cmd: list[str], interval: float = 0.01) -> dict:
     start = time.perf_counter()
     proc = subprocess.Popen(cmd)
-    peak_tree = 0
+    peak_tree = peak_anon = 0
     done = threading.Event()
 
     def sample() -> None:
-        nonlocal peak_tree
+        nonlocal peak_tree, peak_anon
         while not done.is_set():
-            peak_tree = max(peak_tree, sum(_rss(p) for p in _tree(proc.pid)))
+            pids = _tree(proc.pid)
+            peak_tree = max(peak_tree, sum(_status(p, "VmRSS:") for p in pids))
+            peak_anon = max(peak_anon, sum(_status(p, "RssAnon:") for p in pids))
             done.wait(interval)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -71,7 +75,7 @@ def measure(cmd: list[str], interval: float = 0.01) -> dict:
     kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     single = kib * 1024 if sys.platform != "darwin" else kib  # macOS reports bytes
     return {"wall_s": wall, "peak_rss_bytes": max(single, peak_tree), "peak_single_bytes": single,
-            "peak_tree_sampled_bytes": peak_tree, "returncode": returncode}
+            "peak_tree_sampled_bytes": peak_tree, "peak_anon_sampled_bytes": peak_anon, "returncode": returncode}
 
 
 def main() -> None:

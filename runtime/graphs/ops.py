@@ -1,12 +1,18 @@
 """Building blocks shared by the graphs (model-math.md §1): norms, rope, attention, FFNs.
 
 Reductions run in float32 whatever the compute dtype; results come back in the input dtype.
+
+A weight `w[name]` is a torch tensor or a `StoredWeight` (runtime/stored.py: kept in its GGUF
+type). Graphs use weights through `linear`, `rms_norm`, `w[token_ids]` (embedding rows), `w[e]`
+(one expert) and `dense(w, dtype)` for anything else, so both kinds work everywhere.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from specconv.runtime.stored import StoredWeight, matmul_t
 
 
 def acc(x: torch.Tensor) -> torch.Tensor:
@@ -28,8 +34,17 @@ def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def dense(w, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """All values of a weight as a torch tensor (in `dtype` when given)."""
+    if isinstance(w, StoredWeight):
+        return w.dense(dtype)
+    return w if dtype is None else w.to(dtype)
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x @ wᵀ for a GGUF matrix in torch order [out, in]."""
+    if isinstance(w, StoredWeight):
+        return matmul_t(x, w)
     return x @ w.to(x.dtype).t()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import click
 
@@ -38,8 +39,19 @@ def prompt_ids(model, prompt: str | None, tokens: str | None) -> list[int]:
 @click.option("-n", "--n-predict", default=32, show_default=True, type=click.IntRange(min=0), help="Tokens to generate.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed (temperature > 0).")
-@click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
-@click.option("--dtype", default=None, help="Compute dtype: f32 (default), f16, bf16, f64.")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (CUDA if available), cpu, cuda, cuda:N, or several devices (cuda:0,cuda:1): the blocks "
+                   "are split over them by their bytes.")
+@click.option("--dtype", default=None,
+              help="Compute dtype: f32, f16, bf16, f64. Default f32 on the CPU, bf16 on CUDA (half the "
+                   "activation and dequantization memory, full tensor-core rate).")
+@click.option("--offload", is_flag=True,
+              help="Keep the weights in the file's memory map and bring each layer's bytes to the device when "
+                   "used: runs a model bigger than the device's memory, slower.")
+@click.option("--weights", "weights_mode", type=click.Choice(["stored", "dense"]), default="stored", show_default=True,
+              help="stored: weights stay in their GGUF types (memory about the file size) and are dequantized "
+                   "per use; dense: everything dequantized at load (the reference path, memory about "
+                   "parameters x dtype size).")
 @click.option("--stop-at-eos", is_flag=True, help="Stop at the end-of-generation token.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object (tokens, text, seconds, ...).")
 @click.option("--spec", type=click.Choice(["mtp", "draft", "eagle3", "ngram", "none"]), default="none", show_default=True,
@@ -55,13 +67,18 @@ def prompt_ids(model, prompt: str | None, tokens: str | None) -> list[int]:
               help="Draft model GGUF for --spec draft, or the EAGLE-3 head for --spec eagle3.")
 @click.option("--rollback", type=click.Choice(["snapshot", "checkpoint"]), default="snapshot", show_default=True)
 @click.option("--no-baseline", is_flag=True, help="With --spec: skip the plain run that measures the speed-up.")
-def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dtype, stop_at_eos, as_json,
-            spec, draft_max, draft_min, p_min, mtp_path, draft_path, rollback, no_baseline):
-    """Generate N tokens after a prompt (plain or speculative decoding)."""
+def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dtype, offload, weights_mode, stop_at_eos,
+            as_json, spec, draft_max, draft_min, p_min, mtp_path, draft_path, rollback, no_baseline):
+    """Generate N tokens after a prompt (plain or speculative decoding).
+
+    With --json the object carries load_seconds, prompt and decode tokens/s and the stored weight
+    bytes the run read (weight_bytes_read)."""
     from specconv.runtime import load_model
     from specconv.runtime.generate import generate
 
-    model = load_model(model_path, device=device, dtype=dtype)
+    started = time.perf_counter()
+    model = load_model(model_path, device=device, dtype=dtype, weights=weights_mode, offload=offload)
+    load_seconds = time.perf_counter() - started
     ids = prompt_ids(model, prompt, tokens)
     if spec == "none":
         result = generate(model, ids, n_predict, temperature=temperature, seed=seed, stop_at_eos=stop_at_eos)
@@ -70,7 +87,10 @@ def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dt
                               mtp_path, draft_path, rollback, not no_baseline)
     if as_json:
         payload = result.to_json()
-        payload.update(device=str(model.device), model=str(model_path), temperature=temperature, seed=seed)
+        payload.update(device=str(model.device), model=str(model_path), temperature=temperature, seed=seed,
+                       load_seconds=load_seconds, dtype=str(model.dtype).removeprefix("torch."),
+                       weights=weights_mode, offload=offload,
+                       placement=model.weights.placement.describe())
         click.echo(json.dumps(payload))
         return
     click.echo(result.text)

@@ -1,0 +1,163 @@
+"""A weight kept in its GGUF storage type and dequantized when a graph uses it.
+
+`StoredWeight` holds a tensor's stored bytes as a uint8 tensor [..., row_bytes] — a view of the
+memory-mapped file on the CPU, or a copy on the compute device — and turns them into values of the
+compute dtype only for the rows an operation needs:
+
+* `linear(x, W)` (runtime/graphs/ops.py) dequantizes W a chunk of rows at a time and multiplies
+  each chunk as it comes, so a 2 GB output head never exists in float32 at once and each weight is
+  dequantized once per forward, however many tokens the batch holds;
+* `W[token_ids]` dequantizes only the embedding rows asked for;
+* `W[e]` is expert e of a 3-D expert tensor, still packed: a MoE forward touches only the experts
+  its tokens are routed to;
+* `W.to(dtype)`, `dense(W)` and any torch function given W (through `__torch_function__`) get the
+  whole tensor dequantized, for the small or irregular uses.
+
+Where the bytes live and where the values are computed are separate: with offloading the bytes
+stay in the memory map and each use brings the rows it needs to the compute device.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType
+
+from specconv.runtime.placement import active_device
+
+# Values dequantized per piece of a chunked product (4 MB in float32): big enough that the
+# matrix product stays efficient, small enough to stay in cache and bound the temporaries.
+CHUNK_ELEMENTS = 1 << 20
+
+
+class ReadCounter:
+    """Bytes of stored weights read by dequantization (what a forward pulls from the file)."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def reset(self) -> int:
+        seen, self.bytes = self.bytes, 0
+        return seen
+
+
+class StoredWeight:
+    """One GGUF tensor in its stored type; `shape` is the torch-order shape of its values."""
+
+    __slots__ = ("raw", "qtype", "shape", "dtype", "device", "counter")
+
+    def __init__(self, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device, counter: ReadCounter | None = None):
+        self.raw = raw  # uint8 [*shape[:-1], row_bytes], on `device` or on the CPU (offloaded)
+        self.qtype = qtype
+        self.shape = torch.Size(shape)
+        self.dtype = dtype  # the values' dtype when used
+        self.device = torch.device(device)  # where the values are computed
+        self.counter = counter
+
+    # ---- tensor-like surface --------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, d: int | None = None):
+        return self.shape if d is None else self.shape[d]
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.raw.numel()
+
+    def __repr__(self):
+        return (f"StoredWeight({self.qtype.name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"device={self.device}, stored on {self.raw.device})")
+
+    # ---- values ---------------------------------------------------------------------------------
+    def _values(self, raw: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        if self.counter is not None:
+            self.counter.bytes += raw.numel()
+        device = active_device() or self.device  # a block running on another device (placement.py)
+        if raw.device != device:  # offloaded: bring only these bytes to the compute device
+            raw = raw.to(device, non_blocking=True)
+        from specconv.runtime.dequant import dequantize_rows
+
+        return dequantize_rows(raw, self.qtype, dtype or self.dtype)
+
+    def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """All values, dequantized into `dtype` (default: the weight's compute dtype)."""
+        return self._values(self.raw, dtype).reshape(self.shape)
+
+    def to(self, *args, **kwargs) -> torch.Tensor:
+        """As torch.Tensor.to: the values, dequantized, in the dtype / on the device asked for."""
+        dtype = kwargs.pop("dtype", None)
+        device = kwargs.pop("device", None)
+        for a in args:
+            if isinstance(a, torch.dtype):
+                dtype = a
+            elif isinstance(a, (str, torch.device)):
+                device = a
+            elif isinstance(a, torch.Tensor):
+                dtype, device = a.dtype, a.device
+        values = self.dense(dtype)
+        return values if device is None else values.to(device, **kwargs)
+
+    def float(self) -> torch.Tensor:
+        return self.dense(torch.float32)
+
+    def t(self) -> torch.Tensor:
+        return self.dense().t()
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows `index` of a 2-D weight (embedding lookup), dequantizing only those rows."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        picked = self.raw[index.to(self.raw.device)]
+        return self._values(picked, dtype).reshape(*index.shape, self.shape[-1])
+
+    def __getitem__(self, key):
+        if isinstance(key, int) and self.ndim >= 3:  # one expert of a 3-D expert tensor, still packed
+            if not -self.shape[0] <= key < self.shape[0]:
+                raise IndexError(f"expert {key} out of range for {tuple(self.shape)}")
+            return StoredWeight(self.raw[key], self.qtype, tuple(self.shape[1:]), self.dtype, self.device,
+                                self.counter)
+        if self.ndim == 2 and (isinstance(key, (list, torch.Tensor)) or isinstance(key, int)):
+            return self.rows(torch.as_tensor(key))
+        return self.dense()[key]
+
+    def row_chunks(self, dtype: torch.dtype | None = None, elements: int = CHUNK_ELEMENTS):
+        """(start, values [rows, in]) pieces of a 2-D weight, each dequantized when reached."""
+        n_out, n_in = self.shape
+        step = max(1, elements // max(1, n_in))
+        for start in range(0, n_out, step):
+            yield start, self._values(self.raw[start:start + step], dtype)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # Any torch function given a stored weight sees its dequantized values.
+        def unpack(a):
+            if isinstance(a, StoredWeight):
+                return a.dense()
+            if isinstance(a, (list, tuple)):
+                return type(a)(unpack(x) for x in a)
+            return a
+
+        return func(*unpack(args), **{k: unpack(v) for k, v in (kwargs or {}).items()})
+
+
+def matmul_t(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
+    """x @ wᵀ for a stored [out, in] matrix, dequantized a chunk of rows at a time."""
+    if w.ndim != 2:
+        raise ValueError(f"linear needs a 2-D weight, got {tuple(w.shape)}")
+    n_out = w.shape[0]
+    if w.numel() <= CHUNK_ELEMENTS:
+        return x @ w.dense(x.dtype).t()
+    out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=x.device)
+    for start, values in w.row_chunks(x.dtype):
+        out[..., start:start + values.shape[0]] = x @ values.t()
+    return out
