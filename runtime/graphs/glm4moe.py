@@ -21,6 +21,7 @@ from specconv.runtime.memory import Batch, MemoryLayout
 
 keep_float32 = ms.keep_float32
 OPTIONAL = ("output.weight",)  # absent when tied to token_embd
+MULTI_DEVICE = True  # runs through decoder.forward_trunk, which follows a placement over devices
 _ATTN_OPTIONAL = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm.weight", "attn_k_norm.weight")
 
 

@@ -76,6 +76,7 @@ def optional_mtp_tensors(hp: HParams) -> list[str]:
 
 
 OPTIONAL = ("output.weight", ROPE_FREQS)
+MULTI_DEVICE = True  # runs through decoder.forward_trunk, which follows a placement over devices
 
 
 def keep_float32(name: str) -> bool:

@@ -151,6 +151,7 @@ def mtp_tensors(hp: HParams) -> list[str]:
 
 
 OPTIONAL = ("output.weight",)  # absent when tied to token_embd
+MULTI_DEVICE = True  # runs through decoder.forward_trunk, which follows a placement over devices
 
 
 def optional_mtp_tensors(hp: HParams) -> list[str]:
