@@ -21,12 +21,21 @@ def register(cls: type[ArchPlugin]) -> type[ArchPlugin]:
 
 def _load_builtin_plugins() -> None:
     # Importing a plugin module registers it.
-    from . import deepseek2, eagle3, gemma4, glm4moe, llama, qwen35  # noqa: F401
+    from . import deepseek2, eagle3, gemma4, glm4moe, llama, qwen3, qwen35  # noqa: F401
 
 
 def supported_architectures() -> list[str]:
     _load_builtin_plugins()
     return sorted(_REGISTRY)
+
+
+def plugin_class_for_family(family: str) -> type[ArchPlugin]:
+    """The registered plugin class of a family (e.g. "eagle3"), for plugins that hand a config on."""
+    _load_builtin_plugins()
+    for cls in _REGISTRY.values():
+        if cls.family == family:
+            return cls
+    raise SpecconvError(f"no architecture plugin of family {family!r}")
 
 
 def plugin_class_for(config: Mapping) -> type[ArchPlugin]:
@@ -55,6 +64,7 @@ __all__ = [
     "SpecconvError",
     "TensorPlan",
     "plugin_class_for",
+    "plugin_class_for_family",
     "register",
     "supported_architectures",
 ]

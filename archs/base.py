@@ -80,6 +80,8 @@ class Checkpoint:
     # The checkpoint folder, for plugins whose shapes depend on the tokenizer (Gemma trims the
     # embedding to the tokenizer's real size); plugins read only small metadata files from it.
     source_dir: str | None = None
+    # `--target-layers` of a draft head (layer inputs, as llama.cpp's `eagle3.target_layers`), or None.
+    target_layers: tuple[int, ...] | None = None
 
 
 class ArchPlugin:

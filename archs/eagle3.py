@@ -5,8 +5,13 @@ Accepted layouts:
   tensors `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, optionally `embed_tokens`;
 * speculators-style (`Eagle3Speculator`, `Eagle3DraftModel`): the LLaMA layer config nested in
   `transformer_layer_config`, the layer named `layers.0.*` (sometimes under `model.`).
-`eagle_aux_hidden_state_layer_ids` is read at the top level or inside `eagle_config` (llama.cpp's
-converter reads only the top level and silently writes the default otherwise).
+Target layers (docs/eagle3.md, "Two conventions"): `eagle3.target_layers` names layer INPUTS, as
+llama.cpp extracts them (id j = the input of target block j = transformers `hidden_states[j]`). The
+checkpoint keys are read each in its own convention: the top-level `eagle_aux_hidden_state_layer_ids`
+(EAGLE authors, vLLM, speculators) already names inputs; `eagle_config.eagle_aux_hidden_state_layer_ids`
+(SpecForge, read by SGLang) and AngelSlim's `aux_hidden_states_layer_ids` name layer OUTPUTS and are
+written + 1. `--target-layers` (layer inputs) overrides them all; without ids the default is
+`[2, L//2, L-3]` (inputs, llama.cpp's and vLLM's default).
 
 A head only makes sense with its target: the conversion needs the target's folder
 (`Checkpoint.target_config` / `target_dir`), from which come the tokenizer (the GGUF carries the
@@ -18,7 +23,7 @@ unique; `t2d` (training only) is dropped; q/k rows get the LLaMA pair permutatio
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
@@ -40,13 +45,56 @@ def merged_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return {**config, **nested} if isinstance(nested, Mapping) else dict(config)
 
 
-def aux_layer_ids(config: Mapping[str, Any]) -> list[int] | None:
-    """`eagle_aux_hidden_state_layer_ids` from the top level or `eagle_config` (None when absent)."""
-    for where in (config, config.get("eagle_config") or {}):
-        ids = where.get("eagle_aux_hidden_state_layer_ids") if isinstance(where, Mapping) else None
-        if ids:
-            return [int(i) for i in ids]
-    return None
+# Where a head's config names its target layers, and whether that key names layer inputs (0) or
+# layer outputs (+1 to make them inputs). Checked in this order; the first present wins.
+LAYER_ID_KEYS = (
+    (("eagle_config", "eagle_aux_hidden_state_layer_ids"), 1, "SpecForge / SGLang: layer outputs"),
+    (("eagle_aux_hidden_state_layer_ids",), 0, "EAGLE / vLLM / speculators: layer inputs"),
+    (("aux_hidden_states_layer_ids",), 1, "AngelSlim: layer outputs"),
+)
+
+
+def _config_ids(config: Mapping[str, Any], path: tuple[str, ...]) -> list[int] | None:
+    node: Any = config
+    for key in path:
+        node = node.get(key) if isinstance(node, Mapping) else None
+    if not node:
+        return None
+    try:
+        return [int(i) for i in node]
+    except (TypeError, ValueError):
+        raise SpecconvError(f"{'.'.join(path)} must be a list of integers, not {node!r}") from None
+
+
+def resolve_target_layers(config: Mapping[str, Any], n_layer: int,
+                          override: Sequence[int] | None = None) -> tuple[list[int], str, list[str]]:
+    """(layer inputs for `eagle3.target_layers`, where they came from, notices) for a head's config.
+
+    `config` is the head's config.json as saved (speculators' `transformer_layer_config` is not
+    merged: the ids sit at its top level or in `eagle_config`). `override`: `--target-layers`."""
+    notices: list[str] = []
+    if override is not None:
+        layers, source = [int(i) for i in override], "--target-layers (layer inputs)"
+    else:
+        found = [(".".join(path), ids, shift, who) for path, shift, who in LAYER_ID_KEYS
+                 if (ids := _config_ids(config, path)) is not None]
+        if found:
+            key, ids, shift, who = found[0]
+            layers = [i + shift for i in ids]
+            source = f"{key} {ids} ({who})" + (" + 1" if shift else "")
+            for other_key, other_ids, other_shift, _ in found[1:]:
+                if [i + other_shift for i in other_ids] != layers:
+                    notices.append(f"{other_key} {other_ids} disagrees with {key} {ids}; using {key} "
+                                   f"(layer inputs {layers}); give --target-layers if the head was trained otherwise")
+        else:
+            layers, source = [2, n_layer // 2, n_layer - 3], "default [2, L//2, L-3] (layer inputs)"
+    if len(layers) != 3:
+        raise SpecconvError(f"an EAGLE-3 head reads 3 target layers, {source} gives {layers}")
+    bad = [j for j in layers if not 0 <= j <= n_layer]
+    if bad:
+        raise SpecconvError(f"target layer {bad[0]} (from {source}) is outside 0..{n_layer}: the target has {n_layer} "
+                            f"layers (layer input {n_layer} is its final normed output)")
+    return layers, source, notices
 
 
 def absolute_d2t(ts: list[np.ndarray], n_target_vocab: int) -> np.ndarray:
@@ -107,15 +155,10 @@ class Eagle3(ArchPlugin):
         return target_h
 
     def _target_layers(self) -> list[int]:
-        L = self.L_target
-        ids = aux_layer_ids(self.checkpoint.config) or aux_layer_ids(self.cfg) or [2, L // 2, L - 3]
-        if len(ids) != 3:
-            raise SpecconvError(f"eagle_aux_hidden_state_layer_ids must have 3 entries, not {ids}")
-        bad = [j for j in ids if not 0 <= j <= L]
-        if bad:
-            raise SpecconvError(f"target layer {bad[0]} is outside 0..{L} (the target has {L} layers; id {L} is its "
-                                f"final normed output)")
-        return ids
+        layers, source, notices = resolve_target_layers(self.checkpoint.config, self.L_target,
+                                                        self.checkpoint.target_layers)
+        self.notices = [f"eagle3.target_layers {layers} (layer inputs) from {source}"] + notices
+        return layers
 
     @staticmethod
     def _target_tokenizer_pre(target_config: Mapping[str, Any]) -> str:

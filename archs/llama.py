@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, Keys
 
-from . import names, register
+from . import names, plugin_class_for_family, register
 from . import transforms as tf
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field
 from .errors import SpecconvError
@@ -144,9 +144,7 @@ class Llama(ArchPlugin):
     def refine(cls, config: Mapping[str, Any]) -> type[ArchPlugin]:
         """Some EAGLE-3 heads say LlamaForCausalLM: one layer and a draft_vocab_size identify them (as upstream)."""
         if "draft_vocab_size" in config and int(config.get("num_hidden_layers", 0)) == 1:
-            from .eagle3 import Eagle3
-
-            return Eagle3
+            return plugin_class_for_family("eagle3")
         return cls
 
     def __init__(self, checkpoint: Checkpoint):

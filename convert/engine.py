@@ -49,6 +49,7 @@ class ConvertRequest:
     mtp: MtpMode = MtpMode.EMBED
     split_max_size: int = 0
     target: Path | None = None  # the target model folder of a draft head (EAGLE-3)
+    target_layers: tuple[int, ...] | None = None  # --target-layers: a head's target layers (layer inputs)
 
 
 @dataclass(frozen=True)
@@ -128,11 +129,14 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
     uses_target = getattr(plugin_cls, "uses_target", False)
     if req.target is not None and not uses_target:
         raise SpecconvError("--target is only for draft heads converted against their target (EAGLE-3)")
+    if req.target_layers is not None and not uses_target:
+        raise SpecconvError("--target-layers is only for draft heads that read their target's layers (EAGLE-3)")
     target_config = read_config(Path(req.target)) if req.target is not None and uses_target else None
     plugin = plugin_cls(Checkpoint(reader.config, headers, skipped, target_config,
-                                   str(req.target) if target_config is not None else None, str(reader.dir)))
+                                   str(req.target) if target_config is not None else None, str(reader.dir),
+                                   target_layers=req.target_layers))
     plans = plugin.tensor_plan()
-    k, notices = plugin.n_mtp_layers, []
+    k, notices = plugin.n_mtp_layers, list(getattr(plugin, "notices", ()))
     if plugin.missing_mtp and req.mtp != MtpMode.NONE:
         raise SpecconvError(f"{plugin.missing_mtp}; use --mtp none to convert the trunk only")
     if plugin.missing_mtp:

@@ -48,7 +48,9 @@ def test_layout_converts_with_target_metadata(tmp_path, llama_target, layout):
     out = _convert(head, llama_target, tmp_path / "h.gguf")
     r = GGUFReader(out)
     assert _kv(r, "general.architecture") == "eagle3"
-    assert _kv(r, "eagle3.target_layers") == [0, 3, 5]  # top level, or nested in eagle_config
+    # top level (eagle layout): layer inputs, as written; nested in eagle_config (speculators layout here,
+    # SpecForge's key): layer outputs, written + 1 (docs/eagle3.md)
+    assert _kv(r, "eagle3.target_layers") == ([1, 4, 6] if layout == "speculators" else [0, 3, 5])
     target_cfg = json.loads((llama_target / "config.json").read_text())
     assert _kv(r, "eagle3.target_hidden_size") == target_cfg["hidden_size"]
     assert _kv(r, "eagle3.norm_before_residual") is (layout == "speculators")
@@ -133,7 +135,7 @@ def test_refuses_wrong_target_sizes(tmp_path, llama_target):
     small_vocab = build_llama_target(tmp_path / "vocab", vocab=256, n_layers=6)
     _refused(tmp_path, head, small_vocab, "vocabulary of 512 tokens, but the target has 256")
     shallow = build_llama_target(tmp_path / "shallow", n_layers=4)
-    _refused(tmp_path, head, shallow, "target layer 5 is outside 0..4")
+    _refused(tmp_path, head, shallow, "target layer 5 (from eagle_aux_hidden_state_layer_ids [0, 3, 5]")
 
 
 def test_target_only_for_draft_heads(tmp_path, llama_target):

@@ -25,11 +25,13 @@ from tests.fixtures.tiny_qwen35 import build_qwen35
 
 PROMPT = [5, 17, 200, 33, 4, 99, 7, 8, 120, 64]
 TOL = 1e-4
-# (target, layout, layer ids, norm_before_fc): qwen35 reads its post-norm output (id L = 4) too
+# (target, layout, layer ids in the config, norm_before_fc): qwen35 reads its post-norm output (id L = 4) too.
+# Ids at the top level (eagle layout) are layer inputs; in eagle_config (speculators layout) layer outputs,
+# so [0, 2, 3] there reads layers [1, 3, 4] and [0, 2, 4] reads [1, 3, 5]
 CASES = {
     "qwen35-eagle": ("qwen35", "eagle", [1, 2, 4], False),
-    "qwen35-speculators": ("qwen35", "speculators", [0, 3, 4], True),
-    "llama-speculators": ("llama", "speculators", [0, 3, 5], False),
+    "qwen35-speculators": ("qwen35", "speculators", [0, 2, 3], True),
+    "llama-speculators": ("llama", "speculators", [0, 2, 4], False),
     "llama-eagle": ("llama", "eagle", None, False),  # default layers [2, 3, 3]
     "qwen35moe-eagle": ("qwen35moe", "eagle", [0, 2, 3], False),
     "qwen35-target-head": ("qwen35", "eagle", [1, 2, 3], False),  # no lm_head / d2t: the target's output

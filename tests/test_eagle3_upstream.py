@@ -3,7 +3,7 @@
 Tensors must be identical (names, order, types, shapes, bytes: the q/k permutation and the
 absolute d2t included) and the metadata equal, except for documented differences on speculators
 heads: llama.cpp's converter reads `eagle_aux_hidden_state_layer_ids` only at the top level, so
-with the ids in `eagle_config` it writes the default layers instead; and it writes
+with the ids in `eagle_config` (layer outputs, which we write + 1) it writes the default layers instead; and it writes
 `attention.key_length`/`value_length` only when its config loader knows head_dim.
 Skips unless SPECCONV_LLAMA_CPP_SRC names the llama.cpp tree (tests/run.sh sets it).
 """
@@ -60,7 +60,8 @@ def test_eagle3_head_matches_llama_cpp_converter(tmp_path, target_kind, layout, 
     lengths = {"eagle3.attention.key_length", "eagle3.attention.value_length"}
     kv_a, kv_b = _compare(ours, theirs, ({"eagle3.target_layers"} | lengths) if nested else ())
     assert kv_a["eagle3.attention.key_length"] == kv_a["eagle3.embedding_length"] // kv_a["eagle3.attention.head_count"]
-    assert list(kv_a["eagle3.target_layers"]) == ids
+    # ours: top-level ids as they are (layer inputs), eagle_config ids (layer outputs) + 1
+    assert list(kv_a["eagle3.target_layers"]) == ([i + 1 for i in ids] if nested else ids)
     if nested:
         assert list(kv_b["eagle3.target_layers"]) == [2, 3, 3]  # upstream's default: [2, L//2, L-3]
     if rope:  # the generated llama3 factors, first in both files

@@ -37,6 +37,17 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def parse_layers(text: str) -> tuple[int, ...]:
+    """'2,5,7' -> (2, 5, 7): three non-negative layer ids."""
+    try:
+        ids = tuple(int(t) for t in text.replace(" ", "").split(","))
+    except ValueError:
+        raise SpecconvError(f"--target-layers {text!r}: expected three comma-separated layer ids such as 2,5,7") from None
+    if len(ids) != 3 or min(ids) < 0:
+        raise SpecconvError(f"--target-layers {text!r}: expected three non-negative layer ids such as 2,5,7")
+    return ids
+
+
 @click.command("convert")
 @click.argument("src", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out", required=True, metavar="OUT",
@@ -53,6 +64,14 @@ def parse_size(text: str) -> int:
               metavar="TARGET_DIR",
               help="For an EAGLE-3 draft head: the target model's folder (config.json and tokenizer). The GGUF gets "
                    "the target's tokenizer, hidden size and default target layers.")
+@click.option("--target-layers", "target_layers", metavar="A,B,C", default=None,
+              help="For an EAGLE-3 head: the three target layers it reads, as layer INPUTS (llama.cpp's "
+                   "eagle3.target_layers convention: j is the input of target block j, transformers' "
+                   "hidden_states[j]; the target's layer count L stands for its final normed output). Overrides "
+                   "the config: by default eagle_config.eagle_aux_hidden_state_layer_ids (SpecForge) and "
+                   "aux_hidden_states_layer_ids (AngelSlim), which name layer outputs, are written + 1, a top-level eagle_aux_hidden_state_layer_ids (vLLM, speculators: layer inputs) "
+                   "as is, else [2, L//2, L-3]. Give it when a head's config lacks its ids or holds output ids at "
+                   "the top level (e.g. SpecForge ids [1,4,6] become --target-layers 2,5,7).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, tensors, types, shapes, sizes, metadata); "
                                               "write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite output files that already exist.")
@@ -61,7 +80,7 @@ def parse_size(text: str) -> int:
                    "work while others wait on the disk; 1: no worker threads). "
                    "The output is the same bytes whatever the number.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (or the --dry-run plan) as JSON on stdout.")
-def command(src, out, outtype, mtp_mode, split_max_size, target, dry_run, force, threads, as_json):
+def command(src, out, outtype, mtp_mode, split_max_size, target, target_layers, dry_run, force, threads, as_json):
     """Convert the checkpoint folder SRC (config.json, safetensors, tokenizer) to GGUF.
 
     Files are written under temporary names and renamed only when complete; on any error or Ctrl-C
@@ -72,7 +91,8 @@ def command(src, out, outtype, mtp_mode, split_max_size, target, dry_run, force,
     from specconv.convert.plan_report import plan_summary
 
     req = ConvertRequest(src=Path(src), out=out, outtype=outtype.lower(), mtp=MtpMode(mtp_mode),
-                         split_max_size=parse_size(split_max_size) if split_max_size is not None else 0, target=target)
+                         split_max_size=parse_size(split_max_size) if split_max_size is not None else 0, target=target,
+                         target_layers=parse_layers(target_layers) if target_layers is not None else None)
     plan = plan_conversion(req)
     try:
         summary = plan_summary(plan, tensors=dry_run)

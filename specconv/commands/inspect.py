@@ -9,13 +9,26 @@ from pathlib import Path
 import click
 
 
+TARGET_LAYERS_CONVENTION = (
+    "layer inputs, as llama.cpp reads eagle3.target_layers: j is the input of target block j (transformers' "
+    "hidden_states[j], the output of block j-1; j = L is the final normed output). In SpecForge's "
+    "eagle_config ids (layer outputs) these are j-1")
+
+
+def eagle3_summary(hparams: dict) -> dict:
+    """What an EAGLE-3 head reads from its target, and in which convention the file names the layers."""
+    return {"target_layers": hparams.get("target_layers"), "target_hidden_size": hparams.get("target_hidden_size"),
+            "convention": TARGET_LAYERS_CONVENTION}
+
+
 @click.command("inspect")
 @click.argument("file", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON on stdout.")
 @click.option("--all-tensors", is_flag=True, help="List every tensor (by default long tables are shortened).")
 def command(file, as_json, all_tensors):
     """Show FILE's architecture, the graph types it serves (main, mtp or both, decided as llama.cpp's
-    loaders decide), hyper-parameters, tensor table (name, type, ggml shape) and sizes.
+    loaders decide), hyper-parameters, tensor table (name, type, ggml shape) and sizes. For an EAGLE-3
+    head: the target layers it reads and their convention (layer inputs).
 
     For split models give the first shard (NAME-00001-of-0000N.gguf); the others are found by name.
     """
@@ -27,6 +40,8 @@ def command(file, as_json, all_tensors):
     from specconv.convert.plan_report import human_bytes
 
     info = summarize(file)
+    if info["arch"] == "eagle3":
+        info["eagle3"] = eagle3_summary(info["hparams"])
     if as_json:
         click.echo(json.dumps(info, indent=2, ensure_ascii=False))
         return
@@ -35,6 +50,10 @@ def command(file, as_json, all_tensors):
     console.print(f"[bold]{Path(info['path']).name}[/]{shards}: arch [bold]{info['arch']}[/], {info['kind']} "
                   f"(serves: {', '.join(info['serves']) or 'nothing'}), block_count {info['block_count']}, "
                   f"nextn_predict_layers {info['nextn_predict_layers']}")
+    if "eagle3" in info:
+        e3 = info["eagle3"]
+        console.print(f"EAGLE-3 head: reads target layers [bold]{e3['target_layers']}[/] of a target of width "
+                      f"{e3['target_hidden_size']}: {escape(e3['convention'])}")
     for problem in info["problems"]:
         console.print(f"[red]problem:[/] {problem}")
     console.print(f"{info['n_tensors']} tensors, {human_bytes(info['tensor_bytes'])} of tensor data, "
