@@ -1,0 +1,185 @@
+"""Qwen3 dense (`Qwen3ForCausalLM` -> GGUF `qwen3`) and Qwen3-MoE (`Qwen3MoeForCausalLM` -> `qwen3moe`).
+
+What the pinned llama.cpp converter writes for them (its `Qwen3Model` / `Qwen3MoeModel` on top of
+`TextModel`): plain renames, no q/k row permutation (the graphs use NEOX rope, HF's rotate-half),
+per-head `attn_q_norm` / `attn_k_norm` of head_dim, no +1 on any norm. Qwen3-MoE experts come
+per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, the release layout) and are stacked into
+3-D `ffn_*_exps`; transformers' fused in-memory layout is accepted too. The router is
+`ffn_gate_inp` (F32); there is no shared expert.
+
+`norm_topk_prob`: llama.cpp's qwen3moe graph always renormalises the top-k weights, which is what
+the releases configure (true). For a checkpoint that says false, the plugin adds
+`qwen3moe.expert_weights_norm = false` (a key llama.cpp's qwen3moe loader ignores) so that
+specconv's runtime follows the config; docs/archs.md notes the consequence for llama.cpp.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping
+
+from gguf import GGUFValueType, Keys
+
+from . import names, register
+from . import transforms as tf
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field
+from .errors import SpecconvError
+from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name
+from .qwen35_hparams import _rope_scaling
+
+QWEN3, QWEN3MOE = "qwen3", "qwen3moe"
+EXPERT_WEIGHTS_NORM = "expert_weights_norm"  # `{arch}.expert_weights_norm` (bool), llama.cpp's key
+
+
+def _int(cfg: Mapping[str, Any], *fields: str, default: int | None = None) -> int:
+    for name in fields:
+        if cfg.get(name) is not None:
+            return int(cfg[name])
+    if default is None:
+        raise SpecconvError(f"config.json lacks {fields[0]}")
+    return default
+
+
+class Qwen3Base(ArchPlugin):
+    family: ClassVar[str] = "qwen3"
+    moe: ClassVar[bool] = False
+    tokenizer_model: ClassVar[str] = "gpt2"
+    tokenizer_pre: ClassVar[str] = "qwen2"  # what llama.cpp's hash table names the Qwen3 tokenizer
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        cfg = checkpoint.config
+        self.H = _int(cfg, "hidden_size")
+        self.L = _int(cfg, "num_hidden_layers")
+        self.n_head = _int(cfg, "num_attention_heads")
+        self.n_kv = _int(cfg, "num_key_value_heads", default=self.n_head)
+        self.hd = _int(cfg, "head_dim", default=self.H // self.n_head)
+        self.F = _int(cfg, "intermediate_size")
+        if self.n_head % self.n_kv:
+            raise SpecconvError(f"config.json: num_attention_heads {self.n_head} is not a multiple of "
+                                f"num_key_value_heads {self.n_kv}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise SpecconvError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (qwen3 uses silu)")
+        if cfg.get("attention_bias"):
+            raise SpecconvError("config.json: attention_bias=true is not supported (llama.cpp's qwen3 graphs "
+                                "have no q/k/v biases)")
+        if cfg.get("use_sliding_window"):
+            raise SpecconvError("config.json: use_sliding_window=true is not supported (llama.cpp's qwen3 "
+                                "graphs attend to the whole context)")
+        self.rope_scaling = _rope_scaling(cfg)
+        if self.moe:
+            self.E = _int(cfg, "num_experts", "num_local_experts")
+            self.k_used = _int(cfg, "num_experts_per_tok")
+            self.Fe = _int(cfg, "moe_intermediate_size")
+            if not 0 < self.k_used <= self.E:
+                raise SpecconvError(f"config.json: num_experts_per_tok {self.k_used} is not in 1..{self.E}")
+            if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
+                raise SpecconvError("config.json: dense layers in a Qwen3-MoE (mlp_only_layers / "
+                                    "decoder_sparse_step != 1) are not supported (llama.cpp's qwen3moe has none)")
+            self.norm_topk = bool(cfg.get("norm_topk_prob", False))
+
+    @property
+    def gguf_arch(self) -> str:
+        return QWEN3MOE if self.moe else QWEN3
+
+    @classmethod
+    def normalize_name(cls, raw_name: str):
+        return text_model_name(raw_name, (), "")
+
+    @property
+    def n_trunk_layers(self) -> int:
+        return self.L
+
+    @property
+    def n_mtp_layers(self) -> int:
+        return 0
+
+    def vocab_size(self) -> int:
+        return embedding_rows(self.checkpoint)
+
+    # ------------------------------------------------------------------ tensors
+
+    def tensor_plan(self) -> list[TensorPlan]:
+        plan, H, V = RolePlan(self.checkpoint.tensors), self.H, self.vocab_size()
+        trunk = Role.TRUNK
+        plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
+        q, kv = self.n_head * self.hd, self.n_kv * self.hd
+        for i in range(self.L):
+            p = f"model.layers.{i}."
+            plan.add(names.blk(i, "attn_norm"), [plan.source(p + "input_layernorm.weight", (H,))], (H,), trunk,
+                     tf.identity, True)
+            for part, hf, shape in (("attn_q", "q_proj", (q, H)), ("attn_k", "k_proj", (kv, H)),
+                                    ("attn_v", "v_proj", (kv, H)), ("attn_output", "o_proj", (H, q))):
+                plan.add(names.blk(i, part), [plan.source(f"{p}self_attn.{hf}.weight", shape)], shape, trunk)
+            for part, hf in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
+                plan.add(names.blk(i, part), [plan.source(f"{p}self_attn.{hf}.weight", (self.hd,))], (self.hd,),
+                         trunk, tf.identity, True)
+            plan.add(names.blk(i, "ffn_norm"), [plan.source(p + "post_attention_layernorm.weight", (H,))], (H,),
+                     trunk, tf.identity, True)
+            if self.moe:
+                m = p + "mlp."
+                plan.add(names.blk(i, "ffn_gate_inp"), [plan.source(m + "gate.weight", (self.E, H))], (self.E, H),
+                         trunk, tf.identity, True)
+                plan_experts(plan, i, m + "experts.", self.E, self.Fe, H, trunk, where=f"layer {i} (mlp.experts)",
+                             count_field="num_experts")
+            else:
+                add_swiglu(plan, i, p + "mlp.", self.F, H, trunk)
+        plan.add(names.OUTPUT_NORM, [plan.source("model.norm.weight", (H,))], (H,), Role.SHARED, tf.identity, True)
+        add_output_head(plan, bool(self.checkpoint.config.get("tie_word_embeddings", False)), V, H)
+        return plan.finish(self.gguf_arch)
+
+    # ------------------------------------------------------------------ metadata
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        cfg, arch = self.checkpoint.config, self.gguf_arch
+        u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+        kv: list[MetaKV] = []
+
+        def put(fmt: str, value: Any, vtype: GGUFValueType) -> None:
+            kv.append(MetaKV(fmt.format(arch=arch), value, vtype))
+
+        # The keys and order of llama.cpp's TextModel.set_gguf_parameters (+ Qwen2MoeModel's).
+        put(Keys.LLM.BLOCK_COUNT, self.L, u32)
+        if cfg.get("max_position_embeddings") is not None:
+            put(Keys.LLM.CONTEXT_LENGTH, int(cfg["max_position_embeddings"]), u32)
+        put(Keys.LLM.EMBEDDING_LENGTH, self.H, u32)
+        put(Keys.LLM.FEED_FORWARD_LENGTH, self.F, u32)
+        put(Keys.Attention.HEAD_COUNT, self.n_head, u32)
+        put(Keys.Attention.HEAD_COUNT_KV, self.n_kv, u32)
+        s = self.rope_scaling
+        if s is not None:
+            put(Keys.Rope.SCALING_TYPE, s.kind, GGUFValueType.STRING)
+            put(Keys.Rope.SCALING_FACTOR, s.factor, f32)
+            if s.kind == "yarn":
+                put(Keys.Rope.SCALING_ORIG_CTX_LEN, s.original_context, u32)
+                for key, value in ((Keys.Rope.SCALING_YARN_EXT_FACTOR, s.ext_factor),
+                                   (Keys.Rope.SCALING_YARN_ATTN_FACTOR, s.attn_factor),
+                                   (Keys.Rope.SCALING_YARN_BETA_FAST, s.beta_fast),
+                                   (Keys.Rope.SCALING_YARN_BETA_SLOW, s.beta_slow)):
+                    if value is not None:
+                        put(key, value, f32)
+        if (theta := config_field(cfg, "rope_theta")) is not None:
+            put(Keys.Rope.FREQ_BASE, float(theta), f32)
+        put(Keys.Attention.LAYERNORM_RMS_EPS, float(cfg.get("rms_norm_eps", 1e-6)), f32)
+        if self.moe:
+            put(Keys.LLM.EXPERT_COUNT, self.E, u32)
+            put(Keys.LLM.EXPERT_USED_COUNT, self.k_used, u32)
+        if cfg.get("head_dim") is not None:
+            put(Keys.Attention.KEY_LENGTH, self.hd, u32)
+            put(Keys.Attention.VALUE_LENGTH, self.hd, u32)
+        if self.moe:
+            put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, self.Fe, u32)
+            if not self.norm_topk:  # not written upstream (llama.cpp renormalises); see the module docstring
+                put("{arch}." + EXPERT_WEIGHTS_NORM, False, GGUFValueType.BOOL)
+        return kv
+
+
+@register
+class Qwen3(Qwen3Base):
+    hf_architectures: ClassVar[tuple[str, ...]] = ("Qwen3ForCausalLM",)
+    moe = False
+
+
+@register
+class Qwen3Moe(Qwen3Base):
+    hf_architectures: ClassVar[tuple[str, ...]] = ("Qwen3MoeForCausalLM",)
+    moe = True
