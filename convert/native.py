@@ -1,7 +1,7 @@
-"""Loader for the optional native Q8_0 encoder (convert/_native.c).
+"""Loaders for the optional native encoders: Q8_0 (convert/_native.c) and K-quants (convert/_kquants.c).
 
 The extension is optional: `pip install -e .` compiles it when a C compiler is present, and the
-converter falls back to its pure-numpy Q8_0 kernel (same bytes, slower) when it is not built or
+converter falls back to its pure-numpy kernels (same bytes, slower) when it is not built or
 cannot be imported. `SPECCONV_NO_NATIVE=1` forces that fallback, so tests can exercise both paths.
 """
 
@@ -20,3 +20,14 @@ def q8_0_native() -> Callable | None:
     except ImportError:
         return None
     return _native.q8_0
+
+
+def kquants_native() -> Callable | None:
+    """The K-quant extension's `encode(ggml_type, src, dst, bf16) -> bool`, or None when disabled or not built."""
+    if os.environ.get("SPECCONV_NO_NATIVE") == "1":
+        return None
+    try:
+        from specconv.convert import _kquants
+    except ImportError:
+        return None
+    return _kquants.encode
