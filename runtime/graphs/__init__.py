@@ -22,6 +22,8 @@ GRAPHS: dict[str, str] = {
     "deepseek2": "deepseek2",
     "gemma4": "gemma4",
     "gemma4-assistant": "gemma4_assistant",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3",
 }
 
 

@@ -36,7 +36,8 @@ REL_RMS_TOLERANCE = {Q.F16: 0.05, Q.BF16: 0.1, Q.Q8_0: 0.4}
 DEFAULT_REL_RMS_TOLERANCE = 0.7
 HF_CLASSES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
               "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
-              "gemma4": "Gemma4ForCausalLM"}
+              "gemma4": "Gemma4ForCausalLM",
+              "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 
 
 def _class_name(hf_dir: Path, arch: str) -> str:

@@ -1,0 +1,190 @@
+"""Qwen3 / Qwen3-MoE graphs (GGUF arch `qwen3`, `qwen3moe`): the MAIN graph of a plain target or
+draft model (model-math.md §1, §3.1).
+
+Each block: RMSNorm -> GQA attention whose q and k heads are RMS-normed per head (`attn_q_norm`,
+`attn_k_norm`, head_dim wide) before NEOX rope (rotate-half, the HF order the converter keeps) ->
+residual -> RMSNorm -> SwiGLU FFN, or for qwen3moe a softmax router over all experts, top-k, the k
+weights renormalised unless the file says `expert_weights_norm = false` (llama.cpp's qwen3moe
+always renormalises; archs/qwen3.py writes the key only for checkpoints with norm_topk_prob=false).
+No shared expert, no MTP head. The trunk runs through decoder.forward_trunk (multi-device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs.decoder import forward_trunk
+from specconv.runtime.graphs.ops import acc, causal_attention, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
+from specconv.runtime.memory import Batch, MemoryLayout
+
+ARCHES = ("qwen3", "qwen3moe")
+
+
+@dataclass
+class HParams:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rope_base: float
+    eps: float
+    n_ff: int = 0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    norm_topk: bool = True
+    rope_linear_factor: float = 1.0  # rope.scaling.type linear: positions divided by it
+    n_vocab: int = 0
+    context_length: int = 0
+    n_nextn: int = 0  # no MTP head in this family
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+    @classmethod
+    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        arch = kv["general.architecture"]
+
+        def get(key, default=None):
+            v = kv.get(f"{arch}.{key}", default)
+            if v is None:
+                raise SpecconvError(f"GGUF metadata lacks {arch}.{key}")
+            return v
+
+        n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
+        head_dim = int(get("attention.key_length", n_embd // n_head))
+        if int(get("attention.value_length", head_dim)) != head_dim:
+            raise SpecconvError(f"{arch}: attention.value_length differs from key_length")
+        scaling = kv.get(f"{arch}.rope.scaling.type")
+        factor = 1.0
+        if scaling == "linear":
+            factor = float(get("rope.scaling.factor"))
+        elif scaling not in (None, "none"):
+            raise SpecconvError(f"{arch}: rope scaling {scaling!r} is not supported by the runtime's qwen3 graph "
+                                f"(default and linear are)")
+        tokens = kv.get("tokenizer.ggml.tokens")
+        hp = cls(arch=arch, n_layer=int(get("block_count")), n_embd=n_embd, n_head=n_head,
+                 n_head_kv=int(get("attention.head_count_kv", n_head)), head_dim=head_dim,
+                 n_rot=int(get("rope.dimension_count", head_dim)), rope_base=float(get("rope.freq_base", 10000.0)),
+                 eps=float(get("attention.layer_norm_rms_epsilon")), n_ff=int(get("feed_forward_length", 0)),
+                 n_expert=int(get("expert_count", 0)), n_expert_used=int(get("expert_used_count", 0)),
+                 n_ff_exp=int(get("expert_feed_forward_length", 0)),
+                 norm_topk=bool(get("expert_weights_norm", True)), rope_linear_factor=factor,
+                 n_vocab=int(kv.get(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else 0)),
+                 context_length=int(get("context_length", 0)))
+        if arch == "qwen3moe" and not (hp.n_expert and 0 < hp.n_expert_used <= hp.n_expert):
+            raise SpecconvError(f"qwen3moe file with expert_count {hp.n_expert}, expert_used_count {hp.n_expert_used}")
+        if hp.n_head % hp.n_head_kv:
+            raise SpecconvError(f"{arch}: head_count {hp.n_head} is not a multiple of head_count_kv {hp.n_head_kv}")
+        return hp
+
+
+# ---- which tensors the graph needs -------------------------------------------------------------
+
+def block_tensors(hp: HParams, i: int) -> list[str]:
+    attn = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_norm")
+    ffn = (("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if hp.is_moe
+           else ("ffn_gate", "ffn_up", "ffn_down"))
+    return [f"blk.{i}.{n}.weight" for n in attn + ffn]
+
+
+def main_tensors(hp: HParams) -> list[str]:
+    return ["token_embd.weight", "output_norm.weight"] + [n for i in range(hp.n_layer) for n in block_tensors(hp, i)]
+
+
+def mtp_tensors(hp: HParams) -> list[str]:
+    return []
+
+
+def optional_mtp_tensors(hp: HParams) -> list[str]:
+    return []
+
+
+OPTIONAL = ("output.weight",)  # absent when tied to token_embd
+MULTI_DEVICE = True  # runs through decoder.forward_trunk, which follows a placement over devices
+
+
+def keep_float32(name: str) -> bool:
+    return name.endswith("norm.weight") or "ffn_gate_inp" in name
+
+
+def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
+    return MemoryLayout(attn_layers=list(range(hp.n_layer)), n_head_kv=hp.n_head_kv, head_dim=hp.head_dim,
+                        rec_layers=[])
+
+
+def mtp_layout(hp: HParams) -> MemoryLayout:
+    return MemoryLayout(attn_layers=[], n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, rec_layers=[])
+
+
+# ---- blocks -----------------------------------------------------------------------------------
+
+def rope_for(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
+    pos = positions if hp.rope_linear_factor == 1.0 else positions.to(dtype) / hp.rope_linear_factor
+    return rope_cos_sin(pos, hp.n_rot, hp.rope_base, dtype)
+
+
+def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+    """GQA with per-head RMS-normed q and k, NEOX rope on the first n_rot dims."""
+    n, p = a.shape[0], f"blk.{i}."
+    q = linear(a, w[p + "attn_q.weight"]).view(n, hp.n_head, hp.head_dim)
+    k = linear(a, w[p + "attn_k.weight"]).view(n, hp.n_head_kv, hp.head_dim)
+    v = linear(a, w[p + "attn_v.weight"]).view(n, hp.n_head_kv, hp.head_dim)
+    q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
+    k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
+    cos, sin = rope
+    q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
+    k_all, v_all, k_pos = batch.attend_kv(i, k, v)
+    o = causal_attention(q, k_all, v_all, batch.positions, k_pos, hp.head_dim ** -0.5)
+    return linear(o.reshape(n, hp.n_head * hp.head_dim), w[p + "attn_output.weight"])
+
+
+def moe(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
+    """softmax(router·x) over all experts, top-k, weights renormalised over the k when norm_topk;
+    only the experts some row chose are evaluated (`W[e]` keeps stored experts packed)."""
+    p = f"blk.{i}."
+    probs = torch.softmax(acc(linear(acc(x), w[p + "ffn_gate_inp.weight"])), dim=-1)
+    weights, chosen = torch.topk(probs, hp.n_expert_used, dim=-1)
+    if hp.norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    gate, up, down = w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"]
+    out = torch.zeros(x.shape[0], hp.n_embd, dtype=probs.dtype, device=x.device)
+    for e in torch.unique(chosen).tolist():
+        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+        y = swiglu(x[rows], gate[e], up[e], down[e])
+        out.index_add_(0, rows, acc(y) * weights[rows, slot][:, None])
+    return out.to(x.dtype)
+
+
+def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
+    if hp.is_moe:
+        return moe(w, hp, i, x)
+    p = f"blk.{i}."
+    return swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+
+
+def block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope)
+    return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
+
+
+# ---- graph ------------------------------------------------------------------------------------
+
+def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
+                 want_logits: torch.Tensor | None):
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
+    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
+                         lambda dtype: rope_for(hp, batch.positions, dtype),
+                         lambda i, h, rope: block(w, hp, i, h, batch, rope))
+
+
+def forward_mtp(*args, **kwargs):
+    raise SpecconvError("qwen3 / qwen3moe files have no MTP head")
