@@ -110,3 +110,8 @@ TOKEN_EMBD = "token_embd.weight"
 OUTPUT_NORM = "output_norm.weight"
 OUTPUT = "output.weight"
 SHARED_TENSORS = (TOKEN_EMBD, OUTPUT_NORM, OUTPUT)  # the ones an MTP sidecar carries besides blk.N+
+
+# Chained-MTP families (llama.cpp 0c1e570 src/llama-arch.cpp); hy_v3 is not in the wheel.
+HY_V3 = "hy_v3"
+STEP35 = "step35"
+MIMO2 = "mimo2"

@@ -3,6 +3,7 @@
 Rows. The MTP row at position p is (x_p, h_{p-1}): the token at p and the target's post-norm hidden
 state of the position before; row 0 gets the zero vector. Row p's logits predict x_{p+1}.
 
+One block (qwen35, glm4moe, deepseek2, ...: the block is reused for every draft position).
 Memory. The head has its own attention cache. After every target batch it holds teacher-forced
 rows for exactly the committed positions:
 * `start` (prompt minus its last token): rows (x_0, 0), (x_1, h_0), ... ; `pending_h` = h of the
@@ -15,19 +16,48 @@ rows for exactly the committed positions:
   the batch (i = 0..j), and `pending_h` = h_j, the target's hidden state at the last accepted row.
   llama.cpp writes catch-up rows for the whole batch and then removes positions > pos0+j; the
   attention is causal, so writing only rows 0..j leaves the same cache.
+
+Chained blocks (graphs with CHAINED_MTP and k = nextn_predict_layers > 1: hy_v3, step35, mimo2),
+as llama.cpp's draft-mtp does with `chain_heads` (common/speculative.cpp at 0c1e570):
+* every block b has its own context (its own KV cache); `start` / `accept` write the same
+  teacher-forced catch-up rows (target hidden states) into each block's cache and roll each back;
+* draft position i uses block i. Block i's cache holds nothing in the draft region, so step i
+  removes positions ≥ pos0 from block i and evaluates the whole chain [id_last, d_1..d_i] at
+  pos0..pos0+i with hidden rows [pending_h, c_0..c_{i-1}], where c_t is block t's output for its
+  last row: post-norm (`nextn`) or pre-norm (`pre_norm`), as the graph's CHAIN_HIDDEN says;
+* drafts are capped at k tokens per round (llama.cpp sets n_max = min(n_max, k)): positions beyond
+  the block count are never drafted.
+`last_draft_logits` keeps each draft position's logits (block i's for position i) for tests and
+`block_of_position(i)` says which block drafted position i (per-block statistics).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import Sequence
 
 import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
-from specconv.runtime.drafters import Draft, chain_drafts
+from specconv.runtime.drafters import Draft, best_candidate_probability, chain_drafts
 from specconv.runtime.model import Model
 from specconv.runtime.types import GraphType
+
+
+def block_view(head: Model, block: int) -> Model:
+    """The head model running MTP block `block`: the same weights, hparams.mtp_block = block."""
+    view = copy.copy(head)
+    view.hparams = dataclasses.replace(head.hparams, mtp_block=block)
+    return view
+
+
+def n_chained_blocks(head: Model) -> int:
+    """Blocks the drafter chains: nextn_predict_layers for graphs that support it, else 1."""
+    if not getattr(head.graph, "CHAINED_MTP", False):
+        return 1
+    return max(1, int(getattr(head.hparams, "n_nextn", 1)))
 
 
 class MtpDrafter:
@@ -39,12 +69,24 @@ class MtpDrafter:
             raise SpecconvError(f"MTP head (vocab {head.n_vocab}, width {head.n_embd}) does not fit the target "
                                 f"(vocab {target.n_vocab}, width {target.n_embd})")
         self.head = head
-        self.ctx = Context(head, GraphType.MTP, n_ctx=n_ctx)
+        self.n_blocks = n_chained_blocks(head)
+        if self.n_blocks > 1:
+            self.ctxs = [Context(block_view(head, b), GraphType.MTP, n_ctx=n_ctx) for b in range(self.n_blocks)]
+            self.chain_hidden = getattr(head.graph, "CHAIN_HIDDEN", "nextn")
+        else:
+            self.ctxs = [Context(head, GraphType.MTP, n_ctx=n_ctx)]
+        self.ctx = self.ctxs[0]
         self.n_committed = 0
         self.pending_h = torch.zeros(head.n_embd, dtype=head.dtype, device=head.device)
+        self.last_draft_logits: list[torch.Tensor] = []
+
+    def block_of_position(self, i: int) -> int:
+        """The block that drafts draft position i (0-based)."""
+        return min(i, self.n_blocks - 1)
 
     def start(self, prefix: Sequence[int], hidden: torch.Tensor | None) -> None:
-        self.ctx.clear()
+        for ctx in self.ctxs:
+            ctx.clear()
         self.n_committed = 0
         self.pending_h = torch.zeros(self.head.n_embd, dtype=self.head.dtype, device=self.head.device)
         if len(prefix):
@@ -57,18 +99,40 @@ class MtpDrafter:
         h = hidden[:len(tokens)].to(self.pending_h)
         rows = torch.cat([self.pending_h.reshape(1, -1), h[:-1]], dim=0)
         start = self.n_committed
-        self.ctx.decode(tokens, positions=list(range(start, start + len(tokens))), hidden_in=rows, logits=None)
+        for ctx in self.ctxs:
+            ctx.decode(tokens, positions=list(range(start, start + len(tokens))), hidden_in=rows, logits=None)
         self.pending_h = h[-1].clone()
         self.n_committed += len(tokens)
 
     def draft(self, id_last: int, n_max: int, p_min: float = 0.0, temperature: float = 0.0,
               generator: torch.Generator | None = None) -> Draft:
         # llama.cpp's MTP drafter is greedy whatever the target's temperature (a one-hot q)
+        if self.n_blocks > 1:
+            return self._draft_chained(int(id_last), min(max(n_max, 0), self.n_blocks), p_min)
         positions = range(self.n_committed, self.n_committed + max(n_max, 0))
+        self.last_draft_logits = []
         return chain_drafts(self.ctx, int(id_last), self.pending_h, positions, p_min, 0.0, None)
 
+    def _draft_chained(self, id_last: int, n: int, p_min: float) -> Draft:
+        pos0 = self.n_committed
+        tokens, hidden = [id_last], [self.pending_h]
+        self.last_draft_logits = []
+        for i in range(n):
+            ctx = self.ctxs[i]
+            ctx.seq_rm(0, pos0)  # block i rebuilds its own draft-region cells
+            out = ctx.decode(tokens, positions=list(range(pos0, pos0 + len(tokens))),
+                             hidden_in=torch.stack(hidden), logits="last")
+            logits = out.logits[-1]
+            if p_min > 0 and best_candidate_probability(logits) < p_min:
+                break
+            self.last_draft_logits.append(logits)
+            tokens.append(int(logits.argmax()))
+            hidden.append(out.hidden[self.chain_hidden][-1])
+        return Draft(tokens[1:])
+
     def accept(self, n_accepted: int, batch: Sequence[int], hidden: torch.Tensor | None) -> None:
-        self.ctx.seq_rm(0, self.n_committed)  # draft rows go before the catch-up (§7.4 step 1)
+        for ctx in self.ctxs:
+            ctx.seq_rm(0, self.n_committed)  # draft rows go before the catch-up (§7.4 step 1)
         self._catch_up([int(t) for t in batch[:n_accepted + 1]], hidden)
 
     def committed_rows(self) -> int:

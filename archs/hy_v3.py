@@ -1,0 +1,198 @@
+"""Tencent Hy3 (`HYV3ForCausalLM`) -> GGUF arch `hy_v3` (llama.cpp 0c1e570, src/models/hy-v3.cpp).
+
+GQA attention with per-head q/k RMSNorms before a full-width NEOX rope, dense SwiGLU in the layers
+without a router, sigmoid-routed MoE (selection bias `mlp.expert_bias`, renormalised top-k times
+`router_scaling_factor`) plus one always-on shared expert elsewhere, and k chained MTP blocks at
+`model.layers.{N..N+k-1}`: `eh_proj / enorm / hnorm`, a full decoder block and `final_layernorm`
+(-> `nextn.shared_head_norm`, applied before the shared LM head; docs/mtp.md §Chained MTP heads).
+
+Release names (transformers' `hy_v3` conversion mapping): `mlp.router.gate.weight` (router),
+`mlp.expert_bias`, `mlp.shared_mlp.*`, per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`
+(transformers' fused `gate_up_proj` is accepted too). An MTP layer's own `embed_tokens` /
+`shared_head.*` copies are skipped: vLLM and transformers use the trunk's embedding and LM head.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar, Mapping
+
+from gguf import GGUFValueType, Keys
+
+from . import names, register
+from . import transforms as tf
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field, text_config
+from .errors import SpecconvError
+from .nextn_moe import _TOWERS, MoeHparams, parse_moe_hparams
+from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# transformers' HYV3Config defaults for the behavioural fields a config.json may leave out
+DEFAULTS: Mapping[str, Any] = {"num_shared_experts": 1, "router_scaling_factor": 2.826, "rms_norm_eps": 1e-5,
+                               "max_position_embeddings": 131072, "attention_bias": False, "route_norm": True}
+
+
+def _mtp_layer_count(checkpoint: Checkpoint, n_layer: int) -> int:
+    seen = set()
+    for name in checkpoint.tensors:
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) >= n_layer:
+            seen.add(int(m.group(1)) - n_layer)
+    k = max(seen) + 1 if seen else 0
+    if seen and sorted(seen) != list(range(k)):
+        raise SpecconvError(f"checkpoint holds MTP layers {sorted(i + n_layer for i in seen)}, not a contiguous run "
+                            f"from layer {n_layer}")
+    return k
+
+
+@register
+class HyV3(ArchPlugin):
+    hf_architectures = ("HYV3ForCausalLM",)
+    family: ClassVar[str] = "hy_v3"
+    tokenizer_model: ClassVar[str] = "gpt2"
+    tokenizer_pre: ClassVar[str] = "hy_v4"  # the Hy tokenizer llama.cpp 0c1e570 knows (Hy4-preview)
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        tc = {**DEFAULTS, **text_config(checkpoint.config)}
+        if tc.get("attention_bias"):
+            raise SpecconvError("config.json: attention_bias=true is not supported for hy_v3 (llama.cpp loads no biases)")
+        rope = config_field(tc, "rope_type", "default")
+        if rope not in (None, "default"):
+            raise SpecconvError(f"config.json: rope type {rope!r} is not supported for hy_v3 (default only)")
+        n = tc.get("num_hidden_layers")
+        if not isinstance(n, int) or n <= 0:
+            raise SpecconvError("config.json: 'num_hidden_layers' must be a positive integer")
+        self.k = _mtp_layer_count(checkpoint, n)
+        configured = tc.get("num_nextn_predict_layers")
+        if configured is not None and self.k and configured != self.k:
+            raise SpecconvError(f"config.json says num_nextn_predict_layers={configured}, but the checkpoint holds "
+                                f"{self.k} MTP layer(s) (model.layers.{n}..{n + self.k - 1})")
+        if configured and not self.k:
+            self.missing_mtp = (f"config.json says num_nextn_predict_layers={configured}, but the checkpoint holds no "
+                                f"model.layers.{n}.* tensors")
+        self.moe_layers = {i for i in range(n + self.k) if f"model.layers.{i}.mlp.router.gate.weight" in checkpoint.tensors}
+        types = tc.get("mlp_layer_types")
+        if isinstance(types, list) and len(types) >= n:
+            wrong = [i for i in range(n) if (types[i] == "sparse") != (i in self.moe_layers)]
+            if wrong:
+                raise SpecconvError(f"config.json mlp_layer_types disagrees with the checkpoint at layer {wrong[0]} "
+                                    f"(router tensor {'missing' if types[wrong[0]] == 'sparse' else 'present'})")
+        first_dense = min(self.moe_layers) if self.moe_layers else n
+        mapped = {**tc, "n_routed_experts": tc.get("num_experts", tc.get("num_local_experts")),
+                  "n_shared_experts": tc.get("num_shared_experts"), "routed_scaling_factor": tc.get("router_scaling_factor"),
+                  "norm_topk_prob": tc.get("route_norm", True), "first_k_dense_replace": first_dense,
+                  "num_nextn_predict_layers": self.k, "n_group": None, "topk_group": None}
+        self.hp: MoeHparams = parse_moe_hparams(checkpoint.config, mapped, "hy_v3")
+        self.n_head_kv = int(tc.get("num_key_value_heads") or self.hp.n_head)
+        self.head_dim = int(tc.get("head_dim") or self.hp.hidden // self.hp.n_head)
+        self.has_head_dim = tc.get("head_dim") is not None
+        if self.hp.n_head % self.n_head_kv:
+            raise SpecconvError(f"config.json: num_attention_heads ({self.hp.n_head}) is not a multiple of "
+                                f"num_key_value_heads ({self.n_head_kv})")
+
+    @property
+    def gguf_arch(self) -> str:
+        return names.HY_V3
+
+    @classmethod
+    def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
+        name = text_model_name(raw_name, _TOWERS, "vision tower (belongs in a separate mmproj file)")
+        if isinstance(name, str) and re.match(r"^model\.layers\.\d+\.(embed_tokens|shared_head)\.", name):
+            return (None, "MTP layer's copy of the embedding / LM head (the trunk's are used, as vLLM does)")
+        return name
+
+    @property
+    def n_trunk_layers(self) -> int:
+        return self.hp.n_layer
+
+    @property
+    def n_mtp_layers(self) -> int:
+        return self.k
+
+    def vocab_size(self) -> int:
+        return embedding_rows(self.checkpoint)
+
+    # ------------------------------------------------------------------ tensors
+
+    def tensor_plan(self) -> list[TensorPlan]:
+        hp, plan = self.hp, RolePlan(self.checkpoint.tensors)
+        H, V = hp.hidden, hp.vocab
+        plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
+        for i in range(hp.n_layer + self.k):
+            role = Role.TRUNK if i < hp.n_layer else Role.MTP
+            p = f"model.layers.{i}."
+            if role == Role.MTP:
+                plan.add(names.nextn(i, names.NEXTN_EH_PROJ), [plan.source(p + "eh_proj.weight", (H, 2 * H))],
+                         (H, 2 * H), role)  # embedding half first, as in vLLM and llama.cpp
+                self._norm(plan, names.nextn(i, names.NEXTN_ENORM), p + "enorm.weight", role)
+                self._norm(plan, names.nextn(i, names.NEXTN_HNORM), p + "hnorm.weight", role)
+                self._norm(plan, names.nextn(i, names.NEXTN_SHARED_HEAD_NORM), p + "final_layernorm.weight", role)
+            self._norm(plan, names.blk(i, "attn_norm"), p + "input_layernorm.weight", role)
+            self._attention(plan, i, p + "self_attn.", role)
+            self._norm(plan, names.blk(i, "ffn_norm"), p + "post_attention_layernorm.weight", role)
+            if i in self.moe_layers:
+                self._moe(plan, i, p + "mlp.", role)
+            else:
+                add_swiglu(plan, i, p + "mlp.", hp.ffn, H, role)
+        self._norm(plan, names.OUTPUT_NORM, "model.norm.weight", Role.SHARED)
+        add_output_head(plan, hp.tie_embeddings, V, H)
+        return plan.finish(self.gguf_arch)
+
+    def _norm(self, plan: RolePlan, gguf_name: str, hf: str, role: Role, width: int | None = None) -> None:
+        w = self.hp.hidden if width is None else width
+        plan.add(gguf_name, [plan.source(hf, (w,))], (w,), role, tf.identity, True)
+
+    def _attention(self, plan: RolePlan, bid: int, a: str, role: Role) -> None:
+        H, hd = self.hp.hidden, self.head_dim
+        q, kv = self.hp.n_head * hd, self.n_head_kv * hd
+        for part, hf, rows in (("attn_q", "q_proj", q), ("attn_k", "k_proj", kv), ("attn_v", "v_proj", kv)):
+            plan.add(names.blk(bid, part), [plan.source(f"{a}{hf}.weight", (rows, H))], (rows, H), role)
+        plan.add(names.blk(bid, "attn_output"), [plan.source(a + "o_proj.weight", (H, q))], (H, q), role)
+        self._norm(plan, names.blk(bid, "attn_q_norm"), a + "q_norm.weight", role, hd)
+        self._norm(plan, names.blk(bid, "attn_k_norm"), a + "k_norm.weight", role, hd)
+
+    def _moe(self, plan: RolePlan, bid: int, m: str, role: Role) -> None:
+        hp = self.hp
+        H, E = hp.hidden, hp.n_expert
+        plan.add(names.blk(bid, "ffn_gate_inp"), [plan.source(m + "router.gate.weight", (E, H))], (E, H), role,
+                 tf.identity, True)
+        # llama.cpp's hy_v3 loader names the selection bias without a suffix (tn(FFN_EXP_PROBS_B, i))
+        plan.add(names.blk(bid, "exp_probs_b", None), [plan.source(m + "expert_bias", (E,))], (E,), role,
+                 tf.identity, True)
+        plan_experts(plan, bid, m + "experts.", E, hp.expert_ffn, H, role, where=f"layer {bid} ({m}experts)",
+                     count_field="num_experts")
+        add_swiglu(plan, bid, m + "shared_mlp.", hp.shared_ffn, H, role, "_shexp")
+
+    # ------------------------------------------------------------------ metadata
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        """In the order of llama.cpp's converter (TextModel's keys, then HYV3Model's)."""
+        hp, arch = self.hp, self.gguf_arch
+        u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+        kv: list[MetaKV] = []
+
+        def put(fmt: str, value: Any, vtype: GGUFValueType) -> None:
+            kv.append(MetaKV(fmt.format(arch=arch), value, vtype))
+
+        put(Keys.LLM.BLOCK_COUNT, hp.n_layer + (self.k if keep_mtp else 0), u32)
+        put(Keys.LLM.CONTEXT_LENGTH, hp.context_length, u32)
+        put(Keys.LLM.EMBEDDING_LENGTH, hp.hidden, u32)
+        put(Keys.LLM.FEED_FORWARD_LENGTH, hp.ffn, u32)
+        put(Keys.Attention.HEAD_COUNT, hp.n_head, u32)
+        put(Keys.Attention.HEAD_COUNT_KV, self.n_head_kv, u32)
+        put(Keys.Rope.FREQ_BASE, hp.rope_theta, f32)
+        put(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps, f32)
+        put(Keys.LLM.EXPERT_COUNT, hp.n_expert, u32)
+        put(Keys.LLM.EXPERT_USED_COUNT, hp.n_expert_used, u32)
+        if self.has_head_dim:
+            put(Keys.Attention.KEY_LENGTH, self.head_dim, u32)
+            put(Keys.Attention.VALUE_LENGTH, self.head_dim, u32)
+        put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn, u32)
+        put(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_ffn, u32)
+        put(Keys.LLM.EXPERT_WEIGHTS_NORM, hp.norm_topk, GGUFValueType.BOOL)
+        put(Keys.LLM.EXPERT_WEIGHTS_SCALE, hp.routed_scale, f32)
+        put(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID, u32)
+        if keep_mtp and self.k:
+            put(Keys.LLM.NEXTN_PREDICT_LAYERS, self.k, u32)
+        return kv
