@@ -28,8 +28,9 @@ from specconv.archs.errors import SpecconvError
 from . import kv as kvmod
 from .checkpoint import CheckpointReader, read_config
 from .naming import output_names
-from .outtype import choose_storage, file_type, nbytes, resolve_outtype, type_label
+from .outtype import KQuantFileType, choose_storage, file_type, lossless_type, nbytes, resolve_outtype, type_label
 from .pipeline import OrderedPool, default_workers
+from .quant_rules import Hparams, TensorInfo, choose_types, loader_order, requantized_kv
 from .stream import Buffers, Sources, stream_tensor
 from .tokenizer import tokenizer_kv
 from .writer import AtomicOutputs, GgufOutput, TensorEntry
@@ -87,7 +88,7 @@ class ConversionPlan:
     src: Path
     arch: str
     hf_architecture: str
-    outtype: GGMLQuantizationType
+    outtype: GGMLQuantizationType | KQuantFileType
     mode: MtpMode
     n_trunk: int
     n_mtp: int
@@ -149,9 +150,10 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
 
     first_matrix = next((h.dtype for h in headers.values() if len(h.shape) >= 2), None)
     outtype = resolve_outtype(req.outtype, first_matrix)
+    storage = lossless_type(outtype, first_matrix)  # a K-quant's types are chosen per file, below
     planned = []
     for p in plans:
-        choice = choose_storage(p.name, tuple(p.shape), outtype, p.force_type)
+        choice = choose_storage(p.name, tuple(p.shape), storage, p.force_type)
         planned.append(PlannedTensor(p, choice.ggml_type, nbytes(tuple(p.shape), choice.ggml_type), choice.note))
 
     meta = kvmod.load_model_metadata(reader.dir, sum(_numel(p.plan.shape) for p in planned))
@@ -159,6 +161,8 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
     tok_kv = tokenizer_kv(tok_dir, plugin.vocab_size(), plugin.tokenizer_model, plugin.tokenizer_pre,
                           plugin.special_tokens)
     selected = {kind: [t for t in planned if t.plan.role in ROLES[kind]] for kind in kinds}
+    if isinstance(outtype, KQuantFileType):
+        planned, selected = _kquant_types(outtype, plugin, k, planned, selected)
     labels = {kind: kvmod.parameter_label((t.name, tuple(t.plan.shape)) for t in ts) for kind, ts in selected.items()}
     model_kind = next((kind for kind in kinds if kind != "sidecar"), None)
     names = output_names(req.out, want_model=model_kind is not None, want_sidecar="sidecar" in kinds, meta=meta,
@@ -169,6 +173,8 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
         keep_mtp = kind != "trunk" and k > 0
         arch_kv = kvmod.with_file_type(plugin.gguf_arch, plugin.metadata(keep_mtp), file_type(outtype))
         kv = kvmod.general_kv(meta, labels[kind]) + arch_kv + tok_kv
+        if isinstance(outtype, KQuantFileType):
+            kv = requantized_kv(kv)
         path = names.sidecar if kind == "sidecar" else names.model
         output = GgufOutput(path, plugin.gguf_arch, kv, [t.entry() for t in selected[kind]], req.split_max_size)
         files.append(PlannedFile(kind, output, selected[kind]))
@@ -176,6 +182,32 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
     hf_arch = next((a for a in listed if a in plugin_cls.hf_architectures), listed[0] if listed else "")
     return ConversionPlan(reader.dir, plugin.gguf_arch, hf_arch, outtype, req.mtp, plugin.n_trunk_layers, k,
                           files, reader, raw_of, planned, skipped, notices)
+
+
+def _kquant_types(outtype: KQuantFileType, plugin, k: int, planned: list[PlannedTensor],
+                  selected: dict[str, list[PlannedTensor]]):
+    """Each file's tensor types as llama.cpp's quantize gives them from our lossless file, and every
+    tensor in that tool's order (convert/quant_rules.py). A tensor in two files (`separate`: the
+    embedding and output) gets the same type in both, which is checked."""
+    chosen: dict[str, GGMLQuantizationType] = {}
+    for kind, ts in selected.items():
+        hp = Hparams.from_kv(plugin.gguf_arch, plugin.metadata(kind != "trunk" and k > 0))
+        infos = [TensorInfo(t.name, tuple(t.plan.shape), t.ggml_type) for t in ts]
+        for name, ggml_type in choose_types(outtype.key, hp, infos).items():
+            if chosen.setdefault(name, ggml_type) != ggml_type:
+                raise SpecconvError(f"internal: {name} would be {chosen[name].name} in one file and "
+                                    f"{ggml_type.name} in another")
+
+    def retyped(t: PlannedTensor) -> PlannedTensor:
+        ggml_type = chosen.get(t.name, t.ggml_type)
+        if ggml_type == t.ggml_type:
+            return t
+        note = "" if ggml_type == outtype.default else f"{ggml_type.name} by llama.cpp's {outtype.name} rules"
+        return PlannedTensor(t.plan, ggml_type, nbytes(tuple(t.plan.shape), ggml_type), note)
+
+    rank = {name: i for i, name in enumerate(loader_order([t.name for t in planned]))}
+    planned = sorted((retyped(t) for t in planned), key=lambda t: rank[t.name])
+    return planned, {kind: [t for t in planned if t.plan.role in ROLES[kind]] for kind in selected}
 
 
 def _numel(shape) -> int:

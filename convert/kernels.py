@@ -9,6 +9,7 @@ float32 operations in the same order as gguf.quants (division, reciprocal, produ
 via floor), so the results are bit-identical; a piece holding a NaN or an infinity, whose encoding
 depends on NaN payload rules, is passed to the reference encoder instead. BF16 from BF16 is the
 source bits, F16, Q4_0 and BF16 from other float types are gguf.quants itself, piece by piece.
+K-quants (Q2_K..Q6_K) are convert/kquants.py's encoding, on the native encoder when it is built.
 
 Inputs are flat runs of a tensor in its source dtype (BF16 as uint16 bits, F16, F32 views of the
 checkpoint) or in float32 (the result of a value-changing transform); the block types used here
@@ -24,8 +25,11 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
+from specconv.archs.errors import SpecconvError
+
 from .checkpoint import BF16_BITS, as_float32
-from .native import q8_0_native
+from . import kquants
+from .native import kquants_native, q8_0_native
 from .outtype import encode as reference_encode
 
 Q = GGMLQuantizationType
@@ -36,6 +40,7 @@ Q = GGMLQuantizationType
 PIECE = 262144
 _FAST = {Q.F32, Q.BF16, Q.Q8_0}  # F16 is numpy's own cast, already fast
 _NATIVE_Q8_0 = q8_0_native()  # the C encoder when built (same bytes, ~5x the numpy kernel)
+_NATIVE_KQ = kquants_native()  # the K-quant C encoder when built (same bytes as kquants.encode)
 
 
 def encoded_size(n_elements: int, ggml_type: GGMLQuantizationType) -> int:
@@ -96,6 +101,9 @@ _scratch = _Scratch()
 
 def _encode_piece(piece: np.ndarray, ggml_type: GGMLQuantizationType, out: np.ndarray) -> None:
     bf16_in = piece.dtype == BF16_BITS
+    if ggml_type in kquants.K_TYPES:
+        _encode_kquant(piece, ggml_type, out, bf16_in)
+        return
     if ggml_type not in _FAST or (ggml_type == Q.BF16 and not bf16_in):
         out[:] = _reference(piece, ggml_type)
         return
@@ -115,6 +123,18 @@ def _encode_piece(piece: np.ndarray, ggml_type: GGMLQuantizationType, out: np.nd
             encoded = _q8_0(as_float32(piece, out=_scratch.get("x", piece.size)), out.reshape(-1, 34))
     if not encoded:  # an inf or NaN in some block
         out[:] = _reference(piece, ggml_type)
+
+
+def _encode_kquant(piece: np.ndarray, ggml_type: GGMLQuantizationType, out: np.ndarray, bf16_in: bool) -> None:
+    if _NATIVE_KQ is not None and (bf16_in or piece.dtype == np.float32):
+        encoded = _NATIVE_KQ(int(ggml_type), piece, out, bf16_in)
+    else:
+        x = as_float32(piece, out=_scratch.get("x", piece.size))
+        encoded = _NATIVE_KQ(int(ggml_type), x, out, False) if _NATIVE_KQ is not None \
+            else kquants.encode(x, ggml_type, out)
+    if not encoded:
+        raise SpecconvError(f"a tensor to be stored as {ggml_type.name} holds an infinity or NaN "
+                            "(llama.cpp's quantize refuses such tensors too)")
 
 
 def _q8_0(x: np.ndarray, out: np.ndarray) -> bool:

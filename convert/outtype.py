@@ -4,6 +4,11 @@ The rules are llama.cpp's converter's (gguf-layout.md §2, `prepare_tensors` of 
 a plugin's forced type first; then 1-D tensors, `*_norm.weight`, routers, conv kernels and every
 tensor whose name does not end in `.weight` are F32; everything else follows `--outtype`. A
 quantized type whose block does not divide the row length falls back to F16, as upstream does.
+
+The K-quant file types (q2_k ... q6_k, convert/quant_rules.py) are llama.cpp's quantize tool's, not
+its converter's: each tensor's type is the one that tool gives it when quantizing our lossless file
+(`lossless_type`: BF16 for a BF16 checkpoint, F16 for F16, else F32), which is also the type of the
+tensors it leaves unquantized.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from specconv.archs.errors import SpecconvError
 
+from .quant_rules import KQUANT_FILE_TYPES
+
 Q = GGMLQuantizationType
 
-OUTTYPE_CHOICES = ("f32", "f16", "bf16", "q8_0", "q4_0", "auto")
+KQUANT_CHOICES = tuple(KQUANT_FILE_TYPES)
+OUTTYPE_CHOICES = ("f32", "f16", "bf16", "q8_0", "q4_0", *KQUANT_CHOICES, "auto")
 _BY_NAME = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 _FILE_TYPES = {Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.BF16: LlamaFileType.MOSTLY_BF16,
                Q.Q8_0: LlamaFileType.MOSTLY_Q8_0, Q.Q4_0: LlamaFileType.MOSTLY_Q4_0}
@@ -34,9 +42,23 @@ _F32_PATTERN = re.compile(
     r"|posnet\.\d+\.norm[12]|position_embd|token_types|v\.position_embd|a\.position_embd)\.weight$")
 
 
-def resolve_outtype(name: str, first_matrix_dtype: str | None) -> GGMLQuantizationType:
+@dataclass(frozen=True)
+class KQuantFileType:
+    """A K-quant `--outtype` (a file type of llama.cpp's quantize tool, e.g. Q4_K_M)."""
+    key: str  # "q4_k_m"
+    file_type: LlamaFileType
+    default: GGMLQuantizationType  # the tool's type for tensors no rule singles out
+
+    @property
+    def name(self) -> str:
+        return self.key.upper()
+
+
+def resolve_outtype(name: str, first_matrix_dtype: str | None) -> GGMLQuantizationType | KQuantFileType:
     """The requested storage type; `auto` follows the first 2-D+ source tensor (BF16, F16, else F16)."""
     name = name.lower()
+    if name in KQUANT_FILE_TYPES:
+        return KQuantFileType(name, *KQUANT_FILE_TYPES[name])
     if name == "auto":
         return Q.BF16 if first_matrix_dtype == "BF16" else Q.F16
     if name not in _BY_NAME:
@@ -44,13 +66,23 @@ def resolve_outtype(name: str, first_matrix_dtype: str | None) -> GGMLQuantizati
     return _BY_NAME[name]
 
 
-def file_type(outtype: GGMLQuantizationType) -> int:
+def lossless_type(outtype, first_matrix_dtype: str | None) -> GGMLQuantizationType:
+    """The storage type the K-quant rules start from (the file llama.cpp's quantize would be given):
+    the checkpoint's own precision, BF16 or F16, else F32. Other outtypes are their own."""
+    if not isinstance(outtype, KQuantFileType):
+        return outtype
+    return {"BF16": Q.BF16, "F16": Q.F16}.get(first_matrix_dtype or "", Q.F32)
+
+
+def file_type(outtype) -> int:
     """`general.file_type` for a file written with this --outtype."""
+    if isinstance(outtype, KQuantFileType):
+        return int(outtype.file_type)
     return int(_FILE_TYPES[outtype])
 
 
-def type_label(outtype: GGMLQuantizationType) -> str:
-    """The encoding part of file names: F32, F16, BF16, Q8_0, Q4_0 (as `LlamaFileType` names end)."""
+def type_label(outtype) -> str:
+    """The encoding part of file names: F32, F16, BF16, Q8_0, Q4_0, Q4_K_M (as `LlamaFileType` names end)."""
     return LlamaFileType(file_type(outtype)).name.partition("_")[2]
 
 

@@ -21,7 +21,12 @@ MTP_HELP = (
 OUTTYPE_HELP = (
     "Storage type of the weight matrices: f32, f16, bf16, q8_0, q4_0, or auto (bf16 for a bf16 checkpoint, "
     "else f16). Norms, 1-D tensors, routers, conv kernels and biases are always F32; q8_0/q4_0 fall back to "
-    "F16 for tensors whose rows are not a multiple of 32.")
+    "F16 for tensors whose rows are not a multiple of 32. "
+    "K-quants (q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k; any case) write in one "
+    "pass what llama.cpp's quantize tool makes of our lossless file (f32, or bf16/f16 from such a checkpoint): "
+    "its type for every tensor (more bits for attention-V and FFN-down layers, output and embedding rules, "
+    "MoE, GQA and row-length fallbacks; MTP/nextn layers counted as the last layers) and its bytes, tensor "
+    "order and KV. No importance matrix (imatrix) is used, as the tool without --imatrix.")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)B?\s*$", re.IGNORECASE)
 
@@ -53,7 +58,9 @@ def parse_layers(text: str) -> tuple[int, ...]:
 @click.option("-o", "--output", "out", required=True, metavar="OUT",
               help="Output file (DIR/NAME.gguf; a sidecar written next to it is DIR/mtp-NAME.gguf) or a folder "
                    "(DIR/: names follow the GGUF naming convention, e.g. Name-F16.gguf and mtp-Name-F16.gguf).")
-@click.option("--outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "auto"], case_sensitive=False),
+@click.option("--outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l",
+                                             "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "auto"],
+                                            case_sensitive=False),
               default="auto", show_default=True, help=OUTTYPE_HELP)
 @click.option("--mtp", "mtp_mode", type=click.Choice(["embed", "none", "only", "separate"]), default="embed",
               show_default=True, help=MTP_HELP)
