@@ -25,7 +25,7 @@ from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import Checkpoint, MetaKV, Role
+from .base import Checkpoint, MetaKV, Role, config_field
 from .errors import SpecconvError
 from .nextn_moe import NextnMoePlugin
 from .plan_tools import RolePlan
@@ -159,3 +159,54 @@ class Deepseek2(NextnMoePlugin):
             put(Keys.Rope.SCALING_YARN_LOG_MUL, 0.1 * hp.yarn.mscale_all_dim, f32)  # llama.cpp's legacy encoding
         self._common_moe_kv(put, keep_mtp)
         return kv
+
+
+@register
+class Glm4MoeLite(Deepseek2):
+    """GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`): DeepSeek-V3's MLA and sigmoid-routed MoE under GLM's
+    names and defaults, written as arch `deepseek2` with its nextn layer, as llama.cpp's
+    `Glm4MoeLiteModel` converter does (gguf-layout.md §7.5; docs/archs.md "GLM-4.7-Flash").
+
+    What differs from llama.cpp's converter: `expert_gating_func = 2` is always written. The release
+    config has no `scoring_func` (only `topk_method: noaux_tc`), so llama.cpp's converter leaves the
+    key out and llama.cpp then routes with softmax except at the release's exact size (47/48 layers,
+    vocabulary 154880); transformers always routes GLM-4.7-Flash with sigmoid. The leading dense
+    count also comes from `mlp_layer_types` (what transformers 5 saves) when `first_k_dense_replace`
+    is absent; llama.cpp's converter would write 0 there.
+    """
+
+    hf_architectures = ("Glm4MoeLiteForCausalLM",)
+    family: ClassVar[str] = "glm4moelite"
+    tokenizer_pre: ClassVar[str] = "glm4"
+    special_tokens: ClassVar[dict[str, str]] = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>",
+                                                "eom": "<|observation|>"}  # as llama.cpp's GLM converters
+    config_defaults: ClassVar[dict] = {  # transformers' Glm4MoeLiteConfig
+        "routed_scaling_factor": 1.8, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+        "n_shared_experts": 1, "rms_norm_eps": 1e-5, "max_position_embeddings": 202752, "q_lora_rank": 768,
+        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 192, "v_head_dim": 256,
+        "rope_interleave": True, "attention_bias": False}
+
+    @classmethod
+    def text_fields(cls, config) -> dict:
+        tc = super().text_fields(config)
+        types = tc.get("mlp_layer_types")
+        if types is not None:
+            types = list(types)
+            n = tc.get("num_hidden_layers")
+            lead = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+            if (isinstance(n, int) and len(types) != n) or any(t != "sparse" for t in types[lead:]) \
+                    or not set(types) <= {"dense", "sparse"}:
+                raise SpecconvError(f"config.json: mlp_layer_types {types} is not leading 'dense' layers then "
+                                    f"'sparse' ones for {n} layers (llama.cpp has one leading_dense_block_count)")
+            configured = tc.get("first_k_dense_replace")
+            if configured is not None and configured != lead:
+                raise SpecconvError(f"config.json: first_k_dense_replace={configured} disagrees with "
+                                    f"mlp_layer_types ({lead} leading dense layers)")
+            tc["first_k_dense_replace"] = lead
+        elif tc.get("first_k_dense_replace") is None:
+            tc["first_k_dense_replace"] = 1  # transformers' default pattern: dense, then sparse
+        factor = config_field(tc, "partial_rotary_factor", 1.0)
+        if float(factor) != 1.0:
+            raise SpecconvError(f"config.json: partial_rotary_factor={factor} is not supported (llama.cpp's deepseek2 "
+                                f"ropes all qk_rope_head_dim dims)")
+        return tc

@@ -147,12 +147,18 @@ class NextnMoePlugin(ArchPlugin):
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        self.tc = {**self.config_defaults, **text_config(checkpoint.config)}
+        self.tc = self.text_fields(checkpoint.config)
         self.hp = parse_moe_hparams(checkpoint.config, self.tc, self.family)
         self._k = self._count_mtp_layers()
         if self._k and self.hp.first_dense > self.hp.n_layer:
             raise SpecconvError(f"config.json: first_k_dense_replace ({self.hp.first_dense}) exceeds "
                                 f"num_hidden_layers ({self.hp.n_layer}); the nextn block must be an MoE block")
+
+    @classmethod
+    def text_fields(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The text config with the family's transformers defaults filled in (a subclass may derive
+        fields, e.g. GLM-4.7-Flash's leading dense count from `mlp_layer_types`)."""
+        return {**cls.config_defaults, **text_config(config)}
 
     # ------------------------------------------------------------------ naming
 
