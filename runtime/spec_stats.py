@@ -12,6 +12,8 @@
   rounds drafted fewer than draft_max).
 * `target_forwards`: target evaluations after the prompt: every round, plus the re-decodes of the
   checkpoint rollback; `tokens_per_target_forward` = generated / target_forwards.
+* `round_log` (emitted apart, as the `rounds` list of `speculative_generate`'s stats): one
+  `{"drafted": [token ids verified], "accepted": j}` per round, zero-draft rounds included, in order.
 * `alpha` and `bound` (Leviathan et al.): alpha is the i.i.d. per-token acceptance probability for
   which the expected number of accepted drafts, given the draft length n_r each round actually
   proposed, equals the measured count: Σ_r Σ_{i=1..n_r} alpha^i = accepted. When every round
@@ -69,15 +71,21 @@ class SpecStats:
     drafted_at: list[int] = field(default_factory=list)
     histogram: Counter = field(default_factory=Counter)  # accepted count -> rounds (drafting rounds)
     draft_lengths: Counter = field(default_factory=Counter)  # draft length -> rounds (drafting rounds)
+    round_log: list[dict] = field(default_factory=list)  # per round: {"drafted": [ids], "accepted": j}
 
     def __post_init__(self):
         self.accepted_at = [0] * self.draft_max
         self.drafted_at = [0] * self.draft_max
 
-    def record_round(self, n_drafted: int, n_accepted: int) -> None:
+    def record_round(self, n_drafted: int, n_accepted: int, drafted=None) -> None:
+        """One verification round: n_drafted draft tokens (the ids `drafted`, when given), n_accepted of them kept."""
         if not 0 <= n_accepted <= n_drafted <= self.draft_max:
             raise ValueError(f"impossible round: {n_accepted} accepted of {n_drafted} (draft_max {self.draft_max})")
+        if drafted is not None and len(drafted) != n_drafted:
+            raise ValueError(f"round of {n_drafted} drafts given {len(drafted)} token ids")
         self.rounds += 1
+        self.round_log.append({"drafted": [int(t) for t in drafted] if drafted is not None else None,
+                               "accepted": int(n_accepted)})
         if n_drafted == 0:
             return
         self.drafts += 1
@@ -106,6 +114,7 @@ class SpecStats:
             out.drafted_at = [a + b for a, b in zip(out.drafted_at, s.drafted_at)]
             out.histogram.update(s.histogram)
             out.draft_lengths.update(s.draft_lengths)
+            out.round_log += s.round_log
         return out
 
     def record_redecode(self, n_tokens: int) -> None:

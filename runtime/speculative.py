@@ -86,7 +86,8 @@ def drafter_rows(hidden: dict, want: Sequence[str]):
 def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequence[int], n_predict: int,
                          config: SpecConfig | None = None, n_ctx: int | None = None,
                          on_round: Callable[[Context, Round], None] | None = None) -> GenerationResult:
-    """Generate up to n_predict tokens; result.stats["speculative"] holds the statistics."""
+    """Generate up to n_predict tokens. result.stats["speculative"] holds the statistics and
+    result.stats["rounds"] each round's drafted token ids and accepted count (`generate --json` prints both)."""
     cfg = config or SpecConfig()
     cfg.check()
     prompt = [int(t) for t in prompt_tokens]
@@ -124,7 +125,8 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
     report.update(drafter=drafter.name, draft_max=cfg.draft_max, draft_min=cfg.draft_min, p_min=cfg.p_min,
                   temperature=cfg.temperature, rollback=cfg.rollback, seconds=seconds)
     result = GenerationResult(prompt_tokens=prompt, tokens=out_tokens, text=decode_text(target, out_tokens),
-                              seconds=seconds, target_evaluations=ctx.n_decode_calls, stats={"speculative": report})
+                              seconds=seconds, target_evaluations=ctx.n_decode_calls,
+                              stats={"speculative": report, "rounds": [dict(r) for r in stats.round_log]})
     result.spec_stats = stats  # the raw counts, for merging runs (verify)
     return result
 
@@ -136,7 +138,7 @@ def _round(ctx: Context, drafter: Drafter, id_last: int, draft: Draft, cfg: Spec
     batch = [id_last] + drafts
     out = ctx.decode(batch, hidden=want, logits="all")
     j, t, rule = verify_rows(out.logits, drafts, draft.probs, cfg.temperature, gen)
-    stats.record_round(len(drafts), j)
+    stats.record_round(len(drafts), j, drafts)
     if j < len(drafts):
         if saved is not None:
             ctx.restore(0, saved)
