@@ -37,7 +37,8 @@ DEFAULT_REL_RMS_TOLERANCE = 0.7
 HF_CLASSES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
               "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
               "gemma4": "Gemma4ForCausalLM",
-              "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+              "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+              "qwen3next": "Qwen3NextForCausalLM"}
 
 
 def _class_name(hf_dir: Path, arch: str) -> str:
@@ -47,6 +48,10 @@ def _class_name(hf_dir: Path, arch: str) -> str:
         archs = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
         if "Gemma4ForConditionalGeneration" in archs:
             return "Gemma4ForConditionalGeneration"
+    if arch == "deepseek2":  # GLM-4.7-Flash is written as deepseek2 too
+        archs = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+        if "Glm4MoeLiteForCausalLM" in archs:
+            return "Glm4MoeLiteForCausalLM"
     return HF_CLASSES[arch]
 
 
@@ -89,7 +94,9 @@ def load_mtp_reference(main, n_mtp: int):
     # Qwen configs do not carry the names MtpModel reads (peers.md §2.2)
     main.config.num_mtp_layers = n_mtp
     main.config.mtp_layer_types = ["full_attention"] * n_mtp
-    if main.config.model_type in ("glm4_moe", "deepseek_v3"):
+    if getattr(main.config, "mlp_layer_types", None) is not None:  # GLM-4.7-Flash: the nextn layer is MoE
+        main.config.mtp_mlp_layer_types = ["sparse"] * n_mtp
+    if main.config.model_type in ("glm4_moe", "deepseek_v3", "glm4_moe_lite"):
         # their nextn layers are model.layers.{N..}; the class regexes name the release's N (61, 92, 46)
         n = main.config.num_hidden_layers
         main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n + j}\..*" for j in range(n_mtp)]
