@@ -34,7 +34,7 @@ from specconv.runtime.generate import GenerationResult, decode_text
 from specconv.runtime.model import Model
 from specconv.runtime.sampling import make_generator
 from specconv.runtime.spec_rules import verify_rows
-from specconv.runtime.spec_stats import SpecStats
+from specconv.runtime.spec_stats import SpecStats, per_block
 from specconv.runtime.types import GraphType
 
 
@@ -124,6 +124,8 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
     report = stats.to_json()
     report.update(drafter=drafter.name, draft_max=cfg.draft_max, draft_min=cfg.draft_min, p_min=cfg.p_min,
                   temperature=cfg.temperature, rollback=cfg.rollback, seconds=seconds)
+    if hasattr(drafter, "block_of_position"):  # MTP heads: acceptance by block (chained heads, docs/mtp.md)
+        report["per_block"] = per_block(stats, drafter.block_of_position)
     result = GenerationResult(prompt_tokens=prompt, tokens=out_tokens, text=decode_text(target, out_tokens),
                               seconds=seconds, target_evaluations=ctx.n_decode_calls,
                               stats={"speculative": report, "rounds": [dict(r) for r in stats.round_log]})

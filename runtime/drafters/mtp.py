@@ -60,6 +60,12 @@ def n_chained_blocks(head: Model) -> int:
     return max(1, int(getattr(head.hparams, "n_nextn", 1)))
 
 
+def block_of_position(head: Model):
+    """i -> the block that drafts draft position i (0-based) with this head."""
+    k = n_chained_blocks(head)
+    return lambda i: min(int(i), k - 1)
+
+
 class MtpDrafter:
     name = "mtp"
     needs_hidden = True
@@ -81,8 +87,8 @@ class MtpDrafter:
         self.last_draft_logits: list[torch.Tensor] = []
 
     def block_of_position(self, i: int) -> int:
-        """The block that drafts draft position i (0-based)."""
-        return min(i, self.n_blocks - 1)
+        """The block that drafts draft position i (0-based); statistics by block use it."""
+        return min(int(i), self.n_blocks - 1)
 
     def start(self, prefix: Sequence[int], hidden: torch.Tensor | None) -> None:
         for ctx in self.ctxs:

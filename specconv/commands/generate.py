@@ -101,6 +101,9 @@ def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dt
         speedup = f", speed-up {s['speedup']:.2f}x" if s.get("speedup") else ""
         click.echo(f"[{s['drafter']}: accepted {s['accepted']}/{s['drafted']} drafts, "
                    f"{s['tokens_per_target_forward']:.2f} tokens per target forward{speedup}]", err=True)
+        if len(s.get("per_block") or []) > 1:  # chained MTP blocks: draft position i is block i's
+            click.echo("[by MTP block: " + ", ".join(f"block {b['block']} {b['accepted']}/{b['drafted']}"
+                                                     for b in s["per_block"]) + "]", err=True)
 
 
 def _speculative(model, ids, n_predict, spec, temperature, seed, stop_at_eos, draft_max, draft_min, p_min, mtp_path,
