@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / R1 (`DeepseekV3ForCausalLM`) -> GGUF arch `deepseek2` (gguf-layout.md §7.5).
+"""DeepSeek-V3 / R1 (`DeepseekV3ForCausalLM`) -> GGUF arch `deepseek2` (docs/reference/gguf-layout.md §7.5).
 
 Multi-head latent attention written the MLA way llama.cpp loads it: `kv_b_proj` split per head into
 `attn_k_b` ([nh, kv_lora, dn], the transposed key half) and `attn_v_b` ([nh, dv, kv_lora]), KV
@@ -165,7 +165,7 @@ class Deepseek2(NextnMoePlugin):
 class Glm4MoeLite(Deepseek2):
     """GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`): DeepSeek-V3's MLA and sigmoid-routed MoE under GLM's
     names and defaults, written as arch `deepseek2` with its nextn layer, as llama.cpp's
-    `Glm4MoeLiteModel` converter does (gguf-layout.md §7.5; docs/archs.md "GLM-4.7-Flash").
+    `Glm4MoeLiteModel` converter does (docs/reference/gguf-layout.md §7.5; docs/archs.md "GLM-4.7-Flash").
 
     What differs from llama.cpp's converter: `expert_gating_func = 2` is always written. The release
     config has no `scoring_func` (only `topk_method: noaux_tc`), so llama.cpp's converter leaves the
