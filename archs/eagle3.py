@@ -1,4 +1,4 @@
-"""EAGLE-3 draft heads (GGUF arch `eagle3`), gguf-layout.md §7.8 and model-math.md §9.
+"""EAGLE-3 draft heads (GGUF arch `eagle3`), docs/reference/gguf-layout.md §7.8 and docs/reference/model-math.md §9.
 
 Accepted layouts:
 * `LlamaForCausalLMEagle3` / `Eagle3LlamaForCausalLM` (the EAGLE authors' checkpoints): flat config,
