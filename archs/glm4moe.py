@@ -1,4 +1,4 @@
-"""GLM-4.5 / 4.6 / 4.5-Air (`Glm4MoeForCausalLM`) -> GGUF arch `glm4moe` (gguf-layout.md §7.4).
+"""GLM-4.5 / 4.6 / 4.5-Air (`Glm4MoeForCausalLM`) -> GGUF arch `glm4moe` (docs/reference/gguf-layout.md §7.4).
 
 GQA attention with optional q/k/v biases and per-head q/k norms, partial NEOX rope (factor 0.5 by
 default; no Q/K permutation), leading dense blocks then sigmoid-routed MoE with a correction bias
