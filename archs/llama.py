@@ -4,7 +4,7 @@ permutation that LLaMA-family GGUF files (and EAGLE-3 heads) share.
 HF stores q/k rows in rotate-half order (rope pairs (i, i + hd/2)); llama.cpp's `llama` and
 `eagle3` graphs use NORM rope on adjacent pairs (2i, 2i+1). The converter therefore reorders the
 rows of every head so that new row 2i is old row i and new row 2i+1 is old row i + hd/2
-(gguf-layout.md §7.8); the attention scores are unchanged, because q and k get the same order.
+(docs/reference/gguf-layout.md §7.8); the attention scores are unchanged, because q and k get the same order.
 Supported here: what a LLaMA-3-style target needs (GQA, SwiGLU, untied or tied head, default or
 `llama3` rope scaling through `rope_freqs.weight`), with a byte-level BPE tokenizer.
 """
