@@ -1,7 +1,7 @@
 """GGUF tensor names, KV keys and arch strings that the PyPI `gguf` 0.19.0 wheel lacks.
 
 The wheel lags llama.cpp: it has no `recurrent_layers` key, no nextn tensors for the Qwen/DeepSeek
-arches in its name map, and no EAGLE-3 / Gemma 4 assistant arches (gguf-layout.md §8). The writer
+arches in its name map, and no EAGLE-3 / Gemma 4 assistant arches (docs/reference/gguf-layout.md §8). The writer
 does not validate names, so specconv formats them itself from this one table. The strings are the
 ones of the pinned llama.cpp tree (gguf-py/gguf/constants.py at commit 0c1e5709).
 
@@ -74,7 +74,7 @@ EXPERT_GATING_SQRT_SOFTPLUS = 4
 
 # ------------------------------------------------------------------------------- tensor names
 
-# Per-MTP-block extras: blk.{bid}.nextn.<part>.weight (gguf-layout.md §4.1).
+# Per-MTP-block extras: blk.{bid}.nextn.<part>.weight (docs/reference/gguf-layout.md §4.1).
 NEXTN_EH_PROJ = "eh_proj"  # {2H, H}: projection of concat(enorm(emb), hnorm(h)), embedding first
 NEXTN_ENORM = "enorm"
 NEXTN_HNORM = "hnorm"
