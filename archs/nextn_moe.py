@@ -1,7 +1,7 @@
 """What GLM-4.5 (`glm4moe`) and DeepSeek-V3 (`deepseek2`) share: sigmoid-routed MoE with a
 correction bias and expert groups, leading dense blocks, and nextn (MTP) layers stored as ordinary
 `model.layers.{N+j}.*` blocks plus their `eh_proj / enorm / hnorm / shared_head.* / embed_tokens`
-extras (gguf-layout.md §4.1, §6, §7.4, §7.5).
+extras (docs/reference/gguf-layout.md §4.1, §6, §7.4, §7.5).
 
 Subclasses supply the attention tensors, the name of the post-attention norm and the arch-specific
 metadata; everything else (names, MTP count, FFN/MoE mapping, nextn extras, common KV) lives here.
@@ -24,7 +24,7 @@ from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, p
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.")
-# HF nextn extras -> GGUF nextn part (gguf-layout.md §4.1)
+# HF nextn extras -> GGUF nextn part (docs/reference/gguf-layout.md §4.1)
 NEXTN_EXTRAS = (("eh_proj", names.NEXTN_EH_PROJ), ("enorm", names.NEXTN_ENORM), ("hnorm", names.NEXTN_HNORM),
                 ("shared_head.norm", names.NEXTN_SHARED_HEAD_NORM))
 NEXTN_OPTIONAL = (("embed_tokens", names.NEXTN_EMBED_TOKENS), ("shared_head.head", names.NEXTN_SHARED_HEAD_HEAD))
@@ -113,7 +113,7 @@ def parse_moe_hparams(config: Mapping[str, Any], tc: Mapping[str, Any], family: 
         raise SpecconvError(f"config.json: num_experts_per_tok ({used}) exceeds n_routed_experts ({n_expert})")
     n_group, topk_group = tc.get("n_group"), tc.get("topk_group")
     if n_group is not None and n_group > 1:
-        # llama.cpp's loader asserts exactly these (gguf-layout.md §7.4)
+        # llama.cpp's loader asserts exactly these (docs/reference/gguf-layout.md §7.4)
         if n_expert % n_group or not (0 < (topk_group or 0) < n_group) or n_group >= n_expert:
             raise SpecconvError(f"config.json: expert groups n_group={n_group}, topk_group={topk_group} do not fit "
                                 f"{n_expert} experts (need E % n_group == 0, 0 < topk_group < n_group < E)")
@@ -166,7 +166,7 @@ class NextnMoePlugin(ArchPlugin):
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
         name = text_model_name(raw_name, _TOWERS, "vision tower (belongs in a separate mmproj file)")
         if isinstance(name, str) and name.endswith("e_score_correction_bias"):
-            name = name[: -len("_bias")] + ".bias"  # gguf-layout.md §6: -> exp_probs_b.bias
+            name = name[: -len("_bias")] + ".bias"  # docs/reference/gguf-layout.md §6: -> exp_probs_b.bias
         return name
 
     # ------------------------------------------------------------------ structure
@@ -293,7 +293,7 @@ class NextnMoePlugin(ArchPlugin):
         put(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, hp.first_dense, u32)
         put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn, u32)
         put(Keys.LLM.EXPERT_SHARED_COUNT, hp.n_shared, u32)
-        # Always explicit: a missing key means softmax to llama.cpp's deepseek2 (gguf-layout.md §7.5).
+        # Always explicit: a missing key means softmax to llama.cpp's deepseek2 (docs/reference/gguf-layout.md §7.5).
         put(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID, u32)
         put(Keys.LLM.EXPERT_WEIGHTS_SCALE, hp.routed_scale, GGUFValueType.FLOAT32)
         put(Keys.LLM.EXPERT_WEIGHTS_NORM, hp.norm_topk, GGUFValueType.BOOL)
