@@ -1,6 +1,6 @@
 """Qwen3.5 / 3.6, dense (`qwen35`) and MoE (`qwen35moe`), with the `mtp.*` head as nextn blocks.
 
-Mapping and transforms follow gguf-layout.md §7.1 / §7.2 (the pinned llama.cpp converter's
+Mapping and transforms follow docs/reference/gguf-layout.md §7.1 / §7.2 (the pinned llama.cpp converter's
 `Qwen3_5TextModel` / `Qwen3_5MoeTextModel`), with specconv's fixes of its pitfalls (§4.4, §7.1):
 MTP count from config and names with an error when they disagree, `full_attention_interval` from
 the actual layer pattern, `rope.dimension_sections` consistent with the rotary dimension.
@@ -61,7 +61,7 @@ class Qwen35Base(ArchPlugin):
         return self._k
 
     def _count_mtp_layers(self) -> int:
-        """k per gguf-layout.md §4.4: from the config, else from `mtp.layers.*`; both must agree."""
+        """k per docs/reference/gguf-layout.md §4.4: from the config, else from `mtp.layers.*`; both must agree."""
         from_names = 0
         for name in self.checkpoint.tensors:
             m = _MTP_LAYER.match(name)
