@@ -1,4 +1,4 @@
-"""llama.cpp's draft-mtp speculative loop, driven through llama-cpp-python's low-level API (peers.md §1.5).
+"""llama.cpp's draft-mtp speculative loop, driven through llama-cpp-python's low-level API (docs/reference/peers.md §1.5).
 
 The computing is llama.cpp's: the target context (strict settings, n_rs_seq = draft_max so a partial
 acceptance is a `seq_rm`), and an MTP context on the same model (or on the sidecar) with
@@ -14,7 +14,7 @@ examples/speculative-simple drives `common_speculative_impl_draft_mtp` (common/s
 * greedy acceptance (`common_sampler_sample_and_accept_n` at T = 0): j drafts equal to the target's
   argmax, plus the target's token; `accept(j)` sets pending_h = h of batch row j;
 * both memories are cut at n_past = pos0 + j + 1.
-Counting uses the same SpecStats as the specconv runtime (speculative.md §6), so both sides are
+Counting uses the same SpecStats as the specconv runtime (docs/reference/speculative.md §6), so both sides are
 reported with one definition. Every call here costs the same Python-side overhead in the plain loop.
 """
 
