@@ -85,7 +85,7 @@ def run_ours(target, prompts, n_predict: int, draft_max: int, repeats: int, chec
 
 def forward_costs(target, prompt: list[int], draft_max: int, reps: int = 21) -> dict:
     """Median milliseconds of one target decode of 1..K+1 tokens after the prompt (rolled back each time),
-    and of one MTP-head decode of one row: the costs a speculative round pays (speculative.md §7's c)."""
+    and of one MTP-head decode of one row: the costs a speculative round pays (docs/reference/speculative.md §7's c)."""
     import torch
 
     from specconv.runtime import Context, GraphType
