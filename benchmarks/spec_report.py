@@ -38,7 +38,7 @@ def markdown(res: dict, png_name: str) -> str:
         f"specconv runtime on {res['device']} with {s['threads']} thread(s); llama.cpp (llama-cpp-python "
         f"{res.get('llamacpp', {}).get('version', 'n/a')}) on CPU with {s['threads']} thread(s).",
         "",
-        "Definitions (speculative.md §6–§7): *per-position* is the cumulative share of drafting rounds whose "
+        "Definitions (docs/reference/speculative.md §6–§7): *per-position* is the cumulative share of drafting rounds whose "
         "i-th draft was accepted (Σ = AL − 1); *AL* = 1 + accepted / drafting rounds; *tokens/forward* = "
         "generated tokens / target forwards (plain decoding: 1); *bound* = (1 − α^(k+1)) / (1 − α) with α solved "
         "from the measured acceptance. Speed-up = median over "
