@@ -5,7 +5,7 @@ shape and size), which is also what `--dry-run` shows. `run_conversion` then str
 (stream.py): each output tensor is made once, encoded in chunks on all cores, and written to every
 file that holds it (`--mtp separate` writes the trunk-only file and the sidecar in the same pass).
 
-Routing by MTP mode (gguf-layout.md §4.2), by the plugin's `Role` of each tensor:
+Routing by MTP mode (docs/reference/gguf-layout.md §4.2), by the plugin's `Role` of each tensor:
   embed    one file: TRUNK + SHARED + MTP, block_count = N + k, nextn_predict_layers = k
   none     one file: TRUNK + SHARED, block_count = N, no nextn key
   only     the mtp- sidecar: SHARED + MTP, with the embedded file's KV and the full tokenizer
