@@ -1,6 +1,6 @@
 """What a GGUF file is, for `specconv inspect`: arch, graph types it serves, hparams, tensors, sizes.
 
-The serving classification follows the pinned llama.cpp loaders (gguf-layout.md §4.3):
+The serving classification follows the pinned llama.cpp loaders (docs/reference/gguf-layout.md §4.3):
 * MTP-only (all MTP-capable arches): nextn_predict_layers > 0 and `blk.0.attn_norm.weight` absent;
 * trunk-only: no nextn key (or 0); for glm4moe / deepseek2 also nextn > 0 with
   `blk.{n_layer}.nextn.eh_proj.weight` absent (those loaders then skip the MTP tensors);
@@ -28,7 +28,7 @@ def serves(f: GgufFile) -> tuple[list[str], list[str]]:
     problems: list[str] = []
     if f.arch == names.EAGLE3:  # a draft head: llama.cpp runs its ENCODER graph and its decoder next to a target
         return ["encoder", "decoder"], problems
-    if f.arch == names.GEMMA4_ASSISTANT:  # every block drafts, reading the target's K/V (gguf-layout.md §7.7)
+    if f.arch == names.GEMMA4_ASSISTANT:  # every block drafts, reading the target's K/V (docs/reference/gguf-layout.md §7.7)
         if nextn != f.block_count():
             problems.append(f"a gemma4-assistant file needs nextn_predict_layers = block_count ({f.block_count()}), "
                             f"it declares {nextn}")
