@@ -1,4 +1,4 @@
-"""Output file names (gguf-layout.md §4.2).
+"""Output file names (docs/reference/gguf-layout.md §4.2).
 
 * `-o DIR/NAME.gguf`: the main file is NAME.gguf; a sidecar written next to it (`--mtp separate`)
   is `DIR/mtp-NAME.gguf`. With `--mtp only` the given name is the sidecar's. `{ftype}`/`{FTYPE}`
