@@ -1,6 +1,6 @@
 """Storage types: which GGML type each output tensor gets, and encoding float32 values into it.
 
-The rules are llama.cpp's converter's (gguf-layout.md §2, `prepare_tensors` of the pinned tree):
+The rules are llama.cpp's converter's (docs/reference/gguf-layout.md §2, `prepare_tensors` of the pinned tree):
 a plugin's forced type first; then 1-D tensors, `*_norm.weight`, routers, conv kernels and every
 tensor whose name does not end in `.weight` are F32; everything else follows `--outtype`. A
 quantized type whose block does not divide the row length falls back to F16, as upstream does.
