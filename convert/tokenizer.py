@@ -1,4 +1,4 @@
-"""Tokenizer export (gguf-layout.md §3): byte-level BPE vocabulary, merges, special ids, chat template.
+"""Tokenizer export (docs/reference/gguf-layout.md §3): byte-level BPE vocabulary, merges, special ids, chat template.
 
 The vocabulary is read with gguf-py's `BpeVocab` and the rest with `SpecialVocab`, the readers
 llama.cpp's converter uses. Token types follow the converter: added tokens that are `special` (or
