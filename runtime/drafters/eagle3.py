@@ -1,5 +1,5 @@
 """The EAGLE-3 drafter: encoder over three target layers, one-layer decoder with its own KV cache,
-drafts over a reduced vocabulary mapped to target ids (model-math.md §9, speculative.md §5.6).
+drafts over a reduced vocabulary mapped to target ids (docs/reference/model-math.md §9, docs/reference/speculative.md §5.6).
 
 Rows. The decoder row at position P takes (x_{P+1}, g_P), g_P = fc([H^(l1)_P ; H^(l2)_P ; H^(l3)_P])
 from the target's layer inputs at P. The row of the last committed position waits for the next
