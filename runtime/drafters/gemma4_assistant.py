@@ -1,4 +1,4 @@
-"""The Gemma 4 assistant drafter (model-math.md §8; llama.cpp's draft-mtp with shared memory).
+"""The Gemma 4 assistant drafter (docs/reference/model-math.md §8; llama.cpp's draft-mtp with shared memory).
 
 The assistant keeps no memory: its context reads the target context's K/V (`kv_from`), which after
 every round holds exactly the committed positions 0..P-1. A round drafts from
