@@ -1,4 +1,4 @@
-"""The MTP (nextn) drafter, following llama.cpp's row convention (model-math.md §7.2-§7.4).
+"""The MTP (nextn) drafter, following llama.cpp's row convention (docs/reference/model-math.md §7.2-§7.4).
 
 Rows. The MTP row at position p is (x_p, h_{p-1}): the token at p and the target's post-norm hidden
 state of the position before; row 0 gets the zero vector. Row p's logits predict x_{p+1}.
