@@ -3,7 +3,7 @@
 For n from `ngram_max` down to `ngram_min`, the last n tokens of the history (committed tokens
 plus `id_last`) are searched for earlier in the history; the tokens that followed the most recent
 earlier match with a full continuation become the draft (up to n_max). No match gives an empty draft, a
-zero-draft round (speculative.md §5.5). The drafter has no model and no probabilities: it is
+zero-draft round (docs/reference/speculative.md §5.5). The drafter has no model and no probabilities: it is
 deterministic, so the loop verifies it with the sample-and-compare rule at T > 0, and `p_min`
 does not apply.
 """
