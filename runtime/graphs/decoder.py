@@ -1,4 +1,4 @@
-"""The decoder skeleton the graphs share (model-math.md §7.1): token embedding, the trunk's blocks,
+"""The decoder skeleton the graphs share (docs/reference/model-math.md §7.1): token embedding, the trunk's blocks,
 output norm and head, and the two ends of a nextn (MTP) block. Each graph supplies its own block
 and rope; everything around them is written once here.
 """
