@@ -1,4 +1,4 @@
-"""DeepSeek-V3 graphs (GGUF arch `deepseek2`), model-math.md §5, §3.2, §7.
+"""DeepSeek-V3 graphs (GGUF arch `deepseek2`), docs/reference/model-math.md §5, §3.2, §7.
 
 Attention is Multi-head Latent Attention in the **absorbed** form, as llama.cpp runs it: the cache
 holds one latent row per token, `[c (kv_lora) | rope(k_pe) (dr)]`; each head's no-rope query is
@@ -9,7 +9,7 @@ instead of nh·(dn+dr+dv). (The runtime's KV cache has one width for K and V, so
 stored as both; V reads its first kv_lora entries.)
 
 Rope is llama.cpp's NORM kind (adjacent pairs) on the dr rope dims, with YaRN frequencies, cos/sin
-factor and the mscale² softmax factor computed as transformers does (model-math.md §1.3, §5).
+factor and the mscale² softmax factor computed as transformers does (docs/reference/model-math.md §1.3, §5).
 The FFN is dense SwiGLU for the leading dense blocks and the sigmoid group-limited MoE otherwise.
 """
 
