@@ -1,4 +1,4 @@
-"""EAGLE-3 draft head graphs (GGUF arch `eagle3`), model-math.md §9-§10.
+"""EAGLE-3 draft head graphs (GGUF arch `eagle3`), docs/reference/model-math.md §9-§10.
 
 ENCODER: target features f = [H^(l1) ; H^(l2) ; H^(l3)] (3·Ht per row) -> g = fc · f, with an RMSNorm
 (`enc.output_norm`) first when `norm_before_fc`. No memory.
