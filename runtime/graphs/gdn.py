@@ -1,4 +1,4 @@
-"""Gated DeltaNet kernels (model-math.md §2.2): causal conv, and the gated delta rule in its
+"""Gated DeltaNet kernels (docs/reference/model-math.md §2.2): causal conv, and the gated delta rule in its
 recurrent and chunked forms. Both forms can return the state after each of the last `keep`
 tokens, so the memory can keep per-position snapshots for rollback without recomputation.
 
@@ -85,7 +85,7 @@ def delta_rule(q, k, v, g, beta, state, keep: int, mode: str = "auto"):
     "recurrent": token by token. "chunked"/"auto" (auto with more than one token): the chunked form
     up to the last `keep` tokens, whose per-token states the snapshot ring needs, then the
     recurrent form for those (exact per-token states; a verification batch of ≤ keep tokens is
-    thus evaluated recurrently, as model-math.md §2.2 recommends)."""
+    thus evaluated recurrently, as docs/reference/model-math.md §2.2 recommends)."""
     n = q.shape[0]
     head = 0 if mode == "recurrent" or (mode == "auto" and n == 1) else n - keep
     if head <= 0:
