@@ -1,4 +1,4 @@
-"""The Gemma 4 assistant drafter (GGUF arch `gemma4-assistant`), model-math.md §8.
+"""The Gemma 4 assistant drafter (GGUF arch `gemma4-assistant`), docs/reference/model-math.md §8.
 
 Served as GraphType.MTP: rows (token t, target post-norm hidden h) at the draft position P. It has
 no memory of its own: every layer attends to the target context's K/V (`Context(..., kv_from=
