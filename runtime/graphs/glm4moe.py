@@ -1,4 +1,4 @@
-"""GLM-4.5 graphs (GGUF arch `glm4moe`), model-math.md §4, §3.2, §7.
+"""GLM-4.5 graphs (GGUF arch `glm4moe`), docs/reference/model-math.md §4, §3.2, §7.
 
 MAIN: GQA attention with optional q/k/v biases and per-head q/k RMSNorms (before rope), NEOX rope
 on the first `rope.dimension_count` dims of each head, scale hd^-1/2; then a dense SwiGLU for the
