@@ -1,4 +1,4 @@
-"""Building blocks shared by the graphs (model-math.md §1): norms, rope, attention, FFNs.
+"""Building blocks shared by the graphs (docs/reference/model-math.md §1): norms, rope, attention, FFNs.
 
 Reductions run in float32 whatever the compute dtype; results come back in the input dtype.
 
@@ -92,7 +92,7 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
 
 def moe_softmax_topk(x: torch.Tensor, router: torch.Tensor, n_used: int, gate_exps: torch.Tensor,
                      up_exps: torch.Tensor, down_exps: torch.Tensor) -> torch.Tensor:
-    """Softmax router over all experts, top-k, weights renormalised over the chosen k (model-math §3.1).
+    """Softmax router over all experts, top-k, weights renormalised over the chosen k (docs/reference/model-math.md §3.1).
 
     router [E, H]; gate/up_exps [E, Fe, H]; down_exps [E, H, Fe].
     """
