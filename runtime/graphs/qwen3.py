@@ -1,5 +1,5 @@
 """Qwen3 / Qwen3-MoE graphs (GGUF arch `qwen3`, `qwen3moe`): the MAIN graph of a plain target or
-draft model (model-math.md §1, §3.1).
+draft model (docs/reference/model-math.md §1, §3.1).
 
 Each block: RMSNorm -> GQA attention whose q and k heads are RMS-normed per head (`attn_q_norm`,
 `attn_k_norm`, head_dim wide) before NEOX rope (rotate-half, the HF order the converter keeps) ->
