@@ -1,4 +1,4 @@
-"""Which (token, hidden, position) rows the MTP head sees for a committed sequence (model-math §7.2).
+"""Which (token, hidden, position) rows the MTP head sees for a committed sequence (docs/reference/model-math.md §7.2).
 
 * "llama.cpp" (the default, to match the peer): row p = (x_p, h_{p-1}) at position p for
   p = 0..T-1, with h_{-1} = 0 (llama.cpp's `pending_h` starts at zeros). Row p predicts x_{p+1}.
