@@ -1,4 +1,4 @@
-"""Acceptance rules of speculative decoding (speculative.md §2-§3).
+"""Acceptance rules of speculative decoding (docs/reference/speculative.md §2-§3).
 
 Each rule takes the target's verification rows for the batch [id_last, d_1..d_n] (row i is the
 target's distribution for the token after batch[i]) and returns (j, t): the number of accepted
