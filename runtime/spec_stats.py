@@ -1,4 +1,4 @@
-"""Acceptance statistics of a speculative run, with the definitions of speculative.md §6-§7.
+"""Acceptance statistics of a speculative run, with the definitions of docs/reference/speculative.md §6-§7.
 
 * `rounds`: verification rounds (target evaluations of [id_last, d_1..d_n]), zero-draft rounds
   included; `drafts`: rounds with at least one draft token; `drafted`: draft tokens proposed and
@@ -17,7 +17,7 @@
 * `alpha` and `bound` (Leviathan et al.): alpha is the i.i.d. per-token acceptance probability for
   which the expected number of accepted drafts, given the draft length n_r each round actually
   proposed, equals the measured count: Σ_r Σ_{i=1..n_r} alpha^i = accepted. When every round
-  drafted k tokens this is acceptance_rate = (alpha + … + alpha^k)/k (speculative.md §7).
+  drafted k tokens this is acceptance_rate = (alpha + … + alpha^k)/k (docs/reference/speculative.md §7).
   bound = E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) with k = draft_max: the expected tokens per
   target forward of full-length drafting at that alpha. With full-length drafts in every round it
   equals acceptance_length by construction; `uniform_drafts` says whether that was the case.
