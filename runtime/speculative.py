@@ -1,6 +1,6 @@
 """Speculative decoding: draft, verify with one target evaluation, accept, roll back, count.
 
-One round (speculative.md §1): the drafter proposes d_1..d_n after `id_last` (the target's last
+One round (docs/reference/speculative.md §1): the drafter proposes d_1..d_n after `id_last` (the target's last
 chosen token, not yet evaluated by it, at position pos0 = n_past); the target evaluates
 [id_last, d_1..d_n] at pos0..pos0+n once; the rule of `spec_rules` accepts j drafts and adds one
 target token t; the target's memory is cut back to positions ≤ pos0+j; the drafter is told.
