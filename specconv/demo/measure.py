@@ -8,7 +8,7 @@ whether it did. Timing is honest by construction:
 * a warm-up run of each kind comes first (one-time allocator and kernel costs);
 * the reported time of a configuration is the median over repeats of its total over the prompts,
   and speed-up = median plain time / median speculative time.
-The statistics (speculative.md §6) are merged over prompts; they do not depend on the repeat.
+The statistics (docs/reference/speculative.md §6) are merged over prompts; they do not depend on the repeat.
 """
 
 from __future__ import annotations
