@@ -1,8 +1,8 @@
 """The repository's README.md: Hub front matter, a file table, llama.cpp run commands, verify results.
 
-Front matter follows reference/hub.md §3: `base_model` + `base_model_relation: quantized` lists the
+Front matter follows docs/reference/hub.md §3: `base_model` + `base_model_relation: quantized` lists the
 repository under the base model's quantizations; `library_name: gguf` puts it in the GGUF filter.
-Run commands use the flags of the pinned llama.cpp (reference/peers.md §1.5): `--spec-type
+Run commands use the flags of the pinned llama.cpp (docs/reference/peers.md §1.5): `--spec-type
 draft-mtp` for an embedded head, `-md mtp-X.gguf --spec-type draft-mtp` for a sidecar.
 """
 
