@@ -1,7 +1,7 @@
 """Names in a Hub GGUF repository: quant tags, file names, shard names, and what the Hub accepts.
 
 The layout follows the conventions llama.cpp's `-hf` resolver and the common GGUF publishers rely
-on (reference/hub.md §1): `{Base}-{QUANT}.gguf` for a model, `mtp-{Base}-{QUANT}.gguf` for an MTP
+on (docs/reference/hub.md §1): `{Base}-{QUANT}.gguf` for a model, `mtp-{Base}-{QUANT}.gguf` for an MTP
 sidecar (same quant tag, so the exact-tag sidecar match applies), and
 `{prefix}-{i:05d}-of-{n:05d}.gguf` for split shards.
 """
@@ -92,7 +92,7 @@ def repo_file_name(base: str, quant: str, role: Role) -> str:
     if role is Role.SIDECAR:
         return f"mtp-{base}-{quant}.gguf"
     if role is Role.ASSISTANT:
-        # An mtp- name lets llama.cpp's sidecar discovery find it (reference/hub.md §1.3).
+        # An mtp- name lets llama.cpp's sidecar discovery find it (docs/reference/hub.md §1.3).
         return f"mtp-{base}-assistant-{quant}.gguf"
     if role is Role.EAGLE3:
         return f"eagle3-{base}-{quant}.gguf"
