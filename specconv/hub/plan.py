@@ -30,7 +30,7 @@ from specconv.hub.naming import (
 from specconv.hub.report import VerifyReport, load_report
 from specconv.hub.split import ShardLayout, plan_split
 
-DEFAULT_MAX_FILE_SIZE = 50 * 10**9  # the Hub's hard per-file limit (reference/hub.md §2)
+DEFAULT_MAX_FILE_SIZE = 50 * 10**9  # the Hub's hard per-file limit (docs/reference/hub.md §2)
 STAGING_DIR = ".specconv-upload"
 README = "README.md"
 
