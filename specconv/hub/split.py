@@ -1,6 +1,6 @@
 """Re-split a GGUF model into shards no larger than a byte limit, tensor by tensor.
 
-The shards follow the GGUF split convention llama.cpp loads natively (reference/gguf-layout.md §5):
+The shards follow the GGUF split convention llama.cpp loads natively (docs/reference/gguf-layout.md §5):
 `{stem}-00001-of-0000N.gguf`, every shard carries `split.no` (u16, 0-based), `split.count` (u16)
 and `split.tensors.count` (i32); every other KV pair is written only in shard 1. The KV comes from
 the project's GGUF header reader and is written by the converter's writer (convert/writer.py), with
