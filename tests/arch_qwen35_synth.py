@@ -1,6 +1,6 @@
 """Synthetic Qwen3.5 checkpoints for the plugin tests: a config dict and random HF tensors.
 
-Names and shapes are written out from the HF modules (gguf-layout.md §7.1/§7.2 "HF tensor"
+Names and shapes are written out from the HF modules (docs/reference/gguf-layout.md §7.1/§7.2 "HF tensor"
 columns), not derived from the plugin, so the plugin is checked against them. No file I/O:
 the plugin only ever sees a Checkpoint (config + headers).
 """
