@@ -1,4 +1,4 @@
-"""The reference tables of gguf-layout.md (§1, §2, §3, §4.2, §7.1, §7.2), written out for the tiny
+"""The reference tables of docs/reference/gguf-layout.md (§1, §2, §3, §4.2, §7.1, §7.2), written out for the tiny
 fixture's config, so converted files are checked against the reference and not against the plugin.
 
 Shapes are in ggml order ({ne0, ne1, ...}), as the tables and GGUFReader show them.
