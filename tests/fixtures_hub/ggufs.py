@@ -1,6 +1,6 @@
 """Tiny GGUF files for the upload tests, written directly with gguf.GGUFWriter.
 
-They mimic the three qwen35 layouts of reference/gguf-layout.md §4.2 (embedded MTP, trunk-only,
+They mimic the three qwen35 layouts of docs/reference/gguf-layout.md §4.2 (embedded MTP, trunk-only,
 MTP-only sidecar) with random weights, a few Q8_0 matrices and F32 norms, and a small tokenizer,
 so that the upload plan sees real KV, real tensor types and real sizes without the converter.
 """
