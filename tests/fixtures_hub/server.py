@@ -1,6 +1,6 @@
 """A loopback fake of the Hugging Face Hub endpoints that huggingface_hub 2.4 calls for an upload.
 
-The real `HfApi` client talks to it over HTTP on 127.0.0.1 (reference/hub.md §6.2): whoami-v2,
+The real `HfApi` client talks to it over HTTP on 127.0.0.1 (docs/reference/hub.md §6.2): whoami-v2,
 repos/create, repo info, branch creation, tree listing, validate-yaml, preupload, the LFS batch API,
 the LFS PUT and verify, and the ndjson commit endpoint (with pull requests). It keeps repositories
 in memory as commits of {path: blob}, so tests can assert exactly what landed, and it supports
