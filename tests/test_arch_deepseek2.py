@@ -86,7 +86,7 @@ def test_kv_b_split_per_head(conv, cfg):
     for i in (0, N):
         kv_b = hf[f"model.layers.{i}.self_attn.kv_b_proj.weight"].numpy()
         k_b, v_b = f.tensors[f"blk.{i}.attn_k_b.weight"], f.tensors[f"blk.{i}.attn_v_b.weight"]
-        assert k_b.shape == (dn, kvl, nh) and v_b.shape == (kvl, dv, nh)  # ggml order (gguf-layout §7.5)
+        assert k_b.shape == (dn, kvl, nh) and v_b.shape == (kvl, dv, nh)  # ggml order (docs/reference/gguf-layout.md §7.5)
         k_b, v_b = k_b.to_float32(), v_b.to_float32()
         for h in range(nh):
             rows = kv_b[h * (dn + dv):(h + 1) * (dn + dv)]
@@ -200,7 +200,7 @@ def test_upstream_converter_differs_only_by_gating_and_nextn(conv, tmp_path, lla
 def test_release_scale_deepseek_v3_headers():
     """DeepSeek-V3's real configuration (61 + 1 layers, 256 experts, MLA 1536/512/128/64/128, YaRN
     x40): tensor names and shapes from transformers' own modules on the meta device, per-expert as
-    in the release; the plan's ggml shapes and KV are those of gguf-layout.md §7.5."""
+    in the release; the plan's ggml shapes and KV are those of docs/reference/gguf-layout.md §7.5."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from specconv.archs.base import Role
