@@ -1,5 +1,5 @@
 """glm4moe plugin: a tiny GLM-4.5 with a nextn layer (release naming, re-randomised) converts in every
-MTP mode; the files carry what gguf-layout.md §4 / §7.4 requires; llama.cpp loads them and matches
+MTP mode; the files carry what docs/reference/gguf-layout.md §4 / §7.4 requires; llama.cpp loads them and matches
 transformers (trunk logits and the nextn head through MtpModel); embedded and sidecar files give
 llama.cpp MTP contexts.
 
@@ -193,7 +193,7 @@ def test_llamacpp_mtp_contexts_and_logits_equal_mtpmodel(conv, llama_peer):
 def test_release_scale_glm45_headers():
     """GLM-4.5's real configuration (92 + 1 layers, 160 experts, head_dim 128 with 96 heads over a
     5120 hidden size, q/k norms, biases): names and shapes from transformers' modules on the meta
-    device, per-expert as released; ggml shapes and KV as gguf-layout.md §7.4 gives them."""
+    device, per-expert as released; ggml shapes and KV as docs/reference/gguf-layout.md §7.4 gives them."""
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
     from specconv.archs.glm4moe import Glm4Moe
