@@ -1,5 +1,5 @@
 """The qwen35 / qwen35moe plugin: names, shapes, roles, storage types, transforms, metadata, errors.
-Expected values are written out from gguf-layout.md §4 / §7.1 / §7.2 / §9 and from the HF config,
+Expected values are written out from docs/reference/gguf-layout.md §4 / §7.1 / §7.2 / §9 and from the HF config,
 never computed by the plugin's own helpers. The forward-level checks (re-tiling, MoE) live in
 test_arch_qwen35_math.py, the metadata in test_arch_qwen35_metadata.py.
 """
@@ -22,7 +22,7 @@ F32 = GGMLQuantizationType.F32
 
 
 def tiled_to_hf(n: int, nk: int, r: int) -> int:
-    """gguf-layout.md §9: GGUF value head n holds HF head (n mod nk)·r + ⌊n/nk⌋."""
+    """docs/reference/gguf-layout.md §9: GGUF value head n holds HF head (n mod nk)·r + ⌊n/nk⌋."""
     return (n % nk) * r + n // nk
 
 
@@ -90,7 +90,7 @@ def test_names_module_formats():
 
 
 def expected_dense_map(cfg, n_mtp=1):
-    """gguf-layout.md §7.1 tensor table, written out: GGUF name -> (HF source, torch shape, role)."""
+    """docs/reference/gguf-layout.md §7.1 tensor table, written out: GGUF name -> (HF source, torch shape, role)."""
     N, nk, nv = cfg["num_hidden_layers"], cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     C = 2 * nk * DK + nv * DV
     out = {"token_embd.weight": ("model.embed_tokens.weight", (V, H), Role.SHARED),
@@ -140,7 +140,7 @@ def test_dense_plan_matches_reference_table():
 
 
 def test_mtp_sidecar_tensor_count_matches_upstream():
-    # gguf-layout.md §4.2: tiny qwen35 (4 trunk + 1 MTP) -> 15 MTP tensors + 3 shared = 18.
+    # docs/reference/gguf-layout.md §4.2: tiny qwen35 (4 trunk + 1 MTP) -> 15 MTP tensors + 3 shared = 18.
     cfg, tensors = dense()
     plans = plugin(cfg, tensors).tensor_plan()
     assert sum(p.role == Role.MTP for p in plans) == 15
@@ -440,7 +440,7 @@ def test_missing_required_config_field_and_dedicated_mtp_embeddings():
 
 
 def test_release_scale_dimensions_headers_only():
-    """Qwen3.5-9B-like dims (gguf-layout.md §7.1, model-math.md §2): hd 256, rot 64, nk 16, nv 32,
+    """Qwen3.5-9B-like dims (docs/reference/gguf-layout.md §7.1, docs/reference/model-math.md §2): hd 256, rot 64, nk 16, nv 32,
     dk = dv = 128, K 4, 3:1 layers. Only headers: the plan and metadata never touch data."""
     from specconv.archs import Checkpoint, SourceTensor, plugin_class_for
 
