@@ -1,5 +1,5 @@
 """The qwen35 transforms keep the model function: transformers' own modules on the HF weights vs
-the GGUF-convention computation (model-math.md §2.2, §3.1, written here from the reference) on the
+the GGUF-convention computation (docs/reference/model-math.md §2.2, §3.1, written here from the reference) on the
 converted tensors. A broken re-tiling, a missing -exp, a swapped gate/up half or a wrong +1 shows up
 as a large difference; each test also shows that the check is sensitive.
 """
@@ -15,7 +15,7 @@ from tests.fixtures.tiny_qwen35 import build_qwen35
 
 
 def gdn_gguf(x: torch.Tensor, w: dict[str, torch.Tensor], b: int, nk: int, nv: int, eps: float) -> torch.Tensor:
-    """Gated DeltaNet in GGUF order: value head n uses key head n mod nk (model-math.md §2.2)."""
+    """Gated DeltaNet in GGUF order: value head n uses key head n mod nk (docs/reference/model-math.md §2.2)."""
     T = x.shape[0]
     m = x @ w[f"blk.{b}.attn_qkv.weight"].T  # [T, C]
     z = (x @ w[f"blk.{b}.attn_gate.weight"].T).view(T, nv, DV)
@@ -94,7 +94,7 @@ def test_gated_deltanet_check_is_sensitive_to_missing_retiling():
 
 
 def moe_gguf(x: torch.Tensor, w: dict[str, torch.Tensor], b: int, top_k: int) -> torch.Tensor:
-    """model-math.md §3.1 on the GGUF tensors: softmax router, renormalised top-k, gated shared expert."""
+    """docs/reference/model-math.md §3.1 on the GGUF tensors: softmax router, renormalised top-k, gated shared expert."""
     p = torch.softmax(x @ w[f"blk.{b}.ffn_gate_inp.weight"].T, dim=-1)
     top, idx = torch.topk(p, top_k, dim=-1)
     top = top / top.sum(-1, keepdim=True)
@@ -138,7 +138,7 @@ def test_moe_block_hf_equals_gguf():
 
 
 def test_zero_centred_norms_match_hf_rmsnorm():
-    """HF Qwen3_5RMSNorm multiplies by (1 + w); the GGUF weight is used plainly (model-math.md §1.1)."""
+    """HF Qwen3_5RMSNorm multiplies by (1 + w); the GGUF weight is used plainly (docs/reference/model-math.md §1.1)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
 
     cfg = text_config()
