@@ -1,4 +1,4 @@
-"""qwen35 / qwen35moe metadata (gguf-layout.md §7.1 / §7.2 KV tables): values, types, config forms."""
+"""qwen35 / qwen35moe metadata (docs/reference/gguf-layout.md §7.1 / §7.2 KV tables): values, types, config forms."""
 
 from __future__ import annotations
 
