@@ -27,14 +27,14 @@ import specconv
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED = Path(specconv.__file__).resolve().parent / "data" / "tiny-qwen35-mtp"
 MAX_BYTES = 25 * 1000 * 1000
-# The 15 tensors of a dense Qwen3.5 MTP layer under the release names (peers.md §2.3).
+# The 15 tensors of a dense Qwen3.5 MTP layer under the release names (docs/reference/peers.md §2.3).
 RELEASE_MTP = {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
                "mtp.norm.weight"} | {
     f"mtp.layers.0.{n}.weight" for n in (
         "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
         "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
-# MtpModel name -> release name prefixes (transformers' conversion mapping, peers.md §2.2).
+# MtpModel name -> release name prefixes (transformers' conversion mapping, docs/reference/peers.md §2.2).
 HF_TO_RELEASE = (("layers.0.eh_proj.", "mtp.fc."), ("layers.0.enorm.", "mtp.pre_fc_norm_embedding."),
                  ("layers.0.hnorm.", "mtp.pre_fc_norm_hidden."), ("layers.0.post_norm.", "mtp.norm."),
                  ("layers.0.mtp_block.", "mtp.layers.0."))
@@ -48,7 +48,7 @@ def load(model_dir: Path):
     main, info = Qwen3_5ForCausalLM.from_pretrained(str(model_dir), output_loading_info=True, dtype=torch.float32)
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "mismatched_keys", "error_msgs") and v}
     assert not bad, f"incomplete trunk load: {bad}"
-    main.config.num_mtp_layers = 1  # Qwen configs don't carry the count transformers reads (peers.md §2.2)
+    main.config.num_mtp_layers = 1  # Qwen configs don't carry the count transformers reads (docs/reference/peers.md §2.2)
     main.config.mtp_layer_types = ["full_attention"]
     mtp = MtpModel.from_pretrained(main)  # raises on any missing MTP weight
     return main.eval(), mtp.eval()
@@ -77,7 +77,7 @@ def mtp_predictions(main, mtp, ids: torch.Tensor, zero_row: bool):
 
     The last MTP row predicts x_{T}, past the window: score against text with [:, :-1].
 
-    zero_row prepends llama.cpp's (x_0, zero hidden) row at position 0 (model-math.md §7.2).
+    zero_row prepends llama.cpp's (x_0, zero hidden) row at position 0 (docs/reference/model-math.md §7.2).
     """
     out = main(input_ids=ids, output_hidden_states=True, use_cache=False)
     hidden = out.hidden_states[-1]  # post-final-norm
