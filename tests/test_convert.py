@@ -1,6 +1,6 @@
 """`specconv convert` on the tiny Qwen3.5 / Qwen3.5-MoE checkpoints: every MTP mode x every outtype, both
 on-disk layouts, sharded input, nk != nv. Files are read back with gguf-py's GGUFReader and compared with
-the reference tables of gguf-layout.md (tests/convert_reference.py), not with the plugin's own output."""
+the reference tables of docs/reference/gguf-layout.md (tests/convert_reference.py), not with the plugin's own output."""
 
 from __future__ import annotations
 
