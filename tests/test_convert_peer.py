@@ -1,4 +1,4 @@
-"""Files written by `specconv convert`, run by llama.cpp itself (llama-cpp-python 0.3.36, peers.md §1).
+"""Files written by `specconv convert`, run by llama.cpp itself (llama-cpp-python 0.3.36, docs/reference/peers.md §1).
 
 * every converted file (every mode x outtype, dense and MoE) loads;
 * f32 files (embedded and trunk-only) give transformers' logits within 1e-4, with an F32 KV cache and
