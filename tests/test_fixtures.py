@@ -1,6 +1,6 @@
 """The test fixtures are what they claim to be.
 
-Expected names and shapes come from the release layout in peers.md §2.3 / gguf-layout.md §7.1,
+Expected names and shapes come from the release layout in docs/reference/peers.md §2.3 / docs/reference/gguf-layout.md §7.1,
 written out here by hand, not from the fixture code.
 """
 
@@ -17,7 +17,7 @@ from tests.fixtures.tiny_qwen35 import build_qwen35
 from tests.fixtures.tokenizer import SPECIAL_TOKENS, train_tokenizer
 
 E, I_MOE, H, V = 4, 32, 64, 512
-# The 15 dense MTP tensors of a Qwen3.5 release (peers.md §2.3).
+# The 15 dense MTP tensors of a Qwen3.5 release (docs/reference/peers.md §2.3).
 MTP_DENSE = {
     "mtp.fc.weight": (H, 2 * H),
     "mtp.pre_fc_norm_embedding.weight": (H,),
@@ -352,7 +352,7 @@ def test_llama_harness_against_transformers(tmp, peers, converter, moe):
           f"vs transformers rows {e_conv:.3f}")
     assert e_ll < 10 * max(e_hf, 1e-5)  # llama.cpp is as close to exact as transformers' own float32
     assert e_mtp < 1e-5 and e_nextn < 1e-5
-    assert e_conv > 1e-2  # the row convention matters (model-math.md §7.2)
+    assert e_conv > 1e-2  # the row convention matters (docs/reference/model-math.md §7.2)
 
 
 @pytest.mark.parametrize("converter", CONVERTERS)
