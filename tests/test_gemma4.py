@@ -140,7 +140,7 @@ def test_tokenizer_round_trip(converted):
 
 
 def test_llama_cpp_loads_and_agrees_within_gelu_tolerance(converted):
-    """llama.cpp computes GELU through an fp16 table (peers.md §1.4). Position 0 (no attention mixing)
+    """llama.cpp computes GELU through an fp16 table (docs/reference/peers.md §1.4). Position 0 (no attention mixing)
     shows the table's own error; with that table emulated in our graph the rows agree closely."""
     from tests.fixtures import peers
 
@@ -214,7 +214,7 @@ def test_moe_llama_cpp(tmp_path):
 
 
 def test_verify_hf_parity_passes_and_catches_another_checkpoint(converted, tmp_path):
-    """`specconv verify --hf` loads the conditional-generation class (not the trap of peers.md §2.5),
+    """`specconv verify --hf` loads the conditional-generation class (not the trap of docs/reference/peers.md §2.5),
     passes on the converted file, and fails against a differently seeded checkpoint."""
     import json
 
@@ -314,7 +314,7 @@ def _release_plugin(text_cfg: dict, n_vocab_rows: int):
 
 def test_release_scale_e2b_like_headers():
     """An E2B-like text config (35 layers, 20 sharing K/V, PLE 256, double-wide MLP, head dims 256/512,
-    1 KV head): every tensor planned with the ggml shapes of gguf-layout.md §7.6, towers skipped."""
+    1 KV head): every tensor planned with the ggml shapes of docs/reference/gguf-layout.md §7.6, towers skipped."""
     types = ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(35)]
     cfg = dict(vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size=1536, intermediate_size=6144,
                num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512,
@@ -338,7 +338,7 @@ def test_release_scale_e2b_like_headers():
     assert kv["gemma4.attention.head_count_kv"] == 1 and kv["gemma4.attention.shared_kv_layers"] == 20
     assert kv["gemma4.rope.dimension_count"] == 512 and kv["gemma4.rope.dimension_count_swa"] == 256
     rope = plans["rope_freqs.weight"].transform([np.zeros(1, dtype=np.float32)])
-    assert int((rope == 1.0).sum()) == 64 and int((rope > 1e29).sum()) == 192  # gguf-layout.md §7.6
+    assert int((rope == 1.0).sum()) == 64 and int((rope > 1e29).sum()) == 192  # docs/reference/gguf-layout.md §7.6
 
 
 def test_release_scale_moe_like_headers():
