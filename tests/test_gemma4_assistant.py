@@ -75,7 +75,7 @@ def test_draft_logits_match_transformers(files, models, P):
 
 
 def test_restricted_head_is_a_different_mode(files):
-    """transformers' ordered-embedding head scores only the top centroid clusters (model-math.md §8);
+    """transformers' ordered-embedding head scores only the top centroid clusters (docs/reference/model-math.md §8);
     our head is the full vocabulary, as llama.cpp's. Inside the selected clusters both agree."""
     target_src, asst_src = files[:2]
     _, h, _ = g.hf_target(target_src, IDS)
@@ -250,7 +250,7 @@ def test_convert_output_for_the_assistant(files, tmp_path):
 
 
 def test_same_keys_and_tensors_as_llama_cpp_converter(files, tmp_path):
-    """llama.cpp's own converter (gguf-layout.md §10, open point 1) writes the same KV pairs (values
+    """llama.cpp's own converter (docs/reference/gguf-layout.md §10, open point 1) writes the same KV pairs (values
     included) and tensor names for the target and the assistant. The only difference: it trims the
     embedding to len(vocab) + len(added_tokens), counting added tokens that are already in the vocab
     twice (404 rows for 400 tokens here, a file llama.cpp then refuses), and leaves the PLE table
