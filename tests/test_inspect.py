@@ -1,4 +1,4 @@
-"""`specconv inspect`: arch, graph types served (decided as llama.cpp's loaders decide, gguf-layout.md §4.3),
+"""`specconv inspect`: arch, graph types served (decided as llama.cpp's loaders decide, docs/reference/gguf-layout.md §4.3),
 hparams, tensor table and sizes, split shards. Files come from `specconv convert` and, for the corner
 cases of the detection rules, from gguf-py's writer directly."""
 
