@@ -63,7 +63,7 @@ def test_main_logits_equal_transformers(root, variant):
 def test_quantized_file_runs_close_to_transformers(root, variant, tmp_path):
     """--outtype q8_0 (with the engine's F16 fallback for rows that are not multiples of 32, e.g.
     DeepSeek's 3-D attn_k_b): the graphs run dequantized weights. Rounded router inputs can flip
-    near-tie expert choices at a few positions (model-math.md §3.2; llama.cpp's q8_0 run flips one
+    near-tie expert choices at a few positions (docs/reference/model-math.md §3.2; llama.cpp's q8_0 run flips one
     too), so the check is per position: ≥ 90 % of rows within verify's Q8_0 tolerance (0.3) of
     transformers, and the same greedy token at ≥ 90 % of them."""
     from tests.fixtures.gguf_files import convert_gguf
@@ -255,7 +255,7 @@ def _strip_nextn_block(src, dst):
 @pytest.mark.parametrize("variant", ["glm4moe", "deepseek2"])
 def test_declared_but_absent_nextn_block_runs_as_trunk(root, variant, tmp_path, llama_peer):
     """glm4moe/deepseek2 files may declare nextn_predict_layers without holding the block
-    (llama.cpp's `trunk_only` case, gguf-layout.md §4.3): both runtimes run the trunk, ours refuses
+    (llama.cpp's `trunk_only` case, docs/reference/gguf-layout.md §4.3): both runtimes run the trunk, ours refuses
     an MTP context with a clear error."""
     from specconv.archs import SpecconvError
 
