@@ -1,4 +1,4 @@
-"""The same GGUF run by llama.cpp (through llama-cpp-python, peers.md §1.3-§1.5) and by the runtime.
+"""The same GGUF run by llama.cpp (through llama-cpp-python, docs/reference/peers.md §1.3-§1.5) and by the runtime.
 
 Strict peer settings (F32 KV cache, flash attention off, one thread). Float32 rounding of the tiny
 random models moves single logits by ~1e-4 (see test_runtime_parity), so the tolerance is that of
