@@ -1,5 +1,5 @@
 """Memory: KV cells, the Gated DeltaNet snapshot ring, checkpoints, several sequences; and the two
-Gated DeltaNet forms (speculative.md §5, model-math.md §2.2).
+Gated DeltaNet forms (docs/reference/speculative.md §5, docs/reference/model-math.md §2.2).
 
 The reference for every rollback is a fresh context that evaluated only the kept tokens, with the
 same batch boundaries: its recurrent states (conv window and SSM state of every layer), its
