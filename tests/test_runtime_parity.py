@@ -1,4 +1,4 @@
-"""The runtime, reading nothing but the GGUF file, reproduces transformers (model-math.md §2, §3.1, §7).
+"""The runtime, reading nothing but the GGUF file, reproduces transformers (docs/reference/model-math.md §2, §3.1, §7).
 
 f32 files, f32 compute, 64 positions. Tiny random Gated DeltaNet models are ill-conditioned (the
 gated RMSNorm rescales core outputs of rms down to ~1e-5, bounded only by its ε), so float32
