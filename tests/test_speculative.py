@@ -219,7 +219,7 @@ def test_mtp_drafter_cache_is_teacher_forced(target64):
 
 @pytest.mark.parametrize("plan", [PLAN, [(4, 4)], [(4, 2), (4, 0), (4, 3)], [(2, 1), (4, 4), (1, 0), (3, 3)]])
 def test_statistics_algebra(target, plan):
-    """Statistics against counts taken independently from the rounds, and speculative.md §6-§7 algebra."""
+    """Statistics against counts taken independently from the rounds, and docs/reference/speculative.md §6-§7 algebra."""
     p = PROMPTS[1]
     oracle = p + generate(target, p, 24).tokens
     log = []
@@ -249,7 +249,7 @@ def test_statistics_algebra(target, plan):
 
 
 def test_leviathan_expectation_matches_published_table():
-    # speculative.md §7 table (computed from the paper's formula): (alpha, k) -> E
+    # docs/reference/speculative.md §7 table (computed from the paper's formula): (alpha, k) -> E
     for alpha, k, e in [(0.70, 1, 1.70), (0.70, 3, 2.53), (0.80, 2, 2.44), (0.85, 3, 3.19), (0.90, 7, 5.70)]:
         assert round(expected_tokens(alpha, k), 2) == e
     assert expected_tokens(1.0, 3) == 4.0
