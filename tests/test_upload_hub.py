@@ -32,7 +32,7 @@ REPO = "me/Tiny-GGUF"
 def hub_client_env(monkeypatch, tmp_path):
     # huggingface_hub reads these at import time; tests/conftest.py turns offline mode on for the suite.
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    # The Xet protocol needs a CAS service; the fake speaks the legacy LFS protocol (reference/hub.md §5).
+    # The Xet protocol needs a CAS service; the fake speaks the legacy LFS protocol (docs/reference/hub.md §5).
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-file"))
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
