@@ -1,6 +1,6 @@
 """Re-split shards load in llama.cpp (llama-cpp-python 0.3.36) and compute what the unsplit file does.
 
-llama.cpp is given shard 1 and finds the siblings by name (gguf-layout.md §5); the logits must be
+llama.cpp is given shard 1 and finds the siblings by name (docs/reference/gguf-layout.md §5); the logits must be
 bit-identical because the tensor bytes are.
 """
 
