@@ -1,6 +1,6 @@
 """Repository naming: Hub-accepted ids and paths, quant tags, and llama.cpp's -hf file resolution.
 
-llama.cpp's resolver (common/download.cpp at the pinned commit, reference/hub.md §1.2) is
+llama.cpp's resolver (common/download.cpp at the pinned commit, docs/reference/hub.md §1.2) is
 re-implemented below from its source as small pure functions, independently of specconv's naming
 code, and the names specconv produces are run through it.
 """
