@@ -1,6 +1,6 @@
 """MTP rows, losses and held-out measurements shared by the trainer and its tests.
 
-MTP row convention (model-math.md §7.2). For a window x_0..x_{T-1} with post-final-norm trunk
+MTP row convention (docs/reference/model-math.md §7.2). For a window x_0..x_{T-1} with post-final-norm trunk
 hidden states h_0..h_{T-1}:
 
 * transformers rows: row t = (x_{t+1}, h_t) at position t+1, t = 0..T-2; it predicts x_{t+2}.
@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-# MtpModel state-dict prefix -> Qwen release name prefix (peers.md §2.8).
+# MtpModel state-dict prefix -> Qwen release name prefix (docs/reference/peers.md §2.8).
 _RELEASE_PREFIXES = (
     ("layers.0.eh_proj.", "mtp.fc."),
     ("layers.0.enorm.", "mtp.pre_fc_norm_embedding."),
@@ -38,7 +38,7 @@ def release_name(name: str) -> str | None:
 
 
 def enable_mtp_attributes(config) -> None:
-    """Qwen configs don't declare the MTP count in the form transformers reads (peers.md §2.2)."""
+    """Qwen configs don't declare the MTP count in the form transformers reads (docs/reference/peers.md §2.2)."""
     config.num_mtp_layers = 1
     config.mtp_layer_types = ["full_attention"]
 
