@@ -71,7 +71,7 @@ def parse_args(argv=None):
 
 def layer_types(n: int) -> list[str]:
     """3:1 linear/full as in the releases; the last trunk layer is always full attention
-    (MtpModel takes its norm class from it, peers.md §2.2)."""
+    (MtpModel takes its norm class from it, docs/reference/peers.md §2.2)."""
     types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
     types[-1] = "full_attention"
     return types
