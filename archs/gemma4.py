@@ -1,5 +1,5 @@
 """Gemma 4 text models -> GGUF arch `gemma4`, and the Gemma 4 MTP assistant -> `gemma4-assistant`
-(gguf-layout.md §7.6, §7.7).
+(docs/reference/gguf-layout.md §7.6, §7.7).
 
 Gemma 4 (`Gemma4ForConditionalGeneration`, text under `model.language_model.`; `Gemma4ForCausalLM`):
 plain RMSNorm weights (no +1), the embedding trimmed to the tokenizer's real size (the √H scale is
@@ -126,7 +126,7 @@ class Gemma4Hparams:
         return self.F * (2 if self.double_wide and not self.owns_kv(i) else 1)
 
     def rope_freq_factors(self) -> tuple[float, ...]:
-        """1 for the rotated pairs of a full layer, 1e30 (θ → 0) for the rest (gguf-layout.md §7.6)."""
+        """1 for the rotated pairs of a full layer, 1e30 (θ → 0) for the rest (docs/reference/gguf-layout.md §7.6)."""
         half = self.hd_full // 2
         factor = float(self.rope_full.get("partial_rotary_factor", 1.0))
         n_rot = int(self.hd_full * factor / 2)
