@@ -1,6 +1,6 @@
 """The verify report: a list of named checks plus the parity and speculative sections.
 
-JSON keys (ARCHITECTURE.md): `passed`, `checks` [{name, passed, detail}], `parity`
+JSON keys (docs/verify.md, "Report"): `passed`, `checks` [{name, passed, detail}], `parity`
 {max_abs_logit_diff, reference, ...}, `speculative` {exact, drafted, accepted, acceptance_rate,
 acceptance_length, per_position, tokens_per_target_forward, bound, speedup, rollback, ...}.
 """
