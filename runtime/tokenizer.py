@@ -32,6 +32,7 @@ _DEEPSEEK3 = (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
 PRE_TOKENIZERS: dict[str, tuple[str | tuple[str, ...], bool]] = {
     "glm4": (_GLM4, False),
     "deepseek-v3": (_DEEPSEEK3, False),
+    "hy_v4": (_DEEPSEEK3, False),  # llama.cpp's HY_V4 splits are DEEPSEEK3_LLM's (Hy3 / Hy4 tokenizer)
     "qwen35": (_QWEN35, True),
     "qwen2": (_QWEN2, True),
     "deepseek-r1-qwen": (_QWEN2, True),
