@@ -115,3 +115,16 @@ SHARED_TENSORS = (TOKEN_EMBD, OUTPUT_NORM, OUTPUT)  # the ones an MTP sidecar ca
 HY_V3 = "hy_v3"
 STEP35 = "step35"
 MIMO2 = "mimo2"
+
+# DFlash block-diffusion drafters (llama.cpp 0c1e570: arch "dflash", gguf-py constants.py).
+DFLASH = "dflash"
+MASK_TOKEN_ID_KEY = "tokenizer.ggml.mask_token_id"  # u32: the token that fills a draft block
+ENC_OUTPUT_NORM = "enc.output_norm.weight"  # DFlash: RMSNorm after fc (the checkpoint's hidden_norm)
+
+
+def block_size_key(arch: str = DFLASH) -> str:
+    return arch_key(arch, "block_size")  # u32: the trained block (anchor + masks)
+
+
+def causal_key(arch: str) -> str:
+    return arch_key(arch, "attention.causal")  # bool
