@@ -30,7 +30,7 @@ from .checkpoint import CheckpointReader, read_config
 from .naming import output_names
 from .outtype import KQuantFileType, choose_storage, file_type, lossless_type, nbytes, resolve_outtype, type_label
 from .pipeline import OrderedPool, default_workers
-from .quant_rules import Hparams, TensorInfo, choose_types, loader_order, requantized_kv
+from .quant_rules import Hparams, TensorInfo, choose_types, ggml_shape, loader_order, requantized_kv
 from .stream import Buffers, Sources, stream_tensor
 from .tokenizer import tokenizer_kv
 from .writer import AtomicOutputs, GgufOutput, TensorEntry
@@ -59,13 +59,14 @@ class PlannedTensor:
     ggml_type: GGMLQuantizationType
     nbytes: int
     note: str = ""
+    file_shape: tuple[int, ...] | None = None  # as written in the file, when not the plan's shape
 
     @property
     def name(self) -> str:
         return self.plan.name
 
     def entry(self) -> TensorEntry:
-        return TensorEntry(self.plan.name, tuple(self.plan.shape), self.ggml_type, self.nbytes)
+        return TensorEntry(self.plan.name, self.file_shape or tuple(self.plan.shape), self.ggml_type, self.nbytes)
 
 
 @dataclass
@@ -187,7 +188,8 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
 def _kquant_types(outtype: KQuantFileType, plugin, k: int, planned: list[PlannedTensor],
                   selected: dict[str, list[PlannedTensor]]):
     """Each file's tensor types as llama.cpp's quantize gives them from our lossless file, and every
-    tensor in that tool's order (convert/quant_rules.py). A tensor in two files (`separate`: the
+    tensor in that tool's order and with its shape (no trailing ggml sizes of 1: [64, 1] is written
+    [64]) (convert/quant_rules.py). A tensor in two files (`separate`: the
     embedding and output) gets the same type in both, which is checked."""
     chosen: dict[str, GGMLQuantizationType] = {}
     for kind, ts in selected.items():
@@ -200,10 +202,10 @@ def _kquant_types(outtype: KQuantFileType, plugin, k: int, planned: list[Planned
 
     def retyped(t: PlannedTensor) -> PlannedTensor:
         ggml_type = chosen.get(t.name, t.ggml_type)
-        if ggml_type == t.ggml_type:
-            return t
-        note = "" if ggml_type == outtype.default else f"{ggml_type.name} by llama.cpp's {outtype.name} rules"
-        return PlannedTensor(t.plan, ggml_type, nbytes(tuple(t.plan.shape), ggml_type), note)
+        note = t.note if ggml_type == t.ggml_type else \
+            "" if ggml_type == outtype.default else f"{ggml_type.name} by llama.cpp's {outtype.name} rules"
+        return PlannedTensor(t.plan, ggml_type, nbytes(tuple(t.plan.shape), ggml_type), note,
+                             ggml_shape(tuple(t.plan.shape)))
 
     rank = {name: i for i, name in enumerate(loader_order([t.name for t in planned]))}
     planned = sorted((retyped(t) for t in planned), key=lambda t: rank[t.name])

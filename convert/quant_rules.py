@@ -5,7 +5,7 @@ makes of our lossless file (F32, or BF16 from a BF16 checkpoint), this module re
 decisions (src/llama-quant.cpp of the pinned llama.cpp, importance-matrix-free path, default
 parameters) on the file's own tensor list and KV:
 
-* only tensors of 2+ dimensions whose name ends in `weight` are quantized, minus a list of names
+* only tensors of 2+ dimensions (trailing sizes of 1 not counted: [H, 1] is 1-D) whose name ends in `weight` are quantized, minus a list of names
   (norms, routers `ffn_gate_inp`, conv kernels, positional embeddings, small per-arch tensors);
   every other tensor keeps the type it has in the lossless file;
 * tensors are visited in llama.cpp's loader order (layer number, then name; non-layer tensors
@@ -106,9 +106,18 @@ def loader_order(names: Sequence[str]) -> list[str]:
     return sorted(names, key=key)
 
 
+def ggml_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A shape (torch order) as the tool writes it: ggml's dimension count ignores trailing (in ggml
+    order) sizes of 1, so [1, 64] in torch order is written as [64]."""
+    lead = 0
+    while lead < len(shape) - 1 and shape[lead] == 1:
+        lead += 1
+    return tuple(shape[lead:])
+
+
 def quantizable(name: str, shape: tuple[int, ...]) -> bool:
     """Whether the tool quantizes this tensor at all (with its default parameters)."""
-    if len(shape) < 2 or not name.endswith("weight") or name in _NEVER_NAMES:
+    if len(ggml_shape(shape)) < 2 or not name.endswith("weight") or name in _NEVER_NAMES:
         return False
     return not any(part in name for part in _NEVER_PARTS)
 
