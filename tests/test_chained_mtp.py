@@ -1,0 +1,241 @@
+"""Chained MTP heads (several MTP blocks, block i drafting position i) on tiny release-layout
+checkpoints of each family, converted by `specconv convert --outtype f32`:
+
+* the files of every --mtp mode: block counts, one `blk.{N+j}.nextn.*` set per block, sidecar layout;
+* our runtime vs transformers: trunk logits and greedy tokens; every MTP block's logits on
+  llama.cpp's teacher-forced rows (each block judged alone);
+* the chained draft (tokens and each position's logits) equals an independent reference chain
+  (transformers' MtpLayer run without a cache on the whole row set), in the first round and after
+  rounds that accepted 0..k drafts (each block's own cache rolled back);
+* greedy speculative decoding equals plain greedy; drafts are capped at k (llama.cpp's n_max);
+  acceptance is reported by draft position and by block;
+* llama.cpp (llama-cpp-python 0.3.36) loads our files, its trunk logits agree, the MTP context
+  builds, and every block's logits agree (llama_set_nextn_layer_offset);
+* `specconv verify --hf` passes, and fails a file in which one block other than the first was
+  perturbed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from specconv.runtime import Context, GraphType, load_model
+from specconv.runtime.drafters import MtpDrafter
+from specconv.runtime.drafters.mtp import block_view
+from specconv.runtime.generate import generate
+from specconv.runtime.speculative import SpecConfig, speculative_generate
+from tests.fixtures import tiny_chained as tiny
+
+torch.set_num_threads(1)
+FAMILIES = ["hy_v3"]
+IDS = [int(x) for x in np.random.default_rng(11).integers(0, tiny.VOCAB - 3, 24)]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("chained")
+
+
+def _family(family, root):
+    src, files = tiny.converted(family, root)
+    return src, files, tiny.reference(src, family), tiny.K_MTP[family]
+
+
+def _rows(h: np.ndarray) -> np.ndarray:
+    return np.concatenate([np.zeros((1, h.shape[1]), np.float32), h[:-1]])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_files_in_every_mtp_mode(root, family):
+    from specconv.archs.gguf_reader import open_gguf
+
+    src, files, _, k = _family(family, root)
+    n = tiny.N_LAYERS
+    emb, none, only = (open_gguf(files[m]) for m in ("embed", "none", "only"))
+    sep, side = open_gguf(files["separate"]), open_gguf(files["mtp-separate"])
+    assert emb.block_count() == n + k and emb.nextn_layers() == k
+    assert none.block_count() == n and none.get(f"{family}.nextn_predict_layers") is None
+    mtp = {x for x in emb.tensors if x.startswith("blk.") and int(x.split(".")[1]) >= n}
+    for j in range(k):
+        for part in ("eh_proj", "enorm", "hnorm"):
+            assert f"blk.{n + j}.nextn.{part}.weight" in emb.tensors
+    assert set(none.tensors) == set(emb.tensors) - mtp
+    shared = {"token_embd.weight", "output_norm.weight", "output.weight"}
+    assert set(only.tensors) == mtp | shared and not any(x.startswith("blk.0.") for x in only.tensors)
+    assert set(sep.tensors) == set(none.tensors) and set(side.tensors) == set(only.tensors)
+    print(f"{family}: {len(emb.tensors)} tensors embedded, {len(mtp)} in {k} MTP blocks")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_runtime_trunk_and_greedy_equal_transformers(root, family):
+    src, files, ref, _ = _family(family, root)
+    lg, h = ref.trunk(IDS)
+    model = load_model(files["embed"], device="cpu")
+    out = Context(model, GraphType.MAIN, n_ctx=64).decode(IDS)
+    d = float(np.abs(out.logits.numpy() - lg).max())
+    dh = float(np.abs(out.hidden["post_norm"].numpy() - h).max())
+    ours = generate(model, IDS, 8).tokens
+    theirs = ref.greedy(IDS, 8)
+    print(f"{family} runtime trunk vs transformers: max |Δlogit| {d:.3g}, post-norm hidden {dh:.3g}; "
+          f"greedy {ours} == {theirs}")
+    assert d < TOL and dh < TOL and ours == theirs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_runtime_every_block_equals_transformers(root, family):
+    src, files, ref, k = _family(family, root)
+    _, h = ref.trunk(IDS)
+    head = load_model(files["embed"], device="cpu")
+    diffs = []
+    for j in range(k):
+        ours = Context(block_view(head, j), GraphType.MTP, n_ctx=64).decode(IDS, list(range(len(IDS))),
+                                                                           hidden_in=torch.from_numpy(_rows(h)))
+        theirs, _, _ = ref.block(j, IDS, _rows(h), range(len(IDS)))
+        diffs.append(float(np.abs(ours.logits.numpy() - theirs).max()))
+    # control: block 1 is not block 0 (a drafter reusing block 0 would be caught)
+    other, _, _ = ref.block(0, IDS, _rows(h), range(len(IDS)))
+    ours1 = Context(block_view(head, 1), GraphType.MTP, n_ctx=64).decode(IDS, list(range(len(IDS))),
+                                                                        hidden_in=torch.from_numpy(_rows(h)))
+    control = float(np.abs(ours1.logits.numpy() - other).max())
+    print(f"{family} runtime MTP blocks vs transformers MtpLayer: max |Δlogit| per block {[f'{x:.3g}' for x in diffs]}; "
+          f"block 1 vs block 0's reference {control:.3g}")
+    assert max(diffs) < TOL and control > 0.1
+
+
+def _chain_check(ref, family, drafter, committed, hidden, id_last, k):
+    draft = drafter.draft(id_last, k + 2)  # more than k asked: llama.cpp caps the draft at k
+    want, want_logits = ref.chain(committed, hidden, id_last, k, tiny.FAMILIES[family]["chain"])
+    got = torch.stack(drafter.last_draft_logits).numpy()
+    return draft.tokens, want, float(np.abs(got - want_logits).max())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chained_draft_equals_reference_chain_across_rollbacks(root, family):
+    """Rounds that accept 0..k drafts (chosen, not judged): after each, the next chain equals the
+    reference chain computed from scratch on the committed sequence."""
+    src, files, ref, k = _family(family, root)
+    model = load_model(files["embed"], device="cpu")
+    drafter = MtpDrafter(model, 96, model)
+    ctx = Context(model, GraphType.MAIN, n_ctx=96, n_rs_seq=k)
+    prompt = IDS[:12]
+    prefix, id_last = prompt[:-1], prompt[-1]
+    drafter.start(prefix, ctx.decode(prefix, logits=None).hidden["post_norm"])
+    committed = list(prefix)
+    worst, rounds = 0.0, []
+    for accept in [k, 0, 1, k - 1, 2, 0]:
+        accept = min(accept, k)
+        _, h = ref.trunk(committed)
+        tokens, want, diff = _chain_check(ref, family, drafter, committed, h, id_last, k)
+        assert tokens == want, f"round {len(rounds)}: chain {tokens} != reference {want}"
+        worst = max(worst, diff)
+        batch = [id_last] + tokens
+        pos0 = ctx.n_past()
+        out = ctx.decode(batch)
+        ctx.seq_rm(0, pos0 + accept + 1)
+        drafter.accept(accept, batch, out.hidden["post_norm"])
+        committed += batch[:accept + 1]
+        id_last = int(out.logits[accept].argmax())
+        rounds.append((len(tokens), accept))
+        assert drafter.committed_rows() == len(committed)
+    print(f"{family} chained drafts ({k} blocks) vs reference chain over rounds (drafted, accepted) {rounds}: "
+          f"tokens identical, max |Δlogit| {worst:.3g}")
+    assert worst < TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("rollback", ["snapshot", "checkpoint"])
+def test_greedy_speculation_equals_plain_and_reports_blocks(root, family, rollback):
+    src, files, _, k = _family(family, root)
+    model = load_model(files["embed"], device="cpu")
+    plain = generate(model, IDS[:10], 12).tokens
+    res = speculative_generate(model, MtpDrafter(model, 64, model), IDS[:10], 12,
+                               SpecConfig(draft_max=k + 2, rollback=rollback))
+    s = res.stats["speculative"]
+    blocks = s["per_block"]
+    print(f"{family} ({rollback}): spec == plain {res.tokens == plain}; drafted {s['drafted']}, accepted "
+          f"{s['accepted']}; per position {s['per_position']}; per block "
+          f"{[(b['block'], b['accepted'], b['drafted']) for b in blocks]}")
+    assert res.tokens == plain
+    assert max(len(r["drafted"]) for r in res.stats["rounds"]) == k  # capped at the block count
+    assert [b["block"] for b in blocks] == list(range(k))
+    assert [b["drafted"] for b in blocks] == s["per_position_drafted"][:k]
+    assert sum(b["accepted"] for b in blocks) == s["accepted"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sidecar_drafts_like_the_embedded_file(root, family):
+    src, files, _, k = _family(family, root)
+    target = load_model(files["none"], device="cpu")
+    head = load_model(files["mtp-separate"], device="cpu", share_from=target)
+    emb = load_model(files["embed"], device="cpu")
+    a = speculative_generate(target, MtpDrafter(head, 64, target), IDS[:10], 10, SpecConfig(draft_max=k))
+    b = speculative_generate(emb, MtpDrafter(emb, 64, emb), IDS[:10], 10, SpecConfig(draft_max=k))
+    assert a.tokens == b.tokens and a.stats["rounds"] == b.stats["rounds"]
+
+
+# ------------------------------------------------------------------ llama.cpp
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_cpp_loads_our_files_and_agrees(root, family, llama_peer):
+    src, files, ref, k = _family(family, root)
+    lg, h = ref.trunk(IDS)
+    trunk = float(np.abs(llama_peer.llama_logits(files["embed"], IDS) - lg).max())
+    trunk_only = float(np.abs(llama_peer.llama_logits(files["none"], IDS) - lg).max())
+    assert llama_peer.llama_mtp_context_ok(files["embed"])
+    assert llama_peer.llama_mtp_context_ok(files["none"], files["mtp-separate"])
+    blocks = []
+    for j in range(k):
+        theirs, _, _ = ref.block(j, IDS, _rows(h), range(len(IDS)))
+        blocks.append(float(np.abs(tiny.llama_block_logits(files["embed"], IDS, h, j) - theirs).max()))
+    side = float(np.abs(tiny.llama_block_logits(files["none"], IDS, h, 0, files["mtp-separate"])
+                        - ref.block(0, IDS, _rows(h), range(len(IDS)))[0]).max())
+    print(f"{family} llama.cpp on our f32 files vs transformers: trunk {trunk:.3g} (trunk-only file {trunk_only:.3g}); "
+          f"MTP blocks {[f'{x:.3g}' for x in blocks]}; block 0 from the sidecar {side:.3g}")
+    assert max(trunk, trunk_only, side, *blocks) < TOL
+
+
+# ------------------------------------------------------------------ verify
+
+
+def _verify(args, tmp_path):
+    from click.testing import CliRunner
+
+    from specconv import cli as cli_module
+
+    report = tmp_path / "report.json"
+    result = CliRunner().invoke(cli_module.cli, ["verify", *map(str, args), "-n", "6", "--draft-max", "3",
+                                                 "--device", "cpu", "--json", str(report)])
+    return result.exit_code, json.loads(report.read_text()) if report.exists() else None, result.output
+
+
+def _perturb(path, dst, tensor):
+    from gguf import GGUFReader
+
+    shutil.copy(path, dst)
+    reader = GGUFReader(dst, "r+")
+    t = next(t for t in reader.tensors if t.name == tensor)
+    t.data[...] = np.array(t.data) + 0.5 * np.random.default_rng(0).standard_normal(t.data.shape).astype(np.float32)
+    reader.data.flush()
+    return dst
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_verify_passes_and_fails_a_perturbed_later_block(root, family, tmp_path):
+    src, files, _, k = _family(family, root)
+    code, report, out = _verify([files["embed"], "--hf", src], tmp_path)
+    assert code == 0, out
+    blocks = report["parity"]["mtp_blocks"]
+    assert len(blocks) == k and report["speculative"]["per_block"][0]["block"] == 0
+    bad = _perturb(files["embed"], tmp_path / "bad.gguf", f"blk.{tiny.N_LAYERS + 1}.nextn.eh_proj.weight")
+    code_bad, report_bad, _ = _verify([bad, "--hf", src], tmp_path)
+    failed = [c["name"] for c in report_bad["checks"] if not c["passed"]]
+    print(f"{family} verify: passed, MTP blocks max |Δlogit| {[f'{x:.3g}' for x in blocks]}; with block 1's "
+          f"eh_proj perturbed: exit {code_bad}, failed {failed}")
+    assert code_bad != 0 and failed == ["parity: MTP block 1 vs transformers"]
