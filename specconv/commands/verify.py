@@ -16,7 +16,16 @@ _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 @click.option("--draft", "draft_path", type=_FILE, default=None,
               help="A separate draft model GGUF (same vocabulary), or an EAGLE-3 head (converted with --target).")
 @click.option("--hf", "hf_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="The checkpoint folder that was converted: parity with transformers.")
+              help="The checkpoint folder that was converted: parity with transformers. The reference is placed "
+                   "by accelerate's device map (GPUs, CPU, then a temporary offload folder on disk), so a "
+                   "checkpoint bigger than the memory still runs.")
+@click.option("--draft-hf", "draft_hf", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              metavar="HEAD_DIR",
+              help="With --draft HEAD.gguf (EAGLE-3) and --hf TARGET_DIR: the head's own checkpoint folder. The head "
+                   "is checked against a reference computed from it and fed transformers' hidden states of the "
+                   "target, the layers read from its config in each trainer's convention (eagle_config ids are "
+                   "layer outputs: hidden_states[i + 1]; top-level ids layer inputs: hidden_states[i]). Fails a "
+                   "head whose layers are off, e.g. by one.")
 @click.option("--prompts", "prompts_file", type=_FILE, default=None,
               help="Prompts, one per line (\\n for a newline inside one). Default: three built-in prompts.")
 @click.option("-n", "--n-predict", default=32, show_default=True, type=click.IntRange(min=1), help="Tokens per prompt.")
@@ -24,12 +33,16 @@ _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
               help="Round trips for draft_max 1..K; statistics at K.")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
               help="> 0 adds the distribution check of the acceptance rule.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampling runs (--temperature > 0).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the JSON report here.")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
-def command(model_path, mtp_path, draft_path, hf_dir, prompts_file, n_predict, draft_max, temperature, seed,
-            json_path, device):
+@click.option("--dtype", default=None,
+              help="Compute dtype of the runtime: f32, bf16, f16 or f64 (default: the runtime's for the device). The "
+                   "transformers reference of --hf loads in bf16 when this is bf16/f16, else in f32, and the parity "
+                   "tolerance follows it (docs/verify.md).")
+def command(model_path, mtp_path, draft_path, hf_dir, draft_hf, prompts_file, n_predict, draft_max, temperature,
+            seed, json_path, device, dtype):
     """Check MODEL.gguf: structure, parity with transformers (--hf), speculative decoding, statistics."""
     from rich.console import Console
 
@@ -37,7 +50,7 @@ def command(model_path, mtp_path, draft_path, hf_dir, prompts_file, n_predict, d
     from specconv.verify.run import DEFAULT_PROMPTS, read_prompts
 
     console = Console(stderr=True)
-    opts = VerifyOptions(model=model_path, mtp=mtp_path, draft=draft_path, hf=hf_dir,
+    opts = VerifyOptions(model=model_path, mtp=mtp_path, draft=draft_path, hf=hf_dir, draft_hf=draft_hf, dtype=dtype,
                          prompts=read_prompts(prompts_file) if prompts_file else list(DEFAULT_PROMPTS),
                          n_predict=n_predict, draft_max=draft_max, temperature=temperature, device=device, seed=seed)
     with console.status("verifying") as status:

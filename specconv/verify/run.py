@@ -9,7 +9,6 @@ with the reason, so the exit status never hides a skipped check.
 
 from __future__ import annotations
 
-import importlib.metadata
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,8 @@ from specconv.runtime.drafters import DraftModelDrafter, Eagle3Drafter, Gemma4As
 from specconv.runtime.drafters.draft_model import check_same_vocabulary
 from specconv.runtime.drafters.eagle3 import check_head_fits_target
 from specconv.runtime.spec_stats import expected_tokens
-from specconv.verify import parity, roundtrip, structure
+from specconv.verify import roundtrip, structure
+from specconv.verify.hf_checks import run_hf_checks
 from specconv.verify.report import Report
 
 DEFAULT_PROMPTS = [
@@ -36,12 +36,15 @@ class VerifyOptions:
     mtp: Path | None = None
     draft: Path | None = None
     hf: Path | None = None
+    draft_hf: Path | None = None  # the EAGLE-3 head's checkpoint folder (with hf: the head vs its reference)
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
     n_predict: int = 32
     draft_max: int = 3
     temperature: float = 0.0
     device: str = "auto"
+    dtype: str | None = None  # compute dtype (runtime default when None); the reference follows it
     seed: int = 0
+    hf_max_memory: dict | None = None  # accelerate max_memory for the reference ({device: bytes}), tests
 
 
 def read_prompts(path) -> list[str]:
@@ -57,15 +60,21 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
         raise SpecconvError("give at most one of --mtp and --draft")
     if opts.draft_max < 1 or opts.n_predict < 1:
         raise SpecconvError("--draft-max and -n must be ≥ 1")
+    if opts.draft_hf and not (opts.hf and opts.draft):
+        raise SpecconvError("--draft-hf (the EAGLE-3 head's checkpoint) needs --draft HEAD.gguf and --hf TARGET_DIR")
+    if opts.draft_hf and _gguf_arch(opts.draft) not in ("eagle3", None):
+        raise SpecconvError(f"--draft-hf is for an EAGLE-3 head; {Path(opts.draft).name} is {_gguf_arch(opts.draft)}")
     report = Report(model=str(opts.model))
     report.settings = {"mtp": str(opts.mtp) if opts.mtp else None, "draft": str(opts.draft) if opts.draft else None,
-                       "hf": str(opts.hf) if opts.hf else None, "n_predict": opts.n_predict,
+                       "hf": str(opts.hf) if opts.hf else None,
+                       "draft_hf": str(opts.draft_hf) if opts.draft_hf else None, "n_predict": opts.n_predict,
                        "draft_max": opts.draft_max, "temperature": opts.temperature, "prompts": len(opts.prompts)}
     progress("loading")
-    target = _load(report, "model", opts.model, opts.device)
+    target = _load(report, "model", opts.model, opts.device, dtype=opts.dtype)
     if target is None:
         return report
     report.settings["device"] = str(target.device)
+    report.settings["dtype"] = str(target.dtype).replace("torch.", "")
     structure.check_file(report, target, "model")
     report.add("model: runs the main graph", GraphType.MAIN in target.serves,
                f"kind {target.kind}" + ("" if GraphType.MAIN in target.serves else ": an MTP-only sidecar needs its trunk"))
@@ -73,7 +82,7 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
         return report
     head = draft_model = None
     if opts.mtp:
-        head = _load(report, "sidecar", opts.mtp, opts.device, share_from=target)
+        head = _load(report, "sidecar", opts.mtp, opts.device, share_from=target, dtype=target.dtype)
         if head is not None:
             structure.check_file(report, head, "sidecar")
             report.add("sidecar: serves the MTP graph", GraphType.MTP in head.serves, f"kind {head.kind}")
@@ -86,7 +95,7 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
     elif opts.draft and _gguf_arch(opts.draft) == "gemma4-assistant":
         assistant = _assistant(report, target, opts)
     elif opts.draft:
-        draft_model = _load(report, "draft", opts.draft, opts.device)
+        draft_model = _load(report, "draft", opts.draft, opts.device, dtype=target.dtype)
         if draft_model is not None:
             structure.check_file(report, draft_model, "draft")
             try:
@@ -100,7 +109,10 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
         return report
     if opts.hf:
         progress("parity with transformers")
-        _parity(report, target, head, Path(opts.hf), prompts)
+        run_hf_checks(report, target, head, eagle_head, Path(opts.hf), opts.draft_hf, prompts, opts.hf_max_memory)
+        if opts.draft_hf and eagle_head is None:
+            report.add("parity: EAGLE-3 head vs its checkpoint", False,
+                       "not run: the head did not load or does not fit the model (see above)")
     progress("speculative round trips")
     _speculative(report, target, head, draft_model, prompts, opts, eagle_head, assistant)
     return report
@@ -138,7 +150,7 @@ def _assistant(report: Report, target, opts: VerifyOptions):
 
 def _draft_reading_target(report: Report, target, opts: VerifyOptions, kind: str, fits, detail):
     """Load a draft that borrows the target's tensors, check its file and that it fits the target."""
-    draft = _load(report, "draft", opts.draft, opts.device, share_from=target)
+    draft = _load(report, "draft", opts.draft, opts.device, share_from=target, dtype=target.dtype)
     if draft is None:
         return None
     structure.check_file(report, draft, "draft")
@@ -151,9 +163,9 @@ def _draft_reading_target(report: Report, target, opts: VerifyOptions, kind: str
     return draft
 
 
-def _load(report: Report, label: str, path, device, share_from=None):
+def _load(report: Report, label: str, path, device, share_from=None, dtype=None):
     try:
-        model = load_model(path, device=device, share_from=share_from)
+        model = load_model(path, device=device, dtype=dtype, share_from=share_from)
     except SpecconvError as exc:
         report.add(f"{label}: loads", False, str(exc))
         return None
@@ -175,41 +187,6 @@ def _tokenize(report: Report, target, texts):
                f"{len(texts)} prompts, {sum(map(len, ids))} tokens")
     return [i for i in ids if i]
 
-
-def _parity(report: Report, target, head, hf_dir: Path, prompts):
-    kind, tol = parity.criterion(*[m for m in (target, head) if m is not None])
-    try:
-        main, bad = parity.load_reference(hf_dir, target.arch)
-    except SpecconvError as exc:
-        report.add("parity: transformers reference loads", False, str(exc))
-        return
-    except Exception as exc:  # a foreign folder: say so in one line
-        report.add("parity: transformers reference loads", False, f"{type(exc).__name__}: {exc}")
-        return
-    report.add("parity: transformers reference loads", not bad,
-               f"{parity.hf_config_summary(hf_dir)} from {hf_dir}" + (f"; load report {bad}" if bad else ""))
-    ref = f"transformers {importlib.metadata.version('transformers')} {type(main).__name__}"
-
-    def judge(name, max_abs, rel):
-        value = max_abs if kind == "max_abs" else rel
-        rule = "max |Δlogit|" if kind == "max_abs" else "relative RMS error (rounded weights)"
-        report.add(name, value <= tol, f"max |Δlogit| {max_abs:.2e}, relative RMS {rel:.2e}; judged on {rule} ≤ {tol:g}")
-
-    trunk, trunk_rel, hidden = parity.trunk_parity(target, main, prompts)
-    judge("parity: trunk logits vs transformers", trunk, trunk_rel)
-    report.parity = {"max_abs_logit_diff": trunk, "reference": ref, "trunk": trunk, "trunk_rel_rms": trunk_rel,
-                     "criterion": kind, "tolerance": tol}
-    if head is not None:
-        n_mtp = head.hparams.n_nextn
-        try:
-            hf_mtp = parity.load_mtp_reference(main, n_mtp)
-        except Exception as exc:
-            report.add("parity: MTP head vs transformers MtpModel", False, f"no MTP reference: {type(exc).__name__}: {exc}")
-            return
-        mtp, mtp_rel = parity.mtp_parity(head, hf_mtp, prompts, hidden)
-        judge("parity: MTP head vs transformers MtpModel", mtp, mtp_rel)
-        report.parity.update(mtp=mtp, mtp_rel_rms=mtp_rel, reference=ref + " + MtpModel",
-                             max_abs_logit_diff=max(trunk, mtp))
 
 def _speculative(report: Report, target, head, draft_model, prompts, opts: VerifyOptions, eagle_head=None,
                  assistant=None):
