@@ -13,6 +13,10 @@ A `synth.json` stamp records the parameters: `write_checkpoint` returns at once 
 already holds a complete checkpoint made with the same ones.
 
     python3 tools/synth_qwen35.py OUT_DIR --size-gb 2.2
+    python3 tools/synth_qwen35.py OUT_DIR --size-gb 4 --experts 64 --experts-used 4   # Qwen3.5-MoE
+
+With `--experts` the checkpoint is a Qwen3.5-MoE release (`Qwen3_5MoeForConditionalGeneration`,
+fused 3-D `mlp.experts.gate_up_proj` / `down_proj`, a gated shared expert).
 """
 
 from __future__ import annotations
@@ -31,13 +35,20 @@ SHARD_BYTES = 500_000_000
 STAMP = "synth.json"
 
 
-def text_config(*, hidden_size: int, intermediate_size: int, vocab_size: int, n_layers: int) -> dict:
-    """A Qwen3.5 text config (Qwen3.5-0.8B-like heads, but 2 value heads per key head)."""
+def text_config(*, hidden_size: int, intermediate_size: int, vocab_size: int, n_layers: int,
+                experts: int = 0, experts_used: int = 0) -> dict:
+    """A Qwen3.5 text config (Qwen3.5-0.8B-like heads, but 2 value heads per key head); with
+    `experts`, a Qwen3.5-MoE one whose experts and shared expert are intermediate_size / 4 wide."""
     head_dim, partial = 256, 0.25
     rot_half = int(head_dim * partial) // 2
     sections = [rot_half - 2 * (rot_half // 3), rot_half // 3, rot_half // 3]  # sums to rot/2, as [11, 11, 10]
+    moe = {}
+    if experts:
+        moe = {"num_experts": experts, "num_experts_per_tok": experts_used or 2,
+               "moe_intermediate_size": intermediate_size // 4, "shared_expert_intermediate_size": intermediate_size // 4}
     return {
-        "model_type": "qwen3_5_text",
+        **moe,
+        "model_type": "qwen3_5_moe_text" if experts else "qwen3_5_text",
         "hidden_size": hidden_size, "intermediate_size": intermediate_size, "vocab_size": vocab_size,
         "num_hidden_layers": n_layers, "head_dim": head_dim, "num_attention_heads": 8, "num_key_value_heads": 2,
         "linear_num_key_heads": 8, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
@@ -53,11 +64,14 @@ def text_config(*, hidden_size: int, intermediate_size: int, vocab_size: int, n_
 
 def tensor_shapes(text: dict) -> dict[str, tuple[int, ...]]:
     """Release names -> shapes: the trunk from transformers on the meta device, plus the MTP layer."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
-    config = Qwen3_5TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    moe = "num_experts" in text
+    config_class, model_class = ((Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM) if moe
+                                 else (Qwen3_5TextConfig, Qwen3_5ForCausalLM))
+    config = config_class(**{k: v for k, v in text.items() if k != "model_type"})
     with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(config)
+        model = model_class(config)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, t in model.state_dict().items():
         release = name if name == "lm_head.weight" else "model.language_model." + name[len("model."):]
@@ -102,10 +116,12 @@ def layers_for(target_bytes: int, **shape_kw) -> int:
 
 def write_checkpoint(out_dir: str | Path, target_bytes: int = 2_200_000_000, *, n_layers: int | None = None,
                      hidden_size: int = 1024, intermediate_size: int = 3584, vocab_size: int = 248320,
-                     seed: int = 0, shard_bytes: int = SHARD_BYTES) -> Path:
+                     seed: int = 0, shard_bytes: int = SHARD_BYTES, experts: int = 0, experts_used: int = 0) -> Path:
     """Write (or reuse) the checkpoint in out_dir; n_layers, when given, overrides target_bytes."""
     out = Path(out_dir)
     shape_kw = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, vocab_size=vocab_size)
+    if experts:
+        shape_kw.update(experts=experts, experts_used=experts_used)
     layers = n_layers or layers_for(target_bytes, **shape_kw)
     params = {"n_layers": layers, "seed": seed, "shard_bytes": shard_bytes, **shape_kw}
     stamp = out / STAMP
@@ -134,7 +150,9 @@ def write_checkpoint(out_dir: str | Path, target_bytes: int = 2_200_000_000, *, 
         weight_map.update({n: file for n in names})
     index = {"metadata": {"total_size": sum(_nbytes(s) for s in shapes.values())}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+    moe = bool(experts)
+    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+              "model_type": "qwen3_5_moe" if moe else "qwen3_5",
               "text_config": text, "tie_word_embeddings": False, "image_token_id": 2045,
               "video_token_id": 2045, "vision_start_token_id": 2045, "vision_end_token_id": 2045}
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -151,8 +169,11 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=2.2, help="target size in GB (10^9 bytes)")
     ap.add_argument("--layers", type=int, default=None, help="number of layers (overrides --size-gb)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--experts", type=int, default=0, help="routed experts per layer (a Qwen3.5-MoE checkpoint)")
+    ap.add_argument("--experts-used", type=int, default=0, help="experts per token (default 2)")
     args = ap.parse_args()
-    path = write_checkpoint(args.out_dir, int(args.size_gb * 1e9), n_layers=args.layers, seed=args.seed)
+    path = write_checkpoint(args.out_dir, int(args.size_gb * 1e9), n_layers=args.layers, seed=args.seed,
+                            experts=args.experts, experts_used=args.experts_used)
     total = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     print(f"{path}: {total / 1e9:.2f} GB")
 
