@@ -25,6 +25,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
 from specconv.runtime.drafters import Draft, chain_drafts
 from specconv.runtime.drafters.draft_model import check_same_vocabulary
+from specconv.runtime.graphs.ops import dense
 from specconv.runtime.model import Model
 from specconv.runtime.types import GraphType
 
@@ -49,6 +50,7 @@ def check_head_fits_target(target: Model, head: Model) -> None:
         raise SpecconvError(f"the target's token embedding (width {head.weights[names.TOKEN_EMBD].shape[-1]}) does "
                             f"not fit the head (width {head.n_embd}) and the head has none of its own")
     d2t = head.weights.get(names.EAGLE3_D2T)
+    d2t = dense(d2t) if d2t is not None else None
     if d2t is not None and (int(d2t.min()) < 0 or int(d2t.max()) >= target.n_vocab):
         raise SpecconvError(f"d2t holds target ids outside [0, {target.n_vocab})")
 

@@ -24,7 +24,7 @@ import torch
 from specconv.archs import names
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import llama
-from specconv.runtime.graphs.ops import acc, linear, rms_norm
+from specconv.runtime.graphs.ops import acc, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.types import GraphType
 
@@ -131,7 +131,8 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, g: torch.Tensor, batch: Ba
     r = residual + llama.attention(w, hp, 0, torch.cat([e, g_norm], dim=-1), batch, rope)
     out = r + llama.ffn(w, 0, rms_norm(r, w["blk.0.ffn_norm.weight"], hp.eps))
     draft_logits = acc(linear(rms_norm(out, w["output_norm.weight"], hp.eps), _needed(w, names.OUTPUT)))
-    return to_target_vocab(draft_logits, w.get(names.EAGLE3_D2T), hp.n_vocab), out, out
+    d2t = w.get(names.EAGLE3_D2T)
+    return to_target_vocab(draft_logits, dense(d2t) if d2t is not None else None, hp.n_vocab), out, out
 
 
 def to_target_vocab(draft_logits: torch.Tensor, d2t: torch.Tensor | None, n_vocab: int) -> torch.Tensor:
