@@ -239,3 +239,20 @@ def test_verify_passes_and_fails_a_perturbed_later_block(root, family, tmp_path)
     print(f"{family} verify: passed, MTP blocks max |Δlogit| {[f'{x:.3g}' for x in blocks]}; with block 1's "
           f"eh_proj perturbed: exit {code_bad}, failed {failed}")
     assert code_bad != 0 and failed == ["parity: MTP block 1 vs transformers"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_extract_and_merge_move_every_block(root, family, tmp_path):
+    """`specconv mtp extract` of the embedded file is the converter's sidecar and `merge` of the
+    trunk-only file with it is the embedded file, byte for byte: all k blocks move together."""
+    from click.testing import CliRunner
+
+    from specconv import cli as cli_module
+
+    src, files, _, k = _family(family, root)
+    run = lambda *a: CliRunner().invoke(cli_module.cli, ["mtp", *map(str, a)], catch_exceptions=False)  # noqa: E731
+    side, merged = tmp_path / "mtp-x.gguf", tmp_path / "merged.gguf"
+    assert run("extract", files["embed"], "-o", side).exit_code == 0
+    assert run("merge", files["none"], side, "-o", merged).exit_code == 0
+    assert side.read_bytes() == files["only"].read_bytes()
+    assert merged.read_bytes() == files["embed"].read_bytes()
