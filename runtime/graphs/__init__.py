@@ -16,6 +16,7 @@ from specconv.archs.errors import SpecconvError
 GRAPHS: dict[str, str] = {
     "qwen35": "qwen35",
     "qwen35moe": "qwen35",
+    "qwen3next": "qwen3next",
     "llama": "llama",
     "eagle3": "eagle3",
     "glm4moe": "glm4moe",

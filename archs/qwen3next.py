@@ -1,0 +1,128 @@
+"""Qwen3-Next (`Qwen3NextForCausalLM`) -> GGUF arch `qwen3next`, with the `mtp.*` head as a nextn block.
+
+What it shares with Qwen3.5-MoE (archs/qwen35.py, imported, not copied): names, the `+1` on
+zero-centred norms, `ssm_a = -exp(A_log)`, `dt_bias` -> `ssm_dt.bias`, full attention with the
+per-head [q | gate] rows, experts (fused or per expert), the gated shared expert, and the MTP head
+(`mtp.fc / pre_fc_norm_* / norm / layers.{j}`, count taken from the `mtp.layers.*` names, since the
+release's config.json states none). What differs (gguf-layout.md §7.3, llama.cpp's `Qwen3NextModel`):
+
+* `linear_attn.in_proj_qkvz` [nk·(2dk + 2r·dv), H] holds, per key head g, rows [q_g | k_g | v_g | z_g];
+  it is gathered into `attn_qkv` = [Q; K; V] and `attn_gate` = Z (each part concatenated over g).
+* `linear_attn.in_proj_ba` [2nv, H] (per key head [b_g (r) | a_g (r)]) goes unchanged to `ssm_ba`.
+* No value-head re-tiling anywhere: llama.cpp's qwen3next graph repeats key heads in grouped
+  (interleaved) order, value head h reading key head h // r, as transformers does.
+* KV: `feed_forward_length` is written, no `rope.dimension_sections` (NEOX rope), the configured
+  `full_attention_interval` (default 4; `recurrent_layers` carries the actual pattern).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, ClassVar
+
+import numpy as np
+from gguf import GGUFValueType, Keys
+
+from . import names, register
+from . import transforms as tf
+from .base import Checkpoint, MetaKV, Role, text_config
+from .errors import SpecconvError
+from .plan_tools import RolePlan
+from .qwen35 import Qwen35Base
+
+
+@tf.layout_only
+def qkvz_part(ts: list[np.ndarray], nk: int, dk: int, vr: int, part: str) -> np.ndarray:
+    """in_proj_qkvz rows grouped per key head -> [Q; K; V] (part "qkv") or Z (part "z")."""
+    w = ts[0].reshape(nk, 2 * dk + 2 * vr, -1)
+    if part == "z":
+        return np.ascontiguousarray(w[:, 2 * dk + vr:]).reshape(nk * vr, -1)
+    q, k, v = w[:, :dk], w[:, dk:2 * dk], w[:, 2 * dk:2 * dk + vr]
+    return np.concatenate([q.reshape(nk * dk, -1), k.reshape(nk * dk, -1), v.reshape(nk * vr, -1)], axis=0)
+
+
+def neg_exp(ts: list[np.ndarray]) -> np.ndarray:
+    """ssm_a = -exp(A_log) (correctly rounded, transforms.exp)."""
+    return -tf.exp(ts[0])
+
+
+@register
+class Qwen3Next(Qwen35Base):
+    hf_architectures = ("Qwen3NextForCausalLM",)
+    family: ClassVar[str] = "qwen3next"
+    moe: ClassVar[bool] = True
+    tokenizer_pre: ClassVar[str] = "qwen2"
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        tc = text_config(checkpoint.config)
+        self.ffn = tc.get("intermediate_size")
+        # llama.cpp's qwen3next loader gives every block a router and experts, and always renormalises
+        # the top-k weights (gguf-layout.md §7.3): refuse configs transformers would run otherwise.
+        if tc.get("mlp_only_layers") or tc.get("decoder_sparse_step", 1) != 1:
+            raise SpecconvError("config.json: dense layers (mlp_only_layers / decoder_sparse_step != 1) are not "
+                                "supported (llama.cpp's qwen3next has MoE in every block)")
+        if tc.get("norm_topk_prob", True) is False:
+            raise SpecconvError("config.json: norm_topk_prob=false is not supported (llama.cpp's qwen3next always "
+                                "renormalises the top-k expert weights)")
+        self.interval = tc.get("full_attention_interval", 4)
+
+    @property
+    def gguf_arch(self) -> str:
+        return names.QWEN3NEXT
+
+    def _gated_delta_net(self, plan: RolePlan, bid: int, p: str, role: Role) -> None:
+        hp = self.hp
+        H, nk, nv, dk, dv, K = hp.hidden, hp.nk, hp.nv, hp.dk, hp.dv, hp.conv_kernel
+        vr, C = hp.r * dv, hp.conv_channels
+        a = p + "linear_attn."
+        qkvz = plan.source(a + "in_proj_qkvz.weight", (nk * (2 * dk + 2 * vr), H))
+        plan.add(names.blk(bid, "attn_qkv"), [qkvz], (C, H), role, partial(qkvz_part, nk=nk, dk=dk, vr=vr, part="qkv"))
+        plan.add(names.blk(bid, "attn_gate"), [qkvz], (nv * dv, H), role,
+                 partial(qkvz_part, nk=nk, dk=dk, vr=vr, part="z"))
+        plan.add(names.blk(bid, "ssm_ba"), [plan.source(a + "in_proj_ba.weight", (2 * nv, H))], (2 * nv, H), role)
+        plan.add(names.blk(bid, "ssm_a", None), [plan.source(a + "A_log", (nv,))], (nv,), role, neg_exp, True)
+        plan.add(names.blk(bid, "ssm_dt", "bias"), [plan.source(a + "dt_bias", (nv,))], (nv,), role, tf.identity, True)
+        plan.add(names.blk(bid, "ssm_conv1d"), [plan.source(a + "conv1d.weight", [(C, 1, K), (C, K)])], (C, K), role,
+                 partial(tf.reshape, shape=(C, K)), True)
+        plan.add(names.blk(bid, "ssm_norm"), [plan.source(a + "norm.weight", (dv,))], (dv,), role, tf.identity, True)
+        plan.add(names.blk(bid, "ssm_out"), [plan.source(a + "out_proj.weight", (H, nv * dv))], (H, nv * dv), role)
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        hp, arch = self.hp, self.gguf_arch
+        k = self._k if keep_mtp else 0
+        u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+        kv: list[MetaKV] = []
+
+        def put(fmt: str, value: Any, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> None:
+            kv.append(MetaKV(fmt.format(arch=arch), value, vtype, sub))
+
+        # Keys and order of the pinned converter (TextModel, Qwen2MoeModel, _QwenMtpMixin, Qwen3NextModel).
+        put(Keys.LLM.BLOCK_COUNT, hp.n_layer + k, u32)
+        put(Keys.LLM.CONTEXT_LENGTH, hp.context_length, u32)
+        put(Keys.LLM.EMBEDDING_LENGTH, hp.hidden, u32)
+        if self.ffn is not None:
+            put(Keys.LLM.FEED_FORWARD_LENGTH, int(self.ffn), u32)
+        put(Keys.Attention.HEAD_COUNT, hp.n_head, u32)
+        put(Keys.Attention.HEAD_COUNT_KV, hp.n_head_kv, u32)
+        self._rope_scaling_kv(put)
+        put(Keys.Rope.FREQ_BASE, hp.rope_theta, f32)
+        put(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps, f32)
+        put(Keys.LLM.EXPERT_COUNT, hp.n_expert, u32)
+        put(Keys.LLM.EXPERT_USED_COUNT, hp.n_expert_used, u32)
+        put(Keys.Attention.KEY_LENGTH, hp.head_dim, u32)
+        put(Keys.Attention.VALUE_LENGTH, hp.head_dim, u32)
+        put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn, u32)
+        put(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_ffn, u32)
+        if k:
+            put(Keys.LLM.NEXTN_PREDICT_LAYERS, k, u32)
+        put(Keys.SSM.CONV_KERNEL, hp.conv_kernel, u32)
+        put(Keys.SSM.STATE_SIZE, hp.dk, u32)
+        put(Keys.SSM.GROUP_COUNT, hp.nk, u32)
+        put(Keys.SSM.TIME_STEP_RANK, hp.nv, u32)
+        put(Keys.SSM.INNER_SIZE, hp.nv * hp.dv, u32)
+        put(names.recurrent_layers_key("{arch}"), hp.recurrent + [False] * k, GGUFValueType.ARRAY,
+            GGUFValueType.BOOL)
+        put(Keys.LLM.FULL_ATTENTION_INTERVAL, self.interval, u32)
+        put(Keys.Rope.DIMENSION_COUNT, hp.rope_dim, u32)
+        return kv

@@ -1,0 +1,105 @@
+"""Qwen3-Next graphs (GGUF arch `qwen3next`), model-math.md §2, §3.1, §7; llama.cpp's
+`src/models/qwen3next.cpp` at the pinned commit.
+
+Everything but the Gated DeltaNet input side is Qwen3.5-MoE's and is imported from the qwen35 graph
+(gated full attention with partial NEOX rope, softmax top-k MoE with a sigmoid-gated shared expert,
+the MTP block, memory layouts), so the recurrent state keeps the same per-token snapshot ring and
+rollback. The Gated DeltaNet differs in two places:
+
+* `ssm_ba` [2nv, H] is one projection whose rows are grouped per key head g: [b_g (r) | a_g (r)],
+  r = nv / nk, so beta and the decay of value head g·r + j come from rows 2rg + j and 2rg + r + j;
+* value heads are in grouped order (no re-tiling in the file), so value head h reads key head h // r
+  (llama.cpp repeats q/k "interleaved"; Qwen3.5's files are tiled instead, head h reading h mod nk).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs import gdn
+from specconv.runtime.graphs import qwen35 as q35
+from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
+from specconv.runtime.graphs.ops import acc, dense, l2_norm, linear, rms_norm, rope_cos_sin
+from specconv.runtime.memory import Batch
+
+OPTIONAL = q35.OPTIONAL
+MULTI_DEVICE = True  # runs through decoder.forward_trunk, which follows a placement over devices
+keep_float32 = q35.keep_float32
+main_layout = q35.main_layout
+mtp_layout = q35.mtp_layout
+mtp_tensors = q35.mtp_tensors
+optional_mtp_tensors = q35.optional_mtp_tensors
+
+
+class HParams(q35.HParams):
+    @classmethod
+    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        hp = super().from_kv(kv)
+        if not hp.n_expert:
+            raise SpecconvError("qwen3next file without expert_count (every qwen3next block is MoE)")
+        return hp
+
+
+def _gdn_names(i: int) -> list[str]:
+    return [f"blk.{i}.{n}" for n in ("attn_norm.weight", "post_attention_norm.weight", "attn_qkv.weight",
+                                      "attn_gate.weight", "ssm_ba.weight", "ssm_a", "ssm_dt.bias",
+                                      "ssm_conv1d.weight", "ssm_norm.weight", "ssm_out.weight")]
+
+
+def main_tensors(hp: HParams) -> list[str]:
+    names = ["token_embd.weight", "output_norm.weight"]
+    for i in range(hp.n_layer):
+        names += (_gdn_names(i) if hp.recurrent[i] else q35._attn_names(i)) + q35._ffn_names(hp, i)
+    return names
+
+
+def gated_deltanet(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, mode: str) -> torch.Tensor:
+    n = a.shape[0]
+    nk, nv, dk, dv = hp.ssm_groups, hp.ssm_heads, hp.ssm_dk, hp.ssm_dv
+    r = nv // nk
+    m = linear(a, w[f"blk.{i}.attn_qkv.weight"])  # [n, C] = [q | k | v]
+    z = linear(a, w[f"blk.{i}.attn_gate.weight"]).view(n, nv, dv)
+    ba = acc(linear(a, w[f"blk.{i}.ssm_ba.weight"])).view(n, nk, 2 * r)
+    b, alpha = ba[..., :r].reshape(n, nv), ba[..., r:].reshape(n, nv)
+    conv_state, ssm_state = batch.recurrent_in(i)
+    c, conv_states = gdn.causal_conv(m, conv_state, w[f"blk.{i}.ssm_conv1d.weight"], batch.keep)
+    q = l2_norm(c[:, :nk * dk].view(n, nk, dk), hp.eps) * dk ** -0.5
+    k = l2_norm(c[:, nk * dk:2 * nk * dk].view(n, nk, dk), hp.eps)
+    v = acc(c[:, 2 * nk * dk:].reshape(n, nv, dv))
+    q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # value head h reads key head h // r
+    beta = torch.sigmoid(b)
+    g = dense(w[f"blk.{i}.ssm_a"], alpha.dtype) * F.softplus(alpha + dense(w[f"blk.{i}.ssm_dt.bias"], alpha.dtype))
+    sd = ssm_state.dtype  # float32, or float64 for a reference-grade recurrence
+    o, states = gdn.delta_rule(q.to(sd), k.to(sd), v.to(sd), g.to(sd), beta.to(sd), ssm_state, keep=batch.keep,
+                               mode=mode)
+    batch.recurrent_out(i, conv_states, states)
+    y = rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], hp.eps) * F.silu(acc(z))
+    return linear(y.reshape(n, nv * dv).to(a.dtype), w[f"blk.{i}.ssm_out.weight"])
+
+
+def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope, gdn_mode: str = "") -> torch.Tensor:
+    a = rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps)
+    recurrent = i < hp.n_layer and hp.recurrent[i]  # the MTP block (i = n_layer) is full attention
+    h = h + (gated_deltanet(w, hp, i, a, batch, gdn_mode) if recurrent
+             else q35.gated_attention(w, hp, i, a, batch, rope))
+    return h + q35.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.eps))
+
+
+def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
+                 want_logits: torch.Tensor | None):
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
+    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
+                         lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
+                         lambda i, h, rope: _block(w, hp, i, h, batch, rope, gdn_mode))
+
+
+def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
+    """One MTP row per token (u = eh_proj·[enorm(E[x]) ; hnorm(h)], the block at n_layer, shared head
+    norm); returns (logits, z = "nextn" normed output, y = pre-norm output)."""
+    return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
+                         lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
+                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))

@@ -1,0 +1,189 @@
+"""qwen3next plugin: a tiny Qwen3-Next (`Qwen3NextForCausalLM`) with its MTP head, in the release layout
+(per-expert tensors, no MTP count in config.json) and in transformers' layout (fused experts,
+`layer_types`), converts in every --mtp mode to what llama.cpp's own converter writes; llama.cpp loads
+the files and matches transformers (trunk) and transformers' MtpModel (MTP head, llama.cpp's rows).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specconv.archs import SpecconvError
+from specconv.archs.gguf_reader import open_gguf
+from tests.fixtures import tiny_qwen3next as tiny
+from tests.fixtures.gguf_files import convert_gguf, convert_gguf_upstream
+
+torch.set_num_threads(1)
+N = tiny.N_LAYERS
+IDS = [int(x) for x in np.random.default_rng(11).integers(0, tiny.VOCAB - 3, 32)]
+SHARED = {"token_embd.weight", "output_norm.weight", "output.weight"}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("q3n")
+
+
+@pytest.fixture(scope="module")
+def conv(root):
+    return tiny.converted(root)
+
+
+def test_modes_mtp_count_from_names_and_tensor_sets(conv):
+    src, files = conv
+    cfg = json.loads((src / "config.json").read_text())
+    assert not any("mtp" in k for k in cfg) and "layer_types" not in cfg  # as the release: no MTP count
+    emb, none, only = (open_gguf(files[m]) for m in ("embed", "none", "only"))
+    assert emb.arch == "qwen3next" and emb.block_count() == N + 1 and emb.nextn_layers() == 1
+    assert none.block_count() == N and none.get("qwen3next.nextn_predict_layers") is None
+    assert emb.get("qwen3next.attention.recurrent_layers") == [True, True, True, False, False]
+    assert none.get("qwen3next.attention.recurrent_layers") == [True, True, True, False]
+    assert emb.get("tokenizer.ggml.pre") == "qwen2" and emb.get("qwen3next.rope.dimension_sections") is None
+    mtp_names = {n for n in emb.tensors if n.startswith(f"blk.{N}.")}
+    assert {f"blk.{N}.nextn.{p}.weight" for p in ("eh_proj", "enorm", "hnorm", "shared_head_norm")} <= mtp_names
+    assert f"blk.{N}.attn_q.weight" in mtp_names and f"blk.{N}.ffn_gate_inp_shexp.weight" in mtp_names
+    assert set(none.tensors) == set(emb.tensors) - mtp_names
+    assert set(only.tensors) == mtp_names | SHARED
+    sep, side = open_gguf(files["separate"]), open_gguf(files["mtp-separate"])
+    for a, b in ((sep, none), (side, only)):
+        assert list(a.tensors) == list(b.tensors)
+        assert all(np.array_equal(a.tensors[n].raw(), b.tensors[n].raw()) for n in a.tensors)
+
+
+def test_fused_projections_split_per_key_head(conv):
+    """attn_qkv / attn_gate gather HF's per-key-head [q_g | k_g | v_g | z_g] rows (written out head by
+    head here), ssm_ba keeps in_proj_ba's rows, nothing is re-tiled, ssm_a = -exp(A_log)."""
+    src, files = conv
+    hf = load_file(str(src / "model.safetensors"))
+    f = open_gguf(files["embed"])
+    cfg = json.loads((src / "config.json").read_text())
+    nk, dk, dv = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    vr = cfg["linear_num_value_heads"] // nk * dv
+    for i in (0, 2):
+        a = f"model.layers.{i}.linear_attn."
+        qkvz = hf[a + "in_proj_qkvz.weight"].numpy()
+        q, k, v, z = [], [], [], []
+        for g in range(nk):
+            rows = qkvz[g * (2 * dk + 2 * vr):(g + 1) * (2 * dk + 2 * vr)]
+            q.append(rows[:dk]), k.append(rows[dk:2 * dk]), v.append(rows[2 * dk:2 * dk + vr]), z.append(rows[2 * dk + vr:])
+        assert np.array_equal(f.tensors[f"blk.{i}.attn_qkv.weight"].to_float32(), np.concatenate(q + k + v))
+        assert np.array_equal(f.tensors[f"blk.{i}.attn_gate.weight"].to_float32(), np.concatenate(z))
+        assert np.array_equal(f.tensors[f"blk.{i}.ssm_ba.weight"].to_float32(), hf[a + "in_proj_ba.weight"].numpy())
+        assert np.array_equal(f.tensors[f"blk.{i}.ssm_out.weight"].to_float32(), hf[a + "out_proj.weight"].numpy())
+        assert np.array_equal(f.tensors[f"blk.{i}.ssm_dt.bias"].to_float32(), hf[a + "dt_bias"].numpy())
+        np.testing.assert_allclose(f.tensors[f"blk.{i}.ssm_a"].to_float32(), -np.exp(hf[a + "A_log"].numpy()),
+                                   rtol=1e-6)
+        assert f.tensors[f"blk.{i}.ssm_conv1d.weight"].shape == (4, 2 * nk * dk + 2 * vr)  # ggml {K, C}
+    # (1+w) norms get +1, the gated linear-attention norm does not
+    assert np.array_equal(f.tensors["blk.0.attn_norm.weight"].to_float32(),
+                          hf["model.layers.0.input_layernorm.weight"].numpy() + 1)
+    assert np.array_equal(f.tensors["blk.0.ssm_norm.weight"].to_float32(),
+                          hf["model.layers.0.linear_attn.norm.weight"].numpy())
+    assert np.array_equal(f.tensors[f"blk.{N}.nextn.enorm.weight"].to_float32(),
+                          hf["mtp.pre_fc_norm_embedding.weight"].numpy() + 1)
+
+
+@pytest.mark.parametrize("layout", ["release", "transformers"])
+def test_equals_llamacpp_converter(root, tmp_path, layout):
+    """llama.cpp's converter (SPECCONV_LLAMA_CPP_SRC) on the same checkpoint, f16: the same tensor names,
+    order, storage types, KV set, values and order; values equal (ssm_a within one float32 ulp: ours is
+    exp correctly rounded, docs/convert.md "Computed values")."""
+    src, files = tiny.converted(root, layout=layout) if layout != "release" else tiny.converted(root)
+    ours_path = convert_gguf(src, tmp_path / "ours.gguf", outtype="f16")
+    up, ours = open_gguf(convert_gguf_upstream(src, tmp_path / "up.gguf", outtype="f16", pre="qwen2")), open_gguf(ours_path)
+    assert list(up.tensors) == list(ours.tensors)
+    for name, t in up.tensors.items():
+        o = ours.tensors[name]
+        assert (t.ggml_type, t.shape) == (o.ggml_type, o.shape), name
+        a, b = t.to_float32(), o.to_float32()
+        if name.endswith("ssm_a"):
+            assert np.all(np.abs(a - b) <= np.spacing(np.abs(a))), name
+        else:
+            assert np.array_equal(a, b), name
+    arch_kv = lambda f: [(k, f.get(k)) for k in f.kv if k.startswith("qwen3next.")]  # noqa: E731
+    assert arch_kv(up) == arch_kv(ours)
+    print(f"qwen3next ({layout}) vs llama.cpp's converter: {len(up.tensors)} tensors, same names, order, types, "
+          f"values and {len(arch_kv(up))} arch KV pairs")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"mlp_only_layers": [1]}, "dense layers"),
+    ({"decoder_sparse_step": 2}, "dense layers"),
+    ({"norm_topk_prob": False}, "norm_topk_prob"),
+    ({"linear_value_head_dim": 8}, "linear_key_head_dim"),
+    ({"mtp_num_hidden_layers": 2}, "mtp_num_hidden_layers=2"),
+])
+def test_bad_configs_are_refused(conv, change, message):
+    from specconv.archs.base import Checkpoint, SourceTensor
+    from specconv.archs.qwen3next import Qwen3Next
+
+    cfg = {**json.loads((conv[0] / "config.json").read_text()), **change}
+    tensors = {}
+    for k, v in load_file(str(conv[0] / "model.safetensors")).items():
+        tensors[k] = SourceTensor(k, tuple(v.shape), "F32")
+    with pytest.raises(SpecconvError, match=message):
+        Qwen3Next(Checkpoint(cfg, tensors)).tensor_plan()
+
+
+def test_llamacpp_matches_transformers(conv, llama_peer):
+    src, files = conv
+    ref, hidden = tiny.hf_trunk(src, IDS)
+    for mode in ("embed", "none", "separate"):
+        diff = float(np.abs(llama_peer.llama_logits(files[mode], IDS) - ref).max())
+        print(f"qwen3next llama.cpp vs transformers trunk logits ({mode}): max |Δ| = {diff:.3g}")
+        assert diff < 1e-4
+    ref_mtp = tiny.hf_mtp_llamacpp_rows(src, IDS, hidden)
+    for target, head in (("embed", None), ("separate", "mtp-separate"), ("none", "only")):
+        head_path = None if head is None else files[head]
+        assert llama_peer.llama_mtp_context_ok(files[target], head_path)
+        got = llama_peer.llama_mtp_logits(files[target], IDS, head_path, hidden=hidden)
+        diff = float(np.abs(got - ref_mtp).max())
+        print(f"qwen3next llama.cpp MTP head ({target}+{head or 'embedded'}) vs MtpModel: max |Δ| = {diff:.3g}")
+        assert diff < 1e-4
+
+
+def test_release_scale_headers():
+    """Qwen3-Next-80B-A3B's dimensions (transformers' Qwen3NextConfig defaults), headers only, per-expert
+    tensors as the release stores them: 48 + 1 blocks, 512 experts, the split projections' shapes."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    from specconv.archs.base import Checkpoint, SourceTensor
+    from specconv.archs.qwen3next import Qwen3Next
+    from tests.fixtures.tiny_qwen35 import enable_mtp_attributes, mtp_release_name
+
+    cfg = Qwen3NextConfig()
+    with torch.device("meta"):
+        main = Qwen3NextForCausalLM(cfg)
+        enable_mtp_attributes(main.config)
+        head = MtpModel(main, 1)
+    shapes = {k: tuple(v.shape) for k, v in main.state_dict().items()}
+    shapes.update({mtp_release_name(k): tuple(v.shape) for k, v in head.state_dict().items() if mtp_release_name(k)})
+    tensors = {}
+    for name, shape in shapes.items():
+        if name.endswith("experts.gate_up_proj"):
+            for e in range(shape[0]):
+                for part in ("gate", "up"):
+                    n = f"{name[:-len('gate_up_proj')]}{e}.{part}_proj.weight"
+                    tensors[n] = SourceTensor(n, (shape[1] // 2, shape[2]), "BF16")
+        elif name.endswith("experts.down_proj"):
+            for e in range(shape[0]):
+                n = f"{name[:-len('down_proj')]}{e}.down_proj.weight"
+                tensors[n] = SourceTensor(n, shape[1:], "BF16")
+        else:
+            tensors[name] = SourceTensor(name, shape, "BF16")
+    config = {k: v for k, v in cfg.to_dict().items() if k != "layer_types"}
+    plugin = Qwen3Next(Checkpoint({**config, "architectures": ["Qwen3NextForCausalLM"]}, tensors))
+    plans = {p.name: p.shape for p in plugin.tensor_plan()}
+    kv = {m.key: m.value for m in plugin.metadata(keep_mtp=True)}
+    assert kv["qwen3next.block_count"] == 49 and kv["qwen3next.nextn_predict_layers"] == 1
+    assert kv["qwen3next.rope.dimension_count"] == 64 and kv["qwen3next.expert_count"] == 512
+    assert plans["blk.0.attn_qkv.weight"] == (2 * 16 * 128 + 32 * 128, 2048)
+    assert plans["blk.0.attn_gate.weight"] == (32 * 128, 2048) and plans["blk.0.ssm_ba.weight"] == (64, 2048)
+    assert plans["blk.48.ffn_gate_exps.weight"] == (512, 512, 2048) and "blk.48.nextn.eh_proj.weight" in plans
+    print(f"Qwen3-Next-80B-A3B headers: {len(plans)} GGUF tensors from {len(tensors)} checkpoint tensors")
