@@ -59,8 +59,8 @@ class GGUFModelFile:
     @property
     def arch(self) -> str:
         arch = self.kv.get("general.architecture")
-        if not arch:
-            raise SpecconvError(f"{self.paths[0].name}: no general.architecture")
+        if not arch or not isinstance(arch, str):
+            raise SpecconvError(f"{self.paths[0].name}: no general.architecture string")
         return arch
 
     def get(self, key: str, default: Any = None) -> Any:

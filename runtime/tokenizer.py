@@ -59,6 +59,71 @@ def _gemma4_tokenizer(tokens: list[str], merges, unk_id) -> Tokenizer:
     return tk
 
 
+SPECIAL_ID_KEYS = ("bos", "eos", "eot", "eom", "unknown", "separator", "padding", "mask", "cls", "fim_pre",
+                   "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_tokenizer_kv(kv: Mapping[str, Any]) -> None:
+    """The tokenizer arrays are well-typed and of one length, special ids lie in the vocabulary and
+    every merge is two tokens of the vocabulary (what the tokenizers library would fail on)."""
+    model = kv.get("tokenizer.ggml.model")
+    if not isinstance(model, str):
+        raise SpecconvError(f"KV tokenizer.ggml.model must be a string, found {model!r}"[:200])
+    tokens = kv.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise SpecconvError("KV tokenizer.ggml.tokens must be a non-empty array of strings")
+    n = len(tokens)
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        v = kv.get(key)
+        if v is not None and (not isinstance(v, list) or len(v) != n):
+            found = f"{len(v)} entries" if isinstance(v, list) else type(v).__name__
+            raise SpecconvError(f"KV {key} must be an array of {n} entries (one per token), found {found}")
+    types = kv.get("tokenizer.ggml.token_type")
+    if types is not None and not all(_is_int(t) for t in types):
+        raise SpecconvError("KV tokenizer.ggml.token_type must be an array of integers")
+    for name in SPECIAL_ID_KEYS:
+        key = f"tokenizer.ggml.{name}_token_id"
+        v = kv.get(key)
+        if v is not None and not (_is_int(v) and 0 <= v < n):
+            raise SpecconvError(f"KV {key} = {v!r} is not a token id of the {n}-token vocabulary"[:200])
+    for key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token"):
+        v = kv.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise SpecconvError(f"KV {key} must be a boolean, found {v!r}"[:200])
+    if model not in ("gpt2", "gemma4"):
+        raise SpecconvError(f"KV tokenizer.ggml.model: tokenizer model {model!r} is not supported by the runtime "
+                            "(byte-level BPE 'gpt2', byte-fallback BPE 'gemma4')"[:300])
+    pre = kv.get("tokenizer.ggml.pre")
+    if pre is not None and not isinstance(pre, str):
+        raise SpecconvError(f"KV tokenizer.ggml.pre must be a string, found {pre!r}"[:200])
+    if model == "gpt2" and (pre or "default") not in PRE_TOKENIZERS:
+        raise SpecconvError(f"KV tokenizer.ggml.pre: pre-tokenizer {pre!r} is not known to the runtime tokenizer "
+                            f"(known: {', '.join(sorted(PRE_TOKENIZERS))})"[:300])
+    _parse_merges(kv, set(tokens))
+
+
+def _parse_merges(kv: Mapping[str, Any], vocab: set[str]) -> list[tuple[str, str]]:
+    merges = kv.get("tokenizer.ggml.merges", [])
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        raise SpecconvError("KV tokenizer.ggml.merges must be an array of strings")
+    out = []
+    for i, m in enumerate(merges):
+        parts = m.split(" ", 1)
+        if len(parts) != 2 or not parts[0] or not parts[1]:
+            raise SpecconvError(f"KV tokenizer.ggml.merges[{i}] = {m!r} is not two tokens separated by a space"[:200])
+        a, b = parts
+        for piece in (a, b, a + b):
+            if piece not in vocab:
+                raise SpecconvError(f"KV tokenizer.ggml.merges[{i}] = {m!r}: {piece!r} is not in "
+                                    f"tokenizer.ggml.tokens"[:200])
+        out.append((a, b))
+    return out
+
+
 class GGUFTokenizer:
     """encode(text) -> ids, decode(ids) -> text, plus the special ids the file declares."""
 
@@ -68,18 +133,29 @@ class GGUFTokenizer:
             raise SpecconvError("the GGUF file has no tokenizer (tokenizer.ggml.model is absent)")
         if model not in ("gpt2", "gemma4"):
             raise SpecconvError(f"tokenizer model {model!r} is not supported by the runtime "
-                                "(byte-level BPE 'gpt2', byte-fallback BPE 'gemma4')")
+                                "(byte-level BPE 'gpt2', byte-fallback BPE 'gemma4')"[:300])
+        check_tokenizer_kv(kv)
+        try:
+            self._build(kv, model)
+        except SpecconvError:
+            raise
+        except Exception as exc:  # the tokenizers library's own complaint, about this file's tokenizer KV
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise SpecconvError(f"KV tokenizer.ggml.tokens/merges: the tokenizer cannot be built ({detail})"[:300]) \
+                from None
+
+    def _build(self, kv: Mapping[str, Any], model: str) -> None:
         tokens: list[str] = kv["tokenizer.ggml.tokens"]
         types: Sequence[int] = kv.get("tokenizer.ggml.token_type", [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in kv.get("tokenizer.ggml.merges", [])]
+        merges = _parse_merges(kv, set(tokens))
         if model == "gemma4":
             tk = _gemma4_tokenizer(tokens, merges, kv.get("tokenizer.ggml.unknown_token_id"))
             self._finish(kv, tk, tokens, types)
             return
         pre = kv.get("tokenizer.ggml.pre", "default")
         if pre not in PRE_TOKENIZERS:
-            raise SpecconvError(f"pre-tokenizer {pre!r} is not known to the runtime tokenizer "
-                                f"(known: {', '.join(sorted(PRE_TOKENIZERS))})")
+            raise SpecconvError(f"KV tokenizer.ggml.pre: pre-tokenizer {pre!r} is not known to the runtime tokenizer "
+                                f"(known: {', '.join(sorted(PRE_TOKENIZERS))})"[:300])
         regex, nfc = PRE_TOKENIZERS[pre]
 
         vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -108,13 +184,19 @@ class GGUFTokenizer:
         self.chat_template = kv.get("tokenizer.chat_template")
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self._tk.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self._tk.encode(text, add_special_tokens=False).ids
+        except Exception as exc:  # the library's complaint about this file's vocabulary
+            raise SpecconvError(f"KV tokenizer.ggml.tokens: the tokenizer cannot encode the text ({exc})"[:300]) from None
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        try:
+            return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        except Exception as exc:
+            raise SpecconvError(f"KV tokenizer.ggml.tokens: the tokenizer cannot decode ids ({exc})"[:300]) from None
 
     def is_end_of_generation(self, token: int) -> bool:
         return token in {t for t in (self.eos_id, self.eot_id) if t is not None}

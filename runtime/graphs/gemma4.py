@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs.ops import acc, linear, rms_norm, rope_neox_partial
 from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.validate import check_kv
 
 ROPE_FREQS = "rope_freqs.weight"
 OPTIONAL = ("output.weight",)
@@ -61,6 +62,7 @@ class HParams:
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        check_kv(kv)  # types and ranges first: nothing below divides by 0 or compares a str
         arch = kv["general.architecture"]
 
         def get(key, default=None):

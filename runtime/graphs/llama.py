@@ -17,6 +17,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs.decoder import forward_trunk
 from specconv.runtime.graphs.ops import acc, causal_attention, linear, rms_norm, swiglu
 from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.validate import check_kv
 
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -39,6 +40,7 @@ class HParams:
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        check_kv(kv)  # types and ranges first: nothing below divides by 0 or compares a str
         arch = kv["general.architecture"]
 
         def get(key, default=None):

@@ -16,6 +16,7 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs.ops import acc, swiglu
+from specconv.runtime.validate import check_kv
 
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
@@ -56,6 +57,7 @@ class MoeKV:
 
     @classmethod
     def read(cls, kv: Mapping[str, Any]) -> "MoeKV":
+        check_kv(kv)  # types and ranges first: nothing below divides by 0 or compares a str
         arch, get = kv_getter(kv)
         block_count = get("block_count")
         n_nextn = get("nextn_predict_layers", 0)

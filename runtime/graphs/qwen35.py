@@ -21,6 +21,7 @@ from specconv.runtime.graphs.ops import (
     acc, causal_attention, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.validate import check_kv
 
 ARCHES = ("qwen35", "qwen35moe")
 
@@ -65,6 +66,7 @@ class HParams:
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        check_kv(kv)  # types and ranges first: nothing below divides by 0 or compares a str
         arch = kv["general.architecture"]
 
         def get(key, default=None, required=True):

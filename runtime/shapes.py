@@ -1,0 +1,261 @@
+"""The shape each graph expects of each tensor, from its hparams (ggml order, ne0 first, as GGUF
+stores it and llama.cpp's `create_tensor` checks it), and the per-family consistency checks.
+
+A dimension given as a string is a size the file chooses (the vocabulary "V", the EAGLE-3 draft
+vocabulary "Vd"): the first tensor that has it binds it and every other must agree. Trailing
+dimensions count: the graphs index by them (a shape may list the alternatives a graph accepts).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping
+
+from specconv.archs.errors import SpecconvError
+
+Shapes = dict[str, tuple]
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def _common(hp, E: int) -> Shapes:
+    return {"token_embd.weight": (E, "V"), "output.weight": (E, "V"), "output_norm.weight": (E,)}
+
+
+def _nextn(E: int, n: int) -> Shapes:
+    p = f"blk.{n}.nextn."
+    return {p + "eh_proj.weight": (2 * E, E), p + "enorm.weight": (E,), p + "hnorm.weight": (E,),
+            p + "shared_head_norm.weight": (E,), p + "embed_tokens.weight": (E, "V"),
+            p + "shared_head_head.weight": (E, "V")}
+
+
+def _dense_ffn(p: str, E: int, F: int) -> Shapes:
+    return {p + "ffn_gate.weight": (E, F), p + "ffn_up.weight": (E, F), p + "ffn_down.weight": (F, E)}
+
+
+def _experts(p: str, E: int, Fe: int, X: int) -> Shapes:
+    return {p + "ffn_gate_inp.weight": (E, X), p + "ffn_gate_exps.weight": (E, Fe, X),
+            p + "ffn_up_exps.weight": (E, Fe, X), p + "ffn_down_exps.weight": (Fe, E, X)}
+
+
+def _shared(p: str, E: int, Fs: int) -> Shapes:
+    return {p + "ffn_gate_shexp.weight": (E, Fs), p + "ffn_up_shexp.weight": (E, Fs),
+            p + "ffn_down_shexp.weight": (Fs, E)}
+
+
+def _gqa(p: str, E_in: int, E: int, nh: int, nkv: int, hd: int, q_mult: int = 1) -> Shapes:
+    return {p + "attn_q.weight": (E_in, q_mult * nh * hd), p + "attn_k.weight": (E_in, nkv * hd),
+            p + "attn_v.weight": (E_in, nkv * hd), p + "attn_output.weight": (nh * hd, E)}
+
+
+def qwen35(hp) -> Shapes:
+    E, out = hp.n_embd, _common(hp, hp.n_embd)
+    C = 2 * hp.ssm_groups * hp.ssm_dk + hp.ssm_inner
+    for i in range(hp.n_layer + hp.n_nextn):
+        p = f"blk.{i}."
+        out.update({p + "attn_norm.weight": (E,), p + "post_attention_norm.weight": (E,)})
+        if i < hp.n_layer and hp.recurrent[i]:
+            nv = hp.ssm_heads
+            out.update({p + "attn_qkv.weight": (E, C), p + "attn_gate.weight": (E, hp.ssm_inner),
+                        p + "ssm_beta.weight": (E, nv), p + "ssm_alpha.weight": (E, nv), p + "ssm_a": (nv,),
+                        p + "ssm_dt.bias": (nv,), p + "ssm_conv1d.weight": (hp.conv_kernel, C),
+                        p + "ssm_norm.weight": (hp.ssm_dv,), p + "ssm_out.weight": (hp.ssm_inner, E)})
+        else:
+            out.update(_gqa(p, E, E, hp.n_head, hp.n_head_kv, hp.head_dim, q_mult=2))
+            out.update({p + "attn_q_norm.weight": (hp.head_dim,), p + "attn_k_norm.weight": (hp.head_dim,)})
+        if hp.is_moe:
+            out.update(_experts(p, E, hp.n_ff_exp, hp.n_expert))
+            out.update(_shared(p, E, hp.n_ff_shexp))
+            out[p + "ffn_gate_inp_shexp.weight"] = [(E,), (E, 1)]  # converters write either
+        else:
+            out.update(_dense_ffn(p, E, hp.n_ff))
+    for n in range(hp.n_layer, hp.n_layer + hp.n_nextn):
+        out.update(_nextn(E, n))
+    return out
+
+
+def llama(hp, E_in: int | None = None) -> Shapes:
+    E, out = hp.n_embd, _common(hp, hp.n_embd)
+    out["rope_freqs.weight"] = (hp.n_rot // 2,)
+    for i in range(hp.n_layer):
+        p = f"blk.{i}."
+        out.update(_gqa(p, E_in or E, E, hp.n_head, hp.n_head_kv, hp.head_dim))
+        out.update({p + "attn_norm.weight": (E,), p + "ffn_norm.weight": (E,)})
+        out.update(_dense_ffn(p, E, hp.n_ff))
+    return out
+
+
+def eagle3(hp) -> Shapes:
+    E = hp.n_embd
+    out = llama(hp, E_in=2 * E)
+    out.update({"fc.weight": (3 * hp.target_hidden_size, E), "enc.output_norm.weight": (3 * hp.target_hidden_size,),
+                "blk.0.attn_norm_2.weight": (E,), "token_embd.weight": (E, hp.n_vocab),
+                "output.weight": (E, "Vd"), "d2t": ("Vd",)})
+    return out
+
+
+def _moe_sigmoid_ffn(hp, p: str, i: int) -> Shapes:
+    E = hp.n_embd
+    if i < hp.n_dense_lead:
+        return _dense_ffn(p, E, hp.n_ff)
+    out = _experts(p, E, hp.n_ff_exp, hp.n_expert)
+    out[p + "exp_probs_b.bias"] = (hp.n_expert,)
+    if hp.n_expert_shared:
+        out.update(_shared(p, E, hp.n_ff_exp * hp.n_expert_shared))
+    return out
+
+
+def glm4moe(hp) -> Shapes:
+    E, out = hp.n_embd, _common(hp, hp.n_embd)
+    nh, nkv, hd = hp.n_head, hp.n_head_kv, hp.head_dim
+    for i in range(hp.n_layer + hp.n_nextn):
+        p = f"blk.{i}."
+        out.update(_gqa(p, E, E, nh, nkv, hd))
+        out.update({p + "attn_norm.weight": (E,), p + "post_attention_norm.weight": (E,),
+                    p + "attn_q.bias": (nh * hd,), p + "attn_k.bias": (nkv * hd,), p + "attn_v.bias": (nkv * hd,),
+                    p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
+        out.update(_moe_sigmoid_ffn(hp, p, i))
+    for n in range(hp.n_layer, hp.n_layer + hp.n_nextn):
+        out.update(_nextn(E, n))
+    return out
+
+
+def deepseek2(hp) -> Shapes:
+    E, out = hp.n_embd, _common(hp, hp.n_embd)
+    nh, dn, dr, dv, kvl, ql = hp.n_head, hp.dn, hp.dr, hp.dv, hp.kv_lora, hp.q_lora
+    for i in range(hp.n_layer + hp.n_nextn):
+        p = f"blk.{i}."
+        out.update({p + "attn_norm.weight": (E,), p + "ffn_norm.weight": (E,), p + "attn_q.weight": (E, nh * (dn + dr)),
+                    p + "attn_q_a.weight": (E, ql), p + "attn_q_a_norm.weight": (ql,),
+                    p + "attn_q_b.weight": (ql, nh * (dn + dr)), p + "attn_kv_a_mqa.weight": (E, kvl + dr),
+                    p + "attn_kv_a_norm.weight": (kvl,), p + "attn_k_b.weight": (dn, kvl, nh),
+                    p + "attn_v_b.weight": (kvl, dv, nh), p + "attn_output.weight": (nh * dv, E)})
+        out.update(_moe_sigmoid_ffn(hp, p, i))
+    for n in range(hp.n_layer, hp.n_layer + hp.n_nextn):
+        out.update(_nextn(E, n))
+    return out
+
+
+def gemma4(hp) -> Shapes:
+    E, out = hp.n_embd, _common(hp, hp.n_embd)
+    N, P, nh = hp.n_layer, hp.n_per_layer, hp.n_head
+    full = [hp.head_dim[i] for i in range(len(hp.is_swa)) if not hp.is_swa[i]]
+    if full:
+        out["rope_freqs.weight"] = (full[0] // 2,)
+    if P:
+        out.update({"per_layer_token_embd.weight": (N * P, "V"), "per_layer_model_proj.weight": (E, N * P),
+                    "per_layer_proj_norm.weight": (P,)})
+    for i in range(hp.n_blocks):
+        p, hd, nkv, F = f"blk.{i}.", hp.head_dim[i], hp.n_head_kv[i], hp.n_ff[i]
+        out.update(_gqa(p, E, E, nh, nkv, hd))
+        out.update(_dense_ffn(p, E, F))
+        out.update({p + n: (E,) for n in ("attn_norm.weight", "post_attention_norm.weight", "ffn_norm.weight",
+                                          "post_ffw_norm.weight", "post_norm.weight", "pre_ffw_norm_2.weight",
+                                          "post_ffw_norm_1.weight", "post_ffw_norm_2.weight")})
+        out.update({p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,), p + "layer_output_scale.weight": (1,),
+                    p + "inp_gate.weight": (E, P), p + "proj.weight": (P, E)})
+        if hp.n_expert:
+            X, Fe = hp.n_expert, hp.n_ff_exp
+            out.update(_experts(p, E, Fe, X))
+            out.update({p + "ffn_gate_up_exps.weight": (E, 2 * Fe, X), p + "ffn_gate_inp.scale": (E,),
+                        p + "ffn_down_exps.scale": (X,)})
+    if hp.arch == "gemma4-assistant":
+        Eo = hp.n_embd_out
+        out.update({"nextn.pre_projection.weight": (2 * Eo, E), "nextn.post_projection.weight": (E, Eo)})
+    return out
+
+
+EXPECTED: dict[str, Callable[[Any], Shapes]] = {
+    "qwen35": qwen35, "qwen35moe": qwen35, "llama": llama, "eagle3": eagle3, "glm4moe": glm4moe,
+    "deepseek2": deepseek2, "gemma4": gemma4, "gemma4-assistant": gemma4,
+}
+
+
+def expected_shapes(hp, needed) -> Shapes:
+    make = EXPECTED.get(hp.arch)
+    out = make(hp) if make is not None else {}
+    if hp.arch == "eagle3" and "d2t" not in needed:  # no draft vocabulary: the head spans the target's
+        out["output.weight"] = (hp.n_embd, hp.n_vocab)
+    return out
+
+
+# ---- per-family consistency --------------------------------------------------------------------
+
+def check_arch_hparams(hp, kv: Mapping[str, Any]) -> None:
+    a = hp.arch
+    block_count = hp.n_layer + getattr(hp, "n_nextn", 0)
+    for key in ("attention.recurrent_layers", "attention.sliding_window_pattern"):
+        v = kv.get(f"{a}.{key}")
+        if isinstance(v, list) and len(v) != block_count:
+            raise SpecconvError(f"{a}.{key} has {len(v)} entries for block_count {block_count}")
+    if a in ("qwen35", "qwen35moe"):
+        if len(hp.recurrent) != hp.n_layer:
+            raise SpecconvError(f"{a}.attention.recurrent_layers covers {len(hp.recurrent)} of {hp.n_layer} blocks")
+        if hp.is_moe and not (hp.n_ff_exp and hp.n_ff_shexp):
+            raise SpecconvError(f"{a}: expert_feed_forward_length and expert_shared_feed_forward_length are needed")
+        if not hp.is_moe and not hp.n_ff:
+            raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
+    if a in ("glm4moe", "deepseek2"):
+        if hp.n_dense_lead > block_count:
+            raise SpecconvError(f"{a}.leading_dense_block_count {hp.n_dense_lead} exceeds block_count {block_count}")
+        if hp.n_expert < 1 or not 1 <= hp.n_expert_used <= hp.n_expert:
+            raise SpecconvError(f"{a}: expert_used_count {hp.n_expert_used} must be within 1..expert_count "
+                                f"{hp.n_expert}")
+        if hp.n_group > 1 and (hp.n_expert // hp.n_group < 2
+                               or hp.n_expert_used > hp.n_group_used * (hp.n_expert // hp.n_group)):
+            raise SpecconvError(f"{a}: {hp.n_group} expert groups ({hp.n_group_used} used) of {hp.n_expert} experts "
+                                f"cannot give {hp.n_expert_used} experts (and need 2 per group)")
+    if a == "deepseek2":
+        if hp.dn < 1 or hp.dr % 2:
+            raise SpecconvError(f"{a}: attention.key_length_mla {hp.dn + hp.dr} must exceed an even "
+                                f"rope.dimension_count {hp.dr}")
+        if hp.yarn_factor != 1.0 and (hp.rope_base <= 1.0 or hp.yarn_factor <= 0):
+            raise SpecconvError(f"{a}: YaRN needs rope.freq_base > 1 and rope.scaling.factor > 0")
+    if a in ("gemma4", "gemma4-assistant"):
+        if hp.n_rot_swa % 2 or any(hp.n_rot_swa > d for d, s in zip(hp.head_dim, hp.is_swa) if s):
+            raise SpecconvError(f"{a}.rope.dimension_count_swa {hp.n_rot_swa} must be even and at most the "
+                                f"sliding head size")
+        if any(d % 2 for d in hp.head_dim):
+            raise SpecconvError(f"{a}: head sizes {sorted(set(hp.head_dim))} must be even (rope)")
+        if hp.n_layer and hp.n_shared > hp.n_layer:
+            raise SpecconvError(f"{a}.attention.shared_kv_layers {hp.n_shared} exceeds the {hp.n_layer} layers")
+        if hp.n_expert and not hp.n_ff_exp:
+            raise SpecconvError(f"{a}.expert_feed_forward_length is missing")
+    if a == "eagle3":
+        if not hp.n_vocab:
+            raise SpecconvError(f"{a}: no vocabulary size ({a}.vocab_size or tokenizer.ggml.tokens)")
+        if not hp.n_ff:
+            raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
+    if a == "llama" and not hp.n_ff:
+        raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
+
+
+def _eagle3_values(file, hp, needed) -> None:
+    """d2t maps draft ids to target ids: every entry must be a target id (the decoder scatters by it)."""
+    if "d2t" not in needed or "d2t" not in file.tensors:
+        return
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    if "output.weight" not in needed:  # the target's head spans the target vocabulary, not the draft's
+        raise SpecconvError("tensor d2t maps a draft vocabulary, but the head has no output.weight of its own")
+    t = file.tensors["d2t"]
+    view = {Q.I8: np.int8, Q.I16: np.int16, Q.I32: np.int32, Q.I64: np.int64}.get(t.tensor_type)
+    if view is None:
+        raise SpecconvError(f"tensor d2t has type {t.tensor_type.name}; an integer type is expected")
+    values = np.asarray(t.data).view(view)
+    if values.size and (int(values.min()) < 0 or int(values.max()) >= hp.n_vocab):
+        raise SpecconvError(f"tensor d2t holds ids outside the target vocabulary [0, {hp.n_vocab})")
+
+
+def _gemma4_experts(file, hp, needed) -> None:
+    """An MoE layer needs its gate and up experts, fused or split (both optional by name)."""
+    for i in range(hp.n_layer if hp.n_expert else 0):
+        p = f"blk.{i}."
+        if p + "ffn_gate_up_exps.weight" not in needed and not (
+                p + "ffn_gate_exps.weight" in needed and p + "ffn_up_exps.weight" in needed):
+            raise SpecconvError(f"missing tensor {p}ffn_gate_up_exps.weight (or {p}ffn_gate_exps.weight and "
+                                f"{p}ffn_up_exps.weight)")
+
+
+CHECK_VALUES = {"eagle3": _eagle3_values, "gemma4": _gemma4_experts}
+INTEGER_TENSORS = {"eagle3": ("d2t",)}  # the only tensors read as integers
