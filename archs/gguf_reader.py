@@ -11,6 +11,7 @@ so writing them back reproduces the original metadata byte for byte.
 
 from __future__ import annotations
 
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -81,7 +82,7 @@ class GgufFile:
     @property
     def arch(self) -> str:
         value = self.get("general.architecture")
-        if not value:
+        if not value or not isinstance(value, str):
             raise SpecconvError(f"{self.path.name}: no general.architecture key; is it a model GGUF?")
         return value
 
@@ -99,13 +100,26 @@ class GgufFile:
         value = self.get(self.arch_key("block_count"))
         if value is None:
             raise SpecconvError(f"{self.path.name}: missing {self.arch_key('block_count')}")
-        return int(value)
+        return _int_value(value, f"{self.path.name}: {self.arch_key('block_count')}")
 
     def nextn_layers(self) -> int:
-        return int(self.get(self.arch_key("nextn_predict_layers"), 0) or 0)
+        value = self.get(self.arch_key("nextn_predict_layers"), 0) or 0
+        return _int_value(value, f"{self.path.name}: {self.arch_key('nextn_predict_layers')}")
 
     def __iter__(self) -> Iterator[GgufTensor]:
         return iter(self.tensors.values())
+
+
+def _show(name: str) -> str:
+    """A key or tensor name from the file as error messages show it: one line, printable, bounded."""
+    text = name if name.isprintable() else repr(name)[1:-1]
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int_value(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecconvError(f"{where} must be an integer, found {value!r}"[:200])
+    return value
 
 
 def decode_value(value: Any) -> Any:
@@ -183,7 +197,7 @@ class _Cursor:
             return self.string()
         if vtype in _SCALARS:
             return self.take(*_SCALARS[vtype])
-        raise SpecconvError(f"{self.name}: KV {key} has unknown value type {int(vtype)}")
+        raise SpecconvError(f"{self.name}: KV {_show(key)} has unknown value type {int(vtype)}")
 
     def kv(self, arrays: bool = True) -> MetaKV:
         """One KV entry; with arrays=False an array's elements are skipped and its value is None."""
@@ -197,7 +211,7 @@ class _Cursor:
             self._skip_array(sub, count, key)
             return MetaKV(key, None, vtype, sub)
         if sub == GGUFValueType.ARRAY:
-            raise SpecconvError(f"{self.name}: KV {key}: nested arrays are not supported")
+            raise SpecconvError(f"{self.name}: KV {_show(key)}: nested arrays are not supported")
         if sub == GGUFValueType.STRING:
             return MetaKV(key, [self.string() for _ in range(count)], vtype, sub)
         fmt, size = _SCALARS[sub]
@@ -218,7 +232,7 @@ class _Cursor:
             for _ in range(count):
                 self._skip_array(self._vtype(key), self.take("<Q", 8), key)
         else:
-            raise SpecconvError(f"{self.name}: KV {key} has unknown value type {int(sub)}")
+            raise SpecconvError(f"{self.name}: KV {_show(key)} has unknown value type {int(sub)}")
 
     def skip(self, n: int) -> None:
         if self.pos + n > len(self.buf):
@@ -230,7 +244,7 @@ class _Cursor:
         try:
             return GGUFValueType(raw)
         except ValueError:
-            raise SpecconvError(f"{self.name}: KV {key} has unknown value type {raw}") from None
+            raise SpecconvError(f"{self.name}: KV {_show(key)} has unknown value type {raw}") from None
 
 
 @dataclass(frozen=True)
@@ -277,24 +291,29 @@ def scan_header(buf, name: str, arrays: bool = True) -> GgufHeader:
     for _ in range(n_tensors):
         tensor_name = cur.string().decode("utf-8", errors="replace")
         n_dims = cur.take("<I", 4)
+        if n_dims > 4:  # GGML_MAX_DIMS; also stops a huge count from looping over the header
+            raise SpecconvError(f"{name}: tensor {_show(tensor_name)} has {n_dims} dimensions (at most 4)")
         dims = tuple(cur.take("<Q", 8) for _ in range(n_dims))
         raw_type, offset = cur.take("<I", 4), cur.take("<Q", 8)
         try:
             ggml_type = GGMLQuantizationType(raw_type)
         except ValueError:
-            raise SpecconvError(f"{name}: tensor {tensor_name} has unknown type {raw_type}") from None
+            raise SpecconvError(f"{name}: tensor {_show(tensor_name)} has unknown type {raw_type}") from None
         infos.append((tensor_name, dims, ggml_type, offset))
     align_kv = kv.get("general.alignment")
-    align = int(align_kv.value) if align_kv is not None and align_kv.value else 32
-    if align & (align - 1):
-        raise SpecconvError(f"{name}: general.alignment {align} is not a power of two")
+    align = align_kv.value if align_kv is not None else 32
+    if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
+        raise SpecconvError(f"{name}: general.alignment {align!r} is not a power of two"[:200])
     data_start = (cur.pos + align - 1) // align * align
     tensors = []
     for tensor_name, dims, ggml_type, offset in infos:
-        nbytes = tensor_nbytes(dims, ggml_type)
+        nbytes = tensor_nbytes(dims, ggml_type, f"{name}: tensor {tensor_name}")
+        if offset % align:
+            raise SpecconvError(f"{name}: tensor {_show(tensor_name)} data offset {offset} is not a multiple of the "
+                                f"alignment {align}")
         start = data_start + offset
         if start + nbytes > len(buf):
-            raise SpecconvError(f"{name}: tensor {tensor_name} lies beyond the end of the file (truncated?)")
+            raise SpecconvError(f"{name}: tensor {_show(tensor_name)} lies beyond the end of the file (truncated?)")
         tensors.append(TensorInfo(tensor_name, dims, ggml_type, start, nbytes))
     return GgufHeader(kv, kv_nbytes, tensors, align, data_start)
 
@@ -333,24 +352,30 @@ def open_gguf(path: str | Path) -> GgufFile:
             split_count = shard_kv.get(Keys.Split.LLM_KV_SPLIT_COUNT)
             if split_no is None or split_count is None:
                 raise SpecconvError(f"{shard.name}: named like a split shard but has no split.* keys")
-            if int(split_no.value) != index or int(split_count.value) != len(paths):
+            if (_int_value(split_no.value, f"{shard.name}: split.no") != index
+                    or _int_value(split_count.value, f"{shard.name}: split.count") != len(paths)):
                 raise SpecconvError(f"{shard.name}: split.no/split.count do not match its file name")
             total = shard_kv.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
             if total is not None:
-                declared_total = int(total.value)
+                declared_total = _int_value(total.value, f"{shard.name}: split.tensors.count")
         if index == 0:
             kv = {k: v for k, v in shard_kv.items() if k not in _SPLIT_KEYS}
         for t in shard_tensors:
             if t.name in tensors:
-                raise SpecconvError(f"{shard.name}: tensor {t.name} appears twice")
+                raise SpecconvError(f"{shard.name}: tensor {_show(t.name)} appears twice")
             tensors[t.name] = t
     if declared_total is not None and declared_total != len(tensors):
         raise SpecconvError(f"{paths[0].name}: split.tensors.count says {declared_total}, shards hold {len(tensors)}")
     return GgufFile(paths, kv, tensors)
 
 
-def tensor_nbytes(shape_ggml: tuple[int, ...], ggml_type: GGMLQuantizationType) -> int:
+def tensor_nbytes(shape_ggml: tuple[int, ...], ggml_type: GGMLQuantizationType, where: str = "tensor") -> int:
+    """Bytes of a tensor, in Python integers (numpy's product wraps around on hostile shapes)."""
     block, size = GGML_QUANT_SIZES[ggml_type]
-    n = int(np.prod(shape_ggml)) if shape_ggml else 1
+    n = math.prod(int(d) for d in shape_ggml)
+    if n >= 1 << 62:
+        raise SpecconvError(f"{where}: ggml shape {list(shape_ggml)} has too many elements")
+    if shape_ggml and shape_ggml[0] % block:
+        raise SpecconvError(f"{where}: rows of {shape_ggml[0]} are not whole {ggml_type.name} blocks of {block}")
     return n // block * size
 

@@ -188,7 +188,8 @@ def tokenizer_fingerprint(f: GgufFile) -> str | None:
     for part in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
         kv = f.kv.get(part)
         h.update(part.encode() + b"\x01")
-        for item in (kv.value if kv is not None else []):
+        items = kv.value if kv is not None and isinstance(kv.value, list) else [kv.value] if kv is not None else []
+        for item in items:  # a hostile file may hold any type here: hashed as it is
             h.update(item if isinstance(item, bytes) else str(item).encode())
             h.update(b"\x00")
     return h.hexdigest()[:16]

@@ -69,16 +69,25 @@ def dominant_tensor_type(types: dict[str, gguf.GGMLQuantizationType], sizes: dic
     return tensor_type_tag(max(pool, key=pool.get))
 
 
+def _split_int(value, key: str, path: Path, default: int) -> int:
+    """A split.* value as an integer, or a one-line error (a hostile file may hold any type there)."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecconvError(f"{path.name}: {key} must be an integer, found {value!r}"[:200])
+    return value
+
+
 def read_model(paths: list[Path]) -> GgufModel:
     """Inspect one file or an ordered, complete shard set (headers only)."""
     first = read_header(paths[0])
     kv = first.scalars()
-    if int(kv.get(gguf.Keys.Split.LLM_KV_SPLIT_NO, 0) or 0) != 0:
+    if _split_int(kv.get(gguf.Keys.Split.LLM_KV_SPLIT_NO), gguf.Keys.Split.LLM_KV_SPLIT_NO, paths[0], 0) != 0:
         raise SpecconvError(f"{paths[0].name}: split.no does not match its position 0 in the shard set")
     arch = kv.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise SpecconvError(f"{paths[0].name}: no general.architecture key")
-    count = int(kv.get(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, 1) or 1)
+    count = _split_int(kv.get(gguf.Keys.Split.LLM_KV_SPLIT_COUNT), gguf.Keys.Split.LLM_KV_SPLIT_COUNT, paths[0], 1) or 1
     if count != len(paths):
         raise SpecconvError(
             f"{paths[0].name}: split.count is {count} but {len(paths)} shard file(s) were found"
@@ -91,14 +100,15 @@ def read_model(paths: list[Path]) -> GgufModel:
         header = first if index == 0 else read_header(path)
         if len(paths) > 1:
             field_no = header.kv.get(gguf.Keys.Split.LLM_KV_SPLIT_NO)
-            if field_no is None or int(field_no.value) != index:
+            if field_no is None or _split_int(field_no.value, gguf.Keys.Split.LLM_KV_SPLIT_NO, path, -1) != index:
                 raise SpecconvError(f"{path.name}: split.no does not match its position {index} in the shard set")
         for tensor in header.tensors:
             if tensor.name in types:
                 raise SpecconvError(f"{path.name}: tensor {tensor.name} appears in two shards")
             types[tensor.name] = tensor.tensor_type
             sizes[tensor.name] = tensor.n_bytes
-    if len(paths) > 1 and declared_total is not None and int(declared_total) != len(types):
+    declared_total = _split_int(declared_total, gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, paths[0], None)
+    if len(paths) > 1 and declared_total is not None and declared_total != len(types):
         raise SpecconvError(
             f"{paths[0].name}: split.tensors.count is {declared_total} but the shards hold {len(types)} tensors"
         )

@@ -1,0 +1,293 @@
+"""Fuzz every command that opens GGUF files with mutated copies of valid files of every family.
+
+    python3 tools/fuzz_gguf.py --seeds fuzz-seeds --cases 100000 --json fuzz.json   # long run
+    python3 tools/fuzz_gguf.py --seeds DIR --families qwen35-embed --cases 200     # a quick look
+
+Each case mutates one file of a seed (tools/fuzz_seeds.py: the model, or the head of a pair) with
+tools/fuzz_mutate.py and runs it, in a child process forked from a parent that imported everything
+once, under a memory cap (RLIMIT_AS) and a per-case time limit:
+* the runtime pipeline, what `specconv generate` / `verify` do: open (GGUFModelFile) -> hparams
+  (`validate.read_hparams`) -> load (`load_model`, which validates; for a pair the head is loaded
+  next to the target) -> tokenizer (build, encode, decode) -> decode (2 tokens, plain or speculative
+  with the seed's drafter);
+* the tools: `inspect`'s summary, `mtp extract` (or `merge` for a sidecar pair) planned and
+  written, `upload --dry-run`'s plan.
+Outcomes: ok (ran), clear (a one-line SpecconvError), internal (any other exception, or the
+child died), hang (killed at the time limit), memory (MemoryError / allocator failure). The report
+counts them per family and lists each distinct internal error with a case that reproduces it
+(`--case N` reruns one and prints its traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+OUTCOMES = ("ok", "clear", "internal", "hang", "memory")
+PROMPT = "def f(x):\n    return x + 1"
+
+
+def _classify(exc: BaseException, names: list[str]) -> tuple[str, str]:
+    from specconv.archs.errors import SpecconvError
+
+    msg = str(exc)
+    if isinstance(exc, MemoryError) or ("allocate" in msg and isinstance(exc, RuntimeError)):
+        return "memory", f"{type(exc).__name__}: {msg[:200]}"
+    if isinstance(exc, SpecconvError):
+        if "\n" in msg or not msg:
+            return "internal", f"multi-line SpecconvError: {msg[:200]!r}"
+        return "clear", msg
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb[-3:]))
+    return "internal", f"{type(exc).__name__}: {msg.splitlines()[0][:160] if msg else ''} [{where}]"
+
+
+def _pipeline(kind: str, paths: list[Path]) -> None:
+    from specconv.runtime import validate
+    from specconv.runtime.generate import generate
+    from specconv.runtime.gguf_file import GGUFModelFile
+    from specconv.runtime.graphs import graph_module
+    from specconv.runtime.model import load_model
+    from specconv.runtime.speculative import SpecConfig, build_drafter, speculative_generate
+
+    for p in paths:
+        f = GGUFModelFile(p)
+        validate.read_hparams(f, graph_module(f.arch))
+    target = load_model(paths[0], device="cpu")
+    tok = target.tokenizer
+    ids = tok.encode(PROMPT) or [0]
+    tok.decode(ids)
+    ids = [i for i in ids if i < target.n_vocab] or [0]
+    if kind == "plain":
+        generate(target, ids, 2)
+        return
+    head = paths[1] if len(paths) > 1 else None
+    drafter_kind = {"mtp": "mtp", "eagle3": "eagle3", "assistant": "draft"}[kind]
+    drafter = build_drafter(drafter_kind, target, len(ids) + 8, 2, mtp_path=head if kind == "mtp" else None,
+                            draft_path=head if kind != "mtp" else None)
+    speculative_generate(target, drafter, ids, 2, SpecConfig(draft_max=2))
+
+
+def _tools(kind: str, paths: list[Path], out_dir: Path) -> None:
+    from specconv.archs.gguf_reader import open_gguf
+    from specconv.convert.gguf_summary import summarize
+    from specconv.convert.mtp_graft import plan_extract, plan_merge, write_plan
+    from specconv.errors import SpecconvError
+    from specconv.hub.plan import build_plan
+
+    for p in paths:
+        summarize(p)
+    files = [open_gguf(p) for p in paths]
+    try:
+        if kind == "mtp" and len(files) == 2:
+            plan = plan_merge(files[0], files[1])
+        else:
+            plan = plan_extract(files[-1])
+        write_plan(plan, out_dir / "out" / "written.gguf", inputs=files)
+    except SpecconvError as exc:
+        if "no MTP" not in str(exc) and "MTP" not in str(exc):
+            raise
+    build_plan(paths[-1].parent, repo_id="fuzz/fuzz", max_file_size=256 << 10)
+
+
+def _child(stage_fn, args, names, result_path: Path, mem_bytes: int) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+    try:
+        stage_fn(*args)
+        outcome = ("ok", "")
+    except BaseException as exc:  # noqa: BLE001 - classification is the point
+        outcome = _classify(exc, names)
+    result_path.write_text(json.dumps(outcome))
+
+
+def run_isolated(stage_fn, args, names, work: Path, time_limit: float, mem_bytes: int) -> tuple[str, str]:
+    """stage_fn(*args) in a forked child: (outcome, message)."""
+    result = work / f"result-{stage_fn.__name__}.json"
+    result.unlink(missing_ok=True)
+    sys.stdout.flush(), sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setpgid(0, 0)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1), os.dup2(devnull, 2)
+            _child(stage_fn, args, names, result, mem_bytes)
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + time_limit
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "hang", f"over {time_limit:g} s"
+        time.sleep(0.002)
+    if os.WIFSIGNALED(status):
+        return "internal", f"child killed by signal {os.WTERMSIG(status)}"
+    if not result.exists():
+        return "internal", "child died without a result"
+    outcome, message = json.loads(result.read_text())
+    return outcome, message
+
+
+def _prepare_imports() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import specconv.convert.gguf_summary  # noqa: F401
+    import specconv.convert.mtp_graft  # noqa: F401
+    import specconv.hub.plan  # noqa: F401
+    import specconv.runtime.drafters  # noqa: F401
+    import specconv.runtime.generate  # noqa: F401
+    import specconv.runtime.model  # noqa: F401
+    import specconv.runtime.speculative  # noqa: F401
+    from specconv.runtime import graphs
+
+    for arch in graphs.GRAPHS:
+        graphs.graph_module(arch)
+    _wire_validation()
+
+
+def _wire_validation() -> None:
+    """Until Model.__init__ calls validate_model itself, call it where it will: on the needed tensors."""
+    import inspect
+
+    from specconv.runtime import model, validate
+
+    if "validate_model" in inspect.getsource(model):
+        return
+    original = model.Model._needed
+
+    def _needed(self):
+        needed = original(self)
+        validate.validate_model(self.file, self.graph, self.hparams, needed)
+        return needed
+
+    model.Model._needed = _needed
+
+
+def case_plan(seeds: dict, families: list[str], base_seed: int, i: int):
+    """(family, kind, index of the mutated file, rng) of case i."""
+    rng = random.Random(base_seed * 1_000_003 + i)
+    family = families[i % len(families)]
+    kind, paths = seeds[family]
+    which = len(paths) - 1 if len(paths) > 1 and rng.random() < 0.7 else 0
+    return family, kind, paths, which, rng
+
+
+def run(args) -> dict:
+    from fuzz_mutate import Doc, mutate
+    from fuzz_seeds import SEEDS, build_seeds
+
+    families = args.families.split(",") if args.families else list(SEEDS)
+    seeds = build_seeds(args.seeds, families)
+    _prepare_imports()
+    docs = {p: Doc.parse(p) for _, paths in seeds.values() for p in paths}
+    counts = {stage: {f: collections.Counter() for f in families} for stage in ("runtime", "tools")}
+    internal: dict[str, dict] = {}
+    root = Path(tempfile.mkdtemp(prefix="specconv-fuzz-"))
+    mem = args.mem_mb << 20
+    start = time.monotonic()
+    cases = [args.case] if args.case is not None else range(args.start, args.start + args.cases)
+    try:
+        for n, i in enumerate(cases):
+            family, kind, paths, which, rng = case_plan(seeds, families, args.seed, i)
+            work = root / "case"
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir()
+            data, note = mutate(docs[paths[which]], rng)
+            local = []
+            for j, p in enumerate(paths):
+                dst = work / p.name
+                dst.write_bytes(data) if j == which else os.link(p, dst)
+                local.append(dst)
+            names = [p.name for p in local]
+            if args.case is not None:
+                _debug(kind, local, work)
+            for stage, fn, fargs in (("runtime", _pipeline, (kind, local)), ("tools", _tools, (kind, local, work))):
+                if stage == "tools" and i % args.tools_every:
+                    continue
+                outcome, message = run_isolated(fn, fargs, names, work, args.time_limit, mem)
+                counts[stage][family][outcome] += 1
+                if outcome not in ("ok", "clear"):
+                    key = f"{stage}: {outcome}: {message}"
+                    entry = internal.setdefault(key, {"count": 0, "case": i, "family": family, "mutation": note})
+                    entry["count"] += 1
+                    if args.keep and entry["count"] == 1:
+                        shutil.copytree(work, Path(args.keep) / f"case-{i}", dirs_exist_ok=True)
+            if args.progress and (n + 1) % args.progress == 0:
+                print(f"{n + 1} cases, {time.monotonic() - start:.0f} s: {_totals(counts)}", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"cases": len(cases), "seconds": round(time.monotonic() - start, 1), "seed": args.seed,
+            "time_limit_s": args.time_limit, "memory_cap_mb": args.mem_mb, "totals": _totals(counts),
+            "by_family": {s: {f: dict(c) for f, c in per.items()} for s, per in counts.items()},
+            "problems": dict(sorted(internal.items(), key=lambda kv: -kv[1]["count"]))}
+
+
+def _totals(counts) -> dict:
+    out = {}
+    for stage, per in counts.items():
+        total = collections.Counter()
+        for c in per.values():
+            total.update(c)
+        out[stage] = {o: total.get(o, 0) for o in OUTCOMES}
+    return out
+
+
+def _debug(kind, paths, work) -> None:
+    """--case N: run in-process and print the traceback."""
+    for fn, fargs in ((_pipeline, (kind, paths)), (_tools, (kind, paths, work))):
+        try:
+            fn(*fargs)
+            print(fn.__name__, "ok")
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", default=str(ROOT / "fuzz-seeds"), help="folder of seed files (built when missing)")
+    ap.add_argument("--families", default=None, help="comma-separated seed names (default: all)")
+    ap.add_argument("--cases", type=int, default=1000)
+    ap.add_argument("--start", type=int, default=0, help="first case number (to continue a run)")
+    ap.add_argument("--case", type=int, default=None, help="rerun one case in-process with its traceback")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per case and stage")
+    ap.add_argument("--mem-mb", type=int, default=4096, help="address-space cap of each case (RLIMIT_AS)")
+    ap.add_argument("--tools-every", type=int, default=1, help="run the tool stage on every k-th case")
+    ap.add_argument("--keep", default=None, help="copy the files of each distinct problem here")
+    ap.add_argument("--progress", type=int, default=0, help="print totals every N cases")
+    ap.add_argument("--json", default=None, help="write the report here")
+    args = ap.parse_args(argv)
+    report = run(args)
+    text = json.dumps(report, indent=1)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(json.dumps({"cases": report["cases"], "seconds": report["seconds"], "totals": report["totals"]}))
+    for key, entry in list(report["problems"].items())[:30]:
+        print(f"{entry['count']:6d}  case {entry['case']} ({entry['family']}, {entry['mutation'][:80]}): {key}")
+    bad = sum(v for stage in report["totals"].values() for o, v in stage.items() if o not in ("ok", "clear"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

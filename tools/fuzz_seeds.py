@@ -1,0 +1,107 @@
+"""Valid tiny GGUF files of every family the project writes: the seeds `tools/fuzz_gguf.py` mutates.
+
+Built as the tests build them (tests/fixtures: re-randomised transformers models, `specconv convert`
+in-process), once per folder: a later call with the same folder reuses what is there. Each seed is
+a case kind plus its files; the first file is the one the harness runs as the model, a second is
+the head run next to it (an MTP sidecar, an EAGLE-3 head, the Gemma 4 assistant).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# seed name -> (how the harness runs it, files in order: model first, then the head)
+SEEDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qwen35-embed": ("mtp", ("qwen35-embed.gguf",)),
+    "qwen35-sidecar": ("mtp", ("qwen35-trunk.gguf", "mtp-qwen35-trunk.gguf")),
+    "qwen35moe-embed": ("mtp", ("qwen35moe-embed.gguf",)),
+    "glm4moe-embed": ("mtp", ("glm4moe-embed.gguf",)),
+    "deepseek2-embed": ("mtp", ("deepseek2-embed.gguf",)),
+    "gemma4": ("plain", ("gemma4.gguf",)),
+    "gemma4moe": ("plain", ("gemma4moe.gguf",)),
+    "gemma4-assistant": ("assistant", ("gemma4.gguf", "gemma4-assistant.gguf")),
+    "llama": ("plain", ("llama.gguf",)),
+    "eagle3": ("eagle3", ("llama.gguf", "eagle3.gguf")),
+}
+QUICK = ("qwen35-embed", "qwen35-sidecar")  # what the CI smoke run builds (seconds)
+
+
+def _convert(src: Path, out: Path, *extra: str) -> Path:
+    from click.testing import CliRunner
+
+    from specconv import cli
+
+    args = ["convert", str(src), "-o", str(out), "--outtype", "f32", *extra]
+    result = CliRunner().invoke(cli.cli, args, catch_exceptions=False)
+    if result.exit_code != 0:
+        raise RuntimeError(f"specconv {' '.join(args)} failed:\n{result.output}")
+    return out
+
+
+def _build(name: str, folder: Path) -> None:
+    hf = folder / "hf"
+    if name in ("qwen35-embed", "qwen35-sidecar", "qwen35moe-embed"):
+        from tests.fixtures.tiny_qwen35 import build_qwen35
+
+        moe = name.startswith("qwen35moe")
+        src = build_qwen35(hf / name, moe=moe)
+        if name == "qwen35-sidecar":
+            _convert(src, folder / "qwen35-trunk.gguf", "--mtp", "separate")
+        else:
+            _convert(src, folder / f"{name}.gguf", "--mtp", "embed")
+    elif name in ("glm4moe-embed", "deepseek2-embed"):
+        from tests.fixtures.tiny_glm_deepseek import build_tiny
+
+        family = name.split("-")[0]
+        src = build_tiny(hf / family, family, **({"yarn": True} if family == "deepseek2" else {}))
+        _convert(src, folder / f"{name}.gguf", "--mtp", "embed")
+    elif name == "gemma4moe":
+        from tests.fixtures import tiny_gemma4 as g
+
+        moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+        _convert(g.tiny_gemma4("v5", **moe), folder / "gemma4moe.gguf")
+    elif name in ("gemma4", "gemma4-assistant"):
+        from tests.fixtures import tiny_gemma4 as g
+
+        if not (folder / "gemma4.gguf").exists():
+            _convert(g.tiny_gemma4("hub"), folder / "gemma4.gguf")
+        if name == "gemma4-assistant":
+            _convert(g.tiny_assistant("hub"), folder / "gemma4-assistant.gguf")
+    elif name in ("llama", "eagle3"):
+        from tests.fixtures.tiny_eagle3 import build_eagle3_head, build_llama_target
+
+        target = hf / "llama"
+        if not (target / "config.json").exists():
+            build_llama_target(target)
+        if not (folder / "llama.gguf").exists():
+            _convert(target, folder / "llama.gguf")
+        if name == "eagle3":
+            head = build_eagle3_head(hf / "eagle3", target, layer_ids=[1, 2, 4])
+            _convert(head, folder / "eagle3.gguf", "--target", str(target))
+    else:
+        raise ValueError(f"unknown seed {name!r}")
+
+
+def build_seeds(folder, names=None) -> dict[str, tuple[str, list[Path]]]:
+    """{seed name: (kind, [paths])}, building what the folder lacks."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # tests.fixtures
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name in names or SEEDS:
+        kind, files = SEEDS[name]
+        paths = [folder / f for f in files]
+        if not all(p.exists() for p in paths):
+            _build(name, folder)
+        out[name] = (kind, paths)
+    return out
+
+
+if __name__ == "__main__":
+    seeds = build_seeds(sys.argv[1] if len(sys.argv) > 1 else "fuzz-seeds")
+    print(json.dumps({k: [v[0], [str(p) for p in v[1]]] for k, v in seeds.items()}, indent=1))
