@@ -172,12 +172,12 @@ def measure_speedup(target: Model, result: GenerationResult, temperature: float 
     return {"plain": plain, "speedup": spec["speedup"]}
 
 
-SPEC_KINDS = ("mtp", "draft", "eagle3", "ngram")
+SPEC_KINDS = ("mtp", "draft", "eagle3", "dflash", "ngram")
 
 
 def build_drafter(kind: str, target: Model, n_ctx: int, draft_max: int, mtp_path=None, draft_path=None) -> Drafter:
     """A drafter by name: "mtp" (the target's embedded head or an --mtp sidecar), "draft" (a --draft GGUF),
-    "eagle3" (an EAGLE-3 head given as --draft), "ngram" (prompt lookup)."""
+    "eagle3" (an EAGLE-3 head given as --draft), "dflash" (a DFlash drafter given as --draft), "ngram" (prompt lookup)."""
     from specconv.runtime.drafters import DraftModelDrafter, MtpDrafter, NgramDrafter
     from specconv.runtime.model import load_model
 
@@ -194,6 +194,13 @@ def build_drafter(kind: str, target: Model, n_ctx: int, draft_max: int, mtp_path
             raise SpecconvError("--spec eagle3 needs --draft EAGLE3_HEAD.gguf")
         head = load_model(draft_path, device=target.device, dtype=target.dtype, share_from=target)
         return Eagle3Drafter(head, target, n_ctx)
+    if kind == "dflash":
+        from specconv.runtime.drafters.dflash import DFlashDrafter
+
+        if not draft_path:
+            raise SpecconvError("--spec dflash needs --draft DFLASH.gguf")
+        head = load_model(draft_path, device=target.device, dtype=target.dtype, share_from=target)
+        return DFlashDrafter(head, target, n_ctx, draft_max)
     if kind == "draft":
         if not draft_path:
             raise SpecconvError("--spec draft needs --draft D.gguf")

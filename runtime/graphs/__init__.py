@@ -25,6 +25,7 @@ GRAPHS: dict[str, str] = {
     "gemma4-assistant": "gemma4_assistant",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3",
+    "dflash": "dflash",
     "hy_v3": "hy_v3",
 }
 

@@ -54,7 +54,7 @@ def prompt_ids(model, prompt: str | None, tokens: str | None) -> list[int]:
                    "parameters x dtype size).")
 @click.option("--stop-at-eos", is_flag=True, help="Stop at the end-of-generation token.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object (tokens, text, seconds, ...).")
-@click.option("--spec", type=click.Choice(["mtp", "draft", "eagle3", "ngram", "none"]), default="none", show_default=True,
+@click.option("--spec", type=click.Choice(["mtp", "draft", "eagle3", "dflash", "ngram", "none"]), default="none", show_default=True,
               help="Speculative decoding with this drafter.")
 @click.option("--draft-max", default=3, show_default=True, type=click.IntRange(min=0), help="Draft tokens per round.")
 @click.option("--draft-min", default=0, show_default=True, type=click.IntRange(min=0),
@@ -64,7 +64,8 @@ def prompt_ids(model, prompt: str | None, tokens: str | None) -> list[int]:
 @click.option("--mtp", "mtp_path", default=None, type=click.Path(exists=True, dir_okay=False),
               help="MTP sidecar for --spec mtp (default: the model's own head).")
 @click.option("--draft", "draft_path", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="Draft model GGUF for --spec draft, or the EAGLE-3 head for --spec eagle3.")
+              help="Draft model GGUF for --spec draft, the EAGLE-3 head for --spec eagle3, or the DFlash drafter for "
+                   "--spec dflash (--draft-max is capped at its block size - 1).")
 @click.option("--rollback", type=click.Choice(["snapshot", "checkpoint"]), default="snapshot", show_default=True)
 @click.option("--no-baseline", is_flag=True, help="With --spec: skip the plain run that measures the speed-up.")
 def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dtype, offload, weights_mode, stop_at_eos,
@@ -112,8 +113,8 @@ def _speculative(model, ids, n_predict, spec, temperature, seed, stop_at_eos, dr
     from specconv.runtime.generate import generate
     from specconv.runtime.speculative import SpecConfig, build_drafter, measure_speedup, speculative_generate
 
-    if mtp_path and spec != "mtp" or draft_path and spec not in ("draft", "eagle3"):
-        raise SpecconvError("--mtp goes with --spec mtp, --draft with --spec draft or --spec eagle3")
+    if mtp_path and spec != "mtp" or draft_path and spec not in ("draft", "eagle3", "dflash"):
+        raise SpecconvError("--mtp goes with --spec mtp, --draft with --spec draft, eagle3 or dflash")
     n_ctx = len(ids) + n_predict + draft_max + 2
     drafter = build_drafter(spec, model, n_ctx, draft_max, mtp_path=mtp_path, draft_path=draft_path)
     cfg = SpecConfig(draft_max=draft_max, draft_min=draft_min, p_min=p_min, temperature=temperature, seed=seed,
