@@ -143,7 +143,7 @@ def test_inspect_shows_layers_and_convention(built):
     res = CliRunner().invoke(cli.cli, ["inspect", str(files["eagle_config"]), "--json"])
     e3 = json.loads(res.output)["eagle3"]
     assert e3["target_layers"] == [2, 5, 7] and e3["convention"].startswith("layer inputs")
-    text = CliRunner().invoke(cli.cli, ["inspect", str(files["eagle_config"])]).output
+    text = " ".join(CliRunner().invoke(cli.cli, ["inspect", str(files["eagle_config"])]).output.split())  # unwrapped
     assert "reads target layers [2, 5, 7]" in text and "layer inputs" in text
 
 
