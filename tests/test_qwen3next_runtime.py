@@ -1,0 +1,174 @@
+"""specconv's runtime on converted tiny Qwen3-Next files (qwen3next graph).
+
+* MAIN logits (batch; cached prefill + decode; recurrent and chunked delta rule) equal transformers'
+  forward and llama.cpp on the same file; greedy tokens equal transformers' generate;
+* the MTP head equals transformers' MtpModel on llama.cpp's rows and on transformers' rows, from the
+  embedded file and from the mtp- sidecar; its greedy draft chain equals llama.cpp's;
+* snapshot rollback of the Gated DeltaNet state after a verification batch (any number of accepted
+  drafts) equals a fresh evaluation of the committed tokens, and greedy speculative decoding with
+  the MTP drafter (snapshot and checkpoint rollback) returns plain greedy decoding;
+* `specconv verify --hf` passes and fails on a file whose MTP head was perturbed; `inspect` names it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from specconv.runtime import Context, GraphType, load_model
+from specconv.runtime.drafters import MtpDrafter
+from specconv.runtime.generate import generate
+from specconv.runtime.speculative import SpecConfig, speculative_generate
+from tests.fixtures import tiny_qwen3next as tiny
+from tests.fixtures.hf_reference import llamacpp_mtp_rows
+
+torch.set_num_threads(1)
+N = tiny.N_LAYERS
+IDS = [int(x) for x in np.random.default_rng(3).integers(0, tiny.VOCAB - 3, 32)]
+
+
+@pytest.fixture(scope="module")
+def conv(tmp_path_factory):
+    return tiny.converted(tmp_path_factory.mktemp("q3nrt"))
+
+
+def test_main_logits_equal_transformers_and_llamacpp(conv, llama_peer):
+    """Tiny random Gated DeltaNet layers amplify float32 rounding (docs/testing.md, "Noise floor"):
+    each path is compared with the same path of transformers (batched prompt; cached one-token steps),
+    95 % of the positions within 1e-4 and the worst within max(1e-4, 2 x transformers' own batched-vs-
+    cached difference) (tests/test_runtime_common.py `parity`)."""
+    from tests.test_runtime_common import max_abs, parity
+
+    src, files = conv
+    ref, ref_h = tiny.hf_trunk(src, IDS)
+    ref_steps = tiny.hf_logits_token_by_token(src, IDS)
+    noise = max_abs(ref, ref_steps)
+    model = load_model(files["embed"], device="cpu")
+    measured = {}
+    for mode in ("auto", "recurrent", "chunked"):
+        out = Context(model, GraphType.MAIN, n_ctx=64, gdn_mode=mode).decode(IDS)
+        measured[mode] = parity(out.logits, ref, noise)
+    measured["hidden"] = parity(out.hidden["post_norm"], ref_h, noise)
+    ctx = Context(model, GraphType.MAIN, n_ctx=64)
+    steps = torch.cat([ctx.decode([t]).logits for t in IDS])
+    measured["token-by-token"] = parity(steps, ref_steps, noise)
+    ctx.clear()
+    cached = torch.cat([ctx.decode(IDS[:13]).logits] + [ctx.decode([t]).logits for t in IDS[13:]])
+    measured["prefill+decode"] = parity(cached, np.concatenate([ref[:13], ref_steps[13:]]), noise)
+    measured["llama.cpp, same file"] = parity(llama_peer.llama_logits(files["embed"], IDS), out.logits, noise)
+    print("qwen3next runtime MAIN vs transformers (max, p95 |Δlogit|): "
+          + ", ".join(f"{k} {m:.3g}/{p:.3g}" for k, (m, p) in measured.items())
+          + f"; transformers batched vs cached {noise:.3g}")
+    assert model.serves == {GraphType.MAIN, GraphType.MTP}
+    for prompt in (IDS[:1], IDS[:12]):
+        assert generate(model, prompt, 12).tokens == tiny.hf_greedy(src, prompt, 12)
+
+
+def test_mtp_logits_equal_mtpmodel(conv):
+    src, files = conv
+    _, h = tiny.hf_trunk(src, IDS)
+    ref = tiny.hf_mtp_llamacpp_rows(src, IDS, h)
+    tok_t, pos_t = IDS[1:], list(range(1, len(IDS)))  # transformers' rows (x_{t+1}, h_t) at t+1
+    ref_t = tiny.hf_mtp_forward(src, tok_t, h[:-1], pos_t)[0]
+    trunk = load_model(files["none"], device="cpu")
+    heads = {"embedded": load_model(files["embed"], device="cpu"),
+             "sidecar": load_model(files["only"], device="cpu", share_from=trunk)}
+    assert heads["sidecar"].serves == {GraphType.MTP} and trunk.serves == {GraphType.MAIN}
+    t, rows, pos = llamacpp_mtp_rows(IDS, h)
+    for kind, head in heads.items():
+        got = Context(head, GraphType.MTP, n_ctx=64).decode(t, pos, hidden_in=torch.tensor(rows)).logits.numpy()
+        got_t = Context(head, GraphType.MTP, n_ctx=64).decode(tok_t, pos_t, hidden_in=torch.tensor(h[:-1]))
+        d1, d2 = float(np.abs(got - ref).max()), float(np.abs(got_t.logits.numpy() - ref_t).max())
+        print(f"qwen3next runtime MTP ({kind}) vs MtpModel: max |Δlogit| {d1:.3g} (llama.cpp rows), "
+              f"{d2:.3g} (transformers rows)")
+        assert d1 < 1e-4 and d2 < 1e-4
+
+
+def test_snapshot_rollback_equals_fresh_evaluation(conv):
+    """Prompt, then a verification batch of 1 + 3 tokens; keeping j + 1 of them is an index change in
+    the snapshot ring. Every Gated DeltaNet layer's state and the next logits equal a fresh evaluation."""
+    _, files = conv
+    model = load_model(files["none"], device="cpu")
+    prompt, batch = IDS[:20], IDS[20:24]
+    worst_state = worst_logit = 0.0
+    for j in range(4):
+        ctx = Context(model, GraphType.MAIN, n_ctx=64, n_rs_seq=4)
+        ctx.decode(prompt)
+        ctx.decode(batch)
+        assert ctx.seq_rm(0, len(prompt) + j + 1)
+        ref = Context(model, GraphType.MAIN, n_ctx=64, n_rs_seq=4)
+        ref.decode(prompt + batch[:j + 1])
+        for layer in (0, 1, 2):
+            for a, b in zip(ctx.recurrent_state(0, layer), ref.recurrent_state(0, layer)):
+                worst_state = max(worst_state, float((a - b).abs().max()))
+        nxt = [IDS[25]]
+        worst_logit = max(worst_logit, float((ctx.decode(nxt).logits - ref.decode(nxt).logits).abs().max()))
+    print(f"qwen3next snapshot rollback (keep 1..4 of 4): max |Δstate| {worst_state:.3g}, "
+          f"next-token max |Δlogit| {worst_logit:.3g}")
+    assert worst_state < 1e-5 and worst_logit < 1e-4
+
+
+def test_mtp_draft_chain_and_speculative_decoding(conv, llama_peer):
+    _, files = conv
+    prompt = IDS[:20]
+    id_last, drafts, _ = llama_peer.llama_mtp_draft(files["none"], prompt, 4, files["only"])
+    target = load_model(files["none"], device="cpu")
+    head = load_model(files["only"], device="cpu", share_from=target)
+    out = Context(target, GraphType.MAIN, n_ctx=64).decode(prompt)
+    assert int(out.logits[-1].argmax()) == id_last
+    drafter = MtpDrafter(head, 64, target)
+    drafter.start(prompt, out.hidden["post_norm"])
+    ours = drafter.draft(id_last, 4).tokens
+    print(f"qwen3next MTP draft chain: ours {ours}, llama.cpp {drafts}")
+    assert ours == drafts
+    embedded = load_model(files["embed"], device="cpu")
+    for prompt in (IDS[:1], IDS[:12], [5, 17, 42, 99, 3, 5, 17, 42, 99, 3, 5, 17]):
+        plain = generate(target, prompt, 16).tokens
+        for rollback in ("snapshot", "checkpoint"):
+            for tgt, hd in ((target, head), (embedded, embedded)):
+                res = speculative_generate(tgt, MtpDrafter(hd, 64, tgt), prompt, 16,
+                                           SpecConfig(draft_max=3, rollback=rollback))
+                assert res.tokens == plain, (rollback, prompt)
+
+
+def _verify(args, tmp_path):
+    from click.testing import CliRunner
+
+    from specconv import cli as cli_module
+
+    report = tmp_path / "report.json"
+    result = CliRunner().invoke(cli_module.cli, ["verify", *map(str, args), "-n", "6", "--draft-max", "2",
+                                                 "--device", "cpu", "--json", str(report)])
+    return result.exit_code, json.loads(report.read_text()) if report.exists() else None, result.output
+
+
+def test_verify_and_inspect(conv, tmp_path):
+    from click.testing import CliRunner
+    from gguf import GGUFReader
+
+    from specconv import cli as cli_module
+
+    src, files = conv
+    for args in ([files["embed"]], [files["none"], "--mtp", files["only"]]):
+        code, report, out = _verify([*args, "--hf", src], tmp_path)
+        assert code == 0 and report["passed"], out
+        assert any("MTP" in c["name"] for c in report["checks"])
+        print(f"qwen3next verify {' '.join(str(a).split('/')[-1] for a in args)}: passed; max |Δlogit| "
+              f"{report['parity']['max_abs_logit_diff']:.3g}")
+    bad = shutil.copy(files["only"], tmp_path / "mtp-bad.gguf")
+    reader = GGUFReader(bad, "r+")
+    t = next(t for t in reader.tensors if t.name == f"blk.{N}.nextn.eh_proj.weight")
+    t.data[...] = np.array(t.data) * np.float32(1.5)  # the MTP head's input projection, scaled
+    reader.data.flush()
+    code, report, out = _verify([files["none"], "--mtp", bad, "--hf", src], tmp_path)
+    failed = [c["name"] for c in report["checks"] if not c["passed"]]
+    print(f"qwen3next verify with a perturbed nextn.eh_proj: exit {code}, failed {failed}")
+    assert code != 0 and not report["passed"] and failed and all("MTP" in n for n in failed)
+    for name, serves in (("embed", ["main", "mtp"]), ("only", ["mtp"])):
+        result = CliRunner().invoke(cli_module.cli, ["inspect", str(files[name]), "--json"])
+        info = json.loads(result.output)
+        assert info["arch"] == "qwen3next" and sorted(info["serves"]) == serves, info["serves"]
