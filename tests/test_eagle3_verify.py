@@ -137,3 +137,14 @@ def test_target_with_a_head_beyond_it_is_one_line(llama):
     message = str(res.exception)
     assert res.exit_code != 0 and "reads target layer 9, but the target has 8 layers" in message
     assert "\n" not in message.strip()
+
+
+def test_draft_hf_needs_hf_and_an_eagle3_draft(llama):
+    _, dirs, files = llama
+    cases = (([files["target"], "--draft", files["head"], "--draft-hf", dirs["head"]],
+              "needs --draft HEAD.gguf and --hf"),
+             ([files["target"], "--draft", files["target"], "--hf", dirs["target"], "--draft-hf", dirs["head"]],
+              "--draft-hf is for an EAGLE-3 head"))
+    for args, needle in cases:
+        res = CliRunner().invoke(cli.cli, ["verify", *map(str, args), "--device", "cpu"])
+        assert res.exit_code != 0 and needle in str(res.exception) and "\n" not in str(res.exception).strip()
