@@ -187,3 +187,26 @@ def test_release_scale_headers():
     assert plans["blk.0.attn_gate.weight"] == (32 * 128, 2048) and plans["blk.0.ssm_ba.weight"] == (64, 2048)
     assert plans["blk.48.ffn_gate_exps.weight"] == (512, 512, 2048) and "blk.48.nextn.eh_proj.weight" in plans
     print(f"Qwen3-Next-80B-A3B headers: {len(plans)} GGUF tensors from {len(tensors)} checkpoint tensors")
+
+
+def test_bf16_checkpoint_streams_bit_exact(conv, tmp_path):
+    """A BF16 checkpoint (as the release) converted to bf16: the fused-projection split runs on the raw
+    BF16 values (a layout-only transform), so every matrix equals llama.cpp's converter bit for bit."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "bf16"
+    shutil.copytree(conv[0], src)
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(src / "model.safetensors"),
+              metadata={"format": "pt"})
+    ours = open_gguf(convert_gguf(src, tmp_path / "ours.gguf", outtype="bf16", mtp="embed"))
+    up = open_gguf(convert_gguf_upstream(src, tmp_path / "up.gguf", outtype="bf16", pre="qwen2"))
+    assert list(up.tensors) == list(ours.tensors)
+    same = [n for n in up.tensors if np.array_equal(up.tensors[n].raw(), ours.tensors[n].raw())]
+    differ = sorted(set(up.tensors) - set(same))
+    assert all(n.endswith("ssm_a") for n in differ), differ  # -exp: ours correctly rounded
+    assert ours.tensors["blk.0.attn_qkv.weight"].ggml_type.name == "BF16"
+    print(f"qwen3next bf16 checkpoint: {len(same)} of {len(up.tensors)} tensors byte-identical to llama.cpp's "
+          f"converter (differing: {differ})")
