@@ -89,3 +89,22 @@ def test_reference_dtype_and_tolerance_follow_the_compute_dtype(llama, dtype, re
     bad, checks = run(swapped)
     print(f"{dtype}, blk.0/1 ffn_up swapped: relative RMS {bad.parity['trunk_rel_rms']:.3f}")
     assert not checks["parity: trunk logits vs transformers"].passed
+
+
+def test_offloaded_reference_with_an_mtp_head():
+    """Qwen3.5 with its MTP head: transformers' MtpModel built on the offloaded trunk gives the same parity."""
+    from pathlib import Path
+
+    from tests import speculative_models
+
+    def run(max_memory):
+        return run_verify(VerifyOptions(model=Path(speculative_models.gguf("embedded")),
+                                        hf=Path(speculative_models.checkpoint()), prompts=["def f(x):\n    return x"],
+                                        n_predict=2, draft_max=1, device="cpu", hf_max_memory=max_memory))
+
+    free, offloaded = run(None), run({"cpu": 300_000})
+    detail = next(c.detail for c in offloaded.checks if c.name == "parity: transformers reference loads")
+    print(f"\nQwen3.5 + MTP, offloaded reference: {detail}; trunk {offloaded.parity['trunk']:.2e}, "
+          f"MTP {offloaded.parity['mtp']:.2e}")
+    assert offloaded.passed and "disk" in detail
+    assert (offloaded.parity["trunk"], offloaded.parity["mtp"]) == (free.parity["trunk"], free.parity["mtp"])
