@@ -63,6 +63,10 @@ def test_main_logits_equal_transformers_and_llamacpp(conv, llama_peer):
     print("qwen3next runtime MAIN vs transformers (max, p95 |Δlogit|): "
           + ", ".join(f"{k} {m:.3g}/{p:.3g}" for k, (m, p) in measured.items())
           + f"; transformers batched vs cached {noise:.3g}")
+    ids2 = [int(x) for x in np.random.default_rng(11).integers(0, tiny.VOCAB - 3, 32)]  # test_qwen3next's prompt
+    d2 = max_abs(Context(model, GraphType.MAIN, n_ctx=64).decode(ids2).logits, tiny.hf_trunk(src, ids2)[0])
+    print(f"qwen3next runtime MAIN vs transformers on a second prompt: max |Δlogit| {d2:.3g}")
+    assert d2 < 1e-4
     assert model.serves == {GraphType.MAIN, GraphType.MTP}
     for prompt in (IDS[:1], IDS[:12]):
         assert generate(model, prompt, 12).tokens == tiny.hf_greedy(src, prompt, 12)
