@@ -110,7 +110,7 @@ def test_runtime_every_block_equals_transformers(root, family):
 
 def _chain_check(ref, family, drafter, committed, hidden, id_last, k):
     draft = drafter.draft(id_last, k + 2)  # more than k asked: llama.cpp caps the draft at k
-    want, want_logits = ref.chain(committed, hidden, id_last, k, tiny.FAMILIES[family]["chain"])
+    want, want_logits = ref.chain(committed, hidden, id_last, k, tiny.FAMILIES[family].chain)
     got = torch.stack(drafter.last_draft_logits).numpy()
     return draft.tokens, want, float(np.abs(got - want_logits).max())
 
