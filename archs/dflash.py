@@ -108,6 +108,11 @@ class DFlash(ArchPlugin):
             model_type = text_config(target_config).get("model_type") or target_config.get("model_type")
             return _PRE_BY_MODEL_TYPE.get(model_type, "default")
 
+    def _target_uses_mrope(self) -> bool:
+        tc = text_config(self.checkpoint.target_config or {})
+        rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
+        return isinstance(rope, Mapping) and "mrope_section" in rope
+
     # ------------------------------------------------------------------ naming
 
     @property
@@ -191,6 +196,8 @@ class DFlash(ArchPlugin):
         causal = cfg.get("is_causal", self.dcfg.get("causal"))
         if causal is not None:
             put(names.causal_key(arch), bool(causal), GGUFValueType.BOOL)
+        if self._target_uses_mrope():  # M-RoPE target (Qwen3.5): the draft ropes on the temporal section only
+            put(Keys.Rope.DIMENSION_SECTIONS, [self.hd // 2, 0, 0, 0], GGUFValueType.ARRAY, GGUFValueType.INT32)
         # upstream writes it after the tokenizer (set_vocab); the engine appends the tokenizer after these
         put(names.MASK_TOKEN_ID_KEY, self.mask_token_id, u32)
         return kv

@@ -83,6 +83,11 @@ class HParams:
                        if f"{arch}.{k}" in kv]
         if unsupported:
             raise SpecconvError(f"DFlash file with {arch}.{unsupported[0]}: this variant is not supported by the runtime")
+        sections = kv.get(f"{arch}.rope.dimension_sections")
+        n_rot = int(get("rope.dimension_count", head_dim))
+        if sections is not None and [int(x) for x in sections] != [n_rot // 2, 0, 0, 0]:
+            raise SpecconvError(f"{arch}.rope.dimension_sections {list(sections)}: only the temporal section "
+                                f"[{n_rot // 2}, 0, 0, 0] (drafts for M-RoPE targets) is supported")
         tokens = kv.get("tokenizer.ggml.tokens")
         return cls(arch=arch, n_layer=int(get("block_count")), n_embd=n_embd, n_head=n_head,
                    n_head_kv=int(get("attention.head_count_kv", n_head)), head_dim=head_dim,
