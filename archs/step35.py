@@ -1,0 +1,292 @@
+"""StepFun Step-3.5-Flash / Step-3.7-Flash (`Step3p5ForCausalLM`, `Step3p7ForConditionalGeneration`)
+-> GGUF arch `step35` (llama.cpp 0c1e570, src/models/step35.cpp).
+
+Full-attention and sliding-window layers with their own head counts (`attention_other_setting`),
+partial rotary on full layers (half the head) and full rotary on sliding ones, per-head q/k norms, a
+head-wise sigmoid attention gate (`g_proj`), leading dense layers then sigmoid-routed MoE (selection
+bias `moe.router_bias`) plus a shared expert, optional per-layer SwiGLU clamps, and k chained MTP
+blocks at `model.layers.{N..N+k-1}` (eh_proj / enorm / hnorm, a full decoder block, and the block's
+own `transformer.shared_head.{norm,output}`). Every RMSNorm is Gemma-style (1 + w): +1 is added.
+
+config.json is read as the release writes it (`num_attention_groups`, `moe_num_experts`, `moe_top_k`,
+`moe_layers_enum`, `rope_theta` / `partial_rotary_factors` lists of N+k entries, ...): transformers
+5.23's Step3p7TextConfig rewrites and truncates those fields, and llama.cpp's converter then fails
+(measured-notes). transformers' names are accepted as fallbacks. The vision tower of the 3.7 release
+is skipped with a reason.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, ClassVar, Mapping
+
+import numpy as np
+from gguf import GGUFValueType, Keys
+
+from . import names, register
+from . import transforms as tf
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, text_config
+from .errors import SpecconvError
+from .hy_v3 import _mtp_layer_count
+from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, text_model_name
+
+_TOWERS = ("vision_model.", "model.vision_model.", "vit_large_projector.", "model.multi_modal_projector.")
+FULL, SWA = "full_attention", "sliding_attention"
+
+
+def _squeeze_to(shape: tuple[int, ...], arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0].reshape(shape)
+
+
+def plus_one(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0] + np.float32(1.0)
+
+
+def _layer_list(cfg: Mapping[str, Any], key: str, n: int, default, what: str) -> list:
+    value = cfg.get(key)
+    if value is None:
+        return [default] * n
+    if not isinstance(value, list):
+        return [value] * n
+    if len(value) < n:  # a release may list only the trunk: the MTP blocks get the default (llama.cpp pads)
+        value = list(value) + [default] * (n - len(value))
+    return list(value[:n])
+
+
+@register
+class Step35(ArchPlugin):
+    hf_architectures = ("Step3p5ForCausalLM", "Step3p7ForConditionalGeneration")
+    family: ClassVar[str] = "step35"
+    tokenizer_model: ClassVar[str] = "gpt2"
+    tokenizer_pre: ClassVar[str] = "deepseek-v3"
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        tc = dict(text_config(checkpoint.config))
+        self.tc = tc
+
+        def req(*keys: str, default=None):
+            for key in keys:
+                if tc.get(key) is not None:
+                    return tc[key]
+            if default is None:
+                raise SpecconvError(f"config.json lacks '{keys[0]}', needed for a step35 model")
+            return default
+
+        self.n = int(req("num_hidden_layers"))
+        self.k = _mtp_layer_count(checkpoint, self.n)
+        configured = tc.get("num_nextn_predict_layers", tc.get("num_mtp_layers"))
+        if configured is not None and self.k and configured != self.k:
+            raise SpecconvError(f"config.json says num_nextn_predict_layers={configured}, but the checkpoint holds "
+                                f"{self.k} MTP layer(s) (model.layers.{self.n}..{self.n + self.k - 1})")
+        if configured and not self.k:
+            self.missing_mtp = (f"config.json says num_nextn_predict_layers={configured}, but the checkpoint holds no "
+                                f"model.layers.{self.n}.* tensors")
+        self.n_meta = int(configured or 0)  # llama.cpp sizes its per-layer arrays by N + the stated count
+        total = self.n + self.k
+        self.hidden, self.vocab = int(req("hidden_size")), int(req("vocab_size"))
+        self.head_dim = int(req("head_dim"))
+        self.ffn = int(req("intermediate_size"))
+        n_head = int(req("num_attention_heads"))
+        n_kv = int(req("num_attention_groups", "num_key_value_heads"))
+        other = tc.get("attention_other_setting") or {}
+        n_head_swa = int(other.get("num_attention_heads", tc.get("num_sliding_attention_heads") or n_head))
+        n_kv_swa = int(other.get("num_attention_groups", n_kv))
+        if int(other.get("head_dim", self.head_dim)) != self.head_dim:
+            raise SpecconvError("config.json: attention_other_setting.head_dim differs from head_dim "
+                                "(llama.cpp's step35 has one head size)")
+        self.layer_types = _layer_list(tc, "layer_types", total, FULL, "layer_types")
+        if set(self.layer_types) - {FULL, SWA}:
+            raise SpecconvError(f"config.json: layer_types may only hold {FULL} / {SWA}")
+        factors = _layer_list(tc, "partial_rotary_factors", total, None, "partial_rotary_factors")
+        for i, (t, f) in enumerate(zip(self.layer_types, factors)):
+            want = 1.0 if t == SWA else 0.5
+            if f is not None and float(f) != want:
+                raise SpecconvError(f"config.json: partial_rotary_factors[{i}] = {f}; llama.cpp's step35 rotates "
+                                    f"{'all' if t == SWA else 'half'} of the head on {t} layers ({want})")
+        self.n_heads = [n_head_swa if t == SWA else n_head for t in self.layer_types]
+        self.n_kvs = [n_kv_swa if t == SWA else n_kv for t in self.layer_types]
+        for i, (h, kv) in enumerate(zip(self.n_heads, self.n_kvs)):
+            if h % kv:
+                raise SpecconvError(f"config.json: layer {i} has {h} heads, not a multiple of {kv} KV heads")
+        self.sliding_window = int(tc["sliding_window"]) if SWA in self.layer_types else int(tc.get("sliding_window") or 0)
+        self.rope_full, self.rope_swa = self._rope_bases(tc)
+        scalar = tc.get("query_pre_attn_scalar")
+        if scalar is not None and float(scalar) != float(self.head_dim):
+            raise SpecconvError("config.json: query_pre_attn_scalar ≠ head_dim (llama.cpp scales by head_dim^-1/2)")
+        if tc.get("use_bidirectional_attention"):
+            raise SpecconvError("config.json: use_bidirectional_attention is not supported (causal decoding)")
+        self.n_expert = int(req("moe_num_experts", "n_routed_experts", "num_local_experts"))
+        self.n_expert_used = int(req("moe_top_k", "num_experts_per_tok"))
+        self.expert_ffn = int(req("moe_intermediate_size"))
+        self.shared_ffn = int(req("share_expert_dim", "share_expert_dims"))
+        self.moe_layers = {i for i in range(total) if f"model.layers.{i}.moe.gate.weight" in checkpoint.tensors}
+        enum = tc.get("moe_layers_enum")
+        if isinstance(enum, str) and enum.strip():
+            stated = {int(x) for x in enum.split(",") if x.strip()}
+            wrong = [i for i in range(self.n) if (i in stated) != (i in self.moe_layers)]
+            if wrong:
+                raise SpecconvError(f"config.json moe_layers_enum disagrees with the checkpoint at layer {wrong[0]}")
+            self.leading_dense = max(0, min(stated))
+        else:
+            self.leading_dense = 0
+        self.rms_eps = float(tc.get("rms_norm_eps", 1e-5))
+        self.clamp = self._clamps(tc, "swiglu_limits", total)
+        self.clamp_shared = self._clamps(tc, "swiglu_limits_shared", total)
+        self.tied = bool(checkpoint.config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False)))
+        rope = tc.get("rope_scaling") or {}
+        if isinstance(rope, Mapping) and rope.get("rope_type", rope.get("type")) not in (None, "default"):
+            raise SpecconvError(f"config.json: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not "
+                                "supported for step35 yet (default rope only)")
+
+    @staticmethod
+    def _clamps(tc, key: str, total: int) -> list[float] | None:
+        values = tc.get(key)
+        if values is None:
+            return None
+        return [0.0 if v is None else float(v) for v in _layer_list(tc, key, total, 0.0, key)]
+
+    def _rope_bases(self, tc) -> tuple[float, float]:
+        """(full, sliding) rope theta: a list gives each layer its own (the first layer of each type, as
+        transformers reads it); llama.cpp's converter takes entries 0 and 1, the same for the releases
+        (layer 0 full, layer 1 sliding)."""
+        theta = tc.get("rope_theta")
+        params = tc.get("rope_parameters")
+        if theta is None and isinstance(params, Mapping):
+            if isinstance(params.get(FULL), Mapping):
+                full = float(params[FULL]["rope_theta"])
+                return full, float(params.get(SWA, params[FULL])["rope_theta"])
+            theta = params.get("rope_theta")
+        if theta is None:
+            theta = 10000.0
+        if not isinstance(theta, list):
+            return float(theta), float(theta)
+        first = lambda t: next((float(theta[i]) for i, x in enumerate(self.layer_types) if x == t and i < len(theta)),  # noqa: E731
+                               float(theta[0]))
+        return first(FULL), first(SWA)
+
+    @property
+    def gguf_arch(self) -> str:
+        return names.STEP35
+
+    @classmethod
+    def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
+        return text_model_name(raw_name, _TOWERS, "vision tower (belongs in a separate mmproj file)")
+
+    @property
+    def n_trunk_layers(self) -> int:
+        return self.n
+
+    @property
+    def n_mtp_layers(self) -> int:
+        return self.k
+
+    def vocab_size(self) -> int:
+        return embedding_rows(self.checkpoint)
+
+    # ------------------------------------------------------------------ tensors
+
+    def tensor_plan(self) -> list[TensorPlan]:
+        plan = RolePlan(self.checkpoint.tensors)
+        H, V = self.hidden, self.vocab
+        plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
+        for i in range(self.n + self.k):
+            role = Role.TRUNK if i < self.n else Role.MTP
+            p = f"model.layers.{i}."
+            if role == Role.MTP:
+                plan.add(names.nextn(i, names.NEXTN_EH_PROJ), [plan.source(p + "eh_proj.weight", (H, 2 * H))],
+                         (H, 2 * H), role)
+                self._norm(plan, names.nextn(i, names.NEXTN_ENORM), p + "enorm.weight", role)
+                self._norm(plan, names.nextn(i, names.NEXTN_HNORM), p + "hnorm.weight", role)
+                self._norm(plan, names.nextn(i, names.NEXTN_SHARED_HEAD_NORM), p + "transformer.shared_head.norm.weight",
+                           role)
+                for hf, part in (("transformer.shared_head.output", names.NEXTN_SHARED_HEAD_HEAD),
+                                 ("embed_tokens", names.NEXTN_EMBED_TOKENS)):
+                    if plan.has(f"{p}{hf}.weight"):  # llama.cpp prefers a block's own copies when present
+                        plan.add(names.nextn(i, part), [plan.source(f"{p}{hf}.weight", (V, H))], (V, H), role)
+            self._norm(plan, names.blk(i, "attn_norm"), p + "input_layernorm.weight", role)
+            self._attention(plan, i, p + "self_attn.", role)
+            self._norm(plan, names.blk(i, "ffn_norm"), p + "post_attention_layernorm.weight", role)
+            if i in self.moe_layers:
+                self._moe(plan, i, p, role)
+            else:
+                add_swiglu(plan, i, p + "mlp.", self.ffn, H, role)
+        self._norm(plan, names.OUTPUT_NORM, "model.norm.weight", Role.SHARED)
+        add_output_head(plan, self.tied, V, H)
+        return plan.finish(self.gguf_arch)
+
+    def _norm(self, plan: RolePlan, gguf_name: str, hf: str, role: Role, width: int | None = None) -> None:
+        w = self.hidden if width is None else width
+        plan.add(gguf_name, [plan.source(hf, (w,))], (w,), role, plus_one, True)  # Gemma-style 1 + w
+
+    def _attention(self, plan: RolePlan, i: int, a: str, role: Role) -> None:
+        H, hd = self.hidden, self.head_dim
+        q, kv = self.n_heads[i] * hd, self.n_kvs[i] * hd
+        for part, hf, rows in (("attn_q", "q_proj", q), ("attn_k", "k_proj", kv), ("attn_v", "v_proj", kv)):
+            plan.add(names.blk(i, part), [plan.source(f"{a}{hf}.weight", (rows, H))], (rows, H), role)
+        plan.add(names.blk(i, "attn_output"), [plan.source(a + "o_proj.weight", (H, q))], (H, q), role)
+        self._norm(plan, names.blk(i, "attn_q_norm"), a + "q_norm.weight", role, hd)
+        self._norm(plan, names.blk(i, "attn_k_norm"), a + "k_norm.weight", role, hd)
+        if plan.has(a + "g_proj.weight"):  # head-wise gate: one row per head (llama.cpp has no per-element gate)
+            shape = (self.n_heads[i], H)
+            src = plan.source(a + "g_proj.weight", [shape, shape + (1,)])
+            plan.add(names.blk(i, "attn_gate"), [src], shape, role, partial(_squeeze_to, shape))
+
+    def _moe(self, plan: RolePlan, i: int, p: str, role: Role) -> None:
+        H, E, Fe = self.hidden, self.n_expert, self.expert_ffn
+        m = p + "moe."
+        plan.add(names.blk(i, "ffn_gate_inp"), [plan.source(m + "gate.weight", [(E, H), (E, H, 1)])], (E, H), role,
+                 partial(_squeeze_to, (E, H)), True)
+        plan.add(names.blk(i, "exp_probs_b", "bias"), [plan.source(m + "router_bias", (E,))], (E,), role,
+                 tf.identity, True)
+        for part, shape in (("gate", (E, Fe, H)), ("up", (E, Fe, H)), ("down", (E, H, Fe))):
+            plan.add(names.blk(i, f"ffn_{part}_exps"), [plan.source(f"{m}{part}_proj.weight", shape)], shape, role)
+        add_swiglu(plan, i, p + "share_expert.", self.shared_ffn, H, role, "_shexp")
+
+    # ------------------------------------------------------------------ metadata
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        """In the order of llama.cpp's converter (TextModel's keys, where Step35Model's later
+        writes of the same key keep their first place, then Step35Model's own)."""
+        arch, tc = self.gguf_arch, self.tc
+        u32, f32, b = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
+        arr = GGUFValueType.ARRAY
+        total = self.n + (self.n_meta if keep_mtp else 0)
+        kv: list[MetaKV] = []
+
+        def put(fmt: str, value: Any, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> None:
+            kv.append(MetaKV(fmt.format(arch=arch), value, vtype, sub))
+
+        types = _layer_list({"t": self.layer_types}, "t", total, FULL, "")
+        put(Keys.LLM.BLOCK_COUNT, self.n + (self.k if keep_mtp else 0), u32)
+        put(Keys.LLM.CONTEXT_LENGTH, int(tc.get("max_position_embeddings", 4096)), u32)
+        put(Keys.LLM.EMBEDDING_LENGTH, self.hidden, u32)
+        put(Keys.LLM.FEED_FORWARD_LENGTH, self.ffn, u32)
+        put(Keys.Attention.HEAD_COUNT, self.n_heads[:total] + [self.n_heads[-1]] * (total - len(self.n_heads)), arr, u32)
+        put(Keys.Rope.FREQ_BASE, self.rope_full, f32)
+        if SWA in self.layer_types:
+            put(Keys.Rope.FREQ_BASE_SWA, self.rope_swa, f32)
+        put(Keys.Attention.LAYERNORM_RMS_EPS, self.rms_eps, f32)
+        put(Keys.Attention.KEY_LENGTH, self.head_dim, u32)
+        put(Keys.Attention.VALUE_LENGTH, self.head_dim, u32)
+        put(Keys.Attention.HEAD_COUNT_KV, self.n_kvs[:total] + [self.n_kvs[-1]] * (total - len(self.n_kvs)), arr, u32)
+        put(Keys.Attention.SLIDING_WINDOW, self.sliding_window, u32)
+        put(Keys.Attention.SLIDING_WINDOW_PATTERN, [t == SWA for t in types], arr, b)
+        put(Keys.LLM.EXPERT_COUNT, self.n_expert, u32)
+        put(Keys.LLM.EXPERT_USED_COUNT, self.n_expert_used, u32)
+        put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, self.expert_ffn, u32)
+        put(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, self.shared_ffn, u32)
+        put(Keys.LLM.EXPERT_WEIGHTS_SCALE, float(tc.get("moe_router_scaling_factor", 1.0)), f32)
+        # transformers and vLLM always renormalise the top-k weights; llama.cpp defaults to false
+        # when the key is absent, so it is always written
+        put(Keys.LLM.EXPERT_WEIGHTS_NORM, bool(tc.get("norm_expert_weight", True)), b)
+        put(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, self.leading_dense, u32)
+        put(Keys.LLM.MOE_EVERY_N_LAYERS, int(tc.get("moe_every_n_layer", 1)), u32)
+        for key, values in (("swiglu_clamp_exp", self.clamp), ("swiglu_clamp_shexp", self.clamp_shared)):
+            if values is not None:
+                put("{arch}." + key, (values + [0.0] * total)[:total], arr, f32)
+        if keep_mtp and self.k:
+            put(Keys.LLM.NEXTN_PREDICT_LAYERS, self.k, u32)
+        return kv
+
+
