@@ -8,13 +8,16 @@ What llama.cpp 0c1e570 loads and its converter (`DFlashModel`, a `Qwen3Model`) w
 * keys: Qwen3's (`dflash.*`), then `dflash.block_size`, `dflash.target_layers` (i32, layer INPUTS:
   the checkpoint's `dflash_config.target_layer_ids` name layer outputs and are written + 1, as
   llama.cpp's converter does), `tokenizer.ggml.mask_token_id`; the tokenizer is the target's.
-`--target-layers` (layer inputs) overrides the config's ids. DFlash2 (`DFlash2DraftModel`: per-layer
+`--target-layers` (layer inputs) overrides the config's ids. The one look at the folder: a
+`mask_embedding.pt` next to the checkpoint (drafts that patch the target's embedding) is refused.
+DFlash2 (`DFlash2DraftModel`: per-layer
 dynamic convolutions and a candidate selector) is refused with a message: neither the conversion of
 its extra tensors nor its runtime is implemented here.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
 from gguf import GGUFValueType, Keys
@@ -49,6 +52,8 @@ class DFlash(ArchPlugin):
         if "DFlash2DraftModel" in (cfg.get("architectures") or []) or "conv_kernel_size" in (cfg.get("dflash_config") or {}):
             raise SpecconvError("DFlash2 drafters (dynamic convolutions and a candidate selector) are not supported "
                                 "yet; DFlashDraftModel checkpoints are")
+        if checkpoint.source_dir and (Path(checkpoint.source_dir) / "mask_embedding.pt").exists():
+            raise SpecconvError("mask_embedding.pt (a draft that patches the target's embedding) is not supported")
         if checkpoint.target_config is None:
             raise SpecconvError("a DFlash drafter needs its target model: give --target TARGET_DIR (the target's "
                                 "config.json and tokenizer)")

@@ -294,3 +294,14 @@ def test_drafter_refuses_another_target(root):
         build_drafter("dflash", target, n_ctx=64, draft_max=4, draft_path=d_gguf)
     with pytest.raises(SpecconvError, match="not a DFlash drafter"):
         build_drafter("dflash", target, n_ctx=64, draft_max=4, draft_path=t_gguf)
+
+
+def test_mask_embedding_drafts_are_refused(root, tmp_path):
+    import shutil
+
+    t_dir, _, d_dir, _ = built(root, "qwen3")
+    d = tmp_path / "d"
+    shutil.copytree(d_dir, d)
+    (d / "mask_embedding.pt").write_bytes(b"")
+    with pytest.raises(SpecconvError, match="mask_embedding.pt"):
+        convert_gguf(d, tmp_path / "x.gguf", extra_args=["--target", str(t_dir)])
