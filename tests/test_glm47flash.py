@@ -188,3 +188,30 @@ def test_remaining_gap_is_transformers_fixed_latent_norm_eps(tmp_path, llama_pee
     diff = float(np.abs(llama_peer.llama_logits(out, IDS) - ref).max())
     print(f"glm4moelite with rms_norm_eps = 1e-6: llama.cpp vs transformers max |Δ| = {diff:.3g}")
     assert diff < 2e-5
+
+
+@pytest.mark.parametrize("mode, flag", [("none", "--no-mtp"), ("only", "--mtp")])
+def test_trunk_only_and_sidecar_equal_llamacpp_modes(conv, tmp_path, mode, flag):
+    """Our --mtp none / only files are llama.cpp's converter's --no-mtp / --mtp files, but for the
+    gating key (test_gating_key_decides_llamacpp_routing)."""
+    from tests.fixtures.gguf_files import convert_gguf_upstream
+
+    src, files = conv
+    up = open_gguf(convert_gguf_upstream(src, tmp_path / "up.gguf", pre="glm4", extra_args=[flag]))
+    ours = open_gguf(files[mode])
+    assert list(up.tensors) == list(ours.tensors)
+    assert all(np.array_equal(up.tensors[n].raw(), ours.tensors[n].raw()) for n in up.tensors)
+    a = {k: up.get(k) for k in up.kv if k.startswith("deepseek2.")}
+    b = {k: ours.get(k) for k in ours.kv if k.startswith("deepseek2.")}
+    assert {k for k in set(a) | set(b) if a.get(k) != b.get(k)} == {"deepseek2.expert_gating_func"}
+    print(f"glm4moelite --mtp {mode} = llama.cpp's {flag} (but the gating key): {len(up.tensors)} tensors")
+
+
+def test_inspect_names_arch_and_graphs(conv):
+    from click.testing import CliRunner
+
+    from specconv import cli as cli_module
+
+    for name, serves in (("embed", ["main", "mtp"]), ("none", ["main"]), ("only", ["mtp"])):
+        info = json.loads(CliRunner().invoke(cli_module.cli, ["inspect", str(conv[1][name]), "--json"]).output)
+        assert info["arch"] == "deepseek2" and sorted(info["serves"]) == serves, (name, info["serves"])

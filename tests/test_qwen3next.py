@@ -210,3 +210,18 @@ def test_bf16_checkpoint_streams_bit_exact(conv, tmp_path):
     assert ours.tensors["blk.0.attn_qkv.weight"].ggml_type.name == "BF16"
     print(f"qwen3next bf16 checkpoint: {len(same)} of {len(up.tensors)} tensors byte-identical to llama.cpp's "
           f"converter (differing: {differ})")
+
+
+@pytest.mark.parametrize("mode, flag", [("none", "--no-mtp"), ("only", "--mtp")])
+def test_trunk_only_and_sidecar_equal_llamacpp_modes(conv, tmp_path, mode, flag):
+    """Our --mtp none / only files are llama.cpp's converter's --no-mtp / --mtp files (f32)."""
+    src, files = conv
+    up = open_gguf(convert_gguf_upstream(src, tmp_path / "up.gguf", pre="qwen2", extra_args=[flag]))
+    ours = open_gguf(files[mode])
+    assert list(up.tensors) == list(ours.tensors)
+    for name, t in up.tensors.items():
+        a, b = t.to_float32(), ours.tensors[name].to_float32()
+        assert np.array_equal(a, b) or (name.endswith("ssm_a") and np.all(np.abs(a - b) <= np.spacing(np.abs(a))))
+    arch_kv = lambda f: [(k, f.get(k)) for k in f.kv if k.startswith("qwen3next.")]  # noqa: E731
+    assert arch_kv(up) == arch_kv(ours)
+    print(f"qwen3next --mtp {mode} = llama.cpp's {flag}: {len(up.tensors)} tensors")
