@@ -63,7 +63,8 @@ def test_split_model_from_shard_one(files, capsys):
     assert code == 2 and "give the first shard" in err and len(err.strip().splitlines()) == 1
 
 
-def test_human_output(files, capsys):
+def test_human_output(files, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: one table row per key (80 columns: tests/test_tables_80.py)
     code, out, _ = run_cli(capsys, "inspect", files / "mtp-t.gguf")
     assert code == 0
     assert "mtp-only" in out and "serves: mtp" in out and "blk.4.nextn.eh_proj.weight" in out

@@ -140,31 +140,30 @@ def _emit(summary: dict, as_json: bool, dry_run: bool) -> None:
         return
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Column, Table
 
     from specconv.convert.plan_report import human_bytes
+    from specconv.tables import METADATA_COLUMNS, TENSOR_COLUMNS, Col, print_table, print_wrapped
 
-    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)  # pipes: no cut names
+    console = Console()  # a pipe gets COLUMNS or 80; tables pick a layout that fits (specconv.tables)
     err = Console(stderr=True)
     for notice in summary["notices"]:
         err.print(f"[yellow]note:[/] {notice}")
-    console.print(f"{summary['hf_architecture']} -> [bold]{summary['arch']}[/]: {summary['trunk_layers']} trunk "
-                  f"layer(s), {summary['mtp_layers']} MTP layer(s); --mtp {summary['mtp_mode']}, "
-                  f"--outtype {summary['outtype'].lower()}")
+    print_wrapped(console, f"{summary['hf_architecture']} -> [bold]{summary['arch']}[/]: {summary['trunk_layers']} "
+                           f"trunk layer(s), {summary['mtp_layers']} MTP layer(s); --mtp {summary['mtp_mode']}, "
+                           f"--outtype {summary['outtype'].lower()}")
     for f in summary["files"]:
         types = ", ".join(f"{n} {t}" for t, n in sorted(f["types"].items()))
         verb = "would write" if dry_run else "wrote"
-        console.print(f"{verb} [bold]{f['kind']}[/] {', '.join(f['shards'])}: {f['n_tensors']} tensors ({types}), "
-                      f"{human_bytes(f['tensor_bytes'])} of tensor data")
+        print_wrapped(console, f"{verb} [bold]{f['kind']}[/] {escape(', '.join(f['shards']))}: {f['n_tensors']} tensors "
+                               f"({types}), {human_bytes(f['tensor_bytes'])} of tensor data")
         if not dry_run:
             continue
-        table = Table(Column("tensor", no_wrap=True), "type", Column("shape (ggml)", no_wrap=True), Column("size", no_wrap=True), "note",
-                      title=f"{Path(f['path']).name}: tensors")
-        for t in f["tensors"]:
-            table.add_row(t["name"], t["type"], escape(str(t["shape"])), human_bytes(t["bytes"]), escape(t.get("note", "")))
-        console.print(table)
-        meta = Table(Column("key", no_wrap=True), "value", title=f"{Path(f['path']).name}: metadata")
-        for key, value in f["metadata"].items():
-            meta.add_row(key, escape(json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value))
-        console.print(meta)
+        print_table(console, TENSOR_COLUMNS + [Col("note")],
+                    [[escape(t["name"]), t["type"], escape(str(t["shape"])), human_bytes(t["bytes"]),
+                      escape(t.get("note", ""))] for t in f["tensors"]],
+                    title=escape(f"{Path(f['path']).name}: tensors"))
+        print_table(console, METADATA_COLUMNS,
+                    [[escape(key), escape(json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value)]
+                     for key, value in f["metadata"].items()],
+                    title=escape(f"{Path(f['path']).name}: metadata"))
     sys.stdout.flush()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -34,7 +33,8 @@ def command(file, as_json, all_tensors):
     """
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Column, Table
+
+    from specconv.tables import METADATA_COLUMNS, TENSOR_COLUMNS, Col, print_table, print_wrapped
 
     from specconv.convert.gguf_summary import summarize
     from specconv.convert.plan_report import human_bytes
@@ -45,11 +45,11 @@ def command(file, as_json, all_tensors):
     if as_json:
         click.echo(json.dumps(info, indent=2, ensure_ascii=False))
         return
-    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)  # pipes: no cut names
+    console = Console()  # a pipe gets COLUMNS or 80; tables pick a layout that fits (specconv.tables)
     shards = f" ({len(info['shards'])} shards)" if len(info["shards"]) > 1 else ""
-    console.print(f"[bold]{Path(info['path']).name}[/]{shards}: arch [bold]{info['arch']}[/], {info['kind']} "
-                  f"(serves: {', '.join(info['serves']) or 'nothing'}), block_count {info['block_count']}, "
-                  f"nextn_predict_layers {info['nextn_predict_layers']}")
+    print_wrapped(console, f"[bold]{escape(Path(info['path']).name)}[/]{shards}: arch [bold]{info['arch']}[/], "
+                           f"{info['kind']} (serves: {', '.join(info['serves']) or 'nothing'}), "
+                           f"block_count {info['block_count']}, nextn_predict_layers {info['nextn_predict_layers']}")
     if "eagle3" in info:
         e3 = info["eagle3"]
         console.print(f"EAGLE-3 head: reads target layers [bold]{e3['target_layers']}[/] of a target of width "
@@ -59,20 +59,21 @@ def command(file, as_json, all_tensors):
     console.print(f"{info['n_tensors']} tensors, {human_bytes(info['tensor_bytes'])} of tensor data, "
                   f"{human_bytes(info['file_bytes'])} on disk: "
                   + ", ".join(f"{v['tensors']} {t}" for t, v in sorted(info["by_type"].items())))
-    kv = Table(Column("key", no_wrap=True), "value", title="metadata")
+    kv = []
     for section in ("general", "hparams"):
         for key, value in info[section].items():
             name = key if section == "general" else f"{info['arch']}.{key}"
-            kv.add_row(name, escape(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)))
+            kv.append([escape(name), escape(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))])
     for key, value in info["tokenizer"].items():
-        kv.add_row(key, escape(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)[:120]))
-    console.print(kv)
+        kv.append([escape(key), escape(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)[:120])])
+    print_table(console, METADATA_COLUMNS, kv, title="metadata")
     rows = info["tensors"]
     shown = rows if all_tensors or len(rows) <= 80 else rows[:40] + rows[-20:]
-    table = Table(Column("tensor", no_wrap=True), "type", Column("shape (ggml)", no_wrap=True), "size",
-                  *(["shard"] if shards else []), title="tensors")
+    cols = TENSOR_COLUMNS + ([Col("shard", "right")] if shards else [])
+    cells = []
     for i, t in enumerate(shown):
         if not all_tensors and len(rows) > 80 and i == 40:
-            table.add_row(f"... {len(rows) - 60} more (--all-tensors)", "", "", "")
-        table.add_row(t["name"], t["type"], escape(str(t["shape"])), human_bytes(t["bytes"]), *([str(t["shard"])] if shards else []))
-    console.print(table)
+            cells.append([f"... {len(rows) - 60} more (--all-tensors)"] + [""] * (len(cols) - 1))
+        cells.append([escape(t["name"]), t["type"], escape(str(t["shape"])), human_bytes(t["bytes"]),
+                      *([str(t["shard"])] if shards else [])])
+    print_table(console, cols, cells, title="tensors")

@@ -16,27 +16,33 @@ from rich.progress import (
     TimeElapsedColumn,
     TransferSpeedColumn,
 )
-from rich.table import Table
+from rich.markup import escape
 
 from specconv.hub.naming import human_size, parse_size
+from specconv.tables import Col, print_table, print_wrapped
 
 
-def plan_table(plan) -> Table:
-    table = Table(title=f"Upload plan for {plan.repo_id}" + (f"@{plan.revision}" if plan.revision else ""))
-    table.add_column("Repository path", overflow="fold")
-    table.add_column("Size", justify="right")
-    table.add_column("Quant")
-    table.add_column("Role")
-    table.add_column("From", overflow="fold")
+PLAN_COLUMNS = [Col("Repository path", whole=True), Col("Size", "right"), Col("Quant"), Col("Role"), Col("From")]
+
+
+def plan_rows(plan) -> list[list[str]]:
+    """One row per file of the plan (shards separately), then the generated model card."""
+    rows = []
     for a in plan.artifacts:
         for i, f in enumerate(a.files):
             if a.layout is not None:
                 origin = f"split {i + 1}/{len(a.files)} of " + ", ".join(p.name for p in a.sources)
             else:
                 origin = str(f.source.relative_to(plan.folder))
-            table.add_row(f.path_in_repo, human_size(f.size), a.quant, a.role.value, origin)
-    table.add_row("README.md", human_size(plan.readme.size), "", "model card", "generated")
-    return table
+            rows.append([escape(f.path_in_repo), human_size(f.size), a.quant, a.role.value, escape(origin)])
+    rows.append(["README.md", human_size(plan.readme.size), "", "model card", "generated"])
+    return rows
+
+
+def print_plan(console: Console, plan) -> str:
+    """The plan as a table, or as a list where a table would not fit the console (a pipe: 80 columns)."""
+    title = f"Upload plan for {plan.repo_id}" + (f"@{plan.revision}" if plan.revision else "")
+    return print_table(console, PLAN_COLUMNS, plan_rows(plan), title=escape(title))
 
 
 class RichEvents:
@@ -120,11 +126,11 @@ def command(folder, repo_id, private, revision, create_pr, dry_run, max_file_siz
             data["readme"] = plan.readme.content.decode()
             click.echo(json.dumps(data, indent=2))
         else:
-            console.print(plan_table(plan))
+            print_plan(console, plan)
         for warning in plan.warnings:
             console.print(f"[yellow]warning:[/yellow] {warning}")
         if plan.ignored:
-            console.print(f"[dim]not uploaded: {', '.join(plan.ignored)}[/dim]")
+            print_wrapped(console, f"[dim]not uploaded: {escape(', '.join(plan.ignored))}[/dim]")
         console.print("[dim]dry run: nothing was sent or written[/dim]")
         return
 
@@ -133,7 +139,7 @@ def command(folder, repo_id, private, revision, create_pr, dry_run, max_file_siz
     from specconv.hub.client import RetryPolicy, upload_plan
 
     if not as_json:
-        console.print(plan_table(plan))
+        print_plan(console, plan)
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
     events = RichEvents(console)

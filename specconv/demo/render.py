@@ -1,4 +1,7 @@
-"""Rich terminal output of a demo report (the dict built by pipeline.run_demo)."""
+"""Rich terminal output of a demo report (the dict built by pipeline.run_demo).
+
+Tables go through specconv.tables, which picks a layout that fits the console's width (a pipe or a
+CI log: `COLUMNS` or 80) without cutting or mid-word wrapping a file name."""
 
 from __future__ import annotations
 
@@ -16,19 +19,17 @@ def _size(n: int) -> str:
 def render(report: dict, console) -> None:
     from rich.markup import escape
     from rich.panel import Panel
-    from rich.table import Table
     from rich.text import Text
 
-    console.print(f"[bold]specconv demo[/]: the bundled tiny Qwen3.5 + MTP model ({escape(report['model'])}), "
-                  f"on {report['device']}")
-    files = Table(title=f"converted ({report['outtype']}) in {report['convert_seconds']:.1f} s", title_justify="left")
-    files.add_column("file")
-    files.add_column("size", justify="right")
-    files.add_column("what")
+    from specconv.tables import Col, print_table, print_wrapped
+
+    print_wrapped(console, f"[bold]specconv demo[/]: the bundled tiny Qwen3.5 + MTP model "
+                           f"({escape(report['model'])}), on {report['device']}")
     what = {"embedded": "trunk + MTP head in one file", "trunk": "trunk only", "sidecar": "MTP head only (mtp- sidecar)"}
-    for kind, info in report["files"].items():
-        files.add_row(escape(Path(info["path"]).name), _size(info["bytes"]), what.get(kind, kind))
-    console.print(files)
+    print_table(console, [Col("file", whole=True), Col("size", "right"), Col("what")],
+                [[escape(Path(info["path"]).name), _size(info["bytes"]), what.get(kind, kind)]
+                 for kind, info in report["files"].items()],
+                title=f"converted ({report['outtype']}) in {report['convert_seconds']:.1f} s")
 
     for label, v in report["verify"].items():
         checks = v["checks"]
@@ -51,25 +52,24 @@ def render(report: dict, console) -> None:
     for piece, drafted in zip(s["pieces"], s["accepted_draft"]):
         spec.append(piece, style="black on green" if drafted else "")
     same = "[green]identical to plain[/]" if s["identical"] else "[red]DIFFERENT from plain[/]"
-    console.print(Panel(spec, title=f"MTP speculative, draft_max {s['draft_max']}: {s['spec_target_forwards']} target "
-                                    f"forwards; green = accepted draft tokens", title_align="left"))
+    # Panel titles are cut to the panel's width, so the longer explanation goes on its own line.
+    console.print(f"MTP speculative decoding, draft_max {s['draft_max']}: {s['spec_target_forwards']} target forwards; "
+                  "green = accepted draft tokens")
+    console.print(Panel(spec, title=f"MTP speculative, draft_max {s['draft_max']}", title_align="left"))
     console.print(f"speculative text {same}")
 
     a = report["acceptance"]
-    table = Table(title=f"MTP acceptance on {len(a['prompts'])} held-out prompts x {a['n_predict']} tokens "
-                        f"(greedy, snapshot rollback; times: median of {a['repeats']} interleaved repeats)",
-                  title_justify="left")
-    for col in ("draft_max", "per-position acceptance", "acceptance rate", "acceptance length",
-                "tokens / target forward", "bound E(α,k)", "target forwards spec / plain", "seconds spec / plain",
-                "speed-up", "= plain"):
-        table.add_column(col, justify="right")
-    for r in a["rows"]:
-        table.add_row(str(r["draft_max"]), " ".join(_f(x) for x in r["per_position"]), _f(r["acceptance_rate"]),
-                      _f(r["acceptance_length"]), _f(r["tokens_per_target_forward"]), _f(r["bound"]),
-                      f"{r['target_forwards']} / {r['plain_target_forwards']}",
-                      f"{r['seconds']:.2f} / {r['plain_seconds']:.2f}", f"{_f(r['speedup'])}x",
-                      "[green]yes[/]" if r["exact"] else "[red]NO[/]")
-    console.print(table)
+    cols = [Col(c, "right") for c in ("draft_max", "per-position acceptance", "acceptance rate", "acceptance length",
+                                       "tokens / target forward", "bound E(α,k)", "target forwards spec / plain",
+                                       "seconds spec / plain", "speed-up", "= plain")]
+    rows = [[str(r["draft_max"]), " ".join(_f(x) for x in r["per_position"]), _f(r["acceptance_rate"]),
+             _f(r["acceptance_length"]), _f(r["tokens_per_target_forward"]), _f(r["bound"]),
+             f"{r['target_forwards']} / {r['plain_target_forwards']}",
+             f"{r['seconds']:.2f} / {r['plain_seconds']:.2f}", f"{_f(r['speedup'])}x",
+             "[green]yes[/]" if r["exact"] else "[red]NO[/]"] for r in a["rows"]]
+    print_table(console, cols, rows, title=f"MTP acceptance on {len(a['prompts'])} held-out prompts x {a['n_predict']} "
+                                           f"tokens (greedy, snapshot rollback; times: median of {a['repeats']} "
+                                           "interleaved repeats)")
     best = max(a["rows"], key=lambda r: r["speedup"] or 0.0)
     verdict = ("best measured wall-clock speed-up" if (best["speedup"] or 0) >= 1 else
                "[yellow]no wall-clock gain[/]: speculative decoding was slower than plain here; best ratio")

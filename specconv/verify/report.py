@@ -56,15 +56,13 @@ class Report:
             raise
 
     def render(self, console) -> None:
-        from rich.table import Table
+        from rich.markup import escape
 
-        table = Table(title=f"specconv verify {Path(self.model).name}")
-        table.add_column("check")
-        table.add_column("result")
-        table.add_column("detail", overflow="fold")
-        for c in self.checks:
-            table.add_row(c.name, "[green]pass[/]" if c.passed else "[red]FAIL[/]", c.detail)
-        console.print(table)
+        from specconv.tables import Col, print_table
+
+        print_table(console, [Col("check"), Col("result"), Col("detail")],
+                    [[escape(c.name), "[green]pass[/]" if c.passed else "[red]FAIL[/]", escape(c.detail)]
+                     for c in self.checks], title=escape(f"specconv verify {Path(self.model).name}"))
         s = self.speculative
         if s.get("drafter"):
             per = ", ".join(f"{x:.2f}" for x in s.get("per_position") or [])
