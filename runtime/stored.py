@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
+from specconv.runtime.dequant import dequantize_rows
 from specconv.runtime.placement import active_device
 
 # Values dequantized per piece of a chunked product (4 MB in float32): big enough that the
@@ -86,8 +87,6 @@ class StoredWeight:
         device = active_device() or self.device  # a block running on another device (placement.py)
         if raw.device != device:  # offloaded: bring only these bytes to the compute device
             raw = raw.to(device, non_blocking=True)
-        from specconv.runtime.dequant import dequantize_rows
-
         return dequantize_rows(raw, self.qtype, dtype or self.dtype)
 
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -110,6 +109,15 @@ class StoredWeight:
 
     def float(self) -> torch.Tensor:
         return self.dense(torch.float32)
+
+    def double(self) -> torch.Tensor:
+        return self.dense(torch.float64)
+
+    def cpu(self) -> torch.Tensor:
+        return self.dense().cpu()
+
+    def numpy(self):
+        return self.cpu().numpy()
 
     def t(self) -> torch.Tensor:
         return self.dense().t()

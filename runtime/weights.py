@@ -21,10 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from specconv.archs.errors import SpecconvError
-try:
-    from specconv.runtime.dequant import SUPPORTED, dequantize_rows, row_bytes
-except ImportError:  # TEMPORARY until runtime/dequant.py lands: the gguf.quants path, dense only
-    SUPPORTED = None
+from specconv.runtime.dequant import SUPPORTED, dequantize_rows, row_bytes
 from specconv.runtime.gguf_file import GGUFModelFile
 from specconv.runtime.placement import Placement
 from specconv.runtime.stored import ReadCounter, StoredWeight
@@ -75,8 +72,6 @@ def _file_bytes(file: GGUFModelFile, name: str) -> torch.Tensor:
 def load_tensor(file: GGUFModelFile, name: str, device: torch.device, dtype: torch.dtype, mode: str,
                 offload: bool, counter: ReadCounter):
     """One tensor in the form `mode` asks for (see the module docstring)."""
-    if SUPPORTED is None:  # TEMPORARY (see the import)
-        return file.load(name, device, dtype)
     t = file.tensors[name]
     raw = _file_bytes(file, name)
     shape = t.stored.torch_shape
