@@ -4,7 +4,7 @@ What it shares with Qwen3.5-MoE (archs/qwen35.py, imported, not copied): names, 
 zero-centred norms, `ssm_a = -exp(A_log)`, `dt_bias` -> `ssm_dt.bias`, full attention with the
 per-head [q | gate] rows, experts (fused or per expert), the gated shared expert, and the MTP head
 (`mtp.fc / pre_fc_norm_* / norm / layers.{j}`, count taken from the `mtp.layers.*` names, since the
-release's config.json states none). What differs (gguf-layout.md §7.3, llama.cpp's `Qwen3NextModel`):
+release's config.json states none). What differs (docs/reference/gguf-layout.md §7.3, llama.cpp's `Qwen3NextModel`):
 
 * `linear_attn.in_proj_qkvz` [nk·(2dk + 2r·dv), H] holds, per key head g, rows [q_g | k_g | v_g | z_g];
   it is gathered into `attn_qkv` = [Q; K; V] and `attn_gate` = Z (each part concatenated over g).
@@ -58,7 +58,7 @@ class Qwen3Next(Qwen35Base):
         tc = text_config(checkpoint.config)
         self.ffn = tc.get("intermediate_size")
         # llama.cpp's qwen3next loader gives every block a router and experts, and always renormalises
-        # the top-k weights (gguf-layout.md §7.3): refuse configs transformers would run otherwise.
+        # the top-k weights (docs/reference/gguf-layout.md §7.3): refuse configs transformers would run otherwise.
         if tc.get("mlp_only_layers") or tc.get("decoder_sparse_step", 1) != 1:
             raise SpecconvError("config.json: dense layers (mlp_only_layers / decoder_sparse_step != 1) are not "
                                 "supported (llama.cpp's qwen3next has MoE in every block)")
