@@ -1,4 +1,4 @@
-"""Gemma 4 MAIN graph (GGUF arch `gemma4`), model-math.md §1, §6.
+"""Gemma 4 MAIN graph (GGUF arch `gemma4`), docs/reference/model-math.md §1, §6.
 
 Per layer: its own type (sliding / full), head dim and KV-head count. q/k RMSNorm per head, v a
 weightless RMSNorm (v = the raw K projection on full layers of `attention_k_eq_v` files), rope
@@ -263,7 +263,7 @@ def ffn_block(w, hp: HParams, i: int, h: torch.Tensor) -> torch.Tensor:
 
 
 def moe(w, hp: HParams, i: int, h: torch.Tensor) -> torch.Tensor:
-    """model-math.md §6.3: router on the residual stream, experts on pre_ffw_norm_2(h)."""
+    """docs/reference/model-math.md §6.3: router on the residual stream, experts on pre_ffw_norm_2(h)."""
     p = f"blk.{i}."
     t = acc(rms_norm(h, None, hp.eps)) * w[p + "ffn_gate_inp.scale"].to(acc(h).dtype) * hp.n_embd ** -0.5
     probs = torch.softmax(t @ w[p + "ffn_gate_inp.weight"].to(t.dtype).t(), dim=-1)
@@ -286,7 +286,7 @@ def moe(w, hp: HParams, i: int, h: torch.Tensor) -> torch.Tensor:
 
 
 def per_layer_inputs(w, hp: HParams, tokens: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """PLE rows [n, N, P] from the scaled embedding h (model-math.md §6.1)."""
+    """PLE rows [n, N, P] from the scaled embedding h (docs/reference/model-math.md §6.1)."""
     n, N, P = h.shape[0], hp.n_layer, hp.n_per_layer
     proj = linear(h, w["per_layer_model_proj.weight"]) * hp.n_embd ** -0.5
     proj = rms_norm(proj.view(n, N, P), w["per_layer_proj_norm.weight"], hp.eps)
