@@ -1,4 +1,4 @@
-"""LLaMA-style dense graph (GGUF arch `llama`): the MAIN graph of a plain target (model-math.md §1).
+"""LLaMA-style dense graph (GGUF arch `llama`): the MAIN graph of a plain target (docs/reference/model-math.md §1).
 
 Attention with GQA and NORM rope on adjacent pairs (the converter pair-permuted the q/k rows, so
 this equals HF's rotate-half on the original weights), SwiGLU FFN, optional `rope_freqs.weight`
