@@ -1,4 +1,4 @@
-"""Pieces shared by the glm4moe and deepseek2 graphs (model-math.md §3.2, §7.1).
+"""Pieces shared by the glm4moe and deepseek2 graphs (docs/reference/model-math.md §3.2, §7.1).
 
 * `MoeKV`: the hyperparameters both read the same way from GGUF metadata.
 * `sigmoid_group_moe`: sigmoid router, correction bias for selection only, group-limited top-k,
@@ -65,7 +65,7 @@ class MoeKV:
             raise SpecconvError(f"{arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({block_count})")
         # A missing key means what it means to llama.cpp: sigmoid for glm4moe, softmax for deepseek2
         # (except its GLM-4.7-Flash special case), which is wrong for DeepSeek-V3 but is what files
-        # from llama.cpp's converter say (gguf-layout.md §7.5); the runtime runs the file as written.
+        # from llama.cpp's converter say (docs/reference/gguf-layout.md §7.5); the runtime runs the file as written.
         lite_glm = get("vocab_size", 0, required=False) == 154880 and block_count - n_nextn in (47, 48)
         default = GATING_SIGMOID if arch == "glm4moe" or lite_glm else GATING_SOFTMAX
         gating = get("expert_gating_func", default, required=False)
@@ -150,7 +150,7 @@ def keep_float32(name: str) -> bool:
     return name.endswith("norm.weight") or name.endswith(".bias") or "ffn_gate_inp" in name
 
 
-# ---- the MTP head's ends (model-math.md §7.1) --------------------------------------------------
+# ---- the MTP head's ends (docs/reference/model-math.md §7.1) --------------------------------------------------
 
 NEXTN_REQUIRED = ("eh_proj", "enorm", "hnorm")
 NEXTN_OPTIONAL = ("shared_head_norm", "embed_tokens", "shared_head_head")
