@@ -1,4 +1,4 @@
-"""Qwen3.5 / Qwen3.5-MoE graphs (GGUF arch `qwen35`, `qwen35moe`), model-math.md §2, §3.1, §7.
+"""Qwen3.5 / Qwen3.5-MoE graphs (GGUF arch `qwen35`, `qwen35moe`), docs/reference/model-math.md §2, §3.1, §7.
 
 MAIN: the trunk (blocks 0..n_layer-1): gated full attention with partial NEOX rope, Gated DeltaNet,
 dense SwiGLU or MoE with a gated shared expert. MTP: the one nextn block (block n_layer) with its
