@@ -1,4 +1,4 @@
-"""Qwen3-Next graphs (GGUF arch `qwen3next`), model-math.md §2, §3.1, §7; llama.cpp's
+"""Qwen3-Next graphs (GGUF arch `qwen3next`), docs/reference/model-math.md §2, §3.1, §7; llama.cpp's
 `src/models/qwen3next.cpp` at the pinned commit.
 
 Everything but the Gated DeltaNet input side is Qwen3.5-MoE's and is imported from the qwen35 graph
