@@ -49,7 +49,7 @@ TOKEN_TYPE_USER_DEFINED = 4
 
 def _gemma4_tokenizer(tokens: list[str], merges, unk_id) -> Tokenizer:
     """Gemma's BPE with byte fallback: spaces become '▁', pieces split after each '▁' run, unknown
-    characters fall back to <0xXX> byte tokens (peers.md §2.9)."""
+    characters fall back to <0xXX> byte tokens (docs/reference/peers.md §2.9)."""
     vocab = {tok: i for i, tok in enumerate(tokens)}
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
     tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
