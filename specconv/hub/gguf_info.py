@@ -45,7 +45,7 @@ class GgufModel:
 
 
 def detect_role(arch: str, kv: dict[str, object], tensor_names: set[str]) -> Role:
-    """llama.cpp's rule (reference/gguf-layout.md §4.3): nextn > 0 without `blk.0.attn_norm` is a
+    """llama.cpp's rule (docs/reference/gguf-layout.md §4.3): nextn > 0 without `blk.0.attn_norm` is a
     sidecar; no nextn key (or 0) is a trunk-only model."""
     if arch == "eagle3":
         return Role.EAGLE3
