@@ -176,3 +176,16 @@ def test_verify_and_inspect(conv, tmp_path):
         result = CliRunner().invoke(cli_module.cli, ["inspect", str(files[name]), "--json"])
         info = json.loads(result.output)
         assert info["arch"] == "qwen3next" and sorted(info["serves"]) == serves, info["serves"]
+
+
+def test_q8_0_file_passes_verify(conv, tmp_path):
+    """--outtype q8_0: the graph runs the stored Q8_0 weights; verify judges the rounded file by the
+    relative RMS logit error (specconv/verify/parity.py) and passes it, trunk and MTP head."""
+    from tests.fixtures.gguf_files import convert_gguf
+
+    src, _ = conv
+    path = convert_gguf(src, tmp_path / "q8.gguf", outtype="q8_0", mtp="embed")
+    code, report, out = _verify([path, "--hf", src], tmp_path)
+    assert code == 0 and report["passed"], out
+    print(f"qwen3next q8_0 verify: passed; max |Δlogit| {report['parity']['max_abs_logit_diff']:.3g}, "
+          f"checks {[c['detail'] for c in report['checks'] if 'parity' in c['name']]}")
