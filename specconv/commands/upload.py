@@ -128,7 +128,7 @@ def command(folder, repo_id, private, revision, create_pr, dry_run, max_file_siz
         else:
             print_plan(console, plan)
         for warning in plan.warnings:
-            console.print(f"[yellow]warning:[/yellow] {warning}")
+            print_wrapped(console, f"[yellow]warning:[/yellow] {escape(warning)}")
         if plan.ignored:
             print_wrapped(console, f"[dim]not uploaded: {escape(', '.join(plan.ignored))}[/dim]")
         console.print("[dim]dry run: nothing was sent or written[/dim]")
@@ -141,7 +141,7 @@ def command(folder, repo_id, private, revision, create_pr, dry_run, max_file_siz
     if not as_json:
         print_plan(console, plan)
     for warning in plan.warnings:
-        console.print(f"[yellow]warning:[/yellow] {warning}")
+        print_wrapped(console, f"[yellow]warning:[/yellow] {escape(warning)}")
     events = RichEvents(console)
     disable_progress_bars()  # one bar: ours
     try:
