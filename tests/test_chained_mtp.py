@@ -32,7 +32,7 @@ from specconv.runtime.speculative import SpecConfig, speculative_generate
 from tests.fixtures import tiny_chained as tiny
 
 torch.set_num_threads(1)
-FAMILIES = ["hy_v3"]
+FAMILIES = ["hy_v3", "step35"]
 IDS = [int(x) for x in np.random.default_rng(11).integers(0, tiny.VOCAB - 3, 24)]
 TOL = 1e-4
 
@@ -77,12 +77,13 @@ def test_runtime_trunk_and_greedy_equal_transformers(root, family):
     src, files, ref, _ = _family(family, root)
     lg, h = ref.trunk(IDS)
     model = load_model(files["embed"], device="cpu")
-    out = Context(model, GraphType.MAIN, n_ctx=64).decode(IDS)
+    want = tiny.FAMILIES[family].target + "_norm"  # the rows the MTP head reads: post- or pre-norm
+    out = Context(model, GraphType.MAIN, n_ctx=64).decode(IDS, hidden=(want,))
     d = float(np.abs(out.logits.numpy() - lg).max())
-    dh = float(np.abs(out.hidden["post_norm"].numpy() - h).max())
+    dh = float(np.abs(out.hidden[want].numpy() - h).max())
     ours = generate(model, IDS, 8).tokens
     theirs = ref.greedy(IDS, 8)
-    print(f"{family} runtime trunk vs transformers: max |Δlogit| {d:.3g}, post-norm hidden {dh:.3g}; "
+    print(f"{family} runtime trunk vs transformers: max |Δlogit| {d:.3g}, {want} hidden {dh:.3g}; "
           f"greedy {ours} == {theirs}")
     assert d < TOL and dh < TOL and ours == theirs
 
@@ -125,7 +126,8 @@ def test_chained_draft_equals_reference_chain_across_rollbacks(root, family):
     ctx = Context(model, GraphType.MAIN, n_ctx=96, n_rs_seq=k)
     prompt = IDS[:12]
     prefix, id_last = prompt[:-1], prompt[-1]
-    drafter.start(prefix, ctx.decode(prefix, logits=None).hidden["post_norm"])
+    hid = drafter.target_hidden[0]  # post-norm, or pre-norm (step35)
+    drafter.start(prefix, ctx.decode(prefix, hidden=(hid,), logits=None).hidden[hid])
     committed = list(prefix)
     worst, rounds = 0.0, []
     for accept in [k, 0, 1, k - 1, 2, 0]:
@@ -136,9 +138,9 @@ def test_chained_draft_equals_reference_chain_across_rollbacks(root, family):
         worst = max(worst, diff)
         batch = [id_last] + tokens
         pos0 = ctx.n_past()
-        out = ctx.decode(batch)
+        out = ctx.decode(batch, hidden=(hid,))
         ctx.seq_rm(0, pos0 + accept + 1)
-        drafter.accept(accept, batch, out.hidden["post_norm"])
+        drafter.accept(accept, batch, out.hidden[hid])
         committed += batch[:accept + 1]
         id_last = int(out.logits[accept].argmax())
         rounds.append((len(tokens), accept))

@@ -1,7 +1,8 @@
 """The MTP (nextn) drafter, following llama.cpp's row convention (docs/reference/model-math.md §7.2-§7.4).
 
 Rows. The MTP row at position p is (x_p, h_{p-1}): the token at p and the target's post-norm hidden
-state of the position before; row 0 gets the zero vector. Row p's logits predict x_{p+1}.
+state of the position before (pre-norm for graphs with TARGET_HIDDEN = "pre_norm": step35); row 0
+gets the zero vector. Row p's logits predict x_{p+1}.
 
 One block (qwen35, glm4moe, deepseek2, ...: the block is reused for every draft position).
 Memory. The head has its own attention cache. After every target batch it holds teacher-forced
@@ -82,6 +83,8 @@ class MtpDrafter:
         else:
             self.ctxs = [Context(head, GraphType.MTP, n_ctx=n_ctx)]
         self.ctx = self.ctxs[0]
+        # the target rows the head reads: post-norm, or pre-norm where the graph says so (step35)
+        self.target_hidden = (getattr(head.graph, "TARGET_HIDDEN", "post_norm"),)
         self.n_committed = 0
         self.pending_h = torch.zeros(head.n_embd, dtype=head.dtype, device=head.device)
         self.last_draft_logits: list[torch.Tensor] = []

@@ -27,6 +27,7 @@ GRAPHS: dict[str, str] = {
     "qwen3moe": "qwen3",
     "dflash": "dflash",
     "hy_v3": "hy_v3",
+    "step35": "step35",
 }
 
 

@@ -1,0 +1,241 @@
+"""Step-3.5 graphs (GGUF arch `step35`), as llama.cpp 0c1e570's src/models/step35.cpp computes them.
+
+MAIN: per block i, attn_norm -> attention with block i's own head counts (`head_count` /
+`head_count_kv` arrays), per-head q/k RMSNorms, NEOX rope over half the head with `rope.freq_base` on
+full-attention blocks and over `rope.dimension_count_swa` (default the whole head) with
+`rope.freq_base_swa` on sliding blocks (`sliding_window_pattern`; a key is visible when
+0 ≤ q - k < sliding_window), scale hd^-1/2, a head-wise gate sigmoid(attn_gate · x) on each head's
+output -> residual -> ffn_norm -> dense SwiGLU (blocks without a router) or sigmoid-routed MoE
+(`exp_probs_b.bias`, renormalised, times `expert_weights_scale`) plus the shared expert; the SwiGLU
+of the routed experts is clamped by `swiglu_clamp_exp[i]`, every other SwiGLU by
+`swiglu_clamp_shexp[i]` (silu(g) ≤ L, |u| ≤ L; 0 = none) -> residual. All norms hold 1 + w already.
+MTP: blocks n_layer..n_layer+k-1 (`HParams.mtp_block`); the target passes its *pre-norm* hidden
+state (llama.cpp's `h_nextn`), and each block passes its pre-norm output y to the next (CHAIN_HIDDEN);
+logits = shared_head_head(shared_head_norm(y)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs import moe_sigmoid as ms
+from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
+from specconv.runtime.graphs.ops import acc, linear, rms_norm, rope_cos_sin, rope_neox_partial
+from specconv.runtime.memory import Batch, MemoryLayout
+
+OPTIONAL = ("output.weight",)
+MULTI_DEVICE = True  # runs through decoder.forward_trunk / forward_nextn
+CHAINED_MTP = True  # block i drafts position i (runtime/drafters/mtp.py)
+CHAIN_HIDDEN = "pre_norm"  # a block passes its output before shared_head_norm (vLLM, llama.cpp)
+TARGET_HIDDEN = "pre_norm"  # the target's hidden state before output_norm (llama.cpp's step35 h_nextn)
+_ATTN = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
+_ATTN_OPT = ("attn_q_norm", "attn_k_norm", "attn_gate")
+_FFN_OPT = ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+            "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+
+
+@dataclass
+class HParams:
+    arch: str
+    n_layer: int
+    n_nextn: int
+    n_embd: int
+    head_dim: int
+    n_heads: list[int]
+    n_kvs: list[int]
+    swa: list[bool]
+    n_swa: int
+    n_rot_full: int
+    n_rot_swa: int
+    base_full: float
+    base_swa: float
+    eps: float
+    n_expert_used: int
+    weights_scale: float
+    weights_norm: bool
+    clamp_exp: list[float] = field(default_factory=list)
+    clamp_shexp: list[float] = field(default_factory=list)
+    gating: int = ms.GATING_SIGMOID
+    n_group: int = 1
+    mtp_block: int = 0
+
+    @property
+    def n_head(self) -> int:  # the first block's, for the shared load-time checks (each block is checked here)
+        return self.n_heads[0]
+
+    @property
+    def n_head_kv(self) -> list[int]:
+        return self.n_kvs
+
+    @classmethod
+    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        arch, get = ms.kv_getter(kv)
+        total, n_nextn = get("block_count"), get("nextn_predict_layers", 0)
+        if n_nextn > total:
+            raise SpecconvError(f"{arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({total})")
+
+        def per_layer(key: str, default=None) -> list:
+            v = get(key, default, required=default is None)
+            v = list(v) if isinstance(v, (list, tuple)) else [v] * total
+            if len(v) < total:
+                raise SpecconvError(f"{arch}.{key} has {len(v)} entries for {total} blocks")
+            return v[:total]
+
+        head_dim = get("attention.key_length")
+        if get("attention.value_length", head_dim, required=False) != head_dim:
+            raise SpecconvError(f"{arch}: attention.key_length != value_length")
+        n_heads, n_kvs = per_layer("attention.head_count"), per_layer("attention.head_count_kv")
+        for i, (h, k) in enumerate(zip(n_heads, n_kvs)):
+            if h % k:
+                raise SpecconvError(f"{arch}: block {i} has {h} heads, not a multiple of {k} KV heads")
+        n_rot = get("rope.dimension_count", head_dim, required=False)
+        base = float(get("rope.freq_base", 10000.0, required=False))
+        gating = get("expert_gating_func", ms.GATING_SIGMOID, required=False)
+        if gating not in (ms.GATING_SOFTMAX, ms.GATING_SIGMOID):
+            raise SpecconvError(f"{arch}.expert_gating_func is {gating}; supported: softmax (1), sigmoid (2)")
+        return cls(arch=arch, n_layer=total - n_nextn, n_nextn=n_nextn, n_embd=get("embedding_length"),
+                   head_dim=head_dim, n_heads=[int(x) for x in n_heads], n_kvs=[int(x) for x in n_kvs],
+                   swa=[bool(x) for x in per_layer("attention.sliding_window_pattern", False)],
+                   n_swa=int(get("attention.sliding_window", 0, required=False) or 0),
+                   n_rot_full=n_rot // 2,  # llama.cpp: full-attention blocks rotate half the rope dims
+                   n_rot_swa=get("rope.dimension_count_swa", n_rot, required=False), base_full=base,
+                   base_swa=float(get("rope.freq_base_swa", base, required=False)),
+                   eps=float(get("attention.layer_norm_rms_epsilon")), n_expert_used=get("expert_used_count", 0),
+                   weights_scale=float(get("expert_weights_scale", 1.0, required=False) or 1.0),
+                   weights_norm=bool(get("expert_weights_norm", False, required=False)),
+                   clamp_exp=[float(x) for x in per_layer("swiglu_clamp_exp", 0.0)],
+                   clamp_shexp=[float(x) for x in per_layer("swiglu_clamp_shexp", 0.0)], gating=gating)
+
+
+def _block_names(i: int) -> list[str]:
+    return [f"blk.{i}.{n}.weight" for n in _ATTN]
+
+
+def _optional(i: int) -> list[str]:
+    return [f"blk.{i}.{n}.weight" for n in _ATTN_OPT + _FFN_OPT] + [f"blk.{i}.exp_probs_b.bias"]
+
+
+def main_tensors(hp: HParams) -> list[str]:
+    return ["token_embd.weight", "output_norm.weight"] + [n for i in range(hp.n_layer) for n in _block_names(i)]
+
+
+def optional_main_tensors(hp: HParams) -> list[str]:
+    return [n for i in range(hp.n_layer) for n in _optional(i)]
+
+
+def mtp_tensors(hp: HParams) -> list[str]:
+    names = ["token_embd.weight", "output_norm.weight"]
+    for i in range(hp.n_layer, hp.n_layer + hp.n_nextn):
+        names += _block_names(i) + [f"blk.{i}.nextn.{x}.weight" for x in ms.NEXTN_REQUIRED]
+    return names
+
+
+def optional_mtp_tensors(hp: HParams) -> list[str]:
+    return [n for i in range(hp.n_layer, hp.n_layer + hp.n_nextn)
+            for n in _optional(i) + [f"blk.{i}.nextn.{x}.weight" for x in ms.NEXTN_OPTIONAL]]
+
+
+keep_float32 = ms.keep_float32
+
+
+def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
+    layers = list(range(hp.n_layer))
+    return MemoryLayout(attn_layers=layers, n_head_kv=hp.n_kvs[0], head_dim=hp.head_dim, rec_layers=[],
+                        layer_shapes={i: (hp.n_kvs[i], hp.head_dim) for i in layers})
+
+
+def mtp_block_id(hp: HParams) -> int:
+    if not 0 <= hp.mtp_block < max(hp.n_nextn, 1):
+        raise SpecconvError(f"{hp.arch}: MTP block {hp.mtp_block} out of range (the file has {hp.n_nextn})")
+    return hp.n_layer + hp.mtp_block
+
+
+def mtp_layout(hp: HParams) -> MemoryLayout:
+    i = mtp_block_id(hp)
+    return MemoryLayout(attn_layers=[i], n_head_kv=hp.n_kvs[i], head_dim=hp.head_dim, rec_layers=[],
+                        layer_shapes={i: (hp.n_kvs[i], hp.head_dim)})
+
+
+def _attend(q, k, v, q_pos, k_pos, scale: float, window: int) -> torch.Tensor:
+    """softmax(q·kᵀ·scale) v, key visible iff 0 ≤ q_pos - k_pos (< window when window > 0); GQA."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,thd->hnt", acc(q), acc(k)) * scale
+    dist = q_pos[:, None] - k_pos[None, :]
+    visible = (dist >= 0) & (dist < window) if window > 0 else dist >= 0
+    probs = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)
+    return torch.einsum("hnt,thd->nhd", probs, acc(v)).to(q.dtype)
+
+
+def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+    n, p, hd = a.shape[0], f"blk.{i}.", hp.head_dim
+    nh, nkv = hp.n_heads[i], hp.n_kvs[i]
+    q = linear(a, w[p + "attn_q.weight"]).view(n, nh, hd)
+    k = linear(a, w[p + "attn_k.weight"]).view(n, nkv, hd)
+    v = linear(a, w[p + "attn_v.weight"]).view(n, nkv, hd)
+    if p + "attn_q_norm.weight" in w:
+        q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
+    if p + "attn_k_norm.weight" in w:
+        k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
+    cos, sin = rope[1] if hp.swa[i] else rope[0]
+    q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
+    k_all, v_all, k_pos = batch.attend_kv(i, k, v)
+    o = _attend(q, k_all, v_all, batch.positions, k_pos, hd ** -0.5, hp.n_swa if hp.swa[i] else 0)
+    if p + "attn_gate.weight" in w:  # head-wise gate on each head's output
+        o = (acc(o) * torch.sigmoid(acc(linear(a, w[p + "attn_gate.weight"])))[..., None]).to(o.dtype)
+    return linear(o.reshape(n, nh * hd), w[p + "attn_output.weight"])
+
+
+def swiglu_clamped(x: torch.Tensor, gate, up, down, limit: float) -> torch.Tensor:
+    g, u = F.silu(linear(x, gate)), linear(x, up)
+    if limit > 1e-6:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return linear(g * u, down)
+
+
+def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
+    p = f"blk.{i}."
+    if p + "ffn_gate_inp.weight" not in w:
+        if p + "ffn_gate.weight" not in w:
+            raise SpecconvError(f"{hp.arch}: block {i} has neither a router (ffn_gate_inp) nor a dense FFN (ffn_gate)")
+        return swiglu_clamped(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"],
+                              hp.clamp_shexp[i])
+    weights, chosen = ms.route(x, w[p + "ffn_gate_inp.weight"], w[p + "exp_probs_b.bias"], hp)
+    gate_e, up_e, down_e = (w[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down"))
+    out = torch.zeros(x.shape[0], down_e.shape[1], dtype=weights.dtype, device=x.device)
+    for e in torch.unique(chosen).tolist():
+        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+        y = swiglu_clamped(x[rows], gate_e[e], up_e[e], down_e[e], hp.clamp_exp[i])
+        out.index_add_(0, rows, acc(y) * weights[rows, slot][:, None])
+    shared = swiglu_clamped(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+                            w[p + "ffn_down_shexp.weight"], hp.clamp_shexp[i])
+    return (out + acc(shared)).to(x.dtype)
+
+
+def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope)
+    return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
+
+
+def _rope(hp: HParams, batch: Batch):
+    return lambda dtype: (rope_cos_sin(batch.positions, hp.n_rot_full, hp.base_full, dtype),
+                          rope_cos_sin(batch.positions, hp.n_rot_swa, hp.base_swa, dtype))
+
+
+def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
+                 want_logits: torch.Tensor | None):
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
+    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits, _rope(hp, batch),
+                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))
+
+
+def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
+    """MTP block `hp.mtp_block`: (logits, z = shared_head_norm(y), y = pre-norm output, chained)."""
+    return forward_nextn(w, mtp_block_id(hp), hp.eps, tokens, hidden_in, _rope(hp, batch),
+                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))
