@@ -1,5 +1,5 @@
-"""Tables at 80 columns without a terminal: `demo`, `upload --dry-run`, `inspect`, `convert --dry-run`
-and `verify`'s report piped to a file (COLUMNS=80, stdout not a TTY).
+"""Tables at 80 columns without a terminal: `demo`, `verify`, `upload --dry-run`, `inspect` and
+`convert --dry-run` piped to a file (COLUMNS=80, stdout not a TTY).
 
 Evidence:
 * no output line is wider than 80 columns (except a single name longer than 80, which stays whole);
@@ -202,7 +202,7 @@ def test_verify_report_at_80():
 
 
 @pytest.mark.skipif(not (ROOT / "specconv" / "data" / "tiny-qwen35-mtp").exists(), reason="bundled model absent")
-def test_demo_piped_at_80(tmp_path):
+def test_demo_and_verify_piped_at_80(tmp_path):
     out = tmp_path / "demo"
     code, text = piped("demo", "--out", str(out), "-n", "8", "--draft-max", "2", "--prompts", "1", "--repeats", "1")
     print(text)
@@ -212,3 +212,14 @@ def test_demo_piped_at_80(tmp_path):
     assert len(names) == 3
     check_whole(text, names)
     check_cells(text, ["draft_max:", "speed-up:", "PASSED", "trunk + MTP head in one file", "MTP head only (mtp- sidecar)"])
+
+    # `verify` on the converted file, piped the same way; its checks against its own JSON report.
+    embedded = next(n for n in names if not n.startswith("mtp-") and "trunk" not in n)
+    report_path = tmp_path / "report.json"
+    code, text = piped("verify", str(out / embedded), "-n", "8", "--draft-max", "2", "--json", str(report_path))
+    print(text)
+    assert code == 0, text
+    report = json.loads(report_path.read_text())
+    check_width(text)
+    check_whole(text, [embedded])
+    check_cells(text, [w for c in report["checks"] for w in (c["name"], c["detail"])])
