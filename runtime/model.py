@@ -22,6 +22,7 @@ from specconv.runtime.placement import Placement
 from specconv.runtime.stored import ReadCounter
 from specconv.runtime.tokenizer import GGUFTokenizer
 from specconv.runtime.types import GraphType
+from specconv.runtime.validate import read_hparams, validate_model
 from specconv.runtime.weights import MODES, Weights, load_tensor
 
 SHAREABLE = ("token_embd.weight", "output.weight", "output_norm.weight")
@@ -38,7 +39,7 @@ class Model:
         self.paths = file.paths
         self.arch = file.arch
         self.graph = graph_module(self.arch)
-        self.hparams = self.graph.HParams.from_kv(file.kv)
+        self.hparams = read_hparams(file, self.graph)
         self.device, self.dtype = devices[0], dtype
         self.weights_mode, self.offload = weights, offload
         if len(devices) > 1 and not getattr(self.graph, "MULTI_DEVICE", False):
@@ -101,6 +102,7 @@ class Model:
     def _load_weights(self, share_from: "Model | None", devices: list[torch.device]) -> Weights:
         g = self.graph
         needed = self._needed()
+        validate_model(self.file, g, self.hparams, needed)  # before any tensor is read (runtime/validate.py)
         placement = self._placement(needed, devices)
         weights = Weights(placement, ReadCounter())
         for name in needed:

@@ -130,5 +130,5 @@ def test_peak_memory_grows_with_the_file_not_with_parameters(tmp_path):
     grow_stored, grow_dense = stored[12] - stored[4], dense[12] - dense[4]
     print(f"\n[memory] file growth {file_growth / 1e6:.0f} MB; peak RSS growth stored {grow_stored / 1e6:.0f} MB "
           f"({grow_stored / file_growth:.2f}x), dense {grow_dense / 1e6:.0f} MB ({grow_dense / file_growth:.2f}x)")
-    assert grow_stored <= 1.3 * file_growth
+    assert grow_stored <= 1.2 * file_growth + 50e6  # the bound: 1.2 x the file + a constant
     assert grow_dense >= 0.8 * 4 * params_growth
