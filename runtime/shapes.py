@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 from specconv.archs.errors import SpecconvError
 
 Shapes = dict[str, tuple]
+MAX_VOCAB = 1 << 24
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -221,8 +222,12 @@ def check_arch_hparams(hp, kv: Mapping[str, Any]) -> None:
         if hp.n_expert and not hp.n_ff_exp:
             raise SpecconvError(f"{a}.expert_feed_forward_length is missing")
     if a == "eagle3":
-        if not hp.n_vocab:
-            raise SpecconvError(f"{a}: no vocabulary size ({a}.vocab_size or tokenizer.ggml.tokens)")
+        tokens = kv.get("tokenizer.ggml.tokens")
+        if not 0 < hp.n_vocab <= MAX_VOCAB:
+            raise SpecconvError(f"{a}: vocabulary size {hp.n_vocab} ({a}.vocab_size or tokenizer.ggml.tokens) is "
+                                f"outside 1..{MAX_VOCAB}")
+        if isinstance(tokens, list) and len(tokens) != hp.n_vocab:  # logits are scattered over n_vocab columns
+            raise SpecconvError(f"{a}.vocab_size {hp.n_vocab} differs from the {len(tokens)} tokenizer tokens")
         if not hp.n_ff:
             raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
     if a == "llama" and not hp.n_ff:

@@ -152,7 +152,7 @@ class GGUFTokenizer:
             tk = _gemma4_tokenizer(tokens, merges, kv.get("tokenizer.ggml.unknown_token_id"))
             self._finish(kv, tk, tokens, types)
             return
-        pre = kv.get("tokenizer.ggml.pre", "default")
+        pre = kv.get("tokenizer.ggml.pre") or "default"  # llama.cpp: an empty name is the default
         if pre not in PRE_TOKENIZERS:
             raise SpecconvError(f"KV tokenizer.ggml.pre: pre-tokenizer {pre!r} is not known to the runtime tokenizer "
                                 f"(known: {', '.join(sorted(PRE_TOKENIZERS))})"[:300])

@@ -216,9 +216,21 @@ def check_tensor_info(name: str, t, integer_ok=()) -> None:
     if stored != nbytes:
         raise SpecconvError(f"tensor {name}: ggml shape {dims} of {qtype.name} needs {nbytes} bytes, "
                             f"the file holds {stored}")
+    supported = _computable_types()
+    if supported is not None and qtype not in supported and qtype not in INTEGER_TYPES:
+        raise SpecconvError(f"tensor {name} has type {qtype.name}, which the runtime cannot compute with")
     if (qtype in INTEGER_TYPES) != (name in integer_ok):
         want = "an integer" if name in integer_ok else "a floating-point or quantized"
         raise SpecconvError(f"tensor {name} has type {qtype.name}; {want} type is expected")
+
+
+def _computable_types():
+    """The storage types the runtime's dequantizer reads (None: unknown here, left to the loader)."""
+    try:
+        from specconv.runtime.dequant import SUPPORTED
+    except ImportError:
+        return None
+    return SUPPORTED
 
 
 def _fmt(shape) -> str:

@@ -163,16 +163,16 @@ def _prepare_imports() -> None:
 
     for arch in graphs.GRAPHS:
         graphs.graph_module(arch)
-    _wire_validation()
+    wire_validation()
 
 
-def _wire_validation() -> None:
+def wire_validation() -> None:
     """Until Model.__init__ calls validate_model itself, call it where it will: on the needed tensors."""
     import inspect
 
     from specconv.runtime import model, validate
 
-    if "validate_model" in inspect.getsource(model):
+    if "validate_model" in inspect.getsource(model) or getattr(model.Model._needed, "validates", False):
         return
     original = model.Model._needed
 
@@ -181,6 +181,7 @@ def _wire_validation() -> None:
         validate.validate_model(self.file, self.graph, self.hparams, needed)
         return needed
 
+    _needed.validates = True
     model.Model._needed = _needed
 
 
@@ -203,6 +204,7 @@ def run(args) -> dict:
     docs = {p: Doc.parse(p) for _, paths in seeds.values() for p in paths}
     counts = {stage: {f: collections.Counter() for f in families} for stage in ("runtime", "tools")}
     internal: dict[str, dict] = {}
+    unnamed: collections.Counter = collections.Counter()
     root = Path(tempfile.mkdtemp(prefix="specconv-fuzz-"))
     mem = args.mem_mb << 20
     start = time.monotonic()
@@ -227,6 +229,9 @@ def run(args) -> dict:
                     continue
                 outcome, message = run_isolated(fn, fargs, names, work, args.time_limit, mem)
                 counts[stage][family][outcome] += 1
+                if outcome == "clear" and not any(name in message for name in names):
+                    counts[stage][family]["unnamed"] += 1  # clear, but the file is not named
+                    unnamed[f"{stage}: {message[:120]}"] += 1
                 if outcome not in ("ok", "clear"):
                     key = f"{stage}: {outcome}: {message}"
                     entry = internal.setdefault(key, {"count": 0, "case": i, "family": family, "mutation": note})
@@ -240,7 +245,8 @@ def run(args) -> dict:
     return {"cases": len(cases), "seconds": round(time.monotonic() - start, 1), "seed": args.seed,
             "time_limit_s": args.time_limit, "memory_cap_mb": args.mem_mb, "totals": _totals(counts),
             "by_family": {s: {f: dict(c) for f, c in per.items()} for s, per in counts.items()},
-            "problems": dict(sorted(internal.items(), key=lambda kv: -kv[1]["count"]))}
+            "problems": dict(sorted(internal.items(), key=lambda kv: -kv[1]["count"])),
+            "clear_without_file_name": dict(unnamed.most_common(40))}
 
 
 def _totals(counts) -> dict:
@@ -249,7 +255,7 @@ def _totals(counts) -> dict:
         total = collections.Counter()
         for c in per.values():
             total.update(c)
-        out[stage] = {o: total.get(o, 0) for o in OUTCOMES}
+        out[stage] = {o: total.get(o, 0) for o in OUTCOMES + ("unnamed",)}
     return out
 
 
@@ -263,7 +269,7 @@ def _debug(kind, paths, work) -> None:
             traceback.print_exc()
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default=str(ROOT / "fuzz-seeds"), help="folder of seed files (built when missing)")
     ap.add_argument("--families", default=None, help="comma-separated seed names (default: all)")
@@ -277,7 +283,11 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", default=None, help="copy the files of each distinct problem here")
     ap.add_argument("--progress", type=int, default=0, help="print totals every N cases")
     ap.add_argument("--json", default=None, help="write the report here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     report = run(args)
     text = json.dumps(report, indent=1)
     if args.json:
@@ -285,7 +295,9 @@ def main(argv=None) -> int:
     print(json.dumps({"cases": report["cases"], "seconds": report["seconds"], "totals": report["totals"]}))
     for key, entry in list(report["problems"].items())[:30]:
         print(f"{entry['count']:6d}  case {entry['case']} ({entry['family']}, {entry['mutation'][:80]}): {key}")
-    bad = sum(v for stage in report["totals"].values() for o, v in stage.items() if o not in ("ok", "clear"))
+    for key, n in list(report["clear_without_file_name"].items())[:10]:
+        print(f"{n:6d}  file not named: {key}")
+    bad = sum(v for stage in report["totals"].values() for o, v in stage.items() if o not in ("ok", "clear", "unnamed"))
     return 1 if bad else 0
 
 

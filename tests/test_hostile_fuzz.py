@@ -1,0 +1,32 @@
+"""CI smoke run of the GGUF fuzzer (tools/fuzz_gguf.py): a few hundred mutated Qwen3.5 files (embedded
+head, trunk + MTP sidecar) through the runtime pipeline and the tools, each in a forked child under a
+memory cap and a time limit. Bounded: well under 60 s of CPU. The long run's figures are in
+docs/robustness.md."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def test_fuzz_smoke(tmp_path):
+    import fuzz_gguf
+    from fuzz_seeds import QUICK
+
+    before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    args = fuzz_gguf.build_parser().parse_args(["--seeds", str(tmp_path / "seeds"), "--families", ",".join(QUICK),
+                                                "--cases", "240", "--seed", "7", "--tools-every", "2",
+                                                "--time-limit", "20", "--mem-mb", "4096"])
+    report = fuzz_gguf.run(args)
+    after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = sum(a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, before))
+    print(f"fuzz smoke: {report['totals']} in {report['seconds']} s, {cpu:.1f} s CPU")
+    for stage in ("runtime", "tools"):
+        t = report["totals"][stage]
+        assert t["internal"] == t["hang"] == t["memory"] == 0, report["problems"]
+    assert report["totals"]["runtime"]["ok"] > 0 and report["totals"]["runtime"]["clear"] > 0
+    assert cpu < 60
