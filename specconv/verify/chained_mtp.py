@@ -1,11 +1,16 @@
-"""`verify --hf` for heads with several chained MTP blocks (hy_v3; docs/mtp.md §Chained MTP heads).
+"""`verify --hf` for heads with several chained MTP blocks (hy_v3, step35; docs/mtp.md §Chained MTP heads).
 
 transformers' generic `MtpModel` does not load these releases' MTP layers (Hy3's `final_layernorm`
-and `router.gate` names are not in its key mapping, so they would come up random), so each block j
-is transformers' own `MtpLayer` around the family's decoder layer class, loaded with
-`load_state_dict(strict=True)` from the release tensors of layer N+j. Every block is judged alone on
-llama.cpp's rows (row p = (x_p, h_{p-1}), h_{-1} = 0) fed transformers' trunk hidden states: a
-perturbed block other than the first fails its own check.
+and `router.gate`, Step-3.5's `transformer.shared_head` and stacked `moe.*` names are not in its key
+mapping, so they would come up random), so each block j is transformers' own `MtpLayer` around the
+family's decoder layer class, loaded with `load_state_dict(strict=True)` from the release tensors of
+layer N+j. Every block is judged alone on llama.cpp's rows (row p = (x_p, h_{p-1}), h_{-1} = 0) fed
+transformers' trunk hidden states (post-norm, or pre-norm where the graph's TARGET_HIDDEN says so):
+a perturbed block other than the first fails its own check.
+
+transformers 5.23 has no Step3p5 CausalLM class: `step35_reference` is its `Step3p7TextModel`, built
+from the release config.json, plus an LM head, loaded strictly from the release tensors
+(`REFERENCES`, used by parity.load_reference).
 """
 
 from __future__ import annotations
@@ -32,13 +37,92 @@ def _hy_v3_name(rel: str) -> str:
     return "mtp_block." + rel.replace("mlp.shared_mlp.", "mlp.shared_experts.")
 
 
-def _hy_v3_config(config, k: int):
+def _hy_v3_config(config, k: int, hf_dir: Path):
     cfg = copy.deepcopy(config)
     cfg.mlp_layer_types = list(config.mlp_layer_types) + ["sparse"] * k  # the MTP blocks are MoE blocks
     return cfg
 
 
-FAMILIES = {"hy_v3": (_hy_v3_name, _hy_v3_config)}
+def _step35_trunk_name(rel: str) -> str:
+    rel = rel.replace("moe.gate.weight", "mlp.gate.weight").replace("moe.router_bias", "mlp.gate.e_score_correction_bias")
+    return rel.replace("share_expert.", "mlp.shared_experts.")
+
+
+def _step35_name(rel: str) -> str | None:
+    if rel.startswith(("enorm.", "hnorm.", "eh_proj.")):
+        return rel
+    if rel.startswith("transformer.shared_head.norm."):
+        return "post_norm." + rel.rsplit(".", 1)[1]
+    if rel.startswith(("transformer.shared_head.output.", "embed_tokens.")):
+        return None  # copies of the LM head / embedding: the trunk's are used
+    return "mtp_block." + _step35_trunk_name(rel)
+
+
+def _step35_text_config(hf_dir: Path, all_layers: bool):
+    from transformers import Step3p7TextConfig
+
+    raw = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    raw = raw.get("text_config", raw)
+    d = {a: b for a, b in raw.items() if a not in ("architectures", "model_type", "transformers_version")}
+    if all_layers:  # one config over all N + k layers: MtpLayer(config, N + j) reads block j's entries
+        d["num_hidden_layers"] = raw["num_hidden_layers"] + int(raw.get("num_nextn_predict_layers", 0))
+        d["num_nextn_predict_layers"] = 0
+    cfg = Step3p7TextConfig(**d)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _step35_config(config, k: int, hf_dir: Path):
+    return _step35_text_config(hf_dir, all_layers=True)
+
+
+FAMILIES = {"hy_v3": (_hy_v3_name, _hy_v3_config), "step35": (_step35_name, _step35_config)}
+
+
+class _Step35Causal(torch.nn.Module):
+    """Step3p7TextModel + LM head, answering like a transformers CausalLM (logits, hidden_states)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        from transformers import Step3p7TextModel
+
+        self.model, self.config = Step3p7TextModel(cfg), cfg
+        self.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def get_decoder(self):
+        return self.model
+
+    def forward(self, input_ids, output_hidden_states=False, use_cache=False, **kwargs):
+        from types import SimpleNamespace
+
+        post = self.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return SimpleNamespace(logits=self.lm_head(post), hidden_states=(post,))
+
+
+def step35_reference(hf_dir: Path, dtype: torch.dtype = torch.float32):
+    """(model, load problems): transformers' Step-3.5 text model and LM head from the release files."""
+    cfg = _step35_text_config(hf_dir, all_layers=False)
+    model = _Step35Causal(cfg)
+    n = cfg.num_hidden_layers
+    state = {}
+    for name, t in _release_tensors(hf_dir, "").items():
+        m = re.match(r"^model\.layers\.(\d+)\.", name)
+        if m and int(m.group(1)) >= n:
+            continue
+        state[_step35_trunk_name(name)] = t
+    bad = model.load_state_dict(_fuse_experts(state), strict=False)
+    problems = {k: v for k, v in (("missing_keys", bad.missing_keys), ("unexpected_keys", bad.unexpected_keys)) if v}
+    model.config._name_or_path = str(hf_dir)
+    return model.to(dtype).eval(), problems
+
+
+REFERENCES = {"step35": step35_reference}
 
 
 def _release_tensors(hf_dir: Path, prefix: str) -> dict[str, torch.Tensor]:
@@ -55,21 +139,24 @@ def _release_tensors(hf_dir: Path, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert `experts.{e}.{gate,up,down}_proj.weight` -> transformers' fused 3-D experts."""
-    per = re.compile(r"^(.*\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
-    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    """Per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` or stacked `moe.{gate,up,down}_proj.weight`
+    -> transformers' fused 3-D experts `mlp.experts.gate_up_proj` / `down_proj`."""
+    per = re.compile(r"^(.*)mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+    stacked = re.compile(r"^(.*)moe\.(gate|up|down)_proj\.weight$")
+    groups: dict[str, dict[str, torch.Tensor | dict[int, torch.Tensor]]] = {}
     out = {}
     for name, t in state.items():
-        m = per.match(name)
+        m, s = per.match(name), stacked.match(name)
         if m:
             groups.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
+        elif s:
+            groups.setdefault(s.group(1), {})[s.group(2)] = t
         else:
             out[name] = t
     for base, parts in groups.items():
-        n = len(parts.get("gate", {}))
-        stack = lambda part: torch.stack([parts[part][e] for e in range(n)])  # noqa: E731
-        out[base + "gate_up_proj"] = torch.cat([stack("gate"), stack("up")], dim=1)
-        out[base + "down_proj"] = stack("down")
+        stack = {p: torch.stack([v[e] for e in range(len(v))]) if isinstance(v, dict) else v for p, v in parts.items()}
+        out[base + "mlp.experts.gate_up_proj"] = torch.cat([stack["gate"], stack["up"]], dim=1)
+        out[base + "mlp.experts.down_proj"] = stack["down"]
     return out
 
 
@@ -82,7 +169,7 @@ def load_blocks(main, family: str, hf_dir: Path, k: int) -> list:
     rename, adjust = FAMILIES[family]
     base = main.get_decoder()
     layer_cls, norm_cls = type(base.layers[-1]), type(base.norm)
-    cfg = adjust(main.config, k)
+    cfg = adjust(main.config, k, hf_dir)
     dtype = next(main.parameters()).dtype
     n = main.config.num_hidden_layers
     blocks = []
@@ -92,25 +179,49 @@ def load_blocks(main, family: str, hf_dir: Path, k: int) -> list:
         raw = {r: t for r, t in raw.items() if not r.startswith(("embed_tokens.", "shared_head."))}
         if not raw:
             raise SpecconvError(f"--hf {hf_dir}: no model.layers.{n + j}.* tensors (MTP block {j})")
-        layer.load_state_dict(_fuse_experts({rename(r): t for r, t in raw.items()}), strict=True)
+        named = {rename(r): t for r, t in raw.items()}
+        layer.load_state_dict(_fuse_experts({a: b for a, b in named.items() if a is not None}), strict=True)
         blocks.append(layer.to(dtype).eval())
     return blocks
 
 
 @torch.no_grad()
 def block_logits(main, layer, tokens: list[int], hidden: torch.Tensor, positions: list[int]) -> torch.Tensor:
-    """One MTP block on explicit rows, causal, no cache (the shared head of the trunk)."""
+    """One MTP block on explicit rows, causal (within its sliding window, if any), no cache, through
+    the trunk's LM head."""
     dev = next(layer.parameters()).device
     tok = torch.tensor([tokens], device=dev)
     e = main.get_input_embeddings()(tok).to(dev)
     h = hidden[None].to(dev, e.dtype)
     x = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(h)], dim=-1))
-    n = len(tokens)
-    mask = torch.full((n, n), float("-inf"), device=dev, dtype=x.dtype).triu(1)[None, None]
-    pos = torch.tensor([positions], device=dev)
-    y = layer.mtp_block(x, attention_mask=mask, position_embeddings=main.get_decoder().rotary_emb(x, pos),
-                        position_ids=pos)
+    p = torch.tensor(positions, device=dev)
+    ok = p[None, :] <= p[:, None]
+    kind = getattr(layer.mtp_block, "attention_type", None)
+    if kind == "sliding_attention":
+        ok &= (p[:, None] - p[None, :]) < layer.config.sliding_window
+    mask = torch.zeros(ok.shape, device=dev, dtype=x.dtype).masked_fill(~ok, float("-inf"))[None, None]
+    pos = p[None]
+    rotary = main.get_decoder().rotary_emb
+    rope = rotary(x, pos, kind) if kind is not None else rotary(x, pos)
+    y = layer.mtp_block(x, attention_mask=mask, position_embeddings=rope, position_ids=pos)
     return main.get_output_embeddings()(layer.post_norm(y))[0].float().cpu()
+
+
+@torch.no_grad()
+def _pre_norm_rows(main, prompts) -> list[torch.Tensor]:
+    """The trunk's hidden rows before its final norm (the input of that norm)."""
+    rows = []
+
+    def keep(module, args, out):  # returns None, so the norm's output is left alone
+        rows.append(args[0][0].float().cpu())
+
+    hook = main.get_decoder().norm.register_forward_hook(keep)
+    try:
+        for ids in prompts:
+            main(torch.tensor([ids], device=next(main.parameters()).device), use_cache=False)
+    finally:
+        hook.remove()
+    return rows
 
 
 def chained_mtp_check(report, head, main, prompts, hidden, judge, ref: str, errors) -> None:
@@ -122,6 +233,8 @@ def chained_mtp_check(report, head, main, prompts, hidden, judge, ref: str, erro
     except Exception as exc:
         report.add("parity: MTP blocks vs transformers", False, f"no MTP reference: {type(exc).__name__}: {exc}")
         return
+    if getattr(head.graph, "TARGET_HIDDEN", "post_norm") == "pre_norm":  # step35 reads the pre-norm rows
+        hidden = _pre_norm_rows(main, prompts)
     worst_all, per_block = 0.0, []
     for j, layer in enumerate(blocks):
         view = block_view(head, j)

@@ -50,7 +50,8 @@ HF_CLASSES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalL
               "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
               "gemma4": "Gemma4ForCausalLM", "llama": "LlamaForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-              "qwen3next": "Qwen3NextForCausalLM"}
+              "qwen3next": "Qwen3NextForCausalLM",
+              "hy_v3": "HYV3ForCausalLM"}
 
 
 def _class_name(hf_dir: Path, arch: str) -> str:
@@ -109,6 +110,10 @@ def load_reference(hf_dir: Path, arch: str, dtype: torch.dtype = torch.float32, 
     import transformers
     from transformers.utils import logging as hf_logging
 
+    from specconv.verify.chained_mtp import REFERENCES
+
+    if arch in REFERENCES:  # no transformers CausalLM class: built from its text model (chained_mtp.py)
+        return REFERENCES[arch](hf_dir, dtype)
     if arch not in HF_CLASSES:
         raise SpecconvError(f"--hf: no transformers reference for GGUF arch {arch!r} (known: {', '.join(HF_CLASSES)})")
     if not (hf_dir / "config.json").is_file():

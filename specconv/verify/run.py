@@ -18,7 +18,8 @@ from specconv.runtime import GraphType, load_model
 from specconv.runtime.drafters import DraftModelDrafter, Eagle3Drafter, Gemma4AssistantDrafter, MtpDrafter, NgramDrafter
 from specconv.runtime.drafters.draft_model import check_same_vocabulary
 from specconv.runtime.drafters.eagle3 import check_head_fits_target
-from specconv.runtime.spec_stats import expected_tokens
+from specconv.runtime.drafters.mtp import block_of_position as mtp_block_of_position
+from specconv.runtime.spec_stats import expected_tokens, per_block
 from specconv.verify import roundtrip, structure
 from specconv.verify.hf_checks import run_hf_checks
 from specconv.verify.report import Report
@@ -219,6 +220,8 @@ def _speculative(report: Report, target, head, draft_model, prompts, opts: Verif
         report.speculative = {"exact": exact, "drafter": next(iter(drafters)), "rollback": "snapshot"}
         return
     s = main_stats.to_json()
+    if main_name == "mtp":  # acceptance by MTP block (chained heads: draft position i is block i's)
+        s["per_block"] = per_block(main_stats, mtp_block_of_position(head))
     s.update(exact=exact, drafter=main_name, draft_max=k, rollback="snapshot", temperature=0.0,
              seconds=main_seconds, plain_seconds=plain_seconds,
              speedup=plain_seconds / main_seconds if main_seconds > 0 else None,
