@@ -5,7 +5,7 @@ Release layouts (`...ForConditionalGeneration` configs with `text_config`, `mode
 names) load into the CausalLM class through transformers' own key mapping; a load report with
 missing or mismatched keys fails the check instead of comparing against random weights.
 The MTP head: our MTP graph vs transformers' `MtpModel` on llama.cpp's rows (row p = (x_p, h_{p-1}),
-h_{-1} = 0, model-math.md §7.2), both fed transformers' trunk hidden states so the head is judged alone.
+h_{-1} = 0, docs/reference/model-math.md §7.2), both fed transformers' trunk hidden states so the head is judged alone.
 
 Criteria by the file's weight storage and the compute dtype (`criterion`): float32 files computed
 in float32 still differ by float32 rounding, which tiny random Gated DeltaNet layers amplify to ~4e-4
@@ -56,7 +56,7 @@ HF_CLASSES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalL
 
 def _class_name(hf_dir: Path, arch: str) -> str:
     """Gemma 4 releases must load into the conditional-generation class: Gemma4ForCausalLM would
-    silently random-initialise them (peers.md §2.5)."""
+    silently random-initialise them (docs/reference/peers.md §2.5)."""
     if arch == "gemma4":
         archs = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
         if "Gemma4ForConditionalGeneration" in archs:
@@ -135,7 +135,7 @@ def load_reference(hf_dir: Path, arch: str, dtype: torch.dtype = torch.float32, 
 def load_mtp_reference(main, n_mtp: int):
     from transformers.modeling_layers import MtpModel
 
-    # Qwen configs do not carry the names MtpModel reads (peers.md §2.2)
+    # Qwen configs do not carry the names MtpModel reads (docs/reference/peers.md §2.2)
     main.config.num_mtp_layers = n_mtp
     main.config.mtp_layer_types = ["full_attention"] * n_mtp
     if getattr(main.config, "mlp_layer_types", None) is not None:  # GLM-4.7-Flash: the nextn layer is MoE
