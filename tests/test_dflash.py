@@ -305,3 +305,39 @@ def test_mask_embedding_drafts_are_refused(root, tmp_path):
     (d / "mask_embedding.pt").write_bytes(b"")
     with pytest.raises(SpecconvError, match="mask_embedding.pt"):
         convert_gguf(d, tmp_path / "x.gguf", extra_args=["--target", str(t_dir)])
+
+
+def test_trained_drafter_is_accepted_and_drafts_like_the_reference(root, tmp_path):
+    """A drafter trained briefly (tests/fixtures/tiny_dflash.train_dflash) in the reference's
+    conventions — transformers' hidden_states[id + 1], the block at the positions after the context —
+    is accepted about half the time when run from its GGUF in the runtime (the converted target layers
+    and the block positions line up; a random drafter: never), with partial rounds; every round's drafts equal the reference's
+    drafts on the same committed tokens, and the output equals plain greedy."""
+    from specconv.runtime.speculative import Round
+
+    t_dir, t_gguf, _, _ = built(root, "qwen3")
+    d_dir = tiny.build_dflash(tmp_path / "trained", t_dir, layer_ids=TARGETS["qwen3"][1], mask_token_id=MASK)
+    info = tiny.train_dflash(d_dir, t_dir, steps=200, n_seq=4)
+    d_gguf = convert_gguf(d_dir, tmp_path / "trained.gguf", extra_args=["--target", str(t_dir)])
+    target, T = load_model(t_gguf, device="cpu"), tiny.load_target(t_dir)
+    accepted = drafted = compared = 0
+    partial = False
+    for seq in info["sequences"][:2]:
+        prompt, n = seq[:6], 28
+        rounds: list[Round] = []
+        drafter = build_drafter("dflash", target, n_ctx=64, draft_max=7, draft_path=d_gguf)
+        res = speculative_generate(target, drafter, prompt, n, SpecConfig(draft_max=7),
+                                   on_round=lambda ctx, r: rounds.append(r))
+        assert res.tokens == generate(target, prompt, n).tokens
+        full = prompt + res.tokens
+        for r in rounds:
+            if r.drafts:
+                ref, _ = tiny.reference_drafts(d_dir, T, full[:r.pos0], full[r.pos0], 7, TARGETS["qwen3"][1], MASK)
+                assert r.drafts == ref[:len(r.drafts)], f"round at {r.pos0}"
+                compared += 1
+            partial |= 0 < r.accepted < len(r.drafts)
+        s = res.stats["speculative"]
+        accepted, drafted = accepted + s["accepted"], drafted + s["drafted"]
+    print(f"\n[trained dflash over qwen3] training loss {info['loss'][0]:.2f} -> {info['loss'][1]:.2f}; "
+          f"{accepted}/{drafted} drafts accepted; {compared} rounds' drafts equal the reference's")
+    assert accepted / drafted > 0.25 and partial
