@@ -40,6 +40,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 from gguf import quants as gguf_quants
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime import dequant_native
 
 
 # --- small helpers -------------------------------------------------------------------------------
@@ -292,6 +293,12 @@ def dequantize_rows(raw: torch.Tensor, qtype: QType, dtype: torch.dtype = torch.
         raise SpecconvError(f"tensor type {_name(qtype)} is not supported by the runtime "
                             f"(supported: {', '.join(sorted(t.name for t in SUPPORTED))})")
     _check_input(raw, qtype, dtype)
+    if qtype in _FLOATS and _FLOATS[qtype] == dtype:
+        return _reinterpret(raw, dtype)
+    if _on_cpu(raw):  # the native decoders (runtime/dequant_native.py) when built: same values
+        values = dequant_native.dequantize(raw, qtype)
+        if values is not None:
+            return values.to(dtype)
     if qtype in _FLOATS:
         return _reinterpret(raw, _FLOATS[qtype]).to(dtype)
     block, size = GGML_QUANT_SIZES[qtype]

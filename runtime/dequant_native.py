@@ -1,0 +1,82 @@
+"""The optional native dequantizer (runtime/_dequant.c, runtime/dq_blocks.c) behind `dequantize_rows`.
+
+The extension is optional: `pip install -e .` compiles it when a C compiler is present, and the
+runtime falls back to the pure-torch decoders of runtime/dequant.py (the same values bit for bit,
+slower) when it is not built or cannot be imported. `SPECCONV_NO_NATIVE=1` (every native path of
+the project) or `SPECCONV_NO_NATIVE_DEQUANT=1` (this one only) forces the torch path, so tests can
+exercise both.
+
+Covered: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, and F16/BF16
+widened to float32, on the CPU. The blocks of one call are split over up to
+`torch.get_num_threads()` threads (C threads, GIL released), but only when every thread gets at
+least `MIN_THREAD_ELEMENTS` values: below that, starting threads costs more than it saves.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from gguf import GGMLQuantizationType as QType
+
+# Values a thread must get before a call is split (measured: benchmarks/dequant_native.py).
+MIN_THREAD_ELEMENTS = 1 << 18
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    try:
+        from specconv.runtime import _dequant
+    except ImportError:
+        return None
+    return _dequant
+
+
+@functools.lru_cache(maxsize=None)
+def _covered() -> dict[int, tuple[int, int]]:
+    module = _module()
+    return {} if module is None else dict(module.types())
+
+
+def available() -> bool:
+    """Whether the extension is built and not switched off by the environment."""
+    if os.environ.get("SPECCONV_NO_NATIVE") == "1" or os.environ.get("SPECCONV_NO_NATIVE_DEQUANT") == "1":
+        return False
+    return _module() is not None
+
+
+def covers(qtype: QType) -> bool:
+    """Whether `qtype` rows can be dequantized natively now (built, enabled, type covered)."""
+    return available() and int(qtype) in _covered()
+
+
+def dequantize(raw: torch.Tensor, qtype: QType, out: torch.Tensor | None = None,
+               threads: int | None = None) -> torch.Tensor | None:
+    """float32 values [..., n] of the uint8 rows `raw` [..., row_bytes], or None where the native
+    path does not apply (extension missing or disabled, type not covered, not on the CPU).
+
+    `out`, when given, is a C-contiguous float32 CPU tensor of at least that many elements; the
+    values are written to its start and returned as a view of it. Rows that are not contiguous are
+    first copied (bytes are at most a quarter of the values' size)."""
+    if raw.device.type != "cpu" or raw.dtype != torch.uint8 or not covers(qtype):
+        return None
+    block, size = _covered()[int(qtype)]
+    if raw.shape[-1] % size:
+        return None  # dequantize_rows reports the error
+    if not raw.is_contiguous():
+        raw = raw.contiguous()
+    shape = (*raw.shape[:-1], raw.shape[-1] // size * block)
+    count = raw.numel() // size * block
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    else:
+        if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() < count:
+            raise ValueError(f"out must be a contiguous float32 CPU tensor of at least {count} values")
+        out = out.view(-1)[:count].view(shape)
+    if count:
+        if threads is None:
+            threads = torch.get_num_threads()
+        threads = max(1, min(threads, count // MIN_THREAD_ELEMENTS))
+        _module().dequantize(int(qtype), raw.data_ptr(), raw.numel(), out.data_ptr(), threads)
+    return out
