@@ -236,6 +236,8 @@ def run(args) -> dict:
                     key = f"{stage}: {outcome}: {message}"
                     entry = internal.setdefault(key, {"count": 0, "case": i, "family": family, "mutation": note})
                     entry["count"] += 1
+                    if args.progress and entry["count"] == 1:
+                        print(f"new problem at case {i} ({family}, {note[:80]}): {key}", flush=True)
                     if args.keep and entry["count"] == 1:
                         shutil.copytree(work, Path(args.keep) / f"case-{i}", dirs_exist_ok=True)
             if args.progress and (n + 1) % args.progress == 0:
