@@ -1,24 +1,43 @@
 /* Native K-quant encoder for specconv's converter (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): bytes equal to
  * llama.cpp's quantize tool without an importance matrix, with the GIL released so that the
  * converter's worker threads encode chunks of a tensor at once. The block encoders are in
- * kq_blocks.c and kq_search.c; this file is the Python entry point. */
+ * kq_blocks.h and kq_search.h (built for any CPU and for AVX2); this file is the Python entry point. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include <stdlib.h>
 
 #include "kq_common.h"
 
 typedef void (*block_fn)(const float *, uint8_t *);
 
+static block_fn encoders[5]; /* Q2_K..Q6_K, for this CPU: set when the module loads */
+static const char *isa_name = "generic";
+
+static void choose_encoders(void)
+{
+    block_fn generic[5] = {kq_block_q2_k_generic, kq_block_q3_k_generic, kq_block_q4_k_generic,
+                           kq_block_q5_k_generic, kq_block_q6_k_generic};
+    memcpy(encoders, generic, sizeof encoders);
+#ifdef KQ_HAVE_AVX2
+    const char *off = getenv("SPECCONV_NO_AVX2"); /* tests run the generic build on AVX2 machines too */
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && !(off && strcmp(off, "1") == 0)) {
+        isa_name = "avx2";
+        block_fn avx2[5] = {kq_block_q2_k_avx2, kq_block_q3_k_avx2, kq_block_q4_k_avx2, kq_block_q5_k_avx2,
+                            kq_block_q6_k_avx2};
+        memcpy(encoders, avx2, sizeof encoders);
+    }
+#endif
+}
+
 static int block_bytes(int type, block_fn *fn)
 {
-    switch (type) {
-    case KQ_Q2_K: *fn = kq_block_q2_k; return KQ_Q2_K_BYTES;
-    case KQ_Q3_K: *fn = kq_block_q3_k; return KQ_Q3_K_BYTES;
-    case KQ_Q4_K: *fn = kq_block_q4_k; return KQ_Q4_K_BYTES;
-    case KQ_Q5_K: *fn = kq_block_q5_k; return KQ_Q5_K_BYTES;
-    case KQ_Q6_K: *fn = kq_block_q6_k; return KQ_Q6_K_BYTES;
-    default: return 0;
-    }
+    static const int bytes[5] = {KQ_Q2_K_BYTES, KQ_Q3_K_BYTES, KQ_Q4_K_BYTES, KQ_Q5_K_BYTES, KQ_Q6_K_BYTES};
+    if (type < KQ_Q2_K || type > KQ_Q6_K)
+        return 0;
+    *fn = encoders[type - KQ_Q2_K];
+    return bytes[type - KQ_Q2_K];
 }
 
 /* Returns 0 at the first super-block holding an infinity or NaN (llama.cpp's quantize refuses
@@ -90,7 +109,13 @@ static PyObject *encode(PyObject *self, PyObject *args)
     return result;
 }
 
+static PyObject *isa(PyObject *self, PyObject *args)
+{
+    return PyUnicode_FromString(isa_name);
+}
+
 static PyMethodDef methods[] = {
+    {"isa", isa, METH_NOARGS, "isa() -> str\n\nThe build of the encoders in use: 'avx2' or 'generic'."},
     {"encode", encode, METH_VARARGS,
      "encode(ggml_type, src, dst, bf16) -> bool\n\n"
      "Encode src (C-contiguous float32, or bfloat16 bits as uint16 when bf16 is true; a multiple of\n"
@@ -108,5 +133,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__kquants(void)
 {
+    choose_encoders();
     return PyModule_Create(&module);
 }

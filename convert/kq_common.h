@@ -101,17 +101,23 @@ static inline uint16_t kq_get_half(const uint8_t *p)
     return (uint16_t)(p[0] | (p[1] << 8));
 }
 
-/* Scale searches (kq_search.c). */
-float kq_affine_search(int n, int nmax, const float *x, const float *w, uint8_t *levels, float *neg_min,
-                       float rmin, float rdelta, int nstep, int use_mad);
-float kq_signed_search(int n, int nmax, const float *x, int8_t *levels);
-float kq_signed_refine(int n, int nmax, const float *x, int8_t *levels);
+/* The searches (kq_search.h) take KQ_LANES groups at once: xt[i * KQ_LANES + g] is value i of
+ * group g (n <= 32 values per group), levels come back in the same layout. */
+#define KQ_LANES 8
 
-/* One super-block of 256 values -> its bytes (kq_blocks.c). */
-void kq_block_q2_k(const float *x, uint8_t *out);
-void kq_block_q3_k(const float *x, uint8_t *out);
-void kq_block_q4_k(const float *x, uint8_t *out);
-void kq_block_q5_k(const float *x, uint8_t *out);
-void kq_block_q6_k(const float *x, uint8_t *out);
+/* One super-block of 256 values -> its bytes (kq_blocks.h). The encoders are compiled twice, from
+ * the same source: kq_generic.c for any CPU and kq_avx2.c with AVX2 enabled (8 lanes per vector
+ * instruction), chosen when the module loads. Both are the same IEEE operations lane by lane. */
+#define KQ_BLOCK_DECLS(suffix)                               \
+    void kq_block_q2_k##suffix(const float *x, uint8_t *out); \
+    void kq_block_q3_k##suffix(const float *x, uint8_t *out); \
+    void kq_block_q4_k##suffix(const float *x, uint8_t *out); \
+    void kq_block_q5_k##suffix(const float *x, uint8_t *out); \
+    void kq_block_q6_k##suffix(const float *x, uint8_t *out);
+KQ_BLOCK_DECLS(_generic)
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
+#define KQ_HAVE_AVX2 1
+KQ_BLOCK_DECLS(_avx2)
+#endif
 
 #endif

@@ -143,6 +143,31 @@ def test_numpy_and_native_agree(ggml_type):
     assert _mismatches(a, b, kquants.BLOCK_BYTES[ggml_type]) == []
 
 
+@pytest.mark.peer
+def test_generic_build_equals_llama_cpp_too(ggml_quantize, tmp_path):
+    """The encoders are compiled twice (AVX2 and any CPU); SPECCONV_NO_AVX2=1 selects the second,
+    which a machine with AVX2 would otherwise never run. It runs in a child process (the choice is
+    made when the module loads) and its bytes must equal the reference."""
+    import subprocess
+    import sys
+
+    native = require_native_kquants()
+    x = special_blocks(np.random.default_rng(500), n_random=200)
+    np.save(tmp_path / "x.npy", x)
+    code = ("import sys, numpy as np; from specconv.convert import _kquants as k; x = np.load(sys.argv[1]); "
+            "sizes = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}; outs = {}\n"
+            "for t, b in sizes.items():\n    o = np.zeros(x.shape[0] * b, np.uint8); assert k.encode(t, x, o, False); "
+            "outs[str(t)] = o\nnp.savez(sys.argv[2], isa=k.isa(), **outs)")
+    env = {**os.environ, "SPECCONV_NO_AVX2": "1"}
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.npy"), str(tmp_path / "out.npz")], env=env,
+                   check=True)
+    got = np.load(tmp_path / "out.npz")
+    assert str(got["isa"]) == "generic" and native is not None
+    for ggml_type in K_TYPES:
+        expected = ggml_quantize(ggml_type, x)
+        assert _mismatches(got[str(int(ggml_type))], expected, kquants.BLOCK_BYTES[ggml_type]) == [], ggml_type.name
+
+
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_non_finite_values_are_refused(bad):
     """llama.cpp's quantize fails on such rows (its validation); the converter says so in one line."""

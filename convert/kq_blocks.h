@@ -7,13 +7,33 @@
  *   Q6_K  ql[128] qh[64] scales[16] d       210 bytes
  * Each encoder searches per-group scales (kq_search.c), quantizes them against one float16
  * super-scale, then re-derives every level from the stored (rounded) scales. */
-#include "kq_common.h"
+#include "kq_search.h"
 
 #include <math.h>
 
-static inline int clamp_int(int v, int lo, int hi)
+#define L8 KQ_LANES
+
+
+/* 8 consecutive groups of n values -> the searches' lane layout (value i of group g at i * 8 + g). */
+static void transpose_in(const float *x, int n, float *xt)
 {
-    return v < lo ? lo : (v > hi ? hi : v);
+    for (int g = 0; g < L8; g++)
+        for (int i = 0; i < n; i++)
+            xt[i * L8 + g] = x[g * n + i];
+}
+
+static void transpose_out_u8(const uint8_t *lt, int n, uint8_t *levels)
+{
+    for (int g = 0; g < L8; g++)
+        for (int i = 0; i < n; i++)
+            levels[g * n + i] = lt[i * L8 + g];
+}
+
+static void transpose_out_i8(const int8_t *lt, int n, int8_t *levels)
+{
+    for (int g = 0; g < L8; g++)
+        for (int i = 0; i < n; i++)
+            levels[g * n + i] = lt[i * L8 + g];
 }
 
 /* 2-bit levels of 4 groups of 32, 128 values per 32 bytes: byte l holds levels l, l+32, l+64, l+96. */
@@ -25,17 +45,21 @@ static void pack_2bit(const uint8_t *levels, uint8_t *qs)
                                          (levels[half + l + 64] << 4) | (levels[half + l + 96] << 6));
 }
 
-void kq_block_q2_k(const float *x, uint8_t *out)
+void KQ_NAME(kq_block_q2_k)(const float *x, uint8_t *out)
 {
     uint8_t *scales = out, *qs = out + 16;
     uint8_t levels[KQ_SUPER];
-    float w[16], scale[16], neg_min[16];
+    float xt[16 * L8], wt[16 * L8], scale[16], neg_min[16];
+    uint8_t lt[16 * L8];
+    for (int half = 0; half < 2; half++) { /* groups 0..7, then 8..15 */
+        transpose_in(x + 128 * half, 16, xt);
+        for (int i = 0; i < 16 * L8; i++)
+            wt[i] = fabsf(xt[i]);
+        affine_search(16, 3, xt, wt, lt, scale + 8 * half, neg_min + 8 * half, -0.5f, 0.1f, 15, 1);
+        transpose_out_u8(lt, 16, levels + 128 * half);
+    }
     float top_scale = 0, top_min = 0; /* scales and negated minimums are never negative */
     for (int g = 0; g < 16; g++) {
-        const float *xg = x + 16 * g;
-        for (int i = 0; i < 16; i++)
-            w[i] = fabsf(xg[i]);
-        scale[g] = kq_affine_search(16, 3, xg, w, levels + 16 * g, &neg_min[g], -0.5f, 0.1f, 15, 1);
         if (scale[g] > top_scale)
             top_scale = scale[g];
         if (neg_min[g] > top_min)
@@ -69,14 +93,18 @@ void kq_block_q2_k(const float *x, uint8_t *out)
     kq_put_half(out + 82, dmin);
 }
 
-void kq_block_q3_k(const float *x, uint8_t *out)
+void KQ_NAME(kq_block_q3_k)(const float *x, uint8_t *out)
 {
     uint8_t *hmask = out, *qs = out + 32, *sc = out + 96;
-    int8_t raw[KQ_SUPER];
-    float scale[16];
+    int8_t raw[KQ_SUPER], lt[16 * L8];
+    float xt[16 * L8], scale[16];
+    for (int half = 0; half < 2; half++) {
+        transpose_in(x + 128 * half, 16, xt);
+        signed_refine(16, 4, xt, lt, scale + 8 * half);
+        transpose_out_i8(lt, 16, raw + 128 * half);
+    }
     float peak = 0, peak_abs = 0;
     for (int g = 0; g < 16; g++) {
-        scale[g] = kq_signed_refine(16, 4, x + 16 * g, raw + 16 * g);
         if (fabsf(scale[g]) > peak_abs) {
             peak_abs = fabsf(scale[g]);
             peak = scale[g];
@@ -151,17 +179,23 @@ static void unpack_scale_k4(int g, const uint8_t *sc, int *s, int *m)
 /* The shared part of Q4_K and Q5_K: levels 0..nmax in `levels`, header (d, dmin, scales) in `out`. */
 static void affine_k(const float *x, uint8_t *out, uint8_t *levels, int nmax, float rmin, int nstep)
 {
-    float w[32], scale[8], neg_min[8];
+    float xt[32 * L8], wt[32 * L8], sq[L8], rms[L8], scale[8], neg_min[8];
+    uint8_t lt[32 * L8];
+    transpose_in(x, 32, xt);
+    for (int g = 0; g < L8; g++)
+        sq[g] = 0;
+    for (int i = 0; i < 32; i++)
+        for (int g = 0; g < L8; g++)
+            sq[g] += xt[i * L8 + g] * xt[i * L8 + g];
+    for (int g = 0; g < L8; g++)
+        rms[g] = sqrtf(sq[g] / 32);
+    for (int i = 0; i < 32; i++)
+        for (int g = 0; g < L8; g++)
+            wt[i * L8 + g] = rms[g] + fabsf(xt[i * L8 + g]);
+    affine_search(32, nmax, xt, wt, lt, scale, neg_min, rmin, 0.1f, nstep, 0);
+    transpose_out_u8(lt, 32, levels);
     float top_scale = 0, top_min = 0;
     for (int g = 0; g < 8; g++) {
-        const float *xg = x + 32 * g;
-        float sq = 0;
-        for (int i = 0; i < 32; i++)
-            sq += xg[i] * xg[i];
-        float rms = sqrtf(sq / 32);
-        for (int i = 0; i < 32; i++)
-            w[i] = rms + fabsf(xg[i]);
-        scale[g] = kq_affine_search(32, nmax, xg, w, levels + 32 * g, &neg_min[g], rmin, 0.1f, nstep, 0);
         if (scale[g] > top_scale)
             top_scale = scale[g];
         if (neg_min[g] > top_min)
@@ -194,7 +228,7 @@ static void affine_k(const float *x, uint8_t *out, uint8_t *levels, int nmax, fl
     }
 }
 
-void kq_block_q4_k(const float *x, uint8_t *out)
+void KQ_NAME(kq_block_q4_k)(const float *x, uint8_t *out)
 {
     uint8_t levels[KQ_SUPER];
     affine_k(x, out, levels, 15, -1.0f, 20);
@@ -204,7 +238,7 @@ void kq_block_q4_k(const float *x, uint8_t *out)
             qs[32 * q + l] = (uint8_t)(levels[64 * q + l] | (levels[64 * q + l + 32] << 4));
 }
 
-void kq_block_q5_k(const float *x, uint8_t *out)
+void KQ_NAME(kq_block_q5_k)(const float *x, uint8_t *out)
 {
     uint8_t levels[KQ_SUPER];
     affine_k(x, out, levels, 31, -0.5f, 15);
@@ -226,15 +260,19 @@ void kq_block_q5_k(const float *x, uint8_t *out)
     }
 }
 
-void kq_block_q6_k(const float *x, uint8_t *out)
+void KQ_NAME(kq_block_q6_k)(const float *x, uint8_t *out)
 {
     uint8_t *ql = out, *qh = out + 128;
     int8_t *sc = (int8_t *)(out + 192);
-    int8_t levels[KQ_SUPER];
-    float scale[16];
+    int8_t levels[KQ_SUPER], lt[16 * L8];
+    float xt[16 * L8], scale[16];
+    for (int half = 0; half < 2; half++) {
+        transpose_in(x + 128 * half, 16, xt);
+        signed_search(16, 32, xt, lt, scale + 8 * half);
+        transpose_out_i8(lt, 16, levels + 128 * half);
+    }
     float peak = 0, peak_abs = 0;
     for (int g = 0; g < 16; g++) {
-        scale[g] = kq_signed_search(16, 32, x + 16 * g, levels + 16 * g);
         if (fabsf(scale[g]) > peak_abs) {
             peak_abs = fabsf(scale[g]);
             peak = scale[g];
