@@ -88,12 +88,13 @@ def test_fused_projections_split_per_key_head(conv):
                           hf["mtp.pre_fc_norm_embedding.weight"].numpy() + 1)
 
 
-@pytest.mark.parametrize("layout", ["release", "transformers"])
+@pytest.mark.parametrize("layout", ["release", "transformers", "sharded"])
 def test_equals_llamacpp_converter(root, tmp_path, layout):
     """llama.cpp's converter (SPECCONV_LLAMA_CPP_SRC) on the same checkpoint, f16: the same tensor names,
     order, storage types, KV set, values and order; values equal (ssm_a within one float32 ulp: ours is
     exp correctly rounded, docs/convert.md "Computed values")."""
-    src, files = tiny.converted(root, layout=layout) if layout != "release" else tiny.converted(root)
+    kwargs = {"transformers": {"layout": "transformers"}, "sharded": {"sharded": True}}.get(layout, {})
+    src, _ = tiny.converted(root, **kwargs)
     ours_path = convert_gguf(src, tmp_path / "ours.gguf", outtype="f16")
     up, ours = open_gguf(convert_gguf_upstream(src, tmp_path / "up.gguf", outtype="f16", pre="qwen2")), open_gguf(ours_path)
     assert list(up.tensors) == list(ours.tensors)
