@@ -226,3 +226,17 @@ def test_trunk_only_and_sidecar_equal_llamacpp_modes(conv, tmp_path, mode, flag)
     arch_kv = lambda f: [(k, f.get(k)) for k in f.kv if k.startswith("qwen3next.")]  # noqa: E731
     assert arch_kv(up) == arch_kv(ours)
     print(f"qwen3next --mtp {mode} = llama.cpp's {flag}: {len(up.tensors)} tensors")
+
+
+def test_checkpoint_without_mtp_layers(tmp_path):
+    """No `mtp.*` tensors (a stripped re-upload): with no count in the config there is nothing to
+    disagree with; the trunk converts (with a notice for --mtp embed) and --mtp only is refused."""
+    from click.testing import CliRunner
+
+    from specconv import cli as cli_module
+
+    src = tiny.build_qwen3next(tmp_path / "hf", mtp=False)
+    f = open_gguf(convert_gguf(src, tmp_path / "t.gguf", mtp="embed"))
+    assert f.block_count() == N and f.get("qwen3next.nextn_predict_layers") is None
+    result = CliRunner().invoke(cli_module.cli, ["convert", str(src), "-o", str(tmp_path / "m.gguf"), "--mtp", "only"])
+    assert result.exit_code != 0 and "no MTP" in f"{result.output}{result.exception}"
