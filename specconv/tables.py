@@ -7,7 +7,8 @@ the layout is chosen before rich sees the table:
 1. every column at its natural width fits: a normal table;
 2. every column at its narrowest word-wrapped width fits (a "whole" column — file and tensor
    names — never narrower than its longest cell): a table with widths chosen here, so text only
-   wraps at spaces;
+   wraps at spaces; when the box's rules and padding are what does not fit, the same table
+   without a box;
 3. otherwise a stacked list: one block per row, the key cell (the file name) on its own line and
    `header: value` lines below, long values wrapped at spaces under their header.
 
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A rich table with the default box, edges and padding 1 uses 3 columns per column plus 1.
-_PAD, _EDGE = 3, 1
+# Columns a table spends besides its text: the default box (edges, a rule between columns, padding
+# 1) 3 per column + 1; without a box and without edge padding, 2 per column − 2.
+_BOXED = (3, 1)
+_BARE = (2, -2)
 _INDENT = "  "
 
 
@@ -49,7 +52,7 @@ def _longest_word(texts) -> int:
     return max((cell_len(w) for t in texts for w in t.plain.split()), default=0)
 
 
-def layout(width: int, cols: list[Col], cells: list[list]) -> list[int] | None:
+def layout(width: int, cols: list[Col], cells: list[list], frame: tuple[int, int] = _BOXED) -> list[int] | None:
     """Column widths (text only) for a table that fits `width` without cutting a word, or None."""
     columns = [[row[i] for row in cells] for i in range(len(cols))]
     from rich.text import Text
@@ -58,7 +61,8 @@ def layout(width: int, cols: list[Col], cells: list[list]) -> list[int] | None:
     natural = [max(_natural(col), _natural([h])) for col, h in zip(columns, heads)]
     minimum = [nat if c.whole else max(_longest_word(col), _longest_word([h]), 1)
                for c, col, h, nat in zip(cols, columns, heads, natural)]
-    budget = width - _PAD * len(cols) - _EDGE
+    per_column, extra = frame
+    budget = width - per_column * len(cols) - extra
     if sum(natural) <= budget:
         return natural
     if sum(minimum) > budget:
@@ -77,19 +81,27 @@ def layout(width: int, cols: list[Col], cells: list[list]) -> list[int] | None:
 
 
 def print_table(console, cols: list[Col], rows: list[list[str]], *, title: str | None = None, key: int = 0) -> str:
-    """Print `rows` (cells in rich markup) under `cols`; returns the layout used: table or stacked."""
+    """Print `rows` (cells in rich markup) under `cols`; returns the layout used: "table", "plain
+    table" (no box, when only that fits) or "stacked"."""
     from rich.table import Column, Table
     from rich.text import Text
 
     cells = [[Text.from_markup(c) if isinstance(c, str) else c for c in row] for row in rows]
-    widths = layout(console.width, cols, cells)
-    if widths is not None:
-        table = Table(*[Column(c.header, justify=c.justify, width=w, no_wrap=c.whole, overflow="fold")
-                        for c, w in zip(cols, widths)], title=title, title_justify="left")
+    for kind, frame in (("table", _BOXED), ("plain table", _BARE)):
+        widths = layout(console.width, cols, cells, frame)
+        if widths is None:
+            continue
+        columns = [Column(c.header, justify=c.justify, width=w, no_wrap=c.whole, overflow="fold")
+                   for c, w in zip(cols, widths)]
+        if frame is _BOXED:
+            table = Table(*columns, title=title, title_justify="left")
+        else:  # no box: two spaces between columns, headers underlined
+            table = Table(*columns, title=title, title_justify="left", box=None, pad_edge=False,
+                          header_style="bold underline")
         for row in cells:
             table.add_row(*row)
         console.print(table)
-        return "table"
+        return kind
     if title:
         console.print(Text.from_markup(title, style="italic"))
     for row in cells:

@@ -120,6 +120,21 @@ def test_shared_widths_wrap_only_at_spaces():
     check_cells(text, [c for r in rows for c in r])
 
 
+def test_without_a_box_when_only_the_rules_do_not_fit():
+    from specconv.tables import TENSOR_COLUMNS
+
+    note = "F32 rule (1-D, norm, router, conv, non-weight)"
+    rows = [["blk.0.ffn_gate_inp_shexp.weight", "F32", "[64, 1]", "256 B", note],
+            ["blk.4.nextn.shared_head_norm.weight", "F32", "[64]", "256 B", note],
+            ["output.weight", "Q8_0", "[64, 512]", "34.0 KiB", ""]]
+    kind, text = render(80, TENSOR_COLUMNS + [Col("note")], rows, title="x.gguf: tensors")
+    print(text)
+    assert kind == "plain table" and "┃" not in text and "│" not in text
+    check_width(text)
+    check_whole(text, [r[0] for r in rows] + [r[2] for r in rows])
+    check_cells(text, [c for r in rows for c in r])
+
+
 def test_a_single_overlong_name_stays_whole():
     name = "x" * 100 + ".gguf"
     kind, text = render(80, FILE_COLS, [[name, "1 kB", "F32", "trunk only", "here"]])
