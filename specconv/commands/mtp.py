@@ -16,13 +16,16 @@ def _run(plan, out, split_max_size, overwrite, inputs):
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+    from rich.markup import escape
+
     from specconv.convert.mtp_graft import describe, write_plan
+    from specconv.tables import print_wrapped
 
     console = Console(stderr=True)
-    for line in describe(plan):
-        console.print(line, highlight=False)
+    for line in describe(plan):  # file names wrap whole, at spaces or after a `/` (specconv.tables)
+        print_wrapped(console, escape(line))
     for w in plan.warnings:
-        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+        print_wrapped(console, f"[yellow]warning:[/] {escape(w)}")
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:
