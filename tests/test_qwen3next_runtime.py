@@ -189,3 +189,19 @@ def test_q8_0_file_passes_verify(conv, tmp_path):
     assert code == 0 and report["passed"], out
     print(f"qwen3next q8_0 verify: passed; max |Δlogit| {report['parity']['max_abs_logit_diff']:.3g}, "
           f"checks {[c['detail'] for c in report['checks'] if 'parity' in c['name']]}")
+
+
+def test_scaled_rope_file_is_refused(tmp_path):
+    """A YaRN config converts (the keys are written as llama.cpp's converter writes them) but the
+    runtime's graph, which ropes without scaling, refuses the file with a one-line error."""
+    from specconv.archs import SpecconvError
+    from specconv.archs.gguf_reader import open_gguf
+    from tests.fixtures.gguf_files import convert_gguf
+
+    rope = {"rope_type": "yarn", "rope_theta": tiny.ROPE_THETA, "partial_rotary_factor": 0.25, "factor": 4.0,
+            "original_max_position_embeddings": 64}
+    src = tiny.build_qwen3next(tmp_path / "hf", layout="transformers", rope_parameters=rope)
+    path = convert_gguf(src, tmp_path / "yarn.gguf", mtp="none")
+    assert open_gguf(path).get("qwen3next.rope.scaling.type") == "yarn"
+    with pytest.raises(SpecconvError, match="rope.scaling.type"):
+        load_model(path, device="cpu")

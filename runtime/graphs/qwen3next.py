@@ -39,6 +39,10 @@ class HParams(q35.HParams):
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         hp = super().from_kv(kv)
+        scaling = kv.get(f"{hp.arch}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            raise SpecconvError(f"{hp.arch}.rope.scaling.type is {scaling!r}: the runtime's qwen3next graph runs "
+                                f"unscaled rope only (the releases' configuration)")
         if not hp.n_expert:
             raise SpecconvError("qwen3next file without expert_count (every qwen3next block is MoE)")
         return hp
