@@ -128,3 +128,11 @@ def block_size_key(arch: str = DFLASH) -> str:
 
 def causal_key(arch: str) -> str:
     return arch_key(arch, "attention.causal")  # bool
+
+# DeepSeek Sparse Attention families (llama.cpp 0c1e570 src/llama-arch.cpp; docs/dsa.md).
+GLM_DSA = "glm-dsa"
+DEEPSEEK32 = "deepseek32"  # not in the wheel
+
+
+def indexer_types_key(arch: str) -> str:
+    return arch_key(arch, "attention.indexer.types")  # bool[n_layer]: True where a block runs its own indexer

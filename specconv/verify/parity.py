@@ -51,7 +51,8 @@ HF_CLASSES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalL
               "gemma4": "Gemma4ForCausalLM", "llama": "LlamaForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
               "qwen3next": "Qwen3NextForCausalLM",
-              "hy_v3": "HYV3ForCausalLM"}
+              "hy_v3": "HYV3ForCausalLM",
+              "glm-dsa": "GlmMoeDsaForCausalLM", "deepseek32": "DeepseekV32ForCausalLM"}
 
 
 def _class_name(hf_dir: Path, arch: str) -> str:

@@ -1,0 +1,163 @@
+"""DeepSeek Sparse Attention families (docs/dsa.md):
+
+* GLM-5 / 5.1 (`GlmMoeDsaForCausalLM`) -> GGUF arch `glm-dsa`;
+* DeepSeek-V3.2 (`DeepseekV32ForCausalLM`) -> GGUF arch `deepseek32`.
+
+Both are DeepSeek-V3's MLA + sigmoid-routed MoE + nextn layer (archs/deepseek2.py, written the same
+way: `attn_k_b` / `attn_v_b`, latent KV) plus, in every attention block that runs one, the
+"lightning indexer": `self_attn.indexer.{wq_b, wk, k_norm (LayerNorm, weight + bias),
+weights_proj}` -> `blk.N.indexer.{attn_q_b, attn_k, k_norm, proj}`, with `proj` and the norm kept
+F32 as llama.cpp's converter does, and the keys `attention.indexer.{head_count, key_length, top_k}`.
+
+GLM-5's layers may reuse the previous indexer's selection ("shared" in `indexer_types`); such a
+layer has no indexer tensors. llama.cpp reads the per-layer list from `attention.indexer.types` and
+without it assumes every layer is full below a 1M-token context and GLM-5.2's pattern above; the
+list is written whenever transformers' reading of config.json would differ from that default.
+Everything else (names, MTP routing, MoE, nextn extras) is the deepseek2 plugin's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping
+
+from gguf import GGUFValueType, Keys
+
+from . import names, register
+from .base import MetaKV, Role
+from .deepseek2 import Deepseek2, Glm4MoeLite
+from .errors import SpecconvError
+from .plan_tools import RolePlan
+
+# llama.cpp's glm-dsa loader: below this trained context every layer is "full" by default.
+GLM52_CONTEXT = 1048576
+
+
+def glm_indexer_types(tc: Mapping[str, Any], n_layer: int) -> list[str]:
+    """transformers' GlmMoeDsaConfig reading: `indexer_types`, else `index_topk_pattern`, else the
+    `index_topk_freq` / `index_skip_topk_offset` schedule (defaults 1 / 2: every layer full)."""
+    types = tc.get("indexer_types")
+    if types is None and tc.get("index_topk_pattern") is not None:
+        pattern = tc["index_topk_pattern"]
+        try:
+            types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+        except KeyError as e:
+            raise SpecconvError(f"config.json: index_topk_pattern has {e.args[0]!r} (only F and S)") from None
+    if types is None:
+        freq, offset = max(int(tc.get("index_topk_freq", 1) or 1), 1), int(tc.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layer)]
+    types = list(types)
+    if len(types) != n_layer or not set(types) <= {"full", "shared"}:
+        raise SpecconvError(f"config.json: indexer_types {types} is not 'full'/'shared' for each of {n_layer} layers")
+    if types and types[0] != "full":
+        raise SpecconvError("config.json: indexer_types[0] is 'shared'; a shared layer needs an earlier full one")
+    return types
+
+
+class DsaMixin:
+    """The lightning indexer on top of a deepseek2-style plugin."""
+
+    index_rope_halves: ClassVar[bool] = False  # True: the indexer rotates halves (DeepSeek-V3.2)
+
+    def _init_indexer(self) -> None:
+        tc = self.tc
+
+        def need(name: str) -> int:
+            v = tc.get(name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise SpecconvError(f"config.json: '{name}' must be a positive integer for DeepSeek Sparse Attention, "
+                                    f"got {v!r}")
+            return v
+
+        self.index_heads, self.index_dim, self.index_topk = (need(k) for k in ("index_n_heads", "index_head_dim",
+                                                                               "index_topk"))
+        if self.q_lora is None:
+            raise SpecconvError("config.json: q_lora_rank is null; the DSA indexer projects from the q_a latent")
+        if self.dr > self.index_dim:
+            raise SpecconvError(f"config.json: qk_rope_head_dim ({self.dr}) exceeds index_head_dim ({self.index_dim}); "
+                                f"the indexer ropes its first qk_rope_head_dim dims")
+        self.indexer_full = [True] * self.hp.n_layer
+
+    def _attention(self, plan: RolePlan, bid: int, a: str, role: Role) -> None:
+        super()._attention(plan, bid, a, role)
+        full = bid >= self.hp.n_layer or self.indexer_full[bid]  # the nextn block always runs its indexer
+        x = a + "indexer."
+        if not full:
+            if plan.has(x + "wk.weight"):
+                raise SpecconvError(f"layer {bid} is a 'shared' indexer layer but the checkpoint has {x}wk.weight")
+            return
+        H, D, nh, ql = self.hp.hidden, self.index_dim, self.index_heads, self.q_lora
+        for hf, part, shape, f32 in (("wq_b", "attn_q_b", (nh * D, ql), False), ("wk", "attn_k", (D, H), False),
+                                     ("k_norm", "k_norm", (D,), True), ("weights_proj", "proj", (nh, H), True)):
+            plan.add(names.blk(bid, "indexer." + part), [plan.source(f"{x}{hf}.weight", shape)], shape, role,
+                     f32=f32)
+        plan.add(names.blk(bid, "indexer.k_norm", "bias"), [plan.source(x + "k_norm.bias", (D,))], (D,), role,
+                 f32=True)
+
+    def _indexer_kv(self, kv: list[MetaKV]) -> None:
+        put, u32 = self._putter(kv), GGUFValueType.UINT32
+        put(Keys.Attention.Indexer.HEAD_COUNT, self.index_heads, u32)
+        put(Keys.Attention.Indexer.KEY_LENGTH, self.index_dim, u32)
+        put(Keys.Attention.Indexer.TOP_K, self.index_topk, u32)
+
+
+@register
+class GlmMoeDsa(DsaMixin, Glm4MoeLite):
+    """GLM-5 / 5.1: GLM's names, tokenizer and defaults (transformers' GlmMoeDsaConfig), the indexer
+    ropes adjacent pairs like the main attention (llama.cpp's NORM rope, as written)."""
+
+    hf_architectures = ("GlmMoeDsaForCausalLM",)
+    family: ClassVar[str] = "glm-dsa"
+    config_defaults: ClassVar[dict] = {
+        "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "n_shared_experts": 1,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 202752, "q_lora_rank": 2048, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 192, "v_head_dim": 256, "rope_interleave": True,
+        "attention_bias": False, "first_k_dense_replace": 3, "index_topk": 2048, "index_head_dim": 128,
+        "index_n_heads": 32}
+
+    def __init__(self, checkpoint):
+        super().__init__(checkpoint)
+        self._init_indexer()
+        self.indexer_types = glm_indexer_types(self.tc, self.hp.n_layer)
+        self.indexer_full = [t == "full" for t in self.indexer_types]
+
+    @property
+    def gguf_arch(self) -> str:
+        return names.GLM_DSA
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        kv = super().metadata(keep_mtp)
+        self._indexer_kv(kv)
+        llama_default = all(self.indexer_full) if self.hp.context_length < GLM52_CONTEXT else None
+        if "indexer_types" in self.tc or llama_default is None or not llama_default:
+            # one bool per trunk block (llama.cpp reads n_layer entries; the nextn block is full)
+            self._putter(kv)(names.indexer_types_key(names.GLM_DSA), self.indexer_full, GGUFValueType.ARRAY,
+                             GGUFValueType.BOOL)
+        return kv
+
+
+@register
+class DeepseekV32(DsaMixin, Deepseek2):
+    """DeepSeek-V3.2: DeepSeek-V3's names and tokenizer; the indexer rotates halves (llama.cpp's
+    NEOX rope on the indexer, as written), the main attention adjacent pairs."""
+
+    hf_architectures = ("DeepseekV32ForCausalLM",)
+    family: ClassVar[str] = "deepseek32"
+    index_rope_halves: ClassVar[bool] = True
+    config_defaults: ClassVar[dict] = {  # transformers' DeepseekV32Config
+        **Deepseek2.config_defaults, "first_k_dense_replace": 3, "index_topk": 2048, "index_head_dim": 128,
+        "index_n_heads": 64, "max_position_embeddings": 163840}
+
+    def __init__(self, checkpoint):
+        super().__init__(checkpoint)
+        if not self.rope_interleave:
+            raise SpecconvError("config.json: rope_interleave=false; DeepSeek-V3.2 always ropes adjacent pairs")
+        self._init_indexer()
+
+    @property
+    def gguf_arch(self) -> str:
+        return names.DEEPSEEK32
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        kv = super().metadata(keep_mtp)
+        self._indexer_kv(kv)
+        return kv

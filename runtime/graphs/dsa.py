@@ -1,0 +1,207 @@
+"""DeepSeek Sparse Attention graphs: GGUF arches `glm-dsa` (GLM-5 / 5.1) and `deepseek32`
+(DeepSeek-V3.2); docs/dsa.md.
+
+Everything but the attention's key selection is runtime/graphs/deepseek2.py: absorbed MLA over a
+latent cache row, YaRN rope, the sigmoid group-limited MoE, the nextn block. The lightning indexer
+picks, per query, the `index_topk` visible keys with the largest score
+
+    I(t, s) = Σ_j w_j(t) · ReLU(q_j(t) · k(s) / √D),   w(t) = proj · x_t / √H_I,
+
+where q_j = rope(indexer.attn_q_b · c_q) (c_q: the normed q_a latent the main query starts from)
+and k = rope(LayerNorm(indexer.attn_k · x)) are D-wide, roped on their first dr dims (adjacent
+pairs for GLM, halves for DeepSeek-V3.2); the main attention then sees only the selected keys.
+A GLM "shared" layer reuses the selection of the previous full layer.
+
+The indexer key of every token is kept in the cache next to its MLA latent: the cache row is
+`[c (kv_lora) | rope(k_pe) (dr) | indexer k (D)]` (zeros for shared layers), so decoding token by
+token, rollback and sequence copies treat both alike and the cached run equals the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs import deepseek2 as ds
+from specconv.runtime.graphs import moe_sigmoid as ms
+from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
+from specconv.runtime.graphs.ops import acc, dense, linear, rms_norm
+from specconv.runtime.memory import Batch, MemoryLayout
+
+OPTIONAL = ds.OPTIONAL
+MULTI_DEVICE = True  # runs through decoder.forward_trunk / forward_nextn
+LAYERNORM_EPS = 1e-6  # the indexer's k_norm: transformers' LayerNorm(eps=1e-6), llama.cpp deepseek32's f_norm_eps
+INDEXER = ("attn_q_b.weight", "attn_k.weight", "k_norm.weight", "k_norm.bias", "proj.weight")
+
+
+def keep_float32(name: str) -> bool:
+    return ms.keep_float32(name) or ".indexer.proj." in name  # F32 in GGUF (llama.cpp's converter)
+
+
+@dataclass
+class HParams(ds.HParams):
+    index_heads: int = 0
+    index_dim: int = 0
+    index_topk: int = 0
+    index_halves: bool = False  # deepseek32: the indexer ropes halves (NEOX); glm-dsa adjacent pairs
+    index_full: tuple = ()  # per trunk layer: runs its own indexer (else reuses the previous one's choice)
+
+    @classmethod
+    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        base = ds.HParams.from_kv(kv)
+        arch, get = ms.kv_getter(kv)
+        if f"{arch}.expert_gating_func" not in kv and arch == "glm-dsa":
+            base.gating = ms.GATING_SIGMOID  # llama.cpp's glm-dsa default (its converter may leave the key out)
+        if not base.q_lora:
+            raise SpecconvError(f"{arch}: attention.q_lora_rank is 0; the DSA indexer projects from the q_a latent")
+        heads, dim, topk = (get(f"attention.indexer.{k}") for k in ("head_count", "key_length", "top_k"))
+        if min(heads, dim, topk) <= 0 or base.dr > dim:
+            raise SpecconvError(f"{arch}: indexer head_count {heads}, key_length {dim}, top_k {topk} with rope "
+                                f"dimension {base.dr} (need positive sizes and key_length ≥ rope dims)")
+        full = get("attention.indexer.types", None, required=False)
+        if full is None:  # llama.cpp's default below GLM-5.2's 1M context: every layer full
+            if arch == "glm-dsa" and get("context_length") >= 1048576:
+                raise SpecconvError("glm-dsa file with a ≥1M context and no attention.indexer.types; "
+                                    "reconvert it with specconv (the per-layer indexer list is needed)")
+            full = [True] * base.n_layer
+        full = tuple(bool(x) for x in list(full)[:base.n_layer])
+        if len(full) != base.n_layer or not full[0]:
+            raise SpecconvError(f"{arch}.attention.indexer.types must give {base.n_layer} layers, the first full")
+        return dataclasses.replace(cls(**vars(base)), index_heads=heads, index_dim=dim, index_topk=topk,
+                                   index_halves=arch == "deepseek32", index_full=full)
+
+    def runs_indexer(self, i: int) -> bool:
+        return i >= self.n_layer or self.index_full[i]  # the nextn block runs its own
+
+
+def _indexer_names(hp: HParams, i: int) -> list[str]:
+    return [f"blk.{i}.indexer.{n}" for n in INDEXER] if hp.runs_indexer(i) else []
+
+
+def main_tensors(hp: HParams) -> list[str]:
+    return ds.main_tensors(hp) + [n for i in range(hp.n_layer) for n in _indexer_names(hp, i)]
+
+
+def mtp_tensors(hp: HParams) -> list[str]:
+    return ds.mtp_tensors(hp) + _indexer_names(hp, hp.n_layer)
+
+
+def optional_mtp_tensors(hp: HParams) -> list[str]:
+    return ds.optional_mtp_tensors(hp)
+
+
+def _row_width(hp: HParams) -> int:
+    return hp.kv_lora + hp.dr + hp.index_dim
+
+
+def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
+    return MemoryLayout(attn_layers=list(range(hp.n_layer)), n_head_kv=1, head_dim=_row_width(hp), rec_layers=[])
+
+
+def mtp_layout(hp: HParams) -> MemoryLayout:
+    return MemoryLayout(attn_layers=[hp.n_layer], n_head_kv=1, head_dim=_row_width(hp), rec_layers=[])
+
+
+# ---- the lightning indexer ------------------------------------------------------------------------
+
+def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (i, i + dr/2) by angle i (llama.cpp NEOX rope); x: [n, heads, dr]."""
+    xf = acc(x)
+    h = xf.shape[-1] // 2
+    x1, x2 = xf[..., :h], xf[..., h:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def _rope_front(hp: HParams, x: torch.Tensor, rope) -> torch.Tensor:
+    """Rope the first dr dims of each D-wide head, the rest pass ([rope | nope], as both releases)."""
+    rot = (rope_halves if hp.index_halves else ds.rope_pairs)(x[..., :hp.dr], *rope)
+    return torch.cat([rot, x[..., hp.dr:]], dim=-1)
+
+
+def indexer_key(w, hp: HParams, i: int, a: torch.Tensor, rope) -> torch.Tensor:
+    """k = rope(LayerNorm(attn_k · x)), [n, D]."""
+    p = f"blk.{i}.indexer."
+    k = acc(linear(a, w[p + "attn_k.weight"]))
+    k = F.layer_norm(k, (hp.index_dim,), w[p + "k_norm.weight"].to(k.dtype), w[p + "k_norm.bias"].to(k.dtype),
+                     LAYERNORM_EPS)
+    return _rope_front(hp, k[:, None, :], rope)[:, 0].to(a.dtype)
+
+
+def index_scores(w, hp: HParams, i: int, a: torch.Tensor, cq: torch.Tensor, keys: torch.Tensor, rope) -> torch.Tensor:
+    """I(t, s) for this batch's queries t over every cached key s: [n, T] (float32 or float64)."""
+    p, n = f"blk.{i}.indexer.", a.shape[0]
+    q = _rope_front(hp, linear(cq, w[p + "attn_q_b.weight"]).view(n, hp.index_heads, hp.index_dim), rope)
+    qk = torch.einsum("nhd,td->nht", acc(q), acc(keys)) * hp.index_dim ** -0.5
+    weights = acc(linear(acc(a), w[p + "proj.weight"])) * hp.index_heads ** -0.5
+    return torch.einsum("nh,nht->nt", weights, F.relu(qk))
+
+
+def select(hp: HParams, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """[n, T] bool: the index_topk visible keys with the largest scores (all of them when fewer)."""
+    k = min(hp.index_topk, scores.shape[1])
+    top = scores.masked_fill(~visible, float("-inf")).topk(k, dim=-1).indices
+    chosen = torch.zeros_like(visible).scatter_(1, top, True)
+    return chosen & visible
+
+
+# ---- blocks -------------------------------------------------------------------------------------
+
+def mla_dsa(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope, state: dict) -> torch.Tensor:
+    """Absorbed MLA (runtime/graphs/deepseek2.py `mla`) restricted to the indexer's keys."""
+    n, p = a.shape[0], f"blk.{i}."
+    nh, dn, dr, kvl = hp.n_head, hp.dn, hp.dr, hp.kv_lora
+    cq = rms_norm(linear(a, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"], hp.eps)
+    q = linear(cq, w[p + "attn_q_b.weight"]).view(n, nh, dn + dr)
+    kv = linear(a, w[p + "attn_kv_a_mqa.weight"])
+    c = rms_norm(kv[:, :kvl], w[p + "attn_kv_a_norm.weight"], hp.eps)
+    q_pe = ds.rope_pairs(q[..., dn:], *rope)
+    k_pe = ds.rope_pairs(kv[:, None, kvl:], *rope)[:, 0]
+    full = hp.runs_indexer(i)
+    ik = indexer_key(w, hp, i, a, rope) if full else a.new_zeros(n, hp.index_dim)
+    row = torch.cat([c, k_pe.to(c.dtype), ik.to(c.dtype)], dim=-1)[:, None, :]
+    k_all, _, k_pos = batch.attend_kv(i, row, row)
+    visible = k_pos[None, :].to(batch.positions.device) <= batch.positions[:, None]
+    visible = visible.to(a.device)
+    if full:
+        chosen = select(hp, index_scores(w, hp, i, a, cq, k_all[:, 0, kvl + dr:], rope), visible)
+        state["chosen"] = chosen
+    else:
+        chosen = state.get("chosen")
+        if chosen is None or chosen.shape != visible.shape:
+            raise SpecconvError(f"{hp.arch}: shared indexer layer {i} has no earlier full layer's selection")
+        chosen = chosen.to(a.device)
+    q_lat = torch.einsum("nhd,hld->nhl", acc(q[..., :dn]), dense(w[p + "attn_k_b.weight"], acc(q).dtype))
+    lat = acc(k_all[:, 0, :kvl + dr])
+    scores = torch.einsum("nhl,tl->hnt", torch.cat([q_lat, acc(q_pe)], dim=-1), lat) * ds.softmax_scale(hp)
+    probs = torch.softmax(scores.masked_fill(~chosen[None], float("-inf")), dim=-1)
+    o = torch.einsum("hnt,tl->nhl", probs, lat[:, :kvl])
+    o = torch.einsum("nhl,hvl->nhv", o, dense(w[p + "attn_v_b.weight"], o.dtype)).to(a.dtype)
+    return linear(o.reshape(n, nh * hp.dv), w[p + "attn_output.weight"])
+
+
+def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope, state: dict) -> torch.Tensor:
+    h = h + mla_dsa(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope, state)
+    return h + ms.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
+
+
+def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
+                 want_logits: torch.Tensor | None):
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
+    state: dict = {}
+    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
+                         lambda dtype: ds.rope_cos_sin(hp, batch.positions, dtype),
+                         lambda i, h, rope: _block(w, hp, i, h, batch, rope, state))
+
+
+def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
+    """Returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
+    state: dict = {}
+    return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
+                         lambda dtype: ds.rope_cos_sin(hp, batch.positions, dtype),
+                         lambda i, h, rope: _block(w, hp, i, h, batch, rope, state))
