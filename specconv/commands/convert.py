@@ -147,7 +147,7 @@ def _emit(summary: dict, as_json: bool, dry_run: bool) -> None:
     console = Console()  # a pipe gets COLUMNS or 80; tables pick a layout that fits (specconv.tables)
     err = Console(stderr=True)
     for notice in summary["notices"]:
-        err.print(f"[yellow]note:[/] {notice}")
+        print_wrapped(err, f"[yellow]note:[/] {escape(notice)}")
     print_wrapped(console, f"{summary['hf_architecture']} -> [bold]{summary['arch']}[/]: {summary['trunk_layers']} "
                            f"trunk layer(s), {summary['mtp_layers']} MTP layer(s); --mtp {summary['mtp_mode']}, "
                            f"--outtype {summary['outtype'].lower()}")
