@@ -30,8 +30,10 @@ from tests.fixtures.tiny_qwen3 import build_qwen3, load_hf
 torch.set_num_threads(1)
 TOL = 1e-4
 IDS = [int(x) for x in np.random.default_rng(5).integers(0, 509, 40)]
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}  # 4 x 1024 = 4096 positions
 VARIANTS = {"dense": {}, "moe": {"moe": True}, "dense-tied": {"tie": True},
-            "moe-no-norm-topk": {"moe": True, "norm_topk_prob": False}}
+            "moe-no-norm-topk": {"moe": True, "norm_topk_prob": False},
+            "dense-yarn": {"rope_scaling": YARN}, "dense-linear": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}}
 TARGET = {"n_layers": 6, "hidden": 96, "heads": 6, "kv_heads": 2, "head_dim": 32, "seed": 1}
 _files: dict[str, tuple] = {}
 
@@ -118,7 +120,17 @@ def test_norm_topk_prob_matters(root):
 
 
 @pytest.mark.peer
-@pytest.mark.parametrize("variant", ["dense", "moe", "dense-tied"])
+def test_rope_scaling_matters(root):
+    """The scaled fixtures are real tests: the same weights without scaling give other logits."""
+    ref = hf_forward(conv(root, "dense")[0], IDS)[0]
+    for variant in ("dense-yarn", "dense-linear"):
+        d = max_abs(hf_forward(conv(root, variant, **VARIANTS[variant])[0], IDS)[0], ref)
+        print(f"\n[{variant}] transformers' logits move by {d:.2f} against unscaled rope")
+        assert d > 0.1
+
+
+@pytest.mark.peer
+@pytest.mark.parametrize("variant", ["dense", "moe", "dense-tied", "dense-yarn", "dense-linear"])
 def test_llama_cpp_matches_transformers(root, variant, llama_peer):
     src, path = conv(root, variant, **VARIANTS[variant])
     ref = hf_forward(src, IDS)[0]

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import math
+
 import torch
 
 from specconv.archs.errors import SpecconvError
@@ -41,6 +43,7 @@ class HParams:
     n_ff_exp: int = 0
     norm_topk: bool = True
     rope_linear_factor: float = 1.0  # rope.scaling.type linear: positions divided by it
+    yarn: dict | None = None  # rope.scaling.type yarn: factor, orig_ctx, beta_fast, beta_slow, attn_factor
     n_vocab: int = 0
     context_length: int = 0
     n_nextn: int = 0  # no MTP head in this family
@@ -64,12 +67,17 @@ class HParams:
         if int(get("attention.value_length", head_dim)) != head_dim:
             raise SpecconvError(f"{arch}: attention.value_length differs from key_length")
         scaling = kv.get(f"{arch}.rope.scaling.type")
-        factor = 1.0
+        factor, yarn = 1.0, None
         if scaling == "linear":
             factor = float(get("rope.scaling.factor"))
+        elif scaling == "yarn":
+            yarn = {"factor": float(get("rope.scaling.factor")), "orig_ctx": int(get("rope.scaling.original_context_length")),
+                    "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                    "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)),
+                    "attn_factor": kv.get(f"{arch}.rope.scaling.yarn_attn_factor")}
         elif scaling not in (None, "none"):
             raise SpecconvError(f"{arch}: rope scaling {scaling!r} is not supported by the runtime's qwen3 graph "
-                                f"(default and linear are)")
+                                f"(default, linear and yarn are)")
         tokens = kv.get("tokenizer.ggml.tokens")
         hp = cls(arch=arch, n_layer=int(get("block_count")), n_embd=n_embd, n_head=n_head,
                  n_head_kv=int(get("attention.head_count_kv", n_head)), head_dim=head_dim,
@@ -77,7 +85,7 @@ class HParams:
                  eps=float(get("attention.layer_norm_rms_epsilon")), n_ff=int(get("feed_forward_length", 0)),
                  n_expert=int(get("expert_count", 0)), n_expert_used=int(get("expert_used_count", 0)),
                  n_ff_exp=int(get("expert_feed_forward_length", 0)),
-                 norm_topk=bool(get("expert_weights_norm", True)), rope_linear_factor=factor,
+                 norm_topk=bool(get("expert_weights_norm", True)), rope_linear_factor=factor, yarn=yarn,
                  n_vocab=int(kv.get(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else 0)),
                  context_length=int(get("context_length", 0)))
         if arch == "qwen3moe" and not (hp.n_expert and 0 < hp.n_expert_used <= hp.n_expert):
@@ -127,7 +135,30 @@ def mtp_layout(hp: HParams) -> MemoryLayout:
 
 # ---- blocks -----------------------------------------------------------------------------------
 
+def yarn_inv_freq(hp: HParams, device) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [n_rot/2], cos/sin factor) of YaRN as transformers computes them: a linear
+    ramp between extrapolated (θ_i) and interpolated (θ_i / factor) frequencies over the correction
+    range of dimensions (floored / ceiled), and attention factor 0.1·ln(factor) + 1 unless given."""
+    y, d, base = hp.yarn, hp.n_rot, hp.rope_base
+
+    def corr(rotations: float) -> float:
+        return d * math.log(y["orig_ctx"] / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(corr(y["beta_fast"])), 0), min(math.ceil(corr(y["beta_slow"])), d - 1)
+    high = high + 0.001 if low == high else high
+    pos_freqs = base ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d)
+    extrapolate = 1 - ((torch.arange(d // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    inv = (1.0 / (y["factor"] * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    attn = y["attn_factor"]
+    attn = float(attn) if attn is not None else (0.1 * math.log(y["factor"]) + 1.0 if y["factor"] > 1 else 1.0)
+    return inv, attn
+
+
 def rope_for(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
+    if hp.yarn is not None:
+        inv, attn = yarn_inv_freq(hp, positions.device)
+        angles = positions.to(dtype)[:, None] * inv.to(dtype)[None, :]
+        return angles.cos() * attn, angles.sin() * attn
     pos = positions if hp.rope_linear_factor == 1.0 else positions.to(dtype) / hp.rope_linear_factor
     return rope_cos_sin(pos, hp.n_rot, hp.rope_base, dtype)
 
