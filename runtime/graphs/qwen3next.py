@@ -1,5 +1,5 @@
 """Qwen3-Next graphs (GGUF arch `qwen3next`), docs/reference/model-math.md §2, §3.1, §7; llama.cpp's
-`src/models/qwen3next.cpp` at the pinned commit.
+https://github.com/ggml-org/llama.cpp/blob/0c1e57098bba43ac29e6e3b677cdceebdd22334f/src/models/qwen3next.cpp
 
 Everything but the Gated DeltaNet input side is Qwen3.5-MoE's and is imported from the qwen35 graph
 (gated full attention with partial NEOX rope, softmax top-k MoE with a sigmoid-gated shared expert,
