@@ -1,30 +1,22 @@
 """Open a GGUF model (one file or split shards) for the runtime: metadata and lazy tensors.
 
 Parsing is `archs/gguf_reader.py`'s (memory-mapped; a release-size tokenizer header takes a
-fraction of a second, where gguf.GGUFReader takes tens of seconds). A tensor is read and
-dequantized only when asked for. A split model may be named by any of its shards.
+fraction of a second, where gguf.GGUFReader takes tens of seconds). Tensors stay in the map until a
+model asks for them (runtime/weights.py). A split model may be named by any of its shards.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
 from specconv.archs.errors import SpecconvError
 from specconv.archs.gguf_reader import GgufTensor, decode_value, first_shard, open_gguf
-
-_INTEGER_VIEWS = {
-    GGMLQuantizationType.I8: np.int8, GGMLQuantizationType.I16: np.int16,
-    GGMLQuantizationType.I32: np.int32, GGMLQuantizationType.I64: np.int64,
-}
-
 
 @dataclass(frozen=True)
 class ModelTensor:
@@ -36,7 +28,7 @@ class ModelTensor:
     stored: GgufTensor
 
     @property
-    def data(self) -> np.ndarray:
+    def data(self):
         """The stored bytes (a read-only uint8 view into the file)."""
         return self.stored.raw()
 
@@ -74,28 +66,8 @@ class GGUFModelFile:
 
     def load(self, name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Tensor `name` in torch order (the reverse of ggml's), dequantized, on `device` as `dtype`."""
-        t = self.tensors.get(name)
-        if t is None:
+        from specconv.runtime.weights import load_tensor
+
+        if name not in self.tensors:
             raise SpecconvError(f"{self.paths[0].name}: missing tensor {name}")
-        out = dequantize(t.stored)
-        return out.to(device=device, dtype=dtype if out.is_floating_point() else out.dtype)
-
-
-def dequantize(t: GgufTensor) -> torch.Tensor:
-    """A stored tensor as a float32 (or integer) CPU tensor in torch order."""
-    raw, shape, qtype = t.raw(), t.torch_shape, t.ggml_type
-    with warnings.catch_warnings():  # read-only map: F32 weights on CPU stay backed by the file, never written
-        warnings.simplefilter("ignore", UserWarning)
-        if qtype == GGMLQuantizationType.F32:
-            return torch.from_numpy(raw.view(np.float32)).reshape(shape)
-        if qtype == GGMLQuantizationType.F16:
-            return torch.from_numpy(raw.view(np.float16)).float().reshape(shape)
-        if qtype == GGMLQuantizationType.BF16:  # reinterpret the bits, no rounding
-            return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16).float().reshape(shape)
-        if qtype in _INTEGER_VIEWS:
-            return torch.from_numpy(np.array(raw.view(_INTEGER_VIEWS[qtype]))).reshape(shape)
-    try:
-        values = t.to_float32()
-    except NotImplementedError:
-        raise SpecconvError(f"tensor type {qtype.name} cannot be dequantized by the gguf package") from None
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        return load_tensor(self, name, torch.device(device), dtype, "dense", False, None)
