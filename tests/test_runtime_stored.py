@@ -248,3 +248,25 @@ def test_an_unsupported_tensor_type_is_named(tmp_path):
 
     with pytest.raises(SpecconvError, match=missing[0].name):
         load_tensor(FakeFile(), "blk.0.attn_q.weight", torch.device("cpu"), torch.float32, "stored", False, None)
+
+
+@pytest.mark.parametrize("extra", [["--offload"], ["--device", "cpu,cpu"]], ids=["offload", "two-slots"])
+def test_verify_and_generate_run_offloaded_and_over_slots(tmp_path_factory, tmp_path, extra):
+    import json
+
+    from click.testing import CliRunner
+
+    from specconv import cli as cli_module
+
+    path = family_file(tmp_path_factory, "qwen35", "q8_0")
+    runner = CliRunner()
+    report = tmp_path / "report.json"
+    result = runner.invoke(cli_module.cli, ["verify", str(path), "-n", "6", "--json", str(report), *extra])
+    assert result.exit_code == 0 and json.loads(report.read_text())["passed"], result.output
+    plain = runner.invoke(cli_module.cli, ["generate", str(path), "--tokens", "5,6,7", "-n", "5", "--json",
+                                           "--device", "cpu"])
+    placed = runner.invoke(cli_module.cli, ["generate", str(path), "--tokens", "5,6,7", "-n", "5", "--json",
+                                            *(extra if "--device" in extra else ["--device", "cpu", *extra])])
+    a, b = json.loads(plain.output), json.loads(placed.output)
+    assert a["tokens"] == b["tokens"] and b["load_seconds"] >= 0 and b["decode_tokens_per_second"] > 0
+    assert len(b["placement"]) == (2 if "--device" in extra else 1) and b["offload"] == ("--offload" in extra)

@@ -36,13 +36,17 @@ _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampling runs (--temperature > 0).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the JSON report here.")
-@click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (CUDA if available), cpu, cuda, cuda:N, or several (cuda:0,cuda:1: blocks split by bytes).")
+@click.option("--offload", is_flag=True,
+              help="Keep the weights in the file's memory map and bring each layer to the device when used "
+                   "(a model bigger than the device).")
 @click.option("--dtype", default=None,
               help="Compute dtype of the runtime: f32, bf16, f16 or f64 (default: the runtime's for the device). The "
                    "transformers reference of --hf loads in bf16 when this is bf16/f16, else in f32, and the parity "
                    "tolerance follows it (docs/verify.md).")
 def command(model_path, mtp_path, draft_path, hf_dir, draft_hf, prompts_file, n_predict, draft_max, temperature,
-            seed, json_path, device, dtype):
+            seed, json_path, device, offload, dtype):
     """Check MODEL.gguf: structure, parity with transformers (--hf), speculative decoding, statistics."""
     from rich.console import Console
 
@@ -52,7 +56,8 @@ def command(model_path, mtp_path, draft_path, hf_dir, draft_hf, prompts_file, n_
     console = Console(stderr=True)
     opts = VerifyOptions(model=model_path, mtp=mtp_path, draft=draft_path, hf=hf_dir, draft_hf=draft_hf, dtype=dtype,
                          prompts=read_prompts(prompts_file) if prompts_file else list(DEFAULT_PROMPTS),
-                         n_predict=n_predict, draft_max=draft_max, temperature=temperature, device=device, seed=seed)
+                         n_predict=n_predict, draft_max=draft_max, temperature=temperature, device=device, seed=seed,
+                         offload=offload)
     with console.status("verifying") as status:
         report = run_verify(opts, progress=lambda msg: status.update(msg))
     report.render(console)

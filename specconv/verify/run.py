@@ -46,6 +46,7 @@ class VerifyOptions:
     dtype: str | None = None  # compute dtype (runtime default when None); the reference follows it
     seed: int = 0
     hf_max_memory: dict | None = None  # accelerate max_memory for the reference ({device: bytes}), tests
+    offload: bool = False  # the runtime's weights stay in the memory map (runtime/placement.py)
 
 
 def read_prompts(path) -> list[str]:
@@ -71,7 +72,7 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
                        "draft_hf": str(opts.draft_hf) if opts.draft_hf else None, "n_predict": opts.n_predict,
                        "draft_max": opts.draft_max, "temperature": opts.temperature, "prompts": len(opts.prompts)}
     progress("loading")
-    target = _load(report, "model", opts.model, opts.device, dtype=opts.dtype)
+    target = _load(report, "model", opts.model, opts.device, dtype=opts.dtype, offload=opts.offload)
     if target is None:
         return report
     report.settings["device"] = str(target.device)
@@ -96,7 +97,7 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
     elif opts.draft and _gguf_arch(opts.draft) == "gemma4-assistant":
         assistant = _assistant(report, target, opts)
     elif opts.draft:
-        draft_model = _load(report, "draft", opts.draft, opts.device, dtype=target.dtype)
+        draft_model = _load(report, "draft", opts.draft, opts.device, dtype=target.dtype, offload=target.offload)
         if draft_model is not None:
             structure.check_file(report, draft_model, "draft")
             try:
@@ -164,9 +165,9 @@ def _draft_reading_target(report: Report, target, opts: VerifyOptions, kind: str
     return draft
 
 
-def _load(report: Report, label: str, path, device, share_from=None, dtype=None):
+def _load(report: Report, label: str, path, device, share_from=None, dtype=None, offload=None):
     try:
-        model = load_model(path, device=device, dtype=dtype, share_from=share_from)
+        model = load_model(path, device=device, dtype=dtype, share_from=share_from, offload=offload)
     except SpecconvError as exc:
         report.add(f"{label}: loads", False, str(exc))
         return None
