@@ -10,9 +10,9 @@ What llama.cpp 0c1e570 loads and its converter (`DFlashModel`, a `Qwen3Model`) w
   llama.cpp's converter does), `tokenizer.ggml.mask_token_id`; the tokenizer is the target's.
 `--target-layers` (layer inputs) overrides the config's ids. The one look at the folder: a
 `mask_embedding.pt` next to the checkpoint (drafts that patch the target's embedding) is refused.
-DFlash2 (`DFlash2DraftModel`: per-layer
-dynamic convolutions and a candidate selector) is refused with a message: neither the conversion of
-its extra tensors nor its runtime is implemented here.
+DFlash2 (`DFlash2DraftModel`: per-layer dynamic convolutions `blk.i.{attn,ffn}_conv_{base,proj}`,
+a candidate selector `selector_*`, conv/selector keys, logit scale and soft-capping, sliding
+windows) converts as upstream writes it, for llama.cpp; specconv's runtime refuses such files.
 """
 
 from __future__ import annotations
@@ -49,16 +49,15 @@ class DFlash(ArchPlugin):
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
         cfg = checkpoint.config
-        if "DFlash2DraftModel" in (cfg.get("architectures") or []) or "conv_kernel_size" in (cfg.get("dflash_config") or {}):
-            raise SpecconvError("DFlash2 drafters (dynamic convolutions and a candidate selector) are not supported "
-                                "yet; DFlashDraftModel checkpoints are")
+        self.dcfg = dict(cfg.get("dflash_config") or {})
+        # DFlash2: per-layer dynamic convolutions and a candidate selector (converted; not run by the runtime)
+        self.v2 = "DFlash2DraftModel" in (cfg.get("architectures") or []) or "conv_kernel_size" in self.dcfg
         if checkpoint.source_dir and (Path(checkpoint.source_dir) / "mask_embedding.pt").exists():
             raise SpecconvError("mask_embedding.pt (a draft that patches the target's embedding) is not supported")
         if checkpoint.target_config is None:
             raise SpecconvError("a DFlash drafter needs its target model: give --target TARGET_DIR (the target's "
                                 "config.json and tokenizer)")
         target = text_config(checkpoint.target_config)
-        self.dcfg = dict(cfg.get("dflash_config") or {})
         self.H, self.L = _int(cfg, "hidden_size"), _int(cfg, "num_hidden_layers")
         self.n_head = _int(cfg, "num_attention_heads")
         self.n_kv = _int(cfg, "num_key_value_heads", self.n_head)
@@ -73,9 +72,15 @@ class DFlash(ArchPlugin):
                                 f"target has {self.V}: wrong --target")
         if self.n_head % self.n_kv:
             raise SpecconvError(f"num_attention_heads {self.n_head} is not a multiple of num_key_value_heads {self.n_kv}")
-        if cfg.get("hidden_act", "silu") != "silu" or cfg.get("attention_bias") or cfg.get("use_sliding_window"):
-            raise SpecconvError("this DFlash drafter uses gelu, attention biases or sliding windows, which are not "
-                                "supported (silu, no biases, full attention)")
+        if cfg.get("hidden_act", "silu") != "silu" or cfg.get("attention_bias"):
+            raise SpecconvError("this DFlash drafter uses another activation than silu or attention biases, which "
+                                "llama.cpp's dflash graph does not have")
+        if self.v2:
+            self.conv = {k: _int(self.dcfg, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                          "selector_top_k")}
+            if self.H % self.conv["conv_group_size"]:
+                raise SpecconvError(f"DFlash2 hidden size {self.H} is not a multiple of conv_group_size "
+                                    f"{self.conv['conv_group_size']}")
         self.block_size = int(self.dcfg.get("block_size", cfg.get("block_size", 16)))
         if self.block_size < 2:
             raise SpecconvError(f"DFlash block_size {self.block_size} must be ≥ 2 (the anchor and one mask)")
@@ -112,6 +117,10 @@ class DFlash(ArchPlugin):
         except SpecconvError:
             model_type = text_config(target_config).get("model_type") or target_config.get("model_type")
             return _PRE_BY_MODEL_TYPE.get(model_type, "default")
+
+    def _opt(self, name: str) -> Any:
+        """A DFlash field from dflash_config, else the top level (as upstream reads them)."""
+        return self.dcfg.get(name, self.checkpoint.config.get(name))
 
     def _target_uses_mrope(self) -> bool:
         tc = text_config(self.checkpoint.target_config or {})
@@ -164,10 +173,29 @@ class DFlash(ArchPlugin):
                      trunk, tf.identity, True)
             for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
                 plan.add(names.blk(i, f"ffn_{part}"), [plan.source(f"{p}mlp.{part}_proj.weight", shape)], shape, trunk)
+            if self.v2:
+                self._conv_tensors(plan, i, p)
         plan.add(names.OUTPUT_NORM, [plan.source("norm.weight", (H,))], (H,), trunk, tf.identity, True)
+        if self.v2:
+            R, sel = self.conv["selector_rank"], "candidate_selector."
+            for gguf_name, hf, shape in (("selector_predecessor.weight", "predecessor_codebook", (V, R)),
+                                         ("selector_successor.weight", "successor_codebook", (V, R)),
+                                         ("selector_hidden.weight", "hidden_projection.weight", (R, H))):
+                plan.add(gguf_name, [plan.source(sel + hf, shape)], shape, trunk)
         if plan.has("lm_head.weight"):
             plan.add(names.OUTPUT, [plan.source("lm_head.weight", (V, H))], (V, H), trunk)
         return plan.finish(self.gguf_arch)
+
+    def _conv_tensors(self, plan: RolePlan, i: int, p: str) -> None:
+        """DFlash2's dynamic convolutions around attention and MLP: base kernels [2, K, H] (F32: no
+        `.weight` suffix, as upstream names them) and kernel projections [2·K·H/group, H]."""
+        H, K = self.H, self.conv["conv_kernel_size"]
+        projected = 2 * K * (H // self.conv["conv_group_size"])
+        for gguf_part, hf in (("attn", "attention_conv"), ("ffn", "mlp_conv")):
+            plan.add(names.blk(i, f"{gguf_part}_conv_base", None), [plan.source(f"{p}{hf}.base_kernel", (2, K, H))],
+                     (2, K, H), Role.TRUNK, tf.identity, True)
+            plan.add(names.blk(i, f"{gguf_part}_conv_proj"),
+                     [plan.source(f"{p}{hf}.kernel_projection.weight", (projected, H))], (projected, H), Role.TRUNK)
 
     # ------------------------------------------------------------------ metadata
 
@@ -187,6 +215,9 @@ class DFlash(ArchPlugin):
         put(Keys.LLM.FEED_FORWARD_LENGTH, self.F, u32)
         put(Keys.Attention.HEAD_COUNT, self.n_head, u32)
         put(Keys.Attention.HEAD_COUNT_KV, self.n_kv, u32)
+        early_causal = cfg.get("is_causal") is False  # TextModel writes it here; DFlashModel rewrites it in place
+        if early_causal:
+            put(names.causal_key(arch), False, GGUFValueType.BOOL)
         kind = config_field(cfg, "rope_type") or (cfg.get("rope_scaling") or {}).get("type")
         if kind not in (None, "default"):
             raise SpecconvError(f"DFlash rope scaling {kind!r} is not supported (default rope only)")
@@ -196,10 +227,28 @@ class DFlash(ArchPlugin):
         if cfg.get("head_dim") is not None:
             put(Keys.Attention.KEY_LENGTH, self.hd, u32)
             put(Keys.Attention.VALUE_LENGTH, self.hd, u32)
+        if (prf := config_field(cfg, "partial_rotary_factor")) is not None:
+            put(Keys.Rope.DIMENSION_COUNT, int(self.hd * float(prf)), u32)
+        if (value_scale := self.dcfg.get("attention_value_scale")) is not None:
+            put("{arch}.attention.value_scale", float(value_scale), f32)
         put(names.block_size_key(arch), self.block_size, u32)
+        if self.v2:
+            for key, value in self.conv.items():
+                put("{arch}." + key, value, u32)
+        for key, value in (("logit_scale", self._opt("output_multiplier")),
+                           ("final_logit_softcapping", self._opt("final_logit_softcapping")),
+                           ("embedding_scale", self._opt("input_embedding_scale"))):
+            if value is not None and (key != "final_logit_softcapping" or float(value) > 0):
+                put("{arch}." + key, float(value), f32)
         put(names.target_layers_key(arch), list(self.target_layers), GGUFValueType.ARRAY, GGUFValueType.INT32)
+        swa_all = bool(self.dcfg.get("use_swa", False))
+        window = self.dcfg.get("swa_window_size") or cfg.get("sliding_window")
+        if (cfg.get("use_sliding_window") or swa_all) and window:
+            pattern = [True] * self.L if swa_all else [t == "sliding_attention" for t in cfg.get("layer_types") or []]
+            put(Keys.Attention.SLIDING_WINDOW, int(window), u32)
+            put(Keys.Attention.SLIDING_WINDOW_PATTERN, pattern, GGUFValueType.ARRAY, GGUFValueType.BOOL)
         causal = cfg.get("is_causal", self.dcfg.get("causal"))
-        if causal is not None:
+        if causal is not None and not early_causal:
             put(names.causal_key(arch), bool(causal), GGUFValueType.BOOL)
         if self._target_uses_mrope():  # M-RoPE target (Qwen3.5): the draft ropes on the temporal section only
             put(Keys.Rope.DIMENSION_SECTIONS, [self.hd // 2, 0, 0, 0], GGUFValueType.ARRAY, GGUFValueType.INT32)

@@ -122,7 +122,7 @@ def _plugin(d_dir, t_dir, cfg_edit=None, target_edit=None):
 
 
 @pytest.mark.parametrize("edit,target_edit,message", [
-    ({"architectures": ["DFlash2DraftModel"]}, None, "DFlash2"),
+    ({"architectures": ["DFlash2DraftModel"]}, None, "lacks conv_kernel_size"),
     (None, {"hidden_size": 96}, "hidden size 64 differs"),
     (None, {"vocab_size": 600}, "vocabulary of 512"),
     (None, {"num_hidden_layers": 4}, "outside 1..4"),
@@ -341,3 +341,33 @@ def test_trained_drafter_is_accepted_and_drafts_like_the_reference(root, tmp_pat
     print(f"\n[trained dflash over qwen3] training loss {info['loss'][0]:.2f} -> {info['loss'][1]:.2f}; "
           f"{accepted}/{drafted} drafts accepted; {compared} rounds' drafts equal the reference's")
     assert accepted / drafted > 0.25 and partial
+
+
+@pytest.mark.peer
+def test_dflash2_converts_like_llama_cpp_and_llama_cpp_runs_it(root, tmp_path, llama_peer):
+    """DFlash2 (convolutions, candidate selector, soft-capped scaled logits, sliding windows,
+    is_causal false): our file equals llama.cpp converter's; llama.cpp loads it, builds the draft
+    context (iSWA cache) and decodes a block over injected features; the runtime refuses it."""
+    t_dir, t_gguf, _, _ = built(root, "qwen3")
+    d_dir = tiny.build_dflash(tmp_path / "d2", t_dir, layer_ids=TARGETS["qwen3"][1], mask_token_id=MASK, v2=True)
+    ours = convert_gguf(d_dir, tmp_path / "ours.gguf", extra_args=["--target", str(t_dir)])
+    theirs = convert_gguf_upstream(d_dir, tmp_path / "theirs.gguf", pre="qwen2",
+                                   extra_args=["--target-model-dir", str(t_dir)])
+    kv_a, t_a = _read(ours)
+    kv_b, t_b = _read(theirs)
+    assert [t[:3] for t in t_a] == [t[:3] for t in t_b] and all(a[3] == b[3] for a, b in zip(t_a, t_b))
+    assert kv_a == kv_b
+    mask = "tokenizer.ggml.mask_token_id"
+    assert [k for k in kv_a if k != mask] == [k for k in kv_b if k != mask]
+    names = {t[0] for t in t_a}
+    assert {"blk.0.attn_conv_base", "blk.1.ffn_conv_proj.weight", "selector_hidden.weight"} <= names
+    assert kv_a["dflash.selector_top_k"] == 4 and kv_a["dflash.attention.causal"] is False
+    prefix = IDS[:-1]
+    feats = tiny.target_features(tiny.load_target(t_dir), prefix, TARGETS["qwen3"][1])
+    logits = _llama_block_logits(llama_peer, t_gguf, ours, feats, [IDS[-1]] + [MASK] * 7, len(prefix))
+    assert logits.shape == (8, 512) and np.isfinite(logits).all()
+    target = load_model(t_gguf, device="cpu")
+    with pytest.raises(SpecconvError, match="DFlash2 drafter is not supported by specconv's runtime"):
+        load_model(ours, device="cpu", share_from=target)
+    print(f"\n[dflash2] {len(t_a)} tensors and {len(kv_a)} KV pairs as llama.cpp's converter writes them; "
+          f"llama.cpp decodes a block over our file")

@@ -78,11 +78,13 @@ class HParams:
         mask = kv.get(names.MASK_TOKEN_ID_KEY)
         if mask is None:
             raise SpecconvError(f"GGUF metadata lacks {names.MASK_TOKEN_ID_KEY} (the DFlash block's mask token)")
-        unsupported = [k for k in ("attention.sliding_window", "conv_kernel_size", "logit_scale",
-                                   "final_logit_softcapping", "embedding_scale", "attention.value_scale")
-                       if f"{arch}.{k}" in kv]
+        unsupported = [k for k in ("conv_kernel_size", "attention.sliding_window", "logit_scale",
+                                   "final_logit_softcapping", "embedding_scale", "attention.value_scale",
+                                   "hyper_connection_count") if f"{arch}.{k}" in kv]
         if unsupported:
-            raise SpecconvError(f"DFlash file with {arch}.{unsupported[0]}: this variant is not supported by the runtime")
+            kind = "a DFlash2 drafter" if unsupported[0] == "conv_kernel_size" else "this DFlash variant"
+            raise SpecconvError(f"{arch}.{unsupported[0]}: {kind} is not supported by specconv's runtime "
+                                f"(llama.cpp runs it)")
         sections = kv.get(f"{arch}.rope.dimension_sections")
         n_rot = int(get("rope.dimension_count", head_dim))
         if sections is not None and [int(x) for x in sections] != [n_rot // 2, 0, 0, 0]:
