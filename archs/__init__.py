@@ -22,7 +22,7 @@ def register(cls: type[ArchPlugin]) -> type[ArchPlugin]:
 def _load_builtin_plugins() -> None:
     # Importing a plugin module registers it.
     from . import deepseek2, eagle3, gemma4, glm4moe, llama, qwen3, qwen35, qwen3next  # noqa: F401
-    from . import hy_v3, step35  # noqa: F401  (chained-MTP families)
+    from . import hy_v3, mimo2, step35  # noqa: F401  (chained-MTP families)
     from . import dflash  # noqa: F401  (block-diffusion drafters)
     from . import dsa  # noqa: F401  (DeepSeek Sparse Attention: glm-dsa, deepseek32)
 

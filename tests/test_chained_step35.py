@@ -149,6 +149,10 @@ def test_same_file_as_llama_cpp_converter_reading_config_json(conv, tmp_path):
         assert x.ggml_type == u.ggml_type and x.shape == u.shape and np.array_equal(x.to_float32(), u.to_float32()), name
     arch = [k for k in up.kv if k.startswith("step35.")]
     assert [k for k in ours.kv if k.startswith("step35.")] == arch and all(ours.get(k) == up.get(k) for k in arch)
+    import gguf  # value types too (llama.cpp's converter writes Python int lists as INT32 arrays)
+
+    types = lambda path: {k: f.types for k, f in gguf.GGUFReader(path).fields.items() if k.startswith("step35.")}  # noqa: E731
+    assert types(files["embed"]) == types(tmp_path / "up.gguf")
     # as shipped, llama.cpp's converter reads the config through transformers, which renames the fields
     failed = _upstream(src, tmp_path / "up2.gguf", raw_config=False)
     print(f"step35: {len(ours.tensors)} tensors, {len(arch)} keys identical to llama.cpp's converter reading "

@@ -1,0 +1,239 @@
+"""Xiaomi MiMo-V2-Flash (`MiMoV2FlashForCausalLM`) -> GGUF arch `mimo2` (llama.cpp 0c1e570,
+src/models/mimo2.cpp).
+
+Full-attention and sliding-window layers (`hybrid_layer_pattern`; the sliding ones with their own KV
+head count and per-head attention sinks), value heads narrower than query/key heads, partial NEOX
+rope with separate bases, a constant `attention_value_scale` on the attention output, a dense first
+layer then sigmoid-routed, group-limited MoE without shared experts, and k MTP blocks under
+`model.mtp.layers.{0..k-1}` (eh_proj / enorm / hnorm, a sliding-window decoder block with a dense
+MLP, `final_layernorm` -> `layer_output_norm`), written as blocks N..N+k-1.
+
+Where this differs from llama.cpp's converter, on purpose (docs/archs.md §mimo2):
+* the MTP blocks' attention is written fused (`attn_qkv` = [Q; K; V] rows): llama.cpp's mimo2 MTP
+  graph asserts `MIMO2 MTP requires fused attn_qkv`, and its converter writes them split (its
+  `--fuse-qkv` skips `model.mtp.*`), so its own files cannot build an MTP context;
+* `attention.sliding_window` = `sliding_window_size + 1`, the window transformers (and SGLang's
+  reference) attend over; llama.cpp's converter writes `sliding_window`, one token narrower;
+* k is counted from the `model.mtp.layers.*` names (the config states none; llama.cpp assumes 3).
+config.json is read as the release writes it: transformers 5.23's MiMoV2FlashConfig does not read
+`hybrid_layer_pattern`, `rope_theta` / `swa_rope_theta` or `partial_rotary_factor`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+import numpy as np
+from gguf import GGUFValueType, Keys
+
+from . import names, register
+from . import transforms as tf
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, text_config
+from .errors import SpecconvError
+from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name
+
+_MTP = re.compile(r"^model\.mtp\.layers\.(\d+)\.(.+)$")
+_TOWERS = ("visual.", "model.visual.", "audio_tokenizer.", "model.audio_tokenizer.", "speech_embeddings.")
+
+
+def concat_rows(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays, axis=0)
+
+
+@register
+class MiMo2(ArchPlugin):
+    hf_architectures = ("MiMoV2FlashForCausalLM",)
+    family: ClassVar[str] = "mimo2"
+    tokenizer_model: ClassVar[str] = "gpt2"
+    tokenizer_pre: ClassVar[str] = "qwen2"
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        tc = self.tc = dict(text_config(checkpoint.config))
+
+        def req(*keys: str, default=None):
+            for key in keys:
+                if tc.get(key) is not None:
+                    return tc[key]
+            if default is None:
+                raise SpecconvError(f"config.json lacks '{keys[0]}', needed for a mimo2 model")
+            return default
+
+        self.n = int(req("num_hidden_layers"))
+        seen = {int(m.group(1)) for m in map(_MTP.match, checkpoint.tensors) if m}
+        self.k = max(seen) + 1 if seen else 0
+        if seen and sorted(seen) != list(range(self.k)):
+            raise SpecconvError(f"checkpoint holds MTP layers model.mtp.layers.{sorted(seen)}, not 0..{self.k - 1}")
+        stated = tc.get("num_nextn_predict_layers")
+        if stated is not None and self.k and stated != self.k:
+            raise SpecconvError(f"config.json says num_nextn_predict_layers={stated}, but the checkpoint holds "
+                                f"{self.k} MTP layer(s) (model.mtp.layers.*)")
+        self.hidden, self.vocab, self.ffn = int(req("hidden_size")), int(req("vocab_size")), int(req("intermediate_size"))
+        self.n_head = int(req("num_attention_heads"))
+        self.n_kv = int(req("num_key_value_heads"))
+        self.n_kv_swa = int(req("swa_num_key_value_heads", default=2 * self.n_kv))  # transformers' rule: twice
+        self.hd, self.vhd = int(req("head_dim")), int(req("v_head_dim"))
+        for key, want in (("swa_num_attention_heads", self.n_head), ("swa_head_dim", self.hd),
+                          ("swa_v_head_dim", self.vhd)):
+            if tc.get(key) is not None and int(tc[key]) != want:
+                raise SpecconvError(f"config.json: {key} = {tc[key]} differs from the full layers' {want} "
+                                    f"(llama.cpp's mimo2 has one value for both)")
+        if self.n_head % self.n_kv or self.n_head % self.n_kv_swa:
+            raise SpecconvError(f"config.json: {self.n_head} heads are not a multiple of {self.n_kv} / "
+                                f"{self.n_kv_swa} KV heads")
+        pattern = tc.get("hybrid_layer_pattern")
+        if pattern is None and isinstance(tc.get("layer_types"), list):
+            pattern = [int(t == "sliding_attention") for t in tc["layer_types"]]
+        if not isinstance(pattern, list) or len(pattern) < self.n:
+            raise SpecconvError("config.json: hybrid_layer_pattern must list the N trunk layers (1 = sliding window)")
+        self.swa = [int(bool(x)) for x in pattern[:self.n]]
+        window = tc.get("sliding_window_size")
+        self.window = int(window) + 1 if window is not None else int(req("sliding_window"))
+        self.rope_base = float(req("rope_theta", default=10000.0))
+        self.rope_base_swa = float(req("swa_rope_theta", default=self.rope_base))
+        self.rope_dim = int(self.hd * float(req("partial_rotary_factor", default=1.0)))
+        if self.rope_dim % 2 or not 0 < self.rope_dim <= self.hd:
+            raise SpecconvError(f"rotary dimension {self.rope_dim} (head_dim * partial_rotary_factor) must be even "
+                                f"and within the head")
+        self.v_scale = tc.get("attention_value_scale")
+        self.n_expert = int(req("n_routed_experts", "num_local_experts"))
+        self.n_expert_used = int(req("num_experts_per_tok"))
+        self.expert_ffn = int(req("moe_intermediate_size"))
+        if str(tc.get("scoring_func", "sigmoid")) != "sigmoid":
+            raise SpecconvError("config.json: scoring_func must be sigmoid (llama.cpp's mimo2 router is)")
+        if not tc.get("norm_topk_prob", True):
+            raise SpecconvError("config.json: norm_topk_prob=false is not supported (llama.cpp's mimo2 renormalises)")
+        if float(tc.get("routed_scaling_factor") or 1.0) != 1.0:
+            raise SpecconvError("config.json: routed_scaling_factor ≠ 1 is not supported (llama.cpp's mimo2 "
+                                "does not scale the routing weights)")
+        self.moe_layers = {i for i in range(self.n) if f"model.layers.{i}.mlp.gate.weight" in checkpoint.tensors}
+        freq = tc.get("moe_layer_freq")
+        if isinstance(freq, list) and len(freq) >= self.n:
+            wrong = [i for i in range(self.n) if bool(freq[i]) != (i in self.moe_layers)]
+            if wrong:
+                raise SpecconvError(f"config.json moe_layer_freq disagrees with the checkpoint at layer {wrong[0]}")
+        self.eps = float(req("layernorm_epsilon", "rms_norm_eps", default=1e-5))
+        self.tied = bool(checkpoint.config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False)))
+        if tc.get("attention_bias"):
+            raise SpecconvError("config.json: attention_bias=true is not supported for mimo2")
+
+    @property
+    def gguf_arch(self) -> str:
+        return names.MIMO2
+
+    @classmethod
+    def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
+        return text_model_name(raw_name, _TOWERS, "vision / audio tower (belongs in a separate mmproj file)")
+
+    @property
+    def n_trunk_layers(self) -> int:
+        return self.n
+
+    @property
+    def n_mtp_layers(self) -> int:
+        return self.k
+
+    def vocab_size(self) -> int:
+        return embedding_rows(self.checkpoint)
+
+    # ------------------------------------------------------------------ tensors
+
+    def tensor_plan(self) -> list[TensorPlan]:
+        plan = RolePlan(self.checkpoint.tensors)
+        H, V = self.hidden, self.vocab
+        plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
+        for i in range(self.n + self.k):
+            mtp = i >= self.n
+            role = Role.MTP if mtp else Role.TRUNK
+            p = f"model.mtp.layers.{i - self.n}." if mtp else f"model.layers.{i}."
+            if mtp:
+                plan.add(names.nextn(i, names.NEXTN_EH_PROJ), [plan.source(p + "eh_proj.weight", (H, 2 * H))],
+                         (H, 2 * H), role)
+                self._norm(plan, names.nextn(i, names.NEXTN_ENORM), p + "enorm.weight", role)
+                self._norm(plan, names.nextn(i, names.NEXTN_HNORM), p + "hnorm.weight", role)
+                self._norm(plan, names.blk(i, "layer_output_norm"), p + "final_layernorm.weight", role)
+            self._norm(plan, names.blk(i, "attn_norm"), p + "input_layernorm.weight", role)
+            self._attention(plan, i, p + "self_attn.", role, mtp)
+            self._norm(plan, names.blk(i, "ffn_norm"), p + ("pre_mlp_layernorm" if mtp else "post_attention_layernorm")
+                       + ".weight", role)
+            if i in self.moe_layers:
+                self._moe(plan, i, p + "mlp.", role)
+            else:
+                add_swiglu(plan, i, p + "mlp.", self.ffn, H, role)
+        self._norm(plan, names.OUTPUT_NORM, "model.norm.weight", Role.SHARED)
+        add_output_head(plan, self.tied, V, H)
+        return plan.finish(self.gguf_arch)
+
+    def _norm(self, plan: RolePlan, gguf_name: str, hf: str, role: Role) -> None:
+        plan.add(gguf_name, [plan.source(hf, (self.hidden,))], (self.hidden,), role, tf.identity, True)
+
+    def _attention(self, plan: RolePlan, i: int, a: str, role: Role, mtp: bool) -> None:
+        H = self.hidden
+        swa = mtp or self.swa[i]  # the MTP blocks are sliding-window blocks (vLLM's MiMoV2MTPLayer)
+        kv = self.n_kv_swa if swa else self.n_kv
+        q_rows, k_rows, v_rows = self.n_head * self.hd, kv * self.hd, kv * self.vhd
+        srcs = [plan.source(a + "q_proj.weight", (q_rows, H)), plan.source(a + "k_proj.weight", (k_rows, H)),
+                plan.source(a + "v_proj.weight", (v_rows, H))]
+        if mtp:  # llama.cpp's MTP graph reads only a fused attn_qkv
+            rows = q_rows + k_rows + v_rows
+            plan.add(names.blk(i, "attn_qkv"), srcs, (rows, H), role, concat_rows)
+        else:
+            for part, src, rows in zip(("attn_q", "attn_k", "attn_v"), srcs, (q_rows, k_rows, v_rows)):
+                plan.add(names.blk(i, part), [src], (rows, H), role)
+        plan.add(names.blk(i, "attn_output"), [plan.source(a + "o_proj.weight", (H, self.n_head * self.vhd))],
+                 (H, self.n_head * self.vhd), role)
+        if plan.has(a + "attention_sink_bias"):
+            plan.add(names.blk(i, "attn_sinks"), [plan.source(a + "attention_sink_bias", (self.n_head,))],
+                     (self.n_head,), role, tf.identity, True)
+
+    def _moe(self, plan: RolePlan, i: int, m: str, role: Role) -> None:
+        H, E = self.hidden, self.n_expert
+        plan.add(names.blk(i, "ffn_gate_inp"), [plan.source(m + "gate.weight", (E, H))], (E, H), role, tf.identity, True)
+        plan.add(names.blk(i, "exp_probs_b", "bias"), [plan.source(m + "gate.e_score_correction_bias", (E,))], (E,),
+                 role, tf.identity, True)
+        plan_experts(plan, i, m + "experts.", E, self.expert_ffn, H, role, where=f"layer {i} ({m}experts)",
+                     count_field="n_routed_experts")
+
+    # ------------------------------------------------------------------ metadata
+
+    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
+        """In the order of llama.cpp's converter (TextModel's keys, where MimoV2Model's later writes of
+        the same key keep their first place, then MimoV2Model's own); integer arrays as it writes them."""
+        arch, tc = self.gguf_arch, self.tc
+        u32, i32, f32 = GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.FLOAT32
+        arr = GGUFValueType.ARRAY
+        k = self.k if keep_mtp else 0
+        pattern = self.swa + [1] * k
+        kv: list[MetaKV] = []
+
+        def put(fmt: str, value: Any, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> None:
+            kv.append(MetaKV(fmt.format(arch=arch), value, vtype, sub))
+
+        put(Keys.LLM.BLOCK_COUNT, self.n + k, u32)
+        put(Keys.LLM.CONTEXT_LENGTH, int(tc.get("max_position_embeddings", 4096)), u32)
+        put(Keys.LLM.EMBEDDING_LENGTH, self.hidden, u32)
+        put(Keys.LLM.FEED_FORWARD_LENGTH, self.ffn, u32)
+        put(Keys.Attention.HEAD_COUNT, self.n_head, u32)
+        put(Keys.Attention.HEAD_COUNT_KV, [self.n_kv_swa if s else self.n_kv for s in pattern], arr, i32)
+        put(Keys.Rope.FREQ_BASE, self.rope_base, f32)
+        put(Keys.Rope.FREQ_BASE_SWA, self.rope_base_swa, f32)
+        put(Keys.LLM.EXPERT_COUNT, self.n_expert, u32)
+        put(Keys.LLM.EXPERT_USED_COUNT, self.n_expert_used, u32)
+        if tc.get("n_group") is not None:
+            put(Keys.LLM.EXPERT_GROUP_COUNT, int(tc["n_group"]), u32)
+        if tc.get("topk_group") is not None:
+            put(Keys.LLM.EXPERT_GROUP_USED_COUNT, int(tc["topk_group"]), u32)
+        put(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID, u32)
+        put(Keys.Attention.KEY_LENGTH, self.hd, u32)
+        put(Keys.Attention.VALUE_LENGTH, self.vhd, u32)
+        put(Keys.Attention.SLIDING_WINDOW, self.window, u32)
+        put(Keys.Attention.SLIDING_WINDOW_PATTERN, pattern, arr, i32)
+        put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, self.expert_ffn, u32)
+        put(Keys.Rope.DIMENSION_COUNT, self.rope_dim, u32)
+        put(Keys.Attention.LAYERNORM_RMS_EPS, self.eps, f32)
+        if self.v_scale is not None:
+            put("{arch}.attention.value_scale", float(self.v_scale), f32)
+        if k:
+            put(Keys.LLM.NEXTN_PREDICT_LAYERS, k, u32)
+        return kv
