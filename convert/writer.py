@@ -5,15 +5,22 @@ gguf-py's writer, which puts `split.no`/`split.count`/`split.tensors.count` in e
 other KV in shard 1). Once opened, every tensor has a fixed place in its file, so its chunks are
 written with positioned writes from whichever thread encoded them, in any order; the bytes are the
 same as writing them in sequence. `AtomicOutputs` writes several outputs in one pass, so `--mtp separate` reads
-each source tensor once, and guarantees that on any error or Ctrl-C no file is left behind.
+each source tensor once, and guarantees that on any error, a full disk, Ctrl-C or SIGTERM no file is left
+behind: write errors become one-line errors naming the file, SIGTERM raises like Ctrl-C while outputs are
+open, the renames run with both signals held back, and two runs writing the same names take turns
+renaming (a lock on the folder), the later one refusing unless it may overwrite.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
+import signal
 import struct
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -95,6 +102,51 @@ def _cut(shards: list[dict], counts: Sequence[int]) -> list[dict]:
     return [dict(items[end - c:end]) for c, end in zip(counts, ends)]
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while outputs are open: unwinds like Ctrl-C, so temporary files are removed."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+@contextmanager
+def interruptible():
+    """SIGTERM raises `Terminated` (not an immediate exit) inside the block; main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def signals_held():
+    """SIGINT and SIGTERM wait until the block is done (a set of renames is never cut in half)."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def write_error(path: Path, exc: OSError) -> SpecconvError:
+    """A failed write as one line: which file, and why (a full disk, a file-size limit...)."""
+    why = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        why += " (the disk is full)"
+    elif exc.errno == errno.EFBIG:
+        why += " (over the file-size limit)"
+    return SpecconvError(f"cannot write {Path(path).name}: {why}; nothing was written")
+
+
 COPY_BUFFER = 8 << 20
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM}
 
@@ -144,6 +196,12 @@ class GgufOutput:
     def open(self) -> None:
         """Write header, KV and tensor infos, and size every file to its final length: from here on each
         tensor has a fixed place, so any thread can write any chunk of it (`write_at`)."""
+        try:
+            self._open()
+        except OSError as exc:
+            raise write_error(self.path, exc) from None
+
+    def _open(self) -> None:
         w = self._writer
         w.write_header_to_file(self._temp_stem)
         w.write_kv_data_to_file()
@@ -166,9 +224,12 @@ class GgufOutput:
         if offset < 0 or offset + data.nbytes > place.nbytes:
             raise SpecconvError(f"internal: {data.nbytes} bytes at {offset} do not fit a {place.nbytes}-byte tensor")
         view, at = memoryview(data).cast("B"), place.offset + offset
-        while view:
-            n = os.pwrite(place.fd, view, at)
-            view, at = view[n:], at + n
+        try:
+            while view:
+                n = os.pwrite(place.fd, view, at)
+                view, at = view[n:], at + n
+        except OSError as exc:
+            raise write_error(self.path, exc) from None
 
     def copy(self, name: str, src_fd: int, src_offset: int) -> None:
         """The next tensor's bytes, copied from another file (from `src_offset` on): like `write`,
@@ -190,7 +251,7 @@ class GgufOutput:
                 done += n
         except (AttributeError, OSError) as exc:  # not Linux, or a file system pair that cannot
             if isinstance(exc, OSError) and exc.errno not in _NO_KERNEL_COPY:
-                raise
+                raise write_error(self.path, exc) from None
             buf = np.empty(min(place.nbytes - done, COPY_BUFFER), dtype=np.uint8)
             while done < place.nbytes:
                 piece = buf[:min(buf.size, place.nbytes - done)]
@@ -228,7 +289,10 @@ class GgufOutput:
         self._next += 1
 
     def close(self) -> None:
-        self._writer.close()
+        try:
+            self._writer.close()
+        except OSError as exc:
+            raise write_error(self.path, exc) from None
 
     def complete(self) -> bool:
         return self._next == len(self.tensors) and self._due is None
@@ -245,34 +309,66 @@ class AtomicOutputs:
         existing = [p for o in self.outputs for p in o.existing()]
         if existing and not overwrite:
             raise SpecconvError(f"{existing[0]} already exists (use --force to overwrite)")
+        self.overwrite = overwrite
         self._made_dirs: list[Path] = []
+        self._signals = interruptible()
 
     def __enter__(self) -> "AtomicOutputs":
+        self._signals.__enter__()
         try:
             for o in self.outputs:
                 self._make_dir(o.path.parent)
                 o.open()
         except BaseException:
             self._discard()
+            self._signals.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is not None:
-            self._discard()
-            return False
         try:
-            for o in self.outputs:
-                o.close()
-                if not o.complete():
-                    raise SpecconvError(f"internal: {o.path.name} was closed before all tensors were written")
-            for o in self.outputs:
-                for src, dst in zip(o.temp_paths, o.final_paths):
-                    os.replace(src, dst)
-        except BaseException:
-            self._discard()
-            raise
-        return False
+            if exc_type is not None:
+                self._discard()
+                return False
+            with signals_held():
+                try:
+                    for o in self.outputs:
+                        o.close()
+                        if not o.complete():
+                            raise SpecconvError(f"internal: {o.path.name} was closed before all tensors were written")
+                    self._publish()
+                except BaseException:
+                    self._discard()
+                    raise
+            return False
+        finally:
+            self._signals.__exit__(None, None, None)
+
+    def _publish(self) -> None:
+        """Rename every temporary file to its final name, holding the folder's lock: a concurrent run to
+        the same names renames before or after, never in between, and without --force the later refuses."""
+        folders = sorted({p.parent for o in self.outputs for p in o.final_paths})
+        locks = [os.open(d, os.O_RDONLY | os.O_DIRECTORY) for d in folders]
+        try:
+            for fd in locks:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            existing = [p for o in self.outputs for p in o.existing()]
+            if existing and not self.overwrite:
+                raise SpecconvError(f"{existing[0]} appeared while this run was writing (another run?); "
+                                    f"nothing was written (use --force to overwrite)")
+            done: list[Path] = []
+            try:
+                for o in self.outputs:
+                    for src, dst in zip(o.temp_paths, o.final_paths):
+                        os.replace(src, dst)
+                        done.append(dst)
+            except OSError as exc:
+                for p in done:  # all or nothing
+                    p.unlink(missing_ok=True)
+                raise write_error(dst, exc) from None
+        finally:
+            for fd in locks:
+                os.close(fd)  # closing releases the lock
 
     def _make_dir(self, folder: Path) -> None:
         missing = [p for p in [folder, *folder.parents] if not p.exists()]
@@ -281,7 +377,10 @@ class AtomicOutputs:
 
     def _discard(self) -> None:
         for o in self.outputs:
-            o.close()
+            try:
+                o.close()
+            except SpecconvError:
+                pass  # the write already failed; the files go anyway
             for p in o.temp_paths:
                 p.unlink(missing_ok=True)
         for d in self._made_dirs:
