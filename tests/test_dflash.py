@@ -371,3 +371,15 @@ def test_dflash2_converts_like_llama_cpp_and_llama_cpp_runs_it(root, tmp_path, l
         load_model(ours, device="cpu", share_from=target)
     print(f"\n[dflash2] {len(t_a)} tensors and {len(kv_a)} KV pairs as llama.cpp's converter writes them; "
           f"llama.cpp decodes a block over our file")
+
+
+def test_q8_0_target_and_drafter(root, tmp_path):
+    """Quantized files (weights kept in Q8_0, the target's embedding and head borrowed packed)."""
+    t_dir, _, d_dir, _ = built(root, "qwen3")
+    t_q8 = convert_gguf(t_dir, tmp_path / "t.gguf", outtype="q8_0")
+    d_q8 = convert_gguf(d_dir, tmp_path / "d.gguf", outtype="q8_0", extra_args=["--target", str(t_dir)])
+    target = load_model(t_q8, device="cpu")
+    plain = generate(target, IDS[:8], 16).tokens
+    drafter = build_drafter("dflash", target, n_ctx=64, draft_max=5, draft_path=d_q8)
+    res = speculative_generate(target, drafter, IDS[:8], 16, SpecConfig(draft_max=5))
+    assert res.tokens == plain and res.stats["speculative"]["drafted"] > 0

@@ -236,3 +236,18 @@ def test_verify_passes_clean_pair_and_fails_swapped_tensor(root, tmp_path):
     failed = [c["name"] for c in rep["checks"] if not c["passed"]]
     print(f"[verify, blk.1/blk.2 attn_q swapped] failed checks: {failed}")
     assert code != 0 and any("parity" in n for n in failed)
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_q8_0_file_runs_close_to_transformers(root, variant, tmp_path):
+    """Weights kept in Q8_0 (experts sliced packed): close to transformers (verify's Q8_0 tolerance is a
+    relative RMS of 0.4), the same argmax at most rows (rounded router inputs flip near-tie expert
+    choices at a few positions)."""
+    src, _ = conv(root, variant, **VARIANTS[variant])
+    model = load_model(convert_gguf(src, tmp_path / "q8.gguf", outtype="q8_0"), device="cpu")
+    got, ref = Context(model, GraphType.MAIN, n_ctx=64).decode(IDS).logits, hf_forward(src, IDS)[0]
+    rel = float(((got - ref).pow(2).mean() / ref.pow(2).mean()).sqrt())
+    same = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+    print(f"\n[q8_0 {variant}] runtime vs transformers: max|Δlogit| {max_abs(got, ref):.3f}, relative RMS {rel:.4f}, "
+          f"same argmax {same:.0%}")
+    assert rel < 0.1 and same >= 0.85
