@@ -383,3 +383,30 @@ def test_q8_0_target_and_drafter(root, tmp_path):
     drafter = build_drafter("dflash", target, n_ctx=64, draft_max=5, draft_path=d_q8)
     res = speculative_generate(target, drafter, IDS[:8], 16, SpecConfig(draft_max=5))
     assert res.tokens == plain and res.stats["speculative"]["drafted"] > 0
+
+
+def test_verify_with_a_dflash_draft(root, tmp_path):
+    """`specconv verify TARGET --draft DFLASH --hf TARGET_DIR`: passes for the right pair (structure, fit,
+    greedy exactness with the DFlash drafter, statistics); fails for a drafter of another target."""
+    from specconv.cli import main as cli_main
+
+    t_dir, t_gguf, _, d_gguf = built(root, "qwen3")
+    _, other_gguf, _, _ = built(root, "qwen35")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\\n    return x\nimport os\n")
+
+    def verify(target, draft, *extra):
+        report = tmp_path / "r.json"
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["verify", str(target), "--draft", str(draft), "--prompts", str(prompts), "--json", str(report),
+                      "-n", "6", "--draft-max", "3", "--device", "cpu", *extra])
+        rep = json.loads(report.read_text())
+        return exc.value.code, rep, {c["name"]: c for c in rep["checks"]}
+
+    code, rep, checks = verify(t_gguf, d_gguf, "--hf", str(t_dir))
+    print(f"\n[verify qwen3 + dflash] passed {rep['passed']}; speculative {rep['speculative'].get('drafter')}, "
+          f"exact {rep['speculative'].get('exact')}")
+    assert code == 0 and rep["passed"] and checks["greedy exact: dflash"]["passed"]
+    assert checks["draft: DFlash drafter fits the model"]["passed"] and rep["speculative"]["exact"] is True
+    code, rep, checks = verify(other_gguf, d_gguf)  # the qwen3 drafter reads layer input 5 of a 4-layer target
+    assert code != 0 and not checks["draft: DFlash drafter fits the model"]["passed"]

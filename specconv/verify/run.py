@@ -91,9 +91,11 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
             structure.check_pair(report, target, head, "sidecar")
     elif GraphType.MTP in target.serves:
         head = target
-    eagle_head = assistant = None
+    eagle_head = assistant = dflash = None
     if opts.draft and _gguf_arch(opts.draft) == "eagle3":
         eagle_head = _eagle3_head(report, target, opts)
+    elif opts.draft and _gguf_arch(opts.draft) == "dflash":
+        dflash = _dflash(report, target, opts)
     elif opts.draft and _gguf_arch(opts.draft) == "gemma4-assistant":
         assistant = _assistant(report, target, opts)
     elif opts.draft:
@@ -116,7 +118,7 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
             report.add("parity: EAGLE-3 head vs its checkpoint", False,
                        "not run: the head did not load or does not fit the model (see above)")
     progress("speculative round trips")
-    _speculative(report, target, head, draft_model, prompts, opts, eagle_head, assistant)
+    _speculative(report, target, head, draft_model, prompts, opts, eagle_head, assistant, dflash)
     return report
 
 
@@ -148,6 +150,17 @@ def _assistant(report: Report, target, opts: VerifyOptions):
                 f"{sorted(set(target.hparams.store.values()))}, backbone width {assistant.hparams.n_embd_out}")
 
     return _draft_reading_target(report, target, opts, "Gemma 4 assistant", check_assistant_fits_target, detail)
+
+
+def _dflash(report: Report, target, opts: VerifyOptions):
+    """A DFlash --draft: loaded next to the target (its embedding / head), checked to belong to it."""
+    from specconv.runtime.drafters.dflash import check_drafter_fits_target
+
+    def detail(d):
+        return (f"target layer inputs {list(d.hparams.target_layers)} of {target.hparams.n_layer}, "
+                f"block {d.hparams.block_size}, mask token {d.hparams.mask_token_id}")
+
+    return _draft_reading_target(report, target, opts, "DFlash drafter", check_drafter_fits_target, detail)
 
 
 def _draft_reading_target(report: Report, target, opts: VerifyOptions, kind: str, fits, detail):
@@ -191,7 +204,7 @@ def _tokenize(report: Report, target, texts):
 
 
 def _speculative(report: Report, target, head, draft_model, prompts, opts: VerifyOptions, eagle_head=None,
-                 assistant=None):
+                 assistant=None, dflash=None):
     n, k = opts.n_predict, opts.draft_max
     n_ctx = max(map(len, prompts)) + n + k + 2
     drafters = {}
@@ -203,6 +216,10 @@ def _speculative(report: Report, target, head, draft_model, prompts, opts: Verif
         drafters["eagle3"] = lambda kk: Eagle3Drafter(eagle_head, target, n_ctx)
     if assistant is not None:
         drafters["gemma4-assistant"] = lambda kk: Gemma4AssistantDrafter(assistant, target)
+    if dflash is not None:
+        from specconv.runtime.drafters.dflash import DFlashDrafter
+
+        drafters["dflash"] = lambda kk: DFlashDrafter(dflash, target, n_ctx, kk)
     drafters["ngram"] = lambda kk: NgramDrafter()
     t0 = time.perf_counter()
     roundtrip.plain_runs(target, [prompts[0][:1]], 2)  # one-time costs out of the timings
