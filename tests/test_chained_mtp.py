@@ -32,7 +32,7 @@ from specconv.runtime.speculative import SpecConfig, speculative_generate
 from tests.fixtures import tiny_chained as tiny
 
 torch.set_num_threads(1)
-FAMILIES = ["hy_v3", "step35"]
+FAMILIES = ["hy_v3", "step35", "mimo2"]
 IDS = [int(x) for x in np.random.default_rng(11).integers(0, tiny.VOCAB - 3, 24)]
 TOL = 1e-4
 

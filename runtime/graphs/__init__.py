@@ -28,6 +28,7 @@ GRAPHS: dict[str, str] = {
     "dflash": "dflash",
     "hy_v3": "hy_v3",
     "step35": "step35",
+    "mimo2": "mimo2",
     "glm-dsa": "dsa",
     "deepseek32": "dsa",
 }

@@ -1,4 +1,4 @@
-"""`verify --hf` for heads with several chained MTP blocks (hy_v3, step35; docs/mtp.md §Chained MTP heads).
+"""`verify --hf` for heads with several chained MTP blocks (hy_v3, step35, mimo2; docs/mtp.md §Chained MTP heads).
 
 transformers' generic `MtpModel` does not load these releases' MTP layers (Hy3's `final_layernorm`
 and `router.gate`, Step-3.5's `transformer.shared_head` and stacked `moe.*` names are not in its key
@@ -9,8 +9,10 @@ transformers' trunk hidden states (post-norm, or pre-norm where the graph's TARG
 a perturbed block other than the first fails its own check.
 
 transformers 5.23 has no Step3p5 CausalLM class: `step35_reference` is its `Step3p7TextModel`, built
-from the release config.json, plus an LM head, loaded strictly from the release tensors
-(`REFERENCES`, used by parity.load_reference).
+from the release config.json, plus an LM head; its MiMoV2FlashConfig ignores the release's layer
+pattern and rope fields: `mimo2_reference` builds the config from them. Both are loaded from the
+release tensors and any missing or unexpected key is reported (`REFERENCES`, used by
+parity.load_reference).
 """
 
 from __future__ import annotations
@@ -76,7 +78,69 @@ def _step35_config(config, k: int, hf_dir: Path):
     return _step35_text_config(hf_dir, all_layers=True)
 
 
-FAMILIES = {"hy_v3": (_hy_v3_name, _hy_v3_config), "step35": (_step35_name, _step35_config)}
+def _mimo2_name(rel: str) -> str | None:
+    if rel.startswith(("enorm.", "hnorm.", "eh_proj.")):
+        return rel
+    if rel.startswith("final_layernorm."):
+        return "post_norm." + rel.rsplit(".", 1)[1]
+    rel = rel.replace("pre_mlp_layernorm.", "post_attention_layernorm.")
+    return "mtp_block." + rel.replace("self_attn.attention_sink_bias", "self_attn.sinks")
+
+
+def _mimo2_text_config(hf_dir: Path, k: int = 0):
+    """transformers' MiMoV2FlashConfig with the release's own fields: transformers 5.23 ignores
+    `hybrid_layer_pattern`, `rope_theta` / `swa_rope_theta`, `partial_rotary_factor` and
+    `layernorm_epsilon` and applies its defaults instead. k > 0: over N + k layers, the MTP blocks
+    being sliding-window blocks with a dense MLP (vLLM's MiMoV2MTPLayer)."""
+    from transformers import MiMoV2FlashConfig
+
+    raw = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    n = raw["num_hidden_layers"]
+    pattern = raw.get("hybrid_layer_pattern") or [int(t == "sliding_attention") for t in raw["layer_types"]]
+    freq = raw.get("moe_layer_freq") or [int(i > 0) for i in range(n)]
+    rope = lambda theta: {"rope_type": "default", "rope_theta": float(theta),  # noqa: E731
+                          "partial_rotary_factor": float(raw.get("partial_rotary_factor", 1.0))}
+    window = raw.get("sliding_window_size")
+    cfg = MiMoV2FlashConfig(
+        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=n + k, num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw["num_key_value_heads"], head_dim=raw["head_dim"], v_head_dim=raw["v_head_dim"],
+        layer_types=["sliding_attention" if x else "full_attention" for x in pattern[:n]] + ["sliding_attention"] * k,
+        mlp_layer_types=["sparse" if x else "dense" for x in freq[:n]] + ["dense"] * k,
+        rope_parameters={"full_attention": rope(raw.get("rope_theta", 10000.0)),
+                         "sliding_attention": rope(raw.get("swa_rope_theta", raw.get("rope_theta", 10000.0)))},
+        sliding_window=int(window) + 1 if window is not None else raw["sliding_window"],
+        attention_value_scale=raw.get("attention_value_scale"), n_routed_experts=raw["n_routed_experts"],
+        num_experts_per_tok=raw["num_experts_per_tok"], moe_intermediate_size=raw["moe_intermediate_size"],
+        n_group=raw.get("n_group") or 1, topk_group=raw.get("topk_group") or 1,
+        norm_topk_prob=raw.get("norm_topk_prob", True), routed_scaling_factor=raw.get("routed_scaling_factor") or 1.0,
+        rms_norm_eps=raw.get("layernorm_epsilon", raw.get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=raw.get("tie_word_embeddings", False))
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _mimo2_config(config, k: int, hf_dir: Path):
+    return _mimo2_text_config(hf_dir, k)
+
+
+def mimo2_reference(hf_dir: Path, dtype: torch.dtype = torch.float32):
+    """(model, load problems): transformers' MiMoV2FlashForCausalLM with the release's config fields."""
+    from transformers import MiMoV2FlashForCausalLM
+
+    model = MiMoV2FlashForCausalLM(_mimo2_text_config(hf_dir))
+    state = {name.replace(".self_attn.attention_sink_bias", ".self_attn.sinks"): t
+             for name, t in _release_tensors(hf_dir, "").items() if not name.startswith("model.mtp.")}
+    bad = model.load_state_dict(_fuse_experts(state), strict=False)
+    problems = {k: v for k, v in (("missing_keys", bad.missing_keys), ("unexpected_keys", bad.unexpected_keys)) if v}
+    model.config._name_or_path = str(hf_dir)
+    return model.to(dtype).eval(), problems
+
+
+FAMILIES = {"hy_v3": (_hy_v3_name, _hy_v3_config), "step35": (_step35_name, _step35_config),
+            "mimo2": (_mimo2_name, _mimo2_config)}
+# where block j's tensors sit in the release
+PREFIX = {"mimo2": lambda n, j: f"model.mtp.layers.{j}."}
 
 
 class _Step35Causal(torch.nn.Module):
@@ -122,7 +186,7 @@ def step35_reference(hf_dir: Path, dtype: torch.dtype = torch.float32):
     return model.to(dtype).eval(), problems
 
 
-REFERENCES = {"step35": step35_reference}
+REFERENCES = {"step35": step35_reference, "mimo2": mimo2_reference}
 
 
 def _release_tensors(hf_dir: Path, prefix: str) -> dict[str, torch.Tensor]:
@@ -175,7 +239,7 @@ def load_blocks(main, family: str, hf_dir: Path, k: int) -> list:
     blocks = []
     for j in range(k):
         layer = MtpLayer(cfg, layer_cls, norm_cls, n + j, use_post_norm=True)
-        raw = _release_tensors(hf_dir, f"model.layers.{n + j}.")
+        raw = _release_tensors(hf_dir, PREFIX.get(family, lambda n, j: f"model.layers.{n + j}.")(n, j))
         raw = {r: t for r, t in raw.items() if not r.startswith(("embed_tokens.", "shared_head."))}
         if not raw:
             raise SpecconvError(f"--hf {hf_dir}: no model.layers.{n + j}.* tensors (MTP block {j})")
@@ -196,7 +260,7 @@ def block_logits(main, layer, tokens: list[int], hidden: torch.Tensor, positions
     x = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(h)], dim=-1))
     p = torch.tensor(positions, device=dev)
     ok = p[None, :] <= p[:, None]
-    kind = getattr(layer.mtp_block, "attention_type", None)
+    kind = getattr(layer.mtp_block, "attention_type", None) or getattr(layer.mtp_block.self_attn, "layer_type", None)
     if kind == "sliding_attention":
         ok &= (p[:, None] - p[None, :]) < layer.config.sliding_window
     mask = torch.zeros(ok.shape, device=dev, dtype=x.dtype).masked_fill(~ok, float("-inf"))[None, None]
