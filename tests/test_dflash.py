@@ -410,3 +410,12 @@ def test_verify_with_a_dflash_draft(root, tmp_path):
     assert checks["draft: DFlash drafter fits the model"]["passed"] and rep["speculative"]["exact"] is True
     code, rep, checks = verify(other_gguf, d_gguf)  # the qwen3 drafter reads layer input 5 of a 4-layer target
     assert code != 0 and not checks["draft: DFlash drafter fits the model"]["passed"]
+
+
+def test_one_token_prompt_drafts_without_context(root):
+    """A one-token prompt leaves no committed position before id_last: the block attends to itself only."""
+    _, t_gguf, _, d_gguf = built(root, "qwen3")
+    target = load_model(t_gguf, device="cpu")
+    drafter = build_drafter("dflash", target, n_ctx=64, draft_max=4, draft_path=d_gguf)
+    res = speculative_generate(target, drafter, IDS[:1], 10, SpecConfig(draft_max=4))
+    assert res.tokens == generate(target, IDS[:1], 10).tokens and res.stats["speculative"]["drafted"] > 0
