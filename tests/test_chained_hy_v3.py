@@ -16,6 +16,7 @@ from specconv.archs import SpecconvError
 from specconv.archs.base import Checkpoint, SourceTensor
 from specconv.archs.gguf_reader import open_gguf
 from specconv.archs.hy_v3 import HyV3
+from tests.fixtures import chained_reference as ref_mod
 from tests.fixtures import tiny_chained as tiny
 from tests.fixtures.gguf_files import convert_gguf, convert_gguf_upstream
 
@@ -24,7 +25,7 @@ N, K = tiny.N_LAYERS, tiny.K_MTP["hy_v3"]
 
 @pytest.fixture(scope="module")
 def conv(tmp_path_factory):
-    return tiny.converted("hy_v3", tmp_path_factory.mktemp("hy"))
+    return ref_mod.converted("hy_v3", tmp_path_factory.mktemp("hy"))
 
 
 def _headers(src):

@@ -29,6 +29,7 @@ from specconv.runtime.drafters import MtpDrafter
 from specconv.runtime.drafters.mtp import block_view
 from specconv.runtime.generate import generate
 from specconv.runtime.speculative import SpecConfig, speculative_generate
+from tests.fixtures import chained_reference as ref_mod
 from tests.fixtures import tiny_chained as tiny
 
 torch.set_num_threads(1)
@@ -43,8 +44,8 @@ def root(tmp_path_factory):
 
 
 def _family(family, root):
-    src, files = tiny.converted(family, root)
-    return src, files, tiny.reference(src, family), tiny.K_MTP[family]
+    src, files = ref_mod.converted(family, root)
+    return src, files, ref_mod.reference(src, family), tiny.K_MTP[family]
 
 
 def _rows(h: np.ndarray) -> np.ndarray:
@@ -195,8 +196,8 @@ def test_llama_cpp_loads_our_files_and_agrees(root, family, llama_peer):
     blocks = []
     for j in range(k):
         theirs, _, _ = ref.block(j, IDS, _rows(h), range(len(IDS)))
-        blocks.append(float(np.abs(tiny.llama_block_logits(files["embed"], IDS, h, j) - theirs).max()))
-    side = float(np.abs(tiny.llama_block_logits(files["none"], IDS, h, 0, files["mtp-separate"])
+        blocks.append(float(np.abs(ref_mod.llama_block_logits(files["embed"], IDS, h, j) - theirs).max()))
+    side = float(np.abs(ref_mod.llama_block_logits(files["none"], IDS, h, 0, files["mtp-separate"])
                         - ref.block(0, IDS, _rows(h), range(len(IDS)))[0]).max())
     print(f"{family} llama.cpp on our f32 files vs transformers: trunk {trunk:.3g} (trunk-only file {trunk_only:.3g}); "
           f"MTP blocks {[f'{x:.3g}' for x in blocks]}; block 0 from the sidecar {side:.3g}")

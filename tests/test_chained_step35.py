@@ -21,6 +21,7 @@ from specconv.archs import SpecconvError
 from specconv.archs.base import Checkpoint, SourceTensor
 from specconv.archs.gguf_reader import open_gguf
 from specconv.archs.step35 import Step35
+from tests.fixtures import chained_reference as ref_mod
 from tests.fixtures import tiny_chained as tiny
 from tests.fixtures.gguf_files import upstream_source
 
@@ -30,7 +31,7 @@ RUNNER = Path(__file__).resolve().parent / "fixtures" / "llamacpp_rawconfig.py"
 
 @pytest.fixture(scope="module")
 def conv(tmp_path_factory):
-    return tiny.converted("step35", tmp_path_factory.mktemp("st"))
+    return ref_mod.converted("step35", tmp_path_factory.mktemp("st"))
 
 
 def _plugin(src, config_edit=None, extra=None, nest=False):
