@@ -30,7 +30,7 @@ from specconv.runtime.generate import generate
 from specconv.runtime.speculative import SpecConfig, build_drafter, speculative_generate
 from tests.fixtures import tiny_dflash as tiny
 from tests.fixtures.gguf_files import convert_gguf, convert_gguf_upstream
-from tests.test_eagle3_upstream import _read
+from tests.fixtures.tiny_qwen3 import gguf_contents as _read
 
 torch.set_num_threads(1)
 TOL = 1e-4

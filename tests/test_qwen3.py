@@ -23,7 +23,7 @@ from specconv.archs import Checkpoint, SourceTensor, SpecconvError, plugin_class
 from specconv.archs.gguf_reader import open_gguf
 from tests.fixtures.gguf_files import convert_gguf, convert_gguf_upstream
 from tests.fixtures.tiny_qwen3 import build_qwen3
-from tests.test_eagle3_upstream import _read
+from tests.fixtures.tiny_qwen3 import gguf_contents as _read
 
 torch.set_num_threads(1)
 VARIANTS = {"dense": {}, "moe": {"moe": True}, "dense-tied": {"tie": True}, "moe-tied": {"moe": True, "tie": True},
