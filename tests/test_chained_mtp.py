@@ -259,3 +259,23 @@ def test_mtp_extract_and_merge_move_every_block(root, family, tmp_path):
     assert run("merge", files["none"], side, "-o", merged).exit_code == 0
     assert side.read_bytes() == files["only"].read_bytes()
     assert merged.read_bytes() == files["embed"].read_bytes()
+
+
+@pytest.mark.parametrize("family", ["hy_v3", "step35"])
+def test_chained_draft_equals_llama_cpp(root, family, llama_peer):
+    """Our chain = llama.cpp's draft-mtp chain (chain_heads) on the same file: same drafts, and each
+    position's logits (block i's) within float32 noise. (mimo2: llama.cpp feeds and chains pre-norm
+    states where the release uses post-norm ones; docs/mtp.md.)"""
+    src, files, _, k = _family(family, root)
+    ids = IDS[:16]
+    id_last, theirs, their_logits = ref_mod.llama_chained_draft(files["embed"], ids, k + 2)
+    model = load_model(files["embed"], device="cpu")
+    drafter = MtpDrafter(model, 64, model)
+    hid = drafter.target_hidden[0]
+    out = Context(model, GraphType.MAIN, n_ctx=64).decode(ids, hidden=(hid,))
+    assert int(out.logits[-1].argmax()) == id_last
+    drafter.start(ids, out.hidden[hid])
+    ours = drafter.draft(id_last, k + 2).tokens
+    diff = float(np.abs(torch.stack(drafter.last_draft_logits).numpy() - their_logits).max())
+    print(f"{family}: chained drafts ours {ours} == llama.cpp {theirs} (capped at {k}); max |Δlogit| {diff:.3g}")
+    assert ours == theirs and len(ours) == k and diff < TOL
