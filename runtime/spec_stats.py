@@ -152,13 +152,15 @@ class SpecStats:
 
 def per_block(stats: SpecStats, block_of_position) -> list[dict]:
     """Acceptance by MTP block: draft position i was drafted by block `block_of_position(i)` (chained
-    heads: block i; one-block heads: block 0 everywhere). Per block: the positions it drafted, its
+    heads: block i, none beyond their k blocks; one-block heads: block 0 everywhere). Per block: the positions it drafted, its
     draft tokens verified (`drafted`), those accepted (`accepted`), and `acceptance_rate` = accepted /
     drafted, the conditional rate of that block (a later position is verified only after the earlier
     ones were accepted)."""
     blocks: dict[int, dict] = {}
     for i in range(stats.draft_max):
-        b = int(block_of_position(i))
+        b = block_of_position(i)
+        if b is None:  # a position no block drafts (chained heads cap drafts at their block count)
+            continue
         row = blocks.setdefault(b, {"block": b, "positions": [], "drafted": 0, "accepted": 0})
         row["positions"].append(i)
         row["drafted"] += stats.drafted_at[i]

@@ -61,10 +61,16 @@ def n_chained_blocks(head: Model) -> int:
     return max(1, int(getattr(head.hparams, "n_nextn", 1)))
 
 
+def _block_of(i: int, k: int) -> int | None:
+    """Chained heads: block i drafts position i and positions ≥ k are never drafted (None); a
+    one-block head drafts every position with block 0."""
+    return 0 if k == 1 else (int(i) if int(i) < k else None)
+
+
 def block_of_position(head: Model):
-    """i -> the block that drafts draft position i (0-based) with this head."""
+    """i -> the block that drafts draft position i (0-based) with this head, or None."""
     k = n_chained_blocks(head)
-    return lambda i: min(int(i), k - 1)
+    return lambda i: _block_of(i, k)
 
 
 class MtpDrafter:
@@ -89,9 +95,9 @@ class MtpDrafter:
         self.pending_h = torch.zeros(head.n_embd, dtype=head.dtype, device=head.device)
         self.last_draft_logits: list[torch.Tensor] = []
 
-    def block_of_position(self, i: int) -> int:
-        """The block that drafts draft position i (0-based); statistics by block use it."""
-        return min(int(i), self.n_blocks - 1)
+    def block_of_position(self, i: int) -> int | None:
+        """The block that drafts draft position i (0-based), None beyond k; statistics by block use it."""
+        return _block_of(i, self.n_blocks)
 
     def start(self, prefix: Sequence[int], hidden: torch.Tensor | None) -> None:
         for ctx in self.ctxs:
