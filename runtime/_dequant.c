@@ -2,68 +2,81 @@
  * runtime/dequant.py (and gguf.quants), with the GIL released and the blocks of one call split
  * over a few threads. The per-type decoders are in dq_blocks.c.
  *
- * Python sees one function, `dequantize(ggml_type, src, nbytes, dst, threads)`, taking raw
- * addresses (torch's data_ptr()): runtime/dequant_native.py checks the tensors (CPU, contiguous,
- * sizes) before it calls, so this module trusts them. */
+ * Python sees `dequantize(ggml_type, src, nbytes, dst, threads)` and the fused product for decode
+ * `dot(...)` (dq_dot.c), taking raw addresses (torch's data_ptr()): runtime/dequant_native.py checks
+ * the tensors (CPU, contiguous, dtypes, sizes) before it calls, so this module trusts them. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "dq_blocks.h"
 
 #define MAX_THREADS 64
 
-typedef struct {
-    const dq_type *type;
-    const uint8_t *src;
-    float *dst;
-    size_t first, count; /* blocks */
-} job;
+/* Work split in units (blocks, rows): run(ctx, first, count) on up to `threads` threads, the
+ * caller's thread taking the first share. */
+typedef void (*work_fn)(const void *ctx, size_t first, size_t count);
 
-static void run_job(const job *j)
-{
-    j->type->decode(j->src + j->first * (size_t)j->type->size, j->dst + j->first * (size_t)j->type->block,
-                    j->count);
-}
+typedef struct {
+    work_fn run;
+    const void *ctx;
+    size_t first, count;
+} job;
 
 static void *thread_main(void *arg)
 {
-    run_job((const job *)arg);
+    const job *j = (const job *)arg;
+    j->run(j->ctx, j->first, j->count);
     return NULL;
 }
 
-/* Decode `blocks` blocks on up to `threads` threads (the caller's thread takes the first share). */
-static void decode_parallel(const dq_type *type, const uint8_t *src, float *dst, size_t blocks, int threads)
+static void run_parallel(work_fn run, const void *ctx, size_t units, int threads)
 {
     if (threads < 1)
         threads = 1;
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
-    if ((size_t)threads > blocks)
-        threads = blocks ? (int)blocks : 1;
+    if ((size_t)threads > units)
+        threads = units ? (int)units : 1;
     job jobs[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    size_t share = blocks / (size_t)threads, extra = blocks % (size_t)threads, first = 0;
+    size_t share = units / (size_t)threads, extra = units % (size_t)threads, first = 0;
     for (int t = 0; t < threads; t++) {
         size_t count = share + ((size_t)t < extra);
-        jobs[t] = (job){type, src, dst, first, count};
+        jobs[t] = (job){run, ctx, first, count};
         first += count;
     }
     for (int t = 1; t < threads; t++)
         started[t] = pthread_create(&ids[t], NULL, thread_main, &jobs[t]) == 0;
-    run_job(&jobs[0]);
+    jobs[0].run(ctx, jobs[0].first, jobs[0].count);
     for (int t = 1; t < threads; t++) {
         if (started[t])
             pthread_join(ids[t], NULL);
         else
-            run_job(&jobs[t]); /* could not start a thread: do its share here */
+            jobs[t].run(ctx, jobs[t].first, jobs[t].count); /* no thread: do its share here */
     }
+}
+
+/* ---- dequantize -------------------------------------------------------------------------------- */
+
+typedef struct {
+    const dq_type *type;
+    const uint8_t *src;
+    float *dst;
+} decode_ctx;
+
+static void decode_work(const void *arg, size_t first, size_t count)
+{
+    const decode_ctx *c = (const decode_ctx *)arg;
+    c->type->decode(c->src + first * (size_t)c->type->size, c->dst + first * (size_t)c->type->block, count);
 }
 
 static PyObject *dequantize(PyObject *self, PyObject *args)
 {
+    (void)self;
     int ggml_type, threads;
     unsigned long long src_addr, dst_addr;
     Py_ssize_t nbytes;
@@ -78,14 +91,70 @@ static PyObject *dequantize(PyObject *self, PyObject *args)
     size_t blocks = (size_t)nbytes / (size_t)type->size;
     if (blocks && (!src_addr || !dst_addr))
         return PyErr_Format(PyExc_ValueError, "dequantize: null buffer address");
+    decode_ctx ctx = {type, (const uint8_t *)(uintptr_t)src_addr, (float *)(uintptr_t)dst_addr};
     Py_BEGIN_ALLOW_THREADS
-    decode_parallel(type, (const uint8_t *)(uintptr_t)src_addr, (float *)(uintptr_t)dst_addr, blocks, threads);
+    run_parallel(decode_work, &ctx, blocks, threads);
     Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ---- fused product ----------------------------------------------------------------------------- */
+
+typedef struct {
+    const dq_type *type;
+    const uint8_t *w;
+    size_t row_bytes, n_in, nx, out_stride;
+    const float *x;
+    float *out;
+    int failed; /* a thread could not get its row buffer */
+} dot_ctx;
+
+static void dot_work(const void *arg, size_t first, size_t count)
+{
+    dot_ctx *c = (dot_ctx *)arg;
+    float *row = malloc(c->n_in * sizeof(float) + 64);
+    if (row == NULL) {
+        c->failed = 1;
+        return;
+    }
+    dq_dot_rows(c->type, c->w, c->row_bytes, first, count, c->n_in, c->x, c->nx, c->out, c->out_stride, row);
+    free(row);
+}
+
+static PyObject *dot(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int ggml_type, threads;
+    unsigned long long w_addr, x_addr, out_addr;
+    Py_ssize_t rows, n_in, nx, out_stride;
+    if (!PyArg_ParseTuple(args, "iKnnKnKni:dot", &ggml_type, &w_addr, &rows, &n_in, &x_addr, &nx, &out_addr,
+                          &out_stride, &threads))
+        return NULL;
+    const dq_type *type = dq_find(ggml_type);
+    if (type == NULL)
+        return PyErr_Format(PyExc_ValueError, "dot: GGML type %d is not covered", ggml_type);
+    if (rows < 0 || nx < 0 || n_in <= 0 || n_in % type->block || out_stride < rows)
+        return PyErr_Format(PyExc_ValueError, "dot: bad shape (rows %zd, n_in %zd, nx %zd, out stride %zd)",
+                            rows, n_in, nx, out_stride);
+    if (rows && nx && (!w_addr || !x_addr || !out_addr))
+        return PyErr_Format(PyExc_ValueError, "dot: null buffer address");
+    dot_ctx ctx = {type, (const uint8_t *)(uintptr_t)w_addr, (size_t)(n_in / type->block * type->size),
+                   (size_t)n_in, (size_t)nx, (size_t)out_stride, (const float *)(uintptr_t)x_addr,
+                   (float *)(uintptr_t)out_addr, 0};
+    if (rows && nx) {
+        Py_BEGIN_ALLOW_THREADS
+        run_parallel(dot_work, &ctx, (size_t)rows, threads);
+        Py_END_ALLOW_THREADS
+    }
+    if (ctx.failed)
+        return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
 static PyObject *types(PyObject *self, PyObject *unused)
 {
+    (void)self;
+    (void)unused;
     PyObject *out = PyDict_New();
     if (out == NULL)
         return NULL;
@@ -109,6 +178,12 @@ static PyMethodDef methods[] = {
      "Decode the `nbytes` bytes of GGUF blocks at address `src` into float32 values at address `dst`\n"
      "(nbytes / block size * values per block of them), bit-identical to specconv.runtime.dequant,\n"
      "on up to `threads` threads, with the GIL released. The caller guarantees the addresses."},
+    {"dot", dot, METH_VARARGS,
+     "dot(ggml_type, w, rows, n_in, x, nx, out, out_stride, threads) -> None\n\n"
+     "out[j * out_stride + r] = (row r of the `rows` x `n_in` matrix stored as ggml_type at address w)\n"
+     ". (x_j, the float32 vector at x + j * n_in) for j < nx: each row dequantized exactly as\n"
+     "dequantize() does, then multiplied in a fixed summation order. Rows split over up to `threads`\n"
+     "threads, GIL released. The caller guarantees the addresses."},
     {"types", types, METH_NOARGS, "types() -> {ggml_type: (values per block, bytes per block)} covered"},
     {NULL, NULL, 0, NULL},
 };

@@ -80,3 +80,32 @@ def dequantize(raw: torch.Tensor, qtype: QType, out: torch.Tensor | None = None,
         threads = max(1, min(threads, count // MIN_THREAD_ELEMENTS))
         _module().dequantize(int(qtype), raw.data_ptr(), raw.numel(), out.data_ptr(), threads)
     return out
+
+
+def matmul_t(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n_in: int,
+             threads: int | None = None) -> torch.Tensor | None:
+    """x @ Wᵀ for a matrix W stored as `qtype` in the uint8 rows `raw` [n_out, row_bytes], fused:
+    each row is dequantized (the values dequantize() gives) into a cache-sized buffer and
+    multiplied at once, so the float32 matrix is never written. float32 [..., n_out], or None where
+    the native path does not apply (extension missing or disabled, type not covered, not float32
+    on the CPU).
+
+    Sums run in a fixed order of their own (16 running sums, no fused multiply-add): the result
+    equals `x @ dense(W).t()` within float32 summation-order noise, not bit for bit."""
+    if (x.dtype != torch.float32 or x.device.type != "cpu" or raw.device.type != "cpu"
+            or raw.dtype != torch.uint8 or raw.dim() != 2 or not covers(qtype)):
+        return None
+    block, size = _covered()[int(qtype)]
+    if n_in % block or raw.shape[-1] != n_in // block * size or x.shape[-1] != n_in:
+        return None
+    if not raw.is_contiguous():
+        raw = raw.contiguous()
+    n_out = raw.shape[0]
+    xs = x.reshape(-1, n_in).contiguous()
+    out = torch.empty(xs.shape[0], n_out, dtype=torch.float32)
+    if threads is None:
+        threads = torch.get_num_threads()
+    threads = max(1, min(threads, n_out * n_in // MIN_THREAD_ELEMENTS))
+    _module().dot(int(qtype), raw.data_ptr(), n_out, n_in, xs.data_ptr(), xs.shape[0], out.data_ptr(), n_out,
+                  threads)
+    return out.reshape(*x.shape[:-1], n_out)

@@ -20,27 +20,9 @@
 #define CLONES
 #endif
 
-/* IEEE half bits -> float32, exactly (subnormals included); a NaN comes out quiet. */
-static inline float half_bits_to_float(uint32_t h)
-{
-    uint32_t sign = (h & 0x8000u) << 16, em = h & 0x7fffu, bits;
-    if (em >= 0x7c00u) {
-        bits = (em << 13) | 0x7f800000u | (em > 0x7c00u ? 0x400000u : 0u);
-    } else if (em >= 0x400u) {
-        bits = (em << 13) + 0x38000000u; /* rebias the exponent 15 -> 127 */
-    } else {
-        float sub = (float)em * 0x1p-24f; /* em units of 2^-24: exact, and a normal float32 */
-        memcpy(&bits, &sub, sizeof bits);
-    }
-    bits |= sign;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 static inline float f16_at(const uint8_t *p)
 {
-    return half_bits_to_float((uint32_t)p[0] | ((uint32_t)p[1] << 8));
+    return dq_half_to_float((uint32_t)p[0] | ((uint32_t)p[1] << 8));
 }
 
 static const int8_t IQ4_TABLE[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -283,7 +265,7 @@ static void f16_scalar(const uint8_t *restrict s, float *restrict y, size_t n)
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__clang__)
 #include <immintrin.h>
-/* vcvtph2ps: the exact conversion (subnormals widened, a NaN made quiet, as half_bits_to_float) */
+/* vcvtph2ps: the exact conversion (subnormals widened, a NaN made quiet, as dq_half_to_float) */
 __attribute__((target("avx2,f16c"))) static void f16_f16c(const uint8_t *restrict s, float *restrict y, size_t n)
 {
     size_t i = 0;

@@ -9,6 +9,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef void (*dq_fn)(const uint8_t *src, float *dst, size_t n);
 
@@ -22,7 +23,32 @@ typedef struct {
 /* The covered type `ggml_type`, or NULL. */
 const dq_type *dq_find(int ggml_type);
 
+/* IEEE half bits -> float32, exactly (subnormals included); a NaN comes out quiet. */
+static inline float dq_half_to_float(uint32_t h)
+{
+    uint32_t sign = (h & 0x8000u) << 16, em = h & 0x7fffu, bits;
+    if (em >= 0x7c00u) {
+        bits = (em << 13) | 0x7f800000u | (em > 0x7c00u ? 0x400000u : 0u);
+    } else if (em >= 0x400u) {
+        bits = (em << 13) + 0x38000000u; /* rebias the exponent 15 -> 127 */
+    } else {
+        float sub = (float)em * 0x1p-24f; /* em units of 2^-24: exact, and a normal float32 */
+        memcpy(&bits, &sub, sizeof bits);
+    }
+    bits |= sign;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+
 /* Every covered type, terminated by an entry whose decode is NULL. */
 extern const dq_type dq_types[];
+
+/* Fused product (dq_dot.c): for rows first .. first+count-1 of a matrix stored as `type` (row r at
+ * w + r * row_bytes, n_in values), out[j * out_stride + r] = row r . x_j for the nx activation
+ * vectors x_j = x + j * n_in. `row` is scratch space for n_in floats. */
+void dq_dot_rows(const dq_type *type, const uint8_t *w, size_t row_bytes, size_t first, size_t count,
+                 size_t n_in, const float *x, size_t nx, float *out, size_t out_stride, float *row);
 
 #endif

@@ -22,12 +22,29 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
+import threading
+
+from specconv.runtime import dequant_native
 from specconv.runtime.dequant import dequantize_rows
 from specconv.runtime.placement import active_device
 
 # Values dequantized per piece of a chunked product (4 MB in float32): big enough that the
 # matrix product stays efficient, small enough to stay in cache and bound the temporaries.
+# A matrix of at most this many values is dequantized whole and multiplied in one product.
 CHUNK_ELEMENTS = 1 << 20
+
+# The CPU products of larger matrices whose type the native dequantizer covers (float32
+# activations; benchmarks/dequant_native.py, docs/runtime.md "Native dequantization"):
+# * up to FUSED_MAX_ROWS rows of activations (decode) and a type in FUSED_TYPES: the fused native
+#   kernel, which dequantizes a row into the cache and multiplies it at once (the float32 matrix is
+#   never written; sums in its own fixed order, so equal to the BLAS product within float32
+#   summation-order noise);
+# * otherwise: pieces of NATIVE_CHUNK_ELEMENTS values dequantized natively into one float32 buffer
+#   per thread, reused, which stays in the L2 cache while the BLAS product reads it.
+FUSED_MAX_ROWS = 1
+FUSED_TYPES = frozenset({GGMLQuantizationType.Q8_0})
+NATIVE_CHUNK_ELEMENTS = 1 << 18
+_buffers = threading.local()
 
 
 class ReadCounter:
@@ -165,7 +182,44 @@ def matmul_t(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
     n_out = w.shape[0]
     if w.numel() <= CHUNK_ELEMENTS:
         return x @ w.dense(x.dtype).t()
+    if _native_on_cpu(x, w):
+        return _native_matmul_t(x, w)
     out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=x.device)
     for start, values in w.row_chunks(x.dtype):
         out[..., start:start + values.shape[0]] = x @ values.t()
     return out
+
+
+def _native_on_cpu(x: torch.Tensor, w: StoredWeight) -> bool:
+    """Whether this product runs on the CPU from stored bytes there, in a type the native
+    dequantizer covers, with float32 activations."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and w.raw.device.type == "cpu"
+            and (active_device() or w.device).type == "cpu" and dequant_native.covers(w.qtype))
+
+
+def _chunk_buffer(n: int) -> torch.Tensor:
+    """This thread's float32 buffer for dequantized pieces, at least n values (grown, never shrunk)."""
+    buffer = getattr(_buffers, "values", None)
+    if buffer is None or buffer.numel() < n:
+        buffer = _buffers.values = torch.empty(n, dtype=torch.float32)
+    return buffer
+
+
+def _native_matmul_t(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
+    n_out, n_in = w.shape
+    raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
+    if w.counter is not None:
+        w.counter.bytes += raw.numel()
+    rows = x.numel() // n_in if n_in else 0
+    if rows <= FUSED_MAX_ROWS and w.qtype in FUSED_TYPES:
+        fused = dequant_native.matmul_t(x, raw, w.qtype, n_in)
+        if fused is not None:
+            return fused
+    xs = x.reshape(-1, n_in)
+    out = torch.empty(xs.shape[0], n_out, dtype=torch.float32)
+    step = max(1, NATIVE_CHUNK_ELEMENTS // max(1, n_in))
+    buffer = _chunk_buffer(step * n_in)
+    for start in range(0, n_out, step):
+        values = dequant_native.dequantize(raw[start:start + step], w.qtype, out=buffer)
+        torch.mm(xs, values.t(), out=out[:, start:start + values.shape[0]])  # straight into its columns
+    return out.reshape(*x.shape[:-1], n_out)

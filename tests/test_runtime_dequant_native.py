@@ -161,3 +161,111 @@ def test_require_native_fails_without_the_build(monkeypatch):
     monkeypatch.setenv("SPECCONV_REQUIRE_NATIVE", "0")
     with pytest.raises(pytest.skip.Exception):
         require_native_dequant()
+
+
+# ---- the fused product (runtime/dq_dot.c) and the stored-weight product on the CPU -----------------
+
+EPS = float(torch.finfo(torch.float32).eps)
+# |fused - x @ dense(W).t()| <= FUSED_BOUND * eps * sum_i |x_i| |w_i| for every output. Measured
+# (the worst case per type is printed): 0.24 (F16) to 0.61 (Q5_K) over n_in = 256 .. 4099. Two
+# float32 sums of n products in different orders can differ by up to about 2 n eps sum |x_i w_i| in
+# the worst case; 2 leaves room above the measurements while still catching any wrong value or lost
+# term (those give differences of order sum |x_i w_i| itself, millions of times larger).
+FUSED_BOUND = 2.0
+
+
+def sane_rows(qtype: QType, rows: int, n_in: int, seed: int) -> torch.Tensor:
+    """Random blocks whose f16 scales are ordinary positive numbers (no inf/NaN in the values)."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    if qtype in (QType.F16, QType.BF16):
+        values = torch.from_numpy(rng.standard_normal((rows, n_in)).astype(np.float32) * 0.05)
+        return values.to(torch.float16 if qtype == QType.F16 else torch.bfloat16).view(torch.uint8)
+    raw = rng.integers(0, 256, (rows, n_in // block, size), dtype=np.uint8)
+    for offset in F16_FIELDS[qtype]:
+        scales = (rng.random((rows, n_in // block)) * 0.01 + 1e-3).astype(np.float16)
+        raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(rows, n_in // block, 2)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def fused_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    """max |y - x @ w.t()| in units of eps * sum |x_i w_i| (per output)."""
+    reference = x.reshape(-1, x.shape[-1]) @ w.t()
+    scale = x.reshape(-1, x.shape[-1]).abs() @ w.abs().t()
+    return float(((y.reshape(reference.shape) - reference).abs() / (EPS * scale)).max())
+
+
+@pytest.mark.parametrize("qtype", COVERED, ids=lambda t: t.name)
+def test_fused_product_within_summation_noise(qtype, monkeypatch):
+    block = GGML_QUANT_SIZES[qtype][0]
+    worst = 0.0
+    for n_in, nx in ([(256, 1), (1024, 3), (4096, 8)] if block > 1 else [(256, 1), (1000, 3), (4099, 2)]):
+        raw = sane_rows(qtype, 37, n_in, seed=n_in)
+        w = dequantize_rows(raw, qtype)  # the exact values, as the torch path gives them
+        x = torch.randn(nx, n_in, generator=torch.Generator().manual_seed(nx))
+        y = dequant_native.matmul_t(x, raw, qtype, n_in)
+        assert y.shape == (nx, 37)
+        worst = max(worst, fused_error(y, x, w))
+        for threads in (2, 5):  # rows split over threads: the same sums
+            assert torch.equal(dequant_native.matmul_t(x, raw, qtype, n_in, threads=threads), y)
+        with monkeypatch.context() as m:  # the portable kernel (no AVX2) keeps the same 32 sums
+            m.setenv("SPECCONV_DOT_PORTABLE", "1")
+            assert torch.equal(dequant_native.matmul_t(x, raw, qtype, n_in), y)
+    print(f"\n[fused {qtype.name}] worst |Δ| = {worst:.3f} eps·Σ|x·w|")
+    assert worst <= FUSED_BOUND
+
+
+def test_fused_product_leading_dims_and_refusals():
+    raw = sane_rows(QType.Q8_0, 10, 64, seed=1)
+    x = torch.randn(2, 3, 64)
+    y = dequant_native.matmul_t(x, raw, QType.Q8_0, 64)
+    assert y.shape == (2, 3, 10)
+    assert fused_error(y, x, dequantize_rows(raw, QType.Q8_0)) <= FUSED_BOUND
+    assert dequant_native.matmul_t(x.double(), raw, QType.Q8_0, 64) is None  # float32 only
+    assert dequant_native.matmul_t(x, raw, QType.TQ2_0, 64) is None  # type not covered
+    assert dequant_native.matmul_t(x[..., :32], raw, QType.Q8_0, 32) is None  # rows of another width
+
+
+def _stored(qtype: QType, rows: int, n_in: int, seed: int):
+    from specconv.runtime.stored import ReadCounter, StoredWeight
+
+    raw = sane_rows(qtype, rows, n_in, seed)
+    counter = ReadCounter()
+    return StoredWeight(raw, qtype, (rows, n_in), torch.float32, torch.device("cpu"), counter), raw, counter
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K, QType.Q6_K, QType.BF16], ids=lambda t: t.name)
+def test_stored_product_takes_the_native_paths(qtype, monkeypatch):
+    """matmul_t above CHUNK_ELEMENTS: fused for one row of a FUSED_TYPES matrix, native chunks into the
+    reused per-thread buffer otherwise (short last chunk included); both against x @ dense(W).t()."""
+    from specconv.runtime import stored
+
+    monkeypatch.setattr(stored, "CHUNK_ELEMENTS", 256 * 40)
+    monkeypatch.setattr(stored, "NATIVE_CHUNK_ELEMENTS", 256 * 9)  # 9 rows a piece, the last one short
+    w, raw, counter = _stored(qtype, 301, 256, seed=4)
+    dense = dequantize_rows(raw, qtype)
+    for shape in [(1, 256), (256,), (3, 256), (2, 4, 256)]:
+        x = torch.randn(*shape)
+        counter.reset()
+        y = stored.matmul_t(x, w)
+        assert y.shape == (*shape[:-1], 301)
+        assert counter.reset() == raw.numel()  # every stored byte read once
+        rows = x.numel() // 256
+        # fused, or the BLAS product of each piece (whose kernels may sum in another order than
+        # for the whole matrix): the same products, summed in other orders
+        assert fused_error(y, x, dense) <= FUSED_BOUND
+    assert stored._chunk_buffer(1).numel() >= 9 * 256  # one buffer for this thread, kept
+
+
+def test_stored_product_without_the_native_path(monkeypatch):
+    from specconv.runtime import stored
+
+    monkeypatch.setattr(stored, "CHUNK_ELEMENTS", 256 * 40)
+    w, raw, _ = _stored(QType.Q8_0, 100, 256, seed=6)
+    x = torch.randn(1, 256)
+    expected = x @ dequantize_rows(raw, QType.Q8_0).t()
+    monkeypatch.setenv("SPECCONV_NO_NATIVE_DEQUANT", "1")
+    assert not stored._native_on_cpu(x, w)
+    torch.testing.assert_close(stored.matmul_t(x, w), expected, rtol=1e-6, atol=1e-6)
+    monkeypatch.delenv("SPECCONV_NO_NATIVE_DEQUANT")
+    assert stored._native_on_cpu(x, w) and not stored._native_on_cpu(x.double(), w)
