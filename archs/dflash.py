@@ -103,9 +103,9 @@ class DFlash(ArchPlugin):
                 raise SpecconvError("the DFlash config has no dflash_config.target_layer_ids; give --target-layers "
                                     "(layer inputs)")
             layers, source = [int(i) + 1 for i in ids], f"dflash_config.target_layer_ids {list(ids)} (layer outputs) + 1"
-        bad = [j for j in layers if not 1 <= j <= self.L_target]
+        bad = [j for j in layers if not 0 <= j <= self.L_target]
         if bad:
-            raise SpecconvError(f"target layer input {bad[0]} (from {source}) is outside 1..{self.L_target}: the "
+            raise SpecconvError(f"target layer input {bad[0]} (from {source}) is outside 0..{self.L_target}: the "
                                 f"target has {self.L_target} layers; wrong --target?")
         self.notices = [f"dflash.target_layers {layers} (layer inputs) from {source}"]
         return layers

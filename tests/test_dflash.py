@@ -125,7 +125,7 @@ def _plugin(d_dir, t_dir, cfg_edit=None, target_edit=None):
     ({"architectures": ["DFlash2DraftModel"]}, None, "lacks conv_kernel_size"),
     (None, {"hidden_size": 96}, "hidden size 64 differs"),
     (None, {"vocab_size": 600}, "vocabulary of 512"),
-    (None, {"num_hidden_layers": 4}, "outside 1..4"),
+    (None, {"num_hidden_layers": 4}, "outside 0..4"),
     ({"dflash_config": {"mask_token_id": MASK}}, None, "target_layer_ids"),
     ({"dflash_config": {"target_layer_ids": [0, 2, 4]}}, None, "mask_token_id"),
     ({"block_size": 1}, None, "block_size 1"),
@@ -419,3 +419,32 @@ def test_one_token_prompt_drafts_without_context(root):
     drafter = build_drafter("dflash", target, n_ctx=64, draft_max=4, draft_path=d_gguf)
     res = speculative_generate(target, drafter, IDS[:1], 10, SpecConfig(draft_max=4))
     assert res.tokens == generate(target, IDS[:1], 10).tokens and res.stats["speculative"]["drafted"] > 0
+
+
+def test_verify_draft_hf_checks_the_drafter_against_its_checkpoint(root, tmp_path):
+    """`verify --draft D.gguf --hf TARGET --draft-hf DFLASH_DIR`: the drafter's block logits against a
+    reference computed from its checkpoint on transformers' hidden states (specconv/verify/dflash_reference.py)
+    pass for the right file and fail for a file converted with other target layers."""
+    from specconv.cli import main as cli_main
+
+    t_dir, t_gguf, d_dir, d_gguf = built(root, "qwen3")
+    shifted = convert_gguf(d_dir, tmp_path / "shifted.gguf", extra_args=["--target", str(t_dir), "--target-layers", "0,2,4"])
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\\n    return x\nimport os\n")
+
+    def verify(draft):
+        report = tmp_path / "r.json"
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["verify", str(t_gguf), "--draft", str(draft), "--hf", str(t_dir), "--draft-hf", str(d_dir),
+                      "--prompts", str(prompts), "--json", str(report), "-n", "4", "--draft-max", "2", "--device", "cpu"])
+        rep = json.loads(report.read_text())
+        return exc.value.code, rep, {c["name"]: c for c in rep["checks"]}
+
+    code, rep, checks = verify(d_gguf)
+    print(f"\n[verify --draft-hf dflash] {checks['parity: DFlash drafter vs its checkpoint']['detail']}")
+    assert code == 0 and checks["parity: DFlash drafter vs its checkpoint"]["passed"]
+    assert checks["draft: DFlash target layers match its checkpoint"]["passed"] and rep["parity"]["dflash"] < 1e-4
+    code, rep, checks = verify(shifted)  # layer inputs 0,2,4 = the checkpoint's ids taken as inputs: off by one
+    print(f"[verify --draft-hf, layers off by one] {checks['draft: DFlash target layers match its checkpoint']['detail']}")
+    assert code != 0 and not checks["parity: DFlash drafter vs its checkpoint"]["passed"]
+    assert "off by one" in checks["draft: DFlash target layers match its checkpoint"]["detail"]

@@ -25,7 +25,8 @@ _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
                    "is checked against a reference computed from it and fed transformers' hidden states of the "
                    "target, the layers read from its config in each trainer's convention (eagle_config ids are "
                    "layer outputs: hidden_states[i + 1]; top-level ids layer inputs: hidden_states[i]). Fails a "
-                   "head whose layers are off, e.g. by one.")
+                   "head whose layers are off, e.g. by one. A DFlash drafter (--draft DFLASH.gguf) is checked the "
+                   "same way against its checkpoint (dflash_config.target_layer_ids are layer outputs).")
 @click.option("--prompts", "prompts_file", type=_FILE, default=None,
               help="Prompts, one per line (\\n for a newline inside one). Default: three built-in prompts.")
 @click.option("-n", "--n-predict", default=32, show_default=True, type=click.IntRange(min=1), help="Tokens per prompt.")

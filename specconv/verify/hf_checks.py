@@ -20,8 +20,8 @@ from specconv.verify.report import Report
 
 
 def run_hf_checks(report: Report, target, head, eagle_head, hf_dir: Path, draft_hf: Path | None, prompts,
-                  max_memory: dict | None = None) -> None:
-    models = [m for m in (target, head, eagle_head) if m is not None]
+                  max_memory: dict | None = None, dflash=None) -> None:
+    models = [m for m in (target, head, eagle_head, dflash) if m is not None]
     kind, tol = parity.criterion(*models)
     dtype = parity.reference_dtype(target.dtype)
     try:
@@ -48,6 +48,10 @@ def run_hf_checks(report: Report, target, head, eagle_head, hf_dir: Path, draft_
             _mtp(report, head, main, prompts, hidden, judge, ref)
         if eagle_head is not None and draft_hf is not None:
             eagle3_head_check(report, target, eagle_head, main, Path(draft_hf), prompts, judge)
+        if dflash is not None and draft_hf is not None:  # specconv/verify/dflash_reference.py
+            from specconv.verify.dflash_reference import dflash_check
+
+            dflash_check(report, target, dflash, main, Path(draft_hf), prompts, judge)
     finally:
         session.__exit__(None, None, None)
 

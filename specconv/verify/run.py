@@ -64,8 +64,9 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
         raise SpecconvError("--draft-max and -n must be ≥ 1")
     if opts.draft_hf and not (opts.hf and opts.draft):
         raise SpecconvError("--draft-hf (the EAGLE-3 head's checkpoint) needs --draft HEAD.gguf and --hf TARGET_DIR")
-    if opts.draft_hf and _gguf_arch(opts.draft) not in ("eagle3", None):
-        raise SpecconvError(f"--draft-hf is for an EAGLE-3 head; {Path(opts.draft).name} is {_gguf_arch(opts.draft)}")
+    if opts.draft_hf and _gguf_arch(opts.draft) not in ("eagle3", "dflash", None):
+        raise SpecconvError(f"--draft-hf is for an EAGLE-3 head or a DFlash drafter; {Path(opts.draft).name} is "
+                            f"{_gguf_arch(opts.draft)}")
     report = Report(model=str(opts.model))
     report.settings = {"mtp": str(opts.mtp) if opts.mtp else None, "draft": str(opts.draft) if opts.draft else None,
                        "hf": str(opts.hf) if opts.hf else None,
@@ -113,10 +114,12 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
         return report
     if opts.hf:
         progress("parity with transformers")
-        run_hf_checks(report, target, head, eagle_head, Path(opts.hf), opts.draft_hf, prompts, opts.hf_max_memory)
-        if opts.draft_hf and eagle_head is None:
-            report.add("parity: EAGLE-3 head vs its checkpoint", False,
-                       "not run: the head did not load or does not fit the model (see above)")
+        run_hf_checks(report, target, head, eagle_head, Path(opts.hf), opts.draft_hf, prompts, opts.hf_max_memory,
+                      dflash=dflash)
+        if opts.draft_hf and eagle_head is None and dflash is None:
+            report.add("parity: EAGLE-3 head vs its checkpoint" if _gguf_arch(opts.draft) != "dflash" else
+                       "parity: DFlash drafter vs its checkpoint", False,
+                       "not run: the draft did not load or does not fit the model (see above)")
     progress("speculative round trips")
     _speculative(report, target, head, draft_model, prompts, opts, eagle_head, assistant, dflash)
     return report
