@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "generate": "generate",
     "inspect": "inspect",
     "mtp": "mtp",
+    "quantize": "quantize",
     "upload": "upload",
     "verify": "verify",
 }
