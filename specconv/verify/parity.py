@@ -168,6 +168,20 @@ def round_as_stored_(model) -> None:
 _STORED_AS_F32 = ("variance_epsilon", "eps", "epsilon", "routed_scaling_factor")
 
 
+def _config_as_stored(hf_dir: Path):
+    """The checkpoint's config with YaRN's mscale as GGUF keeps it: yarn_log_multiplier = f32(0.1 x),
+    read back as x / 0.1 for both mscale and mscale_all_dim (equal in DeepSeek-V3, as the runtime assumes)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(hf_dir))
+    for c in (config, getattr(config, "text_config", None)):
+        rope = getattr(c, "rope_parameters", None) if c is not None else None
+        if isinstance(rope, dict) and rope.get("mscale_all_dim") and rope.get("mscale") == rope["mscale_all_dim"]:
+            stored = float(torch.tensor(0.1 * rope["mscale_all_dim"], dtype=torch.float32)) / 0.1
+            rope["mscale"] = rope["mscale_all_dim"] = stored
+    return config
+
+
 def load_reference(hf_dir: Path, arch: str, dtype: torch.dtype = torch.float32, offload_folder: str | None = None,
                    max_memory: dict | None = None):
     """(model, load-report problems) for `hf_dir`, placed by accelerate's device map over the GPUs, the
@@ -194,6 +208,7 @@ def load_reference(hf_dir: Path, arch: str, dtype: torch.dtype = torch.float32, 
         placement["max_memory"] = max_memory
     if dtype == torch.float64:  # grouped_mm (the default experts kernel) has no float64
         placement["experts_implementation"] = "eager"
+        placement["config"] = _config_as_stored(hf_dir)
     try:
         model, info = cls.from_pretrained(str(hf_dir), output_loading_info=True, dtype=dtype, **placement)
     except ValueError as exc:
