@@ -217,3 +217,58 @@ def test_bad_configs_are_refused(root, family, change, message):
     src, _ = tiny.converted(family, root)
     with pytest.raises(SpecconvError, match=message):
         _plugin(src, change, family).tensor_plan()
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_yarn_rope(root, family, llama_peer):
+    """YaRN as DeepSeek-V3.2 ships it (mscale = mscale_all_dim): the indexer ropes with the main
+    attention's tables. Our runtime matches transformers for both families, trunk and MTP; llama.cpp
+    matches for deepseek32, while its glm-dsa graph is far off with YaRN (it reads no
+    rope.scaling.yarn_log_multiplier and its attention factor differs; GLM-5 releases use plain rope)."""
+    from specconv.runtime import Context, GraphType, load_model
+    from tests.fixtures.hf_reference import llamacpp_mtp_rows
+
+    src, files = tiny.converted(family, root, rope_parameters=YARN)
+    assert open_gguf(files["embed"]).get(f"{family}.rope.scaling.type") == "yarn"
+    ref, hidden = tiny.hf_trunk(src, IDS)
+    model = load_model(files["embed"], device="cpu")
+    ours = float(np.abs(Context(model, GraphType.MAIN, n_ctx=64).decode(IDS).logits.numpy() - ref).max())
+    t, rows, pos = llamacpp_mtp_rows(IDS, hidden)
+    mtp = Context(model, GraphType.MTP, n_ctx=64).decode(t, pos, hidden_in=torch.tensor(rows)).logits.numpy()
+    ours_mtp = float(np.abs(mtp - tiny.hf_mtp_llamacpp_rows(src, IDS, hidden)).max())
+    llama = float(np.abs(llama_peer.llama_logits(files["embed"], IDS) - ref).max())
+    print(f"{family} YaRN: runtime vs transformers trunk {ours:.3g}, MTP {ours_mtp:.3g}; "
+          f"llama.cpp vs transformers {llama:.3g}")
+    assert ours < 1e-4 and ours_mtp < 1e-4
+    assert llama < 1e-4 if family == "deepseek32" else llama > 0.1
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_release_scale_headers(family):
+    """The releases' own dimensions (transformers' config defaults: GLM-5 78 + 1 blocks, DeepSeek-V3.2
+    61 + 1), headers only: indexer tensors and keys, MLA KV, and llama.cpp's head-size condition."""
+    from specconv.archs.dsa import DeepseekV32, GlmMoeDsa
+    from tests.fixtures.tiny_glm_deepseek import release_scale_plugin
+
+    config_cls, model_cls = tiny._classes(family)
+    cfg = config_cls()
+    tiny._mtp_fields(cfg)
+    plugin_cls = GlmMoeDsa if family == "glm-dsa" else DeepseekV32
+    n = cfg.num_hidden_layers
+    plugin = release_scale_plugin(cfg, model_cls, plugin_cls, model_cls.__name__, n, tied_copies=True)
+    kv = {m.key: m.value for m in plugin.metadata(keep_mtp=True)}
+    heads = 32 if family == "glm-dsa" else 64
+    expect = {"block_count": n + 1, "nextn_predict_layers": 1, "attention.indexer.head_count": heads,
+              "attention.indexer.key_length": 128, "attention.indexer.top_k": 2048, "attention.kv_lora_rank": 512,
+              "rope.dimension_count": 64, "expert_gating_func": 2}
+    for key, value in expect.items():
+        assert kv[f"{family}.{key}"] == value, key
+    shapes = {p.name: p.shape for p in plugin.tensor_plan()}
+    assert shapes[f"blk.{n}.indexer.attn_q_b.weight"] == (heads * 128, cfg.q_lora_rank)
+    assert shapes["blk.0.indexer.attn_k.weight"] == (128, cfg.hidden_size)
+    assert shapes["blk.0.indexer.proj.weight"] == (heads, cfg.hidden_size)
+    print(f"{family} release headers: {len(shapes)} tensors, {n} + 1 blocks, indexer {heads} x 128, top-k 2048")
