@@ -50,6 +50,7 @@ class ConvertRequest:
     mtp: MtpMode = MtpMode.EMBED
     split_max_size: int = 0
     target: Path | None = None  # the target model folder of a draft head (EAGLE-3)
+    mtp_outtype: str | None = None  # K-quant files: the MTP / nextn tensors' type instead of the tool's
     target_layers: tuple[int, ...] | None = None  # --target-layers: a head's target layers (layer inputs)
 
 
@@ -162,8 +163,15 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
     tok_kv = tokenizer_kv(tok_dir, plugin.vocab_size(), plugin.tokenizer_model, plugin.tokenizer_pre,
                           plugin.special_tokens)
     selected = {kind: [t for t in planned if t.plan.role in ROLES[kind]] for kind in kinds}
+    if req.mtp_outtype is not None and not isinstance(outtype, KQuantFileType):
+        raise SpecconvError("--mtp-outtype is for K-quant files (--outtype q2_k ... q6_k); with other types the "
+                            "MTP layers already get --outtype")
     if isinstance(outtype, KQuantFileType):
-        planned, selected = _kquant_types(outtype, plugin, k, planned, selected)
+        mtp_type = resolve_outtype(req.mtp_outtype, first_matrix) if req.mtp_outtype else None
+        if isinstance(mtp_type, KQuantFileType):
+            raise SpecconvError(f"--mtp-outtype {req.mtp_outtype}: choose f32, f16, bf16, q8_0 or q4_0 (a K-quant "
+                                "file type is a rule set for a whole file)")
+        planned, selected = _kquant_types(outtype, plugin, k, planned, selected, mtp_type)
     labels = {kind: kvmod.parameter_label((t.name, tuple(t.plan.shape)) for t in ts) for kind, ts in selected.items()}
     model_kind = next((kind for kind in kinds if kind != "sidecar"), None)
     names = output_names(req.out, want_model=model_kind is not None, want_sidecar="sidecar" in kinds, meta=meta,
@@ -186,7 +194,7 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
 
 
 def _kquant_types(outtype: KQuantFileType, plugin, k: int, planned: list[PlannedTensor],
-                  selected: dict[str, list[PlannedTensor]]):
+                  selected: dict[str, list[PlannedTensor]], mtp_type: GGMLQuantizationType | None = None):
     """Each file's tensor types as llama.cpp's quantize gives them from our lossless file, and every
     tensor in that tool's order and with its shape (no trailing ggml sizes of 1: [64, 1] is written
     [64]) (convert/quant_rules.py). A tensor in two files (`separate`: the
@@ -204,6 +212,11 @@ def _kquant_types(outtype: KQuantFileType, plugin, k: int, planned: list[Planned
         ggml_type = chosen.get(t.name, t.ggml_type)
         note = t.note if ggml_type == t.ggml_type else \
             "" if ggml_type == outtype.default else f"{ggml_type.name} by llama.cpp's {outtype.name} rules"
+        if mtp_type is not None and t.plan.role == Role.MTP and ggml_type != t.ggml_type:
+            # --mtp-outtype: what the tool would quantize in the MTP block gets the converter's type instead;
+            # the trunk's types are unchanged (the counters still see the MTP block)
+            choice = choose_storage(t.name, tuple(t.plan.shape), mtp_type, t.plan.force_type)
+            ggml_type, note = choice.ggml_type, choice.note or f"{choice.ggml_type.name} by --mtp-outtype"
         return PlannedTensor(t.plan, ggml_type, nbytes(tuple(t.plan.shape), ggml_type), note,
                              ggml_shape(tuple(t.plan.shape)))
 

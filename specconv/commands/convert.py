@@ -62,6 +62,9 @@ def parse_layers(text: str) -> tuple[int, ...]:
                                              "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "auto"],
                                             case_sensitive=False),
               default="auto", show_default=True, help=OUTTYPE_HELP)
+@click.option("--mtp-outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0"], case_sensitive=False),
+              default=None, help="With a K-quant --outtype: store the MTP / nextn block's matrices at this type "
+                                 "instead (e.g. q8_0), the trunk keeping llama.cpp's K-quant types.")
 @click.option("--mtp", "mtp_mode", type=click.Choice(["embed", "none", "only", "separate"]), default="embed",
               show_default=True, help=MTP_HELP)
 @click.option("--split-max-size", metavar="SIZE", default=None,
@@ -87,7 +90,8 @@ def parse_layers(text: str) -> tuple[int, ...]:
                    "work while others wait on the disk; 1: no worker threads). "
                    "The output is the same bytes whatever the number.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (or the --dry-run plan) as JSON on stdout.")
-def command(src, out, outtype, mtp_mode, split_max_size, target, target_layers, dry_run, force, threads, as_json):
+def command(src, out, outtype, mtp_outtype, mtp_mode, split_max_size, target, target_layers, dry_run, force, threads,
+            as_json):
     """Convert the checkpoint folder SRC (config.json, safetensors, tokenizer) to GGUF.
 
     Files are written under temporary names and renamed only when complete; on any error or Ctrl-C
@@ -99,7 +103,8 @@ def command(src, out, outtype, mtp_mode, split_max_size, target, target_layers, 
 
     req = ConvertRequest(src=Path(src), out=out, outtype=outtype.lower(), mtp=MtpMode(mtp_mode),
                          split_max_size=parse_size(split_max_size) if split_max_size is not None else 0, target=target,
-                         target_layers=parse_layers(target_layers) if target_layers is not None else None)
+                         target_layers=parse_layers(target_layers) if target_layers is not None else None,
+                         mtp_outtype=mtp_outtype.lower() if mtp_outtype else None)
     plan = plan_conversion(req)
     try:
         summary = plan_summary(plan, tensors=dry_run)
