@@ -52,16 +52,9 @@ def tensor(doc: Doc, name: str):
 
 
 def load(path: Path, share_from=None):
-    """What Model.__init__ runs, with validate_model called on the needed tensors."""
-    from fuzz_gguf import wire_validation
+    """load_model: Model.__init__ reads the hparams and validates the needed tensors first."""
+    from specconv.runtime import load_model
 
-    from specconv.runtime import load_model, validate
-    from specconv.runtime.gguf_file import GGUFModelFile
-    from specconv.runtime.graphs import graph_module
-
-    wire_validation()
-    f = GGUFModelFile(path)
-    validate.read_hparams(f, graph_module(f.arch))
     return load_model(path, device="cpu", share_from=share_from)
 
 
@@ -264,3 +257,53 @@ def test_tokenizers_library_failures_become_one_line_errors(monkeypatch):
         tk.GGUFTokenizer(kv)
     msg = str(info.value)
     assert "\n" not in msg and "tokenizer.ggml.tokens/merges" in msg and "PyMerges" in msg
+
+
+# ---- every command that opens GGUF files --------------------------------------------------------
+
+def _truncated(doc: Doc) -> None:
+    doc.data = doc.data[: len(doc.data) // 2]
+
+
+def _bad_shape(doc: Doc) -> None:
+    tensor(doc, "blk.3.attn_k.weight").dims = [32, 64]
+
+
+def _bad_merges(doc: Doc) -> None:
+    set_kv(doc, "tokenizer.ggml.merges", [b"zzq qqz"], V.ARRAY, V.STRING)
+
+
+@pytest.mark.parametrize("edit", [_truncated, _bad_shape, _bad_merges])
+def test_commands_give_one_line_errors(seeds, tmp_path, capsys, edit):
+    """inspect, generate, verify (alone and as --mtp), mtp extract / merge and upload --dry-run on a
+    hostile file: one line naming the file, no traceback, a non-zero exit (verify: a failed check)."""
+    from specconv.cli import main
+
+    path = edited(seeds, "qwen35-embed.gguf", tmp_path, edit)
+    good = seeds["qwen35-embed.gguf"]
+    runs = {"inspect": ["inspect", str(path)], "generate": ["generate", str(path), "-p", "x = 1", "-n", "1"],
+            "verify": ["verify", str(path), "-n", "1", "--draft-max", "1"],
+            "verify --mtp": ["verify", str(good), "--mtp", str(path), "-n", "1", "--draft-max", "1"],
+            "mtp extract": ["mtp", "extract", str(path), "-o", str(tmp_path / "out" / "x.gguf")],
+            "mtp merge": ["mtp", "merge", str(path), str(path), "-o", str(tmp_path / "out" / "y.gguf")],
+            "upload": ["upload", str(tmp_path), "--repo", "user/model", "--dry-run"]}
+    seen = []
+    for name, argv in runs.items():
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+        err = capsys.readouterr().err
+        seen.append(f"{edit.__name__} {name}: exit {code}: {err.strip().splitlines()[-1:] if err.strip() else ''}")
+        if code == 0:  # a file that still holds what the command reads (inspect of a bad shape)
+            assert name in ("inspect", "upload", "mtp extract", "mtp merge") and edit is not _truncated, err
+            continue
+        assert "Traceback" not in err
+        if name.startswith("verify"):  # a report: the failed check says which file and why
+            assert code == 1 and "qwen35-embed.gguf" in err and "loads" in err, err
+        else:
+            line = err.strip().splitlines()[-1]
+            assert line.startswith("error: ") and "qwen35-embed.gguf" in line and "(run with --debug" not in line, err
+    with capsys.disabled():
+        print("\n".join(seen))
