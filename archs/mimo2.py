@@ -90,9 +90,13 @@ class MiMo2(ArchPlugin):
         self.swa = [int(bool(x)) for x in pattern[:self.n]]
         window = tc.get("sliding_window_size")
         self.window = int(window) + 1 if window is not None else int(req("sliding_window"))
-        self.rope_base = float(req("rope_theta", default=10000.0))
-        self.rope_base_swa = float(req("swa_rope_theta", default=self.rope_base))
-        self.rope_dim = int(self.hd * float(req("partial_rotary_factor", default=1.0)))
+        # transformers' form (rope_parameters per layer type) when the release's fields are absent
+        rp = tc.get("rope_parameters") if isinstance(tc.get("rope_parameters"), dict) else {}
+        full, swa = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+        self.rope_base = float(req("rope_theta", default=full.get("rope_theta", 10000.0)))
+        self.rope_base_swa = float(req("swa_rope_theta", default=swa.get("rope_theta", self.rope_base)))
+        self.rope_dim = int(self.hd * float(req("partial_rotary_factor",
+                                                default=full.get("partial_rotary_factor", 1.0))))
         if self.rope_dim % 2 or not 0 < self.rope_dim <= self.hd:
             raise SpecconvError(f"rotary dimension {self.rope_dim} (head_dim * partial_rotary_factor) must be even "
                                 f"and within the head")
