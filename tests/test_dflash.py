@@ -80,9 +80,15 @@ def max_abs(a, b) -> float:
 # ------------------------------------------------------------------ conversion
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen35"])
+@pytest.mark.parametrize("kind", list(TARGETS))
 def test_conversion_matches_llama_cpp_converter(root, kind, tmp_path):
     t_dir, _, d_dir, ours = built(root, kind)
+    if kind == "qwen3moe":  # llama.cpp's converter fails on a Qwen3-MoE target (docs/dflash.md); ours does not
+        with pytest.raises(AssertionError, match="super\\(type, obj\\): obj must be an instance or subtype"):
+            convert_gguf_upstream(d_dir, tmp_path / "theirs.gguf", pre="qwen2",
+                                  extra_args=["--target-model-dir", str(t_dir)])
+        assert open_gguf(ours).arch == "dflash"
+        return
     theirs = convert_gguf_upstream(d_dir, tmp_path / "theirs.gguf", pre=TARGETS[kind][0],
                                    extra_args=["--target-model-dir", str(t_dir)])
     kv_a, t_a = _read(ours)
