@@ -82,6 +82,32 @@ def dequantize(raw: torch.Tensor, qtype: QType, out: torch.Tensor | None = None,
     return out
 
 
+def chunk_decoder(qtype: QType, raw: torch.Tensor, buffer: torch.Tensor):
+    """For a chunked product: `decode(start, rows)` dequantizes rows start .. start+rows-1 of the
+    C-contiguous uint8 rows `raw` [n, row_bytes] into the start of the float32 `buffer` and returns
+    that part of it (flat). Checks once what dequantize() checks per call; single-threaded (the
+    pieces are small; the product after each runs on torch's threads)."""
+    if not covers(qtype) or raw.device.type != "cpu" or not raw.is_contiguous() or raw.dim() != 2:
+        raise ValueError("chunk_decoder needs covered, C-contiguous 2-D uint8 rows on the CPU")
+    if buffer.dtype != torch.float32 or not buffer.is_contiguous() or buffer.device.type != "cpu":
+        raise ValueError("chunk_decoder needs a contiguous float32 CPU buffer")
+    block, size = _covered()[int(qtype)]
+    row_bytes = raw.shape[1]
+    if row_bytes % size:
+        raise ValueError(f"rows of {row_bytes} bytes are not whole {qtype.name} blocks")
+    per_row = row_bytes // size * block
+    code, base, n_rows, out, room = int(qtype), raw.data_ptr(), raw.shape[0], buffer.data_ptr(), buffer.numel()
+    run = _module().dequantize
+
+    def decode(start: int, rows: int) -> torch.Tensor:
+        if start < 0 or rows < 0 or start + rows > n_rows or rows * per_row > room:
+            raise ValueError(f"rows {start}..{start + rows} do not fit the matrix or the buffer")
+        run(code, base + start * row_bytes, rows * row_bytes, out, 1)
+        return buffer[:rows * per_row]
+
+    return decode
+
+
 def matmul_t(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n_in: int,
              threads: int | None = None) -> torch.Tensor | None:
     """x @ Wᵀ for a matrix W stored as `qtype` in the uint8 rows `raw` [n_out, row_bytes], fused:

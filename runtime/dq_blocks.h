@@ -20,7 +20,11 @@ typedef struct {
     dq_fn decode;
 } dq_type;
 
-/* The covered type `ggml_type`, or NULL. */
+/* Whether SPECCONV_NATIVE_PORTABLE=1 asks for the plain C kernels even where AVX2 ones exist
+ * (the tests check that both give the same bits). */
+int dq_portable(void);
+
+/* The covered type `ggml_type` (its AVX2 decoder where the CPU has AVX2), or NULL. */
 const dq_type *dq_find(int ggml_type);
 
 /* IEEE half bits -> float32, exactly (subnormals included); a NaN comes out quiet. */
@@ -42,7 +46,7 @@ static inline float dq_half_to_float(uint32_t h)
 }
 
 
-/* Every covered type, terminated by an entry whose decode is NULL. */
+/* Every covered type (plain C decoders), terminated by an entry whose decode is NULL. */
 extern const dq_type dq_types[];
 
 /* Fused product (dq_dot.c): for rows first .. first+count-1 of a matrix stored as `type` (row r at

@@ -138,13 +138,12 @@ static void dots_q8_0(const uint8_t *w, const float *x, size_t n_in, size_t nx, 
     }
 }
 
-/* The AVX2 kernel where the CPU has it, unless SPECCONV_DOT_PORTABLE=1 asks for the plain one (the
- * tests compare the two: they must give the same bits). */
+/* The AVX2 kernel where the CPU has it, unless SPECCONV_NATIVE_PORTABLE=1 asks for the plain one
+ * (the tests compare the two: they must give the same bits). */
 static q8_accumulate_fn q8_accumulate(void)
 {
 #ifdef X86_KERNELS
-    const char *portable = getenv("SPECCONV_DOT_PORTABLE");
-    if (__builtin_cpu_supports("avx2") && !(portable && strcmp(portable, "1") == 0))
+    if (__builtin_cpu_supports("avx2") && !dq_portable())
         return q8_accumulate_avx2;
 #endif
     return q8_accumulate_c;

@@ -219,7 +219,9 @@ def _native_matmul_t(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
     out = torch.empty(xs.shape[0], n_out, dtype=torch.float32)
     step = max(1, NATIVE_CHUNK_ELEMENTS // max(1, n_in))
     buffer = _chunk_buffer(step * n_in)
+    decode = dequant_native.chunk_decoder(w.qtype, raw, buffer)  # the checks done once, not per piece
     for start in range(0, n_out, step):
-        values = dequant_native.dequantize(raw[start:start + step], w.qtype, out=buffer)
-        torch.mm(xs, values.t(), out=out[:, start:start + values.shape[0]])  # straight into its columns
+        rows = min(step, n_out - start)
+        values = decode(start, rows).view(rows, n_in)
+        torch.mm(xs, values.t(), out=out[:, start:start + rows])  # straight into its columns
     return out.reshape(*x.shape[:-1], n_out)

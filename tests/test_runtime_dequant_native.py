@@ -2,7 +2,8 @@
 pure-torch decoders of runtime/dequant.py: the same float32 bits for every covered type, on random
 blocks whose scale fields hold chosen f16 values (largest finite, subnormals, signed zeros,
 infinities and NaNs), odd row counts, 3-D leading dims, rows that are not contiguous, several
-threads; the switch to the torch path; a missing build fails the run under
+threads, the AVX2 and the plain C kernels; the switch to the torch path; the fused decode product
+and the stored-weight product within a measured float32 summation-noise bound; a missing build fails the run under
 SPECCONV_REQUIRE_NATIVE=1 (tests/run.sh)."""
 
 from __future__ import annotations
@@ -84,9 +85,14 @@ def test_covered_types():
     assert not dequant_native.covers(QType.F32)  # float32 rows are a view already
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["fastest", "portable"])
 @pytest.mark.parametrize("rows", [1, 3, 7])
 @pytest.mark.parametrize("qtype", COVERED, ids=lambda t: t.name)
-def test_native_equals_torch(qtype, rows, monkeypatch):
+def test_native_equals_torch(qtype, rows, portable, monkeypatch):
+    """Both kernel sets: the AVX2 decoders where the CPU has AVX2, and the plain C ones
+    (SPECCONV_NATIVE_PORTABLE=1)."""
+    if portable:
+        monkeypatch.setenv("SPECCONV_NATIVE_PORTABLE", "1")
     block = GGML_QUANT_SIZES[qtype][0]
     raw = random_rows(qtype, (rows,), blocks_per_row=3 if block > 1 else 96, seed=rows)
     ours = dequant_native.dequantize(raw, qtype)
@@ -209,7 +215,7 @@ def test_fused_product_within_summation_noise(qtype, monkeypatch):
         for threads in (2, 5):  # rows split over threads: the same sums
             assert torch.equal(dequant_native.matmul_t(x, raw, qtype, n_in, threads=threads), y)
         with monkeypatch.context() as m:  # the portable kernel (no AVX2) keeps the same 32 sums
-            m.setenv("SPECCONV_DOT_PORTABLE", "1")
+            m.setenv("SPECCONV_NATIVE_PORTABLE", "1")
             assert torch.equal(dequant_native.matmul_t(x, raw, qtype, n_in), y)
     print(f"\n[fused {qtype.name}] worst |Δ| = {worst:.3f} eps·Σ|x·w|")
     assert worst <= FUSED_BOUND
