@@ -272,3 +272,37 @@ def test_release_scale_headers(family):
     assert shapes["blk.0.indexer.attn_k.weight"] == (128, cfg.hidden_size)
     assert shapes["blk.0.indexer.proj.weight"] == (heads, cfg.hidden_size)
     print(f"{family} release headers: {len(shapes)} tensors, {n} + 1 blocks, indexer {heads} x 128, top-k 2048")
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_mtp_draft_chain_equals_llamacpp_within_top_k(root, family, llama_peer):
+    """llama.cpp's draft-mtp chain (teacher-forced catch-up rows, then each draft fed back) equals our
+    MtpDrafter's while every MTP row sees ≤ index_topk keys (a 4-token prompt, 3 drafts: ≤ 7 keys),
+    where llama.cpp's dense MTP block and our sparse one agree."""
+    from specconv.runtime import Context, GraphType, load_model
+    from specconv.runtime.drafters import MtpDrafter
+
+    _, files = tiny.converted(family, root)
+    prompt, n_draft = IDS[:4], 3
+    id_last, drafts, _ = llama_peer.llama_mtp_draft(files["none"], prompt, n_draft, files["only"])
+    target = load_model(files["none"], device="cpu")
+    head = load_model(files["only"], device="cpu", share_from=target)
+    out = Context(target, GraphType.MAIN, n_ctx=64).decode(prompt)
+    assert int(out.logits[-1].argmax()) == id_last
+    drafter = MtpDrafter(head, 64, target)
+    drafter.start(prompt, out.hidden["post_norm"])
+    ours = drafter.draft(id_last, n_draft).tokens
+    print(f"{family} MTP draft chain: ours {ours}, llama.cpp {drafts}")
+    assert ours == drafts
+
+
+def test_inspect_names_arch_and_graphs(root):
+    from click.testing import CliRunner
+
+    from specconv import cli as cli_module
+
+    for family in tiny.FAMILIES:
+        _, files = tiny.converted(family, root)
+        for name, serves in (("embed", ["main", "mtp"]), ("none", ["main"]), ("only", ["mtp"])):
+            info = json.loads(CliRunner().invoke(cli_module.cli, ["inspect", str(files[name]), "--json"]).output)
+            assert info["arch"] == family and sorted(info["serves"]) == serves, (family, name, info["serves"])
