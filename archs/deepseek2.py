@@ -73,6 +73,7 @@ class Deepseek2(NextnMoePlugin):
     post_attention_norm: ClassVar[str] = "ffn_norm"  # deepseek2 names the FFN-input norm ffn_norm
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "deepseek-v3"
+    lite_by_size: ClassVar[bool] = True  # llama.cpp's V2-Lite rule by layer count (deepseek2 only; not the DSA arches)
     config_defaults: ClassVar[dict] = {  # transformers' DeepseekV3Config (a null q_lora_rank stays null)
         "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
         "norm_topk_prob": True, "n_shared_experts": 1, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
@@ -100,7 +101,7 @@ class Deepseek2(NextnMoePlugin):
             raise SpecconvError("config.json: attention_bias=true is not supported (llama.cpp's deepseek2 has no "
                                 "attention biases)")
         self.rope_interleave = bool(tc.get("rope_interleave", True))
-        if self.q_lora is not None and llamacpp_reads_as_lite(hp.n_layer, hp.vocab):
+        if self.q_lora is not None and self.lite_by_size and llamacpp_reads_as_lite(hp.n_layer, hp.vocab):
             raise SpecconvError(f"a deepseek2 model with {hp.n_layer} layers and vocabulary {hp.vocab} is read by "
                                 f"llama.cpp as DeepSeek-V2-Lite, which ignores q_lora_rank (q_a/q_b projections)")
 

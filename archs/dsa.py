@@ -57,6 +57,7 @@ class DsaMixin:
     """The lightning indexer on top of a deepseek2-style plugin."""
 
     index_rope_halves: ClassVar[bool] = False  # True: the indexer rotates halves (DeepSeek-V3.2)
+    lite_by_size: ClassVar[bool] = False  # glm-dsa / deepseek32 always read q_lora_rank (no V2-Lite rule)
 
     def _init_indexer(self) -> None:
         tc = self.tc

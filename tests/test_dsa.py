@@ -306,3 +306,18 @@ def test_inspect_names_arch_and_graphs(root):
         for name, serves in (("embed", ["main", "mtp"]), ("none", ["main"]), ("only", ["mtp"])):
             info = json.loads(CliRunner().invoke(cli_module.cli, ["inspect", str(files[name]), "--json"]).output)
             assert info["arch"] == family and sorted(info["serves"]) == serves, (family, name, info["serves"])
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_no_v2_lite_rule_for_dsa_arches(family):
+    """llama.cpp reads deepseek2 files with 26/27 trunk layers as DeepSeek-V2-Lite (no q_lora), so the
+    deepseek2 plugin refuses them; its glm-dsa and deepseek32 loaders have no such rule."""
+    from specconv.archs.dsa import DeepseekV32, GlmMoeDsa
+    from tests.fixtures.tiny_glm_deepseek import release_scale_plugin
+
+    config_cls, model_cls = tiny._classes(family)
+    cfg = config_cls(**tiny.config_kwargs(family, num_hidden_layers=26))
+    tiny._mtp_fields(cfg)
+    plugin_cls = GlmMoeDsa if family == "glm-dsa" else DeepseekV32
+    plugin = release_scale_plugin(cfg, model_cls, plugin_cls, model_cls.__name__, 26)
+    assert {m.key: m.value for m in plugin.metadata(keep_mtp=True)}[f"{family}.attention.q_lora_rank"] == 48
