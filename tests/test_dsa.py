@@ -87,6 +87,11 @@ def test_glm_files_equal_llamacpp_converter(root, tmp_path, mode, flag):
     assert {k for k in set(a) | set(b) if a.get(k) != b.get(k)} == {"glm-dsa.expert_gating_func"}
     print(f"glm-dsa --mtp {mode}: llama.cpp's converter writes the same {len(up.tensors)} tensors and keys "
           f"(but expert_gating_func)")
+    if mode == "embed":  # our runtime reads the missing key as llama.cpp does (sigmoid)
+        from specconv.runtime import Context, GraphType, load_model
+
+        run = lambda p: Context(load_model(p, device="cpu"), GraphType.MAIN, n_ctx=64).decode(IDS).logits  # noqa: E731
+        assert torch.equal(run(tmp_path / "up.gguf"), run(files["embed"]))
 
 
 def test_deepseek32_llamacpp_converter_needs_add_bos_token_attribute(root, tmp_path):
