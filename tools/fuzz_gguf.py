@@ -4,8 +4,9 @@
     python3 tools/fuzz_gguf.py --seeds DIR --families qwen35-embed --cases 200     # a quick look
 
 Each case mutates one file of a seed (tools/fuzz_seeds.py: the model, or the head of a pair) with
-tools/fuzz_mutate.py and runs it, in a child process forked from a parent that imported everything
-once, under a memory cap (RLIMIT_AS) and a per-case time limit:
+tools/fuzz_mutate.py and runs it in a child process forked from a parent that imported everything
+once (a `Worker`: it serves cases one after another and is replaced after any case that is not ok
+or clear), under a memory cap (RLIMIT_AS) and a per-case time limit:
 * the runtime pipeline, what `specconv generate` / `verify` do: open (GGUFModelFile) -> hparams
   (`validate.read_hparams`) -> load (`load_model`, which validates; for a pair the head is loaded
   next to the target) -> tokenizer (build, encode, decode) -> decode (2 tokens, plain or speculative
@@ -26,6 +27,7 @@ import json
 import os
 import random
 import resource
+import select
 import shutil
 import signal
 import sys
@@ -106,46 +108,88 @@ def _tools(kind: str, paths: list[Path], out_dir: Path) -> None:
     build_plan(paths[-1].parent, repo_id="fuzz/fuzz", max_file_size=256 << 10)
 
 
-def _child(stage_fn, args, names, result_path: Path, mem_bytes: int) -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
-    try:
-        stage_fn(*args)
-        outcome = ("ok", "")
-    except BaseException as exc:  # noqa: BLE001 - classification is the point
-        outcome = _classify(exc, names)
-    result_path.write_text(json.dumps(outcome))
+class Worker:
+    """A child forked once from the prepared parent that runs cases one after the other, under the
+    memory cap; the parent gives each case a time limit. After a case that is not ok / clear (and
+    every `recycle` cases) the child is replaced, so no case runs in a disturbed process."""
 
+    def __init__(self, mem_bytes: int, recycle: int = 500):
+        self.mem_bytes, self.recycle = mem_bytes, recycle
+        self.pid = None
 
-def run_isolated(stage_fn, args, names, work: Path, time_limit: float, mem_bytes: int) -> tuple[str, str]:
-    """stage_fn(*args) in a forked child: (outcome, message)."""
-    result = work / f"result-{stage_fn.__name__}.json"
-    result.unlink(missing_ok=True)
-    sys.stdout.flush(), sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
+    def _start(self) -> None:
+        from_parent, to_child = os.pipe()
+        from_child, to_parent = os.pipe()
+        sys.stdout.flush(), sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(to_child), os.close(from_child)
+                os.setpgid(0, 0)
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1), os.dup2(devnull, 2)
+                resource.setrlimit(resource.RLIMIT_AS, (self.mem_bytes, self.mem_bytes))
+                _serve(os.fdopen(from_parent, "rb"), to_parent)
+            finally:
+                os._exit(0)
+        os.close(from_parent), os.close(to_parent)
+        self.pid, self.send, self.recv, self.done, self.buf = pid, os.fdopen(to_child, "wb"), from_child, 0, b""
+
+    def stop(self) -> None:
+        if self.pid is not None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            status = os.waitpid(self.pid, 0)[1]
+            self.send.close(), os.close(self.recv)
+            self.pid = None
+            return status
+        return 0
+
+    def run(self, stage: str, args: list, names: list[str], time_limit: float) -> tuple[str, str]:
+        if self.pid is None or self.done >= self.recycle:
+            self.stop()
+            self._start()
+        self.done += 1
         try:
-            os.setpgid(0, 0)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1), os.dup2(devnull, 2)
-            _child(stage_fn, args, names, result, mem_bytes)
-        finally:
-            os._exit(0)
-    deadline = time.monotonic() + time_limit
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return "hang", f"over {time_limit:g} s"
-        time.sleep(0.002)
-    if os.WIFSIGNALED(status):
-        return "internal", f"child killed by signal {os.WTERMSIG(status)}"
-    if not result.exists():
-        return "internal", "child died without a result"
-    outcome, message = json.loads(result.read_text())
-    return outcome, message
+            self.send.write((json.dumps([stage, args, names]) + "\n").encode())
+            self.send.flush()
+        except BrokenPipeError:
+            pass
+        deadline = time.monotonic() + time_limit
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stop()
+                return "hang", f"over {time_limit:g} s"
+            if select.select([self.recv], [], [], left)[0]:
+                chunk = os.read(self.recv, 65536)
+                if not chunk:  # the child died in the case
+                    status = self.stop()
+                    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+                    return "internal", f"child killed by signal {sig}" if sig else "child died without a result"
+                self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        outcome, message = json.loads(line)
+        if outcome not in ("ok", "clear"):
+            self.stop()
+        return outcome, message
+
+
+STAGES = {"runtime": lambda kind, paths: _pipeline(kind, [Path(p) for p in paths]),
+          "tools": lambda kind, paths, work: _tools(kind, [Path(p) for p in paths], Path(work))}
+
+
+def _serve(inp, out_fd: int) -> None:
+    for line in inp:
+        stage, args, names = json.loads(line)
+        try:
+            STAGES[stage](*args)
+            outcome = ("ok", "")
+        except BaseException as exc:  # noqa: BLE001 - classification is the point
+            outcome = _classify(exc, names)
+        os.write(out_fd, (json.dumps(outcome) + "\n").encode())
 
 
 def _prepare_imports() -> None:
@@ -206,14 +250,14 @@ def run(args) -> dict:
     internal: dict[str, dict] = {}
     unnamed: collections.Counter = collections.Counter()
     root = Path(tempfile.mkdtemp(prefix="specconv-fuzz-"))
-    mem = args.mem_mb << 20
+    worker = Worker(args.mem_mb << 20)
     start = time.monotonic()
     cases = [args.case] if args.case is not None else range(args.start, args.start + args.cases)
     try:
         for n, i in enumerate(cases):
             family, kind, paths, which, rng = case_plan(seeds, families, args.seed, i)
-            work = root / "case"
-            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(root / f"case-{i - 1}", ignore_errors=True)
+            work = root / f"case-{i}"  # a fresh folder per case: nothing is cached by an old path
             work.mkdir()
             data, note = mutate(docs[paths[which]], rng)
             local = []
@@ -224,10 +268,11 @@ def run(args) -> dict:
             names = [p.name for p in local]
             if args.case is not None:
                 _debug(kind, local, work)
-            for stage, fn, fargs in (("runtime", _pipeline, (kind, local)), ("tools", _tools, (kind, local, work))):
+            for stage, fargs in (("runtime", [kind, [str(p) for p in local]]),
+                                 ("tools", [kind, [str(p) for p in local], str(work)])):
                 if stage == "tools" and i % args.tools_every:
                     continue
-                outcome, message = run_isolated(fn, fargs, names, work, args.time_limit, mem)
+                outcome, message = worker.run(stage, fargs, names, args.time_limit)
                 counts[stage][family][outcome] += 1
                 if outcome == "clear" and not any(name in message for name in names):
                     counts[stage][family]["unnamed"] += 1  # clear, but the file is not named
@@ -243,6 +288,7 @@ def run(args) -> dict:
             if args.progress and (n + 1) % args.progress == 0:
                 print(f"{n + 1} cases, {time.monotonic() - start:.0f} s: {_totals(counts)}", flush=True)
     finally:
+        worker.stop()
         shutil.rmtree(root, ignore_errors=True)
     return {"cases": len(cases), "seconds": round(time.monotonic() - start, 1), "seed": args.seed,
             "time_limit_s": args.time_limit, "memory_cap_mb": args.mem_mb, "totals": _totals(counts),
