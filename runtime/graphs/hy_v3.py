@@ -22,6 +22,7 @@ from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, causal_attention, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
 from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.validate import check_kv
 
 OPTIONAL = ("output.weight",)  # absent when tied to token_embd
 MULTI_DEVICE = True  # runs through decoder.forward_trunk / forward_nextn
@@ -55,6 +56,7 @@ class HParams:
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        check_kv(kv)  # types and ranges first (runtime/validate.py)
         arch, get = ms.kv_getter(kv)
         block_count, n_nextn = get("block_count"), get("nextn_predict_layers", 0)
         if n_nextn > block_count:

@@ -78,6 +78,8 @@ class HParams:
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        # no check_kv here yet: runtime/validate.py wants one head_count_kv value for mimo2, which llama.cpp
+        # reads per block (get_key_or_arr); every key is checked below
         arch, get = ms.kv_getter(kv)
         total, n_nextn = get("block_count"), get("nextn_predict_layers", 0)
         if n_nextn > total:
