@@ -13,7 +13,9 @@
 * `target_forwards`: target evaluations after the prompt: every round, plus the re-decodes of the
   checkpoint rollback; `tokens_per_target_forward` = generated / target_forwards.
 * `round_log` (emitted apart, as the `rounds` list of `speculative_generate`'s stats): one
-  `{"drafted": [token ids verified], "accepted": j}` per round, zero-draft rounds included, in order.
+  `{"drafted": [token ids verified], "accepted": j, "k": draft length asked}` per round, zero-draft
+  rounds included, in order; with `--draft-max auto` also `"mode"`: "draft", "plain" or "probe"
+  (runtime/spec_auto.py).
 * `alpha` and `bound` (Leviathan et al.): alpha is the i.i.d. per-token acceptance probability for
   which the expected number of accepted drafts, given the draft length n_r each round actually
   proposed, equals the measured count: Σ_r Σ_{i=1..n_r} alpha^i = accepted. When every round
@@ -77,15 +79,22 @@ class SpecStats:
         self.accepted_at = [0] * self.draft_max
         self.drafted_at = [0] * self.draft_max
 
-    def record_round(self, n_drafted: int, n_accepted: int, drafted=None) -> None:
-        """One verification round: n_drafted draft tokens (the ids `drafted`, when given), n_accepted of them kept."""
+    def record_round(self, n_drafted: int, n_accepted: int, drafted=None, k: int | None = None,
+                     mode: str | None = None) -> None:
+        """One verification round: n_drafted draft tokens (the ids `drafted`, when given), n_accepted of them kept.
+        `k`: the draft length asked of the drafter that round (it may propose fewer); `mode`: why, for
+        `--draft-max auto` ("draft", "plain", "probe"). Both go to the round log when given."""
         if not 0 <= n_accepted <= n_drafted <= self.draft_max:
             raise ValueError(f"impossible round: {n_accepted} accepted of {n_drafted} (draft_max {self.draft_max})")
         if drafted is not None and len(drafted) != n_drafted:
             raise ValueError(f"round of {n_drafted} drafts given {len(drafted)} token ids")
         self.rounds += 1
-        self.round_log.append({"drafted": [int(t) for t in drafted] if drafted is not None else None,
-                               "accepted": int(n_accepted)})
+        entry = {"drafted": [int(t) for t in drafted] if drafted is not None else None, "accepted": int(n_accepted)}
+        if k is not None:
+            entry["k"] = int(k)
+        if mode is not None:
+            entry["mode"] = mode
+        self.round_log.append(entry)
         if n_drafted == 0:
             return
         self.drafts += 1

@@ -33,6 +33,7 @@ from specconv.runtime.drafters import Draft, Drafter
 from specconv.runtime.generate import GenerationResult, decode_text
 from specconv.runtime.model import Model
 from specconv.runtime.sampling import make_generator
+from specconv.runtime.spec_auto import AutoDraft, cached_target_costs
 from specconv.runtime.spec_rules import verify_rows
 from specconv.runtime.spec_stats import SpecStats, per_block
 from specconv.runtime.types import GraphType
@@ -47,10 +48,13 @@ class SpecConfig:
     seed: int | None = 0
     rollback: str = "snapshot"
     stop_at_eos: bool = False
+    auto: bool = False  # --draft-max auto: k chosen per round in 0..draft_max (runtime/spec_auto.py)
 
     def check(self) -> None:
         if self.draft_max < 0 or self.draft_min < 0:
             raise SpecconvError("--draft-max and --draft-min must be ≥ 0")
+        if self.auto and self.draft_max < 1:
+            raise SpecconvError("--draft-max auto needs a longest draft ≥ 1")
         if not 0.0 <= self.p_min <= 1.0:
             raise SpecconvError("--p-min must be in [0, 1]")
         if self.rollback not in ROLLBACK_MODES:
@@ -100,6 +104,8 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
     want = hidden_request(drafter)
     gen = make_generator(cfg.seed)
     stats = SpecStats(cfg.draft_max)
+    auto = AutoDraft(cached_target_costs(target, cfg.draft_max + 1), k_max=cfg.draft_max) if cfg.auto else None
+    told = _Teller(drafter, defer=auto is not None)
     out_tokens: list[int] = []
     start = time.perf_counter()
     if n_predict > 0:
@@ -108,13 +114,22 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
         drafter.start(prefix, hidden)
         while len(out_tokens) < n_predict:
             pos0 = ctx.n_past()
-            budget = max(0, min(cfg.draft_max, n_predict - len(out_tokens) - 1, n_ctx - pos0 - 2))
+            k, mode = auto.choose() if auto else (cfg.draft_max, None)
+            budget = max(0, min(k, n_predict - len(out_tokens) - 1, n_ctx - pos0 - 2))
+            t0 = time.perf_counter()
+            if budget:
+                told.flush()  # auto: the drafter catches up on the plain rounds before it drafts
+            t1 = time.perf_counter()
             draft = drafter.draft(id_last, budget, cfg.p_min, cfg.temperature, gen) if budget else Draft([])
             draft = draft.truncated(budget)
             if len(draft) < cfg.draft_min:
                 stats.discarded += len(draft)
                 draft = Draft([])
-            new, stop = _round(ctx, drafter, id_last, draft, cfg, gen, stats, want, on_round)
+            t2 = time.perf_counter()
+            new, stop, j, times = _round(ctx, told, id_last, draft, cfg, gen, stats, want, on_round, budget, mode)
+            if auto is not None:
+                auto.observe(len(draft.tokens), j, mode, times[0], draft_seconds=t2 - t1,
+                             accept_seconds=t1 - t0 + times[1])
             out_tokens.extend(new)
             id_last = out_tokens[-1]
             if stop:
@@ -122,8 +137,12 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
     seconds = time.perf_counter() - start
     stats.generated = len(out_tokens)
     report = stats.to_json()
-    report.update(drafter=drafter.name, draft_max=cfg.draft_max, draft_min=cfg.draft_min, p_min=cfg.p_min,
-                  temperature=cfg.temperature, rollback=cfg.rollback, seconds=seconds)
+    report.update(drafter=drafter.name, draft_max="auto" if cfg.auto else cfg.draft_max, draft_min=cfg.draft_min,
+                  p_min=cfg.p_min, temperature=cfg.temperature, rollback=cfg.rollback, seconds=seconds)
+    if getattr(drafter, "synthetic", False):  # a measurement drafter, never a head's result
+        report.update(synthetic=True, set_acceptance=drafter.acceptance)
+    if auto is not None:
+        report["auto"] = auto.summary()
     if hasattr(drafter, "block_of_position"):  # MTP heads: acceptance by block (chained heads, docs/mtp.md)
         report["per_block"] = per_block(stats, drafter.block_of_position)
     result = GenerationResult(prompt_tokens=prompt, tokens=out_tokens, text=decode_text(target, out_tokens),
@@ -133,14 +152,45 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
     return result
 
 
-def _round(ctx: Context, drafter: Drafter, id_last: int, draft: Draft, cfg: SpecConfig, gen, stats: SpecStats,
-           want, on_round) -> tuple[list[int], bool]:
+class _Teller:
+    """Tells the drafter what the target committed (`Drafter.accept`). With `defer` (auto mode), rounds
+    without drafts are kept and told in one call before the next drafting round: a drafter with its
+    own memory (an MTP head) then catches up on a plain stretch in one batched forward instead of one
+    forward per token, and pays nothing while the loop decodes plainly."""
+
+    def __init__(self, drafter: Drafter, defer: bool):
+        self.drafter, self.defer = drafter, defer
+        self.tokens: list[int] = []
+        self.rows: list = []
+
+    def tell(self, j: int, batch: list[int], rows, drafted: bool) -> None:
+        if not self.defer:
+            self.drafter.accept(j, batch, rows)
+            return
+        self.tokens += batch[:j + 1]
+        self.rows.append(None if rows is None else rows[:j + 1])
+        if drafted:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.tokens:
+            return
+        rows = None if self.rows[0] is None else torch.cat(self.rows)
+        tokens, self.tokens, self.rows = self.tokens, [], []
+        self.drafter.accept(len(tokens) - 1, tokens, rows)
+
+
+def _round(ctx: Context, told: _Teller, id_last: int, draft: Draft, cfg: SpecConfig, gen, stats: SpecStats,
+           want, on_round, k: int | None = None, mode: str | None = None):
+    """One verification round: (new tokens, stop, accepted count, (target seconds, accept seconds))."""
     pos0, drafts = ctx.n_past(), list(draft.tokens)
     saved = ctx.checkpoint(0) if cfg.rollback == "checkpoint" and drafts else None
     batch = [id_last] + drafts
+    t0 = time.perf_counter()
     out = ctx.decode(batch, hidden=want, logits="all")
     j, t, rule = verify_rows(out.logits, drafts, draft.probs, cfg.temperature, gen)
-    stats.record_round(len(drafts), j, drafts)
+    t1 = time.perf_counter()
+    stats.record_round(len(drafts), j, drafts, k=k, mode=mode)
     if j < len(drafts):
         if saved is not None:
             ctx.restore(0, saved)
@@ -149,16 +199,19 @@ def _round(ctx: Context, drafter: Drafter, id_last: int, draft: Draft, cfg: Spec
         elif not ctx.seq_rm(0, pos0 + j + 1):
             raise SpecconvError(f"rollback of {len(drafts) - j} position(s) is outside the snapshot ring "
                                 f"(n_rs_seq={ctx.n_rs_seq})")
-    drafter.accept(j, batch, drafter_rows(out.hidden, want))
+    t2 = time.perf_counter()
+    told.tell(j, batch, drafter_rows(out.hidden, want), bool(drafts))
+    t3 = time.perf_counter()
     if on_round is not None:
         on_round(ctx, Round(pos0, drafts, j, t, rule))
     new = drafts[:j] + [t]
+    times = (t1 - t0 + t2 - t1, t3 - t2)
     if cfg.stop_at_eos:
         tok = ctx.model.tokenizer
         for i, x in enumerate(new):
             if tok.is_end_of_generation(x):
-                return new[:i + 1], True
-    return new, False
+                return new[:i + 1], True, j, times
+    return new, False, j, times
 
 
 def measure_speedup(target: Model, result: GenerationResult, temperature: float = 0.0, seed: int | None = 0) -> dict:
@@ -172,17 +225,25 @@ def measure_speedup(target: Model, result: GenerationResult, temperature: float 
     return {"plain": plain, "speedup": spec["speedup"]}
 
 
-SPEC_KINDS = ("mtp", "draft", "eagle3", "dflash", "ngram")
+SPEC_KINDS = ("mtp", "draft", "eagle3", "dflash", "ngram", "synthetic")
 
 
-def build_drafter(kind: str, target: Model, n_ctx: int, draft_max: int, mtp_path=None, draft_path=None) -> Drafter:
+def build_drafter(kind: str, target: Model, n_ctx: int, draft_max: int, mtp_path=None, draft_path=None,
+                  reference: Sequence[int] | None = None, acceptance: float | None = None, seed: int | None = 0) -> Drafter:
     """A drafter by name: "mtp" (the target's embedded head or an --mtp sidecar), "draft" (a --draft GGUF),
-    "eagle3" (an EAGLE-3 head given as --draft), "dflash" (a DFlash drafter given as --draft), "ngram" (prompt lookup)."""
+    "eagle3" (an EAGLE-3 head given as --draft), "dflash" (a DFlash drafter given as --draft), "ngram" (prompt lookup),
+    "synthetic" (measurement: the greedy `reference` continuation, each token kept with probability `acceptance`)."""
     from specconv.runtime.drafters import DraftModelDrafter, MtpDrafter, NgramDrafter
     from specconv.runtime.model import load_model
 
     if kind == "ngram":
         return NgramDrafter()
+    if kind == "synthetic":
+        from specconv.runtime.drafters.synthetic import SyntheticDrafter
+
+        if reference is None or acceptance is None:
+            raise SpecconvError("--spec synthetic needs --acceptance A (and the plain run's tokens as its reference)")
+        return SyntheticDrafter(reference, target.n_vocab, acceptance, seed)
     if kind == "mtp":
         head = load_model(mtp_path, device=target.device, dtype=target.dtype, share_from=target) if mtp_path else target
         head.require(GraphType.MTP)

@@ -1,6 +1,8 @@
 """Gated DeltaNet kernels (docs/reference/model-math.md §2.2): causal conv, and the gated delta rule in its
-recurrent and chunked forms. Both forms can return the state after each of the last `keep`
-tokens, so the memory can keep per-position snapshots for rollback without recomputation.
+recurrent, chunked and batched-with-states forms. The recurrent and batched forms return the state
+after each of the last `keep` tokens, so the memory can keep per-position snapshots for rollback
+without recomputation; the batched form does it without a per-token Python loop (a speculative
+verification batch of k+1 tokens is one set of tensor operations).
 
 Shapes (one sequence): q, k [n, nv, dk] (already expanded to value heads, L2-normed, q scaled),
 v [n, nv, dv], g (log-decay ≤ 0) and beta [n, nv], state S [nv, dk, dv]; all in the state dtype
@@ -79,17 +81,52 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return torch.cat(outs), s
 
 
+def batched_delta_rule(q, k, v, g, beta, state, keep: int = 1):
+    """The recurrent form's result for a short batch in one set of tensor operations: the WY form of
+    `chunked_delta_rule` over the whole batch (one chunk of n rows), plus every per-token state
+    S_t = e^{Γ_t} S + Σ_{j≤t} D_tj k_j v_new_jᵀ, which the chunk form only builds for t = n. The
+    state sum is O(n²·dk·dv) per head, so this is for n up to a chunk (verification batches).
+    Returns (o [n, nv, dv], states after each of the last `keep` tokens [keep, nv, dk, dv])."""
+    n = q.shape[0]
+    qc, kc, vc = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [nv, n, d]
+    gamma, bc = g.t().cumsum(-1), beta.t()  # [nv, n]
+    lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    decay = torch.exp((gamma[:, :, None] - gamma[:, None, :]).masked_fill(~lower, float("-inf")))  # D [nv, n, n]
+    t_mat = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
+    a_mat = torch.eye(n, dtype=q.dtype, device=q.device).expand(q.shape[1], n, n) + t_mat
+    u = torch.linalg.solve_triangular(a_mat, bc[:, :, None] * vc, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(a_mat, (bc * gamma.exp())[:, :, None] * kc, upper=False, unitriangular=True)
+    v_new = u - w @ state  # δ_t of the recurrence [nv, n, dv]
+    first = n - keep
+    # Σ_j D_tj k_j δ_jᵀ as one batched product over (t, head) with the small j axis inside, written
+    # straight in the ring's [keep, nv, dk, dv] order; then + e^{Γ_t} S in place (no temporaries)
+    left = (decay[:, first:, None, :] * kc.transpose(-1, -2)[:, None]).transpose(0, 1)  # [keep, nv, dk, n]
+    states = torch.matmul(left, v_new)  # [keep, nv, dk, dv]
+    states.addcmul_(state[None], gamma[:, first:].t().exp()[:, :, None, None])
+    o = (qc * gamma.exp()[:, :, None]) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ v_new
+    return o.transpose(0, 1), states
+
+
+BATCHED_MAX = CHUNK  # the batched form's n² state sum stays cheap up to one chunk of tokens
+
+
 def delta_rule(q, k, v, g, beta, state, keep: int, mode: str = "auto"):
     """Outputs for every token and the states after each of the last `keep` tokens.
 
-    "recurrent": token by token. "chunked"/"auto" (auto with more than one token): the chunked form
-    up to the last `keep` tokens, whose per-token states the snapshot ring needs, then the
-    recurrent form for those (exact per-token states; a verification batch of ≤ keep tokens is
-    thus evaluated recurrently, as docs/reference/model-math.md §2.2 recommends)."""
+    "recurrent": token by token (the reference form). "chunked"/"auto": the chunked form up to the
+    last `keep` tokens, whose per-token states the snapshot ring needs, then the batched form for
+    those (exact per-token states, no Python loop over tokens: a verification batch of ≤ keep
+    tokens is evaluated in one pass). A single token (plain decoding) takes the batched form too:
+    at the sizes of real models it is faster than the one-step recurrence (fewer state-sized
+    temporaries) and plain and speculative decoding then run the same arithmetic."""
     n = q.shape[0]
-    head = 0 if mode == "recurrent" or (mode == "auto" and n == 1) else n - keep
-    if head <= 0:
+    if mode == "recurrent":
         return recurrent_delta_rule(q, k, v, g, beta, state, keep=keep)
+    keep = min(max(keep, 1), n)
+    head = n - keep
+    tail_form = batched_delta_rule if keep <= BATCHED_MAX else recurrent_delta_rule  # rings beyond a chunk
+    if head <= 0:
+        return tail_form(q, k, v, g, beta, state, keep=keep)
     o_head, state = chunked_delta_rule(q[:head], k[:head], v[:head], g[:head], beta[:head], state)
-    o_tail, states = recurrent_delta_rule(q[head:], k[head:], v[head:], g[head:], beta[head:], state, keep=keep)
+    o_tail, states = tail_form(q[head:], k[head:], v[head:], g[head:], beta[head:], state, keep=keep)
     return torch.cat([o_head, o_tail]), states

@@ -32,6 +32,26 @@ def prompt_ids(model, prompt: str | None, tokens: str | None) -> list[int]:
     return model.tokenizer.encode(prompt)
 
 
+class DraftMaxType(click.ParamType):
+    """--draft-max: a count ≥ 0 or "auto"."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is neither a count nor auto", param, ctx)
+        if n < 0:
+            self.fail(f"{n} is below 0", param, ctx)
+        return n
+
+
+DRAFT_MAX = DraftMaxType()
+
+
 @click.command("generate")
 @click.argument("model_path", metavar="MODEL.gguf", type=click.Path(exists=True, dir_okay=False))
 @click.option("-p", "--prompt", default=None, help="Prompt text (tokenized with the GGUF's tokenizer).")
@@ -54,9 +74,19 @@ def prompt_ids(model, prompt: str | None, tokens: str | None) -> list[int]:
                    "parameters x dtype size).")
 @click.option("--stop-at-eos", is_flag=True, help="Stop at the end-of-generation token.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object (tokens, text, seconds, ...).")
-@click.option("--spec", type=click.Choice(["mtp", "draft", "eagle3", "dflash", "ngram", "none"]), default="none", show_default=True,
-              help="Speculative decoding with this drafter.")
-@click.option("--draft-max", default=3, show_default=True, type=click.IntRange(min=0), help="Draft tokens per round.")
+@click.option("--spec", type=click.Choice(["mtp", "draft", "eagle3", "dflash", "ngram", "synthetic", "none"]),
+              default="none", show_default=True,
+              help="Speculative decoding with this drafter. synthetic: a drafter for measurement that proposes the "
+                   "target's own greedy continuation (a plain run made first, not timed) with each token replaced, "
+                   "independently, with probability 1 - --acceptance; it costs nothing to draft, so the run shows "
+                   "the target's cost of verification and rollback. Its results are labelled synthetic.")
+@click.option("--acceptance", default=None, type=click.FloatRange(0.0, 1.0),
+              help="For --spec synthetic: the probability A that each drafted token is kept (greedy acceptance A).")
+@click.option("--draft-max", default="3", show_default=True, type=DRAFT_MAX,
+              help="Draft tokens per round, or auto: chosen per round (0 to 8) from the acceptance measured so far "
+                   "and the measured costs of the target's forward by batch size and of the drafter, dropping to "
+                   "plain decoding while drafts do not pay and probing again later; each round's choice is in the "
+                   "--json rounds (k, mode).")
 @click.option("--draft-min", default=0, show_default=True, type=click.IntRange(min=0),
               help="Shorter drafts are discarded.")
 @click.option("--p-min", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
@@ -69,7 +99,7 @@ def prompt_ids(model, prompt: str | None, tokens: str | None) -> list[int]:
 @click.option("--rollback", type=click.Choice(["snapshot", "checkpoint"]), default="snapshot", show_default=True)
 @click.option("--no-baseline", is_flag=True, help="With --spec: skip the plain run that measures the speed-up.")
 def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dtype, offload, weights_mode, stop_at_eos,
-            as_json, spec, draft_max, draft_min, p_min, mtp_path, draft_path, rollback, no_baseline):
+            as_json, spec, acceptance, draft_max, draft_min, p_min, mtp_path, draft_path, rollback, no_baseline):
     """Generate N tokens after a prompt (plain or speculative decoding).
 
     With --json the object carries load_seconds, prompt and decode tokens/s and the stored weight
@@ -77,6 +107,8 @@ def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dt
     from specconv.runtime import load_model
     from specconv.runtime.generate import generate
 
+    if (acceptance is None) == (spec == "synthetic"):
+        raise SpecconvError("--acceptance A goes with --spec synthetic, and --spec synthetic needs it")
     started = time.perf_counter()
     model = load_model(model_path, device=device, dtype=dtype, weights=weights_mode, offload=offload)
     load_seconds = time.perf_counter() - started
@@ -85,7 +117,7 @@ def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dt
         result = generate(model, ids, n_predict, temperature=temperature, seed=seed, stop_at_eos=stop_at_eos)
     else:
         result = _speculative(model, ids, n_predict, spec, temperature, seed, stop_at_eos, draft_max, draft_min, p_min,
-                              mtp_path, draft_path, rollback, not no_baseline)
+                              mtp_path, draft_path, rollback, not no_baseline, acceptance)
     if as_json:
         payload = result.to_json()
         payload.update(device=str(model.device), model=str(model_path), temperature=temperature, seed=seed,
@@ -100,25 +132,40 @@ def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dt
     s = result.stats.get("speculative")
     if s:
         speedup = f", speed-up {s['speedup']:.2f}x" if s.get("speedup") else ""
-        click.echo(f"[{s['drafter']}: accepted {s['accepted']}/{s['drafted']} drafts, "
+        label = (f"synthetic drafter, set acceptance {s['set_acceptance']:.2f} (a measurement, not a head)"
+                 if s.get("synthetic") else s["drafter"])
+        click.echo(f"[{label}: accepted {s['accepted']}/{s['drafted']} drafts, "
                    f"{s['tokens_per_target_forward']:.2f} tokens per target forward{speedup}]", err=True)
+        if s.get("auto"):
+            ks = [r.get("k", 0) for r in result.stats["rounds"]]
+            plain = sum(1 for r in result.stats["rounds"] if r.get("mode") == "plain")
+            click.echo(f"[draft-max auto: k per round {min(ks)}..{max(ks)}, mean {sum(ks) / max(1, len(ks)):.2f}; "
+                       f"{plain} of {len(ks)} rounds plain]", err=True)
         if len(s.get("per_block") or []) > 1:  # chained MTP blocks: draft position i is block i's
             click.echo("[by MTP block: " + ", ".join(f"block {b['block']} {b['accepted']}/{b['drafted']}"
                                                      for b in s["per_block"]) + "]", err=True)
 
 
 def _speculative(model, ids, n_predict, spec, temperature, seed, stop_at_eos, draft_max, draft_min, p_min, mtp_path,
-                 draft_path, rollback, baseline):
+                 draft_path, rollback, baseline, acceptance=None):
     """--spec: the speculative loop; its JSON adds `speculative` with verify's key names."""
+    from specconv.runtime.drafters.synthetic import greedy_reference
     from specconv.runtime.generate import generate
+    from specconv.runtime.spec_auto import AUTO_K_MAX, cached_target_costs
     from specconv.runtime.speculative import SpecConfig, build_drafter, measure_speedup, speculative_generate
 
     if mtp_path and spec != "mtp" or draft_path and spec not in ("draft", "eagle3", "dflash"):
         raise SpecconvError("--mtp goes with --spec mtp, --draft with --spec draft, eagle3 or dflash")
-    n_ctx = len(ids) + n_predict + draft_max + 2
-    drafter = build_drafter(spec, model, n_ctx, draft_max, mtp_path=mtp_path, draft_path=draft_path)
-    cfg = SpecConfig(draft_max=draft_max, draft_min=draft_min, p_min=p_min, temperature=temperature, seed=seed,
-                     rollback=rollback, stop_at_eos=stop_at_eos)
+    auto = draft_max == "auto"
+    k_max = AUTO_K_MAX if auto else draft_max
+    n_ctx = len(ids) + n_predict + k_max + 2
+    reference = greedy_reference(model, ids, n_predict) if spec == "synthetic" else None  # made first, not timed
+    drafter = build_drafter(spec, model, n_ctx, k_max, mtp_path=mtp_path, draft_path=draft_path, reference=reference,
+                            acceptance=acceptance, seed=seed)
+    cfg = SpecConfig(draft_max=k_max, draft_min=draft_min, p_min=p_min, temperature=temperature, seed=seed,
+                     rollback=rollback, stop_at_eos=stop_at_eos, auto=auto)
+    if auto:  # the target's forward cost by batch size, measured once before the timed runs
+        cached_target_costs(model, k_max + 1)
     if baseline:  # first calls pay one-time costs (allocator, kernels): keep them out of both timings
         speculative_generate(model, drafter, ids[:1], 2, cfg)
         generate(model, ids[:1], 2)

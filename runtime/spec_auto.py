@@ -1,0 +1,213 @@
+"""`--draft-max auto`: the draft length of each round chosen from measured acceptance and measured costs.
+
+Cost model of one round that drafts k tokens (k = 0 is plain decoding):
+    T_k = t(k+1) + k·c_tok + c_round    (k ≥ 1),    T_0 = t(1)
+with t(n) the target's forward of n tokens, c_tok the drafter's seconds per drafted token and c_round
+its per-round work (catch-up of the committed tokens). The round yields E_k = 1 + Σ_{m=1..k} Π_{i≤m} a_i
+tokens, a_i being the conditional acceptance of draft position i. The chosen k maximises E_k / T_k
+over 0..k_max (Leviathan et al.'s speed-up with the costs measured instead of assumed); k ≥ 1 only
+when it promises at least MARGIN more tokens per second than plain decoding.
+
+* t(n): calibrated once per model (`measure_target_costs`: forwards of 1..k_max+1 tokens after a
+  short prefix, snapshot ring and rollback as in a real round; smoothed, `TargetCosts`), then scaled online by the ratio of
+  observed to calibrated forward times, so a machine that slows down moves every t(n) together.
+* c_tok, c_round: observed online (exponential averages); zero until the first drafting round.
+* a_i: decayed counts per position, shrunk towards the pooled acceptance, which starts at ½ with
+  the weight of one token: the first rounds draft, and acceptance that does not pay drops k.
+* k = 0: plain decoding. Every `probe` plain rounds a round with one draft token measures the
+  acceptance again; the interval doubles (up to PROBE_MAX) while probes do not pay and returns
+  to PROBE_MIN when drafting resumes. Acceptance counts decay only in drafting rounds, so plain
+  stretches do not forget why drafting stopped.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from specconv.archs.errors import SpecconvError
+
+AUTO_K_MAX = 8  # longest draft `--draft-max auto` considers (and the snapshot ring it needs)
+PROBE_MIN, PROBE_MAX = 8, 64
+DECAY = 0.97  # per drafting round: about the last 30 rounds count
+PRIOR = 0.5  # pooled acceptance before any evidence, with the weight of PRIOR_WEIGHT tokens
+PRIOR_WEIGHT = 1.0
+EMA = 0.2  # weight of a new timing in the online averages
+MARGIN = 0.03  # predicted gain over plain decoding below which a round decodes plainly (timing noise)
+
+
+@dataclass
+class TargetCosts:
+    """Seconds of one target forward of n tokens, n = 1..len(seconds) (index n-1), as measured, and
+    the smoothed costs the choice uses (`t`): t(1) as measured, t(n ≥ 2) on a robust line through the
+    measured n ≥ 2 (Theil-Sen: the median of pairwise slopes), never decreasing and never below t(1).
+    One token may take another product path than several (a fused one-row kernel), hence the separate
+    t(1); a line for the rest keeps one noisy timing from ruling a draft length in or out."""
+
+    seconds: list[float]
+    calibration_seconds: float = 0.0
+    smoothed: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        s = list(self.seconds)
+        line = s[:1]
+        if len(s) > 2:
+            pts = list(enumerate(s[1:], start=2))
+            slope = statistics.median((tj - ti) / (j - i) for (i, ti), (j, tj) in
+                                      ((a, b) for x, a in enumerate(pts) for b in pts[x + 1:]))
+            slope = max(slope, 0.0)
+            base = statistics.median(t - slope * (n - 2) for n, t in pts)
+            line += [base + slope * (n - 2) for n in range(2, len(s) + 1)]
+        else:
+            line = s
+        for i in range(1, len(line)):  # a forward of more tokens never costs less
+            line[i] = max(line[i], line[i - 1])
+        self.smoothed = line
+
+    def t(self, n: int) -> float:
+        return self.smoothed[min(n, len(self.smoothed)) - 1]
+
+    def ratios(self) -> list[float]:
+        """t(n)/t(1) for n = 1..N."""
+        return [s / self.seconds[0] for s in self.seconds]
+
+
+def measure_target_costs(target, n_max: int, repeats: int = 2, prefix: int = 16, stat: str = "min",
+                         budget_s: float = 2.0, max_repeats: int = 15) -> TargetCosts:
+    """Time target forwards of 1..n_max tokens at position `prefix` of a scratch context (a snapshot ring
+    that keeps every token's state, rolled back after each, as a verification round does). `stat`: "min"
+    (steady costs for the auto choice) or "median" (reported figures), over at least `repeats`
+    interleaved passes, more (up to `max_repeats`) while they fit in `budget_s` seconds: small models
+    get enough passes for their millisecond timings to settle."""
+    from specconv.runtime.context import Context
+    from specconv.runtime.types import GraphType
+
+    if n_max < 1:
+        raise SpecconvError("cost measurement needs n_max ≥ 1")
+    started = time.perf_counter()
+    vocab = target.n_vocab
+    ids = [(3 + 7919 * i) % vocab for i in range(prefix + n_max)]
+    ctx = Context(target, GraphType.MAIN, n_ctx=prefix + n_max + 1, n_rs_seq=n_max)
+    ctx.decode(ids[:prefix], hidden=(), logits=None)
+    ctx.decode(ids[prefix:prefix + 1], hidden=(), logits="all")  # first-call costs out of the timings
+    ctx.seq_rm(0, prefix)
+    runs: list[list[float]] = [[] for _ in range(n_max)]
+    done, wanted = 0, max(1, repeats)
+    while done < wanted:
+        done += 1
+        for n in range(1, n_max + 1):
+            t0 = time.perf_counter()
+            ctx.decode(ids[prefix:prefix + n], hidden=(), logits="all")
+            runs[n - 1].append(time.perf_counter() - t0)
+            if not ctx.seq_rm(0, prefix):
+                raise SpecconvError("cost measurement: rollback outside the snapshot ring")
+        if done == 1:
+            per_pass = sum(r[0] for r in runs)
+            wanted = max(wanted, min(max_repeats, int(budget_s / per_pass) if per_pass > 0 else max_repeats))
+    pick = min if stat == "min" else statistics.median
+    return TargetCosts([pick(r) for r in runs], time.perf_counter() - started)
+
+
+def cached_target_costs(target, n_max: int) -> TargetCosts:
+    """`measure_target_costs` once per model object and n_max (the auto choice's calibration)."""
+    cache = target.__dict__.setdefault("_spec_costs", {})
+    if n_max not in cache:
+        cache[n_max] = measure_target_costs(target, n_max, repeats=3)
+    return cache[n_max]
+
+
+@dataclass
+class AutoDraft:
+    """The per-round choice of k for one speculative run."""
+
+    costs: TargetCosts
+    k_max: int = AUTO_K_MAX
+    acc: list[float] = field(default_factory=list)  # decayed accepted count per position
+    tried: list[float] = field(default_factory=list)  # decayed verified count per position
+    scale: float = 1.0  # observed / calibrated target time
+    c_tok: float = 0.0
+    c_round: float = 0.0
+    seen_draft: bool = False
+    plain_run: int = 0  # plain rounds since the last drafting round
+    probe: int = PROBE_MIN
+
+    def __post_init__(self):
+        self.acc = [0.0] * self.k_max
+        self.tried = [0.0] * self.k_max
+
+    # ---- the model -------------------------------------------------------------------------------
+    def pooled(self) -> float:
+        return (sum(self.acc) + PRIOR * PRIOR_WEIGHT) / (sum(self.tried) + PRIOR_WEIGHT)
+
+    def position_rates(self) -> list[float]:
+        a = self.pooled()
+        return [(self.acc[i] + a * 2.0) / (self.tried[i] + 2.0) for i in range(self.k_max)]
+
+    def round_seconds(self, k: int) -> float:
+        t = self.scale * self.costs.t(k + 1)
+        return t if k == 0 else t + k * self.c_tok + self.c_round
+
+    def expected_tokens(self, k: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.position_rates()[:k]:
+            run *= a
+            total += run
+        return total
+
+    def best(self) -> tuple[int, float]:
+        """(k, predicted tokens per second relative to plain) of the best k in 0..k_max."""
+        plain = 1.0 / self.round_seconds(0)
+        scores = [self.expected_tokens(k) / self.round_seconds(k) for k in range(self.k_max + 1)]
+        k = max(range(len(scores)), key=lambda i: (scores[i], -i))
+        if scores[k] < plain * (1.0 + MARGIN):  # drafting must promise a clear gain over plain decoding
+            k = 0
+        return k, scores[k] / plain
+
+    # ---- per round ----------------------------------------------------------------------------------
+    def choose(self) -> tuple[int, str]:
+        """(k, why): "draft" (the model's best k ≥ 1), "plain" (k = 0 pays best), "probe" (one draft
+        token after `probe` plain rounds)."""
+        k, _ = self.best()
+        if k > 0:
+            return k, "draft"
+        if self.plain_run >= self.probe:
+            return 1, "probe"
+        return 0, "plain"
+
+    def observe(self, k: int, accepted: int, mode: str, target_seconds: float, draft_seconds: float = 0.0,
+                accept_seconds: float = 0.0) -> None:
+        """What a round of k drafts did: accepted count, and the seconds of its parts."""
+        calibrated = self.costs.t(k + 1)
+        if calibrated > 0 and target_seconds > 0:
+            self.scale += EMA * (target_seconds / calibrated - self.scale)
+        if k == 0:
+            self.plain_run += 1
+            return
+        for i in range(self.k_max):
+            self.acc[i] *= DECAY
+            self.tried[i] *= DECAY
+        for i in range(min(k, accepted + 1)):  # positions verified: the accepted ones and the first rejected
+            self.tried[i] += 1.0
+            if i < accepted:
+                self.acc[i] += 1.0
+        per_tok = draft_seconds / k
+        if self.seen_draft:
+            self.c_tok += EMA * (per_tok - self.c_tok)
+            self.c_round += EMA * (accept_seconds - self.c_round)
+        else:
+            self.c_tok, self.c_round, self.seen_draft = per_tok, accept_seconds, True
+        if mode == "probe":
+            self.plain_run = 0
+            if self.best()[0] == 0:
+                self.probe = min(self.probe * 2, PROBE_MAX)
+                return
+        self.probe = PROBE_MIN
+        self.plain_run = 0
+
+    def summary(self) -> dict:
+        k, gain = self.best()
+        return {"k_max": self.k_max, "target_seconds": list(self.costs.seconds),
+                "target_ratios": self.costs.ratios(), "target_seconds_smoothed": list(self.costs.smoothed), "calibration_seconds": self.costs.calibration_seconds,
+                "time_scale": self.scale, "draft_seconds_per_token": self.c_tok, "draft_seconds_per_round": self.c_round,
+                "pooled_acceptance": self.pooled(), "final_choice": k, "predicted_gain": gain}
