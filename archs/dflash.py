@@ -12,7 +12,7 @@ What llama.cpp 0c1e570 loads and its converter (`DFlashModel`, a `Qwen3Model`) w
 `mask_embedding.pt` next to the checkpoint (drafts that patch the target's embedding) is refused.
 DFlash2 (`DFlash2DraftModel`: per-layer dynamic convolutions `blk.i.{attn,ffn}_conv_{base,proj}`,
 a candidate selector `selector_*`, conv/selector keys, logit scale and soft-capping, sliding
-windows) converts as upstream writes it, for llama.cpp; specconv's runtime refuses such files.
+windows) converts as upstream writes it; llama.cpp and specconv's runtime run it.
 """
 
 from __future__ import annotations

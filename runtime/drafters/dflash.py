@@ -80,18 +80,39 @@ class DFlashDrafter:
         self.ctx.decode([self.hp.mask_token_id] * n, positions=pos, hidden_in=features[:n], logits=None)
         self.n_committed += n
 
-    def block_logits(self, id_last: int) -> torch.Tensor:
-        """Logits [n_block, V] of the block [id_last, mask, ...] at positions n_committed.. ."""
+    def block_forward(self, id_last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [n_block, V], final-normed hidden) of the block [id_last, mask, ...] at n_committed.. ."""
         dev = self.head.device
         tokens = torch.tensor([int(id_last)] + [self.hp.mask_token_id] * (self.n_block - 1), device=dev)
         positions = torch.arange(self.n_committed, self.n_committed + self.n_block, device=dev)
         with torch.inference_mode():
             return graph.forward_block(self.head.weights, self.hp, tokens, positions, self.ctx.memory)
 
+    def block_logits(self, id_last: int) -> torch.Tensor:
+        return self.block_forward(id_last)[0]
+
+    def selector_walk(self, id_last: int, n_max: int, p_min: float = 0.0) -> list[int]:
+        """DFlash2: row by row, the candidate with the best score after the previous row's choice (row 1:
+        after the anchor), as llama.cpp's draft-dflash walks the selector lattice; stops below p_min
+        (the chosen score's softmax over the k candidates)."""
+        logits, y = self.block_forward(id_last)
+        with torch.inference_mode():
+            cands, scores = graph.lattice(self.head.weights, self.hp, logits, y, int(id_last))
+        tokens, prev = [], 0
+        for i in range(1, min(n_max + 1, self.n_block)):
+            row = scores[i][0 if i == 1 else prev]
+            prev = int(row.argmax())
+            if p_min > 0 and float(torch.softmax(row, -1)[prev]) < p_min:
+                break
+            tokens.append(int(cands[i, prev]))
+        return tokens
+
     def draft(self, id_last: int, n_max: int, p_min: float = 0.0, temperature: float = 0.0,
               generator: torch.Generator | None = None) -> Draft:
         if n_max <= 0:
             return Draft([])
+        if self.hp.v2:  # deterministic at any temperature (llama.cpp's DFlash2 path): checked by sample-and-compare
+            return Draft(self.selector_walk(id_last, n_max, p_min))
         logits = self.block_logits(id_last)
         tokens, rows = [], []
         for i in range(1, min(n_max + 1, self.n_block)):

@@ -23,9 +23,7 @@ import torch
 
 from specconv.archs import names
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.graphs.ops import (
-    acc, causal_attention, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
-)
+from specconv.runtime.graphs.ops import acc, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
 from specconv.runtime.memory import Batch, Memory, MemoryLayout
 from specconv.runtime.types import GraphType
 
@@ -54,6 +52,21 @@ class HParams:
     n_vocab: int = 0
     context_length: int = 0
     n_nextn: int = 0
+    # DFlash2: dynamic convolutions (kernel taps, channels per group) and the candidate selector
+    conv_kernel: int = 0
+    conv_group: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    logit_scale: float = 0.0  # 0: none; applied (with soft-capping) only before DFlash2's selector, as llama.cpp
+    softcap: float = 0.0
+    embedding_scale: float = 0.0
+    value_scale: float = 0.0
+    n_swa: int = 0  # sliding window of the layers marked in swa_layers (0: none)
+    swa_layers: list[bool] = field(default_factory=list)
+
+    @property
+    def v2(self) -> bool:
+        return self.selector_top_k > 0
 
     @property
     def n_embd_in(self) -> int:
@@ -78,20 +91,30 @@ class HParams:
         mask = kv.get(names.MASK_TOKEN_ID_KEY)
         if mask is None:
             raise SpecconvError(f"GGUF metadata lacks {names.MASK_TOKEN_ID_KEY} (the DFlash block's mask token)")
-        unsupported = [k for k in ("conv_kernel_size", "attention.sliding_window", "logit_scale",
-                                   "final_logit_softcapping", "embedding_scale", "attention.value_scale",
-                                   "hyper_connection_count") if f"{arch}.{k}" in kv]
-        if unsupported:
-            kind = "a DFlash2 drafter" if unsupported[0] == "conv_kernel_size" else "this DFlash variant"
-            raise SpecconvError(f"{arch}.{unsupported[0]}: {kind} is not supported by specconv's runtime "
-                                f"(llama.cpp runs it)")
+        if f"{arch}.hyper_connection_count" in kv:
+            raise SpecconvError(f"{arch}.hyper_connection_count: DSpark (DeepSeek-V4 stage) drafters are not "
+                                f"supported by specconv's runtime (llama.cpp runs them)")
+        n_layer = int(get("block_count"))
+        n_swa = int(get("attention.sliding_window", 0))
+        swa_layers = [bool(x) for x in (kv.get(f"{arch}.attention.sliding_window_pattern") or [])] if n_swa else []
+        if n_swa and len(swa_layers) != n_layer:
+            raise SpecconvError(f"{arch}.attention.sliding_window_pattern has {len(swa_layers)} entries for "
+                                f"{n_layer} layers")
         sections = kv.get(f"{arch}.rope.dimension_sections")
         n_rot = int(get("rope.dimension_count", head_dim))
         if sections is not None and [int(x) for x in sections] != [n_rot // 2, 0, 0, 0]:
             raise SpecconvError(f"{arch}.rope.dimension_sections {list(sections)}: only the temporal section "
                                 f"[{n_rot // 2}, 0, 0, 0] (drafts for M-RoPE targets) is supported")
         tokens = kv.get("tokenizer.ggml.tokens")
-        return cls(arch=arch, n_layer=int(get("block_count")), n_embd=n_embd, n_head=n_head,
+        extra = dict(conv_kernel=int(get("conv_kernel_size", 0)), conv_group=int(get("conv_group_size", 0)),
+                     selector_rank=int(get("selector_rank", 0)), selector_top_k=int(get("selector_top_k", 0)),
+                     logit_scale=float(get("logit_scale", 0.0)), softcap=float(get("final_logit_softcapping", 0.0)),
+                     embedding_scale=float(get("embedding_scale", 0.0)),
+                     value_scale=float(get("attention.value_scale", 0.0)), n_swa=n_swa, swa_layers=swa_layers)
+        if extra["selector_top_k"] and not (extra["conv_kernel"] > 0 and extra["conv_group"] > 0
+                                            and n_embd % extra["conv_group"] == 0 and extra["selector_rank"] > 0):
+            raise SpecconvError(f"{arch}: DFlash2 file with incomplete conv / selector metadata")
+        return cls(arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, **extra,
                    n_head_kv=int(get("attention.head_count_kv", n_head)), head_dim=head_dim,
                    n_rot=int(get("rope.dimension_count", head_dim)), rope_base=float(get("rope.freq_base", 10000.0)),
                    eps=float(get("attention.layer_norm_rms_epsilon")), n_ff=int(get("feed_forward_length")),
@@ -117,9 +140,18 @@ def main_tensors(hp: HParams) -> list[str]:
     return []
 
 
+def _v2_names(i: int) -> list[str]:
+    return [f"blk.{i}.attn_conv_base", f"blk.{i}.attn_conv_proj.weight", f"blk.{i}.ffn_conv_base",
+            f"blk.{i}.ffn_conv_proj.weight"]
+
+
+SELECTOR = ("selector_predecessor.weight", "selector_successor.weight", "selector_hidden.weight")
+
+
 def mtp_tensors(hp: HParams) -> list[str]:
-    return ([names.EAGLE3_FC, names.ENC_OUTPUT_NORM, names.OUTPUT_NORM]
-            + [n for i in range(hp.n_layer) for n in _block_names(i)])
+    names_ = [names.EAGLE3_FC, names.ENC_OUTPUT_NORM, names.OUTPUT_NORM]
+    names_ += [n for i in range(hp.n_layer) for n in _block_names(i) + (_v2_names(i) if hp.v2 else [])]
+    return names_ + (list(SELECTOR) if hp.v2 else [])
 
 
 def optional_mtp_tensors(hp: HParams) -> list[str]:
@@ -127,7 +159,7 @@ def optional_mtp_tensors(hp: HParams) -> list[str]:
 
 
 def keep_float32(name: str) -> bool:
-    return name.endswith("norm.weight")
+    return name.endswith("norm.weight") or name.endswith("_conv_base")
 
 
 def mtp_layout(hp: HParams) -> MemoryLayout:
@@ -160,28 +192,98 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
     return g.new_zeros(g.shape[0], 0), g, g
 
 
+def _attention(q, k, v, q_pos, k_pos, scale: float, causal: bool, window: int) -> torch.Tensor:
+    """softmax(q·kᵀ·scale) v over the keys each query sees: all of them (DFlash's block), or k_pos ≤ q_pos
+    when causal; within a sliding window, only q_pos - k_pos < window. GQA: query head j reads KV j // group."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,thd->hnt", acc(q), acc(k)) * scale
+    visible = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= k_pos[None, :] <= q_pos[:, None]
+    if window:
+        visible &= (q_pos[:, None] - k_pos[None, :]) < window
+    probs = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)
+    return torch.einsum("hnt,thd->nhd", probs, acc(v)).to(q.dtype)
+
+
+def _conv(hp: HParams, h: torch.Tensor, dynamic: torch.Tensor, base, side: int) -> torch.Tensor:
+    """DFlash2's dynamic depthwise convolution along the block: out_i = Σ_t W_i[t] ⊙ h_{i-t} (h_{<0} = 0),
+    W_i[t, c] = dynamic_i[side, t, c // group] + base[side, t, c]; `dynamic` [n, 2·K·G] is laid out
+    side, tap, group (group fastest), `base` [2, K, H]."""
+    n, H = h.shape
+    K, gs = hp.conv_kernel, hp.conv_group
+    coeff = acc(dynamic).view(n, 2, K, H // gs)[:, side].repeat_interleave(gs, dim=-1)
+    weight = coeff + dense(base, coeff.dtype)[side]
+    hf = acc(h)
+    out = weight[:, 0] * hf
+    for tap in range(1, min(K, n)):
+        out[tap:] += weight[tap:, tap] * hf[:-tap]
+    return out.to(h.dtype)
+
+
 def forward_block(w, hp: HParams, tokens: torch.Tensor, positions: torch.Tensor, memory: Memory,
-                  seq: int = 0) -> torch.Tensor:
-    """Logits [n, V] of the block `tokens` at `positions` over the committed context rows of `memory`."""
+                  seq: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [n, V], final-normed hidden [n, H]) of the block `tokens` at `positions` over the
+    committed context rows of `memory`. DFlash2 logits carry the logit scale and soft-capping."""
     n = tokens.shape[0]
     x = w[names.TOKEN_EMBD][tokens]
+    if hp.embedding_scale:
+        x = x * hp.embedding_scale
     rope = _rope(hp, positions, acc(x).dtype)
-    # non-causal: every block row sees every context row and every block row
-    q_pos = positions if hp.causal else positions.new_full((n,), int(positions.max()))
     for i in range(hp.n_layer):
         p = f"blk.{i}."
         a = rms_norm(x, w[p + "attn_norm.weight"], hp.eps)
+        if hp.v2:
+            dyn = linear(a, w[p + "attn_conv_proj.weight"])
+            a = _conv(hp, a, dyn, w[p + "attn_conv_base"], 0)
         q = rms_norm(linear(a, w[p + "attn_q.weight"]).view(n, hp.n_head, hp.head_dim), w[p + "attn_q_norm.weight"], hp.eps)
         q = rope_neox_partial(q, *rope)
         k, v = _context_kv(w, hp, i, a, rope)  # the block rows' own K/V: same projections, on attn_norm(x)
         k_ctx, v_ctx, pos_ctx = memory.cells(seq, i)
-        k_all = torch.cat([k_ctx.to(k.dtype), k])
-        v_all = torch.cat([v_ctx.to(v.dtype), v])
-        o = causal_attention(q, k_all, v_all, q_pos, torch.cat([pos_ctx, positions]), hp.head_dim ** -0.5)
-        x = x + linear(o.reshape(n, hp.n_head * hp.head_dim), w[p + "attn_output.weight"])
-        x = x + swiglu(rms_norm(x, w[p + "ffn_norm.weight"], hp.eps), w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"],
-                       w[p + "ffn_down.weight"])
-    return acc(linear(rms_norm(x, w[names.OUTPUT_NORM], hp.eps), w[names.OUTPUT]))
+        window = hp.n_swa if hp.swa_layers and hp.swa_layers[i] else 0
+        o = _attention(q, torch.cat([k_ctx.to(k.dtype), k]), torch.cat([v_ctx.to(v.dtype), v]), positions,
+                       torch.cat([pos_ctx, positions]), hp.head_dim ** -0.5, hp.causal, window)
+        cur = linear(o.reshape(n, hp.n_head * hp.head_dim), w[p + "attn_output.weight"])
+        if hp.value_scale:
+            cur = cur * hp.value_scale
+        if hp.v2:
+            cur = _conv(hp, cur, dyn, w[p + "attn_conv_base"], 1)
+        x = x + cur
+        f = rms_norm(x, w[p + "ffn_norm.weight"], hp.eps)
+        if hp.v2:
+            dyn = linear(f, w[p + "ffn_conv_proj.weight"])
+            f = _conv(hp, f, dyn, w[p + "ffn_conv_base"], 0)
+        f = swiglu(f, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+        if hp.v2:
+            f = _conv(hp, f, dyn, w[p + "ffn_conv_base"], 1)
+        x = x + f
+    y = rms_norm(x, w[names.OUTPUT_NORM], hp.eps)
+    logits = acc(linear(y, w[names.OUTPUT]))
+    if hp.v2:  # the selector scores these logits, so they get the target's output transforms (as llama.cpp)
+        if hp.logit_scale:
+            logits = logits * hp.logit_scale
+        if hp.softcap > 0:
+            logits = torch.tanh(logits / hp.softcap) * hp.softcap
+    return logits, y
+
+
+def lattice(w, hp: HParams, logits: torch.Tensor, y: torch.Tensor, anchor: int):
+    """DFlash2's candidate selector: (candidates [n, k] (top-k ids per block row), scores: a list where
+    entry i ≥ 1 is [n_pred, k], the score of candidate s at row i after predecessor p of row i-1 (row 1:
+    the anchor token)): score = Σ_r pred_codebook[p, r]·gate_i[r]·succ_codebook[s, r] + logit_i[s],
+    gate_i = selector_hidden · y_i."""
+    k = hp.selector_top_k
+    cands = torch.topk(logits, k, dim=-1).indices
+    unary = logits.gather(1, cands)
+    gate = acc(linear(y, w["selector_hidden.weight"]))
+    succ = acc(w["selector_successor.weight"][cands.reshape(-1)]).view(*cands.shape, -1)
+    scores = [None]
+    for i in range(1, logits.shape[0]):
+        prev_ids = torch.tensor([anchor], device=cands.device) if i == 1 else cands[i - 1]
+        pred = acc(w["selector_predecessor.weight"][prev_ids]) * gate[i]
+        scores.append(pred @ succ[i].t() + unary[i][None, :])
+    return cands, scores
 
 
 def forward_main(*args, **kwargs):
