@@ -74,6 +74,28 @@ def qwen35(hp) -> Shapes:
     return out
 
 
+def qwen3next(hp) -> Shapes:
+    """Qwen3.5-MoE's shapes, but beta and alpha come from one projection: ssm_ba [E, 2·nv]."""
+    out = qwen35(hp)
+    for i in range(hp.n_layer):
+        if hp.recurrent[i]:
+            p = f"blk.{i}."
+            del out[p + "ssm_beta.weight"], out[p + "ssm_alpha.weight"]
+            out[p + "ssm_ba.weight"] = (hp.n_embd, 2 * hp.ssm_heads)
+    return out
+
+
+def qwen3(hp) -> Shapes:
+    E, out = hp.n_embd, _common(hp, hp.n_embd)
+    for i in range(hp.n_layer):
+        p = f"blk.{i}."
+        out.update(_gqa(p, E, E, hp.n_head, hp.n_head_kv, hp.head_dim))
+        out.update({p + "attn_norm.weight": (E,), p + "ffn_norm.weight": (E,), p + "attn_q_norm.weight": (hp.head_dim,),
+                    p + "attn_k_norm.weight": (hp.head_dim,)})
+        out.update(_experts(p, E, hp.n_ff_exp, hp.n_expert) if hp.is_moe else _dense_ffn(p, E, hp.n_ff))
+    return out
+
+
 def llama(hp, E_in: int | None = None) -> Shapes:
     E, out = hp.n_embd, _common(hp, hp.n_embd)
     out["rope_freqs.weight"] = (hp.n_rot // 2,)
@@ -167,7 +189,8 @@ def gemma4(hp) -> Shapes:
 
 EXPECTED: dict[str, Callable[[Any], Shapes]] = {
     "qwen35": qwen35, "qwen35moe": qwen35, "llama": llama, "eagle3": eagle3, "glm4moe": glm4moe,
-    "deepseek2": deepseek2, "gemma4": gemma4, "gemma4-assistant": gemma4,
+    "deepseek2": deepseek2, "gemma4": gemma4, "gemma4-assistant": gemma4, "qwen3next": qwen3next,
+    "qwen3": qwen3, "qwen3moe": qwen3,
 }
 
 
@@ -188,7 +211,7 @@ def check_arch_hparams(hp, kv: Mapping[str, Any]) -> None:
         v = kv.get(f"{a}.{key}")
         if isinstance(v, list) and len(v) != block_count:
             raise SpecconvError(f"{a}.{key} has {len(v)} entries for block_count {block_count}")
-    if a in ("qwen35", "qwen35moe"):
+    if a in ("qwen35", "qwen35moe", "qwen3next"):
         if len(hp.recurrent) != hp.n_layer:
             raise SpecconvError(f"{a}.attention.recurrent_layers covers {len(hp.recurrent)} of {hp.n_layer} blocks")
         if hp.is_moe and not (hp.n_ff_exp and hp.n_ff_shexp):
@@ -230,6 +253,8 @@ def check_arch_hparams(hp, kv: Mapping[str, Any]) -> None:
             raise SpecconvError(f"{a}.vocab_size {hp.n_vocab} differs from the {len(tokens)} tokenizer tokens")
         if not hp.n_ff:
             raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
+    if a in ("qwen3", "qwen3moe") and not (hp.n_ff_exp if hp.is_moe else hp.n_ff):
+        raise SpecconvError(f"{a}: the feed-forward width is missing or 0")
     if a == "llama" and not hp.n_ff:
         raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
 

@@ -24,6 +24,9 @@ SEEDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gemma4": ("plain", ("gemma4.gguf",)),
     "gemma4moe": ("plain", ("gemma4moe.gguf",)),
     "gemma4-assistant": ("assistant", ("gemma4.gguf", "gemma4-assistant.gguf")),
+    "qwen3next-embed": ("mtp", ("qwen3next-embed.gguf",)),
+    "qwen3": ("plain", ("qwen3.gguf",)),
+    "qwen3moe": ("plain", ("qwen3moe.gguf",)),
     "llama": ("plain", ("llama.gguf",)),
     "eagle3": ("eagle3", ("llama.gguf", "eagle3.gguf")),
 }
@@ -53,6 +56,14 @@ def _build(name: str, folder: Path) -> None:
             _convert(src, folder / "qwen35-trunk.gguf", "--mtp", "separate")
         else:
             _convert(src, folder / f"{name}.gguf", "--mtp", "embed")
+    elif name == "qwen3next-embed":
+        from tests.fixtures.tiny_qwen3next import build_qwen3next
+
+        _convert(build_qwen3next(hf / "qwen3next"), folder / f"{name}.gguf", "--mtp", "embed")
+    elif name in ("qwen3", "qwen3moe"):
+        from tests.fixtures.tiny_qwen3 import build_qwen3
+
+        _convert(build_qwen3(hf / name, moe=name == "qwen3moe"), folder / f"{name}.gguf")
     elif name in ("glm4moe-embed", "deepseek2-embed"):
         from tests.fixtures.tiny_glm_deepseek import build_tiny
 

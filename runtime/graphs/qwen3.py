@@ -22,6 +22,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs.decoder import forward_trunk
 from specconv.runtime.graphs.ops import acc, causal_attention, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
 from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.validate import check_kv
 
 ARCHES = ("qwen3", "qwen3moe")
 
@@ -54,6 +55,7 @@ class HParams:
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        check_kv(kv)  # types and ranges first: nothing below divides by 0 or compares a str
         arch = kv["general.architecture"]
 
         def get(key, default=None):
