@@ -128,8 +128,9 @@ class GlmMoeDsa(DsaMixin, Glm4MoeLite):
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         kv = super().metadata(keep_mtp)
         self._indexer_kv(kv)
-        llama_default = all(self.indexer_full) if self.hp.context_length < GLM52_CONTEXT else None
-        if "indexer_types" in self.tc or llama_default is None or not llama_default:
+        # llama.cpp's default without the key: all full below GLM52_CONTEXT, GLM-5.2's pattern above
+        differs = self.hp.context_length >= GLM52_CONTEXT or not all(self.indexer_full)
+        if "indexer_types" in self.tc or differs:
             # one bool per trunk block (llama.cpp reads n_layer entries; the nextn block is full)
             self._putter(kv)(names.indexer_types_key(names.GLM_DSA), self.indexer_full, GGUFValueType.ARRAY,
                              GGUFValueType.BOOL)

@@ -326,3 +326,18 @@ def test_no_v2_lite_rule_for_dsa_arches(family):
     plugin_cls = GlmMoeDsa if family == "glm-dsa" else DeepseekV32
     plugin = release_scale_plugin(cfg, model_cls, plugin_cls, model_cls.__name__, 26)
     assert {m.key: m.value for m in plugin.metadata(keep_mtp=True)}[f"{family}.attention.q_lora_rank"] == 48
+
+
+@pytest.mark.parametrize("fields", [{}, {"index_topk_pattern": "FSFF"}, {"index_topk_freq": 2},
+                                    {"index_topk_freq": 3, "index_skip_topk_offset": 1}])
+def test_glm_indexer_types_read_as_transformers(fields):
+    """Without `indexer_types`, the per-layer list comes from `index_topk_pattern` or the
+    `index_topk_freq` / `index_skip_topk_offset` schedule exactly as transformers' GlmMoeDsaConfig
+    derives it; written whenever it is not llama.cpp's default (all full below a 1M context)."""
+    from transformers import GlmMoeDsaConfig
+
+    from specconv.archs.dsa import glm_indexer_types
+
+    expected = GlmMoeDsaConfig(num_hidden_layers=4, **fields).indexer_types
+    assert glm_indexer_types(fields, 4) == expected
+    print(f"{fields}: {expected}")
