@@ -151,6 +151,17 @@ static PyObject *dot(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *fused(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int ggml_type;
+    if (!PyArg_ParseTuple(args, "i:fused", &ggml_type))
+        return NULL;
+    /* Q8_0's own kernel (dq_dot.c) and the AVX2 ones (dq_dot_avx2.c), where they run */
+    int fast = dq_accumulate_avx2(ggml_type) != NULL || (ggml_type == 8 && dq_accumulate_avx2(12) != NULL);
+    return PyBool_FromLong(fast);
+}
+
 static PyObject *types(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -184,6 +195,9 @@ static PyMethodDef methods[] = {
      ". (x_j, the float32 vector at x + j * n_in) for j < nx: each row dequantized exactly as\n"
      "dequantize() does, then multiplied in a fixed summation order. Rows split over up to `threads`\n"
      "threads, GIL released. The caller guarantees the addresses."},
+    {"fused", fused, METH_VARARGS,
+     "fused(ggml_type) -> bool\n\nWhether dot() has a kernel for this type that computes the values in\n"
+     "registers (AVX2) instead of decoding each row into a buffer first, on this CPU and setting."},
     {"types", types, METH_NOARGS, "types() -> {ggml_type: (values per block, bytes per block)} covered"},
     {NULL, NULL, 0, NULL},
 };

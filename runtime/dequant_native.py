@@ -82,6 +82,12 @@ def dequantize(raw: torch.Tensor, qtype: QType, out: torch.Tensor | None = None,
     return out
 
 
+def has_fused_kernel(qtype: QType) -> bool:
+    """Whether matmul_t() has a kernel for `qtype` that computes the values in registers (Q8_0, Q4_K,
+    Q5_K, Q6_K, BF16, F16 with AVX2) instead of decoding each row into a buffer first."""
+    return covers(qtype) and _module().fused(int(qtype))
+
+
 def chunk_decoder(qtype: QType, raw: torch.Tensor, buffer: torch.Tensor):
     """For a chunked product: `decode(start, rows)` dequantizes rows start .. start+rows-1 of the
     C-contiguous uint8 rows `raw` [n, row_bytes] into the start of the float32 `buffer` and returns

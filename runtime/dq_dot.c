@@ -11,7 +11,8 @@
  * same 32 sums, so the result is the same on every machine; but the summation order
  * differs from the BLAS product x @ W^T: the two agree within float32 summation-order noise
  * (bounded and measured in tests/test_runtime_dequant_native.py). Q8_0, the hot type, has its own
- * kernels that never write the row out; the others decode a row into a buffer first. */
+ * kernels that never write the row out, and so have Q4_K, Q5_K, Q6_K and BF16 on AVX2
+ * (dq_dot_avx2.c); the others decode a row into a buffer first. */
 #include "dq_blocks.h"
 
 #include <stdlib.h>
@@ -159,6 +160,25 @@ void dq_dot_rows(const dq_type *type, const uint8_t *w, size_t row_bytes, size_t
         return;
     }
     const size_t blocks = n_in / (size_t)type->block;
+    const dq_accumulate_fn accumulate = dq_accumulate_avx2(type->ggml_type);
+    if (accumulate != NULL) { /* the same sums as decode + dots() below, without the row buffer */
+        const size_t units = type->block == 1 ? n_in / 32 : blocks, done = type->block == 1 ? units * 32 : n_in;
+        for (size_t r = first; r < first + count; r++) {
+            const uint8_t *wr = w + r * row_bytes;
+            if (done < n_in) /* a 16-bit float row's last n_in mod 32 values, added in order */
+                type->decode(wr + done * (size_t)type->size, row, n_in - done);
+            for (size_t j = 0; j < nx; j++) {
+                const float *xj = x + j * n_in;
+                float acc[32] = {0};
+                accumulate(wr, xj, units, acc);
+                float sum = combine(acc);
+                for (size_t i = done; i < n_in; i++)
+                    sum += row[i - done] * xj[i];
+                out[j * out_stride + r] = sum;
+            }
+        }
+        return;
+    }
     for (size_t r = first; r < first + count; r++) {
         type->decode(w + r * row_bytes, row, blocks);
         dots(row, x, n_in, nx, out + r, out_stride);

@@ -35,14 +35,15 @@ CHUNK_ELEMENTS = 1 << 20
 
 # The CPU products of larger matrices whose type the native dequantizer covers (float32
 # activations; benchmarks/dequant_native.py, docs/runtime.md "Native dequantization"):
-# * up to FUSED_MAX_ROWS rows of activations (decode) and a type in FUSED_TYPES: the fused native
-#   kernel, which dequantizes a row into the cache and multiplies it at once (the float32 matrix is
-#   never written; sums in its own fixed order, so equal to the BLAS product within float32
-#   summation-order noise);
+# * up to FUSED_MAX_ROWS rows of activations (decode) and a type in FUSED_TYPES with a fused kernel
+#   on this CPU (dequant_native.has_fused_kernel: AVX2): the fused native kernel, which computes each
+#   row's values in registers and multiplies them at once (the float32 matrix is never written;
+#   sums in its own fixed order, so equal to the BLAS product within float32 summation-order noise);
 # * otherwise: pieces of NATIVE_CHUNK_ELEMENTS values dequantized natively into one float32 buffer
 #   per thread, reused, which stays in the L2 cache while the BLAS product reads it.
 FUSED_MAX_ROWS = 1
-FUSED_TYPES = frozenset({GGMLQuantizationType.Q8_0})
+FUSED_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+                         GGMLQuantizationType.Q6_K, GGMLQuantizationType.BF16, GGMLQuantizationType.F16})
 NATIVE_CHUNK_ELEMENTS = 1 << 18
 _buffers = threading.local()
 
@@ -211,7 +212,7 @@ def _native_matmul_t(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
     if w.counter is not None:
         w.counter.bytes += raw.numel()
     rows = x.numel() // n_in if n_in else 0
-    if rows <= FUSED_MAX_ROWS and w.qtype in FUSED_TYPES:
+    if rows <= FUSED_MAX_ROWS and w.qtype in FUSED_TYPES and dequant_native.has_fused_kernel(w.qtype):
         fused = dequant_native.matmul_t(x, raw, w.qtype, n_in)
         if fused is not None:
             return fused

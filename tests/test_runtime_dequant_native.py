@@ -240,11 +240,30 @@ def _stored(qtype: QType, rows: int, n_in: int, seed: int):
     return StoredWeight(raw, qtype, (rows, n_in), torch.float32, torch.device("cpu"), counter), raw, counter
 
 
-@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K, QType.Q6_K, QType.BF16], ids=lambda t: t.name)
-def test_stored_product_takes_the_native_paths(qtype, monkeypatch):
-    """matmul_t above CHUNK_ELEMENTS: fused for one row of a FUSED_TYPES matrix, native chunks into the
-    reused per-thread buffer otherwise (short last chunk included); both against x @ dense(W).t()."""
+def test_fused_kernels_where_avx2_is():
+    hot = [QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.BF16, QType.F16]
+    import platform
+    if platform.machine() in ("x86_64", "AMD64") and "avx2" in open("/proc/cpuinfo").read():
+        assert all(dequant_native.has_fused_kernel(t) for t in hot)
+    assert not dequant_native.has_fused_kernel(QType.Q4_0) and not dequant_native.has_fused_kernel(QType.TQ2_0)
+
+
+def test_portable_setting_has_no_fused_kernels(monkeypatch):
+    monkeypatch.setenv("SPECCONV_NATIVE_PORTABLE", "1")
+    assert not any(dequant_native.has_fused_kernel(t) for t in COVERED)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["fastest", "portable"])
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.BF16, QType.F16, QType.Q4_0],
+                         ids=lambda t: t.name)
+def test_stored_product_takes_the_native_paths(qtype, portable, monkeypatch):
+    """matmul_t above CHUNK_ELEMENTS: fused for one row where the type has a fused kernel, native
+    chunks into the reused per-thread buffer otherwise (short last chunk included); both against
+    x @ dense(W).t()."""
     from specconv.runtime import stored
+
+    if portable:
+        monkeypatch.setenv("SPECCONV_NATIVE_PORTABLE", "1")
 
     monkeypatch.setattr(stored, "CHUNK_ELEMENTS", 256 * 40)
     monkeypatch.setattr(stored, "NATIVE_CHUNK_ELEMENTS", 256 * 9)  # 9 rows a piece, the last one short
