@@ -168,7 +168,7 @@ def test_indexer_head_size_llamacpp_constraint(tmp_path, llama_peer):
     path = convert_gguf(src, tmp_path / "d32.gguf", mtp="none")
     code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from tests.fixtures import peers; "
             f"peers.require_llama_cpp(); peers.llama_logits({str(path)!r}, {IDS[:12]!r})")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode != 0 and "ggml_can_mul_mat(a, b)" in proc.stderr, proc.stderr[-2000:]
     ref, _ = tiny.hf_trunk(src, IDS)
     ours = Context(load_model(path, device="cpu"), GraphType.MAIN, n_ctx=64).decode(IDS).logits.numpy()
