@@ -9,6 +9,7 @@
   logits and drafts; speculative greedy output equals plain greedy (snapshot and checkpoint
   rollback) and its memory after partial acceptances equals a fresh start;
 * bad pairs fail with one-line errors.
+DFlash2 drafters: tests/test_dflash2.py; `specconv verify` with a DFlash draft: tests/test_dflash_verify.py.
 Every measured difference is printed.
 """
 
@@ -34,47 +35,12 @@ from tests.fixtures.tiny_qwen3 import gguf_contents as _read
 
 torch.set_num_threads(1)
 TOL = 1e-4
-IDS = [int(x) for x in np.random.default_rng(9).integers(0, 509, 20)]
-MASK = 509
-# target kind -> (llama.cpp pre-tokenizer, DFlash target_layer_ids = layer outputs)
-TARGETS = {"qwen3": ("qwen2", [0, 2, 4]), "qwen3moe": ("qwen2", [1, 4]), "qwen35": ("qwen35", [0, 1, 2]),
-           "llama": ("llama-bpe", [1, 3, 4])}
-_built: dict[str, tuple] = {}
+IDS, MASK, TARGETS, built, max_abs = tiny.IDS, tiny.MASK, tiny.TARGETS, tiny.built, tiny.max_abs
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("dflash")
-
-
-def _target(root, kind):
-    d = root / f"target-{kind}"
-    if kind in ("qwen3", "qwen3moe"):
-        from tests.fixtures.tiny_qwen3 import build_qwen3
-
-        return build_qwen3(d, moe=kind == "qwen3moe", n_layers=6, seed=4, head_dim=16)
-    if kind == "qwen35":
-        from tests.fixtures.tiny_qwen35 import build_qwen35
-
-        return build_qwen35(d, mtp=False)
-    from tests.fixtures.tiny_eagle3 import build_llama_target
-
-    return build_llama_target(d, n_layers=6)
-
-
-def built(root, kind):
-    """(target dir, target gguf, draft dir, draft gguf) per target kind, cached for the module."""
-    if kind not in _built:
-        t_dir = _target(root, kind)
-        d_dir = tiny.build_dflash(root / f"dflash-{kind}", t_dir, layer_ids=TARGETS[kind][1], mask_token_id=MASK)
-        t_gguf = convert_gguf(t_dir, root / f"target-{kind}.gguf", mtp="none" if kind == "qwen35" else "embed")
-        d_gguf = convert_gguf(d_dir, root / f"dflash-{kind}.gguf", extra_args=["--target", str(t_dir)])
-        _built[kind] = (t_dir, t_gguf, d_dir, d_gguf)
-    return _built[kind]
-
-
-def max_abs(a, b) -> float:
-    return float(np.abs(tiny.as_numpy(a) - tiny.as_numpy(b)).max())
 
 
 # ------------------------------------------------------------------ conversion
@@ -349,108 +315,6 @@ def test_trained_drafter_is_accepted_and_drafts_like_the_reference(root, tmp_pat
     assert accepted / drafted > 0.25 and partial
 
 
-def _llama_dflash2(peers, t_gguf, d_gguf, features, block, pos0):
-    """llama.cpp's DFlash2 block: (logits, lattice rows) — the lattice is what draft-dflash walks."""
-    import llama_cpp
-    from llama_cpp import llama_cpp_ext
-
-    tm, dm = peers.load_model(t_gguf), peers.load_model(d_gguf)
-    tctx = peers.new_context(tm, n_ctx=64)
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx = cp.n_batch = cp.n_ubatch = 256
-    cp.n_seq_max, cp.n_threads, cp.n_threads_batch = 1, 1, 1
-    cp.type_k = cp.type_v = 0
-    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    cp.ctx_other = tctx
-    dctx = llama_cpp.llama_init_from_model(dm, cp)
-    assert dctx, "llama.cpp could not build the DFlash2 draft context"
-    try:
-        llama_cpp.llama_set_causal_attn(dctx, False)
-        llama_cpp_ext.llama_set_embeddings_nextn(dctx, True, False)  # the lattice of every row
-        feats = np.ascontiguousarray(tiny.as_numpy(features), dtype=np.float32)
-        m, width = feats.shape
-        b = llama_cpp.llama_batch_init(m, width, 1)
-        try:
-            np.ctypeslib.as_array(b.embd, shape=(m * width,))[:] = feats.reshape(-1)
-            for i in range(m):
-                b.pos[i], b.n_seq_id[i], b.logits[i] = i, 1, 0
-                b.seq_id[i][0] = 0
-            b.n_tokens = m
-            assert llama_cpp.llama_decode(dctx, b) == 0
-        finally:
-            llama_cpp.llama_batch_free(b)
-        peers.decode_tokens(dctx, block, pos0)
-        return peers.row_logits(dctx, dm, len(block)), peers.row_hidden_nextn(dctx, dm, len(block))
-    finally:
-        peers.free_context(dctx)
-        peers.free_context(tctx)
-
-
-def _walk(lattice_rows, k, n):
-    """llama.cpp's draft-dflash walk over packed lattice rows [cands(k) | scores(k x k)]."""
-    pred, out = 0, []
-    for i in range(1, n):
-        row = lattice_rows[i, k + pred * k: k + (pred + 1) * k]
-        pred = int(np.argmax(row))
-        out.append(int(lattice_rows[i, pred]))
-    return out
-
-
-@pytest.mark.peer
-def test_dflash2_converts_and_runs_like_llama_cpp(root, tmp_path, llama_peer):
-    """DFlash2 (convolutions, candidate selector, soft-capped scaled logits, a sliding-window layer,
-    is_causal false): our file equals llama.cpp converter's; llama.cpp loads it and builds the draft
-    context (iSWA cache); the runtime's block logits, selector candidates and scores (aligned by token
-    id: ggml's top-k is unordered) and the walked drafts equal llama.cpp's; speculative greedy output
-    equals plain greedy."""
-    t_dir, t_gguf, _, _ = built(root, "qwen3")
-    d_dir = tiny.build_dflash(tmp_path / "d2", t_dir, layer_ids=TARGETS["qwen3"][1], mask_token_id=MASK, v2=True,
-                              window=6)
-    ours = convert_gguf(d_dir, tmp_path / "ours.gguf", extra_args=["--target", str(t_dir)])
-    theirs = convert_gguf_upstream(d_dir, tmp_path / "theirs.gguf", pre="qwen2",
-                                   extra_args=["--target-model-dir", str(t_dir)])
-    kv_a, t_a = _read(ours)
-    kv_b, t_b = _read(theirs)
-    assert [t[:3] for t in t_a] == [t[:3] for t in t_b] and all(a[3] == b[3] for a, b in zip(t_a, t_b))
-    assert kv_a == kv_b
-    mask = "tokenizer.ggml.mask_token_id"
-    assert [k for k in kv_a if k != mask] == [k for k in kv_b if k != mask]
-    assert {"blk.0.attn_conv_base", "blk.1.ffn_conv_proj.weight", "selector_hidden.weight"} <= {t[0] for t in t_a}
-    assert kv_a["dflash.selector_top_k"] == 4 and kv_a["dflash.attention.causal"] is False
-
-    target = load_model(t_gguf, device="cpu")
-    drafter = DFlashDrafter(load_model(ours, device="cpu", share_from=target), target, 64, 7)
-    prefix, id_last = IDS[:-1], IDS[-1]  # 19 context rows: the window of 6 masks most of them in layer 0
-    out = Context(target, GraphType.MAIN, n_ctx=64).decode(prefix, hidden=drafter.target_hidden)
-    drafter.start(prefix, torch.cat([out.hidden[x] for x in drafter.target_hidden], -1))
-    logits, y = drafter.block_forward(id_last)
-    from specconv.runtime.graphs import dflash as graph
-
-    cands, scores = graph.lattice(drafter.head.weights, drafter.hp, logits, y, id_last)
-    ll_logits, lat = _llama_dflash2(llama_peer, t_gguf, ours, torch.cat([out.hidden[x] for x in drafter.target_hidden], -1),
-                                    [id_last] + [MASK] * 7, len(prefix))
-    k, worst = 4, 0.0
-    for i in range(1, 8):
-        ll_c, our_c = [int(c) for c in lat[i, :k]], [int(c) for c in cands[i]]
-        assert sorted(ll_c) == sorted(our_c), f"row {i}: candidates differ"
-        ll_s = lat[i, k:k + k * k].reshape(k, k)
-        prev_ll = [id_last] if i == 1 else [int(c) for c in lat[i - 1, :k]]
-        prev_ours = [id_last] if i == 1 else [int(c) for c in cands[i - 1]]
-        for p in prev_ours:
-            for c in our_c:
-                a = float(scores[i][prev_ours.index(p), our_c.index(c)])
-                worst = max(worst, abs(a - float(ll_s[prev_ll.index(p) if i > 1 else 0, ll_c.index(c)])))
-    d_logits = max_abs(logits, ll_logits)
-    walk = drafter.selector_walk(id_last, 7)
-    print(f"\n[dflash2] {len(t_a)} tensors / {len(kv_a)} KV pairs as llama.cpp's converter writes them; runtime vs "
-          f"llama.cpp: logits {d_logits:.2e}, selector scores {worst:.2e}; drafts equal: {walk == _walk(lat, k, 8)}")
-    assert d_logits <= TOL and worst <= TOL and walk == _walk(lat, k, 8)
-    plain = generate(target, IDS[:8], 20).tokens
-    res = speculative_generate(target, build_drafter("dflash", target, n_ctx=64, draft_max=7, draft_path=ours),
-                               IDS[:8], 20, SpecConfig(draft_max=7))
-    assert res.tokens == plain and res.stats["speculative"]["drafted"] > 0
-
-
 def test_q8_0_target_and_drafter(root, tmp_path):
     """Quantized files (weights kept in Q8_0, the target's embedding and head borrowed packed)."""
     t_dir, _, d_dir, _ = built(root, "qwen3")
@@ -463,33 +327,6 @@ def test_q8_0_target_and_drafter(root, tmp_path):
     assert res.tokens == plain and res.stats["speculative"]["drafted"] > 0
 
 
-def test_verify_with_a_dflash_draft(root, tmp_path):
-    """`specconv verify TARGET --draft DFLASH --hf TARGET_DIR`: passes for the right pair (structure, fit,
-    greedy exactness with the DFlash drafter, statistics); fails for a drafter of another target."""
-    from specconv.cli import main as cli_main
-
-    t_dir, t_gguf, _, d_gguf = built(root, "qwen3")
-    _, other_gguf, _, _ = built(root, "qwen35")
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("def f(x):\\n    return x\nimport os\n")
-
-    def verify(target, draft, *extra):
-        report = tmp_path / "r.json"
-        with pytest.raises(SystemExit) as exc:
-            cli_main(["verify", str(target), "--draft", str(draft), "--prompts", str(prompts), "--json", str(report),
-                      "-n", "6", "--draft-max", "3", "--device", "cpu", *extra])
-        rep = json.loads(report.read_text())
-        return exc.value.code, rep, {c["name"]: c for c in rep["checks"]}
-
-    code, rep, checks = verify(t_gguf, d_gguf, "--hf", str(t_dir))
-    print(f"\n[verify qwen3 + dflash] passed {rep['passed']}; speculative {rep['speculative'].get('drafter')}, "
-          f"exact {rep['speculative'].get('exact')}")
-    assert code == 0 and rep["passed"] and checks["greedy exact: dflash"]["passed"]
-    assert checks["draft: DFlash drafter fits the model"]["passed"] and rep["speculative"]["exact"] is True
-    code, rep, checks = verify(other_gguf, d_gguf)  # the qwen3 drafter reads layer input 5 of a 4-layer target
-    assert code != 0 and not checks["draft: DFlash drafter fits the model"]["passed"]
-
-
 def test_one_token_prompt_drafts_without_context(root):
     """A one-token prompt leaves no committed position before id_last: the block attends to itself only."""
     _, t_gguf, _, d_gguf = built(root, "qwen3")
@@ -497,32 +334,3 @@ def test_one_token_prompt_drafts_without_context(root):
     drafter = build_drafter("dflash", target, n_ctx=64, draft_max=4, draft_path=d_gguf)
     res = speculative_generate(target, drafter, IDS[:1], 10, SpecConfig(draft_max=4))
     assert res.tokens == generate(target, IDS[:1], 10).tokens and res.stats["speculative"]["drafted"] > 0
-
-
-def test_verify_draft_hf_checks_the_drafter_against_its_checkpoint(root, tmp_path):
-    """`verify --draft D.gguf --hf TARGET --draft-hf DFLASH_DIR`: the drafter's block logits against a
-    reference computed from its checkpoint on transformers' hidden states (specconv/verify/dflash_reference.py)
-    pass for the right file and fail for a file converted with other target layers."""
-    from specconv.cli import main as cli_main
-
-    t_dir, t_gguf, d_dir, d_gguf = built(root, "qwen3")
-    shifted = convert_gguf(d_dir, tmp_path / "shifted.gguf", extra_args=["--target", str(t_dir), "--target-layers", "0,2,4"])
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("def f(x):\\n    return x\nimport os\n")
-
-    def verify(draft):
-        report = tmp_path / "r.json"
-        with pytest.raises(SystemExit) as exc:
-            cli_main(["verify", str(t_gguf), "--draft", str(draft), "--hf", str(t_dir), "--draft-hf", str(d_dir),
-                      "--prompts", str(prompts), "--json", str(report), "-n", "4", "--draft-max", "2", "--device", "cpu"])
-        rep = json.loads(report.read_text())
-        return exc.value.code, rep, {c["name"]: c for c in rep["checks"]}
-
-    code, rep, checks = verify(d_gguf)
-    print(f"\n[verify --draft-hf dflash] {checks['parity: DFlash drafter vs its checkpoint']['detail']}")
-    assert code == 0 and checks["parity: DFlash drafter vs its checkpoint"]["passed"]
-    assert checks["draft: DFlash target layers match its checkpoint"]["passed"] and rep["parity"]["dflash"] < 1e-4
-    code, rep, checks = verify(shifted)  # layer inputs 0,2,4 = the checkpoint's ids taken as inputs: off by one
-    print(f"[verify --draft-hf, layers off by one] {checks['draft: DFlash target layers match its checkpoint']['detail']}")
-    assert code != 0 and not checks["parity: DFlash drafter vs its checkpoint"]["passed"]
-    assert "off by one" in checks["draft: DFlash target layers match its checkpoint"]["detail"]
