@@ -334,3 +334,30 @@ def test_one_token_prompt_drafts_without_context(root):
     drafter = build_drafter("dflash", target, n_ctx=64, draft_max=4, draft_path=d_gguf)
     res = speculative_generate(target, drafter, IDS[:1], 10, SpecConfig(draft_max=4))
     assert res.tokens == generate(target, IDS[:1], 10).tokens and res.stats["speculative"]["drafted"] > 0
+
+
+def test_runtime_refuses_variants_it_does_not_implement(root):
+    """Tensors llama.cpp's dflash graph would use (post norms, output scales, sinks, d2t, DSpark heads,
+    shared K/V) make the runtime refuse the file with one line instead of ignoring them."""
+    from pathlib import Path
+
+    from specconv.runtime.graphs import dflash as graph
+
+    _, _, _, d_gguf = built(root, "qwen3")
+    hp = load_model(d_gguf, device="cpu", share_from=load_model(built(root, "qwen3")[1], device="cpu")).hparams
+
+    class File:
+        paths = [Path("x.gguf")]
+
+        def __init__(self, extra=(), drop=()):
+            self.extra, self.drop = set(extra), set(drop)
+
+        def has(self, name):
+            return name in self.extra or (name.startswith("blk.0.attn_v") and not self.drop)
+
+    assert graph.serves(hp, File()) == {GraphType.MTP}
+    for name in ("blk.0.post_attention_norm.weight", "d2t", "markov_w1.weight", "blk.0.attn_sinks.weight"):
+        with pytest.raises(SpecconvError, match=name.replace(".", r"\.")):
+            graph.serves(hp, File(extra=[name]))
+    with pytest.raises(SpecconvError, match="shared K/V"):
+        graph.serves(hp, File(drop=["attn_v"]))

@@ -123,8 +123,21 @@ class HParams:
                    n_vocab=len(tokens) if tokens is not None else 0, context_length=int(get("context_length", 0)))
 
 
+# tensors llama.cpp's dflash graph uses when present, which this graph does not implement
+_UNSUPPORTED = ("blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight", "blk.0.layer_output_scale.weight",
+                "rope_freqs.weight", "blk.0.attn_sinks.weight", "d2t", "markov_w1.weight")
+
+
 def serves(hp: HParams, file) -> set[GraphType]:
-    return {GraphType.MTP}  # the decoder with its own KV cache; there is no MAIN graph
+    """The decoder with its own KV cache (graph type MTP); there is no MAIN graph."""
+    extra = [n for n in _UNSUPPORTED if file.has(n)]
+    if extra:
+        raise SpecconvError(f"{file.paths[0].name}: DFlash variant with {extra[0]}, which specconv's runtime does "
+                            f"not implement (llama.cpp runs it)")
+    if not file.has("blk.0.attn_v.weight"):
+        raise SpecconvError(f"{file.paths[0].name}: DFlash drafter with shared K/V (no attn_v), which specconv's "
+                            f"runtime does not implement (llama.cpp runs it)")
+    return {GraphType.MTP}
 
 
 def n_vocab(hp: HParams) -> int:
