@@ -108,10 +108,12 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
     told = _Teller(drafter, defer=auto is not None)
     out_tokens: list[int] = []
     start = time.perf_counter()
+    prompt_seconds = 0.0  # the prompt minus its last token, and the drafter's start on it
     if n_predict > 0:
         prefix, id_last = prompt[:-1], prompt[-1]
         hidden = drafter_rows(ctx.decode(prefix, hidden=want, logits=None).hidden, want) if prefix else None
         drafter.start(prefix, hidden)
+        prompt_seconds = time.perf_counter() - start
         while len(out_tokens) < n_predict:
             pos0 = ctx.n_past()
             k, mode = auto.choose() if auto else (cfg.draft_max, None)
@@ -138,7 +140,8 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
     stats.generated = len(out_tokens)
     report = stats.to_json()
     report.update(drafter=drafter.name, draft_max="auto" if cfg.auto else cfg.draft_max, draft_min=cfg.draft_min,
-                  p_min=cfg.p_min, temperature=cfg.temperature, rollback=cfg.rollback, seconds=seconds)
+                  p_min=cfg.p_min, temperature=cfg.temperature, rollback=cfg.rollback, seconds=seconds,
+                  prompt_seconds=prompt_seconds)
     if getattr(drafter, "synthetic", False):  # a measurement drafter, never a head's result
         report.update(synthetic=True, set_acceptance=drafter.acceptance)
     if auto is not None:

@@ -184,6 +184,9 @@ def verify_section(report: VerifyReport) -> str:
         ref = parity.get("reference") or "the reference"
         lines += [f"Parity: max |Δlogit| = {_fmt(parity['max_abs_logit_diff'])} against {ref}.", ""]
     spec = report.speculative
+    if spec.get("synthetic"):  # a measurement drafter: its acceptance was set, no head earned it
+        lines += ["The speculative figures below come from the synthetic drafter (set acceptance): they measure "
+                  "the runtime, not a draft head.", ""]
     rows = [
         ("Output identical to plain greedy decoding", spec.get("exact")),
         ("Draft tokens", spec.get("drafted")),
@@ -204,6 +207,7 @@ def verify_section(report: VerifyReport) -> str:
                 shown += "×"
             lines.append(f"| {key} | {_cell(shown)} |")
         lines.append("")
+    lines += cost_section(spec.get("costs"))
     if report.per_position:
         lines += ["### Acceptance by draft position", "", "| Position | Acceptance | Accepted / drafted |", "|---|---|---|"]
         for p in report.per_position:
@@ -216,6 +220,33 @@ def verify_section(report: VerifyReport) -> str:
             lines.append(f"| {_cell(c['name'])} | {'pass' if c['passed'] else 'FAIL'} | {_cell(c['detail'])} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def cost_section(costs: dict | None) -> list[str]:
+    """What speed-up the measured costs predict, for specconv's runtime and for llama.cpp on the same file:
+    the target's t(k+1)/t(1), the drafter's cost c per step and per round (in target forwards of one
+    token), and E(α, k) / (t(k+1)/t(1) + k·c + c_round) at the measured α (specconv/verify/costs.py)."""
+    runners = [(name, (costs or {}).get(name)) for name in ("specconv", "llama.cpp")]
+    runners = [(n, c) for n, c in runners if c]
+    if not runners:
+        return []
+    alpha = costs.get("alpha")
+    lines = ["### Cost ratios and the speed-up they predict", "",
+             "Measured on the publisher's machine when `specconv verify` ran; the predicted speed-up is "
+             f"E(α, k) / (t(k+1)/t(1) + k·c + c_round) at the measured per-token acceptance α = {_fmt(alpha)}, "
+             "so it tells what this head gains where a forward costs what it cost there.", "",
+             "| Runner | Threads | t(k+1)/t(1), k = 1, 2, ... | Drafter step c | Drafter per round | "
+             "Predicted speed-up (best k) |", "|---|---|---|---|---|---|"]
+    for name, c in runners:
+        if c.get("error"):
+            lines.append(f"| {_cell(name)} | | not measured: {_cell(c['error'])} | | | |")
+            continue
+        ratios = ", ".join(_fmt(r, 2) for r in c["target_ratios"][1:])
+        best = f"{_fmt(c['best'], 2)}× (k = {c['best_k']})" if c.get("best") is not None else "n/a (drafter cost unknown)"
+        lines.append(f"| {_cell(name)} | {_fmt(c.get('threads'))} | {_cell(ratios)} | {_fmt(c.get('c'))} | "
+                     f"{_fmt(c.get('c_round'))} | {_cell(best)} |")
+    lines.append("")
+    return lines
 
 
 def render_card(

@@ -2,7 +2,7 @@
 
 The schema (docs/architecture.md): `passed`, `checks` [{name, passed, detail}], `parity`
 {max_abs_logit_diff, reference}, `speculative` {exact, drafted, accepted, acceptance_rate,
-acceptance_length, per_position, tokens_per_target_forward, bound, speedup, rollback}.
+acceptance_length, per_position, tokens_per_target_forward, bound, speedup, rollback, costs, synthetic}.
 Every section is optional; a present section must have the right types.
 """
 
@@ -119,4 +119,41 @@ def parse_report(data: dict) -> VerifyReport:
     if not isinstance(per_position, list):
         raise SpecconvError("verify report: speculative.per_position must be a list")
     report.per_position = [_position(i, item) for i, item in enumerate(per_position)]
+    report.speculative["costs"] = _costs(spec.get("costs"))
+    report.speculative["synthetic"] = spec.get("synthetic") is True
     return report
+
+
+def _costs(costs) -> dict | None:
+    """`speculative.costs` (specconv/verify/costs.py): per runner the measured t(n)/t(1), the drafter's c and
+    c_round, and the predicted speed-up; numbers checked, an `error` kept as text."""
+    if costs is None:
+        return None
+    if not isinstance(costs, dict):
+        raise SpecconvError("verify report: speculative.costs must be an object")
+    out = {"alpha": _number(costs.get("alpha"), "speculative.costs.alpha"), "drafter": str(costs.get("drafter") or "")}
+    for runner in ("specconv", "llama.cpp"):
+        c = costs.get(runner)
+        if c is None:
+            continue
+        where = f"speculative.costs.{runner}"
+        if not isinstance(c, dict):
+            raise SpecconvError(f"verify report: {where} must be an object")
+        if c.get("error"):
+            out[runner] = {"error": str(c["error"])}
+            continue
+        ratios = c.get("target_ratios")
+        if not isinstance(ratios, list) or not ratios:
+            raise SpecconvError(f"verify report: {where}.target_ratios must be a non-empty list")
+        pred = c.get("predicted") or {}
+        if not isinstance(pred, dict):
+            raise SpecconvError(f"verify report: {where}.predicted must be an object")
+        out[runner] = {
+            "target_ratios": [_number(r, f"{where}.target_ratios[{i}]") for i, r in enumerate(ratios)],
+            "threads": _number(c.get("threads"), f"{where}.threads"),
+            "c": _number(c.get("c"), f"{where}.c"),
+            "c_round": _number(c.get("c_round"), f"{where}.c_round"),
+            "best": _number(pred.get("best"), f"{where}.predicted.best"),
+            "best_k": _number(pred.get("best_k"), f"{where}.predicted.best_k"),
+        }
+    return out

@@ -72,9 +72,30 @@ class Report:
                 f"rate {_fmt(s.get('acceptance_rate'))}  AL {_fmt(s.get('acceptance_length'))}  "
                 f"per-position [{per}]  tokens/forward {_fmt(s.get('tokens_per_target_forward'))}  "
                 f"bound {_fmt(s.get('bound'))}  speed-up {_fmt(s.get('speedup'))}")
+            for line in cost_lines(s.get("costs")):
+                console.print(escape(line))
         if self.parity.get("reference"):
             console.print(f"parity vs {self.parity['reference']}: max |Δlogit| = {_fmt(self.parity['max_abs_logit_diff'], 'e')}")
         console.print("[bold green]PASSED[/]" if self.passed else "[bold red]FAILED[/]")
+
+
+def cost_lines(costs: dict | None) -> list[str]:
+    """One line per runner: the measured cost ratios and the speed-up they predict (specconv/verify/costs.py)."""
+    lines = []
+    for runner in ("specconv", "llama.cpp"):
+        c = (costs or {}).get(runner)
+        if not c:
+            continue
+        if c.get("error"):
+            lines.append(f"costs ({runner}): not measured: {c['error']}")
+            continue
+        ratios = " ".join(f"{r:.2f}" for r in c["target_ratios"])
+        p = c.get("predicted") or {}
+        best = (f"predicted speed-up {p['best']:.2f}x at k={p['best_k']}" if p.get("best") is not None
+                else "no predicted speed-up (drafter cost not measured for this runner)")
+        lines.append(f"costs ({runner}, {c.get('threads')} threads): t(n)/t(1) for n=1..{len(c['target_ratios'])} "
+                     f"[{ratios}]  c {_fmt(c.get('c'))}  c_round {_fmt(c.get('c_round'))}  {best}")
+    return lines
 
 
 def _fmt(x, style: str = "f") -> str:

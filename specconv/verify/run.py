@@ -47,6 +47,7 @@ class VerifyOptions:
     seed: int = 0
     hf_max_memory: dict | None = None  # accelerate max_memory for the reference ({device: bytes}), tests
     offload: bool = False  # the runtime's weights stay in the memory map (runtime/placement.py)
+    costs: bool = True  # measure cost ratios and the predicted speed-up (specconv/verify/costs.py)
 
 
 def read_prompts(path) -> list[str]:
@@ -247,10 +248,28 @@ def _speculative(report: Report, target, head, draft_model, prompts, opts: Verif
              seconds=main_seconds, plain_seconds=plain_seconds,
              speedup=plain_seconds / main_seconds if main_seconds > 0 else None,
              verify_seconds=time.perf_counter() - t0)
+    if opts.costs:
+        s["costs"] = _costs(target, drafters[main_name](k), main_name, prompts[0], s.get("alpha"), opts)
     report.speculative = s
     _metrics_algebra(report, s, k)
     if opts.temperature > 0:
         _distribution(report, target, drafters[main_name](k), prompts, opts)
+
+
+def _costs(target, drafter, name: str, prompt, alpha, opts: VerifyOptions) -> dict:
+    """Measured cost ratios and the speed-up they predict at the measured α (specconv/verify/costs.py),
+    for this runtime and for llama.cpp on the same file."""
+    from specconv.verify import costs
+
+    k = opts.draft_max
+    ours = costs.runtime_costs(target, drafter, prompt, k, opts.n_predict)
+    ours["predicted"] = costs.predicted(alpha, ours["target_ratios"], ours["c"], ours["c_round"], k)
+    theirs = costs.llamacpp_costs_isolated(opts.model, k, mtp_path=opts.mtp if name == "mtp" else None)
+    if "error" not in theirs:
+        if name == "ngram":  # prompt lookup costs llama.cpp no forward either
+            theirs["c"] = theirs["c_round"] = 0.0
+        theirs["predicted"] = costs.predicted(alpha, theirs["target_ratios"], theirs["c"], theirs["c_round"], k)
+    return {"drafter": name, "alpha": alpha, "specconv": ours, "llama.cpp": theirs}
 
 
 def _metrics_algebra(report: Report, s: dict, k: int):
