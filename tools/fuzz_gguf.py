@@ -253,8 +253,11 @@ def run(args) -> dict:
     worker = Worker(args.mem_mb << 20)
     start = time.monotonic()
     cases = [args.case] if args.case is not None else range(args.start, args.start + args.cases)
+    done = 0
     try:
         for n, i in enumerate(cases):
+            if STOP:
+                raise KeyboardInterrupt
             family, kind, paths, which, rng = case_plan(seeds, families, args.seed, i)
             shutil.rmtree(root / f"case-{i - 1}", ignore_errors=True)
             work = root / f"case-{i}"  # a fresh folder per case: nothing is cached by an old path
@@ -285,12 +288,15 @@ def run(args) -> dict:
                         print(f"new problem at case {i} ({family}, {note[:80]}): {key}", flush=True)
                     if args.keep and entry["count"] == 1:
                         shutil.copytree(work, Path(args.keep) / f"case-{i}", dirs_exist_ok=True)
+            done = n + 1
             if args.progress and (n + 1) % args.progress == 0:
                 print(f"{n + 1} cases, {time.monotonic() - start:.0f} s: {_totals(counts)}", flush=True)
+    except KeyboardInterrupt:  # stopped early (Ctrl-C, SIGTERM): report the cases that completed
+        print(f"stopped after {done} cases", flush=True)
     finally:
         worker.stop()
         shutil.rmtree(root, ignore_errors=True)
-    return {"cases": len(cases), "seconds": round(time.monotonic() - start, 1), "seed": args.seed,
+    return {"cases": done, "first_case": args.start, "seconds": round(time.monotonic() - start, 1), "seed": args.seed,
             "time_limit_s": args.time_limit, "memory_cap_mb": args.mem_mb, "totals": _totals(counts),
             "by_family": {s: {f: dict(c) for f, c in per.items()} for s, per in counts.items()},
             "problems": dict(sorted(internal.items(), key=lambda kv: -kv[1]["count"])),
@@ -334,8 +340,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+STOP = []
+
+
+def _stop(signum, frame) -> None:
+    STOP.append(signum)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)  # kill PID: finish the case, stop and still write the report
     report = run(args)
     text = json.dumps(report, indent=1)
     if args.json:
