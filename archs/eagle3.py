@@ -97,6 +97,14 @@ def resolve_target_layers(config: Mapping[str, Any], n_layer: int,
     return layers, source, notices
 
 
+def angelslim_default_notice(n_layer: int) -> str:
+    """AngelSlim trains a head without ids on ITS default, [1, (L+1)//2-1, L-3] as layer outputs (docs/eagle3.md);
+    the config cannot tell an AngelSlim head from others named Eagle3LlamaForCausalLM, so this is only said."""
+    inputs = [2, (n_layer + 1) // 2, n_layer - 2]
+    return (f"no layer ids in config.json: if AngelSlim trained this head, it read layer inputs {inputs} (its default), "
+            f"not [2, {n_layer // 2}, {n_layer - 3}]: give --target-layers {','.join(map(str, inputs))}")
+
+
 def absolute_d2t(ts: list[np.ndarray], n_target_vocab: int) -> np.ndarray:
     """HF offsets (target id - draft id) -> absolute target ids, validated in range and unique."""
     offsets = ts[0].reshape(-1).astype(np.int64)
@@ -132,6 +140,10 @@ class Eagle3(ArchPlugin):
             self.V, self.L_target = int(target["vocab_size"]), int(target["num_hidden_layers"])
         except KeyError as exc:
             raise SpecconvError(f"config.json (draft or target) lacks {exc.args[0]}") from None
+        for key in ("fc_norm", "norm_output"):  # EAGLE-3.1 options (per-feature norms before fc, ...): not in the GGUF
+            if cfg.get(key):
+                raise SpecconvError(f"config.json: {key}=true (an EAGLE-3.1 head) is not supported: llama.cpp's eagle3 "
+                                    f"graph has no such norm")
         if int(cfg.get("num_hidden_layers", 1)) != 1:
             raise SpecconvError(f"an EAGLE-3 head has one decoder layer, config.json says {cfg['num_hidden_layers']}")
         own_vocab = cfg.get("vocab_size")
@@ -158,6 +170,8 @@ class Eagle3(ArchPlugin):
         layers, source, notices = resolve_target_layers(self.checkpoint.config, self.L_target,
                                                         self.checkpoint.target_layers)
         self.notices = [f"eagle3.target_layers {layers} (layer inputs) from {source}"] + notices
+        if source.startswith("default") and "Eagle3LlamaForCausalLM" in self.checkpoint.config.get("architectures", ()):
+            self.notices.append(angelslim_default_notice(self.L_target))
         return layers
 
     @staticmethod
