@@ -124,7 +124,12 @@ class Qwen3Base(ArchPlugin):
             else:
                 add_swiglu(plan, i, p + "mlp.", self.F, H, trunk)
         plan.add(names.OUTPUT_NORM, [plan.source("model.norm.weight", (H,))], (H,), Role.SHARED, tf.identity, True)
-        add_output_head(plan, bool(self.checkpoint.config.get("tie_word_embeddings", False)), V, H)
+        tied = bool(self.checkpoint.config.get("tie_word_embeddings", False))
+        if tied and plan.has("lm_head.weight"):
+            # llama.cpp's converter writes a saved head even when tied: the same file, byte for byte
+            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (V, H))], (V, H), Role.SHARED)
+        else:
+            add_output_head(plan, tied, V, H)
         return plan.finish(self.gguf_arch)
 
     # ------------------------------------------------------------------ metadata

@@ -128,6 +128,20 @@ def test_matches_llama_cpp_converter(root, variant, outtype, tmp_path):
     print(f"\n[qwen3 {variant} {outtype}] {len(t_a)} tensors and {len(kv_a)} KV pairs identical to llama.cpp's converter")
 
 
+def test_tied_checkpoint_with_a_saved_head_matches_llama_cpp_converter(root, tmp_path):
+    """Some tied releases still save lm_head.weight; llama.cpp's converter writes it as output.weight."""
+    src = tmp_path / "tied-head"
+    build_qwen3(src, tie=True)
+    t = load_file(str(src / "model.safetensors"))
+    t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    theirs = convert_gguf_upstream(src, tmp_path / "theirs.gguf", pre="qwen2")
+    ours = convert_gguf(src, tmp_path / "ours.gguf")
+    (kv_a, t_a), (kv_b, t_b) = _read(ours), _read(theirs)
+    assert [x[:3] for x in t_a] == [x[:3] for x in t_b] and all(a[3] == b[3] for a, b in zip(t_a, t_b))
+    assert "output.weight" in {x[0] for x in t_a} and kv_a == kv_b
+
+
 def test_fused_expert_layout_converts_identically(root, tmp_path):
     """transformers' in-memory layout (experts.gate_up_proj [E, 2Fe, H], experts.down_proj [E, H, Fe])."""
     src = _src(root, "moe")
