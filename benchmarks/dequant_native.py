@@ -9,13 +9,15 @@ repeat (medians of --repeats):
 
   dense     x @ W.t() for one row of activations: the float32 matrix-vector product (the baseline)
   torch     dequantize_rows with the native path off (runtime/dequant.py's torch decoders)
-  native    dequantize_rows with it on (runtime/_dequant.c)
+  native    dequantize_rows with it on (runtime/_dequant.c); like `torch`, into a new tensor, so
+            both include the cost of fresh memory (page faults), which varies with the allocator
+  native buf  the native decoders into one preallocated buffer: the kernels alone
   linear 1  the runtime's product of a stored weight (runtime/stored.py matmul_t), one row
   dense 8   x @ W.t() for 8 rows
   linear 8  matmul_t, 8 rows
 
-Each as ms and as the ratio to `dense` (`linear 8` also to `dense 8`). Time is this process's CPU
-time by default (steadier than the wall clock where others share the cores); torch and the native
+Each as ms and as the ratio to `dense` (`linear 8` also to `dense 8`); a sample times enough calls
+in a row for ~5 ms. Time is this process's CPU time by default (steadier than the wall clock where others share the cores); torch and the native
 code run on --threads threads. Then, for one 1024 x 1024 Q8_0 chunk, native dequantization on 1
 thread and on 2 (wall clock: what a split over threads buys).
 """
@@ -46,7 +48,7 @@ F16_FIELDS = {  # byte offsets of the f16 scales in a block
     QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,),
     QType.IQ4_NL: (0,), QType.IQ4_XS: (0,),
 }
-VARIANTS = ("dense", "torch", "native", "linear 1", "dense 8", "linear 8")
+VARIANTS = ("dense", "torch", "native", "native buf", "linear 1", "dense 8", "linear 8")
 
 
 def blocks(qtype: QType, rows: int, n_in: int, seed: int = 0) -> torch.Tensor:
@@ -63,10 +65,18 @@ def blocks(qtype: QType, rows: int, n_in: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(rows, -1))
 
 
-def timed(run, clock) -> float:
+def timed(run, clock, number: int = 1) -> float:
+    """Seconds per call of `number` calls in a row."""
     start = clock()
-    run()
-    return clock() - start
+    for _ in range(number):
+        run()
+    return (clock() - start) / number
+
+
+def calls_per_sample(run, clock) -> int:
+    """Calls per timing sample: enough for ~5 ms, so the clock's resolution does not matter."""
+    once = max(timed(run, clock), 1e-6)
+    return max(1, min(50, round(0.005 / once)))
 
 
 def torch_path(raw: torch.Tensor, qtype: QType) -> torch.Tensor:
@@ -82,20 +92,21 @@ def measure(qtype: QType, rows: int, n_in: int, repeats: int, clock) -> dict[str
     w = dequantize_rows(raw, qtype)
     stored = StoredWeight(raw, qtype, (rows, n_in), torch.float32, torch.device("cpu"))
     x1, x8 = torch.randn(1, n_in), torch.randn(8, n_in)
+    buffer = torch.empty(rows * n_in)
     runs = {
         "dense": lambda: x1 @ w.t(),
         "torch": lambda: torch_path(raw, qtype),
         "native": lambda: dequantize_rows(raw, qtype),
+        "native buf": lambda: dequant_native.dequantize(raw, qtype, out=buffer),
         "linear 1": lambda: matmul_t(x1, stored),
         "dense 8": lambda: x8 @ w.t(),
         "linear 8": lambda: matmul_t(x8, stored),
     }
     times: dict[str, list[float]] = {k: [] for k in VARIANTS}
-    for name in VARIANTS:  # one warm-up each
-        runs[name]()
+    number = {name: calls_per_sample(runs[name], clock) for name in VARIANTS}  # also a warm-up
     for _ in range(repeats):
         for name in VARIANTS:
-            times[name].append(timed(runs[name], clock))
+            times[name].append(timed(runs[name], clock, number[name]))
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -157,8 +157,7 @@ static PyObject *fused(PyObject *self, PyObject *args)
     int ggml_type;
     if (!PyArg_ParseTuple(args, "i:fused", &ggml_type))
         return NULL;
-    /* Q8_0's own kernel (dq_dot.c) and the AVX2 ones (dq_dot_avx2.c), where they run */
-    int fast = dq_accumulate_avx2(ggml_type) != NULL || (ggml_type == 8 && dq_accumulate_avx2(12) != NULL);
+    int fast = dq_accumulate_avx2(ggml_type) != NULL; /* dq_dot_avx2.c, where it runs */
     return PyBool_FromLong(fast);
 }
 

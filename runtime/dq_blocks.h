@@ -55,10 +55,12 @@ extern const dq_type dq_types[];
 void dq_dot_rows(const dq_type *type, const uint8_t *w, size_t row_bytes, size_t first, size_t count,
                  size_t n_in, const float *x, size_t nx, float *out, size_t out_stride, float *row);
 
-/* AVX2 fused kernels (dq_dot_avx2.c): acc[l] += value i * x[i] for the values i = l mod 32 of
- * `units` blocks at s (BF16: runs of 32 values), the values computed as the decoder computes them;
- * NULL where the type has none, the CPU lacks AVX2 or SPECCONV_NATIVE_PORTABLE=1. */
-typedef void (*dq_accumulate_fn)(const uint8_t *s, const float *x, size_t units, float acc[32]);
+/* AVX2 fused kernels (dq_dot_avx2.c): acc[k][l] += value i * x_k[i] for the values i = l mod 32 of
+ * `units` blocks at s (16-bit floats: runs of 32 values) and the nvec (1 or 2) vectors x_k = x +
+ * k * x_stride, the values computed as the decoder computes them; NULL where the type has none,
+ * the CPU lacks AVX2 or SPECCONV_NATIVE_PORTABLE=1. */
+typedef void (*dq_accumulate_fn)(const uint8_t *s, const float *x, size_t x_stride, int nvec, size_t units,
+                                 float acc[2][32]);
 dq_accumulate_fn dq_accumulate_avx2(int ggml_type);
 
 #endif

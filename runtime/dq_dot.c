@@ -10,17 +10,15 @@
  * then the remaining (n_in mod 32) products in order. The AVX2 clones and the plain ones keep these
  * same 32 sums, so the result is the same on every machine; but the summation order
  * differs from the BLAS product x @ W^T: the two agree within float32 summation-order noise
- * (bounded and measured in tests/test_runtime_dequant_native.py). Q8_0, the hot type, has its own
- * kernels that never write the row out, and so have Q4_K, Q5_K, Q6_K and BF16 on AVX2
- * (dq_dot_avx2.c); the others decode a row into a buffer first. */
+ * (bounded and measured in tests/test_runtime_dequant_native.py). On AVX2, Q8_0, Q4_K, Q5_K, Q6_K, BF16 and
+ * F16 have kernels that compute the values in registers, for two activation vectors at a time
+ * (dq_dot_avx2.c); the other types, and every type without AVX2, decode a row into a buffer first. */
 #include "dq_blocks.h"
 
 #include <stdlib.h>
 #include <string.h>
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__clang__)
-#define X86_KERNELS 1
-#include <immintrin.h>
 #define CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define CLONES
@@ -77,88 +75,9 @@ CLONES static void dots(const float *restrict w, const float *restrict x, size_t
     }
 }
 
-/* ---- Q8_0: each block's values (q * d, exactly the dequantized weights) go straight into the
- * 32 running sums, without a row buffer. The scales of a group of blocks are widened first, so
- * that the loop over the values holds no scalar work. ----------------------------------------------- */
-
-#define Q8_GROUP 128 /* blocks whose scales are widened at once */
-
-static inline void q8_scales(const uint8_t *s, size_t blocks, float *d)
-{
-    for (size_t k = 0; k < blocks; k++, s += 34)
-        d[k] = dq_half_to_float((uint32_t)s[0] | ((uint32_t)s[1] << 8));
-}
-
-/* Add the values of `blocks` Q8_0 blocks at s, times x, into the running sums acc[0..31]. */
-static void q8_accumulate_c(const uint8_t *restrict s, const float *restrict x, size_t blocks,
-                            const float *restrict d, float acc[32])
-{
-    for (size_t k = 0; k < blocks; k++, s += 34, x += 32) {
-        const int8_t *q = (const int8_t *)(s + 2);
-        for (int i = 0; i < 32; i++)
-            acc[i] += ((float)q[i] * d[k]) * x[i];
-    }
-}
-
-#ifdef X86_KERNELS
-__attribute__((target("avx2"))) static void q8_accumulate_avx2(const uint8_t *restrict s, const float *restrict x,
-                                                               size_t blocks, const float *restrict d,
-                                                               float acc[32])
-{
-    __m256 a[4];
-    for (int p = 0; p < 4; p++)
-        a[p] = _mm256_loadu_ps(acc + 8 * p);
-    for (size_t k = 0; k < blocks; k++, s += 34, x += 32) {
-        const __m256 dk = _mm256_broadcast_ss(d + k);
-        for (int p = 0; p < 4; p++) { /* values 8p .. 8p+7 into sums 8p .. 8p+7 */
-            __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s + 2 + 8 * p)));
-            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q), dk);
-            a[p] = _mm256_add_ps(a[p], _mm256_mul_ps(v, _mm256_loadu_ps(x + 8 * p)));
-        }
-    }
-    for (int p = 0; p < 4; p++)
-        _mm256_storeu_ps(acc + 8 * p, a[p]);
-}
-#endif
-
-typedef void (*q8_accumulate_fn)(const uint8_t *, const float *, size_t, const float *, float *);
-
-static void dots_q8_0(const uint8_t *w, const float *x, size_t n_in, size_t nx, float *out, size_t out_stride,
-                      q8_accumulate_fn accumulate)
-{
-    const size_t blocks = n_in / 32;
-    float d[Q8_GROUP];
-    for (size_t j = 0; j < nx; j++) {
-        float acc[32] = {0};
-        for (size_t k = 0; k < blocks; k += Q8_GROUP) {
-            size_t n = blocks - k < Q8_GROUP ? blocks - k : Q8_GROUP;
-            q8_scales(w + 34 * k, n, d);
-            accumulate(w + 34 * k, x + j * n_in + 32 * k, n, d, acc);
-        }
-        out[j * out_stride] = combine(acc);
-    }
-}
-
-/* The AVX2 kernel where the CPU has it, unless SPECCONV_NATIVE_PORTABLE=1 asks for the plain one
- * (the tests compare the two: they must give the same bits). */
-static q8_accumulate_fn q8_accumulate(void)
-{
-#ifdef X86_KERNELS
-    if (__builtin_cpu_supports("avx2") && !dq_portable())
-        return q8_accumulate_avx2;
-#endif
-    return q8_accumulate_c;
-}
-
 void dq_dot_rows(const dq_type *type, const uint8_t *w, size_t row_bytes, size_t first, size_t count,
                  size_t n_in, const float *x, size_t nx, float *out, size_t out_stride, float *row)
 {
-    if (type->ggml_type == 8) {
-        const q8_accumulate_fn accumulate = q8_accumulate();
-        for (size_t r = first; r < first + count; r++)
-            dots_q8_0(w + r * row_bytes, x, n_in, nx, out + r, out_stride, accumulate);
-        return;
-    }
     const size_t blocks = n_in / (size_t)type->block;
     const dq_accumulate_fn accumulate = dq_accumulate_avx2(type->ggml_type);
     if (accumulate != NULL) { /* the same sums as decode + dots() below, without the row buffer */
@@ -167,14 +86,17 @@ void dq_dot_rows(const dq_type *type, const uint8_t *w, size_t row_bytes, size_t
             const uint8_t *wr = w + r * row_bytes;
             if (done < n_in) /* a 16-bit float row's last n_in mod 32 values, added in order */
                 type->decode(wr + done * (size_t)type->size, row, n_in - done);
-            for (size_t j = 0; j < nx; j++) {
-                const float *xj = x + j * n_in;
-                float acc[32] = {0};
-                accumulate(wr, xj, units, acc);
-                float sum = combine(acc);
-                for (size_t i = done; i < n_in; i++)
-                    sum += row[i - done] * xj[i];
-                out[j * out_stride + r] = sum;
+            for (size_t j = 0; j < nx; j += 2) { /* two vectors per pass: the values computed once */
+                const int nvec = nx - j >= 2 ? 2 : 1;
+                float acc[2][32] = {{0}};
+                accumulate(wr, x + j * n_in, n_in, nvec, units, acc);
+                for (int k = 0; k < nvec; k++) {
+                    const float *xk = x + (j + k) * n_in;
+                    float sum = combine(acc[k]);
+                    for (size_t i = done; i < n_in; i++)
+                        sum += row[i - done] * xk[i];
+                    out[(j + k) * out_stride + r] = sum;
+                }
             }
         }
         return;

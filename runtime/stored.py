@@ -41,7 +41,7 @@ CHUNK_ELEMENTS = 1 << 20
 #   sums in its own fixed order, so equal to the BLAS product within float32 summation-order noise);
 # * otherwise: pieces of NATIVE_CHUNK_ELEMENTS values dequantized natively into one float32 buffer
 #   per thread, reused, which stays in the L2 cache while the BLAS product reads it.
-FUSED_MAX_ROWS = 1
+FUSED_MAX_ROWS = 2
 FUSED_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
                          GGMLQuantizationType.Q6_K, GGMLQuantizationType.BF16, GGMLQuantizationType.F16})
 NATIVE_CHUNK_ELEMENTS = 1 << 18

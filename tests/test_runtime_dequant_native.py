@@ -269,7 +269,7 @@ def test_stored_product_takes_the_native_paths(qtype, portable, monkeypatch):
     monkeypatch.setattr(stored, "NATIVE_CHUNK_ELEMENTS", 256 * 9)  # 9 rows a piece, the last one short
     w, raw, counter = _stored(qtype, 301, 256, seed=4)
     dense = dequantize_rows(raw, qtype)
-    for shape in [(1, 256), (256,), (3, 256), (2, 4, 256)]:
+    for shape in [(1, 256), (256,), (2, 256), (3, 256), (2, 4, 256)]:
         x = torch.randn(*shape)
         counter.reset()
         y = stored.matmul_t(x, w)
