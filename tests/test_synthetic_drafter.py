@@ -210,3 +210,30 @@ def test_cli_synthetic_and_auto(tmp_path):
     assert bad.exit_code != 0 and "--acceptance" in bad.output + str(bad.exception)
     bad = runner.invoke(main, ["generate", path, "--tokens", "5", "--spec", "mtp", "--draft-max", "many"])
     assert bad.exit_code != 0 and "auto" in bad.output + str(bad.exception)
+
+
+def test_auto_with_every_drafter_is_exact(target, references):
+    """--draft-max auto with the MTP head, a draft model and prompt lookup: greedy output equal to plain,
+    and the MTP head, told of plain stretches in one batched catch-up, ends holding the rows it would
+    hold had it been told every round."""
+    from specconv.runtime.drafters import DraftModelDrafter, MtpDrafter, NgramDrafter
+
+    for p in PROMPTS:
+        ref = references[tuple(p)]
+        for make in (lambda: MtpDrafter(target, 128, target), lambda: DraftModelDrafter(target, 128, 8, target),
+                     NgramDrafter):
+            drafter = make()
+            synced = []
+
+            def check(ctx, rnd):  # after a drafting round the MTP head holds exactly the committed rows
+                if rnd.drafts and drafter.name == "mtp":
+                    synced.append(drafter.committed_rows() == ctx.n_past())
+
+            res = speculative_generate(target, drafter, p, N, SpecConfig(draft_max=8, auto=True), on_round=check)
+            assert res.tokens == ref[len(p):], (p, drafter.name)
+            rounds = res.stats["rounds"]
+            assert all(r["mode"] in ("draft", "plain", "probe") and 0 <= r["k"] <= 8 for r in rounds)
+            assert all(len(r["drafted"]) <= r["k"] for r in rounds)
+            assert all(synced)
+            if drafter.name == "mtp" and len(p) > 1:
+                assert synced  # the random head accepts nothing, but the first rounds draft
