@@ -9,7 +9,8 @@ exercise both.
 Covered: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, and F16/BF16
 widened to float32, on the CPU. The blocks of one call are split over up to
 `torch.get_num_threads()` threads (C threads, GIL released), but only when every thread gets at
-least `MIN_THREAD_ELEMENTS` values: below that, starting threads costs more than it saves.
+least `MIN_THREAD_ELEMENTS` values: below that, starting threads costs more than it saves. The
+pieces of a chunked product are always decoded on the calling thread.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ import os
 import torch
 from gguf import GGMLQuantizationType as QType
 
-# Values a thread must get before a call is split (measured: benchmarks/dequant_native.py).
-MIN_THREAD_ELEMENTS = 1 << 18
+# Values a thread must get before a call is split: about a millisecond of work, so that starting
+# a thread (tens of microseconds), or waiting for a core, costs little against it. On the shared
+# 2-core machine of docs/runtime.md ("Native dequantization") a second thread never helped: the
+# second core was busy and the thread waited for it (3584 x 1024 Q8_0 fused product: 0.57 ms on
+# one thread, 5.4 ms on two); torch.set_num_threads(1) pins the native code to one thread too.
+MIN_THREAD_ELEMENTS = 1 << 22
 
 
 @functools.lru_cache(maxsize=None)
