@@ -30,6 +30,7 @@ class CardEntry:
     quant: str
     role: Role
     size: int
+    draft_max: int | None = None  # a DFlash drafter's block size - 1 (what llama.cpp clamps --spec-draft-n-max to)
 
 
 def _cell(text) -> str:
@@ -125,7 +126,7 @@ def usage_section(repo_id: str, entries: list[CardEntry]) -> str:
             ]
             shown = True
     for e in entries:
-        if not e.role.is_draft:
+        if not e.role.is_draft or e.role.is_head:  # heads: draft_heads_section
             continue
         target = _pair_target(e, entries)
         model_path = target.paths[0] if target else "YOUR-MODEL.gguf"
@@ -163,6 +164,44 @@ def usage_section(repo_id: str, entries: list[CardEntry]) -> str:
             "",
         ]
     return "\n".join(lines) if shown else ""
+
+
+# llama.cpp's --spec-type and specconv's --spec for each separately trained head (docs/upload.md)
+HEAD_KINDS = {Role.EAGLE3: ("draft-eagle3", "eagle3", "an EAGLE-3 head: one decoder layer fed three of the "
+                                                      "target's hidden states"),
+              Role.DFLASH: ("draft-dflash", "dflash", "a DFlash drafter: drafts a whole block of tokens per "
+                                                      "forward from several of the target's hidden states")}
+
+
+def draft_heads_section(repo_id: str, entries: list[CardEntry]) -> str:
+    """How to run each EAGLE-3 / DFlash head: llama.cpp fetching it next to the model (`-hf` with its
+    `--spec-type`: common/download.cpp looks for an `eagle3-` / `dflash-` .gguf in the model's folder or
+    above), llama.cpp with downloaded files (`-md`), and specconv's `generate` / `verify`."""
+    heads = [e for e in entries if e.role.is_head]
+    if not heads:
+        return ""
+    lines = ["## Draft heads", ""]
+    for e in heads:
+        spec_type, spec, what = HEAD_KINDS[e.role]
+        n_max = e.draft_max if e.draft_max is not None else DRAFT_N_MAX
+        target = _pair_target(e, entries)
+        model = target.paths[0] if target else "YOUR-MODEL.gguf"
+        head = e.paths[0]
+        lines += [f"**{e.name}** is {what}, trained for "
+                  f"{f'`{target.name}`' if target else 'the base model (no model file in this repository)'}.", ""]
+        if target and len(e.paths) == 1:
+            lines += [f"llama.cpp fetches it next to the model when asked for `--spec-type {spec_type}`:", "",
+                      "```sh", f"llama-server -hf {repo_id}:{target.quant} --spec-type {spec_type} "
+                      f"--spec-draft-n-max {n_max}", "```", ""]
+        elif len(e.paths) > 1:
+            lines += ["It is split: pass its first shard with `-md` (llama.cpp's `-hf` discovery takes one file).", ""]
+        lines += ["With downloaded files:", "", "```sh", _download(repo_id, [t for t in (target, e) if t is not None]),
+                  f"llama-server -m {model} -md {head} --spec-type {spec_type} --spec-draft-n-max {n_max}", "```", "",
+                  "With specconv (`verify` checks that speculative output equals plain greedy "
+                  "decoding and measures acceptance):", "", "```sh",
+                  f'specconv generate {model} --spec {spec} --draft {head} --draft-max {n_max} -p "Hello"',
+                  f"specconv verify {model} --draft {head} --draft-max {n_max}", "```", ""]
+    return "\n".join(lines)
 
 
 def file_table(entries: list[CardEntry]) -> str:
@@ -266,6 +305,9 @@ def render_card(
     usage = usage_section(repo_id, entries)
     if usage:
         parts.append(usage)
+    heads = draft_heads_section(repo_id, entries)
+    if heads:
+        parts.append(heads)
     if report is not None:
         parts.append(verify_section(report))
     parts.append(f"Made with specconv {_version()}.\n")

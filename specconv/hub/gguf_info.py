@@ -49,6 +49,8 @@ def detect_role(arch: str, kv: dict[str, object], tensor_names: set[str]) -> Rol
     sidecar; no nextn key (or 0) is a trunk-only model."""
     if arch == "eagle3":
         return Role.EAGLE3
+    if arch == "dflash":
+        return Role.DFLASH
     if arch == "gemma4-assistant":
         return Role.ASSISTANT
     nextn = kv.get(f"{arch}.nextn_predict_layers")

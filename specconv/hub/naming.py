@@ -2,7 +2,8 @@
 
 The layout follows the conventions llama.cpp's `-hf` resolver and the common GGUF publishers rely
 on (docs/reference/hub.md §1): `{Base}-{QUANT}.gguf` for a model, `mtp-{Base}-{QUANT}.gguf` for an MTP
-sidecar (same quant tag, so the exact-tag sidecar match applies), and
+sidecar (same quant tag, so the exact-tag sidecar match applies), `eagle3-{Base}-{QUANT}.gguf` /
+`dflash-{Base}-{QUANT}.gguf` for draft heads (docs/upload.md, "Draft heads next to their target"), and
 `{prefix}-{i:05d}-of-{n:05d}.gguf` for split shards.
 """
 
@@ -31,11 +32,23 @@ class Role(enum.Enum):
     TRUNK = "trunk only"  # no nextn key: a plain model (pair it with an mtp- sidecar)
     SIDECAR = "MTP sidecar"  # nextn > 0 and no trunk block: the mtp- file
     EAGLE3 = "EAGLE-3 draft"
+    DFLASH = "DFlash drafter"
     ASSISTANT = "Gemma 4 assistant"  # gemma4-assistant drafter, never auto-detected
 
     @property
     def is_draft(self) -> bool:
-        return self in (Role.SIDECAR, Role.EAGLE3, Role.ASSISTANT)
+        return self in (Role.SIDECAR, Role.EAGLE3, Role.DFLASH, Role.ASSISTANT)
+
+    @property
+    def is_head(self) -> bool:
+        """A separately trained draft model (EAGLE-3 head, DFlash drafter) named after its target."""
+        return self in (Role.EAGLE3, Role.DFLASH)
+
+
+# The name prefix llama.cpp's -hf sibling discovery looks for (common/download.cpp, find_best_sibling:
+# a .gguf whose path contains it, in the model's folder or one of its ancestors).
+HEAD_PREFIX = {Role.EAGLE3: "eagle3-", Role.DFLASH: "dflash-"}
+_HEAD_MARKER_RE = re.compile(r"(?:^|[-_.])(?:eagle-?3|dflash\d*)(?=$|[-_.])", re.IGNORECASE)
 
 
 def file_type_tag(file_type: int) -> str | None:
@@ -94,9 +107,16 @@ def repo_file_name(base: str, quant: str, role: Role) -> str:
     if role is Role.ASSISTANT:
         # An mtp- name lets llama.cpp's sidecar discovery find it (docs/reference/hub.md §1.3).
         return f"mtp-{base}-assistant-{quant}.gguf"
-    if role is Role.EAGLE3:
-        return f"eagle3-{base}-{quant}.gguf"
+    if role.is_head:
+        return f"{HEAD_PREFIX[role]}{base}-{quant}.gguf"
     return f"{base}-{quant}.gguf"
+
+
+def head_own_base(text: str) -> str:
+    """A draft head's own name without its kind marker, for when no target names it:
+    `EAGLE3-LLaMA3.1-Instruct-8B` -> `LLaMA3.1-Instruct-8B`, `Qwen3-8B_eagle3` -> `Qwen3-8B`,
+    `Qwen3-4B-DFlash-b16` -> `Qwen3-4B-b16` (the prefix the file name gets says the kind)."""
+    return sanitize_base(_HEAD_MARKER_RE.sub("", text))
 
 
 def shard_name(stem: str, index: int, count: int) -> str:

@@ -16,9 +16,11 @@ from specconv.errors import SpecconvError
 from specconv.hub import card as card_mod
 from specconv.hub.gguf_info import GgufModel, group_files, read_model
 from specconv.hub.naming import (
+    HEAD_PREFIX,
     SHARD_RE,
     Role,
     check_model_base,
+    head_own_base,
     repo_file_name,
     sanitize_base,
     shard_paths,
@@ -162,6 +164,10 @@ def _hf_repo_from_url(url: str) -> str | None:
 def model_base(model: GgufModel, name: str | None) -> str:
     """The `{Base}` of `{Base}-{QUANT}.gguf`: --name, else the GGUF's general.* naming keys, else the
     file name without its prefix, shard suffix and quant tag."""
+    return check_model_base(_raw_base(model, name))
+
+
+def _raw_base(model: GgufModel, name: str | None) -> str:
     if name:
         base = sanitize_base(name)
     else:
@@ -177,18 +183,48 @@ def model_base(model: GgufModel, name: str | None) -> str:
             stem = model.paths[0].name
             match = SHARD_RE.match(stem)
             stem = match.group("prefix") if match else stem.removesuffix(".gguf")
-            for prefix in ("mtp-", "eagle3-"):
+            for prefix in ("mtp-", "eagle3-", "dflash-"):
                 stem = stem.removeprefix(prefix)
             base = stem
         base = sanitize_base(base)
         if model.role is Role.ASSISTANT:
             base = re.sub(r"-assistant(?=-|$)", "", base, flags=re.IGNORECASE)  # the name adds it back
-    base = strip_quant_tag(base, model.quant)
-    return check_model_base(base)
+    return strip_quant_tag(base, model.quant)
 
 
-def _artifact(model: GgufModel, name: str | None, max_file_size: int, staging: Path) -> Artifact:
-    base = model_base(model, name)
+def head_base(head: GgufModel, name: str | None, target_bases: list[str], warnings: list[str]) -> str:
+    """The `{Base}` of an EAGLE-3 / DFlash head: its target's, so that `eagle3-{Target}-{QUANT}.gguf` sits next to
+    `{Target}-{QUANT}.gguf` (llama.cpp's -hf finds it by the prefix; the card pairs them by the base). --name
+    names every file; with no model file, or several, the head keeps its own name without its kind marker."""
+    if name or len(target_bases) == 1:
+        return target_bases[0] if not name else model_base(head, name)
+    own = strip_quant_tag(head_own_base(_raw_base(head, None)), head.quant)
+    if target_bases:
+        warnings.append(f"{head.paths[0].name}: several models here ({', '.join(target_bases)}); the "
+                        f"{head.role.value} keeps its own name {own!r}, and llama.cpp's -hf takes any "
+                        f"{HEAD_PREFIX[head.role]} file of the repository: publish one target per repository")
+    return check_model_base(own)
+
+
+def check_head_fits(head: GgufModel, targets: list[GgufModel]) -> None:
+    """An EAGLE-3 head reads target hidden states of `eagle3.target_hidden_size`: refuse to publish it next to
+    model files of another width (llama.cpp would pair them and fail to build the draft context)."""
+    want = head.get("eagle3.target_hidden_size") if head.role is Role.EAGLE3 else None
+    widths = sorted({w for t in targets if isinstance(w := t.get(f"{t.arch}.embedding_length"), int)})
+    if isinstance(want, int) and widths and want not in widths:
+        raise SpecconvError(f"{head.paths[0].name}: the EAGLE-3 head reads target hidden states of width {want}, "
+                            f"but the model files here have width {', '.join(map(str, widths))}: it belongs to "
+                            f"another target")
+
+
+def _draft_max(model: GgufModel) -> int | None:
+    """A DFlash drafter drafts at most block_size - 1 tokens per round (llama.cpp clamps to it)."""
+    block = model.get("dflash.block_size") if model.role is Role.DFLASH else None
+    return block - 1 if isinstance(block, int) and block > 1 else None
+
+
+def _artifact(model: GgufModel, name: str | None, max_file_size: int, staging: Path, base: str | None = None) -> Artifact:
+    base = base or model_base(model, name)
     file_name = repo_file_name(base, model.quant, model.role)
     layout = None
     if all(size <= max_file_size for size in model.shard_sizes):
@@ -231,11 +267,18 @@ def build_plan(
         raise SpecconvError(f"no .gguf files in {folder}")
     staging = folder / STAGING_DIR
     models = [read_model(group) for group in group_files(ggufs)]
-    artifacts = [_artifact(m, name, max_file_size, staging) for m in models]
-    order = {Role.EMBEDDED: 0, Role.TRUNK: 0, Role.SIDECAR: 1, Role.ASSISTANT: 1, Role.EAGLE3: 1}
-    artifacts.sort(key=lambda a: (a.base, a.quant, order[a.role], a.name))
-
     warnings = [w for m in models for w in m.warnings]
+    targets = [m for m in models if not m.role.is_draft]
+    target_bases = sorted({model_base(m, name) for m in targets})
+    for m in models:
+        if m.role.is_head:
+            check_head_fits(m, targets)
+    artifacts = [_artifact(m, name, max_file_size, staging,
+                           head_base(m, name, target_bases, warnings) if m.role.is_head else None) for m in models]
+    order = {Role.EMBEDDED: 0, Role.TRUNK: 0, Role.SIDECAR: 1, Role.ASSISTANT: 1, Role.EAGLE3: 2, Role.DFLASH: 2}
+    artifacts.sort(key=lambda a: (a.base, a.quant, order[a.role], a.name))
+    by_source = {m.paths[0]: m for m in models}
+
     seen: dict[str, Artifact] = {}
     for a in artifacts:
         for f in a.files:
@@ -272,8 +315,12 @@ def build_plan(
         a.role in (Role.TRUNK, Role.EMBEDDED) for a in artifacts
     ):
         warnings.append("the folder has an mtp- sidecar but no model file for it")
+    if any(a.role.is_head for a in artifacts) and not targets:
+        warnings.append("the folder has a draft head but no model file: llama.cpp's -hf finds eagle3- / dflash- files "
+                        "next to the model of the same repository (docs/upload.md)")
 
-    entries = [card_mod.CardEntry(a.name, a.paths, a.base, a.quant, a.role, a.size) for a in artifacts]
+    entries = [card_mod.CardEntry(a.name, a.paths, a.base, a.quant, a.role, a.size, _draft_max(m))
+               for a, m in zip(artifacts, [by_source[a.sources[0]] for a in artifacts])]
     text = card_mod.render_card(
         repo_id=repo_id,
         entries=entries,
