@@ -17,6 +17,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from fixtures_hub.ggufs import write_tiny_gguf
 from fixtures_hub.server import WRITE_TOKEN, FakeHub
 from huggingface_hub import constants
 
@@ -28,10 +29,10 @@ from tests.fixtures.gguf_files import convert_gguf
 from tests.fixtures.tiny_dflash import build_dflash
 from tests.fixtures.tiny_eagle3_qwen3 import build_head
 from tests.fixtures.tiny_qwen3 import build_qwen3
-from fixtures_hub.ggufs import write_tiny_gguf
 
 torch.set_num_threads(1)
 REPO = "me/Tiny-Qwen3-GGUF"
+MASK = 509  # tiny_dflash's default mask token id
 BLOCK = 6  # the DFlash drafter's block size: llama.cpp drafts at most BLOCK - 1 tokens with it
 SHAPE = {"n_layers": 8, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 32}
 
@@ -218,10 +219,10 @@ def hub(monkeypatch, tmp_path):
         yield server
 
 
-def test_uploaded_pair_resolves_and_builds_the_draft_context_in_llama_cpp(outputs, hub, tmp_path, llama_peer):
-    """Upload to the fake Hub; resolve `-hf REPO:Q8_0 --spec-type draft-eagle3` on the listing the Hub holds;
-    llama.cpp loads the two files as downloaded and builds the EAGLE-3 draft context on the target's; the draft
-    logits are finite over the draft vocabulary and -inf elsewhere."""
+def test_uploaded_pairs_resolve_and_build_the_draft_context_in_llama_cpp(outputs, hub, tmp_path, llama_peer):
+    """Upload to the fake Hub; resolve `-hf REPO:Q8_0 --spec-type draft-eagle3` / `draft-dflash` on the listing
+    the Hub holds; llama.cpp loads the files as downloaded and builds each draft context on the target's: the
+    EAGLE-3 draft logits are finite over the draft vocabulary and -inf elsewhere, the DFlash block's finite."""
     from tests.fixtures.eagle3_peer import eagle3_rows
 
     plan = build_plan(outputs, repo_id=REPO)
@@ -240,3 +241,48 @@ def test_uploaded_pair_resolves_and_builds_the_draft_context_in_llama_cpp(output
     print(f"\nllama.cpp from the Hub's files {model} + {head}: layers {layers}, "
           f"{int(finite[0].sum())} finite draft logits per row of {logits.shape[1]}")
     assert layers == [1, 3, 7] and (finite.sum(1) == 160).all() and np.isneginf(logits[~finite]).all()
+
+    model, head = resolve(listing, "Q8_0", "draft-dflash")
+    assert head and head.startswith("dflash-")
+    (local / head).write_bytes(hub.content(REPO, head))
+    logits = _dflash_block(local / model, local / head, width=3 * SHAPE["hidden"])
+    print(f"llama.cpp from the Hub's files {model} + {head}: a {BLOCK}-token block, logits {logits.shape}, "
+          f"std {logits.std():.3f}")
+    assert logits.shape == (BLOCK, 512) and np.isfinite(logits).all() and logits.std() > 0.1
+
+
+def _dflash_block(target_path, head_path, width: int) -> np.ndarray:
+    """llama.cpp's DFlash draft context next to the target (ctx_other lends embedding and output head): feature
+    rows at positions 0..3, then one block [token, mask * (BLOCK - 1)] decoded non-causally after them."""
+    import llama_cpp
+
+    from tests.fixtures import peers
+
+    tm, dm = peers.load_model(target_path), peers.load_model(head_path)
+    tctx = peers.new_context(tm, n_ctx=64)
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = 256
+    cp.n_seq_max, cp.n_threads, cp.n_threads_batch = 1, 1, 1
+    cp.type_k = cp.type_v = 0
+    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cp.ctx_other = tctx
+    dctx = llama_cpp.llama_init_from_model(dm, cp)
+    assert dctx, "llama.cpp could not build the DFlash draft context"
+    try:
+        llama_cpp.llama_set_causal_attn(dctx, False)
+        feats = np.random.default_rng(0).standard_normal((4, width)).astype(np.float32)
+        b = llama_cpp.llama_batch_init(4, width, 1)
+        try:
+            np.ctypeslib.as_array(b.embd, shape=(feats.size,))[:] = feats.reshape(-1)
+            for i in range(4):
+                b.pos[i], b.n_seq_id[i], b.logits[i] = i, 1, 0
+                b.seq_id[i][0] = 0
+            b.n_tokens = 4
+            assert llama_cpp.llama_decode(dctx, b) == 0
+        finally:
+            llama_cpp.llama_batch_free(b)
+        peers.decode_tokens(dctx, [17] + [MASK] * (BLOCK - 1), 4)
+        return peers.row_logits(dctx, dm, BLOCK)
+    finally:
+        peers.free_context(dctx)
+        peers.free_context(tctx)
