@@ -250,6 +250,47 @@ def test_llama_cpp_runs_ours_like_its_own(converted, quantize, tmp_path):
     assert peers.llama_mtp_context_ok(ours)
 
 
+@pytest.mark.parametrize("mtp", ["embed", "separate"])
+def test_mtp_outtype_keeps_the_head_at_another_type(models, converted, quantize, tmp_path, mtp):
+    """--mtp-outtype q8_0: the MTP block's matrices are the q8_0 conversion's, every other tensor is
+    the tool's K-quant (its counters still see the MTP block); llama.cpp builds the MTP context."""
+    from gguf import GGUFReader
+
+    from tests.fixtures import peers
+
+    src = models("qwen35moe")
+    out = convert_gguf(src, tmp_path / "model.gguf", outtype="q4_k_m", mtp=mtp, extra_args=["--mtp-outtype", "q8_0"])
+    files = {"model": out} if mtp == "embed" else {"model": out, "sidecar": tmp_path / "mtp-model.gguf"}
+    for kind, path in files.items():
+        ours = {t.name: t for t in GGUFReader(path).tensors}
+        tool = {t.name: t for t in GGUFReader(quantize(converted("qwen35moe", "f32", mtp)[kind],
+                                                        tmp_path / f"tool-{kind}.gguf", "q4_k_m")).tensors}
+        q8 = {t.name: t for t in GGUFReader(converted("qwen35moe", "q8_0", mtp)[kind]).tensors}
+        assert list(ours) == list(tool)
+        for name, t in ours.items():
+            mtp_matrix = name.startswith("blk.4.") and tool[name].tensor_type.name != "F32"
+            expected = q8[name] if mtp_matrix else tool[name]
+            assert t.tensor_type == expected.tensor_type, name
+            assert t.data.tobytes() == expected.data.tobytes(), name
+        if kind == "sidecar" or mtp == "embed":  # the trunk-only file has no MTP block
+            assert sum(name.startswith("blk.4.") and t.tensor_type.name == "Q8_0" for name, t in ours.items()) >= 8
+    assert peers.llama_mtp_context_ok(out, files.get("sidecar"))
+
+
+def test_numpy_fallback_writes_the_same_file(models, converted, tmp_path):
+    """Without the native encoders (SPECCONV_NO_NATIVE=1, in a fresh process: the choice is made at
+    import) the converter writes the same file through convert/kquants.py."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "numpy.gguf"
+    subprocess.run([sys.executable, "-m", "specconv", "convert", str(models("qwen35moe")), "-o", str(out),
+                    "--outtype", "q5_k_m", "--json"], env={**os.environ, "SPECCONV_NO_NATIVE": "1"}, check=True,
+                   capture_output=True)
+    assert out.read_bytes() == converted("qwen35moe", "q5_k_m")["model"].read_bytes()
+
+
 def test_threads_do_not_change_the_bytes(models, tmp_path):
     src = models("qwen35moe")
     one = convert_gguf(src, tmp_path / "one.gguf", outtype="q3_k_m", extra_args=["--threads", "1"])
