@@ -2,7 +2,7 @@
 stores it and llama.cpp's `create_tensor` checks it), and the per-family consistency checks.
 
 A dimension given as a string is a size the file chooses (the vocabulary "V", the EAGLE-3 draft
-vocabulary "Vd"): the first tensor that has it binds it and every other must agree. Trailing
+vocabulary "Vd", Gemma's per-layer vocabulary "Vp"): the first tensor that has it binds it and every other must agree. Trailing
 dimensions count: the graphs index by them (a shape may list the alternatives a graph accepts).
 """
 
@@ -165,7 +165,7 @@ def gemma4(hp) -> Shapes:
     if full:
         out["rope_freqs.weight"] = (full[0] // 2,)
     if P:
-        out.update({"per_layer_token_embd.weight": (N * P, "V"), "per_layer_model_proj.weight": (E, N * P),
+        out.update({"per_layer_token_embd.weight": (N * P, "Vp"), "per_layer_model_proj.weight": (E, N * P),
                     "per_layer_proj_norm.weight": (P,)})
     for i in range(hp.n_blocks):
         p, hd, nkv, F = f"blk.{i}.", hp.head_dim[i], hp.n_head_kv[i], hp.n_ff[i]
@@ -249,8 +249,8 @@ def check_arch_hparams(hp, kv: Mapping[str, Any]) -> None:
         if not 0 < hp.n_vocab <= MAX_VOCAB:
             raise SpecconvError(f"{a}: vocabulary size {hp.n_vocab} ({a}.vocab_size or tokenizer.ggml.tokens) is "
                                 f"outside 1..{MAX_VOCAB}")
-        if isinstance(tokens, list) and len(tokens) != hp.n_vocab:  # logits are scattered over n_vocab columns
-            raise SpecconvError(f"{a}.vocab_size {hp.n_vocab} differs from the {len(tokens)} tokenizer tokens")
+        if isinstance(tokens, list) and len(tokens) > hp.n_vocab:  # logits are scattered over n_vocab columns
+            raise SpecconvError(f"{a}.vocab_size {hp.n_vocab} is smaller than the {len(tokens)} tokenizer tokens")
         if not hp.n_ff:
             raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
     if a in ("qwen3", "qwen3moe") and not (hp.n_ff_exp if hp.is_moe else hp.n_ff):
@@ -277,8 +277,14 @@ def _eagle3_values(file, hp, needed) -> None:
         raise SpecconvError(f"tensor d2t holds ids outside the target vocabulary [0, {hp.n_vocab})")
 
 
-def _gemma4_experts(file, hp, needed) -> None:
-    """An MoE layer needs its gate and up experts, fused or split (both optional by name)."""
+def _gemma4_values(file, hp, needed) -> None:
+    """Per-layer embeddings cover every token id (llama.cpp keeps their own, longer vocabulary), and an
+    MoE layer has its gate and up experts, fused or split (both optional by name)."""
+    ple, embd = file.tensors.get("per_layer_token_embd.weight"), file.tensors.get("token_embd.weight")
+    if "per_layer_token_embd.weight" in needed and ple is not None and embd is not None \
+            and ple.shape[-1] < embd.shape[-1]:
+        raise SpecconvError(f"tensor per_layer_token_embd.weight has {ple.shape[-1]} rows, fewer than the "
+                            f"{embd.shape[-1]} tokens of token_embd.weight")
     for i in range(hp.n_layer if hp.n_expert else 0):
         p = f"blk.{i}."
         if p + "ffn_gate_up_exps.weight" not in needed and not (
@@ -287,5 +293,5 @@ def _gemma4_experts(file, hp, needed) -> None:
                                 f"{p}ffn_up_exps.weight)")
 
 
-CHECK_VALUES = {"eagle3": _eagle3_values, "gemma4": _gemma4_experts}
+CHECK_VALUES = {"eagle3": _eagle3_values, "gemma4": _gemma4_values}
 INTEGER_TENSORS = {"eagle3": ("d2t",)}  # the only tensors read as integers

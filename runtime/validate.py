@@ -185,9 +185,10 @@ def validate_model(file, graph, hparams, needed: list[str]) -> None:
         tokens = file.kv.get("tokenizer.ggml.tokens")
         if "tokenizer.ggml.tokens" in file.kv or "tokenizer.ggml.model" in file.kv:
             check_tokenizer_kv(file.kv)
-            if "V" in bound and isinstance(tokens, list) and len(tokens) != bound["V"]:
-                raise SpecconvError(f"tokenizer.ggml.tokens has {len(tokens)} entries, the embedding and output "
-                                    f"rows {bound['V']}")
+            # more rows than tokens is allowed (padded embeddings); a token without a row is not
+            if "V" in bound and isinstance(tokens, list) and len(tokens) > bound["V"]:
+                raise SpecconvError(f"tokenizer.ggml.tokens has {len(tokens)} entries, more than the {bound['V']} "
+                                    f"rows of the embedding and output")
         check_values = getattr(graph, "check_values", None) or shapes.CHECK_VALUES.get(hparams.arch)
         if check_values is not None:
             check_values(file, hparams, needed)

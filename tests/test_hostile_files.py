@@ -199,9 +199,24 @@ def test_trailing_dimension_and_vocabulary_mismatch(seeds, tmp_path):
     refused(edited(seeds, "qwen35-embed.gguf", tmp_path,
                    lambda d: setattr(tensor(d, "blk.3.attn_v.weight"), "dims", [64, 32, 1])),
             "blk.3.attn_v.weight", "found [64, 32, 1]")
-    path = edited(seeds, "qwen35-embed.gguf", tmp_path,
-                  lambda d: set_kv(d, "tokenizer.ggml.tokens", [b"a"] * 500, V.ARRAY, V.STRING))
-    refused(path, "tokenizer.ggml")
+
+    def more_tokens(d):  # 88 tokens without an embedding row
+        kv = {k.key: k for k in d.kvs}
+        kv["tokenizer.ggml.tokens"].value += [f"<extra{i}>".encode() for i in range(88)]
+        kv["tokenizer.ggml.token_type"].value += [1] * 88
+    refused(edited(seeds, "qwen35-embed.gguf", tmp_path, more_tokens),
+            "tokenizer.ggml.tokens has 600 entries, more than the 512 rows")
+
+    def fewer_tokens(d):  # padded embedding rows without a token, as llama.cpp's Gemma files have: runs
+        kv = {k.key: k for k in d.kvs}
+        kv["tokenizer.ggml.tokens"].value = kv["tokenizer.ggml.tokens"].value[:-4]
+        kv["tokenizer.ggml.token_type"].value = kv["tokenizer.ggml.token_type"].value[:-4]
+        kv["tokenizer.ggml.eos_token_id"].value, kv["tokenizer.ggml.padding_token_id"].value = 500, 501
+        left = set(kv["tokenizer.ggml.tokens"].value)
+        kv["tokenizer.ggml.merges"].value = [m for m in kv["tokenizer.ggml.merges"].value
+                                             if {*m.split(b" "), m.replace(b" ", b"")} <= left]
+    model = load(edited(seeds, "qwen35-embed.gguf", tmp_path, fewer_tokens))
+    assert model.n_vocab == 512 and model.tokenizer.n_vocab == 508
 
 
 def test_integer_and_unsupported_storage_types(seeds, tmp_path):
