@@ -2,8 +2,9 @@
 stores it and llama.cpp's `create_tensor` checks it), and the per-family consistency checks.
 
 A dimension given as a string is a size the file chooses (the vocabulary "V", the EAGLE-3 draft
-vocabulary "Vd", Gemma's per-layer vocabulary "Vp"): the first tensor that has it binds it and every other must agree. Trailing
-dimensions count: the graphs index by them (a shape may list the alternatives a graph accepts).
+vocabulary "Vd", Gemma's per-layer vocabulary "Vp"): the first tensor that has it binds it and
+every other must agree. Trailing dimensions count: the graphs index by them (a shape may list the
+alternatives a graph accepts).
 """
 
 from __future__ import annotations
