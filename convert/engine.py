@@ -29,6 +29,7 @@ from . import kv as kvmod
 from .checkpoint import CheckpointReader, read_config
 from .naming import output_names
 from .outtype import KQuantFileType, choose_storage, file_type, lossless_type, nbytes, resolve_outtype, type_label
+from .ladder import LadderPlan, is_ladder, ladder_calls, plan_ladder
 from .pipeline import OrderedPool, default_workers
 from .quant_rules import Hparams, TensorInfo, choose_types, ggml_shape, loader_order, requantized_kv
 from .stream import Buffers, Sources, stream_tensor
@@ -116,17 +117,19 @@ def _file_kinds(mode: MtpMode, k: int, notices: list[str]) -> list[str]:
     return {MtpMode.NONE: ["trunk"], MtpMode.ONLY: ["sidecar"], MtpMode.SEPARATE: ["trunk", "sidecar"]}[mode]
 
 
-def plan_conversion(req: ConvertRequest) -> ConversionPlan:
+def plan_conversion(req: ConvertRequest) -> ConversionPlan | LadderPlan:
     """Everything a conversion will do, decided from headers alone (nothing is written)."""
     reader = CheckpointReader(req.src)
     try:
+        if is_ladder(req.outtype):  # --outtype q8_0,q6_k,q4_k_m: one plan per type, one read (convert/ladder.py)
+            return plan_ladder(req, reader, _plan)
         return _plan(req, reader)
     except BaseException:
         reader.close()
         raise
 
 
-def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
+def _plan(req: ConvertRequest, reader: CheckpointReader, tool_order: bool = False) -> ConversionPlan:
     plugin_cls = plugin_class_for(reader.config)
     headers, raw_of, skipped = reader.headers(plugin_cls.normalize_name)
     uses_target = getattr(plugin_cls, "uses_target", False)
@@ -162,6 +165,9 @@ def _plan(req: ConvertRequest, reader: CheckpointReader) -> ConversionPlan:
     tok_dir = getattr(plugin, "tokenizer_dir", None) or reader.dir  # a draft head carries its target's
     tok_kv = tokenizer_kv(tok_dir, plugin.vocab_size(), plugin.tokenizer_model, plugin.tokenizer_pre,
                           plugin.special_tokens)
+    if tool_order:  # a ladder with a K-quant: every file in llama.cpp's quantize order
+        rank = {name: i for i, name in enumerate(loader_order([t.name for t in planned]))}
+        planned.sort(key=lambda t: rank[t.name])
     selected = {kind: [t for t in planned if t.plan.role in ROLES[kind]] for kind in kinds}
     if req.mtp_outtype is not None and not isinstance(outtype, KQuantFileType):
         raise SpecconvError("--mtp-outtype is for K-quant files (--outtype q2_k ... q6_k); with other types the "
@@ -232,7 +238,7 @@ def _numel(shape) -> int:
     return n
 
 
-def run_conversion(plan: ConversionPlan, overwrite: bool = False,
+def run_conversion(plan: ConversionPlan | LadderPlan, overwrite: bool = False,
                    on_tensor: Callable[[str, int], None] | None = None, threads: int = 0) -> list[Path]:
     """Write every planned file; returns the written paths (shards included). Atomic as a whole.
 
@@ -240,15 +246,18 @@ def run_conversion(plan: ConversionPlan, overwrite: bool = False,
     everything on this thread). The
     bytes written do not depend on it. `on_tensor(name, n)` reports n more bytes written.
     """
-    members = [{t.name for t in f.tensors} for f in plan.files]
-    needed = [t for t in plan.tensors if any(t.name in m for m in members)]
-    sources, buffers = Sources(plan.reader, plan.raw_of, [t.plan for t in needed]), Buffers()
+    if isinstance(plan, LadderPlan):  # several types: each tensor once per distinct type, to every file
+        calls = ladder_calls(plan)
+    else:
+        members = [{t.name for t in f.tensors} for f in plan.files]
+        calls = [(t, [f.output for f, m in zip(plan.files, members) if t.name in m]) for t in plan.tensors]
+        calls = [(t, outputs) for t, outputs in calls if outputs]
+    sources, buffers = Sources(plan.reader, plan.raw_of, [t.plan for t, _ in calls]), Buffers()
     with AtomicOutputs([f.output for f in plan.files], overwrite=overwrite), \
             OrderedPool(threads or default_workers()) as pool:
-        for i, t in enumerate(needed):
-            if i + 1 < len(needed):
-                sources.prefetch(needed[i + 1].plan)  # the OS reads ahead while this one is encoded
-            outputs = [f.output for f, m in zip(plan.files, members) if t.name in m]
+        for i, (t, outputs) in enumerate(calls):
+            if i + 1 < len(calls):
+                sources.prefetch(calls[i + 1][0].plan)  # the OS reads ahead while this one is encoded
             stream_tensor(t.plan, t.ggml_type, t.nbytes, sources, outputs, pool, buffers, on_tensor)
     return [p for f in plan.files for p in f.output.final_paths]
 

@@ -26,7 +26,22 @@ OUTTYPE_HELP = (
     "pass what llama.cpp's quantize tool makes of our lossless file (f32, or bf16/f16 from such a checkpoint): "
     "its type for every tensor (more bits for attention-V and FFN-down layers, output and embedding rules, "
     "MoE, GQA and row-length fallbacks; MTP/nextn layers counted as the last layers) and its bytes, tensor "
-    "order and KV. No importance matrix (imatrix) is used, as the tool without --imatrix.")
+    "order and KV. No importance matrix (imatrix) is used, as the tool without --imatrix. "
+    "Several types separated by commas (e.g. q8_0,q6_k,q4_k_m) write one file per type in one run, "
+    "named from -o with the type inserted (NAME-Q8_0.gguf ...).")
+
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
+            "q5_k_s", "q5_k_m", "q6_k", "auto")
+
+
+def _outtypes(value: str) -> str:
+    """One type, or several separated by commas (a ladder written in one run); any case."""
+    types = [t.strip().lower() for t in value.split(",")]
+    bad = [t for t in types if t not in OUTTYPES]
+    if bad:
+        raise click.BadParameter(f"{bad[0]!r} is not one of {', '.join(OUTTYPES)}", param_hint="'--outtype'")
+    return ",".join(types)
+
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)B?\s*$", re.IGNORECASE)
 
@@ -58,9 +73,7 @@ def parse_layers(text: str) -> tuple[int, ...]:
 @click.option("-o", "--output", "out", required=True, metavar="OUT",
               help="Output file (DIR/NAME.gguf; a sidecar written next to it is DIR/mtp-NAME.gguf) or a folder "
                    "(DIR/: names follow the GGUF naming convention, e.g. Name-F16.gguf and mtp-Name-F16.gguf).")
-@click.option("--outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l",
-                                             "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "auto"],
-                                            case_sensitive=False),
+@click.option("--outtype", metavar="TYPE[,TYPE...]", callback=lambda ctx, param, value: _outtypes(value),
               default="auto", show_default=True, help=OUTTYPE_HELP)
 @click.option("--mtp-outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0"], case_sensitive=False),
               default=None, help="With a K-quant --outtype: store the MTP / nextn block's matrices at this type "
