@@ -38,6 +38,10 @@ def _outtypes(value: str) -> str:
     """One type, or several separated by commas (a ladder written in one run); any case."""
     types = [t.strip().lower() for t in value.split(",")]
     bad = [t for t in types if t not in OUTTYPES]
+    if bad and (bad[0].startswith("iq") or bad[0] in ("q2_k_s", "tq1_0", "tq2_0")):
+        raise click.BadParameter(f"{bad[0]!r}: not supported. llama.cpp's quantize refuses IQ1/IQ2/IQ3_XXS and "
+                                 "Q2_K_S without an importance matrix, which specconv does not take (no --imatrix), "
+                                 "and specconv has no encoder for the other IQ and TQ types", param_hint="'--outtype'")
     if bad:
         raise click.BadParameter(f"{bad[0]!r} is not one of {', '.join(OUTTYPES)}", param_hint="'--outtype'")
     return ",".join(types)
