@@ -117,3 +117,6 @@ def test_dry_run_lists_every_file(src, tmp_path):
     bad = CliRunner().invoke(cli_module.cli, ["convert", str(src), "-o", str(tmp_path / "x.gguf"), "--outtype",
                                               "q8_0,q9_k"])
     assert bad.exit_code != 0 and "q9_k" in bad.output
+    imatrix = CliRunner().invoke(cli_module.cli, ["convert", str(src), "-o", str(tmp_path / "x.gguf"), "--outtype",
+                                                  "Q2_K_S"])
+    assert imatrix.exit_code != 0 and "importance matrix" in imatrix.output
