@@ -18,6 +18,7 @@ Per core, on a smaller checkpoint of the same shape (`--core-size-gb`): our one 
 `--threads 1` against llama.cpp's quantize with one thread on the bf16 file, in weights per second.
 And the encoders alone, in process, on one thread: our native K-quant encoder against llama.cpp's
 `ggml_quantize_chunk` on the same float32 values (16 M elements of the checkpoint), per type.
+`--ladder-only q8_0,q6_k,q4_k_m`: one run writing the three files against one run per type.
 
 Results: a section of docs/benchmarks.md ("K-quants in one pass") and docs/kquants_benchmark.json.
 """
@@ -201,6 +202,36 @@ def encoders(ckpt: Path, n: int = 1 << 24) -> dict:
     return result
 
 
+def ladder(ckpt: Path, out: Path, types: list[str], repeats: int) -> dict:
+    """One run writing every type against one run per type (their sum), alternating, ours only."""
+    one, separate = [], []
+    for r in range(repeats):
+        for who in (("one", "separate") if r % 2 == 0 else ("separate", "one")):
+            clear(out)
+            if who == "one":
+                one.append(measured(ours_cmd(ckpt, out / "m.gguf", ",".join(types), 0), out))
+            else:
+                runs = [measured(ours_cmd(ckpt, out / f"m-{t}.gguf", t, 0), out) for t in types]
+                separate.append({"wall_s": sum(x["wall_s"] for x in runs),
+                                 "peak_rss_bytes": max(x["peak_rss_bytes"] for x in runs)})
+            print(f"ladder {who} run {r + 1}: {(one if who == 'one' else separate)[-1]['wall_s']:.1f} s",
+                  file=sys.stderr)
+    clear(out)
+    row = {"types": types, "one_run_s": _median(one, "wall_s"), "separate_s": _median(separate, "wall_s"),
+           "one_run_rss": _median(one, "peak_rss_bytes"), "separate_rss": _median(separate, "peak_rss_bytes"),
+           "walls_one": [x["wall_s"] for x in one], "walls_separate": [x["wall_s"] for x in separate]}
+    row["speedup"] = row["separate_s"] / row["one_run_s"]
+    return row
+
+
+def ladder_report(row: dict) -> str:
+    gb = 1e9
+    return (f"Ladder `--outtype {','.join(row['types'])}` in one run: {row['one_run_s']:.1f} s "
+            f"({', '.join(f'{w:.1f}' for w in row['walls_one'])}), peak RSS {row['one_run_rss'] / gb:.2f} GB, against "
+            f"one run per type {row['separate_s']:.1f} s ({', '.join(f'{w:.1f}' for w in row['walls_separate'])}), "
+            f"{row['separate_rss'] / gb:.2f} GB: **{row['speedup']:.2f}x**.\n")
+
+
 def report(result: dict) -> str:
     m, ck, row, core, enc = (result["machine"], result["checkpoint"], result["one_pass"], result["per_core"],
                              result["encoders"])
@@ -259,6 +290,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "specconv" / "bench")
     ap.add_argument("--llama-cpp-src", default=None, help="llama.cpp tree with convert_hf_to_gguf.py")
     ap.add_argument("--no-docs", action="store_true", help="print the section only")
+    ap.add_argument("--ladder-only", default="", metavar="TYPES",
+                    help="only measure this ladder (e.g. q8_0,q6_k,q4_k_m) against one run per type, and print it")
     args = ap.parse_args()
 
     tree = llama_tree(args.llama_cpp_src)
@@ -271,6 +304,10 @@ def main() -> None:
             with open(p, "rb", buffering=0) as f:
                 while f.read(64 << 20):
                     pass
+    if args.ladder_only:
+        with tempfile.TemporaryDirectory(dir=args.workdir, prefix="kq-") as tmp:
+            print(ladder_report(ladder(ckpt, Path(tmp), args.ladder_only.split(","), args.repeats)))
+        return
     config = json.loads((ckpt / "config.json").read_text())["text_config"]
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "type": args.type,
               "repeats": args.repeats,
