@@ -81,7 +81,7 @@ def run_file(path: Path, args, progress=print) -> dict:
     from specconv.runtime import load_model
     from specconv.runtime.drafters.synthetic import greedy_reference
     from specconv.runtime.generate import generate
-    from specconv.runtime.spec_auto import measure_target_costs
+    from specconv.runtime.spec_auto import AUTO_K_MAX, cached_target_costs, measure_target_costs
     from specconv.runtime.spec_stats import expected_tokens
     from specconv.verify.costs import llamacpp_costs_isolated
 
@@ -98,6 +98,8 @@ def run_file(path: Path, args, progress=print) -> dict:
     ratios = ours.ratios()
     ref = greedy_reference(model, prompt, n)
     generate(model, prompt[:1], 2)  # one-time costs out of the timings
+    progress(f"{path.name}: --draft-max auto's calibration (before the timed runs, as `generate` does)")
+    cached_target_costs(model, AUTO_K_MAX + 1)
     accs, ks = [float(a) for a in args.acceptances.split(",")], [int(k) for k in args.ks.split(",")]
     groups = [(a, ks + ["auto"]) for a in accs] + [(0.0, ["auto"])]
     runs = {(a, k): [] for a, group in groups for k in group}

@@ -9,8 +9,10 @@ over 0..k_max (Leviathan et al.'s speed-up with the costs measured instead of as
 when it promises at least MARGIN more tokens per second than plain decoding.
 
 * t(n): calibrated once per model (`measure_target_costs`: forwards of 1..k_max+1 tokens after a
-  short prefix, snapshot ring and rollback as in a real round; smoothed, `TargetCosts`), then scaled online by the ratio of
-  observed to calibrated forward times, so a machine that slows down moves every t(n) together.
+  short prefix, snapshot ring and rollback as in a real round; smoothed, `TargetCosts`), then corrected online: t(n) times the
+  observed / calibrated ratio of the rounds that ran n tokens (exponential average), or, for a batch
+  size not run yet, the ratio over all rounds (a machine that slows down moves every t(n)), so one
+  noisy calibration does not fix the choice for the whole run.
 * c_tok, c_round: observed online (exponential averages); zero until the first drafting round.
 * a_i: decayed counts per position, shrunk towards the pooled acceptance, which starts at ½ with
   the weight of one token: the first rounds draft, and acceptance that does not pay drops k.
@@ -125,7 +127,8 @@ class AutoDraft:
     k_max: int = AUTO_K_MAX
     acc: list[float] = field(default_factory=list)  # decayed accepted count per position
     tried: list[float] = field(default_factory=list)  # decayed verified count per position
-    scale: float = 1.0  # observed / calibrated target time
+    scale: float = 1.0  # observed / calibrated target time, all batch sizes (for sizes not seen yet)
+    rel: dict = field(default_factory=dict)  # n -> observed / calibrated for forwards of n tokens
     c_tok: float = 0.0
     c_round: float = 0.0
     seen_draft: bool = False
@@ -144,8 +147,12 @@ class AutoDraft:
         a = self.pooled()
         return [(self.acc[i] + a * 2.0) / (self.tried[i] + 2.0) for i in range(self.k_max)]
 
+    def target_seconds(self, n: int) -> float:
+        """Predicted t(n): calibrated, corrected online, never below the prediction for fewer tokens."""
+        return max(self.costs.t(m) * self.rel.get(m, self.scale) for m in range(1, n + 1))
+
     def round_seconds(self, k: int) -> float:
-        t = self.scale * self.costs.t(k + 1)
+        t = self.target_seconds(k + 1)
         return t if k == 0 else t + k * self.c_tok + self.c_round
 
     def expected_tokens(self, k: int) -> float:
@@ -180,7 +187,10 @@ class AutoDraft:
         """What a round of k drafts did: accepted count, and the seconds of its parts."""
         calibrated = self.costs.t(k + 1)
         if calibrated > 0 and target_seconds > 0:
-            self.scale += EMA * (target_seconds / calibrated - self.scale)
+            ratio = target_seconds / calibrated
+            rel = self.rel.get(k + 1, self.scale)
+            self.rel[k + 1] = rel + EMA * (ratio - rel)
+            self.scale += EMA * (ratio - self.scale)
         if k == 0:
             self.plain_run += 1
             return
