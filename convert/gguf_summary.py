@@ -74,6 +74,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
         entry["tensors"] += 1
         entry["bytes"] += t.n_bytes
     nextn = f.nextn_layers()
+    by_group = _types_by_group(f, f.block_count() - nextn if nextn else f.block_count())
     return {
         "path": str(f.path),
         "shards": [str(p) for p in f.paths],
@@ -92,5 +93,18 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "n_tensors": len(tensors),
         "tensor_bytes": sum(t["bytes"] for t in tensors),
         "by_type": by_type,
+        "by_group": by_group,
         "tensors": tensors,
     }
+
+
+def _types_by_group(f: GgufFile, first_mtp: int) -> dict[str, dict[str, int]]:
+    """Tensor types counted per group: the trunk's blocks, the MTP / nextn blocks (from layer
+    block_count - nextn_predict_layers on) and the rest (embeddings, output): a K-quant file's mix."""
+    groups: dict[str, dict[str, int]] = {}
+    for t in f:
+        layer = t.name.split(".")[1] if t.name.startswith("blk.") else None
+        group = "other" if layer is None or not layer.isdigit() else ("mtp" if int(layer) >= first_mtp else "trunk")
+        counts = groups.setdefault(group, {})
+        counts[t.ggml_type.name] = counts.get(t.ggml_type.name, 0) + 1
+    return groups

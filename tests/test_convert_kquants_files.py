@@ -275,6 +275,10 @@ def test_mtp_outtype_keeps_the_head_at_another_type(models, converted, quantize,
         if kind == "sidecar" or mtp == "embed":  # the trunk-only file has no MTP block
             assert sum(name.startswith("blk.4.") and t.tensor_type.name == "Q8_0" for name, t in ours.items()) >= 8
     assert peers.llama_mtp_context_ok(out, files.get("sidecar"))
+    from specconv.convert.gguf_summary import summarize  # `specconv inspect`: the types of each group
+
+    groups = summarize(files.get("sidecar", out))["by_group"]
+    assert groups["mtp"].get("Q8_0", 0) >= 8 and "Q4_K" not in groups["mtp"]
 
 
 def test_numpy_fallback_writes_the_same_file(models, converted, tmp_path):

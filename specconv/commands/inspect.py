@@ -59,6 +59,9 @@ def command(file, as_json, all_tensors):
     console.print(f"{info['n_tensors']} tensors, {human_bytes(info['tensor_bytes'])} of tensor data, "
                   f"{human_bytes(info['file_bytes'])} on disk: "
                   + ", ".join(f"{v['tensors']} {t}" for t, v in sorted(info["by_type"].items())))
+    console.print("types by group: " + "; ".join(
+        f"{group} " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
+        for group, counts in info["by_group"].items()))
     kv = []
     for section in ("general", "hparams"):
         for key, value in info[section].items():
