@@ -322,3 +322,17 @@ def test_commands_give_one_line_errors(seeds, tmp_path, capsys, edit):
             assert line.startswith("error: ") and "qwen35-embed.gguf" in line and "(run with --debug" not in line, err
     with capsys.disabled():
         print("\n".join(seen))
+
+
+def test_resplit_of_a_file_with_an_empty_array(seeds, tmp_path):
+    """The writer leaves empty arrays out (GGUF cannot say their item type usefully): the re-split's
+    planned sizes must leave them out too, or every shard is refused as 'internal error'."""
+    from specconv.archs.gguf_reader import open_gguf
+    from specconv.hub.split import plan_split, write_split
+
+    path = edited(seeds, "qwen35-embed.gguf", tmp_path, lambda d: set_kv(d, "general.tags", [], V.ARRAY, V.STRING))
+    layout = plan_split([path], 400_000)
+    outs = [tmp_path / "out" / f"m-{i + 1:05d}-of-{layout.count:05d}.gguf" for i in range(layout.count)]
+    write_split(layout, outs)
+    assert [p.stat().st_size for p in outs] == layout.sizes and layout.count > 1
+    assert len(open_gguf(outs[0]).tensors) == len(open_gguf(path).tensors)

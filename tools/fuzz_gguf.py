@@ -12,7 +12,7 @@ or clear), under a memory cap (RLIMIT_AS) and a per-case time limit:
   next to the target) -> tokenizer (build, encode, decode) -> decode (2 tokens, plain or speculative
   with the seed's drafter);
 * the tools: `inspect`'s summary, `mtp extract` (or `merge` for a sidecar pair) planned and
-  written, `upload --dry-run`'s plan.
+  written, `upload --dry-run`'s plan, the hub re-split written; none may leave a temporary file.
 Outcomes: ok (ran), clear (a one-line SpecconvError), internal (any other exception, or the
 child died), hang (killed at the time limit), memory (MemoryError / allocator failure). The report
 counts them per family and lists each distinct internal error with a case that reproduces it
@@ -54,6 +54,8 @@ def _classify(exc: BaseException, names: list[str]) -> tuple[str, str]:
     if isinstance(exc, SpecconvError):
         if "\n" in msg or not msg:
             return "internal", f"multi-line SpecconvError: {msg[:200]!r}"
+        if "internal" in msg:  # the project's own "internal: ..." consistency errors
+            return "internal", f"SpecconvError: {msg[:200]}"
         return "clear", msg
     tb = traceback.extract_tb(exc.__traceback__)
     where = " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb[-3:]))
@@ -87,6 +89,16 @@ def _pipeline(kind: str, paths: list[Path]) -> None:
 
 
 def _tools(kind: str, paths: list[Path], out_dir: Path) -> None:
+    """inspect, mtp extract / merge, upload's plan and re-split; a failure must leave no temporary."""
+    try:
+        _run_tools(kind, paths, out_dir)
+    finally:
+        left = [p.name for p in out_dir.rglob("*") if ".partial" in p.name]
+        if left:
+            raise RuntimeError(f"temporary files left behind: {left[:3]}")
+
+
+def _run_tools(kind: str, paths: list[Path], out_dir: Path) -> None:
     from specconv.archs.gguf_reader import open_gguf
     from specconv.convert.gguf_summary import summarize
     from specconv.convert.mtp_graft import plan_extract, plan_merge, write_plan
@@ -106,6 +118,10 @@ def _tools(kind: str, paths: list[Path], out_dir: Path) -> None:
         if "no MTP" not in str(exc) and "MTP" not in str(exc):
             raise
     build_plan(paths[-1].parent, repo_id="fuzz/fuzz", max_file_size=256 << 10)
+    from specconv.hub.split import plan_split, write_split
+
+    layout = plan_split([paths[-1]], 300_000)
+    write_split(layout, [out_dir / "split" / f"s-{i + 1:05d}-of-{layout.count:05d}.gguf" for i in range(layout.count)])
 
 
 class Worker:

@@ -95,6 +95,12 @@ def _tensor_refs(paths: list[Path]) -> tuple[list[TensorRef], GgufHeader]:
     return refs, headers[0]
 
 
+def _empty_array(e) -> bool:
+    """An empty array entry (key, u32 type, u32 item type, u64 count 0): the writer leaves it out, as
+    GGUF readers treat absent and empty alike (convert/writer.py)."""
+    return e.vtype == gguf.GGUFValueType.ARRAY and e.nbytes == 8 + len(e.key.encode()) + 4 + 4 + 8
+
+
 def _shard_size(kv_bytes: int, tensors: list[TensorRef], align: int) -> int:
     meta = HEADER_BYTES + kv_bytes + sum(t.info_bytes for t in tensors)
     return _pad(meta, align) + sum(_pad(t.n_bytes, align) for t in tensors)
@@ -104,7 +110,7 @@ def plan_split(paths: list[Path], max_size: int) -> ShardLayout:
     """Greedy, order-preserving assignment of tensors to shards of at most `max_size` bytes."""
     refs, first = _tensor_refs(paths)
     align = first.alignment
-    kv_bytes = sum(e.nbytes for k, e in first.kv.items() if k not in SPLIT_KEYS)
+    kv_bytes = sum(e.nbytes for k, e in first.kv.items() if k not in SPLIT_KEYS and not _empty_array(e))
     shards: list[list[TensorRef]] = [[]]
     for ref in refs:
         current = shards[-1]
