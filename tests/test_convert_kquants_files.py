@@ -5,8 +5,9 @@ llama.cpp's quantize is `llama_model_quantize` of llama-cpp-python 0.3.36 with i
 parameters (no importance matrix). The checkpoints are Qwen3.5 dense and MoE (8 experts, GQA 4,
 one MTP layer) at shapes whose rows hold 256-element blocks, with FFN-down rows of 352 (a K-quant
 block does not fit: the tool's fallbacks), and rows that are all zero, constant, or one outlier; and
-the nextn families glm4moe and deepseek2 (tiny: rows of 64, so fallbacks everywhere, and at hidden
-256). The claim tested is the strongest one: the files are equal byte for byte (tensor types, block
+the nextn families glm4moe, deepseek2 (tiny: rows of 64, so fallbacks everywhere, and at hidden
+256) and glm4moelite, Gemma 4 (altup / laurel / per-layer tensors the tool never quantizes) and its
+assistant drafter. The claim tested is the strongest one: the files are equal byte for byte (tensor types, block
 bytes, tensor order, shapes, KV and its order). On a mismatch the test lists the tensors that differ.
 """
 
@@ -160,6 +161,10 @@ def models(tmp_path_factory):
             if name.startswith("qwen35"):
                 cache[name] = write_qwen35(root / name, moe="moe" in name, n_layers=4 if "moe" in name else 8,
                                            dtype="bfloat16" if name.endswith("bf16") else "float32")
+            elif name.startswith("gemma4"):
+                from tests.fixtures.tiny_gemma4 import tiny_assistant, tiny_gemma4
+
+                cache[name] = tiny_assistant() if name.endswith("assistant") else tiny_gemma4()
             else:
                 from tests.fixtures.tiny_glm_deepseek import build_tiny
 
@@ -216,7 +221,8 @@ def test_trunk_and_mtp_sidecar_equal_llama_quantize(converted, quantize, tmp_pat
 
 
 @pytest.mark.parametrize("file_type", ["q4_k_m", "q5_k_m", "q6_k"])
-@pytest.mark.parametrize("model", ["glm4moe", "deepseek2", "glm4moe-256", "deepseek2-256"])
+@pytest.mark.parametrize("model", ["glm4moe", "deepseek2", "glm4moe-256", "deepseek2-256", "glm4moelite", "gemma4",
+                                   "gemma4-assistant"])
 def test_nextn_families_equal_llama_quantize(converted, quantize, tmp_path, model, file_type):
     _check(converted, quantize, tmp_path, model, file_type)
 
