@@ -138,12 +138,13 @@ void KQ_NAME(kq_block_q3_k)(const float *x, uint8_t *out)
         for (int i = 0; i < 16; i++)
             levels[16 * g + i] = (uint8_t)(clamp_int(kq_round(x[16 * g + i] / step), -4, 3) + 4);
     }
-    /* the third bit of value j goes to bit j/32 of hmask byte j%32 */
+    /* the third bit of value 32 k + l goes to bit k of hmask byte l (branch-free: it vectorises) */
     memset(hmask, 0, 32);
-    for (int j = 0; j < KQ_SUPER; j++) {
-        if (levels[j] > 3) {
-            hmask[j % 32] |= (uint8_t)(1u << (j / 32));
-            levels[j] -= 4;
+    for (int k = 0; k < 8; k++) {
+        for (int l = 0; l < 32; l++) {
+            uint8_t high = levels[32 * k + l] > 3;
+            hmask[l] |= (uint8_t)(high << k);
+            levels[32 * k + l] -= (uint8_t)(high << 2);
         }
     }
     pack_2bit(levels, qs);
