@@ -148,6 +148,9 @@ def check_kv(kv: Mapping[str, Any]) -> None:
     blocks, nextn = kv.get(f"{arch}.block_count"), kv.get(f"{arch}.nextn_predict_layers", 0)
     if _is_int(blocks) and nextn > blocks:
         raise SpecconvError(f"KV {arch}.nextn_predict_layers {nextn} exceeds block_count {blocks}")
+    lead = kv.get(f"{arch}.leading_dense_block_count", 0)
+    if _is_int(blocks) and nextn and lead > blocks - nextn:  # the MTP block is a MoE block
+        raise SpecconvError(f"KV {arch}.leading_dense_block_count {lead} reaches the MTP block {blocks - nextn}")
     for suffix, (kind, _, _) in _KEYS.items():
         v = kv.get(f"{arch}.{suffix}")
         if kind in ("ints", "bools") and isinstance(v, list) and _is_int(blocks) and len(v) != blocks:

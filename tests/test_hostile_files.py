@@ -336,3 +336,11 @@ def test_resplit_of_a_file_with_an_empty_array(seeds, tmp_path):
     write_split(layout, outs)
     assert [p.stat().st_size for p in outs] == layout.sizes and layout.count > 1
     assert len(open_gguf(outs[0]).tensors) == len(open_gguf(path).tensors)
+
+
+def test_dense_lead_below_the_mtp_block(seeds, tmp_path):
+    from fuzz_seeds import build_seeds
+
+    glm = build_seeds(tmp_path / "glm", ["glm4moe-embed"])["glm4moe-embed"][1][0]
+    refused(edited({glm.name: glm}, glm.name, tmp_path, lambda d: set_kv(d, "glm4moe.leading_dense_block_count", 255)),
+            "glm4moe.leading_dense_block_count 255 reaches the MTP block 3")
