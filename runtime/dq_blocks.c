@@ -63,11 +63,20 @@ static inline void nibbles(int8_t *restrict c, const uint8_t *restrict q, int n,
         c[n + i] = (int8_t)((q[i] >> 4) - bias);
 }
 
-/* c[i] |= 16 where bit i of the 32 bits in hb[0..3] is set (Q5 fifth bits, little-endian) */
+/* c[i] |= 16 where bit i of the 32 bits in hb[0..3] is set (Q5 fifth bits, little-endian): the
+ * word tested against one mask per value, which vectorises (a shift by i would not, without AVX2) */
+static const uint32_t BIT_OF[32] = {
+    1u << 0,  1u << 1,  1u << 2,  1u << 3,  1u << 4,  1u << 5,  1u << 6,  1u << 7,
+    1u << 8,  1u << 9,  1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15,
+    1u << 16, 1u << 17, 1u << 18, 1u << 19, 1u << 20, 1u << 21, 1u << 22, 1u << 23,
+    1u << 24, 1u << 25, 1u << 26, 1u << 27, 1u << 28, 1u << 29, 1u << 30, 1u << 31,
+};
+
 static inline void fifth_bits(uint8_t *restrict c, const uint8_t *restrict hb)
 {
+    const uint32_t h = (uint32_t)hb[0] | ((uint32_t)hb[1] << 8) | ((uint32_t)hb[2] << 16) | ((uint32_t)hb[3] << 24);
     for (int i = 0; i < 32; i++)
-        c[i] = (uint8_t)(c[i] | (((hb[i >> 3] >> (i & 7)) & 1) << 4));
+        c[i] = (uint8_t)(c[i] | ((h & BIT_OF[i]) ? 16 : 0));
 }
 
 /* c[i] = table[nibble] for the 2n nibbles of q[0..n) (low nibbles first) */
