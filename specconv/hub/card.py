@@ -282,6 +282,8 @@ def cost_section(costs: dict | None) -> list[str]:
             continue
         ratios = ", ".join(_fmt(r, 2) for r in c["target_ratios"][1:])
         best = f"{_fmt(c['best'], 2)}× (k = {c['best_k']})" if c.get("best") is not None else "n/a (drafter cost unknown)"
+        if c.get("best") is not None and c["best"] < 1:
+            best += ": slower than plain decoding"
         lines.append(f"| {_cell(name)} | {_fmt(c.get('threads'))} | {_cell(ratios)} | {_fmt(c.get('c'))} | "
                      f"{_fmt(c.get('c_round'))} | {_cell(best)} |")
     lines.append("")
