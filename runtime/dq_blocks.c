@@ -117,11 +117,13 @@ static inline void k_nibbles(uint8_t *restrict c, const uint8_t *restrict qs)
 #define EMIT_SIGNED emit_signed
 #define EMIT_PLUS emit_plus
 #define EMIT_MINUS emit_minus
+#define IQ4_CODES(c, q) iq4_codes(c, q, 16)
 #include "dq_decoders.inc"
 #undef DQ
 #undef EMIT_SIGNED
 #undef EMIT_PLUS
 #undef EMIT_MINUS
+#undef IQ4_CODES
 
 #ifdef X86_KERNELS
 #pragma GCC push_options
@@ -156,15 +158,26 @@ static inline void emit_minus_avx2(float *restrict o, const uint8_t *restrict c,
     }
 }
 
+/* iq4_codes(c, q, 16) with one byte shuffle per 16 nibbles: the table is exactly 16 bytes */
+static inline void iq4_codes_avx2(int8_t *restrict c, const uint8_t *restrict q)
+{
+    const __m128i table = _mm_loadu_si128((const __m128i *)IQ4_TABLE), low4 = _mm_set1_epi8(15);
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)q);
+    _mm_storeu_si128((__m128i *)c, _mm_shuffle_epi8(table, _mm_and_si128(bytes, low4)));
+    _mm_storeu_si128((__m128i *)(c + 16), _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+}
+
 #define DQ(name) dq_##name##_avx2
 #define EMIT_SIGNED emit_signed_avx2
 #define EMIT_PLUS emit_plus_avx2
 #define EMIT_MINUS emit_minus_avx2
+#define IQ4_CODES iq4_codes_avx2
 #include "dq_decoders.inc"
 #undef DQ
 #undef EMIT_SIGNED
 #undef EMIT_PLUS
 #undef EMIT_MINUS
+#undef IQ4_CODES
 
 #pragma GCC pop_options
 #endif
