@@ -15,7 +15,9 @@ when it promises at least MARGIN more tokens per second than plain decoding.
   noisy calibration does not fix the choice for the whole run.
 * c_tok, c_round: observed online (exponential averages); zero until the first drafting round.
 * a_i: decayed counts per position, shrunk towards the pooled acceptance, which starts at ½ with
-  the weight of one token: the first rounds draft, and acceptance that does not pay drops k.
+  the weight of one token: the first rounds draft, and acceptance that does not pay drops k. The
+  draft length grows with the evidence: k ≤ 2·(deepest position verified so far) + 1, so the first
+  round drafts one token and a drafter that accepts nothing costs one cheap round to find out.
 * k = 0: plain decoding. Every `probe` plain rounds a round with one draft token measures the
   acceptance again; the interval doubles (up to PROBE_MAX) while probes do not pay and returns
   to PROBE_MIN when drafting resumes. Acceptance counts decay only in drafting rounds, so plain
@@ -134,6 +136,7 @@ class AutoDraft:
     seen_draft: bool = False
     plain_run: int = 0  # plain rounds since the last drafting round
     probe: int = PROBE_MIN
+    deepest: int = 0  # deepest draft position verified so far (1-based)
 
     def __post_init__(self):
         self.acc = [0.0] * self.k_max
@@ -176,8 +179,8 @@ class AutoDraft:
         """(k, why): "draft" (the model's best k ≥ 1), "plain" (k = 0 pays best), "probe" (one draft
         token after `probe` plain rounds)."""
         k, _ = self.best()
-        if k > 0:
-            return k, "draft"
+        if k > 0:  # the draft grows as evidence comes: at most 2·(deepest position verified so far) + 1
+            return min(k, 2 * self.deepest + 1), "draft"
         if self.plain_run >= self.probe:
             return 1, "probe"
         return 0, "plain"
@@ -197,6 +200,7 @@ class AutoDraft:
         for i in range(self.k_max):
             self.acc[i] *= DECAY
             self.tried[i] *= DECAY
+        self.deepest = max(self.deepest, min(k, accepted + 1))
         for i in range(min(k, accepted + 1)):  # positions verified: the accepted ones and the first rejected
             self.tried[i] += 1.0
             if i < accepted:
