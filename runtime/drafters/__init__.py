@@ -94,7 +94,8 @@ from specconv.runtime.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 from specconv.runtime.drafters.gemma4_assistant import Gemma4AssistantDrafter  # noqa: E402
 from specconv.runtime.drafters.mtp import MtpDrafter  # noqa: E402
 from specconv.runtime.drafters.ngram import NgramDrafter  # noqa: E402
+from specconv.runtime.drafters.synthetic import SyntheticDrafter  # noqa: E402  (measurement only)
 
 __all__ = ["Draft", "Drafter", "DraftModelDrafter", "Eagle3Drafter", "Gemma4AssistantDrafter", "MtpDrafter",
-           "NgramDrafter",
+           "NgramDrafter", "SyntheticDrafter",
            "best_candidate_probability", "choose"]
