@@ -167,6 +167,22 @@ def test_temperature_keeps_target_distribution(target, references):
           f"{rate:.3f} vs exact Σmin(p, q) = {exact:.3f}")
     assert pval > 1e-3
     assert abs(rate - exact) <= 5 * math.sqrt(max(exact * (1 - exact), 1 / trials) / trials)
+    # k = 2 at T = 0.3 (peaked enough that the reference's first token is common): the second token, among
+    # runs whose first token is the reference's, follows p(· | prompt + [that token])
+    first, t2 = ref[len(p)], 0.3
+    ctx = Context(target, GraphType.MAIN, n_ctx=len(p) + 2)
+    probs2 = probabilities(ctx.decode(p + [first], hidden=(), logits="last").logits[-1], t2)
+    counts2 = torch.zeros_like(probs2)
+    drafter = SyntheticDrafter(ref, target.n_vocab, 0.6, seed=2)
+    for seed in range(trials):
+        res = speculative_generate(target, drafter, p, 3, SpecConfig(draft_max=2, temperature=t2, seed=10_000 + seed))
+        if res.tokens[0] == first:
+            counts2[res.tokens[1]] += 1
+    p2 = _pooled_chi_square(counts2, probs2)
+    bins = int((probs2 * counts2.sum() >= 5).sum())
+    print(f"[synthetic A=0.6, T={t2}, k=2] second token after the reference's first: chi-square p = {p2:.3f} over "
+          f"{int(counts2.sum())} runs, {bins} categories with ≥ 5 expected")
+    assert counts2.sum() >= 300 and bins >= 3 and p2 > 1e-3
 
 
 def test_batched_delta_rule_equals_recurrent():
