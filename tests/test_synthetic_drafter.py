@@ -253,3 +253,25 @@ def test_auto_with_every_drafter_is_exact(target, references):
             assert all(synced)
             if drafter.name == "mtp" and len(p) > 1:
                 assert synced  # the random head accepts nothing, but the first rounds draft
+
+
+def test_verification_forward_has_no_token_loop(target, monkeypatch):
+    """A verification batch (and a single token) runs the batched Gated DeltaNet form: the token-by-token
+    recurrence is never called in the default mode, and the snapshot states it writes roll back exactly."""
+    calls = []
+    real = gdn.recurrent_delta_rule
+    monkeypatch.setattr(gdn, "recurrent_delta_rule", lambda *a, **k: calls.append(1) or real(*a, **k))
+    p = PROMPTS[2]
+    ctx = Context(target, GraphType.MAIN, n_ctx=64, n_rs_seq=4)
+    ctx.decode(p, hidden=(), logits=None)
+    n0 = ctx.n_past()
+    ctx.decode([5, 6, 7, 8, 9], hidden=(), logits="all")  # a verification of k + 1 = 5 tokens
+    assert ctx.seq_rm(0, n0 + 2)  # keep 2 of them
+    got = ctx.decode([4], hidden=(), logits="last").logits[-1]  # and one token
+    assert calls == []
+    fresh = Context(target, GraphType.MAIN, n_ctx=64, n_rs_seq=0, gdn_mode="recurrent")
+    want = fresh.decode(p + [5, 6, 4], hidden=(), logits="last").logits[-1]
+    assert calls  # the reference context did use the recurrence
+    print(f"\n[verification forward] rolled back to 2 of 5 tokens then decoded: max |Δlogit| vs recurrent "
+          f"recomputation {float((got - want).abs().max()):.2e}")
+    assert torch.allclose(got, want, atol=1e-4)
