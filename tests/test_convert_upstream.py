@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.gguf_files import convert_gguf, convert_gguf_upstream
+from tests.fixtures.gguf_files import assert_same_file_as_upstream, convert_gguf, convert_gguf_upstream
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def test_same_bytes_as_llama_cpp_converter(checkpoints, tmp_path, mode, outtype,
     src = checkpoints(moe=moe, layout=layout.split("-")[0], sharded=layout.endswith("-sharded"))
     theirs = convert_gguf_upstream(src, tmp_path / "up.gguf", outtype=outtype, extra_args=UPSTREAM_FLAGS[mode])
     ours = convert_gguf(src, tmp_path / "ours.gguf", outtype=outtype, mtp=mode)
-    assert ours.read_bytes() == theirs.read_bytes()
+    assert_same_file_as_upstream(ours, theirs)
 
 
 @pytest.mark.parametrize("outtype", ["bf16", "auto"])
@@ -65,7 +65,7 @@ def test_same_bytes_other_outtypes(checkpoints, tmp_path, outtype):
     src = checkpoints(moe=False, layout="release", tie=True, rope_style="top_level")
     theirs = convert_gguf_upstream(src, tmp_path / "up.gguf", outtype=outtype)
     ours = convert_gguf(src, tmp_path / "ours.gguf", outtype=outtype)
-    assert ours.read_bytes() == theirs.read_bytes()
+    assert_same_file_as_upstream(ours, theirs)
 
 
 def test_separate_is_upstreams_two_runs(checkpoints, tmp_path):
@@ -74,8 +74,8 @@ def test_separate_is_upstreams_two_runs(checkpoints, tmp_path):
     trunk = convert_gguf_upstream(src, tmp_path / "up" / "m.gguf", outtype="q8_0", extra_args=["--no-mtp"])
     sidecar = convert_gguf_upstream(src, tmp_path / "up" / "mtp-m.gguf", outtype="q8_0", extra_args=["--mtp"])
     convert_gguf(src, tmp_path / "ours" / "m.gguf", outtype="q8_0", mtp="separate")
-    assert (tmp_path / "ours" / "m.gguf").read_bytes() == trunk.read_bytes()
-    assert (tmp_path / "ours" / "mtp-m.gguf").read_bytes() == sidecar.read_bytes()
+    assert_same_file_as_upstream(tmp_path / "ours" / "m.gguf", trunk)
+    assert_same_file_as_upstream(tmp_path / "ours" / "mtp-m.gguf", sidecar)
 
 
 def test_directory_names_match_upstream(checkpoints, tmp_path):
@@ -89,4 +89,4 @@ def test_directory_names_match_upstream(checkpoints, tmp_path):
     up = sorted(p.name for p in (tmp_path / "up").iterdir())
     assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == up and len(up) == 2
     for name in up:
-        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "up" / name).read_bytes()
+        assert_same_file_as_upstream(tmp_path / "ours" / name, tmp_path / "up" / name)
