@@ -99,29 +99,29 @@ AVX2 static INLINE void q8_0_body(const uint8_t *s, const float *x, size_t xs, s
 }
 KERNEL(q8_0, "avx2")
 
-/* Q4_K: value = q * (d * sc) - (dmin * mn) per 32-value sub-block; sub-blocks 2c and 2c+1 are the
- * low and the high nibbles of qs[32c .. 32c+31], widened once for both */
+/* Q4_K: the nibbles of a block split into one byte per value first (as the decoder does), then
+ * widened eight at a time */
 AVX2 static INLINE void q4_k_body(const uint8_t *s, const float *x, size_t xs, size_t blocks, float acc[2][32],
                                   const int nv)
 {
-    const __m256i low4 = _mm256_set1_epi32(15);
     __m256 a[2][4];
     load_acc(a, acc, nv);
+    uint8_t c[256];
     for (size_t b = 0; b < blocks; b++, s += 144, x += 256) {
         const float d = half_at(s), dmin = half_at(s + 2);
         uint8_t sc[8], mn[8];
         scales_mins(s + 4, sc, mn);
         const uint8_t *qs = s + 16;
-        for (int c = 0; c < 4; c++) {
-            const __m256 s0 = _mm256_set1_ps(d * (float)sc[2 * c]), m0 = _mm256_set1_ps(dmin * (float)mn[2 * c]);
-            const __m256 s1 = _mm256_set1_ps(d * (float)sc[2 * c + 1]),
-                         m1 = _mm256_set1_ps(dmin * (float)mn[2 * c + 1]);
+        for (int k = 0; k < 4; k++)
+            for (int i = 0; i < 32; i++) {
+                c[64 * k + i] = qs[32 * k + i] & 15;
+                c[64 * k + 32 + i] = qs[32 * k + i] >> 4;
+            }
+        for (int t = 0; t < 8; t++) {
+            const __m256 st = _mm256_set1_ps(d * (float)sc[t]), mt = _mm256_set1_ps(dmin * (float)mn[t]);
             for (int p = 0; p < 4; p++) {
-                __m256i q = bytes8(qs + 32 * c + 8 * p);
-                __m256 v0 = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low4)), s0), m0);
-                __m256 v1 = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), s1), m1);
-                add_times(a, p, v0, x, xs, 64 * c + 8 * p, nv);
-                add_times(a, p, v1, x, xs, 64 * c + 32 + 8 * p, nv);
+                __m256 v = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(bytes8(c + 32 * t + 8 * p)), st), mt);
+                add_times(a, p, v, x, xs, 32 * t + 8 * p, nv);
             }
         }
     }
