@@ -270,9 +270,9 @@ def _eagle3_values(file, hp, needed) -> None:
     if "output.weight" not in needed:  # the target's head spans the target vocabulary, not the draft's
         raise SpecconvError("tensor d2t maps a draft vocabulary, but the head has no output.weight of its own")
     t = file.tensors["d2t"]
-    view = {Q.I8: np.int8, Q.I16: np.int16, Q.I32: np.int32, Q.I64: np.int64}.get(t.tensor_type)
+    view = {Q.I32: np.int32, Q.I64: np.int64}.get(t.tensor_type)  # torch indexes with these, not I8 / I16
     if view is None:
-        raise SpecconvError(f"tensor d2t has type {t.tensor_type.name}; an integer type is expected")
+        raise SpecconvError(f"tensor d2t has type {t.tensor_type.name}; I64 or I32 is expected")
     values = np.asarray(t.data).view(view)
     if values.size and (int(values.min()) < 0 or int(values.max()) >= hp.n_vocab):
         raise SpecconvError(f"tensor d2t holds ids outside the target vocabulary [0, {hp.n_vocab})")

@@ -234,6 +234,11 @@ def test_eagle3_d2t_ids_inside_the_target_vocabulary(seeds, tmp_path):
         t = tensor(d, "d2t")
         d.data[t.offset:t.offset + 8] = np.int64(4096).tobytes()
     refused(edited(seeds, "eagle3.gguf", tmp_path, corrupt), "tensor d2t holds ids outside", share_from=target)
+
+    def narrow(d):  # I16 ids: torch cannot index with them
+        tensor(d, "d2t").qtype = int(Q.I16)
+    refused(edited(seeds, "eagle3.gguf", tmp_path, narrow), "tensor d2t has type I16; I64 or I32 is expected",
+            share_from=target)
     refused(edited(seeds, "eagle3.gguf", tmp_path, lambda d: set_kv(d, "eagle3.vocab_size", (1 << 31) - 1)),
             "vocabulary size 2147483647", share_from=target)
 
