@@ -420,6 +420,8 @@ def size_label_of(tensors: Sequence[tuple[str, tuple[int, ...]]]) -> str:
 
     counter = GGUFWriter(None, "counter")
     for name, shape in tensors:
+        if 0 in shape:  # no parameters; gguf-py would divide by its expert count of 0
+            continue
         counter.add_tensor_info(name, tuple(reversed(shape)), np.dtype(np.float32), 0)
     return size_label(*counter.get_total_parameter_count())
 

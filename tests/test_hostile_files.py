@@ -27,7 +27,7 @@ from specconv.archs.errors import SpecconvError  # noqa: E402
 def seeds(tmp_path_factory):
     from fuzz_seeds import build_seeds
 
-    built = build_seeds(tmp_path_factory.mktemp("seeds"), ["qwen35-embed", "eagle3", "gemma4"])
+    built = build_seeds(tmp_path_factory.mktemp("seeds"), ["qwen35-embed", "qwen35moe-embed", "eagle3", "gemma4"])
     return {p.name: p for _, paths in built.values() for p in paths}
 
 
@@ -349,3 +349,17 @@ def test_dense_lead_below_the_mtp_block(seeds, tmp_path):
     glm = build_seeds(tmp_path / "glm", ["glm4moe-embed"])["glm4moe-embed"][1][0]
     refused(edited({glm.name: glm}, glm.name, tmp_path, lambda d: set_kv(d, "glm4moe.leading_dense_block_count", 255)),
             "glm4moe.leading_dense_block_count 255 reaches the MTP block 3")
+
+
+def test_mtp_extract_of_a_file_with_an_empty_expert_tensor(seeds, tmp_path):
+    """A tensor with an empty dimension holds no parameters: the size label is counted without it
+    (gguf-py's counter divided by an expert count of 0)."""
+    from specconv.archs.gguf_reader import open_gguf
+    from specconv.convert.mtp_graft import plan_extract, write_plan
+
+    def empty(d):
+        t = tensor(d, "blk.0.ffn_down_exps.weight")
+        t.dims = [t.dims[0], t.dims[1], 0]
+    path = edited(seeds, "qwen35moe-embed.gguf", tmp_path, empty)
+    out = write_plan(plan_extract(open_gguf(path)), tmp_path / "out" / "mtp.gguf")
+    assert open_gguf(out[0]).get("general.size_label")
