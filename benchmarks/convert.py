@@ -91,7 +91,7 @@ def commands(ckpt: Path, outtype: str, out: Path, tree: Path | None, threads: in
 
 def compare_tensors(ours: Path, theirs: Path) -> dict:
     """Tensor data of two GGUF files: how many tensors of the same name and type have the same bytes."""
-    from specconv.archs.gguf_reader import open_gguf
+    from specconv.runtime.gguf_reader import open_gguf
 
     a, b = open_gguf(ours), open_gguf(theirs)
     same_type = [n for n in a.tensors if n in b.tensors and a.tensors[n].ggml_type == b.tensors[n].ggml_type]

@@ -138,7 +138,7 @@ def one_pass_vs_two_steps(ckpt: Path, tree: Path, out: Path, ftype: str, repeats
 
 def tensors_compared(ours: Path, theirs: Path) -> dict:
     """Tensor by tensor: same type and bytes, and the names that differ."""
-    from specconv.archs.gguf_reader import open_gguf
+    from specconv.runtime.gguf_reader import open_gguf
 
     a, b = open_gguf(ours), open_gguf(theirs)
     differ = [n for n in a.tensors if n not in b.tensors or a.tensors[n].ggml_type != b.tensors[n].ggml_type

@@ -16,7 +16,7 @@ from typing import Any
 
 from specconv.archs import names
 
-from specconv.archs.gguf_reader import GgufFile, open_gguf
+from specconv.runtime.gguf_reader import GgufFile, open_gguf
 from .plan_report import kv_value
 
 TRUNK_ONLY_DETECTING_ARCHES = {names.GLM4MOE, names.DEEPSEEK2}

@@ -25,7 +25,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from specconv.archs.base import MetaKV
 from specconv.archs.errors import SpecconvError
 
-from specconv.archs.gguf_reader import GgufFile, GgufTensor, decode_value, tensor_nbytes
+from specconv.runtime.gguf_reader import GgufFile, GgufTensor, decode_value, tensor_nbytes
 from .outtype import encode, is_forced_f32
 from .writer import AtomicOutputs, GgufOutput, TensorEntry
 
@@ -205,7 +205,7 @@ def file_type_for(t: GGMLQuantizationType) -> int | None:
 
 def default_sidecar_path(model_path: Path) -> Path:
     """mtp-<name>.gguf next to the model (shard suffix dropped), keeping the name's quant tag."""
-    from specconv.archs.gguf_reader import _SHARD_RE
+    from specconv.runtime.gguf_reader import _SHARD_RE
 
     m = _SHARD_RE.match(model_path.name)
     stem = m["prefix"] if m else model_path.stem

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 
 from specconv.archs.base import MetaKV
 from specconv.archs.errors import SpecconvError
-from specconv.archs.gguf_reader import GgufTensor, open_gguf
+from specconv.runtime.gguf_reader import GgufTensor, open_gguf
 
 from .kernels import encode_run, encoded_size
 from .outtype import INTEGER_TYPES, nbytes

@@ -1,6 +1,6 @@
 """Open a GGUF model (one file or split shards) for the runtime: metadata and lazy tensors.
 
-Parsing is `archs/gguf_reader.py`'s (memory-mapped; a release-size tokenizer header takes a
+Parsing is `runtime/gguf_reader.py`'s (memory-mapped; a release-size tokenizer header takes a
 fraction of a second, where gguf.GGUFReader takes tens of seconds). Tensors stay in the map until a
 model asks for them (runtime/weights.py). A split model may be named by any of its shards.
 """
@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from specconv.archs.errors import SpecconvError
-from specconv.archs.gguf_reader import GgufTensor, decode_value, first_shard, open_gguf
+from specconv.runtime.gguf_reader import GgufTensor, decode_value, first_shard, open_gguf
 
 @dataclass(frozen=True)
 class ModelTensor:

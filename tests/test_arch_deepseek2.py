@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from specconv.archs import SpecconvError
-from specconv.archs.gguf_reader import open_gguf
+from specconv.runtime.gguf_reader import open_gguf
 from tests.fixtures import tiny_glm_deepseek as tiny
 from tests.fixtures.gguf_files import convert_gguf
 

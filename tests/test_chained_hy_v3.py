@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 
 from specconv.archs import SpecconvError
 from specconv.archs.base import Checkpoint, SourceTensor
-from specconv.archs.gguf_reader import open_gguf
+from specconv.runtime.gguf_reader import open_gguf
 from specconv.archs.hy_v3 import HyV3
 from tests.fixtures import chained_reference as ref_mod
 from tests.fixtures import tiny_chained as tiny

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from specconv.archs import SpecconvError
 from specconv.archs.base import Checkpoint, SourceTensor
-from specconv.archs.gguf_reader import open_gguf
+from specconv.runtime.gguf_reader import open_gguf
 from specconv.archs.mimo2 import MiMo2
 from tests.fixtures import chained_reference as ref_mod
 from tests.fixtures import tiny_chained as tiny

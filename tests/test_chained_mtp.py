@@ -54,7 +54,7 @@ def _rows(h: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_files_in_every_mtp_mode(root, family):
-    from specconv.archs.gguf_reader import open_gguf
+    from specconv.runtime.gguf_reader import open_gguf
 
     src, files, _, k = _family(family, root)
     n = tiny.N_LAYERS

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from specconv.archs import SpecconvError
 from specconv.archs.base import Checkpoint, SourceTensor
-from specconv.archs.gguf_reader import open_gguf
+from specconv.runtime.gguf_reader import open_gguf
 from specconv.archs.step35 import Step35
 from tests.fixtures import chained_reference as ref_mod
 from tests.fixtures import tiny_chained as tiny

@@ -271,7 +271,7 @@ def test_padding_tokens_fill_the_embedding_rows(sources):
 def test_split_output_loads_back(sources, tmp_path, capsys):
     """--split-max-size: NAME-0000i-of-0000N.gguf shards with split.* keys (§5), all other KV in shard 1,
     and the union of the shards' tensors is the unsplit file's, byte for byte."""
-    from specconv.archs.gguf_reader import open_gguf
+    from specconv.runtime.gguf_reader import open_gguf
 
     src = sources(moe=True)
     convert(capsys, src, tmp_path / "whole" / "m.gguf", "--outtype", "q8_0")

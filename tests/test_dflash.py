@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 from specconv import cli
 from specconv.archs import Checkpoint, SourceTensor, SpecconvError, plugin_class_for
-from specconv.archs.gguf_reader import open_gguf
+from specconv.runtime.gguf_reader import open_gguf
 from specconv.runtime import Context, GraphType, load_model
 from specconv.runtime.drafters.dflash import DFlashDrafter
 from specconv.runtime.generate import generate

@@ -82,7 +82,7 @@ def test_seed_files_load(seeds):
     ([64, 512, 1, 1, 1], ["token_embd.weight", "5 dimensions"]),
 ])
 def test_reader_refuses_impossible_tensor_shapes(seeds, tmp_path, dims, words):
-    from specconv.archs.gguf_reader import open_gguf
+    from specconv.runtime.gguf_reader import open_gguf
 
     path = edited(seeds, "qwen35-embed.gguf", tmp_path, lambda d: setattr(tensor(d, "token_embd.weight"), "dims", dims))
     with pytest.raises(SpecconvError, match="qwen35-embed.gguf") as info:
@@ -91,7 +91,7 @@ def test_reader_refuses_impossible_tensor_shapes(seeds, tmp_path, dims, words):
 
 
 def test_reader_refuses_partial_blocks_and_misaligned_data(seeds, tmp_path):
-    from specconv.archs.gguf_reader import open_gguf
+    from specconv.runtime.gguf_reader import open_gguf
 
     def partial(d):
         t = tensor(d, "blk.0.ssm_a")  # 4 values: not a whole Q8_0 block of 32
@@ -107,7 +107,7 @@ def test_reader_refuses_partial_blocks_and_misaligned_data(seeds, tmp_path):
 
 
 def test_reader_names_are_printable(seeds, tmp_path):
-    from specconv.archs.gguf_reader import open_gguf
+    from specconv.runtime.gguf_reader import open_gguf
 
     path = edited(seeds, "qwen35-embed.gguf", tmp_path,
                   lambda d: setattr(tensor(d, "output_norm.weight"), "dims", [64, 1, 1, 1, 1]))
@@ -121,7 +121,7 @@ def test_reader_names_are_printable(seeds, tmp_path):
 
 
 def test_inspect_mtp_upload_refuse_non_string_arch_and_split_keys(seeds, tmp_path):
-    from specconv.archs.gguf_reader import open_gguf
+    from specconv.runtime.gguf_reader import open_gguf
     from specconv.convert.gguf_summary import summarize
     from specconv.hub.plan import build_plan
 
@@ -332,7 +332,7 @@ def test_commands_give_one_line_errors(seeds, tmp_path, capsys, edit):
 def test_resplit_of_a_file_with_an_empty_array(seeds, tmp_path):
     """The writer leaves empty arrays out (GGUF cannot say their item type usefully): the re-split's
     planned sizes must leave them out too, or every shard is refused as 'internal error'."""
-    from specconv.archs.gguf_reader import open_gguf
+    from specconv.runtime.gguf_reader import open_gguf
     from specconv.hub.split import plan_split, write_split
 
     path = edited(seeds, "qwen35-embed.gguf", tmp_path, lambda d: set_kv(d, "general.tags", [], V.ARRAY, V.STRING))
@@ -354,7 +354,7 @@ def test_dense_lead_below_the_mtp_block(seeds, tmp_path):
 def test_mtp_extract_of_a_file_with_an_empty_expert_tensor(seeds, tmp_path):
     """A tensor with an empty dimension holds no parameters: the size label is counted without it
     (gguf-py's counter divided by an expert count of 0)."""
-    from specconv.archs.gguf_reader import open_gguf
+    from specconv.runtime.gguf_reader import open_gguf
     from specconv.convert.mtp_graft import plan_extract, write_plan
 
     def empty(d):

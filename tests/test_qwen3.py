@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
 from specconv.archs import Checkpoint, SourceTensor, SpecconvError, plugin_class_for
-from specconv.archs.gguf_reader import open_gguf
+from specconv.runtime.gguf_reader import open_gguf
 from tests.fixtures.gguf_files import convert_gguf, convert_gguf_upstream
 from tests.fixtures.tiny_qwen3 import build_qwen3
 from tests.fixtures.tiny_qwen3 import gguf_contents as _read

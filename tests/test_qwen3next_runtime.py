@@ -195,7 +195,7 @@ def test_scaled_rope_file_is_refused(tmp_path):
     """A YaRN config converts (the keys are written as llama.cpp's converter writes them) but the
     runtime's graph, which ropes without scaling, refuses the file with a one-line error."""
     from specconv.archs import SpecconvError
-    from specconv.archs.gguf_reader import open_gguf
+    from specconv.runtime.gguf_reader import open_gguf
     from tests.fixtures.gguf_files import convert_gguf
 
     rope = {"rope_type": "yarn", "rope_theta": tiny.ROPE_THETA, "partial_rotary_factor": 0.25, "factor": 4.0,

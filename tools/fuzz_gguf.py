@@ -99,7 +99,7 @@ def _tools(kind: str, paths: list[Path], out_dir: Path) -> None:
 
 
 def _run_tools(kind: str, paths: list[Path], out_dir: Path) -> None:
-    from specconv.archs.gguf_reader import open_gguf
+    from specconv.runtime.gguf_reader import open_gguf
     from specconv.convert.gguf_summary import summarize
     from specconv.convert.mtp_graft import plan_extract, plan_merge, write_plan
     from specconv.errors import SpecconvError

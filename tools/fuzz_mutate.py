@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from specconv.archs.gguf_reader import scan_header
+from specconv.runtime.gguf_reader import scan_header
 
 V = GGUFValueType
 _FMT = {V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32: "<I", V.INT32: "<i",

@@ -55,7 +55,7 @@ def command():
 @click.option("--force", is_flag=True, help="Overwrite an existing output.")
 def extract(model, out, outtype, overrides, split_max_size, force):
     """Write the MTP head of MODEL (a GGUF with an embedded head) as an MTP-only sidecar."""
-    from specconv.archs.gguf_reader import open_gguf
+    from specconv.runtime.gguf_reader import open_gguf
     from specconv.convert.mtp_graft import TypeOverride, default_sidecar_path, parse_type, plan_extract
 
     src = open_gguf(model)
@@ -77,7 +77,7 @@ def extract(model, out, outtype, overrides, split_max_size, force):
               "and overwrite an existing output.")
 def merge(trunk, mtp, out, overrides, split_max_size, force):
     """Graft the MTP blocks of MTP (a sidecar or an embedded GGUF) into TRUNK (a trunk-only GGUF)."""
-    from specconv.archs.gguf_reader import open_gguf
+    from specconv.runtime.gguf_reader import open_gguf
     from specconv.convert.mtp_graft import TypeOverride, plan_merge
 
     trunk_file, mtp_file = open_gguf(trunk), open_gguf(mtp)

@@ -1,6 +1,6 @@
 """A fast, read-only scan of a GGUF header for the hub plan: scalar KV values, KV entry sizes, tensor infos.
 
-The parsing is archs/gguf_reader's (one GGUF header reader in the project); this module only shapes
+The parsing is runtime/gguf_reader's (one GGUF header reader in the project); this module only shapes
 its result for the plan: strings decoded, arrays skipped rather than decoded (a release tokenizer's
 248k tokens + merges would cost seconds and the plan needs none of them), absolute tensor offsets.
 The tests compare this scan with gguf.GGUFReader.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from specconv.archs.gguf_reader import read_header as read_gguf_header
+from specconv.runtime.gguf_reader import read_header as read_gguf_header
 from specconv.errors import SpecconvError
 
 

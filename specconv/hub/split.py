@@ -20,7 +20,7 @@ from pathlib import Path
 
 import gguf
 
-from specconv.archs.gguf_reader import read_header as read_full_header
+from specconv.runtime.gguf_reader import read_header as read_full_header
 from specconv.convert.writer import (
     AtomicOutputs, GgufOutput, TensorEntry, interruptible, signals_held, write_error,
 )
