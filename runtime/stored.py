@@ -30,8 +30,11 @@ from specconv.runtime.placement import active_device
 
 # Values dequantized per piece of a chunked product (4 MB in float32): big enough that the
 # matrix product stays efficient, small enough to stay in cache and bound the temporaries.
-# A matrix of at most this many values is dequantized whole and multiplied in one product.
 CHUNK_ELEMENTS = 1 << 20
+# A matrix of at most this many values is dequantized whole and multiplied in one product (what a
+# dense weight computes, bit for bit); larger ones (a MoE expert's slice included) take the chunked
+# or native paths below.
+WHOLE_MAX_ELEMENTS = 1 << 16
 
 # The CPU products of larger matrices whose type the native dequantizer covers (float32
 # activations; benchmarks/dequant_native.py, docs/runtime.md "Native dequantization"):
@@ -181,9 +184,15 @@ def matmul_t(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
     if w.ndim != 2:
         raise ValueError(f"linear needs a 2-D weight, got {tuple(w.shape)}")
     n_out = w.shape[0]
-    if w.numel() <= CHUNK_ELEMENTS:
+    if w.numel() <= WHOLE_MAX_ELEMENTS:
         return x @ w.dense(x.dtype).t()
-    if _native_on_cpu(x, w):
+    native = _native_on_cpu(x, w)
+    rows = x.numel() // w.shape[1] if w.shape[1] else 0
+    if native and rows <= FUSED_MAX_ROWS:
+        return _native_matmul_t(x, w)
+    if w.numel() <= CHUNK_ELEMENTS:  # several rows of a mid-size matrix (an expert): one product
+        return x @ w.dense(x.dtype).t()
+    if native:
         return _native_matmul_t(x, w)
     out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=x.device)
     for start, values in w.row_chunks(x.dtype):

@@ -166,16 +166,22 @@ def test_embedding_rows_expert_slices_and_fallback_equal_the_dense_tensor():
         experts[5]
 
 
-def test_chunked_product_equals_the_whole_product(monkeypatch):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_chunked_product_equals_the_whole_product(monkeypatch, native):
     w, full = _q8_weight(300, 96, seed=2)
     x = torch.randn(5, 96)
     whole = x @ full.t()
+    monkeypatch.setattr(stored_module, "WHOLE_MAX_ELEMENTS", 0)  # every product takes a chunked path
     monkeypatch.setattr(stored_module, "CHUNK_ELEMENTS", 96 * 7)  # 7 rows a piece, the last one short
+    if not native:
+        monkeypatch.setattr(stored_module, "_native_on_cpu", lambda *_: False)
     pieces = list(w.row_chunks(elements=stored_module.CHUNK_ELEMENTS))
     assert len(pieces) == 43 and pieces[-1][1].shape[0] == 300 - 42 * 7
-    chunked = matmul_t(x, w)
-    print(f"\n[chunked product] max|Δ| vs whole {float((chunked - whole).abs().max()):.3e}")
-    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-5)
+    for rows in (x[:1], x[:2], x):  # the fused decode kernel (1-2 rows) and the chunked product
+        chunked = matmul_t(rows, w)
+        print(f"\n[chunked product, {rows.shape[0]} rows, {'native' if native else 'torch'}] max|Δ| vs whole "
+              f"{float((chunked - whole[:rows.shape[0]]).abs().max()):.3e}")
+        torch.testing.assert_close(chunked, whole[:rows.shape[0]], rtol=1e-6, atol=1e-5)
 
 
 def test_a_moe_decode_step_reads_only_the_routed_experts(tmp_path_factory):
