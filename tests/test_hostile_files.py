@@ -363,3 +363,16 @@ def test_mtp_extract_of_a_file_with_an_empty_expert_tensor(seeds, tmp_path):
     path = edited(seeds, "qwen35moe-embed.gguf", tmp_path, empty)
     out = write_plan(plan_extract(open_gguf(path)), tmp_path / "out" / "mtp.gguf")
     assert open_gguf(out[0]).get("general.size_label")
+
+
+def test_resplit_refuses_a_key_that_is_not_utf8(seeds, tmp_path):
+    """A key read with replacement characters would be written longer than planned."""
+    from specconv.hub.split import plan_split
+
+    path = edited(seeds, "qwen35-embed.gguf", tmp_path, lambda d: set_kv(d, "general.type", b"model", V.STRING))
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"general.type")
+    raw[at + 3] = 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(SpecconvError, match="qwen35-embed.gguf: KV key .* is not UTF-8; the file cannot be re-split"):
+        plan_split([path], 400_000)

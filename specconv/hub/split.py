@@ -110,6 +110,9 @@ def plan_split(paths: list[Path], max_size: int) -> ShardLayout:
     """Greedy, order-preserving assignment of tensors to shards of at most `max_size` bytes."""
     refs, first = _tensor_refs(paths)
     align = first.alignment
+    garbled = next((k for k in first.kv if "\ufffd" in k), None)
+    if garbled is not None:  # read with replacement characters, it could not be written back byte for byte
+        raise SpecconvError(f"{paths[0].name}: KV key {garbled!r} is not UTF-8; the file cannot be re-split"[:300])
     kv_bytes = sum(e.nbytes for k, e in first.kv.items() if k not in SPLIT_KEYS and not _empty_array(e))
     shards: list[list[TensorRef]] = [[]]
     for ref in refs:
