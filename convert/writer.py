@@ -200,6 +200,9 @@ class GgufOutput:
             self._open()
         except OSError as exc:
             raise write_error(self.path, exc) from None
+        except (struct.error, TypeError, ValueError) as exc:  # a KV value that does not fit its declared type
+            raise SpecconvError(f"cannot write {self.path.name}: a KV value does not fit its GGUF type ({exc})"
+                                [:300]) from None
 
     def _open(self) -> None:
         w = self._writer
