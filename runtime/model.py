@@ -130,7 +130,11 @@ class Model:
     @property
     def tokenizer(self) -> GGUFTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = GGUFTokenizer(self.file.kv)
+            try:
+                self._tokenizer = GGUFTokenizer(self.file.kv)
+            except SpecconvError as exc:
+                name = self.paths[0].name
+                raise SpecconvError(str(exc) if str(exc).startswith(name) else f"{name}: {exc}") from None
         return self._tokenizer
 
     def require(self, graph_type: GraphType):

@@ -67,9 +67,12 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_tokenizer_kv(kv: Mapping[str, Any]) -> None:
+def check_tokenizer_kv(kv: Mapping[str, Any], supported: bool = True) -> None:
     """The tokenizer arrays are well-typed and of one length, special ids lie in the vocabulary and
-    every merge is two tokens of the vocabulary (what the tokenizers library would fail on)."""
+    every merge is two tokens of the vocabulary (what the tokenizers library would fail on).
+    `supported=False` (at load): a tokenizer kind the runtime cannot build (SentencePiece 'llama',
+    an unknown pre-tokenizer) is not an error yet — a model given token ids runs without it; the
+    error comes when text has to be tokenized."""
     model = kv.get("tokenizer.ggml.model")
     if not isinstance(model, str):
         raise SpecconvError(f"KV tokenizer.ggml.model must be a string, found {model!r}"[:200])
@@ -94,6 +97,10 @@ def check_tokenizer_kv(kv: Mapping[str, Any]) -> None:
         v = kv.get(key)
         if v is not None and not isinstance(v, bool):
             raise SpecconvError(f"KV {key} must be a boolean, found {v!r}"[:200])
+    if not supported:
+        if model == "gpt2":
+            _parse_merges(kv, set(tokens))
+        return
     if model not in ("gpt2", "gemma4"):
         raise SpecconvError(f"KV tokenizer.ggml.model: tokenizer model {model!r} is not supported by the runtime "
                             "(byte-level BPE 'gpt2', byte-fallback BPE 'gemma4')"[:300])

@@ -187,7 +187,7 @@ def validate_model(file, graph, hparams, needed: list[str]) -> None:
                 _check_shape(name, tuple(int(d) for d in file.tensors[name].shape), expected[name], bound)
         tokens = file.kv.get("tokenizer.ggml.tokens")
         if "tokenizer.ggml.tokens" in file.kv or "tokenizer.ggml.model" in file.kv:
-            check_tokenizer_kv(file.kv)
+            check_tokenizer_kv(file.kv, supported=False)
             # more rows than tokens is allowed (padded embeddings); a token without a row is not
             if "V" in bound and isinstance(tokens, list) and len(tokens) > bound["V"]:
                 raise SpecconvError(f"tokenizer.ggml.tokens has {len(tokens)} entries, more than the {bound['V']} "

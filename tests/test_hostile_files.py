@@ -256,10 +256,20 @@ def test_eagle3_d2t_ids_inside_the_target_vocabulary(seeds, tmp_path):
      ["tokenizer.ggml.merges[0]", "'zzq' is not in tokenizer.ggml.tokens"]),
     (lambda d: set_kv(d, "tokenizer.ggml.merges", [3, 4], V.ARRAY, V.INT32), ["merges must be an array of strings"]),
     (lambda d: set_kv(d, "tokenizer.ggml.pre", b"nope", V.STRING), ["tokenizer.ggml.pre", "'nope' is not known"]),
-    (lambda d: set_kv(d, "tokenizer.ggml.model", b"llama", V.STRING), ["tokenizer.ggml.model", "'llama'"]),
+    (lambda d: set_kv(d, "tokenizer.ggml.model", b"llama", V.STRING), ["'llama'", "not supported"]),
 ])
 def test_tokenizer_kv(seeds, tmp_path, edit, words):
     refused(edited(seeds, "qwen35-embed.gguf", tmp_path, edit), *words)
+
+
+def test_a_tokenizer_kind_the_runtime_cannot_build_runs_on_token_ids(seeds, tmp_path):
+    """SentencePiece ('llama') vocabularies load and decode token ids; only tokenizing text is refused."""
+    path = edited(seeds, "qwen35-embed.gguf", tmp_path, lambda d: set_kv(d, "tokenizer.ggml.model", b"llama", V.STRING))
+    model = load(path, None)
+    from specconv.runtime.generate import generate
+
+    assert len(generate(model, [1, 2, 3], 2).tokens) == 2
+    refused(path, "'llama'", "not supported")
 
 
 def test_tokenizers_library_failures_become_one_line_errors(monkeypatch):
