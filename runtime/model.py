@@ -113,7 +113,7 @@ class Model:
                 continue
             wide = self.dtype if self.dtype == torch.float64 else torch.float32
             dtype = wide if g.keep_float32(name) else self.dtype
-            device = placement.tensor_device(name, self.hparams.n_layer)
+            device = placement.tensor_device(name)
             weights[name] = load_tensor(self.file, name, device, dtype, self.weights_mode, self.offload,
                                         weights.counter)
         # Tensors a draft head takes from its target when it has none of its own (EAGLE-3 embedding / head).

@@ -61,13 +61,11 @@ class Placement:
                 index = k
         return self.devices[index]
 
-    def tensor_device(self, name: str, n_layer: int) -> torch.device:
+    def tensor_device(self, name: str) -> torch.device:
         m = _BLOCK.match(name)
         if m:
             return self.layer_device(int(m.group(1)))
-        if name.startswith("output") or name.startswith("nextn"):
-            return self.devices[-1]
-        return self.devices[0]
+        return self.devices[-1] if name.startswith("output") else self.devices[0]
 
     @classmethod
     def plan(cls, devices: list[torch.device], layer_bytes: list[int], offload: bool = False) -> "Placement":
@@ -90,6 +88,18 @@ class Placement:
     def describe(self) -> list[dict]:
         ends = self.starts[1:] + [None]
         return [{"device": str(d), "first_block": s, "end_block": e} for d, s, e in zip(self.devices, self.starts, ends)]
+
+
+def on_layer_device(w, layer: int, fn, *tensors):
+    """fn(*tensors) on the device of block `layer`, its inputs moved there and its results brought back
+    to the first device; plainly fn(*tensors) for a model on one device."""
+    placement = getattr(w, "placement", None)
+    if placement is None or not placement.multi:
+        return fn(*tensors)
+    dev = placement.layer_device(layer)
+    with running_on(dev):
+        out = fn(*(move(t, dev) for t in tensors))
+    return move(out, placement.main)
 
 
 def move(obj, device: torch.device):

@@ -41,15 +41,6 @@ class Weights(dict):
         self.placement = placement
         self.counter = counter
 
-    def layer_device(self, layer: int) -> torch.device:
-        return self.placement.layer_device(layer)
-
-    @property
-    def stored_bytes(self) -> int:
-        """Bytes of the weights held in stored form (what a resident model keeps)."""
-        unique = {id(w): w for w in self.values() if isinstance(w, StoredWeight)}
-        return sum(w.stored_bytes for w in unique.values())
-
 
 def _file_bytes(file: GGUFModelFile, name: str) -> torch.Tensor:
     """The stored bytes of a tensor as a uint8 torch view of the memory map, one row per last axis."""

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from specconv.runtime.graphs.ops import acc, linear, rms_norm
-from specconv.runtime.placement import move, running_on
+from specconv.runtime.placement import move, on_layer_device, running_on
 
 # block(i, h, rope) -> h after block i
 Block = Callable[[int, torch.Tensor, object], torch.Tensor]
@@ -28,42 +28,27 @@ def forward_trunk(w, n_layer: int, eps: float, tokens: torch.Tensor, want_layers
     `make_rope(dtype)` builds the rope tables in the activations' accumulation dtype.
     """
     placement = getattr(w, "placement", None)
-    if placement is not None and placement.multi:
-        return _forward_trunk_placed(w, placement, n_layer, eps, tokens, want_layers, want_logits, make_rope, block)
+    multi = placement is not None and placement.multi
     h = w["token_embd.weight"][tokens]
-    rope = make_rope(acc(h).dtype)
-    layer_inputs = {}
-    for i in range(n_layer):
-        if i in want_layers:
-            layer_inputs[i] = h
-        h = block(i, h, rope)
-    post = rms_norm(h, w["output_norm.weight"], eps)
-    if n_layer in want_layers:
-        layer_inputs[n_layer] = post
-    rows = post if want_logits is None else post[want_logits]
-    return acc(linear(rows, output_head(w))), post, h, layer_inputs
-
-
-def _forward_trunk_placed(w, placement, n_layer, eps, tokens, want_layers, want_logits, make_rope, block):
-    """forward_trunk over several devices (runtime/placement.py): activations and rope tables follow
-    the blocks; every result comes back to the first device."""
-    main = placement.main
-    h = w["token_embd.weight"][tokens.to(main)]
+    main = h.device
     rope = make_rope(acc(h).dtype)
     layer_inputs = {}
     for i in range(n_layer):
         if i in want_layers:
             layer_inputs[i] = h.to(main)
-        dev = placement.layer_device(i)
-        h, rope = move(h, dev), move(rope, dev)
-        with running_on(dev):
+        if multi:  # activations and rope tables follow the blocks over the devices (runtime/placement.py)
+            dev = placement.layer_device(i)
+            h, rope = move(h, dev), move(rope, dev)
+            with running_on(dev):
+                h = block(i, h, rope)
+        else:
             h = block(i, h, rope)
-    last = placement.devices[-1]
-    h = move(h, last)
+    if multi:
+        h = move(h, placement.devices[-1])  # the output norm and head sit on the last device
     post = rms_norm(h, w["output_norm.weight"], eps)
     if n_layer in want_layers:
         layer_inputs[n_layer] = post.to(main)
-    rows = post if want_logits is None else post[want_logits.to(last)]
+    rows = post if want_logits is None else post[want_logits.to(post.device)]
     return acc(linear(rows, output_head(w))).to(main), post.to(main), h.to(main), layer_inputs
 
 
@@ -87,16 +72,10 @@ def forward_nextn(w, n_layer: int, eps: float, tokens: torch.Tensor, hidden_in: 
                   make_rope: Callable[[torch.dtype], object], block: Block):
     """One MTP row per token: u = eh_proj·[enorm(E[x]) ; hnorm(h)], the block at index n_layer,
     z = shared_head_norm(y); returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
-    placement = getattr(w, "placement", None)
-    if placement is not None and placement.multi:  # the MTP block and its head sit on the last device
-        dev = placement.layer_device(n_layer)
-        with running_on(dev):
-            h = nextn_input(w, n_layer, eps, tokens.to(dev), hidden_in.to(dev))
-            y = block(n_layer, h, move(make_rope(acc(h).dtype), dev))
-            logits, z = nextn_output(w, n_layer, eps, y)
-        main = placement.main
-        return logits.to(main), z.to(main), y.to(main)
-    h = nextn_input(w, n_layer, eps, tokens, hidden_in)
-    y = block(n_layer, h, make_rope(acc(h).dtype))
-    logits, z = nextn_output(w, n_layer, eps, y)
-    return logits, z, y
+    def run(tokens, hidden_in):
+        h = nextn_input(w, n_layer, eps, tokens, hidden_in)
+        y = block(n_layer, h, make_rope(acc(h).dtype))
+        logits, z = nextn_output(w, n_layer, eps, y)
+        return logits, z, y
+
+    return on_layer_device(w, n_layer, run, tokens, hidden_in)  # the MTP block sits on the last device

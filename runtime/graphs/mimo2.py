@@ -27,7 +27,7 @@ from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.decoder import forward_trunk, nextn_input, output_head
 from specconv.runtime.graphs.ops import acc, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
 from specconv.runtime.memory import Batch, MemoryLayout
-from specconv.runtime.placement import move, running_on
+from specconv.runtime.placement import on_layer_device
 
 OPTIONAL = ("output.weight",)
 MULTI_DEVICE = True
@@ -245,10 +245,5 @@ def _mtp(w, hp: HParams, i: int, tokens, hidden_in, batch: Batch):
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
     """MTP block `hp.mtp_block`: (logits, z = normed output, chained; y = pre-norm output)."""
     i = mtp_block_id(hp)
-    placement = getattr(w, "placement", None)
-    if placement is not None and placement.multi:  # the MTP blocks and the head sit on the last device
-        dev = placement.layer_device(i)
-        with running_on(dev):
-            out = _mtp(w, hp, i, tokens.to(dev), move(hidden_in, dev), batch)
-        return tuple(t.to(placement.main) for t in out)
-    return _mtp(w, hp, i, tokens, hidden_in, batch)
+    # the MTP blocks and the head sit on the last device of a placement
+    return on_layer_device(w, i, lambda t, h: _mtp(w, hp, i, t, h, batch), tokens, hidden_in)
