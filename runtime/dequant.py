@@ -284,14 +284,19 @@ def row_bytes(qtype: QType, n_elems: int) -> int:
     return n_elems // block * size
 
 
+def require_supported(qtype: QType) -> None:
+    """A one-line SpecconvError naming `qtype` unless the runtime can dequantize it."""
+    if qtype not in SUPPORTED:
+        raise SpecconvError(f"tensor type {_name(qtype)} is not supported by the runtime "
+                            f"(supported: {', '.join(sorted(t.name for t in SUPPORTED))})")
+
+
 def dequantize_rows(raw: torch.Tensor, qtype: QType, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 rows [..., row_bytes] stored as `qtype` -> values [..., n] in `dtype` on raw's device.
 
     Values are computed in float32 (bit-identical to gguf.quants) and then cast. `raw` is only
     read. For F32/F16/BF16 in their own dtype the result is a view of `raw` (no copy)."""
-    if qtype not in SUPPORTED:
-        raise SpecconvError(f"tensor type {_name(qtype)} is not supported by the runtime "
-                            f"(supported: {', '.join(sorted(t.name for t in SUPPORTED))})")
+    require_supported(qtype)
     _check_input(raw, qtype, dtype)
     if qtype in _FLOATS and _FLOATS[qtype] == dtype:
         return _reinterpret(raw, dtype)

@@ -21,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.dequant import SUPPORTED, dequantize_rows, row_bytes
+from specconv.runtime.dequant import SUPPORTED, dequantize_rows, require_supported, row_bytes
 from specconv.runtime.gguf_file import GGUFModelFile
 from specconv.runtime.placement import Placement
 from specconv.runtime.stored import ReadCounter, StoredWeight
@@ -47,8 +47,8 @@ def _file_bytes(file: GGUFModelFile, name: str) -> torch.Tensor:
     t = file.tensors[name]
     raw = t.data
     shape = t.stored.torch_shape
-    if t.tensor_type not in SUPPORTED and t.tensor_type not in _INTEGER:
-        dequantize_rows(torch.zeros(0, dtype=torch.uint8), t.tensor_type)  # raises the error naming the type
+    if t.tensor_type not in _INTEGER:
+        require_supported(t.tensor_type)
     width = (row_bytes(t.tensor_type, shape[-1]) if t.tensor_type in SUPPORTED
              else shape[-1] * torch.empty(0, dtype=_INTEGER[t.tensor_type]).element_size())
     expected = int(np.prod(shape[:-1], dtype=np.int64)) * width
