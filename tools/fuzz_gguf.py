@@ -37,7 +37,9 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+sys.path.insert(0, str(ROOT / "tools"))
+if str(ROOT) not in sys.path:  # tests.fixtures; appended, so an installed specconv is the one imported
+    sys.path.append(str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -82,7 +84,7 @@ def _pipeline(kind: str, paths: list[Path]) -> None:
         generate(target, ids, 2)
         return
     head = paths[1] if len(paths) > 1 else None
-    drafter_kind = {"mtp": "mtp", "eagle3": "eagle3", "assistant": "draft"}[kind]
+    drafter_kind = {"mtp": "mtp", "eagle3": "eagle3", "dflash": "dflash", "assistant": "draft"}[kind]
     drafter = build_drafter(drafter_kind, target, len(ids) + 8, 2, mtp_path=head if kind == "mtp" else None,
                             draft_path=head if kind != "mtp" else None)
     speculative_generate(target, drafter, ids, 2, SpecConfig(draft_max=2))

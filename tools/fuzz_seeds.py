@@ -3,7 +3,7 @@
 Built as the tests build them (tests/fixtures: re-randomised transformers models, `specconv convert`
 in-process), once per folder: a later call with the same folder reuses what is there. Each seed is
 a case kind plus its files; the first file is the one the harness runs as the model, a second is
-the head run next to it (an MTP sidecar, an EAGLE-3 head, the Gemma 4 assistant).
+the head run next to it (an MTP sidecar, an EAGLE-3 head, a DFlash drafter, the Gemma 4 assistant).
 """
 
 from __future__ import annotations
@@ -29,6 +29,15 @@ SEEDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "qwen3moe": ("plain", ("qwen3moe.gguf",)),
     "llama": ("plain", ("llama.gguf",)),
     "eagle3": ("eagle3", ("llama.gguf", "eagle3.gguf")),
+    "eagle3-qwen3": ("eagle3", ("qwen3-e3.gguf", "eagle3-qwen3.gguf")),
+    "dflash": ("dflash", ("qwen3-df.gguf", "dflash-qwen3.gguf")),
+    "dflash2": ("dflash", ("qwen3-df.gguf", "dflash2-qwen3.gguf")),
+    "glm47flash-embed": ("mtp", ("glm47flash-embed.gguf",)),
+    "hy_v3-embed": ("mtp", ("hy_v3-embed.gguf",)),
+    "step35-embed": ("mtp", ("step35-embed.gguf",)),
+    "mimo2-embed": ("mtp", ("mimo2-embed.gguf",)),
+    "glm-dsa-embed": ("mtp", ("glm-dsa-embed.gguf",)),
+    "deepseek32-embed": ("mtp", ("deepseek32-embed.gguf",)),
 }
 QUICK = ("qwen35-embed", "qwen35-sidecar")  # what the CI smoke run builds (seconds)
 
@@ -93,6 +102,39 @@ def _build(name: str, folder: Path) -> None:
         if name == "eagle3":
             head = build_eagle3_head(hf / "eagle3", target, layer_ids=[1, 2, 4])
             _convert(head, folder / "eagle3.gguf", "--target", str(target))
+    elif name == "eagle3-qwen3":
+        from tests.fixtures.tiny_eagle3_qwen3 import build_head
+        from tests.fixtures.tiny_qwen3 import build_qwen3
+
+        target = build_qwen3(hf / "qwen3-e3", n_layers=8)
+        _convert(target, folder / "qwen3-e3.gguf")
+        _convert(build_head(hf / name, target, layout="specforge", ids=[0, 2, 6]), folder / "eagle3-qwen3.gguf",
+                 "--target", str(target))
+    elif name in ("dflash", "dflash2"):
+        from tests.fixtures.tiny_dflash import MASK, TARGETS, build_dflash
+        from tests.fixtures.tiny_qwen3 import build_qwen3
+
+        target = hf / "qwen3-df"
+        if not (target / "config.json").exists():
+            build_qwen3(target, n_layers=6, seed=4, head_dim=16)
+        if not (folder / "qwen3-df.gguf").exists():
+            _convert(target, folder / "qwen3-df.gguf")
+        draft = build_dflash(hf / name, target, layer_ids=TARGETS["qwen3"][1], mask_token_id=MASK, v2=name == "dflash2")
+        _convert(draft, folder / f"{name}-qwen3.gguf", "--target", str(target))
+    elif name == "glm47flash-embed":
+        from tests.fixtures.tiny_glm_deepseek import build_tiny
+
+        _convert(build_tiny(hf / "glm47flash", "glm4moelite"), folder / f"{name}.gguf", "--mtp", "embed")
+    elif name in ("hy_v3-embed", "step35-embed", "mimo2-embed"):
+        from tests.fixtures.tiny_chained import build_tiny
+
+        family = name[: -len("-embed")]
+        _convert(build_tiny(hf / family, family), folder / f"{name}.gguf", "--mtp", "embed")
+    elif name in ("glm-dsa-embed", "deepseek32-embed"):
+        from tests.fixtures.tiny_dsa import build_tiny
+
+        family = name[: -len("-embed")]
+        _convert(build_tiny(hf / family, family), folder / f"{name}.gguf", "--mtp", "embed")
     else:
         raise ValueError(f"unknown seed {name!r}")
 
@@ -100,7 +142,7 @@ def _build(name: str, folder: Path) -> None:
 def build_seeds(folder, names=None) -> dict[str, tuple[str, list[Path]]]:
     """{seed name: (kind, [paths])}, building what the folder lacks."""
     if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))  # tests.fixtures
+        sys.path.append(str(ROOT))  # tests.fixtures (after the installed specconv)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     out = {}
