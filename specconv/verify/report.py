@@ -7,6 +7,7 @@ acceptance_length, per_position, tokens_per_target_forward, bound, speedup, roll
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -29,6 +30,7 @@ class Report:
     parity: dict = field(default_factory=lambda: {"max_abs_logit_diff": None, "reference": None})
     speculative: dict = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
+    files: dict = field(default_factory=dict)  # role -> file_identity(): which bytes were verified (specconv upload)
 
     def add(self, name: str, passed: bool, detail: str = "") -> bool:
         self.checks.append(Check(name, bool(passed), detail))
@@ -40,7 +42,8 @@ class Report:
 
     def to_json(self) -> dict:
         return _clean({"passed": self.passed, "model": self.model, "checks": [asdict(c) for c in self.checks],
-                       "parity": self.parity, "speculative": self.speculative, "settings": self.settings})
+                       "parity": self.parity, "speculative": self.speculative, "settings": self.settings,
+                       "files": self.files})
 
     def write(self, path) -> None:
         """Written to a temporary name and renamed, so a reader never sees half a report."""
@@ -77,6 +80,17 @@ class Report:
         if self.parity.get("reference"):
             console.print(f"parity vs {self.parity['reference']}: max |Δlogit| = {_fmt(self.parity['max_abs_logit_diff'], 'e')}")
         console.print("[bold green]PASSED[/]" if self.passed else "[bold red]FAILED[/]")
+
+
+def file_identity(path) -> dict:
+    """Absolute path, size and sha256 of a verified file: `specconv upload` matches a report to the file it
+    publishes by these and refuses a report of other bytes (docs/upload.md, "A quant ladder")."""
+    path = Path(path).resolve()
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(8 << 20), b""):
+            digest.update(block)
+    return {"path": str(path), "size": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
 def cost_lines(costs: dict | None) -> list[str]:

@@ -22,7 +22,7 @@ from specconv.runtime.drafters.mtp import block_of_position as mtp_block_of_posi
 from specconv.runtime.spec_stats import expected_tokens, per_block
 from specconv.verify import roundtrip, structure
 from specconv.verify.hf_checks import run_hf_checks
-from specconv.verify.report import Report
+from specconv.verify.report import Report, file_identity
 
 DEFAULT_PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -73,6 +73,8 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
                        "hf": str(opts.hf) if opts.hf else None,
                        "draft_hf": str(opts.draft_hf) if opts.draft_hf else None, "n_predict": opts.n_predict,
                        "draft_max": opts.draft_max, "temperature": opts.temperature, "prompts": len(opts.prompts)}
+    report.files = {role: file_identity(path) for role, path in (("model", opts.model), ("mtp", opts.mtp),
+                                                                  ("draft", opts.draft)) if path and Path(path).is_file()}
     progress("loading")
     target = _load(report, "model", opts.model, opts.device, dtype=opts.dtype, offload=opts.offload)
     if target is None:
