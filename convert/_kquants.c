@@ -1,13 +1,15 @@
 /* Native K-quant encoder for specconv's converter (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): bytes equal to
  * llama.cpp's quantize tool without an importance matrix, with the GIL released so that the
  * converter's worker threads encode chunks of a tensor at once. The block encoders are in
- * kq_blocks.h and kq_search.h (built for any CPU and for AVX2); this file is the Python entry point. */
+ * kq_blocks.h and kq_search.h (built for any CPU and for AVX2); the importance-weighted encoders
+ * (llama.cpp's quantize with --imatrix) in kq_weighted.h; this file is the Python entry point. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <stdlib.h>
 
 #include "kq_common.h"
+#include "kq_weighted.h"
 
 typedef void (*block_fn)(const float *, uint8_t *);
 
@@ -109,6 +111,99 @@ static PyObject *encode(PyObject *self, PyObject *args)
     return result;
 }
 
+/* encode_weighted: whole rows, each weighted by its group's slice of `weights` (an importance
+ * matrix: one slice of n_per_row values per expert, rows_per_group rows each). */
+static int encode_rows(const unsigned char *src, uint8_t *dst, Py_ssize_t nrows, Py_ssize_t n_per_row, int bf16,
+                       int type, const float *weights, Py_ssize_t rows_per_group, Py_ssize_t first_row,
+                       float *x)
+{
+    int block = 0, bytes = kw_layout(type, &block);
+    size_t row_bytes = (size_t)(n_per_row / block) * bytes;
+    for (Py_ssize_t r = 0; r < nrows; r++) {
+        uint32_t all = 0;
+        if (bf16) {
+            const unsigned char *p = src + (size_t)r * n_per_row * 2;
+            for (Py_ssize_t i = 0; i < n_per_row; i++) {
+                uint32_t bits = (uint32_t)(p[2 * i] | (p[2 * i + 1] << 8)) << 16;
+                x[i] = kq_float(bits);
+                all |= (bits & 0x7f800000u) == 0x7f800000u;
+            }
+        } else {
+            memcpy(x, src + (size_t)r * n_per_row * 4, (size_t)n_per_row * 4);
+            for (Py_ssize_t i = 0; i < n_per_row; i++)
+                all |= (kq_bits(x[i]) & 0x7f800000u) == 0x7f800000u;
+        }
+        if (all)
+            return 0;
+        const float *qw = weights + (size_t)((first_row + r) / rows_per_group) * n_per_row;
+        kw_row(type, x, qw, n_per_row, dst + (size_t)r * row_bytes);
+    }
+    return 1;
+}
+
+static PyObject *encode_weighted(PyObject *self, PyObject *args)
+{
+    int type, bf16;
+    Py_ssize_t n_per_row, rows_per_group, first_row;
+    PyObject *src_obj, *dst_obj, *w_obj;
+    if (!PyArg_ParseTuple(args, "iOOpnOnn:encode_weighted", &type, &src_obj, &dst_obj, &bf16, &n_per_row, &w_obj,
+                          &rows_per_group, &first_row))
+        return NULL;
+    int block = 0, bytes = kw_layout(type, &block);
+    if (!bytes) {
+        PyErr_Format(PyExc_ValueError, "encode_weighted: GGML type %d has no weighted encoder here", type);
+        return NULL;
+    }
+    if (n_per_row <= 0 || n_per_row % block || rows_per_group <= 0 || first_row < 0) {
+        PyErr_Format(PyExc_ValueError, "encode_weighted: row length %zd (blocks of %d), %zd rows per group, first "
+                     "row %zd", n_per_row, block, rows_per_group, first_row);
+        return NULL;
+    }
+    Py_buffer src, dst, w;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(w_obj, &w, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    Py_ssize_t width = bf16 ? 2 : 4, n = src.len / width, nrows = n / n_per_row;
+    PyObject *result = NULL;
+    if (src.itemsize != width || w.itemsize != 4) {
+        PyErr_Format(PyExc_ValueError, "encode_weighted: src items are %zd bytes (expected %zd), weights %zd (expected "
+                     "4: float32)", src.itemsize, width, w.itemsize);
+    } else if (n % n_per_row) {
+        PyErr_Format(PyExc_ValueError, "encode_weighted: %zd elements is not whole rows of %zd", n, n_per_row);
+    } else if (dst.len != nrows * (n_per_row / block) * bytes) {
+        PyErr_Format(PyExc_ValueError, "encode_weighted: dst holds %zd bytes, expected %zd", dst.len,
+                     nrows * (n_per_row / block) * bytes);
+    } else if (nrows && w.len / 4 < ((first_row + nrows - 1) / rows_per_group + 1) * n_per_row) {
+        PyErr_Format(PyExc_ValueError, "encode_weighted: %zd weights do not cover rows %zd..%zd (%zd per group of %zd rows)",
+                     w.len / 4, first_row, first_row + nrows - 1, n_per_row, rows_per_group);
+    } else {
+        float *x = PyMem_RawMalloc((size_t)n_per_row * sizeof(float));
+        if (!x) {
+            PyErr_NoMemory();
+        } else {
+            int ok;
+            Py_BEGIN_ALLOW_THREADS
+            ok = encode_rows((const unsigned char *)src.buf, (uint8_t *)dst.buf, nrows, n_per_row, bf16, type,
+                             (const float *)w.buf, rows_per_group, first_row, x);
+            Py_END_ALLOW_THREADS
+            PyMem_RawFree(x);
+            result = PyBool_FromLong(ok);
+        }
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
 static PyObject *isa(PyObject *self, PyObject *args)
 {
     return PyUnicode_FromString(isa_name);
@@ -122,6 +217,13 @@ static PyMethodDef methods[] = {
      "256 elements) as GGML type 10..14 (Q2_K..Q6_K) into dst (writable, exactly the encoded size),\n"
      "bytes equal to llama.cpp's quantize without an importance matrix. Returns False, dst\n"
      "unspecified, when a value is infinite or NaN. Releases the GIL while encoding."},
+    {"encode_weighted", encode_weighted, METH_VARARGS,
+     "encode_weighted(ggml_type, src, dst, bf16, n_per_row, weights, rows_per_group, first_row) -> bool\n\n"
+     "Encode whole rows of src (float32, or bfloat16 bits as uint16) as GGML type 2, 3, 6, 7 (Q4_0, Q4_1,\n"
+     "Q5_0, Q5_1) or 10..14 (Q2_K..Q6_K) with importance weights, bytes equal to llama.cpp's quantize\n"
+     "with --imatrix: row r (of the tensor: first_row + r) uses weights[g * n_per_row:(g + 1) * n_per_row],\n"
+     "g = (first_row + r) // rows_per_group (one slice per expert). Returns False, dst unspecified,\n"
+     "when a value is infinite or NaN. Releases the GIL while encoding."},
     {NULL, NULL, 0, NULL},
 };
 
