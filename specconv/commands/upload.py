@@ -1,4 +1,5 @@
-"""`specconv upload DIR --repo USER/NAME`: publish GGUF outputs, sidecars and a model card on the Hub."""
+"""`specconv upload DIR|FILE.gguf... --repo USER/NAME`: publish GGUF outputs (a quant ladder included), sidecars
+and one model card on the Hub."""
 
 from __future__ import annotations
 
@@ -22,7 +23,20 @@ from specconv.hub.naming import human_size, parse_size
 from specconv.tables import Col, print_table, print_wrapped
 
 
-PLAN_COLUMNS = [Col("Repository path", whole=True), Col("Size", "right"), Col("Quant"), Col("Role"), Col("From")]
+PLAN_COLUMNS = [Col("Repository path", whole=True), Col("Size", "right"), Col("Quant"), Col("Role"), Col("From"),
+                Col("Verified")]
+
+
+def verified_cell(a, first: bool) -> str:
+    """What the card will say about this file's verification, and from which report."""
+    if not first:
+        return ""
+    if a.report is not None:
+        result = {True: "passed", False: "FAILED", None: "no result"}[a.report.passed]
+        return f"{result} ({Path(a.report.source).name})"
+    if a.verified_with:
+        return f"with {a.verified_with}"
+    return "not verified"
 
 
 def plan_rows(plan) -> list[list[str]]:
@@ -34,8 +48,9 @@ def plan_rows(plan) -> list[list[str]]:
                 origin = f"split {i + 1}/{len(a.files)} of " + ", ".join(p.name for p in a.sources)
             else:
                 origin = str(f.source.relative_to(plan.folder))
-            rows.append([escape(f.path_in_repo), human_size(f.size), a.quant, a.role.value, escape(origin)])
-    rows.append(["README.md", human_size(plan.readme.size), "", "model card", "generated"])
+            rows.append([escape(f.path_in_repo), human_size(f.size), a.quant, a.role.value, escape(origin),
+                         escape(verified_cell(a, i == 0))])
+    rows.append(["README.md", human_size(plan.readme.size), "", "model card", "generated", ""])
     return rows
 
 
@@ -87,14 +102,25 @@ class RichEvents:
 
 
 @click.command(name="upload")
-@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("inputs", nargs=-1, required=True, metavar="DIR | FILE.gguf...",
+                type=click.Path(exists=True, path_type=Path))
 @click.option("--repo", "repo_id", required=True, help="Target repository, USER/NAME.")
 @click.option("--private", is_flag=True, help="Create the repository as private.")
 @click.option("--revision", help="Branch to commit to (created if missing), or refs/pr/N to resume a PR.")
 @click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to main.")
 @click.option("--dry-run", is_flag=True, help="Print the plan; send nothing, write nothing.")
 @click.option("--max-file-size", default="50G", show_default=True, help="Split files above this size (decimal units).")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="specconv verify --json report for the card.")
+@click.option("--report", "--verify-report", "report_paths", multiple=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A `specconv verify --json` report for the card; repeat it, one per model file of a ladder. Each "
+                   "is matched to the file it verified (the path, size and sha256 it records) and refused if that "
+                   "file is not uploaded or its bytes differ.")
+@click.option("--verify", "run_verify", is_flag=True,
+              help="Run `specconv verify` on each model file that has no --report (with its mtp- sidecar) before "
+                   "uploading; the reports are kept in DIR/.specconv-upload/verify/ and reused by a rerun. Not run "
+                   "by --dry-run.")
+@click.option("--hf", "hf_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="With --verify: the checkpoint folder that was converted (parity against transformers).")
 @click.option("--base-model", help="Source model id for the card (default: from the GGUF metadata).")
 @click.option("--name", help="Model name used in file names (default: from the GGUF metadata).")
 @click.option("--license", "license_", help="License id for the card (default: general.license).")
@@ -103,23 +129,40 @@ class RichEvents:
 @click.option("--retry-delay", default=2.0, show_default=True, help="First back-off delay in seconds (doubles).")
 @click.option("--keep-staging", is_flag=True, help="Keep re-split shards after a successful upload.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan (dry run) or the result as JSON.")
-def command(folder, repo_id, private, revision, create_pr, dry_run, max_file_size, report_path, base_model, name,
-            license_, quantized_by, retries, retry_delay, keep_staging, as_json):
-    """Upload the GGUF files in FOLDER (models, mtp- sidecars, shards) with a model card."""
+def command(inputs, repo_id, private, revision, create_pr, dry_run, max_file_size, report_paths, run_verify, hf_dir,
+            base_model, name, license_, quantized_by, retries, retry_delay, keep_staging, as_json):
+    """Upload GGUF files with one model card: every .gguf in the folder DIR, or the FILE.gguf given (each
+    with the other shards of its set and its mtp- sidecar). A quant ladder (`convert --outtype
+    q8_0,q6_k,q4_k_m`) goes to one repository; the card's table shows each file's type, tensor types,
+    size and the verify figures of its own report (--report per file, or --verify)."""
+    from specconv.errors import SpecconvError
     from specconv.hub.plan import build_plan
 
+    if hf_dir is not None and not run_verify:
+        raise SpecconvError("--hf is for --verify (parity of each file against the checkpoint)")
     console = Console(stderr=True)
-    plan = build_plan(
-        folder,
-        repo_id=repo_id,
-        max_file_size=parse_size(max_file_size),
-        report=report_path,
-        base_model=base_model,
-        name=name,
-        license=license_,
-        quantized_by=quantized_by,
-        revision=revision,
-    )
+    source = inputs[0] if len(inputs) == 1 and inputs[0].is_dir() else list(inputs)
+
+    def make_plan(reports):
+        return build_plan(source, repo_id=repo_id, max_file_size=parse_size(max_file_size), reports=reports,
+                          base_model=base_model, name=name, license=license_, quantized_by=quantized_by,
+                          revision=revision)
+
+    plan = make_plan(list(report_paths))
+    if run_verify and dry_run:
+        todo = [a.name for a in plan.artifacts if not a.role.is_draft and a.report is None]
+        if todo:
+            plan.warnings.append(f"--verify runs before a real upload, not in a dry run: the card shown says "
+                                 f"\"not verified\" for {', '.join(todo)}")
+    elif run_verify:
+        from specconv.hub.verified import run_verify_missing
+
+        with console.status("verifying") as status:
+            extra = run_verify_missing(plan.artifacts, plan.staging_dir, hf=hf_dir, progress=status.update)
+        plan = make_plan([*report_paths, *extra])
+        for a in plan.artifacts:
+            if a.report is not None and a.report.passed is False:
+                plan.warnings.append(f"verify FAILED on {a.name} ({a.report.source}); the card says so")
     if dry_run:
         if as_json:
             data = plan.to_dict()

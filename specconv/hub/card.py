@@ -8,7 +8,7 @@ draft-mtp` for an embedded head, `-md mtp-X.gguf --spec-type draft-mtp` for a si
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 
 from huggingface_hub import ModelCardData
@@ -31,6 +31,9 @@ class CardEntry:
     role: Role
     size: int
     draft_max: int | None = None  # a DFlash drafter's block size - 1 (what llama.cpp clamps --spec-draft-n-max to)
+    type_bytes: dict[str, int] = field(default_factory=dict)  # tensor bytes per ggml type
+    report: VerifyReport | None = None  # the verify report run on this file (specconv/hub/verified.py)
+    verified_with: str | None = None  # a sidecar: the model file whose report verified it
 
 
 def _cell(text) -> str:
@@ -204,18 +207,65 @@ def draft_heads_section(repo_id: str, entries: list[CardEntry]) -> str:
     return "\n".join(lines)
 
 
+def type_mix(type_bytes: dict[str, int]) -> str:
+    """`Q4_K 71%, Q6_K 22%, F32 7%`: the share of tensor bytes per storage type, largest first."""
+    total = sum(type_bytes.values())
+    if not total:
+        return ""
+    parts = []
+    for name, n in sorted(type_bytes.items(), key=lambda kv: (-kv[1], kv[0])):
+        share = 100 * n / total
+        parts.append(f"{name} {'<1' if share < 1 else f'{share:.0f}'}%")
+    return ", ".join(parts)
+
+
+NOT_VERIFIED = "not verified"
+
+
+def verify_cells(e: CardEntry) -> list[str]:
+    """Max |Δlogit|, acceptance, speed-up and result of the file's own report; nothing invented: a file
+    without a report says so, a figure its report lacks is "not measured"."""
+    if e.report is None:
+        if e.verified_with:
+            return ["", "", "", f"with `{_cell(e.verified_with)}`"]
+        return ["", "", "", NOT_VERIFIED]
+    r, spec = e.report, e.report.speculative
+    parity = r.parity.get("max_abs_logit_diff")
+    parity = _fmt(parity) if parity is not None else "not measured"
+    if spec.get("acceptance_rate") is not None:
+        accept = _fmt(spec["acceptance_rate"])
+        if spec.get("acceptance_length") is not None:
+            accept += f" (length {_fmt(spec['acceptance_length'], 2)})"
+    else:
+        accept = "not measured"
+    speed = f"{_fmt(spec['speedup'], 2)}× measured" if spec.get("speedup") is not None else "not measured"
+    predicted = ((spec.get("costs") or {}).get("llama.cpp") or {}).get("best")
+    if predicted is not None:
+        speed += f", {_fmt(predicted, 2)}× predicted for llama.cpp"
+    result = {True: "passed", False: "FAILED", None: "no result"}[r.passed]
+    return [parity, accept, speed, result]
+
+
 def file_table(entries: list[CardEntry]) -> str:
-    lines = ["## Files", "", "| File | Quant type | Size | Split | Role |", "|---|---|---|---|---|"]
+    lines = ["## Files", "", "| File | Quant type | Size | Split | Role | Tensor types | Max \\|Δlogit\\| | "
+             "Acceptance | Speed-up | Verify |", "|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         split = f"{len(e.paths)} parts, first `{e.paths[0]}`" if len(e.paths) > 1 else "no"
-        lines.append(
-            f"| `{_cell(e.name)}` | {_cell(e.quant)} | {human_size(e.size)} | {_cell(split)} | {_cell(e.role.value)} |"
-        )
-    return "\n".join(lines) + "\n"
+        cells = [f"`{_cell(e.name)}`", _cell(e.quant), human_size(e.size), _cell(split), _cell(e.role.value),
+                 _cell(type_mix(e.type_bytes)), *(_cell(c) for c in verify_cells(e))]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = []
+    if any(e.report is not None for e in entries):
+        notes.append("Max |Δlogit|, acceptance and speed-up are `specconv verify`'s figures on that very file (its "
+                     "report records the file's size and sha256; the details follow below). Acceptance is the "
+                     "rate of accepted draft tokens, with the tokens accepted per round.")
+    if any(e.report is None and not e.role.is_draft for e in entries):
+        notes.append(f"\"{NOT_VERIFIED}\": no verify report was published for that file.")
+    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
 
 
-def verify_section(report: VerifyReport) -> str:
-    lines = ["## Verification (`specconv verify`)", ""]
+def verify_section(report: VerifyReport, title: str = "## Verification (`specconv verify`)") -> str:
+    lines = [title, ""]
     if report.passed is not None:
         lines += [f"Overall: **{'passed' if report.passed else 'FAILED'}**", ""]
     parity = report.parity
@@ -297,7 +347,6 @@ def render_card(
     base_model: str | None,
     license: str | None,
     quantized_by: str,
-    report: VerifyReport | None,
 ) -> str:
     title = repo_id.split("/", 1)[1]
     intro = "GGUF files with multi-token-prediction (MTP) heads for speculative decoding in llama.cpp"
@@ -310,7 +359,9 @@ def render_card(
     heads = draft_heads_section(repo_id, entries)
     if heads:
         parts.append(heads)
-    if report is not None:
-        parts.append(verify_section(report))
+    verified = [e for e in entries if e.report is not None]
+    for e in verified:  # one report: the section as before; several (a ladder): one section per file
+        title = "## Verification (`specconv verify`)" if len(verified) == 1 else f"## Verification of `{e.name}`"
+        parts.append(verify_section(e.report, title))
     parts.append(f"Made with specconv {_version()}.\n")
     return "\n".join(parts)

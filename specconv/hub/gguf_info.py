@@ -35,6 +35,7 @@ class GgufModel:
     size: int  # bytes on disk, all shards
     shard_sizes: list[int] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    type_bytes: dict[str, int] = field(default_factory=dict)  # ggml type name -> tensor bytes of that type
 
     @property
     def is_split(self) -> bool:
@@ -127,6 +128,9 @@ def read_model(paths: list[Path]) -> GgufModel:
             warnings.append(f"{paths[0].name}: unknown general.file_type {file_type}; using {quant} from the tensors")
     role = detect_role(arch, kv, set(types))
     shard_sizes = [p.stat().st_size for p in paths]
+    type_bytes: dict[str, int] = collections.Counter()
+    for name, ttype in types.items():
+        type_bytes[tensor_type_tag(ttype)] += sizes[name]
     return GgufModel(
         paths=list(paths),
         arch=arch,
@@ -137,6 +141,7 @@ def read_model(paths: list[Path]) -> GgufModel:
         size=sum(shard_sizes),
         shard_sizes=shard_sizes,
         warnings=warnings,
+        type_bytes=dict(type_bytes),
     )
 
 

@@ -29,8 +29,9 @@ from specconv.hub.naming import (
     validate_repo_path,
     validate_revision,
 )
-from specconv.hub.report import VerifyReport, load_report
+from specconv.hub.report import VerifyReport
 from specconv.hub.split import ShardLayout, plan_split
+from specconv.hub.verified import load_reports, match_reports
 
 DEFAULT_MAX_FILE_SIZE = 50 * 10**9  # the Hub's hard per-file limit (docs/reference/hub.md §2)
 STAGING_DIR = ".specconv-upload"
@@ -62,6 +63,9 @@ class Artifact:
     sources: list[Path]
     files: list[PlanFile]
     layout: ShardLayout | None = None  # set when the plan re-splits the sources
+    type_bytes: dict[str, int] = field(default_factory=dict)  # tensor bytes per ggml type
+    report: VerifyReport | None = None  # the verify report run on this model file
+    verified_with: str | None = None  # a sidecar: the model whose report verified it
 
     @property
     def size(self) -> int:
@@ -111,6 +115,9 @@ class UploadPlan:
                     "resplit": a.layout is not None,
                     "sources": [str(p) for p in a.sources],
                     "files": [{"path_in_repo": f.path_in_repo, "size": f.size} for f in a.files],
+                    "tensor_types": a.type_bytes,
+                    "verify": _verify_summary(a.report),
+                    "verified_with": a.verified_with,
                 }
                 for a in self.artifacts
             ],
@@ -121,6 +128,18 @@ class UploadPlan:
             "ignored": self.ignored,
             "warnings": self.warnings,
         }
+
+
+def _verify_summary(report: VerifyReport | None) -> dict | None:
+    """The card's figures of one file, for scripts (`--json`)."""
+    if report is None:
+        return None
+    spec = report.speculative
+    return {"report": report.source, "passed": report.passed,
+            "max_abs_logit_diff": report.parity.get("max_abs_logit_diff"),
+            "parity_reference": report.parity.get("reference"),
+            **{k: spec.get(k) for k in ("acceptance_rate", "acceptance_length", "tokens_per_target_forward",
+                                        "speedup")}}
 
 
 # --- scanning --------------------------------------------------------------------------------
@@ -151,6 +170,41 @@ def scan_folder(folder: Path) -> tuple[list[Path], list[str]]:
             else:
                 ignored.append(rel)
     return ggufs, ignored
+
+
+def collect_inputs(inputs) -> tuple[Path, list[Path], list[str]]:
+    """(folder, .gguf files, ignored names) from one folder or from .gguf files: a folder is scanned as
+    `scan_folder` does; a named file brings the other shards of its set and its `mtp-` sidecar(s) from
+    the same folder (what `specconv convert` wrote next to it). The folder of files is their common one."""
+    paths = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
+    if not paths:
+        raise SpecconvError("give a folder of GGUF outputs, or .gguf files")
+    if len(paths) == 1 and paths[0].is_dir():
+        ggufs, ignored = scan_folder(paths[0])
+        return paths[0], ggufs, ignored
+    chosen: dict[Path, Path] = {}
+    for path in paths:
+        if path.is_dir():
+            raise SpecconvError(f"{path} is a folder: give one folder, or .gguf files")
+        if not path.is_file() or path.suffix != ".gguf":
+            raise SpecconvError(f"{path} is not a .gguf file")
+        siblings = [path]
+        match = SHARD_RE.match(path.name)
+        stem = match.group("prefix") if match else path.name.removesuffix(".gguf")
+        if match:
+            siblings += sorted(path.parent.glob(f"{glob_escape(stem)}-?????-of-{match.group('count')}.gguf"))
+        if not stem.startswith(("mtp-", "eagle3-", "dflash-")):
+            siblings += [p for p in sorted(path.parent.glob(f"mtp-{glob_escape(stem)}*.gguf"))
+                         if p.name == f"mtp-{stem}.gguf" or SHARD_RE.match(p.name)
+                         and SHARD_RE.match(p.name).group("prefix") == f"mtp-{stem}"]
+        for p in siblings:
+            chosen.setdefault(p.resolve(), p)
+    folder = Path(os.path.commonpath([str(p.parent.resolve()) for p in chosen]))
+    return folder, sorted(chosen), []
+
+
+def glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", text)
 
 
 # --- naming ----------------------------------------------------------------------------------
@@ -223,6 +277,16 @@ def _draft_max(model: GgufModel) -> int | None:
     return block - 1 if isinstance(block, int) and block > 1 else None
 
 
+def sidecar_base(sidecar: GgufModel, name: str | None, targets: list[GgufModel]) -> str | None:
+    """An `mtp-` sidecar is named after the model of its quant (`mtp-{Base}-{QUANT}.gguf`, docs/reference/hub.md
+    §1.3): its own general.size_label counts the sidecar's parameters, not the model's."""
+    same = sorted({model_base(t, name) for t in targets if t.quant == sidecar.quant})
+    if len(same) == 1:
+        return same[0]
+    every = sorted({model_base(t, name) for t in targets})
+    return every[0] if len(every) == 1 else None
+
+
 def _artifact(model: GgufModel, name: str | None, max_file_size: int, staging: Path, base: str | None = None) -> Artifact:
     base = base or model_base(model, name)
     file_name = repo_file_name(base, model.quant, model.role)
@@ -236,15 +300,17 @@ def _artifact(model: GgufModel, name: str | None, max_file_size: int, staging: P
         files = [PlanFile(p, s, staged=staging / p) for p, s in zip(paths, layout.sizes)]
     for f in files:
         f.artifact = file_name
-    return Artifact(file_name, base, model.quant, model.role, model.arch, list(model.paths), files, layout)
+    return Artifact(file_name, base, model.quant, model.role, model.arch, list(model.paths), files, layout,
+                    dict(model.type_bytes))
 
 
 def build_plan(
-    folder: Path,
+    folder,
     *,
     repo_id: str,
     max_file_size: int = DEFAULT_MAX_FILE_SIZE,
     report: VerifyReport | Path | None = None,
+    reports=(),
     base_model: str | None = None,
     name: str | None = None,
     license: str | None = None,
@@ -256,13 +322,13 @@ def build_plan(
         validate_revision(revision)
     if base_model is not None:
         validate_repo_id(base_model, namespace_required=False, what="--base-model")
-    folder = Path(folder)
-    if not folder.is_dir():
+    """The plan for `folder` (a folder of outputs, or a list of .gguf files: collect_inputs); `report` and
+    `reports` are verify reports (paths or parsed), each matched to the model file it verified."""
+    if isinstance(folder, (str, Path)) and not Path(folder).is_dir():
         raise SpecconvError(f"{folder} is not a folder")
-    if isinstance(report, (str, Path)):
-        report = load_report(Path(report))
+    reports = load_reports([*([report] if report is not None else []), *reports])
 
-    ggufs, ignored = scan_folder(folder)
+    folder, ggufs, ignored = collect_inputs(folder)
     if not ggufs:
         raise SpecconvError(f"no .gguf files in {folder}")
     staging = folder / STAGING_DIR
@@ -274,7 +340,8 @@ def build_plan(
         if m.role.is_head:
             check_head_fits(m, targets)
     artifacts = [_artifact(m, name, max_file_size, staging,
-                           head_base(m, name, target_bases, warnings) if m.role.is_head else None) for m in models]
+                           head_base(m, name, target_bases, warnings) if m.role.is_head else
+                           sidecar_base(m, name, targets) if m.role is Role.SIDECAR else None) for m in models]
     order = {Role.EMBEDDED: 0, Role.TRUNK: 0, Role.SIDECAR: 1, Role.ASSISTANT: 1, Role.EAGLE3: 2, Role.DFLASH: 2}
     artifacts.sort(key=lambda a: (a.base, a.quant, order[a.role], a.name))
     by_source = {m.paths[0]: m for m in models}
@@ -319,7 +386,12 @@ def build_plan(
         warnings.append("the folder has a draft head but no model file: llama.cpp's -hf finds eagle3- / dflash- files "
                         "next to the model of the same repository (docs/upload.md)")
 
-    entries = [card_mod.CardEntry(a.name, a.paths, a.base, a.quant, a.role, a.size, _draft_max(m))
+    digests = match_reports(reports, artifacts, warnings)
+    for a in artifacts:  # hashed to match a report: the upload need not hash it again
+        if a.layout is None and a.sources[0] in digests:
+            a.files[0].sha256 = digests[a.sources[0]]
+    entries = [card_mod.CardEntry(a.name, a.paths, a.base, a.quant, a.role, a.size, _draft_max(m), a.type_bytes,
+                                  a.report, a.verified_with)
                for a, m in zip(artifacts, [by_source[a.sources[0]] for a in artifacts])]
     text = card_mod.render_card(
         repo_id=repo_id,
@@ -327,7 +399,6 @@ def build_plan(
         base_model=base_model,
         license=license,
         quantized_by=quantized_by,
-        report=report,
     )
     data = text.encode("utf-8")
     readme = PlanFile(README, len(data), content=data)

@@ -2,8 +2,10 @@
 
 The schema (docs/architecture.md): `passed`, `checks` [{name, passed, detail}], `parity`
 {max_abs_logit_diff, reference}, `speculative` {exact, drafted, accepted, acceptance_rate,
-acceptance_length, per_position, tokens_per_target_forward, bound, speedup, rollback, costs, synthetic}.
-Every section is optional; a present section must have the right types.
+acceptance_length, per_position, tokens_per_target_forward, bound, speedup, rollback, costs, synthetic},
+`model` (the path verify was given) and `files` {model, mtp, draft: {path, size, sha256}} (the verified bytes,
+which `specconv/hub/verified.py` matches to the files of an upload). Every section is optional; a present
+section must have the right types.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class VerifyReport:
     parity: dict = field(default_factory=dict)
     speculative: dict = field(default_factory=dict)
     per_position: list[PositionStat] = field(default_factory=list)
+    model: str | None = None  # the model path as given to verify
+    files: dict = field(default_factory=dict)  # role -> {path, size, sha256} (any of them may be missing)
+    source: str = "the verify report"  # where it was read from, for messages
 
 
 def _number(value, where: str) -> float | int | None:
@@ -75,7 +80,12 @@ def load_report(path: Path) -> VerifyReport:
         raise SpecconvError(f"verify report {path} is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise SpecconvError(f"verify report {path} must be a JSON object")
-    return parse_report(data)
+    try:
+        report = parse_report(data)
+    except SpecconvError as exc:
+        raise SpecconvError(f"{path}: {exc}") from None
+    report.source = str(path)
+    return report
 
 
 def parse_report(data: dict) -> VerifyReport:
@@ -121,7 +131,35 @@ def parse_report(data: dict) -> VerifyReport:
     report.per_position = [_position(i, item) for i, item in enumerate(per_position)]
     report.speculative["costs"] = _costs(spec.get("costs"))
     report.speculative["synthetic"] = spec.get("synthetic") is True
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise SpecconvError("verify report: `model` must be a path")
+    report.model = model
+    report.files = _files(data.get("files"))
     return report
+
+
+def _files(files) -> dict:
+    """`files`: per role the verified file's path (string), size (integer) and sha256 (64 hex digits)."""
+    if files is None:
+        return {}
+    if not isinstance(files, dict):
+        raise SpecconvError("verify report: `files` must be an object")
+    out = {}
+    for role, entry in files.items():
+        where = f"files.{role}"
+        if not isinstance(entry, dict):
+            raise SpecconvError(f"verify report: {where} must be an object")
+        path, size, digest = entry.get("path"), entry.get("size"), entry.get("sha256")
+        if not isinstance(path, str) or not path:
+            raise SpecconvError(f"verify report: {where}.path must be a path")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+            raise SpecconvError(f"verify report: {where}.size must be a byte count")
+        if digest is not None and not (isinstance(digest, str) and len(digest) == 64
+                                       and all(c in "0123456789abcdef" for c in digest.lower())):
+            raise SpecconvError(f"verify report: {where}.sha256 must be 64 hex digits")
+        out[str(role)] = {"path": path, "size": size, "sha256": digest.lower() if digest else None}
+    return out
 
 
 def _costs(costs) -> dict | None:
