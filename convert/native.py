@@ -31,3 +31,14 @@ def kquants_native() -> Callable | None:
     except ImportError:
         return None
     return _kquants.encode
+
+
+def kquants_weighted_native() -> Callable | None:
+    """The K-quant extension's `encode_weighted(...)` (importance-weighted, convert/kq_weighted.h), or None."""
+    if os.environ.get("SPECCONV_NO_NATIVE") == "1":
+        return None
+    try:
+        from specconv.convert import _kquants
+    except ImportError:
+        return None
+    return getattr(_kquants, "encode_weighted", None)

@@ -43,7 +43,13 @@ KQUANT_FILE_TYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "q2_k": (FT.MOSTLY_Q2_K, Q.Q2_K), "q3_k_s": (FT.MOSTLY_Q3_K_S, Q.Q3_K), "q3_k_m": (FT.MOSTLY_Q3_K_M, Q.Q3_K),
     "q3_k_l": (FT.MOSTLY_Q3_K_L, Q.Q3_K), "q4_k_s": (FT.MOSTLY_Q4_K_S, Q.Q4_K), "q4_k_m": (FT.MOSTLY_Q4_K_M, Q.Q4_K),
     "q5_k_s": (FT.MOSTLY_Q5_K_S, Q.Q5_K), "q5_k_m": (FT.MOSTLY_Q5_K_M, Q.Q5_K), "q6_k": (FT.MOSTLY_Q6_K, Q.Q6_K),
+    "q2_k_s": (FT.MOSTLY_Q2_K_S, Q.Q2_K),  # needs an importance matrix (requires_imatrix)
 }
+# File types that llama.cpp's quantize only makes with an importance matrix, and those specconv has no
+# encoder for (the IQ and ternary types): named in refusals.
+NEEDS_IMATRIX = ("q2_k_s", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xxs")
+NOT_ENCODED = ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xxs", "iq3_xs", "iq3_s", "iq3_m",
+               "iq4_nl", "iq4_xs", "tq1_0", "tq2_0", "mxfp4_moe", "q1_0", "q2_0")
 
 # Substrings (or exact names) whose tensors the tool never quantizes, whatever their shape.
 _NEVER_PARTS = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_tid2eid.weight", "altup", "laurel",
@@ -174,6 +180,8 @@ class _Chooser:
         if cat == "attn_v":
             if f == FT.MOSTLY_Q2_K:
                 new = Q.Q4_K if hp.n_gqa >= 4 else Q.Q3_K
+            elif f == FT.MOSTLY_Q2_K_S and hp.n_gqa >= 4:
+                new = Q.Q4_K
             elif f == FT.MOSTLY_Q3_K_M:
                 new = Q.Q5_K if self.i_wv < 2 else Q.Q4_K
             elif f == FT.MOSTLY_Q3_K_L:
@@ -194,6 +202,8 @@ class _Chooser:
             i, n = self._layer(self.i_down, t.name)
             if f == FT.MOSTLY_Q2_K:
                 new = Q.Q3_K
+            elif f == FT.MOSTLY_Q2_K_S:
+                new = Q.Q4_K if i < n // 8 else new
             elif f == FT.MOSTLY_Q3_K_M:
                 new = Q.Q5_K if i < n // 16 else Q.Q4_K
             elif f == FT.MOSTLY_Q3_K_L:
@@ -237,6 +247,15 @@ def choose_types(file_type: str, hp: Hparams, tensors: Sequence[TensorInfo]) -> 
         t = by_name[name]
         types[name] = chooser.choose(t) if quantizable(name, t.shape) else t.lossless
     return types
+
+
+def requires_imatrix(file_type: str, name: str, new_type: GGMLQuantizationType) -> bool:
+    """Whether the tool refuses to make this tensor without importance weights: in a Q2_K_S file, the
+    Q2_K tensors other than the embedding and the output (the IQ1/IQ2/IQ3_XXS types, which specconv
+    does not encode, always)."""
+    if name in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"):
+        return False
+    return new_type == Q.Q2_K and file_type == "q2_k_s"
 
 
 def requantized_kv(kv: Sequence[MetaKV]) -> list[MetaKV]:
