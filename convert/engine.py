@@ -29,6 +29,7 @@ from . import kv as kvmod
 from .checkpoint import CheckpointReader, read_config
 from .naming import output_names
 from .outtype import KQuantFileType, choose_storage, file_type, lossless_type, nbytes, resolve_outtype, type_label
+from .imatrix import imatrix_plan
 from .ladder import LadderPlan, is_ladder, ladder_calls, plan_ladder
 from .pipeline import OrderedPool, default_workers
 from .quant_rules import Hparams, TensorInfo, choose_types, ggml_shape, loader_order, requantized_kv
@@ -53,6 +54,7 @@ class ConvertRequest:
     target: Path | None = None  # the target model folder of a draft head (EAGLE-3)
     mtp_outtype: str | None = None  # K-quant files: the MTP / nextn tensors' type instead of the tool's
     target_layers: tuple[int, ...] | None = None  # --target-layers: a head's target layers (layer inputs)
+    imatrix: object = None  # --imatrix: a loaded convert.imatrix.Imatrix, used by K-quant files
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class PlannedTensor:
     nbytes: int
     note: str = ""
     file_shape: tuple[int, ...] | None = None  # as written in the file, when not the plan's shape
+    weights: object = field(default=None, compare=False, repr=False)  # importance weights (--imatrix)
 
     @property
     def name(self) -> str:
@@ -177,7 +180,7 @@ def _plan(req: ConvertRequest, reader: CheckpointReader, tool_order: bool = Fals
         if isinstance(mtp_type, KQuantFileType):
             raise SpecconvError(f"--mtp-outtype {req.mtp_outtype}: choose f32, f16, bf16, q8_0 or q4_0 (a K-quant "
                                 "file type is a rule set for a whole file)")
-        planned, selected = _kquant_types(outtype, plugin, k, planned, selected, mtp_type)
+        planned, selected = _kquant_types(outtype, plugin, k, planned, selected, mtp_type, req.imatrix)
     labels = {kind: kvmod.parameter_label((t.name, tuple(t.plan.shape)) for t in ts) for kind, ts in selected.items()}
     model_kind = next((kind for kind in kinds if kind != "sidecar"), None)
     names = output_names(req.out, want_model=model_kind is not None, want_sidecar="sidecar" in kinds, meta=meta,
@@ -189,7 +192,7 @@ def _plan(req: ConvertRequest, reader: CheckpointReader, tool_order: bool = Fals
         arch_kv = kvmod.with_file_type(plugin.gguf_arch, plugin.metadata(keep_mtp), file_type(outtype))
         kv = kvmod.general_kv(meta, labels[kind]) + arch_kv + tok_kv
         if isinstance(outtype, KQuantFileType):
-            kv = requantized_kv(kv)
+            kv = requantized_kv(kv) + (req.imatrix.kv() if req.imatrix is not None else [])
         path = names.sidecar if kind == "sidecar" else names.model
         output = GgufOutput(path, plugin.gguf_arch, kv, [t.entry() for t in selected[kind]], req.split_max_size)
         files.append(PlannedFile(kind, output, selected[kind]))
@@ -200,7 +203,8 @@ def _plan(req: ConvertRequest, reader: CheckpointReader, tool_order: bool = Fals
 
 
 def _kquant_types(outtype: KQuantFileType, plugin, k: int, planned: list[PlannedTensor],
-                  selected: dict[str, list[PlannedTensor]], mtp_type: GGMLQuantizationType | None = None):
+                  selected: dict[str, list[PlannedTensor]], mtp_type: GGMLQuantizationType | None = None,
+                  imatrix=None):
     """Each file's tensor types as llama.cpp's quantize gives them from our lossless file, and every
     tensor in that tool's order and with its shape (no trailing ggml sizes of 1: [64, 1] is written
     [64]) (convert/quant_rules.py). A tensor in two files (`separate`: the
@@ -223,8 +227,12 @@ def _kquant_types(outtype: KQuantFileType, plugin, k: int, planned: list[Planned
             # the trunk's types are unchanged (the counters still see the MTP block)
             choice = choose_storage(t.name, tuple(t.plan.shape), mtp_type, t.plan.force_type)
             ggml_type, note = choice.ggml_type, choice.note or f"{choice.ggml_type.name} by --mtp-outtype"
+            return PlannedTensor(t.plan, ggml_type, nbytes(tuple(t.plan.shape), ggml_type), note,
+                                 ggml_shape(tuple(t.plan.shape)))  # the converter's bytes: no imatrix
+        weights = imatrix_plan(outtype.key, imatrix, [(t.name, tuple(t.plan.shape), ggml_type)]) \
+            if ggml_type != t.ggml_type else {}  # what the tool quantizes (convert/imatrix.py)
         return PlannedTensor(t.plan, ggml_type, nbytes(tuple(t.plan.shape), ggml_type), note,
-                             ggml_shape(tuple(t.plan.shape)))
+                             ggml_shape(tuple(t.plan.shape)), weights.get(t.name))
 
     rank = {name: i for i, name in enumerate(loader_order([t.name for t in planned]))}
     planned = sorted((retyped(t) for t in planned), key=lambda t: rank[t.name])
@@ -258,6 +266,6 @@ def run_conversion(plan: ConversionPlan | LadderPlan, overwrite: bool = False,
         for i, (t, outputs) in enumerate(calls):
             if i + 1 < len(calls):
                 sources.prefetch(calls[i + 1][0].plan)  # the OS reads ahead while this one is encoded
-            stream_tensor(t.plan, t.ggml_type, t.nbytes, sources, outputs, pool, buffers, on_tensor)
+            stream_tensor(t.plan, t.ggml_type, t.nbytes, sources, outputs, pool, buffers, on_tensor, t.weights)
     return [p for f in plan.files for p in f.output.final_paths]
 

@@ -125,7 +125,8 @@ class Buffers:
 
 
 def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, outputs: Sequence[GgufOutput],
-                  pool: OrderedPool, buffers: Buffers, on_bytes: Callable[[str, int], None] | None = None) -> None:
+                  pool: OrderedPool, buffers: Buffers, on_bytes: Callable[[str, int], None] | None = None,
+                  weights: np.ndarray | None = None) -> None:
     """Queue the encoding and writing of one tensor into every output that holds it.
 
     Each chunk is read, encoded and written at its place in every file by the worker that took it;
@@ -151,6 +152,8 @@ def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, ou
             raise SpecconvError(f"internal: {name} came out as {list(values.shape)}, planned {list(plan.shape)}")
         data = encode_integer(values, ggml_type)
         pool.submit(lambda: _write(places, 0, data), written)
+    elif weights is not None:  # --imatrix: whole rows, each knowing its row number (convert/imatrix.py)
+        _stream_weighted(plan, ggml_type, nbytes, sources, places, pool, written, weights)
     else:
         chunks = [flat[start:start + CHUNK] for run in output_runs(plan, sources)
                   for flat in [run.reshape(-1)] for start in range(0, flat.size, CHUNK)]
@@ -160,6 +163,32 @@ def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, ou
         for chunk, offset in zip(chunks, offsets):
             pool.submit(_encoder(sources.reader, chunk, ggml_type, buffers, places, offset), written)
     pool.after(finish)
+
+
+def _stream_weighted(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, places, pool: OrderedPool, written,
+                     weights: np.ndarray) -> None:
+    """Chunks of whole rows encoded with importance weights; a 3-D tensor's rows use their expert's slice."""
+    from .imatrix import encode_weighted_run
+
+    row = int(plan.shape[-1])
+    rows_per_group = int(plan.shape[-2])
+    step = max(row, CHUNK // row * row)
+    element = offset = 0
+    for run in output_runs(plan, sources):
+        flat = run.reshape(-1)
+        if flat.size % row:
+            raise SpecconvError(f"internal: {plan.name} streams a run of {flat.size} values, not whole rows of {row}")
+        for start in range(0, flat.size, step):
+            chunk = flat[start:start + step]
+
+            def job(chunk=chunk, offset=offset, first=(element + start) // row) -> int:
+                return _write(places, offset, encode_weighted_run(np.ascontiguousarray(chunk), ggml_type, weights, row,
+                                                                  rows_per_group, first))
+            pool.submit(job, written)
+            offset += encoded_size(chunk.size, ggml_type)
+        element += flat.size
+    if offset != nbytes:
+        raise SpecconvError(f"internal: {plan.name} encodes to {offset} bytes, planned {nbytes}")
 
 
 def _write(places: Sequence[tuple[GgufOutput, Place]], offset: int, data: np.ndarray) -> int:

@@ -22,26 +22,29 @@ OUTTYPE_HELP = (
     "Storage type of the weight matrices: f32, f16, bf16, q8_0, q4_0, or auto (bf16 for a bf16 checkpoint, "
     "else f16). Norms, 1-D tensors, routers, conv kernels and biases are always F32; q8_0/q4_0 fall back to "
     "F16 for tensors whose rows are not a multiple of 32. "
-    "K-quants (q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k; any case) write in one "
+    "K-quants (q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k, and q2_k_s with --imatrix; any "
+    "case) write in one "
     "pass what llama.cpp's quantize tool makes of our lossless file (f32, or bf16/f16 from such a checkpoint): "
     "its type for every tensor (more bits for attention-V and FFN-down layers, output and embedding rules, "
     "MoE, GQA and row-length fallbacks; MTP/nextn layers counted as the last layers) and its bytes, tensor "
-    "order and KV. No importance matrix (imatrix) is used, as the tool without --imatrix. "
+    "order and KV; with --imatrix, its weighted bytes as with llama-quantize --imatrix (q2_k_s needs one). "
     "Several types separated by commas (e.g. q8_0,q6_k,q4_k_m) write one file per type in one run, "
     "named from -o with the type inserted (NAME-Q8_0.gguf ...).")
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
-            "q5_k_s", "q5_k_m", "q6_k", "auto")
+            "q5_k_s", "q5_k_m", "q6_k", "q2_k_s", "auto")
+KQUANT_OUTTYPES = OUTTYPES[5:15]
 
 
 def _outtypes(value: str) -> str:
-    """One type, or several separated by commas (a ladder written in one run); any case."""
+    """One type, or several separated by commas (a ladder written in one run); any case. Types that
+    need an importance matrix are checked against --imatrix in the command."""
+    from specconv.commands.quantize import check_file_type
+
     types = [t.strip().lower() for t in value.split(",")]
+    for t in types:
+        check_file_type(t, True, "'--outtype'")  # IQ / TQ types: not supported yet
     bad = [t for t in types if t not in OUTTYPES]
-    if bad and (bad[0].startswith("iq") or bad[0] in ("q2_k_s", "tq1_0", "tq2_0")):
-        raise click.BadParameter(f"{bad[0]!r}: not supported. llama.cpp's quantize refuses IQ1/IQ2/IQ3_XXS and "
-                                 "Q2_K_S without an importance matrix, which specconv does not take (no --imatrix), "
-                                 "and specconv has no encoder for the other IQ and TQ types", param_hint="'--outtype'")
     if bad:
         raise click.BadParameter(f"{bad[0]!r} is not one of {', '.join(OUTTYPES)}", param_hint="'--outtype'")
     return ",".join(types)
@@ -82,6 +85,12 @@ def parse_layers(text: str) -> tuple[int, ...]:
 @click.option("--mtp-outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0"], case_sensitive=False),
               default=None, help="With a K-quant --outtype: store the MTP / nextn block's matrices at this type "
                                  "instead (e.g. q8_0), the trunk keeping llama.cpp's K-quant types.")
+@click.option("--imatrix", "imatrix_file", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
+              metavar="FILE", help="With a K-quant --outtype: llama.cpp's importance matrix (llama-imatrix's GGUF or "
+                                   "legacy .dat file); each quantized tensor with an entry is encoded with its weights "
+                                   "as llama-quantize --imatrix does (same bytes; experts use their own slice), and "
+                                   "the file records quantize.imatrix.* keys. Required for q2_k_s. Matrices kept at "
+                                   "--mtp-outtype and non-K-quant files of a ladder are written without it.")
 @click.option("--mtp", "mtp_mode", type=click.Choice(["embed", "none", "only", "separate"]), default="embed",
               show_default=True, help=MTP_HELP)
 @click.option("--split-max-size", metavar="SIZE", default=None,
@@ -107,8 +116,8 @@ def parse_layers(text: str) -> tuple[int, ...]:
                    "work while others wait on the disk; 1: no worker threads). "
                    "The output is the same bytes whatever the number.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (or the --dry-run plan) as JSON on stdout.")
-def command(src, out, outtype, mtp_outtype, mtp_mode, split_max_size, target, target_layers, dry_run, force, threads,
-            as_json):
+def command(src, out, outtype, mtp_outtype, imatrix_file, mtp_mode, split_max_size, target, target_layers, dry_run,
+            force, threads, as_json):
     """Convert the checkpoint folder SRC (config.json, safetensors, tokenizer) to GGUF.
 
     Files are written under temporary names and renamed only when complete; on any error or Ctrl-C
@@ -118,10 +127,23 @@ def command(src, out, outtype, mtp_outtype, mtp_mode, split_max_size, target, ta
     from specconv.convert.engine import ConvertRequest, plan_conversion
     from specconv.convert.plan_report import plan_summary
 
+    from specconv.commands.quantize import check_file_type
+
+    types = outtype.split(",")
+    for t in types:
+        check_file_type(t, imatrix_file is not None, "'--outtype'")  # q2_k_s without --imatrix
+    if imatrix_file is not None and not any(t in KQUANT_OUTTYPES for t in types):
+        raise click.BadParameter("--imatrix weighs K-quant files (q2_k ... q6_k); --outtype names none",
+                                 param_hint="'--imatrix'")
+    imatrix = None
+    if imatrix_file is not None:
+        from specconv.convert.imatrix import load as load_imatrix
+
+        imatrix = load_imatrix(imatrix_file)
     req = ConvertRequest(src=Path(src), out=out, outtype=outtype.lower(), mtp=MtpMode(mtp_mode),
                          split_max_size=parse_size(split_max_size) if split_max_size is not None else 0, target=target,
                          target_layers=parse_layers(target_layers) if target_layers is not None else None,
-                         mtp_outtype=mtp_outtype.lower() if mtp_outtype else None)
+                         mtp_outtype=mtp_outtype.lower() if mtp_outtype else None, imatrix=imatrix)
     plan = plan_conversion(req)
     try:
         summary = plan_summary(plan, tensors=dry_run)
