@@ -21,32 +21,19 @@ from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field, text_config
+from .base import Checkpoint, MetaKV, Role, config_field, text_config
+from .chained_mtp import ChainedMtpPlugin, check_stated_count, trunk_indexed_mtp_count
 from .errors import SpecconvError
 from .nextn_moe import _TOWERS, MoeHparams, parse_moe_hparams
-from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name
+from .plan_tools import RolePlan, add_swiglu, plan_experts, text_model_name
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # transformers' HYV3Config defaults for the behavioural fields a config.json may leave out
 DEFAULTS: Mapping[str, Any] = {"num_shared_experts": 1, "router_scaling_factor": 2.826, "rms_norm_eps": 1e-5,
                                "max_position_embeddings": 131072, "attention_bias": False, "route_norm": True}
 
 
-def _mtp_layer_count(checkpoint: Checkpoint, n_layer: int) -> int:
-    seen = set()
-    for name in checkpoint.tensors:
-        m = _LAYER.match(name)
-        if m and int(m.group(1)) >= n_layer:
-            seen.add(int(m.group(1)) - n_layer)
-    k = max(seen) + 1 if seen else 0
-    if seen and sorted(seen) != list(range(k)):
-        raise SpecconvError(f"checkpoint holds MTP layers {sorted(i + n_layer for i in seen)}, not a contiguous run "
-                            f"from layer {n_layer}")
-    return k
-
-
 @register
-class HyV3(ArchPlugin):
+class HyV3(ChainedMtpPlugin):
     hf_architectures = ("HYV3ForCausalLM",)
     family: ClassVar[str] = "hy_v3"
     tokenizer_model: ClassVar[str] = "gpt2"
@@ -63,14 +50,9 @@ class HyV3(ArchPlugin):
         n = tc.get("num_hidden_layers")
         if not isinstance(n, int) or n <= 0:
             raise SpecconvError("config.json: 'num_hidden_layers' must be a positive integer")
-        self.k = _mtp_layer_count(checkpoint, n)
-        configured = tc.get("num_nextn_predict_layers")
-        if configured is not None and self.k and configured != self.k:
-            raise SpecconvError(f"config.json says num_nextn_predict_layers={configured}, but the checkpoint holds "
-                                f"{self.k} MTP layer(s) (model.layers.{n}..{n + self.k - 1})")
-        if configured and not self.k:
-            self.missing_mtp = (f"config.json says num_nextn_predict_layers={configured}, but the checkpoint holds no "
-                                f"model.layers.{n}.* tensors")
+        self.k = trunk_indexed_mtp_count(checkpoint, n)
+        check_stated_count(self, tc.get("num_nextn_predict_layers"), self.k, f"model.layers.{n}..{n + self.k - 1}",
+                           f"model.layers.{n}.*")
         self.moe_layers = {i for i in range(n + self.k) if f"model.layers.{i}.mlp.router.gate.weight" in checkpoint.tensors}
         types = tc.get("mlp_layer_types")
         if isinstance(types, list) and len(types) >= n:
@@ -84,6 +66,9 @@ class HyV3(ArchPlugin):
                   "norm_topk_prob": tc.get("route_norm", True), "first_k_dense_replace": first_dense,
                   "num_nextn_predict_layers": self.k, "n_group": None, "topk_group": None}
         self.hp: MoeHparams = parse_moe_hparams(checkpoint.config, mapped, "hy_v3")
+        hp = self.hp
+        self.n, self.hidden, self.vocab, self.ffn = hp.n_layer, hp.hidden, hp.vocab, hp.ffn
+        self.tied = hp.tie_embeddings
         self.n_head_kv = int(tc.get("num_key_value_heads") or self.hp.n_head)
         self.head_dim = int(tc.get("head_dim") or self.hp.hidden // self.hp.n_head)
         self.has_head_dim = tc.get("head_dim") is not None
@@ -102,46 +87,10 @@ class HyV3(ArchPlugin):
             return (None, "MTP layer's copy of the embedding / LM head (the trunk's are used, as vLLM does)")
         return name
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.n_layer
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return self.k
-
-    def vocab_size(self) -> int:
-        return embedding_rows(self.checkpoint)
-
     # ------------------------------------------------------------------ tensors
 
-    def tensor_plan(self) -> list[TensorPlan]:
-        hp, plan = self.hp, RolePlan(self.checkpoint.tensors)
-        H, V = hp.hidden, hp.vocab
-        plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
-        for i in range(hp.n_layer + self.k):
-            role = Role.TRUNK if i < hp.n_layer else Role.MTP
-            p = f"model.layers.{i}."
-            if role == Role.MTP:
-                plan.add(names.nextn(i, names.NEXTN_EH_PROJ), [plan.source(p + "eh_proj.weight", (H, 2 * H))],
-                         (H, 2 * H), role)  # embedding half first, as in vLLM and llama.cpp
-                self._norm(plan, names.nextn(i, names.NEXTN_ENORM), p + "enorm.weight", role)
-                self._norm(plan, names.nextn(i, names.NEXTN_HNORM), p + "hnorm.weight", role)
-                self._norm(plan, names.nextn(i, names.NEXTN_SHARED_HEAD_NORM), p + "final_layernorm.weight", role)
-            self._norm(plan, names.blk(i, "attn_norm"), p + "input_layernorm.weight", role)
-            self._attention(plan, i, p + "self_attn.", role)
-            self._norm(plan, names.blk(i, "ffn_norm"), p + "post_attention_layernorm.weight", role)
-            if i in self.moe_layers:
-                self._moe(plan, i, p + "mlp.", role)
-            else:
-                add_swiglu(plan, i, p + "mlp.", hp.ffn, H, role)
-        self._norm(plan, names.OUTPUT_NORM, "model.norm.weight", Role.SHARED)
-        add_output_head(plan, hp.tie_embeddings, V, H)
-        return plan.finish(self.gguf_arch)
-
-    def _norm(self, plan: RolePlan, gguf_name: str, hf: str, role: Role, width: int | None = None) -> None:
-        w = self.hp.hidden if width is None else width
-        plan.add(gguf_name, [plan.source(hf, (w,))], (w,), role, tf.identity, True)
+    def _mtp_head(self, plan: RolePlan, i: int, p: str, role: Role) -> None:
+        self._norm(plan, names.nextn(i, names.NEXTN_SHARED_HEAD_NORM), p + "final_layernorm.weight", role)
 
     def _attention(self, plan: RolePlan, bid: int, a: str, role: Role) -> None:
         H, hd = self.hp.hidden, self.head_dim
@@ -152,8 +101,8 @@ class HyV3(ArchPlugin):
         self._norm(plan, names.blk(bid, "attn_q_norm"), a + "q_norm.weight", role, hd)
         self._norm(plan, names.blk(bid, "attn_k_norm"), a + "k_norm.weight", role, hd)
 
-    def _moe(self, plan: RolePlan, bid: int, m: str, role: Role) -> None:
-        hp = self.hp
+    def _moe(self, plan: RolePlan, bid: int, p: str, role: Role) -> None:
+        hp, m = self.hp, p + "mlp."
         H, E = hp.hidden, hp.n_expert
         plan.add(names.blk(bid, "ffn_gate_inp"), [plan.source(m + "router.gate.weight", (E, H))], (E, H), role,
                  tf.identity, True)
@@ -168,12 +117,10 @@ class HyV3(ArchPlugin):
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         """In the order of llama.cpp's converter (TextModel's keys, then HYV3Model's)."""
-        hp, arch = self.hp, self.gguf_arch
+        hp = self.hp
         u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
         kv: list[MetaKV] = []
-
-        def put(fmt: str, value: Any, vtype: GGUFValueType) -> None:
-            kv.append(MetaKV(fmt.format(arch=arch), value, vtype))
+        put = self._putter(kv)
 
         put(Keys.LLM.BLOCK_COUNT, hp.n_layer + (self.k if keep_mtp else 0), u32)
         put(Keys.LLM.CONTEXT_LENGTH, hp.context_length, u32)

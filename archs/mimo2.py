@@ -22,16 +22,17 @@ config.json is read as the release writes it: transformers 5.23's MiMoV2FlashCon
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, text_config
+from .base import Checkpoint, MetaKV, Role, text_config
+from .chained_mtp import ChainedMtpPlugin, check_stated_count, config_reader
 from .errors import SpecconvError
-from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name
+from .plan_tools import RolePlan, plan_experts, text_model_name
 
 _MTP = re.compile(r"^model\.mtp\.layers\.(\d+)\.(.+)$")
 _TOWERS = ("visual.", "model.visual.", "audio_tokenizer.", "model.audio_tokenizer.", "speech_embeddings.")
@@ -42,7 +43,7 @@ def concat_rows(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 @register
-class MiMo2(ArchPlugin):
+class MiMo2(ChainedMtpPlugin):
     hf_architectures = ("MiMoV2FlashForCausalLM",)
     family: ClassVar[str] = "mimo2"
     tokenizer_model: ClassVar[str] = "gpt2"
@@ -51,24 +52,13 @@ class MiMo2(ArchPlugin):
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
         tc = self.tc = dict(text_config(checkpoint.config))
-
-        def req(*keys: str, default=None):
-            for key in keys:
-                if tc.get(key) is not None:
-                    return tc[key]
-            if default is None:
-                raise SpecconvError(f"config.json lacks '{keys[0]}', needed for a mimo2 model")
-            return default
-
+        req = config_reader(tc, "mimo2")
         self.n = int(req("num_hidden_layers"))
         seen = {int(m.group(1)) for m in map(_MTP.match, checkpoint.tensors) if m}
         self.k = max(seen) + 1 if seen else 0
         if seen and sorted(seen) != list(range(self.k)):
             raise SpecconvError(f"checkpoint holds MTP layers model.mtp.layers.{sorted(seen)}, not 0..{self.k - 1}")
-        stated = tc.get("num_nextn_predict_layers")
-        if stated is not None and self.k and stated != self.k:
-            raise SpecconvError(f"config.json says num_nextn_predict_layers={stated}, but the checkpoint holds "
-                                f"{self.k} MTP layer(s) (model.mtp.layers.*)")
+        check_stated_count(self, tc.get("num_nextn_predict_layers"), self.k, "model.mtp.layers.*")
         self.hidden, self.vocab, self.ffn = int(req("hidden_size")), int(req("vocab_size")), int(req("intermediate_size"))
         self.n_head = int(req("num_attention_heads"))
         self.n_kv = int(req("num_key_value_heads"))
@@ -130,50 +120,19 @@ class MiMo2(ArchPlugin):
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
         return text_model_name(raw_name, _TOWERS, "vision / audio tower (belongs in a separate mmproj file)")
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.n
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return self.k
-
-    def vocab_size(self) -> int:
-        return embedding_rows(self.checkpoint)
-
     # ------------------------------------------------------------------ tensors
 
-    def tensor_plan(self) -> list[TensorPlan]:
-        plan = RolePlan(self.checkpoint.tensors)
-        H, V = self.hidden, self.vocab
-        plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
-        for i in range(self.n + self.k):
-            mtp = i >= self.n
-            role = Role.MTP if mtp else Role.TRUNK
-            p = f"model.mtp.layers.{i - self.n}." if mtp else f"model.layers.{i}."
-            if mtp:
-                plan.add(names.nextn(i, names.NEXTN_EH_PROJ), [plan.source(p + "eh_proj.weight", (H, 2 * H))],
-                         (H, 2 * H), role)
-                self._norm(plan, names.nextn(i, names.NEXTN_ENORM), p + "enorm.weight", role)
-                self._norm(plan, names.nextn(i, names.NEXTN_HNORM), p + "hnorm.weight", role)
-                self._norm(plan, names.blk(i, "layer_output_norm"), p + "final_layernorm.weight", role)
-            self._norm(plan, names.blk(i, "attn_norm"), p + "input_layernorm.weight", role)
-            self._attention(plan, i, p + "self_attn.", role, mtp)
-            self._norm(plan, names.blk(i, "ffn_norm"), p + ("pre_mlp_layernorm" if mtp else "post_attention_layernorm")
-                       + ".weight", role)
-            if i in self.moe_layers:
-                self._moe(plan, i, p + "mlp.", role)
-            else:
-                add_swiglu(plan, i, p + "mlp.", self.ffn, H, role)
-        self._norm(plan, names.OUTPUT_NORM, "model.norm.weight", Role.SHARED)
-        add_output_head(plan, self.tied, V, H)
-        return plan.finish(self.gguf_arch)
+    def _prefix(self, i: int) -> str:
+        return f"model.mtp.layers.{i - self.n}." if i >= self.n else f"model.layers.{i}."
 
-    def _norm(self, plan: RolePlan, gguf_name: str, hf: str, role: Role) -> None:
-        plan.add(gguf_name, [plan.source(hf, (self.hidden,))], (self.hidden,), role, tf.identity, True)
+    def _ffn_norm_source(self, i: int) -> str:
+        return "pre_mlp_layernorm" if i >= self.n else "post_attention_layernorm"
 
-    def _attention(self, plan: RolePlan, i: int, a: str, role: Role, mtp: bool) -> None:
-        H = self.hidden
+    def _mtp_head(self, plan: RolePlan, i: int, p: str, role: Role) -> None:
+        self._norm(plan, names.blk(i, "layer_output_norm"), p + "final_layernorm.weight", role)
+
+    def _attention(self, plan: RolePlan, i: int, a: str, role: Role) -> None:
+        H, mtp = self.hidden, i >= self.n
         swa = mtp or self.swa[i]  # the MTP blocks are sliding-window blocks (vLLM's MiMoV2MTPLayer)
         kv = self.n_kv_swa if swa else self.n_kv
         q_rows, k_rows, v_rows = self.n_head * self.hd, kv * self.hd, kv * self.vhd
@@ -191,8 +150,8 @@ class MiMo2(ArchPlugin):
             plan.add(names.blk(i, "attn_sinks"), [plan.source(a + "attention_sink_bias", (self.n_head,))],
                      (self.n_head,), role, tf.identity, True)
 
-    def _moe(self, plan: RolePlan, i: int, m: str, role: Role) -> None:
-        H, E = self.hidden, self.n_expert
+    def _moe(self, plan: RolePlan, i: int, p: str, role: Role) -> None:
+        H, E, m = self.hidden, self.n_expert, p + "mlp."
         plan.add(names.blk(i, "ffn_gate_inp"), [plan.source(m + "gate.weight", (E, H))], (E, H), role, tf.identity, True)
         plan.add(names.blk(i, "exp_probs_b", "bias"), [plan.source(m + "gate.e_score_correction_bias", (E,))], (E,),
                  role, tf.identity, True)
@@ -204,15 +163,13 @@ class MiMo2(ArchPlugin):
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         """In the order of llama.cpp's converter (TextModel's keys, where MimoV2Model's later writes of
         the same key keep their first place, then MimoV2Model's own); integer arrays as it writes them."""
-        arch, tc = self.gguf_arch, self.tc
+        tc = self.tc
         u32, i32, f32 = GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.FLOAT32
         arr = GGUFValueType.ARRAY
         k = self.k if keep_mtp else 0
         pattern = self.swa + [1] * k
         kv: list[MetaKV] = []
-
-        def put(fmt: str, value: Any, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> None:
-            kv.append(MetaKV(fmt.format(arch=arch), value, vtype, sub))
+        put = self._putter(kv)
 
         put(Keys.LLM.BLOCK_COUNT, self.n + k, u32)
         put(Keys.LLM.CONTEXT_LENGTH, int(tc.get("max_position_embeddings", 4096)), u32)

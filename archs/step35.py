@@ -25,10 +25,10 @@ from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, text_config
+from .base import Checkpoint, MetaKV, Role, text_config
+from .chained_mtp import ChainedMtpPlugin, check_stated_count, config_reader, trunk_indexed_mtp_count
 from .errors import SpecconvError
-from .hy_v3 import _mtp_layer_count
-from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, text_model_name
+from .plan_tools import RolePlan, add_swiglu, text_model_name
 
 _TOWERS = ("vision_model.", "model.vision_model.", "vit_large_projector.", "model.multi_modal_projector.")
 FULL, SWA = "full_attention", "sliding_attention"
@@ -54,34 +54,23 @@ def _layer_list(cfg: Mapping[str, Any], key: str, n: int, default, what: str) ->
 
 
 @register
-class Step35(ArchPlugin):
+class Step35(ChainedMtpPlugin):
     hf_architectures = ("Step3p5ForCausalLM", "Step3p7ForConditionalGeneration")
     family: ClassVar[str] = "step35"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "deepseek-v3"
+    norm_transform: ClassVar = staticmethod(plus_one)  # every RMSNorm is Gemma-style: 1 + w
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
         tc = dict(text_config(checkpoint.config))
         self.tc = tc
-
-        def req(*keys: str, default=None):
-            for key in keys:
-                if tc.get(key) is not None:
-                    return tc[key]
-            if default is None:
-                raise SpecconvError(f"config.json lacks '{keys[0]}', needed for a step35 model")
-            return default
-
+        req = config_reader(tc, "step35")
         self.n = int(req("num_hidden_layers"))
-        self.k = _mtp_layer_count(checkpoint, self.n)
+        self.k = trunk_indexed_mtp_count(checkpoint, self.n)
         configured = tc.get("num_nextn_predict_layers", tc.get("num_mtp_layers"))
-        if configured is not None and self.k and configured != self.k:
-            raise SpecconvError(f"config.json says num_nextn_predict_layers={configured}, but the checkpoint holds "
-                                f"{self.k} MTP layer(s) (model.layers.{self.n}..{self.n + self.k - 1})")
-        if configured and not self.k:
-            self.missing_mtp = (f"config.json says num_nextn_predict_layers={configured}, but the checkpoint holds no "
-                                f"model.layers.{self.n}.* tensors")
+        check_stated_count(self, configured, self.k, f"model.layers.{self.n}..{self.n + self.k - 1}",
+                           f"model.layers.{self.n}.*")
         self.n_meta = int(configured or 0)  # llama.cpp sizes its per-layer arrays by N + the stated count
         total = self.n + self.k
         self.hidden, self.vocab = int(req("hidden_size")), int(req("vocab_size"))
@@ -173,51 +162,15 @@ class Step35(ArchPlugin):
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
         return text_model_name(raw_name, _TOWERS, "vision tower (belongs in a separate mmproj file)")
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.n
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return self.k
-
-    def vocab_size(self) -> int:
-        return embedding_rows(self.checkpoint)
-
     # ------------------------------------------------------------------ tensors
 
-    def tensor_plan(self) -> list[TensorPlan]:
-        plan = RolePlan(self.checkpoint.tensors)
-        H, V = self.hidden, self.vocab
-        plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
-        for i in range(self.n + self.k):
-            role = Role.TRUNK if i < self.n else Role.MTP
-            p = f"model.layers.{i}."
-            if role == Role.MTP:
-                plan.add(names.nextn(i, names.NEXTN_EH_PROJ), [plan.source(p + "eh_proj.weight", (H, 2 * H))],
-                         (H, 2 * H), role)
-                self._norm(plan, names.nextn(i, names.NEXTN_ENORM), p + "enorm.weight", role)
-                self._norm(plan, names.nextn(i, names.NEXTN_HNORM), p + "hnorm.weight", role)
-                self._norm(plan, names.nextn(i, names.NEXTN_SHARED_HEAD_NORM), p + "transformer.shared_head.norm.weight",
-                           role)
-                for hf, part in (("transformer.shared_head.output", names.NEXTN_SHARED_HEAD_HEAD),
-                                 ("embed_tokens", names.NEXTN_EMBED_TOKENS)):
-                    if plan.has(f"{p}{hf}.weight"):  # llama.cpp prefers a block's own copies when present
-                        plan.add(names.nextn(i, part), [plan.source(f"{p}{hf}.weight", (V, H))], (V, H), role)
-            self._norm(plan, names.blk(i, "attn_norm"), p + "input_layernorm.weight", role)
-            self._attention(plan, i, p + "self_attn.", role)
-            self._norm(plan, names.blk(i, "ffn_norm"), p + "post_attention_layernorm.weight", role)
-            if i in self.moe_layers:
-                self._moe(plan, i, p, role)
-            else:
-                add_swiglu(plan, i, p + "mlp.", self.ffn, H, role)
-        self._norm(plan, names.OUTPUT_NORM, "model.norm.weight", Role.SHARED)
-        add_output_head(plan, self.tied, V, H)
-        return plan.finish(self.gguf_arch)
-
-    def _norm(self, plan: RolePlan, gguf_name: str, hf: str, role: Role, width: int | None = None) -> None:
-        w = self.hidden if width is None else width
-        plan.add(gguf_name, [plan.source(hf, (w,))], (w,), role, plus_one, True)  # Gemma-style 1 + w
+    def _mtp_head(self, plan: RolePlan, i: int, p: str, role: Role) -> None:
+        V, H = self.vocab, self.hidden
+        self._norm(plan, names.nextn(i, names.NEXTN_SHARED_HEAD_NORM), p + "transformer.shared_head.norm.weight", role)
+        for hf, part in (("transformer.shared_head.output", names.NEXTN_SHARED_HEAD_HEAD),
+                         ("embed_tokens", names.NEXTN_EMBED_TOKENS)):
+            if plan.has(f"{p}{hf}.weight"):  # llama.cpp prefers a block's own copies when present
+                plan.add(names.nextn(i, part), [plan.source(f"{p}{hf}.weight", (V, H))], (V, H), role)
 
     def _attention(self, plan: RolePlan, i: int, a: str, role: Role) -> None:
         H, hd = self.hidden, self.head_dim
@@ -248,14 +201,12 @@ class Step35(ArchPlugin):
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         """In the order of llama.cpp's converter (TextModel's keys, where Step35Model's later
         writes of the same key keep their first place, then Step35Model's own)."""
-        arch, tc = self.gguf_arch, self.tc
+        tc = self.tc
         u32, f32, b = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
         arr = GGUFValueType.ARRAY
         total = self.n + (self.n_meta if keep_mtp else 0)
         kv: list[MetaKV] = []
-
-        def put(fmt: str, value: Any, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> None:
-            kv.append(MetaKV(fmt.format(arch=arch), value, vtype, sub))
+        put = self._putter(kv)
 
         types = _layer_list({"t": self.layer_types}, "t", total, FULL, "")
         put(Keys.LLM.BLOCK_COUNT, self.n + (self.k if keep_mtp else 0), u32)

@@ -12,7 +12,7 @@ MTP: blocks n_layer.. (`HParams.mtp_block`): eh_proj·[enorm(E[x]); hnorm(h)], t
 block, z = (nextn.shared_head_norm | layer_output_norm | output_norm)(y), logits = output(z).
 Which rows are fed (TARGET_HIDDEN) and chained (CHAIN_HIDDEN): the post-norm ones, as the release
 does in vLLM (its MTP layer returns final_layernorm(h)); llama.cpp's mimo2 graphs use the pre-norm
-states for both (docs/mtp.md §Chained MTP heads).
+states for both (docs/mtp.md §Chained MTP heads). Shared with the other chained-MTP graphs: chained.py.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from typing import Any, Mapping
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs import chained
 from specconv.runtime.graphs import moe_sigmoid as ms
-from specconv.runtime.graphs.decoder import forward_trunk, nextn_input, output_head
-from specconv.runtime.graphs.ops import acc, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
-from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.graphs.decoder import nextn_input, output_head
+from specconv.runtime.graphs.ops import acc, linear, rms_norm, rope_cos_sin, rope_neox_partial
+from specconv.runtime.memory import Batch
 from specconv.runtime.placement import on_layer_device
 
 OPTIONAL = ("output.weight",)
@@ -40,11 +41,7 @@ _OPT = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_sinks", "ffn_gate", "ffn
 
 
 @dataclass
-class HParams:
-    arch: str
-    n_layer: int
-    n_nextn: int
-    n_embd: int
+class HParams(chained.ChainedHParams):
     n_head: int
     n_kvs: list[int]
     hd_k: int
@@ -54,15 +51,10 @@ class HParams:
     n_rot: int
     base: float
     base_swa: float
-    eps: float
     v_scale: float
-    n_expert_used: int
-    n_group: int = 1
     n_group_used: int = 1
     weights_norm: bool = True  # llama.cpp's mimo2 always renormalises and never scales
     weights_scale: float = 1.0
-    gating: int = ms.GATING_SIGMOID
-    mtp_block: int = 0
 
     @property
     def n_head_kv(self) -> list[int]:
@@ -81,17 +73,8 @@ class HParams:
         # no check_kv here yet: runtime/validate.py wants one head_count_kv value for mimo2, which llama.cpp
         # reads per block (get_key_or_arr); every key is checked below
         arch, get = ms.kv_getter(kv)
-        total, n_nextn = get("block_count"), get("nextn_predict_layers", 0)
-        if n_nextn > total:
-            raise SpecconvError(f"{arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({total})")
-
-        def per_layer(key: str, default=None) -> list:
-            v = get(key, default, required=default is None)
-            v = list(v) if isinstance(v, (list, tuple)) else [v] * total
-            if len(v) < total:
-                raise SpecconvError(f"{arch}.{key} has {len(v)} entries for {total} blocks")
-            return v[:total]
-
+        total, n_nextn = chained.block_counts(arch, get)
+        per_layer = chained.per_layer_reader(arch, get, total)
         n_head, hd_k = get("attention.head_count"), get("attention.key_length")
         kvs = [int(x) for x in per_layer("attention.head_count_kv")]
         for i, h in enumerate(kvs):
@@ -119,66 +102,18 @@ def _optional(i: int) -> list[str]:
     return [f"blk.{i}.{n}.weight" for n in _OPT] + [f"blk.{i}.exp_probs_b.bias"]
 
 
-def main_tensors(hp: HParams) -> list[str]:
-    return ["token_embd.weight", "output_norm.weight"] + [n for i in range(hp.n_layer) for n in _names(i)]
-
-
-def optional_main_tensors(hp: HParams) -> list[str]:
-    return [n for i in range(hp.n_layer) for n in _optional(i)]
-
-
-def mtp_tensors(hp: HParams) -> list[str]:
-    names = ["token_embd.weight", "output_norm.weight"]
-    for i in range(hp.n_layer, hp.n_layer + hp.n_nextn):
-        names += _names(i) + [f"blk.{i}.nextn.{x}.weight" for x in ms.NEXTN_REQUIRED]
-    return names
-
-
-def optional_mtp_tensors(hp: HParams) -> list[str]:
-    return [n for i in range(hp.n_layer, hp.n_layer + hp.n_nextn)
-            for n in _optional(i) + [f"blk.{i}.nextn.{x}.weight" for x in ms.NEXTN_OPTIONAL]]
+main_tensors, optional_main_tensors, mtp_tensors, optional_mtp_tensors = chained.tensor_lists(_names, _optional)
 
 
 def keep_float32(name: str) -> bool:
     return ms.keep_float32(name) or name.endswith("attn_sinks.weight")
 
 
-def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    layers = list(range(hp.n_layer))
-    return MemoryLayout(attn_layers=layers, n_head_kv=hp.n_kvs[0], head_dim=hp.cell_width, rec_layers=[],
-                        layer_shapes={i: (hp.n_kvs[i], hp.cell_width) for i in layers})
-
-
-def mtp_block_id(hp: HParams) -> int:
-    if not 0 <= hp.mtp_block < max(hp.n_nextn, 1):
-        raise SpecconvError(f"{hp.arch}: MTP block {hp.mtp_block} out of range (the file has {hp.n_nextn})")
-    return hp.n_layer + hp.mtp_block
-
-
-def mtp_layout(hp: HParams) -> MemoryLayout:
-    i = mtp_block_id(hp)
-    return MemoryLayout(attn_layers=[i], n_head_kv=hp.n_kvs[i], head_dim=hp.cell_width, rec_layers=[],
-                        layer_shapes={i: (hp.n_kvs[i], hp.cell_width)})
+main_layout, mtp_layout = chained.layouts(lambda hp: hp.cell_width)
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
-
-
-def _attend(q, k, v, q_pos, k_pos, scale: float, window: int, sinks) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,thd->hnt", acc(q), acc(k)) * scale
-    dist = q_pos[:, None] - k_pos[None, :]
-    visible = (dist >= 0) & (dist < window) if window > 0 else dist >= 0
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    if sinks is not None:  # one more logit per head; its probability mass is dropped
-        sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hnt,thd->nhd", probs, acc(v)).to(q.dtype)
 
 
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
@@ -195,30 +130,14 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     W = hp.cell_width
     k_all, v_all, k_pos = batch.attend_kv(i, _pad(k, W), _pad(v, W))
     sinks = w.get(p + "attn_sinks.weight")
-    o = _attend(q, k_all[..., :hp.hd_k], v_all[..., :hp.hd_v], batch.positions, k_pos, hp.hd_k ** -0.5,
+    o = chained.attend(q, k_all[..., :hp.hd_k], v_all[..., :hp.hd_v], batch.positions, k_pos, hp.hd_k ** -0.5,
                 hp.n_swa if hp.swa[i] else 0, None if sinks is None else acc(sinks))
     out = linear(o.reshape(n, nh * hp.hd_v), w[p + "attn_output.weight"])
     return out if hp.v_scale == 1.0 else (acc(out) * hp.v_scale).to(out.dtype)
 
 
 def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
-    p = f"blk.{i}."
-    if p + "ffn_gate_inp.weight" not in w:
-        if p + "ffn_gate.weight" not in w:
-            raise SpecconvError(f"{hp.arch}: block {i} has neither a router (ffn_gate_inp) nor a dense FFN (ffn_gate)")
-        return swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
-    weights, chosen = ms.route(x, w[p + "ffn_gate_inp.weight"], w[p + "exp_probs_b.bias"], hp)
-    gate_e, up_e, down_e = (w[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down"))
-    out = torch.zeros(x.shape[0], down_e.shape[1], dtype=weights.dtype, device=x.device)
-    for e in torch.unique(chosen).tolist():
-        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        out.index_add_(0, rows, acc(swiglu(x[rows], gate_e[e], up_e[e], down_e[e])) * weights[rows, slot][:, None])
-    return out.to(x.dtype)
-
-
-def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
-    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope)
-    return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
+    return chained.ffn(w, hp, i, x, "exp_probs_b.bias", shared=False)
 
 
 def _rope(hp: HParams, batch: Batch):
@@ -226,16 +145,12 @@ def _rope(hp: HParams, batch: Batch):
                           rope_cos_sin(batch.positions, hp.n_rot, hp.base_swa, dtype))
 
 
-def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
-                 want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
-    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits, _rope(hp, batch),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))
+forward_main, _ = chained.forwards(_rope, attention, ffn)  # its MTP head ends differently: _mtp
 
 
 def _mtp(w, hp: HParams, i: int, tokens, hidden_in, batch: Batch):
     x = nextn_input(w, i, hp.eps, tokens, hidden_in)
-    y = _block(w, hp, i, x, batch, _rope(hp, batch)(acc(x).dtype))
+    y = chained.block(w, hp, i, x, batch, _rope(hp, batch)(acc(x).dtype), attention, ffn)
     p = f"blk.{i}."
     norm = w.get(p + "nextn.shared_head_norm.weight", w.get(p + "layer_output_norm.weight", w["output_norm.weight"]))
     z = rms_norm(y, norm, hp.eps)
@@ -244,6 +159,6 @@ def _mtp(w, hp: HParams, i: int, tokens, hidden_in, batch: Batch):
 
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
     """MTP block `hp.mtp_block`: (logits, z = normed output, chained; y = pre-norm output)."""
-    i = mtp_block_id(hp)
+    i = chained.mtp_block_id(hp)
     # the MTP blocks and the head sit on the last device of a placement
     return on_layer_device(w, i, lambda t, h: _mtp(w, hp, i, t, h, batch), tokens, hidden_in)

@@ -11,22 +11,23 @@ of the routed experts is clamped by `swiglu_clamp_exp[i]`, every other SwiGLU by
 `swiglu_clamp_shexp[i]` (silu(g) ≤ L, |u| ≤ L; 0 = none) -> residual. All norms hold 1 + w already.
 MTP: blocks n_layer..n_layer+k-1 (`HParams.mtp_block`); the target passes its *pre-norm* hidden
 state (llama.cpp's `h_nextn`), and each block passes its pre-norm output y to the next (CHAIN_HIDDEN);
-logits = shared_head_head(shared_head_norm(y)).
+logits = shared_head_head(shared_head_norm(y)). Shared with the other chained-MTP graphs: chained.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs import chained
 from specconv.runtime.graphs import moe_sigmoid as ms
-from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, linear, rms_norm, rope_cos_sin, rope_neox_partial
-from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.memory import Batch
 
 OPTIONAL = ("output.weight",)
 MULTI_DEVICE = True  # runs through decoder.forward_trunk / forward_nextn
@@ -40,11 +41,7 @@ _FFN_OPT = ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "ffn_gate_exps", "
 
 
 @dataclass
-class HParams:
-    arch: str
-    n_layer: int
-    n_nextn: int
-    n_embd: int
+class HParams(chained.ChainedHParams):
     head_dim: int
     n_heads: list[int]
     n_kvs: list[int]
@@ -54,15 +51,10 @@ class HParams:
     n_rot_swa: int
     base_full: float
     base_swa: float
-    eps: float
-    n_expert_used: int
     weights_scale: float
     weights_norm: bool
     clamp_exp: list[float] = field(default_factory=list)
     clamp_shexp: list[float] = field(default_factory=list)
-    gating: int = ms.GATING_SIGMOID
-    n_group: int = 1
-    mtp_block: int = 0
 
     @property
     def n_head(self) -> int:  # the first block's, for the shared load-time checks (each block is checked here)
@@ -77,17 +69,8 @@ class HParams:
         # no check_kv here yet: runtime/validate.py types attention.head_count as a scalar, and step35
         # writes it per block (llama.cpp reads it with get_key_or_arr); every key is checked below
         arch, get = ms.kv_getter(kv)
-        total, n_nextn = get("block_count"), get("nextn_predict_layers", 0)
-        if n_nextn > total:
-            raise SpecconvError(f"{arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({total})")
-
-        def per_layer(key: str, default=None) -> list:
-            v = get(key, default, required=default is None)
-            v = list(v) if isinstance(v, (list, tuple)) else [v] * total
-            if len(v) < total:
-                raise SpecconvError(f"{arch}.{key} has {len(v)} entries for {total} blocks")
-            return v[:total]
-
+        total, n_nextn = chained.block_counts(arch, get)
+        per_layer = chained.per_layer_reader(arch, get, total)
         head_dim = get("attention.key_length")
         if get("attention.value_length", head_dim, required=False) != head_dim:
             raise SpecconvError(f"{arch}: attention.key_length != value_length")
@@ -97,9 +80,7 @@ class HParams:
                 raise SpecconvError(f"{arch}: block {i} has {h} heads, not a multiple of {k} KV heads")
         n_rot = get("rope.dimension_count", head_dim, required=False)
         base = float(get("rope.freq_base", 10000.0, required=False))
-        gating = get("expert_gating_func", ms.GATING_SIGMOID, required=False)
-        if gating not in (ms.GATING_SOFTMAX, ms.GATING_SIGMOID):
-            raise SpecconvError(f"{arch}.expert_gating_func is {gating}; supported: softmax (1), sigmoid (2)")
+        gating = chained.gating(arch, get)
         return cls(arch=arch, n_layer=total - n_nextn, n_nextn=n_nextn, n_embd=get("embedding_length"),
                    head_dim=head_dim, n_heads=[int(x) for x in n_heads], n_kvs=[int(x) for x in n_kvs],
                    swa=[bool(x) for x in per_layer("attention.sliding_window_pattern", False)],
@@ -122,57 +103,11 @@ def _optional(i: int) -> list[str]:
     return [f"blk.{i}.{n}.weight" for n in _ATTN_OPT + _FFN_OPT] + [f"blk.{i}.exp_probs_b.bias"]
 
 
-def main_tensors(hp: HParams) -> list[str]:
-    return ["token_embd.weight", "output_norm.weight"] + [n for i in range(hp.n_layer) for n in _block_names(i)]
-
-
-def optional_main_tensors(hp: HParams) -> list[str]:
-    return [n for i in range(hp.n_layer) for n in _optional(i)]
-
-
-def mtp_tensors(hp: HParams) -> list[str]:
-    names = ["token_embd.weight", "output_norm.weight"]
-    for i in range(hp.n_layer, hp.n_layer + hp.n_nextn):
-        names += _block_names(i) + [f"blk.{i}.nextn.{x}.weight" for x in ms.NEXTN_REQUIRED]
-    return names
-
-
-def optional_mtp_tensors(hp: HParams) -> list[str]:
-    return [n for i in range(hp.n_layer, hp.n_layer + hp.n_nextn)
-            for n in _optional(i) + [f"blk.{i}.nextn.{x}.weight" for x in ms.NEXTN_OPTIONAL]]
-
-
+main_tensors, optional_main_tensors, mtp_tensors, optional_mtp_tensors = chained.tensor_lists(_block_names, _optional)
 keep_float32 = ms.keep_float32
 
 
-def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    layers = list(range(hp.n_layer))
-    return MemoryLayout(attn_layers=layers, n_head_kv=hp.n_kvs[0], head_dim=hp.head_dim, rec_layers=[],
-                        layer_shapes={i: (hp.n_kvs[i], hp.head_dim) for i in layers})
-
-
-def mtp_block_id(hp: HParams) -> int:
-    if not 0 <= hp.mtp_block < max(hp.n_nextn, 1):
-        raise SpecconvError(f"{hp.arch}: MTP block {hp.mtp_block} out of range (the file has {hp.n_nextn})")
-    return hp.n_layer + hp.mtp_block
-
-
-def mtp_layout(hp: HParams) -> MemoryLayout:
-    i = mtp_block_id(hp)
-    return MemoryLayout(attn_layers=[i], n_head_kv=hp.n_kvs[i], head_dim=hp.head_dim, rec_layers=[],
-                        layer_shapes={i: (hp.n_kvs[i], hp.head_dim)})
-
-
-def _attend(q, k, v, q_pos, k_pos, scale: float, window: int) -> torch.Tensor:
-    """softmax(q·kᵀ·scale) v, key visible iff 0 ≤ q_pos - k_pos (< window when window > 0); GQA."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,thd->hnt", acc(q), acc(k)) * scale
-    dist = q_pos[:, None] - k_pos[None, :]
-    visible = (dist >= 0) & (dist < window) if window > 0 else dist >= 0
-    probs = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)
-    return torch.einsum("hnt,thd->nhd", probs, acc(v)).to(q.dtype)
+main_layout, mtp_layout = chained.layouts(lambda hp: hp.head_dim)
 
 
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
@@ -188,7 +123,7 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     cos, sin = rope[1] if hp.swa[i] else rope[0]
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
     k_all, v_all, k_pos = batch.attend_kv(i, k, v)
-    o = _attend(q, k_all, v_all, batch.positions, k_pos, hd ** -0.5, hp.n_swa if hp.swa[i] else 0)
+    o = chained.attend(q, k_all, v_all, batch.positions, k_pos, hd ** -0.5, hp.n_swa if hp.swa[i] else 0)
     if p + "attn_gate.weight" in w:  # head-wise gate on each head's output
         o = (acc(o) * torch.sigmoid(acc(linear(a, w[p + "attn_gate.weight"])))[..., None]).to(o.dtype)
     return linear(o.reshape(n, nh * hd), w[p + "attn_output.weight"])
@@ -202,27 +137,8 @@ def swiglu_clamped(x: torch.Tensor, gate, up, down, limit: float) -> torch.Tenso
 
 
 def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
-    p = f"blk.{i}."
-    if p + "ffn_gate_inp.weight" not in w:
-        if p + "ffn_gate.weight" not in w:
-            raise SpecconvError(f"{hp.arch}: block {i} has neither a router (ffn_gate_inp) nor a dense FFN (ffn_gate)")
-        return swiglu_clamped(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"],
-                              hp.clamp_shexp[i])
-    weights, chosen = ms.route(x, w[p + "ffn_gate_inp.weight"], w[p + "exp_probs_b.bias"], hp)
-    gate_e, up_e, down_e = (w[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down"))
-    out = torch.zeros(x.shape[0], down_e.shape[1], dtype=weights.dtype, device=x.device)
-    for e in torch.unique(chosen).tolist():
-        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        y = swiglu_clamped(x[rows], gate_e[e], up_e[e], down_e[e], hp.clamp_exp[i])
-        out.index_add_(0, rows, acc(y) * weights[rows, slot][:, None])
-    shared = swiglu_clamped(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
-                            w[p + "ffn_down_shexp.weight"], hp.clamp_shexp[i])
-    return (out + acc(shared)).to(x.dtype)
-
-
-def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
-    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope)
-    return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
+    return chained.ffn(w, hp, i, x, "exp_probs_b.bias", partial(swiglu_clamped, limit=hp.clamp_shexp[i]),
+                       partial(swiglu_clamped, limit=hp.clamp_exp[i]))
 
 
 def _rope(hp: HParams, batch: Batch):
@@ -230,14 +146,4 @@ def _rope(hp: HParams, batch: Batch):
                           rope_cos_sin(batch.positions, hp.n_rot_swa, hp.base_swa, dtype))
 
 
-def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
-                 want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
-    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits, _rope(hp, batch),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))
-
-
-def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
-    """MTP block `hp.mtp_block`: (logits, z = shared_head_norm(y), y = pre-norm output, chained)."""
-    return forward_nextn(w, mtp_block_id(hp), hp.eps, tokens, hidden_in, _rope(hp, batch),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))
+forward_main, forward_mtp = chained.forwards(_rope, attention, ffn)

@@ -1,0 +1,191 @@
+"""Pieces the chained-MTP graphs share (hy_v3, step35, mimo2; docs/mtp.md §Chained MTP heads).
+
+Each of those graphs keeps what is its own (hyperparameters, attention, rope); the rest is written
+once here: reading the block counts, the tensor lists (trunk blocks, then k MTP blocks with their
+nextn inputs), the KV-cache layouts, which MTP block a context runs (`hp.mtp_block`), a windowed
+attention with optional sinks, the dense-or-routed SwiGLU FFN, the pre-norm residual block, and the
+trunk / MTP forwards through decoder.py (so multi-device placement comes with them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs import moe_sigmoid as ms
+from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
+from specconv.runtime.graphs.ops import acc, rms_norm, swiglu
+from specconv.runtime.memory import Batch, MemoryLayout
+
+Names = Callable[[int], list[str]]
+
+
+@dataclass(kw_only=True)
+class ChainedHParams:
+    """The fields every chained-MTP graph reads (keyword-only, so each graph's own fields follow)."""
+    arch: str
+    n_layer: int
+    n_nextn: int
+    n_embd: int
+    eps: float
+    n_expert_used: int
+    gating: int = ms.GATING_SIGMOID
+    n_group: int = 1
+    mtp_block: int = 0  # which MTP block an MTP context runs (0..n_nextn-1; runtime/drafters/mtp.py)
+
+
+# ---- metadata ------------------------------------------------------------------------------------------------
+
+def block_counts(arch: str, get: Callable[..., Any]) -> tuple[int, int]:
+    """(block_count, nextn_predict_layers): the trunk has block_count - nextn_predict_layers blocks."""
+    total, n_nextn = get("block_count"), get("nextn_predict_layers", 0)
+    if n_nextn > total:
+        raise SpecconvError(f"{arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({total})")
+    return total, n_nextn
+
+
+def per_layer_reader(arch: str, get: Callable[..., Any], total: int) -> Callable[..., list]:
+    """read(key, default): a per-block key as a list of `total` entries (a scalar applies to every block,
+    as llama.cpp's get_key_or_arr reads it); required when no default is given."""
+    def read(key: str, default=None) -> list:
+        v = get(key, default, required=default is None)
+        v = list(v) if isinstance(v, (list, tuple)) else [v] * total
+        if len(v) < total:
+            raise SpecconvError(f"{arch}.{key} has {len(v)} entries for {total} blocks")
+        return v[:total]
+
+    return read
+
+
+def gating(arch: str, get: Callable[..., Any]) -> int:
+    value = get("expert_gating_func", ms.GATING_SIGMOID, required=False)
+    if value not in (ms.GATING_SOFTMAX, ms.GATING_SIGMOID):
+        raise SpecconvError(f"{arch}.expert_gating_func is {value}; supported: softmax (1), sigmoid (2)")
+    return value
+
+
+# ---- tensors and caches -------------------------------------------------------------------------------------
+
+def tensor_lists(required: Names, optional: Names):
+    """(main_tensors, optional_main_tensors, mtp_tensors, optional_mtp_tensors) of a graph whose blocks
+    need `required(i)` and may hold `optional(i)`; each MTP block adds its nextn inputs and head."""
+    shared = ["token_embd.weight", "output_norm.weight"]
+
+    def main_tensors(hp) -> list[str]:
+        return shared + [n for i in range(hp.n_layer) for n in required(i)]
+
+    def optional_main_tensors(hp) -> list[str]:
+        return [n for i in range(hp.n_layer) for n in optional(i)]
+
+    def mtp_tensors(hp) -> list[str]:
+        names = list(shared)
+        for i in _mtp_blocks(hp):
+            names += required(i) + [f"blk.{i}.nextn.{x}.weight" for x in ms.NEXTN_REQUIRED]
+        return names
+
+    def optional_mtp_tensors(hp) -> list[str]:
+        return [n for i in _mtp_blocks(hp)
+                for n in optional(i) + [f"blk.{i}.nextn.{x}.weight" for x in ms.NEXTN_OPTIONAL]]
+
+    return main_tensors, optional_main_tensors, mtp_tensors, optional_mtp_tensors
+
+
+def _mtp_blocks(hp) -> range:
+    return range(hp.n_layer, hp.n_layer + hp.n_nextn)
+
+
+def mtp_block_id(hp) -> int:
+    """The block an MTP context runs: n_layer + hp.mtp_block (runtime/drafters/mtp.py sets mtp_block)."""
+    if not 0 <= hp.mtp_block < max(hp.n_nextn, 1):
+        raise SpecconvError(f"{hp.arch}: MTP block {hp.mtp_block} out of range (the file has {hp.n_nextn})")
+    return hp.n_layer + hp.mtp_block
+
+
+def _layout(layers: list[int], n_head_kv: int | list[int], width: int) -> MemoryLayout:
+    if isinstance(n_head_kv, list):  # KV heads per block: each layer's cells get their own shape
+        return MemoryLayout(attn_layers=layers, n_head_kv=n_head_kv[layers[0] if layers else 0], head_dim=width,
+                            rec_layers=[], layer_shapes={i: (n_head_kv[i], width) for i in layers})
+    return MemoryLayout(attn_layers=layers, n_head_kv=n_head_kv, head_dim=width, rec_layers=[])
+
+
+def layouts(width: Callable[[Any], int]):
+    """(main_layout, mtp_layout) of a graph whose KV cells are `width(hp)` wide."""
+    def main_layout(hp, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
+        return _layout(list(range(hp.n_layer)), hp.n_head_kv, width(hp))
+
+    def mtp_layout(hp) -> MemoryLayout:
+        return _layout([mtp_block_id(hp)], hp.n_head_kv, width(hp))
+
+    return main_layout, mtp_layout
+
+
+# ---- compute ------------------------------------------------------------------------------------------------
+
+def attend(q, k, v, q_pos, k_pos, scale: float, window: int, sinks=None) -> torch.Tensor:
+    """softmax(q·kᵀ·scale) v with GQA; a key is visible iff 0 ≤ q_pos - k_pos (< window when window > 0).
+    `sinks` [heads]: one more logit per head whose probability mass is dropped (attention sinks)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,thd->hnt", acc(q), acc(k)) * scale
+    dist = q_pos[:, None] - k_pos[None, :]
+    visible = (dist >= 0) & (dist < window) if window > 0 else dist >= 0
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hnt,thd->nhd", probs, acc(v)).to(q.dtype)
+
+
+def ffn(w, hp, i: int, x: torch.Tensor, bias: str, dense=swiglu, expert=swiglu, shared: bool = True) -> torch.Tensor:
+    """A dense SwiGLU (blocks without `ffn_gate_inp`) or the routed experts (ms.route, selection bias
+    `blk.i.<bias>`) plus, when `shared`, the always-on shared expert. `dense(x, gate, up, down)` runs the
+    dense and shared SwiGLUs, `expert(...)` each routed one (step35 clamps them differently)."""
+    p = f"blk.{i}."
+    if p + "ffn_gate_inp.weight" not in w:
+        if p + "ffn_gate.weight" not in w:
+            raise SpecconvError(f"{hp.arch}: block {i} has neither a router (ffn_gate_inp) nor a dense FFN (ffn_gate)")
+        return dense(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+    weights, chosen = ms.route(x, w[p + "ffn_gate_inp.weight"], w[p + bias], hp)
+    gate_e, up_e, down_e = (w[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down"))
+    out = torch.zeros(x.shape[0], down_e.shape[1], dtype=weights.dtype, device=x.device)
+    for e in torch.unique(chosen).tolist():
+        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+        out.index_add_(0, rows, acc(expert(x[rows], gate_e[e], up_e[e], down_e[e])) * weights[rows, slot][:, None])
+    if shared:
+        out = out + acc(dense(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+                              w[p + "ffn_down_shexp.weight"]))
+    return out.to(x.dtype)
+
+
+# attention(w, hp, i, a, batch, rope) / ffn(w, hp, i, x): a graph's own halves of a block
+Attention = Callable[..., torch.Tensor]
+Ffn = Callable[..., torch.Tensor]
+
+
+def block(w, hp, i: int, h: torch.Tensor, batch: Batch, rope, attention: Attention, ffn_: Ffn) -> torch.Tensor:
+    """Pre-norm residual block: h + attention(attn_norm(h)), then + ffn(ffn_norm(h))."""
+    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope)
+    return h + ffn_(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
+
+
+def forwards(make_rope: Callable[[Any, Batch], Callable], attention: Attention, ffn_: Ffn):
+    """(forward_main, forward_mtp) of a graph made of `block`s; `make_rope(hp, batch)(dtype)` builds its
+    rope tables. The MTP forward runs block `hp.mtp_block` through decoder.forward_nextn:
+    (logits, z = shared_head_norm(y), y = the block's pre-norm output)."""
+    def forward_main(w, hp, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
+                     want_logits: torch.Tensor | None):
+        """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
+        return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits, make_rope(hp, batch),
+                             lambda i, h, rope: block(w, hp, i, h, batch, rope, attention, ffn_))
+
+    def forward_mtp(w, hp, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
+        return forward_nextn(w, mtp_block_id(hp), hp.eps, tokens, hidden_in, make_rope(hp, batch),
+                             lambda i, h, rope: block(w, hp, i, h, batch, rope, attention, ffn_))
+
+    return forward_main, forward_mtp
