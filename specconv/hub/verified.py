@@ -95,15 +95,17 @@ def match_reports(reports: list[VerifyReport], artifacts: list, warnings: list[s
             raise SpecconvError(f"{target.report.source} and {report.source} both verify {target.sources[0].name}; "
                                 "give one report per file")
         target.report = report
-        mtp = report.files.get("mtp")
-        if mtp:
-            sidecar = _find(mtp["path"], sidecars, report_dir)
-            if sidecar is None:
-                warnings.append(f"{report.source} verified {target.sources[0].name} with the sidecar "
-                                f"{Path(mtp['path']).name}, which is not part of this upload")
+        for role in ("mtp", "draft"):  # the sidecar or draft head it ran with: the same bytes as uploaded
+            recorded = report.files.get(role)
+            if not recorded:
+                continue
+            draft = _find(recorded["path"], sidecars, report_dir)
+            if draft is None:
+                warnings.append(f"{report.source} verified {target.sources[0].name} with "
+                                f"{Path(recorded['path']).name}, which is not part of this upload")
             else:
-                _check_same_bytes(report, mtp, sidecar, digests)
-                sidecar.verified_with = target.name
+                _check_same_bytes(report, recorded, draft, digests)
+                draft.verified_with = target.name
     return {p: bytes.fromhex(d) for p, d in digests.items()}
 
 
