@@ -219,7 +219,7 @@ def check_arch_hparams(hp, kv: Mapping[str, Any]) -> None:
             raise SpecconvError(f"{a}: expert_feed_forward_length and expert_shared_feed_forward_length are needed")
         if not hp.is_moe and not hp.n_ff:
             raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
-    if a in ("glm4moe", "deepseek2"):
+    if a in ("glm4moe", "deepseek2", "glm-dsa", "deepseek32"):
         if hp.n_dense_lead > block_count:
             raise SpecconvError(f"{a}.leading_dense_block_count {hp.n_dense_lead} exceeds block_count {block_count}")
         if hp.n_expert < 1 or not 1 <= hp.n_expert_used <= hp.n_expert:
@@ -229,7 +229,7 @@ def check_arch_hparams(hp, kv: Mapping[str, Any]) -> None:
                                or hp.n_expert_used > hp.n_group_used * (hp.n_expert // hp.n_group)):
             raise SpecconvError(f"{a}: {hp.n_group} expert groups ({hp.n_group_used} used) of {hp.n_expert} experts "
                                 f"cannot give {hp.n_expert_used} experts (and need 2 per group)")
-    if a == "deepseek2":
+    if a in ("deepseek2", "glm-dsa", "deepseek32"):
         if hp.dn < 1 or hp.dr % 2:
             raise SpecconvError(f"{a}: attention.key_length_mla {hp.dn + hp.dr} must exceed an even "
                                 f"rope.dimension_count {hp.dr}")
@@ -258,6 +258,8 @@ def check_arch_hparams(hp, kv: Mapping[str, Any]) -> None:
         raise SpecconvError(f"{a}: the feed-forward width is missing or 0")
     if a == "llama" and not hp.n_ff:
         raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
+    if a in _families.ARCH_HPARAMS:
+        _families.ARCH_HPARAMS[a](hp)
 
 
 def _eagle3_values(file, hp, needed) -> None:
@@ -296,3 +298,11 @@ def _gemma4_values(file, hp, needed) -> None:
 
 CHECK_VALUES = {"eagle3": _eagle3_values, "gemma4": _gemma4_values}
 INTEGER_TENSORS = {"eagle3": ("d2t",)}  # the only tensors read as integers
+
+
+# the families added later (hy_v3, step35, mimo2, glm-dsa / deepseek32, dflash); imported last, as it
+# builds on the helpers above
+from specconv.runtime import shapes_families as _families  # noqa: E402
+
+EXPECTED.update(_families.EXPECTED)
+CHECK_VALUES.update(_families.CHECK_VALUES)

@@ -39,7 +39,7 @@ _KEYS: dict[str, tuple[str, float, float]] = {
     "embedding_length_out": ("int", 0, MAX_WIDTH),
     "embedding_length_per_layer_input": ("int", 0, MAX_WIDTH),
     "feed_forward_length": ("ints", 0, MAX_WIDTH),
-    "attention.head_count": ("int", 1, MAX_HEADS),
+    "attention.head_count": ("ints", 1, MAX_HEADS),
     "attention.head_count_kv": ("ints", 1, MAX_HEADS),
     "attention.key_length": ("int", 1, MAX_HEAD_DIM),
     "attention.value_length": ("int", 1, MAX_HEAD_DIM),
@@ -88,9 +88,33 @@ _KEYS: dict[str, tuple[str, float, float]] = {
     "target_hidden_size": ("int", 1, MAX_WIDTH),
     "norm_before_residual": ("bool", 0, 1),
     "norm_before_fc": ("bool", 0, 1),
+    "attention.value_scale": ("float", -1e30, 1e30),
+    "swiglu_clamp_exp": ("floats", 0.0, 1e30),
+    "swiglu_clamp_shexp": ("floats", 0.0, 1e30),
+    "attention.indexer.head_count": ("int", 1, MAX_HEADS),
+    "attention.indexer.key_length": ("int", 1, MAX_HEAD_DIM),
+    "attention.indexer.top_k": ("int", 1, 1 << 40),
+    "attention.indexer.types": ("bools", 0, 1),  # one per trunk block (checked in runtime/graphs/dsa.py)
+    "attention.causal": ("bool", 0, 1),
+    "block_size": ("int", 1, 4096),  # DFlash: tokens drafted per block
+    "conv_kernel_size": ("int", 0, 1024),
+    "conv_group_size": ("int", 0, MAX_WIDTH),
+    "selector_rank": ("int", 0, MAX_WIDTH),
+    "selector_top_k": ("int", 0, 1 << 24),
+    "logit_scale": ("float", -1e30, 1e30),
+    "embedding_scale": ("float", -1e30, 1e30),
 }
-# Graphs that take per-layer lists for these keys; the others need one value.
-_PER_LAYER_ARCHES = {"gemma4", "gemma4-assistant", "qwen35", "qwen35moe"}
+# Keys some graphs take as per-layer lists (llama.cpp's get_key_or_arr), and which graphs; the others
+# need one value. A list has block_count entries (trunk and MTP blocks) unless named in _ANY_LENGTH.
+_PER_LAYER: dict[str, set[str]] = {
+    "attention.head_count": {"step35"},
+    "attention.head_count_kv": {"gemma4", "gemma4-assistant", "qwen35", "qwen35moe", "step35", "mimo2"},
+    "feed_forward_length": {"gemma4", "gemma4-assistant", "qwen35", "qwen35moe"},
+    "swiglu_clamp_exp": {"step35"},
+    "swiglu_clamp_shexp": {"step35"},
+}
+_ANY_LENGTH = {"attention.indexer.types"}
+GLOBAL_INT_KEYS = ("tokenizer.ggml.mask_token_id",)  # read with int() by a graph (DFlash)
 
 
 def _is_int(v: Any) -> bool:
@@ -106,10 +130,10 @@ def _check_value(key: str, v: Any, kind: str, lo: float, hi: float, arch: str) -
         if not (isinstance(v, bool) or (_is_int(v) and v in (0, 1))):
             raise SpecconvError(f"KV {key} must be a boolean, found {v!r}"[:200])
         return
-    if kind in ("bools", "intlist") or (kind == "ints" and isinstance(v, list)):
+    if kind in ("bools", "intlist") or (kind in ("ints", "floats") and isinstance(v, list)):
         if not isinstance(v, list):
             raise SpecconvError(f"KV {key} must be an array, found {type(v).__name__}")
-        if kind == "ints" and arch not in _PER_LAYER_ARCHES:
+        if kind in ("ints", "floats") and arch not in _PER_LAYER.get(key[len(arch) + 1:], ()):
             raise SpecconvError(f"KV {key}: the {arch} graph needs one value, found an array")
         if kind == "bools":
             bad = [x for x in v if not (isinstance(x, bool) or (_is_int(x) and x in (0, 1)))]
@@ -117,7 +141,7 @@ def _check_value(key: str, v: Any, kind: str, lo: float, hi: float, arch: str) -
                 raise SpecconvError(f"KV {key} must be an array of booleans, found {bad[0]!r}"[:200])
             return
         for x in v:
-            _check_value(key, x, "int", lo, hi, arch)
+            _check_value(key, x, "float" if kind == "floats" else "int", lo, hi, arch)
         return
     if kind in ("int", "ints"):
         if not _is_int(v):
@@ -125,7 +149,7 @@ def _check_value(key: str, v: Any, kind: str, lo: float, hi: float, arch: str) -
         if not lo <= v <= hi:
             raise SpecconvError(f"KV {key} = {v} is outside [{int(lo)}, {int(hi)}]")
         return
-    # float
+    # float, floats
     if not (isinstance(v, (int, float)) and not isinstance(v, bool)):
         raise SpecconvError(f"KV {key} must be a number, found {type(v).__name__} {v!r}"[:200])
     if not math.isfinite(v) or not lo <= v <= hi:
@@ -153,13 +177,32 @@ def check_kv(kv: Mapping[str, Any]) -> None:
         raise SpecconvError(f"KV {arch}.leading_dense_block_count {lead} reaches the MTP block {blocks - nextn}")
     for suffix, (kind, _, _) in _KEYS.items():
         v = kv.get(f"{arch}.{suffix}")
-        if kind in ("ints", "bools") and isinstance(v, list) and _is_int(blocks) and len(v) != blocks:
+        if kind in ("ints", "floats", "bools") and isinstance(v, list) and _is_int(blocks) and len(v) != blocks \
+                and suffix not in _ANY_LENGTH:
             raise SpecconvError(f"KV {arch}.{suffix} has {len(v)} entries for block_count {blocks}")
+    _check_heads(kv, arch)
+    for key in GLOBAL_INT_KEYS:
+        if key in kv:
+            _check_value(key, kv[key], "int", 0, (1 << 31) - 1, arch)
+
+
+def _check_heads(kv: Mapping[str, Any], arch: str) -> None:
+    """Query heads a multiple of KV heads, block by block where either is a per-layer array."""
+    heads, kv_heads = kv.get(f"{arch}.attention.head_count"), kv.get(f"{arch}.attention.head_count_kv")
+    if heads is None or kv_heads is None:
+        return
+    n = max(len(v) if isinstance(v, list) else 1 for v in (heads, kv_heads))
+    per_block = [v if isinstance(v, list) else [v] * n for v in (heads, kv_heads)]
+    for i, (h, k) in enumerate(zip(*per_block)):
+        if h % k:
+            where = f" (block {i})" if n > 1 else ""
+            raise SpecconvError(f"KV {arch}.attention.head_count {h} is not a multiple of head_count_kv {k}{where}")
 
 
 def read_hparams(file, graph):
     """`graph.HParams.from_kv(file.kv)`, its errors prefixed with the file's name."""
     try:
+        check_kv(file.kv)  # also for graphs whose from_kv reads per-layer keys itself (step35, mimo2)
         return graph.HParams.from_kv(file.kv)
     except SpecconvError as exc:
         raise SpecconvError(_named(file, str(exc))) from None
@@ -261,11 +304,12 @@ def check_hparams(hp, kv: Mapping[str, Any]) -> None:
 
     if hp.n_layer < 0 or getattr(hp, "n_nextn", 0) < 0:
         raise SpecconvError(f"{hp.arch}: block_count is smaller than nextn_predict_layers")
-    n_head = hp.n_head
     kv_heads = hp.n_head_kv if isinstance(getattr(hp, "n_head_kv", 1), list) else [getattr(hp, "n_head_kv", 1)]
-    for h in kv_heads:
-        if h < 1 or n_head % h:
-            raise SpecconvError(f"{hp.arch}.attention.head_count {n_head} is not a multiple of head_count_kv {h}")
+    heads = getattr(hp, "n_heads", None) or [hp.n_head] * len(kv_heads)  # per block (step35) or one count
+    for i, (n_head, h) in enumerate(zip(heads, kv_heads)):
+        if h < 1 or n_head < 1 or n_head % h:
+            where = f" (block {i})" if len(kv_heads) > 1 else ""
+            raise SpecconvError(f"{hp.arch}.attention.head_count {n_head} is not a multiple of head_count_kv {h}{where}")
     head_dims = hp.head_dim if isinstance(getattr(hp, "head_dim", None), list) else [getattr(hp, "head_dim", None)]
     n_rot = getattr(hp, "n_rot", None)
     if n_rot is not None and head_dims[0] is not None:

@@ -1,7 +1,7 @@
-"""CI smoke run of the GGUF fuzzer (tools/fuzz_gguf.py): a few hundred mutated Qwen3.5 files (embedded
-head, trunk + MTP sidecar) through the runtime pipeline and the tools, each in a forked child under a
-memory cap and a time limit. Bounded: well under 60 s of CPU. The long run's figures are in
-docs/robustness.md."""
+"""CI smoke run of the GGUF fuzzer (tools/fuzz_gguf.py): ten mutated files of every seed
+(tools/fuzz_seeds.py: every family the project writes, with its drafter where it has one) through the
+runtime pipeline and the tools, each in a forked child under a memory cap and a time limit. Bounded:
+under 60 s of CPU, seeds built included. The long run's figures are in docs/robustness.md."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 def test_fuzz_smoke(tmp_path):
     import fuzz_gguf
-    from fuzz_seeds import QUICK
+    from fuzz_seeds import SEEDS
 
     before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    args = fuzz_gguf.build_parser().parse_args(["--seeds", str(tmp_path / "seeds"), "--families", ",".join(QUICK),
-                                                "--cases", "240", "--seed", "7", "--tools-every", "2",
+    args = fuzz_gguf.build_parser().parse_args(["--seeds", str(tmp_path / "seeds"), "--families", ",".join(SEEDS),
+                                                "--cases", str(10 * len(SEEDS)), "--seed", "7", "--tools-every", "4",
                                                 "--time-limit", "20", "--mem-mb", "4096"])
     report = fuzz_gguf.run(args)
     after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -29,4 +29,6 @@ def test_fuzz_smoke(tmp_path):
         t = report["totals"][stage]
         assert t["internal"] == t["hang"] == t["memory"] == 0, report["problems"]
     assert report["totals"]["runtime"]["ok"] > 0 and report["totals"]["runtime"]["clear"] > 0
+    runs = report["by_family"]["runtime"]
+    assert all(sum(runs[f].get(o, 0) for o in fuzz_gguf.OUTCOMES) >= 10 for f in SEEDS), runs
     assert cpu < 60

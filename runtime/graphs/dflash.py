@@ -26,6 +26,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs.ops import acc, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
 from specconv.runtime.memory import Batch, Memory, MemoryLayout
 from specconv.runtime.types import GraphType
+from specconv.runtime.validate import check_kv
 
 KIND = "dflash"
 OPTIONAL = (names.TOKEN_EMBD, names.OUTPUT)
@@ -75,6 +76,7 @@ class HParams:
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
+        check_kv(kv)  # types and ranges first (runtime/validate.py): nothing below calls int() on a string
         arch = kv["general.architecture"]
 
         def get(key, default=None):
