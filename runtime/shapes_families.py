@@ -12,7 +12,15 @@ either a whole dense FFN or a whole routed one, and the routing's top-k and grou
 from __future__ import annotations
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.shapes import Shapes, _common, _nextn, deepseek2
+
+Shapes = dict[str, tuple]
+
+
+def _base():
+    """runtime/shapes.py, which imports this module at its end to register it (so not imported at the top)."""
+    from specconv.runtime import shapes
+
+    return shapes
 
 
 def _ffn(p: str, E: int, i: int, X, bias: str, shared: bool) -> Shapes:
@@ -31,9 +39,9 @@ def _blocks(hp):
 
 
 def _head(hp) -> Shapes:
-    out = _common(hp, hp.n_embd)
+    out = _base()._common(hp, hp.n_embd)
     for n in range(hp.n_layer, hp.n_layer + hp.n_nextn):
-        out.update(_nextn(hp.n_embd, n))
+        out.update(_base()._nextn(hp.n_embd, n))
     return out
 
 
@@ -78,7 +86,7 @@ def mimo2(hp) -> Shapes:
 
 def dsa(hp) -> Shapes:
     """DeepSeek-V2's MLA and MoE shapes plus each full layer's lightning indexer."""
-    out = deepseek2(hp)
+    out = _base().deepseek2(hp)
     E, D, H = hp.n_embd, hp.index_dim, hp.index_heads
     for i in _blocks(hp):
         p = f"blk.{i}.indexer."

@@ -80,6 +80,15 @@ def test_every_graph_has_shape_rules():
     assert not missing, f"graphs without expected tensor shapes in runtime/shapes.py: {missing}"
 
 
+def test_shape_modules_import_in_either_order():
+    import subprocess
+
+    for first in ("shapes_families", "shapes"):
+        code = (f"import specconv.runtime.{first}; from specconv.runtime import shapes; "
+                f"assert {{'hy_v3', 'dflash', 'glm-dsa'}} <= set(shapes.EXPECTED)")
+        subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
 def test_every_loaded_tensor_has_an_expected_shape(tmp_path_factory):
     """Each seed of every family, loaded as the fuzzer runs it: every tensor its graphs need has a
     rule in runtime/shapes.py, and the seed passes them."""
