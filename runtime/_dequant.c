@@ -2,14 +2,24 @@
  * runtime/dequant.py (and gguf.quants), with the GIL released and the blocks of one call split
  * over a few threads. The per-type decoders are in dq_blocks.c.
  *
+ * Threads: torch's own OpenMP pool where it is there. torch's ATen parallel backend is OpenMP
+ * (libgomp bundled with torch), whose entry points are in the process's global namespace once
+ * torch is imported; a split runs as a parallel region on those threads (GOMP_parallel, libgomp's
+ * stable ABI), which are already awake after each torch operation: microseconds, where starting
+ * a pthread per call cost tens, and no fight with torch's spinning threads for the cores. Where
+ * the symbols are absent (another OpenMP runtime, torch not imported) or
+ * SPECCONV_NATIVE_PTHREADS=1, a thread is started per share as before.
+ *
  * Python sees `dequantize(ggml_type, src, nbytes, dst, threads)` and the fused product for decode
  * `dot(...)` (dq_dot.c), taking raw addresses (torch's data_ptr()): runtime/dequant_native.py checks
  * the tensors (CPU, contiguous, dtypes, sizes) before it calls, so this module trusts them. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "dq_blocks.h"
 
@@ -32,14 +42,8 @@ static void *thread_main(void *arg)
     return NULL;
 }
 
-static void run_parallel(work_fn run, const void *ctx, size_t units, int threads)
+static void run_pthreads(work_fn run, const void *ctx, size_t units, int threads)
 {
-    if (threads < 1)
-        threads = 1;
-    if (threads > MAX_THREADS)
-        threads = MAX_THREADS;
-    if ((size_t)threads > units)
-        threads = units ? (int)units : 1;
     job jobs[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
@@ -57,6 +61,70 @@ static void run_parallel(work_fn run, const void *ctx, size_t units, int threads
             pthread_join(ids[t], NULL);
         else
             jobs[t].run(ctx, jobs[t].first, jobs[t].count); /* no thread: do its share here */
+    }
+}
+
+/* libgomp's entry points, looked up once in what the process has loaded (torch's libgomp) */
+typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
+typedef int (*omp_int_fn)(void);
+static struct {
+    pthread_once_t once;
+    gomp_parallel_fn parallel;
+    omp_int_fn thread_num, num_threads;
+} omp = {PTHREAD_ONCE_INIT, NULL, NULL, NULL};
+
+static void omp_resolve(void)
+{
+    gomp_parallel_fn parallel = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+    omp_int_fn thread_num = (omp_int_fn)dlsym(RTLD_DEFAULT, "omp_get_thread_num");
+    omp_int_fn num_threads = (omp_int_fn)dlsym(RTLD_DEFAULT, "omp_get_num_threads");
+    if (parallel && thread_num && num_threads) {
+        omp.parallel = parallel;
+        omp.thread_num = thread_num;
+        omp.num_threads = num_threads;
+    }
+}
+
+/* the OpenMP pool, unless absent or SPECCONV_NATIVE_PTHREADS=1 */
+static int omp_usable(void)
+{
+    pthread_once(&omp.once, omp_resolve);
+    const char *force = getenv("SPECCONV_NATIVE_PTHREADS");
+    return omp.parallel != NULL && !(force != NULL && strcmp(force, "1") == 0);
+}
+
+typedef struct {
+    work_fn run;
+    const void *ctx;
+    size_t units;
+} omp_job;
+
+/* one thread of the team: its share of the units (the team may be smaller than asked) */
+static void omp_main(void *arg)
+{
+    const omp_job *j = (const omp_job *)arg;
+    size_t t = (size_t)omp.thread_num(), n = (size_t)omp.num_threads();
+    size_t share = j->units / n, extra = j->units % n;
+    size_t first = t * share + (t < extra ? t : extra), count = share + (t < extra);
+    if (count)
+        j->run(j->ctx, first, count);
+}
+
+static void run_parallel(work_fn run, const void *ctx, size_t units, int threads)
+{
+    if (threads < 1)
+        threads = 1;
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    if ((size_t)threads > units)
+        threads = units ? (int)units : 1;
+    if (threads == 1) {
+        run(ctx, 0, units);
+    } else if (omp_usable()) {
+        omp_job j = {run, ctx, units};
+        omp.parallel(omp_main, &j, (unsigned)threads, 0);
+    } else {
+        run_pthreads(run, ctx, units, threads);
     }
 }
 
@@ -112,6 +180,10 @@ typedef struct {
 static void dot_work(const void *arg, size_t first, size_t count)
 {
     dot_ctx *c = (dot_ctx *)arg;
+    if (dq_fused(c->type->ggml_type) != NULL) { /* the vector kernels need no row buffer */
+        dq_dot_rows(c->type, c->w, c->row_bytes, first, count, c->n_in, c->x, c->nx, c->out, c->out_stride, NULL);
+        return;
+    }
     float *row = malloc(c->n_in * sizeof(float) + 64);
     if (row == NULL) {
         c->failed = 1;
@@ -157,8 +229,21 @@ static PyObject *fused(PyObject *self, PyObject *args)
     int ggml_type;
     if (!PyArg_ParseTuple(args, "i:fused", &ggml_type))
         return NULL;
-    int fast = dq_accumulate_avx2(ggml_type) != NULL; /* dq_dot_avx2.c, where it runs */
-    return PyBool_FromLong(fast);
+    return PyLong_FromLong(dq_fused_width(ggml_type)); /* dq_dot.c */
+}
+
+static PyObject *decoded(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromSize_t(__atomic_load_n(&dq_values_decoded, __ATOMIC_RELAXED));
+}
+
+static PyObject *pool(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyUnicode_FromString(omp_usable() ? "openmp" : "pthreads");
 }
 
 static PyObject *types(PyObject *self, PyObject *unused)
@@ -192,11 +277,19 @@ static PyMethodDef methods[] = {
      "dot(ggml_type, w, rows, n_in, x, nx, out, out_stride, threads) -> None\n\n"
      "out[j * out_stride + r] = (row r of the `rows` x `n_in` matrix stored as ggml_type at address w)\n"
      ". (x_j, the float32 vector at x + j * n_in) for j < nx: each row dequantized exactly as\n"
-     "dequantize() does, then multiplied in a fixed summation order. Rows split over up to `threads`\n"
+     "dequantize() gives, each block once for all the vectors; float32 sums of their own order\n"
+     "(x @ dense(W)^T within summation noise). Rows split over up to `threads`\n"
      "threads, GIL released. The caller guarantees the addresses."},
     {"fused", fused, METH_VARARGS,
-     "fused(ggml_type) -> bool\n\nWhether dot() has a kernel for this type that computes the values in\n"
-     "registers (AVX2) instead of decoding each row into a buffer first, on this CPU and setting."},
+     "fused(ggml_type) -> int\n\nThe vector width in bits (512: AVX-512, 256: AVX2) of dot()'s kernel for this\n"
+     "type that computes the values in registers, on this CPU and setting; 0 where it decodes each row\n"
+     "into a buffer first (plain C)."},
+    {"decoded", decoded, METH_NOARGS,
+     "decoded() -> int\n\nWeight values dot() has decoded since the module was loaded, all threads together\n"
+     "(each block once per group of up to 9 activation rows)."},
+    {"pool", pool, METH_NOARGS,
+     "pool() -> 'openmp' | 'pthreads'\n\nWhere a split call runs now: torch's OpenMP threads (GOMP_parallel) or a\n"
+     "pthread per share (no OpenMP runtime loaded, or SPECCONV_NATIVE_PTHREADS=1)."},
     {"types", types, METH_NOARGS, "types() -> {ggml_type: (values per block, bytes per block)} covered"},
     {NULL, NULL, 0, NULL},
 };

@@ -7,10 +7,12 @@ the project) or `SPECCONV_NO_NATIVE_DEQUANT=1` (this one only) forces the torch 
 exercise both.
 
 Covered: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, and F16/BF16
-widened to float32, on the CPU. The blocks of one call are split over up to
-`torch.get_num_threads()` threads (C threads, GIL released), but only when every thread gets at
-least `MIN_THREAD_ELEMENTS` values: below that, starting threads costs more than it saves. The
-pieces of a chunked product are always decoded on the calling thread.
+widened to float32, on the CPU. The blocks (or rows) of one call are split over up to
+`torch.get_num_threads()` threads, GIL released, when every thread gets at least
+`min_thread_elements()` values: on torch's own OpenMP threads where the extension finds them
+(runtime/_dequant.c; a split then costs microseconds), else on a pthread started per share
+(`SPECCONV_NATIVE_PTHREADS=1` forces that fallback), which only pays for large calls. The pieces of
+a chunked product are always decoded on the calling thread.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import os
 import torch
 from gguf import GGMLQuantizationType as QType
 
-# Values a thread must get before a call is split: about a millisecond of work, so that starting
-# a thread (tens of microseconds), or waiting for a core, costs little against it. On the shared
-# 2-core machine of docs/runtime.md ("Native dequantization") a second thread never helped: the
-# second core was busy and the thread waited for it (3584 x 1024 Q8_0 fused product: 0.57 ms on
-# one thread, 5.4 ms on two); torch.set_num_threads(1) pins the native code to one thread too.
-MIN_THREAD_ELEMENTS = 1 << 22
+# Values a thread must get before a call is split. On torch's OpenMP pool (awake after each torch
+# operation) entering a parallel region costs a few microseconds: 128 K values (~30 us of fused
+# product on one core) keeps that small while splitting every matrix of a ~1 B model but the
+# smallest (docs/runtime.md, "Native dequantization"). A pthread started per call costs tens of
+# microseconds and then competes with torch's spinning OpenMP threads for the cores: only calls of
+# about a millisecond of work (4 M values) are split that way.
+MIN_THREAD_ELEMENTS = 1 << 17
+MIN_THREAD_ELEMENTS_PTHREADS = 1 << 22
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,17 +84,38 @@ def dequantize(raw: torch.Tensor, qtype: QType, out: torch.Tensor | None = None,
             raise ValueError(f"out must be a contiguous float32 CPU tensor of at least {count} values")
         out = out.view(-1)[:count].view(shape)
     if count:
-        if threads is None:
-            threads = torch.get_num_threads()
-        threads = max(1, min(threads, count // MIN_THREAD_ELEMENTS))
-        _module().dequantize(int(qtype), raw.data_ptr(), raw.numel(), out.data_ptr(), threads)
+        _module().dequantize(int(qtype), raw.data_ptr(), raw.numel(), out.data_ptr(), _split(threads, count))
     return out
 
 
+def thread_pool() -> str | None:
+    """Where a split call runs: "openmp" (torch's OpenMP threads), "pthreads" (a thread started per
+    share), or None without the extension."""
+    return _module().pool() if available() else None
+
+
+def min_thread_elements() -> int:
+    """Values each thread must get before a call is split (MIN_THREAD_ELEMENTS on the OpenMP pool,
+    MIN_THREAD_ELEMENTS_PTHREADS on started threads)."""
+    return MIN_THREAD_ELEMENTS if thread_pool() == "openmp" else MIN_THREAD_ELEMENTS_PTHREADS
+
+
+def _split(threads: int | None, elements: int) -> int:
+    if threads is None:
+        threads = torch.get_num_threads()
+    return max(1, min(threads, elements // min_thread_elements()))
+
+
+def fused_width(qtype: QType) -> int:
+    """The vector width in bits of matmul_t()'s kernel for `qtype` that computes the values in
+    registers (512: AVX-512, 256: AVX2; Q8_0, Q4_K, Q5_K, Q6_K, BF16, F16), 0 where each row is
+    decoded into a buffer first (other types, no AVX2, SPECCONV_NATIVE_PORTABLE=1)."""
+    return _module().fused(int(qtype)) if covers(qtype) else 0
+
+
 def has_fused_kernel(qtype: QType) -> bool:
-    """Whether matmul_t() has a kernel for `qtype` that computes the values in registers (Q8_0, Q4_K,
-    Q5_K, Q6_K, BF16, F16 with AVX2) instead of decoding each row into a buffer first."""
-    return covers(qtype) and _module().fused(int(qtype))
+    """Whether matmul_t() has a vector kernel for `qtype` (fused_width() > 0)."""
+    return fused_width(qtype) > 0
 
 
 def chunk_decoder(qtype: QType, raw: torch.Tensor, buffer: torch.Tensor):
@@ -122,13 +147,15 @@ def chunk_decoder(qtype: QType, raw: torch.Tensor, buffer: torch.Tensor):
 def matmul_t(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n_in: int,
              threads: int | None = None) -> torch.Tensor | None:
     """x @ Wᵀ for a matrix W stored as `qtype` in the uint8 rows `raw` [n_out, row_bytes], fused:
-    each row is dequantized (the values dequantize() gives) into a cache-sized buffer and
-    multiplied at once, so the float32 matrix is never written. float32 [..., n_out], or None where
-    the native path does not apply (extension missing or disabled, type not covered, not float32
-    on the CPU).
+    each block of W is dequantized once (the values dequantize() gives), in registers or a buffer in
+    cache, and multiplied with every row of x (up to 9 at a time: one pass over the weights for a
+    decode step or the check of up to 8 drafts), so the float32 matrix is never written.
+    float32 [..., n_out], or None where the native path does not apply (extension missing or
+    disabled, type not covered, not float32 on the CPU).
 
-    Sums run in a fixed order of their own (16 running sums, no fused multiply-add): the result
-    equals `x @ dense(W).t()` within float32 summation-order noise, not bit for bit."""
+    Sums run in orders of their own (vector lanes, FMA where the CPU has it): the result equals
+    `x @ dense(W).t()` within float32 summation noise, not bit for bit, and the kernels of other
+    widths (fused_width) and thread counts agree with it within the same noise."""
     if (x.dtype != torch.float32 or x.device.type != "cpu" or raw.device.type != "cpu"
             or raw.dtype != torch.uint8 or raw.dim() != 2 or not covers(qtype)):
         return None
@@ -140,9 +167,6 @@ def matmul_t(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n_in: int,
     n_out = raw.shape[0]
     xs = x.reshape(-1, n_in).contiguous()
     out = torch.empty(xs.shape[0], n_out, dtype=torch.float32)
-    if threads is None:
-        threads = torch.get_num_threads()
-    threads = max(1, min(threads, n_out * n_in // MIN_THREAD_ELEMENTS))
     _module().dot(int(qtype), raw.data_ptr(), n_out, n_in, xs.data_ptr(), xs.shape[0], out.data_ptr(), n_out,
-                  threads)
+                  _split(threads, n_out * n_in))
     return out.reshape(*x.shape[:-1], n_out)

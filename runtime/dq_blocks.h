@@ -55,12 +55,21 @@ extern const dq_type dq_types[];
 void dq_dot_rows(const dq_type *type, const uint8_t *w, size_t row_bytes, size_t first, size_t count,
                  size_t n_in, const float *x, size_t nx, float *out, size_t out_stride, float *row);
 
-/* AVX2 fused kernels (dq_dot_avx2.c): acc[k][l] += value i * x_k[i] for the values i = l mod 32 of
- * `units` blocks at s (16-bit floats: runs of 32 values) and the nvec (1 or 2) vectors x_k = x +
- * k * x_stride, the values computed as the decoder computes them; NULL where the type has none,
- * the CPU lacks AVX2 or SPECCONV_NATIVE_PORTABLE=1. */
-typedef void (*dq_accumulate_fn)(const uint8_t *s, const float *x, size_t x_stride, int nvec, size_t units,
-                                 float acc[2][32]);
-dq_accumulate_fn dq_accumulate_avx2(int ggml_type);
+/* A fused kernel (dq_dot_simd.inc): the same contract as dq_dot_rows (without scratch space), the
+ * values computed in vector registers, each weight block decoded once for all nx rows. */
+typedef void (*dq_rows_fn)(const uint8_t *w, size_t row_bytes, size_t first, size_t count, size_t n_in,
+                           const float *x, size_t nx, float *out, size_t out_stride);
+/* The kernel for `ggml_type` at one vector width (dq_dot_avx512.c, dq_dot_avx2.c), or NULL where
+ * the type has none or the CPU lacks the instructions. */
+dq_rows_fn dq_fused_avx512(int ggml_type);
+dq_rows_fn dq_fused_avx2(int ggml_type);
+/* The kernel dq_dot_rows uses now: AVX-512, else AVX2 (also under SPECCONV_NATIVE_NO_AVX512=1),
+ * else NULL (also under SPECCONV_NATIVE_PORTABLE=1: the plain-C decode-then-multiply). */
+dq_rows_fn dq_fused(int ggml_type);
+/* Values the fused products have decoded since the module was loaded (all threads): a check that
+ * several activation rows share one decoding of each block. */
+extern size_t dq_values_decoded;
+/* 512 for the AVX-512 kernels, 256 for AVX2, 0 for the plain C path (what dq_fused would pick). */
+int dq_fused_width(int ggml_type);
 
 #endif

@@ -1,18 +1,17 @@
-/* Fused dequantize-and-multiply for the decode hot path: out[j][r] = x_j . row r of a stored matrix.
+/* Fused dequantize-and-multiply for decode and verification: out[j][r] = x_j . row r of a stored
+ * matrix, for a few activation rows x_j (a decode step: 1; a speculative check of k drafts: k+1).
  *
- * Each row is dequantized by its type's decoder (dq_blocks.c, so the weights are exactly the
- * values runtime/dequant.py gives) into a small buffer that stays in the L1/L2 cache, and is
- * multiplied at once with each of the few activation vectors. The float32 matrix never exists;
- * only the stored bytes stream from memory (a quarter or less of the float32 matrix).
+ * The float32 matrix never exists; only the stored bytes stream from memory (a quarter or less of
+ * the float32 matrix), once whatever the number of activation rows: each block is decoded once and
+ * multiplied into every row's sums. Where the CPU has them, the vector kernels of
+ * dq_dot_simd.inc do this in registers with FMA (AVX-512, else AVX2; Q8_0, Q4_K, Q5_K, Q6_K, BF16,
+ * F16). Everywhere else (other types, no AVX2, SPECCONV_NATIVE_PORTABLE=1) a row is decoded by its
+ * type's decoder (dq_blocks.c) into a buffer in cache and multiplied with each activation row here.
  *
- * The dot products are sums in a fixed order: 32 running sums (sum l takes elements i = l mod 32,
- * products rounded, then added; no fused multiply-add), combined pairwise at the end (combine()),
- * then the remaining (n_in mod 32) products in order. The AVX2 clones and the plain ones keep these
- * same 32 sums, so the result is the same on every machine; but the summation order
- * differs from the BLAS product x @ W^T: the two agree within float32 summation-order noise
- * (bounded and measured in tests/test_runtime_dequant_native.py). On AVX2, Q8_0, Q4_K, Q5_K, Q6_K, BF16 and
- * F16 have kernels that compute the values in registers, for two activation vectors at a time
- * (dq_dot_avx2.c); the other types, and every type without AVX2, decode a row into a buffer first. */
+ * The sums are float32 sums in orders of their own (vector lanes, several running sums, FMA in the
+ * vector kernels): every path equals x @ dense(W)^T within float32 summation noise, which
+ * tests/test_runtime_dequant_native.py bounds for every type, width and row count; the paths do not
+ * give the same bits as each other. */
 #include "dq_blocks.h"
 
 #include <stdlib.h>
@@ -24,51 +23,44 @@
 #define CLONES
 #endif
 
-typedef float v8 __attribute__((vector_size(32)));
+size_t dq_values_decoded = 0;
 
-static inline v8 load8(const float *p)
+static int env_set(const char *name)
 {
-    v8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
+    const char *value = getenv(name);
+    return value != NULL && strcmp(value, "1") == 0;
 }
 
-/* The 32 running sums acc[0..31] of a dot product, combined in one fixed pairwise order. */
-static float combine(const float acc[32])
+dq_rows_fn dq_fused(int ggml_type)
 {
-    float u[16], t[8];
-    for (int l = 0; l < 16; l++)
-        u[l] = acc[l] + acc[l + 16];
-    for (int l = 0; l < 8; l++)
-        t[l] = u[l] + u[l + 8];
-    return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+    if (dq_portable())
+        return NULL;
+    dq_rows_fn fn = env_set("SPECCONV_NATIVE_NO_AVX512") ? NULL : dq_fused_avx512(ggml_type);
+    return fn != NULL ? fn : dq_fused_avx2(ggml_type);
 }
 
-static float combine4(v8 a, v8 b, v8 c, v8 d)
+int dq_fused_width(int ggml_type)
 {
-    float acc[32];
-    memcpy(acc, &a, 32);
-    memcpy(acc + 8, &b, 32);
-    memcpy(acc + 16, &c, 32);
-    memcpy(acc + 24, &d, 32);
-    return combine(acc);
+    dq_rows_fn fn = dq_fused(ggml_type);
+    return fn == NULL ? 0 : fn == dq_fused_avx512(ggml_type) ? 512 : 256;
 }
 
-/* out[j * out_stride] = w . x_j for j < nx (x_j at x + j * n_in), w already dequantized */
+/* out[j * out_stride] = w . x_j for j < nx (x_j at x + j * n_in), w already dequantized: 32
+ * running sums (plain C; gcc vectorises them), then the last n_in mod 32 products in order */
 CLONES static void dots(const float *restrict w, const float *restrict x, size_t n_in, size_t nx,
                         float *restrict out, size_t out_stride)
 {
     const size_t whole = n_in - n_in % 32;
     for (size_t j = 0; j < nx; j++) {
         const float *xj = x + j * n_in;
-        v8 a = {0}, b = {0}, c = {0}, d = {0};
-        for (size_t i = 0; i < whole; i += 32) {
-            a += load8(w + i) * load8(xj + i);
-            b += load8(w + i + 8) * load8(xj + i + 8);
-            c += load8(w + i + 16) * load8(xj + i + 16);
-            d += load8(w + i + 24) * load8(xj + i + 24);
-        }
-        float sum = combine4(a, b, c, d);
+        float acc[32] = {0};
+        for (size_t i = 0; i < whole; i += 32)
+            for (int l = 0; l < 32; l++)
+                acc[l] += w[i + l] * xj[i + l];
+        for (int width = 16; width >= 1; width /= 2)
+            for (int l = 0; l < width; l++)
+                acc[l] += acc[l + width];
+        float sum = acc[0];
         for (size_t i = whole; i < n_in; i++)
             sum += w[i] * xj[i];
         out[j * out_stride] = sum;
@@ -78,31 +70,15 @@ CLONES static void dots(const float *restrict w, const float *restrict x, size_t
 void dq_dot_rows(const dq_type *type, const uint8_t *w, size_t row_bytes, size_t first, size_t count,
                  size_t n_in, const float *x, size_t nx, float *out, size_t out_stride, float *row)
 {
-    const size_t blocks = n_in / (size_t)type->block;
-    const dq_accumulate_fn accumulate = dq_accumulate_avx2(type->ggml_type);
-    if (accumulate != NULL) { /* the same sums as decode + dots() below, without the row buffer */
-        const size_t units = type->block == 1 ? n_in / 32 : blocks, done = type->block == 1 ? units * 32 : n_in;
-        for (size_t r = first; r < first + count; r++) {
-            const uint8_t *wr = w + r * row_bytes;
-            if (done < n_in) /* a 16-bit float row's last n_in mod 32 values, added in order */
-                type->decode(wr + done * (size_t)type->size, row, n_in - done);
-            for (size_t j = 0; j < nx; j += 2) { /* two vectors per pass: the values computed once */
-                const int nvec = nx - j >= 2 ? 2 : 1;
-                float acc[2][32] = {{0}};
-                accumulate(wr, x + j * n_in, n_in, nvec, units, acc);
-                for (int k = 0; k < nvec; k++) {
-                    const float *xk = x + (j + k) * n_in;
-                    float sum = combine(acc[k]);
-                    for (size_t i = done; i < n_in; i++)
-                        sum += row[i - done] * xk[i];
-                    out[(j + k) * out_stride + r] = sum;
-                }
-            }
-        }
+    const dq_rows_fn fused = dq_fused(type->ggml_type);
+    if (fused != NULL) {
+        fused(w, row_bytes, first, count, n_in, x, nx, out, out_stride);
         return;
     }
+    const size_t blocks = n_in / (size_t)type->block;
     for (size_t r = first; r < first + count; r++) {
         type->decode(w + r * row_bytes, row, blocks);
         dots(row, x, n_in, nx, out + r, out_stride);
     }
+    __atomic_fetch_add(&dq_values_decoded, count * n_in, __ATOMIC_RELAXED);
 }

@@ -177,7 +177,7 @@ def test_chunked_product_equals_the_whole_product(monkeypatch, native):
         monkeypatch.setattr(stored_module, "_native_on_cpu", lambda *_: False)
     pieces = list(w.row_chunks(elements=stored_module.CHUNK_ELEMENTS))
     assert len(pieces) == 43 and pieces[-1][1].shape[0] == 300 - 42 * 7
-    for rows in (x[:1], x[:2], x):  # the fused decode kernel (1-2 rows) and the chunked product
+    for rows in (x[:1], x[:2], x):  # the fused kernel (up to FUSED_MAX_ROWS rows) or the chunked product
         chunked = matmul_t(rows, w)
         print(f"\n[chunked product, {rows.shape[0]} rows, {'native' if native else 'torch'}] max|Δ| vs whole "
               f"{float((chunked - whole[:rows.shape[0]]).abs().max()):.3e}")
