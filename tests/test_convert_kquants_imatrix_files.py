@@ -1,0 +1,213 @@
+"""Whole files with an importance matrix: `specconv convert --outtype T --imatrix F` (one pass) and
+`specconv quantize --imatrix F` against llama.cpp's quantize with the same imatrix on our f32 file.
+
+Two references:
+* llama.cpp's `llama-quantize` built from the llama.cpp vendored in the llama-cpp-python 0.3.36
+  sdist (tools/llamacpp_quantize.py; it reads the imatrix file itself, in both formats). Building
+  it takes minutes of CPU, so these tests use a build already in ~/.cache/specconv and build one
+  only when SPECCONV_BUILD_LLAMA_TOOLS=1; otherwise they skip, saying so.
+* `llama_model_quantize` of llama-cpp-python given the weights our reader loaded (and the tool's
+  quantize.imatrix.* KV as overrides): needs no build, so it always runs where llama-cpp-python is.
+Models: Qwen3.5 dense and MoE (8 experts, one MTP layer) and GLM-4.5 (nextn) at rows of 256 and
+multiples, FFN-down rows of 352 where the tool falls back to Q4_0/Q5_0/Q5_1 (weighted too). The
+imatrix holds random positive sums for every quantized tensor but one (quantized without weights)
+and one expert without activations (weights 1). The claim: the files are equal byte for byte.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from specconv import cli as cli_module
+from specconv.convert import imatrix as im
+from tests.fixtures.gguf_files import convert_gguf
+from tests.test_convert_kquants_files import assert_same_file, converted, models  # noqa: F401 (fixtures)
+
+pytestmark = [pytest.mark.peer, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool(name: str) -> Path:
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import llamacpp_quantize as builder
+    finally:
+        sys.path.pop(0)
+    exe = builder.BUILD / "bin" / builder.TARGETS[name]
+    if exe.is_file():
+        return exe
+    if os.environ.get("SPECCONV_BUILD_LLAMA_TOOLS") != "1":
+        pytest.skip(f"{exe.name} is not built: `python3 tools/llamacpp_quantize.py` builds it once (minutes of CPU), "
+                    "or set SPECCONV_BUILD_LLAMA_TOOLS=1")
+    path, why = builder.binary(name)
+    if path is None:
+        pytest.skip(why)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_quantize():
+    return _tool("quantize")
+
+
+def imatrix_for(gguf: Path, folder: Path, seed: int = 0) -> dict[str, Path]:
+    """Random positive sums for the f32 file's matrices (all but one), in both formats."""
+    from specconv.runtime.gguf_reader import open_gguf
+
+    rng = np.random.default_rng(seed)
+    sums, counts = {}, {}
+    names = [t for t in open_gguf(gguf) if len(t.shape) >= 2 and t.name.endswith("weight")]
+    for t in names[:-1]:  # the last one has no entry
+        n_mat = t.shape[2] if len(t.shape) == 3 else 1
+        sums[t.name] = (rng.gamma(1.0, size=(n_mat, t.shape[0])) * 10.0 ** rng.uniform(0, 3)).astype(np.float32)
+        counts[t.name] = rng.integers(1, 3000, size=n_mat)
+        if n_mat > 1:
+            counts[t.name][1] = 0  # an expert the calibration never routed to
+    folder.mkdir(parents=True, exist_ok=True)
+    im.write_gguf(folder / "imatrix.gguf", sums, counts, ["calibration.txt"], chunk_count=5)
+    im.write_legacy(folder / "imatrix.dat", sums, counts, chunk_size=512, chunk_count=5, dataset="calibration.txt")
+    return {"gguf": folder / "imatrix.gguf", "dat": folder / "imatrix.dat"}
+
+
+@pytest.fixture(scope="module")
+def imatrices(converted, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("imatrix")
+    cache: dict = {}
+
+    def get(model: str) -> dict[str, Path]:
+        if model not in cache:
+            cache[model] = imatrix_for(converted(model, "f32")["model"], root / model)
+        return cache[model]
+
+    return get
+
+
+def _convert(src: Path, out: Path, file_type: str, imatrix: Path, *extra) -> Path:
+    return convert_gguf(src, out, outtype=file_type, extra_args=["--imatrix", str(imatrix), *extra])
+
+
+def _llama_quantize(exe: Path, src: Path, dst: Path, file_type: str, imatrix: Path) -> Path:
+    r = subprocess.run([str(exe), "--imatrix", str(imatrix), str(src), str(dst), file_type.upper(), "2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return dst
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "dat"])
+@pytest.mark.parametrize("model,file_type", [("qwen35", "q4_k_m"), ("qwen35moe", "q4_k_m"), ("qwen35moe", "q2_k_s"),
+                                             ("qwen35", "q3_k_m"), ("glm4moe-256", "q5_k_m"), ("glm4moe-256", "q6_k")])
+def test_convert_equals_llama_quantize_with_the_same_imatrix(models, converted, imatrices, llama_quantize, tmp_path,  # noqa: F811
+                                                              model, file_type, fmt):
+    imatrix = imatrices(model)[fmt]
+    ours = _convert(models(model), tmp_path / "ours.gguf", file_type, imatrix)
+    theirs = _llama_quantize(llama_quantize, converted(model, "f32")["model"], tmp_path / "llama.gguf", file_type,
+                             imatrix)
+    assert_same_file(ours, theirs)
+
+
+def test_specconv_quantize_equals_llama_quantize(converted, imatrices, llama_quantize, tmp_path):  # noqa: F811
+    src, imatrix = converted("qwen35moe", "f32")["model"], imatrices("qwen35moe")["dat"]
+    result = CliRunner().invoke(cli_module.cli, ["quantize", str(src), str(tmp_path / "ours.gguf"), "Q3_K_S",
+                                                 "--imatrix", str(imatrix)])
+    assert result.exit_code == 0, result.output
+    assert_same_file(tmp_path / "ours.gguf", _llama_quantize(llama_quantize, src, tmp_path / "llama.gguf", "q3_k_s",
+                                                             imatrix))
+
+
+def test_reader_agrees_with_llama_imatrix(imatrices, tmp_path):
+    """llama-imatrix converts our GGUF imatrix to its legacy format: our writer's .dat is the same bytes,
+    and our reader gives the same weights from its file as from ours."""
+    exe = _tool("imatrix")
+    ours = imatrices("qwen35moe")
+    theirs = tmp_path / "theirs.dat"
+    r = subprocess.run([str(exe), "--in-file", str(ours["gguf"]), "-o", str(theirs), "--output-format", "dat",
+                        "-c", "512"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = im.load(ours["dat"]), im.load(theirs)
+    assert a.weights.keys() == b.weights.keys()
+    assert all(np.array_equal(a.weights[k], b.weights[k]) for k in a.weights)
+    assert ours["dat"].read_bytes()[:-len("calibration.txt") - 8] == theirs.read_bytes()[:-len("calibration.txt") - 8]
+
+
+# ------------------------------------------------------------------ without the build: llama_model_quantize
+
+
+def _quantize_in_process(src: Path, dst: Path, file_type: str, imatrix: im.Imatrix) -> Path:
+    from tests.fixtures.peers import require_llama_cpp
+
+    llama_cpp = require_llama_cpp()
+    data = (llama_cpp.llama_model_imatrix_data * (len(imatrix.weights) + 1))()
+    keep = []
+    for i, (name, w) in enumerate(imatrix.weights.items()):
+        keep.append(name.encode())
+        data[i].name, data[i].size = keep[-1], w.size
+        data[i].data = w.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    kv = imatrix.kv()
+    overrides = (llama_cpp.llama_model_kv_override * (len(kv) + 1))()
+    for o, e in zip(overrides, kv):
+        o.key = e.key.encode()
+        if isinstance(e.value, str):
+            o.tag, o.value.val_str = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR, e.value.encode()
+        else:
+            o.tag, o.value.val_i64 = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT, e.value
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + file_type.upper()), 2
+    params.imatrix = ctypes.cast(data, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+    params.kv_overrides = ctypes.cast(overrides, ctypes.POINTER(llama_cpp.llama_model_kv_override))
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
+    return dst
+
+
+@pytest.mark.parametrize("model,file_type", [("qwen35moe", "q4_k_m"), ("qwen35moe", "q2_k_s"), ("glm4moe-256", "q4_k_s")])
+def test_convert_equals_llama_model_quantize_with_our_weights(models, converted, imatrices, tmp_path,  # noqa: F811
+                                                              model, file_type):
+    path = imatrices(model)["gguf"]
+    ours = _convert(models(model), tmp_path / "ours.gguf", file_type, path)
+    theirs = _quantize_in_process(converted(model, "f32")["model"], tmp_path / "llama.gguf", file_type,
+                                  im.load(str(path)))
+    assert_same_file(ours, theirs)
+
+
+def test_imatrix_changes_the_bytes_and_ladders_weigh_only_k_quants(models, converted, imatrices, tmp_path):  # noqa: F811
+    """A ladder q8_0,q4_k_m with --imatrix: its q8_0 file is the one of the same ladder without it (a
+    ladder with a K-quant writes every file in the tool's order), its q4_k_m file the weighted one-type
+    run; and the weighted file differs from the unweighted one."""
+    src, path = models("qwen35moe"), imatrices("qwen35moe")["gguf"]
+    single = _convert(src, tmp_path / "single.gguf", "q4_k_m", path)
+    convert_gguf(src, tmp_path / "ladder.gguf", outtype="q8_0,q4_k_m", extra_args=["--imatrix", str(path)])
+    assert (tmp_path / "ladder-Q4_K_M.gguf").read_bytes() == single.read_bytes()
+    convert_gguf(src, tmp_path / "plain.gguf", outtype="q8_0,q4_k_m")
+    assert (tmp_path / "ladder-Q8_0.gguf").read_bytes() == (tmp_path / "plain-Q8_0.gguf").read_bytes()
+    assert single.read_bytes() != converted("qwen35moe", "q4_k_m")["model"].read_bytes()
+
+
+def test_refusals(models, converted, imatrices, tmp_path):  # noqa: F811
+    src, f32 = models("qwen35"), converted("qwen35", "f32")["model"]
+    runner = CliRunner()
+    r = runner.invoke(cli_module.cli, ["convert", str(src), "-o", str(tmp_path / "a.gguf"), "--outtype", "q2_k_s"])
+    assert r.exit_code != 0 and "needs an importance matrix" in r.output and not (tmp_path / "a.gguf").exists()
+    r = runner.invoke(cli_module.cli, ["quantize", str(f32), str(tmp_path / "b.gguf"), "q2_k_s"])
+    assert r.exit_code != 0 and "needs an importance matrix" in r.output
+    for t in ("iq2_xs", "IQ4_NL", "tq1_0"):
+        r = runner.invoke(cli_module.cli, ["quantize", str(f32), str(tmp_path / "c.gguf"), t, "--imatrix",
+                                           str(imatrices("qwen35")["gguf"])])
+        assert r.exit_code != 0 and "not supported by specconv yet" in r.output, r.output
+    r = runner.invoke(cli_module.cli, ["convert", str(src), "-o", str(tmp_path / "d.gguf"), "--outtype", "q8_0",
+                                       "--imatrix", str(imatrices("qwen35")["gguf"])])
+    assert r.exit_code != 0 and "--imatrix weighs K-quant files" in r.output
+    from specconv.runtime.gguf_reader import open_gguf
+
+    name = next(t.name for t in open_gguf(f32) if t.name.endswith("ffn_up.weight"))
+    other = tmp_path / "other.gguf"  # as if computed for a wider model
+    im.write_gguf(other, {name: np.ones((1, 1024), np.float32)}, {name: [1]})
+    r = runner.invoke(cli_module.cli, ["quantize", str(f32), str(tmp_path / "e.gguf"), "q4_k_m", "--imatrix", str(other)])
+    assert r.exit_code != 0 and "was the imatrix computed for another model?" in str(r.exception), r.output
+    assert not (tmp_path / "e.gguf").exists()
