@@ -177,6 +177,15 @@ class Qwen35Base(ArchPlugin):
 
     # ------------------------------------------------------------------ metadata
 
+    # What qwen3next writes differently (archs/qwen3next.py overrides these three).
+    writes_rope_sections: ClassVar[bool] = True  # rope.dimension_sections (M-RoPE); qwen3next: NEOX rope
+
+    def _feed_forward_length(self) -> int | None:
+        return self.hp.ffn
+
+    def _full_attention_interval(self) -> int:
+        return self.hp.full_attention_interval
+
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         hp, arch = self.hp, self.gguf_arch
         k = self._k if keep_mtp else 0
@@ -186,16 +195,19 @@ class Qwen35Base(ArchPlugin):
         def put(fmt: str, value: Any, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> None:
             kv.append(MetaKV(fmt.format(arch=arch), value, vtype, sub))
 
-        # Same keys and order as the pinned upstream converter (TextModel, Qwen2Moe, mixins).
+        # Same keys and order as the pinned upstream converter (TextModel, Qwen2Moe, mixins; for
+        # qwen3next: TextModel, Qwen2MoeModel, _QwenMtpMixin, Qwen3NextModel).
         put(Keys.LLM.BLOCK_COUNT, hp.n_layer + k, u32)
         put(Keys.LLM.CONTEXT_LENGTH, hp.context_length, u32)
         put(Keys.LLM.EMBEDDING_LENGTH, hp.hidden, u32)
-        if hp.ffn is not None:
-            put(Keys.LLM.FEED_FORWARD_LENGTH, hp.ffn, u32)
+        ffn = self._feed_forward_length()
+        if ffn is not None:
+            put(Keys.LLM.FEED_FORWARD_LENGTH, ffn, u32)
         put(Keys.Attention.HEAD_COUNT, hp.n_head, u32)
         put(Keys.Attention.HEAD_COUNT_KV, hp.n_head_kv, u32)
         self._rope_scaling_kv(put)
-        put(Keys.Rope.DIMENSION_SECTIONS, list(hp.rope_sections), GGUFValueType.ARRAY, GGUFValueType.INT32)
+        if self.writes_rope_sections:
+            put(Keys.Rope.DIMENSION_SECTIONS, list(hp.rope_sections), GGUFValueType.ARRAY, GGUFValueType.INT32)
         put(Keys.Rope.FREQ_BASE, hp.rope_theta, f32)
         put(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps, f32)
         if hp.moe:
@@ -215,7 +227,7 @@ class Qwen35Base(ArchPlugin):
         put(Keys.SSM.INNER_SIZE, hp.nv * hp.dv, u32)
         put(names.recurrent_layers_key("{arch}"), hp.recurrent + [False] * k, GGUFValueType.ARRAY,
             GGUFValueType.BOOL)
-        put(Keys.LLM.FULL_ATTENTION_INTERVAL, hp.full_attention_interval, u32)
+        put(Keys.LLM.FULL_ATTENTION_INTERVAL, self._full_attention_interval(), u32)
         put(Keys.Rope.DIMENSION_COUNT, hp.rope_dim, u32)
         return kv
 

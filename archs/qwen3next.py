@@ -18,14 +18,12 @@ release's config.json states none). What differs (docs/reference/gguf-layout.md 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
-from gguf import GGUFValueType, Keys
-
 from . import names, register
 from . import transforms as tf
-from .base import Checkpoint, MetaKV, Role, text_config
+from .base import Checkpoint, Role, text_config
 from .errors import SpecconvError
 from .plan_tools import RolePlan
 from .qwen35 import Qwen35Base
@@ -88,41 +86,11 @@ class Qwen3Next(Qwen35Base):
         plan.add(names.blk(bid, "ssm_norm"), [plan.source(a + "norm.weight", (dv,))], (dv,), role, tf.identity, True)
         plan.add(names.blk(bid, "ssm_out"), [plan.source(a + "out_proj.weight", (H, nv * dv))], (H, nv * dv), role)
 
-    def metadata(self, keep_mtp: bool) -> list[MetaKV]:
-        hp, arch = self.hp, self.gguf_arch
-        k = self._k if keep_mtp else 0
-        u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
-        kv: list[MetaKV] = []
+    # metadata: Qwen35Base's keys and order, with these three differences
+    writes_rope_sections: ClassVar[bool] = False
 
-        def put(fmt: str, value: Any, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> None:
-            kv.append(MetaKV(fmt.format(arch=arch), value, vtype, sub))
+    def _feed_forward_length(self) -> int | None:
+        return None if self.ffn is None else int(self.ffn)
 
-        # Keys and order of the pinned converter (TextModel, Qwen2MoeModel, _QwenMtpMixin, Qwen3NextModel).
-        put(Keys.LLM.BLOCK_COUNT, hp.n_layer + k, u32)
-        put(Keys.LLM.CONTEXT_LENGTH, hp.context_length, u32)
-        put(Keys.LLM.EMBEDDING_LENGTH, hp.hidden, u32)
-        if self.ffn is not None:
-            put(Keys.LLM.FEED_FORWARD_LENGTH, int(self.ffn), u32)
-        put(Keys.Attention.HEAD_COUNT, hp.n_head, u32)
-        put(Keys.Attention.HEAD_COUNT_KV, hp.n_head_kv, u32)
-        self._rope_scaling_kv(put)
-        put(Keys.Rope.FREQ_BASE, hp.rope_theta, f32)
-        put(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps, f32)
-        put(Keys.LLM.EXPERT_COUNT, hp.n_expert, u32)
-        put(Keys.LLM.EXPERT_USED_COUNT, hp.n_expert_used, u32)
-        put(Keys.Attention.KEY_LENGTH, hp.head_dim, u32)
-        put(Keys.Attention.VALUE_LENGTH, hp.head_dim, u32)
-        put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn, u32)
-        put(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_ffn, u32)
-        if k:
-            put(Keys.LLM.NEXTN_PREDICT_LAYERS, k, u32)
-        put(Keys.SSM.CONV_KERNEL, hp.conv_kernel, u32)
-        put(Keys.SSM.STATE_SIZE, hp.dk, u32)
-        put(Keys.SSM.GROUP_COUNT, hp.nk, u32)
-        put(Keys.SSM.TIME_STEP_RANK, hp.nv, u32)
-        put(Keys.SSM.INNER_SIZE, hp.nv * hp.dv, u32)
-        put(names.recurrent_layers_key("{arch}"), hp.recurrent + [False] * k, GGUFValueType.ARRAY,
-            GGUFValueType.BOOL)
-        put(Keys.LLM.FULL_ATTENTION_INTERVAL, self.interval, u32)
-        put(Keys.Rope.DIMENSION_COUNT, hp.rope_dim, u32)
-        return kv
+    def _full_attention_interval(self) -> int:
+        return self.interval  # as configured (default 4); recurrent_layers carries the actual pattern
