@@ -239,16 +239,26 @@ def encode_weighted_run(values: np.ndarray, ggml_type: GGMLQuantizationType, wei
     from .native import kquants_weighted_native
 
     encode = kquants_weighted_native()
-    if encode is None:
-        raise SpecconvError("--imatrix needs specconv's native K-quant encoder (convert/_kquants.c), which is not "
-                            "built here (or SPECCONV_NO_NATIVE=1): reinstall specconv with a C compiler present")
     flat = values.reshape(-1)
     bf16 = flat.dtype == BF16_BITS
     if not bf16 and flat.dtype != np.float32:
         flat = flat.astype(np.float32)
     block, size = GGML_QUANT_SIZES[ggml_type]
-    out = np.empty(flat.size // block * size, dtype=np.uint8)
-    if not encode(int(ggml_type), flat, out, bf16, n_per_row, weights, rows_per_group, first_row):
+    if encode is not None:
+        out = np.empty(flat.size // block * size, dtype=np.uint8)
+        ok = encode(int(ggml_type), flat, out, bf16, n_per_row, weights, rows_per_group, first_row)
+    else:  # the numpy fallback (convert/kq_weighted.py), same bytes
+        from .kq_weighted import encode_rows
+
+        x = (flat.astype(np.uint32) << 16).view(np.float32) if bf16 else flat
+        rows = x.reshape(-1, n_per_row)
+        groups = (first_row + np.arange(rows.shape[0])) // rows_per_group
+        table = np.asarray(weights, dtype=np.float32).reshape(-1, n_per_row)
+        if groups.size and groups[-1] >= table.shape[0]:
+            raise SpecconvError(f"internal: {table.shape[0]} weight slices do not cover row {first_row + rows.shape[0] - 1}")
+        out = encode_rows(rows, ggml_type, table[groups])
+        ok = out is not None
+    if not ok:
         raise SpecconvError(f"a tensor to be stored as {ggml_type.name} holds an infinity or NaN "
                             "(llama.cpp's quantize refuses such tensors too)")
     return out

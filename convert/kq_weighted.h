@@ -7,7 +7,7 @@
  * int -> float conversions where it mixes them; built with -ffp-contract=off): one row at a time,
  * the row's weights indexed by column. The K-quants weigh each value by w * sqrt(sigma2 + x^2)
  * with sigma2 the super-block's mean square (Q6_K: by w alone); the 32-value types use the row's
- * mean square. Included once by _kquants.c. */
+ * mean square. Included once by _kquants.c; convert/kq_weighted.py is the numpy fallback (same bytes). */
 #ifndef SPECCONV_KQ_WEIGHTED_H
 #define SPECCONV_KQ_WEIGHTED_H
 

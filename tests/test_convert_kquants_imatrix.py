@@ -116,6 +116,31 @@ def test_expert_slices_and_row_offsets(ggml_type, ggml_quantize_weighted):
     assert np.array_equal(ours, expected[5 * per_row:11 * per_row])
 
 
+@pytest.mark.peer
+@pytest.mark.parametrize("ggml_type", WEIGHTED, ids=lambda t: t.name)
+def test_numpy_fallback_equals_llama_cpp(ggml_type, ggml_quantize_weighted):
+    """convert/kq_weighted.py (used when the extension is not built): the same bytes."""
+    from specconv.convert.kq_weighted import encode_rows
+
+    x = _rows(ggml_type, 900 + int(ggml_type), n_random=250)
+    w = _weights(np.random.default_rng(50 + int(ggml_type)), x.shape[1])[0]
+    expected = ggml_quantize_weighted(ggml_type, x, w)
+    assert _mismatches(encode_rows(x, ggml_type, np.broadcast_to(w, x.shape)), expected, ggml_type) == []
+
+
+@pytest.mark.parametrize("ggml_type", WEIGHTED, ids=lambda t: t.name)
+def test_numpy_fallback_equals_native(ggml_type, monkeypatch):
+    """Without llama.cpp too: SPECCONV_NO_NATIVE=1 routes encode_weighted_run to numpy, same bytes,
+    expert slices included."""
+    require_native_kquants()
+    x = _rows(ggml_type, 1000 + int(ggml_type), n_random=150)
+    w = _weights(np.random.default_rng(70), x.shape[1], n=3)
+    per = -(-x.shape[0] // 3)
+    native = im.encode_weighted_run(x, ggml_type, w.reshape(-1), x.shape[1], per, 0)
+    monkeypatch.setenv("SPECCONV_NO_NATIVE", "1")
+    assert np.array_equal(im.encode_weighted_run(x, ggml_type, w.reshape(-1), x.shape[1], per, 0), native)
+
+
 def test_native_weighted_rejects_bad_arguments():
     encode = require_native_kquants() and __import__("specconv.convert._kquants", fromlist=["x"]).encode_weighted
     x, w = np.zeros((2, 256), np.float32), np.ones(256, np.float32)

@@ -189,6 +189,17 @@ def test_imatrix_changes_the_bytes_and_ladders_weigh_only_k_quants(models, conve
     assert single.read_bytes() != converted("qwen35moe", "q4_k_m")["model"].read_bytes()
 
 
+def test_numpy_fallback_writes_the_same_file(models, imatrices, tmp_path):  # noqa: F811
+    """SPECCONV_NO_NATIVE=1 (a fresh process: the choice is made at import): convert/kq_weighted.py."""
+    src, path = models("qwen35moe"), imatrices("qwen35moe")["gguf"]
+    native = _convert(src, tmp_path / "native.gguf", "q5_k_s", path)
+    out = tmp_path / "numpy.gguf"
+    subprocess.run([sys.executable, "-m", "specconv", "convert", str(src), "-o", str(out), "--outtype", "q5_k_s",
+                    "--imatrix", str(path), "--json"], env={**os.environ, "SPECCONV_NO_NATIVE": "1"}, check=True,
+                   capture_output=True)
+    assert out.read_bytes() == native.read_bytes()
+
+
 def test_refusals(models, converted, imatrices, tmp_path):  # noqa: F811
     src, f32 = models("qwen35"), converted("qwen35", "f32")["model"]
     runner = CliRunner()

@@ -1,0 +1,277 @@
+"""Importance-weighted encoding (llama.cpp's quantize with --imatrix) in numpy: the fallback for
+convert/kq_weighted.h when the extension is not built, the same bytes (docs/convert.md,
+"Importance matrix").
+
+The searches are convert/kquants.py's, vectorised across groups and super-blocks, with every sum the
+reference accumulates term by term accumulated term by term here too; what the weighted paths add is
+(1) the weights w * sqrt(sigma2 + x^2) (Q6_K: w), (2) the 37-grid affine search from -0.9 for
+Q2_K/Q4_K/Q5_K/Q4_1/Q5_1 (`_affine_search` with those parameters), (3) the 19-grid signed search with
+given weights for Q3_K/Q6_K/Q4_0/Q5_0 and Q3_K's scales (`_signed_fit`), and (4) the sub-block scales
+fitted to the float16 super-scale by a weighted search and level sweeps (`_positive_fit`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from .kquants import _affine_search, _half, _pack_2bit, _round, _seq_sum, _signed_peak, _u8
+
+Q = GGMLQuantizationType
+F = np.float32
+_EPS = F(1e-15)
+
+
+def encode_rows(x: np.ndarray, ggml_type: GGMLQuantizationType, w: np.ndarray) -> np.ndarray | None:
+    """[R, n] float32 rows and their [R, n] weights -> the encoded bytes (flat uint8); None when a value
+    is infinite or NaN."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if not np.isfinite(x).all():
+        return None
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    with np.errstate(all="ignore"):  # masked-out lanes divide by zero; their results are discarded
+        if ggml_type in _K:
+            return _K[ggml_type](x.reshape(-1, 256), w.reshape(-1, 256)).reshape(-1)
+        sigma2 = _seq_sum(x * x) / F(x.shape[1])  # the whole row's mean square
+        xb, wb = x.reshape(x.shape[0], -1, 32), w.reshape(x.shape[0], -1, 32)
+        weight = (wb * np.sqrt(sigma2[:, None, None] + xb * xb)).reshape(-1, 32)
+        return _BLOCK32[ggml_type](xb.reshape(-1, 32), weight).reshape(-1)
+
+
+def _signed_fit(x: np.ndarray, w: np.ndarray, nmax: int):
+    """Per row: levels -nmax..nmax-1 stored + nmax and the scale, the best weighted least-squares fit
+    among the grid through the peak and 18 neighbours (ggml's make_qx_quants with weights)."""
+    peak, peak_abs = _signed_peak(x)
+    zero = peak_abs < _EPS
+    pk = peak[:, None]
+    wx = w * x
+
+    def fit(inv):
+        lv = np.clip(_round(inv * x), -nmax, nmax - 1)
+        fl = lv.astype(np.float32)
+        return lv, _seq_sum(wx * fl), _seq_sum((w * fl) * fl)
+
+    levels, s_xl, s_l2 = fit(F(-nmax) / pk)
+    scale = np.where(s_l2 != 0, s_xl / s_l2, F(0))
+    best = scale * s_xl
+    for k in range(-9, 10):
+        if k == 0:
+            continue
+        lv, t_xl, t_l2 = fit(-(F(nmax) + F(0.1) * F(k)) / pk)
+        better = (t_l2 > 0) & (t_xl * t_xl > best * t_l2)
+        levels = np.where(better[:, None], lv, levels)
+        new_scale = t_xl / t_l2
+        scale = np.where(better, new_scale, scale)
+        best = np.where(better, new_scale * t_xl, best)
+    return np.where(zero[:, None], 0, levels + nmax), np.where(zero, F(0), scale)
+
+
+def _positive_fit(x: np.ndarray, w: np.ndarray, nmax: int):
+    """Per row of non-negative sub-block scales: uint8 levels 0..nmax and the super-scale (ggml's
+    make_qp_quants): the grid through the maximum and 8 neighbours by weighted error, then up to 5
+    sweeps moving one level at a time. Levels wrap as the reference's uint8_t do."""
+    top = np.zeros(x.shape[0], dtype=np.float32)
+    for i in range(x.shape[1]):
+        top = np.where(top > x[:, i], top, x[:, i])
+    zero = top < _EPS
+    inv = F(nmax) / top
+    levels = _u8(_round(inv[:, None] * x))
+    scale = F(1) / inv
+    diff = x - scale[:, None] * levels.astype(np.float32)
+    best = _seq_sum((w * diff) * diff)
+    for k in range(-4, 5):
+        if k == 0:
+            continue
+        inv_k = (F(0.1) * F(k) + F(nmax)) / top
+        scale_k = F(1) / inv_k
+        lv = np.minimum(_round(inv_k[:, None] * x), nmax)
+        diff = x - scale_k[:, None] * lv.astype(np.float32)
+        err = _seq_sum((w * diff) * diff)
+        take = err < best
+        best = np.where(take, err, best)
+        inv = np.where(take, inv_k, inv)
+    lv = np.minimum(_round(inv[:, None] * x), nmax)
+    levels = _u8(lv)
+    wx = w * x
+    fl = lv.astype(np.float32)
+    s_xl, s_l2 = _seq_sum(wx * fl), _seq_sum((w * fl) * fl)
+    for _ in range(5):
+        moved = np.zeros(x.shape[0], dtype=bool)
+        for i in range(x.shape[1]):
+            cur = levels[:, i].astype(np.float32)
+            xl = s_xl - wx[:, i] * cur
+            l2 = s_l2 - (w[:, i] * cur) * cur
+            cand = np.minimum(_round((x[:, i] * l2) / xl), nmax)
+            fc = cand.astype(np.float32)
+            xl2 = xl + wx[:, i] * fc
+            l2b = l2 + (w[:, i] * fc) * fc
+            take = (xl > 0) & (l2 > 0) & (cand != levels[:, i]) & ((xl2 * xl2) * s_l2 > (s_xl * s_xl) * l2b) & ~zero
+            levels[:, i] = np.where(take, _u8(cand), levels[:, i])
+            s_xl = np.where(take, xl2, s_xl)
+            s_l2 = np.where(take, l2b, s_l2)
+            moved |= take
+        if not moved.any():
+            break
+    out = np.where(s_l2 > 0, s_xl / s_l2, F(0))
+    return np.where(zero[:, None], np.uint8(0), levels), np.where(zero, F(0), out)
+
+
+def _weights(x: np.ndarray, qw: np.ndarray, twice: bool) -> np.ndarray:
+    s = _seq_sum(x * x)
+    sigma2 = (F(2) * s if twice else s) / F(256)
+    return qw * np.sqrt(sigma2[:, None] + x * x)
+
+
+def _q2_k(x, qw):
+    b = x.shape[0]
+    weight = _weights(x, qw, False)
+    sw = _seq_sum(weight.reshape(-1, 16)).reshape(b, 16)
+    levels, scale, neg_min = _affine_search(x.reshape(-1, 16), weight.reshape(-1, 16), 3, -0.9, 0.05, 36, False)
+    ls, dm = _positive_fit(scale.reshape(b, 16), sw, 15)
+    lm, mm = _positive_fit(neg_min.reshape(b, 16), sw, 15)
+    d_bits, d = _half(dm)
+    m_bits, m = _half(mm)
+    sc = _u8(ls.astype(np.int32) | (lm.astype(np.int32) << 4))
+    step = np.repeat(d[:, None] * (sc & 0xF).astype(np.float32), 16, axis=1)
+    shift = np.repeat(m[:, None] * (sc >> 4).astype(np.float32), 16, axis=1)
+    levels = np.where(step != 0, np.clip(_round((x + shift) / step), 0, 3), levels.reshape(b, 256))
+    out = np.empty((b, 84), dtype=np.uint8)
+    out[:, :16] = sc
+    out[:, 16:80] = _pack_2bit(levels)
+    out[:, 80:82] = d_bits.reshape(-1, 1).view(np.uint8)
+    out[:, 82:84] = m_bits.reshape(-1, 1).view(np.uint8)
+    return out
+
+
+def _q3_k(x, qw):
+    b = x.shape[0]
+    weight = _weights(x, qw, True)
+    sw = _seq_sum(weight.reshape(-1, 16)).reshape(b, 16)
+    levels, scale = _signed_fit(x.reshape(-1, 16), weight.reshape(-1, 16), 4)
+    ls, d_block = _signed_fit(scale.reshape(b, 16), sw, 32)  # 0..63
+    sc = np.zeros((b, 12), dtype=np.uint8)
+    sc[:, :8] = _u8((ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4))
+    for g in range(16):
+        sc[:, 8 + g % 4] |= _u8((ls[:, g] >> 4) << (2 * (g // 4)))
+    d_bits, d = _half(d_block)
+    step = np.repeat(d[:, None] * (ls - 32).astype(np.float32), 16, axis=1)
+    levels = np.where(step != 0, np.clip(_round(x / step), -4, 3) + 4, levels.reshape(b, 256))
+    high = levels > 3
+    levels = np.where(high, levels - 4, levels)
+    bits = high.reshape(b, 8, 32).astype(np.uint8)
+    out = np.empty((b, 110), dtype=np.uint8)
+    out[:, :32] = 0
+    for k in range(8):
+        out[:, :32] |= bits[:, k] << k
+    out[:, 32:96] = _pack_2bit(levels)
+    out[:, 96:108] = sc
+    out[:, 108:110] = d_bits.reshape(-1, 1).view(np.uint8)
+    return out
+
+
+def _affine_k(x, qw, nmax: int, clamp: bool):
+    b = x.shape[0]
+    weight = _weights(x, qw, True)
+    sw = _seq_sum(weight.reshape(-1, 32)).reshape(b, 8)
+    levels, scale, neg_min = _affine_search(x.reshape(-1, 32), weight.reshape(-1, 32), nmax, -0.9, 0.05, 36, False)
+    ls, d_block = _positive_fit(scale.reshape(b, 8), sw, 63)
+    lm, m_block = _positive_fit(neg_min.reshape(b, 8), sw, 63)
+    if clamp:
+        ls, lm = np.minimum(ls, 63), np.minimum(lm, 63)
+    head = np.empty((b, 16), dtype=np.uint8)
+    d_bits, d = _half(d_block)
+    m_bits, m = _half(m_block)
+    head[:, 0:2] = d_bits.reshape(-1, 1).view(np.uint8)
+    head[:, 2:4] = m_bits.reshape(-1, 1).view(np.uint8)
+    sc = head[:, 4:16]
+    sc[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    sc[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    sc[:, 8:12] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
+    s = np.concatenate([sc[:, 0:4] & 63, (sc[:, 8:12] & 0xF) | ((sc[:, 0:4] >> 6) << 4)], axis=1)  # as stored
+    mn = np.concatenate([sc[:, 4:8] & 63, (sc[:, 8:12] >> 4) | ((sc[:, 4:8] >> 6) << 4)], axis=1)
+    step = np.repeat(d[:, None] * s.astype(np.float32), 32, axis=1)
+    shift = np.repeat(m[:, None] * mn.astype(np.float32), 32, axis=1)
+    levels = np.where(step != 0, np.clip(_round((x + shift) / step), 0, nmax), levels.reshape(b, 256))
+    return levels, head
+
+
+def _q4_k(x, qw):
+    levels, head = _affine_k(x, qw, 15, False)
+    q = levels.reshape(-1, 4, 2, 32).astype(np.uint8)
+    out = np.empty((x.shape[0], 144), dtype=np.uint8)
+    out[:, :16] = head
+    out[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    return out
+
+
+def _q5_k(x, qw):
+    levels, head = _affine_k(x, qw, 31, True)
+    q = levels.reshape(-1, 4, 2, 32).astype(np.uint8)
+    qh = np.zeros((x.shape[0], 32), dtype=np.uint8)
+    for k in range(4):
+        qh |= ((q[:, k, 0] >> 4) << (2 * k)) | ((q[:, k, 1] >> 4) << (2 * k + 1))
+    out = np.empty((x.shape[0], 176), dtype=np.uint8)
+    out[:, :16] = head
+    out[:, 16:48] = qh
+    out[:, 48:] = ((q[:, :, 0] & 0xF) | ((q[:, :, 1] & 0xF) << 4)).reshape(-1, 128)
+    return out
+
+
+def _q6_k(x, qw):
+    b = x.shape[0]
+    levels, scale = _signed_fit(x.reshape(-1, 16), qw.reshape(-1, 16), 32)  # weights w alone
+    levels, scale = levels.reshape(b, 256), scale.reshape(b, 16)
+    peak, peak_abs = _signed_peak(scale)
+    some = peak_abs >= _EPS
+    inv = F(-128) / peak
+    d_bits, d = _half(F(1) / inv)
+    sc = ((np.minimum(_round(inv[:, None] * scale), 127) + 128) & 0xFF) - 128  # stored as int8
+    step = np.repeat(d[:, None] * sc.astype(np.float32), 16, axis=1)
+    q = np.where(step != 0, np.clip(_round(x / step), -32, 31) + 32, levels).reshape(b, 2, 4, 32).astype(np.uint8)
+    out = np.zeros((b, 210), dtype=np.uint8)
+    ql = out[:, :128].reshape(b, 2, 64)
+    ql[:, :, :32] = (q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4)
+    ql[:, :, 32:] = (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)
+    out[:, 128:192] = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)
+                       | ((q[:, :, 3] >> 4) << 6)).reshape(b, 64)
+    out[:, 192:208] = sc.astype(np.int8).view(np.uint8)
+    out[:, 208:210] = d_bits.reshape(-1, 1).view(np.uint8)
+    out[~some] = 0
+    return out
+
+
+def _pack_32(levels: np.ndarray, head: int, five: bool) -> np.ndarray:
+    """[B, 32] levels after `head` bytes of scales: Q4 (16 nibble bytes) or Q5 (4 high-bit bytes first)."""
+    q = levels.astype(np.uint32)
+    out = np.zeros((q.shape[0], head + (20 if five else 16)), dtype=np.uint8)
+    body = head + (4 if five else 0)
+    out[:, body:] = _u8((q[:, :16] & 0xF) | ((q[:, 16:] & 0xF) << 4))
+    if five:
+        bits = ((q >> 4) & 1) << np.arange(32, dtype=np.uint32)
+        high = np.bitwise_or.reduce(bits, axis=1).astype("<u4")
+        out[:, head:head + 4] = high.reshape(-1, 1).view(np.uint8)
+    return out
+
+
+def _sym32(nmax: int, five: bool):
+    def encode(x, w):
+        levels, d = _signed_fit(x, w, nmax)
+        out = _pack_32(levels, 2, five)
+        out[:, 0:2] = _half(d)[0].reshape(-1, 1).view(np.uint8)
+        return out
+    return encode
+
+
+def _affine32(nmax: int, five: bool):
+    def encode(x, w):
+        levels, scale, neg_min = _affine_search(x, w, nmax, -0.9, 0.05, 36, False)
+        out = _pack_32(levels, 4, five)
+        out[:, 0:2] = _half(scale)[0].reshape(-1, 1).view(np.uint8)
+        out[:, 2:4] = _half(-neg_min)[0].reshape(-1, 1).view(np.uint8)
+        return out
+    return encode
+
+
+_K = {Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+_BLOCK32 = {Q.Q4_0: _sym32(8, False), Q.Q5_0: _sym32(16, True), Q.Q4_1: _affine32(15, False),
+            Q.Q5_1: _affine32(31, True)}
