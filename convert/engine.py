@@ -235,7 +235,7 @@ def _kquant_types(outtype: KQuantFileType, plugin, k: int, planned: list[Planned
                              ggml_shape(tuple(t.plan.shape)), weights.get(t.name))
 
     rank = {name: i for i, name in enumerate(loader_order([t.name for t in planned]))}
-    planned = sorted((retyped(t) for t in planned), key=lambda t: rank[t.name])
+    planned = [retyped(t) for t in sorted(planned, key=lambda t: rank[t.name])]  # the tool's order: its first refusal
     return planned, {kind: [t for t in planned if t.plan.role in ROLES[kind]] for kind in selected}
 
 

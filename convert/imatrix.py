@@ -223,7 +223,9 @@ def imatrix_plan(file_type: str, imatrix: Imatrix | None,
                 raise SpecconvError(f"{file_type.upper()} needs an importance matrix (--imatrix FILE): llama.cpp's "
                                     f"quantize refuses to make {name} {new_type.name} without one")
             raise SpecconvError(f"imatrix {imatrix.source} has no entry for {name}, which {file_type.upper()} makes "
-                                f"{new_type.name}: llama.cpp's quantize refuses that (the result would be garbage)")
+                                f"{new_type.name}: llama.cpp's quantize refuses that (the result would be garbage); "
+                                "llama-imatrix never runs MTP / nextn layers: `specconv convert --mtp-outtype q8_0` "
+                                "keeps them at another type")
         if w is not None and new_type in WEIGHTED_TYPES:
             out[name] = w
     return out

@@ -122,19 +122,71 @@ def test_specconv_quantize_equals_llama_quantize(converted, imatrices, llama_qua
                                                              imatrix))
 
 
-def test_reader_agrees_with_llama_imatrix(imatrices, tmp_path):
-    """llama-imatrix converts our GGUF imatrix to its legacy format: our writer's .dat is the same bytes,
-    and our reader gives the same weights from its file as from ours."""
+def test_reader_and_writer_agree_with_llama_imatrix(converted, imatrices, tmp_path):  # noqa: F811
+    """llama-imatrix converts our GGUF imatrix to its legacy format: our writer's .dat of the same sums
+    is the same bytes but for the trailing chunk count (which it recounts), our reader gives the same
+    weights from both, and those of the GGUF file within the .dat's rounding ((sum / n) * ncall / ncall)."""
     exe = _tool("imatrix")
     ours = imatrices("qwen35moe")
     theirs = tmp_path / "theirs.dat"
-    r = subprocess.run([str(exe), "--in-file", str(ours["gguf"]), "-o", str(theirs), "--output-format", "dat",
-                        "-c", "512"], capture_output=True, text=True)
+    r = subprocess.run([str(exe), "-m", str(converted("qwen35moe", "f32")["model"]), "--in-file", str(ours["gguf"]),
+                        "-o", str(theirs), "--output-format", "dat", "-c", "512"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    a, b = im.load(ours["dat"]), im.load(theirs)
-    assert a.weights.keys() == b.weights.keys()
+    trailer = 8 + len("calibration.txt")
+    assert ours["dat"].read_bytes()[:-trailer] == theirs.read_bytes()[:-trailer]
+    a, b, g = im.load(ours["dat"]), im.load(theirs), im.load(ours["gguf"])
+    assert a.weights.keys() == b.weights.keys() == g.weights.keys()
     assert all(np.array_equal(a.weights[k], b.weights[k]) for k in a.weights)
-    assert ours["dat"].read_bytes()[:-len("calibration.txt") - 8] == theirs.read_bytes()[:-len("calibration.txt") - 8]
+    worst = max(float(np.max(np.abs(g.weights[k] - a.weights[k]) / np.abs(g.weights[k]))) for k in g.weights)
+    print(f"GGUF vs .dat weights: max relative difference {worst:.2e}")
+    assert worst < 1e-6
+
+
+@pytest.fixture(scope="module")
+def real_imatrix(converted, tmp_path_factory):  # noqa: F811
+    """An imatrix computed by llama-imatrix itself on our f32 Qwen3.5-MoE file (3 chunks of 128 tokens of
+    text), in both formats: real activations, experts never routed to, llama-imatrix's own KV."""
+    exe = _tool("imatrix")
+    root = tmp_path_factory.mktemp("real-imatrix")
+    text = root / "calibration.txt"
+    text.write_text(("The quick brown fox jumps over the lazy dog. " * 10 + "def fib(n): return n\n") * 40)
+    out = {}
+    for fmt in ("gguf", "dat"):
+        out[fmt] = root / f"imatrix.{fmt}"
+        r = subprocess.run([str(exe), "-m", str(converted("qwen35moe", "f32")["model"]), "-f", str(text), "-c", "128",
+                            "-b", "128", "--chunks", "3", "-o", str(out[fmt]), "--output-format", fmt],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "dat"])
+@pytest.mark.parametrize("file_type", ["q4_k_m", "q3_k_l"])
+def test_llama_imatrix_output_gives_llama_quantize_bytes(models, converted, real_imatrix, llama_quantize, tmp_path,  # noqa: F811
+                                                         file_type, fmt):
+    imatrix = im.load(real_imatrix[fmt])
+    print(f"{fmt}: {len(imatrix.weights)} entries, datasets {imatrix.datasets}, {imatrix.chunk_count} chunks")
+    ours = _convert(models("qwen35moe"), tmp_path / "ours.gguf", file_type, real_imatrix[fmt])
+    theirs = _llama_quantize(llama_quantize, converted("qwen35moe", "f32")["model"], tmp_path / "llama.gguf",
+                             file_type, real_imatrix[fmt])
+    assert_same_file(ours, theirs)
+
+
+def test_q2_k_s_with_a_real_imatrix_needs_mtp_outtype(models, converted, real_imatrix, llama_quantize, tmp_path):  # noqa: F811
+    """llama-imatrix never runs the MTP layer, so its imatrix has no entries there, and llama-quantize
+    refuses Q2_K_S for the first MTP matrix in its order; we refuse the same tensor (and write nothing)
+    and say how to keep the MTP block out of Q2_K_S, which then works."""
+    r = subprocess.run([str(llama_quantize), "--imatrix", str(real_imatrix["gguf"]),
+                        str(converted("qwen35moe", "f32")["model"]), str(tmp_path / "llama.gguf"), "Q2_K_S", "2"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0
+    refused = next(line for line in (r.stdout + r.stderr).splitlines() if "Missing importance matrix" in line)
+    tensor = refused.split("tensor ")[1].split()[0]
+    result = CliRunner().invoke(cli_module.cli, ["convert", str(models("qwen35moe")), "-o", str(tmp_path / "a.gguf"),
+                                                 "--outtype", "q2_k_s", "--imatrix", str(real_imatrix["gguf"])])
+    assert result.exit_code != 0 and f"no entry for {tensor}," in str(result.exception), (tensor, result.exception)
+    assert "--mtp-outtype q8_0" in str(result.exception) and not list(tmp_path.glob("a*.gguf"))
+    _convert(models("qwen35moe"), tmp_path / "b.gguf", "q2_k_s", real_imatrix["gguf"], "--mtp-outtype", "q8_0")
 
 
 # ------------------------------------------------------------------ without the build: llama_model_quantize
