@@ -5,13 +5,23 @@ order and each remembers its position (the mask compares positions, so rope stay
 row conventions of the MTP head need no special casing). `seq_rm(seq, p)` drops the cells with
 position ≥ p, which is a length change.
 
-Recurrent (Gated DeltaNet) layers: every layer has a ring of R+1 slots per sequence holding the
-conv window [C, K-1] and the SSM state [nv, dk, dv] (float32; float64 in a float64 context) after some position; all layers share
-one bookkeeping per sequence (`slot_pos`, `cur`). Evaluating n tokens writes the states after each
-of the last min(n, R+1) tokens into the slots after `cur` and moves `cur` to the last one. Rolling
-back to position p therefore means finding the slot that holds the state after p-1 and making it
-current: an index change, no recomputation. R = `n_rs_seq`; R = 0 is the checkpoint mode, in which
-only whole-sequence removal or `restore` of a `checkpoint` can move the state back.
+Recurrent (Gated DeltaNet) layers: every layer has a ring of slots per sequence holding the conv
+window [C, K-1] and the SSM state [nv, dk, dv] (float32; float64 in a float64 context) after some
+position; all layers share one bookkeeping per sequence (`slot_pos`, `cur`). Evaluating n tokens
+gives the slots after `cur` to the states after each of the last min(n, R+1) tokens and moves `cur`
+to the last one; the R+1 most recent states are held (R = `n_rs_seq`). Rolling back to position p
+means finding the slot of the state after p-1 and making it current, with no re-evaluation.
+
+A batch of several tokens writes only its last SSM state: the others stay *pending* (gdn.PendingStates:
+the state before the batch plus per-token vectors, a few KB) and a rollback builds the one state it
+keeps. A verification of k+1 tokens so writes one 1 MB state per layer instead of k+1 (measured in
+docs/benchmarks.md, "Rollback of the recurrent state"). The ring has one slot more than it holds
+(R+2), so a batch never writes over the slot its pending states start from; that slot is held
+intact until a later batch writes over it, at which point the pending states that start from it
+are dropped (`seq_rm` to them returns False, as for any state the ring no longer holds). Rolling
+back into the latest batch, or over single-token steps, is therefore always within reach.
+R = 0 is the checkpoint mode, in which only whole-sequence removal or `restore` of a `checkpoint`
+can move the state back.
 """
 
 from __future__ import annotations
@@ -61,7 +71,9 @@ class Memory:
         """`layer_device(l)`: where layer l's cells live when the model spans devices (placement.py)."""
         self.layout = layout
         self.n_seq, self.n_ctx = n_seq, n_ctx
-        self.ring = n_rs_seq + 1
+        self.ring = n_rs_seq + 1  # states held
+        # physical slots: a spare keeps a batch's starting state intact (none needed when one is held)
+        self.slots = self.ring + 1 if self.ring > 1 else 1
         self.device, self.dtype = device, dtype
         where = layer_device or (lambda _l: device)
 
@@ -72,11 +84,13 @@ class Memory:
         self.v = {l: torch.zeros(shape(l), dtype=dtype, device=where(l)) for l in layout.attn_layers}
         self.cell_pos = torch.full((n_seq, n_ctx), -1, dtype=torch.long, device=device)
         self.n_cells = [0] * n_seq
-        self.conv = {l: torch.zeros(n_seq, self.ring, layout.conv_channels, layout.conv_kernel - 1,
+        self.conv = {l: torch.zeros(n_seq, self.slots, layout.conv_channels, layout.conv_kernel - 1,
                                     dtype=layout.state_dtype, device=where(l)) for l in layout.rec_layers}
-        self.ssm = {l: torch.zeros(n_seq, self.ring, layout.ssm_heads, layout.ssm_dk, layout.ssm_dv,
+        self.ssm = {l: torch.zeros(n_seq, self.slots, layout.ssm_heads, layout.ssm_dk, layout.ssm_dv,
                                    dtype=layout.state_dtype, device=where(l)) for l in layout.rec_layers}
-        self.slot_pos = [[EMPTY] * self.ring for _ in range(n_seq)]
+        self.slot_pos = [[EMPTY] * self.slots for _ in range(n_seq)]
+        # slot -> (Pending of its batch, index in the batch's kept states) for states not yet written
+        self.pending: list[dict[int, tuple["Pending", int]]] = [{} for _ in range(n_seq)]
         self.cur = [0] * n_seq
         self.last_pos = [-1] * n_seq  # highest position evaluated in the sequence
         for s in range(n_seq):
@@ -106,7 +120,7 @@ class Memory:
             raise SpecconvError(f"position {first} is not after the last position {self.last_pos[seq]} "
                                 f"of sequence {seq}; remove it with seq_rm first")
         keep = min(n, self.ring)
-        slots = [(self.cur[seq] + 1 + i) % self.ring for i in range(keep)]
+        slots = [(self.cur[seq] + 1 + i) % self.slots for i in range(keep)]
         return Batch(self, seq, positions, start, slots)
 
     def commit(self, batch: "Batch"):
@@ -114,9 +128,23 @@ class Memory:
         self.cell_pos[seq, batch.start:batch.start + n] = batch.positions
         self.n_cells[seq] = batch.start + n
         kept = batch.positions[n - len(batch.slots):].tolist()
+        if self.has_recurrent:
+            written = set(batch.slots)
+            pend = self.pending[seq]
+            for slot in [s for s, (p, _) in pend.items() if s in written or p.base in written]:
+                if slot not in written:  # its starting state is overwritten: no longer held
+                    self.slot_pos[seq][slot] = EMPTY
+                del pend[slot]
+            if batch.pending is not None:
+                for i, slot in enumerate(batch.slots[:-1]):
+                    pend[slot] = (batch.pending, i)
         for slot, pos in zip(batch.slots, kept):
             self.slot_pos[seq][slot] = pos
         self.cur[seq] = batch.slots[-1]
+        if self.slots > self.ring:  # the spare: R+1 states held
+            spare = (self.cur[seq] + 1) % self.slots
+            self.slot_pos[seq][spare] = EMPTY
+            self.pending[seq].pop(spare, None)
         self.last_pos[seq] = int(batch.positions[-1])
 
     # ---- rollback -----------------------------------------------------------------------------
@@ -134,12 +162,24 @@ class Memory:
             if (from_pos - 1) not in slots:
                 return False
             self.cur[seq] = slots.index(from_pos - 1)
+            self._materialize(seq, self.cur[seq])
+            pend = self.pending[seq]
             for i, p in enumerate(slots):
                 if p >= from_pos:
                     slots[i] = EMPTY
+                    pend.pop(i, None)
         self._truncate_cells(seq, from_pos)
         self.last_pos[seq] = from_pos - 1
         return True
+
+    def _materialize(self, seq: int, slot: int):
+        """Write a pending state into its slot (every recurrent layer)."""
+        entry = self.pending[seq].pop(slot, None)
+        if entry is None:
+            return
+        pending, i = entry
+        for l, states in pending.layers.items():
+            states.state(i, out=self.ssm[l][seq, slot])
 
     def _truncate_cells(self, seq: int, from_pos: int):
         n = self.n_cells[seq]
@@ -152,9 +192,10 @@ class Memory:
             self.n_cells[s] = 0
             self.cell_pos[s] = -1
             self.last_pos[s] = -1
-            self.slot_pos[s] = [EMPTY] * self.ring
+            self.slot_pos[s] = [EMPTY] * self.slots
             self.slot_pos[s][0] = BEFORE_START
             self.cur[s] = 0
+            self.pending[s] = {}
             for l in self.layout.rec_layers:
                 self.conv[l][s, 0].zero_()
                 self.ssm[l][s, 0].zero_()
@@ -175,8 +216,9 @@ class Memory:
             raise SpecconvError("restore: the sequence was cut back past its checkpoint; its attention cells are gone")
         # a checkpoint of an empty sequence keeps no cell at all
         self._truncate_cells(seq, int(self.cell_pos[seq, state.n_cells - 1]) + 1 if state.n_cells else 0)
-        self.slot_pos[seq] = [EMPTY] * self.ring
+        self.slot_pos[seq] = [EMPTY] * self.slots
         self.cur[seq] = 0
+        self.pending[seq] = {}
         self.slot_pos[seq][0] = state.slot_pos
         for l, conv, ssm in zip(self.layout.rec_layers, state.conv, state.ssm):
             self.conv[l][seq, 0].copy_(conv)
@@ -195,12 +237,22 @@ class Memory:
         return self.conv[layer][seq, c], self.ssm[layer][seq, c]
 
 
+class Pending:
+    """The pending states of one batch: per recurrent layer a gdn.PendingStates, all starting from the
+    state in slot `base` (the slot current before the batch)."""
+
+    def __init__(self, base: int):
+        self.base = base
+        self.layers: dict = {}
+
+
 class Batch:
     """One evaluation in progress on one sequence: where its cells and snapshots go."""
 
     def __init__(self, memory: Memory, seq: int, positions: torch.Tensor, start: int, slots: list[int]):
         self.memory, self.seq, self.start, self.slots = memory, seq, start, slots
         self._positions = {positions.device: positions}
+        self.pending: Pending | None = None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -228,9 +280,24 @@ class Batch:
     def recurrent_in(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.memory.recurrent_state(self.seq, layer)
 
-    def recurrent_out(self, layer: int, conv_states: torch.Tensor, ssm_states: torch.Tensor):
-        """States after each of the last `keep` tokens, oldest first."""
+    def recurrent_out(self, layer: int, conv_states: torch.Tensor, ssm_states):
+        """States after each of the last `keep` tokens, oldest first: the SSM states as a tensor
+        [keep, ...] or as gdn.PendingStates (only the last one is written; see the module doc)."""
         m, s = self.memory, self.seq
-        idx = torch.tensor(self.slots, device=m.conv[layer].device)
-        m.conv[layer][s].index_copy_(0, idx, conv_states.to(m.layout.state_dtype))
-        m.ssm[layer][s].index_copy_(0, idx, ssm_states.to(m.layout.state_dtype))
+        conv = m.conv[layer][s]
+        if len(self.slots) == 1:
+            conv[self.slots[0]].copy_(conv_states[-1])
+        else:
+            conv.index_copy_(0, torch.tensor(self.slots, device=conv.device), conv_states.to(conv.dtype))
+        if isinstance(ssm_states, torch.Tensor):
+            if len(self.slots) == 1:
+                m.ssm[layer][s, self.slots[0]].copy_(ssm_states[-1])
+            else:
+                m.ssm[layer][s].index_copy_(0, torch.tensor(self.slots, device=conv.device),
+                                            ssm_states.to(m.layout.state_dtype))
+            return
+        ssm_states.state(ssm_states.keep - 1, out=m.ssm[layer][s, self.slots[-1]])
+        if len(self.slots) > 1:
+            if self.pending is None:
+                self.pending = Pending(m.cur[s])
+            self.pending.layers[layer] = ssm_states

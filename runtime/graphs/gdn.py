@@ -81,12 +81,39 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return torch.cat(outs), s
 
 
-def batched_delta_rule(q, k, v, g, beta, state, keep: int = 1):
+class PendingStates:
+    """The states after each of the last `keep` tokens of a batch, kept as what rebuilds them instead of
+    as `keep` state-sized tensors: the state before the batch S (a view of the memory's slot, which the
+    memory keeps intact while this is held), k [nv, dk, n], the recurrence's δ [nv, n, dv] and the
+    cumulative log-decay Γ [nv, n]. S_t = e^{Γ_t} S + Σ_{j≤t} e^{Γ_t − Γ_j} k_j δ_jᵀ costs one state
+    write, so a verification batch writes only its last state and a rollback builds only the state it
+    keeps (runtime/memory.py): k+1 verified tokens cost one state write instead of k+1."""
+
+    def __init__(self, state, kt, v_new, gamma, first: int):
+        self.state0, self.kt, self.v_new, self.gamma, self.first = state, kt, v_new, gamma, first
+        self.keep = gamma.shape[1] - first
+
+    def state(self, i: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The state after token `first + i` of the batch (i < keep), written into `out` if given."""
+        t = self.first + i
+        scale = torch.exp(self.gamma[:, t:t + 1] - self.gamma[:, :t + 1])  # [nv, t+1]
+        # e^{Γ_t} S first, then the sum added in place: `out` may be S's own slot (a ring of one state)
+        decayed = self.state0 * self.gamma[:, t].exp()[:, None, None] if out is None else \
+            torch.mul(self.state0, self.gamma[:, t].exp()[:, None, None], out=out)
+        return decayed.baddbmm_(self.kt[:, :, :t + 1] * scale[:, None, :], self.v_new[:, :t + 1])
+
+    def all(self) -> torch.Tensor:
+        """Every kept state [keep, nv, dk, dv] (tests and the reference forms' layout)."""
+        return torch.stack([self.state(i) for i in range(self.keep)])
+
+
+def batched_delta_rule(q, k, v, g, beta, state, keep: int = 1, lazy: bool = False):
     """The recurrent form's result for a short batch in one set of tensor operations: the WY form of
-    `chunked_delta_rule` over the whole batch (one chunk of n rows), plus every per-token state
+    `chunked_delta_rule` over the whole batch (one chunk of n rows), plus the per-token states
     S_t = e^{Γ_t} S + Σ_{j≤t} D_tj k_j v_new_jᵀ, which the chunk form only builds for t = n. The
     state sum is O(n²·dk·dv) per head, so this is for n up to a chunk (verification batches).
-    Returns (o [n, nv, dv], states after each of the last `keep` tokens [keep, nv, dk, dv])."""
+    Returns (o [n, nv, dv], states after each of the last `keep` tokens [keep, nv, dk, dv]), or with
+    `lazy` a `PendingStates` that builds them on demand."""
     n = q.shape[0]
     qc, kc, vc = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [nv, n, d]
     gamma, bc = g.t().cumsum(-1), beta.t()  # [nv, n]
@@ -96,22 +123,20 @@ def batched_delta_rule(q, k, v, g, beta, state, keep: int = 1):
     a_mat = torch.eye(n, dtype=q.dtype, device=q.device).expand(q.shape[1], n, n) + t_mat
     u = torch.linalg.solve_triangular(a_mat, bc[:, :, None] * vc, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(a_mat, (bc * gamma.exp())[:, :, None] * kc, upper=False, unitriangular=True)
-    v_new = u - w @ state  # δ_t of the recurrence [nv, n, dv]
-    first = n - keep
-    # Σ_j D_tj k_j δ_jᵀ as one batched product over (t, head) with the small j axis inside, written
-    # straight in the ring's [keep, nv, dk, dv] order; then + e^{Γ_t} S in place (no temporaries)
-    left = (decay[:, first:, None, :] * kc.transpose(-1, -2)[:, None]).transpose(0, 1)  # [keep, nv, dk, n]
-    states = torch.matmul(left, v_new)  # [keep, nv, dk, dv]
-    states.addcmul_(state[None], gamma[:, first:].t().exp()[:, :, None, None])
-    o = (qc * gamma.exp()[:, :, None]) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ v_new
-    return o.transpose(0, 1), states
+    # W S and (Q e^Γ) S in one product: the state is read once
+    ws_qs = torch.cat([w, qc * gamma.exp()[:, :, None]], dim=1) @ state  # [nv, 2n, dv]
+    v_new = u - ws_qs[:, :n]  # δ_t of the recurrence [nv, n, dv]
+    o = ws_qs[:, n:] + ((qc @ kc.transpose(-1, -2)) * decay) @ v_new
+    pending = PendingStates(state, kc.transpose(-1, -2), v_new, gamma, n - keep)
+    return o.transpose(0, 1), (pending if lazy else pending.all())
 
 
 BATCHED_MAX = CHUNK  # the batched form's n² state sum stays cheap up to one chunk of tokens
 
 
-def delta_rule(q, k, v, g, beta, state, keep: int, mode: str = "auto"):
-    """Outputs for every token and the states after each of the last `keep` tokens.
+def delta_rule(q, k, v, g, beta, state, keep: int, mode: str = "auto", lazy: bool = False):
+    """Outputs for every token and the states after each of the last `keep` tokens (with `lazy`, as a
+    `PendingStates` where the batched form computes them: Batch.recurrent_out takes either).
 
     "recurrent": token by token (the reference form). "chunked"/"auto": the chunked form up to the
     last `keep` tokens, whose per-token states the snapshot ring needs, then the batched form for
@@ -124,7 +149,11 @@ def delta_rule(q, k, v, g, beta, state, keep: int, mode: str = "auto"):
         return recurrent_delta_rule(q, k, v, g, beta, state, keep=keep)
     keep = min(max(keep, 1), n)
     head = n - keep
-    tail_form = batched_delta_rule if keep <= BATCHED_MAX else recurrent_delta_rule  # rings beyond a chunk
+    if keep <= BATCHED_MAX:
+        def tail_form(*args, keep):
+            return batched_delta_rule(*args, keep=keep, lazy=lazy)
+    else:  # rings beyond a chunk
+        tail_form = recurrent_delta_rule
     if head <= 0:
         return tail_form(q, k, v, g, beta, state, keep=keep)
     o_head, state = chunked_delta_rule(q[:head], k[:head], v[:head], g[:head], beta[:head], state)
