@@ -10,10 +10,12 @@ when it promises at least MARGIN more tokens per second than plain decoding.
 
 * t(n): calibrated once per model (`measure_target_costs`: forwards of 1..k_max+1 tokens after a
   short prefix, snapshot ring and rollback as in a real round; smoothed, `TargetCosts`), then corrected online: t(n) times the
-  observed / calibrated ratio of the rounds that ran n tokens (exponential average), or, for a batch
-  size not run yet, the ratio over all rounds (a machine that slows down moves every t(n)), so one
-  noisy calibration does not fix the choice for the whole run.
-* c_tok, c_round: observed online (exponential averages); zero until the first drafting round.
+  median observed / calibrated ratio of the last WINDOW rounds that ran n tokens, or, for a batch
+  size not run in the last STALE rounds, the median ratio of the last rounds of any size (a machine
+  that slows down moves every t(n)). Medians, not averages: on a shared machine one round slowed
+  down by another process must not switch drafting off, and a correction that is no longer
+  re-measured (the loop decodes plainly) expires instead of ruling out drafting for the rest of the run.
+* c_tok, c_round: observed online (medians of the last WINDOW drafting rounds); zero until the first.
 * a_i: decayed counts per position, shrunk towards the pooled acceptance, which starts at ½ with
   the weight of one token: the first rounds draft, and acceptance that does not pay drops k. The
   draft length grows with the evidence: k ≤ 2·(deepest position verified so far) + 1, so the first
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from specconv.archs.errors import SpecconvError
@@ -37,7 +40,8 @@ PROBE_MIN, PROBE_MAX = 8, 64
 DECAY = 0.97  # per drafting round: about the last 30 rounds count
 PRIOR = 0.5  # pooled acceptance before any evidence, with the weight of PRIOR_WEIGHT tokens
 PRIOR_WEIGHT = 1.0
-EMA = 0.2  # weight of a new timing in the online averages
+WINDOW = 9  # recent observations an online timing takes the median of
+STALE = 48  # rounds after which a batch size's own timings no longer correct its cost
 MARGIN = 0.03  # predicted gain over plain decoding below which a round decodes plainly (timing noise)
 
 
@@ -129,11 +133,10 @@ class AutoDraft:
     k_max: int = AUTO_K_MAX
     acc: list[float] = field(default_factory=list)  # decayed accepted count per position
     tried: list[float] = field(default_factory=list)  # decayed verified count per position
-    scale: float = 1.0  # observed / calibrated target time, all batch sizes (for sizes not seen yet)
-    rel: dict = field(default_factory=dict)  # n -> observed / calibrated for forwards of n tokens
-    c_tok: float = 0.0
-    c_round: float = 0.0
-    seen_draft: bool = False
+    recent: deque = field(default_factory=lambda: deque(maxlen=2 * WINDOW))  # observed / calibrated, any n
+    by_n: dict = field(default_factory=dict)  # n -> deque of (round number, observed / calibrated)
+    draft_costs: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (c_tok, c_round) per drafting round
+    rounds: int = 0
     plain_run: int = 0  # plain rounds since the last drafting round
     probe: int = PROBE_MIN
     deepest: int = 0  # deepest draft position verified so far (1-based)
@@ -150,9 +153,27 @@ class AutoDraft:
         a = self.pooled()
         return [(self.acc[i] + a * 2.0) / (self.tried[i] + 2.0) for i in range(self.k_max)]
 
+    @property
+    def scale(self) -> float:
+        """Observed / calibrated target time over the last rounds of any size (median)."""
+        return statistics.median(self.recent) if self.recent else 1.0
+
+    def rel(self, n: int) -> float:
+        """Observed / calibrated time of forwards of n tokens: the median of this size's recent rounds."""
+        mine = [r for i, r in self.by_n.get(n, ()) if self.rounds - i <= STALE]
+        return statistics.median(mine) if len(mine) >= 3 else self.scale  # a median of 2 is a mean
+
+    @property
+    def c_tok(self) -> float:
+        return statistics.median(c for c, _ in self.draft_costs) if self.draft_costs else 0.0
+
+    @property
+    def c_round(self) -> float:
+        return statistics.median(c for _, c in self.draft_costs) if self.draft_costs else 0.0
+
     def target_seconds(self, n: int) -> float:
         """Predicted t(n): calibrated, corrected online, never below the prediction for fewer tokens."""
-        return max(self.costs.t(m) * self.rel.get(m, self.scale) for m in range(1, n + 1))
+        return max(self.costs.t(m) * self.rel(m) for m in range(1, n + 1))
 
     def round_seconds(self, k: int) -> float:
         t = self.target_seconds(k + 1)
@@ -188,12 +209,12 @@ class AutoDraft:
     def observe(self, k: int, accepted: int, mode: str, target_seconds: float, draft_seconds: float = 0.0,
                 accept_seconds: float = 0.0) -> None:
         """What a round of k drafts did: accepted count, and the seconds of its parts."""
+        self.rounds += 1
         calibrated = self.costs.t(k + 1)
         if calibrated > 0 and target_seconds > 0:
             ratio = target_seconds / calibrated
-            rel = self.rel.get(k + 1, self.scale)
-            self.rel[k + 1] = rel + EMA * (ratio - rel)
-            self.scale += EMA * (ratio - self.scale)
+            self.recent.append(ratio)
+            self.by_n.setdefault(k + 1, deque(maxlen=WINDOW)).append((self.rounds, ratio))
         if k == 0:
             self.plain_run += 1
             return
@@ -205,12 +226,7 @@ class AutoDraft:
             self.tried[i] += 1.0
             if i < accepted:
                 self.acc[i] += 1.0
-        per_tok = draft_seconds / k
-        if self.seen_draft:
-            self.c_tok += EMA * (per_tok - self.c_tok)
-            self.c_round += EMA * (accept_seconds - self.c_round)
-        else:
-            self.c_tok, self.c_round, self.seen_draft = per_tok, accept_seconds, True
+        self.draft_costs.append((draft_seconds / k, accept_seconds))
         if mode == "probe":
             self.plain_run = 0
             if self.best()[0] == 0:
