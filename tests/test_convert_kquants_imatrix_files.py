@@ -189,6 +189,24 @@ def test_q2_k_s_with_a_real_imatrix_needs_mtp_outtype(models, converted, real_im
     _convert(models("qwen35moe"), tmp_path / "b.gguf", "q2_k_s", real_imatrix["gguf"], "--mtp-outtype", "q8_0")
 
 
+def test_mtp_outtype_with_an_imatrix(models, converted, real_imatrix, llama_quantize, tmp_path):  # noqa: F811
+    """--mtp-outtype q8_0 --imatrix: the MTP block's matrices are the q8_0 conversion's, every other
+    tensor is llama-quantize --imatrix's (weighted)."""
+    from gguf import GGUFReader
+
+    ours = _convert(models("qwen35moe"), tmp_path / "ours.gguf", "q4_k_m", real_imatrix["gguf"], "--mtp-outtype", "q8_0")
+    tool = {t.name: t for t in GGUFReader(_llama_quantize(llama_quantize, converted("qwen35moe", "f32")["model"],
+                                                          tmp_path / "llama.gguf", "q4_k_m", real_imatrix["gguf"])).tensors}
+    q8 = {t.name: t for t in GGUFReader(converted("qwen35moe", "q8_0")["model"]).tensors}
+    n_mtp = 0
+    for t in GGUFReader(ours).tensors:
+        mtp_matrix = t.name.startswith("blk.4.") and tool[t.name].tensor_type.name != "F32"
+        expected = q8[t.name] if mtp_matrix else tool[t.name]
+        n_mtp += mtp_matrix
+        assert t.tensor_type == expected.tensor_type and t.data.tobytes() == expected.data.tobytes(), t.name
+    assert n_mtp >= 8
+
+
 # ------------------------------------------------------------------ without the build: llama_model_quantize
 
 
