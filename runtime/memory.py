@@ -253,6 +253,8 @@ class Batch:
         self.memory, self.seq, self.start, self.slots = memory, seq, start, slots
         self._positions = {positions.device: positions}
         self.pending: Pending | None = None
+        self._visible: dict = {}  # device -> positions of every visible cell (the same for every layer)
+        self._slot_index: dict = {}  # device -> the slots as a tensor
 
     @property
     def positions(self) -> torch.Tensor:
@@ -274,8 +276,17 @@ class Batch:
         end = self.start + n
         m.k[layer][s, self.start:end] = k.to(m.dtype)
         m.v[layer][s, self.start:end] = v.to(m.dtype)
-        pos = torch.cat([m.cell_pos[s, :self.start].to(k.device), self.positions.to(k.device)])
+        pos = self._visible.get(k.device)
+        if pos is None:  # built once per batch, not once per attention layer
+            pos = self._visible[k.device] = torch.cat([m.cell_pos[s, :self.start].to(k.device),
+                                                       self.positions.to(k.device)])
         return m.k[layer][s, :end], m.v[layer][s, :end], pos
+
+    def _slots_on(self, device) -> torch.Tensor:
+        idx = self._slot_index.get(device)
+        if idx is None:
+            idx = self._slot_index[device] = torch.tensor(self.slots, device=device)
+        return idx
 
     def recurrent_in(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.memory.recurrent_state(self.seq, layer)
@@ -288,13 +299,12 @@ class Batch:
         if len(self.slots) == 1:
             conv[self.slots[0]].copy_(conv_states[-1])
         else:
-            conv.index_copy_(0, torch.tensor(self.slots, device=conv.device), conv_states.to(conv.dtype))
+            conv.index_copy_(0, self._slots_on(conv.device), conv_states.to(conv.dtype))
         if isinstance(ssm_states, torch.Tensor):
             if len(self.slots) == 1:
                 m.ssm[layer][s, self.slots[0]].copy_(ssm_states[-1])
             else:
-                m.ssm[layer][s].index_copy_(0, torch.tensor(self.slots, device=conv.device),
-                                            ssm_states.to(m.layout.state_dtype))
+                m.ssm[layer][s].index_copy_(0, self._slots_on(conv.device), ssm_states.to(m.layout.state_dtype))
             return
         ssm_states.state(ssm_states.keep - 1, out=m.ssm[layer][s, self.slots[-1]])
         if len(self.slots) > 1:
