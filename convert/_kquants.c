@@ -12,8 +12,10 @@
 #include "kq_weighted.h"
 
 typedef void (*block_fn)(const float *, uint8_t *);
+typedef void (*wblock_fn)(const float *, const float *, uint8_t *);
 
 static block_fn encoders[5]; /* Q2_K..Q6_K, for this CPU: set when the module loads */
+static wblock_fn wencoders[5]; /* the importance-weighted ones */
 static const char *isa_name = "generic";
 
 static void choose_encoders(void)
@@ -21,6 +23,9 @@ static void choose_encoders(void)
     block_fn generic[5] = {kq_block_q2_k_generic, kq_block_q3_k_generic, kq_block_q4_k_generic,
                            kq_block_q5_k_generic, kq_block_q6_k_generic};
     memcpy(encoders, generic, sizeof encoders);
+    wblock_fn wgeneric[5] = {kq_wblock_q2_k_generic, kq_wblock_q3_k_generic, kq_wblock_q4_k_generic,
+                             kq_wblock_q5_k_generic, kq_wblock_q6_k_generic};
+    memcpy(wencoders, wgeneric, sizeof wencoders);
 #ifdef KQ_HAVE_AVX2
     const char *off = getenv("SPECCONV_NO_AVX2"); /* tests run the generic build on AVX2 machines too */
     __builtin_cpu_init();
@@ -29,6 +34,9 @@ static void choose_encoders(void)
         block_fn avx2[5] = {kq_block_q2_k_avx2, kq_block_q3_k_avx2, kq_block_q4_k_avx2, kq_block_q5_k_avx2,
                             kq_block_q6_k_avx2};
         memcpy(encoders, avx2, sizeof encoders);
+        wblock_fn wavx2[5] = {kq_wblock_q2_k_avx2, kq_wblock_q3_k_avx2, kq_wblock_q4_k_avx2, kq_wblock_q5_k_avx2,
+                              kq_wblock_q6_k_avx2};
+        memcpy(wencoders, wavx2, sizeof wencoders);
     }
 #endif
 }
@@ -136,7 +144,8 @@ static int encode_rows(const unsigned char *src, uint8_t *dst, Py_ssize_t nrows,
         if (all)
             return 0;
         const float *qw = weights + (size_t)((first_row + r) / rows_per_group) * n_per_row;
-        kw_row(type, x, qw, n_per_row, dst + (size_t)r * row_bytes);
+        kw_row(type, x, qw, n_per_row, dst + (size_t)r * row_bytes,
+               type >= KQ_Q2_K && type <= KQ_Q6_K ? wencoders[type - KQ_Q2_K] : NULL);
     }
     return 1;
 }

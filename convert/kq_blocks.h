@@ -269,7 +269,7 @@ void KQ_NAME(kq_block_q6_k)(const float *x, uint8_t *out)
     float xt[16 * L8], scale[16];
     for (int half = 0; half < 2; half++) {
         transpose_in(x + 128 * half, 16, xt);
-        signed_search(16, 32, xt, lt, scale + 8 * half);
+        signed_search(16, 32, xt, lt, scale + 8 * half, NULL);
         transpose_out_i8(lt, 16, levels + 128 * half);
     }
     float peak = 0, peak_abs = 0;
@@ -309,3 +309,5 @@ void KQ_NAME(kq_block_q6_k)(const float *x, uint8_t *out)
     }
     kq_put_half(out + 208, d);
 }
+
+#include "kq_wblocks.h" /* the importance-weighted encoders, built from the same searches */

@@ -113,7 +113,12 @@ static inline uint16_t kq_get_half(const uint8_t *p)
     void kq_block_q3_k##suffix(const float *x, uint8_t *out); \
     void kq_block_q4_k##suffix(const float *x, uint8_t *out); \
     void kq_block_q5_k##suffix(const float *x, uint8_t *out); \
-    void kq_block_q6_k##suffix(const float *x, uint8_t *out);
+    void kq_block_q6_k##suffix(const float *x, uint8_t *out); \
+    void kq_wblock_q2_k##suffix(const float *x, const float *qw, uint8_t *out); \
+    void kq_wblock_q3_k##suffix(const float *x, const float *qw, uint8_t *out); \
+    void kq_wblock_q4_k##suffix(const float *x, const float *qw, uint8_t *out); \
+    void kq_wblock_q5_k##suffix(const float *x, const float *qw, uint8_t *out); \
+    void kq_wblock_q6_k##suffix(const float *x, const float *qw, uint8_t *out);
 KQ_BLOCK_DECLS(_generic)
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
 #define KQ_HAVE_AVX2 1

@@ -148,9 +148,10 @@ static inline vf signed_peak(int n, const float *xt, vi *zero)
     return peak;
 }
 
-/* Symmetric levels -nmax..nmax-1 (stored + nmax), weights x^2 (Q6_K): the grid through the peak,
- * then 18 grids with the peak mapped to -(nmax + 0.1 k), keeping the best least-squares fit. */
-static void signed_search(int n, int nmax, const float *xt, int8_t *lt, float *scale_out)
+/* Symmetric levels -nmax..nmax-1 (stored + nmax), weights x^2 (Q6_K) or wt (same layout as xt:
+ * the importance-weighted Q3_K / Q6_K): the grid through the peak, then 18 grids with the peak
+ * mapped to -(nmax + 0.1 k), keeping the best least-squares fit. */
+static void signed_search(int n, int nmax, const float *xt, int8_t *lt, float *scale_out, const float *wt)
 {
     vi zero_lane;
     const vf zero = vsplat(0.0f);
@@ -161,7 +162,7 @@ static void signed_search(int n, int nmax, const float *xt, int8_t *lt, float *s
         vf x = vload(xt + i * G);
         vi l = vclamp(vround(inv * x), -nmax, nmax - 1);
         lv[i] = l;
-        vf w = x * x, fl = vtof(l);
+        vf w = wt ? vload(wt + i * G) : x * x, fl = vtof(l);
         s_xl += w * x * fl;
         s_l2 += w * fl * fl;
     }
@@ -177,7 +178,7 @@ static void signed_search(int n, int nmax, const float *xt, int8_t *lt, float *s
             vf x = vload(xt + i * G);
             vi l = vclamp(vround(inv * x), -nmax, nmax - 1);
             trial[i] = l;
-            vf w = x * x, fl = vtof(l);
+            vf w = wt ? vload(wt + i * G) : x * x, fl = vtof(l);
             s_xl += w * x * fl;
             s_l2 += w * fl * fl;
         }

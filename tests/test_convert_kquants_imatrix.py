@@ -141,6 +141,32 @@ def test_numpy_fallback_equals_native(ggml_type, monkeypatch):
     assert np.array_equal(im.encode_weighted_run(x, ggml_type, w.reshape(-1), x.shape[1], per, 0), native)
 
 
+@pytest.mark.peer
+def test_generic_build_equals_llama_cpp_too(ggml_quantize_weighted, tmp_path):
+    """The weighted K-quant super-blocks are compiled for AVX2 and for any CPU (kq_wblocks.h);
+    SPECCONV_NO_AVX2=1 selects the second, in a child process (chosen when the module loads)."""
+    import os
+    import subprocess
+    import sys
+
+    require_native_kquants()
+    x = _rows(Q.Q4_K, 1100, n_random=200)
+    w = _weights(np.random.default_rng(11), x.shape[1])[0]
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "w.npy", w)
+    code = ("import sys, numpy as np; from specconv.convert import _kquants as k; x = np.load(sys.argv[1]); "
+            "w = np.load(sys.argv[2]); sizes = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}; outs = {}\n"
+            "for t, b in sizes.items():\n    o = np.zeros(x.size // 256 * b, np.uint8); "
+            "assert k.encode_weighted(t, x, o, False, x.shape[1], w, x.shape[0], 0); outs[str(t)] = o\n"
+            "np.savez(sys.argv[3], isa=k.isa(), **outs)")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.npy"), str(tmp_path / "w.npy"),
+                    str(tmp_path / "out.npz")], env={**os.environ, "SPECCONV_NO_AVX2": "1"}, check=True)
+    got = np.load(tmp_path / "out.npz")
+    assert str(got["isa"]) == "generic"
+    for ggml_type in WEIGHTED[:5]:
+        assert _mismatches(got[str(int(ggml_type))], ggml_quantize_weighted(ggml_type, x, w), ggml_type) == []
+
+
 def test_native_weighted_rejects_bad_arguments():
     encode = require_native_kquants() and __import__("specconv.convert._kquants", fromlist=["x"]).encode_weighted
     x, w = np.zeros((2, 256), np.float32), np.ones(256, np.float32)
