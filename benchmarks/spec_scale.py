@@ -32,7 +32,12 @@ import platform
 import statistics
 import sys
 import time
+import threading
 from pathlib import Path
+
+# OpenMP threads that spin at barriers collapse on a shared machine (measured with 2 threads at load
+# average 7 on 2 cores: t(1) 2.2-2.5 s spinning, 0.49 s sleeping); set before torch loads OpenMP
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -213,7 +218,9 @@ def markdown(results: list[dict], meta: dict, png_name: str) -> str:
     lines = ["## Speculative decoding at size: verification cost and the synthetic drafter", "",
              f"`python3 benchmarks/spec_scale.py {meta['argv']}` ({meta['date']}, {meta['machine']}; "
              f"{meta['threads']} threads for both runtimes; {meta['minutes']:.1f} min in all; load average "
-             f"{meta['load'][0]:.1f} at the start, {meta['load'][1]:.1f} at the end). {meta['note']}".rstrip(),
+             f"{meta['load'][0]:.1f} at the start, {meta['load'][1]:.1f} at the end, median "
+             f"{meta.get('load_median', meta['load'][0]):.1f} over the run; OMP_WAIT_POLICY="
+             f"{meta.get('omp_wait_policy') or 'unset'}). {meta['note']}".rstrip(),
              "",
              "Model" + ("s" if len(results) > 1 else "") + ": " + "; ".join(_describe(r) for r in results) + ". "
              + ("The ~1 B-param Qwen3.5-shaped checkpoint of tools/synth_qwen35.py (random weights), q8_0 by "
@@ -300,8 +307,16 @@ def plot(results: list[dict], png: Path) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     started, load_start = time.perf_counter(), os.getloadavg()[0]
+    loads, stop = [], threading.Event()
+
+    def sample():  # the 1-minute load average every 30 s: other processes' share of the 2 cores
+        while not stop.wait(30):
+            loads.append(os.getloadavg()[0])
+
+    threading.Thread(target=sample, daemon=True).start()
     files = build(args)
     results = [run_file(path, args) for path in files.values()]
+    stop.set()
     for res in results:
         print(f"\n{res['file']}: specconv t(n)/t(1) {[round(r, 2) for r in res['specconv_ratios']]}, "
               f"t(1) {res['specconv_seconds'][0] * 1e3:.0f} ms")
@@ -317,6 +332,8 @@ def main(argv=None) -> dict:
     meta = {"argv": " ".join(sys.argv[1:] if argv is None else argv), "threads": args.threads,
             "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {platform.system()}",
             "minutes": (time.perf_counter() - started) / 60, "note": args.note, "load": [load_start, os.getloadavg()[0]],
+            "load_median": statistics.median(loads) if loads else load_start,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
             "built": not args.model}
     out = {"meta": meta, "results": results}
     if args.json:
