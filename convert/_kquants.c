@@ -143,7 +143,7 @@ static int encode_rows(const unsigned char *src, uint8_t *dst, Py_ssize_t nrows,
         }
         if (all)
             return 0;
-        const float *qw = weights + (size_t)((first_row + r) / rows_per_group) * n_per_row;
+        const float *qw = weights ? weights + (size_t)((first_row + r) / rows_per_group) * n_per_row : NULL;
         kw_row(type, x, qw, n_per_row, dst + (size_t)r * row_bytes,
                type >= KQ_Q2_K && type <= KQ_Q6_K ? wencoders[type - KQ_Q2_K] : NULL);
     }
@@ -175,10 +175,20 @@ static PyObject *encode_weighted(PyObject *self, PyObject *args)
         PyBuffer_Release(&src);
         return NULL;
     }
-    if (PyObject_GetBuffer(w_obj, &w, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    int unweighted = w_obj == Py_None; /* IQ4_NL / IQ4_XS without an imatrix */
+    if (unweighted && type != KW_IQ4_NL && type != KW_IQ4_XS) {
+        PyErr_Format(PyExc_ValueError, "encode_weighted: GGML type %d needs weights here", type);
+        unweighted = -1;
+    }
+    if (unweighted < 0 || (!unweighted && PyObject_GetBuffer(w_obj, &w, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)) {
         PyBuffer_Release(&dst);
         PyBuffer_Release(&src);
         return NULL;
+    }
+    if (unweighted) {
+        memset(&w, 0, sizeof w);
+        w.itemsize = 4;
+        w.len = PY_SSIZE_T_MAX / 2;
     }
     Py_ssize_t width = bf16 ? 2 : 4, n = src.len / width, nrows = n / n_per_row;
     PyObject *result = NULL;
@@ -201,13 +211,14 @@ static PyObject *encode_weighted(PyObject *self, PyObject *args)
             int ok;
             Py_BEGIN_ALLOW_THREADS
             ok = encode_rows((const unsigned char *)src.buf, (uint8_t *)dst.buf, nrows, n_per_row, bf16, type,
-                             (const float *)w.buf, rows_per_group, first_row, x);
+                             unweighted ? NULL : (const float *)w.buf, rows_per_group, first_row, x);
             Py_END_ALLOW_THREADS
             PyMem_RawFree(x);
             result = PyBool_FromLong(ok);
         }
     }
-    PyBuffer_Release(&w);
+    if (!unweighted)
+        PyBuffer_Release(&w);
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     return result;
@@ -229,9 +240,10 @@ static PyMethodDef methods[] = {
     {"encode_weighted", encode_weighted, METH_VARARGS,
      "encode_weighted(ggml_type, src, dst, bf16, n_per_row, weights, rows_per_group, first_row) -> bool\n\n"
      "Encode whole rows of src (float32, or bfloat16 bits as uint16) as GGML type 2, 3, 6, 7 (Q4_0, Q4_1,\n"
-     "Q5_0, Q5_1) or 10..14 (Q2_K..Q6_K) with importance weights, bytes equal to llama.cpp's quantize\n"
-     "with --imatrix: row r (of the tensor: first_row + r) uses weights[g * n_per_row:(g + 1) * n_per_row],\n"
-     "g = (first_row + r) // rows_per_group (one slice per expert). Returns False, dst unspecified,\n"
+     "Q5_0, Q5_1), 10..14 (Q2_K..Q6_K), 20 or 23 (IQ4_NL, IQ4_XS) with importance weights, bytes equal\n"
+     "to llama.cpp's quantize with --imatrix: row r (of the tensor: first_row + r) uses\n"
+     "weights[g * n_per_row:(g + 1) * n_per_row], g = (first_row + r) // rows_per_group (one slice per\n"
+     "expert); weights None (IQ4 types only): the tool's bytes without an imatrix. Returns False, dst unspecified,\n"
      "when a value is infinite or NaN. Releases the GIL while encoding."},
     {NULL, NULL, 0, NULL},
 };

@@ -270,6 +270,122 @@ KW_FN void kw_block_32(int type, const float *x, const float *qw, float sigma2, 
     }
 }
 
+/* ------------------------------------------- IQ4_NL (32 values) and IQ4_XS (256): non-linear levels */
+
+#define KW_IQ4_NL 20
+#define KW_IQ4_XS 23
+static const int8_t kw_iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* The level nearest to v (ties to the upper one), by bisection as the reference finds it. */
+KW_FN int kw_iq4_index(float v)
+{
+    const int8_t *val = kw_iq4_values;
+    if (v <= val[0])
+        return 0;
+    if (v >= val[15])
+        return 15;
+    int lo = 0, hi = 15;
+    while (hi - lo > 1) {
+        int mid = (lo + hi) / 2;
+        if (v < val[mid])
+            hi = mid;
+        else
+            lo = mid;
+    }
+    return v - val[hi - 1] < val[hi] - v ? hi - 1 : hi;
+}
+
+/* One IQ4_NL block (n = 32) or IQ4_XS super-block (n = 256) of sub-blocks of 32: per sub-block the
+ * scale through the peak then 15 neighbours by weighted least squares (weights w * sqrt(sigma2 + x^2)
+ * with an imatrix, x^2 without: qw NULL); IQ4_XS stores 6-bit sub-block scales against a float16
+ * super-scale. out: d, [scales_h, scales_l[4]], qs. */
+KW_FN void kw_iq4(int n, const float *x, const float *qw, uint8_t *out)
+{
+    uint8_t L[KQ_SUPER];
+    float scale[8], weight[32];
+    float sigma2 = 0;
+    for (int j = 0; j < n; j++)
+        sigma2 += x[j] * x[j];
+    sigma2 *= 2.f / (float)n;
+    float top = 0, top_abs = 0;
+    int nb = n / 32;
+    for (int ib = 0; ib < nb; ib++) {
+        const float *xb = x + 32 * ib;
+        uint8_t *Lb = L + 32 * ib;
+        for (int j = 0; j < 32; j++)
+            weight[j] = qw ? qw[32 * ib + j] * sqrtf(sigma2 + xb[j] * xb[j]) : xb[j] * xb[j];
+        float peak = 0, peak_abs = 0;
+        for (int j = 0; j < 32; j++) {
+            float a = fabsf(xb[j]);
+            if (a > peak_abs) {
+                peak_abs = a;
+                peak = xb[j];
+            }
+        }
+        if (peak_abs < KW_EPS) {
+            scale[ib] = 0;
+            continue;
+        }
+        float d = -peak / (float)kw_iq4_values[0], id = 1 / d, s_qx = 0, s_q2 = 0;
+        for (int j = 0; j < 32; j++) {
+            int l = kw_iq4_index(id * xb[j]);
+            Lb[j] = (uint8_t)l;
+            float q = (float)kw_iq4_values[l];
+            s_qx += weight[j] * q * xb[j];
+            s_q2 += weight[j] * q * q;
+        }
+        d = s_q2 > 0 ? s_qx / s_q2 : 0.f;
+        float best = d * s_qx;
+        for (int k = -7; k <= 7; k++) {
+            id = (float)(k + kw_iq4_values[0]) / peak;
+            s_qx = s_q2 = 0;
+            for (int j = 0; j < 32; j++) {
+                float q = (float)kw_iq4_values[kw_iq4_index(id * xb[j])];
+                s_qx += weight[j] * q * xb[j];
+                s_q2 += weight[j] * q * q;
+            }
+            if (s_q2 > 0 && s_qx * s_qx > best * s_q2) {
+                d = s_qx / s_q2;
+                best = d * s_qx;
+            }
+        }
+        scale[ib] = d;
+        if (fabsf(d) > top_abs) {
+            top_abs = fabsf(d);
+            top = d;
+        }
+    }
+    uint8_t *qs;
+    if (nb > 1) {
+        uint16_t high = 0;
+        uint8_t *low = out + 4;
+        memset(low, 0, 4);
+        float d = -top / 32.f, id = d ? 1 / d : 0.f;
+        kq_put_half(out, kq_half(d));
+        for (int ib = 0; ib < nb; ib++) {
+            int l = kw_clamp(kq_round(id * scale[ib]), -32, 31);
+            float dl = d * (float)l, idl = dl ? 1 / dl : 0.f;
+            for (int j = 0; j < 32; j++)
+                L[32 * ib + j] = (uint8_t)kw_iq4_index(idl * x[32 * ib + j]);
+            l += 32;
+            low[ib / 2] |= (uint8_t)((l & 0xF) << (4 * (ib % 2)));
+            high |= (uint16_t)((l >> 4) << (2 * (ib % 8)));
+        }
+        out[2] = (uint8_t)(high & 0xFF);
+        out[3] = (uint8_t)(high >> 8);
+        qs = out + 8;
+    } else {
+        kq_put_half(out, kq_half(scale[0]));
+        float id = scale[0] ? 1 / scale[0] : 0;
+        for (int j = 0; j < 32; j++)
+            L[j] = (uint8_t)kw_iq4_index(id * x[j]);
+        qs = out + 2;
+    }
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < 16; j++)
+            qs[16 * i + j] = (uint8_t)(L[32 * i + j] | (L[32 * i + 16 + j] << 4));
+}
+
 /* Bytes per block and values per block of a type encoded here with weights; 0 when not one. */
 KW_FN int kw_layout(int type, int *block)
 {
@@ -278,6 +394,8 @@ KW_FN int kw_layout(int type, int *block)
     case KW_Q4_1: *block = 32; return 20;
     case KW_Q5_0: *block = 32; return 22;
     case KW_Q5_1: *block = 32; return 24;
+    case KW_IQ4_NL: *block = 32; return 18;
+    case KW_IQ4_XS: *block = KQ_SUPER; return 136;
     case KQ_Q2_K: *block = KQ_SUPER; return KQ_Q2_K_BYTES;
     case KQ_Q3_K: *block = KQ_SUPER; return KQ_Q3_K_BYTES;
     case KQ_Q4_K: *block = KQ_SUPER; return KQ_Q4_K_BYTES;
@@ -293,6 +411,11 @@ KW_FN void kw_row(int type, const float *x, const float *qw, int64_t n, uint8_t 
                   void (*kblock)(const float *, const float *, uint8_t *))
 {
     int block = 0, bytes = kw_layout(type, &block);
+    if (type == KW_IQ4_NL || type == KW_IQ4_XS) { /* qw may be NULL: the tool's path without an imatrix */
+        for (int64_t b = 0; b < n / block; b++)
+            kw_iq4(block, x + block * b, qw ? qw + block * b : NULL, out + b * bytes);
+        return;
+    }
     if (block == 32) {
         float sigma2 = kw_mean_square(x, n, 0);
         for (int64_t b = 0; b < n / 32; b++)
