@@ -213,7 +213,7 @@ def _kquant_types(outtype: KQuantFileType, plugin, k: int, planned: list[Planned
     for kind, ts in selected.items():
         hp = Hparams.from_kv(plugin.gguf_arch, plugin.metadata(kind != "trunk" and k > 0))
         infos = [TensorInfo(t.name, tuple(t.plan.shape), t.ggml_type) for t in ts]
-        for name, ggml_type in choose_types(outtype.key, hp, infos).items():
+        for name, ggml_type in choose_types(outtype.key, hp, infos, imatrix is not None).items():
             if chosen.setdefault(name, ggml_type) != ggml_type:
                 raise SpecconvError(f"internal: {name} would be {chosen[name].name} in one file and "
                                     f"{ggml_type.name} in another")

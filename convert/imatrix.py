@@ -36,7 +36,8 @@ from specconv.archs.errors import SpecconvError
 Q = GGMLQuantizationType
 _GGUF_MAGIC = b"GGUF"
 # Types whose encoders take weights (the others, Q8_0 and the float types, ignore an imatrix).
-WEIGHTED_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+WEIGHTED_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL,
+                            Q.IQ4_XS})
 _KV_LIMIT = 127  # the tool copies file and dataset names into 128-byte override slots
 
 
@@ -231,10 +232,11 @@ def imatrix_plan(file_type: str, imatrix: Imatrix | None,
     return out
 
 
-def encode_weighted_run(values: np.ndarray, ggml_type: GGMLQuantizationType, weights: np.ndarray, n_per_row: int,
-                        rows_per_group: int, first_row: int) -> np.ndarray:
+def encode_weighted_run(values: np.ndarray, ggml_type: GGMLQuantizationType, weights: np.ndarray | None,
+                        n_per_row: int, rows_per_group: int, first_row: int) -> np.ndarray:
     """Whole rows of one tensor (float32, float16, or BF16 bits as uint16; row `first_row` of the
-    tensor first) -> their bytes with importance weights (row r uses slice r // rows_per_group)."""
+    tensor first) -> their bytes with importance weights (row r uses slice r // rows_per_group).
+    weights None: IQ4_NL / IQ4_XS without an imatrix (the tool's bytes then)."""
     from gguf.constants import GGML_QUANT_SIZES
 
     from .checkpoint import BF16_BITS
@@ -255,10 +257,14 @@ def encode_weighted_run(values: np.ndarray, ggml_type: GGMLQuantizationType, wei
         x = (flat.astype(np.uint32) << 16).view(np.float32) if bf16 else flat
         rows = x.reshape(-1, n_per_row)
         groups = (first_row + np.arange(rows.shape[0])) // rows_per_group
-        table = np.asarray(weights, dtype=np.float32).reshape(-1, n_per_row)
-        if groups.size and groups[-1] >= table.shape[0]:
-            raise SpecconvError(f"internal: {table.shape[0]} weight slices do not cover row {first_row + rows.shape[0] - 1}")
-        out = encode_rows(rows, ggml_type, table[groups])
+        if weights is None:
+            out = encode_rows(rows, ggml_type, None)
+        else:
+            table = np.asarray(weights, dtype=np.float32).reshape(-1, n_per_row)
+            if groups.size and groups[-1] >= table.shape[0]:
+                raise SpecconvError(f"internal: {table.shape[0]} weight slices do not cover row "
+                                    f"{first_row + rows.shape[0] - 1}")
+            out = encode_rows(rows, ggml_type, table[groups])
         ok = out is not None
     if not ok:
         raise SpecconvError(f"a tensor to be stored as {ggml_type.name} holds an infinity or NaN "

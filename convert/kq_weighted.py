@@ -22,14 +22,16 @@ F = np.float32
 _EPS = F(1e-15)
 
 
-def encode_rows(x: np.ndarray, ggml_type: GGMLQuantizationType, w: np.ndarray) -> np.ndarray | None:
-    """[R, n] float32 rows and their [R, n] weights -> the encoded bytes (flat uint8); None when a value
-    is infinite or NaN."""
+def encode_rows(x: np.ndarray, ggml_type: GGMLQuantizationType, w: np.ndarray | None) -> np.ndarray | None:
+    """[R, n] float32 rows and their [R, n] weights (None: IQ4 types without an imatrix) -> the encoded
+    bytes (flat uint8); None when a value is infinite or NaN."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if not np.isfinite(x).all():
         return None
-    w = np.ascontiguousarray(w, dtype=np.float32)
     with np.errstate(all="ignore"):  # masked-out lanes divide by zero; their results are discarded
+        if ggml_type in (Q.IQ4_NL, Q.IQ4_XS):
+            return _iq4(x, None if w is None else np.ascontiguousarray(w, dtype=np.float32), ggml_type).reshape(-1)
+        w = np.ascontiguousarray(w, dtype=np.float32)
         if ggml_type in _K:
             return _K[ggml_type](x.reshape(-1, 256), w.reshape(-1, 256)).reshape(-1)
         sigma2 = _seq_sum(x * x) / F(x.shape[1])  # the whole row's mean square
@@ -270,6 +272,67 @@ def _affine32(nmax: int, five: bool):
         out[:, 2:4] = _half(-neg_min)[0].reshape(-1, 1).view(np.uint8)
         return out
     return encode
+
+
+_IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _iq4_index(v: np.ndarray) -> np.ndarray:
+    """The nearest non-linear level (ties to the upper one), as the reference's bisection finds it."""
+    hi = np.clip(np.searchsorted(_IQ4_VALUES, v, side="right"), 1, 15)
+    pick = np.where(v - _IQ4_VALUES[hi - 1] < _IQ4_VALUES[hi] - v, hi - 1, hi)
+    return np.where(v <= _IQ4_VALUES[0], 0, np.where(v >= _IQ4_VALUES[15], 15, pick))
+
+
+def _iq4(x: np.ndarray, w: np.ndarray | None, ggml_type) -> np.ndarray:
+    """IQ4_NL (blocks of 32) / IQ4_XS (super-blocks of 256, 6-bit sub-block scales)."""
+    n = 256 if ggml_type == Q.IQ4_XS else 32
+    sb = x.reshape(-1, n)
+    sigma2 = _seq_sum(sb * sb) * (F(2) / F(n))
+    xb = sb.reshape(-1, 32)
+    wb = xb * xb if w is None else (w.reshape(-1, n) * np.sqrt(sigma2[:, None] + sb * sb)).reshape(-1, 32)
+    peak, peak_abs = _signed_peak(xb)
+    zero = peak_abs < _EPS
+
+    def sums(inv):
+        q = _IQ4_VALUES[_iq4_index(inv[:, None] * xb)]
+        return _seq_sum((wb * q) * xb), _seq_sum((wb * q) * q)
+
+    s_qx, s_q2 = sums(F(1) / (-peak / F(-127)))
+    d = np.where(s_q2 > 0, s_qx / s_q2, F(0))
+    best = d * s_qx
+    for k in range(-7, 8):
+        t_qx, t_q2 = sums(F(k - 127) / peak)
+        take = (t_q2 > 0) & (t_qx * t_qx > best * t_q2)
+        d = np.where(take, t_qx / t_q2, d)
+        best = np.where(take, d * t_qx, best)
+    scale = np.where(zero, F(0), d)
+    if ggml_type == Q.IQ4_NL:
+        inv = np.where(scale != 0, F(1) / scale, F(0))
+        levels = _iq4_index(inv[:, None] * xb)
+        out = np.empty((xb.shape[0], 18), dtype=np.uint8)
+        out[:, 0:2] = _half(scale)[0].reshape(-1, 1).view(np.uint8)
+        out[:, 2:] = _u8(levels[:, :16] | (levels[:, 16:] << 4))
+        return out
+    scale = scale.reshape(-1, 8)
+    top, _ = _signed_peak(scale)
+    d = -top / F(32)
+    inv = np.where(d != 0, F(1) / d, F(0))
+    lv = np.clip(_round(inv[:, None] * scale), -32, 31)
+    dl = d[:, None] * lv.astype(np.float32)
+    idl = np.where(dl != 0, F(1) / dl, F(0))
+    levels = _iq4_index(idl.reshape(-1)[:, None] * xb).reshape(-1, 256)
+    stored = lv + 32
+    out = np.empty((sb.shape[0], 136), dtype=np.uint8)
+    out[:, 0:2] = _half(d)[0].reshape(-1, 1).view(np.uint8)
+    high = np.zeros(sb.shape[0], dtype=np.uint32)
+    for ib in range(8):
+        high |= ((stored[:, ib] >> 4).astype(np.uint32)) << (2 * ib)
+    out[:, 2:4] = high.astype("<u2").reshape(-1, 1).view(np.uint8)
+    out[:, 4:8] = _u8((stored[:, 0::2] & 0xF) | ((stored[:, 1::2] & 0xF) << 4))
+    q = levels.reshape(-1, 8, 32)
+    out[:, 8:] = _u8(q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)
+    return out
 
 
 _K = {Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}

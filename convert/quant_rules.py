@@ -44,12 +44,14 @@ KQUANT_FILE_TYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "q3_k_l": (FT.MOSTLY_Q3_K_L, Q.Q3_K), "q4_k_s": (FT.MOSTLY_Q4_K_S, Q.Q4_K), "q4_k_m": (FT.MOSTLY_Q4_K_M, Q.Q4_K),
     "q5_k_s": (FT.MOSTLY_Q5_K_S, Q.Q5_K), "q5_k_m": (FT.MOSTLY_Q5_K_M, Q.Q5_K), "q6_k": (FT.MOSTLY_Q6_K, Q.Q6_K),
     "q2_k_s": (FT.MOSTLY_Q2_K_S, Q.Q2_K),  # needs an importance matrix (requires_imatrix)
+    "iq4_nl": (FT.MOSTLY_IQ4_NL, Q.IQ4_NL), "iq4_xs": (FT.MOSTLY_IQ4_XS, Q.IQ4_XS),
 }
+IQ4_TYPES = frozenset({Q.IQ4_NL, Q.IQ4_XS})  # encoded by the weighted encoders, with or without weights
 # File types that llama.cpp's quantize only makes with an importance matrix, and those specconv has no
 # encoder for (the IQ and ternary types): named in refusals.
 NEEDS_IMATRIX = ("q2_k_s", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xxs")
 NOT_ENCODED = ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xxs", "iq3_xs", "iq3_s", "iq3_m",
-               "iq4_nl", "iq4_xs", "tq1_0", "tq2_0", "mxfp4_moe", "q1_0", "q2_0")
+               "tq1_0", "tq2_0", "mxfp4_moe", "q1_0", "q2_0")
 
 # Substrings (or exact names) whose tensors the tool never quantizes, whatever their shape.
 _NEVER_PARTS = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_tid2eid.weight", "altup", "laurel",
@@ -146,12 +148,13 @@ def _more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
 
 
 class _Chooser:
-    def __init__(self, ftype: LlamaFileType, default: GGMLQuantizationType, hp: Hparams, names: Sequence[str]):
-        self.ftype, self.default, self.hp = ftype, default, hp
+    def __init__(self, ftype: LlamaFileType, default: GGMLQuantizationType, hp: Hparams, names: Sequence[str],
+                 has_imatrix: bool = False):
+        self.ftype, self.default, self.hp, self.has_imatrix = ftype, default, hp, has_imatrix
         self.tied = "output.weight" not in names
         self.n_wv = sum(_category(n) == "attn_v" for n in names)
         self.i_wv = self.i_down = self.i_gate = self.i_up = 0
@@ -186,6 +189,8 @@ class _Chooser:
                 new = Q.Q5_K if self.i_wv < 2 else Q.Q4_K
             elif f == FT.MOSTLY_Q3_K_L:
                 new = Q.Q5_K
+            elif f in (FT.MOSTLY_IQ4_NL, FT.MOSTLY_IQ4_XS) and hp.n_gqa >= 4:
+                new = Q.Q5_K
             elif f in (FT.MOSTLY_Q4_K_M, FT.MOSTLY_Q5_K_M) and _more_bits(self.i_wv, self.n_wv):
                 new = Q.Q6_K
             elif f == FT.MOSTLY_Q4_K_S and self.i_wv < 4:
@@ -208,14 +213,19 @@ class _Chooser:
                 new = Q.Q5_K if i < n // 16 else Q.Q4_K
             elif f == FT.MOSTLY_Q3_K_L:
                 new = Q.Q5_K
-            elif f in (FT.MOSTLY_Q4_K_M, FT.MOSTLY_Q5_K_M):
+            elif f == FT.MOSTLY_Q4_K_M:
+                new = Q.Q6_K if _more_bits(i, n) else new
+            elif i < n // 8 and f in (FT.MOSTLY_IQ4_NL, FT.MOSTLY_IQ4_XS) and not self.has_imatrix:
+                new = Q.Q5_K
+            elif f == FT.MOSTLY_Q5_K_M:
                 new = Q.Q6_K if _more_bits(i, n) else new
             elif f == FT.MOSTLY_Q4_K_S and i < n // 8:
                 new = Q.Q5_K
             self.i_down += 1
         elif cat == "attn_output":
             if hp.n_expert == 8:
-                if f in (FT.MOSTLY_Q2_K, FT.MOSTLY_Q3_K_S, FT.MOSTLY_Q3_K_M, FT.MOSTLY_Q4_K_S, FT.MOSTLY_Q4_K_M):
+                if f in (FT.MOSTLY_Q2_K, FT.MOSTLY_Q3_K_S, FT.MOSTLY_Q3_K_M, FT.MOSTLY_Q4_K_S, FT.MOSTLY_Q4_K_M,
+                         FT.MOSTLY_IQ4_NL, FT.MOSTLY_IQ4_XS):
                     new = Q.Q5_K
             else:
                 new = {FT.MOSTLY_Q2_K: Q.Q3_K, FT.MOSTLY_Q3_K_M: Q.Q4_K, FT.MOSTLY_Q3_K_L: Q.Q5_K}.get(f, new)
@@ -236,12 +246,14 @@ class _Chooser:
         return new if row % GGML_QUANT_SIZES[new][0] == 0 else Q.F16
 
 
-def choose_types(file_type: str, hp: Hparams, tensors: Sequence[TensorInfo]) -> dict[str, GGMLQuantizationType]:
-    """name -> GGML type for every tensor of one file, as llama.cpp's quantize decides it."""
+def choose_types(file_type: str, hp: Hparams, tensors: Sequence[TensorInfo],
+                 has_imatrix: bool = False) -> dict[str, GGMLQuantizationType]:
+    """name -> GGML type for every tensor of one file, as llama.cpp's quantize decides it (with an
+    importance matrix the IQ4 types keep the first FFN-down layers at IQ4 instead of Q5_K)."""
     ftype, default = KQUANT_FILE_TYPES[file_type]
     by_name = {t.name: t for t in tensors}
     order = loader_order(list(by_name))
-    chooser = _Chooser(ftype, default, hp, order)
+    chooser = _Chooser(ftype, default, hp, order, has_imatrix)
     types = {}
     for name in order:
         t = by_name[name]

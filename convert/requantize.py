@@ -29,7 +29,7 @@ from .imatrix import Imatrix, encode_weighted_run, imatrix_plan
 from .kernels import encode_run, encoded_size
 from .outtype import INTEGER_TYPES, nbytes
 from .pipeline import OrderedPool, default_workers
-from .quant_rules import KQUANT_FILE_TYPES, Hparams, TensorInfo, choose_types, ggml_shape, loader_order, \
+from .quant_rules import IQ4_TYPES, KQUANT_FILE_TYPES, Hparams, TensorInfo, choose_types, ggml_shape, loader_order, \
     requantized_kv
 from .stream import CHUNK
 from .writer import AtomicOutputs, GgufOutput, TensorEntry
@@ -57,7 +57,7 @@ def plan_requantize(src: Path, dst: Path, file_type: str, allow_requantize: bool
         raise SpecconvError(f"unknown file type {file_type!r}; choose one of {', '.join(KQUANT_FILE_TYPES)}")
     f = open_gguf(src)
     infos = [TensorInfo(t.name, t.torch_shape, t.ggml_type) for t in f]
-    types = choose_types(key, Hparams.from_kv(f.arch, list(f.kv.values())), infos)
+    types = choose_types(key, Hparams.from_kv(f.arch, list(f.kv.values())), infos, imatrix is not None)
     changed = [t for t in f if types[t.name] != t.ggml_type]
     quantized = [t for t in changed if t.ggml_type not in _FLOAT_VIEWS]
     if quantized and not allow_requantize:
@@ -113,7 +113,7 @@ def _queue(pool: OrderedPool, output: GgufOutput, tensor: GgufTensor, new_type: 
         offset = 0
         for start in range(0, values.size, step):
             chunk = values[start:start + step]
-            if weights is None:
+            if weights is None and new_type not in IQ4_TYPES:
                 job = lambda chunk=chunk, offset=offset: _write(output, place, offset,  # noqa: E731
                                                                 encode_run(np.array(chunk), new_type))
             else:  # whole rows of one tensor: row start // row, experts of shape[1] rows each

@@ -30,6 +30,7 @@ from .checkpoint import FLOAT_DTYPES, CheckpointReader
 from .kernels import PIECE, encode_run, encoded_size, passthrough
 from .outtype import INTEGER_TYPES, encode_integer
 from .pipeline import OrderedPool
+from .quant_rules import IQ4_TYPES
 from .writer import GgufOutput, Place
 
 CHUNK = 4 * PIECE  # elements per encoding job: 1M, i.e. at most 4 MB of output per chunk in flight
@@ -152,7 +153,7 @@ def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, ou
             raise SpecconvError(f"internal: {name} came out as {list(values.shape)}, planned {list(plan.shape)}")
         data = encode_integer(values, ggml_type)
         pool.submit(lambda: _write(places, 0, data), written)
-    elif weights is not None:  # --imatrix: whole rows, each knowing its row number (convert/imatrix.py)
+    elif weights is not None or ggml_type in IQ4_TYPES:  # --imatrix (or IQ4): whole rows (convert/imatrix.py)
         _stream_weighted(plan, ggml_type, nbytes, sources, places, pool, written, weights)
     else:
         chunks = [flat[start:start + CHUNK] for run in output_runs(plan, sources)

@@ -26,11 +26,11 @@ from specconv.archs.errors import SpecconvError
 from specconv.convert import imatrix as im
 from tests.test_convert_kquants import require_native_kquants, special_blocks
 
-WEIGHTED = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+WEIGHTED = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS]
 
 
 def _row(ggml_type: Q) -> int:
-    return 1024 if ggml_type in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K) else 384
+    return 384 if ggml_type in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1) else 1024
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +46,14 @@ def ggml_quantize_weighted():
                    ctypes.c_void_p]
     lib.ggml_quantize_init.argtypes = [ctypes.c_int]
 
-    def quantize(ggml_type: Q, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    def quantize(ggml_type: Q, x: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
-        w = np.ascontiguousarray(weights, dtype=np.float32)
+        w = None if weights is None else np.ascontiguousarray(weights, dtype=np.float32)
         block, size = GGML_QUANT_SIZES[ggml_type]
         out = np.zeros(x.size // block * size, dtype=np.uint8)
         lib.ggml_quantize_init(int(ggml_type))
-        assert fn(int(ggml_type), x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1], w.ctypes.data) == out.size
+        assert fn(int(ggml_type), x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1],
+                  None if w is None else w.ctypes.data) == out.size
         return out
 
     return quantize
@@ -87,6 +88,19 @@ def test_weighted_blocks_equal_llama_cpp(ggml_type, ggml_quantize_weighted):
     bad = _mismatches(ours, expected, ggml_type)
     print(f"{ggml_type.name}: {expected.size // GGML_QUANT_SIZES[ggml_type][1]} blocks, {len(bad)} differ")
     assert bad == []
+
+
+@pytest.mark.peer
+@pytest.mark.parametrize("ggml_type", [Q.IQ4_NL, Q.IQ4_XS], ids=lambda t: t.name)
+def test_iq4_without_weights_equals_llama_cpp(ggml_type, ggml_quantize_weighted):
+    """IQ4_NL / IQ4_XS without an imatrix (weights None: the tool's x^2 weighting), native and numpy."""
+    from specconv.convert.kq_weighted import encode_rows
+
+    require_native_kquants()
+    x = _rows(ggml_type, 1200 + int(ggml_type), n_random=600)
+    expected = ggml_quantize_weighted(ggml_type, x, None)
+    assert _mismatches(im.encode_weighted_run(x, ggml_type, None, x.shape[1], x.shape[0], 0), expected, ggml_type) == []
+    assert _mismatches(encode_rows(x, ggml_type, None), expected, ggml_type) == []
 
 
 @pytest.mark.peer

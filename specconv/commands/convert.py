@@ -22,8 +22,8 @@ OUTTYPE_HELP = (
     "Storage type of the weight matrices: f32, f16, bf16, q8_0, q4_0, or auto (bf16 for a bf16 checkpoint, "
     "else f16). Norms, 1-D tensors, routers, conv kernels and biases are always F32; q8_0/q4_0 fall back to "
     "F16 for tensors whose rows are not a multiple of 32. "
-    "K-quants (q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k, and q2_k_s with --imatrix; any "
-    "case) write in one "
+    "K-quants (q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k, q2_k_s with --imatrix) and "
+    "iq4_nl, iq4_xs (any case) write in one "
     "pass what llama.cpp's quantize tool makes of our lossless file (f32, or bf16/f16 from such a checkpoint): "
     "its type for every tensor (more bits for attention-V and FFN-down layers, output and embedding rules, "
     "MoE, GQA and row-length fallbacks; MTP/nextn layers counted as the last layers) and its bytes, tensor "
@@ -32,8 +32,8 @@ OUTTYPE_HELP = (
     "named from -o with the type inserted (NAME-Q8_0.gguf ...).")
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
-            "q5_k_s", "q5_k_m", "q6_k", "q2_k_s", "auto")
-KQUANT_OUTTYPES = OUTTYPES[5:15]
+            "q5_k_s", "q5_k_m", "q6_k", "q2_k_s", "iq4_nl", "iq4_xs", "auto")
+KQUANT_OUTTYPES = OUTTYPES[5:17]  # llama.cpp quantize file types (convert/quant_rules.py)
 
 
 def _outtypes(value: str) -> str:
@@ -133,7 +133,8 @@ def command(src, out, outtype, mtp_outtype, imatrix_file, mtp_mode, split_max_si
     for t in types:
         check_file_type(t, imatrix_file is not None, "'--outtype'")  # q2_k_s without --imatrix
     if imatrix_file is not None and not any(t in KQUANT_OUTTYPES for t in types):
-        raise click.BadParameter("--imatrix weighs K-quant files (q2_k ... q6_k); --outtype names none",
+        raise click.BadParameter("--imatrix weighs K-quant and IQ4 files (q2_k ... q6_k, iq4_nl, iq4_xs); --outtype "
+                                 "names none",
                                  param_hint="'--imatrix'")
     imatrix = None
     if imatrix_file is not None:

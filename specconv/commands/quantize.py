@@ -1,4 +1,4 @@
-"""`specconv quantize`: an F32 / F16 / BF16 GGUF -> a K-quant GGUF, as llama.cpp's quantize tool makes it
+"""`specconv quantize`: an F32 / F16 / BF16 GGUF -> a K-quant (or IQ4) GGUF, as llama.cpp's quantize tool makes it
 (with its importance matrix when given --imatrix)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import click
 
 from specconv.errors import SpecconvError
 
-FILE_TYPES = ["q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "q2_k_s"]
+FILE_TYPES = ["q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "q2_k_s", "iq4_nl",
+              "iq4_xs"]
 IMATRIX_HELP = (
     "llama.cpp's importance matrix (the GGUF file llama-imatrix writes, or its legacy .dat format): every "
     "quantized tensor with an entry is encoded with its weights, as llama-quantize --imatrix does (same bytes; "
@@ -49,7 +50,7 @@ def check_file_type(name: str, have_imatrix: bool, param_hint: str) -> str:
 def command(src, dst, file_type, allow_requantize, imatrix_file, force, threads, as_json):
     """Requantize SRC (a GGUF with F32, F16 or BF16 weights: ours or any converter's; give the first
     shard of a split file) to TYPE, writing DST. TYPE (any case): Q2_K, Q3_K_S, Q3_K_M, Q3_K_L,
-    Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, Q6_K, or Q2_K_S (with --imatrix).
+    Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, Q6_K, IQ4_NL, IQ4_XS, or Q2_K_S (with --imatrix).
 
     Each tensor gets the type llama.cpp's quantize tool gives it for that file type, its blocks are
     the tool's bytes (with --imatrix: weighted as the tool weighs them), every KV pair is kept
