@@ -320,3 +320,34 @@ def test_verify_runs_on_each_file_with_its_sidecar_and_is_reused(ladder, monkeyp
     monkeypatch.setattr(verify_module, "run_verify", never)
     again = run_verify_missing(build_plan(ladder, repo_id=REPO).artifacts, plan.staging_dir, n_predict=4)
     assert [r.speculative for r in again] == [r.speculative for r in reports]
+
+
+def test_cli_verify_then_upload_carries_the_figures_of_the_run(ladder, hub, capsys, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_TOKEN", WRITE_TOKEN)
+    r8 = write_report(ladder, "Q8_0")
+    args = ["upload", str(ladder / "Tiny-Q8_0.gguf"), str(ladder / "Tiny-Q4_K_M.gguf"), "--repo", REPO,
+            "--report", str(r8), "--verify", "--json", "--retry-delay", "0.001"]
+    code, out, err = _run_cli(args, capsys)
+    assert code == 0, err
+    cached = list((ladder / ".specconv-upload" / "verify").glob("*.json"))
+    assert [p.name for p in cached] == [p.name for p in cached if "Q4_K_M" in p.name] and len(cached) == 1
+    run = json.loads(cached[0].read_text())["report"]
+    assert run["files"]["model"]["path"] == str((ladder / "Tiny-Q4_K_M.gguf").resolve())
+    card = hub.content(REPO, "README.md").decode()
+    rows = {r[0].strip("`"): r for r in table_rows(card, "| File |")}
+    q4 = next(r for name, r in rows.items() if name.endswith("-Q4_K_M.gguf") and not name.startswith("mtp-"))
+    q8 = next(r for name, r in rows.items() if name.endswith("-Q8_0.gguf") and not name.startswith("mtp-"))
+    print("verified on upload:", q4[6:])
+    assert q4[7].startswith(f"{run['speculative']['acceptance_rate']:.3f}")
+    assert q4[8].startswith(f"{run['speculative']['speedup']:.2f}× measured")
+    assert q4[9] == ("passed" if run["passed"] else "FAILED")
+    assert q8[7] == "0.812 (length 2.44)"  # the given report, not a run
+    assert len(json.loads(out)["uploaded"]) == 5
+
+    # a rerun reuses the kept report: same card, nothing sent
+    capsys.readouterr()
+    code, out, err = _run_cli(args, capsys)
+    assert code == 0, err
+    assert out, err
+    assert json.loads(out)["uploaded"] == [] and hub.content(REPO, "README.md").decode() == card

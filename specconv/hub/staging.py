@@ -18,6 +18,7 @@ from pathlib import Path
 
 from specconv.hub.plan import Artifact, UploadPlan
 from specconv.hub.split import write_split
+from specconv.hub.verified import VERIFY_CACHE
 
 MANIFESTS = ".manifests"
 
@@ -82,11 +83,12 @@ def stage(plan: UploadPlan, on_artifact=None, skip: set[str] = frozenset()) -> N
 
 
 def remove_shards(plan: UploadPlan) -> None:
-    """Delete staged shards after a successful upload; keep the small manifests for reruns."""
+    """Delete staged shards after a successful upload; keep the small manifests and `--verify`'s reports
+    (specconv/hub/verified.py) for reruns."""
     if not plan.staging_dir.is_dir():
         return
     for entry in plan.staging_dir.iterdir():
-        if entry.name == MANIFESTS:
+        if entry.name in (MANIFESTS, VERIFY_CACHE):
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)

@@ -22,7 +22,8 @@ from specconv.errors import SpecconvError
 from specconv.hub.naming import Role
 from specconv.hub.report import VerifyReport, load_report, parse_report
 
-VERIFY_CACHE = "verify"
+VERIFY_CACHE = "verify"  # under the staging folder; kept after an upload (staging.remove_shards)
+
 
 
 def _sha256(path: Path) -> str:
