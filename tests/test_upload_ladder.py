@@ -351,3 +351,34 @@ def test_cli_verify_then_upload_carries_the_figures_of_the_run(ladder, hub, caps
     assert code == 0, err
     assert out, err
     assert json.loads(out)["uploaded"] == [] and hub.content(REPO, "README.md").decode() == card
+
+
+@pytest.mark.peer
+def test_each_quant_fetched_as_llama_cpp_resolves_it_loads_with_its_sidecar(ladder, hub, tmp_path):
+    """From the files the Hub holds: llama.cpp's `-hf REPO:QUANT` choice (model, shard 1 of the re-split
+    Q8_0, and the mtp- sidecar of the quant) loads, builds the MTP context, and gives the local file's logits."""
+    import numpy as np
+    from fixtures.peers import llama_logits, llama_mtp_context_ok, require_llama_cpp
+
+    require_llama_cpp()
+    plan = build_plan(ladder, repo_id=REPO, reports=[write_report(ladder, q) for q in QUANTS], max_file_size=4_000_000)
+    upload_plan(plan, token=WRITE_TOKEN, endpoint=hub.url, retry=FAST)
+    files = sorted(hub.files(REPO))
+    ids = [1, 300, 17, 42, 301, 250, 99, 305]
+    for q in QUANTS:
+        model = lc_find_best_model(files, q)
+        sidecar = lc_find_best_sibling(files, model, "mtp-", q)
+        local = tmp_path / "hf" / q
+        local.mkdir(parents=True)
+        wanted = [model, sidecar]
+        if "-00001-of-" in model:  # llama.cpp collects the other shards by the pattern
+            wanted += [f for f in files if f.startswith(model.rsplit("/", 1)[0] + "/") and f != model]
+        for f in wanted:
+            (local / f.rsplit("/", 1)[-1]).write_bytes(hub.content(REPO, f))
+        got = local / model.rsplit("/", 1)[-1]
+        assert llama_mtp_context_ok(got, local / sidecar.rsplit("/", 1)[-1])
+        hub_logits = llama_logits(got, ids)
+        assert np.isfinite(hub_logits).all() and np.std(hub_logits) > 1e-3  # a real forward
+        diff = float(np.max(np.abs(hub_logits - llama_logits(ladder / f"Tiny-{q}.gguf", ids))))
+        print(f"{q}: -hf picks {model} + {sidecar}; llama.cpp logits, Hub vs local file: max |dlogit| = {diff}")
+        assert diff == 0.0
