@@ -11,7 +11,8 @@
 #define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define CVTPH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define S8_TO_F(q) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128((long long)(q))))
-#define U8_TO_F(q) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)(q))))
+#define U8X16_TO_F(q, h) \
+    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32((h) ? _mm_unpackhi_epi64((__m128i)(q), (__m128i)(q)) : (__m128i)(q)))
 #define BF16_AT(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define HSUM(v) hsum8(v)
 

@@ -11,7 +11,7 @@
 #define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define CVTPH(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define S8_TO_F(q) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)(q)))
-#define U8_TO_F(q) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)(q)))
+#define U8X16_TO_F(q, h) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)(q)))
 #define BF16_AT(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define HSUM(v) _mm512_reduce_add_ps(v)
 
