@@ -41,7 +41,7 @@ def _find(recorded: str, artifacts: list, report_dir: Path | None):
     for c in candidates:
         try:
             resolved = c.resolve()
-        except OSError:
+        except (OSError, ValueError):  # a hostile report: a NUL in the path, a link loop
             continue
         for a in artifacts:
             if a.sources[0].resolve() == resolved:
