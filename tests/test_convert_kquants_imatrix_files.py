@@ -284,7 +284,7 @@ def test_refusals(models, converted, imatrices, tmp_path):  # noqa: F811
         assert r.exit_code != 0 and "not supported by specconv yet" in r.output, r.output
     r = runner.invoke(cli_module.cli, ["convert", str(src), "-o", str(tmp_path / "d.gguf"), "--outtype", "q8_0",
                                        "--imatrix", str(imatrices("qwen35")["gguf"])])
-    assert r.exit_code != 0 and "--imatrix weighs K-quant files" in r.output
+    assert r.exit_code != 0 and "--imatrix weighs K-quant and IQ4 files" in r.output
     from specconv.runtime.gguf_reader import open_gguf
 
     name = next(t.name for t in open_gguf(f32) if t.name.endswith("ffn_up.weight"))
