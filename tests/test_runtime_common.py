@@ -11,6 +11,7 @@ from specconv.runtime.device import available_devices
 from tests.fixtures.gguf_files import convert_gguf
 from tests.fixtures.hf_reference import load_hf
 from tests.fixtures.tiny_qwen35 import build_qwen35
+from tests.fixtures.tiny_tools import logits_token_by_token
 
 DEVICES = [pytest.param(d, id=d) for d in ("cpu", "cuda")]
 N_POSITIONS = 64
@@ -51,16 +52,9 @@ def tiny_gguf(tmp_path_factory, *, moe=False, layout="save_pretrained", mtp="emb
     return _files[key]
 
 
-@torch.no_grad()
 def hf_logits_token_by_token(model_dir, ids) -> np.ndarray:
     """transformers' cached decoding, one token per forward (its recurrent Gated DeltaNet path)."""
-    main, _ = load_hf(model_dir)
-    rows, cache = [], None
-    for t in ids:
-        out = main(torch.tensor([[int(t)]]), past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        rows.append(out.logits[0, -1].float().numpy().copy())
-    return np.stack(rows)
+    return logits_token_by_token(load_hf(model_dir)[0], ids)
 
 
 def max_abs(a, b) -> float:
