@@ -13,12 +13,12 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from specconv.archs import SpecconvError
-from specconv.archs.base import Checkpoint, SourceTensor
 from specconv.runtime.gguf_reader import open_gguf
 from specconv.archs.hy_v3 import HyV3
 from tests.fixtures import chained_reference as ref_mod
 from tests.fixtures import tiny_chained as tiny
 from tests.fixtures.gguf_files import convert_gguf, convert_gguf_upstream
+from tests.fixtures.tiny_tools import plugin_on
 
 N, K = tiny.N_LAYERS, tiny.K_MTP["hy_v3"]
 
@@ -28,27 +28,11 @@ def conv(tmp_path_factory):
     return ref_mod.converted("hy_v3", tmp_path_factory.mktemp("hy"))
 
 
-def _headers(src):
-    from safetensors import safe_open
-
-    with safe_open(str(src / "model.safetensors"), "pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-
-
 def _plugin(src, config_edit=None, drop=(), extra=None):
     cfg = json.loads((src / "config.json").read_text())
     if config_edit:
         config_edit(cfg)
-    shapes = {k: v for k, v in _headers(src).items() if not any(k.startswith(d) for d in drop)}
-    shapes.update(extra or {})
-    tensors, skipped = {}, {}
-    for raw, shape in shapes.items():
-        name = HyV3.normalize_name(raw)
-        if isinstance(name, tuple):
-            skipped[raw] = name[1]
-            continue
-        tensors[name] = SourceTensor(name, shape, "F32")
-    return HyV3(Checkpoint(cfg, tensors, skipped)), skipped
+    return plugin_on(HyV3, src, cfg, drop, extra)
 
 
 def test_metadata_from_config(conv):

@@ -20,12 +20,12 @@ import pytest
 from safetensors.torch import load_file
 
 from specconv.archs import SpecconvError
-from specconv.archs.base import Checkpoint, SourceTensor
 from specconv.runtime.gguf_reader import open_gguf
 from specconv.archs.mimo2 import MiMo2
 from tests.fixtures import chained_reference as ref_mod
 from tests.fixtures import tiny_chained as tiny
 from tests.fixtures.gguf_files import upstream_source
+from tests.fixtures.tiny_tools import plugin_on
 
 N, K = tiny.N_LAYERS, tiny.K_MTP["mimo2"]
 RUNNER = Path(__file__).resolve().parent / "fixtures" / "llamacpp_rawconfig.py"
@@ -38,14 +38,10 @@ def conv(tmp_path_factory):
 
 
 def _plugin(src, config_edit=None, drop=()):
-    from safetensors import safe_open
-
     cfg = json.loads((src / "config.json").read_text())
     if config_edit:
         config_edit(cfg)
-    with safe_open(str(src / "model.safetensors"), "pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if not k.startswith(tuple(drop) or "\0")}
-    return MiMo2(Checkpoint(cfg, {k: SourceTensor(k, s, "F32") for k, s in shapes.items()}))
+    return plugin_on(MiMo2, src, cfg, drop)[0]
 
 
 def test_metadata_from_release_config(conv):

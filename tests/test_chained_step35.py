@@ -18,12 +18,12 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 from specconv.archs import SpecconvError
-from specconv.archs.base import Checkpoint, SourceTensor
 from specconv.runtime.gguf_reader import open_gguf
 from specconv.archs.step35 import Step35
 from tests.fixtures import chained_reference as ref_mod
 from tests.fixtures import tiny_chained as tiny
 from tests.fixtures.gguf_files import upstream_source
+from tests.fixtures.tiny_tools import plugin_on
 
 N, K = tiny.N_LAYERS, tiny.K_MTP["step35"]
 RUNNER = Path(__file__).resolve().parent / "fixtures" / "llamacpp_rawconfig.py"
@@ -35,24 +35,12 @@ def conv(tmp_path_factory):
 
 
 def _plugin(src, config_edit=None, extra=None, nest=False):
-    from safetensors import safe_open
-
     cfg = json.loads((src / "config.json").read_text())
     if config_edit:
         config_edit(cfg)
     if nest:  # Step-3.7-Flash: the text model's config under text_config
         cfg = {"architectures": ["Step3p7ForConditionalGeneration"], "model_type": "step3p7", "text_config": cfg}
-    with safe_open(str(src / "model.safetensors"), "pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    shapes.update(extra or {})
-    tensors, skipped = {}, {}
-    for raw, shape in shapes.items():
-        name = Step35.normalize_name(raw)
-        if isinstance(name, tuple):
-            skipped[raw] = name[1]
-        else:
-            tensors[name] = SourceTensor(name, shape, "F32")
-    return Step35(Checkpoint(cfg, tensors, skipped)), skipped
+    return plugin_on(Step35, src, cfg, extra=extra)
 
 
 def test_metadata_from_release_config(conv):

@@ -199,15 +199,10 @@ def test_glm_shared_indexer_layers(tmp_path, llama_peer):
 
 def _plugin(src, change, family="glm-dsa"):
     from specconv.archs import plugin_class_for
-    from specconv.archs.base import Checkpoint, SourceTensor
+    from tests.fixtures.tiny_tools import plugin_on
 
     cfg = {**json.loads((src / "config.json").read_text()), **change}
-    cls = plugin_class_for(cfg)
-    tensors = {}
-    for k, v in load_file(str(src / "model.safetensors")).items():
-        name = cls.normalize_name(k)
-        tensors[name] = SourceTensor(name, tuple(v.shape), "F32")
-    return cls(Checkpoint(cfg, tensors))
+    return plugin_on(plugin_class_for(cfg), src, cfg)[0]
 
 
 @pytest.mark.parametrize("family, change, message", [
@@ -284,19 +279,10 @@ def test_mtp_draft_chain_equals_llamacpp_within_top_k(root, family, llama_peer):
     """llama.cpp's draft-mtp chain (teacher-forced catch-up rows, then each draft fed back) equals our
     MtpDrafter's while every MTP row sees ≤ index_topk keys (a 4-token prompt, 3 drafts: ≤ 7 keys),
     where llama.cpp's dense MTP block and our sparse one agree."""
-    from specconv.runtime import Context, GraphType, load_model
-    from specconv.runtime.drafters import MtpDrafter
+    from tests.fixtures.mtp_checks import draft_chain_vs_llamacpp
 
     _, files = tiny.converted(family, root)
-    prompt, n_draft = IDS[:4], 3
-    id_last, drafts, _ = llama_peer.llama_mtp_draft(files["none"], prompt, n_draft, files["only"])
-    target = load_model(files["none"], device="cpu")
-    head = load_model(files["only"], device="cpu", share_from=target)
-    out = Context(target, GraphType.MAIN, n_ctx=64).decode(prompt)
-    assert int(out.logits[-1].argmax()) == id_last
-    drafter = MtpDrafter(head, 64, target)
-    drafter.start(prompt, out.hidden["post_norm"])
-    ours = drafter.draft(id_last, n_draft).tokens
+    ours, drafts = draft_chain_vs_llamacpp(llama_peer, files, IDS[:4], 3)
     print(f"{family} MTP draft chain: ours {ours}, llama.cpp {drafts}")
     assert ours == drafts
 

@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 
 import numpy as np
 import pytest
@@ -23,8 +21,8 @@ from specconv.runtime import Context, GraphType, load_model
 from specconv.runtime.drafters import MtpDrafter, NgramDrafter
 from specconv.runtime.generate import generate
 from specconv.runtime.speculative import SpecConfig, speculative_generate
+from tests.fixtures import mtp_checks
 from tests.fixtures import tiny_dsa as tiny
-from tests.fixtures.hf_reference import llamacpp_mtp_rows
 
 torch.set_num_threads(1)
 IDS = [int(x) for x in np.random.default_rng(0).integers(0, tiny.VOCAB - 6, 40)]
@@ -40,13 +38,7 @@ def test_main_logits_equal_transformers(root, family):
     src, files = tiny.converted(family, root)
     ref, ref_h = tiny.hf_trunk(src, IDS)
     model = load_model(files["embed"], device="cpu")
-    ctx = Context(model, GraphType.MAIN, n_ctx=64)
-    out = ctx.decode(IDS)
-    diff = float(np.abs(out.logits.numpy() - ref).max())
-    dh = float(np.abs(out.hidden["post_norm"].numpy() - ref_h).max())
-    ctx.clear()
-    steps = [ctx.decode(IDS[:5]).logits] + [ctx.decode([t]).logits for t in IDS[5:]]
-    diff_cached = float(np.abs(torch.cat(steps).numpy() - ref).max())
+    _, diff, dh, diff_cached = mtp_checks.main_diffs(model, IDS, ref, ref_h, prefill=5)
     trunk = load_model(files["none"], device="cpu")
     diff_trunk = float(np.abs(Context(trunk, GraphType.MAIN, n_ctx=64).decode(IDS).logits.numpy() - ref).max())
     model.hparams.index_topk = len(IDS)  # every visible key: plain MLA
@@ -62,26 +54,9 @@ def test_main_logits_equal_transformers(root, family):
 @pytest.mark.parametrize("family", tiny.FAMILIES)
 def test_mtp_logits_equal_mtpmodel(root, family):
     src, files = tiny.converted(family, root)
-    _, h = tiny.hf_trunk(src, IDS)
-    ref_llama_rows = tiny.hf_mtp_llamacpp_rows(src, IDS, h)
-    tok_t, pos_t = IDS[1:], list(range(1, len(IDS)))  # transformers' rows (x_{t+1}, h_t) at t+1
-    ref_hf_rows = tiny.hf_mtp_forward(src, tok_t, h[:-1], pos_t)[0]
-    trunk = load_model(files["none"], device="cpu")
-    heads = {"embedded": load_model(files["embed"], device="cpu"),
-             "sidecar": load_model(files["only"], device="cpu", share_from=trunk)}
-    assert heads["sidecar"].serves == {GraphType.MTP}
-    t, rows, pos = llamacpp_mtp_rows(IDS, h)
-    for kind, head in heads.items():
-        got = Context(head, GraphType.MTP, n_ctx=64).decode(t, pos, hidden_in=torch.tensor(rows)).logits.numpy()
-        got_hf = Context(head, GraphType.MTP, n_ctx=64).decode(tok_t, pos_t, hidden_in=torch.tensor(h[:-1]))
-        ctx = Context(head, GraphType.MTP, n_ctx=64)  # the head's cache, one row at a time
-        one = torch.cat([ctx.decode(t[k:k + 1], pos[k:k + 1], hidden_in=torch.tensor(rows[k:k + 1])).logits
-                         for k in range(len(t))]).numpy()
-        d1, d3 = float(np.abs(got - ref_llama_rows).max()), float(np.abs(one - ref_llama_rows).max())
-        d2 = float(np.abs(got_hf.logits.numpy() - ref_hf_rows).max())
-        print(f"{family} runtime MTP ({kind}) vs MtpModel: max |Δlogit| = {d1:.3g} (llama.cpp rows), "
-              f"{d3:.3g} (llama.cpp rows one by one), {d2:.3g} (transformers rows)")
-        assert max(d1, d2, d3) < 1e-4
+    for kind, d in mtp_checks.mtp_diffs(tiny, src, files, IDS, one_by_one=True).items():
+        print(f"{family} runtime MTP ({kind}) vs MtpModel: max |Δlogit| {mtp_checks.describe(d)}")
+        assert max(d.values()) < 1e-4
 
 
 @pytest.mark.parametrize("family", tiny.FAMILIES)
@@ -104,43 +79,20 @@ def test_greedy_plain_and_speculative_equal_transformers(root, family):
 
 # ------------------------------------------------------------------ specconv verify
 
-def _verify(args, tmp_path):
-    from click.testing import CliRunner
-
-    from specconv import cli as cli_module
-
-    report = tmp_path / "report.json"
-    result = CliRunner().invoke(cli_module.cli, ["verify", *map(str, args), "-n", "6", "--draft-max", "2",
-                                                 "--device", "cpu", "--json", str(report)])
-    return result.exit_code, json.loads(report.read_text()) if report.exists() else None, result.output
-
-
-def _plant(path, dst, tensor, fn):
-    """Copy a GGUF and rewrite one F32 tensor's bytes in place (same size, so the file stays valid)."""
-    from gguf import GGUFReader
-
-    shutil.copy(path, dst)
-    reader = GGUFReader(dst, "r+")
-    t = next(t for t in reader.tensors if t.name == tensor)
-    t.data[...] = fn(np.array(t.data))
-    reader.data.flush()
-    return dst
-
-
 @pytest.mark.parametrize("family", tiny.FAMILIES)
 def test_verify_passes_and_fails_a_perturbed_mtp_indexer(root, family, tmp_path):
     src, files = tiny.converted(family, root)
-    code, report, out = _verify([files["embed"], "--hf", src], tmp_path)
+    code, report, out = mtp_checks.run_verify([files["embed"], "--hf", src], tmp_path)
     assert code == 0 and report["passed"], out
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["parity: MTP head vs transformers MtpModel"]["passed"]
     print(f"{family} verify (embedded): passed; max |Δlogit| {report['parity']['max_abs_logit_diff']:.3g}")
-    code, report, out = _verify([files["none"], "--mtp", files["only"], "--hf", src], tmp_path)
+    code, report, out = mtp_checks.run_verify([files["none"], "--mtp", files["only"], "--hf", src], tmp_path)
     assert code == 0 and report["passed"], out
     # the nextn block's indexer head weights negated: only the MTP head's key selection changes
-    bad = _plant(files["only"], tmp_path / "mtp-bad.gguf", f"blk.{tiny.N_LAYERS}.indexer.proj.weight",
-                 lambda a: -a)
-    code, report, out = _verify([files["none"], "--mtp", bad, "--hf", src], tmp_path)
+    bad = mtp_checks.plant(files["only"], tmp_path / "mtp-bad.gguf", f"blk.{tiny.N_LAYERS}.indexer.proj.weight",
+                           lambda a: -a)
+    code, report, out = mtp_checks.run_verify([files["none"], "--mtp", bad, "--hf", src], tmp_path)
     failed = [c["name"] for c in report["checks"] if not c["passed"]]
     print(f"{family} verify with the MTP indexer's weights negated: exit {code}, failed {failed}")
     assert code != 0 and not report["passed"] and failed == ["parity: MTP head vs transformers MtpModel"]
@@ -151,26 +103,7 @@ def test_mtp_cache_after_partial_acceptance_equals_fresh_start(root, family):
     """After j of 3 drafts are accepted (rows dropped, catch-up rows written), the head's cache,
     indexer keys included, is the teacher-forced one: its next logits equal a head started afresh."""
     _, files = tiny.converted(family, root)
-    target = load_model(files["none"], device="cpu")
-    head = load_model(files["only"], device="cpu", share_from=target)
-    prompt = IDS[:15]
-    for j in (0, 1, 3):
-        tctx = Context(target, GraphType.MAIN, n_ctx=64)
-        out = tctx.decode(prompt[:-1])
-        drafter = MtpDrafter(head, 64, target)
-        drafter.start(prompt[:-1], out.hidden["post_norm"])
-        batch = [prompt[-1]] + drafter.draft(prompt[-1], 3).tokens
-        verified = tctx.decode(batch)
-        drafter.accept(j, batch, verified.hidden["post_norm"])
-        committed = prompt[:-1] + batch[:j + 1]
-        nxt = int(verified.logits[j].argmax())
-        fresh_out = Context(target, GraphType.MAIN, n_ctx=64).decode(committed)
-        fresh = MtpDrafter(head, 64, target)
-        fresh.start(committed, fresh_out.hidden["post_norm"])
-        assert drafter.committed_rows() == fresh.committed_rows() == len(committed)
-        a = drafter.ctx.decode([nxt], [len(committed)], hidden_in=drafter.pending_h[None]).logits
-        b = fresh.ctx.decode([nxt], [len(committed)], hidden_in=fresh.pending_h[None]).logits
-        diff = float((a - b).abs().max())
+    for j, diff in mtp_checks.partial_acceptance_diffs(files, IDS[:15]):
         print(f"{family} MTP head after accepting {j} of 3 drafts vs a fresh start: max |Δlogit| = {diff:.3g}")
         assert diff < 1e-4
 

@@ -15,7 +15,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from specconv.archs import SpecconvError
 from specconv.runtime.gguf_reader import open_gguf
@@ -64,15 +63,10 @@ def test_release_config_and_modes(conv):
 
 
 def _plugin(src, change):
-    from specconv.archs.base import Checkpoint, SourceTensor
     from specconv.archs.deepseek2 import Glm4MoeLite
+    from tests.fixtures.tiny_tools import plugin_on
 
-    cfg = {**json.loads((src / "config.json").read_text()), **change}
-    tensors = {}
-    for k, v in load_file(str(src / "model.safetensors")).items():
-        name = Glm4MoeLite.normalize_name(k)
-        tensors[name] = SourceTensor(name, tuple(v.shape), "F32")
-    return Glm4MoeLite(Checkpoint(cfg, tensors))
+    return plugin_on(Glm4MoeLite, src, {**json.loads((src / "config.json").read_text()), **change})[0]
 
 
 @pytest.mark.parametrize("change, message", [
@@ -104,19 +98,12 @@ def test_leading_dense_count_from_mlp_layer_types(tmp_path, llama_peer):
 
 
 def test_llamacpp_matches_transformers_trunk_and_mtp(conv, llama_peer):
+    from tests.fixtures.mtp_checks import llamacpp_diffs
+
     src, files = conv
     ref, hidden = tiny.hf_trunk(src, IDS)
-    for mode in ("embed", "none", "separate"):
-        diff = float(np.abs(llama_peer.llama_logits(files[mode], IDS) - ref).max())
-        print(f"glm4moelite llama.cpp vs transformers trunk logits ({mode}): max |Δ| = {diff:.3g}")
-        assert diff < 1e-4
-    ref_mtp = tiny.hf_mtp_llamacpp_rows(src, IDS, hidden)
-    for target, head in (("embed", None), ("separate", "mtp-separate"), ("none", "only")):
-        head_path = None if head is None else files[head]
-        assert llama_peer.llama_mtp_context_ok(files[target], head_path)
-        got = llama_peer.llama_mtp_logits(files[target], IDS, head_path, hidden=hidden)
-        diff = float(np.abs(got - ref_mtp).max())
-        print(f"glm4moelite llama.cpp MTP head ({target}+{head or 'embedded'}) vs MtpModel: max |Δ| = {diff:.3g}")
+    for what, diff in llamacpp_diffs(llama_peer, files, IDS, ref, hidden, tiny.hf_mtp_llamacpp_rows(src, IDS, hidden)):
+        print(f"glm4moelite llama.cpp vs transformers, {what}: max |Δ| = {diff:.3g}")
         assert diff < 1e-4
 
 

@@ -120,64 +120,34 @@ def test_equals_llamacpp_converter(root, tmp_path, layout):
     ({"mtp_num_hidden_layers": 2}, "mtp_num_hidden_layers=2"),
 ])
 def test_bad_configs_are_refused(conv, change, message):
-    from specconv.archs.base import Checkpoint, SourceTensor
     from specconv.archs.qwen3next import Qwen3Next
+    from tests.fixtures.tiny_tools import plugin_on
 
     cfg = {**json.loads((conv[0] / "config.json").read_text()), **change}
-    tensors = {}
-    for k, v in load_file(str(conv[0] / "model.safetensors")).items():
-        tensors[k] = SourceTensor(k, tuple(v.shape), "F32")
     with pytest.raises(SpecconvError, match=message):
-        Qwen3Next(Checkpoint(cfg, tensors)).tensor_plan()
+        plugin_on(Qwen3Next, conv[0], cfg)[0].tensor_plan()
 
 
 def test_llamacpp_matches_transformers(conv, llama_peer):
+    from tests.fixtures.mtp_checks import llamacpp_diffs
+
     src, files = conv
     ref, hidden = tiny.hf_trunk(src, IDS)
-    for mode in ("embed", "none", "separate"):
-        diff = float(np.abs(llama_peer.llama_logits(files[mode], IDS) - ref).max())
-        print(f"qwen3next llama.cpp vs transformers trunk logits ({mode}): max |Δ| = {diff:.3g}")
-        assert diff < 1e-4
-    ref_mtp = tiny.hf_mtp_llamacpp_rows(src, IDS, hidden)
-    for target, head in (("embed", None), ("separate", "mtp-separate"), ("none", "only")):
-        head_path = None if head is None else files[head]
-        assert llama_peer.llama_mtp_context_ok(files[target], head_path)
-        got = llama_peer.llama_mtp_logits(files[target], IDS, head_path, hidden=hidden)
-        diff = float(np.abs(got - ref_mtp).max())
-        print(f"qwen3next llama.cpp MTP head ({target}+{head or 'embedded'}) vs MtpModel: max |Δ| = {diff:.3g}")
+    for what, diff in llamacpp_diffs(llama_peer, files, IDS, ref, hidden, tiny.hf_mtp_llamacpp_rows(src, IDS, hidden)):
+        print(f"qwen3next llama.cpp vs transformers, {what}: max |Δ| = {diff:.3g}")
         assert diff < 1e-4
 
 
 def test_release_scale_headers():
     """Qwen3-Next-80B-A3B's dimensions (transformers' Qwen3NextConfig defaults), headers only, per-expert
     tensors as the release stores them: 48 + 1 blocks, 512 experts, the split projections' shapes."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-    from transformers.modeling_layers import MtpModel
+    from transformers import Qwen3NextConfig
 
     from specconv.archs.base import Checkpoint, SourceTensor
     from specconv.archs.qwen3next import Qwen3Next
-    from tests.fixtures.tiny_qwen35 import enable_mtp_attributes, mtp_release_name
 
     cfg = Qwen3NextConfig()
-    with torch.device("meta"):
-        main = Qwen3NextForCausalLM(cfg)
-        enable_mtp_attributes(main.config)
-        head = MtpModel(main, 1)
-    shapes = {k: tuple(v.shape) for k, v in main.state_dict().items()}
-    shapes.update({mtp_release_name(k): tuple(v.shape) for k, v in head.state_dict().items() if mtp_release_name(k)})
-    tensors = {}
-    for name, shape in shapes.items():
-        if name.endswith("experts.gate_up_proj"):
-            for e in range(shape[0]):
-                for part in ("gate", "up"):
-                    n = f"{name[:-len('gate_up_proj')]}{e}.{part}_proj.weight"
-                    tensors[n] = SourceTensor(n, (shape[1] // 2, shape[2]), "BF16")
-        elif name.endswith("experts.down_proj"):
-            for e in range(shape[0]):
-                n = f"{name[:-len('down_proj')]}{e}.down_proj.weight"
-                tensors[n] = SourceTensor(n, shape[1:], "BF16")
-        else:
-            tensors[name] = SourceTensor(name, shape, "BF16")
+    tensors = {n: SourceTensor(n, shape, "BF16") for n, shape in tiny.release_shapes(cfg).items()}
     config = {k: v for k, v in cfg.to_dict().items() if k != "layer_types"}
     plugin = Qwen3Next(Checkpoint({**config, "architectures": ["Qwen3NextForCausalLM"]}, tensors))
     plans = {p.name: p.shape for p in plugin.tensor_plan()}

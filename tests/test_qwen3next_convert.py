@@ -30,32 +30,14 @@ SHAPES = dict(hidden_size=512, vocab_size=16384, num_attention_heads=8, num_key_
 def write_checkpoint(out: Path, n_layers: int, seed: int) -> Path:
     """Random bf16 Qwen3-Next release-layout checkpoint (one file) + a small tokenizer."""
     from safetensors.torch import save_file
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-    from transformers.modeling_layers import MtpModel
+    from transformers import Qwen3NextConfig
 
-    from tests.fixtures.tiny_qwen35 import enable_mtp_attributes, mtp_release_name
-    from tests.fixtures.tiny_qwen3next import release_config
+    from tests.fixtures.tiny_qwen3next import release_config, release_shapes
     from tests.fixtures.tokenizer import train_tokenizer
 
     cfg = Qwen3NextConfig(num_hidden_layers=n_layers, **SHAPES)
-    with torch.device("meta"):
-        main = Qwen3NextForCausalLM(cfg)
-        enable_mtp_attributes(main.config)
-        head = MtpModel(main, 1)
-    shapes = {k: tuple(v.shape) for k, v in main.state_dict().items()}
-    shapes.update({mtp_release_name(k): tuple(v.shape) for k, v in head.state_dict().items() if mtp_release_name(k)})
     gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, shape in shapes.items():
-        if name.endswith("experts.gate_up_proj"):
-            for e in range(shape[0]):
-                for part in ("gate", "up"):
-                    tensors[f"{name[:-len('gate_up_proj')]}{e}.{part}_proj.weight"] = (shape[1] // 2, shape[2])
-        elif name.endswith("experts.down_proj"):
-            for e in range(shape[0]):
-                tensors[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = shape[1:]
-        else:
-            tensors[name] = shape
+    tensors = release_shapes(cfg)
     data = {n: (torch.randn(s, generator=gen) * 0.05).to(torch.bfloat16) for n, s in tensors.items()}
     out.mkdir(parents=True)
     save_file(data, str(out / "model.safetensors"), metadata={"format": "pt"})

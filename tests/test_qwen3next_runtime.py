@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -23,8 +22,8 @@ from specconv.runtime import Context, GraphType, load_model
 from specconv.runtime.drafters import MtpDrafter
 from specconv.runtime.generate import generate
 from specconv.runtime.speculative import SpecConfig, speculative_generate
+from tests.fixtures import mtp_checks
 from tests.fixtures import tiny_qwen3next as tiny
-from tests.fixtures.hf_reference import llamacpp_mtp_rows
 
 torch.set_num_threads(1)
 N = tiny.N_LAYERS
@@ -74,22 +73,9 @@ def test_main_logits_equal_transformers_and_llamacpp(conv, llama_peer):
 
 def test_mtp_logits_equal_mtpmodel(conv):
     src, files = conv
-    _, h = tiny.hf_trunk(src, IDS)
-    ref = tiny.hf_mtp_llamacpp_rows(src, IDS, h)
-    tok_t, pos_t = IDS[1:], list(range(1, len(IDS)))  # transformers' rows (x_{t+1}, h_t) at t+1
-    ref_t = tiny.hf_mtp_forward(src, tok_t, h[:-1], pos_t)[0]
-    trunk = load_model(files["none"], device="cpu")
-    heads = {"embedded": load_model(files["embed"], device="cpu"),
-             "sidecar": load_model(files["only"], device="cpu", share_from=trunk)}
-    assert heads["sidecar"].serves == {GraphType.MTP} and trunk.serves == {GraphType.MAIN}
-    t, rows, pos = llamacpp_mtp_rows(IDS, h)
-    for kind, head in heads.items():
-        got = Context(head, GraphType.MTP, n_ctx=64).decode(t, pos, hidden_in=torch.tensor(rows)).logits.numpy()
-        got_t = Context(head, GraphType.MTP, n_ctx=64).decode(tok_t, pos_t, hidden_in=torch.tensor(h[:-1]))
-        d1, d2 = float(np.abs(got - ref).max()), float(np.abs(got_t.logits.numpy() - ref_t).max())
-        print(f"qwen3next runtime MTP ({kind}) vs MtpModel: max |Δlogit| {d1:.3g} (llama.cpp rows), "
-              f"{d2:.3g} (transformers rows)")
-        assert d1 < 1e-4 and d2 < 1e-4
+    for kind, d in mtp_checks.mtp_diffs(tiny, src, files, IDS).items():
+        print(f"qwen3next runtime MTP ({kind}) vs MtpModel: max |Δlogit| {mtp_checks.describe(d)}")
+        assert max(d.values()) < 1e-4
 
 
 def test_snapshot_rollback_equals_fresh_evaluation(conv):
@@ -118,17 +104,11 @@ def test_snapshot_rollback_equals_fresh_evaluation(conv):
 
 def test_mtp_draft_chain_and_speculative_decoding(conv, llama_peer):
     _, files = conv
-    prompt = IDS[:20]
-    id_last, drafts, _ = llama_peer.llama_mtp_draft(files["none"], prompt, 4, files["only"])
-    target = load_model(files["none"], device="cpu")
-    head = load_model(files["only"], device="cpu", share_from=target)
-    out = Context(target, GraphType.MAIN, n_ctx=64).decode(prompt)
-    assert int(out.logits[-1].argmax()) == id_last
-    drafter = MtpDrafter(head, 64, target)
-    drafter.start(prompt, out.hidden["post_norm"])
-    ours = drafter.draft(id_last, 4).tokens
+    ours, drafts = mtp_checks.draft_chain_vs_llamacpp(llama_peer, files, IDS[:20], 4)
     print(f"qwen3next MTP draft chain: ours {ours}, llama.cpp {drafts}")
     assert ours == drafts
+    target = load_model(files["none"], device="cpu")
+    head = load_model(files["only"], device="cpu", share_from=target)
     embedded = load_model(files["embed"], device="cpu")
     for prompt in (IDS[:1], IDS[:12], [5, 17, 42, 99, 3, 5, 17, 42, 99, 3, 5, 17]):
         plain = generate(target, prompt, 16).tokens
@@ -139,36 +119,21 @@ def test_mtp_draft_chain_and_speculative_decoding(conv, llama_peer):
                 assert res.tokens == plain, (rollback, prompt)
 
 
-def _verify(args, tmp_path):
-    from click.testing import CliRunner
-
-    from specconv import cli as cli_module
-
-    report = tmp_path / "report.json"
-    result = CliRunner().invoke(cli_module.cli, ["verify", *map(str, args), "-n", "6", "--draft-max", "2",
-                                                 "--device", "cpu", "--json", str(report)])
-    return result.exit_code, json.loads(report.read_text()) if report.exists() else None, result.output
-
-
 def test_verify_and_inspect(conv, tmp_path):
     from click.testing import CliRunner
-    from gguf import GGUFReader
 
     from specconv import cli as cli_module
 
     src, files = conv
     for args in ([files["embed"]], [files["none"], "--mtp", files["only"]]):
-        code, report, out = _verify([*args, "--hf", src], tmp_path)
+        code, report, out = mtp_checks.run_verify([*args, "--hf", src], tmp_path)
         assert code == 0 and report["passed"], out
         assert any("MTP" in c["name"] for c in report["checks"])
         print(f"qwen3next verify {' '.join(str(a).split('/')[-1] for a in args)}: passed; max |Δlogit| "
               f"{report['parity']['max_abs_logit_diff']:.3g}")
-    bad = shutil.copy(files["only"], tmp_path / "mtp-bad.gguf")
-    reader = GGUFReader(bad, "r+")
-    t = next(t for t in reader.tensors if t.name == f"blk.{N}.nextn.eh_proj.weight")
-    t.data[...] = np.array(t.data) * np.float32(1.5)  # the MTP head's input projection, scaled
-    reader.data.flush()
-    code, report, out = _verify([files["none"], "--mtp", bad, "--hf", src], tmp_path)
+    bad = mtp_checks.plant(files["only"], tmp_path / "mtp-bad.gguf", f"blk.{N}.nextn.eh_proj.weight",
+                           lambda a: a * np.float32(1.5))  # the MTP head's input projection, scaled
+    code, report, out = mtp_checks.run_verify([files["none"], "--mtp", bad, "--hf", src], tmp_path)
     failed = [c["name"] for c in report["checks"] if not c["passed"]]
     print(f"qwen3next verify with a perturbed nextn.eh_proj: exit {code}, failed {failed}")
     assert code != 0 and not report["passed"] and failed and all("MTP" in n for n in failed)
@@ -185,7 +150,7 @@ def test_q8_0_file_passes_verify(conv, tmp_path):
 
     src, _ = conv
     path = convert_gguf(src, tmp_path / "q8.gguf", outtype="q8_0", mtp="embed")
-    code, report, out = _verify([path, "--hf", src], tmp_path)
+    code, report, out = mtp_checks.run_verify([path, "--hf", src], tmp_path)
     assert code == 0 and report["passed"], out
     print(f"qwen3next q8_0 verify: passed; max |Δlogit| {report['parity']['max_abs_logit_diff']:.3g}, "
           f"checks {[c['detail'] for c in report['checks'] if 'parity' in c['name']]}")

@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from specconv.runtime import Context, GraphType, load_model
 from specconv.runtime.drafters import MtpDrafter, NgramDrafter
 from specconv.runtime.generate import generate
 from specconv.runtime.speculative import SpecConfig, speculative_generate
+from tests.fixtures import mtp_checks
 from tests.fixtures import tiny_glm_deepseek as tiny
 from tests.fixtures.hf_reference import llamacpp_mtp_rows
 
@@ -44,13 +43,7 @@ def test_main_logits_equal_transformers(root, variant):
     src, files = _conv(root, variant)
     ref, ref_h = tiny.hf_trunk(src, IDS)
     model = load_model(files["embed"], device="cpu")
-    ctx = Context(model, GraphType.MAIN, n_ctx=64)
-    out = ctx.decode(IDS)
-    diff = float(np.abs(out.logits.numpy() - ref).max())
-    dh = float(np.abs(out.hidden["post_norm"].numpy() - ref_h).max())
-    ctx.clear()
-    steps = [ctx.decode(IDS[:17]).logits] + [ctx.decode([t]).logits for t in IDS[17:]]
-    diff_cached = float(np.abs(torch.cat(steps).numpy() - ref).max())
+    _, diff, dh, diff_cached = mtp_checks.main_diffs(model, IDS, ref, ref_h, prefill=17)
     trunk = load_model(files["none"], device="cpu")
     diff_trunk = float(np.abs(Context(trunk, GraphType.MAIN, n_ctx=64).decode(IDS).logits.numpy() - ref).max())
     print(f"{variant} runtime MAIN vs transformers: max |Δlogit| = {diff:.3g} (post-norm hidden {dh:.3g}); "
@@ -87,37 +80,15 @@ def test_quantized_file_runs_close_to_transformers(root, variant, tmp_path):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_mtp_logits_equal_mtpmodel(root, variant):
     src, files = _conv(root, variant)
-    _, h = tiny.hf_trunk(src, IDS)
-    ref_llama_rows = tiny.hf_mtp_llamacpp_rows(src, IDS, h)
-    tok_t, pos_t = IDS[1:], list(range(1, len(IDS)))  # transformers' rows (x_{t+1}, h_t) at t+1
-    ref_hf_rows = tiny.hf_mtp_forward(src, tok_t, h[:-1], pos_t)[0]
-    trunk = load_model(files["none"], device="cpu")
-    heads = {"embedded": load_model(files["embed"], device="cpu"),
-             "sidecar": load_model(files["only"], device="cpu", share_from=trunk)}
-    assert heads["sidecar"].serves == {GraphType.MTP}
-    for kind, head in heads.items():
-        t, rows, pos = llamacpp_mtp_rows(IDS, h)
-        got = Context(head, GraphType.MTP, n_ctx=64).decode(t, pos, hidden_in=torch.tensor(rows)).logits.numpy()
-        got_hf = Context(head, GraphType.MTP, n_ctx=64).decode(tok_t, pos_t, hidden_in=torch.tensor(h[:-1]))
-        d1 = float(np.abs(got - ref_llama_rows).max())
-        d2 = float(np.abs(got_hf.logits.numpy() - ref_hf_rows).max())
-        print(f"{variant} runtime MTP ({kind}) vs MtpModel: max |Δlogit| = {d1:.3g} (llama.cpp rows), "
-              f"{d2:.3g} (transformers rows)")
-        assert d1 < 1e-4 and d2 < 1e-4
+    for kind, d in mtp_checks.mtp_diffs(tiny, src, files, IDS).items():
+        print(f"{variant} runtime MTP ({kind}) vs MtpModel: max |Δlogit| {mtp_checks.describe(d)}")
+        assert max(d.values()) < 1e-4
 
 
 @pytest.mark.parametrize("variant", ["glm4moe", "deepseek2"])
 def test_mtp_draft_chain_equals_llamacpp(root, variant, llama_peer):
-    src, files = _conv(root, variant)
-    prompt, n_draft = IDS[:20], 4
-    id_last, drafts, ref_logits = llama_peer.llama_mtp_draft(files["none"], prompt, n_draft, files["only"])
-    target = load_model(files["none"], device="cpu")
-    head = load_model(files["only"], device="cpu", share_from=target)
-    out = Context(target, GraphType.MAIN, n_ctx=64).decode(prompt)
-    assert int(out.logits[-1].argmax()) == id_last
-    drafter = MtpDrafter(head, 64, target)
-    drafter.start(prompt, out.hidden["post_norm"])
-    ours = drafter.draft(id_last, n_draft).tokens
+    _, files = _conv(root, variant)
+    ours, drafts = mtp_checks.draft_chain_vs_llamacpp(llama_peer, files, IDS[:20], 4)
     print(f"{variant} MTP draft chain: ours {ours}, llama.cpp {drafts}")
     assert ours == drafts
 
@@ -128,26 +99,7 @@ def test_mtp_cache_after_partial_acceptance_equals_fresh_start(root, variant):
     is the teacher-forced one: its next drafts and logits equal a head started afresh on the committed
     tokens (whatever j; acceptance is simulated, since random tiny heads are rarely right)."""
     _, files = _conv(root, variant)
-    target = load_model(files["none"], device="cpu")
-    head = load_model(files["only"], device="cpu", share_from=target)
-    prompt = IDS[:15]
-    for j in (0, 1, 3):
-        tctx = Context(target, GraphType.MAIN, n_ctx=64)
-        out = tctx.decode(prompt[:-1])
-        drafter = MtpDrafter(head, 64, target)
-        drafter.start(prompt[:-1], out.hidden["post_norm"])
-        batch = [prompt[-1]] + drafter.draft(prompt[-1], 3).tokens
-        verified = tctx.decode(batch)
-        drafter.accept(j, batch, verified.hidden["post_norm"])
-        committed = prompt[:-1] + batch[:j + 1]
-        nxt = int(verified.logits[j].argmax())
-        fresh_out = Context(target, GraphType.MAIN, n_ctx=64).decode(committed)
-        fresh = MtpDrafter(head, 64, target)
-        fresh.start(committed, fresh_out.hidden["post_norm"])
-        assert drafter.committed_rows() == fresh.committed_rows() == len(committed)
-        a = drafter.ctx.decode([nxt], [len(committed)], hidden_in=drafter.pending_h[None]).logits
-        b = fresh.ctx.decode([nxt], [len(committed)], hidden_in=fresh.pending_h[None]).logits
-        diff = float((a - b).abs().max())
+    for j, diff in mtp_checks.partial_acceptance_diffs(files, IDS[:15]):
         print(f"{variant} MTP head after accepting {j} of 3 drafts vs a fresh start: max |Δlogit| = {diff:.3g}")
         assert diff < 1e-4
 
@@ -174,55 +126,31 @@ def test_greedy_speculative_equals_plain(root, variant, rollback):
 
 # ------------------------------------------------------------------ specconv verify
 
-def _verify(args, tmp_path):
-    from click.testing import CliRunner
-
-    from specconv import cli as cli_module
-
-    if "verify" not in cli_module.COMMANDS:
-        pytest.skip("`specconv verify` is not registered yet")
-    report = tmp_path / "report.json"
-    result = CliRunner().invoke(cli_module.cli, ["verify", *map(str, args), "-n", "6", "--draft-max", "2",
-                                                 "--device", "cpu", "--json", str(report)])
-    return result.exit_code, json.loads(report.read_text()) if report.exists() else None, result.output
-
-
-def _plant(path, dst, tensor, fn):
-    """Copy a GGUF and rewrite one F32 tensor's bytes in place (same size, so the file stays valid)."""
-    from gguf import GGUFReader
-
-    shutil.copy(path, dst)
-    reader = GGUFReader(dst, "r+")
-    t = next(t for t in reader.tensors if t.name == tensor)
-    t.data[...] = fn(np.array(t.data))
-    reader.data.flush()
-    return dst
-
-
 def test_verify_passes_and_catches_planted_defects(root, tmp_path):
     src, files = _conv(root, "glm4moe")
-    code, report, out = _verify([files["embed"], "--hf", src], tmp_path)
+    code, report, out = mtp_checks.run_verify([files["embed"], "--hf", src], tmp_path)
     assert code == 0 and report["passed"], out
     parity = {c["name"]: c["passed"] for c in report["checks"]}
     assert any("MTP" in n for n in parity), parity  # the MTP head was compared too
     print(f"glm4moe verify (embedded): passed; max |Δlogit| {report['parity']['max_abs_logit_diff']:.3g}")
 
     src_d, files_d = _conv(root, "deepseek2")
-    code, report, out = _verify([files_d["none"], "--mtp", files_d["only"], "--hf", src_d], tmp_path)
+    code, report, out = mtp_checks.run_verify([files_d["none"], "--mtp", files_d["only"], "--hf", src_d], tmp_path)
     assert code == 0 and report["passed"], out
     print(f"deepseek2 verify (trunk + sidecar): passed; max |Δlogit| {report['parity']['max_abs_logit_diff']:.3g}")
 
     # a routing bias zeroed in the sidecar's nextn block: only the MTP head is wrong
-    bad_head = _plant(files_d["only"], tmp_path / "mtp-bad.gguf", f"blk.{tiny.N_LAYERS}.exp_probs_b.bias",
-                      np.zeros_like)
-    code, report, out = _verify([files_d["none"], "--mtp", bad_head, "--hf", src_d], tmp_path)
+    bad_head = mtp_checks.plant(files_d["only"], tmp_path / "mtp-bad.gguf", f"blk.{tiny.N_LAYERS}.exp_probs_b.bias",
+                                np.zeros_like)
+    code, report, out = mtp_checks.run_verify([files_d["none"], "--mtp", bad_head, "--hf", src_d], tmp_path)
     failed = [c["name"] for c in report["checks"] if not c["passed"]]
     print(f"deepseek2 verify with a zeroed nextn routing bias: exit {code}, failed {failed}")
     assert code != 0 and not report["passed"] and any("MTP" in n for n in failed)
 
     # GLM attention key biases reversed in block 1: the trunk parity fails
-    bad_trunk = _plant(files["embed"], tmp_path / "bad.gguf", "blk.1.attn_k.bias", lambda a: a[::-1].copy())
-    code, report, out = _verify([bad_trunk, "--hf", src], tmp_path)
+    bad_trunk = mtp_checks.plant(files["embed"], tmp_path / "bad.gguf", "blk.1.attn_k.bias",
+                                 lambda a: a[::-1].copy())
+    code, report, out = mtp_checks.run_verify([bad_trunk, "--hf", src], tmp_path)
     failed = [c["name"] for c in report["checks"] if not c["passed"]]
     print(f"glm4moe verify with reversed attn_k.bias: exit {code}, failed {failed}")
     assert code != 0 and not report["passed"] and any("trunk" in n for n in failed)
