@@ -204,7 +204,7 @@ KW_FN float kw_positive(int n, int nmax, const float *x, uint8_t *L, const float
     return s_l2 > 0.0f ? s_xl / s_l2 : 0.0f;
 }
 
-KW_FN float kw_mean_square(const float *x, int64_t n, float twice)
+KW_FN float kw_mean_square(const float *x, int64_t n, int twice)
 {
     float sum = 0;
     for (int64_t i = 0; i < n; i++)

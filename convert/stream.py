@@ -154,7 +154,7 @@ def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, ou
         data = encode_integer(values, ggml_type)
         pool.submit(lambda: _write(places, 0, data), written)
     elif weights is not None or ggml_type in IQ4_TYPES:  # --imatrix (or IQ4): whole rows (convert/imatrix.py)
-        _stream_weighted(plan, ggml_type, nbytes, sources, places, pool, written, weights)
+        _stream_weighted(plan, ggml_type, nbytes, sources, places, pool, buffers, written, weights)
     else:
         chunks = [flat[start:start + CHUNK] for run in output_runs(plan, sources)
                   for flat in [run.reshape(-1)] for start in range(0, flat.size, CHUNK)]
@@ -166,9 +166,10 @@ def stream_tensor(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, ou
     pool.after(finish)
 
 
-def _stream_weighted(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, places, pool: OrderedPool, written,
-                     weights: np.ndarray) -> None:
-    """Chunks of whole rows encoded with importance weights; a 3-D tensor's rows use their expert's slice."""
+def _stream_weighted(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources, places, pool: OrderedPool,
+                     buffers: Buffers, written, weights: np.ndarray | None) -> None:
+    """Chunks of whole rows encoded with importance weights (or IQ4 without); a 3-D tensor's rows use
+    their expert's slice. A mapped chunk is read into a pool buffer first, as `_encoder` does."""
     from .imatrix import encode_weighted_run
 
     row = int(plan.shape[-1])
@@ -183,8 +184,15 @@ def _stream_weighted(plan: TensorPlan, ggml_type, nbytes: int, sources: Sources,
             chunk = flat[start:start + step]
 
             def job(chunk=chunk, offset=offset, first=(element + start) // row) -> int:
-                return _write(places, offset, encode_weighted_run(np.ascontiguousarray(chunk), ggml_type, weights, row,
-                                                                  rows_per_group, first))
+                reader = sources.reader
+                staged = buffers.take(chunk.nbytes) if reader.is_mapped(chunk) else None
+                if staged is not None:
+                    reader.read_into(chunk, staged)
+                values = np.ascontiguousarray(chunk) if staged is None else staged.view(chunk.dtype)
+                n = _write(places, offset, encode_weighted_run(values, ggml_type, weights, row, rows_per_group, first))
+                if staged is not None:
+                    buffers.give(staged)
+                return n
             pool.submit(job, written)
             offset += encoded_size(chunk.size, ggml_type)
         element += flat.size
