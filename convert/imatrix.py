@@ -88,7 +88,8 @@ def load(path: str | Path) -> Imatrix:
     """Read an imatrix file in either format; weights normalised as the quantize tool normalises them."""
     p = Path(path)
     try:
-        head = p.open("rb").read(4)
+        with p.open("rb") as fh:
+            head = fh.read(4)
     except OSError as e:
         raise SpecconvError(f"imatrix {path}: cannot read it ({e.strerror or e})") from None
     imatrix = _load_gguf(p, str(path)) if head == _GGUF_MAGIC else _load_legacy(p, str(path))
@@ -103,7 +104,7 @@ def _load_gguf(p: Path, source: str) -> Imatrix:
 
     try:
         f = open_gguf(p)
-    except SpecconvError as e:
+    except (SpecconvError, OSError, ValueError) as e:
         raise SpecconvError(f"imatrix {source}: not a readable GGUF file ({e})") from None
     missing = [k for k in ("imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size") if k not in f.kv]
     if missing:
@@ -170,7 +171,7 @@ class _Cursor:
     def take(self, n: int, what: str) -> bytes:
         if n < 0 or self.pos + n > len(self.data):
             raise SpecconvError(f"imatrix {self.source}: truncated at byte {self.pos} reading {what} "
-                                f"({len(self.data)} bytes in the file)")
+                                f"({len(self.data)} bytes in the file; is it an imatrix file?)")
         out = self.data[self.pos:self.pos + n]
         self.pos += n
         return out
