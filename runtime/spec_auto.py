@@ -18,8 +18,9 @@ when it promises at least MARGIN more tokens per second than plain decoding.
 * c_tok, c_round: observed online (medians of the last WINDOW drafting rounds); zero until the first.
 * a_i: decayed counts per position, shrunk towards the pooled acceptance, which starts at ½ with
   the weight of one token: the first rounds draft, and acceptance that does not pay drops k. The
-  draft length grows with the evidence: k ≤ 2·(deepest position verified so far) + 1, so the first
-  round drafts one token and a drafter that accepts nothing costs one cheap round to find out.
+  draft length grows with the evidence: k ≤ 2·(most drafts accepted in one round so far) + 1, so
+  the first rounds draft one token, and a drafter that accepts nothing only ever costs rounds of
+  one draft (t(2) − t(1) each) until its acceptance estimate drops below paying.
 * k = 0: plain decoding. Every `probe` plain rounds a round with one draft token measures the
   acceptance again; the interval doubles (up to PROBE_MAX) while probes do not pay and returns
   to PROBE_MIN when drafting resumes. Acceptance counts decay only in drafting rounds, so plain
@@ -139,7 +140,7 @@ class AutoDraft:
     rounds: int = 0
     plain_run: int = 0  # plain rounds since the last drafting round
     probe: int = PROBE_MIN
-    deepest: int = 0  # deepest draft position verified so far (1-based)
+    deepest: int = 0  # most drafts accepted in one round so far
 
     def __post_init__(self):
         self.acc = [0.0] * self.k_max
@@ -200,7 +201,7 @@ class AutoDraft:
         """(k, why): "draft" (the model's best k ≥ 1), "plain" (k = 0 pays best), "probe" (one draft
         token after `probe` plain rounds)."""
         k, _ = self.best()
-        if k > 0:  # the draft grows as evidence comes: at most 2·(deepest position verified so far) + 1
+        if k > 0:  # the draft grows as evidence comes: at most 2·(most drafts accepted in a round) + 1
             return min(k, 2 * self.deepest + 1), "draft"
         if self.plain_run >= self.probe:
             return 1, "probe"
@@ -221,7 +222,7 @@ class AutoDraft:
         for i in range(self.k_max):
             self.acc[i] *= DECAY
             self.tried[i] *= DECAY
-        self.deepest = max(self.deepest, min(k, accepted + 1))
+        self.deepest = max(self.deepest, accepted)
         for i in range(min(k, accepted + 1)):  # positions verified: the accepted ones and the first rejected
             self.tried[i] += 1.0
             if i < accepted:
