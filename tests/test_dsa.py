@@ -76,15 +76,12 @@ def test_glm_files_equal_llamacpp_converter(root, tmp_path, mode, flag):
     bytes, and the same keys but `expert_gating_func` (ours explicit 2 = sigmoid; llama.cpp's glm-dsa
     loader defaults the missing key to sigmoid, so both files run alike)."""
     from tests.fixtures.gguf_files import convert_gguf_upstream
+    from tests.fixtures.tiny_tools import differing_keys
 
     src, files = tiny.converted("glm-dsa", root)
     up = open_gguf(convert_gguf_upstream(src, tmp_path / "up.gguf", pre="glm4", extra_args=[flag] if flag else []))
     ours = open_gguf(files[mode])
-    assert list(up.tensors) == list(ours.tensors)
-    assert all(np.array_equal(up.tensors[n].raw(), ours.tensors[n].raw()) for n in up.tensors)
-    a = {k: up.get(k) for k in up.kv if k.startswith("glm-dsa.")}
-    b = {k: ours.get(k) for k in ours.kv if k.startswith("glm-dsa.")}
-    assert {k for k in set(a) | set(b) if a.get(k) != b.get(k)} == {"glm-dsa.expert_gating_func"}
+    assert differing_keys(up, ours, "glm-dsa") == {"glm-dsa.expert_gating_func"}
     print(f"glm-dsa --mtp {mode}: llama.cpp's converter writes the same {len(up.tensors)} tensors and keys "
           f"(but expert_gating_func)")
     if mode == "embed":  # our runtime reads the missing key as llama.cpp does (sigmoid)

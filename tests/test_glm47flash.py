@@ -20,6 +20,7 @@ from specconv.archs import SpecconvError
 from specconv.runtime.gguf_reader import open_gguf
 from tests.fixtures import tiny_glm_deepseek as tiny
 from tests.fixtures.gguf_files import convert_gguf
+from tests.fixtures.tiny_tools import differing_keys
 
 torch.set_num_threads(1)
 FAMILY = "glm4moelite"
@@ -100,9 +101,7 @@ def test_leading_dense_count_from_mlp_layer_types(tmp_path, llama_peer):
 def test_llamacpp_matches_transformers_trunk_and_mtp(conv, llama_peer):
     from tests.fixtures.mtp_checks import llamacpp_diffs
 
-    src, files = conv
-    ref, hidden = tiny.hf_trunk(src, IDS)
-    for what, diff in llamacpp_diffs(llama_peer, files, IDS, ref, hidden, tiny.hf_mtp_llamacpp_rows(src, IDS, hidden)):
+    for what, diff in llamacpp_diffs(llama_peer, tiny, *conv, IDS):
         print(f"glm4moelite llama.cpp vs transformers, {what}: max |Δ| = {diff:.3g}")
         assert diff < 1e-4
 
@@ -119,13 +118,9 @@ def test_gating_key_decides_llamacpp_routing(conv, tmp_path, llama_peer):
     src, files = conv
     ref, _ = tiny.hf_trunk(src, IDS)
     ours = open_gguf(files["embed"])
-    arch_kv = lambda f: {k: f.get(k) for k in f.kv if k.startswith("deepseek2.")}  # noqa: E731
     up_path = convert_gguf_upstream(src, tmp_path / "up.gguf", pre="glm4")
     up = open_gguf(up_path)
-    assert list(up.tensors) == list(ours.tensors)
-    assert all(np.array_equal(up.tensors[n].raw(), ours.tensors[n].raw()) for n in up.tensors)
-    a, b = arch_kv(up), arch_kv(ours)
-    assert {k for k in set(a) | set(b) if a.get(k) != b.get(k)} == {"deepseek2.expert_gating_func"}
+    assert differing_keys(up, ours, "deepseek2") == {"deepseek2.expert_gating_func"}
     from specconv.runtime import Context, GraphType, load_model
 
     llama_up = llama_peer.llama_logits(up_path, IDS)
@@ -137,7 +132,7 @@ def test_gating_key_decides_llamacpp_routing(conv, tmp_path, llama_peer):
     cfg = json.loads((fixed / "config.json").read_text())
     (fixed / "config.json").write_text(json.dumps({**cfg, "scoring_func": "sigmoid"}))
     up2 = open_gguf(convert_gguf_upstream(fixed, tmp_path / "up2.gguf", pre="glm4"))
-    assert arch_kv(up2) == b
+    assert differing_keys(up2, ours, "deepseek2") == set()
     ours_diff = float(np.abs(llama_peer.llama_logits(files["embed"], IDS) - ref).max())
     print(f"glm4moelite llama.cpp vs transformers: llama.cpp's converter (no gating key, softmax) {off:.3g}; "
           f"specconv's file (gating 2) {ours_diff:.3g}; specconv runtime vs llama.cpp on the former {same:.3g}")
@@ -191,11 +186,7 @@ def test_trunk_only_and_sidecar_equal_llamacpp_modes(conv, tmp_path, mode, flag)
     src, files = conv
     up = open_gguf(convert_gguf_upstream(src, tmp_path / "up.gguf", pre="glm4", extra_args=[flag]))
     ours = open_gguf(files[mode])
-    assert list(up.tensors) == list(ours.tensors)
-    assert all(np.array_equal(up.tensors[n].raw(), ours.tensors[n].raw()) for n in up.tensors)
-    a = {k: up.get(k) for k in up.kv if k.startswith("deepseek2.")}
-    b = {k: ours.get(k) for k in ours.kv if k.startswith("deepseek2.")}
-    assert {k for k in set(a) | set(b) if a.get(k) != b.get(k)} == {"deepseek2.expert_gating_func"}
+    assert differing_keys(up, ours, "deepseek2") == {"deepseek2.expert_gating_func"}
     print(f"glm4moelite --mtp {mode} = llama.cpp's {flag} (but the gating key): {len(up.tensors)} tensors")
 
 

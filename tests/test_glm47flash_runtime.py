@@ -16,9 +16,6 @@ import pytest
 import torch
 
 from specconv.runtime import GraphType, load_model
-from specconv.runtime.drafters import MtpDrafter
-from specconv.runtime.generate import generate
-from specconv.runtime.speculative import SpecConfig, speculative_generate
 from tests.fixtures import mtp_checks
 from tests.fixtures import tiny_glm_deepseek as tiny
 
@@ -42,15 +39,12 @@ def test_main_logits_equal_transformers_and_llamacpp(conv, llama_peer):
           f"prefill+decode {cached:.3g}; vs llama.cpp on the same file {peer:.3g}")
     assert max(diff, dh, cached) < 1e-4 and peer < 2e-5
     assert model.serves == {GraphType.MAIN, GraphType.MTP}
-    for prompt in (IDS[:1], IDS[:12]):
-        assert generate(model, prompt, 12).tokens == tiny.hf_greedy(src, prompt, 12)
+    mtp_checks.check_greedy(model, tiny, src, (IDS[:1], IDS[:12]), 12)
 
 
 def test_mtp_logits_equal_mtpmodel(conv):
     src, files = conv
-    for kind, d in mtp_checks.mtp_diffs(tiny, src, files, IDS).items():
-        print(f"glm4moelite runtime MTP ({kind}) vs MtpModel: max |Δlogit| {mtp_checks.describe(d)}")
-        assert d["llama.cpp rows"] < 1e-4
+    mtp_checks.check_mtp_heads("glm4moelite", tiny, src, files, IDS)
 
 
 def test_mtp_draft_chain_and_speculative_decoding(conv, llama_peer):
@@ -58,13 +52,8 @@ def test_mtp_draft_chain_and_speculative_decoding(conv, llama_peer):
     ours, drafts = mtp_checks.draft_chain_vs_llamacpp(llama_peer, files, IDS[:20], 4)
     print(f"glm4moelite MTP draft chain: ours {ours}, llama.cpp {drafts}")
     assert ours == drafts
-    target = load_model(files["none"], device="cpu")
-    head = load_model(files["only"], device="cpu", share_from=target)
-    for rollback in ("snapshot", "checkpoint"):
-        plain = generate(target, IDS[:12], 16).tokens
-        res = speculative_generate(target, MtpDrafter(head, 64, target), IDS[:12], 16,
-                                   SpecConfig(draft_max=3, rollback=rollback))
-        assert res.tokens == plain
+    for label, spec, plain in mtp_checks.speculative_vs_plain(files, [IDS[:12]], 16):
+        assert spec == plain, label
 
 
 def test_verify_passes_and_fails_a_perturbed_head(conv, tmp_path):

@@ -131,9 +131,7 @@ def test_bad_configs_are_refused(conv, change, message):
 def test_llamacpp_matches_transformers(conv, llama_peer):
     from tests.fixtures.mtp_checks import llamacpp_diffs
 
-    src, files = conv
-    ref, hidden = tiny.hf_trunk(src, IDS)
-    for what, diff in llamacpp_diffs(llama_peer, files, IDS, ref, hidden, tiny.hf_mtp_llamacpp_rows(src, IDS, hidden)):
+    for what, diff in llamacpp_diffs(llama_peer, tiny, *conv, IDS):
         print(f"qwen3next llama.cpp vs transformers, {what}: max |Δ| = {diff:.3g}")
         assert diff < 1e-4
 

@@ -19,9 +19,6 @@ import pytest
 import torch
 
 from specconv.runtime import Context, GraphType, load_model
-from specconv.runtime.drafters import MtpDrafter
-from specconv.runtime.generate import generate
-from specconv.runtime.speculative import SpecConfig, speculative_generate
 from tests.fixtures import mtp_checks
 from tests.fixtures import tiny_qwen3next as tiny
 
@@ -67,15 +64,12 @@ def test_main_logits_equal_transformers_and_llamacpp(conv, llama_peer):
     print(f"qwen3next runtime MAIN vs transformers on a second prompt: max |Δlogit| {d2:.3g}")
     assert d2 < 1e-4
     assert model.serves == {GraphType.MAIN, GraphType.MTP}
-    for prompt in (IDS[:1], IDS[:12]):
-        assert generate(model, prompt, 12).tokens == tiny.hf_greedy(src, prompt, 12)
+    mtp_checks.check_greedy(model, tiny, src, (IDS[:1], IDS[:12]), 12)
 
 
 def test_mtp_logits_equal_mtpmodel(conv):
     src, files = conv
-    for kind, d in mtp_checks.mtp_diffs(tiny, src, files, IDS).items():
-        print(f"qwen3next runtime MTP ({kind}) vs MtpModel: max |Δlogit| {mtp_checks.describe(d)}")
-        assert max(d.values()) < 1e-4
+    mtp_checks.check_mtp_heads("qwen3next", tiny, src, files, IDS)
 
 
 def test_snapshot_rollback_equals_fresh_evaluation(conv):
@@ -107,16 +101,9 @@ def test_mtp_draft_chain_and_speculative_decoding(conv, llama_peer):
     ours, drafts = mtp_checks.draft_chain_vs_llamacpp(llama_peer, files, IDS[:20], 4)
     print(f"qwen3next MTP draft chain: ours {ours}, llama.cpp {drafts}")
     assert ours == drafts
-    target = load_model(files["none"], device="cpu")
-    head = load_model(files["only"], device="cpu", share_from=target)
-    embedded = load_model(files["embed"], device="cpu")
-    for prompt in (IDS[:1], IDS[:12], [5, 17, 42, 99, 3, 5, 17, 42, 99, 3, 5, 17]):
-        plain = generate(target, prompt, 16).tokens
-        for rollback in ("snapshot", "checkpoint"):
-            for tgt, hd in ((target, head), (embedded, embedded)):
-                res = speculative_generate(tgt, MtpDrafter(hd, 64, tgt), prompt, 16,
-                                           SpecConfig(draft_max=3, rollback=rollback))
-                assert res.tokens == plain, (rollback, prompt)
+    prompts = (IDS[:1], IDS[:12], [5, 17, 42, 99, 3, 5, 17, 42, 99, 3, 5, 17])
+    for label, spec, plain in mtp_checks.speculative_vs_plain(files, prompts, 16, embedded=True):
+        assert spec == plain, label
 
 
 def test_verify_and_inspect(conv, tmp_path):
