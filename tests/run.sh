@@ -25,5 +25,8 @@ if [ -z "${SPECCONV_LLAMA_CPP_SRC:-}" ]; then
   export SPECCONV_LLAMA_CPP_SRC="$tree"
 fi
 
+# llama.cpp's quantize and imatrix tools, built from the same sdist on first use (about 8 minutes
+# of CPU, cached in $SRC_CACHE) for the --imatrix whole-file tests.
+export SPECCONV_BUILD_LLAMA_TOOLS=1
 export SPECCONV_REQUIRE_PEERS=1 SPECCONV_REQUIRE_NATIVE=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 exec "$PY" -m pytest -q -s "$@"

@@ -5,7 +5,8 @@ Two references:
 * llama.cpp's `llama-quantize` built from the llama.cpp vendored in the llama-cpp-python 0.3.36
   sdist (tools/llamacpp_quantize.py; it reads the imatrix file itself, in both formats). Building
   it takes minutes of CPU, so these tests use a build already in ~/.cache/specconv and build one
-  only when SPECCONV_BUILD_LLAMA_TOOLS=1; otherwise they skip, saying so.
+  only when SPECCONV_BUILD_LLAMA_TOOLS=1 (tests/run.sh sets it: CI builds once and runs them);
+  otherwise they skip, saying so.
 * `llama_model_quantize` of llama-cpp-python given the weights our reader loaded (and the tool's
   quantize.imatrix.* KV as overrides): needs no build, so it always runs where llama-cpp-python is.
 Models: Qwen3.5 dense and MoE (8 experts, one MTP layer) and GLM-4.5 (nextn) at rows of 256 and
@@ -49,6 +50,8 @@ def _tool(name: str) -> Path:
                     "or set SPECCONV_BUILD_LLAMA_TOOLS=1")
     path, why = builder.binary(name)
     if path is None:
+        if os.environ.get("SPECCONV_REQUIRE_PEERS") == "1":  # CI (tests/run.sh) must run them
+            pytest.fail(f"llama.cpp's {builder.TARGETS[name]} is required and could not be built: {why}")
         pytest.skip(why)
     return path
 

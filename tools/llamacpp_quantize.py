@@ -41,6 +41,17 @@ def _cmake() -> str | None:
         return None
 
 
+def _ninja() -> str | None:
+    found = shutil.which("ninja")
+    if found:
+        return found
+    try:  # pip's `ninja` package
+        import ninja  # type: ignore
+        return str(Path(ninja.BIN_DIR) / "ninja")
+    except ImportError:
+        return None
+
+
 def missing() -> str | None:
     """Why the tools cannot be built here, or None."""
     if not SOURCE.is_dir():
@@ -73,8 +84,9 @@ def binary(tool: str = "quantize", jobs: int = 0) -> tuple[Path | None, str]:
         log = BUILD / "build.log"
         with open(log, "a") as out:
             start = time.time()
-            steps = [[cmake, "-S", str(SOURCE), "-B", str(BUILD), "-G",
-                      "Ninja" if shutil.which("ninja") else "Unix Makefiles", *FLAGS],
+            ninja = _ninja()
+            generator = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else ["-G", "Unix Makefiles"]
+            steps = [[cmake, "-S", str(SOURCE), "-B", str(BUILD), *generator, *FLAGS],
                      [cmake, "--build", str(BUILD), "--target", *TARGETS.values(), "-j", str(jobs or os.cpu_count() or 2)]]
             for cmd in steps:
                 out.write("$ " + " ".join(cmd) + "\n")
