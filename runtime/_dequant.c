@@ -8,7 +8,8 @@
  * stable ABI), which are already awake after each torch operation: microseconds, where starting
  * a pthread per call cost tens, and no fight with torch's spinning threads for the cores. Where
  * the symbols are absent (another OpenMP runtime, torch not imported) or
- * SPECCONV_NATIVE_PTHREADS=1, a thread is started per share as before.
+ * SPECCONV_NATIVE_PTHREADS=1, or in a child made by fork() (libgomp's pool does not survive it), a
+ * thread is started per share as before.
  *
  * Python sees `dequantize(ggml_type, src, nbytes, dst, threads)` and the fused product for decode
  * `dot(...)` (dq_dot.c), taking raw addresses (torch's data_ptr()): runtime/dequant_native.py checks
@@ -71,7 +72,15 @@ static struct {
     pthread_once_t once;
     gomp_parallel_fn parallel;
     omp_int_fn thread_num, num_threads;
-} omp = {PTHREAD_ONCE_INIT, NULL, NULL, NULL};
+    volatile int forked; /* in a child made by fork(): libgomp's pool did not come along */
+} omp = {PTHREAD_ONCE_INIT, NULL, NULL, NULL, 0};
+
+/* libgomp is not fork-safe: a parallel region in a forked child waits forever for the parent's
+ * pool threads, so a child splits over started pthreads instead */
+static void omp_after_fork(void)
+{
+    omp.forked = 1;
+}
 
 static void omp_resolve(void)
 {
@@ -90,7 +99,7 @@ static int omp_usable(void)
 {
     pthread_once(&omp.once, omp_resolve);
     const char *force = getenv("SPECCONV_NATIVE_PTHREADS");
-    return omp.parallel != NULL && !(force != NULL && strcmp(force, "1") == 0);
+    return omp.parallel != NULL && !omp.forked && !(force != NULL && strcmp(force, "1") == 0);
 }
 
 typedef struct {
@@ -302,5 +311,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__dequant(void)
 {
+    pthread_atfork(NULL, NULL, omp_after_fork);
     return PyModule_Create(&module);
 }

@@ -308,6 +308,37 @@ def test_openmp_pool_and_pthread_fallback_agree(qtype, monkeypatch):
     assert dequant_native.min_thread_elements() == dequant_native.MIN_THREAD_ELEMENTS_PTHREADS
 
 
+def test_forked_child_splits_over_pthreads(monkeypatch):
+    """libgomp's pool does not survive fork(): a child that splits a call falls back to started
+    pthreads (a parallel region there would wait forever) and computes the same values."""
+    import signal
+    import time
+
+    monkeypatch.setattr(dequant_native, "MIN_THREAD_ELEMENTS", 1)
+    monkeypatch.setattr(dequant_native, "MIN_THREAD_ELEMENTS_PTHREADS", 1)
+    raw = sane_rows(QType.Q8_0, 96, 512, seed=4)
+    x = torch.randn(2, 512)
+    expected = dequant_native.matmul_t(x, raw, QType.Q8_0, 512, threads=2)  # the pool used in the parent
+    assert dequant_native.thread_pool() == "openmp"
+    pid = os.fork()
+    if pid == 0:  # child: exit status 0 only if it fell back and got the same values
+        try:
+            same = torch.equal(dequant_native.matmul_t(x, raw, QType.Q8_0, 512, threads=2), expected)
+            os._exit(0 if same and dequant_native.thread_pool() == "pthreads" else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung in a parallel region")
+
+
 def test_threads_on_the_pool_inside_torch_threads(monkeypatch):
     """torch.get_num_threads() threads by default; a call made while torch runs 1 thread stays on
     one (no parallel region)."""
