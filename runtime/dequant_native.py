@@ -11,7 +11,8 @@ widened to float32, on the CPU. The blocks (or rows) of one call are split over 
 `torch.get_num_threads()` threads, GIL released, when every thread gets at least
 `min_thread_elements()` values: on torch's own OpenMP threads where the extension finds them
 (runtime/_dequant.c; a split then costs microseconds), else on a pthread started per share
-(`SPECCONV_NATIVE_PTHREADS=1` forces that fallback), which only pays for large calls. The pieces of
+(`SPECCONV_NATIVE_PTHREADS=1` forces that fallback; a child made by fork() takes it too), which
+only pays for large calls. The pieces of
 a chunked product are always decoded on the calling thread.
 """
 
