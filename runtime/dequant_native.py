@@ -25,7 +25,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 # Values a thread must get before a call is split. On torch's OpenMP pool (awake after each torch
-# operation) entering a parallel region costs a few microseconds: 128 K values (~30 us of fused
+# operation) entering a parallel region costs a few microseconds: 128 K values (~10 us of fused
 # product on one core) keeps that small while splitting every matrix of a ~1 B model but the
 # smallest (docs/runtime.md, "Native dequantization"). A pthread started per call costs tens of
 # microseconds and then competes with torch's spinning OpenMP threads for the cores: only calls of
