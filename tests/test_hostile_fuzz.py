@@ -32,3 +32,17 @@ def test_fuzz_smoke(tmp_path):
     runs = report["by_family"]["runtime"]
     assert all(sum(runs[f].get(o, 0) for o in fuzz_gguf.OUTCOMES) >= 10 for f in SEEDS), runs
     assert cpu < 60
+
+
+def test_mutator_writes_values_beyond_float32_as_infinity():
+    """A doubled edge value can leave float32's range (the long run's parent died on struct.error)."""
+    import struct
+
+    from gguf import GGUFValueType as V
+
+    from fuzz_mutate import _scalar
+
+    assert struct.unpack("<f", _scalar(V.FLOAT32, 1e39))[0] == float("inf")
+    assert struct.unpack("<f", _scalar(V.FLOAT32, -2 * 3.4e38))[0] == float("-inf")
+    assert struct.unpack("<d", _scalar(V.FLOAT64, 2 ** 2000))[0] == float("inf")
+    assert struct.unpack("<f", _scalar(V.FLOAT32, 2 ** 64))[0] == float(2 ** 64)

@@ -26,6 +26,7 @@ _FMT = {V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32: "<
 _RANGE = {V.UINT8: (0, 255), V.INT8: (-128, 127), V.UINT16: (0, 65535), V.INT16: (-32768, 32767),
           V.UINT32: (0, 2**32 - 1), V.INT32: (-2**31, 2**31 - 1), V.UINT64: (0, 2**64 - 1),
           V.INT64: (-2**63, 2**63 - 1)}
+_F32_MAX = 3.4028234663852886e38
 EDGE_INTS = [0, 1, 2, 3, 7, 255, 2**15, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63,
              2**64 - 1, -1, -2**31]
 EDGE_FLOATS = [0.0, -0.0, 1.0, -1.0, 1e-30, 1e30, 3.4e38, float("nan"), float("inf"), float("-inf"), 0.5]
@@ -107,7 +108,12 @@ def _scalar(vtype: GGUFValueType, v) -> bytes:
     elif vtype == V.BOOL:
         v = bool(v)
     else:
-        v = float(v) if isinstance(v, (int, float)) else 0.0
+        try:
+            v = float(v) if isinstance(v, (int, float)) else 0.0
+        except OverflowError:  # an int beyond any double
+            v = float("inf") if v > 0 else float("-inf")
+        if fmt == "<f" and abs(v) > _F32_MAX and v == v:  # what a float32 holds of it (struct refuses)
+            v = float("inf") if v > 0 else float("-inf")
     return struct.pack(fmt, v)
 
 
