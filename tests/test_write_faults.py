@@ -4,7 +4,9 @@ with a one-line error, a non-zero exit and no file left behind (no partial outpu
 
 Each run is a subprocess: the file-size limit is RLIMIT_FSIZE (writes fail with EFBIG), the full
 disk a 256 KiB tmpfs (ENOSPC; skipped where mounting is not allowed), and a signal is delivered
-while the process is held stopped just after its first temporary file appeared.
+while the process is held stopped just after its first temporary file appeared. A signal that lands
+while the finished files are being renamed waits for the renames (all or none): that try must leave
+exactly the complete output, and the test aims again.
 """
 
 from __future__ import annotations
@@ -118,15 +120,26 @@ def test_full_disk(files, small_disk, what):
     check_failed_cleanly(proc, small_disk, "error: cannot write", "the disk is full")
 
 
-def _interrupt(cmd: list[str], out: Path, sig: int, tries: int = 20):
+def temporaries(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if ".partial" in str(p.relative_to(folder))] if folder.exists() else []
+
+
+def finals(folder: Path) -> list[str]:
+    return [p for p in leftovers(folder) if ".partial" not in p]
+
+
+def _interrupt(cmd: list[str], out: Path, sig: int, complete: list[str], tries: int = 20):
     """Run cmd; the moment a temporary file shows up under out, stop it, send sig, let it go on.
-    Returns the finished process, or None when every try finished before a temporary appeared."""
+    Returns the first process stopped while writing (no final output yet), or None when every try
+    finished first. A signal that lands while the finished files are being renamed is held until
+    the renames are done (all or none): such a try must leave exactly the complete output, and is
+    not counted; the next try aims again."""
     for _ in range(tries):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
         caught = False
         while proc.poll() is None:
-            if any(".partial" in str(p) for p in out.rglob("*")):
+            if any(p.is_file() for p in temporaries(out)):
                 os.kill(proc.pid, signal.SIGSTOP)
                 os.kill(proc.pid, sig)
                 os.kill(proc.pid, signal.SIGCONT)
@@ -134,12 +147,25 @@ def _interrupt(cmd: list[str], out: Path, sig: int, tries: int = 20):
                 break
         stdout, stderr = proc.communicate(timeout=120)
         result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-        if caught:
+        if caught and not finals(out):
             return result
-        for p in sorted(out.rglob("*"), reverse=True):  # finished first: clean up, try again
+        if caught:  # too late: the renames had begun, so all of them completed
+            assert temporaries(out) == [] and finals(out) == complete, (leftovers(out), stderr)
+        for p in sorted(out.rglob("*"), reverse=True):  # clean up, try again
             p.unlink() if p.is_file() else p.rmdir()
         time.sleep(0.05)
     return None
+
+
+def complete_output(files, what: str) -> list[str]:
+    """The names a finished run of `what` leaves under its output folder."""
+    named = {"convert": ["sub", "sub/m.gguf", "sub/mtp-m.gguf"], "merge": ["sub", "sub/merged.gguf"]}
+    if what in named:
+        return named[what]
+    from specconv.hub.split import plan_split
+
+    n = plan_split([files["embed"]], 300_000).count
+    return ["sub"] + [f"sub/m-{i + 1:05d}-of-{n:05d}.gguf" for i in range(n)]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -147,7 +173,7 @@ def _interrupt(cmd: list[str], out: Path, sig: int, tries: int = 20):
 def test_signal_in_the_middle(files, tmp_path, what, sig):
     out = tmp_path / "out"
     out.mkdir()
-    proc = _interrupt(commands(files, out)[what], out, sig)
+    proc = _interrupt(commands(files, out)[what], out, sig, complete_output(files, what))
     if proc is None:
         pytest.fail(f"{what} always finished before a temporary file could be seen")
     print(f"{what} + {signal.Signals(sig).name} mid-write: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
