@@ -250,3 +250,31 @@ def test_valid_seeds_still_load(seeds):
         target = load(paths[0])
         if len(paths) > 1:
             load(paths[1], share_from=target)
+
+
+def test_dflash2_selector_rows_match_the_shared_vocabulary(seeds, tmp_path):
+    """A DFlash2 file without its own embedding, output and token list drafts from the target's
+    vocabulary: its selector, indexed by those token ids, must have a row for each (else a candidate
+    indexes past it). With its own token list the file's validation already compares the two."""
+    from specconv.archs.errors import SpecconvError
+    from specconv.runtime.drafters.dflash import check_drafter_fits_target
+
+    target = target_of(seeds, "dflash2")
+    file = "dflash2-qwen3.gguf"
+    rank = int(load(path_of(seeds, file), share_from=target).hparams.selector_rank)
+
+    def shrink_selector_and_share(doc):
+        for name in ("token_embd.weight", "output.weight"):
+            if any(t.name == name for t in doc.tensors):
+                drop(name)(doc)
+        for name in ("selector_successor.weight", "selector_predecessor.weight"):
+            dims(name, [rank, target.n_vocab - 12])(doc)
+        doc.kvs = [e for e in doc.kvs if not e.key.startswith("tokenizer.ggml.") or e.key.endswith("mask_token_id")]
+
+    head = load(edited(seeds, file, tmp_path, shrink_selector_and_share), share_from=target)
+    with pytest.raises(SpecconvError) as info:
+        check_drafter_fits_target(target, head)
+    msg = str(info.value)
+    print(msg)
+    assert "\n" not in msg and file in msg and f"{target.n_vocab - 12} token rows" in msg, msg
+    check_drafter_fits_target(target, load(path_of(seeds, file), share_from=target))  # the seed itself fits

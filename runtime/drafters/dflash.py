@@ -49,6 +49,11 @@ def check_drafter_fits_target(target: Model, head: Model) -> None:
     for name in (names.TOKEN_EMBD, names.OUTPUT):
         if name not in head.weights:
             raise SpecconvError(f"the DFlash drafter has no {name}: load it with load_model(drafter, share_from=target)")
+    for name in graph.SELECTOR[:2] if hp.v2 else ():  # indexed by token ids of the (maybe shared) output
+        rows = int(head.weights[name].shape[0]) if name in head.weights else head.n_vocab
+        if rows != head.n_vocab:
+            raise SpecconvError(f"{head.paths[0].name}: the DFlash2 drafter's {name} has {rows} token rows, but the "
+                                f"vocabulary it drafts from has {head.n_vocab}: converted against another target")
     if not 0 <= hp.mask_token_id < head.n_vocab:
         raise SpecconvError(f"mask token {hp.mask_token_id} is outside the vocabulary [0, {head.n_vocab})")
 
