@@ -6,7 +6,7 @@ The searches are convert/kquants.py's, vectorised across groups and super-blocks
 reference accumulates term by term accumulated term by term here too; what the weighted paths add is
 (1) the weights w * sqrt(sigma2 + x^2) (Q6_K: w), (2) the 37-grid affine search from -0.9 for
 Q2_K/Q4_K/Q5_K/Q4_1/Q5_1 (`_affine_search` with those parameters), (3) the 19-grid signed search with
-given weights for Q3_K/Q6_K/Q4_0/Q5_0 and Q3_K's scales (`_signed_fit`), and (4) the sub-block scales
+given weights for Q3_K/Q6_K/Q4_0/Q5_0 and Q3_K's scales (`kquants.signed_fit`), and (4) the sub-block scales
 fitted to the float16 super-scale by a weighted search and level sweeps (`_positive_fit`).
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from .kquants import _affine_search, _half, _pack_2bit, _round, _seq_sum, _signed_peak, _u8
+from .kquants import _affine_search, _half, _pack_2bit, _round, _seq_sum, _signed_peak, _u8, signed_fit
 
 Q = GGMLQuantizationType
 F = np.float32
@@ -40,32 +40,6 @@ def encode_rows(x: np.ndarray, ggml_type: GGMLQuantizationType, w: np.ndarray | 
         return _BLOCK32[ggml_type](xb.reshape(-1, 32), weight).reshape(-1)
 
 
-def _signed_fit(x: np.ndarray, w: np.ndarray, nmax: int):
-    """Per row: levels -nmax..nmax-1 stored + nmax and the scale, the best weighted least-squares fit
-    among the grid through the peak and 18 neighbours (ggml's make_qx_quants with weights)."""
-    peak, peak_abs = _signed_peak(x)
-    zero = peak_abs < _EPS
-    pk = peak[:, None]
-    wx = w * x
-
-    def fit(inv):
-        lv = np.clip(_round(inv * x), -nmax, nmax - 1)
-        fl = lv.astype(np.float32)
-        return lv, _seq_sum(wx * fl), _seq_sum((w * fl) * fl)
-
-    levels, s_xl, s_l2 = fit(F(-nmax) / pk)
-    scale = np.where(s_l2 != 0, s_xl / s_l2, F(0))
-    best = scale * s_xl
-    for k in range(-9, 10):
-        if k == 0:
-            continue
-        lv, t_xl, t_l2 = fit(-(F(nmax) + F(0.1) * F(k)) / pk)
-        better = (t_l2 > 0) & (t_xl * t_xl > best * t_l2)
-        levels = np.where(better[:, None], lv, levels)
-        new_scale = t_xl / t_l2
-        scale = np.where(better, new_scale, scale)
-        best = np.where(better, new_scale * t_xl, best)
-    return np.where(zero[:, None], 0, levels + nmax), np.where(zero, F(0), scale)
 
 
 def _positive_fit(x: np.ndarray, w: np.ndarray, nmax: int):
@@ -149,8 +123,8 @@ def _q3_k(x, qw):
     b = x.shape[0]
     weight = _weights(x, qw, True)
     sw = _seq_sum(weight.reshape(-1, 16)).reshape(b, 16)
-    levels, scale = _signed_fit(x.reshape(-1, 16), weight.reshape(-1, 16), 4)
-    ls, d_block = _signed_fit(scale.reshape(b, 16), sw, 32)  # 0..63
+    levels, scale = signed_fit(x.reshape(-1, 16), weight.reshape(-1, 16), 4)
+    ls, d_block = signed_fit(scale.reshape(b, 16), sw, 32)  # 0..63
     sc = np.zeros((b, 12), dtype=np.uint8)
     sc[:, :8] = _u8((ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4))
     for g in range(16):
@@ -221,7 +195,7 @@ def _q5_k(x, qw):
 
 def _q6_k(x, qw):
     b = x.shape[0]
-    levels, scale = _signed_fit(x.reshape(-1, 16), qw.reshape(-1, 16), 32)  # weights w alone
+    levels, scale = signed_fit(x.reshape(-1, 16), qw.reshape(-1, 16), 32)  # weights w alone
     levels, scale = levels.reshape(b, 256), scale.reshape(b, 16)
     peak, peak_abs = _signed_peak(scale)
     some = peak_abs >= _EPS
@@ -257,7 +231,7 @@ def _pack_32(levels: np.ndarray, head: int, five: bool) -> np.ndarray:
 
 def _sym32(nmax: int, five: bool):
     def encode(x, w):
-        levels, d = _signed_fit(x, w, nmax)
+        levels, d = signed_fit(x, w, nmax)
         out = _pack_32(levels, 2, five)
         out[:, 0:2] = _half(d)[0].reshape(-1, 1).view(np.uint8)
         return out

@@ -137,16 +137,22 @@ def _affine_search(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_
 def _signed_search(x, nmax: int):
     """Per row: levels -nmax..nmax-1 stored + nmax, weights x^2; the grid through the peak, then
     the peak mapped to -(nmax + 0.1 k), k = -9..9, keeping the best least-squares fit (Q6_K)."""
+    return signed_fit(x, x * x, nmax)
+
+
+def signed_fit(x: np.ndarray, w: np.ndarray, nmax: int):
+    """Per row: levels -nmax..nmax-1 stored + nmax and the scale, the best weighted least-squares fit
+    among the grid through the peak and 18 neighbours (ggml's make_qx_quants; w = x^2 without an
+    importance matrix)."""
     peak, peak_abs = _signed_peak(x)
     zero = peak_abs < F(1e-15)
     pk = peak[:, None]
-    wx = (x * x) * x
-    ww = x * x
+    wx = w * x
 
     def fit(inv):
         lv = np.clip(_round(inv * x), -nmax, nmax - 1)
         fl = lv.astype(np.float32)
-        return lv, _seq_sum(wx * fl), _seq_sum((ww * fl) * fl)
+        return lv, _seq_sum(wx * fl), _seq_sum((w * fl) * fl)
 
     levels, s_xl, s_l2 = fit(F(-nmax) / pk)
     scale = np.where(s_l2 != 0, s_xl / s_l2, F(0))
@@ -160,8 +166,7 @@ def _signed_search(x, nmax: int):
         new_scale = t_xl / t_l2
         scale = np.where(better, new_scale, scale)
         best = np.where(better, new_scale * t_xl, best)
-    levels = np.where(zero[:, None], 0, levels + nmax)
-    return levels, np.where(zero, F(0), scale)
+    return np.where(zero[:, None], 0, levels + nmax), np.where(zero, F(0), scale)
 
 
 def _signed_refine(x, nmax: int):

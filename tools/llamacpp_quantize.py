@@ -30,33 +30,23 @@ FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_BLAS=OFF", "
          "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_COMMON=ON", "-DGGML_CCACHE=OFF"]
 
 
-def _cmake() -> str | None:
-    found = shutil.which("cmake")
+def _program(name: str) -> str | None:
+    """`name` on PATH, else the binary of pip's package of that name (cmake, ninja), else None."""
+    found = shutil.which(name)
     if found:
         return found
-    try:  # pip's `cmake` package
-        import cmake  # type: ignore
-        return str(Path(cmake.CMAKE_BIN_DIR) / "cmake")
+    try:
+        module = __import__(name)
     except ImportError:
         return None
-
-
-def _ninja() -> str | None:
-    found = shutil.which("ninja")
-    if found:
-        return found
-    try:  # pip's `ninja` package
-        import ninja  # type: ignore
-        return str(Path(ninja.BIN_DIR) / "ninja")
-    except ImportError:
-        return None
+    return str(Path(getattr(module, "CMAKE_BIN_DIR", None) or module.BIN_DIR) / name)
 
 
 def missing() -> str | None:
     """Why the tools cannot be built here, or None."""
     if not SOURCE.is_dir():
         return f"llama.cpp source not found at {SOURCE} (the llama-cpp-python {VERSION} sdist, unpacked)"
-    if _cmake() is None:
+    if _program("cmake") is None:
         return "cmake not found (install it, or pip's cmake package)"
     if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
         return "no C++ compiler (c++/g++/clang++) on PATH"
@@ -80,11 +70,11 @@ def binary(tool: str = "quantize", jobs: int = 0) -> tuple[Path | None, str]:
         fcntl.flock(fh, fcntl.LOCK_EX)
         if exe.is_file():
             return exe, ""
-        cmake = _cmake()
+        cmake = _program("cmake")
         log = BUILD / "build.log"
         with open(log, "a") as out:
             start = time.time()
-            ninja = _ninja()
+            ninja = _program("ninja")
             generator = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else ["-G", "Unix Makefiles"]
             steps = [[cmake, "-S", str(SOURCE), "-B", str(BUILD), *generator, *FLAGS],
                      [cmake, "--build", str(BUILD), "--target", *TARGETS.values(), "-j", str(jobs or os.cpu_count() or 2)]]
