@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from .kquants import _affine_search, _half, _pack_2bit, _round, _seq_sum, _signed_peak, _u8, signed_fit
+from .kquants import _affine_search, _half, _pack_2bit, _q6_k, _round, _seq_sum, _signed_peak, _u8, signed_fit
 
 Q = GGMLQuantizationType
 F = np.float32
@@ -193,29 +193,6 @@ def _q5_k(x, qw):
     return out
 
 
-def _q6_k(x, qw):
-    b = x.shape[0]
-    levels, scale = signed_fit(x.reshape(-1, 16), qw.reshape(-1, 16), 32)  # weights w alone
-    levels, scale = levels.reshape(b, 256), scale.reshape(b, 16)
-    peak, peak_abs = _signed_peak(scale)
-    some = peak_abs >= _EPS
-    inv = F(-128) / peak
-    d_bits, d = _half(F(1) / inv)
-    sc = ((np.minimum(_round(inv[:, None] * scale), 127) + 128) & 0xFF) - 128  # stored as int8
-    step = np.repeat(d[:, None] * sc.astype(np.float32), 16, axis=1)
-    q = np.where(step != 0, np.clip(_round(x / step), -32, 31) + 32, levels).reshape(b, 2, 4, 32).astype(np.uint8)
-    out = np.zeros((b, 210), dtype=np.uint8)
-    ql = out[:, :128].reshape(b, 2, 64)
-    ql[:, :, :32] = (q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4)
-    ql[:, :, 32:] = (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)
-    out[:, 128:192] = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)
-                       | ((q[:, :, 3] >> 4) << 6)).reshape(b, 64)
-    out[:, 192:208] = sc.astype(np.int8).view(np.uint8)
-    out[:, 208:210] = d_bits.reshape(-1, 1).view(np.uint8)
-    out[~some] = 0
-    return out
-
-
 def _pack_32(levels: np.ndarray, head: int, five: bool) -> np.ndarray:
     """[B, 32] levels after `head` bytes of scales: Q4 (16 nibble bytes) or Q5 (4 high-bit bytes first)."""
     q = levels.astype(np.uint32)
@@ -309,6 +286,6 @@ def _iq4(x: np.ndarray, w: np.ndarray | None, ggml_type) -> np.ndarray:
     return out
 
 
-_K = {Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+_K = {Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}  # Q6_K: kquants' with weights
 _BLOCK32 = {Q.Q4_0: _sym32(8, False), Q.Q5_0: _sym32(16, True), Q.Q4_1: _affine32(15, False),
             Q.Q5_1: _affine32(31, True)}

@@ -134,12 +134,6 @@ def _affine_search(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_
     return levels, scale, -lo
 
 
-def _signed_search(x, nmax: int):
-    """Per row: levels -nmax..nmax-1 stored + nmax, weights x^2; the grid through the peak, then
-    the peak mapped to -(nmax + 0.1 k), k = -9..9, keeping the best least-squares fit (Q6_K)."""
-    return signed_fit(x, x * x, nmax)
-
-
 def signed_fit(x: np.ndarray, w: np.ndarray, nmax: int):
     """Per row: levels -nmax..nmax-1 stored + nmax and the scale, the best weighted least-squares fit
     among the grid through the peak and 18 neighbours (ggml's make_qx_quants; w = x^2 without an
@@ -316,9 +310,11 @@ def _q5_k(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _q6_k(x: np.ndarray) -> np.ndarray:
+def _q6_k(x: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
+    """Q6_K blocks of the rows x [B, 256]; `w` [B, 256]: importance weights (kq_weighted), else x^2."""
     b = x.shape[0]
-    levels, scale = _signed_search(x.reshape(-1, 16), 32)
+    xs = x.reshape(-1, 16)
+    levels, scale = signed_fit(xs, xs * xs if w is None else w.reshape(-1, 16), 32)
     levels, scale = levels.reshape(b, 256), scale.reshape(b, 16)
     peak, peak_abs = _signed_peak(scale)
     some = peak_abs >= F(1e-15)
