@@ -12,9 +12,7 @@ Whole files against llama.cpp's quantize tool: tests/test_convert_kquants_files.
 
 from __future__ import annotations
 
-import ctypes
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,24 +42,12 @@ def require_native_kquants():
 @pytest.fixture(scope="module")
 def ggml_quantize():
     """llama.cpp's `ggml_quantize_chunk(type, src, dst, start, nrows, n_per_row, imatrix=NULL)`."""
-    from tests.fixtures.peers import require_llama_cpp
+    from tests.fixtures.peers import ggml_quantize_chunk
 
-    llama_cpp = require_llama_cpp()
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-    fn = lib.ggml_quantize_chunk
-    fn.restype = ctypes.c_size_t
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p]
-    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+    chunk = ggml_quantize_chunk()
 
     def quantize(ggml_type: Q, x: np.ndarray, row: int = 256) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-        block, size = GGML_QUANT_SIZES[ggml_type]
-        out = np.zeros(x.size // block * size, dtype=np.uint8)
-        lib.ggml_quantize_init(int(ggml_type))
-        written = fn(int(ggml_type), x.ctypes.data, out.ctypes.data, 0, x.size // row, row, None)
-        assert written == out.size
-        return out
+        return chunk(ggml_type, np.asarray(x, dtype=np.float32).reshape(-1, row))
 
     return quantize
 

@@ -13,9 +13,7 @@ tests/test_convert_kquants_imatrix_files.py.
 
 from __future__ import annotations
 
-import ctypes
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,27 +34,9 @@ def _row(ggml_type: Q) -> int:
 @pytest.fixture(scope="module")
 def ggml_quantize_weighted():
     """llama.cpp's `ggml_quantize_chunk` with quant weights (one slice per row of `row` values)."""
-    from tests.fixtures.peers import require_llama_cpp
+    from tests.fixtures.peers import ggml_quantize_chunk
 
-    llama_cpp = require_llama_cpp()
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-    fn = lib.ggml_quantize_chunk
-    fn.restype = ctypes.c_size_t
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p]
-    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
-
-    def quantize(ggml_type: Q, x: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        w = None if weights is None else np.ascontiguousarray(weights, dtype=np.float32)
-        block, size = GGML_QUANT_SIZES[ggml_type]
-        out = np.zeros(x.size // block * size, dtype=np.uint8)
-        lib.ggml_quantize_init(int(ggml_type))
-        assert fn(int(ggml_type), x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1],
-                  None if w is None else w.ctypes.data) == out.size
-        return out
-
-    return quantize
+    return ggml_quantize_chunk()
 
 
 def _rows(ggml_type: Q, seed: int, n_random: int = 1200) -> np.ndarray:
