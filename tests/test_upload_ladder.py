@@ -22,7 +22,6 @@ import torch
 from fixtures_hub.server import WRITE_TOKEN, Fault, FakeHub
 from huggingface_hub import constants
 
-from specconv.cli import main
 from specconv.errors import SpecconvError
 from specconv.hub.client import RetryPolicy, upload_plan
 from specconv.hub.plan import build_plan
@@ -30,6 +29,7 @@ from specconv.hub.verified import run_verify_missing
 from specconv.verify.report import file_identity
 from tests.fixtures.gguf_files import convert_gguf
 from tests.test_convert_kquants_files import write_qwen35
+from tests.test_upload_hub import _run_cli
 from tests.test_upload_naming import lc_find_best_model, lc_find_best_sibling
 from tests.test_upload_plan import table_rows
 
@@ -253,16 +253,6 @@ def test_every_file_is_uploaded_once_and_a_rerun_sends_only_what_is_missing(ladd
     again = upload_plan(build_plan(ladder, repo_id=REPO, reports=reports), token=WRITE_TOKEN, endpoint=hub.url,
                         retry=FAST)
     assert again.uploaded == [] and again.skipped == paths
-
-
-def _run_cli(args, capsys):
-    code = 0
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_cli_takes_ladder_files_with_their_sidecars_and_reports(ladder, hub, capsys, monkeypatch):
