@@ -24,7 +24,8 @@ from huggingface_hub.utils import sha as hf_sha
 
 from specconv.errors import SpecconvError
 from specconv.hub.plan import PlanFile, UploadPlan
-from specconv.hub.staging import recorded_digests, remove_shards, sha256_file, stage
+from specconv.hub.staging import recorded_digests, remove_shards, stage
+from specconv.digest import sha256_file
 
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 

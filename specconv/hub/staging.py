@@ -10,7 +10,6 @@ The digests are not wasted work: the upload passes them on, so huggingface_hub d
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,16 +18,9 @@ from pathlib import Path
 from specconv.hub.plan import Artifact, UploadPlan
 from specconv.hub.split import write_split
 from specconv.hub.verified import VERIFY_CACHE
+from specconv.digest import sha256_file
 
 MANIFESTS = ".manifests"
-
-
-def sha256_file(path: Path) -> bytes:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(8 << 20), b""):
-            digest.update(block)
-    return digest.digest()
 
 
 def _manifest_path(plan: UploadPlan, a: Artifact) -> Path:

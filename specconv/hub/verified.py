@@ -13,7 +13,6 @@ verifies again nor changes the card.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -21,17 +20,10 @@ from pathlib import Path
 from specconv.errors import SpecconvError
 from specconv.hub.naming import Role
 from specconv.hub.report import VerifyReport, load_report, parse_report
+from specconv.digest import sha256_file
 
 VERIFY_CACHE = "verify"  # under the staging folder; kept after an upload (staging.remove_shards)
 
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(8 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _find(recorded: str, artifacts: list, report_dir: Path | None):
@@ -60,7 +52,7 @@ def _check_same_bytes(report: VerifyReport, recorded: dict, a, digests: dict) ->
                             "file again")
     if recorded.get("sha256"):
         if local not in digests:
-            digests[local] = _sha256(local)
+            digests[local] = sha256_file(local).hex()
         if digests[local] != recorded["sha256"]:
             raise SpecconvError(f"{report.source} verified {Path(recorded['path']).name} with sha256 "
                                 f"{recorded['sha256'][:12]}…, but {local} has sha256 {digests[local][:12]}…: the "

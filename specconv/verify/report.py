@@ -7,13 +7,14 @@ acceptance_length, per_position, tokens_per_target_forward, bound, speedup, roll
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from specconv.digest import sha256_file
 
 
 @dataclass
@@ -86,11 +87,7 @@ def file_identity(path) -> dict:
     """Absolute path, size and sha256 of a verified file: `specconv upload` matches a report to the file it
     publishes by these and refuses a report of other bytes (docs/upload.md, "A quant ladder")."""
     path = Path(path).resolve()
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(8 << 20), b""):
-            digest.update(block)
-    return {"path": str(path), "size": path.stat().st_size, "sha256": digest.hexdigest()}
+    return {"path": str(path), "size": path.stat().st_size, "sha256": sha256_file(path).hex()}
 
 
 def cost_lines(costs: dict | None) -> list[str]:
