@@ -15,6 +15,8 @@
     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32((h) ? _mm_unpackhi_epi64((__m128i)(q), (__m128i)(q)) : (__m128i)(q)))
 #define BF16_AT(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define HSUM(v) hsum8(v)
+#define SET1(s) _mm256_set1_ps(s)
+#define HALF_SPLAT(bits) _mm256_cvtph_ps(_mm_set1_epi16((short)(bits)))
 
 __attribute__((target(ISA))) static inline float hsum8(__m256 v)
 {

@@ -14,6 +14,8 @@
 #define U8X16_TO_F(q, h) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)(q)))
 #define BF16_AT(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define HSUM(v) _mm512_reduce_add_ps(v)
+#define SET1(s) _mm512_set1_ps(s)
+#define HALF_SPLAT(bits) _mm512_cvtph_ps(_mm256_set1_epi16((short)(bits)))
 
 #include "dq_dot_simd.inc"
 
