@@ -11,8 +11,9 @@
  * SPECCONV_NATIVE_PTHREADS=1, or in a child made by fork() (libgomp's pool does not survive it), a
  * thread is started per share as before.
  *
- * Python sees `dequantize(ggml_type, src, nbytes, dst, threads)` and the fused product for decode
- * `dot(...)` (dq_dot.c), taking raw addresses (torch's data_ptr()): runtime/dequant_native.py checks
+ * Python sees `dequantize(ggml_type, src, nbytes, dst, threads)`, the fused product for decode
+ * `dot(...)` (dq_dot.c) and the gated delta rule over a few tokens `gdn(...)` (gdn_step.c: it
+ * shares this module's thread split), taking raw addresses (torch's data_ptr()): runtime/dequant_native.py checks
  * the tensors (CPU, contiguous, dtypes, sizes) before it calls, so this module trusts them. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,6 +24,7 @@
 #include <string.h>
 
 #include "dq_blocks.h"
+#include "gdn_step.h"
 
 #define MAX_THREADS 64
 
@@ -232,6 +234,34 @@ static PyObject *dot(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* ---- gated delta rule ------------------------------------------------------------------------- */
+
+static PyObject *gdn(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long src, dst, q, k, v, g, beta, o, delta;
+    Py_ssize_t n, nv, dk, dv;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KKKKKKKKKnnnni:gdn", &src, &dst, &q, &k, &v, &g, &beta, &o, &delta, &n, &nv, &dk,
+                          &dv, &threads))
+        return NULL;
+    if (n < 0 || nv < 0 || dk < 0 || dv < 0 || dv > GDN_MAX_DV)
+        return PyErr_Format(PyExc_ValueError, "gdn: bad shape (n %zd, heads %zd, dk %zd, dv %zd; dv at most %d)",
+                            n, nv, dk, dv, GDN_MAX_DV);
+    if (n && nv && dk && dv && !(src && dst && q && k && v && g && beta && o && delta))
+        return PyErr_Format(PyExc_ValueError, "gdn: null buffer address");
+    gdn_args a = {(const float *)(uintptr_t)src, (float *)(uintptr_t)dst, (const float *)(uintptr_t)q,
+                  (const float *)(uintptr_t)k, (const float *)(uintptr_t)v, (const float *)(uintptr_t)g,
+                  (const float *)(uintptr_t)beta, (float *)(uintptr_t)o, (float *)(uintptr_t)delta,
+                  (size_t)n, (size_t)nv, (size_t)dk, (size_t)dv};
+    if (n && nv && dk && dv) {
+        Py_BEGIN_ALLOW_THREADS
+        run_parallel(gdn_heads, &a, (size_t)nv, threads);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *fused(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -289,6 +319,12 @@ static PyMethodDef methods[] = {
      "dequantize() gives, each block once for all the vectors; float32 sums of their own order\n"
      "(x @ dense(W)^T within summation noise). Rows split over up to `threads`\n"
      "threads, GIL released. The caller guarantees the addresses."},
+    {"gdn", gdn, METH_VARARGS,
+     "gdn(src, dst, q, k, v, g, beta, o, delta, n, nv, dk, dv, threads) -> None\n\n"
+     "The gated delta rule over n tokens for nv heads (float32 addresses; gdn_step.c): the state\n"
+     "[nv, dk, dv] at src before, at dst after (may be src); q, k [n, nv, dk], v [n, nv, dv], g, beta\n"
+     "[n, nv] in; o [n, nv, dv] and delta [nv, n, dv] out. Heads split over up to `threads` threads,\n"
+     "GIL released. The caller guarantees the addresses."},
     {"fused", fused, METH_VARARGS,
      "fused(ggml_type) -> int\n\nThe vector width in bits (512: AVX-512, 256: AVX2) of dot()'s kernel for this\n"
      "type that computes the values in registers, on this CPU and setting; 0 where it decodes each row\n"

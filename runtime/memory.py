@@ -291,15 +291,22 @@ class Batch:
     def recurrent_in(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.memory.recurrent_state(self.seq, layer)
 
+    def state_out(self, layer: int) -> torch.Tensor:
+        """The slot that receives the SSM state after this batch (recurrent_out writes it; a delta rule
+        may write it there first)."""
+        return self.memory.ssm[layer][self.seq, self.slots[-1]]
+
     def recurrent_out(self, layer: int, conv_states: torch.Tensor, ssm_states):
         """States after each of the last `keep` tokens, oldest first: the SSM states as a tensor
         [keep, ...] or as gdn.PendingStates (only the last one is written; see the module doc)."""
         m, s = self.memory, self.seq
         conv = m.conv[layer][s]
-        if len(self.slots) == 1:
-            conv[self.slots[0]].copy_(conv_states[-1])
-        else:
-            conv.index_copy_(0, self._slots_on(conv.device), conv_states.to(conv.dtype))
+        first = self.slots[0]
+        if self.slots == list(range(first, first + len(self.slots))):  # consecutive: one copy
+            conv[first:first + len(self.slots)].copy_(conv_states)
+        else:  # wrapped around the ring (index_copy_ costs ~0.1 ms where a copy costs microseconds)
+            for j, slot in enumerate(self.slots):
+                conv[slot].copy_(conv_states[j])
         if isinstance(ssm_states, torch.Tensor):
             if len(self.slots) == 1:
                 m.ssm[layer][s, self.slots[0]].copy_(ssm_states[-1])

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specconv.runtime import gdn_native
+
 CHUNK = 64  # as HF torch_chunk_gated_delta_rule and llama.cpp's prefill path
 
 
@@ -89,12 +91,19 @@ class PendingStates:
     write, so a verification batch writes only its last state and a rollback builds only the state it
     keeps (runtime/memory.py): k+1 verified tokens cost one state write instead of k+1."""
 
-    def __init__(self, state, kt, v_new, gamma, first: int):
+    def __init__(self, state, kt, v_new, gamma, first: int, last: torch.Tensor | None = None):
+        """`last`: the state after the batch where it is already computed (the native form writes it
+        straight into the memory's slot)."""
         self.state0, self.kt, self.v_new, self.gamma, self.first = state, kt, v_new, gamma, first
         self.keep = gamma.shape[1] - first
+        self.last = last
 
     def state(self, i: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The state after token `first + i` of the batch (i < keep), written into `out` if given."""
+        if self.last is not None and i == self.keep - 1:
+            if out is None or out.data_ptr() == self.last.data_ptr():
+                return self.last
+            return out.copy_(self.last)
         t = self.first + i
         scale = torch.exp(self.gamma[:, t:t + 1] - self.gamma[:, :t + 1])  # [nv, t+1]
         # e^{Γ_t} S first, then the sum added in place: `out` may be S's own slot (a ring of one state)
@@ -134,9 +143,16 @@ def batched_delta_rule(q, k, v, g, beta, state, keep: int = 1, lazy: bool = Fals
 BATCHED_MAX = CHUNK  # the batched form's n² state sum stays cheap up to one chunk of tokens
 
 
-def delta_rule(q, k, v, g, beta, state, keep: int, mode: str = "auto", lazy: bool = False):
+def delta_rule(q, k, v, g, beta, state, keep: int, mode: str = "auto", lazy: bool = False,
+               out: torch.Tensor | None = None):
     """Outputs for every token and the states after each of the last `keep` tokens (with `lazy`, as a
-    `PendingStates` where the batched form computes them: Batch.recurrent_out takes either).
+    `PendingStates` where the batched or native form computes them: Batch.recurrent_out takes either).
+    `out`: where the state after the last token is wanted (the memory's slot for it); the native
+    form writes it there directly, the others leave it to `PendingStates.state`.
+
+    With `lazy`, a float32 batch of up to gdn_native.MAX_TOKENS tokens on the CPU (decode steps,
+    verification) runs in native code (runtime/gdn_native.py): token by token with each head's
+    state in cache, no state-sized temporaries.
 
     "recurrent": token by token (the reference form). "chunked"/"auto": the chunked form up to the
     last `keep` tokens, whose per-token states the snapshot ring needs, then the batched form for
@@ -148,6 +164,10 @@ def delta_rule(q, k, v, g, beta, state, keep: int, mode: str = "auto", lazy: boo
     if mode == "recurrent":
         return recurrent_delta_rule(q, k, v, g, beta, state, keep=keep)
     keep = min(max(keep, 1), n)
+    if lazy and gdn_native.applies(q, state, out):
+        o, delta, last = gdn_native.delta_rule_tokens(q, k, v, g, beta, state, out=out)
+        kt = k.to(torch.float32).permute(1, 2, 0)  # [nv, dk, n]
+        return o, PendingStates(state, kt, delta, g.t().cumsum(-1), n - keep, last=last)
     head = n - keep
     if keep <= BATCHED_MAX:
         def tail_form(*args, keep):

@@ -79,7 +79,7 @@ def gated_deltanet(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, mode: 
     g = dense(w[f"blk.{i}.ssm_a"], alpha.dtype) * F.softplus(alpha + dense(w[f"blk.{i}.ssm_dt.bias"], alpha.dtype))
     sd = ssm_state.dtype  # float32, or float64 for a reference-grade recurrence
     o, states = gdn.delta_rule(q.to(sd), k.to(sd), v.to(sd), g.to(sd), beta.to(sd), ssm_state, keep=batch.keep,
-                               mode=mode, lazy=True)
+                               mode=mode, lazy=True, out=batch.state_out(i))
     batch.recurrent_out(i, conv_states, states)
     y = rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], hp.eps) * F.silu(acc(z))
     return linear(y.reshape(n, nv * dv).to(a.dtype), w[f"blk.{i}.ssm_out.weight"])

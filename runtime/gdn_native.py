@@ -1,0 +1,61 @@
+"""The gated delta rule over a few tokens in native code (runtime/gdn_step.c, built into the optional
+extension of runtime/_dequant.c), for decode steps and speculative verification on the CPU.
+
+The torch batched form (runtime/graphs/gdn.py) evaluates k+1 tokens in ~30 tensor operations with
+state-sized temporaries; at the sizes of real models (a 1 MB state per layer) those operations cost
+more than the state arithmetic itself, and more for each extra token. Here each head's state stays
+in cache while the tokens pass over it, the heads split over torch's threads, and the state after
+the batch is written straight into the memory's slot (docs/runtime.md, "Gated DeltaNet steps").
+`SPECCONV_NO_NATIVE=1` or `SPECCONV_NO_NATIVE_GDN=1` switches it off (the torch forms then run).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specconv.runtime import dequant_native
+
+MAX_TOKENS = 16  # the batched torch form and the chunked form take longer inputs (prompts)
+MAX_DV = 1024  # as GDN_MAX_DV in runtime/gdn_step.h
+MIN_THREAD_VALUES = 1 << 16  # state values per thread (with n tokens each) before the heads split
+
+
+def available() -> bool:
+    if os.environ.get("SPECCONV_NO_NATIVE") == "1" or os.environ.get("SPECCONV_NO_NATIVE_GDN") == "1":
+        return False
+    module = dequant_native._module()
+    return module is not None and hasattr(module, "gdn")
+
+
+def applies(q: torch.Tensor, state: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """Whether `delta_rule_tokens` takes this call: float32 on the CPU, few tokens, contiguous state
+    and destination."""
+    tensors = (q, state) if out is None else (q, state, out)
+    return (q.shape[0] <= MAX_TOKENS and state.shape[-1] <= MAX_DV and available()
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors))
+
+
+def delta_rule_tokens(q, k, v, g, beta, state, out: torch.Tensor | None = None, threads: int | None = None):
+    """q, k [n, nv, dk], v [n, nv, dv], g, beta [n, nv], state S [nv, dk, dv] (float32, CPU).
+    Returns (o [n, nv, dv], δ [nv, n, dv], the state after the n tokens): written into `out` when
+    given (which may be `state` itself), else a new tensor. `state` is left intact unless it is `out`."""
+    n, nv, dk = k.shape
+    dv = v.shape[-1]
+    if state.shape != (nv, dk, dv) or q.shape != k.shape or v.shape[:2] != (n, nv) or g.shape != (n, nv) \
+            or beta.shape != (n, nv):
+        raise ValueError(f"gated delta rule shapes do not agree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}, state {tuple(state.shape)}")
+    q, k, v, g, beta = (t.to(torch.float32).contiguous() for t in (q, k, v, g, beta))
+    if out is None:
+        out = torch.empty_like(state)
+    o = torch.empty(n, nv, dv, dtype=torch.float32)
+    delta = torch.empty(nv, n, dv, dtype=torch.float32)
+    if threads is None:
+        threads = torch.get_num_threads()
+    threads = max(1, min(threads, nv * dk * dv * max(n, 1) // MIN_THREAD_VALUES))
+    dequant_native._module().gdn(state.data_ptr(), out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                 g.data_ptr(), beta.data_ptr(), o.data_ptr(), delta.data_ptr(), n, nv, dk, dv,
+                                 threads)
+    return o, delta, out

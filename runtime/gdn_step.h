@@ -1,0 +1,23 @@
+/* The gated delta rule over a few tokens in cache (gdn_step.c), called by runtime/_dequant.c. */
+#ifndef SPECCONV_GDN_STEP_H
+#define SPECCONV_GDN_STEP_H
+
+#include <stddef.h>
+
+#define GDN_MAX_DV 1024 /* value-head width the stack buffers hold (runtime/gdn_native.py checks) */
+
+typedef struct {
+    const float *src; /* state before the batch [nv, dk, dv] */
+    float *dst;       /* state after the batch [nv, dk, dv] (may be src) */
+    const float *q, *k; /* [n, nv, dk] */
+    const float *v;     /* [n, nv, dv] */
+    const float *g, *beta; /* [n, nv]: log-decay, write strength */
+    float *o;          /* out: [n, nv, dv] */
+    float *delta;      /* out: δ [nv, n, dv] */
+    size_t n, nv, dk, dv;
+} gdn_args;
+
+/* heads first .. first+count-1 (a work_fn of _dequant.c's thread split) */
+void gdn_heads(const void *arg, size_t first, size_t count);
+
+#endif
