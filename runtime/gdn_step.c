@@ -3,10 +3,11 @@
  * with the state S [dk, dv] of the head:
  *     u = Sᵀ k_t;  δ_t = β_t (v_t − e^{g_t} u);  S ← e^{g_t} S + k_t δ_tᵀ;  o_t = Sᵀ q_t
  * (the recurrent form, e^{g} applied to Sᵀk rather than to S first: the same function, float32
- * rounding of its own). A head's state is 64 KB for dk = dv = 128: it stays in L2 while the n
- * tokens pass over it once each (the update, o and the next token's u in one pass; one more pass
- * for the first u), instead of the ~30 tensor operations and state-sized temporaries of the batched
- * torch form. The state before the batch is read from `src` and the state after it written
+ * rounding of its own). A column of the state needs only itself through the tokens (u_j, δ_j,
+ * the update of column j and o_j), so a head is taken 64 columns at a time (32 KB for dk = 128, in
+ * L1) through all n tokens: the state is read once and written once per batch, and a token costs
+ * one pass over the block in L1 (the update, o and the next token's u together), instead of the ~30
+ * tensor operations and state-sized temporaries of the batched torch form. The state before the batch is read from `src` and the state after it written
  * to `dst` (the same address is allowed: each row is read before it is written); δ is returned
  * for gdn.PendingStates, which rebuilds an earlier token's state on a rollback. */
 #include "gdn_step.h"
@@ -23,50 +24,132 @@
 /* products and sums fused where the CPU has FMA (the extension is built without contraction) */
 #pragma GCC optimize("fp-contract=fast")
 
-/* acc[j] += a * row[j] */
-static inline void axpy(float *restrict acc, float a, const float *restrict row, size_t dv)
+/* 16 columns as one value (a zmm register; two ymm or four xmm in the other clones); a block of
+ * four of them keeps its sums in registers while the rows stream */
+typedef float v16 __attribute__((vector_size(64)));
+enum { JB = 64 };
+
+static inline v16 load16(const float *p)
 {
-    for (size_t j = 0; j < dv; j++)
-        acc[j] += a * row[j];
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-CLONES static void one_head(const gdn_args *a, size_t h)
+static inline void store16(float *p, v16 v)
+{
+    memcpy(p, &v, sizeof v);
+}
+
+/* u[jb .. jb+63] = Σ_i k[i] S[i][jb ..] */
+static inline void column_sums(float *u, const float *k, const float *s, size_t dk, size_t dv, size_t jb)
+{
+    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (size_t i = 0; i < dk; i++) {
+        const float *row = s + i * dv + jb;
+        a0 += k[i] * load16(row);
+        a1 += k[i] * load16(row + 16);
+        a2 += k[i] * load16(row + 32);
+        a3 += k[i] * load16(row + 48);
+    }
+    store16(u + jb, a0);
+    store16(u + jb + 16, a1);
+    store16(u + jb + 32, a2);
+    store16(u + jb + 48, a3);
+}
+
+/* One token's update of columns jb .. jb+63: S'[i] = decay S[i] + k[i] d into `out` (which may be
+ * `before`: each value is read before it is written), o = Σ_i q[i] S'[i], u = Σ_i k_next[i] S'[i] */
+static inline void update_columns(const float *before, float *out, const float *k, const float *q,
+                                  const float *k_next, const float *d, float decay, float *o, float *u, size_t dk,
+                                  size_t dv, size_t jb)
+{
+    v16 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0}, u0 = {0}, u1 = {0}, u2 = {0}, u3 = {0};
+    const v16 d0 = load16(d + jb), d1 = load16(d + jb + 16), d2 = load16(d + jb + 32), d3 = load16(d + jb + 48);
+    for (size_t i = 0; i < dk; i++) {
+        const float *row = before + i * dv + jb;
+        float *dst = out + i * dv + jb;
+        const float ki = k[i], qi = q[i], kn = k_next[i];
+        const v16 x0 = decay * load16(row) + ki * d0, x1 = decay * load16(row + 16) + ki * d1;
+        const v16 x2 = decay * load16(row + 32) + ki * d2, x3 = decay * load16(row + 48) + ki * d3;
+        store16(dst, x0);
+        store16(dst + 16, x1);
+        store16(dst + 32, x2);
+        store16(dst + 48, x3);
+        o0 += qi * x0, o1 += qi * x1, o2 += qi * x2, o3 += qi * x3;
+        u0 += kn * x0, u1 += kn * x1, u2 += kn * x2, u3 += kn * x3;
+    }
+    store16(o + jb, o0), store16(o + jb + 16, o1), store16(o + jb + 32, o2), store16(o + jb + 48, o3);
+    store16(u + jb, u0), store16(u + jb + 16, u1), store16(u + jb + 32, u2), store16(u + jb + 48, u3);
+}
+
+/* the same for the last dv mod JB columns, one at a time */
+static void column_sums_tail(float *u, const float *k, const float *s, size_t dk, size_t dv, size_t jb, size_t je)
+{
+    for (size_t j = jb; j < je; j++) {
+        float acc = 0.0f;
+        for (size_t i = 0; i < dk; i++)
+            acc += k[i] * s[i * dv + j];
+        u[j] = acc;
+    }
+}
+
+static void update_columns_tail(const float *before, float *out, const float *k, const float *q,
+                                const float *k_next, const float *d, float decay, float *o, float *u, size_t dk,
+                                size_t dv, size_t jb, size_t je)
+{
+    for (size_t j = jb; j < je; j++) {
+        float oa = 0.0f, ua = 0.0f;
+        for (size_t i = 0; i < dk; i++) {
+            const float x = decay * before[i * dv + j] + k[i] * d[j];
+            out[i * dv + j] = x;
+            oa += q[i] * x;
+            ua += k_next[i] * x;
+        }
+        o[j] = oa;
+        u[j] = ua;
+    }
+}
+
+/* Columns jb .. je-1 of head h through all n tokens. A column's recurrence needs only that column
+ * (u_j = Σ_i k_i S_ij, δ_j, the update of S_·j and o_j), so a block of 64 columns (32 KB of state
+ * for dk = 128) stays in L1 for every token: the state is read once and written once per batch. */
+CLONES static void head_columns(const gdn_args *a, size_t h, size_t jb, size_t je)
 {
     const size_t n = a->n, nv = a->nv, dk = a->dk, dv = a->dv;
     const float *s0 = a->src + h * dk * dv;
     float *s = a->dst + h * dk * dv;
-    float u[GDN_MAX_DV], d[GDN_MAX_DV], o[GDN_MAX_DV];
-    memset(u, 0, dv * sizeof(float)); /* u = Sᵀ k_0 over the state before the batch */
-    for (size_t i = 0; i < dk; i++)
-        axpy(u, a->k[h * dk + i], s0 + i * dv, dv);
+    float u[GDN_MAX_DV], d[GDN_MAX_DV];
+    if (je - jb == JB)
+        column_sums(u, a->k + h * dk, s0, dk, dv, jb); /* u = Sᵀ k_0 over the state before the batch */
+    else
+        column_sums_tail(u, a->k + h * dk, s0, dk, dv, jb, je);
     for (size_t t = 0; t < n; t++) {
-        const float *before = t ? s : s0; /* the state before token t */
         const size_t th = t * nv + h;
         const float *k = a->k + th * dk, *q = a->q + th * dk, *v = a->v + th * dv;
-        const float *k_next = t + 1 < n ? a->k + (th + nv) * dk : NULL;
+        /* the last token's "next" is its own k again: that u is not used */
+        const float *k_next = t + 1 < n ? a->k + (th + nv) * dk : k;
         const float decay = expf(a->g[th]), beta = a->beta[th];
-        for (size_t j = 0; j < dv; j++)
+        for (size_t j = jb; j < je; j++)
             d[j] = beta * (v[j] - decay * u[j]);
-        memset(o, 0, dv * sizeof(float));
-        memset(u, 0, dv * sizeof(float));
+        float *o = a->o + th * dv;
         /* one pass: the updated rows, o = Sᵀ q, and the next token's u = Sᵀ k_{t+1} from them */
-        for (size_t i = 0; i < dk; i++) {
-            const float *row = before + i * dv, ki = k[i], qi = q[i], kn = k_next ? k_next[i] : 0.0f;
-            float *out = s + i * dv;
-            for (size_t j = 0; j < dv; j++) {
-                const float x = decay * row[j] + ki * d[j];
-                out[j] = x;
-                o[j] += qi * x;
-                u[j] += kn * x;
-            }
-        }
-        memcpy(a->o + th * dv, o, dv * sizeof(float));
-        memcpy(a->delta + (h * n + t) * dv, d, dv * sizeof(float));
+        if (je - jb == JB)
+            update_columns(t ? s : s0, s, k, q, k_next, d, decay, o, u, dk, dv, jb);
+        else
+            update_columns_tail(t ? s : s0, s, k, q, k_next, d, decay, o, u, dk, dv, jb, je);
+        memcpy(a->delta + (h * n + t) * dv + jb, d + jb, (je - jb) * sizeof(float));
     }
 }
 
 void gdn_heads(const void *arg, size_t first, size_t count)
 {
-    for (size_t h = first; h < first + count; h++)
-        one_head((const gdn_args *)arg, h);
+    const gdn_args *a = (const gdn_args *)arg;
+    for (size_t h = first; h < first + count; h++) {
+        size_t jb = 0;
+        for (; jb + JB <= a->dv; jb += JB)
+            head_columns(a, h, jb, jb + JB);
+        if (jb < a->dv)
+            head_columns(a, h, jb, a->dv);
+    }
 }
