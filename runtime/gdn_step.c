@@ -7,9 +7,10 @@
  * the update of column j and o_j), so a head is taken 64 columns at a time (32 KB for dk = 128, in
  * L1) through all n tokens: the state is read once and written once per batch, and a token costs
  * one pass over the block in L1 (the update, o and the next token's u together), instead of the ~30
- * tensor operations and state-sized temporaries of the batched torch form. The state before the batch is read from `src` and the state after it written
- * to `dst` (the same address is allowed: each row is read before it is written); δ is returned
- * for gdn.PendingStates, which rebuilds an earlier token's state on a rollback. */
+ * tensor operations and state-sized temporaries of the batched torch form. The state before the
+ * batch is read from `src` and the state after it written to `dst` (the same address is allowed:
+ * each value is read before it is written); δ is returned for gdn.PendingStates, which rebuilds an
+ * earlier token's state on a rollback. */
 #include "gdn_step.h"
 
 #include <math.h>
