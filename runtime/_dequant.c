@@ -12,8 +12,8 @@
  * thread is started per share as before.
  *
  * Python sees `dequantize(ggml_type, src, nbytes, dst, threads)`, the fused product for decode
- * `dot(...)` (dq_dot.c) and the gated delta rule over a few tokens `gdn(...)` (gdn_step.c: it
- * shares this module's thread split), taking raw addresses (torch's data_ptr()): runtime/dequant_native.py checks
+ * `dot(...)` (dq_dot.c) and the Gated DeltaNet step over a few tokens `gdn_conv(...)`, `gdn(...)`
+ * (gdn_step.c: it shares this module's thread split), taking raw addresses (torch's data_ptr()): runtime/dequant_native.py checks
  * the tensors (CPU, contiguous, dtypes, sizes) before it calls, so this module trusts them. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -262,6 +262,31 @@ static PyObject *gdn(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *gdn_conv(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long state, m, w, out, states;
+    Py_ssize_t n, channels, kernel, first, keep;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KKKKKnnnnni:gdn_conv", &state, &m, &w, &out, &states, &n, &channels, &kernel,
+                          &first, &keep, &threads))
+        return NULL;
+    if (n < 0 || channels < 0 || kernel < 1 || first < 0 || keep < 0 || first + keep > n)
+        return PyErr_Format(PyExc_ValueError, "gdn_conv: bad shape (n %zd, channels %zd, kernel %zd, first %zd, keep %zd)",
+                            n, channels, kernel, first, keep);
+    if (n && channels && !(m && w && out && (state || kernel == 1) && (states || !keep)))
+        return PyErr_Format(PyExc_ValueError, "gdn_conv: null buffer address");
+    gdn_conv_args a = {(const float *)(uintptr_t)state, (const float *)(uintptr_t)m, (const float *)(uintptr_t)w,
+                       (float *)(uintptr_t)out, (float *)(uintptr_t)states, (size_t)n, (size_t)channels,
+                       (size_t)kernel, (size_t)first, (size_t)keep};
+    if (n && channels) {
+        Py_BEGIN_ALLOW_THREADS
+        run_parallel(gdn_conv_channels, &a, (size_t)channels, threads);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *fused(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -325,6 +350,12 @@ static PyMethodDef methods[] = {
      "[nv, dk, dv] at src before, at dst after (may be src); q, k [n, nv, dk], v [n, nv, dv], g, beta\n"
      "[n, nv] in; o [n, nv, dv] and delta [nv, n, dv] out. Heads split over up to `threads` threads,\n"
      "GIL released. The caller guarantees the addresses."},
+    {"gdn_conv", gdn_conv, METH_VARARGS,
+     "gdn_conv(state, m, w, out, states, n, channels, kernel, first, keep, threads) -> None\n\n"
+     "The depthwise causal conv of the Gated DeltaNet (float32 addresses; gdn_step.c): with x the\n"
+     "rows of state [K-1, C] then m [n, C], out[t][c] = sum_j x[t+j][c] w[c][j] (w [C, K]);\n"
+     "states [keep, K-1, C] = the windows after tokens first .. first+keep-1. Channels split over up\n"
+     "to `threads` threads, GIL released."},
     {"fused", fused, METH_VARARGS,
      "fused(ggml_type) -> int\n\nThe vector width in bits (512: AVX-512, 256: AVX2) of dot()'s kernel for this\n"
      "type that computes the values in registers, on this CPU and setting; 0 where it decodes each row\n"

@@ -16,6 +16,7 @@ import os
 import torch
 
 from specconv.runtime import dequant_native
+from specconv.runtime.stored import StoredWeight
 
 MAX_TOKENS = 16  # the batched torch form and the chunked form take longer inputs (prompts)
 MAX_DV = 1024  # as GDN_MAX_DV in runtime/gdn_step.h
@@ -35,6 +36,36 @@ def applies(q: torch.Tensor, state: torch.Tensor, out: torch.Tensor | None) -> b
     tensors = (q, state) if out is None else (q, state, out)
     return (q.shape[0] <= MAX_TOKENS and state.shape[-1] <= MAX_DV and available()
             and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors))
+
+
+def conv_applies(m: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `conv_tokens` takes this call: float32 on the CPU, few tokens."""
+    return (m.shape[0] <= MAX_TOKENS and available()
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (m, conv_state, weight)))
+
+
+def conv_tokens(m: torch.Tensor, conv_state: torch.Tensor, weight, keep: int,
+                threads: int | None = None):
+    """The depthwise causal conv of n inputs m [n, C] after the previous K-1 inputs conv_state
+    [K-1, C] (oldest first), weight [C, K]: (sums [n, C] before the activation, the windows after
+    each of the last `keep` tokens [keep, K-1, C], contiguous). float32, CPU; the weight a tensor or
+    a StoredWeight."""
+    n, channels = m.shape
+    k_size = weight.shape[1]
+    if conv_state.shape != (k_size - 1, channels) or weight.shape != (channels, k_size) or not 0 <= keep <= n:
+        raise ValueError(f"causal conv shapes do not agree: inputs {tuple(m.shape)}, state {tuple(conv_state.shape)}, "
+                         f"weight {tuple(weight.shape)}, keep {keep}")
+    m, conv_state = m.contiguous(), conv_state.contiguous()
+    weight = (weight.dense(torch.float32) if isinstance(weight, StoredWeight) else weight).contiguous()
+    sums = torch.empty(n, channels, dtype=torch.float32)
+    states = torch.empty(keep, k_size - 1, channels, dtype=torch.float32)
+    if threads is None:
+        threads = torch.get_num_threads()
+    threads = max(1, min(threads, n * channels * k_size // MIN_THREAD_VALUES))
+    dequant_native._module().gdn_conv(conv_state.data_ptr(), m.data_ptr(), weight.data_ptr(),
+                                      sums.data_ptr(), states.data_ptr(), n, channels, k_size, n - keep, keep,
+                                      threads)
+    return sums, states
 
 
 def delta_rule_tokens(q, k, v, g, beta, state, out: torch.Tensor | None = None, threads: int | None = None):

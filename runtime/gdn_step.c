@@ -154,3 +154,36 @@ void gdn_heads(const void *arg, size_t first, size_t count)
             head_columns(a, h, jb, a->dv);
     }
 }
+
+/* ---- the causal conv before the rule --------------------------------------------------------- */
+
+/* row r of the inputs x = [state; m]: the state's rows first */
+static inline const float *input_row(const gdn_conv_args *a, size_t r)
+{
+    return r + 1 < a->kernel ? a->state + r * a->channels : a->m + (r + 1 - a->kernel) * a->channels;
+}
+
+/* channels c0 .. c1-1: out[t][c] = Σ_j x[t+j][c] w[c][j], and the windows kept (whole rows) */
+CLONES static void conv_channels(const gdn_conv_args *a, size_t c0, size_t c1)
+{
+    const size_t channels = a->channels, k = a->kernel;
+    for (size_t t = 0; t < a->n; t++) {
+        float *out = a->out + t * channels;
+        for (size_t c = c0; c < c1; c++)
+            out[c] = 0.0f;
+        for (size_t j = 0; j < k; j++) {
+            const float *x = input_row(a, t + j), *w = a->w + j;
+            for (size_t c = c0; c < c1; c++)
+                out[c] += x[c] * w[c * k];
+        }
+    }
+    for (size_t i = 0; i < a->keep; i++) /* the window after token first + i: rows first+i+1 .. +K-1 */
+        for (size_t j = 0; j + 1 < k; j++)
+            memcpy(a->states + (i * (k - 1) + j) * channels + c0, input_row(a, a->first + i + 1 + j) + c0,
+                   (c1 - c0) * sizeof(float));
+}
+
+void gdn_conv_channels(const void *arg, size_t first, size_t count)
+{
+    conv_channels((const gdn_conv_args *)arg, first, first + count);
+}

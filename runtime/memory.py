@@ -6,7 +6,7 @@ row conventions of the MTP head need no special casing). `seq_rm(seq, p)` drops 
 position ≥ p, which is a length change.
 
 Recurrent (Gated DeltaNet) layers: every layer has a ring of slots per sequence holding the conv
-window [C, K-1] and the SSM state [nv, dk, dv] (float32; float64 in a float64 context) after some
+window [K-1, C] (the last K-1 inputs, oldest first) and the SSM state [nv, dk, dv] (float32; float64 in a float64 context) after some
 position; all layers share one bookkeeping per sequence (`slot_pos`, `cur`). Evaluating n tokens
 gives the slots after `cur` to the states after each of the last min(n, R+1) tokens and moves `cur`
 to the last one; the R+1 most recent states are held (R = `n_rs_seq`). Rolling back to position p
@@ -84,7 +84,8 @@ class Memory:
         self.v = {l: torch.zeros(shape(l), dtype=dtype, device=where(l)) for l in layout.attn_layers}
         self.cell_pos = torch.full((n_seq, n_ctx), -1, dtype=torch.long, device=device)
         self.n_cells = [0] * n_seq
-        self.conv = {l: torch.zeros(n_seq, self.slots, layout.conv_channels, layout.conv_kernel - 1,
+        # conv windows token-major [K-1, C]: a window is K-1 whole rows of the inputs, copied as they are
+        self.conv = {l: torch.zeros(n_seq, self.slots, layout.conv_kernel - 1, layout.conv_channels,
                                     dtype=layout.state_dtype, device=where(l)) for l in layout.rec_layers}
         self.ssm = {l: torch.zeros(n_seq, self.slots, layout.ssm_heads, layout.ssm_dk, layout.ssm_dv,
                                    dtype=layout.state_dtype, device=where(l)) for l in layout.rec_layers}

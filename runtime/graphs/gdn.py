@@ -21,19 +21,23 @@ CHUNK = 64  # as HF torch_chunk_gated_delta_rule and llama.cpp's prefill path
 
 def causal_conv(m: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, keep: int):
     """Depthwise causal conv + SiLU over pre-conv inputs m [n, C] with the previous K-1 inputs
-    conv_state [C, K-1] (oldest first); weight [C, K].
+    conv_state [K-1, C] (oldest first); weight [C, K].
 
-    Returns (activations [n, C], conv states after each of the last `keep` tokens [keep, C, K-1]).
+    Returns (activations [n, C], conv states after each of the last `keep` tokens [keep, K-1, C]).
     """
     n = m.shape[0]
     k_size = weight.shape[1]
-    x = torch.cat([conv_state.t().to(m.dtype), m], dim=0)  # [K-1+n, C]
+    keep = min(max(keep, 0), n)
+    if gdn_native.conv_applies(m, conv_state, weight):  # decode and verification: one native call
+        sums, states = gdn_native.conv_tokens(m, conv_state, weight, keep)
+        return F.silu(sums), states
+    x = torch.cat([conv_state.to(m.dtype), m], dim=0)  # [K-1+n, C]
     windows = x.unfold(0, k_size, 1)  # [n, C, K]
     wide = torch.float64 if m.dtype == torch.float64 else torch.float32
     out = F.silu((windows.to(wide) * weight.to(wide)).sum(-1)).to(m.dtype)
     # the state after token i is inputs i+1 .. i+K-1 of x, i.e. x[i+1 : i+K]
     first = n - keep
-    states = x.unfold(0, k_size - 1, 1)[first + 1: n + 1]  # [keep, C, K-1]
+    states = x.unfold(0, k_size - 1, 1)[first + 1: n + 1].transpose(1, 2)  # [keep, K-1, C]
     return out, states
 
 

@@ -75,15 +75,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
 
     q: [n, nh, hd], k/v: [T, nkv, hd] -> [n, nh, hd]. Query head j uses KV head j // (nh/nkv).
     """
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,thd->hnt", acc(q), acc(k)) * scale
+    n, nh, hd = q.shape
+    nkv = k.shape[1]
+    # the query heads of a KV head as one group: K and V are read in place, never repeated per
+    # query head (a copy of the whole context per attention layer and step)
+    qg = acc(q).view(n, nkv, nh // nkv, hd)
+    scores = torch.einsum("nkgd,tkd->kgnt", qg, acc(k)) * scale
     visible = k_pos[None, :] <= q_pos[:, None]
-    scores = scores.masked_fill(~visible[None], float("-inf"))
+    scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hnt,thd->nhd", probs, acc(v)).to(q.dtype)
+    return torch.einsum("kgnt,tkd->nkgd", probs, acc(v)).reshape(n, nh, v.shape[-1]).to(q.dtype)
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
