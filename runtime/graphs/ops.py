@@ -23,10 +23,8 @@ def acc(x: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x · (mean(x²) + ε)^(-1/2) ⊙ w over the last axis (the GGUF weight already holds any +1)."""
     xf = acc(x)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.to(xf.dtype)
-    return y.to(x.dtype)
+    # torch's own op: the same arithmetic in the same order (bit for bit), one call instead of six
+    return F.rms_norm(xf, (xf.shape[-1],), None if weight is None else dense(weight, xf.dtype), eps).to(x.dtype)
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
