@@ -230,7 +230,8 @@ def widths(qtype: QType, kernel: str, monkeypatch) -> int:
 @pytest.mark.parametrize("qtype", COVERED, ids=lambda t: t.name)
 def test_fused_product_within_summation_noise(qtype, kernel, monkeypatch):
     """Every row count 1 .. 9 (one pass over the weights) and beyond (several passes), n_in not a
-    multiple of the vector width where the type allows (16-bit floats), threads 1 vs 2 vs 5."""
+    multiple of the vector width where the type allows (16-bit floats: after the last 32-value block
+    no vector, one of 8, one of 16, a few values), threads 1 vs 2 vs 5."""
     width = widths(qtype, kernel, monkeypatch)
     monkeypatch.setattr(dequant_native, "MIN_THREAD_ELEMENTS", 1)  # let these small products split
     monkeypatch.setattr(dequant_native, "MIN_THREAD_ELEMENTS_PTHREADS", 1)
@@ -238,7 +239,7 @@ def test_fused_product_within_summation_noise(qtype, kernel, monkeypatch):
     worst = 0.0
     shapes = [(256, (1, 2, 3)), (1056 if block == 32 else 1024, range(1, 10)), (4352, (4, 9, 10, 19))]
     if block == 1:
-        shapes = [(256, (1, 2)), (1000, range(1, 10)), (4099, (3, 11)), (7, (1, 5))]
+        shapes = [(256, (1, 2)), (1000, range(1, 10)), (4099, (3, 11)), (7, (1, 5)), (1013, (1, 2, 5))]
     for n_in, row_counts in shapes:
         raw = sane_rows(qtype, 37, n_in, seed=n_in)
         w = dequantize_rows(raw, qtype)  # the exact values, as the torch path gives them
