@@ -6,8 +6,9 @@ row conventions of the MTP head need no special casing). `seq_rm(seq, p)` drops 
 position ≥ p, which is a length change.
 
 Recurrent (Gated DeltaNet) layers: every layer has a ring of slots per sequence holding the conv
-window [K-1, C] (the last K-1 inputs, oldest first) and the SSM state [nv, dk, dv] (float32; float64 in a float64 context) after some
-position; all layers share one bookkeeping per sequence (`slot_pos`, `cur`). Evaluating n tokens
+window [K-1, C] (the last K-1 inputs, oldest first) and the SSM state [nv, dk, dv] (float32;
+float64 in a float64 context) after some position; all layers share one bookkeeping per sequence
+(`slot_pos`, `cur`). Evaluating n tokens
 gives the slots after `cur` to the states after each of the last min(n, R+1) tokens and moves `cur`
 to the last one; the R+1 most recent states are held (R = `n_rs_seq`). Rolling back to position p
 means finding the slot of the state after p-1 and making it current, with no re-evaluation.
