@@ -77,7 +77,8 @@ def delta_rule_tokens(q, k, v, g, beta, state, out: torch.Tensor | None = None, 
     if state.shape != (nv, dk, dv) or q.shape != k.shape or v.shape[:2] != (n, nv) or g.shape != (n, nv) \
             or beta.shape != (n, nv):
         raise ValueError(f"gated delta rule shapes do not agree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}, state {tuple(state.shape)}")
+                         f"v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}, "
+                         f"state {tuple(state.shape)}")
     q, k, v, g, beta = (t.to(torch.float32).contiguous() for t in (q, k, v, g, beta))
     if out is None:
         out = torch.empty_like(state)
