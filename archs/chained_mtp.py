@@ -9,33 +9,15 @@ naming through the hooks below. The helpers read the MTP count and config fields
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, ClassVar, Mapping
 
 from gguf import GGUFValueType
 
 from . import names
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .base import ArchPlugin, MetaKV, Role, TensorPlan
 from .errors import SpecconvError
 from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def trunk_indexed_mtp_count(checkpoint: Checkpoint, n_layer: int) -> int:
-    """k = the layers `model.layers.{N..}` present, which must run contiguously from N."""
-    seen = set()
-    for name in checkpoint.tensors:
-        m = _LAYER.match(name)
-        if m and int(m.group(1)) >= n_layer:
-            seen.add(int(m.group(1)) - n_layer)
-    k = max(seen) + 1 if seen else 0
-    if seen and sorted(seen) != list(range(k)):
-        raise SpecconvError(f"checkpoint holds MTP layers {sorted(i + n_layer for i in seen)}, not a contiguous run "
-                            f"from layer {n_layer}")
-    return k
-
 
 def check_stated_count(plugin: ArchPlugin, stated: Any, k: int, where: str, missing: str | None = None) -> None:
     """A count config.json states must be the one the checkpoint holds (`where` names its tensors).

@@ -22,10 +22,10 @@ from gguf import GGUFValueType, Keys
 from . import names, register
 from . import transforms as tf
 from .base import Checkpoint, MetaKV, Role, config_field, text_config
-from .chained_mtp import ChainedMtpPlugin, check_stated_count, trunk_indexed_mtp_count
+from .chained_mtp import ChainedMtpPlugin, check_stated_count
 from .errors import SpecconvError
 from .nextn_moe import _TOWERS, MoeHparams, parse_moe_hparams
-from .plan_tools import RolePlan, add_swiglu, plan_experts, text_model_name
+from .plan_tools import RolePlan, add_swiglu, plan_experts, text_model_name, trunk_indexed_mtp_count
 
 # transformers' HYV3Config defaults for the behavioural fields a config.json may leave out
 DEFAULTS: Mapping[str, Any] = {"num_shared_experts": 1, "router_scaling_factor": 2.826, "rms_norm_eps": 1e-5,

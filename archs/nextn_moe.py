@@ -9,7 +9,6 @@ metadata; everything else (names, MTP count, FFN/MoE mapping, nextn extras, comm
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, ClassVar, Mapping
@@ -20,9 +19,10 @@ from . import names
 from . import transforms as tf
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field, text_config
 from .errors import SpecconvError
-from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name
+from .plan_tools import (
+    RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name, trunk_indexed_mtp_count,
+)
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.")
 # HF nextn extras -> GGUF nextn part (docs/reference/gguf-layout.md §4.1)
 NEXTN_EXTRAS = (("eh_proj", names.NEXTN_EH_PROJ), ("enorm", names.NEXTN_ENORM), ("hnorm", names.NEXTN_HNORM),
@@ -187,15 +187,7 @@ class NextnMoePlugin(ArchPlugin):
         drops the nextn weights, so that config value alone does not mean they were ever there.
         """
         n = self.hp.n_layer
-        seen = set()
-        for name in self.checkpoint.tensors:
-            m = _LAYER.match(name)
-            if m and int(m.group(1)) >= n:
-                seen.add(int(m.group(1)) - n)
-        k = max(seen) + 1 if seen else 0
-        if seen and sorted(seen) != list(range(k)):
-            raise SpecconvError(f"checkpoint holds nextn layers {sorted(i + n for i in seen)}, not a contiguous run "
-                                f"from layer {n}")
+        k = trunk_indexed_mtp_count(self.checkpoint, n)
         configured = self.hp.mtp_layers_config
         if k and k != configured:
             raise SpecconvError(f"config.json says num_nextn_predict_layers={configured}, but the checkpoint holds "

@@ -79,6 +79,23 @@ class RolePlan(CheckedPlan):
                                      F32 if f32 else None))
 
 
+_TRUNK_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def trunk_indexed_mtp_count(checkpoint: Checkpoint, n_layer: int) -> int:
+    """k = the layers `model.layers.{N..}` present, which must run contiguously from N."""
+    seen = set()
+    for name in checkpoint.tensors:
+        m = _TRUNK_LAYER.match(name)
+        if m and int(m.group(1)) >= n_layer:
+            seen.add(int(m.group(1)) - n_layer)
+    k = max(seen) + 1 if seen else 0
+    if seen and sorted(seen) != list(range(k)):
+        raise SpecconvError(f"checkpoint holds MTP layers {sorted(i + n_layer for i in seen)}, not a contiguous run "
+                            f"from layer {n_layer}")
+    return k
+
+
 def embedding_rows(checkpoint: Checkpoint) -> int:
     """The vocabulary size as the checkpoint's token embedding has it."""
     info = checkpoint.tensors.get("model.embed_tokens.weight")

@@ -26,9 +26,9 @@ from gguf import GGUFValueType, Keys
 from . import names, register
 from . import transforms as tf
 from .base import Checkpoint, MetaKV, Role, text_config
-from .chained_mtp import ChainedMtpPlugin, check_stated_count, config_reader, trunk_indexed_mtp_count
+from .chained_mtp import ChainedMtpPlugin, check_stated_count, config_reader
 from .errors import SpecconvError
-from .plan_tools import RolePlan, add_swiglu, text_model_name
+from .plan_tools import RolePlan, add_swiglu, text_model_name, trunk_indexed_mtp_count
 
 _TOWERS = ("vision_model.", "model.vision_model.", "vit_large_projector.", "model.multi_modal_projector.")
 FULL, SWA = "full_attention", "sliding_attention"
