@@ -238,19 +238,22 @@ def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
 
 # ---- graphs -----------------------------------------------------------------------------------
 
-def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope, gdn_mode: str = "") -> torch.Tensor:
+def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope, gdn_mode: str = "",
+           deltanet=None) -> torch.Tensor:
+    """`deltanet`: the Gated DeltaNet mixer (this module's by default; Qwen3-Next passes its own)."""
     a = rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps)
     recurrent = i < hp.n_layer and hp.recurrent[i]  # the MTP block (i = n_layer) is full attention
-    h = h + (gated_deltanet(w, hp, i, a, batch, gdn_mode) if recurrent else gated_attention(w, hp, i, a, batch, rope))
+    h = h + ((deltanet or gated_deltanet)(w, hp, i, a, batch, gdn_mode) if recurrent
+             else gated_attention(w, hp, i, a, batch, rope))
     return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.eps))
 
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
-                 want_logits: torch.Tensor | None):
+                 want_logits: torch.Tensor | None, deltanet=None):
     """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
     return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
                          lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope, gdn_mode))
+                         lambda i, h, rope: _block(w, hp, i, h, batch, rope, gdn_mode, deltanet))
 
 
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):

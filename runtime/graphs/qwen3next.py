@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import gdn
 from specconv.runtime.graphs import qwen35 as q35
-from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
-from specconv.runtime.graphs.ops import acc, dense, l2_norm, linear, rms_norm, rope_cos_sin
+from specconv.runtime.graphs.ops import acc, dense, l2_norm, linear, rms_norm
 from specconv.runtime.memory import Batch
 
 OPTIONAL = q35.OPTIONAL
@@ -85,25 +84,13 @@ def gated_deltanet(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, mode: 
     return linear(y.reshape(n, nv * dv).to(a.dtype), w[f"blk.{i}.ssm_out.weight"])
 
 
-def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope, gdn_mode: str = "") -> torch.Tensor:
-    a = rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps)
-    recurrent = i < hp.n_layer and hp.recurrent[i]  # the MTP block (i = n_layer) is full attention
-    h = h + (gated_deltanet(w, hp, i, a, batch, gdn_mode) if recurrent
-             else q35.gated_attention(w, hp, i, a, batch, rope))
-    return h + q35.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.eps))
-
-
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
-    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
-                         lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope, gdn_mode))
+    """qwen35's trunk with this module's Gated DeltaNet mixer. Returns (logits rows, post_norm,
+    pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
+    return q35.forward_main(w, hp, tokens, batch, want_layers, gdn_mode, want_logits, deltanet=gated_deltanet)
 
 
-def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
-    """One MTP row per token (u = eh_proj·[enorm(E[x]) ; hnorm(h)], the block at n_layer, shared head
-    norm); returns (logits, z = "nextn" normed output, y = pre-norm output)."""
-    return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
-                         lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))
+# One MTP row per token (u = eh_proj·[enorm(E[x]) ; hnorm(h)], the block at n_layer, shared head norm):
+# that block is full attention, so qwen35's MTP forward is this family's too.
+forward_mtp = q35.forward_mtp
