@@ -1,5 +1,6 @@
-"""Cost of the fused stored-weight product by number of activation rows (runtime/dq_dot_simd.inc), the
-kernel alone: what verifying k+1 tokens costs in the weight products against one token.
+"""Cost of the fused stored-weight product by number of activation rows, the kernel alone.
+
+What verifying k+1 tokens costs in the weight products (runtime/dq_dot_simd.inc) against one token.
 
     python3 benchmarks/fused_rows.py                       # each fused type, one core, weights in L2
     python3 benchmarks/fused_rows.py --model FILE.gguf --threads 2 --rows 1,4,5

@@ -1,11 +1,13 @@
-"""The gated delta rule over a few tokens in native code (runtime/gdn_step.c, built into the optional
-extension of runtime/_dequant.c), for decode steps and speculative verification on the CPU.
+"""The Gated DeltaNet step over a few tokens in native code (runtime/gdn_step.c, built into the optional
+extension of runtime/_dequant.c): the causal conv and the gated delta rule, for decode steps and
+speculative verification on the CPU.
 
 The torch batched form (runtime/graphs/gdn.py) evaluates k+1 tokens in ~30 tensor operations with
 state-sized temporaries; at the sizes of real models (a 1 MB state per layer) those operations cost
 more than the state arithmetic itself, and more for each extra token. Here each head's state stays
 in cache while the tokens pass over it, the heads split over torch's threads, and the state after
-the batch is written straight into the memory's slot (docs/runtime.md, "Gated DeltaNet steps").
+the batch is written straight into the memory's slot (docs/runtime.md, "Gated DeltaNet steps
+(native)"). The conv is one call for all channels and tokens, its kept windows whole input rows.
 `SPECCONV_NO_NATIVE=1` or `SPECCONV_NO_NATIVE_GDN=1` switches it off (the torch forms then run).
 """
 
