@@ -21,8 +21,7 @@ from specconv.runtime import dequant_native
 from specconv.runtime.stored import StoredWeight
 
 MAX_TOKENS = 16  # the batched torch form and the chunked form take longer inputs (prompts)
-MAX_DV = 1024  # as GDN_MAX_DV in runtime/gdn_step.h
-MIN_THREAD_VALUES = 1 << 16  # state values per thread (with n tokens each) before the heads split
+MIN_THREAD_VALUES = 1 << 16  # values of work per thread before a call splits
 
 
 def available() -> bool:
@@ -32,18 +31,27 @@ def available() -> bool:
     return module is not None and hasattr(module, "gdn")
 
 
+def _cpu_float32(*tensors) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def _threads(threads: int | None, values: int) -> int:
+    """Threads for a call of `values` of work: up to `threads` (torch's count by default), each with at
+    least MIN_THREAD_VALUES."""
+    return max(1, min(torch.get_num_threads() if threads is None else threads, values // MIN_THREAD_VALUES))
+
+
 def applies(q: torch.Tensor, state: torch.Tensor, out: torch.Tensor | None) -> bool:
     """Whether `delta_rule_tokens` takes this call: float32 on the CPU, few tokens, contiguous state
     and destination."""
     tensors = (q, state) if out is None else (q, state, out)
-    return (q.shape[0] <= MAX_TOKENS and state.shape[-1] <= MAX_DV and available()
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors))
+    return (q.shape[0] <= MAX_TOKENS and available() and _cpu_float32(*tensors)
+            and all(t.is_contiguous() for t in tensors))
 
 
-def conv_applies(m: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> bool:
+def conv_applies(m: torch.Tensor, conv_state: torch.Tensor, weight) -> bool:
     """Whether `conv_tokens` takes this call: float32 on the CPU, few tokens."""
-    return (m.shape[0] <= MAX_TOKENS and available()
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (m, conv_state, weight)))
+    return m.shape[0] <= MAX_TOKENS and available() and _cpu_float32(m, conv_state, weight)
 
 
 def conv_tokens(m: torch.Tensor, conv_state: torch.Tensor, weight, keep: int,
@@ -61,12 +69,9 @@ def conv_tokens(m: torch.Tensor, conv_state: torch.Tensor, weight, keep: int,
     weight = (weight.dense(torch.float32) if isinstance(weight, StoredWeight) else weight).contiguous()
     sums = torch.empty(n, channels, dtype=torch.float32)
     states = torch.empty(keep, k_size - 1, channels, dtype=torch.float32)
-    if threads is None:
-        threads = torch.get_num_threads()
-    threads = max(1, min(threads, n * channels * k_size // MIN_THREAD_VALUES))
     dequant_native._module().gdn_conv(conv_state.data_ptr(), m.data_ptr(), weight.data_ptr(),
                                       sums.data_ptr(), states.data_ptr(), n, channels, k_size, n - keep, keep,
-                                      threads)
+                                      _threads(threads, n * channels * k_size))
     return sums, states
 
 
@@ -86,10 +91,7 @@ def delta_rule_tokens(q, k, v, g, beta, state, out: torch.Tensor | None = None, 
         out = torch.empty_like(state)
     o = torch.empty(n, nv, dv, dtype=torch.float32)
     delta = torch.empty(nv, n, dv, dtype=torch.float32)
-    if threads is None:
-        threads = torch.get_num_threads()
-    threads = max(1, min(threads, nv * dk * dv * max(n, 1) // MIN_THREAD_VALUES))
     dequant_native._module().gdn(state.data_ptr(), out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                  g.data_ptr(), beta.data_ptr(), o.data_ptr(), delta.data_ptr(), n, nv, dk, dv,
-                                 threads)
+                                 _threads(threads, nv * dk * dv * max(n, 1)))
     return o, delta, out

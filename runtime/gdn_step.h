@@ -1,10 +1,8 @@
-/* The gated delta rule over a few tokens in cache (gdn_step.c), called by runtime/_dequant.c. */
+/* The Gated DeltaNet step over a few tokens in cache (gdn_step.c), called by runtime/_dequant.c. */
 #ifndef SPECCONV_GDN_STEP_H
 #define SPECCONV_GDN_STEP_H
 
 #include <stddef.h>
-
-#define GDN_MAX_DV 1024 /* value-head width the stack buffers hold (runtime/gdn_native.py checks) */
 
 typedef struct {
     const float *src; /* state before the batch [nv, dk, dv] */

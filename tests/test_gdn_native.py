@@ -48,7 +48,7 @@ def _reference(q, k, v, g, beta, state):
     return o, states, torch.stack(deltas, dim=1)  # δ [nv, n, dv]
 
 
-@pytest.mark.parametrize("nv,dk,dv", [(4, 16, 32), (16, 128, 128), (3, 24, 40)])
+@pytest.mark.parametrize("nv,dk,dv", [(4, 16, 32), (16, 128, 128), (3, 24, 40), (2, 16, 80)])
 def test_outputs_deltas_and_state_equal_the_recurrence(nv, dk, dv):
     worst = 0.0
     for n in range(1, gdn_native.MAX_TOKENS + 1):
