@@ -257,6 +257,8 @@ class Batch:
         self.pending: Pending | None = None
         self._visible: dict = {}  # device -> positions of every visible cell (the same for every layer)
         self._slot_index: dict = {}  # device -> the slots as a tensor
+        # slots in ring order without a wrap: a batch's conv windows go in with one copy per layer
+        self._consecutive = bool(slots) and slots == list(range(slots[0], slots[0] + len(slots)))
 
     @property
     def positions(self) -> torch.Tensor:
@@ -303,9 +305,8 @@ class Batch:
         [keep, ...] or as gdn.PendingStates (only the last one is written; see the module doc)."""
         m, s = self.memory, self.seq
         conv = m.conv[layer][s]
-        first = self.slots[0]
-        if self.slots == list(range(first, first + len(self.slots))):  # consecutive: one copy
-            conv[first:first + len(self.slots)].copy_(conv_states)
+        if self._consecutive:
+            conv[self.slots[0]:self.slots[0] + len(self.slots)].copy_(conv_states)
         else:  # wrapped around the ring (index_copy_ costs ~0.1 ms where a copy costs microseconds)
             for j, slot in enumerate(self.slots):
                 conv[slot].copy_(conv_states[j])

@@ -239,17 +239,17 @@ def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
 # ---- graphs -----------------------------------------------------------------------------------
 
 def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope, gdn_mode: str = "",
-           deltanet=None) -> torch.Tensor:
+           deltanet=gated_deltanet) -> torch.Tensor:
     """`deltanet`: the Gated DeltaNet mixer (this module's by default; Qwen3-Next passes its own)."""
     a = rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps)
     recurrent = i < hp.n_layer and hp.recurrent[i]  # the MTP block (i = n_layer) is full attention
-    h = h + ((deltanet or gated_deltanet)(w, hp, i, a, batch, gdn_mode) if recurrent
+    h = h + (deltanet(w, hp, i, a, batch, gdn_mode) if recurrent
              else gated_attention(w, hp, i, a, batch, rope))
     return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.eps))
 
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
-                 want_logits: torch.Tensor | None, deltanet=None):
+                 want_logits: torch.Tensor | None, deltanet=gated_deltanet):
     """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
     return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
                          lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
