@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from gguf import GGUFValueType
 
 from specconv.archs.base import MetaKV
@@ -11,13 +12,23 @@ from specconv.archs.base import MetaKV
 from .engine import ConversionPlan
 
 
+def shortest_float32(value: float) -> float:
+    """The shortest decimal that reads back as the same float32 (an eps stored as float32 shows as 1e-06,
+    not as its double expansion 9.999999974752427e-07)."""
+    return float(str(np.float32(value)))
+
+
 def kv_value(entry: MetaKV, max_items: int | None = 16) -> Any:
     """A JSON-friendly value; long arrays (token lists, merges) are summarised unless max_items is None."""
     value = entry.value
     if isinstance(value, bytes):
         value = value.decode("utf-8", errors="replace")
+    if entry.vtype == GGUFValueType.FLOAT32:
+        return shortest_float32(value)
     if entry.vtype == GGUFValueType.ARRAY:
         items = [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v for v in value]
+        if entry.sub_type == GGUFValueType.FLOAT32:
+            items = [shortest_float32(v) for v in items]
         if max_items is not None and len(items) > max_items:
             return {"array": entry.sub_type.name if entry.sub_type is not None else "?", "length": len(items),
                     "head": items[:4]}

@@ -171,6 +171,35 @@ def _print_block(console, cols: list[Col], row: list, key: int) -> None:
             console.print(Text(indent) + line, soft_wrap=True, overflow="ignore")
 
 
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+ELIDE_AT = 160  # characters of a metadata value shown in a table (the --json output has it whole)
+
+
+def value_text(value, limit: int = ELIDE_AT) -> str:
+    """A metadata value as one table cell: strings as they are, other values as JSON; newlines and tabs
+    shown escaped (a chat template stays on its own row) and a long value cut at `limit` characters
+    with the count of what was left out."""
+    import json
+
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    text = "".join(_ESCAPES.get(ch, ch) for ch in text)
+    if len(text) > limit:
+        text = f"{text[:limit]}… ({len(text)} characters)"
+    return text
+
+
+def footnotes(notes: list[str]) -> tuple[list[str], list[str]]:
+    """Long notes repeated on many rows, as short marks: (a mark per row, "" where none; the legend
+    lines "[1] note" in order of first use). A table then keeps one line per row at any width."""
+    keys: dict[str, str] = {}
+    marks = []
+    for note in notes:
+        if note and note not in keys:
+            keys[note] = f"[{len(keys) + 1}]"
+        marks.append(keys.get(note, ""))
+    return marks, [f"{mark} {note}" for note, mark in keys.items()]
+
+
 # Shared by `convert --dry-run` and `inspect`: tensor and KV names are never wrapped.
 TENSOR_COLUMNS = [Col("tensor", whole=True), Col("type"), Col("shape (ggml)", whole=True), Col("size", "right", whole=True)]
 METADATA_COLUMNS = [Col("key", whole=True), Col("value")]

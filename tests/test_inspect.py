@@ -107,3 +107,69 @@ def test_not_a_gguf(tmp_path, capsys):
     (tmp_path / "x.gguf").write_bytes(b"not a gguf at all, just text" * 4)
     code, _, err = run_cli(capsys, "inspect", tmp_path / "x.gguf")
     assert code == 2 and "not a GGUF" in err and len(err.strip().splitlines()) == 1
+
+
+TEMPLATE = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+
+
+def test_float32_values_shortest_and_strings_on_one_row(tmp_path, capsys, monkeypatch):
+    """A float32 eps prints as 1e-06 (the shortest decimal that reads back as the same float32, not the
+    double 9.999999974752427e-07); a chat template's newlines print escaped, so its row stays one row,
+    and a value longer than the cell limit is cut with its length given (--json keeps it whole)."""
+    from specconv.tables import ELIDE_AT
+
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "qwen35")
+    w.add_uint32("qwen35.block_count", 1)
+    w.add_float32("qwen35.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_array("qwen35.some_scales", [0.1, 1e-5, 3.0])
+    w.add_chat_template(TEMPLATE)
+    w.add_string("general.description", "x" * (ELIDE_AT + 40))
+    w.add_tensor("blk.0.attn_norm.weight", np.zeros(32, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    info = inspect_json(capsys, tmp_path / "m.gguf")
+    eps = info["hparams"]["attention.layer_norm_rms_epsilon"]
+    stored = GGUFReader(str(tmp_path / "m.gguf")).fields["qwen35.attention.layer_norm_rms_epsilon"].parts[-1][0]
+    print(f"eps stored {float(stored)!r}, shown {eps!r}")
+    assert eps == 1e-06 and np.float32(eps) == stored and float(stored) != 1e-06
+    assert info["hparams"]["some_scales"] == [0.1, 1e-05, 3.0]
+    assert info["tokenizer"]["tokenizer.chat_template"] == TEMPLATE
+    monkeypatch.setenv("COLUMNS", "400")  # one table line per key
+    code, out, _ = run_cli(capsys, "inspect", tmp_path / "m.gguf")
+    assert code == 0
+    lines = out.splitlines()
+    assert any("layer_norm_rms_epsilon" in line and " 1e-06 " in line for line in lines)
+    assert "9.99999" not in out and "[0.1, 1e-05, 3.0]" in out
+    row = next(line for line in lines if "tokenizer.chat_template" in line)
+    assert TEMPLATE.replace("\n", "\\n") in row  # the whole template, escaped, on its key's line
+    desc = next(line for line in lines if "general.description" in line)
+    assert "x" * ELIDE_AT + f"… ({ELIDE_AT + 40} characters)" in desc and "x" * (ELIDE_AT + 1) not in desc
+
+
+def test_dry_run_notes_as_marks(files, capsys, monkeypatch):
+    """`convert --dry-run`: a note shared by many tensors (the F32 rule) is a mark in the table and one
+    legend line under it, so every tensor row is one line even at 80 columns."""
+    from tests.fixtures.tiny_qwen35 import build_qwen35
+
+    src = build_qwen35(files / "hf-notes")
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = run_cli(capsys, "convert", src, "-o", files / "notes.gguf", "--dry-run")
+    assert code == 0, err
+    code, js, _ = run_cli(capsys, "convert", src, "-o", files / "notes.gguf", "--dry-run", "--json")
+    tensors = json.loads(js)["files"][0]["tensors"]
+    notes = sorted({t["note"] for t in tensors if t.get("note")})
+    assert notes and sum(1 for t in tensors if t.get("note")) > len(notes)
+    lines = out.splitlines()
+    at = []
+    for t in tensors:
+        row = [i for i, line in enumerate(lines) if f" {t['name']} " in line]
+        assert len(row) == 1, t["name"]
+        at.append(row[0])
+        cells = lines[row[0]].replace("│", " ").split()
+        assert cells[1] == t["type"]
+        if t.get("note"):
+            assert f"{cells[-1]} {t['note']}" in lines  # the mark and its legend line
+    assert at == list(range(at[0], at[0] + len(tensors)))  # one line per tensor: no row wraps
+    assert all(sum(1 for line in lines if note in line) == 1 for note in notes)

@@ -187,7 +187,7 @@ def _emit(summary: dict, as_json: bool, dry_run: bool) -> None:
     from rich.markup import escape
 
     from specconv.convert.plan_report import human_bytes
-    from specconv.tables import METADATA_COLUMNS, TENSOR_COLUMNS, Col, print_table, print_wrapped
+    from specconv.tables import METADATA_COLUMNS, TENSOR_COLUMNS, Col, footnotes, print_table, print_wrapped, value_text
 
     console = Console()  # a pipe gets COLUMNS or 80; tables pick a layout that fits (specconv.tables)
     err = Console(stderr=True)
@@ -203,12 +203,14 @@ def _emit(summary: dict, as_json: bool, dry_run: bool) -> None:
                                f"({types}), {human_bytes(f['tensor_bytes'])} of tensor data")
         if not dry_run:
             continue
+        marks, legend = footnotes([t.get("note", "") for t in f["tensors"]])
         print_table(console, TENSOR_COLUMNS + [Col("note")],
-                    [[escape(t["name"]), t["type"], escape(str(t["shape"])), human_bytes(t["bytes"]),
-                      escape(t.get("note", ""))] for t in f["tensors"]],
+                    [[escape(t["name"]), t["type"], escape(str(t["shape"])), human_bytes(t["bytes"]), escape(mark)]
+                     for t, mark in zip(f["tensors"], marks)],
                     title=escape(f"{Path(f['path']).name}: tensors"))
+        for line in legend:  # a note shared by many tensors, once under the table
+            print_wrapped(console, escape(line))
         print_table(console, METADATA_COLUMNS,
-                    [[escape(key), escape(json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value)]
-                     for key, value in f["metadata"].items()],
+                    [[escape(key), escape(value_text(value))] for key, value in f["metadata"].items()],
                     title=escape(f"{Path(f['path']).name}: metadata"))
     sys.stdout.flush()

@@ -34,7 +34,7 @@ def command(file, as_json, all_tensors):
     from rich.console import Console
     from rich.markup import escape
 
-    from specconv.tables import METADATA_COLUMNS, TENSOR_COLUMNS, Col, print_table, print_wrapped
+    from specconv.tables import METADATA_COLUMNS, TENSOR_COLUMNS, Col, print_table, print_wrapped, value_text
 
     from specconv.convert.gguf_summary import summarize
     from specconv.convert.plan_report import human_bytes
@@ -63,12 +63,10 @@ def command(file, as_json, all_tensors):
         f"{group} " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
         for group, counts in info["by_group"].items()))
     kv = []
-    for section in ("general", "hparams"):
+    for section in ("general", "hparams", "tokenizer"):
         for key, value in info[section].items():
-            name = key if section == "general" else f"{info['arch']}.{key}"
-            kv.append([escape(name), escape(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))])
-    for key, value in info["tokenizer"].items():
-        kv.append([escape(key), escape(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)[:120])])
+            name = f"{info['arch']}.{key}" if section == "hparams" else key
+            kv.append([escape(name), escape(value_text(value))])
     print_table(console, METADATA_COLUMNS, kv, title="metadata")
     rows = info["tensors"]
     shown = rows if all_tensors or len(rows) <= 80 else rows[:40] + rows[-20:]
