@@ -1,0 +1,271 @@
+"""Decode and verification on one GPU: cost by batch size, plain and speculative rates, memory, kernels
+and host syncs per step, against the bandwidth floor and a dense bf16 chain replayed as one CUDA graph.
+
+    python3 benchmarks/cuda_decode.py --workdir /scratch/bench-cuda --json $OUT/cuda_decode.json
+    python3 benchmarks/cuda_decode.py --model FILE.gguf --device cpu --batch-max 2 -n 4   # a smoke run
+
+Files (unless `--model`): the ~1.1 B-param Qwen3.5-shaped checkpoint of tools/synth_qwen35.py
+(benchmarks/runtime.py's `dense1b`) converted by `specconv convert` to bf16, q8_0 and Q4_K_M (our
+K-quant output is byte-identical to llama.cpp's quantize), and its Qwen3.5-MoE sibling (`moe`) in
+Q4_K_M. Per file, one process, one device:
+- GPU memory after load (allocated, and its ratio to the file) and the peak over the run;
+- t(n), n = 1..--batch-max: one target forward of n rows at position 16 of a context, logits for
+  every row, rolled back after each (as a verification round); the device synchronised around each
+  forward, median of --repeats;
+- plain greedy decoding of -n tokens (tokens per second of the decode phase);
+- the synthetic drafter at A = 0.8, k = 3 (runtime/drafters/synthetic.py): decode speed-up over plain
+  and whether its tokens equal plain decoding's (in the default compute dtype);
+- torch.profiler over one decode step: device kernels launched and host<->device copies or syncs;
+- the floor: the file read once at the bandwidth of a measured device-to-device copy;
+- the same 2-D weight matrices (the token embedding excluded: decoding reads one row of it) as
+  plain bf16 `F.linear` on one input row each, eager and replayed as one CUDA graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+PROMPT = [3 + (i * 7919) % 2000 for i in range(32)]
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaMemcpyAsync")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workdir", type=Path, default=Path("bench-cuda"), help="checkpoints and GGUF files (≈ 8 GB)")
+    p.add_argument("--model", type=Path, action="append", default=None,
+                   help="measure this GGUF instead of building the 1 B files (repeatable)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the runtime's for the device)")
+    p.add_argument("--batch-max", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("-n", "--n-predict", type=int, default=64)
+    p.add_argument("--no-moe", action="store_true", help="skip the Qwen3.5-MoE file")
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def build(args) -> dict[str, Path]:
+    if args.model:
+        return {m.stem: m for m in args.model}
+    from benchmarks.runtime import MODELS
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from synth_qwen35 import write_checkpoint
+
+    files = {}
+    wanted = [("dense1b", t) for t in ("bf16", "q8_0", "Q4_K_M")] + ([] if args.no_moe else [("moe", "Q4_K_M")])
+    for model, qtype in wanted:
+        spec = dict(MODELS[model])
+        src = write_checkpoint(args.workdir / f"{model}-hf", spec.pop("target_bytes"), **spec)
+        out = args.workdir / f"{model}-{qtype}.gguf"
+        if not out.is_file():
+            subprocess.run([sys.executable, "-m", "specconv", "convert", str(src), "-o", str(out), "--outtype", qtype,
+                            "--mtp", "none"], check=True, stdout=subprocess.DEVNULL)
+        files[f"{model}-{qtype}"] = out
+    return files
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def batch_costs(model, n_max: int, repeats: int) -> list[float]:
+    """Median seconds of one forward of n = 1..n_max rows (logits for all), rolled back after each."""
+    from specconv.runtime.context import Context
+    from specconv.runtime.types import GraphType
+
+    prefix, device = 16, model.device
+    ids = [(3 + 7919 * i) % model.n_vocab for i in range(prefix + n_max)]
+    ctx = Context(model, GraphType.MAIN, n_ctx=prefix + n_max + 1, n_rs_seq=n_max)
+    ctx.decode(ids[:prefix], hidden=(), logits=None)
+    runs: dict[int, list[float]] = {n: [] for n in range(1, n_max + 1)}
+    for rep in range(repeats + 1):  # the first pass warms every width up
+        for n in range(1, n_max + 1):
+            synchronize(device)
+            t0 = time.perf_counter()
+            ctx.decode(ids[prefix:prefix + n], hidden=(), logits="all")
+            synchronize(device)
+            if rep:
+                runs[n].append(time.perf_counter() - t0)
+            ctx.seq_rm(0, prefix)
+    return [statistics.median(runs[n]) for n in range(1, n_max + 1)]
+
+
+def profile_step(model) -> dict:
+    """Device kernels and host<->device copies or syncs in one decode step (after a warm-up step)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from specconv.runtime.context import Context
+    from specconv.runtime.types import GraphType
+
+    ids = [t % model.n_vocab for t in PROMPT[:10]]
+    ctx = Context(model, GraphType.MAIN, n_ctx=len(ids) + 1, n_rs_seq=0)
+    ctx.decode(ids[:8], hidden=(), logits=None)
+    ctx.decode(ids[8:9], hidden=(), logits="last")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        ctx.decode(ids[9:10], hidden=(), logits="last")
+        synchronize(model.device)
+    events = prof.events()
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    syncs = sum(1 for e in events if e.name in SYNC_CALLS)
+    return {"kernels": kernels, "syncs": syncs}
+
+
+def copy_floor(file_bytes: int, device) -> float | None:
+    """Seconds to read `file_bytes` once at the bandwidth of a device-to-device copy (reads + writes)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    n = min(file_bytes, 1 << 30)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    synchronize(device)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    bandwidth = 2 * n / min(times)
+    del src, dst
+    return file_bytes / bandwidth
+
+
+def dense_chain(model) -> dict:
+    """The model's 2-D matrices as bf16 `F.linear` on one row each: eager, and one CUDA graph replay."""
+    import torch
+    import torch.nn.functional as F
+
+    device = model.device
+    from specconv.runtime.stored import StoredWeight
+
+    mats = [w.dense(torch.bfloat16) if isinstance(w, StoredWeight) else w.to(torch.bfloat16)
+            for name, w in model.weights.items()
+            if w.ndim == 2 and not name.startswith("token_embd") and min(w.shape) > 1]
+    xs = [torch.randn(1, m.shape[1], dtype=torch.bfloat16, device=device) for m in mats]
+
+    def chain():
+        return [F.linear(x, m) for x, m in zip(xs, mats)]
+
+    chain()
+    synchronize(device)
+    t0 = time.perf_counter()
+    chain()
+    synchronize(device)
+    out = {"matrices": len(mats), "eager_s": time.perf_counter() - t0, "graph_s": None}
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            chain()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        with torch.cuda.graph(graph):
+            chain()
+        graph.replay()
+        synchronize(device)
+        times = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            graph.replay()
+            synchronize(device)
+            times.append(time.perf_counter() - t0)
+        out["graph_s"] = statistics.median(times)
+        del graph
+    del mats, xs
+    return out
+
+
+def run_file(path: Path, args) -> dict:
+    import torch
+
+    from benchmarks.spec_scale import _decode_rate, _one
+    from specconv.runtime import load_model
+    from specconv.runtime.drafters.synthetic import greedy_reference
+    from specconv.runtime.generate import generate
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    model = load_model(path, device=args.device, dtype=args.dtype)
+    synchronize(device)
+    out = {"file": path.name, "file_gb": path.stat().st_size / 1e9, "load_s": time.perf_counter() - t0,
+           "dtype": str(model.dtype).replace("torch.", "")}
+    if device.type == "cuda":
+        out["memory_after_load_gb"] = torch.cuda.memory_allocated(device) / 1e9
+    out["t_s"] = batch_costs(model, args.batch_max, args.repeats)
+    prompt, n = [t % model.n_vocab for t in PROMPT[:16]], args.n_predict
+    plain = generate(model, prompt, n)
+    out["plain_tokens_per_s"] = _decode_rate(plain)
+    ref = greedy_reference(model, prompt, n)
+    synthetic = _one(model, ref, prompt, n, 0.8, 3, 0, out["t_s"][0])
+    again = generate(model, prompt, n)
+    out["synthetic"] = {"speedup": synthetic["decode_rate"] / statistics.mean(map(_decode_rate, (plain, again))),
+                        "tokens_identical": synthetic["tokens"] == plain.tokens == again.tokens,
+                        "acceptance": synthetic["acceptance_rate"], "tokens_per_forward": synthetic["tokens_per_forward"]}
+    out["profile"] = profile_step(model)
+    out["floor_s"] = copy_floor(path.stat().st_size, device)
+    out["dense_chain"] = dense_chain(model)
+    if device.type == "cuda":
+        out["memory_peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    del model
+    return out
+
+
+def print_table(results: list[dict]) -> None:
+    def ms(x):
+        return "n/a" if x is None else f"{x * 1e3:.2f}"
+
+    print("| file | dtype | t(1) ms | t(4)/t(1) | t(8)/t(1) | plain tok/s | A=0.8 k=3 | identical | "
+          "kernels | syncs | floor ms | bf16 chain eager / graph ms | GB after load / file / peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        t = r["t_s"]
+        ratio = [f"{t[i] / t[0]:.2f}" if len(t) > i else "n/a" for i in (3, 7)]
+        mem = (f"{r['memory_after_load_gb']:.2f} / {r['file_gb']:.2f} / {r['memory_peak_gb']:.2f}"
+               if "memory_after_load_gb" in r else "n/a")
+        print(f"| {r['file']} | {r['dtype']} | {ms(t[0])} | {ratio[0]} | {ratio[1]} | {r['plain_tokens_per_s']:.1f} | "
+              f"{r['synthetic']['speedup']:.2f}x | {r['synthetic']['tokens_identical']} | {r['profile']['kernels']} | "
+              f"{r['profile']['syncs']} | {ms(r['floor_s'])} | {ms(r['dense_chain']['eager_s'])} / "
+              f"{ms(r['dense_chain']['graph_s'])} | {mem} |")
+
+
+def main(argv=None) -> list[dict]:
+    import torch
+
+    args = parse_args(argv)
+    files = build(args)
+    meta = {"device": args.device, "torch": torch.__version__,
+            "card": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
+    print(f"device {meta['device']} ({meta['card']}), torch {meta['torch']}", flush=True)
+    results = []
+    for name, path in files.items():
+        print(f"{name}: measuring", flush=True)
+        results.append(run_file(path, args))
+        if args.json:  # written after each file: a run cut short keeps what it measured
+            args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print_table(results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
