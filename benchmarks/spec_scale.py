@@ -260,12 +260,13 @@ def markdown(results: list[dict], meta: dict, png_name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
+def write_section(path: Path, section: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the block between `begin` and `end` in path (appended when absent)."""
     old = path.read_text(encoding="utf-8") if path.is_file() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{section.rstrip()}\n{END}\n"
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + block + rest.split(END, 1)[1].lstrip("\n")
+    block = f"{begin}\n{section.rstrip()}\n{end}\n"
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + block + rest.split(end, 1)[1].lstrip("\n")
     else:
         new = old.rstrip("\n") + "\n\n" + block
     path.write_text(new, encoding="utf-8")
