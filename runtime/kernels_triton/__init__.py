@@ -1,0 +1,20 @@
+"""CUDA kernels in Triton for the runtime's hot operations (docs/runtime.md, "CUDA kernels (Triton)").
+
+    quant_matmul(x, packed, qtype, n_out, n_in)          x @ Wᵀ, W packed in its GGUF type
+    dequantize_rows(packed, qtype, rows, n_in, dtype)    packed rows -> values
+    gdn_step(q, k, v, g, beta, states, src_slot, dst_slots)   the gated delta rule, 1-16 tokens
+    causal_conv(m, states, weight, src_slot, dst_slots)       the short causal conv + SiLU
+
+Importing this package does not import Triton; the first call does (a SpecconvError if it is not
+installed). The kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter
+(TRITON_INTERPRET=1 set before the first call), which is how the tests check them without a GPU.
+"""
+
+from specconv.runtime.kernels_triton._common import available
+from specconv.runtime.kernels_triton.conv import causal_conv
+from specconv.runtime.kernels_triton.dequant import KERNEL_TYPES, dequantize_rows
+from specconv.runtime.kernels_triton.gdn import gdn_step
+from specconv.runtime.kernels_triton.matmul import FUSED_MAX_ROWS, quant_matmul
+
+__all__ = ["available", "causal_conv", "dequantize_rows", "gdn_step", "quant_matmul", "FUSED_MAX_ROWS",
+           "KERNEL_TYPES"]

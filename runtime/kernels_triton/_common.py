@@ -1,0 +1,75 @@
+"""What the Triton kernel wrappers share: Triton imported on first use (the package imports without
+it), the device rule, and the one-line input errors."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from specconv.archs.errors import SpecconvError
+
+# Activation / value dtypes the kernels read and write (computed in float32 inside).
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read when a kernel
+    module is first imported)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available() -> bool:
+    """Whether the kernels can run here: Triton installed, and a CUDA device or the interpreter."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return interpreting() or torch.cuda.is_available()
+
+
+def jit_module(name: str):
+    """The module of jitted kernels `name` (in this package), importing Triton on first use."""
+    try:
+        importlib.import_module("triton")
+    except ImportError as e:
+        raise SpecconvError("the Triton kernels need the `triton` package (pip install triton)") from e
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+def check_device(op: str, *tensors: torch.Tensor) -> torch.device:
+    """The one device all `tensors` are on: CUDA, or the CPU under the interpreter."""
+    device = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != device:
+            raise SpecconvError(f"{op}: tensors on different devices ({device} and {t.device})")
+    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+        return device
+    raise SpecconvError(f"{op}: the Triton kernels run on CUDA tensors (CPU tensors only under "
+                        f"TRITON_INTERPRET=1), got {device}")
+
+
+def check_float(op: str, name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise SpecconvError(f"{op}: {name} must be float32, bfloat16 or float16 (got {t.dtype})")
+
+
+def check_shape(op: str, name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise SpecconvError(f"{op}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def check_last_contiguous(op: str, name: str, t: torch.Tensor) -> None:
+    """The kernels step through the last dimension one element at a time and take the other
+    strides as they are (views of a larger buffer are fine)."""
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise SpecconvError(f"{op}: {name} must have a contiguous last dimension (strides {t.stride()})")
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

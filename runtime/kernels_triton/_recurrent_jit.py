@@ -1,0 +1,96 @@
+"""Triton kernels of a Gated DeltaNet layer's recurrent part for a few tokens (imported on first use;
+needs Triton): the gated delta rule and the short causal conv, each one launch for all tokens, each
+writing the state after every kept token into a slot of the ring of states (runtime/memory.py keeps
+one per sequence and layer), so a rollback makes another slot current instead of rebuilding a state.
+
+Slots are given as int64 tensors on the device (the state before the batch `src_slot[0]`, the state
+after kept token i `dst_slots[i]`), so a captured CUDA graph replays with new slots written into
+the same index buffers. They are the only addresses taken from loaded values (Triton's interpreter
+runs them: tests/test_triton_kernels.py).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, src_slot_ptr, dst_slots_ptr, o_ptr,
+                    n, keep, n_key_heads, dk, dv,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                    stride_slot, stride_sh, stride_sk, stride_ot, stride_oh,
+                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One program per (value head h, BLOCK_V columns of its state [dk, dv]): a column of the state
+    needs only itself through the tokens, so the program keeps its [dk, BLOCK_V] block in registers
+    for all n tokens, reading the state once and writing each kept token's state once. Per token
+    (the recurrent form of runtime/graphs/gdn.py): S ← e^g S; δ = β (v − Sᵀk); S ← S + k δᵀ; o = Sᵀq.
+    Value head h reads key head h mod n_key_heads (GGUF's tiled value heads)."""
+    h = tl.program_id(0)
+    key_head = h % n_key_heads
+    rows = tl.arange(0, BLOCK_K)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok, col_ok = rows < dk, cols < dv
+    block_ok = row_ok[:, None] & col_ok[None, :]
+    block = h * stride_sh + rows[:, None] * stride_sk + cols[None, :]
+    src = tl.load(src_slot_ptr).to(tl.int64)
+    s = tl.load(states_ptr + src * stride_slot + block, mask=block_ok, other=0.0).to(tl.float32)
+    first = n - keep
+    for t in range(n):
+        k = tl.load(k_ptr + t * stride_kt + key_head * stride_kh + rows, mask=row_ok, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + t * stride_qt + key_head * stride_qh + rows, mask=row_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + cols, mask=col_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * stride_gt + h).to(tl.float32)
+        beta = tl.load(beta_ptr + t * stride_bt + h).to(tl.float32)
+        s = s * tl.exp(g)
+        delta = beta * (v - tl.sum(s * k[:, None], axis=0))
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(o_ptr + t * stride_ot + h * stride_oh + cols, o.to(o_ptr.dtype.element_ty), mask=col_ok)
+        kept = block_ok & (tl.full([BLOCK_K, BLOCK_V], t, tl.int32) >= first)  # a vector mask (as _input_row)
+        dst = tl.load(dst_slots_ptr + tl.maximum(t - first, 0)).to(tl.int64)
+        tl.store(states_ptr + dst * stride_slot + block, s.to(states_ptr.dtype.element_ty), mask=kept)
+
+
+@triton.jit
+def _input_row(m_ptr, states_ptr, src, r, channels, channel_ok, stride_mt, stride_slot, stride_row,
+               K: tl.constexpr):
+    """Row r of the conv's inputs [the K-1 rows of the state before the batch; m] as float32."""
+    r = tl.zeros_like(channels) + r  # per channel: masks are vectors (a scalar one fails the interpreter)
+    from_state = r < K - 1
+    old = tl.load(states_ptr + src * stride_slot + tl.minimum(r, K - 2) * stride_row + channels,
+                  mask=channel_ok & from_state, other=0.0)
+    new = tl.load(m_ptr + tl.maximum(r - (K - 1), 0) * stride_mt + channels,
+                  mask=channel_ok & ~from_state, other=0.0)
+    return tl.where(from_state, old.to(tl.float32), new.to(tl.float32))
+
+
+@triton.jit
+def causal_conv_kernel(m_ptr, states_ptr, weight_ptr, src_slot_ptr, dst_slots_ptr, out_ptr,
+                       n, keep, n_channels, stride_mt, stride_slot, stride_row, stride_wc, stride_ot,
+                       K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One program per BLOCK_C channels: out[t] = SiLU(Σ_j x[t + j] w[:, j]) over the inputs
+    x = [state; m] (oldest first), then the window after each kept token t (rows t+1 .. t+K-1 of x)
+    into its slot. Every output is computed before any window is written, and a window's rows are
+    written in order while only later rows are read, so the state before the batch may also be the
+    last kept token's slot (a ring of one)."""
+    channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    channel_ok = channels < n_channels
+    src = tl.load(src_slot_ptr).to(tl.int64)
+    for t in range(n):
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(K):
+            x = _input_row(m_ptr, states_ptr, src, t + j, channels, channel_ok, stride_mt, stride_slot,
+                           stride_row, K)
+            w = tl.load(weight_ptr + channels * stride_wc + j, mask=channel_ok, other=0.0).to(tl.float32)
+            acc += x * w
+        out = acc / (1.0 + tl.exp(-acc))
+        tl.store(out_ptr + t * stride_ot + channels, out.to(out_ptr.dtype.element_ty), mask=channel_ok)
+    first = n - keep
+    for i in range(keep):
+        dst = tl.load(dst_slots_ptr + i).to(tl.int64)
+        for j in tl.static_range(K - 1):
+            x = _input_row(m_ptr, states_ptr, src, first + i + 1 + j, channels, channel_ok, stride_mt,
+                           stride_slot, stride_row, K)
+            tl.store(states_ptr + dst * stride_slot + j * stride_row + channels,
+                     x.to(states_ptr.dtype.element_ty), mask=channel_ok)

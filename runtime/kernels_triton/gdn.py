@@ -1,0 +1,87 @@
+"""The gated delta rule for 1-16 tokens in one Triton launch, each kept token's state in its own slot.
+
+    gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, out=None) -> o [n, nv, dv]
+
+Shapes (one sequence, docs/reference/model-math.md §2.2): q, k [n, nk, dk] (L2-normed, q scaled;
+value head h reads key head h mod nk, so nk may be the key heads before GGUF's tiling or nv after
+it), v [n, nv, dv], g (log-decay ≤ 0) and beta [n, nv]; states [slots, nv, dk, dv] float32, the ring
+of the sequence's states for this layer (runtime/memory.py `Memory.ssm[layer][seq]`). The state
+before the batch is read from slot `src_slot` and the state after token n - keep + i written to slot
+`dst_slots[i]` (keep = len(dst_slots) ≤ n): a rollback to token i makes that slot current, nothing is
+recomputed or copied. Slots are int64 tensors on the states' device (what a captured CUDA graph
+reads) or Python ints (checked, then copied there). Each program keeps its block of the state in
+registers, so any slot may be the source as well (a ring of one). o is float32 (the states' dtype),
+written into `out` when given. The per-token math is runtime/graphs/gdn.py's recurrent form, the
+oracle of the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.kernels_triton import _common
+
+MAX_TOKENS = 16  # longer inputs (prompts) take runtime/graphs/gdn.py's chunked form
+BLOCK_V = 32  # state columns per program
+
+
+def slot_index(op: str, name: str, slots, n_slots: int, device: torch.device, length: int | None = None):
+    """`slots` as an int64 tensor on `device`: a tensor as given (its values are not read: no sync),
+    or ints checked against the ring size and copied there."""
+    if isinstance(slots, torch.Tensor):
+        if slots.dtype != torch.int64 or slots.dim() != 1 or slots.device != device:
+            raise SpecconvError(f"{op}: {name} must be a 1-D int64 tensor on {device} (got {slots.dtype}, "
+                                f"shape {tuple(slots.shape)}, on {slots.device})")
+        if not slots.is_contiguous():
+            raise SpecconvError(f"{op}: {name} must be contiguous")
+    else:
+        values = [slots] if isinstance(slots, int) else list(slots)
+        if any(not isinstance(s, int) or not 0 <= s < n_slots for s in values):
+            raise SpecconvError(f"{op}: {name} {values} outside the ring of {n_slots} slots")
+        slots = torch.tensor(values, dtype=torch.int64, device=device)
+    if slots.shape[0] == 0 or (length is not None and slots.shape[0] != length):
+        raise SpecconvError(f"{op}: {name} holds {slots.shape[0]} slots, expected {length or 'one or more'}")
+    return slots
+
+
+def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             states: torch.Tensor, src_slot, dst_slots, out: torch.Tensor | None = None) -> torch.Tensor:
+    op = "gdn_step"
+    if q.dim() != 3 or v.dim() != 3 or states.dim() != 4:
+        raise SpecconvError(f"{op}: expected q, k [n, nk, dk], v [n, nv, dv], states [slots, nv, dk, dv] "
+                            f"(got q {tuple(q.shape)}, v {tuple(v.shape)}, states {tuple(states.shape)})")
+    n, nk, dk = q.shape
+    nv, dv = v.shape[1], v.shape[2]
+    _common.check_shape(op, "k", k, (n, nk, dk))
+    _common.check_shape(op, "v", v, (n, nv, dv))
+    _common.check_shape(op, "g", g, (n, nv))
+    _common.check_shape(op, "beta", beta, (n, nv))
+    _common.check_shape(op, "states", states, (states.shape[0], nv, dk, dv))
+    if not 1 <= n <= MAX_TOKENS or nk == 0 or nv % nk:
+        raise SpecconvError(f"{op}: {n} tokens (1..{MAX_TOKENS}) and {nv} value heads over {nk} key heads")
+    if states.dtype != torch.float32:
+        raise SpecconvError(f"{op}: states must be float32 (got {states.dtype})")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _common.check_float(op, name, t)
+        _common.check_last_contiguous(op, name, t)
+    _common.check_last_contiguous(op, "states", states)
+    device = _common.check_device(op, q, k, v, g, beta, states)
+    src = slot_index(op, "src_slot", src_slot, states.shape[0], device, length=1)
+    dst = slot_index(op, "dst_slots", dst_slots, states.shape[0], device)
+    keep = dst.shape[0]
+    if keep > n:
+        raise SpecconvError(f"{op}: {keep} destination slots for {n} tokens")
+    if out is None:
+        out = torch.empty(n, nv, dv, dtype=torch.float32, device=device)
+    _common.check_shape(op, "out", out, (n, nv, dv))
+    _common.check_device(op, q, out)
+    _common.check_last_contiguous(op, "out", out)
+    jit = _common.jit_module("_recurrent_jit")
+    grid = (nv, _common.cdiv(dv, BLOCK_V))
+    jit.gdn_step_kernel[grid](q, k, v, g, beta, states, src, dst, out, n, keep, nk, dk, dv,
+                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                              g.stride(0), beta.stride(0), states.stride(0), states.stride(1), states.stride(2),
+                              out.stride(0), out.stride(1),
+                              BLOCK_K=_common.next_power_of_2(dk), BLOCK_V=BLOCK_V)
+    return out

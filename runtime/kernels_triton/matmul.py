@@ -1,0 +1,73 @@
+"""x @ Wᵀ with W kept in its GGUF type, for decode steps and verification batches in one pass.
+
+    quant_matmul(x, packed, qtype, n_out, n_in, out=None) -> y [..., n_out]   (x's dtype)
+
+x: float32 / bfloat16 / float16 [..., n_in]; `packed`: W's bytes as runtime/stored.py keeps them
+(`StoredWeight.raw`, uint8 [n_out, row bytes]), on x's device (CUDA, or the CPU under
+TRITON_INTERPRET=1); `qtype` one of dequant.KERNEL_TYPES (Q8_0, Q4_K, Q5_K, Q6_K, BF16, F16).
+
+* Up to FUSED_MAX_ROWS activation rows (a decode step, the check of k drafts): one kernel that walks
+  W once, decoding each block in registers and multiplying it with every row; float32 products and
+  sums, one rounding into x's dtype at the end. A row's result does not depend on how many rows
+  the call holds (each row's sum runs the same operations in the same order), so a verification
+  batch reproduces the one-row decode step bit for bit.
+* More rows (prompts): W a piece at a time through dequant.dequantize_rows into x's dtype, each
+  piece multiplied by torch's dense product (cuBLAS on a GPU). A 16-bit float W in x's own dtype
+  is multiplied as it is stored.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.kernels_triton import _common
+from specconv.runtime.kernels_triton.dequant import BLOCK_N, GEOMETRY, dequantize_rows, packed_matrix
+
+FUSED_MAX_ROWS = 16
+# values of W dequantized per piece of the prompt path (32 MB in bfloat16)
+TILE_VALUES = 1 << 24
+_FLOAT_TYPES = {QType.BF16: torch.bfloat16, QType.F16: torch.float16}
+
+
+def quant_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int, n_in: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ Wᵀ for a packed [n_out, n_in] matrix W, in x's dtype (written into `out` when given:
+    a contiguous tensor [..., n_out])."""
+    op = "quant_matmul"
+    packed = packed_matrix(op, packed, qtype, n_out, n_in)
+    _common.check_float(op, "x", x)
+    if x.dim() == 0 or x.shape[-1] != n_in:
+        raise SpecconvError(f"{op}: x has shape {tuple(x.shape)}, expected [..., {n_in}]")
+    device = _common.check_device(op, x, packed)
+    xs = x.reshape(-1, n_in)
+    _common.check_last_contiguous(op, "x", xs)
+    rows = xs.shape[0]
+    if out is None:
+        out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=device)
+    else:
+        _common.check_shape(op, "out", out, (*x.shape[:-1], n_out))
+        _common.check_device(op, x, out)
+        if out.dtype != x.dtype or not out.is_contiguous():
+            raise SpecconvError(f"{op}: out must be a contiguous {x.dtype} tensor (got {out.dtype}, "
+                                f"strides {out.stride()})")
+    ys = out.view(rows, n_out)
+    if rows == 0:
+        return out
+    if rows <= FUSED_MAX_ROWS:
+        values, size = GEOMETRY[qtype]
+        jit = _common.jit_module("_quant_jit")
+        grid = (_common.cdiv(n_out, BLOCK_N),)
+        jit.fused_rows_kernel[grid](xs, packed, ys, n_out, n_in, _common.cdiv(n_in, values), xs.stride(0),
+                                    packed.stride(0), ys.stride(0), QTYPE=int(qtype), VALUES=values, BYTES=size,
+                                    ROWS=rows, ROWS_P2=_common.next_power_of_2(rows), BLOCK_N=BLOCK_N)
+        return out
+    if _FLOAT_TYPES.get(qtype) == x.dtype and packed.data_ptr() % 2 == 0 and packed.stride(0) % 2 == 0:
+        torch.mm(xs, packed.view(x.dtype).t(), out=ys)
+        return out
+    step = max(1, TILE_VALUES // n_in)
+    for start in range(0, n_out, step):
+        piece = dequantize_rows(packed[start:start + step], qtype, min(step, n_out - start), n_in, x.dtype)
+        ys[:, start:start + piece.shape[0]] = xs @ piece.t()
+    return out
