@@ -375,8 +375,16 @@ class AtomicOutputs:
 
     def _make_dir(self, folder: Path) -> None:
         missing = [p for p in [folder, *folder.parents] if not p.exists()]
-        folder.mkdir(parents=True, exist_ok=True)
-        self._made_dirs.extend(missing)  # deepest first, so they can be removed in this order
+        for made in reversed(missing):  # outermost first; each recorded as soon as it exists
+            try:
+                made.mkdir()
+            except FileExistsError:
+                if not made.is_dir():
+                    raise SpecconvError(f"cannot create folder {made}: a file of that name is in the way") from None
+                continue
+            except OSError as exc:
+                raise SpecconvError(f"cannot create folder {made}: {exc.strerror or exc}") from None
+            self._made_dirs.insert(0, made)  # deepest first, so they can be removed in this order
 
     def _discard(self) -> None:
         for o in self.outputs:
@@ -385,7 +393,10 @@ class AtomicOutputs:
             except SpecconvError:
                 pass  # the write already failed; the files go anyway
             for p in o.temp_paths:
-                p.unlink(missing_ok=True)
+                try:
+                    p.unlink()
+                except (FileNotFoundError, NotADirectoryError):
+                    pass  # never created (its folder could not be)
         for d in self._made_dirs:
             try:
                 d.rmdir()  # only folders this run created, and only when empty

@@ -31,6 +31,7 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
 
 
 def convert(capsys, src, out, *extra) -> str:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)  # convert writes into existing folders only
     code, stdout, err = run_cli(capsys, "convert", src, "-o", out, *extra)
     assert code == 0, err
     return stdout
@@ -317,7 +318,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(sources, tmp_path, capsys):
     import json
 
     code, out, err = run_cli(capsys, "convert", sources(moe=True), "-o", tmp_path / "x" / "m.gguf", "--mtp",
-                             "separate", "--outtype", "q4_0", "--dry-run", "--json")
+                             "separate", "--outtype", "q4_0", "--dry-run", "--json", "--mkdir")
     assert code == 0, err
     plan = json.loads(out)
     assert plan["dry_run"] and not (tmp_path / "x").exists()

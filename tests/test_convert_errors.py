@@ -181,7 +181,7 @@ def test_interrupted_conversion_leaves_no_file(build, tmp_path, capsys, monkeypa
     monkeypatch.setattr(writer.GgufOutput, "write_at", interrupted)
     out = tmp_path / "out" / "sub"  # a folder the run creates: removed again
     extra = ["--split-max-size", "60K"] if split else []
-    rc, _, err = run_cli(capsys, "convert", src, "-o", out / "model.gguf", "--mtp", mode, *extra)
+    rc, _, err = run_cli(capsys, "convert", src, "-o", out / "model.gguf", "--mkdir", "--mtp", mode, *extra)
     assert rc == 130 and calls["n"] >= 20, err  # workers may finish the chunks already in flight
     assert not (tmp_path / "out" / "sub").exists()
     assert list((tmp_path / "out").iterdir()) == [] if (tmp_path / "out").exists() else True

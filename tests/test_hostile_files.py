@@ -314,8 +314,8 @@ def test_commands_give_one_line_errors(seeds, tmp_path, capsys, edit):
     runs = {"inspect": ["inspect", str(path)], "generate": ["generate", str(path), "-p", "x = 1", "-n", "1"],
             "verify": ["verify", str(path), "-n", "1", "--draft-max", "1"],
             "verify --mtp": ["verify", str(good), "--mtp", str(path), "-n", "1", "--draft-max", "1"],
-            "mtp extract": ["mtp", "extract", str(path), "-o", str(tmp_path / "out" / "x.gguf")],
-            "mtp merge": ["mtp", "merge", str(path), str(path), "-o", str(tmp_path / "out" / "y.gguf")],
+            "mtp extract": ["mtp", "extract", str(path), "-o", str(tmp_path / "out" / "x.gguf"), "--mkdir"],
+            "mtp merge": ["mtp", "merge", str(path), str(path), "-o", str(tmp_path / "out" / "y.gguf"), "--mkdir"],
             "upload": ["upload", str(tmp_path), "--repo", "user/model", "--dry-run"]}
     seen = []
     for name, argv in runs.items():

@@ -57,9 +57,9 @@ def commands(files, out: Path) -> dict[str, list[str]]:
     py = [sys.executable]
     return {
         "convert": py + ["-m", "specconv", "convert", str(files["src"]), "-o", str(out / "sub" / "m.gguf"),
-                         "--outtype", "f32", "--mtp", "separate", "--threads", "2"],
+                         "--mkdir", "--outtype", "f32", "--mtp", "separate", "--threads", "2"],
         "merge": py + ["-m", "specconv", "mtp", "merge", str(files["trunk"]), str(files["mtp"]), "-o",
-                       str(out / "sub" / "merged.gguf")],
+                       str(out / "sub" / "merged.gguf"), "--mkdir"],
         "split": py + ["-c", SPLIT, str(files["embed"]), str(out / "sub")],
     }
 
@@ -190,6 +190,7 @@ def test_two_converts_to_one_output(files, tmp_path):
 
     reference = convert_gguf(files["src"], tmp_path / "ref" / "m.gguf", mtp="embed").read_bytes()
     out = tmp_path / "out"
+    out.mkdir()
     for force in ([], ["--force"]):
         cmd = [sys.executable, "-m", "specconv", "convert", str(files["src"]), "-o", str(out / "m.gguf"),
                "--outtype", "f32", "--mtp", "embed", *force]

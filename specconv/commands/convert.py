@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from specconv.commands.outputs import MKDIR_HELP, check_output_folder
 from specconv.errors import SpecconvError
 
 MTP_HELP = (
@@ -111,13 +112,15 @@ def parse_layers(text: str) -> tuple[int, ...]:
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, tensors, types, shapes, sizes, metadata); "
                                               "write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite output files that already exist.")
+@click.option("--mkdir", is_flag=True, help=MKDIR_HELP + " Without it the folder of -o must exist (-o DIR/ may "
+                                            "name a new folder inside an existing one).")
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="Threads that read, encode and write tensor chunks (0: one per available core plus 2, which "
                    "work while others wait on the disk; 1: no worker threads). "
                    "The output is the same bytes whatever the number.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (or the --dry-run plan) as JSON on stdout.")
 def command(src, out, outtype, mtp_outtype, imatrix_file, mtp_mode, split_max_size, target, target_layers, dry_run,
-            force, threads, as_json):
+            force, mkdir, threads, as_json):
     """Convert the checkpoint folder SRC (config.json, safetensors, tokenizer) to GGUF.
 
     Files are written under temporary names and renamed only when complete; on any error or Ctrl-C
@@ -128,7 +131,11 @@ def command(src, out, outtype, mtp_outtype, imatrix_file, mtp_mode, split_max_si
     from specconv.convert.plan_report import plan_summary
 
     from specconv.commands.quantize import check_file_type
+    from specconv.convert.naming import is_directory_target
 
+    folder_target = is_directory_target(out)
+    check_output_folder(Path(out) if folder_target else Path(out).parent, mkdir=mkdir, option="-o",
+                        named_folder=folder_target)
     types = outtype.split(",")
     for t in types:
         check_file_type(t, imatrix_file is not None, "'--outtype'")  # q2_k_s without --imatrix

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
+
+from specconv.commands.outputs import MKDIR_HELP, check_output_folder
 
 
 def parse_size(text: str | None) -> int:
@@ -53,11 +57,14 @@ def command():
               help="Storage type for tensors whose name matches the regex PATTERN (repeatable, last match wins).")
 @click.option("--split-max-size", default=None, help="Split the output into shards of at most this size (e.g. 2G).")
 @click.option("--force", is_flag=True, help="Overwrite an existing output.")
-def extract(model, out, outtype, overrides, split_max_size, force):
+@click.option("--mkdir", is_flag=True, help=MKDIR_HELP)
+def extract(model, out, outtype, overrides, split_max_size, force, mkdir):
     """Write the MTP head of MODEL (a GGUF with an embedded head) as an MTP-only sidecar."""
     from specconv.runtime.gguf_reader import open_gguf
     from specconv.convert.mtp_graft import TypeOverride, default_sidecar_path, parse_type, plan_extract
 
+    if out is not None:
+        check_output_folder(Path(out).parent, mkdir=mkdir, option="-o")
     src = open_gguf(model)
     if out is None:
         out = str(default_sidecar_path(src.path))
@@ -75,11 +82,13 @@ def extract(model, out, outtype, overrides, split_max_size, force):
 @click.option("--split-max-size", default=None, help="Split the output into shards of at most this size (e.g. 2G).")
 @click.option("--force", is_flag=True, help="Graft even when the files do not look like they belong together, "
               "and overwrite an existing output.")
-def merge(trunk, mtp, out, overrides, split_max_size, force):
+@click.option("--mkdir", is_flag=True, help=MKDIR_HELP)
+def merge(trunk, mtp, out, overrides, split_max_size, force, mkdir):
     """Graft the MTP blocks of MTP (a sidecar or an embedded GGUF) into TRUNK (a trunk-only GGUF)."""
     from specconv.runtime.gguf_reader import open_gguf
     from specconv.convert.mtp_graft import TypeOverride, plan_merge
 
+    check_output_folder(Path(out).parent, mkdir=mkdir, option="-o")
     trunk_file, mtp_file = open_gguf(trunk), open_gguf(mtp)
     plan = plan_merge(trunk_file, mtp_file, [TypeOverride.parse(o) for o in overrides], force=force)
     _run(plan, out, parse_size(split_max_size), force, [trunk_file, mtp_file])

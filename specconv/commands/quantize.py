@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from specconv.commands.outputs import MKDIR_HELP, check_output_folder
 from specconv.errors import SpecconvError
 
 FILE_TYPES = ["q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "q2_k_s", "iq4_nl",
@@ -44,10 +45,11 @@ def check_file_type(name: str, have_imatrix: bool, param_hint: str) -> str:
 @click.option("--imatrix", "imatrix_file", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
               metavar="FILE", help=IMATRIX_HELP)
 @click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
+@click.option("--mkdir", is_flag=True, help=MKDIR_HELP)
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="Encoding threads (0: one per core plus 2). The bytes do not depend on it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def command(src, dst, file_type, allow_requantize, imatrix_file, force, threads, as_json):
+def command(src, dst, file_type, allow_requantize, imatrix_file, force, mkdir, threads, as_json):
     """Requantize SRC (a GGUF with F32, F16 or BF16 weights: ours or any converter's; give the first
     shard of a split file) to TYPE, writing DST. TYPE (any case): Q2_K, Q3_K_S, Q3_K_M, Q3_K_L,
     Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, Q6_K, IQ4_NL, IQ4_XS, or Q2_K_S (with --imatrix).
@@ -63,6 +65,7 @@ def command(src, dst, file_type, allow_requantize, imatrix_file, force, threads,
     key = check_file_type(file_type, imatrix_file is not None, "'TYPE'")
     if key not in FILE_TYPES:
         raise click.BadParameter(f"{file_type!r} is not one of {', '.join(FILE_TYPES)}", param_hint="'TYPE'")
+    check_output_folder(dst.parent, mkdir=mkdir, option="DST")
     if dst.exists() and not force:
         raise SpecconvError(f"{dst} already exists (use --force to overwrite)")
     imatrix = load_imatrix(imatrix_file) if imatrix_file is not None else None
