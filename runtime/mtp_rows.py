@@ -6,6 +6,8 @@
   x_T is the token that follows the sequence (the target's prediction); no row at position 0.
 
 h are the target's post-final-norm hidden states (`hidden["post_norm"]` of a MAIN decode).
+These are one block's rows; chained heads run each block on the previous block's outputs
+(runtime/drafters/mtp_chain.py, docs/reference/model-math.md §12).
 """
 
 from __future__ import annotations

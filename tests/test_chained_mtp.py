@@ -4,13 +4,12 @@ checkpoints of each family, converted by `specconv convert --outtype f32`:
 * the files of every --mtp mode: block counts, one `blk.{N+j}.nextn.*` set per block, sidecar layout;
 * our runtime vs transformers: trunk logits and greedy tokens; every MTP block's logits on
   llama.cpp's teacher-forced rows (each block judged alone);
-* the chained draft (tokens and each position's logits) equals an independent reference chain
-  (transformers' MtpLayer run without a cache on the whole row set), in the first round and after
-  rounds that accepted 0..k drafts (each block's own cache rolled back);
+* the chained draft block by block against the training recursion: tests/test_chained_draft.py;
 * greedy speculative decoding equals plain greedy; drafts are capped at k (llama.cpp's n_max);
   acceptance is reported by draft position and by block;
 * llama.cpp (llama-cpp-python 0.3.36) loads our files, its trunk logits agree, the MTP context
-  builds, and every block's logits agree (llama_set_nextn_layer_offset);
+  builds, and every block's logits agree (llama_set_nextn_layer_offset); its draft-mtp chain agrees
+  with ours (in llama.cpp's rows) on the first block and departs from the recursion on later ones;
 * `specconv verify --hf` passes, and fails a file in which one block other than the first was
   perturbed.
 """
@@ -108,47 +107,6 @@ def test_runtime_every_block_equals_transformers(root, family):
     print(f"{family} runtime MTP blocks vs transformers MtpLayer: max |Δlogit| per block {[f'{x:.3g}' for x in diffs]}; "
           f"block 1 vs block 0's reference {control:.3g}")
     assert max(diffs) < TOL and control > 0.1
-
-
-def _chain_check(ref, family, drafter, committed, hidden, id_last, k):
-    draft = drafter.draft(id_last, k + 2)  # more than k asked: llama.cpp caps the draft at k
-    want, want_logits = ref.chain(committed, hidden, id_last, k, tiny.FAMILIES[family].chain)
-    got = torch.stack(drafter.last_draft_logits).numpy()
-    return draft.tokens, want, float(np.abs(got - want_logits).max())
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_chained_draft_equals_reference_chain_across_rollbacks(root, family):
-    """Rounds that accept 0..k drafts (chosen, not judged): after each, the next chain equals the
-    reference chain computed from scratch on the committed sequence."""
-    src, files, ref, k = _family(family, root)
-    model = load_model(files["embed"], device="cpu")
-    drafter = MtpDrafter(model, 96, model)
-    ctx = Context(model, GraphType.MAIN, n_ctx=96, n_rs_seq=k)
-    prompt = IDS[:12]
-    prefix, id_last = prompt[:-1], prompt[-1]
-    hid = drafter.target_hidden[0]  # post-norm, or pre-norm (step35)
-    drafter.start(prefix, ctx.decode(prefix, hidden=(hid,), logits=None).hidden[hid])
-    committed = list(prefix)
-    worst, rounds = 0.0, []
-    for accept in [k, 0, 1, k - 1, 2, 0]:
-        accept = min(accept, k)
-        _, h = ref.trunk(committed)
-        tokens, want, diff = _chain_check(ref, family, drafter, committed, h, id_last, k)
-        assert tokens == want, f"round {len(rounds)}: chain {tokens} != reference {want}"
-        worst = max(worst, diff)
-        batch = [id_last] + tokens
-        pos0 = ctx.n_past()
-        out = ctx.decode(batch, hidden=(hid,))
-        ctx.seq_rm(0, pos0 + accept + 1)
-        drafter.accept(accept, batch, out.hidden[hid])
-        committed += batch[:accept + 1]
-        id_last = int(out.logits[accept].argmax())
-        rounds.append((len(tokens), accept))
-        assert drafter.committed_rows() == len(committed)
-    print(f"{family} chained drafts ({k} blocks) vs reference chain over rounds (drafted, accepted) {rounds}: "
-          f"tokens identical, max |Δlogit| {worst:.3g}")
-    assert worst < TOL
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -262,20 +220,23 @@ def test_mtp_extract_and_merge_move_every_block(root, family, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["hy_v3", "step35"])
-def test_chained_draft_equals_llama_cpp(root, family, llama_peer):
-    """Our chain = llama.cpp's draft-mtp chain (chain_heads) on the same file: same drafts, and each
-    position's logits (block i's) within float32 noise. (mimo2: llama.cpp feeds and chains pre-norm
-    states where the release uses post-norm ones; docs/mtp.md.)"""
+def test_llama_cpp_chain_agrees_on_the_first_block_only(root, family, llama_peer):
+    """llama.cpp's draft-mtp chain (chain_heads) on the same file: its first block is block 0 of the
+    recursion in llama.cpp's rows (ours with layout "llama.cpp": same draft, logits within float32
+    noise); its later blocks read the target's states at committed positions where the releases'
+    recursion reads the previous block's outputs, so their logits depart (printed, docs/mtp.md).
+    (mimo2: llama.cpp feeds and chains pre-norm states where the release uses post-norm ones.)"""
     src, files, _, k = _family(family, root)
     ids = IDS[:16]
     id_last, theirs, their_logits = ref_mod.llama_chained_draft(files["embed"], ids, k + 2)
     model = load_model(files["embed"], device="cpu")
-    drafter = MtpDrafter(model, 64, model)
+    drafter = MtpDrafter(model, 64, model, layout="llama.cpp")
     hid = drafter.target_hidden[0]
     out = Context(model, GraphType.MAIN, n_ctx=64).decode(ids, hidden=(hid,))
     assert int(out.logits[-1].argmax()) == id_last
     drafter.start(ids, out.hidden[hid])
     ours = drafter.draft(id_last, k + 2).tokens
-    diff = float(np.abs(torch.stack(drafter.last_draft_logits).numpy() - their_logits).max())
-    print(f"{family}: chained drafts ours {ours} == llama.cpp {theirs} (capped at {k}); max |Δlogit| {diff:.3g}")
-    assert ours == theirs and len(ours) == k and diff < TOL
+    diff = np.abs(torch.stack(drafter.last_draft_logits).numpy() - their_logits).max(axis=1)
+    print(f"{family}: drafts ours {ours}, llama.cpp's {theirs} (capped at {k}); max |Δlogit| per block "
+          f"{[f'{x:.2g}' for x in diff]}")
+    assert len(theirs) == len(ours) == k and ours[0] == theirs[0] and diff[0] < TOL and diff[1:].max() > 0.01

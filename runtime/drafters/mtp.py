@@ -1,14 +1,16 @@
-"""The MTP (nextn) drafter, following llama.cpp's row convention (docs/reference/model-math.md §7.2-§7.4).
+"""The MTP (nextn) drafter (docs/reference/model-math.md §7.2-§7.4, §12).
 
 Rows. The MTP row at position p is (x_p, h_{p-1}): the token at p and the target's post-norm hidden
-state of the position before (pre-norm for graphs with TARGET_HIDDEN = "pre_norm": step35); row 0
-gets the zero vector. Row p's logits predict x_{p+1}.
+state of the position before (pre-norm for graphs with TARGET_HIDDEN = "pre_norm": step35). Row p's
+logits predict x_{p+1}. Where the rows begin is the graph's MTP_ROWS: llama.cpp's convention (the
+default) has a row 0 with the zero vector; "shifted" (the chained-MTP releases: hy_v3, step35, mimo2,
+as vLLM, SGLang and transformers' `MtpModel` lay them) begins at row 1 = (x_1, h_0).
 
 One block (qwen35, glm4moe, deepseek2, ...: the block is reused for every draft position).
 Memory. The head has its own attention cache. After every target batch it holds teacher-forced
 rows for exactly the committed positions:
-* `start` (prompt minus its last token): rows (x_0, 0), (x_1, h_0), ... ; `pending_h` = h of the
-  last prompt row (zeros when that prefix is empty).
+* `start` (prompt minus its last token): rows (x_0, 0), (x_1, h_0), ... (shifted: from (x_1, h_0));
+  `pending_h` = h of the last prompt row (zeros when that prefix is empty).
 * `draft`: row (id_last, pos0, pending_h) → d_1, then (d_i, pos0+i, z_{i-1}) → d_{i+1}, where z is
   the head's own normed output (`hidden["nextn"]`, what llama.cpp feeds back). Greedy (top-1), so
   the draft is deterministic and has no q rows; `p_min` is tested on the softmax of the top 10.
@@ -18,16 +20,10 @@ rows for exactly the committed positions:
   llama.cpp writes catch-up rows for the whole batch and then removes positions > pos0+j; the
   attention is causal, so writing only rows 0..j leaves the same cache.
 
-Chained blocks (graphs with CHAINED_MTP and k = nextn_predict_layers > 1: hy_v3, step35, mimo2),
-as llama.cpp's draft-mtp does with `chain_heads` (common/speculative.cpp at 0c1e570):
-* every block b has its own context (its own KV cache); `start` / `accept` write the same
-  teacher-forced catch-up rows (target hidden states) into each block's cache and roll each back;
-* draft position i uses block i. Block i's cache holds nothing in the draft region, so step i
-  removes positions ≥ pos0 from block i and evaluates the whole chain [id_last, d_1..d_i] at
-  pos0..pos0+i with hidden rows [pending_h, c_0..c_{i-1}], where c_t is block t's output for its
-  last row: post-norm (`nextn`) or pre-norm (`pre_norm`), as the graph's CHAIN_HIDDEN says;
-* drafts are capped at k tokens per round (llama.cpp sets n_max = min(n_max, k)): positions beyond
-  the block count are never drafted.
+Chained blocks (graphs with CHAINED_MTP and k = nextn_predict_layers > 1: hy_v3, step35, mimo2)
+run in the releases' training recursion, block j's rows reading block j−1's outputs, one context per
+block (runtime/drafters/mtp_chain.py). Drafts are capped at k tokens per round: positions beyond the
+block count are never drafted (no block is reused, as in llama.cpp, whose n_max = min(n_max, k)).
 `last_draft_logits` keeps each draft position's logits (block i's for position i) for tests and
 `block_of_position(i)` says which block drafted position i (per-block statistics).
 """
@@ -42,7 +38,8 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
-from specconv.runtime.drafters import Draft, best_candidate_probability, chain_drafts
+from specconv.runtime.drafters import Draft, chain_drafts
+from specconv.runtime.drafters.mtp_chain import MtpChain, first_row_position
 from specconv.runtime.model import Model
 from specconv.runtime.types import GraphType
 
@@ -61,6 +58,12 @@ def n_chained_blocks(head: Model) -> int:
     return max(1, int(getattr(head.hparams, "n_nextn", 1)))
 
 
+def rows_layout(head: Model) -> str:
+    """Where the head's rows begin (runtime/drafters/mtp_chain.py LAYOUTS): the graph's MTP_ROWS
+    ("shifted" for the chained-MTP releases), else llama.cpp's row convention."""
+    return getattr(head.graph, "MTP_ROWS", "llama.cpp")
+
+
 def _block_of(i: int, k: int) -> int | None:
     """Chained heads: block i drafts position i and positions ≥ k are never drafted (None); a
     one-block head drafts every position with block 0."""
@@ -77,31 +80,38 @@ class MtpDrafter:
     name = "mtp"
     needs_hidden = True
 
-    def __init__(self, head: Model, n_ctx: int, target: Model | None = None):
+    def __init__(self, head: Model, n_ctx: int, target: Model | None = None, layout: str | None = None):
         if target is not None and (target.n_vocab != head.n_vocab or target.n_embd != head.n_embd):
             raise SpecconvError(f"MTP head (vocab {head.n_vocab}, width {head.n_embd}) does not fit the target "
                                 f"(vocab {target.n_vocab}, width {target.n_embd})")
         self.head = head
         self.n_blocks = n_chained_blocks(head)
-        if self.n_blocks > 1:
-            self.ctxs = [Context(block_view(head, b), GraphType.MTP, n_ctx=n_ctx) for b in range(self.n_blocks)]
-            self.chain_hidden = getattr(head.graph, "CHAIN_HIDDEN", "nextn")
-        else:
-            self.ctxs = [Context(head, GraphType.MTP, n_ctx=n_ctx)]
-        self.ctx = self.ctxs[0]
         # the target rows the head reads: post-norm, or pre-norm where the graph says so (step35)
         self.target_hidden = (getattr(head.graph, "TARGET_HIDDEN", "post_norm"),)
+        self.layout = layout or rows_layout(head)
+        self.chain = None
+        if self.n_blocks > 1:
+            self.chain = MtpChain([block_view(head, b) for b in range(self.n_blocks)], n_ctx,
+                                  getattr(head.graph, "CHAIN_HIDDEN", "nextn"), self.layout)
+        else:
+            self.first_row = first_row_position(self.layout, 0)
+            self.ctx = Context(head, GraphType.MTP, n_ctx=n_ctx)
         self.n_committed = 0
         self.pending_h = torch.zeros(head.n_embd, dtype=head.dtype, device=head.device)
-        self.last_draft_logits: list[torch.Tensor] = []
+        self._last_draft_logits: list[torch.Tensor] = []
+
+    @property
+    def last_draft_logits(self) -> list[torch.Tensor]:
+        return self.chain.last_draft_logits if self.chain else self._last_draft_logits
 
     def block_of_position(self, i: int) -> int | None:
         """The block that drafts draft position i (0-based), None beyond k; statistics by block use it."""
         return _block_of(i, self.n_blocks)
 
     def start(self, prefix: Sequence[int], hidden: torch.Tensor | None) -> None:
-        for ctx in self.ctxs:
-            ctx.clear()
+        if self.chain:
+            return self.chain.start(prefix, hidden)
+        self.ctx.clear()
         self.n_committed = 0
         self.pending_h = torch.zeros(self.head.n_embd, dtype=self.head.dtype, device=self.head.device)
         if len(prefix):
@@ -114,42 +124,29 @@ class MtpDrafter:
         h = hidden[:len(tokens)].to(self.pending_h)
         rows = torch.cat([self.pending_h.reshape(1, -1), h[:-1]], dim=0)
         start = self.n_committed
-        for ctx in self.ctxs:
-            ctx.decode(tokens, positions=list(range(start, start + len(tokens))), hidden_in=rows, logits=None)
+        skip = max(0, min(self.first_row - start, len(tokens)))  # positions before the layout's first row
+        if skip < len(tokens):
+            self.ctx.decode(tokens[skip:], positions=list(range(start + skip, start + len(tokens))),
+                            hidden_in=rows[skip:], logits=None)
         self.pending_h = h[-1].clone()
         self.n_committed += len(tokens)
 
     def draft(self, id_last: int, n_max: int, p_min: float = 0.0, temperature: float = 0.0,
               generator: torch.Generator | None = None) -> Draft:
         # llama.cpp's MTP drafter is greedy whatever the target's temperature (a one-hot q)
-        if self.n_blocks > 1:
-            return self._draft_chained(int(id_last), min(max(n_max, 0), self.n_blocks), p_min)
+        if self.chain:
+            return self.chain.draft(int(id_last), max(n_max, 0), p_min)
+        if self.n_committed < self.first_row:  # no target state for the first draft row yet
+            return Draft([])
         positions = range(self.n_committed, self.n_committed + max(n_max, 0))
-        self.last_draft_logits = []
         return chain_drafts(self.ctx, int(id_last), self.pending_h, positions, p_min, 0.0, None)
 
-    def _draft_chained(self, id_last: int, n: int, p_min: float) -> Draft:
-        pos0 = self.n_committed
-        tokens, hidden = [id_last], [self.pending_h]
-        self.last_draft_logits = []
-        for i in range(n):
-            ctx = self.ctxs[i]
-            ctx.seq_rm(0, pos0)  # block i rebuilds its own draft-region cells
-            out = ctx.decode(tokens, positions=list(range(pos0, pos0 + len(tokens))),
-                             hidden_in=torch.stack(hidden), logits="last")
-            logits = out.logits[-1]
-            if p_min > 0 and best_candidate_probability(logits) < p_min:
-                break
-            self.last_draft_logits.append(logits)
-            tokens.append(int(logits.argmax()))
-            hidden.append(out.hidden[self.chain_hidden][-1])
-        return Draft(tokens[1:])
-
     def accept(self, n_accepted: int, batch: Sequence[int], hidden: torch.Tensor | None) -> None:
-        for ctx in self.ctxs:
-            ctx.seq_rm(0, self.n_committed)  # draft rows go before the catch-up (§7.4 step 1)
+        if self.chain:
+            return self.chain.accept(n_accepted, batch, hidden)
+        self.ctx.seq_rm(0, self.n_committed)  # draft rows go before the catch-up (§7.4 step 1)
         self._catch_up([int(t) for t in batch[:n_accepted + 1]], hidden)
 
     def committed_rows(self) -> int:
         """Positions held in the head's cache (equals the target's committed count after accept)."""
-        return self.ctx.n_past()
+        return self.chain.committed_rows() if self.chain else self.ctx.n_past()

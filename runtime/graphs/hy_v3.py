@@ -30,6 +30,7 @@ OPTIONAL = ("output.weight",)  # absent when tied to token_embd
 MULTI_DEVICE = True  # runs through decoder.forward_trunk / forward_nextn
 CHAINED_MTP = True  # block i drafts position i (runtime/drafters/mtp.py)
 CHAIN_HIDDEN = "nextn"  # the post-norm block output seeds the next block (vLLM, llama.cpp)
+MTP_ROWS = "shifted"  # the release's rows: from (x_1, h_0), no zero-state row (docs/reference/model-math.md §12)
 _ATTN = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_norm")
 _DENSE = ("ffn_gate", "ffn_up", "ffn_down")
 _MOE = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",

@@ -34,6 +34,7 @@ OPTIONAL = ("output.weight",)
 MULTI_DEVICE = True
 CHAINED_MTP = True
 CHAIN_HIDDEN = "nextn"  # post-norm (vLLM's MiMoV2MTPLayer returns final_layernorm(h))
+MTP_ROWS = "shifted"  # the release's rows: from (x_1, h_0), no zero-state row (docs/reference/model-math.md §12)
 TARGET_HIDDEN = "post_norm"
 _BLOCK = ("attn_norm", "attn_output", "ffn_norm")
 _OPT = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_sinks", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp",

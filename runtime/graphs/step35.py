@@ -33,6 +33,7 @@ OPTIONAL = ("output.weight",)
 MULTI_DEVICE = True  # runs through decoder.forward_trunk / forward_nextn
 CHAINED_MTP = True  # block i drafts position i (runtime/drafters/mtp.py)
 CHAIN_HIDDEN = "pre_norm"  # a block passes its output before shared_head_norm (vLLM, llama.cpp)
+MTP_ROWS = "shifted"  # the release's rows: from (x_1, h_0), no zero-state row (docs/reference/model-math.md §12)
 TARGET_HIDDEN = "pre_norm"  # the target's hidden state before output_norm (llama.cpp's step35 h_nextn)
 _ATTN = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
 _ATTN_OPT = ("attn_q_norm", "attn_k_norm", "attn_gate")
