@@ -9,7 +9,8 @@ rollback) is shared with it. Checked on tiny release-layout checkpoints with cha
 blocks, per block (logits of the drafted position and the draft token):
 
 * right after the prompt, after plain decode steps told one by one and several at once, and after
-  rounds that accepted 0..k drafts (rollback of every block's cache);
+  rounds that accepted 0..k drafts (rollback of every block's cache); after prompts of 2 and 3
+  tokens, where later blocks' rows begin inside the draft;
 * in both row layouts: the releases' (shifted, the default) and llama.cpp's (rows from position 0);
 * Hy3 as released, one MTP block reused for every draft position, in the release's rows;
 * greedy speculative decoding equals plain greedy decoding at depth 4 and with one reused block.
@@ -82,11 +83,11 @@ class _Target:
             self.drafter.accept(len(tokens) - 1, tokens, torch.cat(rows))
 
 
-def _rounds(ref, family, model, k, layout, schedule):
+def _rounds(ref, family, model, k, layout, schedule, prompt=IDS[:14]):
     """Per-block worst |Δlogit| of the drafted position over the schedule's rounds, and the rounds."""
     drafter = MtpDrafter(model, 160, model, layout=layout)
     assert drafter.n_blocks == k and drafter.layout == (layout or "shifted")
-    target = _Target(model, drafter, IDS[:14], k)
+    target = _Target(model, drafter, prompt, k)
     worst, log = np.zeros(k), []
     for step in schedule:
         if isinstance(step, tuple):
@@ -115,6 +116,19 @@ def test_every_block_equals_the_recursion_over_rounds(root, family, k):
     worst, log = _rounds(ref, family, model, k, None, SCHEDULE)
     print(f"{family}, {k} blocks, release rows: drafts equal the recursion in every round {log}; "
           f"max |Δlogit| per block {[f'{x:.2g}' for x in worst]}")
+    assert worst.max() < TOL
+
+
+@pytest.mark.parametrize("layout", [None, "llama.cpp"])
+@pytest.mark.parametrize("n_prompt", [2, 3])
+def test_short_prompts_where_blocks_begin_late(root, n_prompt, layout):
+    """Prompts of 2 and 3 tokens: in the release's rows block j has no row before position j + 1,
+    so the first rounds draft with blocks whose rows begin inside the draft (hy_v3, full attention)."""
+    files, ref = _family("hy_v3", root, 4)
+    model = load_model(files["embed"], device="cpu")
+    worst, log = _rounds(ref, "hy_v3", model, 4, layout, [0, 1, "k"], prompt=IDS[:n_prompt])
+    print(f"hy_v3, 4 blocks, {n_prompt}-token prompt, {layout or 'shifted'} rows: drafts equal the recursion "
+          f"over {log}; max |Δlogit| per block {[f'{x:.2g}' for x in worst]}")
     assert worst.max() < TOL
 
 
