@@ -71,6 +71,7 @@ def _step35_text_config(hf_dir: Path, all_layers: bool):
         d["num_nextn_predict_layers"] = 0
     cfg = Step3p7TextConfig(**d)
     cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"  # grouped_mm (the default experts kernel) has no float64
     return cfg
 
 
@@ -117,6 +118,7 @@ def _mimo2_text_config(hf_dir: Path, k: int = 0):
         rms_norm_eps=raw.get("layernorm_epsilon", raw.get("rms_norm_eps", 1e-5)),
         tie_word_embeddings=raw.get("tie_word_embeddings", False))
     cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"  # grouped_mm (the default experts kernel) has no float64
     return cfg
 
 
@@ -130,7 +132,7 @@ def mimo2_reference(hf_dir: Path, dtype: torch.dtype = torch.float32):
 
     model = MiMoV2FlashForCausalLM(_mimo2_text_config(hf_dir))
     state = {name.replace(".self_attn.attention_sink_bias", ".self_attn.sinks"): t
-             for name, t in _release_tensors(hf_dir, "").items() if not name.startswith("model.mtp.")}
+             for name, t in _release_tensors(hf_dir, "", "mimo2").items() if not name.startswith("model.mtp.")}
     bad = model.load_state_dict(_fuse_experts(state), strict=False)
     problems = {k: v for k, v in (("missing_keys", bad.missing_keys), ("unexpected_keys", bad.unexpected_keys)) if v}
     model.config._name_or_path = str(hf_dir)
@@ -175,7 +177,7 @@ def step35_reference(hf_dir: Path, dtype: torch.dtype = torch.float32):
     model = _Step35Causal(cfg)
     n = cfg.num_hidden_layers
     state = {}
-    for name, t in _release_tensors(hf_dir, "").items():
+    for name, t in _release_tensors(hf_dir, "", "step35").items():
         m = re.match(r"^model\.layers\.(\d+)\.", name)
         if m and int(m.group(1)) >= n:
             continue
@@ -189,16 +191,25 @@ def step35_reference(hf_dir: Path, dtype: torch.dtype = torch.float32):
 REFERENCES = {"step35": step35_reference, "mimo2": mimo2_reference}
 
 
-def _release_tensors(hf_dir: Path, prefix: str) -> dict[str, torch.Tensor]:
+def _release_tensors(hf_dir: Path, prefix: str, family: str) -> dict[str, torch.Tensor]:
+    """The language model's tensors under `prefix` (which is dropped), named as the family's plugin
+    names them: a VL release's `model.language_model.*` read as `model.*` (Step-3.7), towers and the
+    tensors a text GGUF leaves out skipped."""
     from safetensors import safe_open
 
+    from specconv.archs import plugin_class_for_family
+
+    normalize = plugin_class_for_family(family).normalize_name
     index = hf_dir / "model.safetensors.index.json"
     files = (sorted({hf_dir / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file()
              else sorted(hf_dir.glob("*.safetensors")))
     out = {}
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            out.update({k[len(prefix):]: st.get_tensor(k) for k in st.keys() if k.startswith(prefix)})
+            for raw in st.keys():
+                name = normalize(raw)
+                if isinstance(name, str) and name.startswith(prefix):
+                    out[name[len(prefix):]] = st.get_tensor(raw)
     return out
 
 
@@ -239,13 +250,18 @@ def load_blocks(main, family: str, hf_dir: Path, k: int) -> list:
     blocks = []
     for j in range(k):
         layer = MtpLayer(cfg, layer_cls, norm_cls, n + j, use_post_norm=True)
-        raw = _release_tensors(hf_dir, PREFIX.get(family, lambda n, j: f"model.layers.{n + j}.")(n, j))
+        raw = _release_tensors(hf_dir, PREFIX.get(family, lambda n, j: f"model.layers.{n + j}.")(n, j), family)
         raw = {r: t for r, t in raw.items() if not r.startswith(("embed_tokens.", "shared_head."))}
         if not raw:
             raise SpecconvError(f"--hf {hf_dir}: no model.layers.{n + j}.* tensors (MTP block {j})")
         named = {rename(r): t for r, t in raw.items()}
         layer.load_state_dict(_fuse_experts({a: b for a, b in named.items() if a is not None}), strict=True)
-        blocks.append(layer.to(dtype).eval())
+        layer = layer.to(dtype).eval()
+        if dtype == torch.float64:
+            from specconv.verify.parity import round_as_stored_
+
+            round_as_stored_(layer)
+        blocks.append(layer)
     return blocks
 
 
@@ -268,7 +284,7 @@ def block_logits(main, layer, tokens: list[int], hidden: torch.Tensor, positions
     rotary = main.get_decoder().rotary_emb
     rope = rotary(x, pos, kind) if kind is not None else rotary(x, pos)
     y = layer.mtp_block(x, attention_mask=mask, position_embeddings=rope, position_ids=pos)
-    return main.get_output_embeddings()(layer.post_norm(y))[0].float().cpu()
+    return main.get_output_embeddings()(layer.post_norm(y))[0].cpu()
 
 
 @torch.no_grad()
@@ -277,7 +293,7 @@ def _pre_norm_rows(main, prompts) -> list[torch.Tensor]:
     rows = []
 
     def keep(module, args, out):  # returns None, so the norm's output is left alone
-        rows.append(args[0][0].float().cpu())
+        rows.append(args[0][0].cpu())
 
     hook = main.get_decoder().norm.register_forward_hook(keep)
     try:
@@ -290,6 +306,8 @@ def _pre_norm_rows(main, prompts) -> list[torch.Tensor]:
 
 def chained_mtp_check(report, head, main, prompts, hidden, judge, ref: str, errors) -> None:
     """One check per MTP block; report.parity gains `mtp` (the worst block) and `mtp_blocks`."""
+    from specconv.verify.parity import reference_precision
+
     k = head.hparams.n_nextn
     hf_dir = Path(getattr(main.config, "_name_or_path", "") or getattr(main.config, "name_or_path", ""))
     try:
@@ -304,10 +322,12 @@ def chained_mtp_check(report, head, main, prompts, hidden, judge, ref: str, erro
         view = block_view(head, j)
         worst, rels = 0.0, []
         for ids, h in zip(prompts, hidden):
-            rows = torch.cat([torch.zeros(1, h.shape[1]), h[:-1].float()])
+            rows = torch.cat([torch.zeros(1, h.shape[1], dtype=h.dtype), h[:-1]])
             pos = list(range(len(ids)))
             ours = Context(view, GraphType.MTP, n_ctx=len(ids)).decode(ids, pos, hidden_in=rows.to(head.device))
-            m, r = errors(ours.logits.float().cpu(), block_logits(main, layer, ids, rows, pos))
+            with reference_precision(layer):
+                ref_logits = block_logits(main, layer, ids, rows, pos)
+            m, r = errors(ours.logits.cpu(), ref_logits)
             worst, rels = max(worst, m), rels + [r]
         judge(f"parity: MTP block {j} vs transformers", worst, sum(rels) / len(rels))
         per_block.append(worst)

@@ -160,20 +160,20 @@ def round_as_stored_(model) -> None:
             if type(getattr(module, name, None)) is float:
                 setattr(module, name, float(torch.tensor(getattr(module, name), dtype=torch.float32)))
     for config in {id(c): c for c in (model.config, getattr(model.config, "text_config", None)) if c}.values():
-        for name in ("rms_norm_eps", "routed_scaling_factor"):
+        for name in ("rms_norm_eps", "routed_scaling_factor", "router_scaling_factor"):
             if type(getattr(config, name, None)) is float:
                 setattr(config, name, float(torch.tensor(getattr(config, name), dtype=torch.float32)))
 
 
-_STORED_AS_F32 = ("variance_epsilon", "eps", "epsilon", "routed_scaling_factor")
+_STORED_AS_F32 = ("variance_epsilon", "eps", "epsilon", "routed_scaling_factor", "router_scaling_factor", "v_scale")
 
 
-def _config_as_stored(hf_dir: Path):
-    """The checkpoint's config with YaRN's mscale as GGUF keeps it: yarn_log_multiplier = f32(0.1 x),
-    read back as x / 0.1 for both mscale and mscale_all_dim (equal in DeepSeek-V3, as the runtime assumes)."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(str(hf_dir))
+def _config_as_stored(hf_dir: Path, cls):
+    """The config `cls.from_pretrained` would read (its own config class: the text config of a release
+    whose config.json wraps one in `text_config`), with YaRN's mscale as GGUF keeps it:
+    yarn_log_multiplier = f32(0.1 x), read back as x / 0.1 for both mscale and mscale_all_dim (equal in
+    DeepSeek-V3, as the runtime assumes)."""
+    config = cls.config_class.from_pretrained(str(hf_dir))
     for c in (config, getattr(config, "text_config", None)):
         rope = getattr(c, "rope_parameters", None) if c is not None else None
         if isinstance(rope, dict) and rope.get("mscale_all_dim") and rope.get("mscale") == rope["mscale_all_dim"]:
@@ -192,7 +192,10 @@ def load_reference(hf_dir: Path, arch: str, dtype: torch.dtype = torch.float32, 
     from specconv.verify.chained_mtp import REFERENCES
 
     if arch in REFERENCES:  # no transformers CausalLM class: built from its text model (chained_mtp.py)
-        return REFERENCES[arch](hf_dir, dtype)
+        model, bad = REFERENCES[arch](hf_dir, dtype)
+        if dtype == torch.float64:
+            round_as_stored_(model)
+        return model, bad
     if arch not in HF_CLASSES:
         raise SpecconvError(f"--hf: no transformers reference for GGUF arch {arch!r} (known: {', '.join(HF_CLASSES)})")
     if not (hf_dir / "config.json").is_file():
@@ -208,7 +211,7 @@ def load_reference(hf_dir: Path, arch: str, dtype: torch.dtype = torch.float32, 
         placement["max_memory"] = max_memory
     if dtype == torch.float64:  # grouped_mm (the default experts kernel) has no float64
         placement["experts_implementation"] = "eager"
-        placement["config"] = _config_as_stored(hf_dir)
+        placement["config"] = _config_as_stored(hf_dir, cls)
     try:
         model, info = cls.from_pretrained(str(hf_dir), output_loading_info=True, dtype=dtype, **placement)
     except ValueError as exc:
