@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import click
 
+from specconv.commands.options import DRAFT_COUNT, MAX_DRAFT, NON_NEGATIVE, PROBABILITY, SEED, DraftMaxType
 from specconv.errors import SpecconvError
 
 
@@ -32,24 +34,7 @@ def prompt_ids(model, prompt: str | None, tokens: str | None) -> list[int]:
     return model.tokenizer.encode(prompt)
 
 
-class DraftMaxType(click.ParamType):
-    """--draft-max: a count ≥ 0 or "auto"."""
-
-    name = "N|auto"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, int) or value == "auto":
-            return value
-        try:
-            n = int(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is neither a count nor auto", param, ctx)
-        if n < 0:
-            self.fail(f"{n} is below 0", param, ctx)
-        return n
-
-
-DRAFT_MAX = DraftMaxType()
+DRAFT_MAX = DraftMaxType()  # 0..MAX_DRAFT or auto
 
 
 @click.command("generate")
@@ -57,8 +42,8 @@ DRAFT_MAX = DraftMaxType()
 @click.option("-p", "--prompt", default=None, help="Prompt text (tokenized with the GGUF's tokenizer).")
 @click.option("--tokens", default=None, help="Prompt as comma-separated token ids instead of text.")
 @click.option("-n", "--n-predict", default=32, show_default=True, type=click.IntRange(min=0), help="Tokens to generate.")
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed (temperature > 0).")
+@click.option("--temperature", default=0.0, show_default=True, type=NON_NEGATIVE, help="0 = greedy.")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Sampling seed (temperature > 0).")
 @click.option("--device", default="auto", show_default=True,
               help="auto (CUDA if available), cpu, cuda, cuda:N, or several devices (cuda:0,cuda:1): the blocks "
                    "are split over them by their bytes.")
@@ -80,16 +65,16 @@ DRAFT_MAX = DraftMaxType()
                    "target's own greedy continuation (a plain run made first, not timed) with each token replaced, "
                    "independently, with probability 1 - --acceptance; it costs nothing to draft, so the run shows "
                    "the target's cost of verification and rollback. Its results are labelled synthetic.")
-@click.option("--acceptance", default=None, type=click.FloatRange(0.0, 1.0),
+@click.option("--acceptance", default=None, type=PROBABILITY,
               help="For --spec synthetic: the probability A that each drafted token is kept (greedy acceptance A).")
 @click.option("--draft-max", default="3", show_default=True, type=DRAFT_MAX,
               help="Draft tokens per round, or auto: chosen per round (0 to 8) from the acceptance measured so far "
                    "and the measured costs of the target's forward by batch size and of the drafter, dropping to "
                    "plain decoding while drafts do not pay and probing again later; each round's choice is in the "
                    "--json rounds (k, mode).")
-@click.option("--draft-min", default=0, show_default=True, type=click.IntRange(min=0),
+@click.option("--draft-min", default=0, show_default=True, type=DRAFT_COUNT,
               help="Shorter drafts are discarded.")
-@click.option("--p-min", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+@click.option("--p-min", default=0.0, show_default=True, type=PROBABILITY,
               help="Stop drafting below this top-10 probability.")
 @click.option("--mtp", "mtp_path", default=None, type=click.Path(exists=True, dir_okay=False),
               help="MTP sidecar for --spec mtp (default: the model's own head).")
@@ -97,29 +82,41 @@ DRAFT_MAX = DraftMaxType()
               help="Draft model GGUF for --spec draft, the EAGLE-3 head for --spec eagle3, or the DFlash drafter for "
                    "--spec dflash (--draft-max is capped at its block size - 1).")
 @click.option("--rollback", type=click.Choice(["snapshot", "checkpoint"]), default="snapshot", show_default=True)
-@click.option("--no-baseline", is_flag=True, help="With --spec: skip the plain run that measures the speed-up.")
+@click.option("--no-baseline", is_flag=True, help="With --spec: skip the plain runs that measure the speed-up.")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100),
+              help="With --spec: plain and speculative decoding are each timed this many times, interleaved (the "
+                   "first speculative run is the output). The speed-up is the ratio of the medians, claimed as a "
+                   "gain only when every speculative repeat was faster than every plain one (else \"no measurable "
+                   "gain\"); the times are in the --json speculative.timing.")
 def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dtype, offload, weights_mode, stop_at_eos,
-            as_json, spec, acceptance, draft_max, draft_min, p_min, mtp_path, draft_path, rollback, no_baseline):
+            as_json, spec, acceptance, draft_max, draft_min, p_min, mtp_path, draft_path, rollback, no_baseline, repeats):
     """Generate N tokens after a prompt (plain or speculative decoding).
 
     With --json the object carries load_seconds, prompt and decode tokens/s and the stored weight
-    bytes the run read (weight_bytes_read)."""
+    bytes the run read (weight_bytes_read: with --spec, of the timed speculative run, the drafter's
+    weights included)."""
     from specconv.runtime import load_model
     from specconv.runtime.generate import generate
 
     if (acceptance is None) == (spec == "synthetic"):
         raise SpecconvError("--acceptance A goes with --spec synthetic, and --spec synthetic needs it")
+    if draft_max != "auto" and draft_min > draft_max:
+        raise click.BadParameter(f"--draft-min {draft_min} is above --draft-max {draft_max}: nothing would be drafted",
+                                 param_hint="'--draft-min'")
     started = time.perf_counter()
     model = load_model(model_path, device=device, dtype=dtype, weights=weights_mode, offload=offload)
     load_seconds = time.perf_counter() - started
     ids = prompt_ids(model, prompt, tokens)
+    check_context(model, len(ids), n_predict)
     if spec == "none":
         result = generate(model, ids, n_predict, temperature=temperature, seed=seed, stop_at_eos=stop_at_eos)
     else:
         result = _speculative(model, ids, n_predict, spec, temperature, seed, stop_at_eos, draft_max, draft_min, p_min,
-                              mtp_path, draft_path, rollback, not no_baseline, acceptance)
+                              mtp_path, draft_path, rollback, 0 if no_baseline else repeats, acceptance)
     if as_json:
         payload = result.to_json()
+        if spec != "none":  # the rates as for plain decoding, at the top level
+            payload.update({k: result.stats["speculative"][k] for k in RATES})
         payload.update(device=str(model.device), model=str(model_path), temperature=temperature, seed=seed,
                        load_seconds=load_seconds, dtype=str(model.dtype).removeprefix("torch."),
                        weights=weights_mode, offload=offload,
@@ -131,7 +128,9 @@ def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dt
     click.echo(f"[{len(result.tokens)} tokens in {result.seconds:.2f} s, {rate:.1f} tok/s on {model.device}]", err=True)
     s = result.stats.get("speculative")
     if s:
-        speedup = f", speed-up {s['speedup']:.2f}x" if s.get("speedup") else ""
+        from specconv.demo.measure import speedup_text
+
+        speedup = f", {speedup_text(s['timing'])}" if s.get("timing") else ""
         label = (f"synthetic drafter, set acceptance {s['set_acceptance']:.2f} (a measurement, not a head)"
                  if s.get("synthetic") else s["drafter"])
         click.echo(f"[{label}: accepted {s['accepted']}/{s['drafted']} drafts, "
@@ -146,13 +145,27 @@ def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dt
                                                      for b in s["per_block"]) + "]", err=True)
 
 
+RATES = ("prompt_seconds", "prompt_tokens_per_second", "decode_tokens_per_second")
+
+
+def check_context(model, n_prompt: int, n_predict: int) -> None:
+    """The prompt and the tokens to generate must fit the model's context length (when its file states one)."""
+    limit = model.file.get(f"{model.arch}.context_length")
+    if limit and n_prompt + n_predict > int(limit):
+        raise SpecconvError(f"the prompt ({n_prompt} tokens) and -n {n_predict} exceed the model's context length "
+                            f"{int(limit)}")
+
+
 def _speculative(model, ids, n_predict, spec, temperature, seed, stop_at_eos, draft_max, draft_min, p_min, mtp_path,
-                 draft_path, rollback, baseline, acceptance=None):
-    """--spec: the speculative loop; its JSON adds `speculative` with verify's key names."""
+                 draft_path, rollback, repeats, acceptance=None):
+    """--spec: the speculative loop; its JSON adds `speculative` with verify's key names, its prompt and
+    decode rates and weight_bytes_read, and `speculative.timing` (the repeats of both runs, the verdict
+    of specconv/demo/measure.py)."""
     from specconv.runtime.drafters.synthetic import greedy_reference
     from specconv.runtime.generate import generate
     from specconv.runtime.spec_auto import AUTO_K_MAX, cached_target_costs
-    from specconv.runtime.speculative import SpecConfig, build_drafter, measure_speedup, speculative_generate
+    from specconv.demo.measure import speedup_verdict
+    from specconv.runtime.speculative import SpecConfig, build_drafter, speculative_generate
 
     if mtp_path and spec != "mtp" or draft_path and spec not in ("draft", "eagle3", "dflash"):
         raise SpecconvError("--mtp goes with --spec mtp, --draft with --spec draft, eagle3 or dflash")
@@ -166,12 +179,44 @@ def _speculative(model, ids, n_predict, spec, temperature, seed, stop_at_eos, dr
                      rollback=rollback, stop_at_eos=stop_at_eos, auto=auto)
     if auto:  # the target's forward cost by batch size, measured once before the timed runs
         cached_target_costs(model, k_max + 1)
-    if baseline:  # first calls pay one-time costs (allocator, kernels): keep them out of both timings
+    if repeats:  # first calls pay one-time costs (allocator, kernels): keep them out of both timings
         speculative_generate(model, drafter, ids[:1], 2, cfg)
         generate(model, ids[:1], 2)
+    counters = read_counters(model, drafter)
+    for c in counters:
+        c.reset()
     result = speculative_generate(model, drafter, ids, n_predict, cfg, n_ctx=n_ctx)
-    if baseline:
-        measure_speedup(model, result, temperature=temperature, seed=seed)
-    else:
-        result.stats["speculative"]["speedup"] = None
+    result.weight_bytes_read = sum(c.reset() for c in counters)
+    s = result.stats["speculative"]
+    decode = result.seconds - s["prompt_seconds"]  # the first round evaluates the prompt's last token
+    s.update(prompt_tokens_per_second=(len(ids) - 1) / s["prompt_seconds"] if s["prompt_seconds"] > 0 else None,
+             decode_tokens_per_second=len(result.tokens) / decode if decode > 0 else None)
+    s["speedup"] = None
+    if repeats:
+        spec_s, plain_s = [result.seconds], []
+        for rep in range(repeats):  # interleaved, the order alternating, so a drift in load hits both alike
+            runs = ["plain", "spec"] if rep % 2 else ["spec", "plain"]
+            for kind in runs:
+                if kind == "plain":
+                    plain_s.append(generate(model, ids, len(result.tokens), temperature=temperature, seed=seed).seconds)
+                elif rep:
+                    spec_s.append(speculative_generate(model, drafter, ids, n_predict, cfg, n_ctx=n_ctx).seconds)
+        s["timing"] = speedup_verdict(plain_s, spec_s, drafted=s["drafted"])
+        s.update(speedup=s["timing"]["speedup"], plain_seconds=statistics.median(plain_s))
     return result
+
+
+def read_counters(model, drafter) -> list:
+    """The weight-read counters of the target and of the model a drafter runs (MTP sidecar, EAGLE-3 head,
+    DFlash drafter, draft model), each once."""
+    from specconv.runtime.drafters import DraftModelDrafter, Eagle3Drafter, Gemma4AssistantDrafter, MtpDrafter
+    from specconv.runtime.drafters.dflash import DFlashDrafter
+
+    own = {MtpDrafter: "head", Eagle3Drafter: "head", DFlashDrafter: "head", DraftModelDrafter: "model",
+           Gemma4AssistantDrafter: "assistant"}  # where each drafter keeps its model
+    models = [model] + [vars(drafter)[attr] for cls, attr in own.items() if isinstance(drafter, cls)]
+    counters = []
+    for m in models:
+        if all(c is not m.weights.counter for c in counters):
+            counters.append(m.weights.counter)
+    return counters

@@ -25,6 +25,47 @@ from specconv.runtime.speculative import SpecConfig, speculative_generate
 PLAIN = (0, "plain")
 
 
+def speedup_verdict(plain: Sequence[float], spec: Sequence[float], drafted: int | None = None) -> dict:
+    """The speed-up of speculative over plain decoding from repeats of both, and whether it is above the
+    measurement noise (its own repeats' spread).
+
+    speedup = median(plain) / median(spec). Any pairing of one plain and one speculative repeat gives a
+    ratio within `range` = [min(plain) / max(spec), max(plain) / min(spec)]. Verdict "gain" only when
+    the whole range is above 1 (every speculative repeat faster than every plain one) with at least two
+    repeats of each; "slower" when it is all below 1; else "none" (no measurable gain), with the
+    `reason` when the repeats could not tell: one repeat, or nothing drafted (the run did plain
+    decoding's work, so whatever the clock says there is no gain to measure)."""
+    plain, spec = [float(x) for x in plain], [float(x) for x in spec]
+    out = {"speedup": None, "range": None, "verdict": "none", "reason": None, "plain_seconds": plain,
+           "spec_seconds": spec}
+    if not plain or not spec or min(spec) <= 0:
+        out["reason"] = "not measured"
+        return out
+    low, high = min(plain) / max(spec), max(plain) / min(spec)
+    out.update(speedup=statistics.median(plain) / statistics.median(spec), range=[low, high])
+    if drafted == 0:
+        out["reason"] = "nothing was drafted"
+    elif min(len(plain), len(spec)) < 2:
+        out["reason"] = "one repeat cannot tell a gain from noise"
+    else:
+        out["verdict"] = "gain" if low > 1 else "slower" if high < 1 else "none"
+    return out
+
+
+def speedup_text(v: dict) -> str:
+    """A `speedup_verdict` as one phrase: the speed-up stated as such only where it is above the noise."""
+    if v["speedup"] is None:
+        return "speed-up not measured"
+    repeats = min(len(v["plain_seconds"]), len(v["spec_seconds"]))
+    spread = f"{v['range'][0]:.2f}x-{v['range'][1]:.2f}x over {repeats} repeat{'s' * (repeats != 1)}"
+    if v["verdict"] == "gain":
+        return f"speed-up {v['speedup']:.2f}x (above the noise: every pair of repeats {spread})"
+    if v["verdict"] == "slower":
+        return f"slower than plain decoding: {v['speedup']:.2f}x (every pair of repeats {spread})"
+    why = v["reason"] or f"within the noise: pairs of repeats {spread}"
+    return f"no measurable gain ({why}; timing ratio {v['speedup']:.2f}x)"
+
+
 @dataclass
 class ConfigRun:
     draft_max: int
