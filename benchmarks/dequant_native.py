@@ -8,13 +8,13 @@ float32 values W. Measured in this one process, the variants of one type interle
 repeat (medians of --repeats):
 
   dense     x @ W.t() for one row of activations: the float32 matrix-vector product (the baseline)
-  torch     dequantize_rows with the native path off (runtime/dequant.py's torch decoders)
-  native    dequantize_rows with it on (runtime/_dequant.c); like `torch`, into a new tensor, so
+  torch     runtime/dequant.py's torch decoders (dequantize_rows)
+  native    the CPU backend's dequantize_rows (runtime/_dequant.c); like `torch`, into a new tensor, so
             both include the cost of fresh memory (page faults), which varies with the allocator
   native buf  the native decoders into one preallocated buffer: the kernels alone
-  linear 1  the runtime's product of a stored weight (runtime/stored.py matmul_t), one row
+  linear 1  the runtime's product of a stored weight (the CPU backend's linear), one row
   dense 8   x @ W.t() for 8 rows
-  linear 8  matmul_t, 8 rows
+  linear 8  the same, 8 rows
 
 Each as ms and as the ratio to `dense` (`linear 8` also to `dense 8`); a sample times enough calls
 in a row for ~5 ms. Time is this process's CPU time by default (steadier than the wall clock where others share the cores); torch and the native
@@ -25,7 +25,6 @@ thread and on 2 (wall clock: what a split over threads buys).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -40,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 from specconv.runtime import dequant_native  # noqa: E402
 from specconv.runtime.dequant import dequantize_rows  # noqa: E402
-from specconv.runtime.stored import StoredWeight, matmul_t  # noqa: E402
+from specconv.runtime.backend import for_device  # noqa: E402
+from specconv.runtime.stored import StoredWeight  # noqa: E402
 
 TYPES = "Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,F16,BF16"
 F16_FIELDS = {  # byte offsets of the f16 scales in a block
@@ -79,12 +79,7 @@ def calls_per_sample(run, clock) -> int:
     return max(1, min(50, round(0.005 / once)))
 
 
-def torch_path(raw: torch.Tensor, qtype: QType) -> torch.Tensor:
-    os.environ["SPECCONV_NO_NATIVE_DEQUANT"] = "1"
-    try:
-        return dequantize_rows(raw, qtype)
-    finally:
-        del os.environ["SPECCONV_NO_NATIVE_DEQUANT"]
+CPU = for_device("cpu")
 
 
 def measure(qtype: QType, rows: int, n_in: int, repeats: int, clock) -> dict[str, float]:
@@ -95,12 +90,12 @@ def measure(qtype: QType, rows: int, n_in: int, repeats: int, clock) -> dict[str
     buffer = torch.empty(rows * n_in)
     runs = {
         "dense": lambda: x1 @ w.t(),
-        "torch": lambda: torch_path(raw, qtype),
-        "native": lambda: dequantize_rows(raw, qtype),
+        "torch": lambda: dequantize_rows(raw, qtype),
+        "native": lambda: CPU.dequantize_rows(raw, qtype, torch.float32),
         "native buf": lambda: dequant_native.dequantize(raw, qtype, out=buffer),
-        "linear 1": lambda: matmul_t(x1, stored),
+        "linear 1": lambda: CPU.linear(x1, stored),
         "dense 8": lambda: x8 @ w.t(),
-        "linear 8": lambda: matmul_t(x8, stored),
+        "linear 8": lambda: CPU.linear(x8, stored),
     }
     times: dict[str, list[float]] = {k: [] for k in VARIANTS}
     number = {name: calls_per_sample(runs[name], clock) for name in VARIANTS}  # also a warm-up

@@ -5,7 +5,7 @@ file, in CPU time and wall time, for the runtime's weight paths side by side in 
         [--modes fused,chunked,dense]
 
 Modes: `fused` — stored weights as the runtime runs them (the fused native product for up to
-stored.FUSED_MAX_ROWS rows); `chunked` — the same model with the fused product off
+backend_cpu.FUSED_MAX_ROWS rows); `chunked` — the same model with the fused product off
 (FUSED_MAX_ROWS = 0: native pieces + BLAS, what k+1 > 2 rows took before the multi-row kernels);
 `dense` — every weight dequantized to float32 at load (`weights="dense"`). The passes alternate
 modes and batch sizes (n = 1..N in turn, `--repeats` passes); the figures are medians. CPU time
@@ -59,19 +59,19 @@ def main(argv=None) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from specconv.runtime import load_model, stored
+    from specconv.runtime import backend_cpu, load_model
     from specconv.runtime import dequant_native
 
     modes = args.modes.split(",")
     load0 = os.getloadavg()[0]
     results = {}
-    keep = stored.FUSED_MAX_ROWS
+    keep = backend_cpu.FUSED_MAX_ROWS
 
     def fused():
-        stored.FUSED_MAX_ROWS = keep
+        backend_cpu.FUSED_MAX_ROWS = keep
 
     def chunked():
-        stored.FUSED_MAX_ROWS = 0
+        backend_cpu.FUSED_MAX_ROWS = 0
 
     stored_modes = [(m, {"fused": fused, "chunked": chunked}[m]) for m in modes if m in ("fused", "chunked")]
     if stored_modes:

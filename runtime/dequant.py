@@ -40,7 +40,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 from gguf import quants as gguf_quants
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime import dequant_native
 
 
 # --- small helpers -------------------------------------------------------------------------------
@@ -295,15 +294,12 @@ def dequantize_rows(raw: torch.Tensor, qtype: QType, dtype: torch.dtype = torch.
     """uint8 rows [..., row_bytes] stored as `qtype` -> values [..., n] in `dtype` on raw's device.
 
     Values are computed in float32 (bit-identical to gguf.quants) and then cast. `raw` is only
-    read. For F32/F16/BF16 in their own dtype the result is a view of `raw` (no copy)."""
-    require_supported(qtype)
-    _check_input(raw, qtype, dtype)
-    if qtype in _FLOATS and _FLOATS[qtype] == dtype:
+    read. For F32/F16/BF16 in their own dtype the result is a view of `raw` (no copy). These are
+    the torch decoders, the reference; a backend's `dequantize_rows` (runtime/backend.py) gives the
+    same values from native or Triton decoders where it has them."""
+    check_rows(raw, qtype, dtype)
+    if is_view(qtype, dtype):
         return _reinterpret(raw, dtype)
-    if _on_cpu(raw):  # the native decoders (runtime/dequant_native.py) when built: same values
-        values = dequant_native.dequantize(raw, qtype)
-        if values is not None:
-            return values.to(dtype)
     if qtype in _FLOATS:
         return _reinterpret(raw, _FLOATS[qtype]).to(dtype)
     block, size = GGML_QUANT_SIZES[qtype]
@@ -312,7 +308,14 @@ def dequantize_rows(raw: torch.Tensor, qtype: QType, dtype: torch.dtype = torch.
     return values.reshape(*raw.shape[:-1], n_blocks * block).to(dtype)
 
 
-def _check_input(raw: torch.Tensor, qtype: QType, dtype: torch.dtype) -> None:
+def is_view(qtype: QType, dtype: torch.dtype) -> bool:
+    """Whether rows of `qtype` read as `dtype` are their own bytes (a 16/32-bit float type in its dtype)."""
+    return qtype in _FLOATS and _FLOATS[qtype] == dtype
+
+
+def check_rows(raw: torch.Tensor, qtype: QType, dtype: torch.dtype) -> None:
+    """The one-line SpecconvErrors of a call that cannot be dequantized (type, bytes, dtype)."""
+    require_supported(qtype)
     if raw.dtype != torch.uint8 or raw.dim() == 0:
         raise SpecconvError(f"{qtype.name} rows must be a uint8 tensor with a byte dimension "
                             f"(got {raw.dtype}, shape {tuple(raw.shape)})")

@@ -15,6 +15,7 @@ from typing import Iterable
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime.backend import for_device
 from specconv.runtime.device import resolve_devices, resolve_dtype
 from specconv.runtime.gguf_file import GGUFModelFile
 from specconv.runtime.graphs import graph_module
@@ -50,6 +51,7 @@ class Model:
         self.serves = custom(self.hparams, file) if custom is not None else self._detect_graphs()
         self.kind = getattr(self.graph, "KIND", None) or (
             "sidecar" if self.serves == {GraphType.MTP} else "embedded" if GraphType.MTP in self.serves else "trunk")
+        self.backend = for_device(self.device)  # the arithmetic of its device (runtime/backend.py)
         self.weights = self._load_weights(share_from, devices)
         self.n_embd = self.hparams.n_embd
         self.n_vocab = (int(self.weights["token_embd.weight"].shape[0]) if "token_embd.weight" in self.weights
@@ -151,7 +153,8 @@ class Model:
 
     def __repr__(self):
         return (f"Model({self.paths[0].name}, arch={self.arch}, kind={self.kind}, "
-                f"serves={sorted(g.value for g in self.serves)}, device={self.device}, dtype={self.dtype})")
+                f"serves={sorted(g.value for g in self.serves)}, device={self.device}, dtype={self.dtype}, "
+                f"backend={self.backend.name})")
 
 
 def load_model(paths: str | os.PathLike | Iterable[str | os.PathLike], device: str | torch.device | None = "auto",

@@ -21,7 +21,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.dequant import SUPPORTED, dequantize_rows, require_supported, row_bytes
+from specconv.runtime.backend import for_device
+from specconv.runtime.dequant import SUPPORTED, require_supported, row_bytes
 from specconv.runtime.gguf_file import GGUFModelFile
 from specconv.runtime.placement import Placement
 from specconv.runtime.stored import ReadCounter, StoredWeight
@@ -69,7 +70,7 @@ def load_tensor(file: GGUFModelFile, name: str, device: torch.device, dtype: tor
     if t.tensor_type in _INTEGER:
         return raw.view(_INTEGER[t.tensor_type]).reshape(shape).to(device)
     if mode == "dense" or len(shape) < 2:
-        return dequantize_rows(raw.to(device), t.tensor_type, dtype).reshape(shape)
+        return for_device(device).dequantize_rows(raw.to(device), t.tensor_type, dtype).reshape(shape)
     if not offload and device.type != "cpu":
         raw = raw.to(device)  # resident on the device, still packed
     return StoredWeight(raw, t.tensor_type, shape, dtype, device, counter)

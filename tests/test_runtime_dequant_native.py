@@ -396,40 +396,41 @@ def test_portable_setting_has_no_fused_kernels(monkeypatch):
 @pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.BF16, QType.F16, QType.Q4_0],
                          ids=lambda t: t.name)
 def test_stored_product_takes_the_native_paths(qtype, portable, monkeypatch):
-    """matmul_t above CHUNK_ELEMENTS: fused for up to FUSED_MAX_ROWS rows where the type has a
-    fused kernel, native chunks into the reused per-thread buffer otherwise (short last chunk
-    included); both against x @ dense(W).t()."""
-    from specconv.runtime import stored
+    """The CPU backend's product above CHUNK_ELEMENTS: fused for up to FUSED_MAX_ROWS rows where the
+    type has a fused kernel, native chunks into the reused per-thread buffer otherwise (short last
+    chunk included); both against x @ dense(W).t()."""
+    from specconv.runtime import backend_cpu, stored
 
     if portable:
         monkeypatch.setenv("SPECCONV_NATIVE_PORTABLE", "1")
 
+    native = backend_cpu.NativeCpuBackend()
     monkeypatch.setattr(stored, "CHUNK_ELEMENTS", 256 * 40)
-    monkeypatch.setattr(stored, "NATIVE_CHUNK_ELEMENTS", 256 * 9)  # 9 rows a piece, the last one short
+    monkeypatch.setattr(backend_cpu, "NATIVE_CHUNK_ELEMENTS", 256 * 9)  # 9 rows a piece, the last one short
     w, raw, counter = _stored(qtype, 301, 256, seed=4)
     dense = dequantize_rows(raw, qtype)
     for shape in [(1, 256), (256,), (2, 256), (3, 256), (2, 4, 256), (9, 256), (17, 256)]:
         x = torch.randn(*shape)
         counter.reset()
-        y = stored.matmul_t(x, w)
+        y = native.linear(x, w)
         assert y.shape == (*shape[:-1], 301)
         assert counter.reset() == raw.numel()  # every stored byte read once
         rows = x.numel() // 256
         # fused, or the BLAS product of each piece (whose kernels may sum in another order than
         # for the whole matrix): the same products, summed in other orders
         assert fused_error(y, x, dense) <= FUSED_BOUND
-    assert stored._chunk_buffer(1).numel() >= 9 * 256  # one buffer for this thread, kept
+    assert backend_cpu._chunk_buffer(1).numel() >= 9 * 256  # one buffer for this thread, kept
 
 
 def test_stored_product_without_the_native_path(monkeypatch):
-    from specconv.runtime import stored
+    from specconv.runtime import backend_cpu, stored
 
     monkeypatch.setattr(stored, "CHUNK_ELEMENTS", 256 * 40)
     w, raw, _ = _stored(QType.Q8_0, 100, 256, seed=6)
     x = torch.randn(1, 256)
     expected = x @ dequantize_rows(raw, QType.Q8_0).t()
     monkeypatch.setenv("SPECCONV_NO_NATIVE_DEQUANT", "1")
-    assert not stored._native_on_cpu(x, w)
-    torch.testing.assert_close(stored.matmul_t(x, w), expected, rtol=1e-6, atol=1e-6)
+    assert not backend_cpu._native(x, w)
+    torch.testing.assert_close(backend_cpu.NativeCpuBackend().linear(x, w), expected, rtol=1e-6, atol=1e-6)
     monkeypatch.delenv("SPECCONV_NO_NATIVE_DEQUANT")
-    assert stored._native_on_cpu(x, w) and not stored._native_on_cpu(x.double(), w)
+    assert backend_cpu._native(x, w) and not backend_cpu._native(x.double(), w)

@@ -3,8 +3,9 @@ dequantize-everything path computes, in every family the runtime runs:
 
 * stored vs dense, offloaded vs resident, several CPU "slots" vs one device: identical logits in
   float32 (trunk and MTP head), for f32 and q8_0 files;
-* the pieces: embedding rows, one expert of a stored 3-D tensor, the chunked product, the
-  torch-function fallback;
+* the pieces: embedding rows, one expert of a stored 3-D tensor, experts taken by an index
+  tensor, the chunked product (torch and native backends); a stored weight handed to any other
+  torch function is an error naming it;
 * a MoE decode step dequantizes only the experts its token is routed to (the read counter equals
   the bytes of exactly those slices);
 * a tensor type the runtime cannot dequantize is a one-line error naming it.
@@ -19,8 +20,9 @@ from gguf import GGMLQuantizationType
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime import Context, GraphType, load_model
-from specconv.runtime import stored as stored_module
-from specconv.runtime.stored import StoredWeight, matmul_t
+from specconv.runtime import backend_cpu, stored as stored_module
+from specconv.runtime.backend_torch import TorchBackend
+from specconv.runtime.stored import StoredWeight
 from tests.test_runtime_common import tiny_gguf
 
 torch.set_num_threads(1)
@@ -151,19 +153,31 @@ def _q8_weight(rows, cols, lead=(), seed=0):
     return w, w.dense()
 
 
-def test_embedding_rows_expert_slices_and_fallback_equal_the_dense_tensor():
+def test_embedding_rows_and_expert_slices_equal_the_dense_tensor():
     w, full = _q8_weight(40, 64)
     idx = torch.tensor([[3, 0, 39], [7, 7, 1]])
     assert torch.equal(w[idx], full[idx])
     assert torch.equal(w[5], full[5])
     assert torch.equal(w.to(torch.float64), full.double())
-    x = torch.randn(3, 64)
-    assert torch.equal(torch.nn.functional.linear(x, w), torch.nn.functional.linear(x, full))  # __torch_function__
     experts, full3 = _q8_weight(16, 64, lead=(5,), seed=1)
     assert isinstance(experts[2], StoredWeight) and experts[2].shape == (16, 64)
     assert torch.equal(experts[2].dense(), full3[2])
     with pytest.raises(IndexError):
         experts[5]
+    taken = experts.take(torch.tensor([4, 0, 4]))  # by an index tensor, still packed
+    assert isinstance(taken, StoredWeight) and taken.shape == (3, 16, 64)
+    assert torch.equal(taken.dense(), full3[[4, 0, 4]])
+
+
+def test_a_stored_weight_given_to_a_torch_function_is_an_error_naming_it():
+    """No silent whole-tensor dequantization: products go through ops.linear / ops.moe, values
+    through .to() / dense()."""
+    w, _ = _q8_weight(40, 64)
+    x = torch.randn(3, 64)
+    with pytest.raises(SpecconvError, match=r"torch\.nn\.functional\.linear was given a StoredWeight"):
+        torch.nn.functional.linear(x, w)
+    with pytest.raises(SpecconvError, match=r"torch\.matmul was given a StoredWeight"):
+        torch.matmul(x, w)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
@@ -171,20 +185,26 @@ def test_chunked_product_equals_the_whole_product(monkeypatch, native):
     w, full = _q8_weight(300, 96, seed=2)
     x = torch.randn(5, 96)
     whole = x @ full.t()
-    monkeypatch.setattr(stored_module, "WHOLE_MAX_ELEMENTS", 0)  # every product takes a chunked path
+    monkeypatch.setattr(backend_cpu, "WHOLE_MAX_ELEMENTS", 0)  # every product takes a chunked path
     monkeypatch.setattr(stored_module, "CHUNK_ELEMENTS", 96 * 7)  # 7 rows a piece, the last one short
-    if not native:
-        monkeypatch.setattr(stored_module, "_native_on_cpu", lambda *_: False)
-    pieces = list(w.row_chunks(elements=stored_module.CHUNK_ELEMENTS))
+    backend = backend_cpu.NativeCpuBackend() if native else TorchBackend()
+    pieces = list(w.row_chunks())
     assert len(pieces) == 43 and pieces[-1][1].shape[0] == 300 - 42 * 7
     for rows in (x[:1], x[:2], x):  # the fused kernel (up to FUSED_MAX_ROWS rows) or the chunked product
-        chunked = matmul_t(rows, w)
+        chunked = backend.linear(rows, w)
         print(f"\n[chunked product, {rows.shape[0]} rows, {'native' if native else 'torch'}] max|Δ| vs whole "
               f"{float((chunked - whole[:rows.shape[0]]).abs().max()):.3e}")
         torch.testing.assert_close(chunked, whole[:rows.shape[0]], rtol=1e-6, atol=1e-5)
 
 
-def test_a_moe_decode_step_reads_only_the_routed_experts(tmp_path_factory):
+@pytest.mark.parametrize("backend", ["device", "torch"])
+def test_a_moe_decode_step_reads_only_the_routed_experts(tmp_path_factory, monkeypatch, backend):
+    """On the CPU's backend (experts grouped by expert) and on the torch reference (each row's
+    experts taken by index, without host reads, as on CUDA)."""
+    from specconv.runtime import backend as backend_module
+
+    if backend == "torch":
+        monkeypatch.setattr(backend_module, "_backend", lambda kind: TorchBackend())
     path = family_file(tmp_path_factory, "qwen35moe", "q8_0")
     model = load_model(path, device="cpu")
     hp = model.hparams
@@ -228,7 +248,7 @@ def test_a_moe_decode_step_reads_only_the_routed_experts(tmp_path_factory):
         else:
             expected += w.stored_bytes
     all_experts = sum(w.stored_bytes for n, w in model.weights.items() if "_exps." in n)
-    print(f"\n[moe] one token read {read} stored bytes; all experts hold {all_experts}; "
+    print(f"\n[moe, {backend} backend] one token read {read} stored bytes; all experts hold {all_experts}; "
           f"experts used per layer {[len(c) for c in chosen.values()]} of {hp.n_expert}")
     assert len(chosen) == hp.n_layer and all(len(c) == hp.n_expert_used for c in chosen.values())
     assert read == expected

@@ -15,9 +15,10 @@ from typing import Any, Callable
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime.backend import Experts
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
-from specconv.runtime.graphs.ops import acc, rms_norm, swiglu
+from specconv.runtime.graphs.ops import acc, moe, rms_norm, swiglu
 from specconv.runtime.memory import Batch, MemoryLayout
 
 Names = Callable[[int], list[str]]
@@ -152,11 +153,7 @@ def ffn(w, hp, i: int, x: torch.Tensor, bias: str, dense=swiglu, expert=swiglu, 
             raise SpecconvError(f"{hp.arch}: block {i} has neither a router (ffn_gate_inp) nor a dense FFN (ffn_gate)")
         return dense(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
     weights, chosen = ms.route(x, w[p + "ffn_gate_inp.weight"], w[p + bias], hp)
-    gate_e, up_e, down_e = (w[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down"))
-    out = torch.zeros(x.shape[0], down_e.shape[1], dtype=weights.dtype, device=x.device)
-    for e in torch.unique(chosen).tolist():
-        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        out.index_add_(0, rows, acc(expert(x[rows], gate_e[e], up_e[e], down_e[e])) * weights[rows, slot][:, None])
+    out = moe(x, weights, chosen, Experts(*(w[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down")), expert))
     if shared:
         out = out + acc(dense(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
                               w[p + "ffn_down_shexp.weight"]))

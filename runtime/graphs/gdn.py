@@ -12,33 +12,21 @@ v [n, nv, dv], g (log-decay ≤ 0) and beta [n, nv], state S [nv, dk, dv]; all i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from specconv.runtime import gdn_native
+from specconv.runtime.backend import for_device
 
 CHUNK = 64  # as HF torch_chunk_gated_delta_rule and llama.cpp's prefill path
 
 
 def causal_conv(m: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, keep: int):
     """Depthwise causal conv + SiLU over pre-conv inputs m [n, C] with the previous K-1 inputs
-    conv_state [K-1, C] (oldest first); weight [C, K].
+    conv_state [K-1, C] (oldest first); weight [C, K]. The backend of m's device computes it
+    (runtime/backend.py: native on the CPU for decode steps and verification).
 
     Returns (activations [n, C], conv states after each of the last `keep` tokens [keep, K-1, C]).
     """
-    n = m.shape[0]
-    k_size = weight.shape[1]
-    keep = min(max(keep, 0), n)
-    if gdn_native.conv_applies(m, conv_state, weight):  # decode and verification: one native call
-        sums, states = gdn_native.conv_tokens(m, conv_state, weight, keep)
-        return F.silu(sums), states
-    x = torch.cat([conv_state.to(m.dtype), m], dim=0)  # [K-1+n, C]
-    windows = x.unfold(0, k_size, 1)  # [n, C, K]
-    wide = torch.float64 if m.dtype == torch.float64 else torch.float32
-    out = F.silu((windows.to(wide) * weight.to(wide)).sum(-1)).to(m.dtype)
-    # the state after token i is inputs i+1 .. i+K-1 of x, i.e. x[i+1 : i+K]
-    first = n - keep
-    states = x.unfold(0, k_size - 1, 1)[first + 1: n + 1].transpose(1, 2)  # [keep, K-1, C]
-    return out, states
+    keep = min(max(keep, 0), m.shape[0])
+    return for_device(m.device).causal_conv(m, conv_state, weight, keep)
 
 
 def recurrent_delta_rule(q, k, v, g, beta, state, keep: int = 1):
@@ -154,32 +142,17 @@ def delta_rule(q, k, v, g, beta, state, keep: int, mode: str = "auto", lazy: boo
     `out`: where the state after the last token is wanted (the memory's slot for it); the native
     form writes it there directly, the others leave it to `PendingStates.state`.
 
-    With `lazy`, a float32 batch of up to gdn_native.MAX_TOKENS tokens on the CPU (decode steps,
-    verification) runs in native code (runtime/gdn_native.py): token by token with each head's
-    state in cache, no state-sized temporaries.
-
-    "recurrent": token by token (the reference form). "chunked"/"auto": the chunked form up to the
-    last `keep` tokens, whose per-token states the snapshot ring needs, then the batched form for
-    those (exact per-token states, no Python loop over tokens: a verification batch of ≤ keep
-    tokens is evaluated in one pass). A single token (plain decoding) takes the batched form too:
-    at the sizes of real models it is faster than the one-step recurrence (fewer state-sized
-    temporaries) and plain and speculative decoding then run the same arithmetic."""
+    "recurrent": token by token (the reference form). "chunked"/"auto": the backend of q's device
+    (runtime/backend.py) — the torch backend runs the chunked form up to the last `keep` tokens,
+    whose per-token states the snapshot ring needs, then the batched form for those (exact
+    per-token states, no Python loop over tokens: a verification batch of ≤ keep tokens is
+    evaluated in one pass); with `lazy`, the CPU's native backend runs a float32 batch of up to
+    gdn_native.MAX_TOKENS tokens (decode steps, verification) token by token with each head's
+    state in cache. A single token (plain decoding) takes the batched form too: at the sizes of
+    real models it is faster than the one-step recurrence (fewer state-sized temporaries) and
+    plain and speculative decoding then run the same arithmetic."""
     n = q.shape[0]
     if mode == "recurrent":
         return recurrent_delta_rule(q, k, v, g, beta, state, keep=keep)
     keep = min(max(keep, 1), n)
-    if lazy and gdn_native.applies(q, state, out):
-        o, delta, last = gdn_native.delta_rule_tokens(q, k, v, g, beta, state, out=out)
-        kt = k.to(torch.float32).permute(1, 2, 0)  # [nv, dk, n]
-        return o, PendingStates(state, kt, delta, g.t().cumsum(-1), n - keep, last=last)
-    head = n - keep
-    if keep <= BATCHED_MAX:
-        def tail_form(*args, keep):
-            return batched_delta_rule(*args, keep=keep, lazy=lazy)
-    else:  # rings beyond a chunk
-        tail_form = recurrent_delta_rule
-    if head <= 0:
-        return tail_form(q, k, v, g, beta, state, keep=keep)
-    o_head, state = chunked_delta_rule(q[:head], k[:head], v[:head], g[:head], beta[:head], state)
-    o_tail, states = tail_form(q[head:], k[head:], v[head:], g[head:], beta[head:], state, keep=keep)
-    return torch.cat([o_head, o_tail]), states
+    return for_device(q.device).delta_rule(q, k, v, g, beta, state, keep, lazy=lazy, out=out)

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.graphs.ops import acc, linear, rms_norm, rope_neox_partial
+from specconv.runtime.backend import Experts
+from specconv.runtime.graphs.ops import acc, linear, moe as routed_moe, rms_norm, rope_neox_partial
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
 
@@ -211,6 +212,13 @@ def geglu(x, gate, up, down):
     return linear(gelu_tanh(linear(x, gate)) * linear(x, up), down)
 
 
+def geglu_fused(x, gate_up, _up, down):
+    """GeGLU of one expert whose gate and up rows are one matrix [2F, H], gate rows first."""
+    both = linear(x, gate_up)
+    half = both.shape[-1] // 2
+    return linear(gelu_tanh(both[..., :half]) * both[..., half:], down)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
            window: int | None) -> torch.Tensor:
     """softmax(q·kᵀ) v (scale 1.0), key visible iff 0 ≤ t − s (< window on sliding layers); GQA heads."""
@@ -272,17 +280,12 @@ def moe(w, hp: HParams, i: int, h: torch.Tensor) -> torch.Tensor:
     weights = weights * w[p + "ffn_down_exps.scale"].to(weights.dtype)[chosen]
     u = rms_norm(h, w[p + "pre_ffw_norm_2.weight"], hp.eps)
     fused = w.get(p + "ffn_gate_up_exps.weight")
-    if fused is not None:  # [E, 2Fe, H], gate rows first
-        gate, up = fused[:, :hp.n_ff_exp], fused[:, hp.n_ff_exp:]
+    if fused is not None:  # [E, 2Fe, H], gate rows first: one product gives both halves
+        experts = Experts(fused, None, w[p + "ffn_down_exps.weight"], geglu_fused)
     else:
-        gate, up = w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"]
-    down = w[p + "ffn_down_exps.weight"]
-    out = torch.zeros(h.shape[0], hp.n_embd, dtype=acc(h).dtype, device=h.device)
-    for e in torch.unique(chosen).tolist():
-        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        y = geglu(u[rows], gate[e], up[e], down[e])
-        out.index_add_(0, rows, acc(y) * weights[rows, slot][:, None])
-    return out.to(h.dtype)
+        experts = Experts(w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"],
+                          geglu)
+    return routed_moe(u, weights, chosen, experts).to(h.dtype)
 
 
 def per_layer_inputs(w, hp: HParams, tokens: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.graphs.ops import acc, swiglu
+from specconv.runtime.backend import Experts
+from specconv.runtime.graphs.ops import acc, moe, swiglu
 from specconv.runtime.validate import check_kv
 
 GATING_SOFTMAX = 1
@@ -126,12 +127,8 @@ def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, hp) -> tupl
 def sigmoid_group_moe(w, hp, i: int, x: torch.Tensor) -> torch.Tensor:
     p = f"blk.{i}."
     weights, chosen = route(x, w[p + "ffn_gate_inp.weight"], w[p + "exp_probs_b.bias"], hp)
-    gate_e, up_e, down_e = (w[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down"))
-    out = torch.zeros(x.shape[0], down_e.shape[1], dtype=weights.dtype, device=x.device)
-    for e in torch.unique(chosen).tolist():
-        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        y = swiglu(x[rows], gate_e[e], up_e[e], down_e[e])
-        out.index_add_(0, rows, acc(y) * weights[rows, slot][:, None])
+    experts = Experts(*(w[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down")), swiglu)
+    out = moe(x, weights, chosen, experts)
     if hp.n_expert_shared:
         out = out + acc(swiglu(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
                                w[p + "ffn_down_shexp.weight"]))

@@ -3,8 +3,9 @@
 Reductions run in float32 whatever the compute dtype; results come back in the input dtype.
 
 A weight `w[name]` is a torch tensor or a `StoredWeight` (runtime/stored.py: kept in its GGUF
-type). Graphs use weights through `linear`, `rms_norm`, `w[token_ids]` (embedding rows), `w[e]`
-(one expert) and `dense(w, dtype)` for anything else, so both kinds work everywhere.
+type). Graphs multiply by weights only through `linear` and `moe`, which hand the product to the
+backend of the activations' device (runtime/backend.py); they take embedding rows as
+`w[token_ids]` and values as `dense(w, dtype)` for anything else, so both kinds work everywhere.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specconv.runtime.stored import StoredWeight, matmul_t
+from specconv.runtime.backend import Experts, for_device
+from specconv.runtime.stored import StoredWeight
 
 
 def acc(x: torch.Tensor) -> torch.Tensor:
@@ -40,10 +42,15 @@ def dense(w, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x @ wᵀ for a GGUF matrix in torch order [out, in]."""
-    if isinstance(w, StoredWeight):
-        return matmul_t(x, w)
-    return x @ w.to(x.dtype).t()
+    """x @ wᵀ for a GGUF matrix in torch order [out, in] (stored or dense), by the backend."""
+    return for_device(x.device).linear(x, w)
+
+
+def moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """Σ over each row's k routed experts of weights[row, slot] · experts.ffn(x[row], expert's slices),
+    in the accumulation dtype [n, out]; weights, chosen [n, k]. The one place graphs run routed
+    experts: the backend decides how (by index without host reads, or grouped by expert)."""
+    return for_device(x.device).moe(x, weights, chosen, experts)
 
 
 def rope_cos_sin(positions: torch.Tensor, n_rot: int, base: float,
@@ -99,9 +106,4 @@ def moe_softmax_topk(x: torch.Tensor, router: torch.Tensor, n_used: int, gate_ex
     probs = torch.softmax(xf @ router.to(xf.dtype).t(), dim=-1)
     weights, chosen = torch.topk(probs, n_used, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
-    out = torch.zeros(x.shape[0], down_exps.shape[1], dtype=xf.dtype, device=x.device)
-    for e in torch.unique(chosen).tolist():
-        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        y = swiglu(x[rows], gate_exps[e], up_exps[e], down_exps[e])
-        out.index_add_(0, rows, acc(y) * weights[rows, slot][:, None])
-    return out.to(x.dtype)
+    return moe(x, weights, chosen, Experts(gate_exps, up_exps, down_exps, swiglu)).to(x.dtype)

@@ -20,7 +20,10 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs.decoder import forward_trunk
-from specconv.runtime.graphs.ops import acc, causal_attention, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
+from specconv.runtime.backend import Experts
+from specconv.runtime.graphs.ops import (
+    acc, causal_attention, linear, moe as routed_moe, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
+)
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
 
@@ -188,13 +191,9 @@ def moe(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
     weights, chosen = torch.topk(probs, hp.n_expert_used, dim=-1)
     if hp.norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
-    gate, up, down = w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"]
-    out = torch.zeros(x.shape[0], hp.n_embd, dtype=probs.dtype, device=x.device)
-    for e in torch.unique(chosen).tolist():
-        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        y = swiglu(x[rows], gate[e], up[e], down[e])
-        out.index_add_(0, rows, acc(y) * weights[rows, slot][:, None])
-    return out.to(x.dtype)
+    experts = Experts(w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"],
+                      swiglu)
+    return routed_moe(x, weights, chosen, experts).to(x.dtype)
 
 
 def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:

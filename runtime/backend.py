@@ -1,0 +1,94 @@
+"""The backend seam: the arithmetic behind the graphs, chosen once per kind of compute device.
+
+Graphs reach stored weights and the heavy kernels only through runtime/graphs/ops.py (`linear`,
+`moe`, embedding rows, `dense`) and runtime/graphs/gdn.py (`causal_conv`, `delta_rule`); those ask
+`for_device(device)` for the backend of the device the activations are on. Each backend provides
+
+    dequantize_rows(raw, qtype, dtype)          packed rows -> values (runtime/dequant.py's values)
+    linear(x, w)                                x @ wᵀ, w a StoredWeight or a tensor [out, in]
+    moe(x, weights, chosen, experts)            Σ_slots weight · expert(x) over the routed experts
+    causal_conv(m, conv_state, weight, keep)    the Gated DeltaNet's short conv + SiLU
+    delta_rule(q, k, v, g, beta, state, keep, lazy, out, exact)   the gated delta rule
+
+* "torch" (runtime/backend_torch.py): torch operations only, on any device (CPU, CUDA, meta): the
+  reference the others are tested against, and what runs where nothing faster applies.
+* "cpu-native" (runtime/backend_cpu.py): the CPU with the optional native extension built: native
+  decoders, fused products of stored weights, the native Gated DeltaNet step and conv (float32).
+* "cuda" (runtime/backend_cuda.py): the Triton kernels of runtime/kernels_triton where Triton is
+  installed and the case fits, torch otherwise.
+
+A backend falls back to the torch reference call by call where its kernels do not apply (another
+dtype, a type without a kernel, SPECCONV_NO_NATIVE=1), so every backend runs every model.
+
+Batch invariance (`rows_alone`): inside `batch_invariant(True)` — what a Context does for a model
+computing in bfloat16 / float16 — every backend computes each row of a batch with the operations,
+in the order, of a one-row batch, so a verification forward of k+1 rows gives each row the bits of
+the one-row forward and greedy speculative decoding equals plain decoding exactly
+(docs/runtime.md, "Backends").
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+# compute dtypes whose forwards are made batch-invariant (float32 / float64 keep the batched forms)
+INVARIANT_DTYPES = (torch.bfloat16, torch.float16)
+
+_rows_alone: ContextVar[bool] = ContextVar("specconv_rows_alone", default=False)
+
+
+def rows_alone() -> bool:
+    """Whether each row of a batch must be computed as in a one-row batch (see the module doc)."""
+    return _rows_alone.get()
+
+
+@contextmanager
+def batch_invariant(enabled: bool):
+    token = _rows_alone.set(enabled)
+    try:
+        yield
+    finally:
+        _rows_alone.reset(token)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The routed experts of one MoE layer: 3-D weights [E, out, in] (stored or dense) and the
+    expert's feed-forward `ffn(x, gate, up, down)` given one expert's slices (SwiGLU, GeGLU, a
+    clamped SwiGLU: it reaches the slices through ops.linear). `up` may be None where `gate` holds
+    each expert's gate and up rows together ([E, 2F, H]); `ffn` then gets None for it."""
+
+    gate: Any
+    up: Any
+    down: Any
+    ffn: Callable[..., torch.Tensor]
+
+
+def for_device(device: torch.device | str) -> "TorchBackend":  # noqa: F821 (runtime/backend_torch.py)
+    """The backend of a device kind: the same object for every call (chosen on first use, which
+    load_model makes for each device it places weights on)."""
+    return _backend(torch.device(device).type)
+
+
+@functools.lru_cache(maxsize=None)
+def _backend(kind: str):
+    if kind == "cpu":
+        from specconv.runtime import dequant_native
+
+        if dequant_native._module() is not None:
+            from specconv.runtime.backend_cpu import NativeCpuBackend
+
+            return NativeCpuBackend()
+    if kind == "cuda":
+        from specconv.runtime.backend_cuda import CudaBackend
+
+        return CudaBackend()
+    from specconv.runtime.backend_torch import TorchBackend
+
+    return TorchBackend()

@@ -1,0 +1,75 @@
+"""The CUDA backend (runtime/backend.py): the Triton kernels of runtime/kernels_triton where Triton is
+installed and the call fits, the torch reference it inherits otherwise (float64, offloaded bytes
+still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 types).
+
+* `dequantize_rows`: kernels_triton.dequantize_rows for KERNEL_TYPES (runtime/dequant.py's values).
+* `linear`: kernels_triton.quant_matmul for a stored matrix of a KERNEL_TYPE — up to
+  FUSED_MAX_ROWS rows in one pass over the packed weights whose per-row result does not depend on
+  the number of rows; more rows (prompts) by dequantized tiles and cuBLAS, or, inside
+  `batch_invariant(True)`, as pieces of FUSED_MAX_ROWS rows through the one-pass kernel, so that
+  every row of a prompt gets the bits of a decode step.
+* `moe`, `causal_conv`, `delta_rule`: the torch reference (routed experts by index for decode and
+  verification batches: no host read). The Triton Gated DeltaNet step and conv
+  (kernels_triton.gdn_step / causal_conv, which write each token's state into its own ring slot)
+  take these two methods' places.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGML_QUANT_SIZES
+
+from specconv.runtime import dequant
+from specconv.runtime.backend import rows_alone
+from specconv.runtime.backend_torch import TorchBackend
+from specconv.runtime.stored import StoredWeight
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CudaBackend(TorchBackend):
+    name = "cuda"
+
+    def __init__(self, kernels=None, device_types: tuple[str, ...] = ("cuda",)):
+        """`kernels`: the kernel module (runtime/kernels_triton; found by itself when None: none without
+        Triton). `device_types`: where the kernels run (the CPU too under TRITON_INTERPRET=1, which is
+        how the tests run this backend without a GPU)."""
+        self.kernels = _triton_kernels() if kernels is None else kernels
+        self.device_types = device_types
+
+    def _kernel_for(self, raw: torch.Tensor, qtype) -> bool:
+        return (self.kernels is not None and qtype in self.kernels.KERNEL_TYPES
+                and raw.device.type in self.device_types and raw.numel() > 0)
+
+    def dequantize_rows(self, raw: torch.Tensor, qtype, dtype: torch.dtype) -> torch.Tensor:
+        if self._kernel_for(raw, qtype) and dtype in KERNEL_DTYPES and not dequant.is_view(qtype, dtype):
+            dequant.check_rows(raw, qtype, dtype)
+            block, size = GGML_QUANT_SIZES[qtype]
+            row_bytes = raw.shape[-1]
+            rows, n_in = raw.numel() // row_bytes, row_bytes // size * block
+            values = self.kernels.dequantize_rows(raw.reshape(rows, row_bytes), qtype, rows, n_in, dtype)
+            return values.reshape(*raw.shape[:-1], n_in)
+        return super().dequantize_rows(raw, qtype, dtype)
+
+    def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        if (isinstance(w, StoredWeight) and w.ndim == 2 and self._kernel_for(w.raw, w.qtype)
+                and x.dtype in KERNEL_DTYPES and x.device == w.raw.device):
+            n_out, n_in = w.shape
+            if w.counter is not None:
+                w.counter.bytes += w.raw.numel()
+            x = x.contiguous()
+            step = self.kernels.FUSED_MAX_ROWS
+            xs = x.reshape(-1, n_in)
+            if rows_alone() and xs.shape[0] > step:  # every row through the one-pass kernel, as in decode
+                pieces = [self.kernels.quant_matmul(xs[i:i + step], w.raw, w.qtype, n_out, n_in)
+                          for i in range(0, xs.shape[0], step)]
+                return torch.cat(pieces).reshape(*x.shape[:-1], n_out)
+            return self.kernels.quant_matmul(x, w.raw, w.qtype, n_out, n_in)
+        return super().linear(x, w)
+
+
+def _triton_kernels():
+    """runtime/kernels_triton where Triton can run its kernels here, else None."""
+    from specconv.runtime import kernels_triton
+
+    return kernels_triton if kernels_triton.available() else None

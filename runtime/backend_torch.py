@@ -1,0 +1,124 @@
+"""The torch reference backend (runtime/backend.py): torch operations only, on any device.
+
+It is what the tests hold the other backends to, what runs where no faster kernel applies, and the
+backend of devices without kernels of their own (`meta` included, which is how the forward is
+checked for host reads: tests/test_runtime_backend.py).
+
+* `linear`: a stored matrix of up to stored.CHUNK_ELEMENTS values is dequantized whole and
+  multiplied once (bit for bit what a dense weight computes); a larger one a chunk of rows at a
+  time, so it never exists whole in the compute dtype.
+* `moe`: batches of up to GATHER_MAX_ROWS rows (decode steps, verification) take each row's
+  experts by index (`StoredWeight.take`: no host read, only the routed experts' bytes); longer
+  batches (prompts) group the rows by expert, one product per routed expert, which reads the
+  expert list on the host. Both sum a row's experts in increasing expert order.
+* `causal_conv`, `delta_rule`: the torch forms of runtime/graphs/gdn.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specconv.runtime import dequant, stored
+from specconv.runtime.backend import Experts
+from specconv.runtime.graphs import gdn
+from specconv.runtime.stored import StoredWeight
+
+GATHER_MAX_ROWS = 16  # MoE batches up to this many rows take each row's experts by index
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of `dtype`: float32, or float64 when computing in float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _take(w, index: torch.Tensor):
+    """Rows `index` of a 3-D expert tensor (stored: still packed), None for an absent tensor."""
+    if w is None:
+        return None
+    return w.take(index) if isinstance(w, StoredWeight) else w.index_select(0, index.to(w.device))
+
+
+class TorchBackend:
+    name = "torch"
+
+    # ---- weights ----------------------------------------------------------------------------------
+    def dequantize_rows(self, raw: torch.Tensor, qtype, dtype: torch.dtype) -> torch.Tensor:
+        return dequant.dequantize_rows(raw, qtype, dtype)
+
+    def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x @ wᵀ for a matrix in torch order [out, in]."""
+        if not isinstance(w, StoredWeight):
+            return x @ w.to(x.dtype).t()
+        if w.ndim != 2:
+            raise ValueError(f"linear needs a 2-D weight, got {tuple(w.shape)}")
+        if w.numel() <= stored.CHUNK_ELEMENTS:
+            return x @ w.dense(x.dtype).t()
+        out = torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device)
+        for start, values in w.row_chunks(x.dtype):
+            out[..., start:start + values.shape[0]] = x @ values.t()
+        return out
+
+    # ---- mixture of experts -----------------------------------------------------------------------
+    def moe(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts) -> torch.Tensor:
+        """Σ over each row's k slots of weights[row, slot] · expert chosen[row, slot](x[row]), in the
+        accumulation dtype [n, out]. weights, chosen: [n, k]."""
+        if x.shape[0] <= GATHER_MAX_ROWS:
+            return self.moe_by_index(x, weights, chosen, experts)
+        return self.moe_by_expert(x, weights, chosen, experts)
+
+    def moe_by_expert(self, x, weights, chosen, experts: Experts) -> torch.Tensor:
+        """One product per routed expert over the rows routed to it (the expert list read on the host)."""
+        out = torch.zeros(x.shape[0], experts.down.shape[1], dtype=_wide(x.dtype), device=x.device)
+        for e in torch.unique(chosen).tolist():
+            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+            y = experts.ffn(x[rows], experts.gate[e], None if experts.up is None else experts.up[e], experts.down[e])
+            out.index_add_(0, rows, y.to(out.dtype) * weights[rows, slot][:, None])
+        return out
+
+    def moe_by_index(self, x, weights, chosen, experts: Experts) -> torch.Tensor:
+        """Each row through its own k experts, taken by index: no host read, no shape that depends on
+        the routing. A row's terms are added in increasing expert order, as moe_by_expert adds them."""
+        order = chosen.argsort(dim=-1)
+        chosen, weights = chosen.gather(1, order), weights.gather(1, order)
+        rows = []
+        for i in range(x.shape[0]):
+            gate, up, down = (_take(t, chosen[i]) for t in (experts.gate, experts.up, experts.down))
+            total = torch.zeros(1, experts.down.shape[1], dtype=_wide(x.dtype), device=x.device)
+            for s in range(chosen.shape[1]):
+                y = experts.ffn(x[i:i + 1], gate[s], None if up is None else up[s], down[s])
+                total = total + y.to(total.dtype) * weights[i:i + 1, s:s + 1]
+            rows.append(total)
+        return torch.cat(rows)
+
+    # ---- Gated DeltaNet ---------------------------------------------------------------------------
+    def causal_conv(self, m: torch.Tensor, conv_state: torch.Tensor, weight, keep: int):
+        """Depthwise causal conv + SiLU: (activations [n, C], windows after the last `keep` tokens)."""
+        k_size = weight.shape[1]
+        n = m.shape[0]
+        x = torch.cat([conv_state.to(m.dtype), m], dim=0)  # [K-1+n, C]
+        windows = x.unfold(0, k_size, 1)  # [n, C, K]
+        wide = _wide(m.dtype)
+        out = F.silu((windows.to(wide) * weight.to(wide)).sum(-1)).to(m.dtype)
+        # the state after token i is inputs i+1 .. i+K-1 of x, i.e. x[i+1 : i+K]
+        first = n - keep
+        states = x.unfold(0, k_size - 1, 1)[first + 1: n + 1].transpose(1, 2)  # [keep, K-1, C]
+        return out, states
+
+    def delta_rule(self, q, k, v, g, beta, state, keep: int, lazy: bool = False, out: torch.Tensor | None = None):
+        """Outputs for every token and the states after each of the last `keep` tokens (with `lazy`, as
+        gdn.PendingStates where the batched form computes them). The chunked form up to the last
+        `keep` tokens, then the batched form for those (see gdn.delta_rule). `out` is where the
+        caller will keep the state after the batch; forms that compute it directly write it there."""
+        n = q.shape[0]
+        head = n - keep
+        if keep <= gdn.BATCHED_MAX:
+            def tail_form(*args, keep):
+                return gdn.batched_delta_rule(*args, keep=keep, lazy=lazy)
+        else:  # rings beyond a chunk
+            tail_form = gdn.recurrent_delta_rule
+        if head <= 0:
+            return tail_form(q, k, v, g, beta, state, keep=keep)
+        o_head, state = gdn.chunked_delta_rule(q[:head], k[:head], v[:head], g[:head], beta[:head], state)
+        o_tail, states = tail_form(q[head:], k[head:], v[head:], g[head:], beta[head:], state, keep=keep)
+        return torch.cat([o_head, o_tail]), states
