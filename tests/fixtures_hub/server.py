@@ -2,9 +2,12 @@
 
 The real `HfApi` client talks to it over HTTP on 127.0.0.1 (docs/reference/hub.md §6.2): whoami-v2,
 repos/create, repo info, branch creation, tree listing, validate-yaml, preupload, the LFS batch API,
-the LFS PUT and verify, and the ndjson commit endpoint (with pull requests). It keeps repositories
-in memory as commits of {path: blob}, so tests can assert exactly what landed, and it supports
-failure injection (HTTP errors or dropped connections on chosen requests).
+the LFS PUT and verify, and the ndjson commit endpoint (with pull requests). Downloads go through
+`/{repo}/resolve/{revision}/{path}` (HEAD and GET, with the Hub's X-Repo-Commit / X-Linked-Etag /
+X-Linked-Size headers and byte ranges); public repositories are readable without a token. It keeps
+repositories in memory as commits of {path: blob}, so tests can assert exactly what landed
+(`publish` commits files directly), and it supports failure injection (HTTP errors, dropped
+connections, or an answer cut off after some bytes of its body on chosen requests).
 
 Safety: it binds 127.0.0.1 on a free port, answers at most `max_requests` requests and shuts
 itself down after `lifetime` seconds even if a test forgets to stop it.
@@ -82,6 +85,15 @@ class Fault:
     message: str = "injected failure"
     after: int = 0
     headers: dict = field(default_factory=dict)
+    cut_after: int | None = None  # answer normally, but drop the connection after this many body bytes
+
+
+@dataclass(frozen=True)
+class RawResponse:
+    """A file's bytes (or part of them) with the Hub's download headers, not a JSON answer."""
+
+    body: bytes
+    headers: dict
 
 
 class HubError(Exception):
@@ -97,6 +109,7 @@ class FakeHub:
         self.requests: list[tuple[str, str]] = []
         self.puts: list[str] = []  # LFS oids received by PUT
         self.commit_payloads: list[list[dict]] = []
+        self.downloads: list[tuple[str, int, int]] = []  # (path, first byte, bytes answered) per file GET
         self.faults: list[Fault] = []
         self.max_requests = max_requests
         self.lifetime = lifetime
@@ -150,6 +163,31 @@ class FakeHub:
     def count(self, method: str, pattern: str) -> int:
         return sum(1 for m, p in self.requests if m == method and re.search(pattern, p))
 
+    def publish(self, repo_id: str, files: dict[str, bytes], *, branch: str = "main", private: bool = False,
+                message: str = "publish") -> str:
+        """Commit `files` onto `branch` of `repo_id` (both created if missing), as a push would; returns the
+        commit id. Model weights and binary files are stored as LFS objects, as the Hub does."""
+        with self._lock:
+            repo = self.repos.get(repo_id)
+            if repo is None:
+                repo = self.repos[repo_id] = Repo(private=private)
+                first = hashlib.sha1(f"init {repo_id}".encode()).hexdigest()
+                repo.commits[first] = {".gitattributes": Blob(len(GITATTRIBUTES), data=GITATTRIBUTES)}
+                repo.refs["main"] = first
+            tree = dict(repo.commits[repo.refs.get(branch, repo.refs["main"])])
+            for path, data in files.items():
+                if path.endswith((".gguf", ".safetensors")) or len(data) >= LFS_MIN_SIZE or b"\0" in data[:512]:
+                    oid = hashlib.sha256(data).hexdigest()
+                    self.lfs[oid] = data
+                    tree[path] = Blob(len(data), sha256=oid)
+                else:
+                    tree[path] = Blob(len(data), data=data)
+            oid = hashlib.sha1(f"{len(repo.commits)} {repo_id} {branch} {sorted(files)}".encode()).hexdigest()
+            repo.commits[oid] = tree
+            repo.messages[oid] = message
+            repo.refs[branch] = oid
+        return oid
+
     # -- request handling ----------------------------------------------------------------------
 
     def _take_fault(self, method: str, path: str) -> Fault | None:
@@ -178,6 +216,42 @@ class FakeHub:
             raise HubError(404, "Repository not found", "RepoNotFound")
         return repo
 
+    def _readable_repo(self, ns: str, name: str, headers) -> Repo:
+        """Reads need no token for a public repository; a token sent must be valid, and a private
+        repository read without one looks missing (401 with RepoNotFound, as the Hub answers)."""
+        token = headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if token and token not in (WRITE_TOKEN, READ_TOKEN):
+            raise HubError(401, "Invalid credentials in Authorization header")
+        repo = self.repos.get(f"{ns}/{name}")
+        if repo is None or (repo.private and not token):
+            raise HubError(401 if not token else 404, "Repository not found", "RepoNotFound")
+        return repo
+
+    def _resolve(self, method: str, ns: str, name: str, ref: str, path: str, headers) -> tuple[int, RawResponse]:
+        repo = self._readable_repo(ns, name, headers)
+        tree = self._tree_of(repo, ref)
+        blob = tree.get(path)
+        if blob is None:
+            raise HubError(404, f"Entry not found: {path}", "EntryNotFound")
+        data = self.lfs[blob.sha256] if blob.is_lfs else blob.data
+        etag = blob.sha256 if blob.is_lfs else git_blob_sha1(data)
+        out = {"X-Repo-Commit": repo.refs.get(ref, ref), "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
+        if blob.is_lfs:
+            out.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(blob.size)})
+        status, start = 200, 0
+        if g := re.fullmatch(r"bytes=(\d+)-(\d*)", headers.get("Range", "")):
+            start = int(g.group(1))
+            end = int(g.group(2)) if g.group(2) else len(data) - 1
+            if start >= len(data):
+                raise HubError(416, "Requested range not satisfiable")
+            data = data[start:end + 1]
+            status = 206
+            out["Content-Range"] = f"bytes {start}-{start + len(data) - 1}/{blob.size}"
+        if method == "GET":
+            with self._lock:
+                self.downloads.append((path, start, len(data)))
+        return status, RawResponse(data, out)
+
     def handle(self, method: str, raw_path: str, headers, body: bytes) -> tuple[int, object]:
         url = urlparse(raw_path)
         path, query = url.path, parse_qs(url.query)
@@ -196,6 +270,9 @@ class FakeHub:
             if g.group(1) not in self.lfs:
                 raise HubError(404, "LFS object not found")
             return 200, {}
+        if method in ("GET", "HEAD") and (g := m(r"/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)", path)):
+            ns, name, ref, file = g.group(1), g.group(2), unquote(g.group(3)), unquote(g.group(4))
+            return self._resolve(method, ns, name, ref, file, headers)
         if method == "POST" and (g := m(r"/([^/]+)/([^/]+)\.git/info/lfs/objects/batch", path)):
             self._auth(headers, write=True)
             self._repo(g.group(1), g.group(2))
@@ -262,9 +339,11 @@ class FakeHub:
 
     def _model_api(self, method, ns, name, rest, query, headers, body) -> tuple[int, object]:
         m = re.fullmatch
-        write = method != "GET"
-        self._auth(headers, write=write)
-        repo = self._repo(ns, name)
+        if method == "GET":
+            repo = self._readable_repo(ns, name, headers)
+        else:
+            self._auth(headers, write=True)
+            repo = self._repo(ns, name)
         if method == "GET" and (rest == "" or (g := m(r"revision/(.+)", rest))):
             ref = unquote(g.group(1)) if rest else "main"
             tree = self._tree_of(repo, ref)
@@ -398,7 +477,7 @@ class _Handler(BaseHTTPRequestHandler):
             threading.Thread(target=fake.stop, daemon=True).start()
             return self._send(503, {"error": "fake hub request budget exhausted"})
         fault = fake._take_fault(self.command, self.path)
-        if fault is not None:
+        if fault is not None and fault.cut_after is None:
             if fault.status is None:
                 self.close_connection = True
                 self.connection.close()  # a dropped connection: the client sees a transport error
@@ -408,7 +487,26 @@ class _Handler(BaseHTTPRequestHandler):
             status, payload = fake.handle(self.command, self.path, self.headers, body)
         except HubError as exc:
             return self._send(exc.status, {"error": exc.message, **exc.extra}, message=exc.message, code=exc.code)
+        if isinstance(payload, RawResponse):
+            return self._send_raw(status, payload, cut_after=fault.cut_after if fault is not None else None)
         self._send(status, payload)
+
+    def _send_raw(self, status: int, response: RawResponse, cut_after: int | None):
+        self.send_response(status)
+        for key, value in response.headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(response.body)))
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        if cut_after is None:
+            self.wfile.write(response.body)
+            return
+        self.wfile.write(response.body[:cut_after])  # then a dropped connection: the client sees a short body
+        self.wfile.flush()
+        self.close_connection = True
+        self.connection.close()
 
     def _send(self, status: int, payload, message: str | None = None, code: str | None = None, extra=None):
         data = json.dumps(payload).encode()
@@ -422,6 +520,7 @@ class _Handler(BaseHTTPRequestHandler):
         if code:
             self.send_header("X-Error-Code", code)
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":  # a HEAD answer has headers only
+            self.wfile.write(data)
 
-    do_GET = do_POST = do_PUT = _serve
+    do_GET = do_POST = do_PUT = do_HEAD = _serve
