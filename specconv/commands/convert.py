@@ -78,6 +78,8 @@ def parse_layers(text: str) -> tuple[int, ...]:
 
 @click.command("convert")
 @click.argument("src", type=click.Path(path_type=Path))
+@click.option("--local-dir", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR",
+              help="With a Hub id as SRC: download into DIR instead of the huggingface_hub cache.")
 @click.option("-o", "--output", "out", required=True, metavar="OUT",
               help="Output file (DIR/NAME.gguf; a sidecar written next to it is DIR/mtp-NAME.gguf) or a folder "
                    "(DIR/: names follow the GGUF naming convention, e.g. Name-F16.gguf and mtp-Name-F16.gguf).")
@@ -119,9 +121,11 @@ def parse_layers(text: str) -> tuple[int, ...]:
                    "work while others wait on the disk; 1: no worker threads). "
                    "The output is the same bytes whatever the number.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (or the --dry-run plan) as JSON on stdout.")
-def command(src, out, outtype, mtp_outtype, imatrix_file, mtp_mode, split_max_size, target, target_layers, dry_run,
-            force, mkdir, threads, as_json):
-    """Convert the checkpoint folder SRC (config.json, safetensors, tokenizer) to GGUF.
+def command(src, local_dir, out, outtype, mtp_outtype, imatrix_file, mtp_mode, split_max_size, target, target_layers,
+            dry_run, force, mkdir, threads, as_json):
+    """Convert SRC to GGUF: a checkpoint folder (config.json, safetensors, tokenizer), or a Hub id
+    OWNER/NAME[@REVISION], whose config, tokenizer and safetensors files are downloaded first (a local
+    folder of that name keeps priority).
 
     Files are written under temporary names and renamed only when complete; on any error or Ctrl-C
     nothing is left behind. Existing outputs are refused unless --force is given.
@@ -148,6 +152,9 @@ def command(src, out, outtype, mtp_outtype, imatrix_file, mtp_mode, split_max_si
         from specconv.convert.imatrix import load as load_imatrix
 
         imatrix = load_imatrix(imatrix_file)
+    from specconv.commands.hub_inputs import checkpoint_input
+
+    src = checkpoint_input(src, local_dir)  # a Hub id: fetched into the cache first
     req = ConvertRequest(src=Path(src), out=out, outtype=outtype.lower(), mtp=MtpMode(mtp_mode),
                          split_max_size=parse_size(split_max_size) if split_max_size is not None else 0, target=target,
                          target_layers=parse_layers(target_layers) if target_layers is not None else None,

@@ -8,6 +8,7 @@ import time
 
 import click
 
+from specconv.commands.hub_inputs import SPEC_HELP, gguf_input, hf_repo_option
 from specconv.commands.options import DRAFT_COUNT, MAX_DRAFT, NON_NEGATIVE, PROBABILITY, SEED, DraftMaxType
 from specconv.errors import SpecconvError
 
@@ -38,7 +39,8 @@ DRAFT_MAX = DraftMaxType()  # 0..MAX_DRAFT or auto
 
 
 @click.command("generate")
-@click.argument("model_path", metavar="MODEL.gguf", type=click.Path(exists=True, dir_okay=False))
+@click.argument("model_path", metavar="MODEL.gguf", type=click.Path(exists=True, dir_okay=False), required=False)
+@hf_repo_option(SPEC_HELP)
 @click.option("-p", "--prompt", default=None, help="Prompt text (tokenized with the GGUF's tokenizer).")
 @click.option("--tokens", default=None, help="Prompt as comma-separated token ids instead of text.")
 @click.option("-n", "--n-predict", default=32, show_default=True, type=click.IntRange(min=0), help="Tokens to generate.")
@@ -89,7 +91,8 @@ DRAFT_MAX = DraftMaxType()  # 0..MAX_DRAFT or auto
                    "gain only when every speculative repeat was faster than every plain one (else \"no measurable "
                    "gain\"); the times are in the --json speculative.timing.")
 def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dtype, offload, weights_mode, stop_at_eos,
-            as_json, spec, acceptance, draft_max, draft_min, p_min, mtp_path, draft_path, rollback, no_baseline, repeats):
+            as_json, spec, acceptance, draft_max, draft_min, p_min, mtp_path, draft_path, rollback, no_baseline, repeats,
+            hf_repo):
     """Generate N tokens after a prompt (plain or speculative decoding).
 
     With --json the object carries load_seconds, prompt and decode tokens/s and the stored weight
@@ -103,6 +106,7 @@ def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dt
     if draft_max != "auto" and draft_min > draft_max:
         raise click.BadParameter(f"--draft-min {draft_min} is above --draft-max {draft_max}: nothing would be drafted",
                                  param_hint="'--draft-min'")
+    model_path, mtp_path, draft_path = gguf_input(model_path, hf_repo, spec=spec, mtp=mtp_path, draft=draft_path)
     started = time.perf_counter()
     model = load_model(model_path, device=device, dtype=dtype, weights=weights_mode, offload=offload)
     load_seconds = time.perf_counter() - started

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from specconv.commands.hub_inputs import gguf_input, hf_repo_option
 
 TARGET_LAYERS_CONVENTION = (
     "layer inputs, as llama.cpp reads eagle3.target_layers: j is the input of target block j (transformers' "
@@ -21,10 +22,11 @@ def eagle3_summary(hparams: dict) -> dict:
 
 
 @click.command("inspect")
-@click.argument("file", type=click.Path(path_type=Path))
+@click.argument("file", type=click.Path(path_type=Path), required=False)
+@hf_repo_option()
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON on stdout.")
 @click.option("--all-tensors", is_flag=True, help="List every tensor (by default long tables are shortened).")
-def command(file, as_json, all_tensors):
+def command(file, as_json, all_tensors, hf_repo):
     """Show FILE's architecture, the graph types it serves (main, mtp or both, decided as llama.cpp's
     loaders decide), hyper-parameters, tensor table (name, type, ggml shape) and sizes. For an EAGLE-3
     head: the target layers it reads and their convention (layer inputs).
@@ -39,6 +41,7 @@ def command(file, as_json, all_tensors):
     from specconv.convert.gguf_summary import summarize
     from specconv.convert.plan_report import human_bytes
 
+    file = gguf_input(file, hf_repo, what="FILE")[0]
     info = summarize(file)
     if info["arch"] == "eagle3":
         info["eagle3"] = eagle3_summary(info["hparams"])

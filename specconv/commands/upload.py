@@ -19,6 +19,7 @@ from rich.progress import (
 )
 from rich.markup import escape
 
+from specconv.commands.hub_inputs import hf_repo_option, upload_inputs
 from specconv.hub.naming import human_size, parse_size
 from specconv.tables import Col, print_table, print_wrapped
 
@@ -102,8 +103,12 @@ class RichEvents:
 
 
 @click.command(name="upload")
-@click.argument("inputs", nargs=-1, required=True, metavar="DIR | FILE.gguf...",
+@click.argument("inputs", nargs=-1, required=False, metavar="DIR | FILE.gguf...",
                 type=click.Path(exists=True, path_type=Path))
+@hf_repo_option(" Here: publish that file (and its mtp- file) from the Hub instead of local files.")
+@click.option("--local-dir", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR",
+              help="With -hf: the folder the files are downloaded into (default: one in huggingface_hub's assets "
+                   "cache).")
 @click.option("--repo", "repo_id", required=True, help="Target repository, USER/NAME.")
 @click.option("--private", is_flag=True, help="Create the repository as private.")
 @click.option("--revision", help="Branch to commit to (created if missing), or refs/pr/N to resume a PR.")
@@ -130,7 +135,8 @@ class RichEvents:
 @click.option("--keep-staging", is_flag=True, help="Keep re-split shards after a successful upload.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan (dry run) or the result as JSON.")
 def command(inputs, repo_id, private, revision, create_pr, dry_run, max_file_size, report_paths, run_verify, hf_dir,
-            base_model, name, license_, quantized_by, retries, retry_delay, keep_staging, as_json):
+            base_model, name, license_, quantized_by, retries, retry_delay, keep_staging, as_json, hf_repo,
+            local_dir):
     """Upload GGUF files with one model card: every .gguf in the folder DIR, or the FILE.gguf given (each
     with the other shards of its set and its mtp- sidecar). A quant ladder (`convert --outtype
     q8_0,q6_k,q4_k_m`) goes to one repository; the card's table shows each file's type, tensor types,
@@ -141,6 +147,7 @@ def command(inputs, repo_id, private, revision, create_pr, dry_run, max_file_siz
     if hf_dir is not None and not run_verify:
         raise SpecconvError("--hf is for --verify (parity of each file against the checkpoint)")
     console = Console(stderr=True)
+    inputs = upload_inputs(inputs, hf_repo, local_dir)  # -hf: fetched from the Hub first
     source = inputs[0] if len(inputs) == 1 and inputs[0].is_dir() else list(inputs)
 
     def make_plan(reports):

@@ -7,16 +7,23 @@ from pathlib import Path
 
 import click
 
+from specconv.commands.hub_inputs import SIBLING_SPECS, checkpoint_input, gguf_input, hf_repo_option
+
 _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 
 
 @click.command("verify")
-@click.argument("model_path", metavar="MODEL.gguf", type=_FILE)
+@click.argument("model_path", metavar="MODEL.gguf", type=_FILE, required=False)
+@hf_repo_option()
+@click.option("--spec", type=click.Choice(SIBLING_SPECS), default=None,
+              help="With -hf: also fetch the model file's mtp-, eagle3- or dflash- file and verify with it (as --mtp "
+                   "or --draft; for mtp the model's own head when the repository has no mtp- file).")
 @click.option("--mtp", "mtp_path", type=_FILE, default=None, help="MTP sidecar (mtp-*.gguf) for a trunk-only model.")
 @click.option("--draft", "draft_path", type=_FILE, default=None,
               help="A separate draft model GGUF (same vocabulary), or an EAGLE-3 head (converted with --target).")
-@click.option("--hf", "hf_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="The checkpoint folder that was converted: parity with transformers. The reference is placed "
+@click.option("--hf", "hf_dir", metavar="DIR|OWNER/NAME[@REVISION]", default=None,
+              help="The checkpoint folder that was converted, or its Hub id (fetched as `convert` fetches it): "
+                   "parity with transformers. The reference is placed "
                    "by accelerate's device map (GPUs, CPU, then a temporary offload folder on disk), so a "
                    "checkpoint bigger than the memory still runs.")
 @click.option("--draft-hf", "draft_hf", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
@@ -47,13 +54,17 @@ _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
                    "transformers reference of --hf loads in bf16 when this is bf16/f16, else in f32, and the parity "
                    "tolerance follows it (docs/verify.md).")
 def command(model_path, mtp_path, draft_path, hf_dir, draft_hf, prompts_file, n_predict, draft_max, temperature,
-            seed, json_path, device, offload, dtype):
+            seed, json_path, device, offload, dtype, hf_repo, spec):
     """Check MODEL.gguf: structure, parity with transformers (--hf), speculative decoding, statistics."""
     from rich.console import Console
 
     from specconv.verify import VerifyOptions, run_verify
     from specconv.verify.run import DEFAULT_PROMPTS, read_prompts
 
+    if spec is not None and hf_repo is None:
+        raise click.UsageError("--spec picks the drafter fetched with -hf; with MODEL.gguf give --mtp or --draft")
+    model_path, mtp_path, draft_path = gguf_input(model_path, hf_repo, spec=spec, mtp=mtp_path, draft=draft_path)
+    hf_dir = checkpoint_input(hf_dir) if hf_dir is not None else None
     console = Console(stderr=True)
     opts = VerifyOptions(model=model_path, mtp=mtp_path, draft=draft_path, hf=hf_dir, draft_hf=draft_hf, dtype=dtype,
                          prompts=read_prompts(prompts_file) if prompts_file else list(DEFAULT_PROMPTS),
