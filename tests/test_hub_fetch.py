@@ -77,7 +77,8 @@ def one_error_line(capsys, argv) -> str:
     with pytest.raises(SystemExit) as info:
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    print(argv, "->", err)
+    with capsys.disabled():
+        print(argv, "->", err)
     assert info.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
     return err[0]
 
@@ -159,7 +160,8 @@ def test_a_failed_download_is_resumed_by_a_rerun_without_fetching_complete_files
     hub.publish("me/X-GGUF", GGUF_REPO)
     hub.faults.append(Fault("GET", r"X-Q4_K_M-00002-of-00003\.gguf$", status=500, times=99, message="storage down"))
     line = one_error_line(capsys, ["inspect", "-hf", "me/X-GGUF:Q4_K_M", "--json"])
-    assert "download failed" in line and "rerun the same command to resume" in line
+    assert line.startswith("error: downloading from me/X-GGUF@")
+    assert "failed (storage down); rerun the same command to resume" in line
     hub.faults.clear()
     before = list(hub.downloads)
     got = fetch_gguf(parse_ref("me/X-GGUF:Q4_K_M", quant=True))
@@ -222,6 +224,11 @@ def test_private_repositories_need_hf_token_and_missing_ones_are_one_line(hub, m
     assert "no such repository" in one_error_line(capsys, ["generate", "-hf", "me/Missing:Q8_0", "-p", "x"])
     assert "not a Hub id" in one_error_line(capsys, ["verify", "-hf", "not-an-id"])
     assert "not a Hub id" in one_error_line(capsys, ["inspect", "-hf", "me/a/b:Q8_0"])
+    hub.publish("me/Gated-GGUF", {"G-Q8_0.gguf": blob(31, 1000)})
+    hub.faults.append(Fault("GET", r"/api/models/me/Gated-GGUF", status=403, headers={"X-Error-Code": "GatedRepo"},
+                            message="Access to model me/Gated-GGUF is restricted"))
+    line = one_error_line(capsys, ["inspect", "-hf", "me/Gated-GGUF"])
+    assert "me/Gated-GGUF is gated: accept its conditions on the Hub, then set HF_TOKEN" in line
     monkeypatch.setenv("HF_TOKEN", READ_TOKEN)
     got = fetch_gguf(parse_ref("me/Private-GGUF", quant=True))
     assert got.model.read_bytes() == blob(30, 1000)

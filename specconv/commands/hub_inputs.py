@@ -38,6 +38,7 @@ class RichDownload:
         self.tasks: dict[str, int] = {}
 
     def start(self, source: str, todo: list[tuple[str, int | None]]) -> None:
+        self.stop()  # a checkpoint's index is fetched before its other files
         if not todo:
             return
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False),
@@ -50,7 +51,7 @@ class RichDownload:
         self.progress.advance(self.tasks[path], n)
 
     def finish(self, path: str) -> None:
-        task = self.progress.tasks[self.tasks[path]]
+        task = next(t for t in self.progress.tasks if t.id == self.tasks[path])
         self.progress.update(task.id, completed=task.total if task.total is not None else task.completed)
 
     def summary(self, source: str, fetched: int, cached: int, folder: Path) -> None:

@@ -261,8 +261,8 @@ def hub_error(exc: BaseException, ref: HubRef, action: str) -> SpecconvError:
         return SpecconvError(f"the Hub rejected the token (401 Unauthorized) while {action}: set a valid HF_TOKEN "
                              "or run `hf auth login`")
     if is_transient(exc) or (isinstance(exc, OSError) and status is None):
-        return SpecconvError(f"download failed while {action} ({_server_message(exc)}); rerun the same command to "
-                             "resume (complete files are kept)")
+        return SpecconvError(f"{action} failed ({_server_message(exc)}); rerun the same command to resume (complete "
+                             "files are kept)")
     if status is not None:
         return SpecconvError(f"the Hub refused {action} (HTTP {status}: {_server_message(exc)})")
     return SpecconvError(f"{action} failed: {type(exc).__name__}: {_server_message(exc)}")
