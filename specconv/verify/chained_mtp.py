@@ -27,6 +27,7 @@ import torch
 from specconv.errors import SpecconvError
 from specconv.runtime import Context, GraphType
 from specconv.runtime.drafters.mtp import block_view
+from specconv.verify.parity import input_device, module_device, reference_precision, round_as_stored_
 
 
 def _hy_v3_name(rel: str) -> str:
@@ -256,10 +257,8 @@ def load_blocks(main, family: str, hf_dir: Path, k: int) -> list:
             raise SpecconvError(f"--hf {hf_dir}: no model.layers.{n + j}.* tensors (MTP block {j})")
         named = {rename(r): t for r, t in raw.items()}
         layer.load_state_dict(_fuse_experts({a: b for a, b in named.items() if a is not None}), strict=True)
-        layer = layer.to(dtype).eval()
+        layer = layer.to(input_device(main), dtype).eval()  # where the trunk's embedding is
         if dtype == torch.float64:
-            from specconv.verify.parity import round_as_stored_
-
             round_as_stored_(layer)
         blocks.append(layer)
     return blocks
@@ -269,9 +268,8 @@ def load_blocks(main, family: str, hf_dir: Path, k: int) -> list:
 def block_logits(main, layer, tokens: list[int], hidden: torch.Tensor, positions: list[int]) -> torch.Tensor:
     """One MTP block on explicit rows, causal (within its sliding window, if any), no cache, through
     the trunk's LM head."""
-    dev = next(layer.parameters()).device
-    tok = torch.tensor([tokens], device=dev)
-    e = main.get_input_embeddings()(tok).to(dev)
+    dev = module_device(layer)
+    e = main.get_input_embeddings()(torch.tensor([tokens], device=input_device(main))).to(dev)
     h = hidden[None].to(dev, e.dtype)
     x = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(h)], dim=-1))
     p = torch.tensor(positions, device=dev)
@@ -282,9 +280,11 @@ def block_logits(main, layer, tokens: list[int], hidden: torch.Tensor, positions
     mask = torch.zeros(ok.shape, device=dev, dtype=x.dtype).masked_fill(~ok, float("-inf"))[None, None]
     pos = p[None]
     rotary = main.get_decoder().rotary_emb
-    rope = rotary(x, pos, kind) if kind is not None else rotary(x, pos)
-    y = layer.mtp_block(x, attention_mask=mask, position_embeddings=rope, position_ids=pos)
-    return main.get_output_embeddings()(layer.post_norm(y))[0].cpu()
+    at = module_device(rotary)
+    rope = rotary(x.to(at), pos.to(at), kind) if kind is not None else rotary(x.to(at), pos.to(at))
+    y = layer.mtp_block(x, attention_mask=mask, position_embeddings=tuple(r.to(dev) for r in rope), position_ids=pos)
+    head = main.get_output_embeddings()
+    return head(layer.post_norm(y).to(module_device(head)))[0].cpu()
 
 
 @torch.no_grad()
@@ -298,7 +298,7 @@ def _pre_norm_rows(main, prompts) -> list[torch.Tensor]:
     hook = main.get_decoder().norm.register_forward_hook(keep)
     try:
         for ids in prompts:
-            main(torch.tensor([ids], device=next(main.parameters()).device), use_cache=False)
+            main(torch.tensor([ids], device=input_device(main)), use_cache=False)
     finally:
         hook.remove()
     return rows
@@ -306,8 +306,6 @@ def _pre_norm_rows(main, prompts) -> list[torch.Tensor]:
 
 def chained_mtp_check(report, head, main, prompts, hidden, judge, ref: str, errors) -> None:
     """One check per MTP block; report.parity gains `mtp` (the worst block) and `mtp_blocks`."""
-    from specconv.verify.parity import reference_precision
-
     k = head.hparams.n_nextn
     hf_dir = Path(getattr(main.config, "_name_or_path", "") or getattr(main.config, "name_or_path", ""))
     try:
@@ -322,7 +320,7 @@ def chained_mtp_check(report, head, main, prompts, hidden, judge, ref: str, erro
         view = block_view(head, j)
         worst, rels = 0.0, []
         for ids, h in zip(prompts, hidden):
-            rows = torch.cat([torch.zeros(1, h.shape[1], dtype=h.dtype), h[:-1]])
+            rows = torch.cat([torch.zeros(1, h.shape[1], dtype=h.dtype, device=h.device), h[:-1]])
             pos = list(range(len(ids)))
             ours = Context(view, GraphType.MTP, n_ctx=len(ids)).decode(ids, pos, hidden_in=rows.to(head.device))
             with reference_precision(layer):

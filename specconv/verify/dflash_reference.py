@@ -59,7 +59,7 @@ class DFlashReference:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        inv = 1.0 / (self.theta ** (torch.arange(0, self.hd, 2, dtype=torch.int64).float() / self.hd))
+        inv = 1.0 / (self.theta ** (torch.arange(0, self.hd, 2, dtype=torch.int64, device=x.device).float() / self.hd))
         ang = pos.float()[:, None] * inv[None, :]
         cos, sin = (torch.cat([a, a], -1)[:, None, :].to(x.dtype) for a in (ang.cos(), ang.sin()))
         half = self.hd // 2
@@ -70,10 +70,10 @@ class DFlashReference:
         """Logits of the block at positions m.., over the m context feature rows at positions 0..m-1."""
         t, nh, nkv, hd = self.t, self.nh, self.nkv, self.hd
         dtype = self.need("fc.weight").dtype
-        g = self._rms(features.to(dtype) @ t["fc.weight"].T, self.need("hidden_norm.weight"))
-        x = embed(torch.as_tensor(list(block_tokens))).to(dtype)
+        g = self._rms(features.to(t["fc.weight"].device, dtype) @ t["fc.weight"].T, self.need("hidden_norm.weight"))
+        x = embed(torch.as_tensor(list(block_tokens), device=g.device)).to(g.device, dtype)
         m, b = g.shape[0], x.shape[0]
-        qpos, kpos = torch.arange(m, m + b), torch.arange(m + b)
+        qpos, kpos = torch.arange(m, m + b, device=g.device), torch.arange(m + b, device=g.device)
         for i in range(int(self.cfg["num_hidden_layers"])):
             p = f"layers.{i}."
             a = self._rms(x, self.need(p + "input_layernorm.weight"))

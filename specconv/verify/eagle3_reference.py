@@ -22,13 +22,14 @@ from pathlib import Path
 import torch
 
 from specconv.errors import SpecconvError
-from specconv.verify.parity import input_device
+from specconv.verify.parity import input_device, module_device
 
 # (config path, hidden_states offset): the first key present decides
 _ID_KEYS = ((("eagle_config", "eagle_aux_hidden_state_layer_ids"), 1, "layer outputs"),
             (("eagle_aux_hidden_state_layer_ids",), 0, "layer inputs"),
             (("aux_hidden_states_layer_ids",), 1, "layer outputs"))
 _LAYER = ("midlayer.", "layers.0.")  # the decoder layer's names in the two layouts
+CPU = torch.device("cpu")  # where the reference computes (its tensors are read there)
 
 
 def hidden_state_indices(config: dict, n_layer: int) -> tuple[list[int], str]:
@@ -94,7 +95,7 @@ class Eagle3Reference:
     def d2t(self) -> torch.Tensor | None:
         """Absolute target ids of the draft vocabulary (the checkpoint stores offsets), or None."""
         d = self.t.get("d2t")
-        return None if d is None else d.long() + torch.arange(d.numel())
+        return None if d is None else d.long() + torch.arange(d.numel(), device=d.device)
 
     @torch.no_grad()
     def encode(self, features: torch.Tensor) -> torch.Tensor:
@@ -111,7 +112,7 @@ class Eagle3Reference:
         the head has none of its own (transformers' modules, called through any offloading hooks)."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-        tokens, pos = torch.as_tensor(tokens), torch.as_tensor(positions)
+        tokens, pos = torch.as_tensor(tokens, device=CPU), torch.as_tensor(positions, device=CPU)
         own = self.t.get("embed_tokens.weight")
         rows = own[tokens] if own is not None else target_embed(tokens)
         g = g.to(self.dtype)
@@ -138,12 +139,12 @@ class Eagle3Reference:
 
 
 def module_call(module):
-    """`module(x)` on the CPU, whatever device (or offload hook) holds the module and whatever its dtype."""
+    """`module(x)` for inputs and outputs on the CPU, whatever device (or offload hook) holds the module and
+    whatever its dtype."""
     def call(x: torch.Tensor) -> torch.Tensor:
-        param = next(module.parameters())
-        where = param.device if param.device.type != "meta" else torch.device("cpu")  # meta: a hook brings it
+        dtype = next(module.parameters()).dtype if x.is_floating_point() else x.dtype
         with torch.no_grad():
-            return module(x.to(where, param.dtype if x.is_floating_point() else x.dtype)).float().cpu()
+            return module(x.to(module_device(module), dtype)).float().cpu()
 
     return call
 

@@ -20,6 +20,7 @@ and the RAM is spread over them and the disk, so release-size parity checks run 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import tempfile
@@ -33,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from specconv.errors import SpecconvError
 from specconv.runtime import Context, GraphType
 from specconv.runtime.model import Model
+from specconv.verify.dsa_ties import DSA_MODEL_TYPES, EarliestOnTies
 
 # Float32 files are judged on max |Δlogit|; files with rounded weights on the relative RMS of the
 # logit error (rms over the vocabulary of Δ / std of the reference logits, averaged over positions),
@@ -221,6 +223,8 @@ def load_reference(hf_dir: Path, arch: str, dtype: torch.dtype = torch.float32, 
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "mismatched_keys", "error_msgs") and v}
     if dtype == torch.float64:
         round_as_stored_(model)
+    if model.config.model_type in DSA_MODEL_TYPES:
+        EarliestOnTies(model)  # the runtime's rule for exact ties in the key selection (docs/dsa.md "Ties")
     return model.eval(), bad
 
 
@@ -237,20 +241,28 @@ def load_mtp_reference(main, n_mtp: int):
         n = main.config.num_hidden_layers
         main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n + j}\..*" for j in range(n_mtp)]
     mtp = MtpModel.from_pretrained(main).eval()
+    mtp.layers.to(input_device(main))  # its own layers where the shared embedding and head are (not the CPU)
     if next(mtp.parameters()).dtype == torch.float64:
         round_as_stored_(mtp)
-    if main.config.model_type in ("glm_moe_dsa", "deepseek_v32"):
+    if main.config.model_type in DSA_MODEL_TYPES:
         mtp.config._attn_implementation = "eager"  # the DSA indexer needs the explicit causal mask (docs/dsa.md)
+        EarliestOnTies(mtp)
     if main.config.model_type == "glm_moe_dsa":  # its decoder layer returns (hidden, top-k indices)
         for layer in mtp.layers:
             layer.mtp_block.register_forward_hook(lambda _m, _i, out: out[0] if isinstance(out, tuple) else out)
     return mtp
 
 
+def module_device(module) -> torch.device:
+    """Where a (possibly device-mapped) module computes: its weights' device, or the CPU for weights
+    offloaded by accelerate (on `meta`; its hook brings them in)."""
+    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return tensor.device if tensor is not None and tensor.device.type != "meta" else torch.device("cpu")
+
+
 def input_device(model) -> torch.device:
     """Where a (possibly device-mapped) transformers model takes its input ids: its embedding's device."""
-    param = next(model.get_input_embeddings().parameters())
-    return param.device if param.device.type != "meta" else torch.device("cpu")
+    return module_device(model.get_input_embeddings())
 
 
 @torch.no_grad()
@@ -269,15 +281,19 @@ def trunk_parity(target: Model, hf_main, prompts: list[list[int]]) -> tuple[floa
 
 @torch.no_grad()
 def mtp_parity(head: Model, hf_mtp, prompts: list[list[int]], hidden: list[torch.Tensor]) -> tuple[float, float]:
+    """(max |Δlogit|, mean relative RMS error) of our MTP graph against transformers' MtpModel on
+    llama.cpp's rows, both fed the reference's trunk hidden states. Each side gets its inputs on its own
+    device: the runtime's on the model's, the reference's on its embedding's."""
     worst, rels = 0.0, []
+    where = input_device(hf_mtp)
+    dtype = next(hf_mtp.parameters()).dtype
     for ids, h in zip(prompts, hidden):
-        rows = torch.cat([torch.zeros(1, h.shape[1], dtype=h.dtype), h[:-1]])
+        rows = torch.cat([torch.zeros(1, h.shape[1], dtype=h.dtype, device=h.device), h[:-1]])
         pos = list(range(len(ids)))
         ours = Context(head, GraphType.MTP, n_ctx=len(ids)).decode(ids, pos, hidden_in=rows.to(head.device))
-        dtype = next(hf_mtp.parameters()).dtype
         with reference_precision(hf_mtp):
-            hs = hf_mtp.forward_layer(0, rows[None].to(dtype), position_ids=torch.tensor([pos]), mtp_cache=None,
-                                      input_ids=torch.tensor([ids]))
+            hs = hf_mtp.forward_layer(0, rows[None].to(where, dtype), position_ids=torch.tensor([pos], device=where),
+                                      mtp_cache=None, input_ids=torch.tensor([ids], device=where))
             ref = hf_mtp._project_to_logits(hs)[0].cpu()
         m, r = _errors(ours.logits.cpu(), ref)
         worst, rels = max(worst, m), rels + [r]
