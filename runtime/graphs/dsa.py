@@ -3,7 +3,8 @@
 
 Everything but the attention's key selection is runtime/graphs/deepseek2.py: absorbed MLA over a
 latent cache row, YaRN rope, the sigmoid group-limited MoE, the nextn block. The lightning indexer
-picks, per query, the `index_topk` visible keys with the largest score
+picks, per query, the `index_topk` visible keys with the largest score (equal scores: the earlier
+key first, `select`)
 
     I(t, s) = Σ_j w_j(t) · ReLU(q_j(t) · k(s) / √D),   w(t) = proj · x_t / √H_I,
 
@@ -143,11 +144,20 @@ def index_scores(w, hp: HParams, i: int, a: torch.Tensor, cq: torch.Tensor, keys
 
 
 def select(hp: HParams, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """[n, T] bool: the index_topk visible keys with the largest scores (all of them when fewer)."""
+    """[n, T] bool: per query row, the index_topk visible keys with the largest scores (all of them
+    when fewer), keys of equal score taken earliest first (docs/dsa.md "Ties").
+
+    Exact ties are common: a key that every indexer head's ReLU zeroes scores exactly 0. torch.topk
+    picks among equal scores by its algorithm, which depends on the row's length, and a verification
+    batch lengthens every row by its later (masked) keys: the same query would select other keys
+    inside a batch than alone. The earliest-first rule depends on the visible scores only."""
     k = min(hp.index_topk, scores.shape[1])
-    top = scores.masked_fill(~visible, float("-inf")).topk(k, dim=-1).indices
-    chosen = torch.zeros_like(visible).scatter_(1, top, True)
-    return chosen & visible
+    scores = scores.masked_fill(~visible, float("-inf"))
+    edge = scores.topk(k, dim=-1).values[:, -1:]  # the k-th largest score of each row
+    above = scores > edge
+    tied = scores == edge
+    room = k - above.sum(dim=-1, keepdim=True)
+    return (above | (tied & (tied.cumsum(dim=-1) <= room))) & visible
 
 
 # ---- blocks -------------------------------------------------------------------------------------
