@@ -160,6 +160,7 @@ def test_indexer_head_size_llamacpp_constraint(tmp_path, llama_peer):
     multiplies it with the D-wide heads: D = 32 aborts its graph with GGML_ASSERT(ggml_can_mul_mat(a, b))
     (the failure measured on tiny shapes). Our runtime has no such constraint and matches transformers."""
     from specconv.runtime import Context, GraphType, load_model
+    from specconv.verify.dsa_ties import EarliestOnTies
 
     src = tiny.build_tiny(tmp_path / "hf", "glm-dsa", index_head_dim=32)
     path = convert_gguf(src, tmp_path / "d32.gguf", mtp="none")
@@ -167,11 +168,12 @@ def test_indexer_head_size_llamacpp_constraint(tmp_path, llama_peer):
             f"peers.require_llama_cpp(); peers.llama_logits({str(path)!r}, {IDS[:12]!r})")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode != 0 and "ggml_can_mul_mat(a, b)" in proc.stderr, proc.stderr[-2000:]
-    ref, _ = tiny.hf_trunk(src, IDS)
+    with EarliestOnTies(tiny.load_hf(src)[0]) as ties:  # this prompt has an exact tie (docs/dsa.md "Ties")
+        ref, _ = tiny.hf_trunk(src, IDS)
     ours = Context(load_model(path, device="cpu"), GraphType.MAIN, n_ctx=64).decode(IDS).logits.numpy()
     diff = float(np.abs(ours - ref).max())
     print(f"index_head_dim 32: llama.cpp aborts (exit {proc.returncode}, ggml_can_mul_mat); runtime vs "
-          f"transformers {diff:.3g}")
+          f"transformers {diff:.3g} (rows with an exact tie at the top-k boundary: {ties.rows})")
     assert diff < 1e-4
 
 
