@@ -21,6 +21,9 @@ The product of a stored matrix with float32 activations and a type the native de
 A MoE layer always groups rows by expert (one product per routed expert over its rows): it reads
 each routed expert's bytes once for the whole batch, which the fused kernel then multiplies with
 every row routed to it.
+
+In batch-invariant mode (backend.rows_alone) a native product takes one row per call (the fused
+kernel's sums depend on how many rows it holds) and the delta rule one token per native step.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from specconv.runtime import dequant, dequant_native, gdn_native, stored
-from specconv.runtime.backend_torch import TorchBackend
+from specconv.runtime.backend import rows_alone
+from specconv.runtime.backend_torch import TorchBackend, token_by_token
 from specconv.runtime.graphs.gdn import PendingStates
 from specconv.runtime.placement import active_device
 from specconv.runtime.stored import StoredWeight
@@ -61,6 +65,10 @@ class NativeCpuBackend(TorchBackend):
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
         if isinstance(w, StoredWeight) and w.ndim == 2 and w.numel() > WHOLE_MAX_ELEMENTS and _native(x, w):
             rows = x.numel() // w.shape[1] if w.shape[1] else 0
+            if rows_alone() and rows > 1:  # each row as in a one-row batch
+                xs = x.reshape(rows, w.shape[1])
+                return torch.cat([_native_product(xs[i:i + 1].clone(), w) for i in range(rows)]).reshape(
+                    *x.shape[:-1], w.shape[0])
             if rows <= FUSED_MAX_ROWS or w.numel() > stored.CHUNK_ELEMENTS:
                 return _native_product(x, w)
         return super().linear(x, w)
@@ -75,12 +83,21 @@ class NativeCpuBackend(TorchBackend):
             return F.silu(sums), states
         return super().causal_conv(m, conv_state, weight, keep)
 
-    def delta_rule(self, q, k, v, g, beta, state, keep: int, lazy: bool = False, out: torch.Tensor | None = None):
-        if lazy and gdn_native.applies(q, state, out):
+    def delta_rule(self, q, k, v, g, beta, state, keep: int, lazy: bool = False, out: torch.Tensor | None = None,
+                   exact: bool = False):
+        if exact and gdn_native.applies(q[:1], state, None):
+            return token_by_token(_native_token, q, k, v, g, beta, state, keep)
+        if not exact and lazy and gdn_native.applies(q, state, out):
             o, delta, last = gdn_native.delta_rule_tokens(q, k, v, g, beta, state, out=out)
             kt = k.to(torch.float32).permute(1, 2, 0)  # [nv, dk, n]
             return o, PendingStates(state, kt, delta, g.t().cumsum(-1), q.shape[0] - keep, last=last)
-        return super().delta_rule(q, k, v, g, beta, state, keep, lazy=lazy, out=out)
+        return super().delta_rule(q, k, v, g, beta, state, keep, lazy=lazy, out=out, exact=exact)
+
+
+def _native_token(q, k, v, g, beta, state):
+    """One token through the native step: (o [1, nv, dv], the state after it, a new tensor)."""
+    o, _, after = gdn_native.delta_rule_tokens(q, k, v, g, beta, state)
+    return o, after
 
 
 def _native(x: torch.Tensor, w: StoredWeight) -> bool:

@@ -6,12 +6,14 @@ checked for host reads: tests/test_runtime_backend.py).
 
 * `linear`: a stored matrix of up to stored.CHUNK_ELEMENTS values is dequantized whole and
   multiplied once (bit for bit what a dense weight computes); a larger one a chunk of rows at a
-  time, so it never exists whole in the compute dtype.
+  time, so it never exists whole in the compute dtype. In batch-invariant mode (backend.rows_alone)
+  each row is multiplied alone, in float32, by the same values as in a one-row batch.
 * `moe`: batches of up to GATHER_MAX_ROWS rows (decode steps, verification) take each row's
   experts by index (`StoredWeight.take`: no host read, only the routed experts' bytes); longer
   batches (prompts) group the rows by expert, one product per routed expert, which reads the
   expert list on the host. Both sum a row's experts in increasing expert order.
-* `causal_conv`, `delta_rule`: the torch forms of runtime/graphs/gdn.py.
+* `causal_conv`, `delta_rule`: the torch forms of runtime/graphs/gdn.py; in batch-invariant mode
+  the delta rule runs token by token, each token as a batch of one would (`exact`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from specconv.runtime import dequant, stored
-from specconv.runtime.backend import Experts
+from specconv.runtime.backend import Experts, rows_alone
 from specconv.runtime.graphs import gdn
 from specconv.runtime.stored import StoredWeight
 
@@ -30,6 +32,18 @@ GATHER_MAX_ROWS = 16  # MoE batches up to this many rows take each row's experts
 def _wide(dtype: torch.dtype) -> torch.dtype:
     """The accumulation dtype of `dtype`: float32, or float64 when computing in float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _product(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """x @ valuesᵀ. In batch-invariant mode row by row, each row a fresh one-row float32 product: the
+    same call, on the same values, whatever the number of rows, so its sums run in the same order."""
+    if not rows_alone() or x.numel() == 0:
+        return x @ values.t()
+    wide = _wide(x.dtype)
+    columns = values.to(wide).t()
+    xs = x.reshape(-1, x.shape[-1])
+    out = torch.cat([torch.mm(xs[i:i + 1].to(wide, copy=True), columns) for i in range(xs.shape[0])])
+    return out.to(x.dtype).reshape(*x.shape[:-1], values.shape[0])
 
 
 def _take(w, index: torch.Tensor):
@@ -49,14 +63,14 @@ class TorchBackend:
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
         """x @ wᵀ for a matrix in torch order [out, in]."""
         if not isinstance(w, StoredWeight):
-            return x @ w.to(x.dtype).t()
+            return _product(x, w.to(x.dtype))
         if w.ndim != 2:
             raise ValueError(f"linear needs a 2-D weight, got {tuple(w.shape)}")
         if w.numel() <= stored.CHUNK_ELEMENTS:
-            return x @ w.dense(x.dtype).t()
+            return _product(x, w.dense(x.dtype))
         out = torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device)
         for start, values in w.row_chunks(x.dtype):
-            out[..., start:start + values.shape[0]] = x @ values.t()
+            out[..., start:start + values.shape[0]] = _product(x, values)
         return out
 
     # ---- mixture of experts -----------------------------------------------------------------------
@@ -105,11 +119,16 @@ class TorchBackend:
         states = x.unfold(0, k_size - 1, 1)[first + 1: n + 1].transpose(1, 2)  # [keep, K-1, C]
         return out, states
 
-    def delta_rule(self, q, k, v, g, beta, state, keep: int, lazy: bool = False, out: torch.Tensor | None = None):
+    def delta_rule(self, q, k, v, g, beta, state, keep: int, lazy: bool = False, out: torch.Tensor | None = None,
+                   exact: bool = False):
         """Outputs for every token and the states after each of the last `keep` tokens (with `lazy`, as
         gdn.PendingStates where the batched form computes them). The chunked form up to the last
         `keep` tokens, then the batched form for those (see gdn.delta_rule). `out` is where the
-        caller will keep the state after the batch; forms that compute it directly write it there."""
+        caller will keep the state after the batch; forms that compute it directly write it there.
+        `exact`: token by token, each token computed as a batch of that one token (the states as a
+        tensor [keep, ...]): a token's output and state do not depend on the batch around it."""
+        if exact:
+            return token_by_token(self._one_token, q, k, v, g, beta, state, keep)
         n = q.shape[0]
         head = n - keep
         if keep <= gdn.BATCHED_MAX:
@@ -122,3 +141,21 @@ class TorchBackend:
         o_head, state = gdn.chunked_delta_rule(q[:head], k[:head], v[:head], g[:head], beta[:head], state)
         o_tail, states = tail_form(q[head:], k[head:], v[head:], g[head:], beta[head:], state, keep=keep)
         return torch.cat([o_head, o_tail]), states
+
+    def _one_token(self, q, k, v, g, beta, state):
+        """(o [1, nv, dv], the state after the token) for a batch of one token."""
+        o, states = gdn.recurrent_delta_rule(q, k, v, g, beta, state, keep=1)
+        return o, states[0]
+
+
+def token_by_token(step, q, k, v, g, beta, state, keep: int):
+    """The delta rule one token at a time through `step` (a one-token form), each token's inputs a
+    fresh tensor as in a batch of one: (o [n, nv, dv], states after the last `keep` tokens)."""
+    n = q.shape[0]
+    outs, kept = [], []
+    for t in range(n):
+        o, state = step(*(x[t:t + 1].clone() for x in (q, k, v, g, beta)), state)
+        outs.append(o)
+        if t >= n - keep:
+            kept.append(state)
+    return torch.cat(outs), torch.stack(kept)

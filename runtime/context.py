@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime.backend import INVARIANT_DTYPES, batch_invariant
 from specconv.runtime.memory import Batch, Memory, SeqCheckpoint
 from specconv.runtime.model import Model
 from specconv.runtime.types import DecodeOutput, GraphType
@@ -84,7 +85,9 @@ class Context:
             batch = Batch(self.memory, seq, positions, 0, [])
         else:
             batch = self.memory.begin(seq, positions)
-        with torch.inference_mode():
+        # bfloat16 / float16: every row computed as in a one-row batch (runtime/backend.py), so the
+        # verification of k drafts gives each row the bits of a decode step
+        with torch.inference_mode(), batch_invariant(self.model.dtype in INVARIANT_DTYPES):
             if self.graph_type == GraphType.MAIN:
                 out = self._main(tokens, batch, hidden, layers, rows[logits])
             elif self.graph_type == GraphType.MTP:
@@ -117,7 +120,7 @@ class Context:
         x = torch.as_tensor(features, device=self.model.device)
         if x.dim() != 2 or x.shape[0] == 0:
             raise SpecconvError("encode: features must be a non-empty [n, width] matrix")
-        with torch.inference_mode():
+        with torch.inference_mode(), batch_invariant(self.model.dtype in INVARIANT_DTYPES):
             g = self.model.graph.forward_encoder(self.model.weights, self.model.hparams, x.to(self.model.dtype))
         self.n_decode_calls += 1
         return DecodeOutput(logits=g.new_zeros(g.shape[0], 0), hidden={"g": g})

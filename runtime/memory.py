@@ -36,6 +36,9 @@ from specconv.runtime.placement import active_device
 
 EMPTY = -2  # slot holds nothing valid
 BEFORE_START = -1  # slot holds the zero state before position 0
+# the position an unwritten cell of a whole K/V buffer shows: after every query, so no causal or
+# windowed mask lets a query see it
+UNWRITTEN = 1 << 62
 
 
 @dataclass
@@ -256,6 +259,7 @@ class Batch:
         self._positions = {positions.device: positions}
         self.pending: Pending | None = None
         self._visible: dict = {}  # device -> positions of every visible cell (the same for every layer)
+        self._whole: dict = {}  # device -> positions of every cell of the whole buffers
         self._slot_index: dict = {}  # device -> the slots as a tensor
         # slots in ring order without a wrap: a batch's conv windows go in with one copy per layer
         self._consecutive = bool(slots) and slots == list(range(slots[0], slots[0] + len(slots)))
@@ -274,12 +278,23 @@ class Batch:
     def keep(self) -> int:
         return len(self.slots)
 
-    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Store this batch's K/V and return (K, V, positions) of every visible cell incl. the new ones."""
+    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, whole: bool = False):
+        """Store this batch's K/V and return (K, V, positions) of every visible cell incl. the new ones.
+
+        `whole`: the layer's whole fixed-size buffers [n_ctx, ...] instead, written in place, with
+        the position of every cell (UNWRITTEN where no cell is: masked out by any causal mask), so
+        the shapes an attention sees do not change from one step to the next."""
         m, s, n = self.memory, self.seq, k.shape[0]
         end = self.start + n
         m.k[layer][s, self.start:end] = k.to(m.dtype)
         m.v[layer][s, self.start:end] = v.to(m.dtype)
+        if whole:
+            pos = self._whole.get(k.device)
+            if pos is None:  # built once per batch
+                pos = m.cell_pos[s].to(k.device, copy=True)
+                pos[self.start:end] = self.positions.to(k.device)
+                pos = self._whole[k.device] = pos.masked_fill_(pos < 0, UNWRITTEN)
+            return m.k[layer][s], m.v[layer][s], pos
         pos = self._visible.get(k.device)
         if pos is None:  # built once per batch, not once per attention layer
             pos = self._visible[k.device] = torch.cat([m.cell_pos[s, :self.start].to(k.device),

@@ -35,7 +35,7 @@ def tiny_gguf(tmp_path_factory, *, moe=False, layout="save_pretrained", mtp="emb
 
     mtp="separate" returns (trunk, sidecar) paths.
     """
-    key = (moe, layout, mtp, outtype, tuple(sorted(build.items())))
+    key = (moe, layout, mtp, outtype, repr(sorted(build.items())))  # repr: build may hold a dict (text_over)
     if key not in _files:
         root = tmp_path_factory.mktemp("rt-" + "-".join(str(k) for k in key[:4]))
         src = build_qwen35(root / "hf", moe=moe, layout=layout, **build)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from specconv.runtime.backend import for_device
+from specconv.runtime.backend import for_device, rows_alone
 
 CHUNK = 64  # as HF torch_chunk_gated_delta_rule and llama.cpp's prefill path
 
@@ -150,9 +150,13 @@ def delta_rule(q, k, v, g, beta, state, keep: int, mode: str = "auto", lazy: boo
     gdn_native.MAX_TOKENS tokens (decode steps, verification) token by token with each head's
     state in cache. A single token (plain decoding) takes the batched form too: at the sizes of
     real models it is faster than the one-step recurrence (fewer state-sized temporaries) and
-    plain and speculative decoding then run the same arithmetic."""
+    plain and speculative decoding then run the same arithmetic.
+
+    In batch-invariant mode (runtime/backend.py `rows_alone`: a bfloat16 / float16 model) every
+    form runs token by token, each token as a batch of one (the states as a tensor), prompts
+    included: a token's output and state are the same bits whatever batch it came in."""
     n = q.shape[0]
     if mode == "recurrent":
         return recurrent_delta_rule(q, k, v, g, beta, state, keep=keep)
     keep = min(max(keep, 1), n)
-    return for_device(q.device).delta_rule(q, k, v, g, beta, state, keep, lazy=lazy, out=out)
+    return for_device(q.device).delta_rule(q, k, v, g, beta, state, keep, lazy=lazy, out=out, exact=rows_alone())

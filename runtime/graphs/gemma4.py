@@ -274,7 +274,7 @@ def moe(w, hp: HParams, i: int, h: torch.Tensor) -> torch.Tensor:
     """docs/reference/model-math.md §6.3: router on the residual stream, experts on pre_ffw_norm_2(h)."""
     p = f"blk.{i}."
     t = acc(rms_norm(h, None, hp.eps)) * w[p + "ffn_gate_inp.scale"].to(acc(h).dtype) * hp.n_embd ** -0.5
-    probs = torch.softmax(t @ w[p + "ffn_gate_inp.weight"].to(t.dtype).t(), dim=-1)
+    probs = torch.softmax(linear(t, w[p + "ffn_gate_inp.weight"]), dim=-1)
     weights, chosen = torch.topk(probs, hp.n_expert_used, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
     weights = weights * w[p + "ffn_down_exps.scale"].to(weights.dtype)[chosen]

@@ -15,7 +15,7 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs.decoder import forward_trunk
-from specconv.runtime.graphs.ops import acc, causal_attention, linear, rms_norm, swiglu
+from specconv.runtime.graphs.ops import acc, cached_attention, linear, rms_norm, swiglu
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
 
@@ -125,8 +125,7 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     v = linear(a, w[f"blk.{i}.attn_v.weight"]).view(n, hp.n_head_kv, hp.head_dim)
     cos, sin = rope
     q, k = apply_rope_pairs(q, cos, sin), apply_rope_pairs(k, cos, sin)
-    k_all, v_all, k_pos = batch.attend_kv(i, k, v)
-    o = causal_attention(q, k_all, v_all, batch.positions, k_pos, hp.head_dim ** -0.5)
+    o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
     return linear(o.reshape(n, hp.n_head * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
 
 

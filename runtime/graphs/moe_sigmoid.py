@@ -16,7 +16,7 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.backend import Experts
-from specconv.runtime.graphs.ops import acc, moe, swiglu
+from specconv.runtime.graphs.ops import acc, linear, moe, swiglu
 from specconv.runtime.validate import check_kv
 
 GATING_SOFTMAX = 1
@@ -107,7 +107,7 @@ def ffn_names(hp, i: int) -> list[str]:
 def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, hp) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [n, k], chosen experts [n, k]) of the sigmoid (or softmax), group-limited router."""
     xf = acc(x)
-    logits = xf @ router.to(xf.dtype).t()
+    logits = linear(xf, router)
     scores = torch.sigmoid(logits) if hp.gating == GATING_SIGMOID else torch.softmax(logits, dim=-1)
     choice = scores + bias.to(xf.dtype)  # the correction bias steers selection only
     if hp.n_group > 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specconv.runtime.backend import Experts, for_device
+from specconv.runtime.backend import Experts, for_device, rows_alone
 from specconv.runtime.stored import StoredWeight
 
 
@@ -92,6 +92,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     return torch.einsum("kgnt,tkd->nkgd", probs, acc(v)).reshape(n, nh, v.shape[-1]).to(q.dtype)
 
 
+def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Store this batch's K/V in layer `layer`'s cache (runtime/memory.py `Batch`) and attend to every
+    cell visible by position: `causal_attention` over the cache.
+
+    In batch-invariant mode (runtime/backend.py `rows_alone`) each query row attends alone over the
+    layer's whole fixed-size buffer (cells not written masked out), so its sums run over the same
+    cells in the same order whatever the batch's width and wherever the sequence ends."""
+    if not rows_alone():
+        k_all, v_all, k_pos = batch.attend_kv(layer, k, v)
+        return causal_attention(q, k_all, v_all, batch.positions, k_pos, scale)
+    k_all, v_all, k_pos = batch.attend_kv(layer, k, v, whole=True)
+    k_all, v_all, q_pos = acc(k_all), acc(v_all), batch.positions
+    return torch.cat([causal_attention(q[i:i + 1], k_all, v_all, q_pos[i:i + 1], k_pos, scale)
+                      for i in range(q.shape[0])])
+
+
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
@@ -102,8 +118,7 @@ def moe_softmax_topk(x: torch.Tensor, router: torch.Tensor, n_used: int, gate_ex
 
     router [E, H]; gate/up_exps [E, Fe, H]; down_exps [E, H, Fe].
     """
-    xf = acc(x)
-    probs = torch.softmax(xf @ router.to(xf.dtype).t(), dim=-1)
+    probs = torch.softmax(linear(acc(x), router), dim=-1)
     weights, chosen = torch.topk(probs, n_used, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
     return moe(x, weights, chosen, Experts(gate_exps, up_exps, down_exps, swiglu)).to(x.dtype)

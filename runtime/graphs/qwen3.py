@@ -22,7 +22,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs.decoder import forward_trunk
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.ops import (
-    acc, causal_attention, linear, moe as routed_moe, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
+    acc, cached_attention, linear, moe as routed_moe, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
@@ -178,8 +178,7 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
     cos, sin = rope
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
-    k_all, v_all, k_pos = batch.attend_kv(i, k, v)
-    o = causal_attention(q, k_all, v_all, batch.positions, k_pos, hp.head_dim ** -0.5)
+    o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
     return linear(o.reshape(n, hp.n_head * hp.head_dim), w[p + "attn_output.weight"])
 
 

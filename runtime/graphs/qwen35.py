@@ -18,7 +18,8 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import gdn
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import (
-    acc, causal_attention, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
+    acc, cached_attention, dense, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin, rope_neox_partial,
+    swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
@@ -191,8 +192,7 @@ def gated_attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope)
     k = rms_norm(k, w[f"blk.{i}.attn_k_norm.weight"], hp.eps)
     cos, sin = rope
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
-    k_all, v_all, k_pos = batch.attend_kv(i, k, v)
-    o = causal_attention(q, k_all, v_all, batch.positions, k_pos, hp.head_dim ** -0.5)
+    o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
     o = o * torch.sigmoid(acc(gate)).to(o.dtype)
     return linear(o.reshape(n, hp.n_head * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
 
@@ -231,8 +231,7 @@ def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
     routed = moe_softmax_topk(x, w[p + "ffn_gate_inp.weight"], hp.n_expert_used, w[p + "ffn_gate_exps.weight"],
                               w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"])
     shared = swiglu(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
-    xf = acc(x)
-    gate = torch.sigmoid(xf @ w[p + "ffn_gate_inp_shexp.weight"].to(xf.dtype).reshape(-1, 1))
+    gate = torch.sigmoid(linear(acc(x), dense(w[p + "ffn_gate_inp_shexp.weight"]).reshape(1, -1)))
     return routed + (acc(shared) * gate).to(x.dtype)
 
 
