@@ -20,6 +20,7 @@ from rich.progress import (
 from rich.markup import escape
 
 from specconv.commands.hub_inputs import hf_repo_option, upload_inputs
+from specconv.commands.options import FiniteFloatRange
 from specconv.hub.naming import human_size, parse_size
 from specconv.tables import Col, print_table, print_wrapped
 
@@ -130,8 +131,10 @@ class RichEvents:
 @click.option("--name", help="Model name used in file names (default: from the GGUF metadata).")
 @click.option("--license", "license_", help="License id for the card (default: general.license).")
 @click.option("--quantized-by", default="specconv", show_default=True)
-@click.option("--retries", default=6, show_default=True, help="Attempts per request on network errors and 5xx.")
-@click.option("--retry-delay", default=2.0, show_default=True, help="First back-off delay in seconds (doubles).")
+@click.option("--retries", default=6, show_default=True, type=click.IntRange(1, 100),
+              help="Attempts per request on network errors and 5xx.")
+@click.option("--retry-delay", default=2.0, show_default=True, type=FiniteFloatRange(0.0, 3600.0),
+              help="First back-off delay in seconds (doubles).")
 @click.option("--keep-staging", is_flag=True, help="Keep re-split shards after a successful upload.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan (dry run) or the result as JSON.")
 def command(inputs, repo_id, private, revision, create_pr, dry_run, max_file_size, report_paths, run_verify, hf_dir,
