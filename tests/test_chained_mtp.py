@@ -172,7 +172,7 @@ def _verify(args, tmp_path):
 
     report = tmp_path / "report.json"
     result = CliRunner().invoke(cli_module.cli, ["verify", *map(str, args), "-n", "6", "--draft-max", "3",
-                                                 "--device", "cpu", "--json", str(report)])
+                                                 "--device", "cpu", "--report", str(report)])
     return result.exit_code, json.loads(report.read_text()) if report.exists() else None, result.output
 
 

@@ -28,6 +28,7 @@ BAD = [
     ("generate", "--repeats", "0"),
     ("verify", "--temperature", "-0.5"), ("verify", "--temperature", "nan"), ("verify", "-n", "0"),
     ("verify", "--draft-max", "0"), ("verify", "--draft-max", "65"), ("verify", "--seed", "-3"),
+    ("verify", "--repeats", "1"), ("verify", "-n", "-4"),
     ("demo", "-n", "0"), ("demo", "--draft-max", "0"), ("demo", "--prompts", "0"), ("demo", "--repeats", "0"),
     ("demo", "--threads", "0"),
     ("convert", "--threads", "-1"), ("quantize", "--threads", "-1"),

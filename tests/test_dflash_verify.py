@@ -35,7 +35,7 @@ def test_verify_with_a_dflash_draft(root, tmp_path):
     def verify(target, draft, *extra):
         report = tmp_path / "r.json"
         with pytest.raises(SystemExit) as exc:
-            cli_main(["verify", str(target), "--draft", str(draft), "--prompts", str(prompts), "--json", str(report),
+            cli_main(["verify", str(target), "--draft", str(draft), "--prompts", str(prompts), "--report", str(report),
                       "-n", "6", "--draft-max", "3", "--device", "cpu", *extra])
         rep = json.loads(report.read_text())
         return exc.value.code, rep, {c["name"]: c for c in rep["checks"]}
@@ -64,7 +64,7 @@ def test_verify_draft_hf_checks_the_drafter_against_its_checkpoint(root, tmp_pat
         report = tmp_path / "r.json"
         with pytest.raises(SystemExit) as exc:
             cli_main(["verify", str(t_gguf), "--draft", str(draft), "--hf", str(t_dir), "--draft-hf", str(d_dir),
-                      "--prompts", str(prompts), "--json", str(report), "-n", "4", "--draft-max", "2", "--device", "cpu"])
+                      "--prompts", str(prompts), "--report", str(report), "-n", "4", "--draft-max", "2", "--device", "cpu"])
         rep = json.loads(report.read_text())
         return exc.value.code, rep, {c["name"]: c for c in rep["checks"]}
 

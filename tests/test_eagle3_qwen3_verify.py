@@ -51,7 +51,7 @@ def _run(tmp_path, *args):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\\n    return a + b\nThe quick brown fox\n")
     report = tmp_path / "report.json"
-    res = CliRunner().invoke(cli.cli, ["verify", *map(str, args), "--prompts", str(prompts), "--json", str(report), *FAST])
+    res = CliRunner().invoke(cli.cli, ["verify", *map(str, args), "--prompts", str(prompts), "--report", str(report), *FAST])
     assert report.exists(), res.output
     rep = json.loads(report.read_text())
     return res.exit_code, rep, {c["name"]: c["detail"] for c in rep["checks"] if not c["passed"]}

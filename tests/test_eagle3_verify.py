@@ -22,7 +22,7 @@ def _verify(tmp_path, model, head, name):
     prompts.write_text("def add(a, b):\\n    return a + b\n")
     report = tmp_path / f"{name}.json"
     res = CliRunner().invoke(cli.cli, ["verify", str(model), "--draft", str(head), "--prompts", str(prompts), "-n", "6",
-                                       "--draft-max", "2", "--device", "cpu", "--json", str(report)])
+                                       "--draft-max", "2", "--device", "cpu", "--report", str(report)])
     return res, json.loads(report.read_text())
 
 
@@ -78,7 +78,7 @@ def _run(tmp_path, *args):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\\n    return a + b\nThe quick brown fox\n")
     report = tmp_path / "report.json"
-    res = CliRunner().invoke(cli.cli, ["verify", *map(str, args), "--prompts", str(prompts), "--json", str(report),
+    res = CliRunner().invoke(cli.cli, ["verify", *map(str, args), "--prompts", str(prompts), "--report", str(report),
                                        *FAST])
     assert report.exists(), res.output
     rep = json.loads(report.read_text())

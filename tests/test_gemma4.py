@@ -224,7 +224,7 @@ def test_verify_hf_parity_passes_and_catches_another_checkpoint(converted, tmp_p
 
     src, path = converted[("hub", "conditional")]
     report = tmp_path / "ok.json"
-    res = CliRunner().invoke(cli_module.cli, ["verify", str(path), "--hf", str(src), "-n", "6", "--json", str(report)])
+    res = CliRunner().invoke(cli_module.cli, ["verify", str(path), "--hf", str(src), "-n", "6", "--report", str(report)])
     data = json.loads(report.read_text())
     assert res.exit_code == 0, res.output
     assert data["parity"]["reference"].endswith("Gemma4ForConditionalGeneration")
@@ -232,7 +232,7 @@ def test_verify_hf_parity_passes_and_catches_another_checkpoint(converted, tmp_p
     assert data["parity"]["max_abs_logit_diff"] < 1e-4
     other = g.tiny_gemma4("hub", seed=1)
     res = CliRunner().invoke(cli_module.cli, ["verify", str(path), "--hf", str(other), "-n", "6",
-                                              "--json", str(tmp_path / "bad.json")])
+                                              "--report", str(tmp_path / "bad.json")])
     assert res.exit_code != 0
     bad = json.loads((tmp_path / "bad.json").read_text())
     assert any(c["name"] == "parity: trunk logits vs transformers" and not c["passed"] for c in bad["checks"])

@@ -141,7 +141,7 @@ def test_verify_passes_and_catches_a_planted_defect(files, tmp_path):
     from specconv import cli as cli_module
 
     report = tmp_path / "r.json"
-    args = ["verify", str(files[2]), "--draft", str(files[3]), "-n", "8", "--draft-max", "2", "--json", str(report)]
+    args = ["verify", str(files[2]), "--draft", str(files[3]), "-n", "8", "--draft-max", "2", "--report", str(report)]
     res = CliRunner().invoke(cli_module.cli, args)
     data = json.loads(report.read_text())
     assert res.exit_code == 0, res.output
@@ -153,7 +153,7 @@ def test_verify_passes_and_catches_a_planted_defect(files, tmp_path):
     # planted defect: the assistant converted for a target whose full layers have another KV-head count
     bad = convert_gguf(g.tiny_assistant("v5"), tmp_path / "bad.gguf")
     res = CliRunner().invoke(cli_module.cli, ["verify", str(files[2]), "--draft", str(bad), "-n", "4",
-                                              "--json", str(tmp_path / "bad.json")])
+                                              "--report", str(tmp_path / "bad.json")])
     assert res.exit_code != 0
     bad_report = json.loads((tmp_path / "bad.json").read_text())
     failed = [c for c in bad_report["checks"] if not c["passed"]]
@@ -282,7 +282,7 @@ def test_verify_sampling_distribution_with_the_assistant(files, tmp_path):
 
     report = tmp_path / "t.json"
     res = CliRunner().invoke(cli_module.cli, ["verify", str(files[2]), "--draft", str(files[3]), "-n", "6",
-                                              "--temperature", "0.8", "--json", str(report)])
+                                              "--temperature", "0.8", "--report", str(report)])
     data = json.loads(report.read_text())
     assert res.exit_code == 0, res.output
     dist = [c for c in data["checks"] if c["name"].startswith("distribution at T=0.8")]

@@ -324,14 +324,14 @@ def test_commands_give_one_line_errors(seeds, tmp_path, capsys, edit):
             code = 0
         except SystemExit as exc:
             code = exc.code
-        err = capsys.readouterr().err
+        out, err = capsys.readouterr()
         seen.append(f"{edit.__name__} {name}: exit {code}: {err.strip().splitlines()[-1:] if err.strip() else ''}")
         if code == 0:  # a file that still holds what the command reads (inspect of a bad shape)
             assert name in ("inspect", "upload", "mtp extract", "mtp merge") and edit is not _truncated, err
             continue
         assert "Traceback" not in err
-        if name.startswith("verify"):  # a report: the failed check says which file and why
-            assert code == 1 and "qwen35-embed.gguf" in err and "loads" in err, err
+        if name.startswith("verify"):  # a report on stdout: the failed check says which file and why
+            assert code == 1 and "qwen35-embed.gguf" in out and "loads" in out, out
         else:
             line = err.strip().splitlines()[-1]
             assert line.startswith("error: ") and "qwen35-embed.gguf" in line and "(run with --debug" not in line, err

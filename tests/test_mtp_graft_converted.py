@@ -259,7 +259,7 @@ def _verify(root: Path, *args) -> tuple[int, dict]:
     prompts.write_text("def f(x):\\n    return x\nimport os\n")
     report = root / "verify-report.json"
     with pytest.raises(SystemExit) as exc:
-        cli_main(["verify", *map(str, args), "--prompts", str(prompts), "--json", str(report), *VERIFY_FAST])
+        cli_main(["verify", *map(str, args), "--prompts", str(prompts), "--report", str(report), *VERIFY_FAST])
     return exc.value.code, json.loads(report.read_text())
 
 

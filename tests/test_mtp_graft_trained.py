@@ -46,7 +46,7 @@ def cli(*args) -> int:
 
 
 def verify(path: Path, report: Path) -> dict:
-    code = cli("verify", path, "-n", "24", "--draft-max", "3", "--device", "cpu", "--json", report)
+    code = cli("verify", path, "-n", "24", "--draft-max", "3", "--device", "cpu", "--report", report)
     data = json.loads(report.read_text())
     assert code == 0 and data["passed"], [c for c in data["checks"] if not c["passed"]]
     return data["speculative"]

@@ -218,7 +218,7 @@ def test_verify_passes_clean_pair_and_fails_swapped_tensor(root, tmp_path):
         report = tmp_path / "r.json"
         with pytest.raises(SystemExit) as exc:
             cli_main(["verify", str(path), "--draft", str(d_path), "--hf", str(t_src), "--prompts", str(prompts),
-                      "--json", str(report), "-n", "6", "--draft-max", "2", "--device", "cpu"])
+                      "--report", str(report), "-n", "6", "--draft-max", "2", "--device", "cpu"])
         return exc.value.code, json.loads(report.read_text())
 
     code, rep = verify(t_path)

@@ -93,7 +93,7 @@ def test_q4_k_m_trunk_runs_stored_and_agrees_with_llama_cpp(files):
 def test_verify_passes_on_a_q4_k_m_trunk_with_an_f16_sidecar(files, tmp_path):
     report = tmp_path / "report.json"
     result = CliRunner().invoke(cli_module.cli, [
-        "verify", str(files["q4_k_m"]), "--mtp", str(files["mtp_f16"]), "-n", "12", "--json", str(report)])
+        "verify", str(files["q4_k_m"]), "--mtp", str(files["mtp_f16"]), "-n", "12", "--report", str(report)])
     data = json.loads(report.read_text())
     failed = [c for c in data["checks"] if not c["passed"]]
     print(f"\n[verify Q4_K_M + f16 mtp-] exit {result.exit_code}; {len(data['checks'])} checks; "

@@ -287,7 +287,7 @@ def test_verify_and_generate_run_offloaded_and_over_slots(tmp_path_factory, tmp_
     path = family_file(tmp_path_factory, "qwen35", "q8_0")
     runner = CliRunner()
     report = tmp_path / "report.json"
-    result = runner.invoke(cli_module.cli, ["verify", str(path), "-n", "6", "--json", str(report), *extra])
+    result = runner.invoke(cli_module.cli, ["verify", str(path), "-n", "6", "--report", str(report), *extra])
     assert result.exit_code == 0 and json.loads(report.read_text())["passed"], result.output
     plain = runner.invoke(cli_module.cli, ["generate", str(path), "--tokens", "5,6,7", "-n", "5", "--json",
                                            "--device", "cpu"])

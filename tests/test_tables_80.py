@@ -231,7 +231,7 @@ def test_demo_and_verify_piped_at_80(tmp_path):
     # `verify` on the converted file, piped the same way; its checks against its own JSON report.
     embedded = next(n for n in names if not n.startswith("mtp-") and "trunk" not in n)
     report_path = tmp_path / "report.json"
-    code, text = piped("verify", str(out / embedded), "-n", "8", "--draft-max", "2", "--json", str(report_path))
+    code, text = piped("verify", str(out / embedded), "-n", "8", "--draft-max", "2", "--report", str(report_path))
     print(text)
     assert code == 0, text
     report = json.loads(report_path.read_text())

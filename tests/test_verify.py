@@ -30,7 +30,7 @@ def prompts(tmp_path_factory):
 def verify(tmp_path, prompts, *args) -> tuple[int, dict]:
     report = tmp_path / "report.json"
     with pytest.raises(SystemExit) as exc:
-        cli_main(["verify", *map(str, args), "--prompts", str(prompts), "--json", str(report), *FAST])
+        cli_main(["verify", *map(str, args), "--prompts", str(prompts), "--report", str(report), *FAST])
     return exc.value.code, json.loads(report.read_text())
 
 

@@ -11,6 +11,7 @@ import click
 from specconv.commands.hub_inputs import SPEC_HELP, gguf_input, hf_repo_option
 from specconv.commands.options import DRAFT_COUNT, MAX_DRAFT, NON_NEGATIVE, PROBABILITY, SEED, DraftMaxType
 from specconv.errors import SpecconvError
+from specconv.threads import THREADS_HELP, set_threads
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -49,6 +50,7 @@ DRAFT_MAX = DraftMaxType()  # 0..MAX_DRAFT or auto
 @click.option("--device", default="auto", show_default=True,
               help="auto (CUDA if available), cpu, cuda, cuda:N, or several devices (cuda:0,cuda:1): the blocks "
                    "are split over them by their bytes.")
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(0, 1024), help=THREADS_HELP)
 @click.option("--dtype", default=None,
               help="Compute dtype: f32, f16, bf16, f64. Default f32 on the CPU, bf16 on CUDA (half the "
                    "activation and dequantization memory, full tensor-core rate).")
@@ -90,7 +92,7 @@ DRAFT_MAX = DraftMaxType()  # 0..MAX_DRAFT or auto
                    "first speculative run is the output). The speed-up is the ratio of the medians, claimed as a "
                    "gain only when every speculative repeat was faster than every plain one (else \"no measurable "
                    "gain\"); the times are in the --json speculative.timing.")
-def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dtype, offload, weights_mode, stop_at_eos,
+def command(model_path, prompt, tokens, n_predict, temperature, seed, device, threads, dtype, offload, weights_mode, stop_at_eos,
             as_json, spec, acceptance, draft_max, draft_min, p_min, mtp_path, draft_path, rollback, no_baseline, repeats,
             hf_repo):
     """Generate N tokens after a prompt (plain or speculative decoding).
@@ -110,6 +112,7 @@ def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dt
     started = time.perf_counter()
     model = load_model(model_path, device=device, dtype=dtype, weights=weights_mode, offload=offload)
     load_seconds = time.perf_counter() - started
+    threads = set_threads(model, threads)
     ids = prompt_ids(model, prompt, tokens)
     check_context(model, len(ids), n_predict)
     if spec == "none":
@@ -122,7 +125,7 @@ def command(model_path, prompt, tokens, n_predict, temperature, seed, device, dt
         if spec != "none":  # the rates as for plain decoding, at the top level
             payload.update({k: result.stats["speculative"][k] for k in RATES})
         payload.update(device=str(model.device), model=str(model_path), temperature=temperature, seed=seed,
-                       load_seconds=load_seconds, dtype=str(model.dtype).removeprefix("torch."),
+                       load_seconds=load_seconds, threads=threads, dtype=str(model.dtype).removeprefix("torch."),
                        weights=weights_mode, offload=offload,
                        placement=model.weights.placement.describe())
         click.echo(json.dumps(payload))

@@ -106,7 +106,8 @@ class Measurement:
                      target_decode_calls=sum(r.target_evaluations for r in run.results), exact=not diverged, diverged_prompts=diverged,
                      seconds=run.median_seconds, plain_seconds=plain_s, plain_target_forwards=plain_forwards,
                      speedup=plain_s / run.median_seconds if run.median_seconds > 0 else None,
-                     seconds_per_repeat=list(run.seconds), plain_seconds_per_repeat=list(self.plain.seconds))
+                     seconds_per_repeat=list(run.seconds), plain_seconds_per_repeat=list(self.plain.seconds),
+                     timing=speedup_verdict(self.plain.seconds, run.seconds, drafted=s["drafted"]))
             out.append(s)
         return out
 

@@ -60,13 +60,14 @@ def convert_bundled(src: Path, out_dir: Path, outtype: str) -> dict[str, Path]:
 def verify_files(files: dict[str, Path], hf_dir: Path, opts: DemoOptions, progress) -> dict:
     """The verify reports of the embedded file and of the trunk + sidecar pair (JSON dicts)."""
     from specconv.verify import VerifyOptions, run_verify
+    from specconv.verify.run import StatusProgress
 
     reports = {}
     for label, model, mtp in (("embedded", files["embedded"], None), ("sidecar", files["trunk"], files["sidecar"])):
         progress(f"verifying the {label} conversion")
         vopts = VerifyOptions(model=model, mtp=mtp, hf=hf_dir, n_predict=opts.verify_n, draft_max=opts.draft_max,
                               device=opts.device)
-        reports[label] = run_verify(vopts, progress=lambda msg, lab=label: progress(f"verify {lab}: {msg}")).to_json()
+        reports[label] = run_verify(vopts, progress=StatusProgress(progress, prefix=f"verify {label}: ")).to_json()
     return reports
 
 

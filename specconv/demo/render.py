@@ -21,6 +21,7 @@ def render(report: dict, console) -> None:
     from rich.panel import Panel
     from rich.text import Text
 
+    from specconv.demo.measure import speedup_text
     from specconv.tables import Col, print_table, print_wrapped
 
     print_wrapped(console, f"[bold]specconv demo[/]: the bundled tiny Qwen3.5 + MTP model "
@@ -71,11 +72,9 @@ def render(report: dict, console) -> None:
                                            f"tokens (greedy, snapshot rollback; times: median of {a['repeats']} "
                                            "interleaved repeats)")
     best = max(a["rows"], key=lambda r: r["speedup"] or 0.0)
-    verdict = ("best measured wall-clock speed-up" if (best["speedup"] or 0) >= 1 else
-               "[yellow]no wall-clock gain[/]: speculative decoding was slower than plain here; best ratio")
-    console.print(f"{verdict}: {_f(best['speedup'])}x at draft_max {best['draft_max']} "
-                  f"({best['target_forwards']} target forwards instead of {best['plain_target_forwards']}, "
-                  f"{_f(best['tokens_per_target_forward'])} tokens per forward; the MTP head's forwards and the "
-                  "multi-token verification are part of the measured time).")
+    print_wrapped(console, f"best draft_max {best['draft_max']}: {escape(speedup_text(best['timing']))} "
+                           f"({best['target_forwards']} target forwards instead of {best['plain_target_forwards']}, "
+                           f"{_f(best['tokens_per_target_forward'])} tokens per forward; the MTP head's forwards and "
+                           "the multi-token verification are part of the measured time).")
     console.print(("[bold green]PASSED[/]" if report["passed"] else "[bold red]FAILED[/]")
                   + f" in {report['seconds']:.1f} s")

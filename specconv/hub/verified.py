@@ -72,7 +72,7 @@ def match_reports(reports: list[VerifyReport], artifacts: list, warnings: list[s
         if recorded is None:
             if len(models) != 1 or len(reports) != 1:
                 raise SpecconvError(f"{report.source} does not say which file it verified (no `model` or `files`): "
-                                    "with several model files, give reports written by `specconv verify --json`")
+                                    "with several model files, give reports written by `specconv verify --report FILE`")
             target = models[0]
         else:
             target = _find(recorded["path"], models, report_dir)
@@ -114,11 +114,12 @@ def _identity(model, sidecar, hf: Path | None, n_predict: int) -> list:
             str(Path(hf).resolve()) if hf else None, n_predict]
 
 
-def run_verify_missing(artifacts: list, staging: Path, *, hf: Path | None = None, n_predict: int = 32,
+def run_verify_missing(artifacts: list, staging: Path, *, hf: Path | None = None, n_predict: int | None = None,
                        device: str = "auto", progress=lambda msg: None) -> list[VerifyReport]:
     """`specconv verify` on every model file that has no report yet (with its sidecar, and `--hf` parity when
     given); reports cached under staging/verify/. Returns the reports (already-matched models skipped)."""
     from specconv.verify import VerifyOptions, run_verify
+    from specconv.verify.run import StatusProgress
 
     out = []
     for a in artifacts:
@@ -140,7 +141,7 @@ def run_verify_missing(artifacts: list, staging: Path, *, hf: Path | None = None
         progress(f"verifying {a.name}" + (f" with {sidecar.name}" if sidecar else ""))
         opts = VerifyOptions(model=a.sources[0], mtp=sidecar.sources[0] if sidecar else None, hf=hf,
                              n_predict=n_predict, device=device)
-        data = run_verify(opts, progress=lambda msg, name=a.name: progress(f"verifying {name}: {msg}")).to_json()
+        data = run_verify(opts, progress=StatusProgress(progress, prefix=f"verifying {a.name}: ")).to_json()
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
         tmp.write_text(json.dumps({"identity": identity, "report": data}))

@@ -1,8 +1,10 @@
 """The verify report: a list of named checks plus the parity and speculative sections.
 
-JSON keys (docs/verify.md, "Report"): `passed`, `checks` [{name, passed, detail}], `parity`
+JSON keys (docs/verify.md, "Report"): `passed`, `checks` [{name, passed, detail, work}], `parity`
 {max_abs_logit_diff, reference, ...}, `speculative` {exact, drafted, accepted, acceptance_rate,
-acceptance_length, per_position, tokens_per_target_forward, bound, speedup, rollback, ...}.
+acceptance_length, per_position, tokens_per_target_forward, bound, speedup, timing, rollback, ...}.
+Every figure of the text report (`render`) is a value of the JSON report, or computed from its values
+by the formula next to it in docs/verify.md.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import json
 import math
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specconv.digest import sha256_file
+from specconv.errors import SpecconvError
 
 
 @dataclass
@@ -22,6 +26,7 @@ class Check:
     name: str
     passed: bool
     detail: str = ""
+    work: str = ""  # what the check ran on: prompts, tokens, runs, draws ("" for checks of the files)
 
 
 @dataclass
@@ -32,10 +37,20 @@ class Report:
     speculative: dict = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
     files: dict = field(default_factory=dict)  # role -> file_identity(): which bytes were verified (specconv upload)
+    _work: str = field(default="", repr=False)
 
     def add(self, name: str, passed: bool, detail: str = "") -> bool:
-        self.checks.append(Check(name, bool(passed), detail))
+        self.checks.append(Check(name, bool(passed), detail, self._work))
         return bool(passed)
+
+    @contextmanager
+    def work(self, text: str):
+        """Checks added inside the block record `text` as the work they ran on."""
+        before, self._work = self._work, text
+        try:
+            yield
+        finally:
+            self._work = before
 
     @property
     def passed(self) -> bool:
@@ -47,14 +62,24 @@ class Report:
                        "files": self.files})
 
     def write(self, path) -> None:
-        """Written to a temporary name and renamed, so a reader never sees half a report."""
+        """Written to a temporary name and renamed, so a reader never sees half a report; mode 0644 less the
+        umask, like every other output (mkstemp's own files are 0600)."""
         path = Path(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
         try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+        except OSError as exc:
+            raise SpecconvError(f"cannot write the report {path}: {exc.strerror or exc}") from None
+        try:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o644 & ~umask)
             with os.fdopen(fd, "w") as f:
                 json.dump(self.to_json(), f, indent=2)
                 f.write("\n")
             os.replace(tmp, path)
+        except OSError as exc:
+            Path(tmp).unlink(missing_ok=True)
+            raise SpecconvError(f"cannot write the report {path}: {exc.strerror or exc}") from None
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -62,25 +87,39 @@ class Report:
     def render(self, console) -> None:
         from rich.markup import escape
 
-        from specconv.tables import Col, print_table
+        from specconv.tables import Col, print_table, print_wrapped
 
-        print_table(console, [Col("check"), Col("result"), Col("detail")],
-                    [[escape(c.name), "[green]pass[/]" if c.passed else "[red]FAIL[/]", escape(c.detail)]
+        print_table(console, [Col("check"), Col("result"), Col("detail"), Col("work")],
+                    [[escape(c.name), "[green]pass[/]" if c.passed else "[red]FAIL[/]", escape(c.detail), escape(c.work)]
                      for c in self.checks], title=escape(f"specconv verify {Path(self.model).name}"))
-        s = self.speculative
-        if s.get("drafter"):
-            per = ", ".join(f"{x:.2f}" for x in s.get("per_position") or [])
-            console.print(
-                f"speculative ({s['drafter']}, draft_max {s.get('draft_max')}, {s.get('rollback')}): "
-                f"exact={s.get('exact')}  accepted {s.get('accepted')}/{s.get('drafted')}  "
-                f"rate {_fmt(s.get('acceptance_rate'))}  AL {_fmt(s.get('acceptance_length'))}  "
-                f"per-position [{per}]  tokens/forward {_fmt(s.get('tokens_per_target_forward'))}  "
-                f"bound {_fmt(s.get('bound'))}  speed-up {_fmt(s.get('speedup'))}")
-            for line in cost_lines(s.get("costs")):
-                console.print(escape(line))
-        if self.parity.get("reference"):
-            console.print(f"parity vs {self.parity['reference']}: max |Δlogit| = {_fmt(self.parity['max_abs_logit_diff'], 'e')}")
+        for line in summary_lines(self.to_json()):
+            print_wrapped(console, escape(line))
         console.print("[bold green]PASSED[/]" if self.passed else "[bold red]FAILED[/]")
+
+
+def summary_lines(data: dict) -> list[str]:
+    """The lines under the table, from the JSON report alone (so every figure in them can be found in it)."""
+    from specconv.demo.measure import speedup_text
+
+    lines = []
+    s = data.get("speculative") or {}
+    if s.get("drafter") and "drafted" in s:
+        per = ", ".join(f"{x:.2f}" for x in s.get("per_position") or [])
+        lines.append(f"speculative ({s['drafter']}, draft_max {s.get('draft_max')}, {s.get('rollback')}, "
+                     f"{s.get('prompts')} prompts x {s.get('n_predict')} tokens): exact={s.get('exact')}  accepted "
+                     f"{s.get('accepted')}/{s.get('drafted')}  rate {_fmt(s.get('acceptance_rate'))}  AL "
+                     f"{_fmt(s.get('acceptance_length'))}  per-position [{per}]  tokens/forward "
+                     f"{_fmt(s.get('tokens_per_target_forward'))}  bound {_fmt(s.get('bound'))}")
+    if s.get("timing"):
+        t = s["timing"]
+        lines.append(f"timing ({t['repeats']} interleaved repeats of {t['prompts']} prompts x {t['n_predict']} tokens; "
+                     f"median plain {_fmt(s['plain_seconds'])} s, speculative {_fmt(s['seconds'])} s): "
+                     f"{speedup_text(t)}")
+    lines += cost_lines(s.get("costs"))
+    parity = data.get("parity") or {}
+    if parity.get("reference"):
+        lines.append(f"parity vs {parity['reference']}: max |Δlogit| = {_fmt(parity['max_abs_logit_diff'], 'e')}")
+    return lines
 
 
 def file_identity(path) -> dict:

@@ -1,6 +1,7 @@
-"""Speculative round trips: greedy output identical to plain greedy decoding for every prompt, every
-drafter and draft_max 1..K (snapshot rollback; checkpoint rollback at K), the acceptance statistics of
-the main drafter at K, and at T > 0 a distribution check of the acceptance rule on real rows.
+"""Speculative round trips: greedy output identical to plain greedy decoding for every drafter in each
+trial (draft_max, rollback, prompt) that verify runs (specconv/verify/run.py picks them), the
+acceptance statistics of the drafter at the largest draft_max, and at T > 0 a distribution check of
+the acceptance rule on real rows.
 
 Distribution check (T > 0): for each prompt the target verifies one real draft once; the rule is
 then applied `DIST_TRIALS` times to those same rows with fresh random numbers (a drafter with
@@ -24,7 +25,6 @@ from specconv.runtime.generate import generate
 from specconv.runtime.model import Model
 from specconv.runtime.sampling import make_generator, probabilities
 from specconv.runtime.spec_rules import verify_rows
-from specconv.runtime.spec_stats import SpecStats
 from specconv.runtime.speculative import SpecConfig, drafter_rows, hidden_request, speculative_generate
 
 DIST_TRIALS = 4000
@@ -67,24 +67,28 @@ def _gap(target: Model, prompt: list[int], tokens: list[int], at: int) -> float 
     return float(top[0] - top[1])
 
 
-def greedy_round_trips(target: Model, make: Callable[[int], Drafter], prompts, plain, draft_max: int, n: int):
-    """(first divergence or None, SpecStats of draft_max/snapshot merged over prompts, spec seconds at K)."""
-    merged, seconds = [], 0.0
-    trials = [(k, "snapshot") for k in range(1, draft_max + 1)] + [(draft_max, "checkpoint")]
-    for k, rollback in trials:
-        for i, (prompt, ref) in enumerate(zip(prompts, plain)):
-            try:
-                res = speculative_generate(target, make(k), prompt, n, SpecConfig(draft_max=k, rollback=rollback))
-            except Exception as exc:  # a crash is a failed round trip, reported like a divergence
-                return RunError(i, k, rollback, f"{type(exc).__name__}: {exc}"), None, 0.0
-            if res.tokens != ref.tokens:
-                at = next((j for j, (a, b) in enumerate(zip(res.tokens, ref.tokens)) if a != b),
-                          min(len(res.tokens), len(ref.tokens)))
-                return Divergence(i, k, rollback, at, _gap(target, prompt, ref.tokens, at)), None, 0.0
-            if k == draft_max and rollback == "snapshot":
-                merged.append(res.spec_stats)
-                seconds += res.seconds
-    return None, SpecStats.merge(merged), seconds
+def divergence(target: Model, prompt: list[int], index: int, k: int, rollback: str, tokens, reference):
+    """None when a speculative run gave the plain run's tokens, else where they first differ."""
+    if list(tokens) == list(reference):
+        return None
+    at = next((j for j, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    return Divergence(index, k, rollback, at, _gap(target, prompt, list(reference), at))
+
+
+def greedy_round_trips(target: Model, make: Callable[[int], Drafter], prompts, plain, trials, n: int,
+                       on_run: Callable[[int, str, int], None] = lambda k, rollback, i: None):
+    """Each trial (draft_max k, rollback, prompt index): speculative greedy decoding with a fresh drafter must
+    give the plain run's tokens (`plain`: the plain token lists). The first divergence or run error, else None."""
+    for k, rollback, i in trials:
+        try:
+            res = speculative_generate(target, make(k), prompts[i], n, SpecConfig(draft_max=k, rollback=rollback))
+        except Exception as exc:  # a crash is a failed round trip, reported like a divergence
+            return RunError(i, k, rollback, f"{type(exc).__name__}: {exc}")
+        on_run(k, rollback, i)
+        found = divergence(target, prompts[i], i, k, rollback, res.tokens, plain[i])
+        if found is not None:
+            return found
+    return None
 
 
 def _pooled_chi_square(counts: torch.Tensor, p: torch.Tensor) -> float:
@@ -102,11 +106,12 @@ def _pooled_chi_square(counts: torch.Tensor, p: torch.Tensor) -> float:
     return float(torch.special.gammaincc(df, torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def distribution_check(target: Model, drafter: Drafter, prompts, temperature: float, seed: int = 0):
+def distribution_check(target: Model, drafter: Drafter, prompts, temperature: float, seed: int = 0,
+                       on_prompt: Callable[[int], None] = lambda i: None):
     """[(chi-square p, measured acceptance, exact acceptance, rule)] per prompt with a draft."""
     results = []
     gen = make_generator(seed)
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         ctx = Context(target, GraphType.MAIN, n_ctx=len(prompt) + 2, n_rs_seq=1)
         if hasattr(drafter, "attach"):  # drafters that read the target's K/V (Gemma 4 assistant)
             drafter.attach(ctx)
@@ -127,6 +132,7 @@ def distribution_check(target: Model, drafter: Drafter, prompts, temperature: fl
             accepted += j
         exact = float(p0[d[0]]) if q0 is None else float(torch.minimum(p0, q0).sum())
         results.append((_pooled_chi_square(counts, p0), accepted / DIST_TRIALS, exact, rule))
+        on_prompt(index)
     return results
 
 

@@ -2,18 +2,26 @@
 
 Order: load and structure checks (each file alone, then the pair), parity with transformers
 (`--hf`), speculative round trips for the main drafter (the MTP head, `--mtp` sidecar or embedded,
-or the `--draft` model) and the n-gram drafter, the statistics algebra, and at T > 0 the
-distribution check. A check that cannot run because an earlier one failed is reported as failed
-with the reason, so the exit status never hides a skipped check.
+or the `--draft` model) and the n-gram drafter, the timing of plain against speculative decoding,
+the cost ratios, the statistics algebra, and at T > 0 the distribution check. A check that cannot
+run because an earlier one failed is reported as failed with the reason, so the exit status never
+hides a skipped check.
+
+How much work: by default every drafter's round trips run at draft_max K with both rollbacks on
+every prompt, and at k = 1..K-1 on the first prompt, -n 16 tokens each; `--thorough` runs every k on
+every prompt, 32 tokens, and measures llama.cpp's cost ratios on the same file too. Every check
+records the work it did (`work`: prompts, tokens, draws), and `settings` the effective values.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specconv.errors import SpecconvError
+from specconv.threads import set_threads
 from specconv.runtime import GraphType, load_model
 from specconv.runtime.drafters import DraftModelDrafter, Eagle3Drafter, Gemma4AssistantDrafter, MtpDrafter, NgramDrafter
 from specconv.runtime.drafters.draft_model import check_same_vocabulary
@@ -31,6 +39,36 @@ DEFAULT_PROMPTS = [
 ]
 
 
+QUICK_N, THOROUGH_N = 16, 32  # default tokens per prompt
+
+
+class Progress:
+    """What run_verify reports as it works: a stage with its number of steps, then each step. The CLI
+    draws a bar per stage; this default ignores them."""
+
+    def stage(self, name: str, total: int) -> None:
+        pass
+
+    def step(self, detail: str = "") -> None:
+        pass
+
+
+class StatusProgress(Progress):
+    """The stages and steps as one status line (`demo`, `upload --verify`): show(text) is called on each."""
+
+    def __init__(self, show, prefix: str = ""):
+        self.show, self.prefix = show, prefix
+        self.name, self.done, self.total = "", 0, 0
+
+    def stage(self, name: str, total: int) -> None:
+        self.name, self.done, self.total = name, 0, total
+        self.show(f"{self.prefix}{name}")
+
+    def step(self, detail: str = "") -> None:
+        self.done += 1
+        self.show(f"{self.prefix}{self.name} {self.done}/{self.total}" + (f": {detail}" if detail else ""))
+
+
 @dataclass
 class VerifyOptions:
     model: Path
@@ -39,8 +77,11 @@ class VerifyOptions:
     hf: Path | None = None
     draft_hf: Path | None = None  # the EAGLE-3 head's checkpoint folder (with hf: the head vs its reference)
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
-    n_predict: int = 32
+    n_predict: int | None = None  # None: QUICK_N, or THOROUGH_N with `thorough`
     draft_max: int = 3
+    thorough: bool = False  # every k on every prompt, and llama.cpp's cost ratios
+    repeats: int = 3  # timed repeats of plain and speculative decoding (the speed-up's noise)
+    threads: int = 0  # torch's threads; 0: by the model's matrix sizes (specconv/threads.py)
     temperature: float = 0.0
     device: str = "auto"
     dtype: str | None = None  # compute dtype (runtime default when None); the reference follows it
@@ -58,11 +99,16 @@ def read_prompts(path) -> list[str]:
     return prompts
 
 
-def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
+def run_verify(opts: VerifyOptions, progress: Progress | None = None) -> Report:
+    progress = progress or Progress()
+    if opts.n_predict is None:
+        opts = replace(opts, n_predict=THOROUGH_N if opts.thorough else QUICK_N)
     if opts.mtp and opts.draft:
         raise SpecconvError("give at most one of --mtp and --draft")
     if opts.draft_max < 1 or opts.n_predict < 1:
         raise SpecconvError("--draft-max and -n must be ≥ 1")
+    if opts.repeats < 2:
+        raise SpecconvError("--repeats must be ≥ 2: the spread of the repeats is the speed-up's noise")
     if opts.draft_hf and not (opts.hf and opts.draft):
         raise SpecconvError("--draft-hf (the EAGLE-3 head's checkpoint) needs --draft HEAD.gguf and --hf TARGET_DIR")
     if opts.draft_hf and _gguf_arch(opts.draft) not in ("eagle3", "dflash", None):
@@ -72,13 +118,16 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
     report.settings = {"mtp": str(opts.mtp) if opts.mtp else None, "draft": str(opts.draft) if opts.draft else None,
                        "hf": str(opts.hf) if opts.hf else None,
                        "draft_hf": str(opts.draft_hf) if opts.draft_hf else None, "n_predict": opts.n_predict,
-                       "draft_max": opts.draft_max, "temperature": opts.temperature, "prompts": len(opts.prompts)}
+                       "draft_max": opts.draft_max, "temperature": opts.temperature, "prompts": len(opts.prompts),
+                       "thorough": opts.thorough, "repeats": opts.repeats}
     report.files = {role: file_identity(path) for role, path in (("model", opts.model), ("mtp", opts.mtp),
                                                                   ("draft", opts.draft)) if path and Path(path).is_file()}
-    progress("loading")
+    progress.stage("loading and checking the files", 1 + bool(opts.mtp or opts.draft))
     target = _load(report, "model", opts.model, opts.device, dtype=opts.dtype, offload=opts.offload)
+    progress.step(Path(opts.model).name)
     if target is None:
         return report
+    report.settings["threads"] = set_threads(target, opts.threads)
     report.settings["device"] = str(target.device)
     report.settings["dtype"] = str(target.dtype).replace("torch.", "")
     structure.check_file(report, target, "model")
@@ -87,6 +136,8 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
     if GraphType.MAIN not in target.serves:
         return report
     head = draft_model = None
+    if opts.mtp or opts.draft:
+        progress.step(Path(opts.mtp or opts.draft).name)
     if opts.mtp:
         head = _load(report, "sidecar", opts.mtp, opts.device, share_from=target, dtype=target.dtype)
         if head is not None:
@@ -116,15 +167,16 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> Report:
     if prompts is None:
         return report
     if opts.hf:
-        progress("parity with transformers")
-        run_hf_checks(report, target, head, eagle_head, Path(opts.hf), opts.draft_hf, prompts, opts.hf_max_memory,
-                      dflash=dflash)
+        progress.stage("parity with transformers", 1)
+        with report.work(f"{len(prompts)} prompts, {sum(map(len, prompts))} positions"):
+            run_hf_checks(report, target, head, eagle_head, Path(opts.hf), opts.draft_hf, prompts,
+                          opts.hf_max_memory, dflash=dflash)
+        progress.step()
         if opts.draft_hf and eagle_head is None and dflash is None:
             report.add("parity: EAGLE-3 head vs its checkpoint" if _gguf_arch(opts.draft) != "dflash" else
                        "parity: DFlash drafter vs its checkpoint", False,
                        "not run: the draft did not load or does not fit the model (see above)")
-    progress("speculative round trips")
-    _speculative(report, target, head, draft_model, prompts, opts, eagle_head, assistant, dflash)
+    _speculative(report, target, head, draft_model, prompts, opts, progress, eagle_head, assistant, dflash)
     return report
 
 
@@ -209,8 +261,29 @@ def _tokenize(report: Report, target, texts):
     return [i for i in ids if i]
 
 
-def _speculative(report: Report, target, head, draft_model, prompts, opts: VerifyOptions, eagle_head=None,
-                 assistant=None, dflash=None):
+def round_trip_trials(k: int, n_prompts: int, thorough: bool) -> list[tuple[int, str, int]]:
+    """(draft_max, rollback, prompt index) of the greedy round trips of one drafter: at K with both
+    rollbacks on every prompt, k < K on the first prompt (--thorough: on every prompt)."""
+    trials = [(kk, "snapshot", i) for kk in range(1, k) for i in range(n_prompts if thorough else 1)]
+    return trials + [(k, rollback, i) for rollback in ("snapshot", "checkpoint") for i in range(n_prompts)]
+
+
+def _trials_text(k: int, thorough: bool) -> str:
+    at_k = f"draft_max {k} with snapshot and checkpoint rollback on every prompt"
+    if k == 1:
+        return at_k
+    below = f"1..{k - 1}" if k > 2 else "1"
+    return at_k + f", {below} (snapshot) on {'every prompt' if thorough else 'the first'}"
+
+
+def _speculative(report: Report, target, head, draft_model, prompts, opts: VerifyOptions, progress: Progress,
+                 eagle_head=None, assistant=None, dflash=None):
+    """Greedy round trips of every drafter, the timing and statistics of the main one (the first of: MTP
+    head, draft model, EAGLE-3 head, Gemma 4 assistant, DFlash drafter, n-gram) at draft_max K. The
+    timed runs at (K, snapshot) are that drafter's round trips there, and their plain runs the
+    reference of every round trip."""
+    from specconv.demo.measure import measure, speedup_verdict
+
     n, k = opts.n_predict, opts.draft_max
     n_ctx = max(map(len, prompts)) + n + k + 2
     drafters = {}
@@ -227,46 +300,72 @@ def _speculative(report: Report, target, head, draft_model, prompts, opts: Verif
 
         drafters["dflash"] = lambda kk: DFlashDrafter(dflash, target, n_ctx, kk)
     drafters["ngram"] = lambda kk: NgramDrafter()
+    main_name = next(iter(drafters))
     t0 = time.perf_counter()
-    roundtrip.plain_runs(target, [prompts[0][:1]], 2)  # one-time costs out of the timings
-    plain = roundtrip.plain_runs(target, prompts, n)
-    plain_seconds = sum(r.seconds for r in plain)
-    exact, main_stats = True, None
+    work = f"{len(prompts)} prompts x {n} tokens"
+    progress.stage(f"timing plain and speculative decoding ({main_name})", 2 * opts.repeats)
+    try:
+        m = measure(target, lambda n_ctx: drafters[main_name](k), prompts, n, [(k, "snapshot")], repeats=opts.repeats,
+                    progress=lambda msg: progress.step(msg))
+    except Exception as exc:  # a crash of the main drafter: its round trips failed; the others still run
+        m, failed = None, roundtrip.RunError(0, k, "snapshot", f"{type(exc).__name__}: {exc}")
+    if m is None:
+        plain = [r.tokens for r in roundtrip.plain_runs(target, prompts, n)]
+    else:
+        plain = m.plain.tokens
+        timed = m.runs[0]
+        failed = next((d for i, (tokens, ref) in enumerate(zip(timed.tokens, plain))
+                       if (d := roundtrip.divergence(target, prompts[i], i, k, "snapshot", tokens, ref))), None)
+    trials = round_trip_trials(k, len(prompts), opts.thorough)
+    todo = {name: [t for t in trials if name != main_name or t[:2] != (k, "snapshot")] for name in drafters}
+    progress.stage("greedy round trips", sum(map(len, todo.values())))
+    exact = True
     for name, make in drafters.items():
-        div, stats, seconds = roundtrip.greedy_round_trips(target, make, prompts, plain, k, n)
-        report.add(f"greedy exact: {name}", div is None,
-                   str(div) if div else f"{len(prompts)} prompts x {n} tokens identical to plain greedy, "
-                                        f"draft_max 1..{k} (snapshot) and {k} (checkpoint)")
+        def step(kk, rollback, i, name=name):
+            progress.step(f"{name}, draft_max {kk} {rollback}, prompt {i + 1}")
+
+        div = failed if name == main_name and failed else None
+        div = div or roundtrip.greedy_round_trips(target, make, prompts, plain, todo[name], n, on_run=step)
+        with report.work(f"{work}, {len(trials)} runs"):
+            report.add(f"greedy exact: {name}", div is None,
+                       str(div) if div else f"identical to plain greedy: {_trials_text(k, opts.thorough)}")
         exact &= div is None
-        if main_stats is None and stats is not None:
-            main_stats, main_name, main_seconds = stats, name, seconds
-    if main_stats is None:
-        report.speculative = {"exact": exact, "drafter": next(iter(drafters)), "rollback": "snapshot"}
+    if m is None:
+        report.speculative = {"exact": False, "drafter": main_name, "rollback": "snapshot"}
         return
-    s = main_stats.to_json()
+    stats = timed.stats()
+    s = stats.to_json()
     if main_name == "mtp":  # acceptance by MTP block (chained heads: draft position i is block i's)
-        s["per_block"] = per_block(main_stats, mtp_block_of_position(head))
-    s.update(exact=exact, drafter=main_name, draft_max=k, rollback="snapshot", temperature=0.0,
-             seconds=main_seconds, plain_seconds=plain_seconds,
-             speedup=plain_seconds / main_seconds if main_seconds > 0 else None,
-             verify_seconds=time.perf_counter() - t0)
+        s["per_block"] = per_block(stats, mtp_block_of_position(head))
+    timing = speedup_verdict(m.plain.seconds, timed.seconds, drafted=stats.drafted)
+    timing.update(repeats=opts.repeats, prompts=len(prompts), n_predict=n)
+    s.update(exact=exact, drafter=main_name, draft_max=k, rollback="snapshot", temperature=0.0, prompts=len(prompts),
+             n_predict=n, seconds=statistics.median(timed.seconds), plain_seconds=statistics.median(m.plain.seconds),
+             speedup=timing["speedup"], timing=timing)
     if opts.costs:
-        s["costs"] = _costs(target, drafters[main_name](k), main_name, prompts[0], s.get("alpha"), opts)
+        progress.stage("cost ratios", 1 + opts.thorough)
+        s["costs"] = _costs(target, drafters[main_name](k), main_name, prompts[0], s.get("alpha"), opts, progress)
+    s["verify_seconds"] = time.perf_counter() - t0
     report.speculative = s
-    _metrics_algebra(report, s, k)
+    with report.work(f"{work} at draft_max {k}"):
+        _metrics_algebra(report, s, k)
     if opts.temperature > 0:
-        _distribution(report, target, drafters[main_name](k), prompts, opts)
+        _distribution(report, target, drafters[main_name](k), prompts, opts, progress)
 
 
-def _costs(target, drafter, name: str, prompt, alpha, opts: VerifyOptions) -> dict:
+def _costs(target, drafter, name: str, prompt, alpha, opts: VerifyOptions, progress: Progress) -> dict:
     """Measured cost ratios and the speed-up they predict at the measured α (specconv/verify/costs.py),
-    for this runtime and for llama.cpp on the same file."""
+    for this runtime and (--thorough) for llama.cpp on the same file."""
     from specconv.verify import costs
 
     k = opts.draft_max
     ours = costs.runtime_costs(target, drafter, prompt, k, opts.n_predict)
     ours["predicted"] = costs.predicted(alpha, ours["target_ratios"], ours["c"], ours["c_round"], k)
+    progress.step("specconv")
+    if not opts.thorough:
+        return {"drafter": name, "alpha": alpha, "specconv": ours}
     theirs = costs.llamacpp_costs_isolated(opts.model, k, mtp_path=opts.mtp if name == "mtp" else None)
+    progress.step("llama.cpp")
     if "error" not in theirs:
         if name == "ngram":  # prompt lookup costs llama.cpp no forward either
             theirs["c"] = theirs["c_round"] = 0.0
@@ -292,12 +391,15 @@ def _metrics_algebra(report: Report, s: dict, k: int):
                f"tokens/forward ≤ {k + 1}, bound = E(alpha, {k})")
 
 
-def _distribution(report: Report, target, drafter, prompts, opts: VerifyOptions):
-    results = roundtrip.distribution_check(target, drafter, prompts, opts.temperature, opts.seed)
+def _distribution(report: Report, target, drafter, prompts, opts: VerifyOptions, progress: Progress):
+    progress.stage(f"distribution at T={opts.temperature:g}", len(prompts))
+    results = roundtrip.distribution_check(target, drafter, prompts, opts.temperature, opts.seed,
+                                           on_prompt=lambda i: progress.step(f"prompt {i + 1}"))
     alpha = roundtrip.DIST_ALPHA / len(results)
     ok_dist = all(p >= alpha for p, *_ in results)
     ok_rate = all(roundtrip.acceptance_close(m, e) for _, m, e, _ in results)
     rule = results[0][3] if results else "?"
-    report.add(f"distribution at T={opts.temperature:g} ({rule} rule)", ok_dist and ok_rate,
-               "; ".join(f"chi-square p {p:.3f}, acceptance {m:.3f} vs exact {e:.3f}" for p, m, e, _ in results)
-               + f" ({roundtrip.DIST_TRIALS} draws per prompt, fails at p < {alpha:.1e})")
+    with report.work(f"{len(results)} prompts x {roundtrip.DIST_TRIALS} draws"):
+        report.add(f"distribution at T={opts.temperature:g} ({rule} rule)", ok_dist and ok_rate,
+                   "; ".join(f"chi-square p {p:.3f}, acceptance {m:.3f} vs exact {e:.3f}" for p, m, e, _ in results)
+                   + f" ({roundtrip.DIST_TRIALS} draws per prompt, fails at p < {alpha:.1e})")
