@@ -118,7 +118,7 @@ class RichEvents:
 @click.option("--max-file-size", default="50G", show_default=True, help="Split files above this size (decimal units).")
 @click.option("--report", "--verify-report", "report_paths", multiple=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="A `specconv verify --json` report for the card; repeat it, one per model file of a ladder. Each "
+              help="A `specconv verify --report FILE` report for the card; repeat it, one per model file of a ladder. Each "
                    "is matched to the file it verified (the path, size and sha256 it records) and refused if that "
                    "file is not uploaded or its bytes differ.")
 @click.option("--verify", "run_verify", is_flag=True,

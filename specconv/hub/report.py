@@ -1,4 +1,4 @@
-"""Read a `specconv verify --json` report for the model card.
+"""Read a `specconv verify --report FILE` (or `--json`) report for the model card.
 
 The schema (docs/architecture.md): `passed`, `checks` [{name, passed, detail}], `parity`
 {max_abs_logit_diff, reference}, `speculative` {exact, drafted, accepted, acceptance_rate,
