@@ -62,29 +62,34 @@ class Context:
                logits: str | None = "all") -> DecodeOutput:
         self.memory.check_seq(seq)
         dev = self.model.device
-        tokens = torch.as_tensor(tokens, dtype=torch.long, device=dev).reshape(-1)
-        n = tokens.shape[0]
+        # ids and positions are checked on the host and moved to the device once: nothing in a
+        # decode reads a device tensor back (a host sync per call on a GPU; tests/test_runtime_backend.py)
+        host = torch.as_tensor(tokens, dtype=torch.long, device="cpu").reshape(-1)
+        n = host.shape[0]
         if n == 0:
             raise SpecconvError("decode: empty batch")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.model.n_vocab:
+        if int(host.min()) < 0 or int(host.max()) >= self.model.n_vocab:
             raise SpecconvError(f"decode: token id out of range [0, {self.model.n_vocab})")
+        tokens = host.to(dev)
         if positions is None:
             start = self.memory.n_past(seq)
+            host_positions = list(range(start, start + n))
             positions = torch.arange(start, start + n, device=dev)
         else:
-            positions = torch.as_tensor(positions, dtype=torch.long, device=dev).reshape(-1)
-            if positions.shape[0] != n:
-                raise SpecconvError(f"decode: {n} tokens but {positions.shape[0]} positions")
-            if n > 1 and bool((positions[1:] <= positions[:-1]).any()):
+            given = torch.as_tensor(positions, dtype=torch.long, device="cpu").reshape(-1)
+            if given.shape[0] != n:
+                raise SpecconvError(f"decode: {n} tokens but {given.shape[0]} positions")
+            if n > 1 and bool((given[1:] <= given[:-1]).any()):
                 raise SpecconvError("decode: positions must increase within a batch")
+            host_positions, positions = given.tolist(), given.to(dev)
         rows = {"all": None, "last": torch.tensor([n - 1], device=dev), None: torch.zeros(0, dtype=torch.long, device=dev)}
         if logits not in rows:
             raise SpecconvError("decode: logits must be 'all', 'last' or None")
         g, hp, w = self.model.graph, self.model.hparams, self.model.weights
         if self.kv_from is not None:  # nothing of its own to store: every decode reads the target's cells
-            batch = Batch(self.memory, seq, positions, 0, [])
+            batch = Batch(self.memory, seq, positions, 0, [], host_positions)
         else:
-            batch = self.memory.begin(seq, positions)
+            batch = self.memory.begin(seq, positions, host_positions)
         # bfloat16 / float16: every row computed as in a one-row batch (runtime/backend.py), so the
         # verification of k drafts gives each row the bits of a decode step
         with torch.inference_mode(), batch_invariant(self.model.dtype in INVARIANT_DTYPES):

@@ -27,6 +27,7 @@ can move the state back.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,8 @@ class Memory:
         self.k = {l: torch.zeros(shape(l), dtype=dtype, device=where(l)) for l in layout.attn_layers}
         self.v = {l: torch.zeros(shape(l), dtype=dtype, device=where(l)) for l in layout.attn_layers}
         self.cell_pos = torch.full((n_seq, n_ctx), -1, dtype=torch.long, device=device)
+        # the same positions on the host: bookkeeping never reads the device tensor back
+        self.cell_pos_host: list[list[int]] = [[] for _ in range(n_seq)]
         self.n_cells = [0] * n_seq
         # conv windows token-major [K-1, C]: a window is K-1 whole rows of the inputs, copied as they are
         self.conv = {l: torch.zeros(n_seq, self.slots, layout.conv_kernel - 1, layout.conv_channels,
@@ -114,25 +117,27 @@ class Memory:
     def has_recurrent(self) -> bool:
         return bool(self.layout.rec_layers)
 
-    def begin(self, seq: int, positions: torch.Tensor) -> "Batch":
-        """Reserve cells for a batch; layers then write/read through the returned Batch."""
+    def begin(self, seq: int, positions: torch.Tensor, host_positions: list[int]) -> "Batch":
+        """Reserve cells for a batch (its positions on the device and, the same, on the host); layers
+        then write/read through the returned Batch."""
         n = positions.shape[0]
         start = self.n_cells[seq]
         if start + n > self.n_ctx:
             raise SpecconvError(f"context full: sequence {seq} has {start} cells, {n} more exceed n_ctx={self.n_ctx}")
-        first = int(positions[0])
+        first = host_positions[0]
         if first <= self.last_pos[seq]:
             raise SpecconvError(f"position {first} is not after the last position {self.last_pos[seq]} "
                                 f"of sequence {seq}; remove it with seq_rm first")
         keep = min(n, self.ring)
         slots = [(self.cur[seq] + 1 + i) % self.slots for i in range(keep)]
-        return Batch(self, seq, positions, start, slots)
+        return Batch(self, seq, positions, start, slots, host_positions)
 
     def commit(self, batch: "Batch"):
-        seq, n = batch.seq, batch.positions.shape[0]
+        seq, n = batch.seq, len(batch.host_positions)
         self.cell_pos[seq, batch.start:batch.start + n] = batch.positions
+        self.cell_pos_host[seq][batch.start:] = batch.host_positions
         self.n_cells[seq] = batch.start + n
-        kept = batch.positions[n - len(batch.slots):].tolist()
+        kept = batch.host_positions[n - len(batch.slots):]
         if self.has_recurrent:
             written = set(batch.slots)
             pend = self.pending[seq]
@@ -150,7 +155,7 @@ class Memory:
             spare = (self.cur[seq] + 1) % self.slots
             self.slot_pos[seq][spare] = EMPTY
             self.pending[seq].pop(spare, None)
-        self.last_pos[seq] = int(batch.positions[-1])
+        self.last_pos[seq] = batch.host_positions[-1]
 
     # ---- rollback -----------------------------------------------------------------------------
     def seq_rm(self, seq: int, from_pos: int) -> bool:
@@ -188,14 +193,16 @@ class Memory:
 
     def _truncate_cells(self, seq: int, from_pos: int):
         n = self.n_cells[seq]
-        keep = int((self.cell_pos[seq, :n] < from_pos).sum())
+        keep = bisect_left(self.cell_pos_host[seq], from_pos)  # cells are in increasing positions
         self.cell_pos[seq, keep:n] = -1
+        del self.cell_pos_host[seq][keep:]
         self.n_cells[seq] = keep
 
     def clear(self, seq: int | None = None):
         for s in range(self.n_seq) if seq is None else [seq]:
             self.n_cells[s] = 0
             self.cell_pos[s] = -1
+            self.cell_pos_host[s] = []
             self.last_pos[s] = -1
             self.slot_pos[s] = [EMPTY] * self.slots
             self.slot_pos[s][0] = BEFORE_START
@@ -220,7 +227,7 @@ class Memory:
         if self.n_cells[seq] < state.n_cells:
             raise SpecconvError("restore: the sequence was cut back past its checkpoint; its attention cells are gone")
         # a checkpoint of an empty sequence keeps no cell at all
-        self._truncate_cells(seq, int(self.cell_pos[seq, state.n_cells - 1]) + 1 if state.n_cells else 0)
+        self._truncate_cells(seq, self.cell_pos_host[seq][state.n_cells - 1] + 1 if state.n_cells else 0)
         self.slot_pos[seq] = [EMPTY] * self.slots
         self.cur[seq] = 0
         self.pending[seq] = {}
@@ -228,7 +235,7 @@ class Memory:
         for l, conv, ssm in zip(self.layout.rec_layers, state.conv, state.ssm):
             self.conv[l][seq, 0].copy_(conv)
             self.ssm[l][seq, 0].copy_(ssm)
-        self.last_pos[seq] = int(self.cell_pos[seq, state.n_cells - 1]) if state.n_cells else state.slot_pos
+        self.last_pos[seq] = self.cell_pos_host[seq][state.n_cells - 1] if state.n_cells else state.slot_pos
 
     def cells(self, seq: int, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(K, V, positions) of the committed cells of an attention layer: read access for a drafter
@@ -254,8 +261,10 @@ class Pending:
 class Batch:
     """One evaluation in progress on one sequence: where its cells and snapshots go."""
 
-    def __init__(self, memory: Memory, seq: int, positions: torch.Tensor, start: int, slots: list[int]):
+    def __init__(self, memory: Memory, seq: int, positions: torch.Tensor, start: int, slots: list[int],
+                 host_positions: list[int]):
         self.memory, self.seq, self.start, self.slots = memory, seq, start, slots
+        self.host_positions = host_positions  # the same as `positions`, on the host
         self._positions = {positions.device: positions}
         self.pending: Pending | None = None
         self._visible: dict = {}  # device -> positions of every visible cell (the same for every layer)

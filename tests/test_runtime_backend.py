@@ -132,3 +132,48 @@ def test_the_cuda_backend_runs_the_triton_kernels_like_the_reference():
                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=900)
     print(run.stdout + run.stderr[-3000:])
     assert run.returncode == 0
+
+
+def _decode_steps(model, k=3):
+    """A prompt, a decode step, a verification batch of k+1 tokens, a rollback, a step; the MTP head."""
+    ctx = Context(model, GraphType.MAIN, n_ctx=32, n_rs_seq=k)
+    ctx.decode(list(range(5, 13)))  # a short prompt (up to 16 rows: experts by index)
+    one = ctx.decode([3])
+    verify = ctx.decode(list(range(20, 21 + k)))
+    assert ctx.seq_rm(0, ctx.n_past() - 2)
+    ctx.decode([9])
+    head = Context(model, GraphType.MTP, n_ctx=32)
+    draft = head.decode([1, 2, 3], hidden_in=verify.hidden["post_norm"][:3])
+    return one, verify, draft
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_decode_and_verification_read_nothing_back_from_the_device(tmp_path_factory, moe, dtype):
+    """Decode steps and verification batches on the `meta` device, whose tensors hold no values: any
+    read of a value on the host (.item(), int(t), .tolist(), .cpu(), a shape taken from values such
+    as nonzero or unique) raises there. That is what a GPU forward must not do (each is a sync), and
+    what graph capture forbids."""
+    model = load_model(tiny_gguf(tmp_path_factory, moe=moe, outtype="q8_0")[1], device="meta", dtype=dtype)
+    assert model.backend.name == "torch"
+    one, verify, draft = _decode_steps(model)
+    assert one.logits.device.type == "meta" and verify.logits.shape == (4, model.n_vocab)
+    assert draft.logits.shape == (3, model.n_vocab)
+    print(f"\n[meta, {dtype}, {'moe' if moe else 'dense'}] prompt, step, verification of 4, rollback, MTP head: "
+          f"no host read")
+
+
+def test_a_host_read_in_the_forward_fails_the_meta_check(tmp_path_factory, monkeypatch):
+    from specconv.runtime.graphs import qwen35
+
+    model = load_model(tiny_gguf(tmp_path_factory, outtype="q8_0")[1], device="meta")
+    real = qwen35.rms_norm
+
+    def reads_a_value(x, weight, eps):
+        if float(x.abs().max()) > 1e9:  # a data-dependent decision on the host
+            raise AssertionError
+        return real(x, weight, eps)
+
+    monkeypatch.setattr(qwen35, "rms_norm", reads_a_value)
+    with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
+        _decode_steps(model)
