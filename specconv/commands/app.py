@@ -11,6 +11,7 @@ import click
 
 # command name -> module under specconv.commands (each defines `command`)
 COMMANDS: dict[str, str] = {
+    "compare": "compare",
     "convert": "convert",
     "demo": "demo",
     "generate": "generate",
