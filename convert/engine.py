@@ -183,9 +183,11 @@ def _plan(req: ConvertRequest, reader: CheckpointReader, tool_order: bool = Fals
         planned, selected = _kquant_types(outtype, plugin, k, planned, selected, mtp_type, req.imatrix)
     labels = {kind: kvmod.parameter_label((t.name, tuple(t.plan.shape)) for t in ts) for kind, ts in selected.items()}
     model_kind = next((kind for kind in kinds if kind != "sidecar"), None)
+    # the sidecar's name carries its model's size label, also when the model is not written (--mtp only)
+    model_label = labels[model_kind] if model_kind else kvmod.parameter_label(
+        (t.name, tuple(t.plan.shape)) for t in planned if t.plan.role in ROLES["trunk"])
     names = output_names(req.out, want_model=model_kind is not None, want_sidecar="sidecar" in kinds, meta=meta,
-                         type_label=type_label(outtype),
-                         model_size_label=meta.size_label or (labels[model_kind] if model_kind else None))
+                         type_label=type_label(outtype), model_size_label=meta.size_label or model_label)
     files = []
     for kind in kinds:
         keep_mtp = kind != "trunk" and k > 0

@@ -3,9 +3,12 @@
 * `-o DIR/NAME.gguf`: the main file is NAME.gguf; a sidecar written next to it (`--mtp separate`)
   is `DIR/mtp-NAME.gguf`. With `--mtp only` the given name is the sidecar's. `{ftype}`/`{FTYPE}`
   placeholders are filled with the storage type, as llama.cpp's converter does.
-* `-o DIR/` (or an existing folder): names follow the GGUF naming convention like llama.cpp's
-  converter: `Name[-Size]-Finetune-Version-TYPE.gguf` for the model, and `mtp-` + the same without
-  the size label for the sidecar. The `mtp-` prefix is what llama.cpp's discovery looks for.
+* `-o DIR/` (or an existing folder): names follow llama.cpp's naming convention,
+  `<Name>-<Size>[-<Finetune>][-<Version>]-<TYPE>.gguf` for the model and `mtp-` + the same name for
+  its sidecar (the model's size label, so the pair shares one base and one quant tag: llama.cpp's
+  `-hf` sibling rule, docs/reference/hub.md §1.2); split files add `-00001-of-0000N`. The base is
+  specconv/hub/naming.py's `scheme_base`, which `specconv upload` names repository files by, so an
+  upload keeps these names. The `mtp-` prefix is what llama.cpp's discovery looks for.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gguf.metadata import Metadata
-from gguf.utility import fill_templated_filename, naming_convention
+from gguf.utility import fill_templated_filename
 
 from specconv.archs.errors import SpecconvError
+from specconv.hub.naming import scheme_base
 
 MTP_PREFIX = "mtp-"
 
@@ -38,9 +42,9 @@ def output_names(out: str | os.PathLike, *, want_model: bool, want_sidecar: bool
     """Paths of the files a run writes (before splitting into shards)."""
     if is_directory_target(out):
         folder = Path(out)
-        common = (meta.name, meta.basename, meta.finetune, meta.version)
-        model = folder / f"{naming_convention(*common, model_size_label, type_label)}.gguf"
-        sidecar = folder / f"{MTP_PREFIX}{naming_convention(*common, None, type_label)}.gguf"
+        base = scheme_base(meta.name, meta.basename, model_size_label, meta.finetune, meta.version) or "ggml-model"
+        stem = f"{base}-{type_label.upper()}"
+        model, sidecar = folder / f"{stem}.gguf", folder / f"{MTP_PREFIX}{stem}.gguf"
     else:
         given = Path(out)
         try:

@@ -298,7 +298,7 @@ def test_split_output_loads_back(sources, tmp_path, capsys):
 
 
 def test_directory_output_follows_the_naming_convention(sources, tmp_path, capsys):
-    """-o DIR/: Name-Size-Finetune-ENCODING.gguf for the model, mtp-Name-Finetune-ENCODING.gguf (§4.2)."""
+    """-o DIR/: Name-Size-Finetune-ENCODING.gguf for the model, mtp- + the same name for its sidecar (§4.2)."""
     import shutil
 
     from gguf.utility import model_weight_count_rounded_notation
@@ -310,7 +310,7 @@ def test_directory_output_follows_the_naming_convention(sources, tmp_path, capsy
     trunk = GGUFReader(str(tmp_path / "out" / names[0]))
     params = sum(int(np.prod([int(d) for d in t.shape])) for t in trunk.tensors)
     label = model_weight_count_rounded_notation(params, min_digits=2)
-    assert names == [f"Qwen3.5-Tiny-{label}-Instruct-Q8_0.gguf", "mtp-Qwen3.5-Tiny-Instruct-Q8_0.gguf"]
+    assert names == [f"Qwen3.5-Tiny-{label}-Instruct-Q8_0.gguf", f"mtp-Qwen3.5-Tiny-{label}-Instruct-Q8_0.gguf"]
     assert fields(trunk)["general.size_label"].contents() == label
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -56,7 +58,11 @@ def test_demo_passes_and_files_are_kept(demo):
     names = sorted(p.name for p in out.iterdir())
     print("files:", names)
     assert set(report["files"]) == {"embedded", "trunk", "sidecar"}
-    assert len(names) == 3 and any(n.startswith("mtp-") for n in names)
+    sidecar = next(n for n in names if n.startswith("mtp-"))
+    trunk, embedded = Path(report["files"]["trunk"]["path"]).name, Path(report["files"]["embedded"]["path"]).name
+    # convert's names: <Name>-<Size>-<TYPE>.gguf, the sidecar mtp- + its trunk's name
+    assert len(names) == 3 and sidecar == f"mtp-{trunk}" and re.fullmatch(r"Tiny-Qwen35-Mtp-[\d.]+[KM]-F32\.gguf", embedded)
+    assert trunk != embedded and trunk.endswith("-F32.gguf")
     for info in report["files"].values():
         assert (out / info["path"].rsplit("/", 1)[-1]).stat().st_size == info["bytes"] > 0
 

@@ -82,7 +82,8 @@ def parse_layers(text: str) -> tuple[int, ...]:
               help="With a Hub id as SRC: download into DIR instead of the huggingface_hub cache.")
 @click.option("-o", "--output", "out", required=True, metavar="OUT",
               help="Output file (DIR/NAME.gguf; a sidecar written next to it is DIR/mtp-NAME.gguf) or a folder "
-                   "(DIR/: names follow the GGUF naming convention, e.g. Name-F16.gguf and mtp-Name-F16.gguf).")
+                   "(DIR/: names follow llama.cpp's convention, <Name>-<Size>-<TYPE>.gguf and mtp- + the same name, "
+                   "which `upload` keeps).")
 @click.option("--outtype", metavar="TYPE[,TYPE...]", callback=lambda ctx, param, value: _outtypes(value),
               default="auto", show_default=True, help=OUTTYPE_HELP)
 @click.option("--mtp-outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0"], case_sensitive=False),

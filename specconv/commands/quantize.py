@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -18,6 +19,23 @@ IMATRIX_HELP = (
     "quantized tensor with an entry is encoded with its weights, as llama-quantize --imatrix does (same bytes; "
     "experts of a 3-D tensor use their own slice; tensors without an entry are encoded without). Required for "
     "Q2_K_S. The file's name, dataset and counts are recorded as quantize.imatrix.* keys.")
+
+
+def requantized_name(src: Path, tag: str) -> str:
+    """The file name `convert` would give SRC's model at quant `tag` (specconv/hub/naming.py)."""
+    from specconv.convert.gguf_summary import serves
+    from specconv.hub.naming import SHARD_RE, file_type_tag, scheme_base, strip_quant_tag
+    from specconv.runtime.gguf_reader import open_gguf
+
+    f = open_gguf(src)
+    match = SHARD_RE.match(src.name)
+    stem = match.group("prefix") if match else src.name.removesuffix(".gguf")
+    own = file_type_tag(int(f.get("general.file_type", -1)))
+    if own is not None and strip_quant_tag(stem, own) != stem:  # already <prefix><base>-<TAG>
+        return f"{strip_quant_tag(stem, own)}-{tag}.gguf"
+    base = scheme_base(*(f.get(f"general.{k}") for k in ("name", "basename", "size_label", "finetune", "version")))
+    prefix = "mtp-" if serves(f)[0] == ["mtp"] else ""
+    return f"{prefix}{base or stem}-{tag}.gguf"
 
 
 def check_file_type(name: str, have_imatrix: bool, param_hint: str) -> str:
@@ -37,7 +55,7 @@ def check_file_type(name: str, have_imatrix: bool, param_hint: str) -> str:
 
 @click.command("quantize")
 @click.argument("src", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path())  # a str: a trailing / names a folder
 @click.argument("file_type", metavar="TYPE")
 @click.option("--allow-requantize", is_flag=True,
               help="Accept an input whose tensors are already quantized (they are dequantized first; the result "
@@ -51,7 +69,9 @@ def check_file_type(name: str, have_imatrix: bool, param_hint: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def command(src, dst, file_type, allow_requantize, imatrix_file, force, mkdir, threads, as_json):
     """Requantize SRC (a GGUF with F32, F16 or BF16 weights: ours or any converter's; give the first
-    shard of a split file) to TYPE, writing DST. TYPE (any case): Q2_K, Q3_K_S, Q3_K_M, Q3_K_L,
+    shard of a split file) to TYPE, writing DST: a file, or a folder (DST/, or one that exists) where the
+    file is named as `convert` names it, `<Name>-<Size>-<TYPE>.gguf` (`mtp-` first for an MTP sidecar):
+    SRC's own name with TYPE for its quant tag when it is named so, else from its general.* keys. TYPE (any case): Q2_K, Q3_K_S, Q3_K_M, Q3_K_L,
     Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, Q6_K, IQ4_NL, IQ4_XS, or Q2_K_S (with --imatrix).
 
     Each tensor gets the type llama.cpp's quantize tool gives it for that file type, its blocks are
@@ -65,7 +85,11 @@ def command(src, dst, file_type, allow_requantize, imatrix_file, force, mkdir, t
     key = check_file_type(file_type, imatrix_file is not None, "'TYPE'")
     if key not in FILE_TYPES:
         raise click.BadParameter(f"{file_type!r} is not one of {', '.join(FILE_TYPES)}", param_hint="'TYPE'")
-    check_output_folder(dst.parent, mkdir=mkdir, option="DST")
+    folder = dst.endswith(("/", os.sep)) or Path(dst).is_dir()
+    dst = Path(dst)
+    check_output_folder(dst if folder else dst.parent, mkdir=mkdir, option="DST", named_folder=folder)
+    if folder:
+        dst = dst / requantized_name(src, key.upper())
     if dst.exists() and not force:
         raise SpecconvError(f"{dst} already exists (use --force to overwrite)")
     imatrix = load_imatrix(imatrix_file) if imatrix_file is not None else None

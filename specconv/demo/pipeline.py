@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from specconv.commands.outputs import check_output_folder
 from specconv.demo.bundled import bundled_model_dir, heldout_prompts
 from specconv.errors import SpecconvError
 
@@ -40,19 +41,24 @@ class DemoOptions:
 
 
 def convert_bundled(src: Path, out_dir: Path, outtype: str) -> dict[str, Path]:
-    """{"embedded": file, "trunk": file, "sidecar": mtp- file}, written by the project's converter."""
+    """{"embedded": file, "trunk": file, "sidecar": mtp- file}, written by the project's converter into
+    `out_dir` under the names `convert -o DIR/` gives (`<Name>-<Size>-<TYPE>.gguf`, `mtp-` + the trunk's):
+    the embedded file's size label counts the MTP block, the trunk's does not, so the names differ."""
     from specconv.archs.base import MtpMode
     from specconv.convert.engine import ConvertRequest, plan_conversion, run_conversion
 
-    stem = f"{src.name}-{outtype.upper()}"
+    plans = [plan_conversion(ConvertRequest(src=src, out=f"{out_dir}/", outtype=outtype, mtp=mode))
+             for mode in (MtpMode.EMBED, MtpMode.SEPARATE)]
     written = {}
-    for mode, name in ((MtpMode.EMBED, f"{stem}.gguf"), (MtpMode.SEPARATE, f"{stem}-trunk.gguf")):
-        plan = plan_conversion(ConvertRequest(src=src, out=str(out_dir / name), outtype=outtype, mtp=mode))
-        try:
-            paths = run_conversion(plan, overwrite=True)  # the demo's own names in the demo's folder
-            for f, path in zip(plan.files, paths):
+    try:
+        names = [f.path for plan in plans for f in plan.files]
+        if len(set(names)) != len(names):
+            raise SpecconvError(f"the embedded and trunk-only conversions would both be named {names[0].name}")
+        for plan in plans:
+            for f, path in zip(plan.files, run_conversion(plan, overwrite=True)):  # a rerun into --out replaces
                 written[f.kind] = path
-        finally:
+    finally:
+        for plan in plans:
             plan.close()
     return written
 
@@ -117,7 +123,8 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] = lambda msg: No
             out_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specconv-demo-")))
         else:
             out_dir = Path(opts.out)
-            out_dir.mkdir(parents=True, exist_ok=True)
+            check_output_folder(out_dir, mkdir=False, option="--out", named_folder=True)
+            out_dir.mkdir(exist_ok=True)
         progress("converting the bundled model")
         files = convert_bundled(src, out_dir, opts.outtype)
         t_convert = time.perf_counter() - t0

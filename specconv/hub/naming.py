@@ -19,8 +19,12 @@ from specconv.errors import SpecconvError
 SHARD_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # llama.cpp treats a .gguf whose name contains one of these as something other than the main
-# model (common/download.cpp), so a model name must never contain them.
+# model (common/download.cpp, gguf_filename_is_model: std::string::find, case-sensitive), so a model
+# name must never contain them. `Tiny-Qwen35-Mtp-2.4M` does not: `Mtp-` is not `mtp-`.
 NON_MODEL_MARKERS = ("mtp-", "mmproj", "imatrix", "eagle3-", "dflash-", "dspark-")
+# A marker that ends in "-" also forms at the end of a name, from the "-" before the quant tag.
+_MARKER_RE = re.compile("|".join(re.escape(m[:-1]) + "(?=-|$)" if m.endswith("-") else re.escape(m)
+                                 for m in NON_MODEL_MARKERS))
 
 QUANT_TAG_RE = re.compile(r"^[A-Z0-9_]+$")
 
@@ -83,13 +87,35 @@ def strip_quant_tag(base: str, quant: str) -> str:
     return base
 
 
+def without_markers(name: str) -> str:
+    """A name taken from metadata with llama.cpp's non-model markers in capitals (`qwen-mtp-9b` ->
+    `qwen-MTP-9b`): its test is case-sensitive, so the model file is still taken for the model."""
+    return _MARKER_RE.sub(lambda m: m.group(0).upper(), name)
+
+
+def scheme_base(name: str | None, basename: str | None = None, size_label: str | None = None,
+                finetune: str | None = None, version: str | None = None) -> str | None:
+    """`<Name>-<Size>[-<Finetune>][-<Version>]`, the part before the quant tag in llama.cpp's file names
+    (gguf-py's naming_convention: the basename, else the name; here a size already in the name is not
+    repeated), safe for a file name and for llama.cpp's -hf (without_markers). `convert` names its files
+    `{base}-{QUANT}.gguf` and `mtp-{base}-{QUANT}.gguf` with it, `upload` its repository files, from the
+    same general.* keys, so the two agree. None when there is no name at all."""
+    extras = [x for x in (size_label, finetune, version) if isinstance(x, str) and x.strip()]
+    if isinstance(basename, str) and basename.strip():
+        base = "-".join([basename.strip(), *extras])
+    elif isinstance(name, str) and name.strip():
+        base = "-".join([name.strip(), *[x for x in extras if x.lower() not in name.lower()]])
+    else:
+        return None
+    return without_markers(sanitize_base(base)) or None
+
+
 def check_model_base(base: str) -> str:
     """Refuse a base name llama.cpp would misread (a trunk named `...mtp-...` looks like a sidecar)."""
     if not base:
         raise SpecconvError("empty model name; pass --name NAME")
-    lowered = base.lower()
     for marker in NON_MODEL_MARKERS:
-        if marker in lowered:
+        if marker in base:
             raise SpecconvError(
                 f"model name {base!r} contains {marker!r}, which llama.cpp reserves for non-model files; "
                 "pass --name NAME"

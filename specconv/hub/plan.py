@@ -23,11 +23,13 @@ from specconv.hub.naming import (
     head_own_base,
     repo_file_name,
     sanitize_base,
+    scheme_base,
     shard_paths,
     strip_quant_tag,
     validate_repo_id,
     validate_repo_path,
     validate_revision,
+    without_markers,
 )
 from specconv.hub.report import VerifyReport
 from specconv.hub.split import ShardLayout, plan_split
@@ -225,22 +227,15 @@ def _raw_base(model: GgufModel, name: str | None) -> str:
     if name:
         base = sanitize_base(name)
     else:
-        basename = model.get("general.basename")
-        full = model.get("general.name")
-        extras = [model.get(k) for k in ("general.size_label", "general.finetune", "general.version")]
-        extras = [str(x) for x in extras if isinstance(x, str) and x]
-        if isinstance(basename, str) and basename:
-            base = "-".join([basename, *extras])
-        elif isinstance(full, str) and full:
-            base = "-".join([full, *[x for x in extras if x.lower() not in full.lower()]])
-        else:
+        base = scheme_base(*(model.get(f"general.{k}") for k in ("name", "basename", "size_label", "finetune",
+                                                                  "version")))
+        if base is None:  # no name in the file: its own, without prefix, shard suffix (and quant tag, below)
             stem = model.paths[0].name
             match = SHARD_RE.match(stem)
             stem = match.group("prefix") if match else stem.removesuffix(".gguf")
             for prefix in ("mtp-", "eagle3-", "dflash-"):
                 stem = stem.removeprefix(prefix)
-            base = stem
-        base = sanitize_base(base)
+            base = without_markers(sanitize_base(stem))
         if model.role is Role.ASSISTANT:
             base = re.sub(r"-assistant(?=-|$)", "", base, flags=re.IGNORECASE)  # the name adds it back
     return strip_quant_tag(base, model.quant)
