@@ -8,14 +8,17 @@ from pathlib import Path
 
 import click
 
+from specconv.commands.options import MAX_DRAFT
+
 
 @click.command("demo")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Keep the converted files in this folder (default: a temporary folder, removed afterwards).")
+              help="Keep the converted files in this folder, created when its parent exists (default: a temporary "
+                   "folder, removed afterwards). Files are named as `convert -o DIR/` names them.")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
 @click.option("-n", "--n-predict", default=32, show_default=True, type=click.IntRange(min=1),
               help="Tokens generated per prompt.")
-@click.option("--draft-max", default=3, show_default=True, type=click.IntRange(min=1),
+@click.option("--draft-max", default=3, show_default=True, type=click.IntRange(1, MAX_DRAFT),
               help="Largest draft length; the acceptance table has draft_max 1..K.")
 @click.option("--outtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
               help="Storage type of the converted weight matrices.")
