@@ -8,6 +8,8 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   the number of rows; more rows (prompts) by dequantized tiles and cuBLAS, or, inside
   `batch_invariant(True)`, as pieces of FUSED_MAX_ROWS rows through the one-pass kernel, so that
   every row of a prompt gets the bits of a decode step.
+* attention over each layer's whole fixed-size K/V buffer, written in place (`static_kv`): the
+  same shapes at every step, as CUDA-graph capture needs.
 * `moe`, `causal_conv`, `delta_rule`: the torch reference (routed experts by index for decode and
   verification batches: no host read). The Triton Gated DeltaNet step and conv
   (kernels_triton.gdn_step / causal_conv, which write each token's state into its own ring slot)
@@ -29,6 +31,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class CudaBackend(TorchBackend):
     name = "cuda"
+    static_kv = True
 
     def __init__(self, kernels=None, device_types: tuple[str, ...] = ("cuda",)):
         """`kernels`: the kernel module (runtime/kernels_triton; found by itself when None: none without

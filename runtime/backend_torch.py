@@ -55,6 +55,9 @@ def _take(w, index: torch.Tensor):
 
 class TorchBackend:
     name = "torch"
+    # attention over each layer's whole fixed-size K/V buffer (ops.cached_attention) even where rows
+    # need not be alone: the shapes a captured CUDA graph needs; slices of the written cells otherwise
+    static_kv = False
 
     # ---- weights ----------------------------------------------------------------------------------
     def dequantize_rows(self, raw: torch.Tensor, qtype, dtype: torch.dtype) -> torch.Tensor:

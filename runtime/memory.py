@@ -268,7 +268,7 @@ class Batch:
         self._positions = {positions.device: positions}
         self.pending: Pending | None = None
         self._visible: dict = {}  # device -> positions of every visible cell (the same for every layer)
-        self._whole: dict = {}  # device -> positions of every cell of the whole buffers
+        self._per_device: dict = {}  # (device, what) -> a tensor built once per batch (Batch._on)
         self._slot_index: dict = {}  # device -> the slots as a tensor
         # slots in ring order without a wrap: a batch's conv windows go in with one copy per layer
         self._consecutive = bool(slots) and slots == list(range(slots[0], slots[0] + len(slots)))
@@ -295,20 +295,30 @@ class Batch:
         the shapes an attention sees do not change from one step to the next."""
         m, s, n = self.memory, self.seq, k.shape[0]
         end = self.start + n
+        if whole:  # written by a cell index tensor: what a captured graph replays with new cells
+            cells = self._on(k.device, "cells", lambda dev: torch.arange(self.start, end, device=dev))
+            m.k[layer][s].index_copy_(0, cells, k.to(m.dtype))
+            m.v[layer][s].index_copy_(0, cells, v.to(m.dtype))
+
+            def whole_positions(dev):
+                pos = m.cell_pos[s].to(dev, copy=True).index_copy_(0, cells, self.positions.to(dev))
+                return pos.masked_fill_(pos < 0, UNWRITTEN)
+
+            return m.k[layer][s], m.v[layer][s], self._on(k.device, "whole", whole_positions)
         m.k[layer][s, self.start:end] = k.to(m.dtype)
         m.v[layer][s, self.start:end] = v.to(m.dtype)
-        if whole:
-            pos = self._whole.get(k.device)
-            if pos is None:  # built once per batch
-                pos = m.cell_pos[s].to(k.device, copy=True)
-                pos[self.start:end] = self.positions.to(k.device)
-                pos = self._whole[k.device] = pos.masked_fill_(pos < 0, UNWRITTEN)
-            return m.k[layer][s], m.v[layer][s], pos
         pos = self._visible.get(k.device)
         if pos is None:  # built once per batch, not once per attention layer
             pos = self._visible[k.device] = torch.cat([m.cell_pos[s, :self.start].to(k.device),
                                                        self.positions.to(k.device)])
         return m.k[layer][s, :end], m.v[layer][s, :end], pos
+
+    def _on(self, device, what: str, build) -> torch.Tensor:
+        """`build(device)`, made once per batch and device (the same for every layer)."""
+        key = (device, what)
+        if key not in self._per_device:
+            self._per_device[key] = build(device)
+        return self._per_device[key]
 
     def _slots_on(self, device) -> torch.Tensor:
         idx = self._slot_index.get(device)

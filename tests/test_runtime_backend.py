@@ -177,3 +177,28 @@ def test_a_host_read_in_the_forward_fails_the_meta_check(tmp_path_factory, monke
     monkeypatch.setattr(qwen35, "rms_norm", reads_a_value)
     with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
         _decode_steps(model)
+
+
+def test_a_static_kv_backend_attends_over_whole_fixed_size_buffers(tmp_path_factory, monkeypatch):
+    """`static_kv` (the CUDA backend's choice, for graph capture): every attention of a prompt, a
+    decode step and a verification sees the layer's whole buffer [n_ctx, ...], written in place,
+    and computes what attention over the written cells computes (float32, torch backend both)."""
+    from specconv.runtime.graphs import ops
+
+    model = load_model(tiny_gguf(tmp_path_factory, outtype="q8_0")[1], device="cpu", dtype="f32")
+    ids = [int(t) for t in prompt_ids(24, seed=6)]
+
+    class StaticKV(TorchBackend):
+        static_kv = True
+
+    monkeypatch.setattr(backend_module, "_backend", lambda kind: TorchBackend())
+    sliced = _logits(model, ids, 3)
+    monkeypatch.setattr(backend_module, "_backend", lambda kind: StaticKV())
+    shapes, real = [], ops.causal_attention
+    monkeypatch.setattr(ops, "causal_attention", lambda q, k, *a: shapes.append(tuple(k.shape)) or real(q, k, *a))
+    whole = _logits(model, ids, 3)
+    diff = float((whole - sliced).abs().max())
+    print(f"\n[static K/V] attention shapes seen {sorted(set(shapes))}; whole buffers vs written cells: "
+          f"max |Δlogit| {diff:.2e}")
+    assert len(set(shapes)) == 1 and shapes[0][0] == len(ids) + 3 + 2  # the context's n_ctx, every time
+    assert diff <= 1e-5

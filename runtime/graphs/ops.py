@@ -96,13 +96,17 @@ def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
     """Store this batch's K/V in layer `layer`'s cache (runtime/memory.py `Batch`) and attend to every
     cell visible by position: `causal_attention` over the cache.
 
-    In batch-invariant mode (runtime/backend.py `rows_alone`) each query row attends alone over the
-    layer's whole fixed-size buffer (cells not written masked out), so its sums run over the same
-    cells in the same order whatever the batch's width and wherever the sequence ends."""
-    if not rows_alone():
+    A backend with `static_kv` (CUDA) attends over the layer's whole fixed-size buffer, cells not
+    written masked out, so the shapes do not change from step to step. In batch-invariant mode
+    (runtime/backend.py `rows_alone`) each query row attends alone over that whole buffer, so its
+    sums run over the same cells in the same order whatever the batch's width and wherever the
+    sequence ends."""
+    if not (rows_alone() or for_device(q.device).static_kv):
         k_all, v_all, k_pos = batch.attend_kv(layer, k, v)
         return causal_attention(q, k_all, v_all, batch.positions, k_pos, scale)
     k_all, v_all, k_pos = batch.attend_kv(layer, k, v, whole=True)
+    if not rows_alone():
+        return causal_attention(q, k_all, v_all, batch.positions, k_pos, scale)
     k_all, v_all, q_pos = acc(k_all), acc(v_all), batch.positions
     return torch.cat([causal_attention(q[i:i + 1], k_all, v_all, q_pos[i:i + 1], k_pos, scale)
                       for i in range(q.shape[0])])
