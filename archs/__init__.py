@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from .base import ArchPlugin, Checkpoint, MetaKV, MtpMode, Role, SourceTensor, TensorPlan
+from .config_reader import ConfigReader
 from .errors import SpecconvError
 
 _REGISTRY: dict[str, type[ArchPlugin]] = {}
@@ -44,7 +45,7 @@ def plugin_class_for_family(family: str) -> type[ArchPlugin]:
 def plugin_class_for(config: Mapping) -> type[ArchPlugin]:
     """The plugin class for a config.json, or a SpecconvError listing what is supported."""
     _load_builtin_plugins()
-    archs = config.get("architectures") or []
+    archs = ConfigReader(config).strings("architectures", default=None) or []
     for arch in archs:
         if arch in _REGISTRY:
             cls = _REGISTRY[arch]

@@ -143,23 +143,6 @@ class ArchPlugin:
         raise NotImplementedError
 
 
-def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The text model's config, whether nested under `text_config` (VL releases) or top level."""
-    nested = config.get("text_config")
-    return nested if isinstance(nested, Mapping) else config
-
-
-def config_field(cfg: Mapping[str, Any], name: str, default: Any = None) -> Any:
-    """Read a field that transformers v5 may have moved into `rope_parameters` (or `rope_scaling`)."""
-    if name in cfg and cfg[name] is not None:
-        return cfg[name]
-    for nest in ("rope_parameters", "rope_scaling"):
-        sub = cfg.get(nest)
-        if isinstance(sub, Mapping) and sub.get(name) is not None:
-            return sub[name]
-    return default
-
-
 def plans_in_checkpoint_order(plans: list[TensorPlan], tensors: Mapping[str, SourceTensor]) -> list[TensorPlan]:
     """Each output at the position of its last source in the checkpoint's order (stable).
 

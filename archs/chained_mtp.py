@@ -4,12 +4,12 @@ Their checkpoints hold k MTP blocks after the N trunk layers, each with `eh_proj
 and a full decoder block, written as GGUF blocks N..N+k-1. `ChainedMtpPlugin` walks those N + k
 blocks once, in the tensor order llama.cpp's converter writes (nextn inputs and head norm, attn_norm,
 attention, ffn_norm, dense or routed FFN); a family supplies its own attention, MoE, MTP head and
-naming through the hooks below. The helpers read the MTP count and config fields the same way.
+naming through the hooks below; `check_stated_count` checks the MTP count config.json states.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar
 
 from gguf import GGUFValueType
 
@@ -18,6 +18,7 @@ from . import transforms as tf
 from .base import ArchPlugin, MetaKV, Role, TensorPlan
 from .errors import SpecconvError
 from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows
+
 
 def check_stated_count(plugin: ArchPlugin, stated: Any, k: int, where: str, missing: str | None = None) -> None:
     """A count config.json states must be the one the checkpoint holds (`where` names its tensors).
@@ -29,20 +30,6 @@ def check_stated_count(plugin: ArchPlugin, stated: Any, k: int, where: str, miss
     if missing and stated and not k:
         plugin.missing_mtp = (f"config.json says num_nextn_predict_layers={stated}, but the checkpoint holds no "
                               f"{missing} tensors")
-
-
-def config_reader(tc: Mapping[str, Any], family: str) -> Callable[..., Any]:
-    """req(*keys, default=None): the first key config.json sets (release name first, then transformers'
-    names); without a default, a missing field is an error naming the first key."""
-    def req(*keys: str, default=None):
-        for key in keys:
-            if tc.get(key) is not None:
-                return tc[key]
-        if default is None:
-            raise SpecconvError(f"config.json lacks '{keys[0]}', needed for a {family} model")
-        return default
-
-    return req
 
 
 class ChainedMtpPlugin(ArchPlugin):

@@ -25,7 +25,8 @@ from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import Checkpoint, MetaKV, Role, config_field
+from .base import Checkpoint, MetaKV, Role
+from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 from .nextn_moe import NextnMoePlugin
 from .plan_tools import RolePlan
@@ -84,23 +85,15 @@ class Deepseek2(NextnMoePlugin):
         super().__init__(checkpoint)
         tc, hp = self.tc, self.hp
 
-        def need(name: str) -> int:
-            v = tc.get(name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise SpecconvError(f"config.json: '{name}' must be a positive integer for DeepSeek MLA, got {v!r}")
-            return v
-
-        self.q_lora = tc.get("q_lora_rank")
-        if self.q_lora is not None:
-            self.q_lora = need("q_lora_rank")
-        self.kv_lora, self.dn, self.dr, self.dv = (need(k) for k in ("kv_lora_rank", "qk_nope_head_dim",
-                                                                      "qk_rope_head_dim", "v_head_dim"))
+        self.q_lora = tc.integer("q_lora_rank", default=None, min=1)  # null: no q latent (V2-Lite)
+        self.kv_lora, self.dn, self.dr, self.dv = (tc.integer(k, min=1) for k in ("kv_lora_rank", "qk_nope_head_dim",
+                                                                                   "qk_rope_head_dim", "v_head_dim"))
         if self.dr % 2:
             raise SpecconvError(f"config.json: qk_rope_head_dim ({self.dr}) must be even")
-        if tc.get("attention_bias"):
+        if tc.flag("attention_bias", default=False):
             raise SpecconvError("config.json: attention_bias=true is not supported (llama.cpp's deepseek2 has no "
                                 "attention biases)")
-        self.rope_interleave = bool(tc.get("rope_interleave", True))
+        self.rope_interleave = tc.flag("rope_interleave", default=True)
         if self.q_lora is not None and self.lite_by_size and llamacpp_reads_as_lite(hp.n_layer, hp.vocab):
             raise SpecconvError(f"a deepseek2 model with {hp.n_layer} layers and vocabulary {hp.vocab} is read by "
                                 f"llama.cpp as DeepSeek-V2-Lite, which ignores q_lora_rank (q_a/q_b projections)")
@@ -188,26 +181,25 @@ class Glm4MoeLite(Deepseek2):
         "rope_interleave": True, "attention_bias": False}
 
     @classmethod
-    def text_fields(cls, config) -> dict:
+    def text_fields(cls, config) -> ConfigReader:
         tc = super().text_fields(config)
-        types = tc.get("mlp_layer_types")
+        types = tc.strings("mlp_layer_types", default=None)
         if types is not None:
-            types = list(types)
-            n = tc.get("num_hidden_layers")
+            n = tc.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
             lead = next((i for i, t in enumerate(types) if t != "dense"), len(types))
-            if (isinstance(n, int) and len(types) != n) or any(t != "sparse" for t in types[lead:]) \
-                    or not set(types) <= {"dense", "sparse"}:
+            if len(types) != n or any(t != "sparse" for t in types[lead:]) or not set(types) <= {"dense", "sparse"}:
                 raise SpecconvError(f"config.json: mlp_layer_types {types} is not leading 'dense' layers then "
                                     f"'sparse' ones for {n} layers (llama.cpp has one leading_dense_block_count)")
-            configured = tc.get("first_k_dense_replace")
+            configured = tc.integer("first_k_dense_replace", default=None)
             if configured is not None and configured != lead:
                 raise SpecconvError(f"config.json: first_k_dense_replace={configured} disagrees with "
                                     f"mlp_layer_types ({lead} leading dense layers)")
-            tc["first_k_dense_replace"] = lead
-        elif tc.get("first_k_dense_replace") is None:
-            tc["first_k_dense_replace"] = 1  # transformers' default pattern: dense, then sparse
-        factor = config_field(tc, "partial_rotary_factor", 1.0)
-        if float(factor) != 1.0:
+            tc = tc.with_values({"first_k_dense_replace": lead}, "from mlp_layer_types")
+        elif not tc.has("first_k_dense_replace"):
+            # transformers' default pattern: dense, then sparse
+            tc = tc.with_values({"first_k_dense_replace": 1}, "transformers' default")
+        factor = tc.with_rope().number("partial_rotary_factor", default=1.0)
+        if factor != 1.0:
             raise SpecconvError(f"config.json: partial_rotary_factor={factor} is not supported (llama.cpp's deepseek2 "
                                 f"ropes all qk_rope_head_dim dims)")
         return tc

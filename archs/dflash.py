@@ -24,19 +24,12 @@ from gguf import GGUFValueType, Keys
 
 from . import names, plugin_class_for, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field, text_config
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 from .plan_tools import RolePlan
 
 _PRE_BY_MODEL_TYPE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
-
-
-def _int(cfg: Mapping[str, Any], name: str, default: int | None = None) -> int:
-    if cfg.get(name) is not None:
-        return int(cfg[name])
-    if default is None:
-        raise SpecconvError(f"DFlash config.json lacks {name}")
-    return default
 
 
 @register
@@ -48,46 +41,48 @@ class DFlash(ArchPlugin):
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        cfg = checkpoint.config
-        self.dcfg = dict(cfg.get("dflash_config") or {})
+        cfg = self.cfg = ConfigReader(checkpoint.config)
+        self.dcfg = cfg.section("dflash_config")
         # DFlash2: per-layer dynamic convolutions and a candidate selector (converted; not run by the runtime)
-        self.v2 = "DFlash2DraftModel" in (cfg.get("architectures") or []) or "conv_kernel_size" in self.dcfg
+        self.v2 = "DFlash2DraftModel" in cfg.strings("architectures", default=[]) or self.dcfg.has("conv_kernel_size")
         if checkpoint.source_dir and (Path(checkpoint.source_dir) / "mask_embedding.pt").exists():
             raise SpecconvError("mask_embedding.pt (a draft that patches the target's embedding) is not supported")
         if checkpoint.target_config is None:
             raise SpecconvError("a DFlash drafter needs its target model: give --target TARGET_DIR (the target's "
                                 "config.json and tokenizer)")
-        target = text_config(checkpoint.target_config)
-        self.H, self.L = _int(cfg, "hidden_size"), _int(cfg, "num_hidden_layers")
-        self.n_head = _int(cfg, "num_attention_heads")
-        self.n_kv = _int(cfg, "num_key_value_heads", self.n_head)
-        self.hd = _int(cfg, "head_dim", self.H // self.n_head)
-        self.F = _int(cfg, "intermediate_size")
-        self.V, self.L_target = int(target["vocab_size"]), int(target["num_hidden_layers"])
-        if int(target["hidden_size"]) != self.H:
+        self.target = target = ConfigReader(checkpoint.target_config, file="the target's config.json").text_model()
+        self.H, self.L = cfg.integer("hidden_size", min=1), cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
+        self.n_head = cfg.integer("num_attention_heads", min=1)
+        self.n_kv = cfg.integer("num_key_value_heads", default=self.n_head, min=1)
+        self.hd = cfg.integer("head_dim", default=self.H // self.n_head, min=1)
+        self.F = cfg.integer("intermediate_size", min=1)
+        self.V, self.L_target = target.integer("vocab_size", min=1), target.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
+        target_h = target.integer("hidden_size", min=1)
+        if target_h != self.H:
             raise SpecconvError(f"the DFlash drafter's hidden size {self.H} differs from the target's "
-                                f"{target['hidden_size']}: wrong --target (fc reads k target rows of its own width)")
-        if cfg.get("vocab_size") is not None and int(cfg["vocab_size"]) != self.V:
-            raise SpecconvError(f"the DFlash drafter was trained for a vocabulary of {cfg['vocab_size']} tokens, the "
+                                f"{target_h}: wrong --target (fc reads k target rows of its own width)")
+        own_vocab = cfg.integer("vocab_size", default=None)
+        if own_vocab is not None and own_vocab != self.V:
+            raise SpecconvError(f"the DFlash drafter was trained for a vocabulary of {own_vocab} tokens, the "
                                 f"target has {self.V}: wrong --target")
         if self.n_head % self.n_kv:
             raise SpecconvError(f"num_attention_heads {self.n_head} is not a multiple of num_key_value_heads {self.n_kv}")
-        if cfg.get("hidden_act", "silu") != "silu" or cfg.get("attention_bias"):
+        if cfg.string("hidden_act", default="silu") != "silu" or cfg.flag("attention_bias", default=False):
             raise SpecconvError("this DFlash drafter uses another activation than silu or attention biases, which "
                                 "llama.cpp's dflash graph does not have")
         if self.v2:
-            self.conv = {k: _int(self.dcfg, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
-                                                          "selector_top_k")}
+            self.conv = {k: self.dcfg.integer(k, min=1) for k in ("conv_kernel_size", "conv_group_size",
+                                                                  "selector_rank", "selector_top_k")}
             if self.H % self.conv["conv_group_size"]:
                 raise SpecconvError(f"DFlash2 hidden size {self.H} is not a multiple of conv_group_size "
                                     f"{self.conv['conv_group_size']}")
-        self.block_size = int(self.dcfg.get("block_size", cfg.get("block_size", 16)))
+        self.block_size = self.dcfg.integer("block_size", default=cfg.integer("block_size", default=16))
         if self.block_size < 2:
             raise SpecconvError(f"DFlash block_size {self.block_size} must be ≥ 2 (the anchor and one mask)")
-        mask = self.dcfg.get("mask_token_id")
-        if mask is None or not 0 <= int(mask) < self.V:
+        mask = self.dcfg.integer("mask_token_id", default=None, min=None)
+        if mask is None or not 0 <= mask < self.V:
             raise SpecconvError(f"dflash_config.mask_token_id {mask!r} is missing or outside the vocabulary [0, {self.V})")
-        self.mask_token_id = int(mask)
+        self.mask_token_id = mask
         self.target_layers = self._target_layers()
         self.tokenizer_dir = checkpoint.target_dir
         self.tokenizer_pre = self._target_tokenizer_pre(checkpoint.target_config)
@@ -98,11 +93,11 @@ class DFlash(ArchPlugin):
         if override is not None:
             layers, source = [int(i) for i in override], "--target-layers (layer inputs)"
         else:
-            ids = self.dcfg.get("target_layer_ids", self.checkpoint.config.get("target_layer_ids"))
+            ids = self.dcfg.integers("target_layer_ids", default=self.cfg.integers("target_layer_ids", default=None))
             if not ids:
                 raise SpecconvError("the DFlash config has no dflash_config.target_layer_ids; give --target-layers "
                                     "(layer inputs)")
-            layers, source = [int(i) + 1 for i in ids], f"dflash_config.target_layer_ids {list(ids)} (layer outputs) + 1"
+            layers, source = [i + 1 for i in ids], f"dflash_config.target_layer_ids {ids} (layer outputs) + 1"
         bad = [j for j in layers if not 0 <= j <= self.L_target]
         if bad:
             raise SpecconvError(f"target layer input {bad[0]} (from {source}) is outside 0..{self.L_target}: the "
@@ -115,17 +110,19 @@ class DFlash(ArchPlugin):
         try:
             return plugin_class_for(target_config).tokenizer_pre
         except SpecconvError:
-            model_type = text_config(target_config).get("model_type") or target_config.get("model_type")
+            target = ConfigReader(target_config, file="the target's config.json")
+            model_type = target.text_model().string("model_type", default=None) or target.string("model_type", default=None)
             return _PRE_BY_MODEL_TYPE.get(model_type, "default")
 
-    def _opt(self, name: str) -> Any:
-        """A DFlash field from dflash_config, else the top level (as upstream reads them)."""
-        return self.dcfg.get(name, self.checkpoint.config.get(name))
+    def _opt(self, name: str) -> float | None:
+        """A DFlash number from dflash_config, else the top level (as upstream reads them)."""
+        return self.dcfg.number(name, default=self.cfg.number(name, default=None))
 
     def _target_uses_mrope(self) -> bool:
-        tc = text_config(self.checkpoint.target_config or {})
-        rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
-        return isinstance(rope, Mapping) and "mrope_section" in rope
+        rope = self.target.section("rope_parameters")
+        if not rope.data:
+            rope = self.target.section("rope_scaling")
+        return "mrope_section" in rope.data
 
     # ------------------------------------------------------------------ naming
 
@@ -200,7 +197,7 @@ class DFlash(ArchPlugin):
     # ------------------------------------------------------------------ metadata
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
-        cfg, arch = self.checkpoint.config, self.gguf_arch
+        cfg, arch = self.cfg, self.gguf_arch
         u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
         kv: list[MetaKV] = []
 
@@ -209,28 +206,30 @@ class DFlash(ArchPlugin):
 
         # llama.cpp's TextModel keys (its Qwen3Model base), then DFlashModel's own
         put(Keys.LLM.BLOCK_COUNT, self.L, u32)
-        if cfg.get("max_position_embeddings") is not None:
-            put(Keys.LLM.CONTEXT_LENGTH, int(cfg["max_position_embeddings"]), u32)
+        if (context := cfg.integer("max_position_embeddings", default=None)) is not None:
+            put(Keys.LLM.CONTEXT_LENGTH, context, u32)
         put(Keys.LLM.EMBEDDING_LENGTH, self.H, u32)
         put(Keys.LLM.FEED_FORWARD_LENGTH, self.F, u32)
         put(Keys.Attention.HEAD_COUNT, self.n_head, u32)
         put(Keys.Attention.HEAD_COUNT_KV, self.n_kv, u32)
-        early_causal = cfg.get("is_causal") is False  # TextModel writes it here; DFlashModel rewrites it in place
+        is_causal = cfg.flag("is_causal", default=None)
+        early_causal = is_causal is False  # TextModel writes it here; DFlashModel rewrites it in place
         if early_causal:
             put(names.causal_key(arch), False, GGUFValueType.BOOL)
-        kind = config_field(cfg, "rope_type") or (cfg.get("rope_scaling") or {}).get("type")
+        rope = cfg.with_rope()
+        kind = rope.string("rope_type", default=None) or cfg.section("rope_scaling").string("type", default=None)
         if kind not in (None, "default"):
             raise SpecconvError(f"DFlash rope scaling {kind!r} is not supported (default rope only)")
-        if (theta := config_field(cfg, "rope_theta")) is not None:
-            put(Keys.Rope.FREQ_BASE, float(theta), f32)
-        put(Keys.Attention.LAYERNORM_RMS_EPS, float(cfg.get("rms_norm_eps", 1e-6)), f32)
-        if cfg.get("head_dim") is not None:
+        if (theta := rope.number("rope_theta", default=None)) is not None:
+            put(Keys.Rope.FREQ_BASE, theta, f32)
+        put(Keys.Attention.LAYERNORM_RMS_EPS, cfg.number("rms_norm_eps", default=1e-6), f32)
+        if cfg.has("head_dim"):
             put(Keys.Attention.KEY_LENGTH, self.hd, u32)
             put(Keys.Attention.VALUE_LENGTH, self.hd, u32)
-        if (prf := config_field(cfg, "partial_rotary_factor")) is not None:
-            put(Keys.Rope.DIMENSION_COUNT, int(self.hd * float(prf)), u32)
-        if (value_scale := self.dcfg.get("attention_value_scale")) is not None:
-            put("{arch}.attention.value_scale", float(value_scale), f32)
+        if (prf := rope.number("partial_rotary_factor", default=None)) is not None:
+            put(Keys.Rope.DIMENSION_COUNT, int(self.hd * prf), u32)
+        if (value_scale := self.dcfg.number("attention_value_scale", default=None)) is not None:
+            put("{arch}.attention.value_scale", value_scale, f32)
         put(names.block_size_key(arch), self.block_size, u32)
         if self.v2:
             for key, value in self.conv.items():
@@ -238,18 +237,19 @@ class DFlash(ArchPlugin):
         for key, value in (("logit_scale", self._opt("output_multiplier")),
                            ("final_logit_softcapping", self._opt("final_logit_softcapping")),
                            ("embedding_scale", self._opt("input_embedding_scale"))):
-            if value is not None and (key != "final_logit_softcapping" or float(value) > 0):
-                put("{arch}." + key, float(value), f32)
+            if value is not None and (key != "final_logit_softcapping" or value > 0):
+                put("{arch}." + key, value, f32)
         put(names.target_layers_key(arch), list(self.target_layers), GGUFValueType.ARRAY, GGUFValueType.INT32)
-        swa_all = bool(self.dcfg.get("use_swa", False))
-        window = self.dcfg.get("swa_window_size") or cfg.get("sliding_window")
-        if (cfg.get("use_sliding_window") or swa_all) and window:
-            pattern = [True] * self.L if swa_all else [t == "sliding_attention" for t in cfg.get("layer_types") or []]
-            put(Keys.Attention.SLIDING_WINDOW, int(window), u32)
+        swa_all = self.dcfg.flag("use_swa", default=False)
+        window = self.dcfg.integer("swa_window_size", default=None) or cfg.integer("sliding_window", default=None)
+        if (cfg.flag("use_sliding_window", default=False) or swa_all) and window:
+            pattern = ([True] * self.L if swa_all else
+                       [t == "sliding_attention" for t in cfg.strings("layer_types", default=None) or []])
+            put(Keys.Attention.SLIDING_WINDOW, window, u32)
             put(Keys.Attention.SLIDING_WINDOW_PATTERN, pattern, GGUFValueType.ARRAY, GGUFValueType.BOOL)
-        causal = cfg.get("is_causal", self.dcfg.get("causal"))
+        causal = is_causal if is_causal is not None else self.dcfg.flag("causal", default=None)
         if causal is not None and not early_causal:
-            put(names.causal_key(arch), bool(causal), GGUFValueType.BOOL)
+            put(names.causal_key(arch), causal, GGUFValueType.BOOL)
         if self._target_uses_mrope():  # M-RoPE target (Qwen3.5): the draft ropes on the temporal section only
             put(Keys.Rope.DIMENSION_SECTIONS, [self.hd // 2, 0, 0, 0], GGUFValueType.ARRAY, GGUFValueType.INT32)
         # upstream writes it after the tokenizer (set_vocab); the engine appends the tokenizer after these

@@ -18,12 +18,13 @@ Everything else (names, MTP routing, MoE, nextn extras) is the deepseek2 plugin'
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from typing import ClassVar
 
 from gguf import GGUFValueType, Keys
 
 from . import names, register
 from .base import MetaKV, Role
+from .config_reader import ConfigReader
 from .deepseek2 import Deepseek2, Glm4MoeLite
 from .errors import SpecconvError
 from .plan_tools import RolePlan
@@ -32,20 +33,23 @@ from .plan_tools import RolePlan
 GLM52_CONTEXT = 1048576
 
 
-def glm_indexer_types(tc: Mapping[str, Any], n_layer: int) -> list[str]:
+def glm_indexer_types(tc: ConfigReader, n_layer: int) -> list[str]:
     """transformers' GlmMoeDsaConfig reading: `indexer_types`, else `index_topk_pattern`, else the
     `index_topk_freq` / `index_skip_topk_offset` schedule (defaults 1 / 2: every layer full)."""
-    types = tc.get("indexer_types")
-    if types is None and tc.get("index_topk_pattern") is not None:
-        pattern = tc["index_topk_pattern"]
-        try:
-            types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
-        except KeyError as e:
-            raise SpecconvError(f"config.json: index_topk_pattern has {e.args[0]!r} (only F and S)") from None
+    types = tc.strings("indexer_types", default=None)
+    if types is None and tc.has("index_topk_pattern"):
+        pattern = tc.raw("index_topk_pattern")
+        if isinstance(pattern, str):
+            bad = sorted(set(pattern) - {"F", "S"})
+            if bad:
+                raise SpecconvError(f"config.json: index_topk_pattern has {bad[0]!r} (only F and S)")
+            types = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        else:
+            types = tc.strings("index_topk_pattern")
     if types is None:
-        freq, offset = max(int(tc.get("index_topk_freq", 1) or 1), 1), int(tc.get("index_skip_topk_offset", 2))
+        freq = max(tc.integer("index_topk_freq", default=1) or 1, 1)
+        offset = tc.integer("index_skip_topk_offset", default=2)
         types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layer)]
-    types = list(types)
     if len(types) != n_layer or not set(types) <= {"full", "shared"}:
         raise SpecconvError(f"config.json: indexer_types {types} is not 'full'/'shared' for each of {n_layer} layers")
     if types and types[0] != "full":
@@ -60,17 +64,8 @@ class DsaMixin:
     lite_by_size: ClassVar[bool] = False  # glm-dsa / deepseek32 always read q_lora_rank (no V2-Lite rule)
 
     def _init_indexer(self) -> None:
-        tc = self.tc
-
-        def need(name: str) -> int:
-            v = tc.get(name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise SpecconvError(f"config.json: '{name}' must be a positive integer for DeepSeek Sparse Attention, "
-                                    f"got {v!r}")
-            return v
-
-        self.index_heads, self.index_dim, self.index_topk = (need(k) for k in ("index_n_heads", "index_head_dim",
-                                                                               "index_topk"))
+        self.index_heads, self.index_dim, self.index_topk = (self.tc.integer(k, min=1) for k in (
+            "index_n_heads", "index_head_dim", "index_topk"))
         if self.q_lora is None:
             raise SpecconvError("config.json: q_lora_rank is null; the DSA indexer projects from the q_a latent")
         if self.dr > self.index_dim:
@@ -130,7 +125,7 @@ class GlmMoeDsa(DsaMixin, Glm4MoeLite):
         self._indexer_kv(kv)
         # llama.cpp's default without the key: all full below GLM52_CONTEXT, GLM-5.2's pattern above
         differs = self.hp.context_length >= GLM52_CONTEXT or not all(self.indexer_full)
-        if "indexer_types" in self.tc or differs:
+        if self.tc.has("indexer_types") or differs:
             # one bool per trunk block (llama.cpp reads n_layer entries; the nextn block is full)
             self._putter(kv)(names.indexer_types_key(names.GLM_DSA), self.indexer_full, GGUFValueType.ARRAY,
                              GGUFValueType.BOOL)

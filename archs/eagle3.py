@@ -29,7 +29,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from . import names, plugin_class_for, register
-from .base import ArchPlugin, Checkpoint, MetaKV, TensorPlan, text_config
+from .base import ArchPlugin, Checkpoint, MetaKV, TensorPlan
+from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 from .llama import PlanBuilder, _permuted, add_rope_freqs, attention_shapes, llama_kv
 
@@ -37,12 +38,6 @@ I64 = GGMLQuantizationType.I64
 INT_DTYPES = {"I64", "I32"}
 # tokenizer.ggml.pre of targets whose plugin this project lacks (model_type -> name llama.cpp knows)
 _PRE_BY_MODEL_TYPE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
-
-
-def merged_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The draft config with a speculators `transformer_layer_config` merged into the top level."""
-    nested = config.get("transformer_layer_config")
-    return {**config, **nested} if isinstance(nested, Mapping) else dict(config)
 
 
 # Where a head's config names its target layers, and whether that key names layer inputs (0) or
@@ -54,16 +49,11 @@ LAYER_ID_KEYS = (
 )
 
 
-def _config_ids(config: Mapping[str, Any], path: tuple[str, ...]) -> list[int] | None:
-    node: Any = config
-    for key in path:
-        node = node.get(key) if isinstance(node, Mapping) else None
-    if not node:
-        return None
-    try:
-        return [int(i) for i in node]
-    except (TypeError, ValueError):
-        raise SpecconvError(f"{'.'.join(path)} must be a list of integers, not {node!r}") from None
+def _config_ids(config: ConfigReader, path: tuple[str, ...]) -> list[int] | None:
+    node = config
+    for key in path[:-1]:
+        node = node.section(key)
+    return node.integers(path[-1], default=None) or None
 
 
 def resolve_target_layers(config: Mapping[str, Any], n_layer: int,
@@ -72,6 +62,7 @@ def resolve_target_layers(config: Mapping[str, Any], n_layer: int,
 
     `config` is the head's config.json as saved (speculators' `transformer_layer_config` is not
     merged: the ids sit at its top level or in `eagle_config`). `override`: `--target-layers`."""
+    config = ConfigReader(config)
     notices: list[str] = []
     if override is not None:
         layers, source = [int(i) for i in override], "--target-layers (layer inputs)"
@@ -132,36 +123,34 @@ class Eagle3(ArchPlugin):
         if checkpoint.target_config is None:
             raise SpecconvError("an EAGLE-3 head needs its target model: give --target TARGET_DIR (the target's "
                                 "config.json and tokenizer)")
-        self.cfg = cfg = merged_config(checkpoint.config)
-        self.target = target = text_config(checkpoint.target_config)
-        try:
-            self.n_head, self.n_kv, self.hd = attention_shapes(cfg)
-            self.H, self.F = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
-            self.V, self.L_target = int(target["vocab_size"]), int(target["num_hidden_layers"])
-        except KeyError as exc:
-            raise SpecconvError(f"config.json (draft or target) lacks {exc.args[0]}") from None
+        self.cfg = cfg = ConfigReader(checkpoint.config).merged("transformer_layer_config")
+        self.target = target = ConfigReader(checkpoint.target_config, file="the target's config.json").text_model()
+        self.n_head, self.n_kv, self.hd = attention_shapes(cfg)
+        self.H, self.F = cfg.integer("hidden_size", min=1), cfg.integer("intermediate_size", min=1)
+        self.V, self.L_target = target.integer("vocab_size", min=1), target.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
         for key in ("fc_norm", "norm_output"):  # EAGLE-3.1 options (per-feature norms before fc, ...): not in the GGUF
-            if cfg.get(key):
+            if cfg.flag(key, default=False):
                 raise SpecconvError(f"config.json: {key}=true (an EAGLE-3.1 head) is not supported: llama.cpp's eagle3 "
                                     f"graph has no such norm")
-        if int(cfg.get("num_hidden_layers", 1)) != 1:
-            raise SpecconvError(f"an EAGLE-3 head has one decoder layer, config.json says {cfg['num_hidden_layers']}")
-        own_vocab = cfg.get("vocab_size")
-        if own_vocab is not None and int(own_vocab) != self.V:
+        n_layers = cfg.integer("num_hidden_layers", default=1)
+        if n_layers != 1:
+            raise SpecconvError(f"an EAGLE-3 head has one decoder layer, config.json says {n_layers}")
+        own_vocab = cfg.integer("vocab_size", default=None)
+        if own_vocab is not None and own_vocab != self.V:
             raise SpecconvError(f"the EAGLE-3 head was trained for a vocabulary of {own_vocab} tokens, but the target "
                                 f"has {self.V}: wrong --target")
-        self.Vd = int(cfg.get("draft_vocab_size") or self.V)
+        self.Vd = cfg.integer("draft_vocab_size", default=None, min=1) or self.V
         self.Ht = self._target_hidden_size()
         self.layers = self._target_layers()
-        self.norm_before_residual = bool(cfg.get("norm_before_residual", False))
-        self.norm_before_fc = bool(cfg.get("norm_before_fc", False))
+        self.norm_before_residual = cfg.flag("norm_before_residual", default=False)
+        self.norm_before_fc = cfg.flag("norm_before_fc", default=False)
         self.tokenizer_dir = checkpoint.target_dir
         self.tokenizer_pre = self._target_tokenizer_pre(checkpoint.target_config)
 
     def _target_hidden_size(self) -> int:
-        target_h = int(self.target["hidden_size"])
-        own = self.cfg.get("target_hidden_size")
-        if own is not None and int(own) != target_h:
+        target_h = self.target.integer("hidden_size", min=1)
+        own = self.cfg.integer("target_hidden_size", default=None)
+        if own is not None and own != target_h:
             raise SpecconvError(f"the EAGLE-3 head expects target hidden size {own}, but the target has {target_h}: "
                                 f"wrong --target")
         return target_h
@@ -170,7 +159,7 @@ class Eagle3(ArchPlugin):
         layers, source, notices = resolve_target_layers(self.checkpoint.config, self.L_target,
                                                         self.checkpoint.target_layers)
         self.notices = [f"eagle3.target_layers {layers} (layer inputs) from {source}"] + notices
-        if source.startswith("default") and "Eagle3LlamaForCausalLM" in self.checkpoint.config.get("architectures", ()):
+        if source.startswith("default") and "Eagle3LlamaForCausalLM" in self.cfg.strings("architectures", default=()):
             self.notices.append(angelslim_default_notice(self.L_target))
         return layers
 
@@ -179,7 +168,8 @@ class Eagle3(ArchPlugin):
         try:
             return plugin_class_for(target_config).tokenizer_pre
         except SpecconvError:
-            model_type = text_config(target_config).get("model_type") or target_config.get("model_type")
+            target = ConfigReader(target_config, file="the target's config.json")
+            model_type = target.text_model().string("model_type", default=None) or target.string("model_type", default=None)
             return _PRE_BY_MODEL_TYPE.get(model_type, "default")
 
     # ------------------------------------------------------------------ naming
@@ -253,7 +243,7 @@ class Eagle3(ArchPlugin):
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         arch = self.gguf_arch
-        cfg = {**self.cfg, "head_dim": self.hd}  # key/value_length always written (llama.cpp's converter: when known)
+        cfg = self.cfg.with_values({"head_dim": self.hd})  # key/value_length always written (llama.cpp's converter: when known)
         kv = llama_kv(arch, cfg, 1, self.V)
         kv += [MetaKV(names.target_layers_key(arch), list(self.layers), GGUFValueType.ARRAY, GGUFValueType.INT32),
                MetaKV(names.target_hidden_size_key(arch), self.Ht, GGUFValueType.UINT32),

@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import ClassVar
 
 from gguf import GGMLQuantizationType, GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, text_config
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 from .plan_tools import CheckedPlan, text_model_name
 
@@ -56,68 +57,77 @@ def real_vocab_size(model_dir: str | Path | None) -> int | None:
 class Gemma4Hparams:
     """Per-layer structure of a Gemma 4 text config, from either config form."""
 
-    def __init__(self, cfg: Mapping[str, Any]):
-        try:
-            self.H = int(cfg["hidden_size"])
-            self.F = int(cfg["intermediate_size"])
-            self.N = int(cfg["num_hidden_layers"])
-            self.n_head = int(cfg["num_attention_heads"])
-            self.hd_swa = int(cfg.get("head_dim") or 256)
-            self.nkv_swa = int(cfg.get("num_key_value_heads") or self.n_head)
-        except KeyError as exc:
-            raise SpecconvError(f"config.json lacks {exc.args[0]}") from None
-        types = cfg.get("layer_types")
+    def __init__(self, cfg: ConfigReader):
+        self.H = cfg.integer("hidden_size", min=1)
+        self.F = cfg.integer("intermediate_size")
+        self.N = cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
+        self.n_head = cfg.integer("num_attention_heads", min=1)
+        self.hd_swa = cfg.integer("head_dim", default=256, min=1) or 256
+        self.nkv_swa = cfg.integer("num_key_value_heads", default=self.n_head, min=1)
+        types = cfg.strings("layer_types", default=None)
         if not types:
             types = [SLIDING if (i + 1) % 6 else FULL for i in range(self.N)]  # transformers' default 5:1
         if len(types) != self.N or any(t not in (SLIDING, FULL) for t in types):
             raise SpecconvError(f"config.json layer_types must list {self.N} of {SLIDING!r} / {FULL!r}")
         self.types = list(types)
-        self.k_eq_v = bool(cfg.get("attention_k_eq_v", False))
-        per_layer = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
-        hd_full = cfg.get("global_head_dim")
-        nkv_full = cfg.get("num_global_key_value_heads") if self.k_eq_v else None  # transformers' gate
+        self.k_eq_v = cfg.flag("attention_k_eq_v", default=False)
+        per_layer = _per_layer_config(cfg.section("per_layer_config"))
+        hd_full = cfg.integer("global_head_dim", default=None, min=1)
+        # transformers' gate
+        nkv_full = cfg.integer("num_global_key_value_heads", default=None, min=1) if self.k_eq_v else None
         self.hd, self.nkv = [], []
+        none = ConfigReader({})
         for i, t in enumerate(self.types):
-            over = per_layer.get(i, {})
+            over = per_layer.get(i, none)
             if t == FULL:
-                hd = over.get("head_dim") or hd_full or (512 if not per_layer else self.hd_swa)
-                nkv = over.get("num_key_value_heads") or nkv_full or self.nkv_swa
+                hd = over.integer("head_dim", default=None, min=1) or hd_full or (512 if not per_layer else self.hd_swa)
+                nkv = over.integer("num_key_value_heads", default=None, min=1) or nkv_full or self.nkv_swa
             else:
-                hd = over.get("head_dim") or self.hd_swa
-                nkv = over.get("num_key_value_heads") or self.nkv_swa
-            if self.n_head % int(nkv):
+                hd = over.integer("head_dim", default=None, min=1) or self.hd_swa
+                nkv = over.integer("num_key_value_heads", default=None, min=1) or self.nkv_swa
+            if self.n_head % nkv:
                 raise SpecconvError(f"layer {i}: {self.n_head} heads are not a multiple of {nkv} KV heads")
-            self.hd.append(int(hd))
-            self.nkv.append(int(nkv))
+            self.hd.append(hd)
+            self.nkv.append(nkv)
         full = [i for i, t in enumerate(self.types) if t == FULL]
         self.hd_full = self.hd[full[0]] if full else self.hd_swa
         self.nkv_full = self.nkv[full[0]] if full else self.nkv_swa
         if any(self.hd[i] != self.hd_full for i in full) or any(self.nkv[i] != self.nkv_full for i in full):
             raise SpecconvError("full-attention layers with different head dims or KV heads are not supported")
-        self.n_shared = int(cfg.get("num_kv_shared_layers") or 0)
+        self.n_shared = cfg.integer("num_kv_shared_layers", default=0)
         if not 0 <= self.n_shared <= self.N:
             raise SpecconvError(f"num_kv_shared_layers {self.n_shared} is outside 0..{self.N}")
-        self.P = int(cfg.get("hidden_size_per_layer_input") or 0)
-        self.V_ple = int(cfg.get("vocab_size_per_layer_input") or 0)
-        self.double_wide = bool(cfg.get("use_double_wide_mlp", False))
-        self.moe = bool(cfg.get("enable_moe_block", False))
+        self.P = cfg.integer("hidden_size_per_layer_input", default=0)
+        self.V_ple = cfg.integer("vocab_size_per_layer_input", default=0)
+        self.double_wide = cfg.flag("use_double_wide_mlp", default=False)
+        self.moe = cfg.flag("enable_moe_block", default=False)
         if self.moe:
-            try:
-                self.E, self.k_used = int(cfg["num_experts"]), int(cfg["top_k_experts"])
-                self.Fe = int(cfg.get("moe_intermediate_size") or cfg["expert_intermediate_size"])
-            except (KeyError, TypeError):
+            if not cfg.has("num_experts") or not cfg.has("top_k_experts") or \
+                    not cfg.has("moe_intermediate_size", "expert_intermediate_size"):
                 raise SpecconvError("a Gemma 4 MoE config needs num_experts, top_k_experts and "
-                                    "moe_intermediate_size") from None
-        rope = cfg.get("rope_parameters") or {}
-        self.rope_full = rope.get(FULL) or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                            "rope_theta": 1_000_000.0}
-        self.rope_swa = rope.get(SLIDING) or {"rope_type": "default", "rope_theta": 10_000.0}
-        if self.rope_full.get("rope_type", "default") not in ("default", "proportional"):
-            raise SpecconvError(f"full-attention rope type {self.rope_full.get('rope_type')!r} is not supported")
-        if cfg.get("attn_logit_softcapping") is not None:
+                                    "moe_intermediate_size")
+            self.E, self.k_used = cfg.integer("num_experts", min=1), cfg.integer("top_k_experts", min=1)
+            self.Fe = cfg.integer("moe_intermediate_size", "expert_intermediate_size", min=1)
+        rope = cfg.section("rope_parameters")
+        full_rope, swa_rope = rope.section(FULL), rope.section(SLIDING)
+        if full_rope.data:
+            kind = full_rope.string("rope_type", default="default")
+            self.rope_theta = full_rope.number("rope_theta", default=1_000_000.0)
+            self.rope_factor = full_rope.number("partial_rotary_factor", default=1.0)
+        else:  # transformers' default: proportional rope over a quarter of the head
+            kind, self.rope_theta, self.rope_factor = "proportional", 1_000_000.0, 0.25
+        if kind not in ("default", "proportional"):
+            raise SpecconvError(f"full-attention rope type {kind!r} is not supported")
+        self.rope_theta_swa = swa_rope.number("rope_theta", default=10_000.0)
+        self.rope_factor_swa = swa_rope.number("partial_rotary_factor", default=1.0)
+        if cfg.has("attn_logit_softcapping"):
             raise SpecconvError("attn_logit_softcapping is not supported by the gemma4 GGUF layout")
-        if cfg.get("use_bidirectional_attention") == "all":
+        if cfg.raw("use_bidirectional_attention") == "all":
             raise SpecconvError("use_bidirectional_attention='all' models are not causal language models")
+        self.context_length = cfg.integer("max_position_embeddings", default=131072, min=1) or 131072
+        self.rms_eps = cfg.number("rms_norm_eps", default=1e-6)
+        self.final_softcap = cfg.number("final_logit_softcapping", default=None) or None
+        self.sliding_window = cfg.integer("sliding_window", default=512, min=1) or 512
 
     def owns_kv(self, i: int) -> bool:
         return i < self.N - self.n_shared
@@ -128,9 +138,20 @@ class Gemma4Hparams:
     def rope_freq_factors(self) -> tuple[float, ...]:
         """1 for the rotated pairs of a full layer, 1e30 (θ → 0) for the rest (docs/reference/gguf-layout.md §7.6)."""
         half = self.hd_full // 2
-        factor = float(self.rope_full.get("partial_rotary_factor", 1.0))
-        n_rot = int(self.hd_full * factor / 2)
+        n_rot = int(self.hd_full * self.rope_factor / 2)
         return (1.0,) * n_rot + (1e30,) * (half - n_rot)
+
+
+def _per_layer_config(section: ConfigReader) -> dict[int, ConfigReader]:
+    """`per_layer_config` (transformers' form): layer number -> that layer's overrides."""
+    out = {}
+    for key in section.data:
+        try:
+            layer = int(key)
+        except ValueError:
+            raise section.error(key, "is not a layer number") from None
+        out[layer] = section.section(key)
+    return out
 
 
 def _normalize(raw: str):
@@ -150,7 +171,7 @@ class _Gemma4Base(ArchPlugin):
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        self.cfg = text_config(checkpoint.config)
+        self.cfg = ConfigReader(checkpoint.config).text_model()
         self.hp = Gemma4Hparams(self.cfg)
 
     def vocab_size(self) -> int:
@@ -201,7 +222,7 @@ class _Gemma4Base(ArchPlugin):
 
     # ---- metadata -------------------------------------------------------------------------
     def _kv(self, arch: str, n_vocab: int) -> list[MetaKV]:
-        hp, cfg = self.hp, self.cfg
+        hp = self.hp
         u32, f32, b = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
         out: list[MetaKV] = []
 
@@ -209,7 +230,7 @@ class _Gemma4Base(ArchPlugin):
             out.append(MetaKV(key.format(arch=arch), value, vtype, sub))
 
         put(Keys.LLM.BLOCK_COUNT, hp.N, u32)
-        put(Keys.LLM.CONTEXT_LENGTH, int(cfg.get("max_position_embeddings") or 131072), u32)
+        put(Keys.LLM.CONTEXT_LENGTH, hp.context_length, u32)
         put(Keys.LLM.EMBEDDING_LENGTH, hp.H, u32)
         if hp.double_wide and hp.n_shared:
             put(Keys.LLM.FEED_FORWARD_LENGTH, [hp.ffn_width(i) for i in range(hp.N)], GGUFValueType.ARRAY, u32)
@@ -220,9 +241,9 @@ class _Gemma4Base(ArchPlugin):
             put(Keys.Attention.HEAD_COUNT_KV, list(hp.nkv), GGUFValueType.ARRAY, u32)
         else:
             put(Keys.Attention.HEAD_COUNT_KV, hp.nkv[0], u32)
-        put(Keys.Rope.FREQ_BASE, float(hp.rope_full.get("rope_theta", 1_000_000.0)), f32)
-        put(Keys.Rope.FREQ_BASE_SWA, float(hp.rope_swa.get("rope_theta", 10_000.0)), f32)
-        put(Keys.Attention.LAYERNORM_RMS_EPS, float(cfg.get("rms_norm_eps", 1e-6)), f32)
+        put(Keys.Rope.FREQ_BASE, hp.rope_theta, f32)
+        put(Keys.Rope.FREQ_BASE_SWA, hp.rope_theta_swa, f32)
+        put(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps, f32)
         if hp.moe:
             put(Keys.LLM.EXPERT_COUNT, hp.E, u32)
             put(Keys.LLM.EXPERT_USED_COUNT, hp.k_used, u32)
@@ -231,15 +252,14 @@ class _Gemma4Base(ArchPlugin):
         put(Keys.Attention.VALUE_LENGTH, hp.hd_full, u32)
         put(Keys.Attention.KEY_LENGTH_SWA, hp.hd_swa, u32)
         put(Keys.Attention.VALUE_LENGTH_SWA, hp.hd_swa, u32)
-        if cfg.get("final_logit_softcapping"):
-            put(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, float(cfg["final_logit_softcapping"]), f32)
-        put(Keys.Attention.SLIDING_WINDOW, int(cfg.get("sliding_window") or 512), u32)
+        if hp.final_softcap:
+            put(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, hp.final_softcap, f32)
+        put(Keys.Attention.SLIDING_WINDOW, hp.sliding_window, u32)
         put(Keys.Attention.SHARED_KV_LAYERS, hp.n_shared, u32)
         put(Keys.LLM.EMBD_LENGTH_PER_LAYER_INP, hp.P, u32)
         put(Keys.Attention.SLIDING_WINDOW_PATTERN, [t == SLIDING for t in hp.types], GGUFValueType.ARRAY, b)
         put(Keys.Rope.DIMENSION_COUNT, hp.hd_full, u32)
-        swa_factor = float(hp.rope_swa.get("partial_rotary_factor", 1.0))
-        put(Keys.Rope.DIMENSION_COUNT_SWA, int(hp.hd_swa * swa_factor), u32)
+        put(Keys.Rope.DIMENSION_COUNT_SWA, int(hp.hd_swa * hp.rope_factor_swa), u32)
         return out
 
 
@@ -323,10 +343,9 @@ class Gemma4Assistant(_Gemma4Base):
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        hb = checkpoint.config.get("backbone_hidden_size")
-        if not hb:
+        self.Hb = ConfigReader(checkpoint.config).integer("backbone_hidden_size", default=0)
+        if not self.Hb:
             raise SpecconvError("config.json lacks backbone_hidden_size (the target's hidden size)")
-        self.Hb = int(hb)
         if self.Hb == self.hp.H:
             raise SpecconvError("backbone_hidden_size equals the assistant's hidden_size; llama.cpp needs them "
                                 "to differ (embedding_length_out carries the backbone width)")

@@ -12,7 +12,7 @@ from typing import ClassVar
 from gguf import GGUFValueType, Keys
 
 from . import names, register
-from .base import Checkpoint, MetaKV, Role, config_field
+from .base import Checkpoint, MetaKV, Role
 from .errors import SpecconvError
 from .nextn_moe import NextnMoePlugin
 from .plan_tools import RolePlan
@@ -37,18 +37,18 @@ class Glm4Moe(NextnMoePlugin):
         super().__init__(checkpoint)
         tc = self.tc
         hp = self.hp
-        self.n_head_kv = int(tc.get("num_key_value_heads") or hp.n_head)
-        self.head_dim = int(tc.get("head_dim") or hp.hidden // hp.n_head)
+        self.n_head_kv = tc.integer("num_key_value_heads", default=hp.n_head, min=1)
+        self.head_dim = tc.integer("head_dim", default=hp.hidden // hp.n_head, min=1)
         if hp.n_head % self.n_head_kv:
             raise SpecconvError(f"config.json: num_attention_heads ({hp.n_head}) is not a multiple of "
                                 f"num_key_value_heads ({self.n_head_kv})")
-        factor = float(config_field(tc, "partial_rotary_factor", 0.5))  # GLM's default (upstream too)
+        factor = tc.with_rope().number("partial_rotary_factor", default=0.5)  # GLM's default (upstream too)
         self.rope_dim = int(self.head_dim * factor)
         if self.rope_dim % 2 or self.rope_dim == 0:
             raise SpecconvError(f"rotary dimension {self.rope_dim} (head_dim * partial_rotary_factor) must be even "
                                 f"and positive")
-        self.attention_bias = bool(tc.get("attention_bias", False))
-        self.qk_norm = bool(tc.get("use_qk_norm", False))
+        self.attention_bias = tc.flag("attention_bias", default=False)
+        self.qk_norm = tc.flag("use_qk_norm", default=False)
 
     @property
     def gguf_arch(self) -> str:

@@ -21,12 +21,17 @@ from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import Checkpoint, MetaKV, Role, config_field, text_config
+from .base import Checkpoint, MetaKV, Role
 from .chained_mtp import ChainedMtpPlugin, check_stated_count
 from .errors import SpecconvError
-from .nextn_moe import _TOWERS, MoeHparams, parse_moe_hparams
+from .config_reader import MAX_LAYERS, ConfigReader
+from .nextn_moe import _TOWERS, MOE_KEYS, MoeHparams, parse_moe_hparams
 from .plan_tools import RolePlan, add_swiglu, plan_experts, text_model_name, trunk_indexed_mtp_count
 
+# Hy3's names of the MoE fields (nextn_moe.MOE_KEYS)
+HY_V3_MOE_KEYS: Mapping[str, tuple[str, ...]] = {
+    **MOE_KEYS, "n_routed_experts": ("num_experts", "num_local_experts"), "n_shared_experts": ("num_shared_experts",),
+    "routed_scaling_factor": ("router_scaling_factor",), "norm_topk_prob": ("route_norm",)}
 # transformers' HYV3Config defaults for the behavioural fields a config.json may leave out
 DEFAULTS: Mapping[str, Any] = {"num_shared_experts": 1, "router_scaling_factor": 2.826, "rms_norm_eps": 1e-5,
                                "max_position_embeddings": 131072, "attention_bias": False, "route_norm": True}
@@ -41,37 +46,34 @@ class HyV3(ChainedMtpPlugin):
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        tc = {**DEFAULTS, **text_config(checkpoint.config)}
-        if tc.get("attention_bias"):
+        cfg = ConfigReader(checkpoint.config)
+        tc = cfg.text_model().with_defaults(DEFAULTS, "hy_v3 default")
+        if tc.flag("attention_bias", default=False):
             raise SpecconvError("config.json: attention_bias=true is not supported for hy_v3 (llama.cpp loads no biases)")
-        rope = config_field(tc, "rope_type", "default")
-        if rope not in (None, "default"):
+        rope = tc.with_rope().string("rope_type", default="default")
+        if rope != "default":
             raise SpecconvError(f"config.json: rope type {rope!r} is not supported for hy_v3 (default only)")
-        n = tc.get("num_hidden_layers")
-        if not isinstance(n, int) or n <= 0:
-            raise SpecconvError("config.json: 'num_hidden_layers' must be a positive integer")
+        n = tc.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
         self.k = trunk_indexed_mtp_count(checkpoint, n)
-        check_stated_count(self, tc.get("num_nextn_predict_layers"), self.k, f"model.layers.{n}..{n + self.k - 1}",
-                           f"model.layers.{n}.*")
+        check_stated_count(self, tc.integer("num_nextn_predict_layers", default=None), self.k,
+                           f"model.layers.{n}..{n + self.k - 1}", f"model.layers.{n}.*")
         self.moe_layers = {i for i in range(n + self.k) if f"model.layers.{i}.mlp.router.gate.weight" in checkpoint.tensors}
-        types = tc.get("mlp_layer_types")
-        if isinstance(types, list) and len(types) >= n:
+        types = tc.strings("mlp_layer_types", default=None)
+        if types is not None and len(types) >= n:
             wrong = [i for i in range(n) if (types[i] == "sparse") != (i in self.moe_layers)]
             if wrong:
                 raise SpecconvError(f"config.json mlp_layer_types disagrees with the checkpoint at layer {wrong[0]} "
                                     f"(router tensor {'missing' if types[wrong[0]] == 'sparse' else 'present'})")
         first_dense = min(self.moe_layers) if self.moe_layers else n
-        mapped = {**tc, "n_routed_experts": tc.get("num_experts", tc.get("num_local_experts")),
-                  "n_shared_experts": tc.get("num_shared_experts"), "routed_scaling_factor": tc.get("router_scaling_factor"),
-                  "norm_topk_prob": tc.get("route_norm", True), "first_k_dense_replace": first_dense,
-                  "num_nextn_predict_layers": self.k, "n_group": None, "topk_group": None}
-        self.hp: MoeHparams = parse_moe_hparams(checkpoint.config, mapped, "hy_v3")
+        derived = tc.with_values({"first_k_dense_replace": first_dense, "num_nextn_predict_layers": self.k},
+                                 "from the checkpoint's tensors")
+        self.hp: MoeHparams = parse_moe_hparams(cfg, derived, "hy_v3", HY_V3_MOE_KEYS, groups=False)
         hp = self.hp
         self.n, self.hidden, self.vocab, self.ffn = hp.n_layer, hp.hidden, hp.vocab, hp.ffn
         self.tied = hp.tie_embeddings
-        self.n_head_kv = int(tc.get("num_key_value_heads") or self.hp.n_head)
-        self.head_dim = int(tc.get("head_dim") or self.hp.hidden // self.hp.n_head)
-        self.has_head_dim = tc.get("head_dim") is not None
+        self.n_head_kv = tc.integer("num_key_value_heads", default=hp.n_head, min=1)
+        self.head_dim = tc.integer("head_dim", default=hp.hidden // hp.n_head, min=1)
+        self.has_head_dim = tc.has("head_dim")
         if self.hp.n_head % self.n_head_kv:
             raise SpecconvError(f"config.json: num_attention_heads ({self.hp.n_head}) is not a multiple of "
                                 f"num_key_value_heads ({self.n_head_kv})")

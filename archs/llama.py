@@ -20,7 +20,8 @@ from gguf import GGMLQuantizationType, GGUFValueType, Keys
 
 from . import names, plugin_class_for_family, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 from .plan_tools import FLOAT_DTYPES, CheckedPlan, embedding_rows  # noqa: F401 (FLOAT_DTYPES: re-export)
 
@@ -47,18 +48,20 @@ def _permuted(ts: list[np.ndarray], n_head: int) -> np.ndarray:
     return pair_permute(ts[0], n_head)
 
 
-def llama3_rope_factors(cfg: Mapping[str, Any], head_dim: int) -> list[float] | None:
+def llama3_rope_factors(cfg: ConfigReader, head_dim: int) -> list[float] | None:
     """Per-frequency divisors of θ for `rope_type: llama3` (None for unscaled rope)."""
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    kind = (scaling.get("rope_type") or scaling.get("type") or "default").lower()
+    scaling = cfg.section("rope_scaling")
+    if not scaling.data:
+        scaling = cfg.section("rope_parameters")
+    kind = scaling.string("rope_type", "type", default="default").lower()
     if kind == "default":
         return None
     if kind != "llama3":
         raise SpecconvError(f"rope scaling type {kind!r} is not supported for LLaMA-style models (default, llama3)")
-    base = float(config_field(cfg, "rope_theta", 10000.0))
-    factor = float(scaling.get("factor", 8.0))
-    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    base = cfg.with_rope().number("rope_theta", default=10000.0)
+    factor = scaling.number("factor", default=8.0)
+    low, high = scaling.number("low_freq_factor", default=1.0), scaling.number("high_freq_factor", default=4.0)
+    old_ctx = scaling.number("original_max_position_embeddings", default=8192.0)
     # float32 arithmetic step by step as llama.cpp's converter does it with torch scalars (a Python
     # number is rounded to float32 first; `number / x` is reciprocal(x) * number), so every basic
     # operation gives the same bits; only the power is computed in float64 and rounded once.
@@ -94,30 +97,30 @@ class PlanBuilder(CheckedPlan):
         return sorted(super().finish(arch), key=lambda p: p.name != ROPE_FREQS)
 
 
-def attention_shapes(cfg: Mapping[str, Any]) -> tuple[int, int, int]:
+def attention_shapes(cfg: ConfigReader) -> tuple[int, int, int]:
     """(n_head, n_head_kv, head_dim) of a LLaMA-style config."""
-    n_head = int(cfg["num_attention_heads"])
-    n_kv = int(cfg.get("num_key_value_heads") or n_head)
-    hd = int(cfg.get("head_dim") or cfg["hidden_size"] // n_head)
+    n_head = cfg.integer("num_attention_heads", min=1)
+    n_kv = cfg.integer("num_key_value_heads", default=n_head, min=1) or n_head
+    hd = cfg.integer("head_dim", default=None, min=1) or cfg.integer("hidden_size", min=1) // n_head
     if n_head % n_kv:
         raise SpecconvError(f"num_attention_heads {n_head} is not a multiple of num_key_value_heads {n_kv}")
     return n_head, n_kv, hd
 
 
-def llama_kv(arch: str, cfg: Mapping[str, Any], n_layer: int, vocab: int) -> list[MetaKV]:
+def llama_kv(arch: str, cfg: ConfigReader, n_layer: int, vocab: int) -> list[MetaKV]:
     """The LLaMA key set llama.cpp's converter writes (TextModel + LlamaModel)."""
     n_head, n_kv, hd = attention_shapes(cfg)
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     kv = [MetaKV(Keys.LLM.BLOCK_COUNT.format(arch=arch), n_layer, u32)]
-    if cfg.get("max_position_embeddings"):
-        kv.append(MetaKV(Keys.LLM.CONTEXT_LENGTH.format(arch=arch), int(cfg["max_position_embeddings"]), u32))
-    kv += [MetaKV(Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), int(cfg["hidden_size"]), u32),
-           MetaKV(Keys.LLM.FEED_FORWARD_LENGTH.format(arch=arch), int(cfg["intermediate_size"]), u32),
+    if context := cfg.integer("max_position_embeddings", default=None):
+        kv.append(MetaKV(Keys.LLM.CONTEXT_LENGTH.format(arch=arch), context, u32))
+    kv += [MetaKV(Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), cfg.integer("hidden_size"), u32),
+           MetaKV(Keys.LLM.FEED_FORWARD_LENGTH.format(arch=arch), cfg.integer("intermediate_size"), u32),
            MetaKV(Keys.Attention.HEAD_COUNT.format(arch=arch), n_head, u32),
            MetaKV(Keys.Attention.HEAD_COUNT_KV.format(arch=arch), n_kv, u32),
-           MetaKV(Keys.Rope.FREQ_BASE.format(arch=arch), float(config_field(cfg, "rope_theta", 10000.0)), f32),
-           MetaKV(Keys.Attention.LAYERNORM_RMS_EPS.format(arch=arch), float(cfg.get("rms_norm_eps", 1e-6)), f32)]
-    if cfg.get("head_dim"):
+           MetaKV(Keys.Rope.FREQ_BASE.format(arch=arch), cfg.with_rope().number("rope_theta", default=10000.0), f32),
+           MetaKV(Keys.Attention.LAYERNORM_RMS_EPS.format(arch=arch), cfg.number("rms_norm_eps", default=1e-6), f32)]
+    if cfg.integer("head_dim", default=None):
         kv += [MetaKV(Keys.Attention.KEY_LENGTH.format(arch=arch), hd, u32),
                MetaKV(Keys.Attention.VALUE_LENGTH.format(arch=arch), hd, u32)]
     kv += [MetaKV(Keys.LLM.VOCAB_SIZE.format(arch=arch), vocab, u32),
@@ -125,7 +128,7 @@ def llama_kv(arch: str, cfg: Mapping[str, Any], n_layer: int, vocab: int) -> lis
     return kv
 
 
-def add_rope_freqs(plan: PlanBuilder, cfg: Mapping[str, Any], head_dim: int, anchor: str) -> None:
+def add_rope_freqs(plan: PlanBuilder, cfg: ConfigReader, head_dim: int, anchor: str) -> None:
     """`rope_freqs.weight` for llama3 rope scaling: a generated tensor, placed after `anchor` (a small
     tensor, read but unused: plans need a source to have a place in the checkpoint order)."""
     factors = llama3_rope_factors(cfg, head_dim)
@@ -143,18 +146,17 @@ class Llama(ArchPlugin):
     @classmethod
     def refine(cls, config: Mapping[str, Any]) -> type[ArchPlugin]:
         """Some EAGLE-3 heads say LlamaForCausalLM: one layer and a draft_vocab_size identify them (as upstream)."""
-        if "draft_vocab_size" in config and int(config.get("num_hidden_layers", 0)) == 1:
+        if "draft_vocab_size" in config and ConfigReader(config).integer("num_hidden_layers", default=0) == 1:
             return plugin_class_for_family("eagle3")
         return cls
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        cfg = checkpoint.config
-        try:
-            self.n_head, self.n_kv, self.hd = attention_shapes(cfg)
-            self.H, self.F, self.L = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
-        except KeyError as exc:
-            raise SpecconvError(f"config.json lacks {exc.args[0]}") from None
+        self.cfg = cfg = ConfigReader(checkpoint.config)
+        self.n_head, self.n_kv, self.hd = attention_shapes(cfg)
+        self.H, self.F = cfg.integer("hidden_size", min=1), cfg.integer("intermediate_size", min=1)
+        self.L = cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
+        self.tied = cfg.flag("tie_word_embeddings", default=False)
 
     @property
     def gguf_arch(self) -> str:
@@ -194,12 +196,12 @@ class Llama(ArchPlugin):
             for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
                 plan.add(names.blk(i, f"ffn_{part}"), [plan.source(f"{p}mlp.{part}_proj.weight", shape)], shape)
         plan.add(names.OUTPUT_NORM, [plan.source("model.norm.weight", (H,))], (H,))
-        if plan.has("lm_head.weight") and not self.checkpoint.config.get("tie_word_embeddings", False):
+        if plan.has("lm_head.weight") and not self.tied:
             plan.add(names.OUTPUT, [plan.source("lm_head.weight", (V, H))], (V, H))
         else:
             plan.used.add("lm_head.weight")
-        add_rope_freqs(plan, self.checkpoint.config, self.hd, "model.norm.weight")
+        add_rope_freqs(plan, self.cfg, self.hd, "model.norm.weight")
         return plan.finish(self.gguf_arch)
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
-        return llama_kv(self.gguf_arch, self.checkpoint.config, self.L, self.vocab_size())
+        return llama_kv(self.gguf_arch, self.cfg, self.L, self.vocab_size())

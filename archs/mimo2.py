@@ -29,8 +29,9 @@ from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import Checkpoint, MetaKV, Role, text_config
-from .chained_mtp import ChainedMtpPlugin, check_stated_count, config_reader
+from .base import Checkpoint, MetaKV, Role
+from .chained_mtp import ChainedMtpPlugin, check_stated_count
+from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 from .plan_tools import RolePlan, plan_experts, text_model_name
 
@@ -51,66 +52,71 @@ class MiMo2(ChainedMtpPlugin):
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        tc = self.tc = dict(text_config(checkpoint.config))
-        req = config_reader(tc, "mimo2")
-        self.n = int(req("num_hidden_layers"))
+        cfg = ConfigReader(checkpoint.config)
+        tc = self.tc = cfg.text_model()
+        self.n = tc.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
         seen = {int(m.group(1)) for m in map(_MTP.match, checkpoint.tensors) if m}
         self.k = max(seen) + 1 if seen else 0
         if seen and sorted(seen) != list(range(self.k)):
             raise SpecconvError(f"checkpoint holds MTP layers model.mtp.layers.{sorted(seen)}, not 0..{self.k - 1}")
-        check_stated_count(self, tc.get("num_nextn_predict_layers"), self.k, "model.mtp.layers.*")
-        self.hidden, self.vocab, self.ffn = int(req("hidden_size")), int(req("vocab_size")), int(req("intermediate_size"))
-        self.n_head = int(req("num_attention_heads"))
-        self.n_kv = int(req("num_key_value_heads"))
-        self.n_kv_swa = int(req("swa_num_key_value_heads", default=2 * self.n_kv))  # transformers' rule: twice
-        self.hd, self.vhd = int(req("head_dim")), int(req("v_head_dim"))
+        check_stated_count(self, tc.integer("num_nextn_predict_layers", default=None), self.k, "model.mtp.layers.*")
+        self.hidden, self.vocab = tc.integer("hidden_size", min=1), tc.integer("vocab_size", min=1)
+        self.ffn = tc.integer("intermediate_size")
+        self.n_head = tc.integer("num_attention_heads", min=1)
+        self.n_kv = tc.integer("num_key_value_heads", min=1)
+        self.n_kv_swa = tc.integer("swa_num_key_value_heads", default=2 * self.n_kv, min=1)  # transformers' rule: twice
+        self.hd, self.vhd = tc.integer("head_dim", min=1), tc.integer("v_head_dim", min=1)
         for key, want in (("swa_num_attention_heads", self.n_head), ("swa_head_dim", self.hd),
                           ("swa_v_head_dim", self.vhd)):
-            if tc.get(key) is not None and int(tc[key]) != want:
-                raise SpecconvError(f"config.json: {key} = {tc[key]} differs from the full layers' {want} "
+            got = tc.integer(key, default=want)
+            if got != want:
+                raise SpecconvError(f"config.json: {key} = {got} differs from the full layers' {want} "
                                     f"(llama.cpp's mimo2 has one value for both)")
         if self.n_head % self.n_kv or self.n_head % self.n_kv_swa:
             raise SpecconvError(f"config.json: {self.n_head} heads are not a multiple of {self.n_kv} / "
                                 f"{self.n_kv_swa} KV heads")
-        pattern = tc.get("hybrid_layer_pattern")
-        if pattern is None and isinstance(tc.get("layer_types"), list):
-            pattern = [int(t == "sliding_attention") for t in tc["layer_types"]]
-        if not isinstance(pattern, list) or len(pattern) < self.n:
+        pattern = tc.integers("hybrid_layer_pattern", default=None)
+        if pattern is None and tc.has("layer_types"):
+            pattern = [int(t == "sliding_attention") for t in tc.strings("layer_types")]
+        if pattern is None or len(pattern) < self.n:
             raise SpecconvError("config.json: hybrid_layer_pattern must list the N trunk layers (1 = sliding window)")
         self.swa = [int(bool(x)) for x in pattern[:self.n]]
-        window = tc.get("sliding_window_size")
-        self.window = int(window) + 1 if window is not None else int(req("sliding_window"))
+        window = tc.integer("sliding_window_size", default=None)
+        self.window = window + 1 if window is not None else tc.integer("sliding_window")
         # transformers' form (rope_parameters per layer type) when the release's fields are absent
-        rp = tc.get("rope_parameters") if isinstance(tc.get("rope_parameters"), dict) else {}
-        full, swa = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
-        self.rope_base = float(req("rope_theta", default=full.get("rope_theta", 10000.0)))
-        self.rope_base_swa = float(req("swa_rope_theta", default=swa.get("rope_theta", self.rope_base)))
-        self.rope_dim = int(self.hd * float(req("partial_rotary_factor",
-                                                default=full.get("partial_rotary_factor", 1.0))))
+        rp = tc.section("rope_parameters")
+        full, swa = rp.section("full_attention"), rp.section("sliding_attention")
+        self.rope_base = tc.number("rope_theta", default=full.number("rope_theta", default=10000.0))
+        self.rope_base_swa = tc.number("swa_rope_theta", default=swa.number("rope_theta", default=self.rope_base))
+        self.rope_dim = int(self.hd * tc.number("partial_rotary_factor",
+                                                default=full.number("partial_rotary_factor", default=1.0)))
         if self.rope_dim % 2 or not 0 < self.rope_dim <= self.hd:
             raise SpecconvError(f"rotary dimension {self.rope_dim} (head_dim * partial_rotary_factor) must be even "
                                 f"and within the head")
-        self.v_scale = tc.get("attention_value_scale")
-        self.n_expert = int(req("n_routed_experts", "num_local_experts"))
-        self.n_expert_used = int(req("num_experts_per_tok"))
-        self.expert_ffn = int(req("moe_intermediate_size"))
-        if str(tc.get("scoring_func", "sigmoid")) != "sigmoid":
+        self.v_scale = tc.number("attention_value_scale", default=None)
+        self.n_expert = tc.integer("n_routed_experts", "num_local_experts", min=1)
+        self.n_expert_used = tc.integer("num_experts_per_tok", min=1)
+        self.expert_ffn = tc.integer("moe_intermediate_size")
+        if tc.string("scoring_func", default="sigmoid") != "sigmoid":
             raise SpecconvError("config.json: scoring_func must be sigmoid (llama.cpp's mimo2 router is)")
-        if not tc.get("norm_topk_prob", True):
+        if not tc.flag("norm_topk_prob", default=True):
             raise SpecconvError("config.json: norm_topk_prob=false is not supported (llama.cpp's mimo2 renormalises)")
-        if float(tc.get("routed_scaling_factor") or 1.0) != 1.0:
+        if (tc.number("routed_scaling_factor", default=1.0) or 1.0) != 1.0:
             raise SpecconvError("config.json: routed_scaling_factor ≠ 1 is not supported (llama.cpp's mimo2 "
                                 "does not scale the routing weights)")
         self.moe_layers = {i for i in range(self.n) if f"model.layers.{i}.mlp.gate.weight" in checkpoint.tensors}
-        freq = tc.get("moe_layer_freq")
+        freq = tc.per_layer("moe_layer_freq", "integer")  # a list of 0 / 1 per layer (a number: no pattern)
         if isinstance(freq, list) and len(freq) >= self.n:
             wrong = [i for i in range(self.n) if bool(freq[i]) != (i in self.moe_layers)]
             if wrong:
                 raise SpecconvError(f"config.json moe_layer_freq disagrees with the checkpoint at layer {wrong[0]}")
-        self.eps = float(req("layernorm_epsilon", "rms_norm_eps", default=1e-5))
-        self.tied = bool(checkpoint.config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False)))
-        if tc.get("attention_bias"):
+        self.eps = tc.number("layernorm_epsilon", "rms_norm_eps", default=1e-5)
+        self.tied = cfg.flag("tie_word_embeddings", default=tc.flag("tie_word_embeddings", default=False))
+        if tc.flag("attention_bias", default=False):
             raise SpecconvError("config.json: attention_bias=true is not supported for mimo2")
+        self.context_length = tc.integer("max_position_embeddings", default=4096, min=1)
+        self.n_group = tc.integer("n_group", default=None)
+        self.topk_group = tc.integer("topk_group", default=None)
 
     @property
     def gguf_arch(self) -> str:
@@ -163,7 +169,6 @@ class MiMo2(ChainedMtpPlugin):
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         """In the order of llama.cpp's converter (TextModel's keys, where MimoV2Model's later writes of
         the same key keep their first place, then MimoV2Model's own); integer arrays as it writes them."""
-        tc = self.tc
         u32, i32, f32 = GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.FLOAT32
         arr = GGUFValueType.ARRAY
         k = self.k if keep_mtp else 0
@@ -172,7 +177,7 @@ class MiMo2(ChainedMtpPlugin):
         put = self._putter(kv)
 
         put(Keys.LLM.BLOCK_COUNT, self.n + k, u32)
-        put(Keys.LLM.CONTEXT_LENGTH, int(tc.get("max_position_embeddings", 4096)), u32)
+        put(Keys.LLM.CONTEXT_LENGTH, self.context_length, u32)
         put(Keys.LLM.EMBEDDING_LENGTH, self.hidden, u32)
         put(Keys.LLM.FEED_FORWARD_LENGTH, self.ffn, u32)
         put(Keys.Attention.HEAD_COUNT, self.n_head, u32)
@@ -181,10 +186,10 @@ class MiMo2(ChainedMtpPlugin):
         put(Keys.Rope.FREQ_BASE_SWA, self.rope_base_swa, f32)
         put(Keys.LLM.EXPERT_COUNT, self.n_expert, u32)
         put(Keys.LLM.EXPERT_USED_COUNT, self.n_expert_used, u32)
-        if tc.get("n_group") is not None:
-            put(Keys.LLM.EXPERT_GROUP_COUNT, int(tc["n_group"]), u32)
-        if tc.get("topk_group") is not None:
-            put(Keys.LLM.EXPERT_GROUP_USED_COUNT, int(tc["topk_group"]), u32)
+        if self.n_group is not None:
+            put(Keys.LLM.EXPERT_GROUP_COUNT, self.n_group, u32)
+        if self.topk_group is not None:
+            put(Keys.LLM.EXPERT_GROUP_USED_COUNT, self.topk_group, u32)
         put(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID, u32)
         put(Keys.Attention.KEY_LENGTH, self.hd, u32)
         put(Keys.Attention.VALUE_LENGTH, self.vhd, u32)
@@ -194,7 +199,7 @@ class MiMo2(ChainedMtpPlugin):
         put(Keys.Rope.DIMENSION_COUNT, self.rope_dim, u32)
         put(Keys.Attention.LAYERNORM_RMS_EPS, self.eps, f32)
         if self.v_scale is not None:
-            put("{arch}.attention.value_scale", float(self.v_scale), f32)
+            put("{arch}.attention.value_scale", self.v_scale, f32)
         if k:
             put(Keys.LLM.NEXTN_PREDICT_LAYERS, k, u32)
         return kv

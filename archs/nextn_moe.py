@@ -10,14 +10,14 @@ metadata; everything else (names, MTP count, FFN/MoE mapping, nextn extras, comm
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, ClassVar, Mapping
 
 from gguf import GGUFValueType, Keys
 
 from . import names
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field, text_config
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 from .plan_tools import (
     RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name, trunk_indexed_mtp_count,
@@ -28,15 +28,6 @@ _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "
 NEXTN_EXTRAS = (("eh_proj", names.NEXTN_EH_PROJ), ("enorm", names.NEXTN_ENORM), ("hnorm", names.NEXTN_HNORM),
                 ("shared_head.norm", names.NEXTN_SHARED_HEAD_NORM))
 NEXTN_OPTIONAL = (("embed_tokens", names.NEXTN_EMBED_TOKENS), ("shared_head.head", names.NEXTN_SHARED_HEAD_HEAD))
-
-
-def _int(cfg: Mapping[str, Any], name: str, default: int | None = None, family: str = "") -> int:
-    value = cfg.get(name, default)
-    if value is None:
-        raise SpecconvError(f"config.json lacks '{name}', needed for a {family} model")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SpecconvError(f"config.json: '{name}' must be a non-negative integer, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -80,59 +71,63 @@ class MoeHparams:
         return self.expert_ffn * self.n_shared
 
 
-def _yarn(tc: Mapping[str, Any]) -> Yarn | None:
-    kind = config_field(tc, "rope_type")
-    if kind is None and isinstance(tc.get("rope_scaling"), Mapping):
-        kind = tc["rope_scaling"].get("type")
+def _yarn(tc: ConfigReader) -> Yarn | None:
+    rope = tc.with_rope()
+    kind = rope.string("rope_type", default=None)
+    if kind is None:
+        kind = tc.section("rope_scaling").string("type", default=None)
     if kind in (None, "default"):
         return None
     if kind != "yarn":
         raise SpecconvError(f"config.json: rope scaling type {kind!r} is not supported here (default or yarn)")
-    factor, orig = config_field(tc, "factor"), config_field(tc, "original_max_position_embeddings")
+    factor, orig = rope.number("factor", default=None), rope.integer("original_max_position_embeddings", default=None)
     if factor is None or orig is None:
         raise SpecconvError("config.json: yarn rope scaling needs 'factor' and 'original_max_position_embeddings'")
-
-    def opt(*keys: str) -> float | None:
-        for key in keys:
-            v = config_field(tc, key)
-            if v is not None:
-                return float(v)
-        return None
-
-    return Yarn(float(factor), int(orig), opt("extrapolation_factor"), opt("attention_factor", "attn_factor"),
-                opt("beta_fast"), opt("beta_slow"), opt("mscale_all_dim"))
+    return Yarn(factor, orig, rope.number("extrapolation_factor", default=None),
+                rope.number("attention_factor", "attn_factor", default=None), rope.number("beta_fast", default=None),
+                rope.number("beta_slow", default=None), rope.number("mscale_all_dim", default=None))
 
 
-def parse_moe_hparams(config: Mapping[str, Any], tc: Mapping[str, Any], family: str) -> MoeHparams:
-    """`tc`: the text config with the family's transformers defaults filled in (`text_fields`)."""
-    req = partial(_int, tc, family=family)
-    n_layer, n_expert, used = req("num_hidden_layers"), req("n_routed_experts"), req("num_experts_per_tok")
-    if n_layer == 0 or n_expert == 0 or used == 0:
-        raise SpecconvError("config.json: num_hidden_layers, n_routed_experts and num_experts_per_tok must be positive")
+# The config keys of the MoE fields (transformers' Glm4MoeConfig / DeepseekV3Config names); a family
+# with other names passes its own.
+MOE_KEYS: Mapping[str, tuple[str, ...]] = {
+    "n_routed_experts": ("n_routed_experts",), "n_shared_experts": ("n_shared_experts",),
+    "routed_scaling_factor": ("routed_scaling_factor",), "norm_topk_prob": ("norm_topk_prob",),
+    "num_nextn_predict_layers": ("num_nextn_predict_layers", "num_mtp_layers")}
+
+
+def parse_moe_hparams(cfg: ConfigReader, tc: ConfigReader, family: str, keys: Mapping[str, tuple[str, ...]] = MOE_KEYS,
+                      groups: bool = True) -> MoeHparams:
+    """`cfg`: the whole config.json; `tc`: the text config with the family's transformers defaults
+    (`text_fields`). `groups`: whether the family has expert groups (n_group / topk_group)."""
+    n_layer, used = tc.integer("num_hidden_layers", min=1, max=MAX_LAYERS), tc.integer("num_experts_per_tok", min=1)
+    n_expert = tc.integer(*keys["n_routed_experts"], min=1)
     if used > n_expert:
         raise SpecconvError(f"config.json: num_experts_per_tok ({used}) exceeds n_routed_experts ({n_expert})")
-    n_group, topk_group = tc.get("n_group"), tc.get("topk_group")
+    n_group = tc.integer("n_group", default=None) if groups else None
+    topk_group = tc.integer("topk_group", default=None) if groups else None
     if n_group is not None and n_group > 1:
         # llama.cpp's loader asserts exactly these (docs/reference/gguf-layout.md §7.4)
         if n_expert % n_group or not (0 < (topk_group or 0) < n_group) or n_group >= n_expert:
             raise SpecconvError(f"config.json: expert groups n_group={n_group}, topk_group={topk_group} do not fit "
                                 f"{n_expert} experts (need E % n_group == 0, 0 < topk_group < n_group < E)")
-    if tc.get("hidden_act", "silu") != "silu":
-        raise SpecconvError(f"config.json: hidden_act {tc['hidden_act']!r} is not supported ({family} uses silu)")
-    mtp = tc.get("num_nextn_predict_layers", tc.get("num_mtp_layers", 0)) or 0
-    if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
-        raise SpecconvError(f"config.json: 'num_nextn_predict_layers' must be a non-negative integer, got {mtp!r}")
-    first_dense = tc.get("first_k_dense_replace")
-    first_dense = 0 if first_dense is None else req("first_k_dense_replace")
+    act = tc.string("hidden_act", default="silu")
+    if act != "silu":
+        raise SpecconvError(f"config.json: hidden_act {act!r} is not supported ({family} uses silu)")
     return MoeHparams(
-        n_layer=n_layer, hidden=req("hidden_size"), vocab=req("vocab_size"), n_head=req("num_attention_heads"),
-        ffn=req("intermediate_size"), n_expert=n_expert, n_expert_used=used, expert_ffn=req("moe_intermediate_size"),
-        n_shared=req("n_shared_experts", 0), first_dense=first_dense, n_group=n_group, topk_group=topk_group,
-        routed_scale=float(tc.get("routed_scaling_factor", 1.0) or 1.0), norm_topk=bool(tc.get("norm_topk_prob", True)),
-        rms_eps=float(tc.get("rms_norm_eps") or 1e-6), rope_theta=float(config_field(tc, "rope_theta", 10000.0)),
-        context_length=req("max_position_embeddings", 4096),
-        tie_embeddings=bool(config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))),
-        mtp_layers_config=mtp, yarn=_yarn(tc),
+        n_layer=n_layer, hidden=tc.integer("hidden_size", min=1), vocab=tc.integer("vocab_size", min=1),
+        n_head=tc.integer("num_attention_heads", min=1), ffn=tc.integer("intermediate_size"), n_expert=n_expert,
+        n_expert_used=used, expert_ffn=tc.integer("moe_intermediate_size"),
+        n_shared=tc.integer(*keys["n_shared_experts"], default=0), first_dense=tc.integer("first_k_dense_replace",
+                                                                                          default=0),
+        n_group=n_group, topk_group=topk_group,
+        routed_scale=tc.number(*keys["routed_scaling_factor"], default=1.0) or 1.0,
+        norm_topk=tc.flag(*keys["norm_topk_prob"], default=True),
+        rms_eps=tc.number("rms_norm_eps", default=1e-6) or 1e-6,
+        rope_theta=tc.with_rope().number("rope_theta", default=10000.0),
+        context_length=tc.integer("max_position_embeddings", default=4096),
+        tie_embeddings=cfg.flag("tie_word_embeddings", default=tc.flag("tie_word_embeddings", default=False)),
+        mtp_layers_config=tc.integer(*keys["num_nextn_predict_layers"], default=0), yarn=_yarn(tc),
     )
 
 
@@ -148,17 +143,17 @@ class NextnMoePlugin(ArchPlugin):
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
         self.tc = self.text_fields(checkpoint.config)
-        self.hp = parse_moe_hparams(checkpoint.config, self.tc, self.family)
+        self.hp = parse_moe_hparams(ConfigReader(checkpoint.config), self.tc, self.family)
         self._k = self._count_mtp_layers()
         if self._k and self.hp.first_dense > self.hp.n_layer:
             raise SpecconvError(f"config.json: first_k_dense_replace ({self.hp.first_dense}) exceeds "
                                 f"num_hidden_layers ({self.hp.n_layer}); the nextn block must be an MoE block")
 
     @classmethod
-    def text_fields(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+    def text_fields(cls, config: Mapping[str, Any]) -> ConfigReader:
         """The text config with the family's transformers defaults filled in (a subclass may derive
         fields, e.g. GLM-4.7-Flash's leading dense count from `mlp_layer_types`)."""
-        return {**cls.config_defaults, **text_config(config)}
+        return ConfigReader(config).text_model().with_defaults(cls.config_defaults, f"{cls.family} default")
 
     # ------------------------------------------------------------------ naming
 

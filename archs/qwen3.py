@@ -15,28 +15,20 @@ specconv's runtime follows the config; docs/archs.md notes the consequence for l
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan, config_field
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name
-from .qwen35_hparams import _rope_scaling
+from .qwen35_hparams import rope_scaling_of
 
 QWEN3, QWEN3MOE = "qwen3", "qwen3moe"
 EXPERT_WEIGHTS_NORM = "expert_weights_norm"  # `{arch}.expert_weights_norm` (bool), llama.cpp's key
-
-
-def _int(cfg: Mapping[str, Any], *fields: str, default: int | None = None) -> int:
-    for name in fields:
-        if cfg.get(name) is not None:
-            return int(cfg[name])
-    if default is None:
-        raise SpecconvError(f"config.json lacks {fields[0]}")
-    return default
 
 
 class Qwen3Base(ArchPlugin):
@@ -47,35 +39,41 @@ class Qwen3Base(ArchPlugin):
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        cfg = checkpoint.config
-        self.H = _int(cfg, "hidden_size")
-        self.L = _int(cfg, "num_hidden_layers")
-        self.n_head = _int(cfg, "num_attention_heads")
-        self.n_kv = _int(cfg, "num_key_value_heads", default=self.n_head)
-        self.hd = _int(cfg, "head_dim", default=self.H // self.n_head)
-        self.F = _int(cfg, "intermediate_size")
+        cfg = ConfigReader(checkpoint.config)
+        self.H = cfg.integer("hidden_size", min=1)
+        self.L = cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
+        self.n_head = cfg.integer("num_attention_heads", min=1)
+        self.n_kv = cfg.integer("num_key_value_heads", default=self.n_head, min=1)
+        self.hd = cfg.integer("head_dim", default=self.H // self.n_head, min=1)
+        self.F = cfg.integer("intermediate_size", min=1)
         if self.n_head % self.n_kv:
             raise SpecconvError(f"config.json: num_attention_heads {self.n_head} is not a multiple of "
                                 f"num_key_value_heads {self.n_kv}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise SpecconvError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (qwen3 uses silu)")
-        if cfg.get("attention_bias"):
+        act = cfg.string("hidden_act", default="silu")
+        if act != "silu":
+            raise SpecconvError(f"config.json: hidden_act {act!r} is not supported (qwen3 uses silu)")
+        if cfg.flag("attention_bias", default=False):
             raise SpecconvError("config.json: attention_bias=true is not supported (llama.cpp's qwen3 graphs "
                                 "have no q/k/v biases)")
-        if cfg.get("use_sliding_window"):
+        if cfg.flag("use_sliding_window", default=False):
             raise SpecconvError("config.json: use_sliding_window=true is not supported (llama.cpp's qwen3 "
                                 "graphs attend to the whole context)")
-        self.rope_scaling = _rope_scaling(cfg)
+        self.rope_scaling = rope_scaling_of(cfg)
+        self.context_length = cfg.integer("max_position_embeddings", default=None, min=1)
+        self.rope_theta = cfg.with_rope().number("rope_theta", default=None)
+        self.rms_eps = cfg.number("rms_norm_eps", default=1e-6)
+        self.has_head_dim = cfg.has("head_dim")
+        self.tied = cfg.flag("tie_word_embeddings", default=False)
         if self.moe:
-            self.E = _int(cfg, "num_experts", "num_local_experts")
-            self.k_used = _int(cfg, "num_experts_per_tok")
-            self.Fe = _int(cfg, "moe_intermediate_size")
+            self.E = cfg.integer("num_experts", "num_local_experts", min=1)
+            self.k_used = cfg.integer("num_experts_per_tok", min=1)
+            self.Fe = cfg.integer("moe_intermediate_size", min=1)
             if not 0 < self.k_used <= self.E:
                 raise SpecconvError(f"config.json: num_experts_per_tok {self.k_used} is not in 1..{self.E}")
-            if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
+            if cfg.integers("mlp_only_layers", default=None) or cfg.integer("decoder_sparse_step", default=1) != 1:
                 raise SpecconvError("config.json: dense layers in a Qwen3-MoE (mlp_only_layers / "
                                     "decoder_sparse_step != 1) are not supported (llama.cpp's qwen3moe has none)")
-            self.norm_topk = bool(cfg.get("norm_topk_prob", False))
+            self.norm_topk = cfg.flag("norm_topk_prob", default=False)
 
     @property
     def gguf_arch(self) -> str:
@@ -124,7 +122,7 @@ class Qwen3Base(ArchPlugin):
             else:
                 add_swiglu(plan, i, p + "mlp.", self.F, H, trunk)
         plan.add(names.OUTPUT_NORM, [plan.source("model.norm.weight", (H,))], (H,), Role.SHARED, tf.identity, True)
-        tied = bool(self.checkpoint.config.get("tie_word_embeddings", False))
+        tied = self.tied
         if tied and plan.has("lm_head.weight"):
             # llama.cpp's converter writes a saved head even when tied: the same file, byte for byte
             plan.add(names.OUTPUT, [plan.source("lm_head.weight", (V, H))], (V, H), Role.SHARED)
@@ -135,7 +133,7 @@ class Qwen3Base(ArchPlugin):
     # ------------------------------------------------------------------ metadata
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
-        cfg, arch = self.checkpoint.config, self.gguf_arch
+        arch = self.gguf_arch
         u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
         kv: list[MetaKV] = []
 
@@ -144,8 +142,8 @@ class Qwen3Base(ArchPlugin):
 
         # The keys and order of llama.cpp's TextModel.set_gguf_parameters (+ Qwen2MoeModel's).
         put(Keys.LLM.BLOCK_COUNT, self.L, u32)
-        if cfg.get("max_position_embeddings") is not None:
-            put(Keys.LLM.CONTEXT_LENGTH, int(cfg["max_position_embeddings"]), u32)
+        if self.context_length is not None:
+            put(Keys.LLM.CONTEXT_LENGTH, self.context_length, u32)
         put(Keys.LLM.EMBEDDING_LENGTH, self.H, u32)
         put(Keys.LLM.FEED_FORWARD_LENGTH, self.F, u32)
         put(Keys.Attention.HEAD_COUNT, self.n_head, u32)
@@ -162,13 +160,13 @@ class Qwen3Base(ArchPlugin):
                                    (Keys.Rope.SCALING_YARN_BETA_SLOW, s.beta_slow)):
                     if value is not None:
                         put(key, value, f32)
-        if (theta := config_field(cfg, "rope_theta")) is not None:
-            put(Keys.Rope.FREQ_BASE, float(theta), f32)
-        put(Keys.Attention.LAYERNORM_RMS_EPS, float(cfg.get("rms_norm_eps", 1e-6)), f32)
+        if self.rope_theta is not None:
+            put(Keys.Rope.FREQ_BASE, self.rope_theta, f32)
+        put(Keys.Attention.LAYERNORM_RMS_EPS, self.rms_eps, f32)
         if self.moe:
             put(Keys.LLM.EXPERT_COUNT, self.E, u32)
             put(Keys.LLM.EXPERT_USED_COUNT, self.k_used, u32)
-        if cfg.get("head_dim") is not None:
+        if self.has_head_dim:
             put(Keys.Attention.KEY_LENGTH, self.hd, u32)
             put(Keys.Attention.VALUE_LENGTH, self.hd, u32)
         if self.moe:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .base import config_field, text_config
+from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 
 LINEAR = "linear_attention"
@@ -78,36 +78,19 @@ class Qwen35Hparams:
         return [t == LINEAR for t in self.layer_types]
 
 
-def _int(cfg: Mapping[str, Any], name: str, default: int | None = None) -> int:
-    value = cfg.get(name, default)
-    if value is None:
-        raise SpecconvError(f"config.json lacks '{name}', needed for a Qwen3.5 model")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SpecconvError(f"config.json: '{name}' must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _positive(cfg: Mapping[str, Any], name: str, default: int | None = None) -> int:
-    value = _int(cfg, name, default)
-    if value == 0:
-        raise SpecconvError(f"config.json: '{name}' must be positive, got 0")
-    return value
-
-
-def layer_types_of(tc: Mapping[str, Any], n_layer: int) -> tuple[str, ...]:
+def layer_types_of(tc: ConfigReader, n_layer: int) -> tuple[str, ...]:
     """`layer_types`, or what transformers derives from `full_attention_interval` (default 4)."""
-    types = tc.get("layer_types")
+    types = tc.strings("layer_types", default=None)
     if types is None:
-        interval = _positive(tc, "full_attention_interval", 4)
+        interval = tc.integer("full_attention_interval", default=4, min=1)
         return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layer))
     types = tuple(types)
     if len(types) != n_layer:
-        raise SpecconvError(f"config.json: layer_types has {len(types)} entries, "
-                            f"num_hidden_layers is {n_layer}")
+        raise tc.error("layer_types", f"has {len(types)} entries, num_hidden_layers is {n_layer}")
     bad = sorted({t for t in types if t not in (LINEAR, FULL)})
     if bad:
-        raise SpecconvError(f"config.json: unknown layer type(s) {', '.join(map(str, bad))} in layer_types "
-                            f"(Qwen3.5 knows '{LINEAR}' and '{FULL}')")
+        raise tc.error("layer_types", f"holds unknown layer type(s) {', '.join(bad)} "
+                                      f"(Qwen3.5 knows '{LINEAR}' and '{FULL}')")
     return types
 
 
@@ -131,14 +114,13 @@ def attention_interval(types: tuple[str, ...], configured: int | None) -> int:
     return preferred
 
 
-def _rope_sections(tc: Mapping[str, Any], rope_dim: int) -> tuple[int, int, int, int]:
+def _rope_sections(tc: ConfigReader, rope_dim: int) -> tuple[int, int, int, int]:
     """`mrope_section` padded to 4, or [rot/2, 0, 0, 0]; must add up to rot/2 (llama.cpp asserts)."""
     if rope_dim % 2:
         raise SpecconvError(f"rotary dimension {rope_dim} (head_dim * partial_rotary_factor) is odd")
-    section = config_field(tc, "mrope_section")
+    section = tc.with_rope().integers("mrope_section", default=None)
     if section is None:
         return (rope_dim // 2, 0, 0, 0)
-    section = [int(s) for s in section]
     if len(section) > 4:
         raise SpecconvError(f"config.json: mrope_section {section} has more than 4 entries")
     padded = tuple(section + [0] * (4 - len(section)))
@@ -148,42 +130,39 @@ def _rope_sections(tc: Mapping[str, Any], rope_dim: int) -> tuple[int, int, int,
     return padded  # type: ignore[return-value]
 
 
-def _rope_scaling(tc: Mapping[str, Any]) -> RopeScaling | None:
-    kind = config_field(tc, "rope_type")
-    if kind is None and isinstance(tc.get("rope_scaling"), Mapping):
-        kind = tc["rope_scaling"].get("type")  # pre-v5 spelling
+def rope_scaling_of(tc: ConfigReader) -> RopeScaling | None:
+    """Linear or YaRN rope scaling from the rope fields (top level, `rope_parameters` or `rope_scaling`)."""
+    rope = tc.with_rope()
+    kind = rope.string("rope_type", default=None)
+    if kind is None:
+        kind = tc.section("rope_scaling").string("type", default=None)  # pre-v5 spelling
     if kind in (None, "default", "mrope"):
         return None
-    factor = config_field(tc, "factor")
+    factor = rope.number("factor", default=None)
     if kind not in ("linear", "yarn") or factor is None:
         raise SpecconvError(f"config.json: rope scaling type {kind!r} is not supported for Qwen3.5 "
                             f"(supported: default, linear, yarn with a factor)")
     if kind == "linear":
-        return RopeScaling("linear", float(factor))
-    orig = config_field(tc, "original_max_position_embeddings")
+        return RopeScaling("linear", factor)
+    orig = rope.integer("original_max_position_embeddings", default=None)
     if orig is None:
         raise SpecconvError("config.json: yarn rope scaling needs 'original_max_position_embeddings'")
-
-    def opt(name: str, alt: str | None = None) -> float | None:
-        v = config_field(tc, name)
-        if v is None and alt:
-            v = config_field(tc, alt)
-        return None if v is None else float(v)
-
-    return RopeScaling("yarn", float(factor), int(orig), opt("extrapolation_factor"),
-                       opt("attention_factor", "attn_factor"), opt("beta_fast"), opt("beta_slow"))
+    return RopeScaling("yarn", factor, orig, rope.number("extrapolation_factor", default=None),
+                       rope.number("attention_factor", "attn_factor", default=None),
+                       rope.number("beta_fast", default=None), rope.number("beta_slow", default=None))
 
 
 def parse_hparams(config: Mapping[str, Any], moe: bool) -> Qwen35Hparams:
-    tc = text_config(config)
-    n_layer = _positive(tc, "num_hidden_layers")
-    hidden = _positive(tc, "hidden_size")
-    n_head = _positive(tc, "num_attention_heads")
-    head_dim = _positive(tc, "head_dim", hidden // n_head)
-    nk = _positive(tc, "linear_num_key_heads", 16)
-    nv = _positive(tc, "linear_num_value_heads", 32)
-    dk = _positive(tc, "linear_key_head_dim", 128)
-    dv = _positive(tc, "linear_value_head_dim", 128)
+    cfg = ConfigReader(config)
+    tc = cfg.text_model()
+    n_layer = tc.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
+    hidden = tc.integer("hidden_size", min=1)
+    n_head = tc.integer("num_attention_heads", min=1)
+    head_dim = tc.integer("head_dim", default=hidden // n_head, min=1)
+    nk = tc.integer("linear_num_key_heads", default=16, min=1)
+    nv = tc.integer("linear_num_value_heads", default=32, min=1)
+    dk = tc.integer("linear_key_head_dim", default=128, min=1)
+    dv = tc.integer("linear_value_head_dim", default=128, min=1)
     if dk != dv:
         raise SpecconvError(f"config.json: linear_key_head_dim ({dk}) != linear_value_head_dim ({dv}); "
                             f"llama.cpp's qwen35 loader uses one ssm.state_size for both")
@@ -192,44 +171,45 @@ def parse_hparams(config: Mapping[str, Any], moe: bool) -> Qwen35Hparams:
                             f"linear_num_key_heads ({nk})")
 
     # llama.cpp's qwen35 graphs have no attention biases and hard-code SiLU.
-    if tc.get("attention_bias"):
+    if tc.flag("attention_bias", default=False):
         raise SpecconvError("config.json: attention_bias=true is not supported (llama.cpp's qwen35 has no "
                             "attention biases)")
-    if tc.get("hidden_act", "silu") != "silu":
-        raise SpecconvError(f"config.json: hidden_act {tc['hidden_act']!r} is not supported (qwen35 uses silu)")
+    act = tc.string("hidden_act", default="silu")
+    if act != "silu":
+        raise SpecconvError(f"config.json: hidden_act {act!r} is not supported (qwen35 uses silu)")
 
-    factor = float(config_field(tc, "partial_rotary_factor", 0.25))
+    factor = tc.with_rope().number("partial_rotary_factor", default=0.25)
+    if not 0 < factor <= 1:
+        raise SpecconvError(f"config.json: partial_rotary_factor {factor} is not in (0, 1]")
     rope_dim = int(head_dim * factor)
     types = layer_types_of(tc, n_layer)
-    configured_interval = tc.get("full_attention_interval")
+    configured_interval = tc.integer("full_attention_interval", default=None)
 
     # The wrapper's own flag governs tying in transformers (model.config is the outer config).
-    tie = config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))
-    mtp_cfg = tc.get("mtp_num_hidden_layers", config.get("mtp_num_hidden_layers")) or 0
-    if isinstance(mtp_cfg, bool) or not isinstance(mtp_cfg, int) or mtp_cfg < 0:
-        raise SpecconvError(f"config.json: 'mtp_num_hidden_layers' must be a non-negative integer, got {mtp_cfg!r}")
-    if tc.get("mtp_use_dedicated_embeddings"):
+    tie = cfg.flag("tie_word_embeddings", default=tc.flag("tie_word_embeddings", default=False))
+    mtp_cfg = tc.integer("mtp_num_hidden_layers", default=cfg.integer("mtp_num_hidden_layers", default=0))
+    if tc.flag("mtp_use_dedicated_embeddings", default=False):
         raise SpecconvError("config.json: mtp_use_dedicated_embeddings=true is not supported "
                             "(llama.cpp's qwen35 MTP head uses the trunk embedding)")
 
     extra: dict[str, int] = {}
     if moe:
-        extra = dict(n_expert=_positive(tc, "num_experts"), n_expert_used=_positive(tc, "num_experts_per_tok"),
-                     expert_ffn=_positive(tc, "moe_intermediate_size"),
-                     shared_ffn=_positive(tc, "shared_expert_intermediate_size"))
+        extra = dict(n_expert=tc.integer("num_experts", min=1), n_expert_used=tc.integer("num_experts_per_tok", min=1),
+                     expert_ffn=tc.integer("moe_intermediate_size", min=1),
+                     shared_ffn=tc.integer("shared_expert_intermediate_size", min=1))
         if extra["n_expert_used"] > extra["n_expert"]:
             raise SpecconvError(f"config.json: num_experts_per_tok ({extra['n_expert_used']}) exceeds "
                                 f"num_experts ({extra['n_expert']})")
 
     return Qwen35Hparams(
-        moe=moe, n_layer=n_layer, hidden=hidden, vocab=_positive(tc, "vocab_size"), n_head=n_head,
-        n_head_kv=_positive(tc, "num_key_value_heads", n_head), head_dim=head_dim,
-        ffn=None if moe else _positive(tc, "intermediate_size"), layer_types=types,
-        nk=nk, nv=nv, dk=dk, dv=dv, conv_kernel=_positive(tc, "linear_conv_kernel_dim", 4),
-        context_length=_positive(tc, "max_position_embeddings", 32768),
-        rms_eps=float(tc.get("rms_norm_eps") or 1e-6),
-        rope_theta=float(config_field(tc, "rope_theta", 10000.0)),
-        rope_dim=rope_dim, rope_sections=_rope_sections(tc, rope_dim), rope_scaling=_rope_scaling(tc),
+        moe=moe, n_layer=n_layer, hidden=hidden, vocab=tc.integer("vocab_size", min=1), n_head=n_head,
+        n_head_kv=tc.integer("num_key_value_heads", default=n_head, min=1), head_dim=head_dim,
+        ffn=None if moe else tc.integer("intermediate_size", min=1), layer_types=types,
+        nk=nk, nv=nv, dk=dk, dv=dv, conv_kernel=tc.integer("linear_conv_kernel_dim", default=4, min=1),
+        context_length=tc.integer("max_position_embeddings", default=32768, min=1),
+        rms_eps=tc.number("rms_norm_eps", default=1e-6) or 1e-6,
+        rope_theta=tc.with_rope().number("rope_theta", default=10000.0),
+        rope_dim=rope_dim, rope_sections=_rope_sections(tc, rope_dim), rope_scaling=rope_scaling_of(tc),
         full_attention_interval=attention_interval(types, configured_interval),
-        tie_embeddings=bool(tie), mtp_layers_config=mtp_cfg, **extra,
+        tie_embeddings=tie, mtp_layers_config=mtp_cfg, **extra,
     )

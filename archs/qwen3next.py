@@ -23,7 +23,8 @@ from typing import ClassVar
 import numpy as np
 from . import names, register
 from . import transforms as tf
-from .base import Checkpoint, Role, text_config
+from .base import Checkpoint, Role
+from .config_reader import ConfigReader
 from .errors import SpecconvError
 from .plan_tools import RolePlan
 from .qwen35 import Qwen35Base
@@ -53,17 +54,17 @@ class Qwen3Next(Qwen35Base):
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        tc = text_config(checkpoint.config)
-        self.ffn = tc.get("intermediate_size")
+        tc = ConfigReader(checkpoint.config).text_model()
+        self.ffn = tc.integer("intermediate_size", default=None, min=1)
         # llama.cpp's qwen3next loader gives every block a router and experts, and always renormalises
         # the top-k weights (docs/reference/gguf-layout.md §7.3): refuse configs transformers would run otherwise.
-        if tc.get("mlp_only_layers") or tc.get("decoder_sparse_step", 1) != 1:
+        if tc.integers("mlp_only_layers", default=None) or tc.integer("decoder_sparse_step", default=1) != 1:
             raise SpecconvError("config.json: dense layers (mlp_only_layers / decoder_sparse_step != 1) are not "
                                 "supported (llama.cpp's qwen3next has MoE in every block)")
-        if tc.get("norm_topk_prob", True) is False:
+        if not tc.flag("norm_topk_prob", default=True):
             raise SpecconvError("config.json: norm_topk_prob=false is not supported (llama.cpp's qwen3next always "
                                 "renormalises the top-k expert weights)")
-        self.interval = tc.get("full_attention_interval", 4)
+        self.interval = tc.integer("full_attention_interval", default=4, min=1)
 
     @property
     def gguf_arch(self) -> str:
@@ -90,7 +91,7 @@ class Qwen3Next(Qwen35Base):
     writes_rope_sections: ClassVar[bool] = False
 
     def _feed_forward_length(self) -> int | None:
-        return None if self.ffn is None else int(self.ffn)
+        return self.ffn
 
     def _full_attention_interval(self) -> int:
         return self.interval  # as configured (default 4); recurrent_layers carries the actual pattern

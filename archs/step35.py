@@ -18,15 +18,16 @@ is skipped with a reason.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, ClassVar, Mapping
+from typing import ClassVar
 
 import numpy as np
 from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import Checkpoint, MetaKV, Role, text_config
-from .chained_mtp import ChainedMtpPlugin, check_stated_count, config_reader
+from .base import Checkpoint, MetaKV, Role
+from .chained_mtp import ChainedMtpPlugin, check_stated_count
+from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 from .plan_tools import RolePlan, add_swiglu, text_model_name, trunk_indexed_mtp_count
 
@@ -42,15 +43,14 @@ def plus_one(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0] + np.float32(1.0)
 
 
-def _layer_list(cfg: Mapping[str, Any], key: str, n: int, default, what: str) -> list:
-    value = cfg.get(key)
-    if value is None:
+def _per_layer(values, n: int, default) -> list:
+    """A per-layer value (one for all, or a list) as n entries: a release may list only the trunk, the
+    MTP blocks then get the default (llama.cpp pads)."""
+    if values is None:
         return [default] * n
-    if not isinstance(value, list):
-        return [value] * n
-    if len(value) < n:  # a release may list only the trunk: the MTP blocks get the default (llama.cpp pads)
-        value = list(value) + [default] * (n - len(value))
-    return list(value[:n])
+    if not isinstance(values, list):
+        return [values] * n
+    return (list(values) + [default] * (n - len(values)))[:n]
 
 
 @register
@@ -63,34 +63,34 @@ class Step35(ChainedMtpPlugin):
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        tc = dict(text_config(checkpoint.config))
-        self.tc = tc
-        req = config_reader(tc, "step35")
-        self.n = int(req("num_hidden_layers"))
+        cfg = ConfigReader(checkpoint.config)
+        tc = cfg.text_model()
+        self.n = tc.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
         self.k = trunk_indexed_mtp_count(checkpoint, self.n)
-        configured = tc.get("num_nextn_predict_layers", tc.get("num_mtp_layers"))
+        configured = tc.integer("num_nextn_predict_layers", "num_mtp_layers", default=None)
         check_stated_count(self, configured, self.k, f"model.layers.{self.n}..{self.n + self.k - 1}",
                            f"model.layers.{self.n}.*")
-        self.n_meta = int(configured or 0)  # llama.cpp sizes its per-layer arrays by N + the stated count
+        self.n_meta = configured or 0  # llama.cpp sizes its per-layer arrays by N + the stated count
         total = self.n + self.k
-        self.hidden, self.vocab = int(req("hidden_size")), int(req("vocab_size"))
-        self.head_dim = int(req("head_dim"))
-        self.ffn = int(req("intermediate_size"))
-        n_head = int(req("num_attention_heads"))
-        n_kv = int(req("num_attention_groups", "num_key_value_heads"))
-        other = tc.get("attention_other_setting") or {}
-        n_head_swa = int(other.get("num_attention_heads", tc.get("num_sliding_attention_heads") or n_head))
-        n_kv_swa = int(other.get("num_attention_groups", n_kv))
-        if int(other.get("head_dim", self.head_dim)) != self.head_dim:
+        self.hidden, self.vocab = tc.integer("hidden_size", min=1), tc.integer("vocab_size", min=1)
+        self.head_dim = tc.integer("head_dim", min=1)
+        self.ffn = tc.integer("intermediate_size")
+        n_head = tc.integer("num_attention_heads", min=1)
+        n_kv = tc.integer("num_attention_groups", "num_key_value_heads", min=1)
+        other = tc.section("attention_other_setting")
+        n_head_swa = other.integer("num_attention_heads",
+                                   default=tc.integer("num_sliding_attention_heads", default=n_head, min=1), min=1)
+        n_kv_swa = other.integer("num_attention_groups", default=n_kv, min=1)
+        if other.integer("head_dim", default=self.head_dim) != self.head_dim:
             raise SpecconvError("config.json: attention_other_setting.head_dim differs from head_dim "
                                 "(llama.cpp's step35 has one head size)")
-        self.layer_types = _layer_list(tc, "layer_types", total, FULL, "layer_types")
+        self.layer_types = _per_layer(tc.strings("layer_types", default=None), total, FULL)
         if set(self.layer_types) - {FULL, SWA}:
             raise SpecconvError(f"config.json: layer_types may only hold {FULL} / {SWA}")
-        factors = _layer_list(tc, "partial_rotary_factors", total, None, "partial_rotary_factors")
+        factors = _per_layer(tc.per_layer("partial_rotary_factors", "number"), total, None)
         for i, (t, f) in enumerate(zip(self.layer_types, factors)):
             want = 1.0 if t == SWA else 0.5
-            if f is not None and float(f) != want:
+            if f is not None and f != want:
                 raise SpecconvError(f"config.json: partial_rotary_factors[{i}] = {f}; llama.cpp's step35 rotates "
                                     f"{'all' if t == SWA else 'half'} of the head on {t} layers ({want})")
         self.n_heads = [n_head_swa if t == SWA else n_head for t in self.layer_types]
@@ -98,60 +98,70 @@ class Step35(ChainedMtpPlugin):
         for i, (h, kv) in enumerate(zip(self.n_heads, self.n_kvs)):
             if h % kv:
                 raise SpecconvError(f"config.json: layer {i} has {h} heads, not a multiple of {kv} KV heads")
-        self.sliding_window = int(tc["sliding_window"]) if SWA in self.layer_types else int(tc.get("sliding_window") or 0)
+        self.sliding_window = (tc.integer("sliding_window") if SWA in self.layer_types
+                               else tc.integer("sliding_window", default=0))
         self.rope_full, self.rope_swa = self._rope_bases(tc)
-        scalar = tc.get("query_pre_attn_scalar")
-        if scalar is not None and float(scalar) != float(self.head_dim):
+        scalar = tc.number("query_pre_attn_scalar", default=None)
+        if scalar is not None and scalar != float(self.head_dim):
             raise SpecconvError("config.json: query_pre_attn_scalar ≠ head_dim (llama.cpp scales by head_dim^-1/2)")
-        if tc.get("use_bidirectional_attention"):
+        if tc.flag("use_bidirectional_attention", default=False):
             raise SpecconvError("config.json: use_bidirectional_attention is not supported (causal decoding)")
-        self.n_expert = int(req("moe_num_experts", "n_routed_experts", "num_local_experts"))
-        self.n_expert_used = int(req("moe_top_k", "num_experts_per_tok"))
-        self.expert_ffn = int(req("moe_intermediate_size"))
-        self.shared_ffn = int(req("share_expert_dim", "share_expert_dims"))
+        self.n_expert = tc.integer("moe_num_experts", "n_routed_experts", "num_local_experts", min=1)
+        self.n_expert_used = tc.integer("moe_top_k", "num_experts_per_tok", min=1)
+        self.expert_ffn = tc.integer("moe_intermediate_size")
+        self.shared_ffn = tc.integer("share_expert_dim", "share_expert_dims")
         self.moe_layers = {i for i in range(total) if f"model.layers.{i}.moe.gate.weight" in checkpoint.tensors}
-        enum = tc.get("moe_layers_enum")
-        if isinstance(enum, str) and enum.strip():
-            stated = {int(x) for x in enum.split(",") if x.strip()}
+        enum = tc.string("moe_layers_enum", default="")
+        if enum.strip():
+            try:
+                stated = {int(x) for x in enum.split(",") if x.strip()}
+            except ValueError:
+                raise tc.error("moe_layers_enum", f"= {enum!r} is not comma-separated layer numbers") from None
             wrong = [i for i in range(self.n) if (i in stated) != (i in self.moe_layers)]
             if wrong:
                 raise SpecconvError(f"config.json moe_layers_enum disagrees with the checkpoint at layer {wrong[0]}")
             self.leading_dense = max(0, min(stated))
         else:
             self.leading_dense = 0
-        self.rms_eps = float(tc.get("rms_norm_eps", 1e-5))
+        self.rms_eps = tc.number("rms_norm_eps", default=1e-5)
         self.clamp = self._clamps(tc, "swiglu_limits", total)
         self.clamp_shared = self._clamps(tc, "swiglu_limits_shared", total)
-        self.tied = bool(checkpoint.config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False)))
-        rope = tc.get("rope_scaling") or {}
-        if isinstance(rope, Mapping) and rope.get("rope_type", rope.get("type")) not in (None, "default"):
-            raise SpecconvError(f"config.json: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not "
-                                "supported for step35 yet (default rope only)")
+        self.tied = cfg.flag("tie_word_embeddings", default=tc.flag("tie_word_embeddings", default=False))
+        rope = tc.section("rope_scaling")
+        kind = rope.string("rope_type", "type", default=None)
+        if kind not in (None, "default"):
+            raise SpecconvError(f"config.json: rope scaling {kind!r} is not supported for step35 yet (default rope only)")
+        self.context_length = tc.integer("max_position_embeddings", default=4096, min=1)
+        self.moe_scale = tc.number("moe_router_scaling_factor", default=1.0)
+        self.norm_expert_weight = tc.flag("norm_expert_weight", default=True)
+        self.moe_every = tc.integer("moe_every_n_layer", default=1)
 
     @staticmethod
-    def _clamps(tc, key: str, total: int) -> list[float] | None:
-        values = tc.get(key)
+    def _clamps(tc: ConfigReader, key: str, total: int) -> list[float] | None:
+        values = tc.per_layer(key, "number")
         if values is None:
             return None
-        return [0.0 if v is None else float(v) for v in _layer_list(tc, key, total, 0.0, key)]
+        return [0.0 if v is None else v for v in _per_layer(values, total, 0.0)]
 
-    def _rope_bases(self, tc) -> tuple[float, float]:
+    def _rope_bases(self, tc: ConfigReader) -> tuple[float, float]:
         """(full, sliding) rope theta: a list gives each layer its own (the first layer of each type, as
         transformers reads it); llama.cpp's converter takes entries 0 and 1, the same for the releases
         (layer 0 full, layer 1 sliding)."""
-        theta = tc.get("rope_theta")
-        params = tc.get("rope_parameters")
-        if theta is None and isinstance(params, Mapping):
-            if isinstance(params.get(FULL), Mapping):
-                full = float(params[FULL]["rope_theta"])
-                return full, float(params.get(SWA, params[FULL])["rope_theta"])
-            theta = params.get("rope_theta")
+        theta = tc.per_layer("rope_theta", "number")
+        params = tc.section("rope_parameters")
+        if theta is None and params.data:
+            if params.has(FULL):
+                full = params.section(FULL).number("rope_theta")
+                return full, params.section(SWA if params.has(SWA) else FULL).number("rope_theta")
+            theta = params.number("rope_theta", default=None)
         if theta is None:
             theta = 10000.0
         if not isinstance(theta, list):
-            return float(theta), float(theta)
-        first = lambda t: next((float(theta[i]) for i, x in enumerate(self.layer_types) if x == t and i < len(theta)),  # noqa: E731
-                               float(theta[0]))
+            return theta, theta
+        if not theta or None in theta:
+            raise tc.error("rope_theta", "must hold a number for every layer")
+        first = lambda t: next((theta[i] for i, x in enumerate(self.layer_types) if x == t and i < len(theta)),  # noqa: E731
+                               theta[0])
         return first(FULL), first(SWA)
 
     @property
@@ -201,16 +211,15 @@ class Step35(ChainedMtpPlugin):
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         """In the order of llama.cpp's converter (TextModel's keys, where Step35Model's later
         writes of the same key keep their first place, then Step35Model's own)."""
-        tc = self.tc
         u32, f32, b = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
         arr = GGUFValueType.ARRAY
         total = self.n + (self.n_meta if keep_mtp else 0)
         kv: list[MetaKV] = []
         put = self._putter(kv)
 
-        types = _layer_list({"t": self.layer_types}, "t", total, FULL, "")
+        types = _per_layer(self.layer_types, total, FULL)
         put(Keys.LLM.BLOCK_COUNT, self.n + (self.k if keep_mtp else 0), u32)
-        put(Keys.LLM.CONTEXT_LENGTH, int(tc.get("max_position_embeddings", 4096)), u32)
+        put(Keys.LLM.CONTEXT_LENGTH, self.context_length, u32)
         put(Keys.LLM.EMBEDDING_LENGTH, self.hidden, u32)
         put(Keys.LLM.FEED_FORWARD_LENGTH, self.ffn, u32)
         i32 = GGUFValueType.INT32  # integer arrays as llama.cpp's converter writes them (Python ints)
@@ -228,12 +237,12 @@ class Step35(ChainedMtpPlugin):
         put(Keys.LLM.EXPERT_USED_COUNT, self.n_expert_used, u32)
         put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, self.expert_ffn, u32)
         put(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, self.shared_ffn, u32)
-        put(Keys.LLM.EXPERT_WEIGHTS_SCALE, float(tc.get("moe_router_scaling_factor", 1.0)), f32)
+        put(Keys.LLM.EXPERT_WEIGHTS_SCALE, self.moe_scale, f32)
         # transformers and vLLM always renormalise the top-k weights; llama.cpp defaults to false
         # when the key is absent, so it is always written
-        put(Keys.LLM.EXPERT_WEIGHTS_NORM, bool(tc.get("norm_expert_weight", True)), b)
+        put(Keys.LLM.EXPERT_WEIGHTS_NORM, self.norm_expert_weight, b)
         put(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, self.leading_dense, u32)
-        put(Keys.LLM.MOE_EVERY_N_LAYERS, int(tc.get("moe_every_n_layer", 1)), u32)
+        put(Keys.LLM.MOE_EVERY_N_LAYERS, self.moe_every, u32)
         for key, values in (("swiglu_clamp_exp", self.clamp), ("swiglu_clamp_shexp", self.clamp_shared)):
             if values is not None:
                 put("{arch}." + key, (values + [0.0] * total)[:total], arr, f32)

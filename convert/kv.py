@@ -16,6 +16,9 @@ from gguf.metadata import Metadata
 from gguf.utility import size_label
 
 from specconv.archs.base import MetaKV
+from specconv.archs.config_reader import ConfigReader
+
+from .checkpoint import read_config
 
 
 def captured_kv(writer: GGUFWriter) -> list[MetaKV]:
@@ -34,6 +37,7 @@ def parameter_label(tensors: Iterable[tuple[str, tuple[int, ...]]]) -> str:
 
 def load_model_metadata(model_dir: Path, total_params: int) -> Metadata:
     """Authorship/name metadata from the model card and config, as llama.cpp's converter gathers it."""
+    ConfigReader(read_config(model_dir)).string("_name_or_path", default=None)  # gguf-py reads it as a string
     meta = Metadata.load(None, model_dir, None, total_params)
     if meta.name is None:
         meta.name = model_dir.name  # the converter's fallback

@@ -16,9 +16,13 @@ from typing import Mapping
 from gguf import GGUFWriter, TokenType
 from gguf.vocab import BpeVocab, LlamaHfVocab, SpecialVocab
 
+from huggingface_hub.errors import StrictDataclassError
+
 from specconv.archs.base import MetaKV
+from specconv.archs.config_reader import ConfigReader
 from specconv.archs.errors import SpecconvError
 
+from .checkpoint import read_config
 from .kv import captured_kv
 
 
@@ -77,10 +81,21 @@ _GEMMA4_VISIBLE = {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "
 def gemma4_tokenizer_kv(model_dir: Path, n_vocab: int) -> list[MetaKV]:
     """`tokenizer.ggml.model = gemma4`: BPE with byte fallback, read with gguf-py's LlamaHfVocab, with
     scores, token types and merges; no `pre` (llama.cpp forces it), add_bos on, no space prefix."""
+    # gguf-py builds this tokenizer with transformers, which reads config.json through its config class:
+    # the fields every config class reads are checked first, so a wrong type is named here
+    config = ConfigReader(read_config(model_dir))
+    for part in (config, config.text_model()):
+        part.string("model_type", default=None), part.string("dtype", "torch_dtype", default=None)
+        part.section("rope_parameters"), part.section("rope_scaling"), part.strings("layer_types", default=None)
     try:
         vocab = LlamaHfVocab(model_dir)
-    except (FileNotFoundError, TypeError):
+    except FileNotFoundError:
         raise SpecconvError(f"no Gemma-style BPE tokenizer with byte fallback (tokenizer.json) in {model_dir}") from None
+    except StrictDataclassError as exc:  # a field of the wrong type, named by transformers' config class
+        raise SpecconvError(f"config.json: {' '.join(str(exc).split())}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' own reading of config.json or the tokenizer files
+        raise SpecconvError(f"transformers cannot build the Gemma tokenizer of {model_dir} from its config.json and "
+                            f"tokenizer files ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
     tokens, scores, types = [], [], []
     for text, score, toktype in vocab.all_tokens():
         text = text.decode("utf-8") if isinstance(text, bytes) else text
@@ -94,7 +109,7 @@ def gemma4_tokenizer_kv(model_dir: Path, n_vocab: int) -> list[MetaKV]:
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
-    special = SpecialVocab(model_dir, load_merges=True, n_vocab=n_vocab)
+    special = special_vocab(model_dir, n_vocab)
     if not special.merges:
         raise SpecconvError(f"the Gemma tokenizer in {model_dir} has no merges (llama.cpp requires them)")
     special.add_to_gguf(writer, quiet=True)
@@ -112,6 +127,23 @@ def _added_token_ids(model_dir: Path) -> dict[str, int]:
     return {item["content"]: int(item["id"]) for item in items}
 
 
+_SPECIAL_KINDS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask", "eot")  # what gguf-py's SpecialVocab reads
+
+
+def special_vocab(model_dir: Path, n_vocab: int) -> SpecialVocab:
+    """gguf-py's SpecialVocab, after the `*_token_id` values it reads from config.json (top level, else
+    `text_config`) are checked: an integer id or a list of them (a negative id stops it with a ValueError)."""
+    config = ConfigReader(read_config(model_dir))
+    for kind in _SPECIAL_KINDS:
+        key = f"{kind}_token_id"
+        part = config if config.has(key) else config.text_model()
+        if isinstance(part.raw(key), list):
+            part.integers(key)
+        else:
+            part.integer(key, default=None)
+    return SpecialVocab(model_dir, load_merges=True, n_vocab=n_vocab)
+
+
 def tokenizer_kv(model_dir: str | Path, n_vocab: int, model: str, pre: str,
                  special_tokens: Mapping[str, str] | None = None) -> list[MetaKV]:
     """The `tokenizer.*` KV pairs for a vocabulary of `n_vocab` entries (the embedding's rows).
@@ -127,7 +159,7 @@ def tokenizer_kv(model_dir: str | Path, n_vocab: int, model: str, pre: str,
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    special = SpecialVocab(model_dir, load_merges=True, n_vocab=n_vocab)
+    special = special_vocab(model_dir, n_vocab)
     if model == "gpt2" and not special.merges:
         raise SpecconvError(f"the BPE tokenizer in {model_dir} has no merges")
     added = _added_token_ids(model_dir) if special_tokens else {}

@@ -94,7 +94,7 @@ def _plugin(d_dir, t_dir, cfg_edit=None, target_edit=None):
 
 
 @pytest.mark.parametrize("edit,target_edit,message", [
-    ({"architectures": ["DFlash2DraftModel"]}, None, "lacks conv_kernel_size"),
+    ({"architectures": ["DFlash2DraftModel"]}, None, "lacks dflash_config.conv_kernel_size"),
     (None, {"hidden_size": 96}, "hidden size 64 differs"),
     (None, {"vocab_size": 600}, "vocabulary of 512"),
     (None, {"num_hidden_layers": 4}, "outside 0..4"),

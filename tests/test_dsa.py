@@ -321,8 +321,9 @@ def test_glm_indexer_types_read_as_transformers(fields):
     derives it; written whenever it is not llama.cpp's default (all full below a 1M context)."""
     from transformers import GlmMoeDsaConfig
 
+    from specconv.archs.config_reader import ConfigReader
     from specconv.archs.dsa import glm_indexer_types
 
     expected = GlmMoeDsaConfig(num_hidden_layers=4, **fields).indexer_types
-    assert glm_indexer_types(fields, 4) == expected
+    assert glm_indexer_types(ConfigReader(fields), 4) == expected
     print(f"{fields}: {expected}")

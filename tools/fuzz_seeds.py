@@ -42,6 +42,9 @@ SEEDS: dict[str, tuple[str, tuple[str, ...]]] = {
 QUICK = ("qwen35-embed", "qwen35-sidecar")  # what the CI smoke run builds (seconds)
 
 
+SOURCES = "sources.json"  # in a seed folder: the checkpoint folder and arguments of each file converted
+
+
 def _convert(src: Path, out: Path, *extra: str) -> Path:
     from click.testing import CliRunner
 
@@ -51,7 +54,32 @@ def _convert(src: Path, out: Path, *extra: str) -> Path:
     result = CliRunner().invoke(cli.cli, args, catch_exceptions=False)
     if result.exit_code != 0:
         raise RuntimeError(f"specconv {' '.join(args)} failed:\n{result.output}")
+    record = Path(out).parent / SOURCES
+    sources = json.loads(record.read_text()) if record.exists() else {}
+    sources[Path(out).name] = [str(src), list(extra)]
+    record.write_text(json.dumps(sources, indent=1))
     return out
+
+
+def checkpoints(folder, names=None) -> dict[str, tuple[Path, tuple[str, ...]]]:
+    """{file: (checkpoint folder, convert arguments)} of every conversion behind the seeds `names`
+    (the checkpoint fuzzer's inputs, tools/fuzz_config.py), building what the folder lacks."""
+    seeds = build_seeds(folder, names)
+    record = Path(folder) / SOURCES
+    sources = json.loads(record.read_text()) if record.exists() else {}
+    missing = [name for name, (_, paths) in seeds.items() if not any(p.name in sources for p in paths)]
+    if missing:
+        raise RuntimeError(f"{folder} holds the seeds {', '.join(missing)} without their sources (built before "
+                           f"{SOURCES} was written): use a new folder")
+    files = {p.name for _, paths in seeds.values() for p in paths} & set(sources)
+    return {f: (Path(sources[f][0]), tuple(sources[f][1])) for f in sorted(files)}
+
+
+def _kept(src: Path, where: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, where, dirs_exist_ok=True)
+    return where
 
 
 def _build(name: str, folder: Path) -> None:
@@ -83,14 +111,14 @@ def _build(name: str, folder: Path) -> None:
         from tests.fixtures import tiny_gemma4 as g
 
         moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
-        _convert(g.tiny_gemma4("v5", **moe), folder / "gemma4moe.gguf")
+        _convert(_kept(g.tiny_gemma4("v5", **moe), hf / "gemma4moe"), folder / "gemma4moe.gguf")
     elif name in ("gemma4", "gemma4-assistant"):
         from tests.fixtures import tiny_gemma4 as g
 
-        if not (folder / "gemma4.gguf").exists():
-            _convert(g.tiny_gemma4("hub"), folder / "gemma4.gguf")
+        if not (folder / "gemma4.gguf").exists():  # copied out of the fixture cache, which lives as long as its process
+            _convert(_kept(g.tiny_gemma4("hub"), hf / "gemma4"), folder / "gemma4.gguf")
         if name == "gemma4-assistant":
-            _convert(g.tiny_assistant("hub"), folder / "gemma4-assistant.gguf")
+            _convert(_kept(g.tiny_assistant("hub"), hf / "gemma4-assistant"), folder / "gemma4-assistant.gguf")
     elif name in ("llama", "eagle3"):
         from tests.fixtures.tiny_eagle3 import build_eagle3_head, build_llama_target
 
