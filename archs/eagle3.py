@@ -49,7 +49,8 @@ LAYER_ID_KEYS = (
 )
 
 
-def _config_ids(config: ConfigReader, path: tuple[str, ...]) -> list[int] | None:
+def config_layer_ids(config: ConfigReader, path: tuple[str, ...]) -> list[int] | None:
+    """The integer ids at `path` (keys into nested objects), or None when absent or empty."""
     node = config
     for key in path[:-1]:
         node = node.section(key)
@@ -68,7 +69,7 @@ def resolve_target_layers(config: Mapping[str, Any], n_layer: int,
         layers, source = [int(i) for i in override], "--target-layers (layer inputs)"
     else:
         found = [(".".join(path), ids, shift, who) for path, shift, who in LAYER_ID_KEYS
-                 if (ids := _config_ids(config, path)) is not None]
+                 if (ids := config_layer_ids(config, path)) is not None]
         if found:
             key, ids, shift, who = found[0]
             layers = [i + shift for i in ids]

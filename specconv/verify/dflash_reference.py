@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from specconv.archs.config_reader import MAX_LAYERS, ConfigReader
 from specconv.errors import SpecconvError
 from specconv.runtime import Context
 from specconv.verify import parity
@@ -40,15 +41,16 @@ class DFlashReference:
                 self.t.update({k.removeprefix("model."): v.to(dtype) for k, v in load_file(str(f)).items()})
         except (OSError, ValueError) as exc:
             raise SpecconvError(f"--draft-hf {draft_dir}: {exc}") from None
-        dcfg = self.cfg.get("dflash_config") or {}
-        self.layer_ids = [int(i) for i in dcfg.get("target_layer_ids", self.cfg.get("target_layer_ids", []))]
+        cfg = ConfigReader(self.cfg, file=f"--draft-hf {draft_dir}/config.json")
+        self.layer_ids = cfg.section("dflash_config").integers(
+            "target_layer_ids", default=cfg.integers("target_layer_ids", default=[]))
         if not self.layer_ids:
             raise SpecconvError(f"--draft-hf {draft_dir}: the config has no dflash_config.target_layer_ids")
-        self.eps = float(self.cfg.get("rms_norm_eps", 1e-6))
-        rope = self.cfg.get("rope_parameters") or {}
-        self.theta = float(self.cfg.get("rope_theta") or rope.get("rope_theta", 10000.0))
-        self.nh, self.nkv = int(self.cfg["num_attention_heads"]), int(self.cfg["num_key_value_heads"])
-        self.hd = int(self.cfg.get("head_dim") or int(self.cfg["hidden_size"]) // self.nh)
+        self.eps = cfg.number("rms_norm_eps", default=1e-6)
+        self.theta = cfg.with_rope().number("rope_theta", default=10000.0)
+        self.nh, self.nkv = cfg.integer("num_attention_heads", min=1), cfg.integer("num_key_value_heads", min=1)
+        self.hd = cfg.integer("head_dim", default=None, min=1) or cfg.integer("hidden_size", min=1) // self.nh
+        self.n_layers = cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
 
     def need(self, name: str) -> torch.Tensor:
         if name not in self.t:
@@ -74,7 +76,7 @@ class DFlashReference:
         x = embed(torch.as_tensor(list(block_tokens), device=g.device)).to(g.device, dtype)
         m, b = g.shape[0], x.shape[0]
         qpos, kpos = torch.arange(m, m + b, device=g.device), torch.arange(m + b, device=g.device)
-        for i in range(int(self.cfg["num_hidden_layers"])):
+        for i in range(self.n_layers):
             p = f"layers.{i}."
             a = self._rms(x, self.need(p + "input_layernorm.weight"))
             q = self._rms((a @ self.need(p + "self_attn.q_proj.weight").T).view(b, nh, hd), t[p + "self_attn.q_norm.weight"])

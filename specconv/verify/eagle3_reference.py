@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from specconv.archs.config_reader import ConfigReader
+from specconv.archs.eagle3 import config_layer_ids
 from specconv.errors import SpecconvError
 from specconv.verify.parity import input_device, module_device
 
@@ -35,11 +37,8 @@ CPU = torch.device("cpu")  # where the reference computes (its tensors are read 
 def hidden_state_indices(config: dict, n_layer: int) -> tuple[list[int], str]:
     """(indices into transformers' `hidden_states` of the target, how the config named them)."""
     for path, offset, what in _ID_KEYS:
-        node = config
-        for key in path:
-            node = node.get(key) if isinstance(node, dict) else None
-        if node:
-            ids = [int(i) for i in node]
+        ids = config_layer_ids(ConfigReader(config, file="the head's config.json"), path)
+        if ids:
             return [i + offset for i in ids], f"{'.'.join(path)} {ids} ({what})"
     return [2, n_layer // 2, n_layer - 3], "no ids in config.json, default [2, L//2, L-3] (layer inputs)"
 
@@ -69,11 +68,16 @@ class Eagle3Reference:
                         name = "L." + name[len(prefix):]
                 self.t[name] = v.to(dtype) if v.is_floating_point() else v
         self.dtype = dtype
-        c = self.cfg
-        self.eps = float(c.get("rms_norm_eps", 1e-6))
-        self.n_head = int(c["num_attention_heads"])
-        self.n_kv = int(c.get("num_key_value_heads") or self.n_head)
-        self.hd = int(c.get("head_dim") or int(c["hidden_size"]) // self.n_head)
+        c = ConfigReader(self.raw_config, file=f"--draft-hf {head_dir}/config.json").merged("transformer_layer_config")
+        self.eps = c.number("rms_norm_eps", default=1e-6)
+        self.n_head = c.integer("num_attention_heads", min=1)
+        self.n_kv = c.integer("num_key_value_heads", default=None, min=1) or self.n_head
+        self.hd = c.integer("head_dim", default=None, min=1) or c.integer("hidden_size", min=1) // self.n_head
+        self.norm_before_fc = c.flag("norm_before_fc", default=False)
+        self.norm_before_residual = c.flag("norm_before_residual", default=False)
+        # the rest of what the rope below reads (transformers' LlamaConfig)
+        c.section("rope_scaling"), c.section("rope_parameters"), c.with_rope().number("rope_theta", default=None)
+        c.integer("max_position_embeddings", default=None)
         self.rotary = self._rotary()
 
     def _rotary(self):
@@ -100,7 +104,7 @@ class Eagle3Reference:
     @torch.no_grad()
     def encode(self, features: torch.Tensor) -> torch.Tensor:
         f = features.to(self.dtype)
-        if self.cfg.get("norm_before_fc"):
+        if self.norm_before_fc:
             f = self._rms(f, self.need("input_norm.weight"))
         return f @ self.need("fc.weight").T
 
@@ -129,7 +133,7 @@ class Eagle3Reference:
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
         scores = scores.masked_fill(~(pos[None, :] <= pos[:, None]), float("-inf"))
         o = (torch.softmax(scores.float(), -1).to(self.dtype) @ v).transpose(1, 2).reshape(n, nh * hd)
-        r = (gn if self.cfg.get("norm_before_residual") else g) + o @ self.need("L.self_attn.o_proj.weight").T
+        r = (gn if self.norm_before_residual else g) + o @ self.need("L.self_attn.o_proj.weight").T
         x = self._rms(r, self.need("L.post_attention_layernorm.weight"))
         mlp = torch.nn.functional.silu(x @ self.need("L.mlp.gate_proj.weight").T) * (x @ self.need("L.mlp.up_proj.weight").T)
         out = r + mlp @ self.need("L.mlp.down_proj.weight").T
