@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from gguf import GGMLQuantizationType
 
@@ -55,6 +55,10 @@ class ConvertRequest:
     mtp_outtype: str | None = None  # K-quant files: the MTP / nextn tensors' type instead of the tool's
     target_layers: tuple[int, ...] | None = None  # --target-layers: a head's target layers (layer inputs)
     imatrix: object = None  # --imatrix: a loaded convert.imatrix.Imatrix, used by K-quant files
+    # K-quant files: name -> type replacing llama.cpp's choice for those tensors (a measured mix,
+    # convert/auto_mix.py); `override_note` says why in the plan
+    type_overrides: Mapping[str, GGMLQuantizationType] | None = None
+    override_note: str = ""
 
 
 @dataclass(frozen=True)
@@ -180,7 +184,8 @@ def _plan(req: ConvertRequest, reader: CheckpointReader, tool_order: bool = Fals
         if isinstance(mtp_type, KQuantFileType):
             raise SpecconvError(f"--mtp-outtype {req.mtp_outtype}: choose f32, f16, bf16, q8_0 or q4_0 (a K-quant "
                                 "file type is a rule set for a whole file)")
-        planned, selected = _kquant_types(outtype, plugin, k, planned, selected, mtp_type, req.imatrix)
+        planned, selected = _kquant_types(outtype, plugin, k, planned, selected, mtp_type, req.imatrix,
+                                          req.type_overrides, req.override_note)
     labels = {kind: kvmod.parameter_label((t.name, tuple(t.plan.shape)) for t in ts) for kind, ts in selected.items()}
     model_kind = next((kind for kind in kinds if kind != "sidecar"), None)
     # the sidecar's name carries its model's size label, also when the model is not written (--mtp only)
@@ -206,7 +211,7 @@ def _plan(req: ConvertRequest, reader: CheckpointReader, tool_order: bool = Fals
 
 def _kquant_types(outtype: KQuantFileType, plugin, k: int, planned: list[PlannedTensor],
                   selected: dict[str, list[PlannedTensor]], mtp_type: GGMLQuantizationType | None = None,
-                  imatrix=None):
+                  imatrix=None, overrides: Mapping[str, GGMLQuantizationType] | None = None, override_note: str = ""):
     """Each file's tensor types as llama.cpp's quantize gives them from our lossless file, and every
     tensor in that tool's order and with its shape (no trailing ggml sizes of 1: [64, 1] is written
     [64]) (convert/quant_rules.py). A tensor in two files (`separate`: the
@@ -215,7 +220,7 @@ def _kquant_types(outtype: KQuantFileType, plugin, k: int, planned: list[Planned
     for kind, ts in selected.items():
         hp = Hparams.from_kv(plugin.gguf_arch, plugin.metadata(kind != "trunk" and k > 0))
         infos = [TensorInfo(t.name, tuple(t.plan.shape), t.ggml_type) for t in ts]
-        for name, ggml_type in choose_types(outtype.key, hp, infos, imatrix is not None).items():
+        for name, ggml_type in choose_types(outtype.key, hp, infos, imatrix is not None, overrides).items():
             if chosen.setdefault(name, ggml_type) != ggml_type:
                 raise SpecconvError(f"internal: {name} would be {chosen[name].name} in one file and "
                                     f"{ggml_type.name} in another")
@@ -224,6 +229,8 @@ def _kquant_types(outtype: KQuantFileType, plugin, k: int, planned: list[Planned
         ggml_type = chosen.get(t.name, t.ggml_type)
         note = t.note if ggml_type == t.ggml_type else \
             "" if ggml_type == outtype.default else f"{ggml_type.name} by llama.cpp's {outtype.name} rules"
+        if overrides and t.name in overrides:
+            note = f"{ggml_type.name} {override_note}".rstrip()
         if mtp_type is not None and t.plan.role == Role.MTP and ggml_type != t.ggml_type:
             # --mtp-outtype: what the tool would quantize in the MTP block gets the converter's type instead;
             # the trunk's types are unchanged (the counters still see the MTP block)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from gguf import GGMLQuantizationType, LlamaFileType
 from gguf.constants import GGML_QUANT_SIZES
@@ -247,18 +247,33 @@ class _Chooser:
 
 
 def choose_types(file_type: str, hp: Hparams, tensors: Sequence[TensorInfo],
-                 has_imatrix: bool = False) -> dict[str, GGMLQuantizationType]:
+                 has_imatrix: bool = False,
+                 overrides: Mapping[str, GGMLQuantizationType] | None = None) -> dict[str, GGMLQuantizationType]:
     """name -> GGML type for every tensor of one file, as llama.cpp's quantize decides it (with an
-    importance matrix the IQ4 types keep the first FFN-down layers at IQ4 instead of Q5_K)."""
+    importance matrix the IQ4 types keep the first FFN-down layers at IQ4 instead of Q5_K).
+
+    `overrides` (name -> type, e.g. a measured mix, convert/auto_mix.py) replaces the tool's type of
+    those quantizable tensors, with the tool's fallback where the type's block does not divide the
+    row; the counters still see every tensor, so the others keep the tool's types."""
     ftype, default = KQUANT_FILE_TYPES[file_type]
     by_name = {t.name: t for t in tensors}
     order = loader_order(list(by_name))
     chooser = _Chooser(ftype, default, hp, order, has_imatrix)
+    overrides = overrides or {}
     types = {}
     for name in order:
         t = by_name[name]
         types[name] = chooser.choose(t) if quantizable(name, t.shape) else t.lossless
+        if name in overrides:
+            if not quantizable(name, t.shape):
+                raise SpecconvError(f"internal: {name} is not quantized by llama.cpp's rules; it cannot take a type")
+            types[name] = fitted_type(overrides[name], t.shape[-1])
     return types
+
+
+def fitted_type(ggml_type: GGMLQuantizationType, row: int) -> GGMLQuantizationType:
+    """`ggml_type`, or the tool's fallback when its block does not divide a row of `row` values."""
+    return _Chooser._fit(ggml_type, row)
 
 
 def requires_imatrix(file_type: str, name: str, new_type: GGMLQuantizationType) -> bool:

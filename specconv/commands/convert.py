@@ -30,7 +30,11 @@ OUTTYPE_HELP = (
     "MoE, GQA and row-length fallbacks; MTP/nextn layers counted as the last layers) and its bytes, tensor "
     "order and KV; with --imatrix, its weighted bytes as with llama-quantize --imatrix (q2_k_s needs one). "
     "Several types separated by commas (e.g. q8_0,q6_k,q4_k_m) write one file per type in one run, "
-    "named from -o with the type inserted (NAME-Q8_0.gguf ...).")
+    "named from -o with the type inserted (NAME-Q8_0.gguf ...). "
+    "auto:RECIPE (e.g. auto:q4_k_m) or auto:SIZE (e.g. auto:5.2GB): a mix chosen by measurement, each tensor "
+    "group's type (attention, FFN, experts, shared expert, output, embedding) the one of least measured KL "
+    "divergence on calibration text (--text) within that recipe's file size or that size, the MTP block's by "
+    "its measured acceptance; the report says what was chosen and why.")
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
             "q5_k_s", "q5_k_m", "q6_k", "q2_k_s", "iq4_nl", "iq4_xs", "auto")
@@ -41,7 +45,13 @@ def _outtypes(value: str) -> str:
     """One type, or several separated by commas (a ladder written in one run); any case. Types that
     need an importance matrix are checked against --imatrix in the command."""
     from specconv.commands.quantize import check_file_type
+    from specconv.convert.auto_mix import is_auto, parse_auto
 
+    if is_auto(value):  # a mix chosen by measurement (convert/auto_mix.py)
+        if "," in value:
+            raise SpecconvError(f"--outtype {value}: an auto mix is a file of its own, not part of a ladder")
+        parse_auto(value)
+        return value.strip().lower()
     types = [t.strip().lower() for t in value.split(",")]
     for t in types:
         check_file_type(t, True, "'--outtype'")  # IQ / TQ types: not supported yet
@@ -122,8 +132,16 @@ def parse_layers(text: str) -> tuple[int, ...]:
                    "work while others wait on the disk; 1: no worker threads). "
                    "The output is the same bytes whatever the number.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (or the --dry-run plan) as JSON on stdout.")
+@click.option("--text", "calibration", type=click.Path(path_type=Path), default=None, metavar="FILE",
+              help="With --outtype auto:...: the calibration text the mix is measured on (default: the text shipped "
+                   "with specconv).")
+@click.option("--ctx", "calibration_ctx", type=click.IntRange(min=4), default=None, metavar="N",
+              help="With --outtype auto:...: tokens per calibration chunk (default 512; the second half of each is "
+                   "scored, as llama-perplexity scores).")
+@click.option("--chunks", "calibration_chunks", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --outtype auto:...: measure on the first N chunks of the text only.")
 def command(src, local_dir, out, outtype, mtp_outtype, imatrix_file, mtp_mode, split_max_size, target, target_layers,
-            dry_run, force, mkdir, threads, as_json):
+            dry_run, force, mkdir, threads, as_json, calibration, calibration_ctx, calibration_chunks):
     """Convert SRC to GGUF: a checkpoint folder (config.json, safetensors, tokenizer), or a Hub id
     OWNER/NAME[@REVISION], whose config, tokenizer and safetensors files are downloaded first (a local
     folder of that name keeps priority).
@@ -144,7 +162,10 @@ def command(src, local_dir, out, outtype, mtp_outtype, imatrix_file, mtp_mode, s
     types = outtype.split(",")
     for t in types:
         check_file_type(t, imatrix_file is not None, "'--outtype'")  # q2_k_s without --imatrix
-    if imatrix_file is not None and not any(t in KQUANT_OUTTYPES for t in types):
+    auto = outtype.startswith("auto:")
+    if not auto and (calibration, calibration_ctx, calibration_chunks) != (None, None, None):
+        raise SpecconvError("--text, --ctx and --chunks are for --outtype auto:RECIPE or auto:SIZE (a measured mix)")
+    if imatrix_file is not None and not auto and not any(t in KQUANT_OUTTYPES for t in types):
         raise click.BadParameter("--imatrix weighs K-quant and IQ4 files (q2_k ... q6_k, iq4_nl, iq4_xs); --outtype "
                                  "names none",
                                  param_hint="'--imatrix'")
@@ -160,9 +181,20 @@ def command(src, local_dir, out, outtype, mtp_outtype, imatrix_file, mtp_mode, s
                          split_max_size=parse_size(split_max_size) if split_max_size is not None else 0, target=target,
                          target_layers=parse_layers(target_layers) if target_layers is not None else None,
                          mtp_outtype=mtp_outtype.lower() if mtp_outtype else None, imatrix=imatrix)
-    plan = plan_conversion(req)
+    mix = None
+    if auto:  # each tensor group's type measured on the calibration text (convert/auto_mix.py)
+        from specconv.convert.auto_mix import DEFAULT_CTX, parse_auto, plan_auto_mix
+        from specconv.convert.mix_report import measuring
+
+        with measuring(quiet=as_json) as tick:
+            plan, mix = plan_auto_mix(req, parse_auto(outtype), calibration, calibration_ctx or DEFAULT_CTX,
+                                      calibration_chunks, threads, progress=tick)
+    else:
+        plan = plan_conversion(req)
     try:
         summary = plan_summary(plan, tensors=dry_run)
+        if mix is not None:
+            summary["auto_mix"] = mix
         if dry_run:
             _emit(summary, as_json, dry_run=True)
             return
@@ -208,6 +240,10 @@ def _emit(summary: dict, as_json: bool, dry_run: bool) -> None:
     err = Console(stderr=True)
     for notice in summary["notices"]:
         print_wrapped(err, f"[yellow]note:[/] {escape(notice)}")
+    if "auto_mix" in summary:
+        from specconv.convert.mix_report import print_mix
+
+        print_mix(console, summary["auto_mix"])
     print_wrapped(console, f"{summary['hf_architecture']} -> [bold]{summary['arch']}[/]: {summary['trunk_layers']} "
                            f"trunk layer(s), {summary['mtp_layers']} MTP layer(s); --mtp {summary['mtp_mode']}, "
                            f"--outtype {summary['outtype'].lower()}")
