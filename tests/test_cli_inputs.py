@@ -30,7 +30,7 @@ BAD = [
     ("verify", "--draft-max", "0"), ("verify", "--draft-max", "65"), ("verify", "--seed", "-3"),
     ("verify", "--repeats", "1"), ("verify", "-n", "-4"),
     ("demo", "-n", "0"), ("demo", "--draft-max", "0"), ("demo", "--prompts", "0"), ("demo", "--repeats", "0"),
-    ("demo", "--threads", "0"),
+    ("demo", "--threads", "0"), ("demo", "--threads", "5000"), ("demo", "-n", "4001"), ("demo", "--draft-max", "65"),
     ("convert", "--threads", "-1"), ("quantize", "--threads", "-1"),
     ("upload", "--retries", "0"), ("upload", "--retry-delay", "-1"), ("upload", "--retry-delay", "nan"),
 ]

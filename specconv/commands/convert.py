@@ -127,7 +127,7 @@ def parse_layers(text: str) -> tuple[int, ...]:
 @click.option("--force", is_flag=True, help="Overwrite output files that already exist.")
 @click.option("--mkdir", is_flag=True, help=MKDIR_HELP + " Without it the folder of -o must exist (-o DIR/ may "
                                             "name a new folder inside an existing one).")
-@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--threads", type=click.IntRange(0, 1024), default=0, show_default=True,
               help="Threads that read, encode and write tensor chunks (0: one per available core plus 2, which "
                    "work while others wait on the disk; 1: no worker threads). "
                    "The output is the same bytes whatever the number.")

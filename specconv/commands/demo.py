@@ -16,17 +16,17 @@ from specconv.commands.options import MAX_DRAFT
               help="Keep the converted files in this folder, created when its parent exists (default: a temporary "
                    "folder, removed afterwards). Files are named as `convert -o DIR/` names them.")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
-@click.option("-n", "--n-predict", default=32, show_default=True, type=click.IntRange(min=1),
+@click.option("-n", "--n-predict", default=32, show_default=True, type=click.IntRange(1, 4000),
               help="Tokens generated per prompt.")
 @click.option("--draft-max", default=3, show_default=True, type=click.IntRange(1, MAX_DRAFT),
               help="Largest draft length; the acceptance table has draft_max 1..K.")
 @click.option("--outtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
               help="Storage type of the converted weight matrices.")
-@click.option("--prompts", "n_prompts", default=4, show_default=True, type=click.IntRange(min=1),
+@click.option("--prompts", "n_prompts", default=4, show_default=True, type=click.IntRange(1, 64),
               help="Held-out prompts in the acceptance table.")
-@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100),
               help="Timed repeats (the median is reported).")
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1),
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1, 1024),
               help="CPU threads for torch (one keeps the timings of this tiny model steady on a busy machine).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of tables.")
 def command(out, device, n_predict, draft_max, outtype, n_prompts, repeats, threads, as_json):

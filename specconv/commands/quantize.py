@@ -64,7 +64,7 @@ def check_file_type(name: str, have_imatrix: bool, param_hint: str) -> str:
               metavar="FILE", help=IMATRIX_HELP)
 @click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
 @click.option("--mkdir", is_flag=True, help=MKDIR_HELP)
-@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--threads", type=click.IntRange(0, 1024), default=0, show_default=True,
               help="Encoding threads (0: one per core plus 2). The bytes do not depend on it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def command(src, dst, file_type, allow_requantize, imatrix_file, force, mkdir, threads, as_json):
