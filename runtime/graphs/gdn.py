@@ -12,10 +12,32 @@ v [n, nv, dv], g (log-decay ≤ 0) and beta [n, nv], state S [nv, dk, dv]; all i
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from specconv.runtime.backend import for_device, rows_alone
 
 CHUNK = 64  # as HF torch_chunk_gated_delta_rule and llama.cpp's prefill path
+MAX_ALONE_ROWS = 16  # batches up to this many tokens compute their gates a token at a time (gates)
+
+
+def gates(b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor):
+    """(g, β) [n, heads] of the delta rule from the projections b, alpha [n, heads] and the per-head
+    a, dt_bias [heads]: β = σ(b), g = a · softplus(alpha + dt_bias) (docs/reference/model-math.md §2.2).
+
+    On the CPU a batch of up to MAX_ALONE_ROWS tokens (decode, verification) is computed one token at
+    a time: torch's CPU kernels take the last values of a call (under two vectors) through scalar code
+    whose sigmoid and softplus round differently from its vector code, so a token's gates would
+    depend on how many tokens share the call, and an 8-bit activation product downstream
+    (runtime/dq_dot_i8.inc) can turn that last bit into another code: a verification batch would
+    not give the bits of one-token decode steps."""
+    def one(bb, aa):
+        return a * F.softplus(aa + dt_bias), torch.sigmoid(bb)
+
+    n = b.shape[0]
+    if b.device.type != "cpu" or not 1 < n <= MAX_ALONE_ROWS:
+        return one(b, alpha)
+    rows = [one(b[t:t + 1], alpha[t:t + 1]) for t in range(n)]
+    return torch.cat([g for g, _ in rows]), torch.cat([beta for _, beta in rows])
 
 
 def causal_conv(m: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, keep: int):
@@ -35,12 +57,15 @@ def recurrent_delta_rule(q, k, v, g, beta, state, keep: int = 1):
     n = q.shape[0]
     outs, states = [], []
     s = state
+    # products over the key dimension as elementwise products and sums, not as batched matrix
+    # products: torch's sums accumulate pairwise (measured on a tiny Qwen3-Next in float32, the
+    # logits' p95 distance from the float64 forward is 7e-5 this way, 1.2e-4 through einsum)
     for t in range(n):
         s = s * torch.exp(g[t])[:, None, None]
-        u = torch.einsum("hkv,hk->hv", s, k[t])
+        u = (s * k[t][:, :, None]).sum(-2)
         delta = beta[t][:, None] * (v[t] - u)
         s = s + k[t][:, :, None] * delta[:, None, :]
-        outs.append(torch.einsum("hkv,hk->hv", s, q[t]))
+        outs.append((s * q[t][:, :, None]).sum(-2))
         if t >= n - keep:
             states.append(s)
     return torch.stack(outs), torch.stack(states)
