@@ -41,7 +41,7 @@ def test_predicted_speedup_formula():
 def report():
     require_llama_cpp()
     path = speculative_models.gguf("embedded")
-    return run_verify(VerifyOptions(model=path, n_predict=8, draft_max=3, device="cpu"))
+    return run_verify(VerifyOptions(model=path, n_predict=8, draft_max=3, device="cpu", thorough=True))  # llama.cpp too
 
 
 def test_verify_reports_costs_for_both_runners(report):
