@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 
-THREADS_HELP = ("Compute threads (0: as many as the model's matrices can use: each thread gets at least the "
-                "runtime's minimum share of a typical matrix, so a tiny model runs on one thread, a large one on "
-                "every core).")
+THREADS_HELP = ("Compute threads (0: as many as the model's matrices can use, each thread getting at least the "
+                "runtime's minimum share of a typical matrix, and no more than the cores other processes leave "
+                "idle: a tiny model runs on one thread, a large one on every idle core).")
 _DEFAULT: list[int] = []  # torch's count when first asked, before any command lowered it
 
 
@@ -14,8 +15,10 @@ def set_threads(model, requested: int = 0) -> int:
     """Set torch's thread count for running `model` and return it. `requested` 0 picks it by the runtime's own
     rule for splitting a call (runtime/dequant_native.py: MIN_THREAD_ELEMENTS values per thread), applied to
     the model's typical matrix: the size-weighted median of its 2-D tensors, where most of a forward's time
-    goes. Small matrices split over threads cost more in waking them than they save: on a busy 2-core
-    machine the bundled 2.9 M-parameter model ran `verify --hf` in 82 s on two threads, 6 s on one."""
+    goes; and at most the cores the other processes leave idle (the 1-minute load average), since torch's
+    OpenMP threads spin while they wait for a core. Measured on a 2-core machine under a load of 6-7:
+    the bundled 2.9 M-parameter model ran `verify --hf` in 82 s on two threads and 6 s on one; a 1 B
+    q8_0 model's default verify did not finish in 900 s on two threads and took 85 s on one."""
     import torch
 
     from specconv.runtime.dequant_native import MIN_THREAD_ELEMENTS
@@ -32,6 +35,14 @@ def set_threads(model, requested: int = 0) -> int:
         if 2 * seen >= sum(sizes):
             typical = size
             break
-    threads = max(1, min(_DEFAULT[0], typical // MIN_THREAD_ELEMENTS))
+    threads = max(1, min(_DEFAULT[0] - busy_cores(), typical // MIN_THREAD_ELEMENTS))
     torch.set_num_threads(threads)
     return threads
+
+
+def busy_cores() -> int:
+    """Cores other processes keep busy: the 1-minute load average, rounded down (0 where it is unknown)."""
+    try:
+        return int(os.getloadavg()[0])
+    except OSError:
+        return 0
