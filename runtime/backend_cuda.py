@@ -10,10 +10,15 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   every row of a prompt gets the bits of a decode step.
 * attention over each layer's whole fixed-size K/V buffer, written in place (`static_kv`): the
   same shapes at every step, as CUDA-graph capture needs.
-* `moe`, `causal_conv`, `delta_rule`: the torch reference (routed experts by index for decode and
-  verification batches: no host read). The Triton Gated DeltaNet step and conv
-  (kernels_triton.gdn_step / causal_conv, which write each token's state into its own ring slot)
-  take these two methods' places.
+* Gated DeltaNet states in ring slots (`slot_states`): `causal_conv_slots` and `delta_rule_slots`
+  run kernels_triton.causal_conv / gdn_step, one launch each for up to MAX_TOKENS tokens, reading
+  the state before the batch from its slot and writing each kept token's state into its own slot
+  (slot indices as device tensors: nothing read on the host, a rollback picks a slot). Longer
+  inputs (prompts) take the torch forms, or, inside `batch_invariant(True)`, the kernels in
+  pieces of MAX_TOKENS tokens, so that every token of a prompt gets the bits of a decode step.
+  float64 states take the torch forms.
+* `moe`: the torch reference (routed experts by index for decode and verification batches: no
+  host read).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class CudaBackend(TorchBackend):
     name = "cuda"
     static_kv = True
+    slot_states = True
 
     def __init__(self, kernels=None, device_types: tuple[str, ...] = ("cuda",)):
         """`kernels`: the kernel module (runtime/kernels_triton; found by itself when None: none without
@@ -69,6 +75,49 @@ class CudaBackend(TorchBackend):
                 return torch.cat(pieces).reshape(*x.shape[:-1], n_out)
             return self.kernels.quant_matmul(x, w.raw, w.qtype, n_out, n_in)
         return super().linear(x, w)
+
+    # ---- Gated DeltaNet, states in ring slots ------------------------------------------------------
+    def _recurrent_pieces(self, n: int, ring: torch.Tensor, *tensors: torch.Tensor) -> bool:
+        """Whether the Triton recurrent kernels take these n tokens (in pieces where n > MAX_TOKENS)."""
+        return (self.kernels is not None and ring.device.type in self.device_types and ring.dtype == torch.float32
+                and all(t.dtype in KERNEL_DTYPES for t in tensors) and (n <= self.kernels.MAX_TOKENS or rows_alone()))
+
+    def causal_conv_slots(self, m, ring, weight, src_slot, dst_slots):
+        n = m.shape[0]
+        if not (self._recurrent_pieces(n, ring, m) and ring.shape[1] >= 1):
+            return super().causal_conv_slots(m, ring, weight, src_slot, dst_slots)
+        values = weight.dense(torch.float32) if isinstance(weight, StoredWeight) else weight.to(torch.float32)
+        return torch.cat([self.kernels.causal_conv(m[a:b], ring, values, src, dst)
+                          for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
+
+    def delta_rule_slots(self, q, k, v, g, beta, ring, src_slot, dst_slots):
+        n = q.shape[0]
+        if not self._recurrent_pieces(n, ring, q, k, v, g, beta):
+            return super().delta_rule_slots(q, k, v, g, beta, ring, src_slot, dst_slots)
+        return torch.cat([self.kernels.gdn_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ring, src, dst)
+                          for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
+
+
+def ring_pieces(n: int, step: int, src_slot: torch.Tensor, dst_slots: torch.Tensor):
+    """(start, end, source slot, destination slots) of n tokens cut into pieces of at most `step`, for
+    a kernel that reads the state before its piece from one slot and writes the states after the
+    piece's last len(destinations) tokens: the batch's kept tokens (its last len(dst_slots)) go to
+    their own slots; a piece holding none of them leaves its last state in the batch's last
+    destination slot, which the next piece reads and the last kept token finally overwrites. The
+    slots stay device tensors (slices: no host read)."""
+    keep = dst_slots.shape[0]
+    first_kept = n - keep
+    scratch = dst_slots[keep - 1:]
+    source = src_slot
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        if b <= first_kept:
+            yield a, b, source, scratch
+            source = scratch
+        else:
+            lo = max(a, first_kept) - first_kept
+            yield a, b, source, dst_slots[lo:b - first_kept]
+            source = dst_slots[b - 1 - first_kept:b - first_kept]
 
 
 def _triton_kernels():

@@ -14,6 +14,9 @@ checked for host reads: tests/test_runtime_backend.py).
   expert list on the host. Both sum a row's experts in increasing expert order.
 * `causal_conv`, `delta_rule`: the torch forms of runtime/graphs/gdn.py; in batch-invariant mode
   the delta rule runs token by token, each token as a batch of one would (`exact`).
+  `causal_conv_slots`, `delta_rule_slots`: the same forms reading and writing the memory's ring of
+  states by slot index tensors (what a backend with `slot_states` is given; the reference of the
+  CUDA backend's kernels).
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ class TorchBackend:
     # attention over each layer's whole fixed-size K/V buffer (ops.cached_attention) even where rows
     # need not be alone: the shapes a captured CUDA graph needs; slices of the written cells otherwise
     static_kv = False
+    # Gated DeltaNet states read from and written straight into the memory's ring slots, addressed by
+    # index tensors (causal_conv_slots / delta_rule_slots: a rollback picks a slot, a captured graph
+    # replays with new slots); otherwise the state tensors in and out (causal_conv / delta_rule), the
+    # states after a batch left pending where the batched forms compute them
+    slot_states = False
 
     # ---- weights ----------------------------------------------------------------------------------
     def dequantize_rows(self, raw: torch.Tensor, qtype, dtype: torch.dtype) -> torch.Tensor:
@@ -144,6 +152,25 @@ class TorchBackend:
         o_head, state = gdn.chunked_delta_rule(q[:head], k[:head], v[:head], g[:head], beta[:head], state)
         o_tail, states = tail_form(q[head:], k[head:], v[head:], g[head:], beta[head:], state, keep=keep)
         return torch.cat([o_head, o_tail]), states
+
+    def causal_conv_slots(self, m: torch.Tensor, ring: torch.Tensor, weight, src_slot: torch.Tensor,
+                          dst_slots: torch.Tensor) -> torch.Tensor:
+        """The conv with its windows in a ring [slots, K-1, C]: the window before the batch read from
+        ring[src_slot[0]], the window after each of the last len(dst_slots) tokens written to
+        ring[dst_slots[i]]; returns the activations [n, C]. Slots are int64 tensors on the ring's
+        device, never read on the host."""
+        out, windows = self.causal_conv(m, ring.index_select(0, src_slot)[0], weight, dst_slots.shape[0])
+        ring.index_copy_(0, dst_slots, windows.to(ring.dtype))
+        return out
+
+    def delta_rule_slots(self, q, k, v, g, beta, ring: torch.Tensor, src_slot: torch.Tensor,
+                         dst_slots: torch.Tensor) -> torch.Tensor:
+        """The delta rule with its states in a ring [slots, nv, dk, dv] (as causal_conv_slots); every
+        kept token's state written whole. Returns o [n, nv, dv]."""
+        o, states = self.delta_rule(q, k, v, g, beta, ring.index_select(0, src_slot)[0], dst_slots.shape[0],
+                                    exact=rows_alone())
+        ring.index_copy_(0, dst_slots, states.to(ring.dtype))
+        return o
 
     def _one_token(self, q, k, v, g, beta, state):
         """(o [1, nv, dv], the state after the token) for a batch of one token."""

@@ -130,7 +130,7 @@ class Memory:
                                 f"of sequence {seq}; remove it with seq_rm first")
         keep = min(n, self.ring)
         slots = [(self.cur[seq] + 1 + i) % self.slots for i in range(keep)]
-        return Batch(self, seq, positions, start, slots, host_positions)
+        return Batch(self, seq, positions, start, slots, host_positions, src_slot=self.cur[seq])
 
     def commit(self, batch: "Batch"):
         seq, n = batch.seq, len(batch.host_positions)
@@ -258,20 +258,61 @@ class Pending:
         self.layers: dict = {}
 
 
+@dataclass
+class BatchIndex:
+    """A batch's addresses as int64 tensors on one device: its positions, the K/V cell of each token,
+    the ring slot of the recurrent state before it (`src_slot`, one) and the slots of the states after
+    its kept tokens (`dst_slots`). A forward that takes its addresses from here reads no host integer
+    of the batch, so a captured CUDA graph replays it for another batch once these are overwritten
+    (runtime/step_graphs.py)."""
+
+    positions: torch.Tensor
+    cells: torch.Tensor
+    src_slot: torch.Tensor
+    dst_slots: torch.Tensor
+
+
 class Batch:
     """One evaluation in progress on one sequence: where its cells and snapshots go."""
 
     def __init__(self, memory: Memory, seq: int, positions: torch.Tensor, start: int, slots: list[int],
-                 host_positions: list[int]):
+                 host_positions: list[int], src_slot: int = 0):
         self.memory, self.seq, self.start, self.slots = memory, seq, start, slots
+        self.src_slot = src_slot  # the slot of the recurrent state before the batch
         self.host_positions = host_positions  # the same as `positions`, on the host
         self._positions = {positions.device: positions}
+        self._keep = len(slots)
+        self._index: dict = {}  # device -> BatchIndex
         self.pending: Pending | None = None
         self._visible: dict = {}  # device -> positions of every visible cell (the same for every layer)
         self._per_device: dict = {}  # (device, what) -> a tensor built once per batch (Batch._on)
         self._slot_index: dict = {}  # device -> the slots as a tensor
         # slots in ring order without a wrap: a batch's conv windows go in with one copy per layer
         self._consecutive = bool(slots) and slots == list(range(slots[0], slots[0] + len(slots)))
+
+    @classmethod
+    def replayable(cls, memory: Memory, seq: int, index: BatchIndex) -> "Batch":
+        """A batch that knows its addresses only as the tensors of `index` (static buffers a captured
+        graph reads): its host fields (start, slots, positions) are None, so a forward that reads
+        one fails instead of baking a stale value into the graph."""
+        batch = cls(memory, seq, index.positions, None, [], None)
+        batch.slots = batch.src_slot = None
+        batch._keep = index.dst_slots.shape[0]
+        batch._index[index.positions.device] = index
+        return batch
+
+    def index(self, device) -> BatchIndex:
+        """This batch's addresses on `device`, built once (one host-to-device copy for the slots)."""
+        device = torch.device(device)
+        if device not in self._index:
+            positions = self._positions.get(device)
+            if positions is None:
+                positions = next(iter(self._positions.values())).to(device)
+            n = positions.shape[0]
+            slots = torch.tensor([self.src_slot] + self.slots, dtype=torch.long, device=device)
+            self._index[device] = BatchIndex(positions, torch.arange(self.start, self.start + n, device=device),
+                                             slots[:1], slots[1:])
+        return self._index[device]
 
     @property
     def positions(self) -> torch.Tensor:
@@ -285,7 +326,7 @@ class Batch:
 
     @property
     def keep(self) -> int:
-        return len(self.slots)
+        return self._keep
 
     def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, whole: bool = False):
         """Store this batch's K/V and return (K, V, positions) of every visible cell incl. the new ones.
@@ -294,9 +335,8 @@ class Batch:
         the position of every cell (UNWRITTEN where no cell is: masked out by any causal mask), so
         the shapes an attention sees do not change from one step to the next."""
         m, s, n = self.memory, self.seq, k.shape[0]
-        end = self.start + n
         if whole:  # written by a cell index tensor: what a captured graph replays with new cells
-            cells = self._on(k.device, "cells", lambda dev: torch.arange(self.start, end, device=dev))
+            cells = self.index(k.device).cells
             m.k[layer][s].index_copy_(0, cells, k.to(m.dtype))
             m.v[layer][s].index_copy_(0, cells, v.to(m.dtype))
 
@@ -305,6 +345,7 @@ class Batch:
                 return pos.masked_fill_(pos < 0, UNWRITTEN)
 
             return m.k[layer][s], m.v[layer][s], self._on(k.device, "whole", whole_positions)
+        end = self.start + n
         m.k[layer][s, self.start:end] = k.to(m.dtype)
         m.v[layer][s, self.start:end] = v.to(m.dtype)
         pos = self._visible.get(k.device)

@@ -185,3 +185,47 @@ def delta_rule(q, k, v, g, beta, state, keep: int, mode: str = "auto", lazy: boo
         return recurrent_delta_rule(q, k, v, g, beta, state, keep=keep)
     keep = min(max(keep, 1), n)
     return for_device(q.device).delta_rule(q, k, v, g, beta, state, keep, lazy=lazy, out=out, exact=rows_alone())
+
+
+class Recurrence:
+    """The recurrent part of one Gated DeltaNet layer for one batch (runtime/memory.py `Batch`): the
+    causal conv and the delta rule read the state before the batch from the memory's ring and leave
+    there the states after its kept tokens (the last `batch.keep`).
+
+    A backend with `slot_states` (runtime/backend.py: the CUDA backend) is given the ring and the
+    batch's slot indices (`BatchIndex.src_slot` / `dst_slots`, int64 device tensors) and writes every
+    kept state straight into its slot: a rollback then makes a slot current, nothing is rebuilt or
+    copied, and a captured graph replays with new slots. Other backends take the state tensors and
+    return the states, which `Batch.recurrent_out` stores (the ones a batched form leaves pending
+    included). mode "recurrent" (tests) always takes the torch recurrence."""
+
+    def __init__(self, batch, layer: int, mode: str):
+        self.batch, self.layer, self.mode = batch, layer, mode
+        memory = batch.memory
+        self.state_dtype = memory.layout.state_dtype  # float32, or float64 for a reference-grade recurrence
+        self.slots = mode != "recurrent" and for_device(memory.ssm[layer].device).slot_states
+        self._conv_states = None
+
+    def conv(self, m: torch.Tensor, weight) -> torch.Tensor:
+        """Activations [n, C] of the pre-conv inputs m [n, C]; weight [C, K]."""
+        b = self.batch
+        if self.slots:
+            index = b.index(m.device)
+            return for_device(m.device).causal_conv_slots(m, b.memory.conv[self.layer][b.seq], weight,
+                                                          index.src_slot, index.dst_slots)
+        conv_state, _ = b.recurrent_in(self.layer)
+        out, self._conv_states = causal_conv(m, conv_state, weight, b.keep)
+        return out
+
+    def delta_rule(self, q, k, v, g, beta) -> torch.Tensor:
+        """o [n, nv, dv] (inputs in the state dtype, shapes as `delta_rule`), after `conv`."""
+        b = self.batch
+        if self.slots:
+            index = b.index(q.device)
+            return for_device(q.device).delta_rule_slots(q, k, v, g, beta, b.memory.ssm[self.layer][b.seq],
+                                                         index.src_slot, index.dst_slots)
+        _, ssm_state = b.recurrent_in(self.layer)
+        o, states = delta_rule(q, k, v, g, beta, ssm_state, keep=b.keep, mode=self.mode, lazy=True,
+                               out=b.state_out(self.layer))
+        b.recurrent_out(self.layer, self._conv_states, states)
+        return o

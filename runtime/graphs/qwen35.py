@@ -204,8 +204,8 @@ def gated_deltanet(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, mode: 
     z = linear(a, w[f"blk.{i}.attn_gate.weight"]).view(n, nv, dv)
     b = acc(linear(a, w[f"blk.{i}.ssm_beta.weight"]))
     alpha = acc(linear(a, w[f"blk.{i}.ssm_alpha.weight"]))
-    conv_state, ssm_state = batch.recurrent_in(i)
-    c, conv_states = gdn.causal_conv(m, conv_state, w[f"blk.{i}.ssm_conv1d.weight"], batch.keep)
+    rec = gdn.Recurrence(batch, i, mode)  # states in and out of the memory's ring
+    c = rec.conv(m, w[f"blk.{i}.ssm_conv1d.weight"])
     q = c[:, :nk * dk].view(n, nk, dk)
     k = c[:, nk * dk:2 * nk * dk].view(n, nk, dk)
     v = acc(c[:, 2 * nk * dk:].reshape(n, nv, dv))
@@ -215,11 +215,8 @@ def gated_deltanet(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, mode: 
     q, k = q.repeat(1, nv // nk, 1), k.repeat(1, nv // nk, 1)
     beta = torch.sigmoid(b)
     g = w[f"blk.{i}.ssm_a"].to(alpha.dtype) * F.softplus(alpha + w[f"blk.{i}.ssm_dt.bias"].to(alpha.dtype))
-    sd = ssm_state.dtype  # float32, or float64 for a reference-grade recurrence
-    q, k, v, g, beta = q.to(sd), k.to(sd), v.to(sd), g.to(sd), beta.to(sd)
-    o, states = gdn.delta_rule(q, k, v, g, beta, ssm_state, keep=batch.keep, mode=mode, lazy=True,
-                               out=batch.state_out(i))
-    batch.recurrent_out(i, conv_states, states)
+    sd = rec.state_dtype  # float32, or float64 for a reference-grade recurrence
+    o = rec.delta_rule(q.to(sd), k.to(sd), v.to(sd), g.to(sd), beta.to(sd))
     y = rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], hp.eps) * F.silu(acc(z))
     return linear(y.reshape(n, nv * dv).to(a.dtype), w[f"blk.{i}.ssm_out.weight"])
 

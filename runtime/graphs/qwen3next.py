@@ -68,18 +68,16 @@ def gated_deltanet(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, mode: 
     z = linear(a, w[f"blk.{i}.attn_gate.weight"]).view(n, nv, dv)
     ba = acc(linear(a, w[f"blk.{i}.ssm_ba.weight"])).view(n, nk, 2 * r)
     b, alpha = ba[..., :r].reshape(n, nv), ba[..., r:].reshape(n, nv)
-    conv_state, ssm_state = batch.recurrent_in(i)
-    c, conv_states = gdn.causal_conv(m, conv_state, w[f"blk.{i}.ssm_conv1d.weight"], batch.keep)
+    rec = gdn.Recurrence(batch, i, mode)  # states in and out of the memory's ring
+    c = rec.conv(m, w[f"blk.{i}.ssm_conv1d.weight"])
     q = l2_norm(c[:, :nk * dk].view(n, nk, dk), hp.eps) * dk ** -0.5
     k = l2_norm(c[:, nk * dk:2 * nk * dk].view(n, nk, dk), hp.eps)
     v = acc(c[:, 2 * nk * dk:].reshape(n, nv, dv))
     q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # value head h reads key head h // r
     beta = torch.sigmoid(b)
     g = dense(w[f"blk.{i}.ssm_a"], alpha.dtype) * F.softplus(alpha + dense(w[f"blk.{i}.ssm_dt.bias"], alpha.dtype))
-    sd = ssm_state.dtype  # float32, or float64 for a reference-grade recurrence
-    o, states = gdn.delta_rule(q.to(sd), k.to(sd), v.to(sd), g.to(sd), beta.to(sd), ssm_state, keep=batch.keep,
-                               mode=mode, lazy=True, out=batch.state_out(i))
-    batch.recurrent_out(i, conv_states, states)
+    sd = rec.state_dtype  # float32, or float64 for a reference-grade recurrence
+    o = rec.delta_rule(q.to(sd), k.to(sd), v.to(sd), g.to(sd), beta.to(sd))
     y = rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], hp.eps) * F.silu(acc(z))
     return linear(y.reshape(n, nv * dv).to(a.dtype), w[f"blk.{i}.ssm_out.weight"])
 

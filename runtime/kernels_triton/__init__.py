@@ -13,8 +13,8 @@ installed). The kernels run on CUDA tensors, or on CPU tensors under Triton's in
 from specconv.runtime.kernels_triton._common import available
 from specconv.runtime.kernels_triton.conv import causal_conv
 from specconv.runtime.kernels_triton.dequant import KERNEL_TYPES, dequantize_rows
-from specconv.runtime.kernels_triton.gdn import gdn_step
+from specconv.runtime.kernels_triton.gdn import MAX_TOKENS, gdn_step
 from specconv.runtime.kernels_triton.matmul import FUSED_MAX_ROWS, quant_matmul
 
 __all__ = ["available", "causal_conv", "dequantize_rows", "gdn_step", "quant_matmul", "FUSED_MAX_ROWS",
-           "KERNEL_TYPES"]
+           "KERNEL_TYPES", "MAX_TOKENS"]
