@@ -12,8 +12,9 @@
  * thread is started per share as before.
  *
  * Python sees `dequantize(ggml_type, src, nbytes, dst, threads)`, the fused product for decode
- * `dot(...)` (dq_dot.c) and the Gated DeltaNet step over a few tokens `gdn_conv(...)`, `gdn(...)`
- * (gdn_step.c: it shares this module's thread split), taking raw addresses (torch's data_ptr()):
+ * `dot(...)` (dq_dot.c), its 8-bit-activation form `dot_i8(...)` (dq_dot_i8.inc) and the Gated
+ * DeltaNet step over a few tokens `gdn_conv(...)`, `gdn(...)` (gdn_step.c: it shares this
+ * module's thread split), taking raw addresses (torch's data_ptr()):
  * runtime/dequant_native.py and runtime/gdn_native.py check the tensors (CPU, contiguous, dtypes,
  * sizes) before they call, so this module trusts them. */
 #define PY_SSIZE_T_CLEAN
@@ -238,6 +239,67 @@ static PyObject *dot(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* ---- product with 8-bit activations ------------------------------------------------------------ */
+
+typedef struct {
+    const dq_i8_kernel *kernel;
+    const uint8_t *w, *xq;
+    size_t row_bytes, n_in, nx, out_stride;
+    float *out;
+} i8_ctx;
+
+static void i8_work(const void *arg, size_t first, size_t count)
+{
+    const i8_ctx *c = (const i8_ctx *)arg;
+    c->kernel->rows(c->w, c->row_bytes, first, count, c->n_in, c->xq, c->nx, c->out, c->out_stride);
+}
+
+static PyObject *dot_i8(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int ggml_type, threads;
+    unsigned long long w_addr, x_addr, out_addr;
+    Py_ssize_t rows, n_in, nx, out_stride;
+    if (!PyArg_ParseTuple(args, "iKnnKnKni:dot_i8", &ggml_type, &w_addr, &rows, &n_in, &x_addr, &nx, &out_addr,
+                          &out_stride, &threads))
+        return NULL;
+    const dq_type *type = dq_find(ggml_type);
+    const dq_i8_kernel *kernel = dq_i8(ggml_type);
+    if (type == NULL || kernel == NULL)
+        return PyErr_Format(PyExc_ValueError, "dot_i8: no 8-bit-activation kernel for GGML type %d here", ggml_type);
+    if (rows < 0 || nx < 0 || n_in <= 0 || n_in % type->block || out_stride < rows)
+        return PyErr_Format(PyExc_ValueError, "dot_i8: bad shape (rows %zd, n_in %zd, nx %zd, out stride %zd)",
+                            rows, n_in, nx, out_stride);
+    if (rows && nx && (!w_addr || !x_addr || !out_addr))
+        return PyErr_Format(PyExc_ValueError, "dot_i8: null buffer address");
+    if (!rows || !nx)
+        Py_RETURN_NONE;
+    const size_t xstride = kernel->row_bytes((size_t)n_in);
+    uint8_t *xq = malloc((size_t)nx * xstride);
+    if (xq == NULL)
+        return PyErr_NoMemory();
+    i8_ctx ctx = {kernel, (const uint8_t *)(uintptr_t)w_addr, xq, (size_t)(n_in / type->block * type->size),
+                  (size_t)n_in, (size_t)nx, (size_t)out_stride, (float *)(uintptr_t)out_addr};
+    const float *x = (const float *)(uintptr_t)x_addr;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t j = 0; j < (size_t)nx; j++) /* once, before the split: every thread reads them all */
+        kernel->quantize(x + j * (size_t)n_in, (size_t)n_in, xq + j * xstride);
+    run_parallel(i8_work, &ctx, (size_t)rows, threads);
+    Py_END_ALLOW_THREADS
+    free(xq);
+    Py_RETURN_NONE;
+}
+
+static PyObject *i8(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int ggml_type;
+    if (!PyArg_ParseTuple(args, "i:i8", &ggml_type))
+        return NULL;
+    const dq_i8_kernel *kernel = dq_i8(ggml_type);
+    return PyLong_FromLong(kernel == NULL ? 0 : kernel->width);
+}
+
 /* ---- gated delta rule ------------------------------------------------------------------------- */
 
 static PyObject *gdn(PyObject *self, PyObject *args)
@@ -341,6 +403,14 @@ static PyMethodDef methods[] = {
      "dequantize() gives, each block once for all the vectors; float32 sums of their own order\n"
      "(x @ dense(W)^T within summation noise). Rows split over up to `threads`\n"
      "threads, GIL released. The caller guarantees the addresses."},
+    {"dot_i8", dot_i8, METH_VARARGS,
+     "dot_i8(ggml_type, w, rows, n_in, x, nx, out, out_stride, threads) -> None\n\n"
+     "dot() with each x_j first quantized to 8-bit blocks of 32 (d = max|x|/127) and integer dot\n"
+     "products per block (dq_dot_i8.inc: the error bound there); each output's operations do not\n"
+     "depend on nx, the thread split or the neighbouring rows. ValueError where i8() is 0."},
+    {"i8", i8, METH_VARARGS,
+     "i8(ggml_type) -> int\n\nThe vector width in bits of dot_i8()'s kernel for this type on this CPU and setting,\n"
+     "0 where there is none."},
     {"gdn", gdn, METH_VARARGS,
      "gdn(src, dst, q, k, v, g, beta, o, delta, n, nv, dk, dv, threads) -> None\n\n"
      "The gated delta rule over n tokens for nv heads (float32 addresses; gdn_step.c): the state\n"

@@ -7,6 +7,9 @@ The product of a stored matrix with float32 activations and a type the native de
 (benchmarks/dequant_native.py, docs/runtime.md "Native dequantization"):
 * a matrix of at most WHOLE_MAX_ELEMENTS values: dequantized whole and multiplied in one product
   (what a dense weight computes, bit for bit);
+* a type with an 8-bit-activation kernel on this CPU (dequant_native.default_activations: Q8_0
+  with AVX-512 VNNI) and up to FUSED_MAX_ROWS rows: that kernel, whose rows do not depend on each
+  other (runtime/dq_dot_i8.inc);
 * up to FUSED_MAX_ROWS rows of activations (decode, the check of k drafts, short prompts) and a
   type in FUSED_TYPES with a vector kernel on this CPU (dequant_native.has_fused_kernel: AVX-512
   or AVX2): the fused native kernel, which decodes each weight block once in registers and
@@ -17,6 +20,12 @@ The product of a stored matrix with float32 activations and a type the native de
 * a mid-size matrix (up to stored.CHUNK_ELEMENTS values, an expert) with more rows: one product;
 * otherwise: pieces of NATIVE_CHUNK_ELEMENTS values dequantized natively into one float32 buffer
   per thread, reused, which stays in the L2 cache while the BLAS product reads it.
+
+Products left to the torch reference with 2 .. FUSED_MAX_ROWS float32 rows and a weight of at most
+stored.CHUNK_ELEMENTS values (small matrices, routers, dense weights) run one row at a time: torch's
+product of several rows rounds a row otherwise than its product of one row, and an 8-bit product
+downstream would turn that last bit into another code, so a verification batch would not give the
+bits of one-token decode steps.
 
 A MoE layer always groups rows by expert (one product per routed expert over its rows): it reads
 each routed expert's bytes once for the whole batch, which the fused kernel then multiplies with
@@ -35,7 +44,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from specconv.runtime import dequant, dequant_native, gdn_native, stored
-from specconv.runtime.backend import rows_alone
+from specconv.runtime.backend import batch_invariant, rows_alone
 from specconv.runtime.backend_torch import TorchBackend, token_by_token
 from specconv.runtime.graphs.gdn import PendingStates
 from specconv.runtime.placement import active_device
@@ -63,14 +72,19 @@ class NativeCpuBackend(TorchBackend):
         return super().dequantize_rows(raw, qtype, dtype)
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        rows = x.numel() // w.shape[-1] if w.shape[-1] else 0
         if isinstance(w, StoredWeight) and w.ndim == 2 and w.numel() > WHOLE_MAX_ELEMENTS and _native(x, w):
-            rows = x.numel() // w.shape[1] if w.shape[1] else 0
+            if rows <= FUSED_MAX_ROWS and dequant_native.default_activations(w.qtype) == "int8":
+                return _native_product(x, w)  # no row split: a row's bits whatever the batch
             if rows_alone() and rows > 1:  # each row as in a one-row batch
                 xs = x.reshape(rows, w.shape[1])
                 return torch.cat([_native_product(xs[i:i + 1].clone(), w) for i in range(rows)]).reshape(
                     *x.shape[:-1], w.shape[0])
             if rows <= FUSED_MAX_ROWS or w.numel() > stored.CHUNK_ELEMENTS:
                 return _native_product(x, w)
+        if 1 < rows <= FUSED_MAX_ROWS and x.dtype == torch.float32 and w.numel() <= stored.CHUNK_ELEMENTS:
+            with batch_invariant(True):  # torch's one-row products (a batch's changes a row's last bits)
+                return super().linear(x, w)
         return super().linear(x, w)
 
     def moe(self, x, weights, chosen, experts):

@@ -119,6 +119,22 @@ def has_fused_kernel(qtype: QType) -> bool:
     return fused_width(qtype) > 0
 
 
+def int8_width(qtype: QType) -> int:
+    """The vector width in bits of matmul_t()'s kernel with 8-bit activations for `qtype` (512: Q8_0
+    with AVX-512 VNNI), 0 where there is none (other types and CPUs, SPECCONV_NATIVE_PORTABLE=1,
+    SPECCONV_NATIVE_NO_AVX512=1, an extension built without it)."""
+    return _module().i8(int(qtype)) if covers(qtype) and hasattr(_module(), "i8") else 0
+
+
+def default_activations(qtype: QType) -> str:
+    """What matmul_t() multiplies `qtype` weights with by default: "int8" where int8_width() > 0 (the
+    activation rows quantized to 8-bit blocks, as llama.cpp's CPU kernels do: its bound in
+    runtime/dq_dot_i8.inc) unless SPECCONV_NATIVE_FLOAT_ACTIVATIONS=1, else "float32"."""
+    if os.environ.get("SPECCONV_NATIVE_FLOAT_ACTIVATIONS") == "1" or not int8_width(qtype):
+        return "float32"
+    return "int8"
+
+
 def chunk_decoder(qtype: QType, raw: torch.Tensor, buffer: torch.Tensor):
     """For a chunked product: `decode(start, rows)` dequantizes rows start .. start+rows-1 of the
     C-contiguous uint8 rows `raw` [n, row_bytes] into the start of the float32 `buffer` and returns
@@ -146,17 +162,23 @@ def chunk_decoder(qtype: QType, raw: torch.Tensor, buffer: torch.Tensor):
 
 
 def matmul_t(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n_in: int,
-             threads: int | None = None) -> torch.Tensor | None:
+             threads: int | None = None, activations: str | None = None) -> torch.Tensor | None:
     """x @ Wᵀ for a matrix W stored as `qtype` in the uint8 rows `raw` [n_out, row_bytes], fused:
-    each block of W is dequantized once (the values dequantize() gives), in registers or a buffer in
-    cache, and multiplied with every row of x (up to 9 at a time: one pass over the weights for a
-    decode step or the check of up to 8 drafts), so the float32 matrix is never written.
+    W streams from memory once for up to 9 rows of x (16 with 8-bit activations): one pass for a
+    decode step or the check of several drafts; the float32 matrix is never written.
     float32 [..., n_out], or None where the native path does not apply (extension missing or
     disabled, type not covered, not float32 on the CPU).
 
-    Sums run in orders of their own (vector lanes, FMA where the CPU has it): the result equals
-    `x @ dense(W).t()` within float32 summation noise, not bit for bit, and the kernels of other
-    widths (fused_width) and thread counts agree with it within the same noise."""
+    `activations` (default: default_activations(qtype)):
+    * "float32": each block of W dequantized once (the values dequantize() gives), in registers or
+      a buffer in cache, and multiplied with the rows of x. Sums run in orders of their own (vector
+      lanes, FMA where the CPU has it): the result equals `x @ dense(W).t()` within float32
+      summation noise, not bit for bit, and the kernels of other widths (fused_width) and thread
+      counts agree with it within the same noise.
+    * "int8" (where int8_width(qtype) > 0): each row of x quantized to 8-bit blocks of 32 and
+      multiplied by integer dot products, llama.cpp's arithmetic; off the exact product by at most
+      Σ_b max_b|x|/254 · Σ_{i∈b}|w_i| (and float32 noise: runtime/dq_dot_i8.inc). A row's result
+      does not depend on the other rows of x or the thread count, bit for bit."""
     if (x.dtype != torch.float32 or x.device.type != "cpu" or raw.device.type != "cpu"
             or raw.dtype != torch.uint8 or raw.dim() != 2 or not covers(qtype)):
         return None
@@ -165,9 +187,14 @@ def matmul_t(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n_in: int,
         return None
     if not raw.is_contiguous():
         raw = raw.contiguous()
+    if activations is None:
+        activations = default_activations(qtype)
+    if activations not in ("float32", "int8") or (activations == "int8" and not int8_width(qtype)):
+        raise ValueError(f"no {activations} activations for {qtype.name} products here")
     n_out = raw.shape[0]
     xs = x.reshape(-1, n_in).contiguous()
     out = torch.empty(xs.shape[0], n_out, dtype=torch.float32)
-    _module().dot(int(qtype), raw.data_ptr(), n_out, n_in, xs.data_ptr(), xs.shape[0], out.data_ptr(), n_out,
-                  _split(threads, n_out * n_in))
+    dot = _module().dot_i8 if activations == "int8" else _module().dot
+    dot(int(qtype), raw.data_ptr(), n_out, n_in, xs.data_ptr(), xs.shape[0], out.data_ptr(), n_out,
+        _split(threads, n_out * n_in))
     return out.reshape(*x.shape[:-1], n_out)

@@ -72,4 +72,20 @@ extern size_t dq_values_decoded;
 /* 512 for the AVX-512 kernels, 256 for AVX2, 0 for the plain C path (what dq_fused would pick). */
 int dq_fused_width(int ggml_type);
 
+/* Products with 8-bit activations (dq_dot_i8.inc): each activation row quantized to 8-bit blocks
+ * (`quantize`, into `row_bytes(n_in)` bytes), then `rows` with the contract of dq_rows_fn but
+ * quantized rows xq (row j at xq + j * row_bytes(n_in)) in place of x. */
+typedef struct {
+    int width; /* vector bits */
+    size_t (*row_bytes)(size_t n_in);
+    void (*quantize)(const float *x, size_t n_in, uint8_t *xq);
+    void (*rows)(const uint8_t *w, size_t row_bytes, size_t first, size_t count, size_t n_in, const uint8_t *xq,
+                 size_t nx, float *out, size_t out_stride);
+} dq_i8_kernel;
+/* The kernel for `ggml_type` with AVX-512 VNNI, or NULL (other types, CPU without them). */
+const dq_i8_kernel *dq_i8_avx512(int ggml_type);
+/* The one dq_dot.c offers now: NULL also under SPECCONV_NATIVE_PORTABLE=1 or
+ * SPECCONV_NATIVE_NO_AVX512=1. */
+const dq_i8_kernel *dq_i8(int ggml_type);
+
 #endif

@@ -7,6 +7,7 @@
  * dq_dot_simd.inc do this in registers with FMA (AVX-512, else AVX2; Q8_0, Q4_K, Q5_K, Q6_K, BF16,
  * F16). Everywhere else (other types, no AVX2, SPECCONV_NATIVE_PORTABLE=1) a row is decoded by its
  * type's decoder (dq_blocks.c) into a buffer in cache and multiplied with each activation row here.
+ * Q8_0 with AVX-512 VNNI also has a kernel with 8-bit activations (dq_dot_i8.inc, dq_i8 below).
  *
  * The sums are float32 sums in orders of their own (vector lanes, several running sums, FMA in the
  * vector kernels): every path equals x @ dense(W)^T within float32 summation noise, which
@@ -37,6 +38,11 @@ dq_rows_fn dq_fused(int ggml_type)
         return NULL;
     dq_rows_fn fn = env_set("SPECCONV_NATIVE_NO_AVX512") ? NULL : dq_fused_avx512(ggml_type);
     return fn != NULL ? fn : dq_fused_avx2(ggml_type);
+}
+
+const dq_i8_kernel *dq_i8(int ggml_type)
+{
+    return dq_portable() || env_set("SPECCONV_NATIVE_NO_AVX512") ? NULL : dq_i8_avx512(ggml_type);
 }
 
 int dq_fused_width(int ggml_type)

@@ -1,5 +1,6 @@
 /* The fused kernels of dq_dot_simd.inc at 16 lanes (AVX-512 F/BW/VL + FMA + F16C): where the CPU
- * has them, the first choice (dq_dot.c's dq_fused). */
+ * has them, the first choice (dq_dot.c's dq_fused); and the 8-bit-activation Q8_0 kernel of
+ * dq_dot_i8.inc (AVX-512 VNNI). */
 #include "dq_blocks.h"
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__clang__)
@@ -18,6 +19,7 @@
 #define HALF_SPLAT(bits) _mm512_cvtph_ps(_mm256_set1_epi16((short)(bits)))
 
 #include "dq_dot_simd.inc"
+#include "dq_dot_i8.inc"
 
 dq_rows_fn dq_fused_avx512(int ggml_type)
 {
@@ -31,6 +33,12 @@ dq_rows_fn dq_fused_avx512(int ggml_type)
 #else
 
 dq_rows_fn dq_fused_avx512(int ggml_type)
+{
+    (void)ggml_type;
+    return NULL;
+}
+
+const dq_i8_kernel *dq_i8_avx512(int ggml_type)
 {
     (void)ggml_type;
     return NULL;

@@ -67,7 +67,12 @@ def generate(model: Model, prompt_tokens: Sequence[int], n_predict: int, tempera
     start = time.perf_counter()
     prompt_seconds = 0.0
     if n_predict:
-        logits = ctx.decode(prompt, hidden=(), logits="last").logits[-1]
+        # the prompt as speculative decoding splits it (runtime/speculative.py): all but its last token,
+        # then that one alone, so that the two compute every position in batches of the same rows
+        # (8-bit activation products turn a last-bit difference into another code: dq_dot_i8.inc)
+        if len(prompt) > 1:
+            ctx.decode(prompt[:-1], hidden=(), logits=None)
+        logits = ctx.decode(prompt[-1:], hidden=(), logits="last").logits[-1]
         prompt_seconds = time.perf_counter() - start
         while True:
             token = sample(logits, temperature, gen)

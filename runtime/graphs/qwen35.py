@@ -213,8 +213,7 @@ def gated_deltanet(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, mode: 
     k = l2_norm(k, hp.eps)
     # GGUF value heads are tiled: value head h reads key head h mod nk
     q, k = q.repeat(1, nv // nk, 1), k.repeat(1, nv // nk, 1)
-    beta = torch.sigmoid(b)
-    g = w[f"blk.{i}.ssm_a"].to(alpha.dtype) * F.softplus(alpha + w[f"blk.{i}.ssm_dt.bias"].to(alpha.dtype))
+    g, beta = gdn.gates(b, alpha, w[f"blk.{i}.ssm_a"].to(alpha.dtype), w[f"blk.{i}.ssm_dt.bias"].to(alpha.dtype))
     sd = rec.state_dtype  # float32, or float64 for a reference-grade recurrence
     o = rec.delta_rule(q.to(sd), k.to(sd), v.to(sd), g.to(sd), beta.to(sd))
     y = rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], hp.eps) * F.silu(acc(z))

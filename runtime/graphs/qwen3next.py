@@ -74,8 +74,8 @@ def gated_deltanet(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, mode: 
     k = l2_norm(c[:, nk * dk:2 * nk * dk].view(n, nk, dk), hp.eps)
     v = acc(c[:, 2 * nk * dk:].reshape(n, nv, dv))
     q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # value head h reads key head h // r
-    beta = torch.sigmoid(b)
-    g = dense(w[f"blk.{i}.ssm_a"], alpha.dtype) * F.softplus(alpha + dense(w[f"blk.{i}.ssm_dt.bias"], alpha.dtype))
+    g, beta = gdn.gates(b, alpha, dense(w[f"blk.{i}.ssm_a"], alpha.dtype),
+                        dense(w[f"blk.{i}.ssm_dt.bias"], alpha.dtype))
     sd = rec.state_dtype  # float32, or float64 for a reference-grade recurrence
     o = rec.delta_rule(q.to(sd), k.to(sd), v.to(sd), g.to(sd), beta.to(sd))
     y = rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], hp.eps) * F.silu(acc(z))
