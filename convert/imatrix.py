@@ -311,6 +311,8 @@ def _write_gguf_file(path: Path, kv, tensors, alignment: int = 32) -> None:
     offset, blobs = 0, []
     for name, arr in tensors:
         dims = tuple(reversed(arr.shape))
+        while len(dims) > 1 and dims[-1] == 1:  # ggml_n_dims: trailing dimensions of 1 are not written
+            dims = dims[:-1]
         out += _gguf_string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
         out += struct.pack("<IQ", int(Q.F32), offset)
         blob = arr.tobytes()

@@ -25,6 +25,12 @@ computing in bfloat16 / float16 — every backend computes each row of a batch w
 in the order, of a one-row batch, so a verification forward of k+1 rows gives each row the bits of
 the one-row forward and greedy speculative decoding equals plain decoding exactly
 (docs/runtime.md, "Backends").
+
+Activation observer (`observing`): an optional object that ops.linear hands the input rows of every
+product by a weight, and ops.moe the rows routed to each expert (it announces each expert's slices
+first: `expert(e, [(3-D weight, its slice e), ...])`, a context manager around that expert's
+feed-forward). `specconv imatrix` sums their squares (specconv/imatrix/collector.py). Unset, the
+seam's cost is one context-variable read per product.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import functools
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 
@@ -55,6 +61,33 @@ def batch_invariant(enabled: bool):
         yield
     finally:
         _rows_alone.reset(token)
+
+
+class ActivationObserver(Protocol):
+    """Sees what the graphs multiply by weights (runtime/graphs/ops.py calls it)."""
+
+    def product(self, x: torch.Tensor, w: Any) -> None:
+        """x [..., in]: rows multiplied by w (a weight of the model, or an announced expert slice)."""
+
+    def expert(self, e: int, slices: Sequence[tuple[Any, Any]]) -> ContextManager[None]:
+        """Around expert e's feed-forward: (3-D weight, its slice e) pairs the products inside use."""
+
+
+_observer: ContextVar[ActivationObserver | None] = ContextVar("specconv_activation_observer", default=None)
+
+
+def activation_observer() -> ActivationObserver | None:
+    return _observer.get()
+
+
+@contextmanager
+def observing(observer: ActivationObserver | None):
+    """Forwards run inside see `observer` (None: none)."""
+    token = _observer.set(observer)
+    try:
+        yield observer
+    finally:
+        _observer.reset(token)
 
 
 @dataclass(frozen=True)

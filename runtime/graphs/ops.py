@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specconv.runtime.backend import Experts, for_device, rows_alone
+from specconv.runtime.backend import Experts, activation_observer, for_device, rows_alone
 from specconv.runtime.stored import StoredWeight
 
 
@@ -43,6 +43,9 @@ def dense(w, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x @ wᵀ for a GGUF matrix in torch order [out, in] (stored or dense), by the backend."""
+    observer = activation_observer()
+    if observer is not None:
+        observer.product(x, w)
     return for_device(x.device).linear(x, w)
 
 
@@ -50,7 +53,26 @@ def moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: E
     """Σ over each row's k routed experts of weights[row, slot] · experts.ffn(x[row], expert's slices),
     in the accumulation dtype [n, out]; weights, chosen [n, k]. The one place graphs run routed
     experts: the backend decides how (by index without host reads, or grouped by expert)."""
+    observer = activation_observer()
+    if observer is not None:
+        return _observed_moe(x, weights, chosen, experts, observer)
     return for_device(x.device).moe(x, weights, chosen, experts)
+
+
+def _observed_moe(x, weights, chosen, experts: Experts, observer) -> torch.Tensor:
+    """`moe` under an activation observer (runtime/backend.py): one routed expert at a time over the
+    rows routed to it, its slices announced so that the products inside experts.ffn count for that
+    expert. The routing is read on the host (observing is offline work)."""
+    parts = (experts.gate, experts.up, experts.down)
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = torch.zeros(x.shape[0], experts.down.shape[1], dtype=wide, device=x.device)
+    for e in torch.unique(chosen).tolist():
+        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+        sliced = [None if t is None else t[e] for t in parts]
+        with observer.expert(e, [(t, s) for t, s in zip(parts, sliced) if t is not None]):
+            y = experts.ffn(x[rows], *sliced)
+        out.index_add_(0, rows, y.to(out.dtype) * weights[rows, slot][:, None])
+    return out
 
 
 def rope_cos_sin(positions: torch.Tensor, n_rot: int, base: float,

@@ -18,7 +18,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import gdn
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import (
-    acc, cached_attention, dense, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin, rope_neox_partial,
+    acc, cached_attention, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin, rope_neox_partial,
     swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
@@ -227,7 +227,8 @@ def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
     routed = moe_softmax_topk(x, w[p + "ffn_gate_inp.weight"], hp.n_expert_used, w[p + "ffn_gate_exps.weight"],
                               w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"])
     shared = swiglu(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
-    gate = torch.sigmoid(linear(acc(x), dense(w[p + "ffn_gate_inp_shexp.weight"]).reshape(1, -1)))
+    gate_w = w[p + "ffn_gate_inp_shexp.weight"]  # [1, H]; [H] as llama.cpp's converter writes it
+    gate = torch.sigmoid(linear(acc(x), gate_w if gate_w.ndim == 2 else gate_w.reshape(1, -1)))
     return routed + (acc(shared) * gate).to(x.dtype)
 
 

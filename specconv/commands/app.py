@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "convert": "convert",
     "demo": "demo",
     "generate": "generate",
+    "imatrix": "imatrix",
     "inspect": "inspect",
     "mtp": "mtp",
     "quantize": "quantize",
