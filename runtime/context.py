@@ -16,6 +16,7 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.backend import INVARIANT_DTYPES, batch_invariant
+from specconv.runtime import step_graphs
 from specconv.runtime.memory import Batch, Memory, SeqCheckpoint
 from specconv.runtime.model import Model
 from specconv.runtime.types import DecodeOutput, GraphType
@@ -55,6 +56,8 @@ class Context:
                                 "kv_from=<the target's context>")
         self.n_evaluated = 0  # tokens evaluated so far (statistics)
         self.n_decode_calls = 0
+        # decode steps and verifications replayed as CUDA graphs where the model qualifies (step_graphs.py)
+        self.graphs = step_graphs.StepGraphs(self) if step_graphs.enabled_for(self) else None
 
     # ---- evaluation ---------------------------------------------------------------------------
     def decode(self, tokens, positions=None, seq: int = 0, hidden: Sequence[str] = ("post_norm",),
@@ -70,7 +73,6 @@ class Context:
             raise SpecconvError("decode: empty batch")
         if int(host.min()) < 0 or int(host.max()) >= self.model.n_vocab:
             raise SpecconvError(f"decode: token id out of range [0, {self.model.n_vocab})")
-        tokens = host.to(dev)
         if positions is None:
             start = self.memory.n_past(seq)
             host_positions = list(range(start, start + n))
@@ -82,8 +84,7 @@ class Context:
             if n > 1 and bool((given[1:] <= given[:-1]).any()):
                 raise SpecconvError("decode: positions must increase within a batch")
             host_positions, positions = given.tolist(), given.to(dev)
-        rows = {"all": None, "last": torch.tensor([n - 1], device=dev), None: torch.zeros(0, dtype=torch.long, device=dev)}
-        if logits not in rows:
+        if logits not in ("all", "last", None):
             raise SpecconvError("decode: logits must be 'all', 'last' or None")
         g, hp, w = self.model.graph, self.model.hparams, self.model.weights
         if self.kv_from is not None:  # nothing of its own to store: every decode reads the target's cells
@@ -92,9 +93,13 @@ class Context:
             batch = self.memory.begin(seq, positions, host_positions)
         # bfloat16 / float16: every row computed as in a one-row batch (runtime/backend.py), so the
         # verification of k drafts gives each row the bits of a decode step
+        graphed = self.graph_type == GraphType.MAIN and self.graphs is not None and self.graphs.takes(n, hidden, layers)
+        tokens = None if graphed else host.to(dev)  # a graph's ids go in with its other static inputs
         with torch.inference_mode(), batch_invariant(self.model.dtype in INVARIANT_DTYPES):
-            if self.graph_type == GraphType.MAIN:
-                out = self._main(tokens, batch, hidden, layers, rows[logits])
+            if graphed:
+                out = self.graphs.decode(host.tolist(), batch, hidden, logits)
+            elif self.graph_type == GraphType.MAIN:
+                out = self._main(tokens, batch, hidden, layers, _logit_rows(logits, n, dev))
             elif self.graph_type == GraphType.MTP:
                 if hidden_in is None:
                     raise SpecconvError("MTP decode needs hidden_in: one target hidden row per token")
@@ -104,8 +109,8 @@ class Context:
                     lg, z, pre = g.forward_mtp(w, hp, tokens, h, batch, kv_from=self.kv_from)
                 else:
                     lg, z, pre = g.forward_mtp(w, hp, tokens, h, batch)
-                if rows[logits] is not None:
-                    lg = lg[rows[logits]]
+                if logits != "all":
+                    lg = lg[_logit_rows(logits, n, dev)]
                 out = DecodeOutput(logits=lg, hidden={"nextn": z, "pre_norm": pre})
             else:
                 raise SpecconvError(f"graph type {self.graph_type.value} takes feature rows: use Context.encode")
@@ -179,3 +184,12 @@ class Context:
     def recurrent_state(self, seq: int, layer: int):
         """(conv window, SSM state) of trunk block `layer` now, for tests."""
         return self.memory.recurrent_state(seq, layer)
+
+
+def _logit_rows(logits: str | None, n: int, device) -> torch.Tensor | None:
+    """The rows whose logits a decode returns: all (None), the last, or none."""
+    if logits == "all":
+        return None
+    if logits == "last":
+        return torch.tensor([n - 1], device=device)
+    return torch.zeros(0, dtype=torch.long, device=device)

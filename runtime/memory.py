@@ -258,6 +258,21 @@ class Pending:
         self.layers: dict = {}
 
 
+class _HostValueOfAReplayableBatch:
+    """Stands for a host integer a replayable batch does not have (Batch.replayable): any use raises,
+    so a forward that would bake a stale start, slot or position into a captured graph fails."""
+
+    def _refuse(self, *args, **kwargs):
+        raise SpecconvError("a replayable batch's addresses are device tensors (BatchIndex); this forward "
+                            "reads a host integer of the batch, which a captured graph would replay stale")
+
+    __index__ = __int__ = __add__ = __radd__ = __sub__ = __rsub__ = __iter__ = __len__ = __getitem__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __hash__ = __bool__ = _refuse
+
+
+NOT_ON_HOST = _HostValueOfAReplayableBatch()
+
+
 @dataclass
 class BatchIndex:
     """A batch's addresses as int64 tensors on one device: its positions, the K/V cell of each token,
@@ -293,10 +308,10 @@ class Batch:
     @classmethod
     def replayable(cls, memory: Memory, seq: int, index: BatchIndex) -> "Batch":
         """A batch that knows its addresses only as the tensors of `index` (static buffers a captured
-        graph reads): its host fields (start, slots, positions) are None, so a forward that reads
-        one fails instead of baking a stale value into the graph."""
-        batch = cls(memory, seq, index.positions, None, [], None)
-        batch.slots = batch.src_slot = None
+        graph reads): its host fields (start, slots, positions) are NOT_ON_HOST, so a forward that
+        reads one fails instead of baking a stale value into the graph."""
+        batch = cls(memory, seq, index.positions, NOT_ON_HOST, [], NOT_ON_HOST, src_slot=NOT_ON_HOST)
+        batch.slots = NOT_ON_HOST
         batch._keep = index.dst_slots.shape[0]
         batch._index[index.positions.device] = index
         return batch
@@ -368,7 +383,9 @@ class Batch:
         return idx
 
     def recurrent_in(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.memory.recurrent_state(self.seq, layer)
+        """(conv window, SSM state) before this batch: views of its source slot."""
+        m = self.memory
+        return m.conv[layer][self.seq, self.src_slot], m.ssm[layer][self.seq, self.src_slot]
 
     def state_out(self, layer: int) -> torch.Tensor:
         """The slot that receives the SSM state after this batch (recurrent_out writes it; a delta rule

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from specconv.commands.options import MAX_DRAFT
+from specconv.commands.options import MAX_DRAFT, cuda_graphs_option, graphs_mode
 
 
 @click.command("demo")
@@ -29,23 +29,26 @@ from specconv.commands.options import MAX_DRAFT
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1, 1024),
               help="CPU threads for torch (one keeps the timings of this tiny model steady on a busy machine).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of tables.")
-def command(out, device, n_predict, draft_max, outtype, n_prompts, repeats, threads, as_json):
+@cuda_graphs_option
+def command(out, device, n_predict, draft_max, outtype, n_prompts, repeats, threads, as_json, cuda_graphs):
     """Convert the bundled model (embedded MTP, and trunk + mtp- sidecar), verify both, generate with and
     without MTP, and print the acceptance table with the measured speed-up."""
     import torch
     from rich.console import Console
 
     from specconv.demo import DemoOptions, run_demo
+    from specconv.runtime import step_graphs
     from specconv.demo.render import render
 
     torch.set_num_threads(threads)
     opts = DemoOptions(out=out, device=device, n_predict=n_predict, draft_max=draft_max, outtype=outtype,
                        prompts=n_prompts, repeats=repeats)
-    if as_json:
-        report = run_demo(opts)
-    else:
-        with Console(stderr=True).status("starting", spinner="dots") as status:
-            report = run_demo(opts, progress=status.update)
+    with step_graphs.cuda_graphs(graphs_mode(cuda_graphs)):
+        if as_json:
+            report = run_demo(opts)
+        else:
+            with Console(stderr=True).status("starting", spinner="dots") as status:
+                report = run_demo(opts, progress=status.update)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

@@ -9,7 +9,9 @@ import time
 import click
 
 from specconv.commands.hub_inputs import SPEC_HELP, gguf_input, hf_repo_option
-from specconv.commands.options import DRAFT_COUNT, MAX_DRAFT, NON_NEGATIVE, PROBABILITY, SEED, DraftMaxType
+from specconv.commands.options import (
+    DRAFT_COUNT, MAX_DRAFT, NON_NEGATIVE, PROBABILITY, SEED, DraftMaxType, cuda_graphs_option, graphs_mode,
+)
 from specconv.errors import SpecconvError
 from specconv.threads import THREADS_HELP, set_threads
 
@@ -92,15 +94,16 @@ DRAFT_MAX = DraftMaxType()  # 0..MAX_DRAFT or auto
                    "first speculative run is the output). The speed-up is the ratio of the medians, claimed as a "
                    "gain only when every speculative repeat was faster than every plain one (else \"no measurable "
                    "gain\"); the times are in the --json speculative.timing.")
+@cuda_graphs_option
 def command(model_path, prompt, tokens, n_predict, temperature, seed, device, threads, dtype, offload, weights_mode, stop_at_eos,
             as_json, spec, acceptance, draft_max, draft_min, p_min, mtp_path, draft_path, rollback, no_baseline, repeats,
-            hf_repo):
+            hf_repo, cuda_graphs):
     """Generate N tokens after a prompt (plain or speculative decoding).
 
     With --json the object carries load_seconds, prompt and decode tokens/s and the stored weight
     bytes the run read (weight_bytes_read: with --spec, of the timed speculative run, the drafter's
     weights included)."""
-    from specconv.runtime import load_model
+    from specconv.runtime import load_model, step_graphs
     from specconv.runtime.generate import generate
 
     if (acceptance is None) == (spec == "synthetic"):
@@ -115,11 +118,12 @@ def command(model_path, prompt, tokens, n_predict, temperature, seed, device, th
     threads = set_threads(model, threads)
     ids = prompt_ids(model, prompt, tokens)
     check_context(model, len(ids), n_predict)
-    if spec == "none":
-        result = generate(model, ids, n_predict, temperature=temperature, seed=seed, stop_at_eos=stop_at_eos)
-    else:
-        result = _speculative(model, ids, n_predict, spec, temperature, seed, stop_at_eos, draft_max, draft_min, p_min,
-                              mtp_path, draft_path, rollback, 0 if no_baseline else repeats, acceptance)
+    with step_graphs.cuda_graphs(graphs_mode(cuda_graphs)):
+        if spec == "none":
+            result = generate(model, ids, n_predict, temperature=temperature, seed=seed, stop_at_eos=stop_at_eos)
+        else:
+            result = _speculative(model, ids, n_predict, spec, temperature, seed, stop_at_eos, draft_max, draft_min,
+                                  p_min, mtp_path, draft_path, rollback, 0 if no_baseline else repeats, acceptance)
     if as_json:
         payload = result.to_json()
         if spec != "none":  # the rates as for plain decoding, at the top level

@@ -43,3 +43,16 @@ class DraftMaxType(click.ParamType):
         if not self.minimum <= n <= MAX_DRAFT:
             self.fail(f"{n} is not in the range {self.minimum}..{MAX_DRAFT}", param, ctx)
         return n
+
+
+def cuda_graphs_option(command):
+    """--cuda-graphs / --no-cuda-graphs (generate, verify, demo): decode steps and verification batches
+    replayed as CUDA graphs (runtime/step_graphs.py); neither flag: on for CUDA."""
+    return click.option("--cuda-graphs/--no-cuda-graphs", "cuda_graphs", default=None,
+                        help="Replay decode steps and verification batches as CUDA graphs (default: on for CUDA; "
+                             "a capture that fails falls back to eager decoding with a warning).")(command)
+
+
+def graphs_mode(flag: bool | None) -> str:
+    """The runtime's CUDA-graphs mode for the flag: neither given -> auto."""
+    return "auto" if flag is None else "on" if flag else "off"

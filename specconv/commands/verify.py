@@ -10,7 +10,7 @@ import click
 from specconv.commands.outputs import check_output_folder
 from specconv.threads import THREADS_HELP
 
-from specconv.commands.options import MAX_DRAFT, NON_NEGATIVE, SEED
+from specconv.commands.options import MAX_DRAFT, NON_NEGATIVE, SEED, cuda_graphs_option, graphs_mode
 
 from specconv.commands.hub_inputs import SIBLING_SPECS, checkpoint_input, gguf_input, hf_repo_option
 
@@ -68,8 +68,9 @@ _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
               help="Compute dtype of the runtime: f32, bf16, f16 or f64 (default: the runtime's for the device). The "
                    "transformers reference of --hf loads in bf16 when this is bf16/f16, else in f32, and the parity "
                    "tolerance follows it (docs/verify.md).")
+@cuda_graphs_option
 def command(model_path, mtp_path, draft_path, hf_dir, draft_hf, prompts_file, n_predict, draft_max, temperature,
-            seed, as_json, report_path, thorough, repeats, device, threads, offload, dtype, hf_repo, spec):
+            seed, as_json, report_path, thorough, repeats, device, threads, offload, dtype, hf_repo, spec, cuda_graphs):
     """Check MODEL.gguf: structure, parity with transformers (--hf), speculative decoding, statistics.
 
     The report goes to stdout (a table, or JSON with --json), progress and diagnostics to stderr; the
@@ -79,6 +80,7 @@ def command(model_path, mtp_path, draft_path, hf_dir, draft_hf, prompts_file, n_
 
     from rich.console import Console
 
+    from specconv.runtime import step_graphs
     from specconv.verify import VerifyOptions, run_verify
     from specconv.verify.run import DEFAULT_PROMPTS, read_prompts
 
@@ -92,7 +94,7 @@ def command(model_path, mtp_path, draft_path, hf_dir, draft_hf, prompts_file, n_
                          prompts=read_prompts(prompts_file) if prompts_file else list(DEFAULT_PROMPTS),
                          n_predict=n_predict, draft_max=draft_max, temperature=temperature, device=device, seed=seed,
                          offload=offload, thorough=thorough, repeats=repeats, threads=threads)
-    with StageBars(Console(stderr=True)) as bars:
+    with StageBars(Console(stderr=True)) as bars, step_graphs.cuda_graphs(graphs_mode(cuda_graphs)):
         report = run_verify(opts, progress=bars)
     if report_path is not None:
         report.write(report_path)
