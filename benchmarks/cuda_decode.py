@@ -8,14 +8,16 @@ Files (unless `--model`): the ~1.1 B-param Qwen3.5-shaped checkpoint of tools/sy
 (benchmarks/runtime.py's `dense1b`) converted by `specconv convert` to bf16, q8_0 and Q4_K_M (our
 K-quant output is byte-identical to llama.cpp's quantize), and its Qwen3.5-MoE sibling (`moe`) in
 Q4_K_M. Per file, one process, one device:
-- GPU memory after load (allocated, and its ratio to the file) and the peak over the run;
+- GPU memory after load (allocated by the load: the difference from before it, after the previous
+  file's model was freed and collected) and the peak over the run;
 - t(n), n = 1..--batch-max: one target forward of n rows at position 16 of a context, logits for
   every row, rolled back after each (as a verification round); the device synchronised around each
   forward, median of --repeats;
 - plain greedy decoding of -n tokens (tokens per second of the decode phase);
 - the synthetic drafter at A = 0.8, k = 3 (runtime/drafters/synthetic.py): decode speed-up over plain
   and whether its tokens equal plain decoding's (in the default compute dtype);
-- torch.profiler over one decode step: device kernels launched and host<->device copies or syncs;
+- torch.profiler over one decode step after two warm-up steps (with CUDA graphs, the default on
+  CUDA: a replay): device kernels launched and host<->device copies or syncs;
 - the floor: the file read once at the bandwidth of a measured device-to-device copy;
 - the same 2-D weight matrices (the token embedding excluded: decoding reads one row of it) as
   plain bf16 `F.linear` on one input row each, eager and replayed as one CUDA graph.
@@ -24,6 +26,7 @@ Q4_K_M. Per file, one process, one device:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -113,18 +116,19 @@ def profile_step(model) -> dict:
     from specconv.runtime.context import Context
     from specconv.runtime.types import GraphType
 
-    ids = [t % model.n_vocab for t in PROMPT[:10]]
+    ids = [t % model.n_vocab for t in PROMPT[:11]]
     ctx = Context(model, GraphType.MAIN, n_ctx=len(ids) + 1, n_rs_seq=0)
     ctx.decode(ids[:8], hidden=(), logits=None)
-    ctx.decode(ids[8:9], hidden=(), logits="last")
+    ctx.decode(ids[8:9], hidden=(), logits="last")  # with graphs: the warm-up, then the capture
+    ctx.decode(ids[9:10], hidden=(), logits="last")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        ctx.decode(ids[9:10], hidden=(), logits="last")
+        ctx.decode(ids[10:11], hidden=(), logits="last")
         synchronize(model.device)
     events = prof.events()
     kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     syncs = sum(1 for e in events if e.name in SYNC_CALLS)
-    return {"kernels": kernels, "syncs": syncs}
+    return {"kernels": kernels, "syncs": syncs, "graph_replays": ctx.graphs.replays if ctx.graphs else 0}
 
 
 def copy_floor(file_bytes: int, device) -> float | None:
@@ -202,16 +206,20 @@ def run_file(path: Path, args) -> dict:
     from specconv.runtime.generate import generate
 
     device = torch.device(args.device)
+    base = 0
     if device.type == "cuda":
+        gc.collect()  # the previous file's model, and anything that kept it, gone before measuring
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
     t0 = time.perf_counter()
     model = load_model(path, device=args.device, dtype=args.dtype)
     synchronize(device)
     out = {"file": path.name, "file_gb": path.stat().st_size / 1e9, "load_s": time.perf_counter() - t0,
            "dtype": str(model.dtype).replace("torch.", "")}
     if device.type == "cuda":
-        out["memory_after_load_gb"] = torch.cuda.memory_allocated(device) / 1e9
+        out["memory_before_load_gb"] = base / 1e9
+        out["memory_after_load_gb"] = (torch.cuda.memory_allocated(device) - base) / 1e9
     out["t_s"] = batch_costs(model, args.batch_max, args.repeats)
     prompt, n = [t % model.n_vocab for t in PROMPT[:16]], args.n_predict
     plain = generate(model, prompt, n)
@@ -226,8 +234,9 @@ def run_file(path: Path, args) -> dict:
     out["floor_s"] = copy_floor(path.stat().st_size, device)
     out["dense_chain"] = dense_chain(model)
     if device.type == "cuda":
-        out["memory_peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        out["memory_peak_gb"] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
     del model
+    gc.collect()
     return out
 
 
@@ -236,8 +245,8 @@ def print_table(results: list[dict]) -> None:
         return "n/a" if x is None else f"{x * 1e3:.2f}"
 
     print("| file | dtype | t(1) ms | t(4)/t(1) | t(8)/t(1) | plain tok/s | A=0.8 k=3 | identical | "
-          "kernels | syncs | floor ms | bf16 chain eager / graph ms | GB after load / file / peak |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "kernels | syncs | replayed | floor ms | bf16 chain eager / graph ms | GB after load / file / peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         t = r["t_s"]
         ratio = [f"{t[i] / t[0]:.2f}" if len(t) > i else "n/a" for i in (3, 7)]
@@ -245,7 +254,7 @@ def print_table(results: list[dict]) -> None:
                if "memory_after_load_gb" in r else "n/a")
         print(f"| {r['file']} | {r['dtype']} | {ms(t[0])} | {ratio[0]} | {ratio[1]} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['synthetic']['speedup']:.2f}x | {r['synthetic']['tokens_identical']} | {r['profile']['kernels']} | "
-              f"{r['profile']['syncs']} | {ms(r['floor_s'])} | {ms(r['dense_chain']['eager_s'])} / "
+              f"{r['profile']['syncs']} | {r['profile']['graph_replays'] > 0} | {ms(r['floor_s'])} | {ms(r['dense_chain']['eager_s'])} / "
               f"{ms(r['dense_chain']['graph_s'])} | {mem} |")
 
 

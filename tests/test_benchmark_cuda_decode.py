@@ -3,7 +3,7 @@ with `--device cuda`): every figure of its table present and consistent, and the
 tokens equal to plain decoding's.
 
 Evidence: t(n) has one positive time per batch size; the synthetic run drafted (acceptance > 0) and
-produced the plain tokens; the profiler saw the step (CPU-only: no device kernels, no CUDA syncs);
+produced the plain tokens; the profiler saw the step (CPU-only: no device kernels, no CUDA syncs, no graph replayed);
 the dense chain covered every 2-D matrix but the token embedding; the JSON file holds the same rows.
 """
 
@@ -25,7 +25,7 @@ def test_cpu_run_reports_every_figure(qwen35_dir, tmp_path, capsys):
     assert row["plain_tokens_per_s"] > 0
     assert row["synthetic"]["tokens_identical"] is True
     assert 0 < row["synthetic"]["acceptance"] <= 1
-    assert row["profile"] == {"kernels": 0, "syncs": 0}
+    assert row["profile"] == {"kernels": 0, "syncs": 0, "graph_replays": 0}  # CUDA graphs: CUDA only
     assert row["floor_s"] is None and row["dense_chain"]["graph_s"] is None
     from specconv.runtime import load_model
 
