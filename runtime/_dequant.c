@@ -369,6 +369,21 @@ static PyObject *pool(PyObject *self, PyObject *unused)
     return PyUnicode_FromString(omp_usable() ? "openmp" : "pthreads");
 }
 
+/* "1" in the environment (as the Python side's os.environ sets it: putenv) */
+static int switch_on(const char *name)
+{
+    const char *value = getenv(name);
+    return value != NULL && strcmp(value, "1") == 0;
+}
+
+static PyObject *switches(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(switch_on("SPECCONV_NO_NATIVE") | switch_on("SPECCONV_NO_NATIVE_DEQUANT") << 1
+                           | switch_on("SPECCONV_NATIVE_FLOAT_ACTIVATIONS") << 2 | switch_on("SPECCONV_NO_NATIVE_GDN") << 3);
+}
+
 static PyObject *types(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -433,6 +448,10 @@ static PyMethodDef methods[] = {
     {"pool", pool, METH_NOARGS,
      "pool() -> 'openmp' | 'pthreads'\n\nWhere a split call runs now: torch's OpenMP threads (GOMP_parallel) or a\n"
      "pthread per share (no OpenMP runtime loaded, or SPECCONV_NATIVE_PTHREADS=1)."},
+    {"switches", switches, METH_NOARGS,
+     "switches() -> int\n\nBits of the switches set to \"1\" in the environment now: 1 SPECCONV_NO_NATIVE,\n"
+     "2 SPECCONV_NO_NATIVE_DEQUANT, 4 SPECCONV_NATIVE_FLOAT_ACTIVATIONS, 8 SPECCONV_NO_NATIVE_GDN (getenv:\n"
+     "a fraction of a microsecond, where os.environ takes one per missing name)."},
     {"types", types, METH_NOARGS, "types() -> {ggml_type: (values per block, bytes per block)} covered"},
     {NULL, NULL, 0, NULL},
 };

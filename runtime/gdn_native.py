@@ -13,8 +13,6 @@ the batch is written straight into the memory's slot (docs/runtime.md, "Gated De
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from specconv.runtime import dequant_native
@@ -25,10 +23,9 @@ MIN_THREAD_VALUES = 1 << 16  # values of work per thread before a call splits
 
 
 def available() -> bool:
-    if os.environ.get("SPECCONV_NO_NATIVE") == "1" or os.environ.get("SPECCONV_NO_NATIVE_GDN") == "1":
-        return False
     module = dequant_native._module()
-    return module is not None and hasattr(module, "gdn")
+    return (module is not None and hasattr(module, "gdn")
+            and not dequant_native.switches() & (dequant_native.NO_NATIVE | dequant_native.NO_NATIVE_GDN))
 
 
 def _cpu_float32(*tensors) -> bool:

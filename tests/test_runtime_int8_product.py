@@ -261,3 +261,19 @@ def test_model_logits_against_llama_cpp_and_float_activations(q8_file, monkeypat
     print(f"\n[q8_0 hidden 256, 12 positions, logits up to {peer.abs().max().item():.2f}] vs llama.cpp: "
           + "; ".join(f"{k} activations mean |Δ| {m:.3e}, max {x:.3e}, top-1 {a}/12" for k, (m, x, a) in stats.items()))
     assert stats["int8"][0] < stats["float32"][0]
+
+
+def test_switches_follow_the_environment(monkeypatch):
+    """The extension reads the switches with getenv (each product asks): what os.environ sets, it sees."""
+    assert dequant_native.switches() == 0
+    for bit, name in dequant_native._SWITCHES.items():
+        with monkeypatch.context() as m:
+            m.setenv(name, "1")
+            assert dequant_native.switches() == bit
+            m.setenv(name, "0")
+            assert dequant_native.switches() == 0
+    monkeypatch.setenv("SPECCONV_NO_NATIVE_GDN", "1")
+    monkeypatch.setenv("SPECCONV_NATIVE_FLOAT_ACTIVATIONS", "1")
+    from specconv.runtime import gdn_native
+    assert not gdn_native.available() and dequant_native.available()
+    assert dequant_native.default_activations(QType.Q8_0) == "float32"
