@@ -110,12 +110,12 @@ CAPTURE = CudaCapture  # what captures (a stand-in in the CPU tests)
 class _Width:
     """The static buffers and the captured forward of one width on one sequence."""
 
-    def __init__(self, ctx, n: int, seq: int):
-        self.ctx, self.n, self.seq = ctx, n, seq
-        self.keep = min(n, ctx.memory.ring)
+    def __init__(self, model, memory, gdn_mode: str, n: int, seq: int):
+        self.model, self.memory, self.gdn_mode, self.n, self.seq = model, memory, gdn_mode, n, seq
+        self.keep = min(n, memory.ring)
         span = -(-n // ALIGN) * ALIGN
         self.length = 3 * span + ALIGN + self.keep
-        self.buffer = torch.zeros(self.length, dtype=torch.long, device=ctx.model.device)
+        self.buffer = torch.zeros(self.length, dtype=torch.long, device=model.device)
         b = self.buffer
         self.tokens = b[:n]
         self.index = BatchIndex(positions=b[span:span + n], cells=b[2 * span:2 * span + n],
@@ -143,20 +143,21 @@ class _Width:
 
     def forward(self):
         """The captured region: reads the static buffers and the memory's device buffers, nothing else."""
-        ctx = self.ctx
-        model = ctx.model
-        batch = Batch.replayable(ctx.memory, self.seq, self.index)  # fresh: no tensor cached from a last run
+        model = self.model
+        batch = Batch.replayable(self.memory, self.seq, self.index)  # fresh: no tensor cached from a last run
         with torch.inference_mode(), batch_invariant(model.dtype in INVARIANT_DTYPES):
             logits, post, pre, _ = model.graph.forward_main(model.weights, model.hparams, self.tokens, batch, set(),
-                                                            ctx.gdn_mode, None)
+                                                            self.gdn_mode, None)
         return logits, post, pre
 
 
 class StepGraphs:
-    """A context's captured forwards, one per (width, sequence); see the module doc."""
+    """A context's captured forwards, one per (width, sequence); see the module doc. It keeps the
+    context's model and memory, not the context (no reference cycle: a context's graphs, pool and
+    buffers go when the context does)."""
 
     def __init__(self, ctx):
-        self.ctx = ctx
+        self.model, self.memory, self.gdn_mode = ctx.model, ctx.memory, ctx.gdn_mode
         self.max_width = min(ctx.memory.ring, MAX_WIDTH)
         self.widths: dict[tuple[int, int], _Width] = {}
         self.capturer = None
@@ -176,12 +177,12 @@ class StepGraphs:
         n = len(tokens)
         width = self.widths.get((n, batch.seq))
         if width is None:
-            width = self.widths[(n, batch.seq)] = _Width(self.ctx, n, batch.seq)
+            width = self.widths[(n, batch.seq)] = _Width(self.model, self.memory, self.gdn_mode, n, batch.seq)
         width.fill(tokens, batch)
-        counter = self.ctx.model.weights.counter
+        counter = self.model.weights.counter
         if self.capturer is None and not self.failed:
             try:
-                self.capturer = CAPTURE(self.ctx.model.device)
+                self.capturer = CAPTURE(self.model.device)
             except Exception as exc:  # no CUDA runtime to capture with
                 self._give_up("setup", exc)
         if width.graph is not None:

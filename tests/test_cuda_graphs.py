@@ -19,7 +19,9 @@ position) would be stale at the next replay and show as wrong logits. Checked:
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -48,13 +50,14 @@ class RecordedGraph:
     writing its results into the captured outputs."""
 
     def __init__(self, fn, outputs):
-        self.fn, self.outputs, self.pending_first = fn, outputs, True
+        # held weakly, as a real graph holds no Python reference to what it captured
+        self.fn, self.outputs, self.pending_first = weakref.WeakMethod(fn), outputs, True
 
     def replay(self):
         if self.pending_first:
             self.pending_first = False
             return
-        for static, fresh in zip(self.outputs, self.fn()):
+        for static, fresh in zip(self.outputs, self.fn()()):
             static.copy_(fresh)
 
 
@@ -201,6 +204,23 @@ def test_the_captured_region_reads_nothing_on_the_host(q8_file, graphable, dtype
     print(f"\n[meta, {dtype}, {model.hparams.arch}] widths {widths} captured ({ctx.graphs.captures}) and replayed "
           f"({ctx.graphs.replays}): no host read")
     assert widths == list(range(1, K + 2)) and ctx.graphs.captures == K + 1 and ctx.graphs.replays > K + 1
+
+
+def test_a_context_and_its_graphs_go_without_the_cycle_collector(q8_file, graphable):
+    """No reference cycle through the graphs: the static buffers and captured graphs (on a GPU, their
+    memory pool) are freed when the last reference to the context goes, not at some later collection."""
+    model = load_model(q8_file, device="cpu", dtype="f32")
+    gc.disable()
+    try:
+        ctx = _steps(model)
+        assert ctx.graphs.captures == K + 1
+        refs = [weakref.ref(x) for x in (ctx, ctx.graphs, *ctx.graphs.widths.values(),
+                                          *(w.graph for w in ctx.graphs.widths.values()))]
+        RecordingCapture.made.clear()  # the stand-in's own record of what it made
+        del ctx
+        assert [r() for r in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
 
 
 def test_a_forward_that_reads_a_host_address_is_not_captured(q8_file, graphable, monkeypatch):
