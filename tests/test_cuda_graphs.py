@@ -150,6 +150,25 @@ def test_replayed_steps_give_the_logits_of_eager_decoding(q8_file, graphable, dt
     assert pointers and _pointers(graphed) == pointers  # static storage kept from replay to replay
 
 
+def test_qwen3next_replays_like_eager_decoding(graphable, tmp_path_factory):
+    """The other captured graph (CAPTURED_ARCHES): Qwen3-Next's own Gated DeltaNet input side and MoE
+    in every block, bfloat16, rounds with rollbacks: replays equal eager decoding bit for bit."""
+    from tests.fixtures import tiny_qwen3next
+
+    path = tiny_qwen3next.converted(tmp_path_factory.mktemp("q3n-graphs"))[1]["embed"]
+    model = load_model(path, device="cpu", dtype="bf16")
+    ids = [int(t) for t in prompt_ids(40, seed=37)]
+    graphed = Context(model, GraphType.MAIN, n_ctx=len(ids), n_rs_seq=K)
+    got = torch.cat([graphed.decode(ids[:PROMPT]).logits, _rounds(graphed, ids, PROMPT, ROUNDS[:6])[0]])
+    with step_graphs.cuda_graphs("off"):
+        eager = Context(model, GraphType.MAIN, n_ctx=len(ids), n_rs_seq=K)
+    ref = torch.cat([eager.decode(ids[:PROMPT]).logits, _rounds(eager, ids, PROMPT, ROUNDS[:6])[0]])
+    print(f"\n[graphs, bf16, {model.arch}] {graphed.graphs.captures} captures, {graphed.graphs.replays} replays; "
+          f"max |Δlogit| vs eager {float((got - ref).abs().max()):.1e}")
+    assert graphed.graphs.captures == 2 and graphed.graphs.replays == 8
+    assert torch.equal(got, ref)
+
+
 @pytest.mark.parametrize("drafter", ["synthetic", "mtp"])
 def test_greedy_plain_and_speculative_tokens_with_graphs_equal_eager(q8_file, graphable, drafter):
     """bfloat16 (batch-invariant): plain decoding (width 1) and speculative decoding (widths 1 and
