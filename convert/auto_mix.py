@@ -53,6 +53,7 @@ MTP_TOLERANCE = 0.01  # acceptance at draft position 1 the MTP block may lose ag
 MTP_DRAFT_MAX = 3
 DEFAULT_CTX = 512
 ALIGNMENT = 32  # GGUF's default data alignment, which the converter keeps
+SIZE_TRIES = 3  # allocations tried when the planned files come out larger than the sizes added up
 CALIBRATION_NAME = "calibration.txt"  # in specconv/data: written for this package, prose, code and data in a few languages
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?$", re.IGNORECASE)
 
@@ -149,31 +150,40 @@ def plan_auto_mix(req, spec: AutoSpec, text: Path | None = None, ctx: int = DEFA
             cal = _measure(req, recipe_plan, recipe, trunk, mtp, Path(tmp), content, ctx, n_chunks, threads, device,
                            tick)
             try:
-                picks, mtp_pick = _allocate(trunk, mtp, budget - fixed, cal.reference_acceptance)
-                head_types = _types([mtp], [mtp_pick]) if mtp is not None else {}
-                mix_types = _types(trunk, picks) | head_types
-                with cal.swapped(mix_types):
-                    allocated = mix_score = cal.kld()
                 with cal.swapped(_types(trunk, [g.recipe for g in trunk])):
                     recipe_score = cal.kld()
-                kept_recipe = mix_score.kld > recipe_score.kld
-                if kept_recipe:  # the groups' ΔKLD did not add up: the recipe's types, measured better
-                    picks, mix_score = [g.recipe for g in trunk], recipe_score
+                slack = 0  # bytes the sizes added up per tensor missed (shard headers of a split file)
+                for _ in range(SIZE_TRIES):
+                    picks, mtp_pick = _allocate(trunk, mtp, budget - fixed - slack, cal.reference_acceptance)
+                    head_types = _types([mtp], [mtp_pick]) if mtp is not None else {}
                     mix_types = _types(trunk, picks) | head_types
+                    with cal.swapped(mix_types):
+                        allocated = mix_score = cal.kld()
+                    kept_recipe = mix_score.kld > recipe_score.kld
+                    if kept_recipe:  # the groups' ΔKLD did not add up: the recipe's types, measured better
+                        picks, mix_score = [g.recipe for g in trunk], recipe_score
+                        mix_types = _types(trunk, picks) | head_types
+                    final = plan_conversion(dataclasses.replace(req, outtype=recipe, type_overrides=mix_types,
+                                                                override_note="by the auto mix (measured)"))
+                    size = planned_bytes(final, req.split_max_size)
+                    if size <= budget:
+                        break
+                    final.close()
+                    slack += size - budget
+                else:
+                    raise SpecconvError(f"no mix found within {budget} bytes: the files' headers ({fixed} bytes with "
+                                        "the ungrouped tensors) leave too little; give a larger size")
                 positions, chunks, reference_acc = cal.positions, cal.chunks, cal.reference_acceptance
+                stride = cal.mtp_stride
             finally:
                 cal.close()
-        final = plan_conversion(dataclasses.replace(req, outtype=recipe, type_overrides=mix_types,
-                                                    override_note="by the auto mix (measured)"))
-        size = planned_bytes(final, req.split_max_size)
-        if size > budget:
-            final.close()
-            raise SpecconvError(f"internal: the auto mix plans {size} bytes over a budget of {budget}")
     finally:
         recipe_plan.close()
     report = _report(spec, recipe, budget, size, size_recipe, trunk, picks, mtp, mtp_pick, mix_score, recipe_score,
                      allocated, kept_recipe, reference_acc, positions, chunks, text)
     report["fixed_bytes"] = fixed  # header, metadata and the tensors no group holds
+    if report["mtp"] is not None:
+        report["mtp"]["stride"] = stride  # a draft round at every stride-th position (compare's --mtp-stride)
     return final, report
 
 
@@ -188,23 +198,23 @@ def _read_text(text: Path | None) -> str:
 
 
 def recipe_and_budget(req, spec: AutoSpec):
+    """(recipe, its plan, the budget in bytes): the recipe named, or the largest one whose files fit the
+    size given (the smallest one when none does)."""
     from .engine import plan_conversion
 
     if spec.recipe is not None:
         plan = plan_conversion(dataclasses.replace(req, outtype=spec.recipe))
         return spec.recipe, plan, planned_bytes(plan, req.split_max_size)
-    best = None
-    for recipe in RECIPES:  # the largest recipe that fits, else the smallest
+    best = None  # (fits, size, recipe, plan)
+    for recipe in RECIPES:
         plan = plan_conversion(dataclasses.replace(req, outtype=recipe))
         size = planned_bytes(plan, req.split_max_size)
-        if best is None or size <= spec.budget:
-            if best is not None:
-                best[1].close()
-            best = (recipe, plan)
-        else:
+        entry = (size <= spec.budget, size if size <= spec.budget else -size, recipe, plan)
+        if best is None or entry[:2] > best[:2]:
+            best, plan = entry, best[3] if best is not None else None
+        if plan is not None:
             plan.close()
-            break
-    return best[0], best[1], spec.budget
+    return best[2], best[3], spec.budget
 
 
 def _groups(plan, recipe: str, fixed_mtp: bool) -> list[_Group]:

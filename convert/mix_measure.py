@@ -34,10 +34,13 @@ from specconv.compare.trunks import GgufTrunk
 from specconv.runtime.dequant import row_bytes
 from specconv.runtime.spec_stats import SpecStats
 from specconv.runtime.stored import StoredWeight
+from specconv.threads import set_threads
 
 from .imatrix import encode_weighted_run
 from .kernels import encode_run
 from .quant_rules import IQ4_TYPES
+
+MTP_ROUNDS = 1024  # draft rounds an acceptance measurement aims at (a head step is a large part of a forward)
 
 
 
@@ -74,6 +77,7 @@ class Calibration:
         self.tick = tick or (lambda *a, **k: None)
         self.trunk = GgufTrunk(reference, ctx, device, None)
         self.model = self.trunk.model
+        set_threads(self.model)  # torch's threads by the model's matrices and the idle cores (specconv/threads.py)
         self.weights_for = weights_for
         tok = self.model.tokenizer
         bos = tok.bos_id if tok.add_bos and tok.bos_id is not None else None
@@ -120,13 +124,20 @@ class Calibration:
             self.tick(advance=1)
         return _score(RowScores.concat(parts))
 
+    @property
+    def mtp_stride(self) -> int:
+        """Rounds at every stride-th position: about MTP_ROUNDS rounds per measurement at most."""
+        c = self.chunks
+        return max(1, c.n_chunks * (c.ctx - self.k + 1 - c.first) // MTP_ROUNDS)
+
     def acceptance(self) -> SpecStats:
         """The head's acceptance by draft position, teacher-forced on the reference trunk."""
         c = self.chunks
         stats = SpecStats(self.k)
         drafter = self._drafter()
         for i in range(c.n_chunks):
-            mtp_acceptance.teacher_forced(drafter, c.ids(i), self.hidden[i], self.greedy[i], c.first, self.k, stats)
+            mtp_acceptance.teacher_forced(drafter, c.ids(i), self.hidden[i], self.greedy[i], c.first, self.k, stats,
+                                          self.mtp_stride)
         self.tick(advance=c.n_chunks)
         return stats
 

@@ -237,7 +237,8 @@ def test_mtp_acceptances_are_compares_on_a_file_with_that_head(bundled, tmp_path
     finally:
         plan.close()
     out = run_compare(CompareOptions(source=bundled["f32"], quants=[tmp_path / "head.gguf"], text=calibration_text(),
-                                     ctx=128, chunks=3, draft_max=3, costs=False, device="cpu"))
+                                     ctx=128, chunks=3, draft_max=3, mtp_stride=head["stride"], costs=False,
+                                     device="cpu"))
     q = out["quants"][0]
     print("compare: source head", out["source"]["mtp"]["per_position"], "; this head",
           q["mtp"]["own_head"]["per_position"], "; KLD of the F32 trunk", q["kld"]["mean"])
