@@ -151,6 +151,21 @@ def test_report_is_reproducible_from_its_json(mixed):
     rows, lines = mix_lines(rep)  # the printed figures come from the JSON
     assert [r[0] for r in rows] == [g["group"] for g in groups] + (["mtp"] if head else [])
     assert f"measured {rep['kld']['measured']:.4g}" in " ".join(lines)
+    printed = _printed(rep, 80)
+    assert all(len(line) <= 80 for line in printed.splitlines()), printed
+    assert all(g["chosen"] in printed for g in groups)
+
+
+def _printed(rep: dict, width: int) -> str:
+    import io
+
+    from rich.console import Console
+
+    from specconv.convert.mix_report import print_mix
+
+    out = io.StringIO()
+    print_mix(Console(file=out, width=width, color_system=None), rep)
+    return out.getvalue()
 
 
 def test_size_budget_takes_the_largest_recipe_that_fits(mixed, tmp_path):
