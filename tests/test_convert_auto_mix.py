@@ -192,6 +192,31 @@ def test_size_budget_takes_the_largest_recipe_that_fits(mixed, tmp_path):
     assert not (tmp_path / "s.gguf").exists()
 
 
+def test_separate_files_and_a_fixed_mtp_type(mixed, tmp_path):
+    """--mtp separate --mtp-outtype q8_0: the budget is both Q4_K_M files together (the embedding and output
+    counted in each), the MTP block is the Q8_0 one (not measured), and the two files fit it."""
+    if mixed["kind"] != "moe":
+        pytest.skip("one model is enough")
+    from gguf import GGUFReader
+
+    opts = ("--mtp", "separate", "--mtp-outtype", "q8_0")
+    (tmp_path / "plain").mkdir()
+    convert_gguf(mixed["src"], tmp_path / "plain" / "m.gguf", outtype="q4_k_m", mtp="separate",
+                 extra_args=["--mtp-outtype", "q8_0"])
+    budget = sum(f.stat().st_size for f in (tmp_path / "plain").iterdir())
+    rep = _convert(mixed["src"], tmp_path / "m.gguf", "auto:q4_k_m", "--ctx", str(CTX), "--chunks", "1",
+                   *opts)["auto_mix"]
+    files = [tmp_path / "m.gguf", tmp_path / "mtp-m.gguf"]
+    size = sum(f.stat().st_size for f in files)
+    print(f"separate: {size} of {budget} bytes; {[(g['group'], g['chosen']) for g in rep['groups']]}")
+    assert rep["budget_bytes"] == budget and rep["mtp"] is None and size == rep["file_bytes"] <= budget
+    assert rep["fixed_bytes"] + sum(g["bytes"] for g in rep["groups"]) == size
+    trunk, head = ({t.name: t.tensor_type.name for t in GGUFReader(str(f)).tensors} for f in files)
+    assert {n: t for n, t in head.items() if n.startswith("blk.") and t != "F32"} and \
+        all(t in ("F32", "Q8_0") for n, t in head.items() if n.startswith("blk."))
+    assert all(trunk[n] == head[n] for n in ("token_embd.weight", "output.weight"))
+
+
 # ------------------------------------------------------------------------------------------ the MTP block
 
 
