@@ -165,7 +165,10 @@ class StepGraphs:
         self.captures = self.replays = 0
 
     def takes(self, n: int, hidden: Sequence[str], layers: Sequence[int]) -> bool:
-        return not self.failed and 1 <= n <= self.max_width and not layers and all(h in HIDDEN for h in hidden)
+        """Whether this call replays a graph (the backend asked again: tests swap it per call)."""
+        backend = for_device(self.model.device)
+        return (not self.failed and 1 <= n <= self.max_width and not layers and all(h in HIDDEN for h in hidden)
+                and backend.static_kv and backend.slot_states)
 
     def _give_up(self, what: str, exc: Exception):
         self.failed = True

@@ -242,6 +242,19 @@ def test_a_context_and_its_graphs_go_without_the_cycle_collector(q8_file, grapha
         gc.enable()
 
 
+def test_a_call_on_a_backend_without_the_capture_properties_runs_eagerly(q8_file, graphable, monkeypatch):
+    """The backend is asked at every call: a context made with graphs, decoding where the backend
+    (swapped, as tests do) has neither fixed-size K/V nor ring slots, runs those calls eagerly."""
+    model = load_model(q8_file, device="cpu", dtype="f32")
+    ctx = Context(model, GraphType.MAIN, n_ctx=16, n_rs_seq=K)
+    assert ctx.graphs is not None
+    reference = TorchBackend()
+    monkeypatch.setattr(backend_module, "_backend", lambda kind: reference)
+    for t in range(4):
+        ctx.decode([t + 1])
+    assert not ctx.graphs.widths
+
+
 def test_a_forward_that_reads_a_host_address_is_not_captured(q8_file, graphable, monkeypatch):
     """A forward reading the batch's start on the host (what a captured graph would replay stale)
     fails on the replayable batch, whatever the device."""

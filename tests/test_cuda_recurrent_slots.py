@@ -27,7 +27,9 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first compiled (jitted)
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
-from specconv.runtime import Context, GraphType, backend as backend_module, kernels_triton, load_model  # noqa: E402
+from specconv.runtime import (  # noqa: E402
+    Context, GraphType, backend as backend_module, kernels_triton, load_model, step_graphs,
+)
 from specconv.runtime.backend import batch_invariant  # noqa: E402
 from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
@@ -38,6 +40,13 @@ torch.set_num_threads(1)
 DEVICE = "cuda" if ON_GPU else "cpu"
 K = 3
 BACKENDS = {"cuda": CudaBackend(kernels_triton, device_types=(DEVICE,)), "torch": TorchBackend()}
+
+
+@pytest.fixture(autouse=True)
+def eager():
+    """The recurrence itself, eagerly: no CUDA graphs (tests/test_cuda_graphs.py replays it)."""
+    with step_graphs.cuda_graphs("off"):
+        yield
 
 
 @contextmanager
