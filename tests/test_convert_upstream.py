@@ -79,14 +79,21 @@ def test_separate_is_upstreams_two_runs(checkpoints, tmp_path):
 
 
 def test_directory_names_match_upstream(checkpoints, tmp_path):
-    """-o DIR/: upstream names the embedded file Name-Size-TYPE.gguf and its --mtp file mtp-Name-TYPE.gguf."""
+    """-o DIR/: the embedded file is named as upstream names it, Name-Size-TYPE.gguf, with the same bytes.
+    The --mtp file is upstream's bytes under the project's one scheme (docs/reference/gguf-layout.md):
+    mtp- + the name of the trunk it belongs to, size label included (upstream drops the label)."""
     src = checkpoints(moe=False, layout="release")
-    (tmp_path / "up").mkdir()
+    for folder in ("up", "ours", "trunk"):
+        (tmp_path / folder).mkdir()
     convert_gguf_upstream(src, tmp_path / "up", outtype="q8_0")
     convert_gguf_upstream(src, tmp_path / "up", outtype="q8_0", extra_args=["--mtp"])
     convert_gguf(src, str(tmp_path / "ours") + "/", outtype="q8_0", mtp="embed")
     convert_gguf(src, str(tmp_path / "ours") + "/", outtype="q8_0", mtp="only")
-    up = sorted(p.name for p in (tmp_path / "up").iterdir())
-    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == up and len(up) == 2
-    for name in up:
-        assert_same_file_as_upstream(tmp_path / "ours" / name, tmp_path / "up" / name)
+    convert_gguf(src, str(tmp_path / "trunk") + "/", outtype="q8_0", mtp="none")
+    [up_main] = [p.name for p in (tmp_path / "up").iterdir() if not p.name.startswith("mtp-")]
+    [up_mtp] = [p.name for p in (tmp_path / "up").iterdir() if p.name.startswith("mtp-")]
+    [trunk] = [p.name for p in (tmp_path / "trunk").iterdir()]
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted([up_main, "mtp-" + trunk])
+    print(f"upstream: {up_main}, {up_mtp}; ours: {up_main}, mtp-{trunk}")
+    assert_same_file_as_upstream(tmp_path / "ours" / up_main, tmp_path / "up" / up_main)
+    assert_same_file_as_upstream(tmp_path / "ours" / ("mtp-" + trunk), tmp_path / "up" / up_mtp)
