@@ -27,6 +27,12 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
     prompt_seconds: float | None = None  # evaluation of the prompt (plain decoding)
     weight_bytes_read: int | None = None  # stored weight bytes dequantized by the whole run
+    prefix_calls: int = 0  # decode calls on the prompt's prefix (all but its last token), at most one
+
+    @property
+    def target_forwards(self) -> int:
+        """Target forwards that produced tokens: the decode calls less the one on the prompt's prefix."""
+        return self.target_evaluations - self.prefix_calls
 
     def to_json(self) -> dict:
         n = len(self.tokens)
@@ -83,7 +89,7 @@ def generate(model: Model, prompt_tokens: Sequence[int], n_predict: int, tempera
     seconds = time.perf_counter() - start
     return GenerationResult(prompt_tokens=prompt, tokens=out, text=decode_text(model, out), seconds=seconds,
                             target_evaluations=ctx.n_decode_calls, prompt_seconds=prompt_seconds,
-                            weight_bytes_read=counter.reset())
+                            weight_bytes_read=counter.reset(), prefix_calls=int(n_predict > 0 and len(prompt) > 1))
 
 
 def decode_text(model: Model, tokens: Sequence[int]) -> str:

@@ -150,6 +150,7 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
         report["per_block"] = per_block(stats, drafter.block_of_position)
     result = GenerationResult(prompt_tokens=prompt, tokens=out_tokens, text=decode_text(target, out_tokens),
                               seconds=seconds, target_evaluations=ctx.n_decode_calls,
+                              prefix_calls=int(n_predict > 0 and len(prompt) > 1),
                               stats={"speculative": report, "rounds": [dict(r) for r in stats.round_log]})
     result.spec_stats = stats  # the raw counts, for merging runs (verify)
     return result

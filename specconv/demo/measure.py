@@ -97,7 +97,7 @@ class Measurement:
         """One dict per speculative configuration, with verify's key names plus the timing."""
         plain_tokens = self.plain.tokens
         plain_s = self.plain.median_seconds
-        plain_forwards = sum(r.target_evaluations for r in self.plain.results)
+        plain_forwards = sum(r.target_forwards for r in self.plain.results)
         out = []
         for run in self.runs:
             s = run.stats().to_json()
@@ -114,7 +114,7 @@ class Measurement:
     def to_json(self) -> dict:
         return {"n_predict": self.n_predict, "repeats": self.repeats, "prompts": self.prompts,
                 "plain_seconds": self.plain.median_seconds,
-                "plain_target_forwards": sum(r.target_evaluations for r in self.plain.results),
+                "plain_target_forwards": sum(r.target_forwards for r in self.plain.results),
                 "rows": self.rows()}
 
 

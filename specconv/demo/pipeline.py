@@ -107,7 +107,7 @@ def sample(target, head, prompt_ids: list[int], n_predict: int, draft_max: int) 
             "plain_text": plain.text, "spec_text": spec.text, "identical": spec.tokens == plain.tokens,
             "plain_tokens": plain.tokens, "spec_tokens": spec.tokens,
             "pieces": token_pieces(tok, spec.tokens), "accepted_draft": marks[:len(spec.tokens)],
-            "plain_target_forwards": plain.target_evaluations,
+            "plain_target_forwards": plain.target_forwards,
             "spec_target_forwards": spec.stats["speculative"]["target_forwards"]}
 
 
