@@ -46,7 +46,7 @@ from gguf import GGMLQuantizationType
 from specconv.runtime import dequant, dequant_native, gdn_native, stored
 from specconv.runtime.backend import batch_invariant, rows_alone
 from specconv.runtime.backend_torch import TorchBackend, token_by_token
-from specconv.runtime.graphs.gdn import PendingStates
+from specconv.runtime.graphs import gdn
 from specconv.runtime.placement import active_device
 from specconv.runtime.stored import StoredWeight
 
@@ -102,9 +102,20 @@ class NativeCpuBackend(TorchBackend):
         if exact and gdn_native.applies(q[:1], state, None):
             return token_by_token(_native_token, q, k, v, g, beta, state, keep)
         if not exact and lazy and gdn_native.applies(q, state, out):
+            q, k, v, g, beta = (x.to(torch.float32).contiguous() for x in (q, k, v, g, beta))
             o, delta, last = gdn_native.delta_rule_tokens(q, k, v, g, beta, state, out=out)
-            kt = k.to(torch.float32).permute(1, 2, 0)  # [nv, dk, n]
-            return o, PendingStates(state, kt, delta, g.t().cumsum(-1), q.shape[0] - keep, last=last)
+            return o, gdn_native.NativePendingStates(state, q, k, v, g, beta, delta, q.shape[0] - keep, last)
+        tail = gdn_native.MAX_TOKENS
+        if not exact and lazy and keep <= tail < q.shape[0]:
+            # a prompt: the chunked form up to its last `tail` tokens, the batched form over those,
+            # whatever `keep`: split at n - keep (the torch backend's split), the state after a prompt
+            # would depend on the snapshot ring's size, which plain and speculative decoding choose
+            # differently, and 8-bit activation products downstream turn its last bits into codes
+            head = q.shape[0] - tail
+            o_head, mid = gdn.chunked_delta_rule(q[:head], k[:head], v[:head], g[:head], beta[:head], state)
+            o_tail, pending = gdn.batched_delta_rule(q[head:], k[head:], v[head:], g[head:], beta[head:], mid,
+                                                     keep=keep, lazy=True)
+            return torch.cat([o_head, o_tail]), pending
         return super().delta_rule(q, k, v, g, beta, state, keep, lazy=lazy, out=out, exact=exact)
 
 

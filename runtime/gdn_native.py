@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from specconv.runtime import dequant_native
+from specconv.runtime.graphs.gdn import PendingStates
 from specconv.runtime.stored import StoredWeight
 
 MAX_TOKENS = 16  # the batched torch form and the chunked form take longer inputs (prompts)
@@ -92,3 +93,23 @@ def delta_rule_tokens(q, k, v, g, beta, state, out: torch.Tensor | None = None, 
                                  g.data_ptr(), beta.data_ptr(), o.data_ptr(), delta.data_ptr(), n, nv, dk, dv,
                                  _threads(threads, nv * dk * dv * max(n, 1)))
     return o, delta, out
+
+
+class NativePendingStates(PendingStates):
+    """PendingStates of a batch the native step computed: an earlier token's state (a rollback into
+    the batch) is the native step run again over the batch's tokens up to that one, from the state
+    before the batch, rather than PendingStates' closed form. The step's arithmetic per token does not
+    depend on how many tokens it is given, so the kept state has the bits one-token decode steps would
+    have left: the closed form's differ in the last place, and an 8-bit activation product
+    (runtime/dq_dot_i8.inc) after the rollback turns that into other codes, so a speculative round
+    that rejected a draft would continue from other bits than plain decoding."""
+
+    def __init__(self, state, q, k, v, g, beta, delta, first: int, last: torch.Tensor):
+        super().__init__(state, k.permute(1, 2, 0), delta, g.t().cumsum(-1), first, last=last)
+        self.inputs = (q, k, v, g, beta)
+
+    def state(self, i: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if i == self.keep - 1:
+            return super().state(i, out)
+        t = self.first + i + 1
+        return delta_rule_tokens(*(x[:t] for x in self.inputs), self.state0, out=out)[2]

@@ -214,6 +214,38 @@ def test_model_verification_rows_are_the_bits_of_one_row_forwards(q8_file):
         assert torch.equal(out.hidden["post_norm"], torch.cat([r.hidden["post_norm"] for r in rows])), n
 
 
+def _steps(model, ctx, tokens):
+    return torch.cat([ctx.decode([t], hidden=("post_norm",)).logits for t in tokens])
+
+
+def test_model_states_after_a_prompt_and_a_rollback_are_the_bits_of_plain_steps(q8_file):
+    """What speculative decoding leaves and plain decoding does not see: a 21-token prompt (over the
+    native step's 16 tokens) evaluated with snapshot rings of 1, 4 and 9 states or a checkpoint, and
+    a verification of 4 tokens with wrong drafts rolled back to each position: the one-token steps
+    after them give the bits of plain one-token decoding (the kept state is the native step's, not
+    the pending states' closed form, and the prompt's state does not depend on the ring)."""
+    from specconv.runtime import Context, GraphType, load_model
+
+    model = load_model(q8_file, device="cpu")
+    ids = [(3 + 7919 * i) % model.n_vocab for i in range(32)]
+    prompt, then = ids[:21], ids[21:27]
+    plain = Context(model, GraphType.MAIN, n_ctx=64, n_rs_seq=0, rollback="checkpoint")
+    plain.decode(prompt)
+    reference = _steps(model, plain, then)
+    for n_rs in (0, 3, 8):
+        ctx = Context(model, GraphType.MAIN, n_ctx=64, n_rs_seq=n_rs)
+        ctx.decode(prompt)
+        assert torch.equal(_steps(model, ctx, then), reference), n_rs
+    for kept in range(4):  # then[:kept + 1] accepted, the rest of the batch wrong drafts
+        ctx = Context(model, GraphType.MAIN, n_ctx=64, n_rs_seq=3)
+        ctx.decode(prompt)
+        batch = then[:kept + 1] + [(7 * t + 1) % model.n_vocab for t in then[kept + 1:4]]
+        out = ctx.decode(batch).logits
+        assert torch.equal(out[:kept + 1], reference[:kept + 1])
+        assert ctx.seq_rm(0, len(prompt) + kept + 1)
+        assert torch.equal(_steps(model, ctx, then[kept + 1:]), reference[kept + 1:]), kept
+
+
 def test_model_speculative_greedy_equals_plain(q8_file, monkeypatch):
     from specconv.runtime import load_model
     from specconv.runtime.drafters.synthetic import SyntheticDrafter, greedy_reference
@@ -228,12 +260,13 @@ def test_model_speculative_greedy_equals_plain(q8_file, monkeypatch):
 
     monkeypatch.setattr(dequant_native, "matmul_t", counted)
     model = load_model(q8_file, device="cpu")
-    for prompt in ([17], [5, 900, 42, 3000, 7, 5, 900, 42]):
-        reference = greedy_reference(model, prompt, 20)
-        for a, k in [(0.5, 1), (0.8, 2), (0.8, 3), (0.6, 4)]:
-            res = speculative_generate(model, SyntheticDrafter(reference, model.n_vocab, a, seed=k), prompt, 20,
-                                       SpecConfig(draft_max=k))
-            assert res.tokens == reference[len(prompt):], (prompt, a, k)
+    long_prompt = [(11 + 4099 * i) % model.n_vocab for i in range(24)]  # over the native step's 16 tokens
+    for prompt in ([17], [5, 900, 42, 3000, 7, 5, 900, 42], long_prompt):
+        reference = greedy_reference(model, prompt, 40)
+        for a, k, auto in [(0.5, 1, False), (0.8, 2, False), (0.8, 3, False), (0.6, 4, False), (0.8, 8, True)]:
+            res = speculative_generate(model, SyntheticDrafter(reference, model.n_vocab, a, seed=k), prompt, 40,
+                                       SpecConfig(draft_max=k, auto=auto))
+            assert res.tokens == reference[len(prompt):], (prompt, a, k, auto)
     assert calls and set(calls) == {"int8"}  # every product of this model took the 8-bit path
 
 
