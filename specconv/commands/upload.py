@@ -121,6 +121,11 @@ class RichEvents:
               help="A `specconv verify --report FILE` report for the card; repeat it, one per model file of a ladder. Each "
                    "is matched to the file it verified (the path, size and sha256 it records) and refused if that "
                    "file is not uploaded or its bytes differ.")
+@click.option("--compare", "compare_paths", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A `specconv compare --json` report for the card's \"Quality against the source\" table (KLD, "
+                   "top-1 agreement, PPL ratio, MTP acceptance by position, predicted speed-up); repeatable. Each "
+                   "quant it measured is matched to the uploaded file of that name, and refused if its size (or "
+                   "sha256) differs.")
 @click.option("--verify", "run_verify", is_flag=True,
               help="Run `specconv verify` on each model file that has no --report (with its mtp- sidecar) before "
                    "uploading; the reports are kept in DIR/.specconv-upload/verify/ and reused by a rerun. Not run "
@@ -137,7 +142,8 @@ class RichEvents:
               help="First back-off delay in seconds (doubles).")
 @click.option("--keep-staging", is_flag=True, help="Keep re-split shards after a successful upload.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan (dry run) or the result as JSON.")
-def command(inputs, repo_id, private, revision, create_pr, dry_run, max_file_size, report_paths, run_verify, hf_dir,
+def command(inputs, repo_id, private, revision, create_pr, dry_run, max_file_size, report_paths, compare_paths,
+            run_verify, hf_dir,
             base_model, name, license_, quantized_by, retries, retry_delay, keep_staging, as_json, hf_repo,
             local_dir):
     """Upload GGUF files with one model card: every .gguf in the folder DIR, or the FILE.gguf given (each
@@ -156,7 +162,7 @@ def command(inputs, repo_id, private, revision, create_pr, dry_run, max_file_siz
     def make_plan(reports):
         return build_plan(source, repo_id=repo_id, max_file_size=parse_size(max_file_size), reports=reports,
                           base_model=base_model, name=name, license=license_, quantized_by=quantized_by,
-                          revision=revision)
+                          revision=revision, compares=compare_paths)
 
     plan = make_plan(list(report_paths))
     if run_verify and dry_run:

@@ -347,12 +347,15 @@ def render_card(
     base_model: str | None,
     license: str | None,
     quantized_by: str,
+    quality: str = "",
 ) -> str:
     title = repo_id.split("/", 1)[1]
     intro = "GGUF files with multi-token-prediction (MTP) heads for speculative decoding in llama.cpp"
     intro += f", quantized from [{base_model}](https://huggingface.co/{base_model})." if base_model else "."
     parts = [front_matter(base_model=base_model, license=license, quantized_by=quantized_by), f"# {title}", "", intro, ""]
     parts.append(file_table(entries))
+    if quality:  # specconv/hub/quality.py: the `specconv compare` figures of each file
+        parts.append(quality)
     usage = usage_section(repo_id, entries)
     if usage:
         parts.append(usage)

@@ -31,6 +31,7 @@ from specconv.hub.naming import (
     validate_revision,
     without_markers,
 )
+from specconv.hub.quality import load_compare, match_compares, quality_section
 from specconv.hub.report import VerifyReport
 from specconv.hub.split import ShardLayout, plan_split
 from specconv.hub.verified import load_reports, match_reports
@@ -311,6 +312,7 @@ def build_plan(
     license: str | None = None,
     quantized_by: str = "specconv",
     revision: str | None = None,
+    compares=(),
 ) -> UploadPlan:
     validate_repo_id(repo_id)
     if revision is not None:
@@ -318,7 +320,8 @@ def build_plan(
     if base_model is not None:
         validate_repo_id(base_model, namespace_required=False, what="--base-model")
     """The plan for `folder` (a folder of outputs, or a list of .gguf files: collect_inputs); `report` and
-    `reports` are verify reports (paths or parsed), each matched to the model file it verified."""
+    `reports` are verify reports (paths or parsed), each matched to the model file it verified; `compares` are
+    `specconv compare --json` reports (paths), each quant matched to the uploaded file it measured."""
     if isinstance(folder, (str, Path)) and not Path(folder).is_dir():
         raise SpecconvError(f"{folder} is not a folder")
     reports = load_reports([*([report] if report is not None else []), *reports])
@@ -385,6 +388,7 @@ def build_plan(
     for a in artifacts:  # hashed to match a report: the upload need not hash it again
         if a.layout is None and a.sources[0] in digests:
             a.files[0].sha256 = digests[a.sources[0]]
+    quality = match_compares([load_compare(p) for p in compares], artifacts, warnings)
     entries = [card_mod.CardEntry(a.name, a.paths, a.base, a.quant, a.role, a.size, _draft_max(m), a.type_bytes,
                                   a.report, a.verified_with)
                for a, m in zip(artifacts, [by_source[a.sources[0]] for a in artifacts])]
@@ -394,6 +398,7 @@ def build_plan(
         base_model=base_model,
         license=license,
         quantized_by=quantized_by,
+        quality=quality_section(quality),
     )
     data = text.encode("utf-8")
     readme = PlanFile(README, len(data), content=data)
