@@ -171,6 +171,9 @@ def test_coarser_quant_is_further_away(files):
     assert q8["delta_p"]["rms"] < q4["delta_p"]["rms"]
     assert q8["bits_per_weight"] > q4["bits_per_weight"]
     assert q8["size_bytes"] == files["q8_0"].stat().st_size
+    from specconv.digest import sha256_file
+
+    assert q8["sha256"] == sha256_file(files["q8_0"]).hex() != q4["sha256"]
 
 
 def test_transformers_checkpoint_as_source(files):

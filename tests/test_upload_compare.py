@@ -165,13 +165,30 @@ def test_sha256_recorded_and_equal_is_accepted(ladder, tmp_path):
     from specconv.hub.plan import build_plan
 
     data = json.loads(ladder["report"].read_text())
-    for q in data["quants"]:
-        q["sha256"] = sha256_file(q["path"]).hex()
-    good = tmp_path / "with-sha.json"
-    good.write_text(json.dumps(data))
-    plan = build_plan(ladder["out"], repo_id=REPO, compares=[good])
+    assert all(q["sha256"] == sha256_file(q["path"]).hex() for q in data["quants"])  # compare records them
+    plan = build_plan(ladder["out"], repo_id=REPO, compares=[ladder["report"]])
     card = plan.readme.content.decode()
     assert len(table_rows(card, HEADER)) == 3
+
+
+def test_same_size_other_bytes_is_refused(ladder, tmp_path):
+    """A file changed in place after compare measured it (same size, other bytes) is not its report's file."""
+    from specconv.hub.plan import build_plan
+    from specconv.errors import SpecconvError
+
+    out = tmp_path / "changed"
+    shutil.copytree(ladder["out"], out)
+    q4 = out / ladder["model"]["Q4_K_M"].name
+    raw = bytearray(q4.read_bytes())
+    raw[-1] ^= 0xFF
+    q4.write_bytes(bytes(raw))
+    data = json.loads(ladder["report"].read_text())
+    for q in data["quants"]:
+        q["path"] = str(out / Path(q["path"]).name)
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(data))
+    with pytest.raises(SpecconvError, match="the report is of other bytes"):
+        build_plan(out, repo_id=REPO, compares=[report])
 
 
 def test_quant_not_uploaded_is_left_out_with_a_warning(ladder, tmp_path):

@@ -190,14 +190,18 @@ class _Job:
     def _describe(self, trunk) -> dict:
         if isinstance(trunk, HfTrunk):
             return {"path": str(trunk.path), "kind": "transformers checkpoint", "type": None}
+        from specconv.digest import sha256_file
         from specconv.hub.gguf_info import read_model
 
         info = read_model(trunk.model.file.paths)
         tensors = trunk.model.file.tensors.values()
         elements = sum(int(np.prod(t.shape)) for t in tensors)
         stored = sum(t.stored.n_bytes for t in tensors)
+        paths = trunk.model.file.paths
+        # one file's digest, so `upload --compare` can tell the measured file from another of its size
+        digest = sha256_file(paths[0]).hex() if len(paths) == 1 else None
         return {"path": str(trunk.path), "kind": "gguf", "type": info.quant, "size_bytes": info.size,
-                "bits_per_weight": 8.0 * stored / elements if elements else None,
+                "sha256": digest, "bits_per_weight": 8.0 * stored / elements if elements else None,
                 "head": str(trunk.head_file) if trunk.head_file is not None else None}
 
     # ---- the two ways of running -----------------------------------------------------------------
