@@ -48,8 +48,8 @@ def command(source, quants, text_file, tokens_file, ctx, chunks, resident, mtp_f
     head, its acceptance by draft position beside the source's head on the source and on the quant's trunk,
     with the speed-up it predicts."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from specconv.commands.stage_bar import stage_bar
     from specconv.compare import CompareOptions, run_compare
     from specconv.compare.report import render
 
@@ -57,14 +57,7 @@ def command(source, quants, text_file, tokens_file, ctx, chunks, resident, mtp_f
                           chunks=chunks, resident=resident, draft_max=draft_max, mtp_stride=mtp_stride,
                           mtp=list(mtp_files),
                           source_mtp=source_mtp, heads=not no_mtp, costs=not no_costs, device=device, dtype=dtype)
-    console = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=console, transient=True) as bar:
-        task = bar.add_task("loading", total=None)
-
-        def progress(description: str, advance: int = 0, total: int | None = None) -> None:
-            bar.update(task, description=description, advance=advance, **({"total": total} if total else {}))
-
+    with stage_bar() as progress:
         report = run_compare(opts, progress)
     if as_json:
         click.echo(json.dumps(report, indent=2, ensure_ascii=False))

@@ -44,8 +44,8 @@ def command(model, text_file, tokens_file, ctx, chunks, process_output, output, 
     routed to each), written in llama-imatrix's format, for `convert --imatrix`, `quantize --imatrix` and
     llama.cpp's llama-quantize."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from specconv.commands.stage_bar import stage_bar
     from specconv.imatrix import ImatrixOptions, run_imatrix
 
     check_output_folder(output.parent, mkdir=mkdir, option="-o")
@@ -55,14 +55,7 @@ def command(model, text_file, tokens_file, ctx, chunks, process_output, output, 
         output.parent.mkdir(parents=True, exist_ok=True)
     opts = ImatrixOptions(model=model, output=output, text=text_file, tokens=tokens_file, ctx=ctx, chunks=chunks,
                           process_output=process_output, output_format=output_format, device=device, dtype=dtype)
-    console = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=console, transient=True) as bar:
-        task = bar.add_task("loading", total=None)
-
-        def progress(description: str, advance: int = 0, total: int | None = None) -> None:
-            bar.update(task, description=description, advance=advance, **({"total": total} if total else {}))
-
+    with stage_bar() as progress:
         report = run_imatrix(opts, progress)
     if as_json:
         click.echo(json.dumps(report, indent=2, ensure_ascii=False))
