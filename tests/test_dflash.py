@@ -120,39 +120,9 @@ def test_conversion_needs_target(root):
 
 
 def _llama_block_logits(peers, t_gguf, d_gguf, features, block, pos0):
-    """llama.cpp's draft context next to the target: inject feature rows at 0..m-1, decode the block
-    non-causally at pos0.., return its logits rows."""
-    import llama_cpp
-
-    tm, dm = peers.load_model(t_gguf), peers.load_model(d_gguf)
-    tctx = peers.new_context(tm, n_ctx=64)
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx = cp.n_batch = cp.n_ubatch = 256
-    cp.n_seq_max, cp.n_threads, cp.n_threads_batch = 1, 1, 1
-    cp.type_k = cp.type_v = 0
-    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    cp.ctx_other = tctx  # embedding and output head come from the target
-    dctx = llama_cpp.llama_init_from_model(dm, cp)
-    assert dctx, "llama.cpp could not build the DFlash draft context"
-    try:
-        llama_cpp.llama_set_causal_attn(dctx, False)  # as draft-dflash does
-        feats = np.ascontiguousarray(tiny.as_numpy(features), dtype=np.float32)
-        m, width = feats.shape
-        b = llama_cpp.llama_batch_init(m, width, 1)
-        try:
-            np.ctypeslib.as_array(b.embd, shape=(m * width,))[:] = feats.reshape(-1)
-            for i in range(m):
-                b.pos[i], b.n_seq_id[i], b.logits[i] = i, 1, 0
-                b.seq_id[i][0] = 0
-            b.n_tokens = m
-            assert llama_cpp.llama_decode(dctx, b) == 0
-        finally:
-            llama_cpp.llama_batch_free(b)
-        peers.decode_tokens(dctx, block, pos0)
-        return peers.row_logits(dctx, dm, len(block))
-    finally:
-        peers.free_context(dctx)
-        peers.free_context(tctx)
+    """llama.cpp's draft context next to the target: feature rows at 0..m-1, the block decoded
+    non-causally at pos0.. (tests/fixtures/peers.py `llama_dflash_block`); its logits rows."""
+    return peers.llama_dflash_block(t_gguf, d_gguf, tiny.as_numpy(features), block, pos0)
 
 
 @pytest.mark.peer

@@ -30,39 +30,7 @@ def root(tmp_path_factory):
 
 def _llama_dflash2(peers, t_gguf, d_gguf, features, block, pos0):
     """llama.cpp's DFlash2 block: (logits, lattice rows) — the lattice is what draft-dflash walks."""
-    import llama_cpp
-    from llama_cpp import llama_cpp_ext
-
-    tm, dm = peers.load_model(t_gguf), peers.load_model(d_gguf)
-    tctx = peers.new_context(tm, n_ctx=64)
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx = cp.n_batch = cp.n_ubatch = 256
-    cp.n_seq_max, cp.n_threads, cp.n_threads_batch = 1, 1, 1
-    cp.type_k = cp.type_v = 0
-    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    cp.ctx_other = tctx
-    dctx = llama_cpp.llama_init_from_model(dm, cp)
-    assert dctx, "llama.cpp could not build the DFlash2 draft context"
-    try:
-        llama_cpp.llama_set_causal_attn(dctx, False)
-        llama_cpp_ext.llama_set_embeddings_nextn(dctx, True, False)  # the lattice of every row
-        feats = np.ascontiguousarray(tiny.as_numpy(features), dtype=np.float32)
-        m, width = feats.shape
-        b = llama_cpp.llama_batch_init(m, width, 1)
-        try:
-            np.ctypeslib.as_array(b.embd, shape=(m * width,))[:] = feats.reshape(-1)
-            for i in range(m):
-                b.pos[i], b.n_seq_id[i], b.logits[i] = i, 1, 0
-                b.seq_id[i][0] = 0
-            b.n_tokens = m
-            assert llama_cpp.llama_decode(dctx, b) == 0
-        finally:
-            llama_cpp.llama_batch_free(b)
-        peers.decode_tokens(dctx, block, pos0)
-        return peers.row_logits(dctx, dm, len(block)), peers.row_hidden_nextn(dctx, dm, len(block))
-    finally:
-        peers.free_context(dctx)
-        peers.free_context(tctx)
+    return peers.llama_dflash_block(t_gguf, d_gguf, tiny.as_numpy(features), block, pos0, lattice=True)
 
 
 def _walk(lattice_rows, k, n):
