@@ -187,6 +187,15 @@ class _Job:
             return None
         return mtp.measure_costs(trunk.model, trunk.head, self.stream, self.k)
 
+    def _quant_pass(self, j: int):
+        """The j-th quant opened: its pass record, its trunk and its own MTP drafter (None without a head)."""
+        q = _Pass(Path(self.opts.quants[j]))
+        trunk = self._open_quant(j)
+        q.info = self._describe(trunk)
+        own = self._drafter(trunk)
+        q.own = SpecStats(self.k) if own else None
+        return q, trunk, own
+
     def _describe(self, trunk) -> dict:
         if isinstance(trunk, HfTrunk):
             return {"path": str(trunk.path), "kind": "transformers checkpoint", "type": None}
@@ -231,11 +240,7 @@ class _Job:
         trunk.close()
         quants = []
         for j in range(len(self.opts.quants)):
-            q = _Pass(Path(self.opts.quants[j]))
-            trunk = self._open_quant(j)
-            q.info = self._describe(trunk)
-            own = self._drafter(trunk)
-            q.own = SpecStats(self.k) if own else None
+            q, trunk, own = self._quant_pass(j)
             if drafter is not None:
                 q.record = mtp.TrunkRecord(self.tmp, f"quant{j}", c.n_chunks, c.ctx, c.ctx - c.first)
                 self.records.append(q.record)
@@ -284,11 +289,7 @@ class _Job:
         source.own = SpecStats(self.k) if drafter else None
         quants = []
         for j in range(len(self.opts.quants)):
-            q = _Pass(Path(self.opts.quants[j]))
-            trunk = self._open_quant(j)
-            q.info = self._describe(trunk)
-            own = self._drafter(trunk)
-            q.own = SpecStats(self.k) if own else None
+            q, trunk, own = self._quant_pass(j)
             q.source_head = SpecStats(self.k) if drafter else None
             names = tuple(dict.fromkeys(mtp.wanted_hidden([own]) + source_hidden))
             label = _label(q.info)
