@@ -54,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("-n", "--n-predict", type=int, default=64)
     p.add_argument("--no-moe", action="store_true", help="skip the Qwen3.5-MoE file")
+    p.add_argument("--types", default="bf16,q8_0,Q4_K_M", help="dense 1 B file types to build and measure")
+    p.add_argument("--build-only", action="store_true",
+                   help="write the checkpoints and GGUF files, measure nothing (run it on the CPU while the GPU works)")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -67,7 +70,7 @@ def build(args) -> dict[str, Path]:
     from synth_qwen35 import write_checkpoint
 
     files = {}
-    wanted = [("dense1b", t) for t in ("bf16", "q8_0", "Q4_K_M")] + ([] if args.no_moe else [("moe", "Q4_K_M")])
+    wanted = [("dense1b", t) for t in args.types.split(",") if t] + ([] if args.no_moe else [("moe", "Q4_K_M")])
     for model, qtype in wanted:
         spec = dict(MODELS[model])
         src = write_checkpoint(args.workdir / f"{model}-hf", spec.pop("target_bytes"), **spec)
@@ -128,7 +131,12 @@ def profile_step(model) -> dict:
     events = prof.events()
     kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     syncs = sum(1 for e in events if e.name in SYNC_CALLS)
-    return {"kernels": kernels, "syncs": syncs, "graph_replays": ctx.graphs.replays if ctx.graphs else 0}
+    # where the step's time goes: the operators with the most device (else host) time, for the log
+    by_time = sorted(prof.key_averages(), key=lambda a: (a.device_time_total, a.cpu_time_total),
+                     reverse=True)
+    top = [{"name": a.key[:80], "count": a.count, "device_us": round(a.device_time_total, 1),
+            "cpu_us": round(a.cpu_time_total, 1)} for a in by_time[:15]]
+    return {"kernels": kernels, "syncs": syncs, "graph_replays": ctx.graphs.replays if ctx.graphs else 0, "top": top}
 
 
 def copy_floor(file_bytes: int, device) -> float | None:
@@ -263,6 +271,9 @@ def main(argv=None) -> list[dict]:
 
     args = parse_args(argv)
     files = build(args)
+    if args.build_only:
+        print("\n".join(f"{name}: {path} ({path.stat().st_size / 1e9:.2f} GB)" for name, path in files.items()))
+        return []
     meta = {"device": args.device, "torch": torch.__version__,
             "card": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
     print(f"device {meta['device']} ({meta['card']}), torch {meta['torch']}", flush=True)

@@ -3,6 +3,7 @@
 # older transformers, no gguf): downloaded here into .whl/ (ignored by git), carried with the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mkdir -p .git/info
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
