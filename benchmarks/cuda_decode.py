@@ -239,10 +239,10 @@ def run_file(path: Path, args) -> dict:
                         "tokens_identical": synthetic["tokens"] == plain.tokens == again.tokens,
                         "acceptance": synthetic["acceptance_rate"], "tokens_per_forward": synthetic["tokens_per_forward"]}
     out["profile"] = profile_step(model)
+    if device.type == "cuda":  # the model's own peak: before the copy floor and the dense chain's buffers
+        out["memory_peak_gb"] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
     out["floor_s"] = copy_floor(path.stat().st_size, device)
     out["dense_chain"] = dense_chain(model)
-    if device.type == "cuda":
-        out["memory_peak_gb"] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
     del model
     gc.collect()
     return out

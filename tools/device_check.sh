@@ -6,8 +6,8 @@
 #   run(command="bash tools/device_check.sh", carry=[".whl"], timeout_s=580)
 #   run(command="TYPES=q8_0 TESTS=tests/test_cuda_graphs.py bash tools/device_check.sh", ...)  # a narrower run
 #
-# TYPES: the dense 1 B file types to measure (default bf16,q8_0,Q4_K_M); MOE=0 skips the MoE file;
-# N: tokens decoded per rate measurement (default 64); TESTS: the test paths (default: every test, -k "cuda or triton"); T_TESTS / T_DEMO / T_BENCH: time limits (s).
+# TYPES: the dense 1 B file types to measure (default q8_0,Q4_K_M,bf16); MOE=0 skips the MoE file;
+# N: tokens decoded per rate measurement (default 64); TESTS: the test paths (default: every test, -k "cuda or triton"); T_TESTS / T_MATMUL / T_DEMO / T_BENCH: time limits (s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/device-out}
@@ -24,16 +24,20 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 stamp installed
 
-TYPES=${TYPES:-bf16,q8_0,Q4_K_M}
+TYPES=${TYPES:-q8_0,Q4_K_M,bf16}
 MOE_FLAG=$([ "${MOE:-1}" = 0 ] && echo --no-moe)
 BENCH=(python3 benchmarks/cuda_decode.py --workdir /tmp/bench-cuda --types "$TYPES" -n "${N:-64}" $MOE_FLAG)
 "${BENCH[@]}" --build-only >"$OUT/build.log" 2>&1 &
 BUILD=$!
 
 stamp "CUDA tests"
-timeout "${T_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider -n 6 -k "cuda or triton" --tb=short -rfE \
+timeout "${T_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider -n "${JOBS:-12}" -k "cuda or triton" --tb=short -rfE \
   --durations=15 ${TESTS:-tests} >"$OUT/cuda_tests.log" 2>&1
 tail -n 40 "$OUT/cuda_tests.log"
+
+stamp "benchmarks/cuda_matmul.py"
+timeout "${T_MATMUL:-60}" python3 benchmarks/cuda_matmul.py --json "$OUT/cuda_matmul.json" >"$OUT/cuda_matmul.log" 2>&1
+tail -n 24 "$OUT/cuda_matmul.log"
 
 stamp "demo on the GPU"
 timeout "${T_DEMO:-90}" specconv demo --device cuda >"$OUT/demo.log" 2>&1; echo "demo exit $?"
