@@ -30,6 +30,9 @@ def parse_args(argv=None):
     p.add_argument("--rows", default="1,4")
     p.add_argument("--types", default=",".join(TYPES))
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the kernel's tiling settings (programs per SM, blocks per step, warps) "
+                        "on the FFN down projection, one row")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -87,10 +90,44 @@ def main(argv=None) -> list[dict]:
                       f"({row['fused_gb_s']:6.0f} GB/s)  bf16 dense {dense_s * 1e6:7.1f} us  "
                       f"copy {row['copy_gb_s']:6.0f} GB/s", flush=True)
             del packed, dense, copy
+    sweep = tiling_sweep(args, device) if args.sweep else []
     if args.json:
         args.json.write_text(json.dumps({"card": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                                         "results": results}, indent=1))
+                                         "results": results, "sweep": sweep}, indent=1))
     return results
+
+
+def tiling_sweep(args, device) -> list[dict]:
+    """One row through the FFN down projection (2048 x 6144) under each tiling setting of the kernel."""
+    import torch
+    from gguf import GGMLQuantizationType as QType
+
+    from specconv.runtime import kernels_triton as kt
+    from specconv.runtime.kernels_triton import matmul as qm
+
+    saved = (qm.PROGRAMS_PER_SM, dict(qm.STEP_BLOCKS), qm.FUSED_WARPS)
+    n_out, n_in = 2048, 6144
+    out = []
+    try:
+        for name in ("Q8_0", "Q4_K"):
+            qtype = QType[name]
+            packed = random_packed(qtype, n_out, n_in, device)
+            x = torch.randn(1, n_in, device=device, dtype=torch.bfloat16)
+            for warps in (4, 8):
+                for scale in (1, 2):
+                    for per_sm in (2, 4, 8):
+                        qm.PROGRAMS_PER_SM, qm.FUSED_WARPS = per_sm, warps
+                        qm.STEP_BLOCKS[qtype] = saved[1][qtype] * scale
+                        t = timed(lambda: kt.quant_matmul(x, packed, qtype, n_out, n_in), args.repeats)
+                        out.append({"type": name, "warps": warps, "step_blocks": qm.STEP_BLOCKS[qtype],
+                                    "programs_per_sm": per_sm, "s": t, "gb_s": packed.numel() / t / 1e9})
+                        print(f"sweep {name} warps {warps} step blocks {qm.STEP_BLOCKS[qtype]:2} programs/SM "
+                              f"{per_sm}: {t * 1e6:7.1f} us ({out[-1]['gb_s']:6.0f} GB/s)", flush=True)
+    finally:
+        qm.PROGRAMS_PER_SM, qm.FUSED_WARPS = saved[0], saved[2]
+        qm.STEP_BLOCKS.clear()
+        qm.STEP_BLOCKS.update(saved[1])
+    return out
 
 
 if __name__ == "__main__":

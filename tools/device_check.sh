@@ -36,7 +36,7 @@ timeout "${T_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider -n "${JOBS:-1
 tail -n 40 "$OUT/cuda_tests.log"
 
 stamp "benchmarks/cuda_matmul.py"
-timeout "${T_MATMUL:-60}" python3 benchmarks/cuda_matmul.py --json "$OUT/cuda_matmul.json" >"$OUT/cuda_matmul.log" 2>&1
+timeout "${T_MATMUL:-60}" python3 benchmarks/cuda_matmul.py --sweep --json "$OUT/cuda_matmul.json" >"$OUT/cuda_matmul.log" 2>&1
 tail -n 24 "$OUT/cuda_matmul.log"
 
 stamp "demo on the GPU"

@@ -32,6 +32,7 @@ FUSED_ROWS = 16  # weight rows per program of the one-pass kernel
 # blocks per step of the one-pass kernel: a [16, 256]-value tile (4096 values decoded per step)
 STEP_BLOCKS = {QType.Q8_0: 8, QType.Q4_K: 1, QType.Q5_K: 1, QType.Q6_K: 1, QType.BF16: 8, QType.F16: 8}
 PROGRAMS_PER_SM = 4  # programs in flight per multiprocessor that keep the memory system busy
+FUSED_WARPS = 4
 SUM_BLOCK = 1024
 # values of W dequantized per piece of the prompt path (32 MB in bfloat16)
 TILE_VALUES = 1 << 24
@@ -72,7 +73,7 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int
         jit.fused_rows_kernel[grid](xs, packed, ys, parts, n_out, n_in, n_blocks, per_split, xs.stride(0),
                                     packed.stride(0), ys.stride(0), QTYPE=int(qtype), VALUES=values, BYTES=size,
                                     ROWS=rows, ROWS_P2=_common.next_power_of_2(rows), BLOCK_N=FUSED_ROWS,
-                                    NB=STEP_BLOCKS[qtype], PARTIAL=splits > 1)
+                                    NB=STEP_BLOCKS[qtype], PARTIAL=splits > 1, num_warps=FUSED_WARPS)
         if splits > 1:
             jit.sum_parts_kernel[(_common.cdiv(rows * n_out, SUM_BLOCK),)](parts, ys, rows, n_out, splits,
                                                                            ys.stride(0), BLOCK=SUM_BLOCK)
