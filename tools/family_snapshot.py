@@ -13,9 +13,12 @@ name the converter accepts is covered) — this tool
   sha256 of the bytes) in `tests/fixtures/family_snapshot/<family>.json`;
 * loads every file of the family in the runtime with the torch reference backend in float64
   (SPECCONV_NO_NATIVE=1: the native CPU kernels' sums depend on the instruction set, the torch
-  float64 ones only in the last bits) and records on the family's prompt the trunk's logits and
-  the logits its drafter's head computes for one draft of DRAFT_MAX tokens after that prompt
-  (`<family>.npz`, np.savez_compressed, read with allow_pickle=False).
+  float64 ones only in the last bits) and records on the family's prompt the trunk's logits of
+  the last TRUNK_ROWS positions (in one batch, and one token at a time after a prefill), the logits
+  its drafter's head computes for one draft of DRAFT_MAX tokens after that prompt, and, on the f32
+  file, the rounds of two greedy speculative runs (the family's drafter; a drafter of set
+  acceptance, so that rounds roll back) in `<family>.npz` (np.savez_compressed, read with
+  allow_pickle=False).
 
 A snapshot needs FIXED inputs: every fixture comes from its builder with the fixed seeds the sweep
 and the family tests give it (the builders redraw every tensor from `torch.Generator(seed)`), the
@@ -59,8 +62,10 @@ DRAFT_MAX = 3
 RTOL = 1e-9
 # the trunk's logits kept: the last rows, which every earlier position reaches through attention and the
 # recurrent state (windows and chunks included), so they pin the whole forward at a fraction of the size
-TRUNK_ROWS = 4
+TRUNK_ROWS = 2
 RUNTIME_DTYPE = "f64"
+SPEC_TOKENS = 8  # greedy speculative decoding after the prompt: rounds of drafts, acceptance, rollback
+SYNTHETIC_ACCEPTANCE = 0.6
 
 
 @dataclass
@@ -170,7 +175,8 @@ def sha256(path: Path) -> str:
 
 def _value_text(value) -> str:
     """A metadata value as stable text (long arrays, e.g. the vocabulary, by their sha256)."""
-    text = json.dumps(value.tolist() if isinstance(value, np.ndarray) else value, default=str)
+    text = json.dumps(value.tolist() if isinstance(value, np.ndarray) else value,
+                      default=lambda v: v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v))
     return text if len(text) <= 200 else "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -218,35 +224,86 @@ def decode_logits(rows: list):
         Context.decode = decode
 
 
-def run_logits(target_path: Path, draft_path: Path | None, drafter_kind: str, prompt: list[int]) -> dict[str, np.ndarray]:
-    """{"trunk": [TRUNK_ROWS, V], "draft": its draft's logits rows (concatenated), "draft_tokens"} in float64."""
+def trunk_logits(target, prompt: list[int]) -> dict[str, np.ndarray]:
+    """The last TRUNK_ROWS rows of the prompt in one batch ("trunk"), and the same rows decoded one
+    token at a time after a prefill of the rest ("trunk_steps": the cache and recurrent-state path)."""
     import torch
 
-    from specconv.runtime import Context, GraphType, load_model
-    from specconv.runtime.drafters.dflash import DFlashDrafter
-    from specconv.runtime.speculative import build_drafter, drafter_rows, hidden_request
+    from specconv.runtime import Context, GraphType
 
-    out: dict[str, np.ndarray] = {}
+    ctx = Context(target, GraphType.MAIN, n_ctx=len(prompt) + 8)
+    batch = ctx.decode(prompt).logits[-TRUNK_ROWS:]
+    ctx.clear()
+    ctx.decode(prompt[:-TRUNK_ROWS], logits=None)
+    steps = [ctx.decode([t]).logits for t in prompt[-TRUNK_ROWS:]]
+    return {"trunk": batch.double().numpy(), "trunk_steps": torch.cat(steps).double().numpy()}
+
+
+def draft_logits(target, make_drafter: Callable, prompt: list[int]) -> dict[str, np.ndarray]:
+    """The logits the drafter's head computes for one draft of DRAFT_MAX tokens after `prompt`
+    (started on the prompt minus its last token, llama.cpp's split), and the tokens it drafts."""
+    from specconv.runtime import Context, GraphType
+    from specconv.runtime.drafters.dflash import DFlashDrafter
+    from specconv.runtime.speculative import drafter_rows, hidden_request
+
+    drafter = make_drafter()
+    want = hidden_request(drafter)
+    ctx = Context(target, GraphType.MAIN, n_ctx=len(prompt) + 2 * DRAFT_MAX + 8)
+    hidden = ctx.decode(prompt[:-1], hidden=want, logits=None).hidden
+    if hasattr(drafter, "attach"):  # reads the target's K/V (Gemma 4 assistant)
+        drafter.attach(ctx)
+    drafter.start(prompt[:-1], drafter_rows(hidden, want))
+    rows: list[np.ndarray] = []
+    if isinstance(drafter, DFlashDrafter):  # its block is one graph call, not a Context decode
+        rows.append(drafter.block_logits(prompt[-1]).double().numpy())
+    with decode_logits(rows):
+        tokens = drafter.draft(prompt[-1], DRAFT_MAX).tokens
+    return {"draft": np.concatenate([r.reshape(-1, r.shape[-1]) for r in rows]),
+            "draft_tokens": np.asarray(tokens, dtype=np.int64)}
+
+
+def speculative_rounds(target, drafter, prompt: list[int], rollback: str) -> dict[str, np.ndarray]:
+    """Greedy speculative decoding of SPEC_TOKENS tokens: the tokens, and per round the drafted ids
+    (-1 where fewer) and the accepted count, as `generate --json` reports them."""
+    from specconv.runtime.speculative import SpecConfig, speculative_generate
+
+    res = speculative_generate(target, drafter, prompt, SPEC_TOKENS, SpecConfig(draft_max=DRAFT_MAX, rollback=rollback))
+    rounds = res.stats["rounds"]
+    drafted = [(r["drafted"] or []) + [-1] * (DRAFT_MAX - len(r["drafted"] or [])) for r in rounds]
+    return {"tokens": np.asarray(res.tokens, dtype=np.int64),
+            "drafted": np.asarray(drafted, dtype=np.int64).reshape(-1, DRAFT_MAX),
+            "accepted": np.asarray([r["accepted"] for r in rounds], dtype=np.int64)}
+
+
+def run_logits(target_path: Path, draft_path: Path | None, drafter_kind: str, prompt: list[int],
+               speculative: bool) -> dict[str, np.ndarray]:
+    """The runtime on one file (and its drafter's): trunk_logits, draft_logits (families with a
+    drafter of their own) and, with `speculative`, speculative_rounds (the loop does not depend on
+    the file's types: one file's rounds pin it), float64 unless RUNTIME_DTYPE says otherwise."""
+    import torch
+
+    from specconv.runtime import load_model
+    from specconv.runtime.speculative import build_drafter
+
     with torch_reference(), torch.inference_mode():
         target = load_model(target_path, device="cpu", dtype=RUNTIME_DTYPE)
-        n_ctx = len(prompt) + 2 * DRAFT_MAX + 8
-        out["trunk"] = Context(target, GraphType.MAIN, n_ctx=n_ctx).decode(prompt).logits[-TRUNK_ROWS:].double().numpy()
-        if drafter_kind == "ngram":
+
+        def make_drafter():
+            return build_drafter(drafter_kind, target, len(prompt) + SPEC_TOKENS + 2 * DRAFT_MAX + 8, DRAFT_MAX,
+                                 draft_path=draft_path)
+
+        out = trunk_logits(target, prompt)
+        if drafter_kind != "ngram":
+            out.update(draft_logits(target, make_drafter, prompt))
+        if not speculative:
             return out
-        drafter = build_drafter(drafter_kind, target, n_ctx, DRAFT_MAX, draft_path=draft_path)
-        want = hidden_request(drafter)
-        ctx = Context(target, GraphType.MAIN, n_ctx=n_ctx)
-        hidden = ctx.decode(prompt[:-1], hidden=want, logits=None).hidden
-        if hasattr(drafter, "attach"):  # reads the target's K/V (Gemma 4 assistant)
-            drafter.attach(ctx)
-        drafter.start(prompt[:-1], drafter_rows(hidden, want))
-        rows: list[np.ndarray] = []
-        if isinstance(drafter, DFlashDrafter):  # its block is one graph call, not a Context decode
-            rows.append(drafter.block_logits(prompt[-1]).double().numpy())
-        with decode_logits(rows):
-            tokens = drafter.draft(prompt[-1], DRAFT_MAX).tokens
-        out["draft"] = np.concatenate([r.reshape(-1, r.shape[-1]) for r in rows])
-        out["draft_tokens"] = np.asarray(tokens, dtype=np.int64)
+        # the family's drafter (random heads: mostly rejections), then a drafter of set acceptance on
+        # the greedy continuation (partial acceptance every few rounds: the other rollback mode)
+        spec = speculative_rounds(target, make_drafter(), prompt, "snapshot")
+        synthetic = build_drafter("synthetic", target, 0, DRAFT_MAX, reference=prompt + list(spec["tokens"]),
+                                  acceptance=SYNTHETIC_ACCEPTANCE)
+        for name, rows in (("spec", spec), ("synthetic", speculative_rounds(target, synthetic, prompt, "checkpoint"))):
+            out.update({f"{name}_{k}": v for k, v in rows.items()})
     return out
 
 
@@ -266,7 +323,7 @@ def snapshot(family: Family, root: Path) -> tuple[dict, dict[str, np.ndarray]]:
             if source.draft_src is not None else None
         for path in filter(None, (target, draft)):
             files[path.name] = file_record(path)
-        for what, arr in run_logits(target, draft, source.drafter, source.prompt).items():
+        for what, arr in run_logits(target, draft, source.drafter, source.prompt, t == OUTTYPES[0]).items():
             logits[f"{t}/{what}"] = arr
     files["_prompt"] = source.prompt
     files["_architectures"] = sorted({a for d in filter(None, (source.src, source.draft_src))
@@ -278,10 +335,27 @@ def paths(name: str) -> tuple[Path, Path]:
     return DATA / f"{name}.json", DATA / f"{name}.npz"
 
 
+def _json_lines(files: dict) -> str:
+    """The records as JSON with one line per metadata key and per tensor (readable diffs, a third the size)."""
+    def rows(items):
+        return "[\n" + ",\n".join("   " + json.dumps(r) for r in items) + "]"
+
+    parts = []
+    for key in sorted(files):
+        rec = files[key]
+        if isinstance(rec, dict):
+            body = ",\n".join(f'  "{k}": ' + (rows(v) if isinstance(v, list) else json.dumps(v))
+                               for k, v in sorted(rec.items()))
+            parts.append(f" {json.dumps(key)}: {{\n{body}}}")
+        else:
+            parts.append(f" {json.dumps(key)}: {json.dumps(rec)}")
+    return "{\n" + ",\n".join(parts) + "}\n"
+
+
 def write(name: str, files: dict, logits: dict[str, np.ndarray]) -> None:
     DATA.mkdir(parents=True, exist_ok=True)
     js, npz = paths(name)
-    js.write_text(json.dumps(files, indent=1, sort_keys=True) + "\n")
+    js.write_text(_json_lines(files))
     with open(npz, "wb") as f:  # a file object: np.savez_compressed would append ".npz" to a str path
         np.savez_compressed(f, **logits)
 
@@ -333,21 +407,23 @@ def compare(want: tuple[dict, dict], got: tuple[dict, dict]) -> tuple[list[str],
     for key in sorted(set(wlogits) | set(glogits)):
         a, b = wlogits.get(key), glogits.get(key)
         if a is None or b is None or a.shape != b.shape or a.dtype.kind != b.dtype.kind:
-            diffs.append(f"logits {key}: {'missing' if b is None else 'new' if a is None else f'shape {a.shape} -> {b.shape}'}")
+            what = "missing" if b is None else "new" if a is None else f"shape {a.shape} -> {b.shape}"
+            diffs.append(f"runtime {key}: {what}")
             continue
         if a.dtype.kind in "iu":
             if not np.array_equal(a, b):
-                diffs.append(f"logits {key}: {a.tolist()} -> {b.tolist()}")
+                diffs.append(f"runtime {key}: {a.tolist()} -> {b.tolist()}")
             continue
-        both_inf = np.isneginf(a) & np.isneginf(b)  # EAGLE-3: -inf outside its draft vocabulary
-        if not np.array_equal(np.isfinite(a), np.isfinite(b)) or not np.array_equal(np.isneginf(a), np.isneginf(b)):
-            diffs.append(f"logits {key}: infinite entries moved")
+        finite = np.isfinite(a)  # EAGLE-3: -inf outside its draft vocabulary
+        if not np.array_equal(finite, np.isfinite(b)) or not np.array_equal(a[~finite], b[~finite], equal_nan=True):
+            diffs.append(f"runtime {key}: non-finite entries changed")
             continue
-        a, b = np.where(both_inf, 0.0, a), np.where(both_inf, 0.0, b)
+        a, b = np.where(finite, a, 0.0), np.where(finite, b, 0.0)
         scale = max(float(np.abs(a).max()), 1e-300)
         deltas[key] = float(np.abs(a - b).max()) / scale
         if deltas[key] > RTOL:
-            diffs.append(f"logits {key}: max |Δlogit| {np.abs(a - b).max():.3e} (relative {deltas[key]:.2e} > {RTOL:g})")
+            diffs.append(f"runtime {key}: max |Δlogit| {np.abs(a - b).max():.3e} "
+                         f"(relative {deltas[key]:.2e} > {RTOL:g})")
     return diffs, deltas
 
 
