@@ -113,16 +113,15 @@ def tiling_sweep(args, device) -> list[dict]:
             qtype = QType[name]
             packed = random_packed(qtype, n_out, n_in, device)
             x = torch.randn(1, n_in, device=device, dtype=torch.bfloat16)
-            for warps in (4, 8):
-                for scale in (1, 2):
-                    for per_sm in (2, 4, 8):
-                        qm.PROGRAMS_PER_SM, qm.FUSED_WARPS = per_sm, warps
-                        qm.STEP_BLOCKS[qtype] = saved[1][qtype] * scale
-                        t = timed(lambda: kt.quant_matmul(x, packed, qtype, n_out, n_in), args.repeats)
-                        out.append({"type": name, "warps": warps, "step_blocks": qm.STEP_BLOCKS[qtype],
-                                    "programs_per_sm": per_sm, "s": t, "gb_s": packed.numel() / t / 1e9})
-                        print(f"sweep {name} warps {warps} step blocks {qm.STEP_BLOCKS[qtype]:2} programs/SM "
-                              f"{per_sm}: {t * 1e6:7.1f} us ({out[-1]['gb_s']:6.0f} GB/s)", flush=True)
+            # (warps, blocks per step as a multiple of the default, programs per SM)
+            for warps, scale, per_sm in ((4, 1, 2), (4, 1, 4), (4, 1, 8), (8, 1, 4), (4, 2, 4), (8, 2, 4)):
+                qm.PROGRAMS_PER_SM, qm.FUSED_WARPS = per_sm, warps
+                qm.STEP_BLOCKS[qtype] = saved[1][qtype] * scale
+                t = timed(lambda: kt.quant_matmul(x, packed, qtype, n_out, n_in), args.repeats)
+                out.append({"type": name, "warps": warps, "step_blocks": qm.STEP_BLOCKS[qtype],
+                            "programs_per_sm": per_sm, "s": t, "gb_s": packed.numel() / t / 1e9})
+                print(f"sweep {name} warps {warps} step blocks {qm.STEP_BLOCKS[qtype]:2} programs/SM "
+                      f"{per_sm}: {t * 1e6:7.1f} us ({out[-1]['gb_s']:6.0f} GB/s)", flush=True)
     finally:
         qm.PROGRAMS_PER_SM, qm.FUSED_WARPS = saved[0], saved[2]
         qm.STEP_BLOCKS.clear()
