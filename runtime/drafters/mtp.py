@@ -38,9 +38,11 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
-from specconv.runtime.drafters import Draft, chain_drafts
+from specconv.runtime.drafters import chain_drafts
+from specconv.runtime.drafters.base import Draft, Drafter
 from specconv.runtime.drafters.mtp_chain import MtpChain, first_row_position
 from specconv.runtime.model import Model
+from specconv.runtime.spec_stats import SpecStats, per_block
 from specconv.runtime.types import GraphType
 
 
@@ -55,7 +57,7 @@ def n_chained_blocks(head: Model) -> int:
     """Blocks the drafter chains: nextn_predict_layers for graphs that support it, else 1."""
     if not getattr(head.graph, "CHAINED_MTP", False):
         return 1
-    return max(1, int(getattr(head.hparams, "n_nextn", 1)))
+    return max(1, int(head.hparams.n_nextn))  # every chained graph's hparams count their blocks
 
 
 def rows_layout(head: Model) -> str:
@@ -76,7 +78,7 @@ def block_of_position(head: Model):
     return lambda i: _block_of(i, k)
 
 
-class MtpDrafter:
+class MtpDrafter(Drafter):
     name = "mtp"
     needs_hidden = True
 
@@ -107,6 +109,10 @@ class MtpDrafter:
     def block_of_position(self, i: int) -> int | None:
         """The block that drafts draft position i (0-based), None beyond k; statistics by block use it."""
         return _block_of(i, self.n_blocks)
+
+    def report(self, stats: SpecStats) -> dict:
+        """Acceptance by block (chained heads draft position i with block i; docs/mtp.md)."""
+        return {"per_block": per_block(stats, self.block_of_position)}
 
     def start(self, prefix: Sequence[int], hidden: torch.Tensor | None) -> None:
         if self.chain:
