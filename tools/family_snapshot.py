@@ -244,14 +244,13 @@ def draft_logits(target, make_drafter: Callable, prompt: list[int]) -> dict[str,
     (started on the prompt minus its last token, llama.cpp's split), and the tokens it drafts."""
     from specconv.runtime import Context, GraphType
     from specconv.runtime.drafters.dflash import DFlashDrafter
-    from specconv.runtime.speculative import drafter_rows, hidden_request
+    from specconv.runtime.spec_link import drafter_rows, hidden_request
 
     drafter = make_drafter()
     want = hidden_request(drafter)
     ctx = Context(target, GraphType.MAIN, n_ctx=len(prompt) + 2 * DRAFT_MAX + 8)
     hidden = ctx.decode(prompt[:-1], hidden=want, logits=None).hidden
-    if hasattr(drafter, "attach"):  # reads the target's K/V (Gemma 4 assistant)
-        drafter.attach(ctx)
+    drafter.attach(ctx)  # a drafter that reads its target's K/V (Gemma 4 assistant) takes the context
     drafter.start(prompt[:-1], drafter_rows(hidden, want))
     rows: list[np.ndarray] = []
     if isinstance(drafter, DFlashDrafter):  # its block is one graph call, not a Context decode
