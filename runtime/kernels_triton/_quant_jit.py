@@ -90,21 +90,28 @@ def _decode(rows, blk, s: tl.constexpr, i, row_ok, blk_ok, n_in, QTYPE: tl.const
         return _f16(at, ok)
 
 
-@triton.jit(do_not_specialize=["n_blocks", "blocks_per_split"])
-def fused_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, n_out, n_in, n_blocks, blocks_per_split,
-                      stride_x, stride_w, stride_y,
+@triton.jit(do_not_specialize=["n_blocks", "blocks_per_split", "total_rows"])
+def fused_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sel_ptr, n_out, n_in, n_blocks, blocks_per_split, total_rows,
+                      stride_x, stride_w, stride_e, stride_y,
                       QTYPE: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr,
-                      ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PARTIAL: tl.constexpr):
-    """y[m, n] = Σ_k x[m, k] W[n, k] for ROWS activation rows. Program (p, q) takes BLOCK_N weight rows
+                      ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PARTIAL: tl.constexpr,
+                      PAIRS: tl.constexpr):
+    """y[m, n] = Σ_k x[m, k] W[n, k] for ROWS activation rows. Program (p, q, r) takes BLOCK_N weight rows
     and the q-th run of `blocks_per_split` blocks of them, NB blocks per step: each step's tile is
     decoded once and multiplied with every activation row; with PARTIAL its float32 sums go to
     part[q] (summed over q in order by sum_parts_kernel), else straight into y. Row m's result is the
     same sequence of float32 operations whatever ROWS is (the same tiles, reduced the same way, added
     to its own accumulator; the split depends on W's shape only), so a row's output does not depend
-    on the batch it is in."""
+    on the batch it is in. With PAIRS (ROWS = 1), program r multiplies activation row r by expert
+    sel[r] of a 3-D expert tensor (experts stride_e bytes apart): routed experts by index, on the
+    device, each pair the same operations as a one-row product by that expert."""
+    r = tl.program_id(2)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = n < n_out
     rows = w_ptr + n.to(tl.int64) * stride_w
+    if PAIRS:
+        rows += tl.load(sel_ptr + r).to(tl.int64) * stride_e
+    x_ptr += r.to(tl.int64) * stride_x
     i = tl.arange(0, 32)
     j = tl.arange(0, NB)
     m_index = tl.arange(0, ROWS_P2)
@@ -123,11 +130,12 @@ def fused_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, n_out, n_in, n_blocks, bloc
                 part = tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
                 acc += tl.where(m_index[:, None] == m, part[None, :], 0.0)
     keep = (m_index[:, None] < ROWS) & row_ok[None, :]
+    out_row = (r + m_index).to(tl.int64)[:, None]
     if PARTIAL:
-        out = part_ptr + (tl.program_id(1) * ROWS + m_index[:, None]) * n_out + n[None, :]
+        out = part_ptr + (tl.program_id(1) * total_rows + out_row) * n_out + n[None, :]
         tl.store(out, acc, mask=keep)
     else:
-        out = y_ptr + m_index[:, None] * stride_y + n[None, :]
+        out = y_ptr + out_row * stride_y + n[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=keep)
 
 
