@@ -30,6 +30,15 @@ from tests.fixtures.invariance import BACKENDS, K, greedy_check, synthetic, use_
 from tests.test_runtime_common import prompt_ids
 
 H = 1024  # hidden width: long sums in every product
+HD = 128  # head width: long sums in every attention score
+# each family's attention at real head widths (the fixtures' own rope fractions, windows and heads)
+CHAINED = {"mimo2": dict(head_dim=HD, v_head_dim=HD, swa_head_dim=HD, swa_v_head_dim=HD, partial_rotary_factor=0.25),
+           "step35": dict(head_dim=HD, attention_other_setting={"attention_type": "sliding_attention",
+                                                                "num_attention_heads": 6, "num_attention_groups": 2,
+                                                                "head_dim": HD}),
+           "hy_v3": dict(head_dim=HD)}
+MLA = dict(kv_lora_rank=256, qk_nope_head_dim=HD, qk_rope_head_dim=32, v_head_dim=HD)
+NEXTN = {"glm4moe": dict(head_dim=HD), "deepseek2": MLA}
 
 
 @dataclass(frozen=True)
@@ -43,21 +52,22 @@ class Family:
 def _chained(name):
     def build(root):
         from tests.fixtures.tiny_chained import build_tiny
-        return build_tiny(root, name, hidden_size=H, intermediate_size=2 * H)
+        return build_tiny(root, name, hidden_size=H, intermediate_size=2 * H, **CHAINED[name])
     return build
 
 
 def _dsa(name):
     def build(root):
         from tests.fixtures.tiny_dsa import build_tiny
-        return build_tiny(root, name, hidden_size=H, intermediate_size=2 * H)
+        return build_tiny(root, name, hidden_size=H, intermediate_size=2 * H, index_head_dim=HD, **MLA)
     return build
 
 
 def _nextn(name):
     def build(root):
         from tests.fixtures.tiny_glm_deepseek import build_tiny
-        return build_tiny(root, name, glm_tokens=name == "glm4moe", hidden_size=H, intermediate_size=2 * H)
+        return build_tiny(root, name, glm_tokens=name == "glm4moe", hidden_size=H, intermediate_size=2 * H,
+                          **NEXTN[name])
     return build
 
 
@@ -70,20 +80,20 @@ def _qwen3next(root):
 def _qwen3(moe):
     def build(root):
         from tests.fixtures.tiny_qwen3 import build_qwen3
-        return build_qwen3(root, moe=moe, hidden=H, head_dim=128, n_layers=6, seed=4)
+        return build_qwen3(root, moe=moe, hidden=H, head_dim=HD, n_layers=6, seed=4)
     return build
 
 
 def _dflash(**kw):
     def head(root, target):
         from tests.fixtures import tiny_dflash as d
-        return d.build_dflash(root, target, mask_token_id=d.MASK, head_dim=128, **kw)
+        return d.build_dflash(root, target, mask_token_id=d.MASK, head_dim=HD, **kw)
     return head
 
 
 def _llama(root):
     from tests.fixtures.tiny_eagle3 import build_llama_target
-    return build_llama_target(root, hidden=H)
+    return build_llama_target(root, hidden=H, head_dim=HD)
 
 
 def _eagle3(root, target):
