@@ -18,7 +18,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
-from specconv.runtime.graphs.ops import acc, moe, rms_norm, swiglu
+from specconv.runtime.graphs.ops import acc, by_rows, moe, rms_norm, swiglu
 from specconv.runtime.memory import Batch, MemoryLayout
 
 Names = Callable[[int], list[str]]
@@ -127,7 +127,12 @@ def layouts(width: Callable[[Any], int]):
 
 def attend(q, k, v, q_pos, k_pos, scale: float, window: int, sinks=None) -> torch.Tensor:
     """softmax(q·kᵀ·scale) v with GQA; a key is visible iff 0 ≤ q_pos - k_pos (< window when window > 0).
-    `sinks` [heads]: one more logit per head whose probability mass is dropped (attention sinks)."""
+    `sinks` [heads]: one more logit per head whose probability mass is dropped (attention sinks).
+    In batch-invariant mode each query row alone (k, v: the whole buffer of ops.attended_kv)."""
+    return by_rows(q.shape[0], lambda r: _attend(q[r], k, v, q_pos[r], k_pos, scale, window, sinks))
+
+
+def _attend(q, k, v, q_pos, k_pos, scale: float, window: int, sinks) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

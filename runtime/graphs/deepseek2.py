@@ -24,7 +24,7 @@ import torch
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
-from specconv.runtime.graphs.ops import acc, cached_attention, dense, linear, rms_norm
+from specconv.runtime.graphs.ops import acc, by_rows, cached_attention, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 
 keep_float32 = ms.keep_float32
@@ -169,10 +169,12 @@ def mla(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Te
     q_pe = rope_pairs(q[..., dn:], cos, sin)
     k_pe = rope_pairs(kv[:, None, kvl:], cos, sin)
     # absorb W_kb into the query: q_lat[h] = W_kb[h]ᵀ q_nope[h]; attn_k_b[h] is [kv_lora, dn]
-    q_lat = torch.einsum("nhd,hld->nhl", acc(q[..., :dn]), dense(w[p + "attn_k_b.weight"], acc(q).dtype)).to(q.dtype)
+    k_b = dense(w[p + "attn_k_b.weight"], acc(q).dtype)
+    q_lat = by_rows(n, lambda r: torch.einsum("nhd,hld->nhl", acc(q[r, :, :dn]), k_b)).to(q.dtype)
     latent = torch.cat([c[:, None, :], k_pe], dim=-1)  # [n, 1, kv_lora + dr]
     o = cached_attention(batch, i, torch.cat([q_lat, q_pe], dim=-1), latent, latent, softmax_scale(hp))
-    o = torch.einsum("nhl,hvl->nhv", acc(o[..., :kvl]), dense(w[p + "attn_v_b.weight"], acc(o).dtype)).to(a.dtype)
+    v_b = dense(w[p + "attn_v_b.weight"], acc(o).dtype)
+    o = by_rows(n, lambda r: torch.einsum("nhl,hvl->nhv", acc(o[r, :, :kvl]), v_b)).to(a.dtype)
     return linear(o.reshape(n, nh * hp.dv), w[p + "attn_output.weight"])
 
 

@@ -23,7 +23,7 @@ import torch
 
 from specconv.archs import names
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.graphs.ops import acc, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
+from specconv.runtime.graphs.ops import acc, by_rows, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
 from specconv.runtime.memory import Batch, Memory, MemoryLayout
 from specconv.runtime.types import GraphType
 from specconv.runtime.validate import check_kv
@@ -209,7 +209,12 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
 
 def _attention(q, k, v, q_pos, k_pos, scale: float, causal: bool, window: int) -> torch.Tensor:
     """softmax(q·kᵀ·scale) v over the keys each query sees: all of them (DFlash's block), or k_pos ≤ q_pos
-    when causal; within a sliding window, only q_pos - k_pos < window. GQA: query head j reads KV j // group."""
+    when causal; within a sliding window, only q_pos - k_pos < window. GQA: query head j reads KV j // group.
+    In batch-invariant mode each query row alone (ops.by_rows)."""
+    return by_rows(q.shape[0], lambda r: _attend(q[r], k, v, q_pos[r], k_pos, scale, causal, window))
+
+
+def _attend(q, k, v, q_pos, k_pos, scale: float, causal: bool, window: int) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,thd->hnt", acc(q), acc(k)) * scale

@@ -26,7 +26,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.decoder import nextn_input, output_head
-from specconv.runtime.graphs.ops import acc, linear, rms_norm, rope_cos_sin, rope_neox_partial
+from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.memory import Batch
 from specconv.runtime.placement import on_layer_device
 
@@ -129,7 +129,7 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     cos, sin = rope[1] if hp.swa[i] else rope[0]
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
     W = hp.cell_width
-    k_all, v_all, k_pos = batch.attend_kv(i, _pad(k, W), _pad(v, W))
+    k_all, v_all, k_pos = attended_kv(batch, i, _pad(k, W), _pad(v, W))
     sinks = w.get(p + "attn_sinks.weight")
     o = chained.attend(q, k_all[..., :hp.hd_k], v_all[..., :hp.hd_v], batch.positions, k_pos, hp.hd_k ** -0.5,
                 hp.n_swa if hp.swa[i] else 0, None if sinks is None else acc(sinks))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs import moe_sigmoid as ms
-from specconv.runtime.graphs.ops import acc, linear, rms_norm, rope_cos_sin, rope_neox_partial
+from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.memory import Batch
 
 OPTIONAL = ("output.weight",)
@@ -123,7 +123,7 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
         k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
     cos, sin = rope[1] if hp.swa[i] else rope[0]
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
-    k_all, v_all, k_pos = batch.attend_kv(i, k, v)
+    k_all, v_all, k_pos = attended_kv(batch, i, k, v)
     o = chained.attend(q, k_all, v_all, batch.positions, k_pos, hd ** -0.5, hp.n_swa if hp.swa[i] else 0)
     if p + "attn_gate.weight" in w:  # head-wise gate on each head's output
         o = (acc(o) * torch.sigmoid(acc(linear(a, w[p + "attn_gate.weight"])))[..., None]).to(o.dtype)
