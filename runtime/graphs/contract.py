@@ -75,6 +75,8 @@ class Graph:
     MTP_ROWS: str = "llama.cpp"  # where each MTP block's rows begin (MTP_ROW_LAYOUTS)
     TARGET_HIDDEN: str = "post_norm"  # the target rows the MTP head reads (HIDDEN_STATES)
     check_values: Callable[..., None] | None = None  # (file, hp, needed) -> raises on bad tensor values
+    # hp -> {GGUF name: ggml shape(s)} of a family on a tensor table; None: runtime/shapes.py's entry
+    expected_shapes: Callable[[Any], Mapping[str, Any]] | None = None
 
     def __post_init__(self):
         missing = required_fields(self)
