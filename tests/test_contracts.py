@@ -221,6 +221,13 @@ def test_a_graph_with_a_bad_capability_is_refused(over, message):
         Graph(**_minimal(**over))
 
 
+def test_the_allowed_capability_values_are_the_runtime_s():
+    from specconv.runtime.drafters import mtp_chain
+    from specconv.runtime.graphs import contract
+
+    assert set(contract.MTP_ROW_LAYOUTS) == set(mtp_chain.LAYOUTS)  # each a layout the MTP drafter runs
+
+
 def test_a_module_without_a_graph_declaration_is_refused(monkeypatch):
     monkeypatch.setitem(graphs.GRAPHS, "toy-arch", "ops")  # a helper module: no GRAPH
     with pytest.raises(SpecconvError, match="declares no GRAPH"):
