@@ -30,12 +30,12 @@ import torch.nn.functional as F
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import deepseek2 as ds
 from specconv.runtime.graphs import moe_sigmoid as ms
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, attended_kv, by_rows, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 
 OPTIONAL = ds.OPTIONAL
-MULTI_DEVICE = True  # runs through decoder.forward_trunk / forward_nextn
 LAYERNORM_EPS = 1e-6  # the indexer's k_norm: transformers' LayerNorm(eps=1e-6), llama.cpp deepseek32's f_norm_eps
 INDEXER = ("attn_q_b.weight", "attn_k.weight", "k_norm.weight", "k_norm.bias", "proj.weight")
 
@@ -224,3 +224,19 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
     return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
                          lambda dtype: ds.rope_cos_sin(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope, state))
+
+
+GRAPH = Graph(
+    name="dsa",
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    MULTI_DEVICE=True,  # runs through decoder.forward_trunk / forward_nextn
+)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.backend import Experts
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.ops import acc, attended_kv, by_rows, linear, moe as routed_moe, rms_norm, rope_neox_partial
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
@@ -346,3 +347,19 @@ def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers
 
 def forward_mtp(*args, **kwargs):
     raise SpecconvError("gemma4 files have no MTP head; use a gemma4-assistant file as --draft")
+
+
+GRAPH = Graph(
+    name="gemma4",
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    optional_main_tensors=optional_main_tensors,
+)

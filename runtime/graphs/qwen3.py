@@ -19,6 +19,7 @@ import math
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_trunk
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.ops import (
@@ -122,7 +123,6 @@ def optional_mtp_tensors(hp: HParams) -> list[str]:
 
 
 OPTIONAL = ("output.weight",)  # absent when tied to token_embd
-MULTI_DEVICE = True  # runs through decoder.forward_trunk, which follows a placement over devices
 
 
 def keep_float32(name: str) -> bool:
@@ -219,3 +219,19 @@ def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers
 
 def forward_mtp(*args, **kwargs):
     raise SpecconvError("qwen3 / qwen3moe files have no MTP head")
+
+
+GRAPH = Graph(
+    name="qwen3",
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
+)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import gdn
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import (
     acc, cached_attention, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin, rope_neox_partial,
@@ -154,7 +155,6 @@ def mtp_tensors(hp: HParams) -> list[str]:
 
 
 OPTIONAL = ("output.weight",)  # absent when tied to token_embd
-MULTI_DEVICE = True  # runs through decoder.forward_trunk, which follows a placement over devices
 
 
 def optional_mtp_tensors(hp: HParams) -> list[str]:
@@ -258,3 +258,19 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
     return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
                          lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
+
+
+GRAPH = Graph(
+    name="qwen35",
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
+)

@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import gdn
 from specconv.runtime.graphs import qwen35 as q35
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.ops import acc, dense, l2_norm, linear, rms_norm
 from specconv.runtime.memory import Batch
 
 OPTIONAL = q35.OPTIONAL
-MULTI_DEVICE = True  # runs through decoder.forward_trunk, which follows a placement over devices
 keep_float32 = q35.keep_float32
 main_layout = q35.main_layout
 mtp_layout = q35.mtp_layout
@@ -92,3 +92,19 @@ def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers
 # One MTP row per token (u = eh_proj·[enorm(E[x]) ; hnorm(h)], the block at n_layer, shared head norm):
 # that block is full attention, so qwen35's MTP forward is this family's too.
 forward_mtp = q35.forward_mtp
+
+
+GRAPH = Graph(
+    name="qwen3next",
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
+)
