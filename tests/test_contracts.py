@@ -38,7 +38,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("runtime/gdn_native.py", "gdn"): _EXTENSION,
     ("runtime/dequant_native.py", "switches"): _EXTENSION,
     ("runtime/dequant_native.py", "i8"): _EXTENSION,
-    ("convert/native.py", "encode_weighted"): _EXTENSION,
     ("convert/checkpoint.py", "MADV_DONTNEED"): _PLATFORM,
     ("convert/checkpoint.py", "MADV_WILLNEED"): _PLATFORM,
     ("convert/checkpoint.py", "O_CLOEXEC"): _PLATFORM,

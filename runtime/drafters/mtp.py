@@ -55,7 +55,7 @@ def block_view(head: Model, block: int) -> Model:
 
 def n_chained_blocks(head: Model) -> int:
     """Blocks the drafter chains: nextn_predict_layers for graphs that support it, else 1."""
-    if not getattr(head.graph, "CHAINED_MTP", False):
+    if not head.graph.CHAINED_MTP:
         return 1
     return max(1, int(head.hparams.n_nextn))  # every chained graph's hparams count their blocks
 
@@ -63,7 +63,7 @@ def n_chained_blocks(head: Model) -> int:
 def rows_layout(head: Model) -> str:
     """Where the head's rows begin (runtime/drafters/mtp_chain.py LAYOUTS): the graph's MTP_ROWS
     ("shifted" for the chained-MTP releases), else llama.cpp's row convention."""
-    return getattr(head.graph, "MTP_ROWS", "llama.cpp")
+    return head.graph.MTP_ROWS
 
 
 def _block_of(i: int, k: int) -> int | None:
@@ -89,12 +89,12 @@ class MtpDrafter(Drafter):
         self.head = head
         self.n_blocks = n_chained_blocks(head)
         # the target rows the head reads: post-norm, or pre-norm where the graph says so (step35)
-        self.target_hidden = (getattr(head.graph, "TARGET_HIDDEN", "post_norm"),)
+        self.target_hidden = (head.graph.TARGET_HIDDEN,)
         self.layout = layout or rows_layout(head)
         self.chain = None
         if self.n_blocks > 1:
             self.chain = MtpChain([block_view(head, b) for b in range(self.n_blocks)], n_ctx,
-                                  getattr(head.graph, "CHAIN_HIDDEN", "nextn"), self.layout)
+                                  head.graph.CHAIN_HIDDEN, self.layout)
         else:
             self.first_row = first_row_position(self.layout, 0)
             self.ctx = Context(head, GraphType.MTP, n_ctx=n_ctx)

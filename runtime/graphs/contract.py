@@ -70,6 +70,9 @@ class Graph:
     SHAREABLE: tuple[str, ...] = SHARED_WITH_TARGET  # tensors reused from the target when identical
     FROM_TARGET: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # own name -> target candidates
     NEEDS_KV_FROM: bool = False  # attends to its target context's K/V (Context(kv_from=...))
+    # decode steps and verifications replayable as CUDA graphs: the MAIN forward takes every address of a
+    # batch from its BatchIndex and reads nothing on the host (runtime/step_graphs.py; tests/test_cuda_graphs*.py)
+    CAPTURABLE: bool = False
     CHAINED_MTP: bool = False  # k MTP blocks, block i drafting position i (runtime/drafters/mtp.py)
     CHAIN_HIDDEN: str = "nextn"  # what a chained block passes on (CHAIN_STATES)
     MTP_ROWS: str = "llama.cpp"  # where each MTP block's rows begin (MTP_ROW_LAYOUTS)

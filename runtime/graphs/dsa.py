@@ -228,6 +228,7 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
 
 GRAPH = Graph(
     name="dsa",
+    CAPTURABLE=True,
     HParams=HParams,
     main_tensors=main_tensors,
     mtp_tensors=mtp_tensors,

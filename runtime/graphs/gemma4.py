@@ -351,6 +351,7 @@ def forward_mtp(*args, **kwargs):
 
 GRAPH = Graph(
     name="gemma4",
+    CAPTURABLE=True,
     HParams=HParams,
     main_tensors=main_tensors,
     mtp_tensors=mtp_tensors,

@@ -159,6 +159,7 @@ def forward_mtp(*args, **kwargs):
 
 GRAPH = Graph(
     name="llama",
+    CAPTURABLE=True,
     HParams=HParams,
     main_tensors=main_tensors,
     mtp_tensors=mtp_tensors,

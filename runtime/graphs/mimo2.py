@@ -163,6 +163,7 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
 
 GRAPH = Graph(
     name="mimo2",
+    CAPTURABLE=True,
     HParams=HParams,
     main_tensors=_tensors.main_tensors,
     mtp_tensors=_tensors.mtp_tensors,

@@ -223,6 +223,7 @@ def forward_mtp(*args, **kwargs):
 
 GRAPH = Graph(
     name="qwen3",
+    CAPTURABLE=True,
     HParams=HParams,
     main_tensors=main_tensors,
     mtp_tensors=mtp_tensors,

@@ -96,6 +96,7 @@ forward_mtp = q35.forward_mtp
 
 GRAPH = Graph(
     name="qwen3next",
+    CAPTURABLE=True,
     HParams=HParams,
     main_tensors=main_tensors,
     mtp_tensors=mtp_tensors,

@@ -148,6 +148,7 @@ _forwards = chained.Forwards(_rope, attention, ffn)
 
 GRAPH = Graph(
     name="step35",
+    CAPTURABLE=True,
     HParams=HParams,
     main_tensors=_tensors.main_tensors,
     mtp_tensors=_tensors.mtp_tensors,
