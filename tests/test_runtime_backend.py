@@ -6,8 +6,7 @@ reference computes.
 * a model's forward on the torch backend = on the native CPU backend (float32 summation noise), for
   a dense and a MoE Qwen3.5 file;
 * the CUDA backend's Triton products (runtime/kernels_triton: compiled on a GPU, else in Triton's CPU
-  interpreter) = the
-  torch reference, and a row's result the same whatever the number of rows.
+  interpreter) = the torch reference, and a row's result the same whatever the number of rows.
 """
 
 from __future__ import annotations
