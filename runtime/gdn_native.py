@@ -105,7 +105,7 @@ class NativePendingStates(PendingStates):
     that rejected a draft would continue from other bits than plain decoding."""
 
     def __init__(self, state, q, k, v, g, beta, delta, first: int, last: torch.Tensor):
-        super().__init__(state, k.permute(1, 2, 0), delta, g.t(), first, last=last)
+        super().__init__(state, k.permute(1, 2, 0), delta, g.t().cumsum(-1), first, last=last)
         self.inputs = (q, k, v, g, beta)
 
     def state(self, i: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -59,7 +59,8 @@ def _trunk_parity(model, src, ids, label: str) -> None:
           f"token-by-token {max_abs(steps, ref_steps):.2e}, post-norm hidden "
           f"{max_abs(out.hidden['post_norm'], ref_hidden):.2e}; transformers float32 batched vs cached {noise:.2e}")
     dt = model.dtype
-    dtype_parity(f"{label} prompt", dt, out.logits, ref_batch, floor=noise, low=lambda: ref.hf_logits(src, ids, dtype=dt))
+    dtype_parity(f"{label} prompt", dt, out.logits, ref_batch, floor=noise,
+                 low=lambda: ref.hf_logits(src, ids, dtype=dt))
     dtype_parity(f"{label} token-by-token", dt, steps, ref_steps, floor=noise,
                  low=lambda: hf_logits_token_by_token(src, ids, dt))
     dtype_parity(f"{label} post-norm hidden", dt, out.hidden["post_norm"], ref_hidden, floor=noise,
@@ -72,7 +73,8 @@ def test_trunk_logits_match_transformers(tmp_path_factory, device, dtype, moe, l
     skip_unless_device(device)
     src, paths = tiny_gguf(tmp_path_factory, moe=moe, layout=layout, mtp=mtp)
     model, _ = _load(paths, mtp, device, dtype)
-    _trunk_parity(model, src, prompt_ids(), f"{model.kind} {'moe' if moe else 'dense'} {layout} {device}-{dtype or 'default'}")
+    label = f"{model.kind} {'moe' if moe else 'dense'} {layout} {device}-{dtype or 'default'}"
+    _trunk_parity(model, src, prompt_ids(), label)
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)

@@ -71,28 +71,27 @@ def recurrent_delta_rule(q, k, v, g, beta, state, keep: int = 1):
     return torch.stack(outs), torch.stack(states)
 
 
-def segment_log_decays(g: torch.Tensor) -> torch.Tensor:
-    """Σ_{j<t≤i} g_t for every pair j ≤ i of a run of log-decays g [..., L]: [..., L, L], -inf above
-    the diagonal (so that its exponential is D_ij = e^{Γ_i − Γ_j}, 0 where j > i).
+def cumulative_log_decay(g: torch.Tensor) -> torch.Tensor:
+    """Γ = the cumulative sum of the log-decays g [..., n] over tokens, in float64 whatever g's dtype.
 
-    Each sum runs over its own tokens (a cumulative sum down each column of the log-decays below the
-    diagonal), not as the difference Γ_i − Γ_j of the run's cumulative log-decay Γ: Γ grows with the
-    run (to hundreds with strong decays), a float32 difference of two of its values is only as exact
-    as ulp(Γ), and the decays near the diagonal, the ones that count, take that error into every
-    output (the chunked form's float32 error was then 30x the recurrence's on strongly decaying
-    inputs; tests/test_runtime_memory.py)."""
-    n = g.shape[-1]
-    below = torch.ones(n, n, dtype=torch.bool, device=g.device).tril(-1)  # [t, j]: t > j
-    sums = g[..., :, None].masked_fill(~below, 0).cumsum(-2)  # [..., i, j] = Σ_{j<t≤i} g_t
-    return sums.masked_fill(torch.ones_like(below).triu(1), float("-inf"))
+    The chunked form takes every decay from Γ: D_ij = e^{Γ_i − Γ_j} between tokens, e^{Γ_i} from the
+    state before the chunk. Over a chunk of 64 prompt tokens Γ grows to hundreds with strong decays,
+    so in float32 a difference of two of its values is only as exact as ulp(Γ), and the decays near
+    the diagonal, the ones that count, carry that error into every output (the chunked form's
+    float32 error was 30x the recurrence's on strongly decaying inputs, enough on a GPU to put a MoE
+    model's chunked and recurrent logits 1.45e-3 apart; tests/test_runtime_memory.py). In float64
+    each decay is exact to the compute dtype, and all of them come from the same Γ, so the form stays
+    the exact function of its (rounded) inputs. Callers cast each exponential back to their dtype.
+    (The batched form spans only a batch's last `keep` tokens, a verification batch: a short Γ.)"""
+    return g.to(torch.float64).cumsum(-1)
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     """The same function evaluated chunk-wise (WY form), for long inputs. Per chunk of L rows with
     cumulative decay Γ and D_ij = e^{Γ_i − Γ_j} (j ≤ i): (I + T) U = βV, (I + T) W = β e^Γ K with
     T = strict-lower(β_i k_i·k_j D_ij), V_new = U − W S, O = (Q e^Γ) S + (QKᵀ ⊙ D) V_new,
-    S ← e^{Γ_L} S + (K ⊙ e^{Γ_L − Γ})ᵀ V_new, the decays between tokens from segment_log_decays.
-    Returns (o [n, nv, dv], final state [nv, dk, dv])."""
+    S ← e^{Γ_L} S + (K ⊙ e^{Γ_L − Γ})ᵀ V_new, Γ from cumulative_log_decay. Returns (o [n, nv, dv],
+    final state [nv, dk, dv])."""
     n, nv, dk = k.shape
     outs = []
     s = state
@@ -101,19 +100,20 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
         qc, kc, vc = q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
         gc, bc = g[start:end].t(), beta[start:end].t()  # [nv, L]
         length = end - start
-        gamma = gc.cumsum(-1)
-        between = segment_log_decays(gc)  # [nv, L, L]
-        decay = torch.exp(between)
+        gamma = cumulative_log_decay(gc)
+        lower = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        decay = torch.exp((gamma[:, :, None] - gamma[:, None, :]).masked_fill(~lower, float("-inf"))).to(q.dtype)
+        growth = gamma.exp().to(q.dtype)  # e^Γ [nv, L]
         t_mat = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
         a_mat = torch.eye(length, dtype=q.dtype, device=q.device).expand(nv, length, length) + t_mat
         u = torch.linalg.solve_triangular(a_mat, bc[:, :, None] * vc, upper=False, unitriangular=True)
-        w = torch.linalg.solve_triangular(a_mat, (bc * gamma.exp())[:, :, None] * kc, upper=False,
-                                          unitriangular=True)
+        w = torch.linalg.solve_triangular(a_mat, (bc * growth)[:, :, None] * kc, upper=False, unitriangular=True)
         v_new = u - w @ s  # [nv, L, dv]
-        o = (qc * gamma.exp()[:, :, None]) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ v_new
+        o = (qc * growth[:, :, None]) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ v_new
         outs.append(o.transpose(0, 1))
         last = gamma[:, -1]
-        s = last.exp()[:, None, None] * s + (kc * torch.exp(between[:, -1])[:, :, None]).transpose(-1, -2) @ v_new
+        to_end = torch.exp(last[:, None] - gamma).to(q.dtype)  # e^{Γ_L − Γ_j}
+        s = growth[:, -1, None, None] * s + (kc * to_end[:, :, None]).transpose(-1, -2) @ v_new
     return torch.cat(outs), s
 
 
@@ -121,17 +121,15 @@ class PendingStates:
     """The states after each of the last `keep` tokens of a batch, kept as what rebuilds them instead of
     as `keep` state-sized tensors: the state before the batch S (a view of the memory's slot, which the
     memory keeps intact while this is held), k [nv, dk, n], the recurrence's δ [nv, n, dv] and the
-    per-token log-decays g [nv, n] (cumulative: Γ). S_t = e^{Γ_t} S + Σ_{j≤t} e^{Γ_t − Γ_j} k_j δ_jᵀ
-    costs one state write, so a verification batch writes only its last state and a rollback builds
-    only the state it keeps (runtime/memory.py): k+1 verified tokens cost one state write instead of
-    k+1. Γ_t − Γ_j is summed over its own tokens, as in segment_log_decays."""
+    cumulative log-decay Γ [nv, n]. S_t = e^{Γ_t} S + Σ_{j≤t} e^{Γ_t − Γ_j} k_j δ_jᵀ costs one state
+    write, so a verification batch writes only its last state and a rollback builds only the state it
+    keeps (runtime/memory.py): k+1 verified tokens cost one state write instead of k+1."""
 
-    def __init__(self, state, kt, v_new, g, first: int, last: torch.Tensor | None = None):
+    def __init__(self, state, kt, v_new, gamma, first: int, last: torch.Tensor | None = None):
         """`last`: the state after the batch where it is already computed (the native form writes it
         straight into the memory's slot)."""
-        self.state0, self.kt, self.v_new, self.g, self.first = state, kt, v_new, g, first
-        self.gamma = g.cumsum(-1)
-        self.keep = g.shape[1] - first
+        self.state0, self.kt, self.v_new, self.gamma, self.first = state, kt, v_new, gamma, first
+        self.keep = gamma.shape[1] - first
         self.last = last
 
     def state(self, i: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,9 +139,7 @@ class PendingStates:
                 return self.last
             return out.copy_(self.last)
         t = self.first + i
-        # Σ_{j<s≤t} g_s for j = 0..t (segment_log_decays' row t): sums of g from t back to j + 1
-        later = self.g[:, 1:t + 1].flip(-1).cumsum(-1).flip(-1)
-        scale = torch.exp(torch.cat([later, torch.zeros_like(self.g[:, :1])], dim=-1))  # [nv, t+1]
+        scale = torch.exp(self.gamma[:, t:t + 1] - self.gamma[:, :t + 1])  # [nv, t+1]
         # e^{Γ_t} S first, then the sum added in place: `out` may be S's own slot (a ring of one state)
         decayed = self.state0 * self.gamma[:, t].exp()[:, None, None] if out is None else \
             torch.mul(self.state0, self.gamma[:, t].exp()[:, None, None], out=out)
@@ -164,7 +160,8 @@ def batched_delta_rule(q, k, v, g, beta, state, keep: int = 1, lazy: bool = Fals
     n = q.shape[0]
     qc, kc, vc = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [nv, n, d]
     gamma, bc = g.t().cumsum(-1), beta.t()  # [nv, n]
-    decay = torch.exp(segment_log_decays(g.t()))  # D [nv, n, n]
+    lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    decay = torch.exp((gamma[:, :, None] - gamma[:, None, :]).masked_fill(~lower, float("-inf")))  # D [nv, n, n]
     t_mat = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
     a_mat = torch.eye(n, dtype=q.dtype, device=q.device).expand(q.shape[1], n, n) + t_mat
     u = torch.linalg.solve_triangular(a_mat, bc[:, :, None] * vc, upper=False, unitriangular=True)
@@ -173,7 +170,7 @@ def batched_delta_rule(q, k, v, g, beta, state, keep: int = 1, lazy: bool = Fals
     ws_qs = torch.cat([w, qc * gamma.exp()[:, :, None]], dim=1) @ state  # [nv, 2n, dv]
     v_new = u - ws_qs[:, :n]  # δ_t of the recurrence [nv, n, dv]
     o = ws_qs[:, n:] + ((qc @ kc.transpose(-1, -2)) * decay) @ v_new
-    pending = PendingStates(state, kc.transpose(-1, -2), v_new, g.t(), n - keep)
+    pending = PendingStates(state, kc.transpose(-1, -2), v_new, gamma, n - keep)
     return o.transpose(0, 1), (pending if lazy else pending.all())
 
 
