@@ -5,8 +5,8 @@ reference computes.
 * routed experts by index (no host read) = routed experts grouped by expert (the per-expert loop);
 * a model's forward on the torch backend = on the native CPU backend (float32 summation noise), for
   a dense and a MoE Qwen3.5 file;
-* the CUDA backend's Triton products (runtime/kernels_triton, in Triton's CPU interpreter) = the
-  torch reference, and a row's result the same whatever the number of rows.
+* the CUDA backend's Triton products (runtime/kernels_triton: compiled on a GPU, else in Triton's CPU
+  interpreter) = the torch reference, and a row's result the same whatever the number of rows.
 """
 
 from __future__ import annotations
@@ -89,7 +89,9 @@ def test_a_forward_on_the_torch_backend_equals_the_native_backend(tmp_path_facto
     assert diff <= 1e-3  # float32 sums in other orders, amplified by the tiny random Gated DeltaNet layers
 
 
-_INTERPRETER_CHECK = textwrap.dedent("""
+_KERNELS_CHECK = textwrap.dedent("""
+    import sys
+
     import torch
     from gguf import GGMLQuantizationType as QType
     from specconv.runtime import kernels_triton
@@ -99,14 +101,15 @@ _INTERPRETER_CHECK = textwrap.dedent("""
     from specconv.runtime.stored import StoredWeight
     from tests.test_runtime_dequant_native import sane_rows
 
+    device = torch.device(sys.argv[1])  # cuda: the compiled kernels; cpu: Triton's interpreter
     torch.manual_seed(0)
-    cuda, ref = CudaBackend(kernels_triton, device_types=("cpu",)), TorchBackend()
+    cuda, ref = CudaBackend(kernels_triton, device_types=(device.type,)), TorchBackend()
     worst = 0.0
     for qtype in (QType.Q8_0, QType.Q4_K, QType.BF16):
-        raw = sane_rows(qtype, 40, 256, seed=3)
-        w = StoredWeight(raw, qtype, (40, 256), torch.bfloat16, torch.device("cpu"))
+        raw = sane_rows(qtype, 40, 256, seed=3).to(device)
+        w = StoredWeight(raw, qtype, (40, 256), torch.bfloat16, device)
         assert torch.equal(cuda.dequantize_rows(raw, qtype, torch.float32), ref.dequantize_rows(raw, qtype, torch.float32))
-        x = torch.randn(19, 256)
+        x = torch.randn(19, 256).to(device)
         values = ref.dequantize_rows(raw, qtype, torch.float32)
         for rows in (5, 19):  # one pass over the packed weights; a prompt's dequantized tiles
             y, expected = cuda.linear(x[:rows], w), x[:rows] @ values.t()
@@ -119,17 +122,22 @@ _INTERPRETER_CHECK = textwrap.dedent("""
         for i in (0, 7, 18):
             assert torch.equal(rows[i:i + 1], cuda.linear(xb[i:i + 1], w)), (qtype, i)
     assert worst <= 1, worst
-    print(f"triton backend vs torch backend: max |Δ| / (4 eps Σ|x·w|) {worst:.2f}")
+    print(f"triton backend on {device} vs torch backend: max |Δ| / (4 eps Σ|x·w|) {worst:.2f}")
 """)
 
 
 def test_the_cuda_backend_runs_the_triton_kernels_like_the_reference():
-    """runtime/kernels_triton through CudaBackend, in Triton's interpreter on the CPU (a fresh
-    process: TRITON_INTERPRET is read when the kernels are first compiled)."""
+    """runtime/kernels_triton through CudaBackend where the kernels run: compiled on the GPU where
+    there is one (TRITON_INTERPRET unset), else in Triton's interpreter on the CPU (a fresh process:
+    TRITON_INTERPRET is read when the kernels are first compiled)."""
     pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
+    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    if on_gpu:
+        del env["TRITON_INTERPRET"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], cwd=root, capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=900)
+    run = subprocess.run([sys.executable, "-c", _KERNELS_CHECK, "cuda" if on_gpu else "cpu"], cwd=root,
+                         capture_output=True, text=True, env=env, timeout=900)
     print(run.stdout + run.stderr[-3000:])
     assert run.returncode == 0
 

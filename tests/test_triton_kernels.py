@@ -365,6 +365,12 @@ def test_causal_conv_keep_ring_of_one_and_16bit_inputs():
 def test_bad_input_one_line_errors():
     packed = weights(QType.Q4_K, seed=8).to(DEVICE)
     x = torch.randn(2, 512, device=DEVICE)
+
+    def gdn_on_device(n: int, ring: torch.Tensor) -> list[torch.Tensor]:
+        """q, k, v, g, β of n tokens and a ring, where the kernels run: each check below must be the
+        one that fires, not the device check."""
+        return [t.to(DEVICE) for t in gdn_inputs(n, 1, 1, 8, 8, 2, 0)[:5]] + [ring.to(DEVICE)]
+
     cases = [
         (lambda: kt.quant_matmul(x, packed, QType.Q4_0, N_OUT, 512), "no Triton kernel for Q4_0"),
         (lambda: kt.quant_matmul(x[:, :300], packed, QType.Q4_K, N_OUT, 300), "not a whole number"),
@@ -372,13 +378,11 @@ def test_bad_input_one_line_errors():
         (lambda: kt.quant_matmul(x.long(), packed, QType.Q4_K, N_OUT, 512), "float32, bfloat16 or float16"),
         (lambda: kt.quant_matmul(x[:, :256], packed, QType.Q4_K, N_OUT, 512), r"expected \[..., 512\]"),
         (lambda: kt.dequantize_rows(packed.float(), QType.Q4_K, N_OUT, 512), "uint8"),
-        (lambda: kt.gdn_step(*gdn_inputs(17, 1, 1, 8, 8, 2, 0)[:5], torch.zeros(2, 1, 8, 8), 0, [1]), "17 tokens"),
-        (lambda: kt.gdn_step(*gdn_inputs(2, 1, 1, 8, 8, 2, 0)[:5], torch.zeros(2, 1, 8, 8), 0, [2]),
-         "outside the ring"),
-        (lambda: kt.gdn_step(*gdn_inputs(2, 1, 1, 8, 8, 2, 0)[:5], torch.zeros(2, 1, 8, 8).double(), 0, [1]),
-         "must be float32"),
-        (lambda: kt.causal_conv(torch.randn(2, 8), torch.zeros(2, 3, 8), torch.randn(8, 3), 0, [1]),
-         "states has shape"),
+        (lambda: kt.gdn_step(*gdn_on_device(17, torch.zeros(2, 1, 8, 8)), 0, [1]), "17 tokens"),
+        (lambda: kt.gdn_step(*gdn_on_device(2, torch.zeros(2, 1, 8, 8)), 0, [2]), "outside the ring"),
+        (lambda: kt.gdn_step(*gdn_on_device(2, torch.zeros(2, 1, 8, 8).double()), 0, [1]), "must be float32"),
+        (lambda: kt.causal_conv(torch.randn(2, 8, device=DEVICE), torch.zeros(2, 3, 8, device=DEVICE),
+                                torch.randn(8, 3, device=DEVICE), 0, [1]), "states has shape"),
     ]
     for call, message in cases:
         with pytest.raises(SpecconvError, match=message):

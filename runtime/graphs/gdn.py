@@ -71,11 +71,27 @@ def recurrent_delta_rule(q, k, v, g, beta, state, keep: int = 1):
     return torch.stack(outs), torch.stack(states)
 
 
+def cumulative_log_decay(g: torch.Tensor) -> torch.Tensor:
+    """Γ = the cumulative sum of the log-decays g [..., n] over tokens, in float64 whatever g's dtype.
+
+    The chunked form takes every decay from Γ: D_ij = e^{Γ_i − Γ_j} between tokens, e^{Γ_i} from the
+    state before the chunk. Over a chunk of 64 prompt tokens Γ grows to hundreds with strong decays,
+    so in float32 a difference of two of its values is only as exact as ulp(Γ), and the decays near
+    the diagonal, the ones that count, carry that error into every output (the chunked form's
+    float32 error was 30x the recurrence's on strongly decaying inputs, enough on a GPU to put a MoE
+    model's chunked and recurrent logits 1.45e-3 apart; tests/test_runtime_memory.py). In float64
+    each decay is exact to the compute dtype, and all of them come from the same Γ, so the form stays
+    the exact function of its (rounded) inputs. Callers cast each exponential back to their dtype.
+    (The batched form spans only a batch's last `keep` tokens, a verification batch: a short Γ.)"""
+    return g.to(torch.float64).cumsum(-1)
+
+
 def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     """The same function evaluated chunk-wise (WY form), for long inputs. Per chunk of L rows with
     cumulative decay Γ and D_ij = e^{Γ_i − Γ_j} (j ≤ i): (I + T) U = βV, (I + T) W = β e^Γ K with
     T = strict-lower(β_i k_i·k_j D_ij), V_new = U − W S, O = (Q e^Γ) S + (QKᵀ ⊙ D) V_new,
-    S ← e^{Γ_L} S + (K ⊙ e^{Γ_L − Γ})ᵀ V_new. Returns (o [n, nv, dv], final state [nv, dk, dv])."""
+    S ← e^{Γ_L} S + (K ⊙ e^{Γ_L − Γ})ᵀ V_new, Γ from cumulative_log_decay. Returns (o [n, nv, dv],
+    final state [nv, dk, dv])."""
     n, nv, dk = k.shape
     outs = []
     s = state
@@ -84,19 +100,20 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
         qc, kc, vc = q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
         gc, bc = g[start:end].t(), beta[start:end].t()  # [nv, L]
         length = end - start
-        gamma = gc.cumsum(-1)
+        gamma = cumulative_log_decay(gc)
         lower = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        decay = torch.exp((gamma[:, :, None] - gamma[:, None, :]).masked_fill(~lower, float("-inf")))
+        decay = torch.exp((gamma[:, :, None] - gamma[:, None, :]).masked_fill(~lower, float("-inf"))).to(q.dtype)
+        growth = gamma.exp().to(q.dtype)  # e^Γ [nv, L]
         t_mat = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
         a_mat = torch.eye(length, dtype=q.dtype, device=q.device).expand(nv, length, length) + t_mat
         u = torch.linalg.solve_triangular(a_mat, bc[:, :, None] * vc, upper=False, unitriangular=True)
-        w = torch.linalg.solve_triangular(a_mat, (bc * gamma.exp())[:, :, None] * kc, upper=False,
-                                          unitriangular=True)
+        w = torch.linalg.solve_triangular(a_mat, (bc * growth)[:, :, None] * kc, upper=False, unitriangular=True)
         v_new = u - w @ s  # [nv, L, dv]
-        o = (qc * gamma.exp()[:, :, None]) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ v_new
+        o = (qc * growth[:, :, None]) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ v_new
         outs.append(o.transpose(0, 1))
         last = gamma[:, -1]
-        s = last.exp()[:, None, None] * s + (kc * torch.exp(last[:, None] - gamma)[:, :, None]).transpose(-1, -2) @ v_new
+        to_end = torch.exp(last[:, None] - gamma).to(q.dtype)  # e^{Γ_L − Γ_j}
+        s = growth[:, -1, None, None] * s + (kc * to_end[:, :, None]).transpose(-1, -2) @ v_new
     return torch.cat(outs), s
 
 
