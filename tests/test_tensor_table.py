@@ -1,0 +1,112 @@
+"""The tensor tables (archs/tensor_table.py): one list per family from which the converter's plan, the
+runtime's needed and optional tensors, the expected shapes and the storage rule derive.
+
+The mechanics (block tags, hooks, tensors the converter never writes, replacing a group, the float
+rule's name matching) are tested on a toy table.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specconv.archs.base import Role, SourceTensor
+from specconv.archs.errors import SpecconvError
+from specconv.archs.plan_tools import RolePlan
+from specconv.archs.tensor_table import Block, GraphTensors, TensorSpec, TensorTable
+
+
+# ---- the mechanics, on a toy table -------------------------------------------------------------
+
+def _toy() -> TensorTable:
+    def tags(s, bid):
+        return frozenset({"recurrent" if bid % 2 else "attention"} | ({"nextn"} if bid == s["n"] else set()))
+
+    return TensorTable((
+        TensorSpec("token_embd.weight", "embed", lambda s: (s["V"], 4)),
+        TensorSpec("output.weight", None, lambda s: (s["V"], 4), optional=True, hook="head"),
+        TensorSpec("blk.{bid}.attn_norm.weight", "{p}norm", lambda s: (4,), f32=True),
+        TensorSpec("blk.{bid}.attn_q.weight", "{p}q", lambda s: (8, 4), "attention"),
+        TensorSpec("blk.{bid}.ssm_a", "{p}a", lambda s: (2,), "recurrent", f32=True),
+        TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, lambda s: (3, 5, 4), hook="experts"),
+        TensorSpec("blk.{bid}.ffn_up_exps.weight", None, lambda s: (3, 5, 4), hook="experts"),
+        TensorSpec("blk.{bid}.nextn.eh_proj.weight", "fc", lambda s: (4, 8), "nextn"),
+        TensorSpec("blk.{bid}.nextn.embed_tokens.weight", None, lambda s: (s["V"], 4), "nextn", optional=True),
+    ), tags)
+
+
+def _source_plan(names_shapes: dict[str, tuple]) -> RolePlan:
+    return RolePlan({n: SourceTensor(n, s, "F32") for n, s in names_shapes.items()})
+
+
+def test_plan_follows_tags_and_calls_each_hook_once_per_block():
+    calls = []
+    plan = _source_plan({"embed": (16, 4), "L0.norm": (4,), "L0.q": (8, 4), "L1.norm": (4,), "L1.a": (2,),
+                         "fc": (4, 8)})
+    hooks = {"head": lambda *a: calls.append(("head", a[2])), "experts": lambda *a: calls.append(("experts", a[2]))}
+    _toy().plan(plan, {"V": 16, "n": 1}, [Block(0, "L0.", Role.TRUNK), Block(1, "L1.", Role.MTP)], hooks)
+    got = {p.name: (p.sources, p.shape, p.role, p.force_type is not None) for p in plan.plans}
+    assert got == {
+        "token_embd.weight": (("embed",), (16, 4), Role.SHARED, False),
+        "blk.0.attn_norm.weight": (("L0.norm",), (4,), Role.TRUNK, True),
+        "blk.0.attn_q.weight": (("L0.q",), (8, 4), Role.TRUNK, False),
+        "blk.1.attn_norm.weight": (("L1.norm",), (4,), Role.MTP, True),
+        "blk.1.ssm_a": (("L1.a",), (2,), Role.MTP, True),
+        "blk.1.nextn.eh_proj.weight": (("fc",), (4, 8), Role.MTP, False),  # no embed_tokens: never written
+    }
+    assert calls == [("head", None), ("experts", 0), ("experts", 1)]
+
+
+def test_plan_checks_sources_and_hooks():
+    table, sizes = _toy(), {"V": 16, "n": 5}
+    with pytest.raises(SpecconvError, match="tensor L0.q has shape \\[4, 8\\], but config.json implies \\[8, 4\\]"):
+        table.plan(_source_plan({"embed": (16, 4), "L0.norm": (4,), "L0.q": (4, 8)}), sizes,
+                   [Block(0, "L0.", Role.TRUNK)], {"head": lambda *a: None, "experts": lambda *a: None})
+    with pytest.raises(SpecconvError, match="output.weight: the plugin has no hook 'head'"):
+        table.plan(_source_plan({"embed": (16, 4)}), sizes, [], {})
+
+
+def test_runtime_names_and_shapes():
+    table, sizes = _toy(), {"V": "V", "n": 2}
+    assert table.names(sizes, range(2)) == [
+        "token_embd.weight", "blk.0.attn_norm.weight", "blk.0.attn_q.weight", "blk.0.ffn_gate_exps.weight",
+        "blk.0.ffn_up_exps.weight", "blk.1.attn_norm.weight", "blk.1.ssm_a", "blk.1.ffn_gate_exps.weight",
+        "blk.1.ffn_up_exps.weight"]
+    assert table.names(sizes, [2], roles=(), optional=True) == ["blk.2.nextn.embed_tokens.weight"]
+    assert table.names(sizes, (), optional=True) == ["output.weight"]
+    shapes = table.ggml_shapes(sizes, range(3))
+    assert shapes["token_embd.weight"] == (4, "V") and shapes["blk.2.nextn.eh_proj.weight"] == (8, 4)
+    assert "blk.1.attn_q.weight" not in shapes and "blk.1.nextn.eh_proj.weight" not in shapes
+
+
+def test_graph_tensors_split_trunk_and_mtp_head():
+    class HP:
+        n_layer, n_nextn = 2, 1
+
+    g = GraphTensors(_toy(), lambda hp: {"V": "V", "n": hp.n_layer})
+    assert g.OPTIONAL == ("output.weight",)
+    assert g.mtp_tensors(HP()) == ["token_embd.weight", "blk.2.attn_norm.weight", "blk.2.attn_q.weight",
+                                   "blk.2.ffn_gate_exps.weight", "blk.2.ffn_up_exps.weight",
+                                   "blk.2.nextn.eh_proj.weight"]
+    assert g.optional_mtp_tensors(HP()) == ["blk.2.nextn.embed_tokens.weight"]
+    assert set(g.expected_shapes(HP())) >= set(g.main_tensors(HP()) + g.mtp_tensors(HP()))
+
+
+def test_float_rule_matches_whole_names_of_the_table_only():
+    table = _toy()
+    assert table.keeps_float32("blk.12.attn_norm.weight") and table.keeps_float32("blk.0.ssm_a")
+    for name in ("blk.x.ssm_a", "blk.0.ssm_a.bias", "blk.0.attn_q.weight", "token_embd.weight",
+                 "output_norm.weight"):  # the last: ends like a norm, but is no tensor of this table
+        assert not table.keeps_float32(name), name
+
+
+def test_replacing_a_group_keeps_its_place():
+    new = TensorSpec("blk.{bid}.ssm_ba.weight", "{p}ba", lambda s: (4, 4), "recurrent")
+    replaced = _toy().replacing("recurrent", [new])
+    order = [s.gguf for s in replaced.specs]
+    assert order[3:6] == ["blk.{bid}.attn_q.weight", "blk.{bid}.ssm_ba.weight", "blk.{bid}.ffn_gate_exps.weight"]
+    assert "blk.{bid}.ssm_a" not in order
+
+
+def test_a_tensor_nothing_writes_must_be_optional():
+    with pytest.raises(ValueError, match="never writes must be optional"):
+        TensorSpec("blk.{bid}.x.weight", None, lambda s: (1,))
