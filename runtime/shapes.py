@@ -49,43 +49,6 @@ def _gqa(p: str, E_in: int, E: int, nh: int, nkv: int, hd: int, q_mult: int = 1)
             p + "attn_v.weight": (E_in, nkv * hd), p + "attn_output.weight": (nh * hd, E)}
 
 
-def qwen35(hp) -> Shapes:
-    E, out = hp.n_embd, _common(hp, hp.n_embd)
-    C = 2 * hp.ssm_groups * hp.ssm_dk + hp.ssm_inner
-    for i in range(hp.n_layer + hp.n_nextn):
-        p = f"blk.{i}."
-        out.update({p + "attn_norm.weight": (E,), p + "post_attention_norm.weight": (E,)})
-        if i < hp.n_layer and hp.recurrent[i]:
-            nv = hp.ssm_heads
-            out.update({p + "attn_qkv.weight": (E, C), p + "attn_gate.weight": (E, hp.ssm_inner),
-                        p + "ssm_beta.weight": (E, nv), p + "ssm_alpha.weight": (E, nv), p + "ssm_a": (nv,),
-                        p + "ssm_dt.bias": (nv,), p + "ssm_conv1d.weight": (hp.conv_kernel, C),
-                        p + "ssm_norm.weight": (hp.ssm_dv,), p + "ssm_out.weight": (hp.ssm_inner, E)})
-        else:
-            out.update(_gqa(p, E, E, hp.n_head, hp.n_head_kv, hp.head_dim, q_mult=2))
-            out.update({p + "attn_q_norm.weight": (hp.head_dim,), p + "attn_k_norm.weight": (hp.head_dim,)})
-        if hp.is_moe:
-            out.update(_experts(p, E, hp.n_ff_exp, hp.n_expert))
-            out.update(_shared(p, E, hp.n_ff_shexp))
-            out[p + "ffn_gate_inp_shexp.weight"] = [(E,), (E, 1)]  # converters write either
-        else:
-            out.update(_dense_ffn(p, E, hp.n_ff))
-    for n in range(hp.n_layer, hp.n_layer + hp.n_nextn):
-        out.update(_nextn(E, n))
-    return out
-
-
-def qwen3next(hp) -> Shapes:
-    """Qwen3.5-MoE's shapes, but beta and alpha come from one projection: ssm_ba [E, 2·nv]."""
-    out = qwen35(hp)
-    for i in range(hp.n_layer):
-        if hp.recurrent[i]:
-            p = f"blk.{i}."
-            del out[p + "ssm_beta.weight"], out[p + "ssm_alpha.weight"]
-            out[p + "ssm_ba.weight"] = (hp.n_embd, 2 * hp.ssm_heads)
-    return out
-
-
 def qwen3(hp) -> Shapes:
     E, out = hp.n_embd, _common(hp, hp.n_embd)
     for i in range(hp.n_layer):
@@ -188,9 +151,16 @@ def gemma4(hp) -> Shapes:
     return out
 
 
+def from_table(hp) -> Shapes:
+    """A family on a tensor table (archs/tensor_table.py): its graph derives the shapes from it."""
+    from specconv.runtime.graphs import graph_module
+
+    return graph_module(hp.arch).expected_shapes(hp)
+
+
 EXPECTED: dict[str, Callable[[Any], Shapes]] = {
-    "qwen35": qwen35, "qwen35moe": qwen35, "llama": llama, "eagle3": eagle3, "glm4moe": glm4moe,
-    "deepseek2": deepseek2, "gemma4": gemma4, "gemma4-assistant": gemma4, "qwen3next": qwen3next,
+    "qwen35": from_table, "qwen35moe": from_table, "qwen3next": from_table, "llama": llama, "eagle3": eagle3,
+    "glm4moe": glm4moe, "deepseek2": deepseek2, "gemma4": gemma4, "gemma4-assistant": gemma4,
     "qwen3": qwen3, "qwen3moe": qwen3,
 }
 
@@ -212,13 +182,6 @@ def check_arch_hparams(hp, kv: Mapping[str, Any]) -> None:
         v = kv.get(f"{a}.{key}")
         if isinstance(v, list) and len(v) != block_count:
             raise SpecconvError(f"{a}.{key} has {len(v)} entries for block_count {block_count}")
-    if a in ("qwen35", "qwen35moe", "qwen3next"):
-        if len(hp.recurrent) != hp.n_layer:
-            raise SpecconvError(f"{a}.attention.recurrent_layers covers {len(hp.recurrent)} of {hp.n_layer} blocks")
-        if hp.is_moe and not (hp.n_ff_exp and hp.n_ff_shexp):
-            raise SpecconvError(f"{a}: expert_feed_forward_length and expert_shared_feed_forward_length are needed")
-        if not hp.is_moe and not hp.n_ff:
-            raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
     if a in ("glm4moe", "deepseek2", "glm-dsa", "deepseek32"):
         if hp.n_dense_lead > block_count:
             raise SpecconvError(f"{a}.leading_dense_block_count {hp.n_dense_lead} exceeds block_count {block_count}")

@@ -1,8 +1,10 @@
 """The tensor tables (archs/tensor_table.py): one list per family from which the converter's plan, the
 runtime's needed and optional tensors, the expected shapes and the storage rule derive.
 
-The mechanics (block tags, hooks, tensors the converter never writes, replacing a group, the float
-rule's name matching) are tested on a toy table.
+Per switched family, a converted tiny checkpoint holds exactly the tensors the runtime derives from
+the same table (trunk, MTP head and the optional ones it has), each of the shape the table gives,
+and F32 exactly where the table keeps a tensor float. The mechanics (block tags, hooks, tensors the
+converter never writes, replacing a group, the float rule's name matching) are tested on a toy table.
 """
 
 from __future__ import annotations
@@ -13,6 +15,54 @@ from specconv.archs.base import Role, SourceTensor
 from specconv.archs.errors import SpecconvError
 from specconv.archs.plan_tools import RolePlan
 from specconv.archs.tensor_table import Block, GraphTensors, TensorSpec, TensorTable
+from tests.fixtures.gguf_files import convert_gguf
+
+
+def _qwen35(moe: bool):
+    def build(root):
+        from tests.fixtures.tiny_qwen35 import build_qwen35
+
+        return build_qwen35(root, moe=moe)
+    return build
+
+
+def _qwen3next(root):
+    from tests.fixtures.tiny_qwen3next import build_qwen3next
+
+    return build_qwen3next(root)
+
+
+FAMILIES = {"qwen35": _qwen35(False), "qwen35moe": _qwen35(True), "qwen3next": _qwen3next}
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_converted_file_is_what_the_runtime_derives(arch, tmp_path):
+    from gguf import GGMLQuantizationType as Q
+
+    from specconv.runtime.gguf_file import GGUFModelFile
+    from specconv.runtime.graphs import graph_module
+
+    path = convert_gguf(FAMILIES[arch](tmp_path / "hf"), tmp_path / "m.gguf", outtype="f16")
+    file = GGUFModelFile(path)
+    assert file.arch == arch
+    graph = graph_module(arch)
+    hp = graph.HParams.from_kv(file.kv)
+    assert hp.n_nextn == 1
+    required = graph.main_tensors(hp) + graph.mtp_tensors(hp)
+    optional = list(graph.OPTIONAL) + graph.optional_mtp_tensors(hp)
+    written = set(file.tensors)
+    assert set(required) <= written, sorted(set(required) - written)
+    assert written <= set(required) | set(optional), sorted(written - set(required) - set(optional))
+    # the optional tensors this converter writes: the MTP head's own norm (an untied fixture: the output head)
+    assert written - set(required) == {"output.weight", f"blk.{hp.n_layer}.nextn.shared_head_norm.weight"}
+
+    expected, vocab = graph.expected_shapes(hp), file.tensors["token_embd.weight"].shape[1]
+    for name, t in file.tensors.items():
+        options = expected[name] if isinstance(expected[name], list) else [expected[name]]
+        assert tuple(t.shape) == tuple(vocab if d == "V" else d for d in options[0]), name
+        assert (t.tensor_type == Q.F32) == graph.keep_float32(name), (name, t.tensor_type.name)
+    kept = sum(graph.keep_float32(n) for n in file.tensors)
+    print(f"{arch}: {len(file.tensors)} tensors, {kept} kept F32, {len(written - set(required))} optional written")
 
 
 # ---- the mechanics, on a toy table -------------------------------------------------------------
