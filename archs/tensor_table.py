@@ -183,10 +183,12 @@ class GraphTensors:
         return self.table.names(self.sizes(hp), range(hp.n_layer))
 
     def mtp_tensors(self, hp) -> list[str]:
+        if not hp.n_nextn:
+            return []
         return self.table.names(self.sizes(hp), [hp.n_layer], roles=(Role.MTP, Role.SHARED))
 
     def optional_mtp_tensors(self, hp) -> list[str]:
-        return self.table.names(self.sizes(hp), [hp.n_layer], roles=(), optional=True)
+        return self.table.names(self.sizes(hp), [hp.n_layer], roles=(), optional=True) if hp.n_nextn else []
 
     def expected_shapes(self, hp) -> dict[str, tuple | list[tuple]]:
         """Every tensor of the file's blocks, trunk and MTP, in ggml order (runtime/shapes.py)."""

@@ -49,17 +49,6 @@ def _gqa(p: str, E_in: int, E: int, nh: int, nkv: int, hd: int, q_mult: int = 1)
             p + "attn_v.weight": (E_in, nkv * hd), p + "attn_output.weight": (nh * hd, E)}
 
 
-def qwen3(hp) -> Shapes:
-    E, out = hp.n_embd, _common(hp, hp.n_embd)
-    for i in range(hp.n_layer):
-        p = f"blk.{i}."
-        out.update(_gqa(p, E, E, hp.n_head, hp.n_head_kv, hp.head_dim))
-        out.update({p + "attn_norm.weight": (E,), p + "ffn_norm.weight": (E,), p + "attn_q_norm.weight": (hp.head_dim,),
-                    p + "attn_k_norm.weight": (hp.head_dim,)})
-        out.update(_experts(p, E, hp.n_ff_exp, hp.n_expert) if hp.is_moe else _dense_ffn(p, E, hp.n_ff))
-    return out
-
-
 def llama(hp, E_in: int | None = None) -> Shapes:
     E, out = hp.n_embd, _common(hp, hp.n_embd)
     out["rope_freqs.weight"] = (hp.n_rot // 2,)
@@ -161,7 +150,7 @@ def from_table(hp) -> Shapes:
 EXPECTED: dict[str, Callable[[Any], Shapes]] = {
     "qwen35": from_table, "qwen35moe": from_table, "qwen3next": from_table, "llama": llama, "eagle3": eagle3,
     "glm4moe": glm4moe, "deepseek2": deepseek2, "gemma4": gemma4, "gemma4-assistant": gemma4,
-    "qwen3": qwen3, "qwen3moe": qwen3,
+    "qwen3": from_table, "qwen3moe": from_table,
 }
 
 
@@ -217,8 +206,6 @@ def check_arch_hparams(hp, kv: Mapping[str, Any]) -> None:
             raise SpecconvError(f"{a}.vocab_size {hp.n_vocab} is smaller than the {len(tokens)} tokenizer tokens")
         if not hp.n_ff:
             raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
-    if a in ("qwen3", "qwen3moe") and not (hp.n_ff_exp if hp.is_moe else hp.n_ff):
-        raise SpecconvError(f"{a}: the feed-forward width is missing or 0")
     if a == "llama" and not hp.n_ff:
         raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
     if a in _families.ARCH_HPARAMS:

@@ -32,7 +32,17 @@ def _qwen3next(root):
     return build_qwen3next(root)
 
 
-FAMILIES = {"qwen35": _qwen35(False), "qwen35moe": _qwen35(True), "qwen3next": _qwen3next}
+def _qwen3(moe: bool):
+    def build(root):
+        from tests.fixtures.tiny_qwen3 import build_qwen3
+
+        return build_qwen3(root, moe=moe)
+    return build
+
+
+# arch -> (tiny checkpoint builder, MTP blocks); every fixture has an untied output head
+FAMILIES = {"qwen35": (_qwen35(False), 1), "qwen35moe": (_qwen35(True), 1), "qwen3next": (_qwen3next, 1),
+            "qwen3": (_qwen3(False), 0), "qwen3moe": (_qwen3(True), 0)}
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
@@ -42,19 +52,21 @@ def test_converted_file_is_what_the_runtime_derives(arch, tmp_path):
     from specconv.runtime.gguf_file import GGUFModelFile
     from specconv.runtime.graphs import graph_module
 
-    path = convert_gguf(FAMILIES[arch](tmp_path / "hf"), tmp_path / "m.gguf", outtype="f16")
+    build, n_mtp = FAMILIES[arch]
+    path = convert_gguf(build(tmp_path / "hf"), tmp_path / "m.gguf", outtype="f16")
     file = GGUFModelFile(path)
     assert file.arch == arch
     graph = graph_module(arch)
     hp = graph.HParams.from_kv(file.kv)
-    assert hp.n_nextn == 1
+    assert hp.n_nextn == n_mtp
     required = graph.main_tensors(hp) + graph.mtp_tensors(hp)
     optional = list(graph.OPTIONAL) + graph.optional_mtp_tensors(hp)
     written = set(file.tensors)
     assert set(required) <= written, sorted(set(required) - written)
     assert written <= set(required) | set(optional), sorted(written - set(required) - set(optional))
-    # the optional tensors this converter writes: the MTP head's own norm (an untied fixture: the output head)
-    assert written - set(required) == {"output.weight", f"blk.{hp.n_layer}.nextn.shared_head_norm.weight"}
+    # the optional tensors this converter writes: the untied output head, the MTP head's own norm
+    mtp_norm = {f"blk.{hp.n_layer}.nextn.shared_head_norm.weight"} if n_mtp else set()
+    assert written - set(required) == {"output.weight"} | mtp_norm
 
     expected, vocab = graph.expected_shapes(hp), file.tensors["token_embd.weight"].shape[1]
     for name, t in file.tensors.items():
