@@ -140,23 +140,17 @@ def gemma4(hp) -> Shapes:
     return out
 
 
-def from_table(hp) -> Shapes:
-    """A family on a tensor table (archs/tensor_table.py): its graph derives the shapes from it."""
-    from specconv.runtime.graphs import graph_module
-
-    return graph_module(hp.arch).expected_shapes(hp)
-
-
+# The families not yet on a tensor table; the others' graphs derive their shapes from their table
+# (archs/tensor_table.py, `expected_shapes(hp)`).
 EXPECTED: dict[str, Callable[[Any], Shapes]] = {
-    "qwen35": from_table, "qwen35moe": from_table, "qwen3next": from_table, "llama": llama, "eagle3": eagle3,
-    "glm4moe": glm4moe, "deepseek2": deepseek2, "gemma4": gemma4, "gemma4-assistant": gemma4,
-    "qwen3": from_table, "qwen3moe": from_table,
+    "llama": llama, "eagle3": eagle3, "glm4moe": glm4moe, "deepseek2": deepseek2, "gemma4": gemma4,
+    "gemma4-assistant": gemma4,
 }
 
 
-def expected_shapes(hp, needed) -> Shapes:
+def expected_shapes(hp, needed, graph) -> Shapes:
     make = EXPECTED.get(hp.arch)
-    out = make(hp) if make is not None else {}
+    out = make(hp) if make is not None else graph.expected_shapes(hp)
     if hp.arch == "eagle3" and "d2t" not in needed:  # no draft vocabulary: the head spans the target's
         out["output.weight"] = (hp.n_embd, hp.n_vocab)
     return out
