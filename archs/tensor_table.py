@@ -172,7 +172,8 @@ class GraphTensors:
     """A runtime graph's tensor lists from its family's table: the trunk graph runs blocks
     0..n_layer-1, the MTP graph the first nextn block (n_layer); `sizes(hp)` turns the graph's
     hparams into the table's sizes. A graph module exposes these as its `main_tensors`,
-    `mtp_tensors`, `optional_mtp_tensors`, `OPTIONAL`, `keep_float32` and `expected_shapes`."""
+    `optional_main_tensors`, `mtp_tensors`, `optional_mtp_tensors`, `OPTIONAL`, `keep_float32` and
+    `expected_shapes`."""
 
     def __init__(self, table: TensorTable, sizes: Callable[[Any], Any]):
         self.table, self.sizes = table, sizes
@@ -181,6 +182,10 @@ class GraphTensors:
 
     def main_tensors(self, hp) -> list[str]:
         return self.table.names(self.sizes(hp), range(hp.n_layer))
+
+    def optional_main_tensors(self, hp) -> list[str]:
+        """Trunk-block tensors the graph runs without (e.g. GLM's attention biases), loaded when present."""
+        return self.table.names(self.sizes(hp), range(hp.n_layer), roles=(), optional=True)
 
     def mtp_tensors(self, hp) -> list[str]:
         if not hp.n_nextn:

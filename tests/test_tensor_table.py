@@ -40,19 +40,52 @@ def _qwen3(moe: bool):
     return build
 
 
-# arch -> (tiny checkpoint builder, MTP blocks); every fixture has an untied output head
-FAMILIES = {"qwen35": (_qwen35(False), 1), "qwen35moe": (_qwen35(True), 1), "qwen3next": (_qwen3next, 1),
-            "qwen3": (_qwen3(False), 0), "qwen3moe": (_qwen3(True), 0)}
+def _nextn_moe(family: str, **over):
+    def build(root):
+        from tests.fixtures.tiny_glm_deepseek import build_tiny
+
+        return build_tiny(root, family, **over)
+    return build
 
 
-@pytest.mark.parametrize("arch", sorted(FAMILIES))
-def test_converted_file_is_what_the_runtime_derives(arch, tmp_path):
+def _dsa(family: str, **over):
+    def build(root):
+        from tests.fixtures.tiny_dsa import build_tiny
+
+        return build_tiny(root, family, **over)
+    return build
+
+
+QWEN_MTP = {"output.weight", "blk.{n}.nextn.shared_head_norm.weight"}
+NEXTN_COPIES = QWEN_MTP | {"blk.{n}.nextn.embed_tokens.weight", "blk.{n}.nextn.shared_head_head.weight"}
+GLM_ATTN = {f"blk.{{i}}.{x}" for x in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm.weight",
+                                        "attn_k_norm.weight")}
+# case -> (arch, tiny checkpoint builder, MTP blocks, the optional tensors the converter writes for it:
+# {n} the MTP block, {i} every block); every fixture has an untied output head
+FAMILIES = {
+    "qwen35": ("qwen35", _qwen35(False), 1, QWEN_MTP), "qwen35moe": ("qwen35moe", _qwen35(True), 1, QWEN_MTP),
+    "qwen3next": ("qwen3next", _qwen3next, 1, QWEN_MTP),
+    "qwen3": ("qwen3", _qwen3(False), 0, {"output.weight"}),
+    "qwen3moe": ("qwen3moe", _qwen3(True), 0, {"output.weight"}),
+    "glm4moe": ("glm4moe", _nextn_moe("glm4moe"), 1, NEXTN_COPIES | GLM_ATTN),
+    "glm4moe-plain": ("glm4moe", _nextn_moe("glm4moe", attention_bias=False, use_qk_norm=False, copies=False), 1,
+                      QWEN_MTP),
+    "deepseek2": ("deepseek2", _nextn_moe("deepseek2"), 1, NEXTN_COPIES),
+    "deepseek2-no-q-lora": ("deepseek2", _nextn_moe("deepseek2", q_lora_rank=None), 1, NEXTN_COPIES),
+    "glm47flash": ("deepseek2", _nextn_moe("glm4moelite"), 1, NEXTN_COPIES),
+    "glm-dsa-shared": ("glm-dsa", _dsa("glm-dsa", indexer_types=["full", "shared", "full"]), 1, NEXTN_COPIES),
+    "deepseek32": ("deepseek32", _dsa("deepseek32"), 1, NEXTN_COPIES),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAMILIES))
+def test_converted_file_is_what_the_runtime_derives(case, tmp_path):
     from gguf import GGMLQuantizationType as Q
 
     from specconv.runtime.gguf_file import GGUFModelFile
     from specconv.runtime.graphs import graph_module
 
-    build, n_mtp = FAMILIES[arch]
+    arch, build, n_mtp, optional_written = FAMILIES[case]
     path = convert_gguf(build(tmp_path / "hf"), tmp_path / "m.gguf", outtype="f16")
     file = GGUFModelFile(path)
     assert file.arch == arch
@@ -60,13 +93,12 @@ def test_converted_file_is_what_the_runtime_derives(arch, tmp_path):
     hp = graph.HParams.from_kv(file.kv)
     assert hp.n_nextn == n_mtp
     required = graph.main_tensors(hp) + graph.mtp_tensors(hp)
-    optional = list(graph.OPTIONAL) + graph.optional_mtp_tensors(hp)
+    optional = list(graph.OPTIONAL) + graph.optional_main_tensors(hp) + graph.optional_mtp_tensors(hp)
     written = set(file.tensors)
     assert set(required) <= written, sorted(set(required) - written)
     assert written <= set(required) | set(optional), sorted(written - set(required) - set(optional))
-    # the optional tensors this converter writes: the untied output head, the MTP head's own norm
-    mtp_norm = {f"blk.{hp.n_layer}.nextn.shared_head_norm.weight"} if n_mtp else set()
-    assert written - set(required) == {"output.weight"} | mtp_norm
+    blocks = range(hp.n_layer + hp.n_nextn)
+    assert written - set(required) == {t.format(n=hp.n_layer, i=i) for t in optional_written for i in blocks}
 
     expected, vocab = graph.expected_shapes(hp), file.tensors["token_embd.weight"].shape[1]
     for name, t in file.tensors.items():
@@ -74,7 +106,7 @@ def test_converted_file_is_what_the_runtime_derives(arch, tmp_path):
         assert tuple(t.shape) == tuple(vocab if d == "V" else d for d in options[0]), name
         assert (t.tensor_type == Q.F32) == graph.keep_float32(name), (name, t.tensor_type.name)
     kept = sum(graph.keep_float32(n) for n in file.tensors)
-    print(f"{arch}: {len(file.tensors)} tensors, {kept} kept F32, {len(written - set(required))} optional written")
+    print(f"{case}: {len(file.tensors)} tensors, {kept} kept F32, {len(written - set(required))} optional written")
 
 
 # ---- the mechanics, on a toy table -------------------------------------------------------------

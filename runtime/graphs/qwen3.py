@@ -118,8 +118,9 @@ def sizes(hp: HParams) -> Sizes:
 
 _tensors = GraphTensors(TABLE, sizes)  # no MTP head: the MTP lists are empty
 OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32
-main_tensors, mtp_tensors = _tensors.main_tensors, _tensors.mtp_tensors
-optional_mtp_tensors, expected_shapes = _tensors.optional_mtp_tensors, _tensors.expected_shapes
+main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
+mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
+expected_shapes = _tensors.expected_shapes
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:

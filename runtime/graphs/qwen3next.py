@@ -35,8 +35,9 @@ mtp_layout = q35.mtp_layout
 TABLE = QWEN3NEXT_TABLE
 _tensors = GraphTensors(TABLE, q35.sizes)
 OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32
-main_tensors, mtp_tensors = _tensors.main_tensors, _tensors.mtp_tensors
-optional_mtp_tensors, expected_shapes = _tensors.optional_mtp_tensors, _tensors.expected_shapes
+main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
+mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
+expected_shapes = _tensors.expected_shapes
 
 
 class HParams(q35.HParams):
