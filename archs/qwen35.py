@@ -95,19 +95,22 @@ def _norm(gguf: str, hf: str, on: str = "", dim=lambda s: (s.E,)) -> TensorSpec:
     return TensorSpec(gguf, hf, dim, on, f32=True, transform=lambda s: tf.plus_one)
 
 
-def _tiled(dim: int, block: str, start: bool = False):
-    """The value-head re-tiling of one tensor (docs/reference/gguf-layout.md §7.1.1 item 4)."""
-    return lambda s: partial(_retiled, dim=dim, nk=s.nk, r=s.r, block=s.dv if block == "dv" else 1,
-                             **({"start": s.qk_channels} if start else {}))
+def _tiled(dim: int, per_head: str, after_qk: bool = False):
+    """The value-head re-tiling along `dim` (docs/reference/gguf-layout.md §7.1.1 item 4) of blocks of
+    `per_head` rows ("dv" or "1") per value head; `after_qk`: only the channels after q|k."""
+    def transform(s: Sizes):
+        start = {"start": s.qk_channels} if after_qk else {}
+        return partial(_retiled, dim=dim, nk=s.nk, r=s.r, block=s.dv if per_head == "dv" else 1, **start)
+    return transform
 
 
 _LA = "{p}linear_attn."
 _MLP = "{p}mlp."
-_CONV_SOURCE = (lambda s: [(s.conv_channels, 1, s.conv_kernel), (s.conv_channels, s.conv_kernel)])
+_CONV_SOURCE = lambda s: [(s.conv_channels, 1, s.conv_kernel), (s.conv_channels, s.conv_kernel)]  # noqa: E731
 
 QWEN35_GDN = (  # Qwen3.5's Gated DeltaNet (Qwen3-Next's differs: archs/qwen3next.py)
     TensorSpec("blk.{bid}.attn_qkv.weight", _LA + "in_proj_qkv.weight", lambda s: (s.conv_channels, s.E),
-               "recurrent", transform=_tiled(0, "dv", start=True)),
+               "recurrent", transform=_tiled(0, "dv", after_qk=True)),
     TensorSpec("blk.{bid}.attn_gate.weight", _LA + "in_proj_z.weight", lambda s: (s.nv * s.dv, s.E), "recurrent",
                transform=_tiled(0, "dv")),
     TensorSpec("blk.{bid}.ssm_beta.weight", _LA + "in_proj_b.weight", lambda s: (s.nv, s.E), "recurrent",
