@@ -12,12 +12,29 @@ _REGISTRY: dict[str, type[ArchPlugin]] = {}
 
 
 def register(cls: type[ArchPlugin]) -> type[ArchPlugin]:
-    """Class decorator: make a plugin available for each HF architecture string it accepts."""
+    """Class decorator: make a plugin available for each HF architecture string it accepts.
+
+    A class that is not a complete ArchPlugin (archs/base.py) is refused here, where it is declared."""
+    check_plugin(cls)
     for arch in cls.hf_architectures:
         if arch in _REGISTRY and _REGISTRY[arch] is not cls:
             raise ValueError(f"architecture {arch} registered twice")
         _REGISTRY[arch] = cls
     return cls
+
+
+def check_plugin(cls: type) -> None:
+    """Raise a SpecconvError naming what `cls` lacks of the ArchPlugin contract."""
+    if not (isinstance(cls, type) and issubclass(cls, ArchPlugin)):
+        raise SpecconvError(f"plugin {cls!r} does not subclass ArchPlugin (archs/base.py)")
+    lacking = sorted(cls.__abstractmethods__)
+    if not cls.hf_architectures:
+        lacking.insert(0, "hf_architectures")
+    if not cls.family:
+        lacking.insert(0, "family")
+    if lacking:
+        raise SpecconvError(f"plugin {cls.__name__} does not declare {', '.join(lacking)} "
+                            "(the ArchPlugin contract: archs/base.py)")
 
 
 def _load_builtin_plugins() -> None:
@@ -48,10 +65,8 @@ def plugin_class_for(config: Mapping) -> type[ArchPlugin]:
     archs = ConfigReader(config).strings("architectures", default=None) or []
     for arch in archs:
         if arch in _REGISTRY:
-            cls = _REGISTRY[arch]
             # a plugin may hand a config to a more specific one (an EAGLE-3 head saved as LlamaForCausalLM)
-            refine = getattr(cls, "refine", None)
-            return refine(config) if refine is not None else cls
+            return _REGISTRY[arch].refine(config)
     named = ", ".join(archs) if archs else "(config.json has no 'architectures')"
     raise SpecconvError(
         f"unsupported architecture {named}; supported: {', '.join(supported_architectures())}"
@@ -67,6 +82,7 @@ __all__ = [
     "SourceTensor",
     "SpecconvError",
     "TensorPlan",
+    "check_plugin",
     "plugin_class_for",
     "plugin_class_for_family",
     "register",

@@ -9,6 +9,7 @@ trunk file, the MTP sidecar or both, according to `TensorPlan.role`.
 
 from __future__ import annotations
 
+import abc
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Sequence
@@ -84,22 +85,41 @@ class Checkpoint:
     target_layers: tuple[int, ...] | None = None
 
 
-class ArchPlugin:
-    """Base class. Subclasses set `hf_architectures` and implement the abstract members."""
+class ArchPlugin(abc.ABC):
+    """One architecture family as the converter (convert/engine.py) sees it: every hook it calls.
 
-    hf_architectures: ClassVar[tuple[str, ...]] = ()
+    Subclasses set the identity class attributes and implement the abstract members; the rest have
+    defaults. `register` (archs/__init__.py) refuses a class that leaves an abstract member out.
+    """
+
+    # --- identity (class attributes) ----------------------------------------------------------
+    hf_architectures: ClassVar[tuple[str, ...]] = ()  # the HF `architectures` strings it converts
     family: ClassVar[str] = ""  # plugin family name shown to users, e.g. "qwen35"
+    # A draft head converted against its target (`--target`: EAGLE-3, DFlash): the engine fills
+    # Checkpoint.target_config / target_dir / target_layers and refuses those options elsewhere.
+    uses_target: ClassVar[bool] = False
+    # The whole file is a drafter (the Gemma 4 assistant): no trunk / MTP split, no notice about one.
+    standalone_drafter: ClassVar[bool] = False
+
+    # --- what a conversion reports (set by the plugin while it reads the checkpoint) ----------
     # Set when the config declares MTP layers whose weights are absent: only a trunk-only
     # conversion may proceed, so the head is never dropped silently.
     missing_mtp: str | None = None
+    notices: Sequence[str] = ()  # lines shown to the user (where a head's target layers came from, ...)
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
 
+    @classmethod
+    def refine(cls, config: Mapping[str, Any]) -> type[ArchPlugin]:
+        """The plugin class that converts `config`: this one, or a more specific one it hands over to."""
+        return cls
+
     # --- naming -----------------------------------------------------------------------------
     @property
+    @abc.abstractmethod
     def gguf_arch(self) -> str:
-        raise NotImplementedError
+        """The GGUF `general.architecture` string written."""
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | None | tuple[None, str]:
@@ -111,36 +131,38 @@ class ArchPlugin:
 
     # --- structure --------------------------------------------------------------------------
     @property
+    @abc.abstractmethod
     def n_trunk_layers(self) -> int:
-        raise NotImplementedError
+        """Trunk blocks written (`block_count` of a trunk-only file)."""
 
     @property
+    @abc.abstractmethod
     def n_mtp_layers(self) -> int:
         """MTP / nextn layers present in the checkpoint (0 when none)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def tensor_plan(self) -> list[TensorPlan]:
         """Every GGUF tensor the checkpoint yields, trunk and MTP, in file order."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         """Architecture KV pairs (not `general.*`, not tokenizer).
 
         keep_mtp=True: block_count = N + k and nextn_predict_layers = k (embedded file and sidecar).
         keep_mtp=False: block_count = N and no nextn key (trunk-only file).
         """
-        raise NotImplementedError
 
     # --- tokenizer --------------------------------------------------------------------------
-    tokenizer_model: ClassVar[str] = "gpt2"
-    tokenizer_pre: ClassVar[str] = "default"
+    tokenizer_model: ClassVar[str] = "gpt2"  # tokenizer.ggml.model
+    tokenizer_pre: ClassVar[str] = "default"  # tokenizer.ggml.pre (a draft head takes its target's)
     # Special-token ids an architecture fixes by token text (kind -> added token), applied as
     # llama.cpp's converter applies them: only where the tokenizer's own config left the kind unset.
     special_tokens: ClassVar[dict[str, str]] = {}
+    tokenizer_dir: str | None = None  # the folder whose tokenizer is written; None: the checkpoint's
 
+    @abc.abstractmethod
     def vocab_size(self) -> int:
         """Rows of the token embedding (the GGUF vocabulary is padded to this)."""
-        raise NotImplementedError
 
 
 def plans_in_checkpoint_order(plans: list[TensorPlan], tensors: Mapping[str, SourceTensor]) -> list[TensorPlan]:
@@ -152,7 +174,3 @@ def plans_in_checkpoint_order(plans: list[TensorPlan], tensors: Mapping[str, Sou
     """
     index = {name: i for i, name in enumerate(tensors)}
     return sorted(plans, key=lambda p: max(index[s] for s in p.sources))
-
-
-PluginFactory = Callable[[Checkpoint], ArchPlugin]
-ArchList = Sequence[str]

@@ -125,9 +125,9 @@ def profile_step(model) -> dict:
     ctx.decode(ids[8:9], hidden=(), logits="last")  # with graphs: the warm-up, then the capture
     ctx.decode(ids[9:10], hidden=(), logits="last")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=True) as prof:
         ctx.decode(ids[10:11], hidden=(), logits="last")
-        synchronize(model.device)
+    synchronize(model.device)
     events = prof.events()
     kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     syncs = sum(1 for e in events if e.name in SYNC_CALLS)
@@ -136,7 +136,42 @@ def profile_step(model) -> dict:
                      reverse=True)
     top = [{"name": a.key[:80], "count": a.count, "device_us": round(a.device_time_total, 1),
             "cpu_us": round(a.cpu_time_total, 1)} for a in by_time[:15]]
-    return {"kernels": kernels, "syncs": syncs, "graph_replays": ctx.graphs.replays if ctx.graphs else 0, "top": top}
+    return {"kernels": kernels, "syncs": syncs, "graph_replays": ctx.graphs.replays if ctx.graphs else 0, "top": top,
+            "sync_sites": sync_sites(events)}
+
+
+def sync_sites(events) -> dict[str, int]:
+    """Host<->device copies and syncs counted by the innermost project frame that asked for them."""
+    sites: dict[str, int] = {}
+    for e in events:
+        if e.name in SYNC_CALLS:
+            frames = [f for f in (e.stack or []) if "specconv" in f or "/runtime/" in f or "/benchmarks/" in f]
+            site = frames[0] if frames else "(no project frame)"
+            sites[site] = sites.get(site, 0) + 1
+    return dict(sorted(sites.items(), key=lambda kv: -kv[1]))
+
+
+def profile_rounds(model, ref: list[int], prompt: list[int], n: int) -> dict:
+    """Host<->device copies and syncs per speculative round (synthetic drafter, A = 0.8, k = 3), after a
+    warm-up run that captures every width."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specconv.runtime.drafters.synthetic import SyntheticDrafter
+    from specconv.runtime.speculative import SpecConfig, speculative_generate
+
+    def run():
+        return speculative_generate(model, SyntheticDrafter(ref, model.n_vocab, 0.8, seed=0), prompt, n,
+                                    SpecConfig(draft_max=3))
+
+    run()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    with profile(activities=activities, with_stack=True) as prof:
+        res = run()
+    events = prof.events()
+    rounds = len(res.stats["rounds"])
+    syncs = sum(1 for e in events if e.name in SYNC_CALLS)
+    return {"rounds": rounds, "syncs": syncs, "syncs_per_round": syncs / max(1, rounds),
+            "sync_sites": sync_sites(events)}
 
 
 def copy_floor(file_bytes: int, device) -> float | None:
@@ -239,10 +274,11 @@ def run_file(path: Path, args) -> dict:
                         "tokens_identical": synthetic["tokens"] == plain.tokens == again.tokens,
                         "acceptance": synthetic["acceptance_rate"], "tokens_per_forward": synthetic["tokens_per_forward"]}
     out["profile"] = profile_step(model)
+    out["round_profile"] = profile_rounds(model, ref, prompt, min(n, 24))
+    if device.type == "cuda":  # the model's own peak: before the copy floor and the dense chain's buffers
+        out["memory_peak_gb"] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
     out["floor_s"] = copy_floor(path.stat().st_size, device)
     out["dense_chain"] = dense_chain(model)
-    if device.type == "cuda":
-        out["memory_peak_gb"] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
     del model
     gc.collect()
     return out
@@ -253,8 +289,8 @@ def print_table(results: list[dict]) -> None:
         return "n/a" if x is None else f"{x * 1e3:.2f}"
 
     print("| file | dtype | t(1) ms | t(4)/t(1) | t(8)/t(1) | plain tok/s | A=0.8 k=3 | identical | "
-          "kernels | syncs | replayed | floor ms | bf16 chain eager / graph ms | GB after load / file / peak |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "kernels | syncs | syncs/round | replayed | floor ms | bf16 chain eager / graph ms | GB after load / file / peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         t = r["t_s"]
         ratio = [f"{t[i] / t[0]:.2f}" if len(t) > i else "n/a" for i in (3, 7)]
@@ -262,7 +298,7 @@ def print_table(results: list[dict]) -> None:
                if "memory_after_load_gb" in r else "n/a")
         print(f"| {r['file']} | {r['dtype']} | {ms(t[0])} | {ratio[0]} | {ratio[1]} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['synthetic']['speedup']:.2f}x | {r['synthetic']['tokens_identical']} | {r['profile']['kernels']} | "
-              f"{r['profile']['syncs']} | {r['profile']['graph_replays'] > 0} | {ms(r['floor_s'])} | {ms(r['dense_chain']['eager_s'])} / "
+              f"{r['profile']['syncs']} | {r['round_profile']['syncs_per_round']:.1f} | {r['profile']['graph_replays'] > 0} | {ms(r['floor_s'])} | {ms(r['dense_chain']['eager_s'])} / "
               f"{ms(r['dense_chain']['graph_s'])} | {mem} |")
 
 

@@ -139,7 +139,7 @@ def plan_conversion(req: ConvertRequest) -> ConversionPlan | LadderPlan:
 def _plan(req: ConvertRequest, reader: CheckpointReader, tool_order: bool = False) -> ConversionPlan:
     plugin_cls = plugin_class_for(reader.config)
     headers, raw_of, skipped = reader.headers(plugin_cls.normalize_name)
-    uses_target = getattr(plugin_cls, "uses_target", False)
+    uses_target = plugin_cls.uses_target
     if req.target is not None and not uses_target:
         raise SpecconvError("--target is only for draft heads converted against their target (EAGLE-3)")
     if req.target_layers is not None and not uses_target:
@@ -149,12 +149,12 @@ def _plan(req: ConvertRequest, reader: CheckpointReader, tool_order: bool = Fals
                                    str(req.target) if target_config is not None else None, str(reader.dir),
                                    target_layers=req.target_layers))
     plans = plugin.tensor_plan()
-    k, notices = plugin.n_mtp_layers, list(getattr(plugin, "notices", ()))
+    k, notices = plugin.n_mtp_layers, list(plugin.notices)
     if plugin.missing_mtp and req.mtp != MtpMode.NONE:
         raise SpecconvError(f"{plugin.missing_mtp}; use --mtp none to convert the trunk only")
     if plugin.missing_mtp:
         notices.append(plugin.missing_mtp)
-    drafter_file = uses_target or getattr(plugin_cls, "standalone_drafter", False)
+    drafter_file = uses_target or plugin_cls.standalone_drafter
     kinds = _file_kinds(req.mtp, k, [] if drafter_file else notices)  # a draft head has no MTP layers to miss
     if skipped:
         reasons = Counter(skipped.values())
@@ -169,7 +169,7 @@ def _plan(req: ConvertRequest, reader: CheckpointReader, tool_order: bool = Fals
         planned.append(PlannedTensor(p, choice.ggml_type, nbytes(tuple(p.shape), choice.ggml_type), choice.note))
 
     meta = kvmod.load_model_metadata(reader.dir, sum(_numel(p.plan.shape) for p in planned))
-    tok_dir = getattr(plugin, "tokenizer_dir", None) or reader.dir  # a draft head carries its target's
+    tok_dir = plugin.tokenizer_dir or reader.dir  # a draft head carries its target's
     tok_kv = tokenizer_kv(tok_dir, plugin.vocab_size(), plugin.tokenizer_model, plugin.tokenizer_pre,
                           plugin.special_tokens)
     if tool_order:  # a ladder with a K-quant: every file in llama.cpp's quantize order

@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from .kquants import _affine_search, _half, _pack_2bit, _q6_k, _round, _seq_sum, _signed_peak, _u8, signed_fit
+from .kquants import (_affine_search, _half, _pack_2bit, _q6_k, _round, _seq_sum, _signed_peak, _u8, pack_q4_k, pack_q5_k,
+                      signed_fit)
 
 Q = GGMLQuantizationType
 F = np.float32
@@ -172,25 +173,11 @@ def _affine_k(x, qw, nmax: int, clamp: bool):
 
 
 def _q4_k(x, qw):
-    levels, head = _affine_k(x, qw, 15, False)
-    q = levels.reshape(-1, 4, 2, 32).astype(np.uint8)
-    out = np.empty((x.shape[0], 144), dtype=np.uint8)
-    out[:, :16] = head
-    out[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
-    return out
+    return pack_q4_k(*_affine_k(x, qw, 15, False))
 
 
 def _q5_k(x, qw):
-    levels, head = _affine_k(x, qw, 31, True)
-    q = levels.reshape(-1, 4, 2, 32).astype(np.uint8)
-    qh = np.zeros((x.shape[0], 32), dtype=np.uint8)
-    for k in range(4):
-        qh |= ((q[:, k, 0] >> 4) << (2 * k)) | ((q[:, k, 1] >> 4) << (2 * k + 1))
-    out = np.empty((x.shape[0], 176), dtype=np.uint8)
-    out[:, :16] = head
-    out[:, 16:48] = qh
-    out[:, 48:] = ((q[:, :, 0] & 0xF) | ((q[:, :, 1] & 0xF) << 4)).reshape(-1, 128)
-    return out
+    return pack_q5_k(*_affine_k(x, qw, 31, True))
 
 
 def _pack_32(levels: np.ndarray, head: int, five: bool) -> np.ndarray:

@@ -289,21 +289,30 @@ def _affine_k(x: np.ndarray, nmax: int, rmin: float, nstep: int):
 
 
 def _q4_k(x: np.ndarray) -> np.ndarray:
-    levels, head = _affine_k(x, 15, -1.0, 20)
+    return pack_q4_k(*_affine_k(x, 15, -1.0, 20))
+
+
+def _q5_k(x: np.ndarray) -> np.ndarray:
+    return pack_q5_k(*_affine_k(x, 31, -0.5, 15))
+
+
+def pack_q4_k(levels: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """Q4_K super-blocks (144 B) from 256 levels in 0..15 per row and the 16-byte head (d, dmin, scales)."""
     q = levels.reshape(-1, 4, 2, 32).astype(np.uint8)
-    out = np.empty((x.shape[0], 144), dtype=np.uint8)
+    out = np.empty((levels.shape[0], 144), dtype=np.uint8)
     out[:, :16] = head
     out[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
     return out
 
 
-def _q5_k(x: np.ndarray) -> np.ndarray:
-    levels, head = _affine_k(x, 31, -0.5, 15)
+def pack_q5_k(levels: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """Q5_K super-blocks (176 B) from 256 levels in 0..31 per row and the 16-byte head: the fifth bits
+    in 32 bytes, the low nibbles as Q4_K's."""
     q = levels.reshape(-1, 4, 2, 32).astype(np.uint8)
-    qh = np.zeros((x.shape[0], 32), dtype=np.uint8)
+    qh = np.zeros((levels.shape[0], 32), dtype=np.uint8)
     for k in range(4):
         qh |= ((q[:, k, 0] >> 4) << (2 * k)) | ((q[:, k, 1] >> 4) << (2 * k + 1))
-    out = np.empty((x.shape[0], 176), dtype=np.uint8)
+    out = np.empty((levels.shape[0], 176), dtype=np.uint8)
     out[:, :16] = head
     out[:, 16:48] = qh
     out[:, 48:] = ((q[:, :, 0] & 0xF) | ((q[:, :, 1] & 0xF) << 4)).reshape(-1, 128)

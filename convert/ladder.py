@@ -86,7 +86,7 @@ def ladder_calls(lp: LadderPlan) -> list[tuple[object, list]]:
             t = tensors[t0.name]
             outs = [f.output for f, names in zip(p.files, m) if t0.name in names]
             if outs:
-                key = (t.ggml_type, getattr(t, "weights", None) is not None)  # --imatrix weighs K-quant files only
+                key = (t.ggml_type, t.weights is not None)  # --imatrix weighs K-quant files only
                 groups.setdefault(key, (t, []))[1].extend(outs)
         calls.extend(groups.values())
     orders = {tuple(t.name for t in p.tensors) for p in plans}

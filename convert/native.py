@@ -7,38 +7,34 @@ cannot be imported. `SPECCONV_NO_NATIVE=1` forces that fallback, so tests can ex
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Callable
 
 
-def q8_0_native() -> Callable | None:
-    """The extension's `q8_0(src, dst, bf16) -> bool`, or None when disabled or not built."""
+def _extension(name: str):
+    """The built extension module specconv.convert.<name>, or None when disabled or not built."""
     if os.environ.get("SPECCONV_NO_NATIVE") == "1":
         return None
     try:
-        from specconv.convert import _native
+        return importlib.import_module(f"specconv.convert.{name}")
     except ImportError:
         return None
-    return _native.q8_0
+
+
+def q8_0_native() -> Callable | None:
+    """The extension's `q8_0(src, dst, bf16) -> bool`, or None when disabled or not built."""
+    module = _extension("_native")
+    return None if module is None else module.q8_0
 
 
 def kquants_native() -> Callable | None:
     """The K-quant extension's `encode(ggml_type, src, dst, bf16) -> bool`, or None when disabled or not built."""
-    if os.environ.get("SPECCONV_NO_NATIVE") == "1":
-        return None
-    try:
-        from specconv.convert import _kquants
-    except ImportError:
-        return None
-    return _kquants.encode
+    module = _extension("_kquants")
+    return None if module is None else module.encode
 
 
 def kquants_weighted_native() -> Callable | None:
     """The K-quant extension's `encode_weighted(...)` (importance-weighted, convert/kq_weighted.h), or None."""
-    if os.environ.get("SPECCONV_NO_NATIVE") == "1":
-        return None
-    try:
-        from specconv.convert import _kquants
-    except ImportError:
-        return None
-    return getattr(_kquants, "encode_weighted", None)
+    module = _extension("_kquants")
+    return None if module is None else module.encode_weighted

@@ -55,7 +55,13 @@ FUSED_MAX_ROWS = 16
 FUSED_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
                          GGMLQuantizationType.Q6_K, GGMLQuantizationType.BF16, GGMLQuantizationType.F16})
 NATIVE_CHUNK_ELEMENTS = 1 << 18
-_buffers = threading.local()
+
+
+class _ThreadBuffers(threading.local):
+    values: torch.Tensor | None = None  # this thread's float32 scratch (_chunk_buffer)
+
+
+_buffers = _ThreadBuffers()
 
 
 class NativeCpuBackend(TorchBackend):
@@ -134,7 +140,7 @@ def _native(x: torch.Tensor, w: StoredWeight) -> bool:
 
 def _chunk_buffer(n: int) -> torch.Tensor:
     """This thread's float32 buffer for dequantized pieces, at least n values (grown, never shrunk)."""
-    buffer = getattr(_buffers, "values", None)
+    buffer = _buffers.values
     if buffer is None or buffer.numel() < n:
         buffer = _buffers.values = torch.empty(n, dtype=torch.float32)
     return buffer

@@ -17,8 +17,12 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   inputs (prompts) take the torch forms, or, inside `batch_invariant(True)`, the kernels in
   pieces of MAX_TOKENS tokens, so that every token of a prompt gets the bits of a decode step.
   float64 states take the torch forms.
-* `moe`: the torch reference (routed experts by index for decode and verification batches: no
-  host read).
+* `moe`: decode and verification batches (up to GATHER_MAX_ROWS rows) of stored experts of a
+  KERNEL_TYPE pair every row with each of its k experts and run experts.ffn once over the n·k
+  pairs, each product `kernels_triton.expert_matmul` (one launch: the expert index read on the
+  device, no gathered copy of the experts' bytes); the pairs' outputs summed per row in increasing
+  expert order, as the torch reference's by-index form sums them, with the same bits. Longer batches
+  and other weights take the torch reference.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import torch
 from gguf import GGML_QUANT_SIZES
 
 from specconv.runtime import dequant
-from specconv.runtime.backend import rows_alone
-from specconv.runtime.backend_torch import TorchBackend
+from specconv.runtime.backend import Experts, rows_alone
+from specconv.runtime.backend_torch import GATHER_MAX_ROWS, TorchBackend, _wide
 from specconv.runtime.stored import StoredWeight
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,6 +65,13 @@ class CudaBackend(TorchBackend):
         return super().dequantize_rows(raw, qtype, dtype)
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        if isinstance(w, PairedExperts):
+            n_out, n_in = w.shape
+            if w.experts.counter is not None:
+                w.experts.counter.bytes += w.experts.raw[0].numel() * w.pairs.shape[0]
+            x = x.contiguous()
+            return self.kernels.expert_matmul(x.reshape(-1, n_in), w.experts.raw, w.experts.qtype, n_out, n_in,
+                                              w.pairs).reshape(*x.shape[:-1], n_out)
         if (isinstance(w, StoredWeight) and w.ndim == 2 and self._kernel_for(w.raw, w.qtype)
                 and x.dtype in KERNEL_DTYPES and x.device == w.raw.device):
             n_out, n_in = w.shape
@@ -75,6 +86,30 @@ class CudaBackend(TorchBackend):
                 return torch.cat(pieces).reshape(*x.shape[:-1], n_out)
             return self.kernels.quant_matmul(x, w.raw, w.qtype, n_out, n_in)
         return super().linear(x, w)
+
+    # ---- routed experts ------------------------------------------------------------------------------
+    def moe(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts) -> torch.Tensor:
+        stored = [w for w in (experts.gate, experts.up, experts.down) if w is not None]
+        if (x.shape[0] <= GATHER_MAX_ROWS and x.dtype in KERNEL_DTYPES
+                and all(isinstance(w, StoredWeight) and w.ndim == 3 and self._kernel_for(w.raw, w.qtype)
+                        and w.raw.device == x.device for w in stored)):
+            return self.moe_by_pairs(x, weights, chosen, experts)
+        return super().moe(x, weights, chosen, experts)
+
+    def moe_by_pairs(self, x, weights, chosen, experts: Experts) -> torch.Tensor:
+        """Every (row, slot) pair through its expert at once: experts.ffn over the n·k pairs, each
+        product expert_matmul; a row's terms added in increasing expert order."""
+        order = chosen.argsort(dim=-1)
+        chosen, weights = chosen.gather(1, order), weights.gather(1, order)
+        n, k = chosen.shape
+        pairs = chosen.reshape(-1)
+        y = experts.ffn(x.repeat_interleave(k, dim=0), *(None if w is None else PairedExperts(w, pairs)
+                                                         for w in (experts.gate, experts.up, experts.down)))
+        y = y.reshape(n, k, -1)
+        total = torch.zeros(n, y.shape[-1], dtype=_wide(x.dtype), device=x.device)
+        for s in range(k):
+            total = total + y[:, s].to(total.dtype) * weights[:, s:s + 1]
+        return total
 
     # ---- Gated DeltaNet, states in ring slots ------------------------------------------------------
     def _recurrent_pieces(self, n: int, ring: torch.Tensor, *tensors: torch.Tensor) -> bool:
@@ -96,6 +131,22 @@ class CudaBackend(TorchBackend):
             return super().delta_rule_slots(q, k, v, g, beta, ring, src_slot, dst_slots)
         return torch.cat([self.kernels.gdn_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ring, src, dst)
                           for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
+
+
+class PairedExperts:
+    """One weight per row: row r of the activations is multiplied by expert pairs[r] of a stored 3-D
+    expert tensor [E, out, in] (what CudaBackend.moe_by_pairs hands experts.ffn in place of one
+    expert's 2-D slice). Only CudaBackend.linear takes it."""
+
+    __slots__ = ("experts", "pairs")
+    ndim = 2
+
+    def __init__(self, experts: StoredWeight, pairs: torch.Tensor):
+        self.experts, self.pairs = experts, pairs
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.experts.shape[1:])
 
 
 def ring_pieces(n: int, step: int, src_slot: torch.Tensor, dst_slots: torch.Tensor):

@@ -51,7 +51,7 @@ class Context:
                              layer_device=placement.layer_device if placement.multi else None)
         # A drafter with no memory of its own reads this (target) context's K/V (the Gemma 4 assistant).
         self.kv_from = kv_from
-        if getattr(g, "NEEDS_KV_FROM", False) and kv_from is None:
+        if g.NEEDS_KV_FROM and kv_from is None:
             raise SpecconvError(f"{model.paths[0].name} attends to its target's K/V: create its context with "
                                 "kv_from=<the target's context>")
         self.n_evaluated = 0  # tokens evaluated so far (statistics)

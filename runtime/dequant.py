@@ -336,4 +336,4 @@ def _reinterpret(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _name(qtype) -> str:
-    return getattr(qtype, "name", str(qtype))
+    return qtype.name if isinstance(qtype, QType) else str(qtype)  # a raw id the gguf enum does not know

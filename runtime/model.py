@@ -18,15 +18,13 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.backend import for_device
 from specconv.runtime.device import resolve_devices, resolve_dtype
 from specconv.runtime.gguf_file import GGUFModelFile
-from specconv.runtime.graphs import graph_module
+from specconv.runtime.graphs import graph_for
 from specconv.runtime.placement import Placement
 from specconv.runtime.stored import ReadCounter
 from specconv.runtime.tokenizer import GGUFTokenizer
 from specconv.runtime.types import GraphType
 from specconv.runtime.validate import read_hparams, validate_model
 from specconv.runtime.weights import MODES, Weights, load_tensor
-
-SHAREABLE = ("token_embd.weight", "output.weight", "output_norm.weight")
 
 
 class Model:
@@ -39,17 +37,17 @@ class Model:
         self.file = file
         self.paths = file.paths
         self.arch = file.arch
-        self.graph = graph_module(self.arch)
+        self.graph = graph_for(self.arch)  # its declared contract (runtime/graphs/contract.py)
         self.hparams = read_hparams(file, self.graph)
         self.device, self.dtype = devices[0], dtype
         self.weights_mode, self.offload = weights, offload
-        if len(devices) > 1 and not getattr(self.graph, "MULTI_DEVICE", False):
+        if len(devices) > 1 and not self.graph.MULTI_DEVICE:
             raise SpecconvError(f"{file.paths[0].name}: the {self.arch} graph runs on one device; "
                                 f"give one --device (with --offload for a model bigger than it)")
-        # A graph module may decide itself what its files serve (EAGLE-3 heads: ENCODER + decoder as MTP).
-        custom = getattr(self.graph, "serves", None)
+        # A graph may decide itself what its files serve (EAGLE-3 heads: ENCODER + decoder as MTP).
+        custom = self.graph.serves
         self.serves = custom(self.hparams, file) if custom is not None else self._detect_graphs()
-        self.kind = getattr(self.graph, "KIND", None) or (
+        self.kind = self.graph.KIND or (
             "sidecar" if self.serves == {GraphType.MTP} else "embedded" if GraphType.MTP in self.serves else "trunk")
         self.backend = for_device(self.device)  # the arithmetic of its device (runtime/backend.py)
         self.weights = self._load_weights(share_from, devices)
@@ -77,7 +75,7 @@ class Model:
         if GraphType.MAIN in self.serves:
             needed += g.main_tensors(hp)
             # per-block tensors a graph can do without (e.g. attention biases), when the file has them
-            needed += [n for n in getattr(g, "optional_main_tensors", lambda _: [])(hp) if self.file.has(n)]
+            needed += [n for n in g.optional_main_tensors(hp) if self.file.has(n)]
         if GraphType.ENCODER in self.serves:
             needed += g.encoder_tensors(hp)
         if GraphType.MTP in self.serves:
@@ -108,8 +106,8 @@ class Model:
         placement = self._placement(needed, devices)
         weights = Weights(placement, ReadCounter())
         for name in needed:
-            shareable = getattr(g, "SHAREABLE", SHAREABLE)  # a draft head's own tensors are never the target's
-            shared = share_from.weights.get(name) if share_from is not None and name in shareable else None
+            # a draft head's own tensors are never the target's (its SHAREABLE is empty)
+            shared = share_from.weights.get(name) if share_from is not None and name in g.SHAREABLE else None
             if shared is not None and tuple(shared.shape) == self._torch_shape(name):
                 weights[name] = shared  # one copy of the embedding / head for target and sidecar
                 continue
@@ -119,7 +117,7 @@ class Model:
             weights[name] = load_tensor(self.file, name, device, dtype, self.weights_mode, self.offload,
                                         weights.counter)
         # Tensors a draft head takes from its target when it has none of its own (EAGLE-3 embedding / head).
-        for name, candidates in getattr(g, "FROM_TARGET", {}).items():
+        for name, candidates in g.FROM_TARGET.items():
             if name not in weights and share_from is not None:
                 found = next((share_from.weights[c] for c in candidates if c in share_from.weights), None)
                 if found is not None:

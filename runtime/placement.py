@@ -93,8 +93,8 @@ class Placement:
 def on_layer_device(w, layer: int, fn, *tensors):
     """fn(*tensors) on the device of block `layer`, its inputs moved there and its results brought back
     to the first device; plainly fn(*tensors) for a model on one device."""
-    placement = getattr(w, "placement", None)
-    if placement is None or not placement.multi:
+    placement = w.placement  # runtime/weights.py Weights
+    if not placement.multi:
         return fn(*tensors)
     dev = placement.layer_device(layer)
     with running_on(dev):

@@ -93,16 +93,16 @@ def gemma4(hp) -> Shapes:
     return out
 
 
-# The families not yet on a tensor table; the others' graphs derive their shapes from their table
-# (archs/tensor_table.py, `expected_shapes(hp)`).
+# The families not yet on a tensor table; the others' graphs declare `expected_shapes`, derived from
+# their table (archs/tensor_table.py).
 EXPECTED: dict[str, Callable[[Any], Shapes]] = {
     "llama": llama, "eagle3": eagle3, "gemma4": gemma4, "gemma4-assistant": gemma4,
 }
 
 
 def expected_shapes(hp, needed, graph) -> Shapes:
-    make = EXPECTED.get(hp.arch)
-    out = make(hp) if make is not None else graph.expected_shapes(hp)
+    """From the graph's tensor table when it declares one (runtime/graphs/contract.py), else EXPECTED."""
+    out = graph.expected_shapes(hp) if graph.expected_shapes is not None else EXPECTED[hp.arch](hp)
     if hp.arch == "eagle3" and "d2t" not in needed:  # no draft vocabulary: the head spans the target's
         out["output.weight"] = (hp.n_embd, hp.n_vocab)
     return out

@@ -127,8 +127,38 @@ def cached_target_costs(target, n_max: int) -> TargetCosts:
 
 
 @dataclass
+class RoundPlan:
+    """The draft length asked of one round, and why: "draft", "plain" or "probe" with `--draft-max auto`,
+    None at a fixed draft_max (the round log records both)."""
+
+    k: int
+    mode: str | None = None
+
+    def capped(self, n: int) -> "RoundPlan":
+        """At most n drafts (the tokens still wanted, the room left in the context)."""
+        return RoundPlan(max(0, min(self.k, n)), self.mode)
+
+
+class FixedDraft:
+    """`--draft-max K`: every round asks for K drafts; nothing is observed."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def next_round(self) -> RoundPlan:
+        return RoundPlan(self.k)
+
+    def observe_round(self, plan: RoundPlan, n_drafted: int, accepted: int, times) -> None:
+        pass
+
+    def report(self) -> dict:
+        return {}
+
+
+@dataclass
 class AutoDraft:
-    """The per-round choice of k for one speculative run."""
+    """The per-round choice of k for one speculative run (`next_round` / `observe_round` as the loop
+    calls them, like `FixedDraft`)."""
 
     costs: TargetCosts
     k_max: int = AUTO_K_MAX
@@ -235,6 +265,17 @@ class AutoDraft:
                 return
         self.probe = PROBE_MIN
         self.plain_run = 0
+
+    def next_round(self) -> RoundPlan:
+        return RoundPlan(*self.choose())
+
+    def observe_round(self, plan: RoundPlan, n_drafted: int, accepted: int, times) -> None:
+        """What the round of `plan` did: drafts verified, accepted, and its `RoundTimes` (runtime/spec_link.py)."""
+        self.observe(n_drafted, accepted, plan.mode, times.target, draft_seconds=times.draft,
+                     accept_seconds=times.accept)
+
+    def report(self) -> dict:
+        return {"auto": self.summary()}
 
     def summary(self) -> dict:
         k, gain = self.best()

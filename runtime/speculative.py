@@ -33,9 +33,10 @@ from specconv.runtime.drafters import Draft, Drafter
 from specconv.runtime.generate import GenerationResult, decode_text
 from specconv.runtime.model import Model
 from specconv.runtime.sampling import make_generator
-from specconv.runtime.spec_auto import AutoDraft, cached_target_costs
+from specconv.runtime.spec_auto import AutoDraft, FixedDraft, RoundPlan, cached_target_costs
+from specconv.runtime.spec_link import DrafterLink, start_prompt
 from specconv.runtime.spec_rules import verify_rows
-from specconv.runtime.spec_stats import SpecStats, per_block
+from specconv.runtime.spec_stats import SpecStats
 from specconv.runtime.types import GraphType
 
 
@@ -63,7 +64,8 @@ class SpecConfig:
 
 @dataclass
 class Round:
-    """What one round did (for tests and tracing)."""
+    """What one round did (for tests and tracing): its drafts verified at pos0.., the accepted count, the
+    target's added token and the rule that chose."""
 
     pos0: int
     drafts: list[int]
@@ -71,27 +73,52 @@ class Round:
     token: int
     rule: str
 
-
-def hidden_request(drafter: Drafter) -> tuple[str, ...]:
-    """The target hidden states a drafter needs: its `target_hidden` (EAGLE-3: "layer:J" for its three
-    layers), else the post-norm rows; none when it needs no hidden states."""
-    if not drafter.needs_hidden:
-        return ()
-    return tuple(getattr(drafter, "target_hidden", ("post_norm",)))
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens the round committed after id_last: the accepted drafts and the target's token."""
+        return self.drafts[:self.accepted] + [self.token]
 
 
-def drafter_rows(hidden: dict, want: Sequence[str]):
-    """The rows given to the drafter: the requested hidden states concatenated in order (None if none)."""
-    if not want:
-        return None
-    return hidden[want[0]] if len(want) == 1 else torch.cat([hidden[name] for name in want], dim=-1)
+def speculative_round(ctx: Context, link: DrafterLink, id_last: int, plan: RoundPlan, cfg: SpecConfig,
+                      gen: torch.Generator | None, stats: SpecStats) -> Round:
+    """One round (docs/reference/speculative.md §1): draft, verify, accept, roll back, account."""
+    # draft: up to plan.k tokens after id_last; one shorter than draft_min is dropped (a plain round)
+    draft = link.draft(id_last, plan.k, cfg.p_min, cfg.temperature, gen)
+    if len(draft) < cfg.draft_min:
+        stats.discarded += len(draft)
+        draft = Draft([])
+    pos0, drafts = ctx.n_past(), list(draft.tokens)
+    batch = [id_last] + drafts
+
+    # verify: the target evaluates [id_last, d_1..d_n] at pos0..pos0+n once
+    saved = ctx.checkpoint(0) if cfg.rollback == "checkpoint" and drafts else None
+    out = ctx.decode(batch, hidden=link.hidden, logits="all")
+
+    # accept: j drafts and one target token t (the correction at the first rejection, or the bonus)
+    j, t, rule = verify_rows(out.logits, drafts, draft.probs, cfg.temperature, gen)
+
+    # roll back: the target keeps positions ≤ pos0 + j
+    if j < len(drafts):
+        if saved is not None:  # checkpoint: the state before the batch, and the kept tokens again
+            ctx.restore(0, saved)
+            ctx.decode(batch[:j + 1], hidden=(), logits=None)
+            stats.record_redecode(j + 1)
+        elif not ctx.seq_rm(0, pos0 + j + 1):
+            raise SpecconvError(f"rollback of {len(drafts) - j} position(s) is outside the snapshot ring "
+                                f"(n_rs_seq={ctx.n_rs_seq})")
+
+    # account: the statistics, and the drafter told what the target committed
+    stats.record_round(len(drafts), j, drafts, k=plan.k, mode=plan.mode)
+    link.accept(j, batch, out.hidden, drafted=bool(drafts))
+    return Round(pos0, drafts, j, t, rule)
 
 
 def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequence[int], n_predict: int,
                          config: SpecConfig | None = None, n_ctx: int | None = None,
                          on_round: Callable[[Context, Round], None] | None = None) -> GenerationResult:
-    """Generate up to n_predict tokens. result.stats["speculative"] holds the statistics and
-    result.stats["rounds"] each round's drafted token ids and accepted count (`generate --json` prints both)."""
+    """Generate up to n_predict tokens, one `speculative_round` after another. result.stats["speculative"]
+    holds the statistics and result.stats["rounds"] each round's drafted token ids and accepted count
+    (`generate --json` prints both)."""
     cfg = config or SpecConfig()
     cfg.check()
     prompt = [int(t) for t in prompt_tokens]
@@ -99,123 +126,57 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
         raise SpecconvError("generate: the prompt is empty")
     n_ctx = n_ctx or len(prompt) + n_predict + cfg.draft_max + 2
     ctx = Context(target, GraphType.MAIN, n_ctx=n_ctx, n_rs_seq=cfg.draft_max, rollback=cfg.rollback)
-    if hasattr(drafter, "attach"):  # drafters that read the target's K/V (Gemma 4 assistant)
-        drafter.attach(ctx)
-    want = hidden_request(drafter)
-    gen = make_generator(cfg.seed)
-    stats = SpecStats(cfg.draft_max)
-    auto = AutoDraft(cached_target_costs(target, cfg.draft_max + 1), k_max=cfg.draft_max) if cfg.auto else None
-    told = _Teller(drafter, defer=auto is not None)
-    out_tokens: list[int] = []
+    lengths = (AutoDraft(cached_target_costs(target, cfg.draft_max + 1), k_max=cfg.draft_max) if cfg.auto
+               else FixedDraft(cfg.draft_max))
+    link, stats, gen = DrafterLink(drafter, defer=cfg.auto), SpecStats(cfg.draft_max), make_generator(cfg.seed)
+    out: list[int] = []
     start = time.perf_counter()
     prompt_seconds = 0.0  # the prompt minus its last token, and the drafter's start on it
     if n_predict > 0:
-        prefix, id_last = prompt[:-1], prompt[-1]
-        hidden = drafter_rows(ctx.decode(prefix, hidden=want, logits=None).hidden, want) if prefix else None
-        drafter.start(prefix, hidden)
+        id_last = start_prompt(ctx, drafter, prompt)
         prompt_seconds = time.perf_counter() - start
-        while len(out_tokens) < n_predict:
-            pos0 = ctx.n_past()
-            k, mode = auto.choose() if auto else (cfg.draft_max, None)
-            budget = max(0, min(k, n_predict - len(out_tokens) - 1, n_ctx - pos0 - 2))
+        while len(out) < n_predict:
+            plan = lengths.next_round().capped(min(n_predict - len(out) - 1, n_ctx - ctx.n_past() - 2))
             t0 = time.perf_counter()
-            if budget:
-                told.flush()  # auto: the drafter catches up on the plain rounds before it drafts
-            t1 = time.perf_counter()
-            draft = drafter.draft(id_last, budget, cfg.p_min, cfg.temperature, gen) if budget else Draft([])
-            draft = draft.truncated(budget)
-            if len(draft) < cfg.draft_min:
-                stats.discarded += len(draft)
-                draft = Draft([])
-            t2 = time.perf_counter()
-            new, stop, j, times = _round(ctx, told, id_last, draft, cfg, gen, stats, want, on_round, budget, mode)
-            if auto is not None:
-                auto.observe(len(draft.tokens), j, mode, times[0], draft_seconds=t2 - t1,
-                             accept_seconds=t1 - t0 + times[1])
-            out_tokens.extend(new)
-            id_last = out_tokens[-1]
-            if stop:
+            r = speculative_round(ctx, link, id_last, plan, cfg, gen, stats)
+            lengths.observe_round(plan, len(r.drafts), r.accepted, link.times(time.perf_counter() - t0))
+            if on_round is not None:
+                on_round(ctx, r)
+            new, ended = _until_end(r.tokens, target.tokenizer) if cfg.stop_at_eos else (r.tokens, False)
+            out.extend(new)
+            id_last = out[-1]
+            if ended:
                 break
     seconds = time.perf_counter() - start
-    stats.generated = len(out_tokens)
-    report = stats.to_json()
-    report.update(drafter=drafter.name, draft_max="auto" if cfg.auto else cfg.draft_max, draft_min=cfg.draft_min,
-                  p_min=cfg.p_min, temperature=cfg.temperature, rollback=cfg.rollback, seconds=seconds,
-                  prompt_seconds=prompt_seconds)
-    if getattr(drafter, "synthetic", False):  # a measurement drafter, never a head's result
-        report.update(synthetic=True, set_acceptance=drafter.acceptance)
-    if auto is not None:
-        report["auto"] = auto.summary()
-    if hasattr(drafter, "block_of_position"):  # MTP heads: acceptance by block (chained heads, docs/mtp.md)
-        report["per_block"] = per_block(stats, drafter.block_of_position)
-    result = GenerationResult(prompt_tokens=prompt, tokens=out_tokens, text=decode_text(target, out_tokens),
-                              seconds=seconds, target_evaluations=ctx.n_decode_calls,
+    stats.generated = len(out)
+    result = GenerationResult(prompt_tokens=prompt, tokens=out, text=decode_text(target, out), seconds=seconds,
+                              target_evaluations=ctx.n_decode_calls,
                               prefix_calls=int(n_predict > 0 and len(prompt) > 1),
-                              stats={"speculative": report, "rounds": [dict(r) for r in stats.round_log]})
+                              stats={"speculative": _report(stats, drafter, cfg, lengths, seconds, prompt_seconds),
+                                     "rounds": [dict(r) for r in stats.round_log]})
     result.spec_stats = stats  # the raw counts, for merging runs (verify)
     return result
 
 
-class _Teller:
-    """Tells the drafter what the target committed (`Drafter.accept`). With `defer` (auto mode), rounds
-    without drafts are kept and told in one call before the next drafting round: a drafter with its
-    own memory (an MTP head) then catches up on a plain stretch in one batched forward instead of one
-    forward per token, and pays nothing while the loop decodes plainly."""
-
-    def __init__(self, drafter: Drafter, defer: bool):
-        self.drafter, self.defer = drafter, defer
-        self.tokens: list[int] = []
-        self.rows: list = []
-
-    def tell(self, j: int, batch: list[int], rows, drafted: bool) -> None:
-        if not self.defer:
-            self.drafter.accept(j, batch, rows)
-            return
-        self.tokens += batch[:j + 1]
-        self.rows.append(None if rows is None else rows[:j + 1])
-        if drafted:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.tokens:
-            return
-        rows = None if self.rows[0] is None else torch.cat(self.rows)
-        tokens, self.tokens, self.rows = self.tokens, [], []
-        self.drafter.accept(len(tokens) - 1, tokens, rows)
+def _until_end(tokens: list[int], tokenizer) -> tuple[list[int], bool]:
+    """The tokens up to and including the first end of generation, and whether there was one."""
+    for i, x in enumerate(tokens):
+        if tokenizer.is_end_of_generation(x):
+            return tokens[:i + 1], True
+    return tokens, False
 
 
-def _round(ctx: Context, told: _Teller, id_last: int, draft: Draft, cfg: SpecConfig, gen, stats: SpecStats,
-           want, on_round, k: int | None = None, mode: str | None = None):
-    """One verification round: (new tokens, stop, accepted count, (target seconds, accept seconds))."""
-    pos0, drafts = ctx.n_past(), list(draft.tokens)
-    saved = ctx.checkpoint(0) if cfg.rollback == "checkpoint" and drafts else None
-    batch = [id_last] + drafts
-    t0 = time.perf_counter()
-    out = ctx.decode(batch, hidden=want, logits="all")
-    j, t, rule = verify_rows(out.logits, drafts, draft.probs, cfg.temperature, gen)
-    t1 = time.perf_counter()
-    stats.record_round(len(drafts), j, drafts, k=k, mode=mode)
-    if j < len(drafts):
-        if saved is not None:
-            ctx.restore(0, saved)
-            ctx.decode(batch[:j + 1], hidden=(), logits=None)
-            stats.record_redecode(j + 1)
-        elif not ctx.seq_rm(0, pos0 + j + 1):
-            raise SpecconvError(f"rollback of {len(drafts) - j} position(s) is outside the snapshot ring "
-                                f"(n_rs_seq={ctx.n_rs_seq})")
-    t2 = time.perf_counter()
-    told.tell(j, batch, drafter_rows(out.hidden, want), bool(drafts))
-    t3 = time.perf_counter()
-    if on_round is not None:
-        on_round(ctx, Round(pos0, drafts, j, t, rule))
-    new = drafts[:j] + [t]
-    times = (t1 - t0 + t2 - t1, t3 - t2)
-    if cfg.stop_at_eos:
-        tok = ctx.model.tokenizer
-        for i, x in enumerate(new):
-            if tok.is_end_of_generation(x):
-                return new[:i + 1], True, j, times
-    return new, False, j, times
+def _report(stats: SpecStats, drafter: Drafter, cfg: SpecConfig, lengths: FixedDraft | AutoDraft, seconds: float,
+            prompt_seconds: float) -> dict:
+    """result.stats["speculative"]: the counts (runtime/spec_stats.py), the run's settings and timing, the
+    drafter's own entries (synthetic, per-block) and the auto choice's summary."""
+    report = stats.to_json()
+    report.update(drafter=drafter.name, draft_max="auto" if cfg.auto else cfg.draft_max, draft_min=cfg.draft_min,
+                  p_min=cfg.p_min, temperature=cfg.temperature, rollback=cfg.rollback, seconds=seconds,
+                  prompt_seconds=prompt_seconds)
+    report.update(drafter.report(stats))
+    report.update(lengths.report())
+    return report
 
 
 def measure_speedup(target: Model, result: GenerationResult, temperature: float = 0.0, seed: int | None = 0) -> dict:

@@ -41,8 +41,6 @@ from specconv.runtime.memory import Batch, BatchIndex
 from specconv.runtime.types import DecodeOutput, GraphType
 
 MODES = ("auto", "on", "off")
-# graphs whose forward takes every address of a batch from its BatchIndex (tested capture-safe)
-CAPTURED_ARCHES = frozenset({"qwen35", "qwen35moe", "qwen3next"})
 MAX_WIDTH = 16  # the recurrent kernels' one-launch limit (kernels_triton.MAX_TOKENS)
 HIDDEN = ("post_norm", "pre_norm")  # hidden states a captured forward returns
 ALIGN = 16  # int64 values: each static index starts on a 128-byte boundary
@@ -65,7 +63,8 @@ def cuda_graphs(mode: str):
 
 def enabled_for(ctx) -> bool:
     """Whether a new context replays its decode steps and verifications as graphs: a MAIN context of
-    a graph in CAPTURED_ARCHES, on one device with resident weights, computing in float32 / bfloat16 /
+    a graph declared CAPTURABLE (runtime/graphs/contract.py), on one device with resident weights,
+    computing in float32 / bfloat16 /
     float16 with float32 recurrent states, whose backend attends over fixed-size K/V buffers and
     writes recurrent states into ring slots; on CUDA unless the mode is "on" or "off"."""
     mode = _mode.get()
@@ -73,7 +72,7 @@ def enabled_for(ctx) -> bool:
     if mode == "off" or ctx.graph_type != GraphType.MAIN or ctx.kv_from is not None:
         return False
     backend = for_device(model.device)
-    fits = (model.arch in CAPTURED_ARCHES and backend.static_kv and backend.slot_states
+    fits = (model.graph.CAPTURABLE and backend.static_kv and backend.slot_states
             and not model.weights.placement.multi and not model.offload and ctx.gdn_mode != "recurrent"
             and model.dtype in GRAPH_DTYPES and ctx.memory.layout.state_dtype == torch.float32)
     return fits and (mode == "on" or model.device.type == "cuda")

@@ -236,7 +236,7 @@ def validate_model(file, graph, hparams, needed: list[str]) -> None:
             if "V" in bound and isinstance(tokens, list) and len(tokens) > bound["V"]:
                 raise SpecconvError(f"tokenizer.ggml.tokens has {len(tokens)} entries, more than the {bound['V']} "
                                     f"rows of the embedding and output")
-        check_values = getattr(graph, "check_values", None) or shapes.CHECK_VALUES.get(hparams.arch)
+        check_values = graph.check_values or shapes.CHECK_VALUES.get(hparams.arch)
         if check_values is not None:
             check_values(file, hparams, needed)
     except SpecconvError as exc:

@@ -27,6 +27,9 @@ def test_cpu_run_reports_every_figure(qwen35_dir, tmp_path, capsys):
     assert 0 < row["synthetic"]["acceptance"] <= 1
     profile = dict(row["profile"])
     top = profile.pop("top")
+    assert profile.pop("sync_sites") == {}  # no host<->device copies or syncs on the CPU
+    rounds = row["round_profile"]
+    assert rounds["rounds"] > 0 and rounds["syncs"] == 0 and rounds["sync_sites"] == {}
     assert profile == {"kernels": 0, "syncs": 0, "graph_replays": 0}  # CUDA graphs: CUDA only
     assert 0 < len(top) <= 15 and all(t["count"] > 0 and t["cpu_us"] >= 0 for t in top)
     assert row["floor_s"] is None and row["dense_chain"]["graph_s"] is None

@@ -151,7 +151,7 @@ def test_replayed_steps_give_the_logits_of_eager_decoding(q8_file, graphable, dt
 
 
 def test_qwen3next_replays_like_eager_decoding(graphable, tmp_path_factory):
-    """The other captured graph (CAPTURED_ARCHES): Qwen3-Next's own Gated DeltaNet input side and MoE
+    """Another captured graph: Qwen3-Next's own Gated DeltaNet input side and MoE
     in every block, bfloat16, rounds with rollbacks: replays equal eager decoding bit for bit."""
     from tests.fixtures import tiny_qwen3next
 

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from specconv.runtime import Context, GraphType, load_model
 from specconv.runtime.generate import generate
-from specconv.runtime.drafters import Draft
-from specconv.runtime.speculative import (SpecConfig, build_drafter, drafter_rows, hidden_request,
-                                          speculative_generate)
+from specconv.runtime.drafters import Draft, Drafter
+from specconv.runtime.spec_link import drafter_rows, hidden_request
+from specconv.runtime.speculative import SpecConfig, build_drafter, speculative_generate
 from tests.fixtures import mtp_checks
 from tests.fixtures.family_sweep import CASES, DRAFT_MAX, Built, Case, gguf_kv
 
@@ -217,25 +217,27 @@ def test_verify_passes(case, root, tmp_path):
         assert n_prompt > int(kv.get(f"{kv['general.architecture']}.attention.sliding_window", 0))
 
 
-class Steered:
+class Steered(Drafter):
     """The family's drafter, steered to partial acceptance: its first m drafted tokens are replaced by
     the target's greedy continuation, m cycling 0..draft_max, so rounds accept every count. Before
     steering, each real draft is compared with the draft of the same drafter started afresh on the
     committed tokens: after any acceptance the drafter's own memory (MTP head's cache, EAGLE-3 rows,
     DFlash features) must be what a fresh start builds."""
 
+    name = "steered"  # each instance takes the wrapped drafter's name
+
     def __init__(self, make, target, truth: list[int]):
         self.make, self.target, self.truth = make, target, truth
         self.inner = make()
         self.name, self.needs_hidden = self.inner.name, self.inner.needs_hidden
-        if hasattr(self.inner, "target_hidden"):
-            self.target_hidden = self.inner.target_hidden
-        if hasattr(self.inner, "attach"):  # reads the target's K/V (Gemma 4 assistant)
-            self.attach = self.inner.attach
+        self.target_hidden, self.reads_target_kv = self.inner.target_hidden, self.inner.reads_target_kv
         self.steer = itertools.cycle(range(DRAFT_MAX + 1))
         self.committed: list[int] = []
         self.differing: list[tuple[int, list[int], list[int]]] = []
         self.rounds = 0
+
+    def attach(self, target_ctx) -> None:
+        self.inner.attach(target_ctx)
 
     def start(self, prefix, hidden) -> None:
         self.inner.start(prefix, hidden)
@@ -246,8 +248,7 @@ class Steered:
         want = hidden_request(fresh)
         ctx = Context(self.target, GraphType.MAIN, n_ctx=len(self.committed) + n + 8)
         out = ctx.decode(self.committed, hidden=want, logits=None)
-        if hasattr(fresh, "attach"):
-            fresh.attach(ctx)
+        fresh.attach(ctx)
         fresh.start(self.committed, drafter_rows(out.hidden, want))
         return fresh.draft(id_last, n).tokens
 

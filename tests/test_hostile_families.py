@@ -74,9 +74,9 @@ def target_of(seeds, seed: str):
 
 def test_every_graph_has_shape_rules():
     from specconv.runtime import shapes
-    from specconv.runtime.graphs import GRAPHS, graph_module
+    from specconv.runtime.graphs import GRAPHS, graph_for
 
-    on_table = {a for a in GRAPHS if hasattr(graph_module(a), "expected_shapes")}  # archs/tensor_table.py
+    on_table = {a for a in GRAPHS if graph_for(a).expected_shapes is not None}  # archs/tensor_table.py
     assert not on_table & set(shapes.EXPECTED), "a family on a tensor table keeps shapes in runtime/shapes.py"
     missing = sorted(a for a in GRAPHS if a not in shapes.EXPECTED and a not in on_table)
     assert not missing, f"graphs without expected tensor shapes (a tensor table or runtime/shapes.py): {missing}"

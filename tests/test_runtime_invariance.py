@@ -14,19 +14,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specconv.runtime import Context, GraphType, backend as backend_module, context as context_module, load_model
+from specconv.runtime import load_model
 from specconv.runtime.backend import Experts, batch_invariant
 from specconv.runtime.backend_torch import TorchBackend
 from specconv.runtime.drafters import MtpDrafter
-from specconv.runtime.drafters.synthetic import SyntheticDrafter
-from specconv.runtime.generate import generate
 from specconv.runtime.graphs.ops import swiglu
-from specconv.runtime.speculative import SpecConfig, speculative_generate
+from tests.fixtures.invariance import BACKENDS, K, greedy_check, synthetic, use_backend, verification_rows_check
 from tests.test_runtime_backend import _routing, _stored_experts
 from tests.test_runtime_common import prompt_ids, tiny_gguf
 
 torch.set_num_threads(1)
-K = 3
 # the tiny fixture's heads, rope and vocabulary, with real models' widths where sums are long
 WIDE = {"hidden_size": 1024, "linear_key_head_dim": 128, "linear_value_head_dim": 128}
 WIDE_FFN = {False: {"intermediate_size": 2048},
@@ -34,12 +31,10 @@ WIDE_FFN = {False: {"intermediate_size": 2048},
                    "shared_expert_intermediate_size": 512}}
 
 
-@pytest.fixture(params=["device", "torch"])
+@pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
     """The CPU's own backend, or the torch reference (what CUDA runs where no Triton kernel applies)."""
-    if request.param == "torch":
-        monkeypatch.setattr(backend_module, "_backend", lambda kind: TorchBackend())
-    return request.param
+    return use_backend(request.param, monkeypatch)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["dense", "moe"])
@@ -49,31 +44,9 @@ def model(request, tmp_path_factory):
     return load_model(path, device="cpu", dtype="bf16")
 
 
-def _rows_vs_steps(model, ids, split):
-    """(logits and post-norm rows of one verification batch ids[split:], the same of one-row forwards
-    after the same prefix) — the prefix itself once as one batch, once token by token."""
-    batch = Context(model, GraphType.MAIN, n_ctx=len(ids) + 1, n_rs_seq=K)
-    batch.decode(ids[:split])
-    out = batch.decode(ids[split:])
-    steps = Context(model, GraphType.MAIN, n_ctx=len(ids) + 1, n_rs_seq=0, rollback="checkpoint")
-    for t in ids[:split]:
-        steps.decode([t])
-    rows = [steps.decode([t]) for t in ids[split:]]
-    return ((out.logits, out.hidden["post_norm"]),
-            (torch.cat([r.logits for r in rows]), torch.cat([r.hidden["post_norm"] for r in rows])))
-
-
 def test_verification_rows_are_the_bits_of_one_row_forwards(model, backend, monkeypatch):
     ids = [int(t) for t in prompt_ids(14, seed=8)]
-    (logits, hidden), (one_logits, one_hidden) = _rows_vs_steps(model, ids, len(ids) - K - 1)
-    same = [bool(torch.equal(logits[i], one_logits[i]) and torch.equal(hidden[i], one_hidden[i]))
-            for i in range(K + 1)]
-    monkeypatch.setattr(context_module, "INVARIANT_DTYPES", ())  # the batched forms, for contrast
-    (b_logits, _), (o_logits, _) = _rows_vs_steps(model, ids, len(ids) - K - 1)
-    without = float((b_logits - o_logits).abs().max())
-    print(f"\n[bf16 {model.hparams.arch}, {backend} backend] {K + 1}-row verification vs one-row forwards: "
-          f"{sum(same)}/{K + 1} rows bit-identical (max |Δlogit| {float((logits - one_logits).abs().max()):.1e}); "
-          f"with the batched forms instead: max |Δlogit| {without:.2e}")
+    same, _ = verification_rows_check(model, ids, f"{model.hparams.arch}, {backend} backend", monkeypatch)
     assert all(same)
 
 
@@ -94,18 +67,11 @@ def test_experts_by_index_are_the_bits_of_experts_by_expert_in_half_precision():
 @pytest.mark.parametrize("drafter", ["synthetic", "mtp"])
 def test_greedy_speculative_decoding_in_bfloat16_equals_plain_decoding(model, backend, drafter):
     n = 16
-    total = accepted = 0
-    for seed, length in ((1, 1), (2, 7), (3, 12)):
-        prompt = [int(t) for t in prompt_ids(length, seed=seed)]
-        plain = generate(model, prompt, n).tokens
-        if drafter == "synthetic":  # a drafter right with probability 0.8 per token (measurement drafter)
-            made = SyntheticDrafter(prompt + plain, model.n_vocab, 0.8, seed=seed)
-        else:
-            made = MtpDrafter(model, len(prompt) + n + K + 2, model)
-        res = speculative_generate(model, made, prompt, n, SpecConfig(draft_max=K))
-        stats = res.stats["speculative"]
-        total, accepted = total + stats["drafted"], accepted + stats["accepted"]
-        assert res.tokens == plain, (drafter, prompt)
-    print(f"\n[bf16 {model.hparams.arch}, {backend} backend, {drafter} k={K}] 3 prompts x {n} tokens identical "
-          f"to plain decoding; accepted {accepted}/{total} drafts")
+    prompts = [[int(t) for t in prompt_ids(length, seed=seed)] for seed, length in ((1, 1), (2, 7), (3, 12))]
+    if drafter == "synthetic":
+        make = synthetic(model)
+    else:
+        def make(prompt, plain):
+            return MtpDrafter(model, len(prompt) + n + K + 2, model)
+    total, _ = greedy_check(model, prompts, n, make, f"{model.hparams.arch}, {backend} backend, {drafter}")
     assert total > 0

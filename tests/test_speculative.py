@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specconv.runtime import Context, GraphType, load_model
-from specconv.runtime.drafters import Draft, DraftModelDrafter, MtpDrafter, NgramDrafter
+from specconv.runtime.drafters import Draft, DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter
 from specconv.runtime.generate import generate
 from specconv.runtime.spec_stats import expected_tokens
 from specconv.runtime.speculative import SpecConfig, speculative_generate
@@ -41,7 +41,7 @@ def plain(target):
     return {tuple(p): generate(target, p, N).tokens for p in PROMPTS}
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes, per round, `plan[r] = (n, good)`: the first `good` of n tokens are the plain greedy
     continuation, the rest are wrong (the right token + 1). Deterministic, no probabilities."""
 

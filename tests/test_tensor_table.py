@@ -83,13 +83,13 @@ def test_converted_file_is_what_the_runtime_derives(case, tmp_path):
     from gguf import GGMLQuantizationType as Q
 
     from specconv.runtime.gguf_file import GGUFModelFile
-    from specconv.runtime.graphs import graph_module
+    from specconv.runtime.graphs import graph_for
 
     arch, build, n_mtp, optional_written = FAMILIES[case]
     path = convert_gguf(build(tmp_path / "hf"), tmp_path / "m.gguf", outtype="f16")
     file = GGUFModelFile(path)
     assert file.arch == arch
-    graph = graph_module(arch)
+    graph = graph_for(arch)
     hp = graph.HParams.from_kv(file.kv)
     assert hp.n_nextn == n_mtp
     required = graph.main_tensors(hp) + graph.mtp_tensors(hp)

@@ -168,6 +168,29 @@ def test_fused_rows_independent_of_batch(qtype):
         assert torch.equal(kt.quant_matmul(x[m:m + 1], packed, qtype, N_OUT, n_in), full[m:m + 1])
 
 
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q6_K], ids=lambda t: t.name)
+def test_fused_product_cut_along_the_inner_dimension(qtype, monkeypatch):
+    """A matrix with few rows of tiles is cut into pieces along its inner dimension (more programs on
+    the GPU), the float32 sums of the pieces added in order: within the same summation noise as one
+    piece, the cut a function of W's shape and the device only (never of the number of rows)."""
+    n_in = N_IN[qtype]
+    packed = weights(qtype, seed=8)
+    w = torch_dequantize(packed, qtype)
+    n_blocks = -(-n_in // qm.GEOMETRY[qtype][0])
+    assert qm.split_plan(qtype, N_OUT, n_blocks, DEVICE)[0] > 1  # the tests' shapes take the cut path
+    x = torch.randn(4, n_in, generator=torch.Generator().manual_seed(8))
+    cut = kt.quant_matmul(x.to(DEVICE), packed.to(DEVICE), qtype, N_OUT, n_in).cpu()
+    assert {qm.split_plan(qtype, N_OUT, n_blocks, DEVICE)} == {qm.split_plan(qtype, N_OUT, n_blocks, DEVICE)
+                                                            for _ in range(3)}
+    monkeypatch.setattr(qm, "PROGRAMS_PER_SM", 0)  # one piece per tile of rows
+    assert qm.split_plan(qtype, N_OUT, n_blocks, DEVICE)[0] == 1
+    whole = kt.quant_matmul(x.to(DEVICE), packed.to(DEVICE), qtype, N_OUT, n_in).cpu()
+    exact = exact_product(x, w)
+    worst = max(noise(cut, *exact), noise(whole, *exact))
+    print(f"\n[triton fused {qtype.name}: cut / whole] worst |Δ| = {worst:.3f} eps·Σ|x·w|")
+    assert worst <= FUSED_BOUND
+
+
 def test_fused_product_views_and_static_output():
     """x [2, 3, n_in] whose rows are a view of a wider buffer, W rows that are a view (one expert of a
     3-D expert tensor), and a given output buffer written in place."""

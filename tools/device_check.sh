@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One run on a lent GPU machine (torch + CUDA + Triton there, no network): install the project from the
 # carried wheels (tools/device_wheels.sh), build the benchmark's files on the CPU while the GPU runs the
-# CUDA-parametrised tests, then the demo on the GPU and benchmarks/cuda_decode.py; every log under $OUT.
+# CUDA-parametrised tests, then benchmarks/cuda_matmul.py, benchmarks/cuda_decode.py, every family on
+# the GPU (tools/cuda_families.py) and the demo; logs under $OUT (at most 8 files come back).
 #
 #   run(command="bash tools/device_check.sh", carry=[".whl"], timeout_s=580)
 #   run(command="TYPES=q8_0 TESTS=tests/test_cuda_graphs.py bash tools/device_check.sh", ...)  # a narrower run
 #
-# TYPES: the dense 1 B file types to measure (default bf16,q8_0,Q4_K_M); MOE=0 skips the MoE file;
-# N: tokens decoded per rate measurement (default 64); TESTS: the test paths (default: every test, -k "cuda or triton"); T_TESTS / T_DEMO / T_BENCH: time limits (s).
+# TYPES: the dense 1 B file types to measure (default q8_0,Q4_K_M,bf16); MOE=0 skips the MoE file;
+# N: tokens decoded per rate measurement (default 64); TESTS: the test paths (default: every test,
+# -k "cuda or triton"); JOBS: pytest workers; T_TESTS / T_MATMUL / T_BENCH / T_FAMILIES / T_DEMO: time
+# limits in seconds (T_DEMO=0 skips the demo).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/device-out}
@@ -15,33 +18,47 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 START=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - START )) s] $*"; }
+SETUP="$OUT/setup.log"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
-# the C extensions are optional (install goes on without them) but the benchmark's K-quant conversion wants them
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
-python3 -c "import specconv.convert._kquants, specconv.runtime._dequant; print('native extensions built')" 2>&1 | tee -a "$OUT/install.log"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+# the C extensions are optional (install goes on without them) but the benchmark's K-quant conversion
+# wants them; built in parallel
+printf '[build_ext]\nparallel = 16\n' >/tmp/build_ext.cfg
+DIST_EXTRA_CONFIG=/tmp/build_ext.cfg python3 -m pip install -q --no-deps --no-build-isolation -e . >"$SETUP" 2>&1 \
+  || { tail "$SETUP"; exit 1; }
+python3 -c "import specconv.convert._kquants, specconv.runtime._dequant; print('native extensions built')" 2>&1 | tee -a "$SETUP"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$SETUP"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$SETUP"
 stamp installed
 
-TYPES=${TYPES:-bf16,q8_0,Q4_K_M}
+TYPES=${TYPES:-q8_0,Q4_K_M,bf16}
 MOE_FLAG=$([ "${MOE:-1}" = 0 ] && echo --no-moe)
 BENCH=(python3 benchmarks/cuda_decode.py --workdir /tmp/bench-cuda --types "$TYPES" -n "${N:-64}" $MOE_FLAG)
-"${BENCH[@]}" --build-only >"$OUT/build.log" 2>&1 &
+"${BENCH[@]}" --build-only >/tmp/build.log 2>&1 &
 BUILD=$!
 
 stamp "CUDA tests"
-timeout "${T_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider -n 6 -k "cuda or triton" --tb=short -rfE \
+timeout "${T_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider -n "${JOBS:-12}" -k "cuda or triton" --tb=short -rfE \
   --durations=15 ${TESTS:-tests} >"$OUT/cuda_tests.log" 2>&1
-tail -n 40 "$OUT/cuda_tests.log"
+tail -n 30 "$OUT/cuda_tests.log"
 
-stamp "demo on the GPU"
-timeout "${T_DEMO:-90}" specconv demo --device cuda >"$OUT/demo.log" 2>&1; echo "demo exit $?"
-tail -n 12 "$OUT/demo.log"
+stamp "benchmarks/cuda_matmul.py"
+timeout "${T_MATMUL:-60}" python3 benchmarks/cuda_matmul.py --sweep >"$OUT/cuda_matmul.log" 2>&1
+tail -n 36 "$OUT/cuda_matmul.log"
 
 stamp "waiting for the benchmark's files"
-wait $BUILD; tail -n 6 "$OUT/build.log"
+wait $BUILD; tail -n 6 /tmp/build.log | tee -a "$SETUP"
 stamp "benchmarks/cuda_decode.py"
 timeout "${T_BENCH:-200}" "${BENCH[@]}" --json "$OUT/cuda_decode.json" >"$OUT/cuda_decode.log" 2>&1
-tail -n 12 "$OUT/cuda_decode.log"
+tail -n 8 "$OUT/cuda_decode.log"
+
+stamp "tools/cuda_families.py"
+timeout "${T_FAMILIES:-90}" python3 tools/cuda_families.py --json "$OUT/cuda_families.json" >"$OUT/cuda_families.log" 2>&1
+tail -n 34 "$OUT/cuda_families.log"
+
+if [ "${T_DEMO:-90}" != 0 ]; then
+  stamp "demo on the GPU"
+  timeout "${T_DEMO:-90}" specconv demo --device cuda >"$OUT/demo.log" 2>&1; echo "demo exit $?"
+  tail -n 6 "$OUT/demo.log"
+fi
 stamp done

@@ -1,52 +1,15 @@
-"""Drafters for speculative decoding: the protocol the loop in `runtime/speculative.py` talks to.
-
-A drafter proposes a chain of tokens after the target's last chosen token `id_last`. The loop tells
-it what the target committed, so it can keep its own memory consistent with the target's:
-
-* `start(prefix, hidden)`: the target evaluated and committed `prefix` at positions 0..len-1
-  (the prompt minus its last token, llama.cpp's split); `hidden` are the target's post-norm rows
-  of those positions (only when `needs_hidden`), or None.
-* `draft(id_last, n_max, p_min, temperature, generator) -> Draft`: up to `n_max` tokens for the
-  positions after `id_last`. `Draft.probs` is exactly the distribution each token was sampled
-  from (Leviathan rejection sampling uses it); None means the drafter is deterministic (greedy,
-  n-gram) and the loop verifies with the sample-and-compare rule, which is exact for it.
-* `accept(n_accepted, batch, hidden)`: the target evaluated `batch = [id_last, d_1..d_n]` at
-  positions n_past.. and kept `batch[:n_accepted + 1]`; `hidden` are its post-norm rows of the
-  batch (when `needs_hidden`). Afterwards the drafter's memory must hold exactly the committed
-  positions.
+"""Drafters for speculative decoding. The contract the loop in `runtime/speculative.py` talks to is
+the `Drafter` base (runtime/drafters/base.py): every drafter subclasses it and is listed in `DRAFTERS`.
+The helpers below are the drafting steps several drafters share.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Sequence
 
 import torch
 
-
-@dataclass
-class Draft:
-    tokens: list[int]
-    probs: torch.Tensor | None = None  # [n, n_vocab]: q_i, the distribution d_{i+1} was drawn from
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def truncated(self, n: int) -> "Draft":
-        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n])
-
-
-@runtime_checkable
-class Drafter(Protocol):
-    name: str
-    needs_hidden: bool  # the loop asks the target for post-norm hidden rows of every batch
-
-    def start(self, prefix: Sequence[int], hidden: torch.Tensor | None) -> None: ...
-
-    def draft(self, id_last: int, n_max: int, p_min: float = 0.0, temperature: float = 0.0,
-              generator: torch.Generator | None = None) -> Draft: ...
-
-    def accept(self, n_accepted: int, batch: Sequence[int], hidden: torch.Tensor | None) -> None: ...
+from specconv.runtime.drafters.base import Draft, Drafter, register
 
 
 TOP_K_P_MIN = 10  # llama.cpp's draft sampler keeps the top 10 candidates; p_min is judged among them
@@ -89,6 +52,7 @@ def chain_drafts(ctx, token: int, hidden: torch.Tensor, positions: Sequence[int]
     return Draft(tokens, probs)
 
 
+from specconv.runtime.drafters.dflash import DFlashDrafter  # noqa: E402
 from specconv.runtime.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from specconv.runtime.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 from specconv.runtime.drafters.gemma4_assistant import Gemma4AssistantDrafter  # noqa: E402
@@ -96,6 +60,11 @@ from specconv.runtime.drafters.mtp import MtpDrafter  # noqa: E402
 from specconv.runtime.drafters.ngram import NgramDrafter  # noqa: E402
 from specconv.runtime.drafters.synthetic import SyntheticDrafter  # noqa: E402  (measurement only)
 
-__all__ = ["Draft", "Drafter", "DraftModelDrafter", "Eagle3Drafter", "Gemma4AssistantDrafter", "MtpDrafter",
-           "NgramDrafter", "SyntheticDrafter",
+DRAFTERS: dict[str, type[Drafter]] = {}  # drafter name -> class: every drafter the runtime ships
+for _cls in (DraftModelDrafter, Eagle3Drafter, DFlashDrafter, Gemma4AssistantDrafter, MtpDrafter, NgramDrafter,
+             SyntheticDrafter):
+    register(DRAFTERS, _cls)
+
+__all__ = ["DRAFTERS", "DFlashDrafter", "Draft", "Drafter", "DraftModelDrafter", "Eagle3Drafter",
+           "Gemma4AssistantDrafter", "MtpDrafter", "NgramDrafter", "SyntheticDrafter",
            "best_candidate_probability", "choose"]

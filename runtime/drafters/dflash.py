@@ -26,7 +26,8 @@ import torch
 from specconv.archs import names
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
-from specconv.runtime.drafters import Draft, best_candidate_probability, choose
+from specconv.runtime.drafters import best_candidate_probability, choose
+from specconv.runtime.drafters.base import Draft, Drafter
 from specconv.runtime.drafters.draft_model import check_same_vocabulary
 from specconv.runtime.graphs import dflash as graph
 from specconv.runtime.model import Model
@@ -58,7 +59,7 @@ def check_drafter_fits_target(target: Model, head: Model) -> None:
         raise SpecconvError(f"mask token {hp.mask_token_id} is outside the vocabulary [0, {head.n_vocab})")
 
 
-class DFlashDrafter:
+class DFlashDrafter(Drafter):
     name = "dflash"
     needs_hidden = True
 

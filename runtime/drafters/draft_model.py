@@ -16,7 +16,8 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
-from specconv.runtime.drafters import Draft, best_candidate_probability, choose
+from specconv.runtime.drafters import best_candidate_probability, choose
+from specconv.runtime.drafters.base import Draft, Drafter
 from specconv.runtime.model import Model
 from specconv.runtime.types import GraphType
 
@@ -31,7 +32,7 @@ def check_same_vocabulary(target: Model, draft: Model) -> None:
         raise SpecconvError(f"draft model tokenizer differs from the target's (first at token id {first})")
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     name = "draft"
     needs_hidden = False
 

@@ -23,7 +23,8 @@ import torch
 from specconv.archs import names
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
-from specconv.runtime.drafters import Draft, chain_drafts
+from specconv.runtime.drafters import chain_drafts
+from specconv.runtime.drafters.base import Draft, Drafter
 from specconv.runtime.drafters.draft_model import check_same_vocabulary
 from specconv.runtime.graphs.ops import dense
 from specconv.runtime.model import Model
@@ -55,7 +56,7 @@ def check_head_fits_target(target: Model, head: Model) -> None:
         raise SpecconvError(f"d2t holds target ids outside [0, {target.n_vocab})")
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(Drafter):
     name = "eagle3"
     needs_hidden = True
 

@@ -8,7 +8,8 @@ written anywhere, so the query position never moves). `start` and `accept` only 
 last committed position (`pending_h`). Greedy (top-1) drafts; `p_min` is judged on the softmax of
 the top 10, as llama.cpp's draft sampler does.
 
-The speculative loop hands the target context over with `attach(ctx)` before the first round.
+It declares `reads_target_kv`: the speculative loop hands it the target context with `attach(ctx)`
+before the prompt (runtime/drafters/base.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from specconv.archs import names
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
-from specconv.runtime.drafters import Draft, chain_drafts
+from specconv.runtime.drafters import chain_drafts
+from specconv.runtime.drafters.base import Draft, Drafter
 from specconv.runtime.drafters.draft_model import check_same_vocabulary
 from specconv.runtime.graphs import gemma4_assistant as graph
 from specconv.runtime.model import Model
@@ -39,9 +41,10 @@ def check_assistant_fits_target(target: Model, assistant: Model) -> None:
                             "with the target's table")
 
 
-class Gemma4AssistantDrafter:
+class Gemma4AssistantDrafter(Drafter):
     name = "gemma4-assistant"
     needs_hidden = True
+    reads_target_kv = True
 
     def __init__(self, assistant: Model, target: Model):
         check_assistant_fits_target(target, assistant)

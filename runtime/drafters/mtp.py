@@ -38,9 +38,11 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
-from specconv.runtime.drafters import Draft, chain_drafts
+from specconv.runtime.drafters import chain_drafts
+from specconv.runtime.drafters.base import Draft, Drafter
 from specconv.runtime.drafters.mtp_chain import MtpChain, first_row_position
 from specconv.runtime.model import Model
+from specconv.runtime.spec_stats import SpecStats, per_block
 from specconv.runtime.types import GraphType
 
 
@@ -53,15 +55,15 @@ def block_view(head: Model, block: int) -> Model:
 
 def n_chained_blocks(head: Model) -> int:
     """Blocks the drafter chains: nextn_predict_layers for graphs that support it, else 1."""
-    if not getattr(head.graph, "CHAINED_MTP", False):
+    if not head.graph.CHAINED_MTP:
         return 1
-    return max(1, int(getattr(head.hparams, "n_nextn", 1)))
+    return max(1, int(head.hparams.n_nextn))  # every chained graph's hparams count their blocks
 
 
 def rows_layout(head: Model) -> str:
     """Where the head's rows begin (runtime/drafters/mtp_chain.py LAYOUTS): the graph's MTP_ROWS
     ("shifted" for the chained-MTP releases), else llama.cpp's row convention."""
-    return getattr(head.graph, "MTP_ROWS", "llama.cpp")
+    return head.graph.MTP_ROWS
 
 
 def _block_of(i: int, k: int) -> int | None:
@@ -76,7 +78,7 @@ def block_of_position(head: Model):
     return lambda i: _block_of(i, k)
 
 
-class MtpDrafter:
+class MtpDrafter(Drafter):
     name = "mtp"
     needs_hidden = True
 
@@ -87,12 +89,12 @@ class MtpDrafter:
         self.head = head
         self.n_blocks = n_chained_blocks(head)
         # the target rows the head reads: post-norm, or pre-norm where the graph says so (step35)
-        self.target_hidden = (getattr(head.graph, "TARGET_HIDDEN", "post_norm"),)
+        self.target_hidden = (head.graph.TARGET_HIDDEN,)
         self.layout = layout or rows_layout(head)
         self.chain = None
         if self.n_blocks > 1:
             self.chain = MtpChain([block_view(head, b) for b in range(self.n_blocks)], n_ctx,
-                                  getattr(head.graph, "CHAIN_HIDDEN", "nextn"), self.layout)
+                                  head.graph.CHAIN_HIDDEN, self.layout)
         else:
             self.first_row = first_row_position(self.layout, 0)
             self.ctx = Context(head, GraphType.MTP, n_ctx=n_ctx)
@@ -107,6 +109,10 @@ class MtpDrafter:
     def block_of_position(self, i: int) -> int | None:
         """The block that drafts draft position i (0-based), None beyond k; statistics by block use it."""
         return _block_of(i, self.n_blocks)
+
+    def report(self, stats: SpecStats) -> dict:
+        """Acceptance by block (chained heads draft position i with block i; docs/mtp.md)."""
+        return {"per_block": per_block(stats, self.block_of_position)}
 
     def start(self, prefix: Sequence[int], hidden: torch.Tensor | None) -> None:
         if self.chain:

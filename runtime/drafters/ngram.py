@@ -15,10 +15,10 @@ from typing import Sequence
 import torch
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.drafters import Draft
+from specconv.runtime.drafters.base import Draft, Drafter
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     name = "ngram"
     needs_hidden = False
 

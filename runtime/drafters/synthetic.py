@@ -27,10 +27,10 @@ from typing import Sequence
 import torch
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.drafters import Draft
+from specconv.runtime.drafters.base import Draft, Drafter
 
 
-class SyntheticDrafter:
+class SyntheticDrafter(Drafter):
     name = "synthetic"
     needs_hidden = False
     synthetic = True  # reports and verify tell measurement drafters apart by this flag
@@ -68,6 +68,10 @@ class SyntheticDrafter:
 
     def accept(self, n_accepted: int, batch: Sequence[int], hidden=None) -> None:
         self.history.extend(int(t) for t in batch[:n_accepted + 1])
+
+    def report(self, stats) -> dict:
+        """The run's statistics say it was a measurement at a set acceptance, not a head's result."""
+        return {"synthetic": True, "set_acceptance": self.acceptance}
 
 
 def greedy_reference(target, prompt: Sequence[int], n_predict: int) -> list[int]:

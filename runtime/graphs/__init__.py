@@ -1,8 +1,8 @@
 """Per-architecture runtime graphs; each knows GGUF names only.
 
-A graph module exposes: `HParams.from_kv(kv)`, `main_tensors(hp)`, `mtp_tensors(hp)`,
-`optional_mtp_tensors(hp)`, `OPTIONAL`, `keep_float32(name)`, `main_layout(hp)`, `mtp_layout(hp)`,
-`forward_main(...)` and `forward_mtp(...)`.
+A graph module declares itself with `GRAPH = Graph(...)` (runtime/graphs/contract.py: its
+hyperparameters, tensor lists, layouts, forwards and capabilities, each optional one with its
+default); `graph_for(arch)` returns that declaration, and the runtime reads nothing else of a graph.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import importlib
 from types import ModuleType
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs.contract import Graph
 
 # GGUF arch -> module under specconv.runtime.graphs
 GRAPHS: dict[str, str] = {
@@ -35,7 +36,18 @@ GRAPHS: dict[str, str] = {
 
 
 def graph_module(arch: str) -> ModuleType:
+    """The module of a GGUF arch's graph (its helpers; the runtime uses `graph_for`)."""
     module = GRAPHS.get(arch)
     if module is None:
         raise SpecconvError(f"the runtime has no graph for GGUF arch {arch!r} (supported: {', '.join(sorted(GRAPHS))})")
     return importlib.import_module(f"specconv.runtime.graphs.{module}")
+
+
+def graph_for(arch: str) -> Graph:
+    """The declared graph of a GGUF arch; a module without a `GRAPH = Graph(...)` is an error."""
+    module = graph_module(arch)
+    graph = vars(module).get("GRAPH")
+    if not isinstance(graph, Graph):
+        raise SpecconvError(f"graph module {module.__name__} declares no GRAPH = Graph(...) "
+                            "(runtime/graphs/contract.py)")
+    return graph

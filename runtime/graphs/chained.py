@@ -18,7 +18,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
-from specconv.runtime.graphs.ops import acc, moe, rms_norm, swiglu
+from specconv.runtime.graphs.ops import acc, by_rows, moe, rms_norm, swiglu
 from specconv.runtime.memory import Batch, MemoryLayout
 
 Names = Callable[[int], list[str]]
@@ -70,28 +70,29 @@ def gating(arch: str, get: Callable[..., Any]) -> int:
 
 # ---- tensors and caches -------------------------------------------------------------------------------------
 
-def tensor_lists(required: Names, optional: Names):
-    """(main_tensors, optional_main_tensors, mtp_tensors, optional_mtp_tensors) of a graph whose blocks
-    need `required(i)` and may hold `optional(i)`; each MTP block adds its nextn inputs and head."""
-    shared = ["token_embd.weight", "output_norm.weight"]
+@dataclass(frozen=True)
+class TensorLists:
+    """The tensor lists of a graph whose blocks need `required(i)` and may hold `optional(i)`; each
+    MTP block adds its nextn inputs and head."""
+    required: Names
+    optional: Names
+    shared: tuple[str, ...] = ("token_embd.weight", "output_norm.weight")
 
-    def main_tensors(hp) -> list[str]:
-        return shared + [n for i in range(hp.n_layer) for n in required(i)]
+    def main_tensors(self, hp) -> list[str]:
+        return list(self.shared) + [n for i in range(hp.n_layer) for n in self.required(i)]
 
-    def optional_main_tensors(hp) -> list[str]:
-        return [n for i in range(hp.n_layer) for n in optional(i)]
+    def optional_main_tensors(self, hp) -> list[str]:
+        return [n for i in range(hp.n_layer) for n in self.optional(i)]
 
-    def mtp_tensors(hp) -> list[str]:
-        names = list(shared)
+    def mtp_tensors(self, hp) -> list[str]:
+        names = list(self.shared)
         for i in _mtp_blocks(hp):
-            names += required(i) + [f"blk.{i}.nextn.{x}.weight" for x in ms.NEXTN_REQUIRED]
+            names += self.required(i) + [f"blk.{i}.nextn.{x}.weight" for x in ms.NEXTN_REQUIRED]
         return names
 
-    def optional_mtp_tensors(hp) -> list[str]:
+    def optional_mtp_tensors(self, hp) -> list[str]:
         return [n for i in _mtp_blocks(hp)
-                for n in optional(i) + [f"blk.{i}.nextn.{x}.weight" for x in ms.NEXTN_OPTIONAL]]
-
-    return main_tensors, optional_main_tensors, mtp_tensors, optional_mtp_tensors
+                for n in self.optional(i) + [f"blk.{i}.nextn.{x}.weight" for x in ms.NEXTN_OPTIONAL]]
 
 
 def _mtp_blocks(hp) -> range:
@@ -112,22 +113,28 @@ def _layout(layers: list[int], n_head_kv: int | list[int], width: int) -> Memory
     return MemoryLayout(attn_layers=layers, n_head_kv=n_head_kv, head_dim=width, rec_layers=[])
 
 
-def layouts(width: Callable[[Any], int]):
-    """(main_layout, mtp_layout) of a graph whose KV cells are `width(hp)` wide."""
-    def main_layout(hp, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-        return _layout(list(range(hp.n_layer)), hp.n_head_kv, width(hp))
+@dataclass(frozen=True)
+class Layouts:
+    """The KV-cache layouts of a graph whose cells are `width(hp)` wide."""
+    width: Callable[[Any], int]
 
-    def mtp_layout(hp) -> MemoryLayout:
-        return _layout([mtp_block_id(hp)], hp.n_head_kv, width(hp))
+    def main_layout(self, hp, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
+        return _layout(list(range(hp.n_layer)), hp.n_head_kv, self.width(hp))
 
-    return main_layout, mtp_layout
+    def mtp_layout(self, hp) -> MemoryLayout:
+        return _layout([mtp_block_id(hp)], hp.n_head_kv, self.width(hp))
 
 
 # ---- compute ------------------------------------------------------------------------------------------------
 
 def attend(q, k, v, q_pos, k_pos, scale: float, window: int, sinks=None) -> torch.Tensor:
     """softmax(q·kᵀ·scale) v with GQA; a key is visible iff 0 ≤ q_pos - k_pos (< window when window > 0).
-    `sinks` [heads]: one more logit per head whose probability mass is dropped (attention sinks)."""
+    `sinks` [heads]: one more logit per head whose probability mass is dropped (attention sinks).
+    In batch-invariant mode each query row alone (k, v: the whole buffer of ops.attended_kv)."""
+    return by_rows(q.shape[0], lambda r: _attend(q[r], k, v, q_pos[r], k_pos, scale, window, sinks))
+
+
+def _attend(q, k, v, q_pos, k_pos, scale: float, window: int, sinks) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -171,18 +178,24 @@ def block(w, hp, i: int, h: torch.Tensor, batch: Batch, rope, attention: Attenti
     return h + ffn_(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
 
 
-def forwards(make_rope: Callable[[Any, Batch], Callable], attention: Attention, ffn_: Ffn):
-    """(forward_main, forward_mtp) of a graph made of `block`s; `make_rope(hp, batch)(dtype)` builds its
+@dataclass(frozen=True)
+class Forwards:
+    """The trunk and MTP forwards of a graph made of `block`s; `make_rope(hp, batch)(dtype)` builds its
     rope tables. The MTP forward runs block `hp.mtp_block` through decoder.forward_nextn:
     (logits, z = shared_head_norm(y), y = the block's pre-norm output)."""
-    def forward_main(w, hp, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
+    make_rope: Callable[[Any, Batch], Callable]
+    attention: Attention
+    ffn: Ffn
+
+    def _block(self, w, hp, batch: Batch):
+        return lambda i, h, rope: block(w, hp, i, h, batch, rope, self.attention, self.ffn)
+
+    def forward_main(self, w, hp, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                      want_logits: torch.Tensor | None):
         """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
-        return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits, make_rope(hp, batch),
-                             lambda i, h, rope: block(w, hp, i, h, batch, rope, attention, ffn_))
+        return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits, self.make_rope(hp, batch),
+                             self._block(w, hp, batch))
 
-    def forward_mtp(w, hp, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
-        return forward_nextn(w, mtp_block_id(hp), hp.eps, tokens, hidden_in, make_rope(hp, batch),
-                             lambda i, h, rope: block(w, hp, i, h, batch, rope, attention, ffn_))
-
-    return forward_main, forward_mtp
+    def forward_mtp(self, w, hp, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
+        return forward_nextn(w, mtp_block_id(hp), hp.eps, tokens, hidden_in, self.make_rope(hp, batch),
+                             self._block(w, hp, batch))

@@ -27,8 +27,8 @@ def forward_trunk(w, n_layer: int, eps: float, tokens: torch.Tensor, want_layers
 
     `make_rope(dtype)` builds the rope tables in the activations' accumulation dtype.
     """
-    placement = getattr(w, "placement", None)
-    multi = placement is not None and placement.multi
+    placement = w.placement  # runtime/weights.py Weights
+    multi = placement.multi
     h = w["token_embd.weight"][tokens]
     main = h.device
     rope = make_rope(acc(h).dtype)

@@ -25,11 +25,11 @@ from specconv.archs.deepseek2 import DEEPSEEK2_TABLE
 from specconv.archs.errors import SpecconvError
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
-from specconv.runtime.graphs.ops import acc, cached_attention, dense, linear, rms_norm
+from specconv.runtime.graphs.ops import acc, by_rows, cached_attention, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 
-MULTI_DEVICE = True  # runs through decoder.forward_trunk, which follows a placement over devices
 
 
 @dataclass
@@ -164,10 +164,12 @@ def mla(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Te
     q_pe = rope_pairs(q[..., dn:], cos, sin)
     k_pe = rope_pairs(kv[:, None, kvl:], cos, sin)
     # absorb W_kb into the query: q_lat[h] = W_kb[h]ᵀ q_nope[h]; attn_k_b[h] is [kv_lora, dn]
-    q_lat = torch.einsum("nhd,hld->nhl", acc(q[..., :dn]), dense(w[p + "attn_k_b.weight"], acc(q).dtype)).to(q.dtype)
+    k_b = dense(w[p + "attn_k_b.weight"], acc(q).dtype)
+    q_lat = by_rows(n, lambda r: torch.einsum("nhd,hld->nhl", acc(q[r, :, :dn]), k_b)).to(q.dtype)
     latent = torch.cat([c[:, None, :], k_pe], dim=-1)  # [n, 1, kv_lora + dr]
     o = cached_attention(batch, i, torch.cat([q_lat, q_pe], dim=-1), latent, latent, softmax_scale(hp))
-    o = torch.einsum("nhl,hvl->nhv", acc(o[..., :kvl]), dense(w[p + "attn_v_b.weight"], acc(o).dtype)).to(a.dtype)
+    v_b = dense(w[p + "attn_v_b.weight"], acc(o).dtype)
+    o = by_rows(n, lambda r: torch.einsum("nhl,hvl->nhv", acc(o[r, :, :kvl]), v_b)).to(a.dtype)
     return linear(o.reshape(n, nh * hp.dv), w[p + "attn_output.weight"])
 
 
@@ -189,3 +191,22 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
     return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
                          lambda dtype: rope_cos_sin(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
+
+
+GRAPH = Graph(
+    name="deepseek2",
+    CAPTURABLE=True,
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    optional_main_tensors=optional_main_tensors,
+    expected_shapes=expected_shapes,
+    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
+)

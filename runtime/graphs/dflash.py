@@ -23,15 +23,13 @@ import torch
 
 from specconv.archs import names
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.graphs.ops import acc, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
+from specconv.runtime.graphs.contract import Graph
+from specconv.runtime.graphs.ops import acc, by_rows, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
 from specconv.runtime.memory import Batch, Memory, MemoryLayout
 from specconv.runtime.types import GraphType
 from specconv.runtime.validate import check_kv
 
-KIND = "dflash"
 OPTIONAL = (names.TOKEN_EMBD, names.OUTPUT)
-SHAREABLE: tuple[str, ...] = ()  # a draft's own tensors are never replaced by the target's
-FROM_TARGET = {names.TOKEN_EMBD: (names.TOKEN_EMBD,), names.OUTPUT: (names.OUTPUT, names.TOKEN_EMBD)}
 
 
 @dataclass
@@ -209,7 +207,12 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
 
 def _attention(q, k, v, q_pos, k_pos, scale: float, causal: bool, window: int) -> torch.Tensor:
     """softmax(q·kᵀ·scale) v over the keys each query sees: all of them (DFlash's block), or k_pos ≤ q_pos
-    when causal; within a sliding window, only q_pos - k_pos < window. GQA: query head j reads KV j // group."""
+    when causal; within a sliding window, only q_pos - k_pos < window. GQA: query head j reads KV j // group.
+    In batch-invariant mode each query row alone (ops.by_rows)."""
+    return by_rows(q.shape[0], lambda r: _attend(q[r], k, v, q_pos[r], k_pos, scale, causal, window))
+
+
+def _attend(q, k, v, q_pos, k_pos, scale: float, causal: bool, window: int) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,thd->hnt", acc(q), acc(k)) * scale
@@ -303,3 +306,23 @@ def lattice(w, hp: HParams, logits: torch.Tensor, y: torch.Tensor, anchor: int):
 
 def forward_main(*args, **kwargs):
     raise SpecconvError("a DFlash file is a drafter: run it with --spec dflash next to its target")
+
+
+GRAPH = Graph(
+    name="dflash",
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    serves=serves,
+    n_vocab=n_vocab,
+    KIND="dflash",
+    SHAREABLE=(),  # a draft's own tensors are never replaced by the target's
+    FROM_TARGET={names.TOKEN_EMBD: (names.TOKEN_EMBD,), names.OUTPUT: (names.OUTPUT, names.TOKEN_EMBD)},
+)

@@ -32,11 +32,11 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import deepseek2 as ds
 from specconv.runtime.graphs import moe_sigmoid as ms
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
-from specconv.runtime.graphs.ops import acc, dense, linear, rms_norm
+from specconv.runtime.graphs.ops import acc, attended_kv, by_rows, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 
-MULTI_DEVICE = True  # runs through decoder.forward_trunk / forward_nextn
 LAYERNORM_EPS = 1e-6  # the indexer's k_norm: transformers' LayerNorm(eps=1e-6), llama.cpp deepseek32's f_norm_eps
 
 
@@ -134,9 +134,14 @@ def index_scores(w, hp: HParams, i: int, a: torch.Tensor, cq: torch.Tensor, keys
     """I(t, s) for this batch's queries t over every cached key s: [n, T] (float32 or float64)."""
     p, n = f"blk.{i}.indexer.", a.shape[0]
     q = _rope_front(hp, linear(cq, w[p + "attn_q_b.weight"]).view(n, hp.index_heads, hp.index_dim), rope)
-    qk = torch.einsum("nhd,td->nht", acc(q), acc(keys)) * hp.index_dim ** -0.5
     weights = acc(linear(acc(a), w[p + "proj.weight"])) * hp.index_heads ** -0.5
-    return torch.einsum("nh,nht->nt", weights, F.relu(qk))
+    keys = acc(keys)
+
+    def scores(r):
+        qk = torch.einsum("nhd,td->nht", acc(q[r]), keys) * hp.index_dim ** -0.5
+        return torch.einsum("nh,nht->nt", weights[r], F.relu(qk))
+
+    return by_rows(n, scores)
 
 
 def select(hp: HParams, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -171,7 +176,7 @@ def mla_dsa(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope, state: 
     full = hp.runs_indexer(i)
     ik = indexer_key(w, hp, i, a, rope) if full else a.new_zeros(n, hp.index_dim)
     row = torch.cat([c, k_pe.to(c.dtype), ik.to(c.dtype)], dim=-1)[:, None, :]
-    k_all, _, k_pos = batch.attend_kv(i, row, row)
+    k_all, _, k_pos = attended_kv(batch, i, row, row)
     visible = k_pos[None, :].to(batch.positions.device) <= batch.positions[:, None]
     visible = visible.to(a.device)
     if full:
@@ -182,12 +187,16 @@ def mla_dsa(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope, state: 
         if chosen is None or chosen.shape != visible.shape:
             raise SpecconvError(f"{hp.arch}: shared indexer layer {i} has no earlier full layer's selection")
         chosen = chosen.to(a.device)
-    q_lat = torch.einsum("nhd,hld->nhl", acc(q[..., :dn]), dense(w[p + "attn_k_b.weight"], acc(q).dtype))
+    k_b, v_b = (dense(w[p + f"attn_{x}_b.weight"], acc(q).dtype) for x in "kv")
     lat = acc(k_all[:, 0, :kvl + dr])
-    scores = torch.einsum("nhl,tl->hnt", torch.cat([q_lat, acc(q_pe)], dim=-1), lat) * ds.softmax_scale(hp)
-    probs = torch.softmax(scores.masked_fill(~chosen[None], float("-inf")), dim=-1)
-    o = torch.einsum("hnt,tl->nhl", probs, lat[:, :kvl])
-    o = torch.einsum("nhl,hvl->nhv", o, dense(w[p + "attn_v_b.weight"], o.dtype)).to(a.dtype)
+
+    def attend(r):  # the query rows r over the keys their indexer chose
+        q_lat = torch.einsum("nhd,hld->nhl", acc(q[r, :, :dn]), k_b)
+        scores = torch.einsum("nhl,tl->hnt", torch.cat([q_lat, acc(q_pe[r])], dim=-1), lat) * ds.softmax_scale(hp)
+        probs = torch.softmax(scores.masked_fill(~chosen[None, r], float("-inf")), dim=-1)
+        return torch.einsum("nhl,hvl->nhv", torch.einsum("hnt,tl->nhl", probs, lat[:, :kvl]), v_b)
+
+    o = by_rows(n, attend).to(a.dtype)
     return linear(o.reshape(n, nh * hp.dv), w[p + "attn_output.weight"])
 
 
@@ -211,3 +220,22 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
     return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
                          lambda dtype: ds.rope_cos_sin(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope, state))
+
+
+GRAPH = Graph(
+    name="dsa",
+    CAPTURABLE=True,
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    optional_main_tensors=optional_main_tensors,
+    expected_shapes=expected_shapes,
+    MULTI_DEVICE=True,  # runs through decoder.forward_trunk / forward_nextn
+)

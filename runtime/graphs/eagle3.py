@@ -24,15 +24,13 @@ import torch
 from specconv.archs import names
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import llama
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.ops import acc, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.types import GraphType
 
-KIND = "eagle3"  # Model.kind of these files
 ENC_NORM = "enc.output_norm.weight"
 # Tensors a head may leave to its target: own name -> target names tried in order.
-FROM_TARGET = {names.TOKEN_EMBD: (names.TOKEN_EMBD,), names.OUTPUT: (names.OUTPUT, names.TOKEN_EMBD)}
-SHAREABLE = ()  # same-named tensors of the head (its output_norm, its own embedding) are its own
 
 
 @dataclass
@@ -147,3 +145,26 @@ def to_target_vocab(draft_logits: torch.Tensor, d2t: torch.Tensor | None, n_voca
 
 def forward_main(*args, **kwargs):
     raise SpecconvError("an EAGLE-3 head has no main graph")
+
+
+GRAPH = Graph(
+    name="eagle3",
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    encoder_tensors=encoder_tensors,
+    encoder_layout=encoder_layout,
+    forward_encoder=forward_encoder,
+    serves=serves,
+    n_vocab=n_vocab,
+    KIND="eagle3",  # Model.kind of these files
+    SHAREABLE=(),  # same-named tensors of the head (its output_norm, its own embedding) are its own
+    FROM_TARGET={names.TOKEN_EMBD: (names.TOKEN_EMBD,), names.OUTPUT: (names.OUTPUT, names.TOKEN_EMBD)},
+)

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.backend import Experts
-from specconv.runtime.graphs.ops import acc, linear, moe as routed_moe, rms_norm, rope_neox_partial
+from specconv.runtime.graphs.contract import Graph
+from specconv.runtime.graphs.ops import acc, attended_kv, by_rows, linear, moe as routed_moe, rms_norm, rope_neox_partial
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
 
@@ -221,7 +222,12 @@ def geglu_fused(x, gate_up, _up, down):
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
            window: int | None) -> torch.Tensor:
-    """softmax(q·kᵀ) v (scale 1.0), key visible iff 0 ≤ t − s (< window on sliding layers); GQA heads."""
+    """softmax(q·kᵀ) v (scale 1.0), key visible iff 0 ≤ t − s (< window on sliding layers); GQA heads.
+    In batch-invariant mode each query row alone (k, v: the whole buffer of ops.attended_kv)."""
+    return by_rows(q.shape[0], lambda r: _attend(q[r], k, v, q_pos[r], k_pos, window))
+
+
+def _attend(q, k, v, q_pos, k_pos, window: int | None) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
@@ -323,7 +329,7 @@ def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers
         q = query(w, hp, i, a, rope)
         if hp.owns_kv(i):
             k, v = keys_values(w, hp, i, a, rope)
-            kv_of[i] = batch.attend_kv(i, k, v)
+            kv_of[i] = attended_kv(batch, i, k, v)
         k_all, v_all, k_pos = kv_of[hp.kv_layer(i)]
         o = attend(q, k_all, v_all, batch.positions, k_pos, hp.window if hp.is_swa[i] else None)
         h = attention_out(w, hp, i, h, o)
@@ -341,3 +347,20 @@ def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers
 
 def forward_mtp(*args, **kwargs):
     raise SpecconvError("gemma4 files have no MTP head; use a gemma4-assistant file as --draft")
+
+
+GRAPH = Graph(
+    name="gemma4",
+    CAPTURABLE=True,
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    optional_main_tensors=optional_main_tensors,
+)

@@ -22,15 +22,12 @@ import torch
 from specconv.archs import names
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import gemma4
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.ops import acc, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.types import GraphType
 
-KIND = "assistant"
-NEEDS_KV_FROM = True
 TARGET_EMBD = "target.token_embd.weight"  # the target's input embedding, taken at load time
-FROM_TARGET = {TARGET_EMBD: (names.TOKEN_EMBD,)}
-SHAREABLE = ()  # its token_embd / output_norm are its own (the tied head), never the target's
 OPTIONAL = ()
 keep_float32 = gemma4.keep_float32
 
@@ -130,3 +127,24 @@ def forward_mtp(w, hp, tokens: torch.Tensor, h: torch.Tensor, batch: Batch, kv_f
 
 def forward_main(*args, **kwargs):
     raise SpecconvError("a Gemma 4 assistant has no main graph")
+
+
+GRAPH = Graph(
+    name="gemma4_assistant",
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    serves=serves,
+    n_vocab=n_vocab,
+    KIND="assistant",
+    SHAREABLE=(),  # its token_embd / output_norm are its own (the tied head), never the target's
+    FROM_TARGET={TARGET_EMBD: (names.TOKEN_EMBD,)},
+    NEEDS_KV_FROM=True,
+)

@@ -17,11 +17,11 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.glm4moe import GLM4MOE_TABLE
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, cached_attention, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.memory import Batch, MemoryLayout
 
-MULTI_DEVICE = True  # runs through decoder.forward_trunk, which follows a placement over devices
 
 
 @dataclass
@@ -108,3 +108,22 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
     return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
                          lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
+
+
+GRAPH = Graph(
+    name="glm4moe",
+    CAPTURABLE=True,
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    expected_shapes=expected_shapes,
+    optional_main_tensors=optional_main_tensors,
+    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
+)

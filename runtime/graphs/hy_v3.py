@@ -21,16 +21,13 @@ import torch
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs import moe_sigmoid as ms
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.ops import rope_cos_sin
 from specconv.runtime.graphs.qwen3 import attention  # Hy3's is Qwen3's: GQA, q/k RMSNorm, NEOX rope
 from specconv.runtime.memory import Batch
 from specconv.runtime.validate import check_kv
 
 OPTIONAL = ("output.weight",)  # absent when tied to token_embd
-MULTI_DEVICE = True  # runs through decoder.forward_trunk / forward_nextn
-CHAINED_MTP = True  # block i drafts position i (runtime/drafters/mtp.py)
-CHAIN_HIDDEN = "nextn"  # the post-norm block output seeds the next block (vLLM, llama.cpp)
-MTP_ROWS = "shifted"  # the release's rows: from (x_1, h_0), no zero-state row (docs/reference/model-math.md §12)
 _ATTN = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_norm")
 _DENSE = ("ffn_gate", "ffn_up", "ffn_down")
 _MOE = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",
@@ -77,14 +74,14 @@ def _ffn_optional(i: int) -> list[str]:
     return [f"blk.{i}.{n}.weight" for n in _DENSE + _MOE] + [f"blk.{i}.{_BIAS}"]
 
 
-main_tensors, optional_main_tensors, mtp_tensors, optional_mtp_tensors = chained.tensor_lists(_required, _ffn_optional)
+_tensors = chained.TensorLists(_required, _ffn_optional)
 
 
 def keep_float32(name: str) -> bool:
     return ms.keep_float32(name) or name.endswith(_BIAS)
 
 
-main_layout, mtp_layout = chained.layouts(lambda hp: hp.head_dim)
+_layouts = chained.Layouts(lambda hp: hp.head_dim)
 
 
 def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -95,4 +92,25 @@ def _rope(hp: HParams, batch: Batch):
     return lambda dtype: rope_cos_sin(batch.positions, hp.head_dim, hp.rope_base, dtype)
 
 
-forward_main, forward_mtp = chained.forwards(_rope, attention, ffn)
+_forwards = chained.Forwards(_rope, attention, ffn)
+
+
+GRAPH = Graph(
+    name="hy_v3",
+    CAPTURABLE=True,
+    HParams=HParams,
+    main_tensors=_tensors.main_tensors,
+    mtp_tensors=_tensors.mtp_tensors,
+    optional_mtp_tensors=_tensors.optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=_layouts.main_layout,
+    mtp_layout=_layouts.mtp_layout,
+    forward_main=_forwards.forward_main,
+    forward_mtp=_forwards.forward_mtp,
+    OPTIONAL=OPTIONAL,
+    optional_main_tensors=_tensors.optional_main_tensors,
+    MULTI_DEVICE=True,  # runs through decoder.forward_trunk / forward_nextn
+    CHAINED_MTP=True,  # block i drafts position i (runtime/drafters/mtp.py)
+    CHAIN_HIDDEN="nextn",  # the post-norm block output seeds the next block (vLLM, llama.cpp)
+    MTP_ROWS="shifted",  # the release's rows: from (x_1, h_0), no zero-state row (docs/reference/model-math.md §12)
+)

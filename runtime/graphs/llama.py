@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_trunk
 from specconv.runtime.graphs.ops import acc, cached_attention, linear, rms_norm, swiglu
 from specconv.runtime.memory import Batch, MemoryLayout
@@ -78,7 +79,6 @@ def optional_mtp_tensors(hp: HParams) -> list[str]:
 
 
 OPTIONAL = ("output.weight", ROPE_FREQS)
-MULTI_DEVICE = True  # runs through decoder.forward_trunk, which follows a placement over devices
 
 
 def keep_float32(name: str) -> bool:
@@ -155,3 +155,20 @@ def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers
 
 def forward_mtp(*args, **kwargs):
     raise SpecconvError("llama files have no MTP head")
+
+
+GRAPH = Graph(
+    name="llama",
+    CAPTURABLE=True,
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
+)

@@ -25,17 +25,13 @@ import torch
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs import moe_sigmoid as ms
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import nextn_input, output_head
-from specconv.runtime.graphs.ops import acc, linear, rms_norm, rope_cos_sin, rope_neox_partial
+from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.memory import Batch
 from specconv.runtime.placement import on_layer_device
 
 OPTIONAL = ("output.weight",)
-MULTI_DEVICE = True
-CHAINED_MTP = True
-CHAIN_HIDDEN = "nextn"  # post-norm (vLLM's MiMoV2MTPLayer returns final_layernorm(h))
-MTP_ROWS = "shifted"  # the release's rows: from (x_1, h_0), no zero-state row (docs/reference/model-math.md §12)
-TARGET_HIDDEN = "post_norm"
 _BLOCK = ("attn_norm", "attn_output", "ffn_norm")
 _OPT = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_sinks", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp",
         "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "layer_output_norm")
@@ -103,14 +99,14 @@ def _optional(i: int) -> list[str]:
     return [f"blk.{i}.{n}.weight" for n in _OPT] + [f"blk.{i}.exp_probs_b.bias"]
 
 
-main_tensors, optional_main_tensors, mtp_tensors, optional_mtp_tensors = chained.tensor_lists(_names, _optional)
+_tensors = chained.TensorLists(_names, _optional)
 
 
 def keep_float32(name: str) -> bool:
     return ms.keep_float32(name) or name.endswith("attn_sinks.weight")
 
 
-main_layout, mtp_layout = chained.layouts(lambda hp: hp.cell_width)
+_layouts = chained.Layouts(lambda hp: hp.cell_width)
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -129,7 +125,7 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     cos, sin = rope[1] if hp.swa[i] else rope[0]
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
     W = hp.cell_width
-    k_all, v_all, k_pos = batch.attend_kv(i, _pad(k, W), _pad(v, W))
+    k_all, v_all, k_pos = attended_kv(batch, i, _pad(k, W), _pad(v, W))
     sinks = w.get(p + "attn_sinks.weight")
     o = chained.attend(q, k_all[..., :hp.hd_k], v_all[..., :hp.hd_v], batch.positions, k_pos, hp.hd_k ** -0.5,
                 hp.n_swa if hp.swa[i] else 0, None if sinks is None else acc(sinks))
@@ -146,7 +142,7 @@ def _rope(hp: HParams, batch: Batch):
                           rope_cos_sin(batch.positions, hp.n_rot, hp.base_swa, dtype))
 
 
-forward_main, _ = chained.forwards(_rope, attention, ffn)  # its MTP head ends differently: _mtp
+_forwards = chained.Forwards(_rope, attention, ffn)  # its MTP head ends differently: forward_mtp
 
 
 def _mtp(w, hp: HParams, i: int, tokens, hidden_in, batch: Batch):
@@ -163,3 +159,25 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
     i = chained.mtp_block_id(hp)
     # the MTP blocks and the head sit on the last device of a placement
     return on_layer_device(w, i, lambda t, h: _mtp(w, hp, i, t, h, batch), tokens, hidden_in)
+
+
+GRAPH = Graph(
+    name="mimo2",
+    CAPTURABLE=True,
+    HParams=HParams,
+    main_tensors=_tensors.main_tensors,
+    mtp_tensors=_tensors.mtp_tensors,
+    optional_mtp_tensors=_tensors.optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=_layouts.main_layout,
+    mtp_layout=_layouts.mtp_layout,
+    forward_main=_forwards.forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    optional_main_tensors=_tensors.optional_main_tensors,
+    MULTI_DEVICE=True,
+    CHAINED_MTP=True,
+    CHAIN_HIDDEN="nextn",  # post-norm (vLLM's MiMoV2MTPLayer returns final_layernorm(h))
+    MTP_ROWS="shifted",  # the release's rows: from (x_1, h_0), no zero-state row (docs/reference/model-math.md §12)
+    TARGET_HIDDEN="post_norm",
+)

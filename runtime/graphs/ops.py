@@ -114,6 +114,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     return torch.einsum("kgnt,tkd->nkgd", probs, acc(v)).reshape(n, nh, v.shape[-1]).to(q.dtype)
 
 
+def by_rows(n: int, f) -> torch.Tensor:
+    """f(slice(None)): rows first, for the n rows of a batch; in batch-invariant mode (runtime/backend.py
+    `rows_alone`) f(slice(i, i + 1)) for each row alone, concatenated, because torch's batched products
+    and einsums sum a row's terms in an order that depends on how many rows there are."""
+    if n <= 1 or not rows_alone():
+        return f(slice(None))
+    return torch.cat([f(slice(i, i + 1)) for i in range(n)])
+
+
+def attended_kv(batch, layer: int, k: torch.Tensor, v: torch.Tensor):
+    """`batch.attend_kv` for a graph's own attention: in batch-invariant mode the layer's whole
+    fixed-size buffer (cells not written at memory.UNWRITTEN, masked by any causal mask), so each
+    query row's sums run over the same cells wherever the sequence ends (see cached_attention)."""
+    return batch.attend_kv(layer, k, v, whole=rows_alone())
+
+
 def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Store this batch's K/V in layer `layer`'s cache (runtime/memory.py `Batch`) and attend to every
     cell visible by position: `causal_attention` over the cache.

@@ -21,6 +21,7 @@ import torch
 from specconv.archs.errors import SpecconvError
 from specconv.archs.qwen3 import QWEN3_TABLE, Sizes
 from specconv.archs.tensor_table import GraphTensors
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_trunk
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.ops import (
@@ -107,7 +108,6 @@ class HParams:
 # ---- which tensors the graph needs: the family's table (archs/qwen3.py) ------------------------
 
 TABLE = QWEN3_TABLE
-MULTI_DEVICE = True  # runs through decoder.forward_trunk, which follows a placement over devices
 
 
 def sizes(hp: HParams) -> Sizes:
@@ -213,3 +213,22 @@ def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers
 
 def forward_mtp(*args, **kwargs):
     raise SpecconvError("qwen3 / qwen3moe files have no MTP head")
+
+
+GRAPH = Graph(
+    name="qwen3",
+    CAPTURABLE=True,
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    optional_main_tensors=optional_main_tensors,
+    expected_shapes=expected_shapes,
+    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
+)

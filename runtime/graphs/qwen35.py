@@ -18,6 +18,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.qwen35 import QWEN35_TABLE, Sizes
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import (
     acc, cached_attention, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin, rope_neox_partial,
@@ -129,7 +130,6 @@ def _scalar(v):
 # ---- which tensors the graphs need: the family's table (archs/qwen35.py) -----------------------
 
 TABLE = QWEN35_TABLE
-MULTI_DEVICE = True  # runs through decoder.forward_trunk, which follows a placement over devices
 
 
 def sizes(hp: HParams) -> Sizes:
@@ -237,3 +237,22 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
     return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
                          lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
+
+
+GRAPH = Graph(
+    name="qwen35",
+    CAPTURABLE=True,
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    optional_main_tensors=optional_main_tensors,
+    expected_shapes=expected_shapes,
+    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
+)

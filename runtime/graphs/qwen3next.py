@@ -24,10 +24,10 @@ from specconv.archs.qwen3next import QWEN3NEXT_TABLE
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn
 from specconv.runtime.graphs import qwen35 as q35
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.ops import acc, dense, l2_norm, linear, rms_norm
 from specconv.runtime.memory import Batch
 
-MULTI_DEVICE = True  # runs through decoder.forward_trunk, which follows a placement over devices
 main_layout = q35.main_layout
 mtp_layout = q35.mtp_layout
 
@@ -85,3 +85,22 @@ def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers
 # One MTP row per token (u = eh_proj·[enorm(E[x]) ; hnorm(h)], the block at n_layer, shared head norm):
 # that block is full attention, so qwen35's MTP forward is this family's too.
 forward_mtp = q35.forward_mtp
+
+
+GRAPH = Graph(
+    name="qwen3next",
+    CAPTURABLE=True,
+    HParams=HParams,
+    main_tensors=main_tensors,
+    mtp_tensors=mtp_tensors,
+    optional_mtp_tensors=optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=main_layout,
+    mtp_layout=mtp_layout,
+    forward_main=forward_main,
+    forward_mtp=forward_mtp,
+    OPTIONAL=OPTIONAL,
+    optional_main_tensors=optional_main_tensors,
+    expected_shapes=expected_shapes,
+    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
+)

@@ -26,15 +26,11 @@ import torch.nn.functional as F
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs import moe_sigmoid as ms
-from specconv.runtime.graphs.ops import acc, linear, rms_norm, rope_cos_sin, rope_neox_partial
+from specconv.runtime.graphs.contract import Graph
+from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.memory import Batch
 
 OPTIONAL = ("output.weight",)
-MULTI_DEVICE = True  # runs through decoder.forward_trunk / forward_nextn
-CHAINED_MTP = True  # block i drafts position i (runtime/drafters/mtp.py)
-CHAIN_HIDDEN = "pre_norm"  # a block passes its output before shared_head_norm (vLLM, llama.cpp)
-MTP_ROWS = "shifted"  # the release's rows: from (x_1, h_0), no zero-state row (docs/reference/model-math.md §12)
-TARGET_HIDDEN = "pre_norm"  # the target's hidden state before output_norm (llama.cpp's step35 h_nextn)
 _ATTN = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
 _ATTN_OPT = ("attn_q_norm", "attn_k_norm", "attn_gate")
 _FFN_OPT = ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
@@ -104,11 +100,11 @@ def _optional(i: int) -> list[str]:
     return [f"blk.{i}.{n}.weight" for n in _ATTN_OPT + _FFN_OPT] + [f"blk.{i}.exp_probs_b.bias"]
 
 
-main_tensors, optional_main_tensors, mtp_tensors, optional_mtp_tensors = chained.tensor_lists(_block_names, _optional)
+_tensors = chained.TensorLists(_block_names, _optional)
 keep_float32 = ms.keep_float32
 
 
-main_layout, mtp_layout = chained.layouts(lambda hp: hp.head_dim)
+_layouts = chained.Layouts(lambda hp: hp.head_dim)
 
 
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
@@ -123,7 +119,7 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
         k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
     cos, sin = rope[1] if hp.swa[i] else rope[0]
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
-    k_all, v_all, k_pos = batch.attend_kv(i, k, v)
+    k_all, v_all, k_pos = attended_kv(batch, i, k, v)
     o = chained.attend(q, k_all, v_all, batch.positions, k_pos, hd ** -0.5, hp.n_swa if hp.swa[i] else 0)
     if p + "attn_gate.weight" in w:  # head-wise gate on each head's output
         o = (acc(o) * torch.sigmoid(acc(linear(a, w[p + "attn_gate.weight"])))[..., None]).to(o.dtype)
@@ -147,4 +143,26 @@ def _rope(hp: HParams, batch: Batch):
                           rope_cos_sin(batch.positions, hp.n_rot_swa, hp.base_swa, dtype))
 
 
-forward_main, forward_mtp = chained.forwards(_rope, attention, ffn)
+_forwards = chained.Forwards(_rope, attention, ffn)
+
+
+GRAPH = Graph(
+    name="step35",
+    CAPTURABLE=True,
+    HParams=HParams,
+    main_tensors=_tensors.main_tensors,
+    mtp_tensors=_tensors.mtp_tensors,
+    optional_mtp_tensors=_tensors.optional_mtp_tensors,
+    keep_float32=keep_float32,
+    main_layout=_layouts.main_layout,
+    mtp_layout=_layouts.mtp_layout,
+    forward_main=_forwards.forward_main,
+    forward_mtp=_forwards.forward_mtp,
+    OPTIONAL=OPTIONAL,
+    optional_main_tensors=_tensors.optional_main_tensors,
+    MULTI_DEVICE=True,  # runs through decoder.forward_trunk / forward_nextn
+    CHAINED_MTP=True,  # block i drafts position i (runtime/drafters/mtp.py)
+    CHAIN_HIDDEN="pre_norm",  # a block passes its output before shared_head_norm (vLLM, llama.cpp)
+    MTP_ROWS="shifted",  # the release's rows: from (x_1, h_0), no zero-state row (docs/reference/model-math.md §12)
+    TARGET_HIDDEN="pre_norm",  # the target's hidden state before output_norm (llama.cpp's step35 h_nextn)
+)

@@ -1,6 +1,7 @@
 """CUDA kernels in Triton for the runtime's hot operations (docs/runtime.md, "CUDA kernels (Triton)").
 
     quant_matmul(x, packed, qtype, n_out, n_in)          x @ Wᵀ, W packed in its GGUF type
+    expert_matmul(x, experts, qtype, n_out, n_in, chosen)   row r @ W[chosen[r]]ᵀ: routed experts by index
     dequantize_rows(packed, qtype, rows, n_in, dtype)    packed rows -> values
     gdn_step(q, k, v, g, beta, states, src_slot, dst_slots)   the gated delta rule, 1-16 tokens
     causal_conv(m, states, weight, src_slot, dst_slots)       the short causal conv + SiLU
@@ -14,7 +15,7 @@ from specconv.runtime.kernels_triton._common import available
 from specconv.runtime.kernels_triton.conv import causal_conv
 from specconv.runtime.kernels_triton.dequant import KERNEL_TYPES, dequantize_rows
 from specconv.runtime.kernels_triton.gdn import MAX_TOKENS, gdn_step
-from specconv.runtime.kernels_triton.matmul import FUSED_MAX_ROWS, quant_matmul
+from specconv.runtime.kernels_triton.matmul import FUSED_MAX_ROWS, expert_matmul, quant_matmul
 
-__all__ = ["available", "causal_conv", "dequantize_rows", "gdn_step", "quant_matmul", "FUSED_MAX_ROWS",
+__all__ = ["available", "causal_conv", "dequantize_rows", "expert_matmul", "gdn_step", "quant_matmul", "FUSED_MAX_ROWS",
            "KERNEL_TYPES", "MAX_TOKENS"]

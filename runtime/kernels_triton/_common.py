@@ -73,3 +73,17 @@ def next_power_of_2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+_MULTIPROCESSORS: dict[int, int] = {}
+INTERPRETER_MULTIPROCESSORS = 2  # under the interpreter: a small stand-in, so that the tests cut matrices too
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count (read once per device: no call into the driver per product)."""
+    if device.type != "cuda":
+        return INTERPRETER_MULTIPROCESSORS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MULTIPROCESSORS:
+        _MULTIPROCESSORS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _MULTIPROCESSORS[index]

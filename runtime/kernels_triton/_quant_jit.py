@@ -53,80 +53,118 @@ def _k_scale_min(ptr, s: tl.constexpr, mask):
 
 
 @triton.jit
-def _decode(rows, blk, s: tl.constexpr, i, row_ok, col_ok, QTYPE: tl.constexpr, BYTES: tl.constexpr):
-    """float32 [BLOCK_N, 32]: values 32 s + i of block `blk` (BYTES long) of the rows starting at
-    `rows` [BLOCK_N] (uint8 pointers). `col_ok` [32] masks the tail of a 16-bit-float row."""
-    ok = row_ok[:, None] & col_ok[None, :]
+def _decode(rows, blk, s: tl.constexpr, i, row_ok, blk_ok, n_in, QTYPE: tl.constexpr, BYTES: tl.constexpr):
+    """float32 [BLOCK_N, NB, 32]: values 32 s + i of blocks `blk` [NB] (each BYTES long) of the rows
+    starting at `rows` [BLOCK_N] (uint8 pointers). `blk_ok` [NB] masks blocks past the row's end, and
+    for 16-bit floats values past n_in (a row may end part-way through a 32-value step)."""
+    ok2 = row_ok[:, None] & blk_ok[None, :]
+    base = rows[:, None] + blk.to(tl.int64)[None, :] * BYTES  # [BLOCK_N, NB]
+    at = base[:, :, None] + i[None, None, :]                   # [BLOCK_N, NB, 32]: byte i after each block start
+    ok = ok2[:, :, None]
     if QTYPE == Q8_0:  # 34 B: f16 d, 32 int8 q; x = d * q
-        base = rows + blk * BYTES
-        q = tl.load(base[:, None] + 2 + i[None, :], mask=ok, other=0).to(tl.int8, bitcast=True)
-        return q.to(tl.float32) * _f16(base, row_ok)[:, None]
+        q = tl.load(at + 2, mask=ok, other=0).to(tl.int8, bitcast=True)
+        return q.to(tl.float32) * _f16(base, ok2)[:, :, None]
     elif QTYPE == Q4_K or QTYPE == Q5_K:  # x = (d * scale) * q - (dmin * min)
-        base = rows + blk * BYTES
-        scale, low_min = _k_scale_min(base + 4, s, row_ok)
-        step = _f16(base, row_ok) * scale.to(tl.float32)
-        offset = _f16(base + 2, row_ok) * low_min.to(tl.float32)
+        scale, low_min = _k_scale_min(base + 4, s, ok2)
+        step = _f16(base, ok2) * scale.to(tl.float32)
+        offset = _f16(base + 2, ok2) * low_min.to(tl.float32)
         # the last 128 bytes: sub-blocks 2g and 2g+1 are the low and high nibbles of bytes 32g..32g+31
-        q = (_byte(base[:, None] + BYTES - 128 + 32 * (s // 2) + i[None, :], ok) >> (4 * (s % 2))) & 15
+        q = (_byte(at + BYTES - 128 + 32 * (s // 2), ok) >> (4 * (s % 2))) & 15
         if QTYPE == Q5_K:  # fifth bit of value 32 s + i: bit s of byte 16 + i
-            q = q | (((_byte(base[:, None] + 16 + i[None, :], ok) >> s) & 1) << 4)
-        return q.to(tl.float32) * step[:, None] - offset[:, None]
+            q = q | (((_byte(at + 16, ok) >> s) & 1) << 4)
+        return q.to(tl.float32) * step[:, :, None] - offset[:, :, None]
     elif QTYPE == Q6_K:  # 210 B: 128 B low nibbles, 64 B 2-bit highs, 16 int8 scales, f16 d
-        base = rows + blk * BYTES
         half = s // 4  # values 128 h + r: low nibble r // 64 of byte 64 h + r % 64,
         r = s % 4      # 2-bit field r // 32 of byte 128 + 32 h + r % 32
-        low = (_byte(base[:, None] + 64 * half + 32 * (r % 2) + i[None, :], ok) >> (4 * (r // 2))) & 15
-        high = (_byte(base[:, None] + 128 + 32 * half + i[None, :], ok) >> (2 * r)) & 3
-        scale = tl.load(base[:, None] + 192 + 2 * s + i[None, :] // 16, mask=ok, other=0)
-        step = _f16(base + 208, row_ok)[:, None] * scale.to(tl.int8, bitcast=True).to(tl.float32)
+        low = (_byte(at + 64 * half + 32 * (r % 2), ok) >> (4 * (r // 2))) & 15
+        high = (_byte(at + 128 + 32 * half, ok) >> (2 * r)) & 3
+        scale = tl.load(base[:, :, None] + 192 + 2 * s + i[None, None, :] // 16, mask=ok, other=0)
+        step = _f16(base + 208, ok2)[:, :, None] * scale.to(tl.int8, bitcast=True).to(tl.float32)
         return ((low | (high << 4)) - 32).to(tl.float32) * step
-    elif QTYPE == BF16:  # the top half of a float32
-        at = rows[:, None] + blk * BYTES + 2 * i[None, :]
-        bits = tl.load(at, mask=ok, other=0).to(tl.uint32) | (tl.load(at + 1, mask=ok, other=0).to(tl.uint32) << 8)
-        return (bits << 16).to(tl.float32, bitcast=True)
-    else:  # F16
-        return _f16(rows[:, None] + blk * BYTES + 2 * i[None, :], ok)
+    else:  # BF16 / F16: 32 values of 2 bytes per step
+        ok = ok & (blk[None, :, None] * 32 + i[None, None, :] < n_in)
+        at = base[:, :, None] + 2 * i[None, None, :]
+        if QTYPE == BF16:  # the top half of a float32
+            bits = _byte(at, ok).to(tl.uint32) | (_byte(at + 1, ok).to(tl.uint32) << 8)
+            return (bits << 16).to(tl.float32, bitcast=True)
+        return _f16(at, ok)
 
 
-@triton.jit
-def fused_rows_kernel(x_ptr, w_ptr, y_ptr, n_out, n_in, n_blocks, stride_x, stride_w, stride_y,
+@triton.jit(do_not_specialize=["n_blocks", "blocks_per_split", "total_rows"])
+def fused_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sel_ptr, n_out, n_in, n_blocks, blocks_per_split, total_rows,
+                      stride_x, stride_w, stride_e, stride_y,
                       QTYPE: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr,
-                      ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr):
-    """y[m, n] = Σ_k x[m, k] W[n, k] for ROWS activation rows: each step of BLOCK_N weight rows is
-    decoded once and multiplied with every activation row. Row m's sum is the same sequence of
-    float32 operations whatever ROWS is (one reduction of the same [BLOCK_N, 32] tile per step,
-    added to its own accumulator), so a row's output does not depend on the batch it is in."""
+                      ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PARTIAL: tl.constexpr,
+                      PAIRS: tl.constexpr):
+    """y[m, n] = Σ_k x[m, k] W[n, k] for ROWS activation rows. Program (p, q, r) takes BLOCK_N weight rows
+    and the q-th run of `blocks_per_split` blocks of them, NB blocks per step: each step's tile is
+    decoded once and multiplied with every activation row; with PARTIAL its float32 sums go to
+    part[q] (summed over q in order by sum_parts_kernel), else straight into y. Row m's result is the
+    same sequence of float32 operations whatever ROWS is (the same tiles, reduced the same way, added
+    to its own accumulator; the split depends on W's shape only), so a row's output does not depend
+    on the batch it is in. With PAIRS (ROWS = 1), program r multiplies activation row r by expert
+    sel[r] of a 3-D expert tensor (experts stride_e bytes apart): routed experts by index, on the
+    device, each pair the same operations as a one-row product by that expert."""
+    r = tl.program_id(2)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = n < n_out
     rows = w_ptr + n.to(tl.int64) * stride_w
+    if PAIRS:
+        rows += tl.load(sel_ptr + r).to(tl.int64) * stride_e
+    x_ptr += r.to(tl.int64) * stride_x
     i = tl.arange(0, 32)
+    j = tl.arange(0, NB)
     m_index = tl.arange(0, ROWS_P2)
     acc = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
-    for blk in range(n_blocks):
+    first = tl.program_id(1) * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, n_blocks)
+    for b0 in range(first, last, NB):
+        blk = b0 + j
+        blk_ok = blk < last
         for s in tl.static_range(VALUES // 32):
-            k = blk * VALUES + 32 * s + i
-            col_ok = k < n_in
-            w = _decode(rows, blk, s, i, row_ok, col_ok, QTYPE, BYTES)
+            w = _decode(rows, blk, s, i, row_ok, blk_ok, n_in, QTYPE, BYTES)
+            k = blk[:, None] * VALUES + 32 * s + i[None, :]  # [NB, 32]
+            k_ok = blk_ok[:, None] & (k < n_in)
             for m in tl.static_range(ROWS):
-                x = tl.load(x_ptr + m * stride_x + k, mask=col_ok, other=0).to(tl.float32)
-                part = tl.sum(w * x[None, :], axis=1)
+                x = tl.load(x_ptr + m * stride_x + k, mask=k_ok, other=0).to(tl.float32)
+                part = tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
                 acc += tl.where(m_index[:, None] == m, part[None, :], 0.0)
-    out = y_ptr + m_index[:, None] * stride_y + n[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(m_index[:, None] < ROWS) & row_ok[None, :])
+    keep = (m_index[:, None] < ROWS) & row_ok[None, :]
+    out_row = (r + m_index).to(tl.int64)[:, None]
+    if PARTIAL:
+        out = part_ptr + (tl.program_id(1) * total_rows + out_row) * n_out + n[None, :]
+        tl.store(out, acc, mask=keep)
+    else:
+        out = y_ptr + out_row * stride_y + n[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=keep)
 
 
 @triton.jit
-def dequantize_kernel(w_ptr, out_ptr, n_rows, n_in, stride_w, stride_out,
-                      QTYPE: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[n, k] = W[n, k] in out's dtype: one program per BLOCK_N rows and one block."""
+def sum_parts_kernel(part_ptr, y_ptr, rows, n_out, splits, stride_y, BLOCK: tl.constexpr):
+    """y[m, n] = part[0, m, n] + part[1, m, n] + ... in that order (float32), rounded once into y."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < rows * n_out
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for q in range(splits):
+        acc += tl.load(part_ptr + q * rows * n_out + idx, mask=ok, other=0.0)
+    m = idx // n_out
+    tl.store(y_ptr + m * stride_y + idx - m * n_out, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def dequantize_kernel(w_ptr, out_ptr, n_rows, n_in, n_blocks, stride_w, stride_out,
+                      QTYPE: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+                      NB: tl.constexpr):
+    """out[n, k] = W[n, k] in out's dtype: one program per BLOCK_N rows and NB blocks."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    blk = tl.program_id(1)
+    blk = tl.program_id(1) * NB + tl.arange(0, NB)
     row_ok = n < n_rows
+    blk_ok = blk < n_blocks
     rows = w_ptr + n.to(tl.int64) * stride_w
-    dst = out_ptr + n.to(tl.int64)[:, None] * stride_out
+    dst = out_ptr + n.to(tl.int64)[:, None, None] * stride_out
     i = tl.arange(0, 32)
     for s in tl.static_range(VALUES // 32):
-        k = blk * VALUES + 32 * s + i
-        col_ok = k < n_in
-        w = _decode(rows, blk, s, i, row_ok, col_ok, QTYPE, BYTES)
-        tl.store(dst + k[None, :], w.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        w = _decode(rows, blk, s, i, row_ok, blk_ok, n_in, QTYPE, BYTES)
+        k = blk[None, :, None] * VALUES + 32 * s + i[None, None, :]
+        ok = row_ok[:, None, None] & blk_ok[None, :, None] & (k < n_in)
+        tl.store(dst + k, w.to(out_ptr.dtype.element_ty), mask=ok)

@@ -29,6 +29,7 @@ GEOMETRY = {
 }
 KERNEL_TYPES = frozenset(GEOMETRY)
 BLOCK_N = 32  # weight rows per program
+STEP_BLOCKS = 4  # blocks per program
 
 
 def packed_matrix(op: str, packed: torch.Tensor, qtype: QType, rows: int, n_in: int) -> torch.Tensor:
@@ -67,8 +68,9 @@ def dequantize_rows(packed: torch.Tensor, qtype: QType, rows: int, n_in: int,
         return out
     values, size = GEOMETRY[qtype]
     jit = _common.jit_module("_quant_jit")
-    grid = (_common.cdiv(rows, BLOCK_N), _common.cdiv(n_in, values))
-    jit.dequantize_kernel[grid](packed, out, rows, n_in, packed.stride(0), out.stride(0),
-                                QTYPE=int(qtype), VALUES=values, BYTES=size, BLOCK_N=BLOCK_N,
+    n_blocks = _common.cdiv(n_in, values)
+    grid = (_common.cdiv(rows, BLOCK_N), _common.cdiv(n_blocks, STEP_BLOCKS))
+    jit.dequantize_kernel[grid](packed, out, rows, n_in, n_blocks, packed.stride(0), out.stride(0),
+                                QTYPE=int(qtype), VALUES=values, BYTES=size, BLOCK_N=BLOCK_N, NB=STEP_BLOCKS,
                                 enable_fp_fusion=False)  # (d·scale)·q − dmin·min: two roundings, as the reference
     return out

@@ -10,7 +10,9 @@ TRITON_INTERPRET=1); `qtype` one of dequant.KERNEL_TYPES (Q8_0, Q4_K, Q5_K, Q6_K
   W once, decoding each block in registers and multiplying it with every row; float32 products and
   sums, one rounding into x's dtype at the end. A row's result does not depend on how many rows
   the call holds (each row's sum runs the same operations in the same order), so a verification
-  batch reproduces the one-row decode step bit for bit.
+  batch reproduces the one-row decode step bit for bit. A matrix with few rows of tiles is also cut
+  along its inner dimension (`split_plan`: a function of W's shape and the device only), so that the
+  whole GPU streams it; the float32 sums of the pieces are added in order by a second small kernel.
 * More rows (prompts): W a piece at a time through dequant.dequantize_rows into x's dtype, each
   piece multiplied by torch's dense product (cuBLAS on a GPU). A 16-bit float W in x's own dtype
   is multiplied as it is stored.
@@ -23,9 +25,15 @@ from gguf import GGMLQuantizationType as QType
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.kernels_triton import _common
-from specconv.runtime.kernels_triton.dequant import BLOCK_N, GEOMETRY, dequantize_rows, packed_matrix
+from specconv.runtime.kernels_triton.dequant import GEOMETRY, dequantize_rows, packed_matrix
 
 FUSED_MAX_ROWS = 16
+FUSED_ROWS = 16  # weight rows per program of the one-pass kernel
+# blocks per step of the one-pass kernel: a [16, 256]-value tile (4096 values decoded per step)
+STEP_BLOCKS = {QType.Q8_0: 8, QType.Q4_K: 1, QType.Q5_K: 1, QType.Q6_K: 1, QType.BF16: 8, QType.F16: 8}
+PROGRAMS_PER_SM = 4  # programs in flight per multiprocessor that keep the memory system busy
+FUSED_WARPS = 4
+SUM_BLOCK = 1024
 # values of W dequantized per piece of the prompt path (32 MB in bfloat16)
 TILE_VALUES = 1 << 24
 _FLOAT_TYPES = {QType.BF16: torch.bfloat16, QType.F16: torch.float16}
@@ -56,12 +64,7 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int
     if rows == 0:
         return out
     if rows <= FUSED_MAX_ROWS:
-        values, size = GEOMETRY[qtype]
-        jit = _common.jit_module("_quant_jit")
-        grid = (_common.cdiv(n_out, BLOCK_N),)
-        jit.fused_rows_kernel[grid](xs, packed, ys, n_out, n_in, _common.cdiv(n_in, values), xs.stride(0),
-                                    packed.stride(0), ys.stride(0), QTYPE=int(qtype), VALUES=values, BYTES=size,
-                                    ROWS=rows, ROWS_P2=_common.next_power_of_2(rows), BLOCK_N=BLOCK_N)
+        _one_pass(xs, packed, ys, qtype, n_out, n_in, device)
         return out
     if _FLOAT_TYPES.get(qtype) == x.dtype and packed.data_ptr() % 2 == 0 and packed.stride(0) % 2 == 0:
         torch.mm(xs, packed.view(x.dtype).t(), out=ys)
@@ -71,3 +74,63 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int
         piece = dequantize_rows(packed[start:start + step], qtype, min(step, n_out - start), n_in, x.dtype)
         ys[:, start:start + piece.shape[0]] = xs @ piece.t()
     return out
+
+
+def expert_matmul(x: torch.Tensor, experts: torch.Tensor, qtype: QType, n_out: int, n_in: int,
+                  chosen: torch.Tensor) -> torch.Tensor:
+    """y[r] = x[r] @ W[chosen[r]]ᵀ for each row r: routed experts by index in one launch (no host read
+    of `chosen`). x [P, n_in]; `experts` the packed 3-D expert tensor [E, n_out, row bytes]
+    (StoredWeight.raw); chosen [P] integer expert indices on x's device. Each row gets the bits of a
+    one-row quant_matmul by its expert."""
+    op = "expert_matmul"
+    if experts.dim() != 3:
+        raise SpecconvError(f"{op}: experts must be a 3-D packed tensor [E, n_out, row bytes] "
+                            f"(got shape {tuple(experts.shape)})")
+    packed_matrix(op, experts[0], qtype, n_out, n_in)
+    _common.check_float(op, "x", x)
+    if chosen.dim() != 1 or chosen.dtype not in (torch.int32, torch.int64):
+        raise SpecconvError(f"{op}: chosen must be a 1-D tensor of integer expert indices (got {chosen.dtype}, "
+                            f"shape {tuple(chosen.shape)})")
+    _common.check_shape(op, "x", x, (chosen.shape[0], n_in))
+    device = _common.check_device(op, x, experts, chosen)
+    _common.check_last_contiguous(op, "x", x)
+    if experts.stride(1) != experts.shape[2]:
+        raise SpecconvError(f"{op}: each expert's rows must be contiguous (strides {experts.stride()})")
+    out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=device)
+    if x.shape[0]:
+        _one_pass(x, experts, out, qtype, n_out, n_in, device, chosen=chosen.contiguous())
+    return out
+
+
+def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: QType, n_out: int, n_in: int,
+              device: torch.device, chosen: torch.Tensor | None = None) -> None:
+    """ys = xs @ Wᵀ by the one-pass kernel (every row against W; with `chosen`, row r against expert
+    chosen[r] of the 3-D `packed`), cut along the inner dimension per split_plan."""
+    values, size = GEOMETRY[qtype]
+    n_blocks = _common.cdiv(n_in, values)
+    rows = xs.shape[0]
+    splits, per_split = split_plan(qtype, n_out, n_blocks, device)
+    parts = torch.empty(splits, rows, n_out, dtype=torch.float32, device=device) if splits > 1 else ys
+    jit = _common.jit_module("_quant_jit")
+    pairs = chosen is not None
+    grid = (_common.cdiv(n_out, FUSED_ROWS), splits, rows if pairs else 1)
+    jit.fused_rows_kernel[grid](xs, packed, ys, parts, chosen if pairs else xs, n_out, n_in, n_blocks, per_split, rows,
+                                xs.stride(0), packed.stride(-2), packed.stride(0) if pairs else 0, ys.stride(0),
+                                QTYPE=int(qtype), VALUES=values, BYTES=size, ROWS=1 if pairs else rows,
+                                ROWS_P2=1 if pairs else _common.next_power_of_2(rows), BLOCK_N=FUSED_ROWS,
+                                NB=STEP_BLOCKS[qtype], PARTIAL=splits > 1, PAIRS=pairs, num_warps=FUSED_WARPS)
+    if splits > 1:
+        jit.sum_parts_kernel[(_common.cdiv(rows * n_out, SUM_BLOCK),)](parts, ys, rows, n_out, splits,
+                                                                       ys.stride(0), BLOCK=SUM_BLOCK)
+
+
+def split_plan(qtype: QType, n_out: int, n_blocks: int, device: torch.device) -> tuple[int, int]:
+    """(pieces, blocks per piece) along W's inner dimension for the one-pass kernel: enough programs
+    for PROGRAMS_PER_SM on every multiprocessor, each piece a whole number of kernel steps. Depends on
+    W's shape and the device only, never on the number of activation rows (a row's sums must not
+    depend on its batch)."""
+    step = STEP_BLOCKS[qtype]
+    wanted = PROGRAMS_PER_SM * _common.multiprocessors(device)
+    splits = max(1, min(_common.cdiv(wanted, _common.cdiv(n_out, FUSED_ROWS)), _common.cdiv(n_blocks, step)))
+    per_split = _common.cdiv(_common.cdiv(n_blocks, splits), step) * step
+    return _common.cdiv(n_blocks, per_split), per_split

@@ -313,7 +313,7 @@ def chained_mtp_check(report, head, main, prompts, hidden, judge, ref: str, erro
     except Exception as exc:
         report.add("parity: MTP blocks vs transformers", False, f"no MTP reference: {type(exc).__name__}: {exc}")
         return
-    if getattr(head.graph, "TARGET_HIDDEN", "post_norm") == "pre_norm":  # step35 reads the pre-norm rows
+    if head.graph.TARGET_HIDDEN == "pre_norm":  # step35 reads the pre-norm rows
         hidden = _pre_norm_rows(main, prompts)
     worst_all, per_block = 0.0, []
     for j, layer in enumerate(blocks):

@@ -68,7 +68,7 @@ def _judge(report: Report, kind: str, tol: float):
 
 def _mtp(report: Report, head, main, prompts, hidden, judge, ref: str) -> None:
     n_mtp = head.hparams.n_nextn
-    if getattr(head.graph, "CHAINED_MTP", False):  # several chained blocks, each judged (chained_mtp.py)
+    if head.graph.CHAINED_MTP:  # several chained blocks, each judged (chained_mtp.py)
         from specconv.verify.chained_mtp import chained_mtp_check
 
         return chained_mtp_check(report, head, main, prompts, hidden, judge, ref, parity._errors)

@@ -24,8 +24,9 @@ from specconv.runtime.drafters import Drafter
 from specconv.runtime.generate import generate
 from specconv.runtime.model import Model
 from specconv.runtime.sampling import make_generator, probabilities
+from specconv.runtime.spec_link import start_prompt
 from specconv.runtime.spec_rules import verify_rows
-from specconv.runtime.speculative import SpecConfig, drafter_rows, hidden_request, speculative_generate
+from specconv.runtime.speculative import SpecConfig, speculative_generate
 
 DIST_TRIALS = 4000
 DIST_ALPHA = 1e-3
@@ -113,15 +114,10 @@ def distribution_check(target: Model, drafter: Drafter, prompts, temperature: fl
     gen = make_generator(seed)
     for index, prompt in enumerate(prompts):
         ctx = Context(target, GraphType.MAIN, n_ctx=len(prompt) + 2, n_rs_seq=1)
-        if hasattr(drafter, "attach"):  # drafters that read the target's K/V (Gemma 4 assistant)
-            drafter.attach(ctx)
-        want = hidden_request(drafter)
-        prefix = prompt[:-1]
-        hidden = drafter_rows(ctx.decode(prefix, hidden=want, logits=None).hidden, want) if prefix else None
-        drafter.start(prefix, hidden)
-        draft = drafter.draft(prompt[-1], 1, 0.0, temperature, gen)
+        id_last = start_prompt(ctx, drafter, prompt)
+        draft = drafter.draft(id_last, 1, 0.0, temperature, gen)
         d = list(draft.tokens) or [0]  # no draft (n-gram without a match): check the rule on token 0
-        logits = ctx.decode([prompt[-1]] + d, hidden=(), logits="all").logits.detach().cpu()
+        logits = ctx.decode([id_last] + d, hidden=(), logits="all").logits.detach().cpu()
         p0 = probabilities(logits[0], temperature)
         q0 = None if draft.probs is None else draft.probs[0].float().cpu()
         counts, accepted = torch.zeros(p0.shape[0]), 0

@@ -28,7 +28,7 @@ def expected_tensors(model: Model) -> set[str]:
     names = set(g.OPTIONAL)
     if GraphType.MAIN in model.serves:
         names |= set(g.main_tensors(hp))
-        names |= set(getattr(g, "optional_main_tensors", lambda _: [])(hp))  # e.g. glm4moe attention biases
+        names |= set(g.optional_main_tensors(hp))  # e.g. glm4moe attention biases
     if GraphType.MTP in model.serves:
         names |= set(g.mtp_tensors(hp)) | set(g.optional_mtp_tensors(hp))
     if GraphType.ENCODER in model.serves:  # EAGLE-3 fc (and its optional input norm)

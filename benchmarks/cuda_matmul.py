@@ -1,0 +1,133 @@
+"""The one-pass quantized product alone on one GPU: achieved bandwidth of kernels_triton.quant_matmul
+per weight type, matrix shape and number of activation rows, against torch's bf16 product of the same
+matrix dequantized (cuBLAS) and a device-to-device copy of the packed bytes, all in the same run.
+
+    python3 benchmarks/cuda_matmul.py --json $OUT/cuda_matmul.json
+
+Weights are random blocks through the real encoders' layouts (runtime/dequant.py decodes them);
+timings are CUDA-event medians over --repeats launches after a warm-up (compilation excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# (n_out, n_in): a 1 B model's FFN up and down projections and its output head
+SHAPES = [(6144, 2048), (2048, 6144), (65536, 2048)]
+TYPES = ("Q8_0", "Q4_K", "Q6_K", "BF16")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", default="1,4")
+    p.add_argument("--types", default=",".join(TYPES))
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the kernel's tiling settings (programs per SM, blocks per step, warps) "
+                        "on the FFN down projection, one row")
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of fn() by CUDA events."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def random_packed(qtype, n_out: int, n_in: int, device):
+    """Packed rows of random bytes with sane 16-bit scales (finite values), on `device`."""
+    from tests.test_runtime_dequant_native import sane_rows
+
+    return sane_rows(qtype, n_out, n_in, seed=n_out + n_in).to(device)
+
+
+def main(argv=None) -> list[dict]:
+    import torch
+    from gguf import GGMLQuantizationType as QType
+
+    from specconv.runtime import kernels_triton as kt
+
+    args = parse_args(argv)
+    device = torch.device("cuda")
+    results = []
+    for name in args.types.split(","):
+        qtype = QType[name]
+        for n_out, n_in in SHAPES:
+            packed = random_packed(qtype, n_out, n_in, device)
+            dense = kt.dequantize_rows(packed, qtype, n_out, n_in, torch.bfloat16)
+            copy = torch.empty_like(packed)
+            copy_s = timed(lambda: copy.copy_(packed), args.repeats)
+            for rows in map(int, args.rows.split(",")):
+                x = torch.randn(rows, n_in, device=device, dtype=torch.bfloat16)
+                fused_s = timed(lambda: kt.quant_matmul(x, packed, qtype, n_out, n_in), args.repeats)
+                dense_s = timed(lambda: x @ dense.t(), args.repeats)
+                row = {"type": name, "n_out": n_out, "n_in": n_in, "rows": rows, "bytes": packed.numel(),
+                       "fused_s": fused_s, "bf16_dense_s": dense_s, "copy_s": copy_s,
+                       "fused_gb_s": packed.numel() / fused_s / 1e9,
+                       "copy_gb_s": 2 * packed.numel() / copy_s / 1e9}
+                results.append(row)
+                print(f"{name:5} {n_out:6}x{n_in:<5} rows {rows:2}: fused {fused_s * 1e6:7.1f} us "
+                      f"({row['fused_gb_s']:6.0f} GB/s)  bf16 dense {dense_s * 1e6:7.1f} us  "
+                      f"copy {row['copy_gb_s']:6.0f} GB/s", flush=True)
+            del packed, dense, copy
+    sweep = tiling_sweep(args, device) if args.sweep else []
+    if args.json:
+        args.json.write_text(json.dumps({"card": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                                         "results": results, "sweep": sweep}, indent=1))
+    return results
+
+
+def tiling_sweep(args, device) -> list[dict]:
+    """One row through the FFN down projection (2048 x 6144) under each tiling setting of the kernel."""
+    import torch
+    from gguf import GGMLQuantizationType as QType
+
+    from specconv.runtime import kernels_triton as kt
+    from specconv.runtime.kernels_triton import matmul as qm
+
+    saved = (qm.PROGRAMS_PER_SM, dict(qm.STEP_BLOCKS), qm.FUSED_WARPS)
+    n_out, n_in = 2048, 6144
+    out = []
+    try:
+        for name in ("Q8_0", "Q4_K"):
+            qtype = QType[name]
+            packed = random_packed(qtype, n_out, n_in, device)
+            x = torch.randn(1, n_in, device=device, dtype=torch.bfloat16)
+            # (warps, blocks per step as a multiple of the default, programs per SM)
+            for warps, scale, per_sm in ((4, 1, 2), (4, 1, 4), (4, 1, 8), (8, 1, 4), (4, 2, 4), (8, 2, 4)):
+                qm.PROGRAMS_PER_SM, qm.FUSED_WARPS = per_sm, warps
+                qm.STEP_BLOCKS[qtype] = saved[1][qtype] * scale
+                t = timed(lambda: kt.quant_matmul(x, packed, qtype, n_out, n_in), args.repeats)
+                out.append({"type": name, "warps": warps, "step_blocks": qm.STEP_BLOCKS[qtype],
+                            "programs_per_sm": per_sm, "s": t, "gb_s": packed.numel() / t / 1e9})
+                print(f"sweep {name} warps {warps} step blocks {qm.STEP_BLOCKS[qtype]:2} programs/SM "
+                      f"{per_sm}: {t * 1e6:7.1f} us ({out[-1]['gb_s']:6.0f} GB/s)", flush=True)
+    finally:
+        qm.PROGRAMS_PER_SM, qm.FUSED_WARPS = saved[0], saved[2]
+        qm.STEP_BLOCKS.clear()
+        qm.STEP_BLOCKS.update(saved[1])
+    return out
+
+
+if __name__ == "__main__":
+    main()
