@@ -25,11 +25,11 @@ from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import Checkpoint, MetaKV, Role
+from .base import Checkpoint, MetaKV
 from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
-from .nextn_moe import NextnMoePlugin
-from .plan_tools import RolePlan
+from .nextn_moe import NextnMoePlugin, nextn_moe_table, norm
+from .tensor_table import TensorSpec, TensorTable
 
 
 
@@ -67,11 +67,41 @@ def reorder_rope_rows(ts: list[np.ndarray], block: int, rope_start: int, dr: int
     return g.reshape(w.shape)
 
 
+def _rope_rows(block, start):
+    """Reorders the rope rows when the checkpoint rotates halves (module docstring); else identity."""
+    return lambda s: (partial(reorder_rope_rows, block=block(s), rope_start=start(s), dr=s.dr) if s.rope_halves
+                      else tf.identity)
+
+
+_A = "{p}self_attn."
+_QK = lambda s: s.dn + s.dr  # noqa: E731  (a query head's width)
+_Q_ROWS = _rope_rows(_QK, lambda s: s.dn)
+_KV_B_SOURCE = lambda s: (s.n_head * (s.dn + s.dv), s.kv_lora)  # noqa: E731
+
+# MLA, written the way llama.cpp loads it (docs/reference/gguf-layout.md §7.5); the FFN-input norm is ffn_norm
+MLA = (
+    TensorSpec("blk.{bid}.attn_q.weight", _A + "q_proj.weight", lambda s: (s.n_head * _QK(s), s.E), "q_plain",
+               transform=_Q_ROWS),
+    TensorSpec("blk.{bid}.attn_q_a.weight", _A + "q_a_proj.weight", lambda s: (s.q_lora, s.E), "q_lora"),
+    norm("blk.{bid}.attn_q_a_norm.weight", _A + "q_a_layernorm.weight", "q_lora", lambda s: (s.q_lora,)),
+    TensorSpec("blk.{bid}.attn_q_b.weight", _A + "q_b_proj.weight", lambda s: (s.n_head * _QK(s), s.q_lora),
+               "q_lora", transform=_Q_ROWS),
+    TensorSpec("blk.{bid}.attn_kv_a_mqa.weight", _A + "kv_a_proj_with_mqa.weight", lambda s: (s.kv_lora + s.dr, s.E),
+               transform=_rope_rows(lambda s: s.kv_lora + s.dr, lambda s: s.kv_lora)),
+    norm("blk.{bid}.attn_kv_a_norm.weight", _A + "kv_a_layernorm.weight", dim=lambda s: (s.kv_lora,)),
+    TensorSpec("blk.{bid}.attn_k_b.weight", _A + "kv_b_proj.weight", lambda s: (s.n_head, s.kv_lora, s.dn),
+               hf_shape=_KV_B_SOURCE, transform=lambda s: partial(kv_b_keys, nh=s.n_head, dn=s.dn, dv=s.dv)),
+    TensorSpec("blk.{bid}.attn_v_b.weight", _A + "kv_b_proj.weight", lambda s: (s.n_head, s.dv, s.kv_lora),
+               hf_shape=_KV_B_SOURCE, transform=lambda s: partial(kv_b_values, nh=s.n_head, dn=s.dn, dv=s.dv)),
+    TensorSpec("blk.{bid}.attn_output.weight", _A + "o_proj.weight", lambda s: (s.E, s.n_head * s.dv)),
+)
+DEEPSEEK2_TABLE = nextn_moe_table(MLA, "ffn_norm")
+
+
 @register
 class Deepseek2(NextnMoePlugin):
     hf_architectures = ("DeepseekV3ForCausalLM",)
     family: ClassVar[str] = "deepseek2"
-    post_attention_norm: ClassVar[str] = "ffn_norm"  # deepseek2 names the FFN-input norm ffn_norm
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "deepseek-v3"
     lite_by_size: ClassVar[bool] = True  # llama.cpp's V2-Lite rule by layer count (deepseek2 only; not the DSA arches)
@@ -102,37 +132,11 @@ class Deepseek2(NextnMoePlugin):
     def gguf_arch(self) -> str:
         return names.DEEPSEEK2
 
-    def _attention(self, plan: RolePlan, bid: int, a: str, role: Role) -> None:
-        hp = self.hp
-        H, nh, dn, dr, dv, kvl = hp.hidden, hp.n_head, self.dn, self.dr, self.dv, self.kv_lora
-        qk = dn + dr
-        # Only when HF rotates halves do the rope rows need reordering (module docstring).
-        q_rows = (partial(reorder_rope_rows, block=qk, rope_start=dn, dr=dr) if not self.rope_interleave
-                  else None)
-        kv_rows = (partial(reorder_rope_rows, block=kvl + dr, rope_start=kvl, dr=dr) if not self.rope_interleave
-                   else None)
-        if self.q_lora is None:
-            self._linear(plan, names.blk(bid, "attn_q"), a + "q_proj.weight", (nh * qk, H), role, q_rows)
-        else:
-            ql = self.q_lora
-            self._linear(plan, names.blk(bid, "attn_q_a"), a + "q_a_proj.weight", (ql, H), role)
-            self._norm(plan, names.blk(bid, "attn_q_a_norm"), a + "q_a_layernorm.weight", role, ql)
-            self._linear(plan, names.blk(bid, "attn_q_b"), a + "q_b_proj.weight", (nh * qk, ql), role, q_rows)
-        self._linear(plan, names.blk(bid, "attn_kv_a_mqa"), a + "kv_a_proj_with_mqa.weight", (kvl + dr, H), role,
-                     kv_rows)
-        self._norm(plan, names.blk(bid, "attn_kv_a_norm"), a + "kv_a_layernorm.weight", role, kvl)
-        kv_b = plan.source(a + "kv_b_proj.weight", (nh * (dn + dv), kvl))
-        plan.add(names.blk(bid, "attn_k_b"), [kv_b], (nh, kvl, dn), role, partial(kv_b_keys, nh=nh, dn=dn, dv=dv))
-        plan.add(names.blk(bid, "attn_v_b"), [kv_b], (nh, dv, kvl), role, partial(kv_b_values, nh=nh, dn=dn, dv=dv))
-        self._linear(plan, names.blk(bid, "attn_output"), a + "o_proj.weight", (H, nh * dv), role)
+    table: ClassVar[TensorTable] = DEEPSEEK2_TABLE
 
-    @staticmethod
-    def _linear(plan: RolePlan, gguf_name: str, hf: str, shape: tuple[int, int], role: Role, transform=None) -> None:
-        src = plan.source(hf, shape)
-        if transform is None:
-            plan.add(gguf_name, [src], shape, role)
-        else:
-            plan.add(gguf_name, [src], shape, role, transform)
+    def attention_sizes(self) -> dict:
+        return dict(q_lora=self.q_lora or 0, kv_lora=self.kv_lora, dn=self.dn, dr=self.dr, dv=self.dv,
+                    rope_halves=not self.rope_interleave)
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         hp = self.hp

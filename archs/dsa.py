@@ -23,11 +23,11 @@ from typing import ClassVar
 from gguf import GGUFValueType, Keys
 
 from . import names, register
-from .base import MetaKV, Role
+from .base import MetaKV
 from .config_reader import ConfigReader
-from .deepseek2 import Deepseek2, Glm4MoeLite
+from .deepseek2 import DEEPSEEK2_TABLE, Deepseek2, Glm4MoeLite
 from .errors import SpecconvError
-from .plan_tools import RolePlan
+from .tensor_table import TensorSpec, TensorTable
 
 # llama.cpp's glm-dsa loader: below this trained context every layer is "full" by default.
 GLM52_CONTEXT = 1048576
@@ -57,8 +57,25 @@ def glm_indexer_types(tc: ConfigReader, n_layer: int) -> list[str]:
     return types
 
 
+_X = "{p}self_attn.indexer."
+# deepseek2's table plus, in every block that runs its own indexer, the indexer (proj and the norm F32,
+# as llama.cpp's converter writes them)
+DSA_TABLE = TensorTable((
+    *DEEPSEEK2_TABLE.specs,
+    TensorSpec("blk.{bid}.indexer.attn_q_b.weight", _X + "wq_b.weight",
+               lambda s: (s.index_heads * s.index_dim, s.q_lora), "indexer"),
+    TensorSpec("blk.{bid}.indexer.attn_k.weight", _X + "wk.weight", lambda s: (s.index_dim, s.E), "indexer"),
+    TensorSpec("blk.{bid}.indexer.k_norm.weight", _X + "k_norm.weight", lambda s: (s.index_dim,), "indexer", f32=True),
+    TensorSpec("blk.{bid}.indexer.proj.weight", _X + "weights_proj.weight", lambda s: (s.index_heads, s.E), "indexer",
+               f32=True),
+    TensorSpec("blk.{bid}.indexer.k_norm.bias", _X + "k_norm.bias", lambda s: (s.index_dim,), "indexer", f32=True),
+), DEEPSEEK2_TABLE.block_tags)
+
+
 class DsaMixin:
     """The lightning indexer on top of a deepseek2-style plugin."""
+
+    table: ClassVar[TensorTable] = DSA_TABLE
 
     index_rope_halves: ClassVar[bool] = False  # True: the indexer rotates halves (DeepSeek-V3.2)
     lite_by_size: ClassVar[bool] = False  # glm-dsa / deepseek32 always read q_lora_rank (no V2-Lite rule)
@@ -73,21 +90,16 @@ class DsaMixin:
                                 f"the indexer ropes its first qk_rope_head_dim dims")
         self.indexer_full = [True] * self.hp.n_layer
 
-    def _attention(self, plan: RolePlan, bid: int, a: str, role: Role) -> None:
-        super()._attention(plan, bid, a, role)
-        full = bid >= self.hp.n_layer or self.indexer_full[bid]  # the nextn block always runs its indexer
-        x = a + "indexer."
-        if not full:
-            if plan.has(x + "wk.weight"):
-                raise SpecconvError(f"layer {bid} is a 'shared' indexer layer but the checkpoint has {x}wk.weight")
-            return
-        H, D, nh, ql = self.hp.hidden, self.index_dim, self.index_heads, self.q_lora
-        for hf, part, shape, f32 in (("wq_b", "attn_q_b", (nh * D, ql), False), ("wk", "attn_k", (D, H), False),
-                                     ("k_norm", "k_norm", (D,), True), ("weights_proj", "proj", (nh, H), True)):
-            plan.add(names.blk(bid, "indexer." + part), [plan.source(f"{x}{hf}.weight", shape)], shape, role,
-                     f32=f32)
-        plan.add(names.blk(bid, "indexer.k_norm", "bias"), [plan.source(x + "k_norm.bias", (D,))], (D,), role,
-                 f32=True)
+    def attention_sizes(self) -> dict:
+        return dict(super().attention_sizes(), index_heads=self.index_heads, index_dim=self.index_dim,
+                    index_full=tuple(self.indexer_full))
+
+    def tensor_plan(self):
+        for bid in range(self.hp.n_layer):
+            wk = f"model.layers.{bid}.self_attn.indexer.wk.weight"
+            if not self.indexer_full[bid] and wk in self.checkpoint.tensors:
+                raise SpecconvError(f"layer {bid} is a 'shared' indexer layer but the checkpoint has {wk}")
+        return super().tensor_plan()
 
     def _indexer_kv(self, kv: list[MetaKV]) -> None:
         put, u32 = self._putter(kv), GGUFValueType.UINT32

@@ -12,17 +12,37 @@ from typing import ClassVar
 from gguf import GGUFValueType, Keys
 
 from . import names, register
-from .base import Checkpoint, MetaKV, Role
+from .base import Checkpoint, MetaKV
 from .errors import SpecconvError
-from .nextn_moe import NextnMoePlugin
-from .plan_tools import RolePlan
+from .nextn_moe import NextnMoePlugin, nextn_moe_table, norm
+from .tensor_table import TensorSpec, TensorTable
+
+
+_A = "{p}self_attn."
+
+
+def _proj(part: str, hf: str, rows) -> tuple[TensorSpec, TensorSpec]:
+    """A q/k/v projection and its bias (written with attention_bias; optional to the runtime)."""
+    return (TensorSpec(f"blk.{{bid}}.{part}.weight", f"{_A}{hf}.weight", lambda s: (rows(s), s.E)),
+            TensorSpec(f"blk.{{bid}}.{part}.bias", f"{_A}{hf}.bias", lambda s: (rows(s),), "attn_bias", optional=True,
+                       f32=True))
+
+
+# GQA with optional q/k/v biases and per-head q/k norms (use_qk_norm), docs/reference/gguf-layout.md §7.4
+GLM4MOE_TABLE = nextn_moe_table((
+    *_proj("attn_q", "q_proj", lambda s: s.n_head * s.head_dim),
+    *_proj("attn_k", "k_proj", lambda s: s.n_head_kv * s.head_dim),
+    *_proj("attn_v", "v_proj", lambda s: s.n_head_kv * s.head_dim),
+    TensorSpec("blk.{bid}.attn_output.weight", _A + "o_proj.weight", lambda s: (s.E, s.n_head * s.head_dim)),
+    norm("blk.{bid}.attn_q_norm.weight", _A + "q_norm.weight", "qk_norm", lambda s: (s.head_dim,), optional=True),
+    norm("blk.{bid}.attn_k_norm.weight", _A + "k_norm.weight", "qk_norm", lambda s: (s.head_dim,), optional=True),
+), "post_attention_norm")
 
 
 @register
 class Glm4Moe(NextnMoePlugin):
     hf_architectures = ("Glm4MoeForCausalLM",)
     family: ClassVar[str] = "glm4moe"
-    post_attention_norm: ClassVar[str] = "post_attention_norm"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "glm4"
     # <|endoftext|> as end-of-turn makes GLM generate endlessly: llama.cpp's GLM converter fixes these.
@@ -54,18 +74,11 @@ class Glm4Moe(NextnMoePlugin):
     def gguf_arch(self) -> str:
         return names.GLM4MOE
 
-    def _attention(self, plan: RolePlan, bid: int, a: str, role: Role) -> None:
-        H, hd = self.hp.hidden, self.head_dim
-        q, kv = self.hp.n_head * hd, self.n_head_kv * hd
-        for part, hf, rows in (("attn_q", "q_proj", q), ("attn_k", "k_proj", kv), ("attn_v", "v_proj", kv)):
-            plan.add(names.blk(bid, part), [plan.source(f"{a}{hf}.weight", (rows, H))], (rows, H), role)
-            if self.attention_bias:
-                plan.add(names.blk(bid, part, "bias"), [plan.source(f"{a}{hf}.bias", (rows,))], (rows,), role,
-                         f32=True)
-        plan.add(names.blk(bid, "attn_output"), [plan.source(a + "o_proj.weight", (H, q))], (H, q), role)
-        if self.qk_norm:
-            self._norm(plan, names.blk(bid, "attn_q_norm"), a + "q_norm.weight", role, hd)
-            self._norm(plan, names.blk(bid, "attn_k_norm"), a + "k_norm.weight", role, hd)
+    table: ClassVar[TensorTable] = GLM4MOE_TABLE
+
+    def attention_sizes(self) -> dict:
+        return dict(n_head_kv=self.n_head_kv, head_dim=self.head_dim, attn_bias=self.attention_bias,
+                    qk_norm=self.qk_norm)
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         kv: list[MetaKV] = []

@@ -3,8 +3,9 @@ correction bias and expert groups, leading dense blocks, and nextn (MTP) layers 
 `model.layers.{N+j}.*` blocks plus their `eh_proj / enorm / hnorm / shared_head.* / embed_tokens`
 extras (docs/reference/gguf-layout.md §4.1, §6, §7.4, §7.5).
 
-Subclasses supply the attention tensors, the name of the post-attention norm and the arch-specific
-metadata; everything else (names, MTP count, FFN/MoE mapping, nextn extras, common KV) lives here.
+Subclasses supply their table (`nextn_moe_table` of their attention tensors and FFN-input norm), the
+attention fields of its sizes and the arch-specific metadata; everything else (names, MTP count,
+FFN/MoE tensors, nextn extras, common KV) lives here.
 """
 
 from __future__ import annotations
@@ -15,18 +16,16 @@ from typing import Any, Callable, ClassVar, Mapping
 from gguf import GGUFValueType, Keys
 
 from . import names
-from . import transforms as tf
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 from .plan_tools import (
-    RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name, trunk_indexed_mtp_count,
+    RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name, trunk_indexed_mtp_count,
 )
+from .tensor_table import Block, TensorSpec, TensorTable
 
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.")
-# HF nextn extras -> GGUF nextn part (docs/reference/gguf-layout.md §4.1)
-NEXTN_EXTRAS = (("eh_proj", names.NEXTN_EH_PROJ), ("enorm", names.NEXTN_ENORM), ("hnorm", names.NEXTN_HNORM),
-                ("shared_head.norm", names.NEXTN_SHARED_HEAD_NORM))
+# HF nextn copies -> GGUF nextn part (docs/reference/gguf-layout.md §4.1)
 NEXTN_OPTIONAL = (("embed_tokens", names.NEXTN_EMBED_TOKENS), ("shared_head.head", names.NEXTN_SHARED_HEAD_HEAD))
 
 
@@ -131,11 +130,110 @@ def parse_moe_hparams(cfg: ConfigReader, tc: ConfigReader, family: str, keys: Ma
     )
 
 
+# ---------------------------------------------------------------------- the tensor table
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The dimensions the nextn-MoE tables are written in: the plugin's from config.json, the graph's
+    from GGUF metadata (runtime/graphs/glm4moe.py, deepseek2.py, dsa.py; V = "V")."""
+
+    n_layer: int  # trunk blocks
+    E: int  # hidden size
+    V: int | str  # vocabulary
+    n_head: int
+    ffn: int  # dense width (leading dense blocks)
+    n_expert: int
+    expert_ffn: int
+    n_shared: int  # shared experts (0: none)
+    first_dense: int  # leading dense blocks
+    # GQA (glm4moe); the bias and q/k-norm flags say which optional tensors a block may hold
+    n_head_kv: int = 0
+    head_dim: int = 0
+    attn_bias: bool = False
+    qk_norm: bool = False
+    # MLA (deepseek2 and the DSA arches); q_lora 0: a plain attn_q
+    q_lora: int = 0
+    kv_lora: int = 0
+    dn: int = 0
+    dr: int = 0
+    dv: int = 0
+    rope_halves: bool = False  # the checkpoint rotates halves: its rope rows are reordered (archs/deepseek2.py)
+    # the DSA lightning indexer: heads, width, and per trunk block whether it runs its own
+    index_heads: int = 0
+    index_dim: int = 0
+    index_full: tuple[bool, ...] = ()
+
+    @property
+    def shared_ffn(self) -> int:
+        return self.expert_ffn * self.n_shared
+
+
+def block_tags(s: Sizes, bid: int) -> frozenset[str]:
+    """dense below first_dense, else moe (+ shared with shared experts); nextn for the MTP blocks; the
+    attention variant (q_lora / q_plain, attn_bias, qk_norm, indexer)."""
+    moe = bid >= s.first_dense
+    tags = {"moe" if moe else "dense", "q_lora" if s.q_lora else "q_plain"}
+    tags |= {t for t, on in (("shared", moe and s.n_shared), ("nextn", bid >= s.n_layer), ("attn_bias", s.attn_bias),
+                             ("qk_norm", s.qk_norm)) if on}
+    if s.index_full and (bid >= s.n_layer or s.index_full[bid]):  # the nextn block runs its own indexer
+        tags.add("indexer")
+    return frozenset(tags)
+
+
+def norm(gguf: str, hf: str, on: str = "", dim=lambda s: (s.E,), optional: bool = False) -> TensorSpec:
+    """A plain-weight RMSNorm (no +1 in these families), kept F32."""
+    return TensorSpec(gguf, hf, dim, on, optional=optional, f32=True)
+
+
+_MLP = "{p}mlp."
+
+
+def nextn_moe_table(attention: tuple[TensorSpec, ...], post_attention_norm: str) -> TensorTable:
+    """The table of a nextn-MoE family from its attention tensors and its FFN-input norm's GGUF name."""
+    return TensorTable((
+        TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.V, s.E)),
+        norm(names.OUTPUT_NORM, "model.norm.weight"),
+        TensorSpec(names.OUTPUT, None, lambda s: (s.V, s.E), optional=True, hook="output_head"),  # absent when tied
+        norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
+        *attention,
+        norm(f"blk.{{bid}}.{post_attention_norm}.weight", "{p}post_attention_layernorm.weight"),
+        TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.ffn, s.E), "dense"),
+        TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.ffn, s.E), "dense"),
+        TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.E, s.ffn), "dense"),
+        TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.n_expert, s.E), "moe",
+                   f32=True),
+        TensorSpec("blk.{bid}.exp_probs_b.bias", _MLP + "gate.e_score_correction.bias", lambda s: (s.n_expert,),
+                   "moe", f32=True),
+        *(TensorSpec(f"blk.{{bid}}.ffn_{x}_exps.weight", None, shape, "moe", hook="experts")
+          for x, shape in (("gate", lambda s: (s.n_expert, s.expert_ffn, s.E)),
+                           ("up", lambda s: (s.n_expert, s.expert_ffn, s.E)),
+                           ("down", lambda s: (s.n_expert, s.E, s.expert_ffn)))),
+        TensorSpec("blk.{bid}.ffn_gate_shexp.weight", _MLP + "shared_experts.gate_proj.weight",
+                   lambda s: (s.shared_ffn, s.E), "moe shared"),
+        TensorSpec("blk.{bid}.ffn_up_shexp.weight", _MLP + "shared_experts.up_proj.weight",
+                   lambda s: (s.shared_ffn, s.E), "moe shared"),
+        TensorSpec("blk.{bid}.ffn_down_shexp.weight", _MLP + "shared_experts.down_proj.weight",
+                   lambda s: (s.E, s.shared_ffn), "moe shared"),
+        # the nextn extras of every MTP block (docs/reference/gguf-layout.md §4.1); eh_proj's input is the
+        # embedding half first, as in HF and llama.cpp
+        TensorSpec("blk.{bid}.nextn.eh_proj.weight", "{p}eh_proj.weight", lambda s: (s.E, 2 * s.E), "nextn"),
+        norm("blk.{bid}.nextn.enorm.weight", "{p}enorm.weight", "nextn"),
+        norm("blk.{bid}.nextn.hnorm.weight", "{p}hnorm.weight", "nextn"),
+        norm("blk.{bid}.nextn.shared_head_norm.weight", "{p}shared_head.norm.weight", "nextn", optional=True),
+        # copies GLM-4.5 and DeepSeek-V3 ship (GLM-4.6 does not), kept as they are when present: llama.cpp
+        # prefers them over token_embd / output
+        TensorSpec("blk.{bid}.nextn.embed_tokens.weight", None, lambda s: (s.V, s.E), "nextn", optional=True,
+                   hook="nextn_copies"),
+        TensorSpec("blk.{bid}.nextn.shared_head_head.weight", None, lambda s: (s.V, s.E), "nextn", optional=True,
+                   hook="nextn_copies"),
+    ), block_tags)
+
+
 class NextnMoePlugin(ArchPlugin):
     """Base of the glm4moe and deepseek2 plugins."""
 
     family: ClassVar[str] = ""
-    post_attention_norm: ClassVar[str] = "post_attention_norm"  # GGUF name of the FFN-input norm
     # transformers' config-class defaults for behavioural fields a config.json may leave out, so a
     # missing field means what it means to transformers (e.g. DeepSeek's routed scale 2.5)
     config_defaults: ClassVar[Mapping[str, Any]] = {}
@@ -194,58 +292,38 @@ class NextnMoePlugin(ArchPlugin):
 
     # ------------------------------------------------------------------ tensors
 
-    def tensor_plan(self) -> list[TensorPlan]:
-        hp, plan = self.hp, RolePlan(self.checkpoint.tensors)
-        H, V = hp.hidden, hp.vocab
-        plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
-        for i in range(hp.n_layer + self._k):
-            role = Role.TRUNK if i < hp.n_layer else Role.MTP
-            p = f"model.layers.{i}."
-            if role == Role.MTP:
-                self._nextn_extras(plan, i, p)
-            self._norm(plan, names.blk(i, "attn_norm"), p + "input_layernorm.weight", role)
-            self._attention(plan, i, p + "self_attn.", role)
-            self._norm(plan, names.blk(i, self.post_attention_norm), p + "post_attention_layernorm.weight", role)
-            (self._dense if i < hp.first_dense else self._moe)(plan, i, p + "mlp.", role)
-        self._norm(plan, names.OUTPUT_NORM, "model.norm.weight", Role.SHARED)
-        add_output_head(plan, hp.tie_embeddings, V, H)
-        return plan.finish(self.gguf_arch)
+    table: ClassVar[TensorTable]  # the family's (archs/glm4moe.py, deepseek2.py, dsa.py)
 
-    def _norm(self, plan: RolePlan, gguf_name: str, hf: str, role: Role, width: int | None = None) -> None:
-        """A plain-weight RMSNorm (no +1 for these families), kept F32."""
-        w = self.hp.hidden if width is None else width
-        plan.add(gguf_name, [plan.source(hf, (w,))], (w,), role, tf.identity, True)
+    def sizes(self) -> Sizes:
+        hp = self.hp
+        return Sizes(n_layer=hp.n_layer, E=hp.hidden, V=hp.vocab, n_head=hp.n_head, ffn=hp.ffn, n_expert=hp.n_expert,
+                     expert_ffn=hp.expert_ffn, n_shared=hp.n_shared, first_dense=hp.first_dense,
+                     **self.attention_sizes())
 
-    def _nextn_extras(self, plan: RolePlan, bid: int, p: str) -> None:
-        H, V = self.hp.hidden, self.hp.vocab
-        plan.add(names.nextn(bid, names.NEXTN_EH_PROJ), [plan.source(p + "eh_proj.weight", (H, 2 * H))], (H, 2 * H),
-                 Role.MTP)  # input order: embedding half first, as in HF and llama.cpp
-        for hf, part in NEXTN_EXTRAS[1:]:
-            self._norm(plan, names.nextn(bid, part), f"{p}{hf}.weight", Role.MTP)
-        # Optional copies (GLM-4.5, DeepSeek-V3 ship them; GLM-4.6 does not): kept as they are,
-        # since llama.cpp prefers them over token_embd / output when present.
-        for hf, part in NEXTN_OPTIONAL:
-            if plan.has(f"{p}{hf}.weight"):
-                plan.add(names.nextn(bid, part), [plan.source(f"{p}{hf}.weight", (V, H))], (V, H), Role.MTP)
-
-    def _attention(self, plan: RolePlan, bid: int, a: str, role: Role) -> None:
+    def attention_sizes(self) -> dict[str, Any]:
+        """The family's attention fields of `Sizes`."""
         raise NotImplementedError
 
-    def _dense(self, plan: RolePlan, bid: int, m: str, role: Role) -> None:
-        add_swiglu(plan, bid, m, self.hp.ffn, self.hp.hidden, role)
+    def tensor_plan(self) -> list[TensorPlan]:
+        plan = RolePlan(self.checkpoint.tensors)
+        n = self.hp.n_layer
+        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK if i < n else Role.MTP) for i in range(n + self._k)]
+        hooks = {"output_head": self._output_head, "experts": self._experts, "nextn_copies": self._nextn_copies}
+        self.table.plan(plan, self.sizes(), blocks, hooks)
+        return plan.finish(self.gguf_arch)
 
-    def _moe(self, plan: RolePlan, bid: int, m: str, role: Role) -> None:
-        hp = self.hp
-        H, E, Fs = hp.hidden, hp.n_expert, hp.shared_ffn
-        plan.add(names.blk(bid, "ffn_gate_inp"), [plan.source(m + "gate.weight", (E, H))], (E, H), role,
-                 tf.identity, True)
-        plan.add(names.blk(bid, "exp_probs_b", "bias"), [plan.source(m + "gate.e_score_correction.bias", (E,))],
-                 (E,), role, tf.identity, True)
-        ex = m + "experts."
-        plan_experts(plan, bid, ex, E, hp.expert_ffn, H, role, where=f"layer {bid} ({ex.rstrip('.')})",
+    def _output_head(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
+        add_output_head(plan, self.hp.tie_embeddings, s.V, s.E)
+
+    def _experts(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
+        ex = p + "mlp.experts."
+        plan_experts(plan, bid, ex, s.n_expert, s.expert_ffn, s.E, role, where=f"layer {bid} ({ex.rstrip('.')})",
                      count_field="n_routed_experts")
-        if hp.n_shared:
-            add_swiglu(plan, bid, m + "shared_experts.", Fs, H, role, "_shexp")
+
+    def _nextn_copies(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
+        for hf, part in NEXTN_OPTIONAL:
+            if plan.has(f"{p}{hf}.weight"):
+                plan.add(names.nextn(bid, part), [plan.source(f"{p}{hf}.weight", (s.V, s.E))], (s.V, s.E), Role.MTP)
 
     # ------------------------------------------------------------------ metadata
 

@@ -15,20 +15,80 @@ specconv's runtime follows the config; docs/archs.md notes the consequence for l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from gguf import GGUFValueType, Keys
 
 from . import names, register
-from . import transforms as tf
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
-from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name
+from .plan_tools import RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name
 from .qwen35_hparams import rope_scaling_of
+from .tensor_table import Block, TensorSpec, TensorTable
 
 QWEN3, QWEN3MOE = "qwen3", "qwen3moe"
 EXPERT_WEIGHTS_NORM = "expert_weights_norm"  # `{arch}.expert_weights_norm` (bool), llama.cpp's key
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The dimensions of the Qwen3 table: the plugin's from config.json, the graph's from GGUF metadata
+    (runtime/graphs/qwen3.py, V = "V")."""
+
+    n_layer: int
+    moe: bool
+    E: int  # hidden size
+    V: int | str  # vocabulary
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    ffn: int = 0
+    n_expert: int = 0
+    expert_ffn: int = 0
+
+    @property
+    def q(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+
+def block_tags(s: Sizes, bid: int) -> frozenset[str]:
+    return frozenset({"moe" if s.moe else "dense"})
+
+
+def _norm(gguf: str, hf: str, dim=lambda s: (s.E,)) -> TensorSpec:
+    return TensorSpec(gguf, hf, dim, f32=True)  # plain RMSNorm weights, kept F32
+
+
+_ATTN, _MLP = "{p}self_attn.", "{p}mlp."
+QWEN3_TABLE = TensorTable((
+    TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.V, s.E)),
+    _norm(names.OUTPUT_NORM, "model.norm.weight"),
+    TensorSpec(names.OUTPUT, None, lambda s: (s.V, s.E), optional=True, hook="output_head"),  # absent when tied
+    _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
+    TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.E)),
+    TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.E)),
+    TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.E)),
+    TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.q)),
+    _norm("blk.{bid}.attn_q_norm.weight", _ATTN + "q_norm.weight", lambda s: (s.head_dim,)),
+    _norm("blk.{bid}.attn_k_norm.weight", _ATTN + "k_norm.weight", lambda s: (s.head_dim,)),
+    _norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),
+    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.ffn, s.E), "dense"),
+    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.ffn, s.E), "dense"),
+    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.E, s.ffn), "dense"),
+    TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.n_expert, s.E), "moe", f32=True),
+    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, lambda s: (s.n_expert, s.expert_ffn, s.E), "moe",
+               hook="experts"),
+    TensorSpec("blk.{bid}.ffn_up_exps.weight", None, lambda s: (s.n_expert, s.expert_ffn, s.E), "moe",
+               hook="experts"),
+    TensorSpec("blk.{bid}.ffn_down_exps.weight", None, lambda s: (s.n_expert, s.E, s.expert_ffn), "moe",
+               hook="experts"),
+), block_tags)
 
 
 class Qwen3Base(ArchPlugin):
@@ -96,39 +156,29 @@ class Qwen3Base(ArchPlugin):
 
     # ------------------------------------------------------------------ tensors
 
+    table: ClassVar[TensorTable] = QWEN3_TABLE
+
     def tensor_plan(self) -> list[TensorPlan]:
-        plan, H, V = RolePlan(self.checkpoint.tensors), self.H, self.vocab_size()
-        trunk = Role.TRUNK
-        plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
-        q, kv = self.n_head * self.hd, self.n_kv * self.hd
-        for i in range(self.L):
-            p = f"model.layers.{i}."
-            plan.add(names.blk(i, "attn_norm"), [plan.source(p + "input_layernorm.weight", (H,))], (H,), trunk,
-                     tf.identity, True)
-            for part, hf, shape in (("attn_q", "q_proj", (q, H)), ("attn_k", "k_proj", (kv, H)),
-                                    ("attn_v", "v_proj", (kv, H)), ("attn_output", "o_proj", (H, q))):
-                plan.add(names.blk(i, part), [plan.source(f"{p}self_attn.{hf}.weight", shape)], shape, trunk)
-            for part, hf in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
-                plan.add(names.blk(i, part), [plan.source(f"{p}self_attn.{hf}.weight", (self.hd,))], (self.hd,),
-                         trunk, tf.identity, True)
-            plan.add(names.blk(i, "ffn_norm"), [plan.source(p + "post_attention_layernorm.weight", (H,))], (H,),
-                     trunk, tf.identity, True)
-            if self.moe:
-                m = p + "mlp."
-                plan.add(names.blk(i, "ffn_gate_inp"), [plan.source(m + "gate.weight", (self.E, H))], (self.E, H),
-                         trunk, tf.identity, True)
-                plan_experts(plan, i, m + "experts.", self.E, self.Fe, H, trunk, where=f"layer {i} (mlp.experts)",
-                             count_field="num_experts")
-            else:
-                add_swiglu(plan, i, p + "mlp.", self.F, H, trunk)
-        plan.add(names.OUTPUT_NORM, [plan.source("model.norm.weight", (H,))], (H,), Role.SHARED, tf.identity, True)
-        tied = self.tied
-        if tied and plan.has("lm_head.weight"):
-            # llama.cpp's converter writes a saved head even when tied: the same file, byte for byte
-            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (V, H))], (V, H), Role.SHARED)
-        else:
-            add_output_head(plan, tied, V, H)
+        plan = RolePlan(self.checkpoint.tensors)
+        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(self.L)]
+        self.table.plan(plan, self.sizes(), blocks, {"output_head": self._output_head, "experts": self._experts})
         return plan.finish(self.gguf_arch)
+
+    def sizes(self) -> Sizes:
+        return Sizes(n_layer=self.L, moe=self.moe, E=self.H, V=self.vocab_size(), n_head=self.n_head,
+                     n_head_kv=self.n_kv, head_dim=self.hd, ffn=self.F, n_expert=self.E if self.moe else 0,
+                     expert_ffn=self.Fe if self.moe else 0)
+
+    def _output_head(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
+        if self.tied and plan.has("lm_head.weight"):
+            # llama.cpp's converter writes a saved head even when tied: the same file, byte for byte
+            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (s.V, s.E))], (s.V, s.E), Role.SHARED)
+        else:
+            add_output_head(plan, self.tied, s.V, s.E)
+
+    def _experts(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
+        plan_experts(plan, bid, p + "mlp.experts.", s.n_expert, s.expert_ffn, s.E, role,
+                     where=f"layer {bid} (mlp.experts)", count_field="num_experts")
 
     # ------------------------------------------------------------------ metadata
 

@@ -9,6 +9,7 @@ the actual layer pattern, `rope.dimension_sections` consistent with the rotary d
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, ClassVar
 
@@ -19,12 +20,159 @@ from . import names, register
 from . import transforms as tf
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .errors import SpecconvError
-from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name
+from .plan_tools import RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name
 from .qwen35_hparams import Qwen35Hparams, parse_hparams
+from .tensor_table import Block, TensorSpec, TensorTable
 
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.audio_tower.",
            "audio_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+# ---------------------------------------------------------------------- the tensor table
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The dimensions the Qwen3.5 / Qwen3-Next table is written in: the plugin's from config.json
+    (`sizes_from_config`), the graph's from GGUF metadata (runtime/graphs/qwen35.py, V = "V")."""
+
+    n_layer: int  # trunk blocks
+    recurrent: tuple[bool, ...]  # per trunk block: Gated DeltaNet (True) or full attention
+    moe: bool
+    E: int  # hidden size
+    V: int | str  # vocabulary (embedding rows)
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    nk: int  # Gated DeltaNet key heads
+    nv: int  # value heads
+    dk: int
+    dv: int
+    conv_kernel: int
+    ffn: int = 0  # dense MLP width
+    n_expert: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+
+    @property
+    def q(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @property
+    def r(self) -> int:
+        """Value heads per key head."""
+        return self.nv // self.nk
+
+    @property
+    def qk_channels(self) -> int:
+        return 2 * self.nk * self.dk
+
+    @property
+    def conv_channels(self) -> int:
+        return self.qk_channels + self.nv * self.dv
+
+
+def sizes_from_config(hp: Qwen35Hparams) -> Sizes:
+    return Sizes(n_layer=hp.n_layer, recurrent=tuple(hp.recurrent), moe=hp.moe, E=hp.hidden, V=hp.vocab,
+                 n_head=hp.n_head, n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, nk=hp.nk, nv=hp.nv, dk=hp.dk,
+                 dv=hp.dv, conv_kernel=hp.conv_kernel, ffn=hp.ffn or 0, n_expert=hp.n_expert,
+                 expert_ffn=hp.expert_ffn, shared_ffn=hp.shared_ffn)
+
+
+def block_tags(s: Sizes, bid: int) -> frozenset[str]:
+    """A trunk block is recurrent or attention; the MTP block (bid = n_layer) is attention and holds the
+    nextn head; the FFN of every block is dense or MoE."""
+    mixer = "recurrent" if bid < s.n_layer and s.recurrent[bid] else "attention"
+    return frozenset({mixer, "moe" if s.moe else "dense"} | ({"nextn"} if bid == s.n_layer else set()))
+
+
+def _norm(gguf: str, hf: str, on: str = "", dim=lambda s: (s.E,)) -> TensorSpec:
+    """A zero-centred RMSNorm: written as 1 + w, kept F32."""
+    return TensorSpec(gguf, hf, dim, on, f32=True, transform=lambda s: tf.plus_one)
+
+
+def _tiled(dim: int, per_head: str, after_qk: bool = False):
+    """The value-head re-tiling along `dim` (docs/reference/gguf-layout.md §7.1.1 item 4) of blocks of
+    `per_head` rows ("dv" or "1") per value head; `after_qk`: only the channels after q|k."""
+    def transform(s: Sizes):
+        start = {"start": s.qk_channels} if after_qk else {}
+        return partial(_retiled, dim=dim, nk=s.nk, r=s.r, block=s.dv if per_head == "dv" else 1, **start)
+    return transform
+
+
+_LA = "{p}linear_attn."
+_MLP = "{p}mlp."
+_CONV_SOURCE = lambda s: [(s.conv_channels, 1, s.conv_kernel), (s.conv_channels, s.conv_kernel)]  # noqa: E731
+
+QWEN35_GDN = (  # Qwen3.5's Gated DeltaNet (Qwen3-Next's differs: archs/qwen3next.py)
+    TensorSpec("blk.{bid}.attn_qkv.weight", _LA + "in_proj_qkv.weight", lambda s: (s.conv_channels, s.E),
+               "recurrent", transform=_tiled(0, "dv", after_qk=True)),
+    TensorSpec("blk.{bid}.attn_gate.weight", _LA + "in_proj_z.weight", lambda s: (s.nv * s.dv, s.E), "recurrent",
+               transform=_tiled(0, "dv")),
+    TensorSpec("blk.{bid}.ssm_beta.weight", _LA + "in_proj_b.weight", lambda s: (s.nv, s.E), "recurrent",
+               transform=_tiled(0, "1")),
+    TensorSpec("blk.{bid}.ssm_alpha.weight", _LA + "in_proj_a.weight", lambda s: (s.nv, s.E), "recurrent",
+               transform=_tiled(0, "1")),
+    TensorSpec("blk.{bid}.ssm_a", _LA + "A_log", lambda s: (s.nv,), "recurrent", f32=True,
+               transform=lambda s: partial(_ssm_a, nk=s.nk, r=s.r)),
+    TensorSpec("blk.{bid}.ssm_dt.bias", _LA + "dt_bias", lambda s: (s.nv,), "recurrent", f32=True,
+               transform=_tiled(0, "1")),
+    TensorSpec("blk.{bid}.ssm_conv1d.weight", _LA + "conv1d.weight", lambda s: (s.conv_channels, s.conv_kernel),
+               "recurrent", f32=True, hf_shape=_CONV_SOURCE,
+               transform=lambda s: partial(_conv1d, shape=(s.conv_channels, s.conv_kernel), nk=s.nk, r=s.r,
+                                           block=s.dv, start=s.qk_channels)),
+    TensorSpec("blk.{bid}.ssm_norm.weight", _LA + "norm.weight", lambda s: (s.dv,), "recurrent", f32=True),
+    TensorSpec("blk.{bid}.ssm_out.weight", _LA + "out_proj.weight", lambda s: (s.E, s.nv * s.dv), "recurrent",
+               transform=_tiled(1, "dv")),
+)
+
+QWEN35_TABLE = TensorTable((
+    TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.V, s.E)),
+    _norm(names.OUTPUT_NORM, "model.norm.weight"),
+    TensorSpec(names.OUTPUT, None, lambda s: (s.V, s.E), optional=True, hook="output_head"),  # absent when tied
+    _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
+    # full attention; q_proj rows stay per head [q_h ; gate_h]: llama.cpp splits them (§7.1.1 item 5)
+    TensorSpec("blk.{bid}.attn_q.weight", "{p}self_attn.q_proj.weight", lambda s: (2 * s.q, s.E), "attention"),
+    TensorSpec("blk.{bid}.attn_k.weight", "{p}self_attn.k_proj.weight", lambda s: (s.kv, s.E), "attention"),
+    TensorSpec("blk.{bid}.attn_v.weight", "{p}self_attn.v_proj.weight", lambda s: (s.kv, s.E), "attention"),
+    TensorSpec("blk.{bid}.attn_output.weight", "{p}self_attn.o_proj.weight", lambda s: (s.E, s.q), "attention"),
+    _norm("blk.{bid}.attn_q_norm.weight", "{p}self_attn.q_norm.weight", "attention", lambda s: (s.head_dim,)),
+    _norm("blk.{bid}.attn_k_norm.weight", "{p}self_attn.k_norm.weight", "attention", lambda s: (s.head_dim,)),
+    *QWEN35_GDN,
+    _norm("blk.{bid}.post_attention_norm.weight", "{p}post_attention_layernorm.weight"),
+    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.ffn, s.E), "dense"),
+    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.ffn, s.E), "dense"),
+    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.E, s.ffn), "dense"),
+    TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.n_expert, s.E), "moe", f32=True),
+    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, lambda s: (s.n_expert, s.expert_ffn, s.E), "moe",
+               hook="experts"),
+    TensorSpec("blk.{bid}.ffn_up_exps.weight", None, lambda s: (s.n_expert, s.expert_ffn, s.E), "moe",
+               hook="experts"),
+    TensorSpec("blk.{bid}.ffn_down_exps.weight", None, lambda s: (s.n_expert, s.E, s.expert_ffn), "moe",
+               hook="experts"),
+    TensorSpec("blk.{bid}.ffn_gate_shexp.weight", _MLP + "shared_expert.gate_proj.weight",
+               lambda s: (s.shared_ffn, s.E), "moe"),
+    TensorSpec("blk.{bid}.ffn_up_shexp.weight", _MLP + "shared_expert.up_proj.weight",
+               lambda s: (s.shared_ffn, s.E), "moe"),
+    TensorSpec("blk.{bid}.ffn_down_shexp.weight", _MLP + "shared_expert.down_proj.weight",
+               lambda s: (s.E, s.shared_ffn), "moe"),
+    # written {H, 1}, as llama.cpp's converter writes it; its loader (and ours) also take {H}
+    TensorSpec("blk.{bid}.ffn_gate_inp_shexp.weight", _MLP + "shared_expert_gate.weight", lambda s: (1, s.E),
+               "moe", f32=True, accepts=lambda s: [(s.E,)]),
+    # the MTP head (block n_layer); the embedding half comes first in eh_proj's input, as in llama.cpp
+    TensorSpec("blk.{bid}.nextn.eh_proj.weight", "mtp.fc.weight", lambda s: (s.E, 2 * s.E), "nextn"),
+    _norm("blk.{bid}.nextn.enorm.weight", "mtp.pre_fc_norm_embedding.weight", "nextn"),
+    _norm("blk.{bid}.nextn.hnorm.weight", "mtp.pre_fc_norm_hidden.weight", "nextn"),
+    TensorSpec("blk.{bid}.nextn.shared_head_norm.weight", "mtp.norm.weight", lambda s: (s.E,), "nextn",
+               optional=True, f32=True, transform=lambda s: tf.plus_one),
+    TensorSpec("blk.{bid}.nextn.embed_tokens.weight", None, lambda s: (s.V, s.E), "nextn", optional=True),
+    TensorSpec("blk.{bid}.nextn.shared_head_head.weight", None, lambda s: (s.V, s.E), "nextn", optional=True),
+), block_tags)
+
 
 class Qwen35Base(ArchPlugin):
     family: ClassVar[str] = "qwen35"
@@ -86,93 +234,23 @@ class Qwen35Base(ArchPlugin):
 
     # ------------------------------------------------------------------ tensors
 
+    table: ClassVar[TensorTable] = QWEN35_TABLE  # Qwen3-Next: its own (archs/qwen3next.py)
+
     def tensor_plan(self) -> list[TensorPlan]:
         hp, plan = self.hp, RolePlan(self.checkpoint.tensors)
-        H, V = hp.hidden, hp.vocab
-        plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H), Role.SHARED)
-        for i in range(hp.n_layer):
-            self._block(plan, i, f"model.layers.{i}.", linear=hp.recurrent[i], role=Role.TRUNK)
-        plan.add(names.OUTPUT_NORM, [plan.source("model.norm.weight", (H,))], (H,), Role.SHARED, tf.plus_one, True)
-        add_output_head(plan, hp.tie_embeddings, V, H)
-        for j in range(self._k):
-            bid = hp.n_layer + j
-            if j == 0:
-                self._nextn_extras(plan, bid)
-            self._block(plan, bid, f"mtp.layers.{j}.", linear=False, role=Role.MTP)
+        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(hp.n_layer)]
+        blocks += [Block(hp.n_layer + j, f"mtp.layers.{j}.", Role.MTP) for j in range(self._k)]
+        hooks = {"output_head": self._output_head, "experts": self._experts}
+        self.table.plan(plan, sizes_from_config(hp), blocks, hooks)
         return plan.finish(self.gguf_arch)
 
-    def _nextn_extras(self, plan: RolePlan, bid: int) -> None:
-        H = self.hp.hidden
-        eh_proj = plan.source("mtp.fc.weight", (H, 2 * H))  # input order: embedding half first, as llama.cpp
-        plan.add(names.nextn(bid, names.NEXTN_EH_PROJ), [eh_proj], (H, 2 * H), Role.MTP)
-        for part, hf in ((names.NEXTN_ENORM, "pre_fc_norm_embedding"), (names.NEXTN_HNORM, "pre_fc_norm_hidden"),
-                         (names.NEXTN_SHARED_HEAD_NORM, "norm")):
-            plan.add(names.nextn(bid, part), [plan.source(f"mtp.{hf}.weight", (H,))], (H,), Role.MTP, tf.plus_one, True)
+    def _output_head(self, plan: RolePlan, sizes: Sizes, bid: None, p: str, role: Role) -> None:
+        add_output_head(plan, self.hp.tie_embeddings, sizes.V, sizes.E)
 
-    def _block(self, plan: RolePlan, bid: int, p: str, linear: bool, role: Role) -> None:
-        H = self.hp.hidden
-        plan.add(names.blk(bid, "attn_norm"), [plan.source(p + "input_layernorm.weight", (H,))], (H,), role,
-                 tf.plus_one, True)
-        (self._gated_delta_net if linear else self._attention)(plan, bid, p, role)
-        plan.add(names.blk(bid, "post_attention_norm"), [plan.source(p + "post_attention_layernorm.weight", (H,))],
-                 (H,), role, tf.plus_one, True)
-        (self._moe if self.moe else self._mlp)(plan, bid, p, role)
-
-    def _attention(self, plan: RolePlan, bid: int, p: str, role: Role) -> None:
-        hp = self.hp
-        H, q, kv = hp.hidden, hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
-        a = p + "self_attn."
-        # q_proj rows stay per head [q_h ; gate_h]: llama.cpp splits them itself (§7.1.1 item 5).
-        for gguf_part, hf, shape in (("attn_q", "q_proj", (2 * q, H)), ("attn_k", "k_proj", (kv, H)),
-                                     ("attn_v", "v_proj", (kv, H)), ("attn_output", "o_proj", (H, q))):
-            plan.add(names.blk(bid, gguf_part), [plan.source(f"{a}{hf}.weight", shape)], shape, role)
-        for gguf_part, hf in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
-            plan.add(names.blk(bid, gguf_part), [plan.source(f"{a}{hf}.weight", (hp.head_dim,))], (hp.head_dim,),
-                     role, tf.plus_one, True)
-
-    def _gated_delta_net(self, plan: RolePlan, bid: int, p: str, role: Role) -> None:
-        hp = self.hp
-        H, nk, nv, r, dv, C, K = hp.hidden, hp.nk, hp.nv, hp.r, hp.dv, hp.conv_channels, hp.conv_kernel
-        a = p + "linear_attn."
-        # Every tensor indexed by value head is re-tiled with the same permutation (§7.1.1 item 4).
-        rows = partial(_retiled, dim=0, nk=nk, r=r)
-        plan.add(names.blk(bid, "attn_qkv"), [plan.source(a + "in_proj_qkv.weight", (C, H))], (C, H), role,
-                 partial(_retiled, dim=0, nk=nk, r=r, block=dv, start=hp.qk_channels))
-        plan.add(names.blk(bid, "attn_gate"), [plan.source(a + "in_proj_z.weight", (nv * dv, H))], (nv * dv, H),
-                 role, partial(rows, block=dv))
-        plan.add(names.blk(bid, "ssm_beta"), [plan.source(a + "in_proj_b.weight", (nv, H))], (nv, H), role,
-                 partial(rows, block=1))
-        plan.add(names.blk(bid, "ssm_alpha"), [plan.source(a + "in_proj_a.weight", (nv, H))], (nv, H), role,
-                 partial(rows, block=1))
-        plan.add(names.blk(bid, "ssm_a", None), [plan.source(a + "A_log", (nv,))], (nv,), role,
-                 partial(_ssm_a, nk=nk, r=r), True)
-        plan.add(names.blk(bid, "ssm_dt", "bias"), [plan.source(a + "dt_bias", (nv,))], (nv,), role,
-                 partial(rows, block=1), True)
-        plan.add(names.blk(bid, "ssm_conv1d"), [plan.source(a + "conv1d.weight", [(C, 1, K), (C, K)])], (C, K), role,
-                 partial(_conv1d, shape=(C, K), nk=nk, r=r, block=dv, start=hp.qk_channels), True)
-        plan.add(names.blk(bid, "ssm_norm"), [plan.source(a + "norm.weight", (dv,))], (dv,), role, tf.identity, True)
-        plan.add(names.blk(bid, "ssm_out"), [plan.source(a + "out_proj.weight", (H, nv * dv))], (H, nv * dv), role,
-                 partial(_retiled, dim=1, nk=nk, r=r, block=dv))
-
-    def _mlp(self, plan: RolePlan, bid: int, p: str, role: Role) -> None:
-        add_swiglu(plan, bid, p + "mlp.", self.hp.ffn, self.hp.hidden, role)
-
-    def _moe(self, plan: RolePlan, bid: int, p: str, role: Role) -> None:
-        hp = self.hp
-        H, E, Fe, Fs = hp.hidden, hp.n_expert, hp.expert_ffn, hp.shared_ffn
-        m = p + "mlp."
-        plan.add(names.blk(bid, "ffn_gate_inp"), [plan.source(m + "gate.weight", (E, H))], (E, H), role,
-                 tf.identity, True)
-        self._experts(plan, bid, m, role)
-        add_swiglu(plan, bid, m + "shared_expert.", Fs, H, role, "_shexp")
-        # Written {H, 1}; llama.cpp accepts it as {H}.
-        plan.add(names.blk(bid, "ffn_gate_inp_shexp"), [plan.source(m + "shared_expert_gate.weight", (1, H))],
-                 (1, H), role, tf.identity, True)
-
-    def _experts(self, plan: RolePlan, bid: int, m: str, role: Role) -> None:
+    def _experts(self, plan: RolePlan, sizes: Sizes, bid: int, p: str, role: Role) -> None:
         """Routed experts from the fused 3-D layout (releases) or per-expert tensors (save_pretrained)."""
-        hp = self.hp
-        plan_experts(plan, bid, m + "experts.", hp.n_expert, hp.expert_ffn, hp.hidden, role,
+        m = p + "mlp."
+        plan_experts(plan, bid, m + "experts.", sizes.n_expert, sizes.expert_ffn, sizes.E, role,
                      where=f"layer {bid} ({m.rstrip('.')})", count_field="num_experts")
 
     # ------------------------------------------------------------------ metadata

@@ -21,13 +21,14 @@ from functools import partial
 from typing import ClassVar
 
 import numpy as np
+
 from . import names, register
 from . import transforms as tf
-from .base import Checkpoint, Role
+from .base import Checkpoint
 from .config_reader import ConfigReader
 from .errors import SpecconvError
-from .plan_tools import RolePlan
-from .qwen35 import Qwen35Base
+from .qwen35 import QWEN35_TABLE, Qwen35Base
+from .tensor_table import TensorSpec, TensorTable
 
 
 @tf.layout_only
@@ -43,6 +44,30 @@ def qkvz_part(ts: list[np.ndarray], nk: int, dk: int, vr: int, part: str) -> np.
 def neg_exp(ts: list[np.ndarray]) -> np.ndarray:
     """ssm_a = -exp(A_log) (correctly rounded, transforms.exp)."""
     return -tf.exp(ts[0])
+
+
+_LA = "{p}linear_attn."
+_CONV = lambda s: (s.conv_channels, s.conv_kernel)  # noqa: E731
+
+# Qwen3.5's table (archs/qwen35.py) with this Gated DeltaNet: q|k|v and z gathered from one projection,
+# b|a as one tensor, no value-head re-tiling
+QWEN3NEXT_TABLE = QWEN35_TABLE.replacing("recurrent", (
+    TensorSpec("blk.{bid}.attn_qkv.weight", _LA + "in_proj_qkvz.weight", lambda s: (s.conv_channels, s.E),
+               "recurrent", hf_shape=lambda s: (s.nk * (2 * s.dk + 2 * s.r * s.dv), s.E),
+               transform=lambda s: partial(qkvz_part, nk=s.nk, dk=s.dk, vr=s.r * s.dv, part="qkv")),
+    TensorSpec("blk.{bid}.attn_gate.weight", _LA + "in_proj_qkvz.weight", lambda s: (s.nv * s.dv, s.E),
+               "recurrent", hf_shape=lambda s: (s.nk * (2 * s.dk + 2 * s.r * s.dv), s.E),
+               transform=lambda s: partial(qkvz_part, nk=s.nk, dk=s.dk, vr=s.r * s.dv, part="z")),
+    TensorSpec("blk.{bid}.ssm_ba.weight", _LA + "in_proj_ba.weight", lambda s: (2 * s.nv, s.E), "recurrent"),
+    TensorSpec("blk.{bid}.ssm_a", _LA + "A_log", lambda s: (s.nv,), "recurrent", f32=True,
+               transform=lambda s: neg_exp),
+    TensorSpec("blk.{bid}.ssm_dt.bias", _LA + "dt_bias", lambda s: (s.nv,), "recurrent", f32=True),
+    TensorSpec("blk.{bid}.ssm_conv1d.weight", _LA + "conv1d.weight", _CONV, "recurrent", f32=True,
+               hf_shape=lambda s: [(s.conv_channels, 1, s.conv_kernel), _CONV(s)],
+               transform=lambda s: partial(tf.reshape, shape=_CONV(s))),
+    TensorSpec("blk.{bid}.ssm_norm.weight", _LA + "norm.weight", lambda s: (s.dv,), "recurrent", f32=True),
+    TensorSpec("blk.{bid}.ssm_out.weight", _LA + "out_proj.weight", lambda s: (s.E, s.nv * s.dv), "recurrent"),
+))
 
 
 @register
@@ -70,22 +95,7 @@ class Qwen3Next(Qwen35Base):
     def gguf_arch(self) -> str:
         return names.QWEN3NEXT
 
-    def _gated_delta_net(self, plan: RolePlan, bid: int, p: str, role: Role) -> None:
-        hp = self.hp
-        H, nk, nv, dk, dv, K = hp.hidden, hp.nk, hp.nv, hp.dk, hp.dv, hp.conv_kernel
-        vr, C = hp.r * dv, hp.conv_channels
-        a = p + "linear_attn."
-        qkvz = plan.source(a + "in_proj_qkvz.weight", (nk * (2 * dk + 2 * vr), H))
-        plan.add(names.blk(bid, "attn_qkv"), [qkvz], (C, H), role, partial(qkvz_part, nk=nk, dk=dk, vr=vr, part="qkv"))
-        plan.add(names.blk(bid, "attn_gate"), [qkvz], (nv * dv, H), role,
-                 partial(qkvz_part, nk=nk, dk=dk, vr=vr, part="z"))
-        plan.add(names.blk(bid, "ssm_ba"), [plan.source(a + "in_proj_ba.weight", (2 * nv, H))], (2 * nv, H), role)
-        plan.add(names.blk(bid, "ssm_a", None), [plan.source(a + "A_log", (nv,))], (nv,), role, neg_exp, True)
-        plan.add(names.blk(bid, "ssm_dt", "bias"), [plan.source(a + "dt_bias", (nv,))], (nv,), role, tf.identity, True)
-        plan.add(names.blk(bid, "ssm_conv1d"), [plan.source(a + "conv1d.weight", [(C, 1, K), (C, K)])], (C, K), role,
-                 partial(tf.reshape, shape=(C, K)), True)
-        plan.add(names.blk(bid, "ssm_norm"), [plan.source(a + "norm.weight", (dv,))], (dv,), role, tf.identity, True)
-        plan.add(names.blk(bid, "ssm_out"), [plan.source(a + "out_proj.weight", (H, nv * dv))], (H, nv * dv), role)
+    table: ClassVar[TensorTable] = QWEN3NEXT_TABLE
 
     # metadata: Qwen35Base's keys and order, with these three differences
     writes_rope_sections: ClassVar[bool] = False

@@ -39,62 +39,9 @@ def _experts(p: str, E: int, Fe: int, X: int) -> Shapes:
             p + "ffn_up_exps.weight": (E, Fe, X), p + "ffn_down_exps.weight": (Fe, E, X)}
 
 
-def _shared(p: str, E: int, Fs: int) -> Shapes:
-    return {p + "ffn_gate_shexp.weight": (E, Fs), p + "ffn_up_shexp.weight": (E, Fs),
-            p + "ffn_down_shexp.weight": (Fs, E)}
-
-
 def _gqa(p: str, E_in: int, E: int, nh: int, nkv: int, hd: int, q_mult: int = 1) -> Shapes:
     return {p + "attn_q.weight": (E_in, q_mult * nh * hd), p + "attn_k.weight": (E_in, nkv * hd),
             p + "attn_v.weight": (E_in, nkv * hd), p + "attn_output.weight": (nh * hd, E)}
-
-
-def qwen35(hp) -> Shapes:
-    E, out = hp.n_embd, _common(hp, hp.n_embd)
-    C = 2 * hp.ssm_groups * hp.ssm_dk + hp.ssm_inner
-    for i in range(hp.n_layer + hp.n_nextn):
-        p = f"blk.{i}."
-        out.update({p + "attn_norm.weight": (E,), p + "post_attention_norm.weight": (E,)})
-        if i < hp.n_layer and hp.recurrent[i]:
-            nv = hp.ssm_heads
-            out.update({p + "attn_qkv.weight": (E, C), p + "attn_gate.weight": (E, hp.ssm_inner),
-                        p + "ssm_beta.weight": (E, nv), p + "ssm_alpha.weight": (E, nv), p + "ssm_a": (nv,),
-                        p + "ssm_dt.bias": (nv,), p + "ssm_conv1d.weight": (hp.conv_kernel, C),
-                        p + "ssm_norm.weight": (hp.ssm_dv,), p + "ssm_out.weight": (hp.ssm_inner, E)})
-        else:
-            out.update(_gqa(p, E, E, hp.n_head, hp.n_head_kv, hp.head_dim, q_mult=2))
-            out.update({p + "attn_q_norm.weight": (hp.head_dim,), p + "attn_k_norm.weight": (hp.head_dim,)})
-        if hp.is_moe:
-            out.update(_experts(p, E, hp.n_ff_exp, hp.n_expert))
-            out.update(_shared(p, E, hp.n_ff_shexp))
-            out[p + "ffn_gate_inp_shexp.weight"] = [(E,), (E, 1)]  # converters write either
-        else:
-            out.update(_dense_ffn(p, E, hp.n_ff))
-    for n in range(hp.n_layer, hp.n_layer + hp.n_nextn):
-        out.update(_nextn(E, n))
-    return out
-
-
-def qwen3next(hp) -> Shapes:
-    """Qwen3.5-MoE's shapes, but beta and alpha come from one projection: ssm_ba [E, 2·nv]."""
-    out = qwen35(hp)
-    for i in range(hp.n_layer):
-        if hp.recurrent[i]:
-            p = f"blk.{i}."
-            del out[p + "ssm_beta.weight"], out[p + "ssm_alpha.weight"]
-            out[p + "ssm_ba.weight"] = (hp.n_embd, 2 * hp.ssm_heads)
-    return out
-
-
-def qwen3(hp) -> Shapes:
-    E, out = hp.n_embd, _common(hp, hp.n_embd)
-    for i in range(hp.n_layer):
-        p = f"blk.{i}."
-        out.update(_gqa(p, E, E, hp.n_head, hp.n_head_kv, hp.head_dim))
-        out.update({p + "attn_norm.weight": (E,), p + "ffn_norm.weight": (E,), p + "attn_q_norm.weight": (hp.head_dim,),
-                    p + "attn_k_norm.weight": (hp.head_dim,)})
-        out.update(_experts(p, E, hp.n_ff_exp, hp.n_expert) if hp.is_moe else _dense_ffn(p, E, hp.n_ff))
-    return out
 
 
 def llama(hp, E_in: int | None = None) -> Shapes:
@@ -114,48 +61,6 @@ def eagle3(hp) -> Shapes:
     out.update({"fc.weight": (3 * hp.target_hidden_size, E), "enc.output_norm.weight": (3 * hp.target_hidden_size,),
                 "blk.0.attn_norm_2.weight": (E,), "token_embd.weight": (E, hp.n_vocab),
                 "output.weight": (E, "Vd"), "d2t": ("Vd",)})
-    return out
-
-
-def _moe_sigmoid_ffn(hp, p: str, i: int) -> Shapes:
-    E = hp.n_embd
-    if i < hp.n_dense_lead:
-        return _dense_ffn(p, E, hp.n_ff)
-    out = _experts(p, E, hp.n_ff_exp, hp.n_expert)
-    out[p + "exp_probs_b.bias"] = (hp.n_expert,)
-    if hp.n_expert_shared:
-        out.update(_shared(p, E, hp.n_ff_exp * hp.n_expert_shared))
-    return out
-
-
-def glm4moe(hp) -> Shapes:
-    E, out = hp.n_embd, _common(hp, hp.n_embd)
-    nh, nkv, hd = hp.n_head, hp.n_head_kv, hp.head_dim
-    for i in range(hp.n_layer + hp.n_nextn):
-        p = f"blk.{i}."
-        out.update(_gqa(p, E, E, nh, nkv, hd))
-        out.update({p + "attn_norm.weight": (E,), p + "post_attention_norm.weight": (E,),
-                    p + "attn_q.bias": (nh * hd,), p + "attn_k.bias": (nkv * hd,), p + "attn_v.bias": (nkv * hd,),
-                    p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
-        out.update(_moe_sigmoid_ffn(hp, p, i))
-    for n in range(hp.n_layer, hp.n_layer + hp.n_nextn):
-        out.update(_nextn(E, n))
-    return out
-
-
-def deepseek2(hp) -> Shapes:
-    E, out = hp.n_embd, _common(hp, hp.n_embd)
-    nh, dn, dr, dv, kvl, ql = hp.n_head, hp.dn, hp.dr, hp.dv, hp.kv_lora, hp.q_lora
-    for i in range(hp.n_layer + hp.n_nextn):
-        p = f"blk.{i}."
-        out.update({p + "attn_norm.weight": (E,), p + "ffn_norm.weight": (E,), p + "attn_q.weight": (E, nh * (dn + dr)),
-                    p + "attn_q_a.weight": (E, ql), p + "attn_q_a_norm.weight": (ql,),
-                    p + "attn_q_b.weight": (ql, nh * (dn + dr)), p + "attn_kv_a_mqa.weight": (E, kvl + dr),
-                    p + "attn_kv_a_norm.weight": (kvl,), p + "attn_k_b.weight": (dn, kvl, nh),
-                    p + "attn_v_b.weight": (kvl, dv, nh), p + "attn_output.weight": (nh * dv, E)})
-        out.update(_moe_sigmoid_ffn(hp, p, i))
-    for n in range(hp.n_layer, hp.n_layer + hp.n_nextn):
-        out.update(_nextn(E, n))
     return out
 
 
@@ -188,16 +93,16 @@ def gemma4(hp) -> Shapes:
     return out
 
 
+# The families not yet on a tensor table; the others' graphs declare `expected_shapes`, derived from
+# their table (archs/tensor_table.py).
 EXPECTED: dict[str, Callable[[Any], Shapes]] = {
-    "qwen35": qwen35, "qwen35moe": qwen35, "llama": llama, "eagle3": eagle3, "glm4moe": glm4moe,
-    "deepseek2": deepseek2, "gemma4": gemma4, "gemma4-assistant": gemma4, "qwen3next": qwen3next,
-    "qwen3": qwen3, "qwen3moe": qwen3,
+    "llama": llama, "eagle3": eagle3, "gemma4": gemma4, "gemma4-assistant": gemma4,
 }
 
 
-def expected_shapes(hp, needed) -> Shapes:
-    make = EXPECTED.get(hp.arch)
-    out = make(hp) if make is not None else {}
+def expected_shapes(hp, needed, graph) -> Shapes:
+    """From the graph's tensor table when it declares one (runtime/graphs/contract.py), else EXPECTED."""
+    out = graph.expected_shapes(hp) if graph.expected_shapes is not None else EXPECTED[hp.arch](hp)
     if hp.arch == "eagle3" and "d2t" not in needed:  # no draft vocabulary: the head spans the target's
         out["output.weight"] = (hp.n_embd, hp.n_vocab)
     return out
@@ -212,29 +117,6 @@ def check_arch_hparams(hp, kv: Mapping[str, Any]) -> None:
         v = kv.get(f"{a}.{key}")
         if isinstance(v, list) and len(v) != block_count:
             raise SpecconvError(f"{a}.{key} has {len(v)} entries for block_count {block_count}")
-    if a in ("qwen35", "qwen35moe", "qwen3next"):
-        if len(hp.recurrent) != hp.n_layer:
-            raise SpecconvError(f"{a}.attention.recurrent_layers covers {len(hp.recurrent)} of {hp.n_layer} blocks")
-        if hp.is_moe and not (hp.n_ff_exp and hp.n_ff_shexp):
-            raise SpecconvError(f"{a}: expert_feed_forward_length and expert_shared_feed_forward_length are needed")
-        if not hp.is_moe and not hp.n_ff:
-            raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
-    if a in ("glm4moe", "deepseek2", "glm-dsa", "deepseek32"):
-        if hp.n_dense_lead > block_count:
-            raise SpecconvError(f"{a}.leading_dense_block_count {hp.n_dense_lead} exceeds block_count {block_count}")
-        if hp.n_expert < 1 or not 1 <= hp.n_expert_used <= hp.n_expert:
-            raise SpecconvError(f"{a}: expert_used_count {hp.n_expert_used} must be within 1..expert_count "
-                                f"{hp.n_expert}")
-        if hp.n_group > 1 and (hp.n_expert // hp.n_group < 2
-                               or hp.n_expert_used > hp.n_group_used * (hp.n_expert // hp.n_group)):
-            raise SpecconvError(f"{a}: {hp.n_group} expert groups ({hp.n_group_used} used) of {hp.n_expert} experts "
-                                f"cannot give {hp.n_expert_used} experts (and need 2 per group)")
-    if a in ("deepseek2", "glm-dsa", "deepseek32"):
-        if hp.dn < 1 or hp.dr % 2:
-            raise SpecconvError(f"{a}: attention.key_length_mla {hp.dn + hp.dr} must exceed an even "
-                                f"rope.dimension_count {hp.dr}")
-        if hp.yarn_factor != 1.0 and (hp.rope_base <= 1.0 or hp.yarn_factor <= 0):
-            raise SpecconvError(f"{a}: YaRN needs rope.freq_base > 1 and rope.scaling.factor > 0")
     if a in ("gemma4", "gemma4-assistant"):
         if hp.n_rot_swa % 2 or any(hp.n_rot_swa > d for d, s in zip(hp.head_dim, hp.is_swa) if s):
             raise SpecconvError(f"{a}.rope.dimension_count_swa {hp.n_rot_swa} must be even and at most the "
@@ -254,8 +136,6 @@ def check_arch_hparams(hp, kv: Mapping[str, Any]) -> None:
             raise SpecconvError(f"{a}.vocab_size {hp.n_vocab} is smaller than the {len(tokens)} tokenizer tokens")
         if not hp.n_ff:
             raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
-    if a in ("qwen3", "qwen3moe") and not (hp.n_ff_exp if hp.is_moe else hp.n_ff):
-        raise SpecconvError(f"{a}: the feed-forward width is missing or 0")
     if a == "llama" and not hp.n_ff:
         raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
     if a in _families.ARCH_HPARAMS:

@@ -1,6 +1,6 @@
 """Expected tensor shapes and consistency checks of the families added after runtime/shapes.py's first
-set: hy_v3, step35, mimo2 (blocks that are dense or routed by which tensors the file holds), the
-DeepSeek Sparse Attention graphs (glm-dsa, deepseek32) and the DFlash / DFlash2 drafters.
+set: hy_v3, step35, mimo2 (blocks that are dense or routed by which tensors the file holds) and the
+DFlash / DFlash2 drafters.
 
 Shapes are in ggml order (ne0 first). A string dimension is a size the file chooses and every tensor
 naming it must agree (runtime/shapes.py): these graphs read widths such as the dense or expert FFN
@@ -81,17 +81,6 @@ def mimo2(hp) -> Shapes:
                     p + "attn_qkv.weight": (E, nh * dk + nkv * (dk + dv)), p + "attn_output.weight": (nh * dv, E),
                     p + "attn_sinks.weight": (nh,), p + "layer_output_norm.weight": (E,)})
         out.update(_ffn(p, E, i, f"X{i}", "exp_probs_b.bias", shared=False))
-    return out
-
-
-def dsa(hp) -> Shapes:
-    """DeepSeek-V2's MLA and MoE shapes plus each full layer's lightning indexer."""
-    out = _base().deepseek2(hp)
-    E, D, H = hp.n_embd, hp.index_dim, hp.index_heads
-    for i in _blocks(hp):
-        p = f"blk.{i}.indexer."
-        out.update({p + "attn_q_b.weight": (hp.q_lora, H * D), p + "attn_k.weight": (E, D), p + "k_norm.weight": (D,),
-                    p + "k_norm.bias": (D,), p + "proj.weight": (E, H)})
     return out
 
 
@@ -203,4 +192,4 @@ def _dflash_values(file, hp, needed) -> None:
 # before any tensor is looked at (shapes.check_arch_hparams)
 ARCH_HPARAMS = {"hy_v3": _hy_v3_hparams, "step35": _step35_hparams, "mimo2": _mimo2_hparams, "dflash": _dflash_hparams}
 CHECK_VALUES = {"hy_v3": _hy_v3_values, "step35": _step35_values, "mimo2": _mimo2_values, "dflash": _dflash_values}
-EXPECTED = {"hy_v3": hy_v3, "step35": step35, "mimo2": mimo2, "glm-dsa": dsa, "deepseek32": dsa, "dflash": dflash}
+EXPECTED = {"hy_v3": hy_v3, "step35": step35, "mimo2": mimo2, "dflash": dflash}

@@ -6,8 +6,9 @@ key or tensor, never an exception from deep inside a graph, a hang or an unbound
   every `HParams.from_kv`, so nothing there divides by zero or compares a string with an int).
 * `read_hparams(file, graph)`: `from_kv` with the file named in its errors.
 * `validate_model(file, graph, hparams, needed)`: hparams consistent with each other, every needed
-  tensor of the shape the hparams imply (runtime/shapes.py), element counts without overflow, a
-  storage type the runtime computes with, the tokenizer's arrays and special ids.
+  tensor of the shape the hparams imply (the family's tensor table, archs/tensor_table.py, or
+  runtime/shapes.py), element counts without overflow, a storage type the runtime computes with, the
+  tokenizer's arrays and special ids.
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ def validate_model(file, graph, hparams, needed: list[str]) -> None:
         for name in needed:
             if name in file.tensors:
                 check_tensor_info(name, file.tensors[name], shapes.INTEGER_TENSORS.get(hparams.arch, ()))
-        expected = shapes.expected_shapes(hparams, needed)
+        expected = shapes.expected_shapes(hparams, needed, graph)
         bound: dict[str, int] = {}
         for name in needed:
             if name in expected and name in file.tensors:

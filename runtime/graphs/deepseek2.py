@@ -21,15 +21,15 @@ from typing import Any, Mapping
 
 import torch
 
+from specconv.archs.deepseek2 import DEEPSEEK2_TABLE
 from specconv.archs.errors import SpecconvError
+from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, by_rows, cached_attention, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 
-keep_float32 = ms.keep_float32
-OPTIONAL = ("output.weight",)
 
 
 @dataclass
@@ -64,33 +64,28 @@ class HParams(ms.MoeKV):
                          yarn_beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
                          yarn_attn_factor=get("rope.scaling.yarn_attn_factor", None, required=False),
                          yarn_log_mul=float(get("rope.scaling.yarn_log_multiplier", 0.0, required=False)) / 0.1)
-        return cls(**vars(base), **extra)
+        hp = cls(**vars(base), **extra)
+        if hp.dn < 1 or hp.dr % 2:
+            raise SpecconvError(f"{hp.arch}: attention.key_length_mla {hp.dn + hp.dr} must exceed an even "
+                                f"rope.dimension_count {hp.dr}")
+        if hp.yarn_factor != 1.0 and (hp.rope_base <= 1.0 or hp.yarn_factor <= 0):
+            raise SpecconvError(f"{hp.arch}: YaRN needs rope.freq_base > 1 and rope.scaling.factor > 0")
+        return hp
 
 
-def _attn_names(hp: HParams, i: int) -> list[str]:
-    p = f"blk.{i}."
-    q = ["attn_q_a", "attn_q_a_norm", "attn_q_b"] if hp.q_lora else ["attn_q"]
-    return [p + n + ".weight" for n in ["attn_norm", *q, "attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b", "attn_v_b",
-                                        "attn_output", "ffn_norm"]]
+# ---- which tensors the graphs need: the family's table (archs/deepseek2.py) --------------------
 
 
-def main_tensors(hp: HParams) -> list[str]:
-    names = ["token_embd.weight", "output_norm.weight"]
-    for i in range(hp.n_layer):
-        names += _attn_names(hp, i) + ms.ffn_names(hp, i)
-    return names
+def sizes(hp: HParams):
+    return hp.table_sizes(q_lora=hp.q_lora, kv_lora=hp.kv_lora, dn=hp.dn, dr=hp.dr, dv=hp.dv)
 
 
-def mtp_tensors(hp: HParams) -> list[str]:
-    n = hp.n_layer
-    if not ms.is_moe_block(hp, n):
-        raise SpecconvError(f"deepseek2: the nextn block {n} is below leading_dense_block_count {hp.n_dense_lead}")
-    return (["token_embd.weight", "output_norm.weight"] + _attn_names(hp, n) + ms.ffn_names(hp, n)
-            + [f"blk.{n}.nextn.{x}.weight" for x in ms.NEXTN_REQUIRED])
-
-
-def optional_mtp_tensors(hp: HParams) -> list[str]:
-    return [f"blk.{hp.n_layer}.nextn.{x}.weight" for x in ms.NEXTN_OPTIONAL]
+TABLE = DEEPSEEK2_TABLE
+_tensors = GraphTensors(TABLE, sizes)
+OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32
+main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
+mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
+expected_shapes = _tensors.expected_shapes
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
@@ -211,5 +206,7 @@ GRAPH = Graph(
     forward_main=forward_main,
     forward_mtp=forward_mtp,
     OPTIONAL=OPTIONAL,
+    optional_main_tensors=optional_main_tensors,
+    expected_shapes=expected_shapes,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

@@ -27,7 +27,9 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+from specconv.archs.dsa import DSA_TABLE
 from specconv.archs.errors import SpecconvError
+from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import deepseek2 as ds
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
@@ -35,13 +37,7 @@ from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, attended_kv, by_rows, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 
-OPTIONAL = ds.OPTIONAL
 LAYERNORM_EPS = 1e-6  # the indexer's k_norm: transformers' LayerNorm(eps=1e-6), llama.cpp deepseek32's f_norm_eps
-INDEXER = ("attn_q_b.weight", "attn_k.weight", "k_norm.weight", "k_norm.bias", "proj.weight")
-
-
-def keep_float32(name: str) -> bool:
-    return ms.keep_float32(name) or ".indexer.proj." in name  # F32 in GGUF (llama.cpp's converter)
 
 
 @dataclass
@@ -80,20 +76,20 @@ class HParams(ds.HParams):
         return i >= self.n_layer or self.index_full[i]  # the nextn block runs its own
 
 
-def _indexer_names(hp: HParams, i: int) -> list[str]:
-    return [f"blk.{i}.indexer.{n}" for n in INDEXER] if hp.runs_indexer(i) else []
+# ---- which tensors the graphs need: the family's table (archs/dsa.py) --------------------------
 
 
-def main_tensors(hp: HParams) -> list[str]:
-    return ds.main_tensors(hp) + [n for i in range(hp.n_layer) for n in _indexer_names(hp, i)]
+def sizes(hp: HParams):
+    return dataclasses.replace(ds.sizes(hp), index_heads=hp.index_heads, index_dim=hp.index_dim,
+                               index_full=hp.index_full)
 
 
-def mtp_tensors(hp: HParams) -> list[str]:
-    return ds.mtp_tensors(hp) + _indexer_names(hp, hp.n_layer)
-
-
-def optional_mtp_tensors(hp: HParams) -> list[str]:
-    return ds.optional_mtp_tensors(hp)
+TABLE = DSA_TABLE
+_tensors = GraphTensors(TABLE, sizes)
+OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32
+main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
+mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
+expected_shapes = _tensors.expected_shapes
 
 
 def _row_width(hp: HParams) -> int:
@@ -239,5 +235,7 @@ GRAPH = Graph(
     forward_main=forward_main,
     forward_mtp=forward_mtp,
     OPTIONAL=OPTIONAL,
+    optional_main_tensors=optional_main_tensors,
+    expected_shapes=expected_shapes,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk / forward_nextn
 )

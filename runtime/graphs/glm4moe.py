@@ -14,15 +14,14 @@ from typing import Any, Mapping
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.archs.glm4moe import GLM4MOE_TABLE
+from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, cached_attention, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.memory import Batch, MemoryLayout
 
-keep_float32 = ms.keep_float32
-OPTIONAL = ("output.weight",)  # absent when tied to token_embd
-_ATTN_OPTIONAL = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm.weight", "attn_k_norm.weight")
 
 
 @dataclass
@@ -45,36 +44,20 @@ class HParams(ms.MoeKV):
                    n_rot=get("rope.dimension_count", head_dim // 2, required=False))
 
 
-def _block_names(hp: HParams, i: int) -> list[str]:
-    p = f"blk.{i}."
-    names = [p + n + ".weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                                         "post_attention_norm")]
-    return names + ms.ffn_names(hp, i)
+# ---- which tensors the graphs need: the family's table (archs/glm4moe.py) ----------------------
 
 
-def main_tensors(hp: HParams) -> list[str]:
-    names = ["token_embd.weight", "output_norm.weight"]
-    for i in range(hp.n_layer):
-        names += _block_names(hp, i)
-    return names
+def sizes(hp: HParams):
+    """The table's sizes; a block may hold q/k/v biases and q/k norms (optional: loaded when present)."""
+    return hp.table_sizes(n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, attn_bias=True, qk_norm=True)
 
 
-def optional_main_tensors(hp: HParams) -> list[str]:
-    return [f"blk.{i}.{n}" for i in range(hp.n_layer) for n in _ATTN_OPTIONAL]
-
-
-def mtp_tensors(hp: HParams) -> list[str]:
-    n = hp.n_layer
-    if not ms.is_moe_block(hp, n):
-        raise SpecconvError(f"glm4moe: the nextn block {n} is below leading_dense_block_count {hp.n_dense_lead}")
-    return (["token_embd.weight", "output_norm.weight"] + _block_names(hp, n)
-            + [f"blk.{n}.nextn.{x}.weight" for x in ms.NEXTN_REQUIRED])
-
-
-def optional_mtp_tensors(hp: HParams) -> list[str]:
-    n = hp.n_layer
-    return ([f"blk.{n}.nextn.{x}.weight" for x in ms.NEXTN_OPTIONAL]
-            + [f"blk.{n}.{x}" for x in _ATTN_OPTIONAL])
+TABLE = GLM4MOE_TABLE
+_tensors = GraphTensors(TABLE, sizes)
+OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32
+main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
+mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
+expected_shapes = _tensors.expected_shapes
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
@@ -140,6 +123,7 @@ GRAPH = Graph(
     forward_main=forward_main,
     forward_mtp=forward_mtp,
     OPTIONAL=OPTIONAL,
+    expected_shapes=expected_shapes,
     optional_main_tensors=optional_main_tensors,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

@@ -3,8 +3,9 @@
 * `MoeKV`: the hyperparameters both read the same way from GGUF metadata.
 * `sigmoid_group_moe`: sigmoid router, correction bias for selection only, group-limited top-k,
   un-biased weights (optionally renormalised) times the routed scale, plus un-gated shared experts.
-* `ffn_names` / `ffn`: dense SwiGLU for blocks < leading_dense_block_count, that MoE otherwise.
-* `NEXTN_REQUIRED` / `NEXTN_OPTIONAL`: the MTP head's tensors (its two ends are in decoder.py).
+* `ffn`: dense SwiGLU for blocks < leading_dense_block_count, that MoE otherwise (the tensor lists
+  of glm4moe / deepseek2 / DSA are their tables': archs/nextn_moe.py).
+* `NEXTN_REQUIRED` / `NEXTN_OPTIONAL`: the chained-MTP families' head tensors (runtime/graphs/chained.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.archs.nextn_moe import Sizes
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.ops import acc, linear, moe, swiglu
 from specconv.runtime.validate import check_kv
@@ -86,22 +88,26 @@ class MoeKV:
         if m.n_group > 1 and (m.n_expert % m.n_group or not 0 < m.n_group_used < m.n_group):
             raise SpecconvError(f"{arch}: {m.n_group} expert groups ({m.n_group_used} used) do not fit "
                                 f"{m.n_expert} experts")
+        if m.n_dense_lead > block_count:
+            raise SpecconvError(f"{arch}.leading_dense_block_count {m.n_dense_lead} exceeds block_count {block_count}")
+        if m.n_expert < 1:
+            raise SpecconvError(f"{arch}: expert_used_count {m.n_expert_used} must be within 1..expert_count "
+                                f"{m.n_expert}")
+        if m.n_group > 1 and (m.n_expert // m.n_group < 2
+                              or m.n_expert_used > m.n_group_used * (m.n_expert // m.n_group)):
+            raise SpecconvError(f"{arch}: {m.n_group} expert groups ({m.n_group_used} used) of {m.n_expert} experts "
+                                f"cannot give {m.n_expert_used} experts (and need 2 per group)")
         return m
+
+    def table_sizes(self, **attention: Any) -> Sizes:
+        """The sizes of the family's tensor table (archs/nextn_moe.py); `attention`: its attention fields."""
+        return Sizes(n_layer=self.n_layer, E=self.n_embd, V="V", n_head=self.n_head, ffn=self.n_ff,
+                     n_expert=self.n_expert, expert_ffn=self.n_ff_exp, n_shared=self.n_expert_shared,
+                     first_dense=self.n_dense_lead, **attention)
 
 
 def is_moe_block(hp, i: int) -> bool:
     return i >= hp.n_dense_lead
-
-
-def ffn_names(hp, i: int) -> list[str]:
-    p = f"blk.{i}."
-    if not is_moe_block(hp, i):
-        return [p + f"ffn_{n}.weight" for n in ("gate", "up", "down")]
-    names = [p + "ffn_gate_inp.weight", p + "exp_probs_b.bias"]
-    names += [p + f"ffn_{n}_exps.weight" for n in ("gate", "up", "down")]
-    if hp.n_expert_shared:
-        names += [p + f"ffn_{n}_shexp.weight" for n in ("gate", "up", "down")]
-    return names
 
 
 def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, hp) -> tuple[torch.Tensor, torch.Tensor]:

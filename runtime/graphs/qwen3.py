@@ -19,6 +19,8 @@ import math
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.archs.qwen3 import QWEN3_TABLE, Sizes
+from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_trunk
 from specconv.runtime.backend import Experts
@@ -98,35 +100,27 @@ class HParams:
             raise SpecconvError(f"qwen3moe file with expert_count {hp.n_expert}, expert_used_count {hp.n_expert_used}")
         if hp.n_head % hp.n_head_kv:
             raise SpecconvError(f"{arch}: head_count {hp.n_head} is not a multiple of head_count_kv {hp.n_head_kv}")
+        if not (hp.n_ff_exp if hp.is_moe else hp.n_ff):
+            raise SpecconvError(f"{arch}: the feed-forward width is missing or 0")
         return hp
 
 
-# ---- which tensors the graph needs -------------------------------------------------------------
+# ---- which tensors the graph needs: the family's table (archs/qwen3.py) ------------------------
 
-def block_tensors(hp: HParams, i: int) -> list[str]:
-    attn = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_norm")
-    ffn = (("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if hp.is_moe
-           else ("ffn_gate", "ffn_up", "ffn_down"))
-    return [f"blk.{i}.{n}.weight" for n in attn + ffn]
+TABLE = QWEN3_TABLE
 
 
-def main_tensors(hp: HParams) -> list[str]:
-    return ["token_embd.weight", "output_norm.weight"] + [n for i in range(hp.n_layer) for n in block_tensors(hp, i)]
+def sizes(hp: HParams) -> Sizes:
+    """The table's sizes from GGUF metadata; the vocabulary is the file's ("V", bound by its tensors)."""
+    return Sizes(n_layer=hp.n_layer, moe=hp.is_moe, E=hp.n_embd, V="V", n_head=hp.n_head, n_head_kv=hp.n_head_kv,
+                 head_dim=hp.head_dim, ffn=hp.n_ff, n_expert=hp.n_expert, expert_ffn=hp.n_ff_exp)
 
 
-def mtp_tensors(hp: HParams) -> list[str]:
-    return []
-
-
-def optional_mtp_tensors(hp: HParams) -> list[str]:
-    return []
-
-
-OPTIONAL = ("output.weight",)  # absent when tied to token_embd
-
-
-def keep_float32(name: str) -> bool:
-    return name.endswith("norm.weight") or "ffn_gate_inp" in name
+_tensors = GraphTensors(TABLE, sizes)  # no MTP head: the MTP lists are empty
+OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32
+main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
+mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
+expected_shapes = _tensors.expected_shapes
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
@@ -234,5 +228,7 @@ GRAPH = Graph(
     forward_main=forward_main,
     forward_mtp=forward_mtp,
     OPTIONAL=OPTIONAL,
+    optional_main_tensors=optional_main_tensors,
+    expected_shapes=expected_shapes,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

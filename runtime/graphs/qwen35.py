@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from specconv.archs.errors import SpecconvError
+from specconv.archs.qwen35 import QWEN35_TABLE, Sizes
+from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
@@ -109,6 +111,10 @@ class HParams:
             raise SpecconvError(f"inconsistent SSM sizes: inner {hp.ssm_inner}, heads {hp.ssm_heads}, groups {hp.ssm_groups}")
         if arch == "qwen35moe" and not hp.n_expert:
             raise SpecconvError("qwen35moe file without expert_count")
+        if hp.is_moe and not (hp.n_ff_exp and hp.n_ff_shexp):
+            raise SpecconvError(f"{arch}: expert_feed_forward_length and expert_shared_feed_forward_length are needed")
+        if not hp.is_moe and not hp.n_ff:
+            raise SpecconvError(f"{arch}.feed_forward_length is missing or 0")
         return hp
 
 
@@ -121,51 +127,24 @@ def _scalar(v):
     return v
 
 
-# ---- which tensors the graphs need ------------------------------------------------------------
+# ---- which tensors the graphs need: the family's table (archs/qwen35.py) -----------------------
 
-def _ffn_names(hp: HParams, i: int) -> list[str]:
-    if hp.is_moe:
-        return [f"blk.{i}.{n}.weight" for n in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
-                                                "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")]
-    return [f"blk.{i}.ffn_{n}.weight" for n in ("gate", "up", "down")]
+TABLE = QWEN35_TABLE
 
 
-def _attn_names(i: int) -> list[str]:
-    return [f"blk.{i}.{n}.weight" for n in ("attn_norm", "post_attention_norm", "attn_q", "attn_k", "attn_v",
-                                           "attn_output", "attn_q_norm", "attn_k_norm")]
+def sizes(hp: HParams) -> Sizes:
+    """The table's sizes from GGUF metadata; the vocabulary is the file's ("V", bound by its tensors)."""
+    return Sizes(n_layer=hp.n_layer, recurrent=tuple(hp.recurrent), moe=hp.is_moe, E=hp.n_embd, V="V",
+                 n_head=hp.n_head, n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, nk=hp.ssm_groups,
+                 nv=hp.ssm_heads, dk=hp.ssm_dk, dv=hp.ssm_dv, conv_kernel=hp.conv_kernel, ffn=hp.n_ff,
+                 n_expert=hp.n_expert, expert_ffn=hp.n_ff_exp, shared_ffn=hp.n_ff_shexp)
 
 
-def _gdn_names(i: int) -> list[str]:
-    return [f"blk.{i}.{n}" for n in ("attn_norm.weight", "post_attention_norm.weight", "attn_qkv.weight",
-                                      "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_a",
-                                      "ssm_dt.bias", "ssm_conv1d.weight", "ssm_norm.weight", "ssm_out.weight")]
-
-
-def main_tensors(hp: HParams) -> list[str]:
-    names = ["token_embd.weight", "output_norm.weight"]
-    for i in range(hp.n_layer):
-        names += (_gdn_names(i) if hp.recurrent[i] else _attn_names(i)) + _ffn_names(hp, i)
-    return names
-
-
-def mtp_tensors(hp: HParams) -> list[str]:
-    n = hp.n_layer
-    return (["token_embd.weight", "output_norm.weight"] + _attn_names(n) + _ffn_names(hp, n)
-            + [f"blk.{n}.nextn.{x}.weight" for x in ("eh_proj", "enorm", "hnorm")])
-
-
-OPTIONAL = ("output.weight",)  # absent when tied to token_embd
-
-
-def optional_mtp_tensors(hp: HParams) -> list[str]:
-    n = hp.n_layer
-    return [f"blk.{n}.nextn.{x}.weight" for x in ("shared_head_norm", "embed_tokens", "shared_head_head")]
-
-
-def keep_float32(name: str) -> bool:
-    """Tensors GGUF keeps in F32 (norms, gates, conv, decay) stay float32 whatever the compute dtype."""
-    return (name.endswith("norm.weight") or name.endswith(".bias") or name.endswith("ssm_a")
-            or "ssm_conv1d" in name or "ffn_gate_inp" in name)
+_tensors = GraphTensors(TABLE, sizes)
+OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32
+main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
+mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
+expected_shapes = _tensors.expected_shapes
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
@@ -273,5 +252,7 @@ GRAPH = Graph(
     forward_main=forward_main,
     forward_mtp=forward_mtp,
     OPTIONAL=OPTIONAL,
+    optional_main_tensors=optional_main_tensors,
+    expected_shapes=expected_shapes,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

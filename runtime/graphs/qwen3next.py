@@ -20,18 +20,24 @@ import torch
 import torch.nn.functional as F
 
 from specconv.archs.errors import SpecconvError
+from specconv.archs.qwen3next import QWEN3NEXT_TABLE
+from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn
 from specconv.runtime.graphs import qwen35 as q35
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.ops import acc, dense, l2_norm, linear, rms_norm
 from specconv.runtime.memory import Batch
 
-OPTIONAL = q35.OPTIONAL
-keep_float32 = q35.keep_float32
 main_layout = q35.main_layout
 mtp_layout = q35.mtp_layout
-mtp_tensors = q35.mtp_tensors
-optional_mtp_tensors = q35.optional_mtp_tensors
+
+# the family's table (archs/qwen3next.py), with Qwen3.5's sizes
+TABLE = QWEN3NEXT_TABLE
+_tensors = GraphTensors(TABLE, q35.sizes)
+OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32
+main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
+mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
+expected_shapes = _tensors.expected_shapes
 
 
 class HParams(q35.HParams):
@@ -45,19 +51,6 @@ class HParams(q35.HParams):
         if not hp.n_expert:
             raise SpecconvError("qwen3next file without expert_count (every qwen3next block is MoE)")
         return hp
-
-
-def _gdn_names(i: int) -> list[str]:
-    return [f"blk.{i}.{n}" for n in ("attn_norm.weight", "post_attention_norm.weight", "attn_qkv.weight",
-                                      "attn_gate.weight", "ssm_ba.weight", "ssm_a", "ssm_dt.bias",
-                                      "ssm_conv1d.weight", "ssm_norm.weight", "ssm_out.weight")]
-
-
-def main_tensors(hp: HParams) -> list[str]:
-    names = ["token_embd.weight", "output_norm.weight"]
-    for i in range(hp.n_layer):
-        names += (_gdn_names(i) if hp.recurrent[i] else q35._attn_names(i)) + q35._ffn_names(hp, i)
-    return names
 
 
 def gated_deltanet(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, mode: str) -> torch.Tensor:
@@ -107,5 +100,7 @@ GRAPH = Graph(
     forward_main=forward_main,
     forward_mtp=forward_mtp,
     OPTIONAL=OPTIONAL,
+    optional_main_tensors=optional_main_tensors,
+    expected_shapes=expected_shapes,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

@@ -1,0 +1,200 @@
+"""A family's tensors as data: one `TensorTable` per architecture, from which the converter's plan,
+the runtime's needed and optional tensor names, the expected shapes and the storage rule derive.
+
+A `TensorSpec` is one GGUF tensor: its name template (`{bid}` for per-block tensors), the Hugging
+Face tensor that feeds it (`{p}` stands for the block's HF prefix, e.g. `model.layers.3.`), its
+shape in torch order as a function of the family's sizes, which blocks have it (tags: a block has a
+spec when it has every tag the spec names), whether the runtime can run without it, and whether it
+is kept float (F32 in the file, float32 in the runtime) or quantizable.
+
+The sizes are one object per family whose fields the shape functions read. The plugin builds it
+from config.json, the graph from GGUF metadata; in the graph's sizes a dimension the file chooses is
+a string (the vocabulary "V"), which the load-time shape check binds to the first tensor that has it
+(runtime/shapes.py).
+
+What a table cannot say stays in the plugin as a hook, named by `TensorSpec.hook` and called once
+per block (the routed experts, fused or per expert; the output head, absent when tied). A spec with
+neither `hf` nor `hook` is one this converter never writes but the runtime reads when a file has it
+(files of other converters), so it is always `optional`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from .base import Role
+from .errors import SpecconvError
+from .transforms import identity
+
+Shape = tuple  # ints, or strings for sizes the file chooses (runtime only)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    gguf: str  # name template, "blk.{bid}.attn_q.weight" or a global name such as "token_embd.weight"
+    hf: str | None  # source template ("{p}self_attn.q_proj.weight"); None: see `hook` and the module docstring
+    shape: Callable[[Any], Shape]  # sizes -> output shape, torch order (the reverse of what GGUF shows)
+    on: frozenset[str] | str = frozenset()  # tags a block must have to hold it ("attention moe"); global: none
+    optional: bool = False  # the runtime runs without it (and loads it when the file has it)
+    f32: bool = False  # storage rule: kept float (F32 in the file, float32 in the runtime); else quantizable
+    transform: Callable[[Any], Callable] | None = None  # sizes -> the plan's transform; None: identity
+    hf_shape: Callable[[Any], Shape | list[Shape]] | None = None  # accepted source shape(s) if not `shape`
+    accepts: Callable[[Any], list[Shape]] | None = None  # further shapes the runtime reads (other converters)
+    hook: str | None = None  # planned by the plugin hook of this name (what the table cannot say)
+    role: Role = Role.SHARED  # of a global tensor; a block's tensors take their block's role
+
+    def __post_init__(self):
+        if isinstance(self.on, str):
+            object.__setattr__(self, "on", frozenset(self.on.split()))
+        if self.hf is None and self.hook is None and not self.optional:
+            raise ValueError(f"{self.gguf}: a tensor the converter never writes must be optional")
+
+    @property
+    def per_block(self) -> bool:
+        return "{bid}" in self.gguf
+
+    def name(self, bid: int | None = None) -> str:
+        return self.gguf.format(bid=bid) if self.per_block else self.gguf
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block as the converter walks it: GGUF index, HF name prefix, and where it goes."""
+
+    bid: int
+    prefix: str
+    role: Role
+
+
+Hook = Callable[..., None]  # hook(plan, sizes, bid, prefix, role); bid None and prefix "" for a global
+
+
+@dataclass(frozen=True)
+class TensorTable:
+    specs: tuple[TensorSpec, ...]
+    # sizes, block index -> the block's tags ("attention" / "recurrent", "dense" / "moe", "nextn", ...)
+    block_tags: Callable[[Any, int], frozenset[str]]
+
+    def globals(self) -> list[TensorSpec]:
+        return [s for s in self.specs if not s.per_block]
+
+    def block(self, sizes, bid: int) -> list[TensorSpec]:
+        tags = self.block_tags(sizes, bid)
+        return [s for s in self.specs if s.per_block and s.on <= tags]
+
+    def replacing(self, tag: str, specs: Sequence[TensorSpec]) -> "TensorTable":
+        """This table with the block specs that need `tag` replaced by `specs` (in their place)."""
+        out: list[TensorSpec] = []
+        for s in self.specs:
+            if tag in s.on:
+                if specs and specs[0] not in out:
+                    out += specs
+                continue
+            out.append(s)
+        return TensorTable(tuple(out), self.block_tags)
+
+    # ---- (a) the converter's plan ------------------------------------------------------------
+
+    def plan(self, plan, sizes, blocks: Iterable[Block], hooks: Mapping[str, Hook] | None = None) -> None:
+        """Add every tensor of the globals and of `blocks` to `plan` (a plan_tools.RolePlan): sources
+        checked against the sizes, transforms bound, F32 pinned where the table keeps a tensor float."""
+        hooks = hooks or {}
+        self._plan_specs(plan, sizes, self.globals(), None, "", None, hooks)
+        for b in blocks:
+            self._plan_specs(plan, sizes, self.block(sizes, b.bid), b.bid, b.prefix, b.role, hooks)
+
+    @staticmethod
+    def _plan_specs(plan, sizes, specs, bid, prefix, role, hooks) -> None:
+        called: set[str] = set()
+        for s in specs:
+            if s.hook is not None:
+                if s.hook not in hooks:
+                    raise SpecconvError(f"{s.gguf}: the plugin has no hook {s.hook!r}")
+                if s.hook not in called:
+                    called.add(s.hook)
+                    hooks[s.hook](plan, sizes, bid, prefix, role or s.role)
+                continue
+            if s.hf is None:
+                continue  # read by the runtime when present, never written here
+            shape = s.shape(sizes)
+            source = plan.source(s.hf.format(p=prefix), s.hf_shape(sizes) if s.hf_shape else shape)
+            plan.add(s.name(bid), [source], shape, role or s.role,
+                     s.transform(sizes) if s.transform else identity, s.f32)
+
+    # ---- (b) the runtime's needed and optional tensors ---------------------------------------
+
+    def names(self, sizes, blocks: Iterable[int], roles: Iterable[Role] = (Role.TRUNK, Role.SHARED),
+              optional: bool = False) -> list[str]:
+        """The required (or, with optional=True, the optional) tensors of the globals whose role is in
+        `roles` and of the given blocks, in table order."""
+        roles = set(roles)
+        out = [s.name() for s in self.globals() if s.optional == optional and s.role in roles]
+        for bid in blocks:
+            out += [s.name(bid) for s in self.block(sizes, bid) if s.optional == optional]
+        return out
+
+    # ---- (c) the expected shapes ---------------------------------------------------------------
+
+    def ggml_shapes(self, sizes, blocks: Iterable[int]) -> dict[str, tuple | list[tuple]]:
+        """name -> the shape in ggml order (ne0 first) the runtime checks, or a list of the shapes it
+        accepts (what this converter writes first)."""
+        out: dict[str, tuple | list[tuple]] = {}
+
+        def put(s: TensorSpec, name: str) -> None:
+            shapes = [s.shape(sizes)] + (list(s.accepts(sizes)) if s.accepts else [])
+            ggml = [tuple(reversed(sh)) for sh in shapes]
+            out[name] = ggml[0] if len(ggml) == 1 else ggml
+
+        for s in self.globals():
+            put(s, s.name())
+        for bid in blocks:
+            for s in self.block(sizes, bid):
+                put(s, s.name(bid))
+        return out
+
+    # ---- (d) the storage rule ------------------------------------------------------------------
+
+    @cached_property
+    def _float_names(self) -> re.Pattern:
+        kept = [re.escape(s.gguf).replace(re.escape("{bid}"), r"\d+") for s in self.specs if s.f32]
+        return re.compile("|".join(f"(?:{k})" for k in kept) or r"(?!)")
+
+    def keeps_float32(self, name: str) -> bool:
+        """Whether the table keeps this tensor float (the runtime loads it as float32)."""
+        return self._float_names.fullmatch(name) is not None
+
+
+
+class GraphTensors:
+    """A runtime graph's tensor lists from its family's table: the trunk graph runs blocks
+    0..n_layer-1, the MTP graph the first nextn block (n_layer); `sizes(hp)` turns the graph's
+    hparams into the table's sizes. A graph module exposes these as its `main_tensors`,
+    `optional_main_tensors`, `mtp_tensors`, `optional_mtp_tensors`, `OPTIONAL`, `keep_float32` and
+    `expected_shapes`."""
+
+    def __init__(self, table: TensorTable, sizes: Callable[[Any], Any]):
+        self.table, self.sizes = table, sizes
+        self.OPTIONAL = tuple(table.names(None, (), optional=True))  # e.g. output.weight, absent when tied
+        self.keep_float32 = table.keeps_float32  # what the file keeps F32 stays float32 in any compute dtype
+
+    def main_tensors(self, hp) -> list[str]:
+        return self.table.names(self.sizes(hp), range(hp.n_layer))
+
+    def optional_main_tensors(self, hp) -> list[str]:
+        """Trunk-block tensors the graph runs without (e.g. GLM's attention biases), loaded when present."""
+        return self.table.names(self.sizes(hp), range(hp.n_layer), roles=(), optional=True)
+
+    def mtp_tensors(self, hp) -> list[str]:
+        if not hp.n_nextn:
+            return []
+        return self.table.names(self.sizes(hp), [hp.n_layer], roles=(Role.MTP, Role.SHARED))
+
+    def optional_mtp_tensors(self, hp) -> list[str]:
+        return self.table.names(self.sizes(hp), [hp.n_layer], roles=(), optional=True) if hp.n_nextn else []
+
+    def expected_shapes(self, hp) -> dict[str, tuple | list[tuple]]:
+        """Every tensor of the file's blocks, trunk and MTP, in ggml order (runtime/shapes.py)."""
+        return self.table.ggml_shapes(self.sizes(hp), range(hp.n_layer + hp.n_nextn))
