@@ -26,6 +26,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.decoder import nextn_input, output_head
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.graphs.ops import acc, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.memory import Batch
 from specconv.runtime.placement import on_layer_device
@@ -73,26 +74,26 @@ class HParams(chained.ChainedHParams):
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         # no check_kv here yet: runtime/validate.py wants one head_count_kv value for mimo2, which llama.cpp
         # reads per block (get_key_or_arr); every key is checked below
-        arch, get = ms.kv_getter(kv)
-        total, n_nextn = chained.block_counts(arch, get)
-        per_layer = chained.per_layer_reader(arch, get, total)
-        n_head, hd_k = get("attention.head_count"), get("attention.key_length")
-        kvs = [int(x) for x in per_layer("attention.head_count_kv")]
+        r = HParamsReader(kv)
+        arch, key = r.arch, r.key
+        total, n_nextn = chained.block_counts(r)
+        n_head, hd_k = key("attention.head_count", type=int), key("attention.key_length", type=int)
+        kvs = r.per_layer("attention.head_count_kv", total)
         for i, h in enumerate(kvs):
             if h < 1 or n_head % h:
                 raise SpecconvError(f"{arch}: block {i}: {n_head} heads are not a multiple of {h} KV heads")
-        base = float(get("rope.freq_base", 10000.0, required=False))
-        return cls(arch=arch, n_layer=total - n_nextn, n_nextn=n_nextn, n_embd=get("embedding_length"),
-                   n_head=n_head, n_kvs=kvs, hd_k=hd_k, hd_v=get("attention.value_length", hd_k, required=False),
-                   swa=[bool(x) for x in per_layer("attention.sliding_window_pattern", False)],
-                   n_swa=int(get("attention.sliding_window", 0, required=False) or 0),
-                   n_rot=get("rope.dimension_count", hd_k, required=False), base=base,
-                   base_swa=float(get("rope.freq_base_swa", base, required=False)),
-                   eps=float(get("attention.layer_norm_rms_epsilon")),
-                   v_scale=float(get("attention.value_scale", 1.0, required=False) or 1.0),
-                   n_expert_used=get("expert_used_count", 0, required=False) or 0,
-                   n_group=get("expert_group_count", 1, required=False) or 1,
-                   n_group_used=get("expert_group_used_count", 1, required=False) or 1)
+        base = key("rope.freq_base", 10000.0, float)
+        return cls(arch=arch, n_layer=total - n_nextn, n_nextn=n_nextn, n_embd=key("embedding_length", type=int),
+                   n_head=n_head, n_kvs=kvs, hd_k=hd_k, hd_v=key("attention.value_length", hd_k, int),
+                   swa=r.per_layer("attention.sliding_window_pattern", total, False, bool),
+                   n_swa=key("attention.sliding_window", 0, int),
+                   n_rot=key("rope.dimension_count", hd_k, int), base=base,
+                   base_swa=key("rope.freq_base_swa", base, float),
+                   eps=key("attention.layer_norm_rms_epsilon", type=float),
+                   v_scale=key("attention.value_scale", 1.0, float) or 1.0,
+                   n_expert_used=key("expert_used_count", 0, int),
+                   n_group=key("expert_group_count", 1, int) or 1,
+                   n_group_used=key("expert_group_used_count", 1, int) or 1)
 
 
 def _names(i: int, extra=()) -> list[str]:
