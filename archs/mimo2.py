@@ -33,6 +33,7 @@ from .base import Checkpoint, MetaKV, Role
 from .chained_mtp import ChainedMtpPlugin, check_stated_count
 from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
+from .metadata import MetadataWriter
 from .plan_tools import RolePlan, plan_experts, text_model_name
 
 _MTP = re.compile(r"^model\.mtp\.layers\.(\d+)\.(.+)$")
@@ -169,37 +170,23 @@ class MiMo2(ChainedMtpPlugin):
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         """In the order of llama.cpp's converter (TextModel's keys, where MimoV2Model's later writes of
         the same key keep their first place, then MimoV2Model's own); integer arrays as it writes them."""
-        u32, i32, f32 = GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.FLOAT32
-        arr = GGUFValueType.ARRAY
+        i32 = GGUFValueType.INT32
         k = self.k if keep_mtp else 0
         pattern = self.swa + [1] * k
-        kv: list[MetaKV] = []
-        put = self._putter(kv)
-
-        put(Keys.LLM.BLOCK_COUNT, self.n + k, u32)
-        put(Keys.LLM.CONTEXT_LENGTH, self.context_length, u32)
-        put(Keys.LLM.EMBEDDING_LENGTH, self.hidden, u32)
-        put(Keys.LLM.FEED_FORWARD_LENGTH, self.ffn, u32)
-        put(Keys.Attention.HEAD_COUNT, self.n_head, u32)
-        put(Keys.Attention.HEAD_COUNT_KV, [self.n_kv_swa if s else self.n_kv for s in pattern], arr, i32)
-        put(Keys.Rope.FREQ_BASE, self.rope_base, f32)
-        put(Keys.Rope.FREQ_BASE_SWA, self.rope_base_swa, f32)
-        put(Keys.LLM.EXPERT_COUNT, self.n_expert, u32)
-        put(Keys.LLM.EXPERT_USED_COUNT, self.n_expert_used, u32)
-        if self.n_group is not None:
-            put(Keys.LLM.EXPERT_GROUP_COUNT, self.n_group, u32)
-        if self.topk_group is not None:
-            put(Keys.LLM.EXPERT_GROUP_USED_COUNT, self.topk_group, u32)
-        put(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID, u32)
-        put(Keys.Attention.KEY_LENGTH, self.hd, u32)
-        put(Keys.Attention.VALUE_LENGTH, self.vhd, u32)
-        put(Keys.Attention.SLIDING_WINDOW, self.window, u32)
-        put(Keys.Attention.SLIDING_WINDOW_PATTERN, pattern, arr, i32)
-        put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, self.expert_ffn, u32)
-        put(Keys.Rope.DIMENSION_COUNT, self.rope_dim, u32)
-        put(Keys.Attention.LAYERNORM_RMS_EPS, self.eps, f32)
-        if self.v_scale is not None:
-            put("{arch}.attention.value_scale", self.v_scale, f32)
-        if k:
-            put(Keys.LLM.NEXTN_PREDICT_LAYERS, k, u32)
-        return kv
+        w = MetadataWriter(self.gguf_arch)
+        w.text_model(self.n + k, self.context_length, self.hidden, self.ffn, self.n_head,
+                     [self.n_kv_swa if s else self.n_kv for s in pattern], array_type=i32)
+        w.f32(Keys.Rope.FREQ_BASE, self.rope_base)
+        w.f32(Keys.Rope.FREQ_BASE_SWA, self.rope_base_swa)
+        w.experts(self.n_expert, self.n_expert_used)
+        w.expert_groups(self.n_group, self.topk_group)
+        w.u32(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID)
+        w.head_sizes(self.hd, self.vhd)
+        w.u32(Keys.Attention.SLIDING_WINDOW, self.window)
+        w.array(Keys.Attention.SLIDING_WINDOW_PATTERN, pattern, i32)
+        w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, self.expert_ffn)
+        w.u32(Keys.Rope.DIMENSION_COUNT, self.rope_dim)
+        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, self.eps)
+        w.f32("{arch}.attention.value_scale", self.v_scale)
+        w.nextn(k)
+        return w.kv

@@ -14,20 +14,10 @@ from typing import Any, Mapping
 
 from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
+from .metadata import RopeScaling
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    kind: str  # "linear" | "yarn"
-    factor: float
-    original_context: int | None = None
-    ext_factor: float | None = None
-    attn_factor: float | None = None
-    beta_fast: float | None = None
-    beta_slow: float | None = None
 
 
 @dataclass(frozen=True)
