@@ -72,7 +72,8 @@ class HParams:
         if len(swa) != n:
             raise SpecconvError(f"{arch}.attention.sliding_window_pattern has {len(swa)} entries for {n} blocks")
         hd_full, hd_swa = key("attention.key_length", type=int), key("attention.key_length_swa", type=int)
-        if key("attention.value_length", hd_full, int) != hd_full or key("attention.value_length_swa", hd_swa, int) != hd_swa:
+        if (key("attention.value_length", hd_full, int) != hd_full
+                or key("attention.value_length_swa", hd_swa, int) != hd_swa):
             raise SpecconvError(f"{arch}: key and value head sizes must be equal")
         tokens = kv.get("tokenizer.ggml.tokens")
         n_nextn = key("nextn_predict_layers", 0, int)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import gdn
 from specconv.runtime.graphs import qwen35 as q35
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.graphs.ops import acc, dense, l2_norm, linear, rms_norm
 from specconv.runtime.memory import Batch
 
@@ -38,7 +39,7 @@ class HParams(q35.HParams):
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         hp = super().from_kv(kv)
-        scaling = kv.get(f"{hp.arch}.rope.scaling.type")
+        scaling = HParamsReader(kv).key("rope.scaling.type", None, str)
         if scaling not in (None, "none"):
             raise SpecconvError(f"{hp.arch}.rope.scaling.type is {scaling!r}: the runtime's qwen3next graph runs "
                                 f"unscaled rope only (the releases' configuration)")

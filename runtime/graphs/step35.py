@@ -90,7 +90,8 @@ class HParams(chained.ChainedHParams):
                    n_rot_full=n_rot // 2,  # llama.cpp: full-attention blocks rotate half the rope dims
                    n_rot_swa=key("rope.dimension_count_swa", n_rot, int), base_full=base,
                    base_swa=key("rope.freq_base_swa", base, float),
-                   eps=key("attention.layer_norm_rms_epsilon", type=float), n_expert_used=key("expert_used_count", 0, int),
+                   eps=key("attention.layer_norm_rms_epsilon", type=float),
+                   n_expert_used=key("expert_used_count", 0, int),
                    weights_scale=key("expert_weights_scale", 1.0, float) or 1.0,
                    weights_norm=key("expert_weights_norm", False, bool),
                    clamp_exp=r.per_layer("swiglu_clamp_exp", total, 0.0, float),
