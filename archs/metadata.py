@@ -9,28 +9,15 @@ expert counts and the MTP (nextn) block count. A value of None is not written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from gguf import GGUFValueType, Keys
 
 from .base import MetaKV
+from .rope_scaling import RopeScaling
 
 U32, I32, F32 = GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.FLOAT32
 BOOL, ARRAY = GGUFValueType.BOOL, GGUFValueType.ARRAY
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Rope scaling from config.json as written to GGUF (rope.scaling.*); None fields are not written."""
-    kind: str  # "linear" | "yarn"
-    factor: float
-    original_context: int | None = None  # yarn only, from here on
-    ext_factor: float | None = None
-    attn_factor: float | None = None
-    beta_fast: float | None = None
-    beta_slow: float | None = None
-    mscale_all_dim: float | None = None  # DeepSeek's; written by that family (a legacy encoding)
 
 
 class MetadataWriter:

@@ -19,10 +19,11 @@ from . import transforms as tf
 from .base import ArchPlugin, Checkpoint, Role, TensorPlan
 from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
-from .metadata import MetadataWriter, RopeScaling
+from .metadata import MetadataWriter
 from .plan_tools import (
     RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name, trunk_indexed_mtp_count,
 )
+from .rope_scaling import RopeScaling, rope_scaling_of
 
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.")
 # HF nextn extras -> GGUF nextn part (docs/reference/gguf-layout.md §4.1)
@@ -59,24 +60,6 @@ class MoeHparams:
     @property
     def shared_ffn(self) -> int:
         return self.expert_ffn * self.n_shared
-
-
-def _yarn(tc: ConfigReader) -> RopeScaling | None:
-    rope = tc.with_rope()
-    kind = rope.string("rope_type", default=None)
-    if kind is None:
-        kind = tc.section("rope_scaling").string("type", default=None)
-    if kind in (None, "default"):
-        return None
-    if kind != "yarn":
-        raise SpecconvError(f"config.json: rope scaling type {kind!r} is not supported here (default or yarn)")
-    factor, orig = rope.number("factor", default=None), rope.integer("original_max_position_embeddings", default=None)
-    if factor is None or orig is None:
-        raise SpecconvError("config.json: yarn rope scaling needs 'factor' and 'original_max_position_embeddings'")
-    return RopeScaling("yarn", factor, orig, rope.number("extrapolation_factor", default=None),
-                       rope.number("attention_factor", "attn_factor", default=None),
-                       rope.number("beta_fast", default=None), rope.number("beta_slow", default=None),
-                       rope.number("mscale_all_dim", default=None))
 
 
 # The config keys of the MoE fields (transformers' Glm4MoeConfig / DeepseekV3Config names); a family
@@ -118,7 +101,8 @@ def parse_moe_hparams(cfg: ConfigReader, tc: ConfigReader, family: str, keys: Ma
         rope_theta=tc.with_rope().number("rope_theta", default=10000.0),
         context_length=tc.integer("max_position_embeddings", default=4096),
         tie_embeddings=cfg.flag("tie_word_embeddings", default=tc.flag("tie_word_embeddings", default=False)),
-        mtp_layers_config=tc.integer(*keys["num_nextn_predict_layers"], default=0), yarn=_yarn(tc),
+        mtp_layers_config=tc.integer(*keys["num_nextn_predict_layers"], default=0),
+        yarn=rope_scaling_of(tc, family, ("yarn",), mscale=True),
     )
 
 

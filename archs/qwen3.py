@@ -26,7 +26,7 @@ from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows, plan_experts, text_model_name
-from .qwen35_hparams import rope_scaling_of
+from .rope_scaling import rope_scaling_of
 
 QWEN3, QWEN3MOE = "qwen3", "qwen3moe"
 EXPERT_WEIGHTS_NORM = "expert_weights_norm"  # `{arch}.expert_weights_norm` (bool), llama.cpp's key
@@ -59,7 +59,7 @@ class Qwen3Base(ArchPlugin):
         if cfg.flag("use_sliding_window", default=False):
             raise SpecconvError("config.json: use_sliding_window=true is not supported (llama.cpp's qwen3 "
                                 "graphs attend to the whole context)")
-        self.rope_scaling = rope_scaling_of(cfg)
+        self.rope_scaling = rope_scaling_of(cfg, "Qwen3", unscaled=("default", "mrope"))
         self.context_length = cfg.integer("max_position_embeddings", default=None, min=1)
         self.rope_theta = cfg.with_rope().number("rope_theta", default=None)
         self.rms_eps = cfg.number("rms_norm_eps", default=1e-6)
