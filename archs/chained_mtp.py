@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar
 
-from gguf import GGUFValueType
 
 from . import names
 from . import transforms as tf
-from .base import ArchPlugin, MetaKV, Role, TensorPlan
+from .base import ArchPlugin, Role, TensorPlan
 from .errors import SpecconvError
 from .plan_tools import RolePlan, add_output_head, add_swiglu, embedding_rows
 
@@ -102,13 +101,3 @@ class ChainedMtpPlugin(ArchPlugin):
     def _moe(self, plan: RolePlan, i: int, p: str, role: Role) -> None:
         """Router, selection bias, experts (and shared expert) of block i, `p` its layer prefix."""
         raise NotImplementedError
-
-    # ------------------------------------------------------------------ metadata
-
-    def _putter(self, kv: list[MetaKV]) -> Callable[..., None]:
-        arch = self.gguf_arch
-
-        def put(fmt: str, value: Any, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> None:
-            kv.append(MetaKV(fmt.format(arch=arch), value, vtype, sub))
-
-        return put

@@ -72,7 +72,7 @@ def step35(hp) -> Shapes:
 
 
 def mimo2(hp) -> Shapes:
-    E, nh, dk, dv = hp.n_embd, hp.n_head, hp.hd_k, hp.hd_v
+    E, nh, dk, dv = hp.n_embd, hp.n_head, hp.head_dim, hp.v_head_dim
     out = _head(hp)
     for i in _blocks(hp):
         p, nkv = f"blk.{i}.", hp.n_kvs[i]
@@ -155,7 +155,7 @@ def _step35_hparams(hp) -> None:
 
 
 def _mimo2_hparams(hp) -> None:
-    _even_within(f"{hp.arch}.rope.dimension_count", hp.n_rot, hp.hd_k)
+    _even_within(f"{hp.arch}.rope.dimension_count", hp.rotary_dim, hp.head_dim)
 
 
 def _dflash_hparams(hp) -> None:
