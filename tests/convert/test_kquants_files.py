@@ -23,7 +23,7 @@ from tests.fixtures.gguf_files import convert_gguf
 
 pytestmark = [pytest.mark.peer, pytest.mark.slow]
 
-ALL_TYPES = [t for t in KQUANT_FILE_TYPES if t != "q2_k_s"]  # Q2_K_S needs an imatrix: test_convert_kquants_imatrix.py
+ALL_TYPES = [t for t in KQUANT_FILE_TYPES if t != "q2_k_s"]  # Q2_K_S needs an imatrix: test_kquants_imatrix.py
 
 
 def _check(converted, quantize, tmp_path, model: str, file_type: str, mtp: str = "embed", lossless: str = "f32"):

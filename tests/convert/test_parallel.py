@@ -4,7 +4,7 @@ Each case converts the same checkpoint with one thread and default chunking (the
 and again with several threads and chunks so small that every tensor spans many chunks and pieces
 (so chunk boundaries, out-of-order completion and the ordered writer are all exercised), then
 compares the files byte for byte. Byte identity with llama.cpp's own converter is tested in
-test_convert_upstream.py.
+tests/convert/test_upstream.py.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def test_inspect_with_hf_shows_what_inspect_of_the_file_shows(hub, gguf_repo, ca
 
 
 def test_verify_with_hf_passes_the_fetched_files_and_the_checkpoint_on(hub, gguf_repo, checkpoint, monkeypatch):
-    """The wiring only (what verify then checks is tests/test_verify*.py's)."""
+    """The wiring only (what verify then checks is tests/verify/'s)."""
     import specconv.verify
     from specconv.commands.verify import command
 

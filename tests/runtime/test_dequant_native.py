@@ -34,7 +34,7 @@ def native(monkeypatch):
     monkeypatch.delenv("SPECCONV_NO_NATIVE", raising=False)
     monkeypatch.delenv("SPECCONV_NO_NATIVE_DEQUANT", raising=False)
     # the float32-activation kernels, held here to float32 summation noise; the 8-bit-activation
-    # Q8_0 product (the default where the CPU has it) has its own bound: test_runtime_int8_product.py
+    # Q8_0 product (the default where the CPU has it) has its own bound: test_int8_product.py
     monkeypatch.setenv("SPECCONV_NATIVE_FLOAT_ACTIVATIONS", "1")
 
 

@@ -186,7 +186,7 @@ def test_chunked_product_equals_the_whole_product(monkeypatch, native):
     x = torch.randn(5, 96)
     whole = x @ full.t()
     monkeypatch.setattr(backend_cpu, "WHOLE_MAX_ELEMENTS", 0)  # every product takes a chunked path
-    # float32 activations: the 8-bit-activation product has its own bound (test_runtime_int8_product.py)
+    # float32 activations: the 8-bit-activation product has its own bound (tests/runtime/test_int8_product.py)
     monkeypatch.setenv("SPECCONV_NATIVE_FLOAT_ACTIVATIONS", "1")
     monkeypatch.setattr(stored_module, "CHUNK_ELEMENTS", 96 * 7)  # 7 rows a piece, the last one short
     backend = backend_cpu.NativeCpuBackend() if native else TorchBackend()

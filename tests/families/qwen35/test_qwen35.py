@@ -1,7 +1,7 @@
 """The qwen35 / qwen35moe plugin: names, shapes, roles, storage types, transforms, metadata, errors.
 Expected values are written out from docs/reference/gguf-layout.md §4 / §7.1 / §7.2 / §9 and from the HF config,
 never computed by the plugin's own helpers. The forward-level checks (re-tiling, MoE) live in
-test_arch_qwen35_math.py, the metadata in test_arch_qwen35_metadata.py.
+test_qwen35_math.py, the metadata in test_qwen35_metadata.py.
 """
 
 from __future__ import annotations
