@@ -18,7 +18,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from rich.cells import cell_len
