@@ -56,7 +56,7 @@ def timed(fn, repeats: int) -> float:
 
 def random_packed(qtype, n_out: int, n_in: int, device):
     """Packed rows of random bytes with sane 16-bit scales (finite values), on `device`."""
-    from tests.test_runtime_dequant_native import sane_rows
+    from tests.fixtures.quant_rows import sane_rows
 
     return sane_rows(qtype, n_out, n_in, seed=n_out + n_in).to(device)
 

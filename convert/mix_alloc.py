@@ -6,7 +6,7 @@ takes one option per group, its bytes and costs summed. `allocate` returns the m
 cost whose bytes fit the budget, exactly: it walks the groups keeping, for each total size reached,
 only mixes no other mix beats on both bytes and cost (the Pareto front), so the front never holds
 more entries than there are distinct sizes and the result is the optimum a brute force over every
-combination would find (tests/test_convert_auto_mix.py checks both on random tables). Ties in cost
+combination would find (tests/convert/test_auto_mix.py checks both on random tables). Ties in cost
 go to the smaller mix, then to the earlier options.
 """
 

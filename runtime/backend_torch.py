@@ -2,7 +2,7 @@
 
 It is what the tests hold the other backends to, what runs where no faster kernel applies, and the
 backend of devices without kernels of their own (`meta` included, which is how the forward is
-checked for host reads: tests/test_runtime_backend.py).
+checked for host reads: tests/runtime/test_backend.py).
 
 * `linear`: a stored matrix of up to stored.CHUNK_ELEMENTS values is dequantized whole and
   multiplied once (bit for bit what a dense weight computes); a larger one a chunk of rows at a

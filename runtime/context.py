@@ -66,7 +66,7 @@ class Context:
         self.memory.check_seq(seq)
         dev = self.model.device
         # ids and positions are checked on the host and moved to the device once: nothing in a
-        # decode reads a device tensor back (a host sync per call on a GPU; tests/test_runtime_backend.py)
+        # decode reads a device tensor back (a host sync per call on a GPU; tests/runtime/test_backend.py)
         host = torch.as_tensor(tokens, dtype=torch.long, device="cpu").reshape(-1)
         n = host.shape[0]
         if n == 0:

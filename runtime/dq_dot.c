@@ -11,7 +11,7 @@
  *
  * The sums are float32 sums in orders of their own (vector lanes, several running sums, FMA in the
  * vector kernels): every path equals x @ dense(W)^T within float32 summation noise, which
- * tests/test_runtime_dequant_native.py bounds for every type, width and row count; the paths do not
+ * tests/runtime/test_dequant_native.py bounds for every type, width and row count; the paths do not
  * give the same bits as each other. */
 #include "dq_blocks.h"
 

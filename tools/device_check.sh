@@ -5,7 +5,7 @@
 # the GPU (tools/cuda_families.py) and the demo; logs under $OUT (at most 8 files come back).
 #
 #   run(command="bash tools/device_check.sh", carry=[".whl"], timeout_s=580)
-#   run(command="TYPES=q8_0 TESTS=tests/test_cuda_graphs.py bash tools/device_check.sh", ...)  # a narrower run
+#   run(command="TYPES=q8_0 TESTS=tests/runtime/test_cuda_graphs.py bash tools/device_check.sh", ...)  # a narrower run
 #
 # TYPES: the dense 1 B file types to measure (default q8_0,Q4_K_M,bf16); MOE=0 skips the MoE file;
 # N: tokens decoded per rate measurement (default 64); TESTS: the test paths (default: every test,

@@ -5,7 +5,7 @@ family in its release layout and its behaviour-switching shapes, with its drafte
 DFlash / DFlash2, the Gemma 4 assistant, n-gram) plus the families the sweep leaves to their own
 tests (DSA: glm-dsa and deepseek32; chained MTP: hy_v3, step35, mimo2) and fixtures for the
 registry's remaining architecture names (Step-3.7's wrapper, the Qwen3 EAGLE-3 heads,
-`Eagle3DraftModel`, Gemma 4's text-only layout; tests/test_family_snapshot.py checks that every
+`Eagle3DraftModel`, Gemma 4's text-only layout; tests/families/test_family_snapshot.py checks that every
 name the converter accepts is covered) — this tool
 
 * converts the checkpoint (and its drafter's) with `specconv convert` to each of OUTTYPES, and
@@ -111,9 +111,9 @@ def _chained_family(family: str) -> Family:
 def _step37_family() -> Family:
     def build(root: Path) -> Source:
         from tests.fixtures import family_sweep, tiny_chained
-        from tests.test_verify_f64 import _step37_release
+        from tests.fixtures.tiny_chained import step37_release
 
-        src = _step37_release(tiny_chained.build_tiny(root / "hf35", "step35"), root / "hf")
+        src = step37_release(tiny_chained.build_tiny(root / "hf35", "step35"), root / "hf")
         return Source(src, "mtp", list(family_sweep.PROMPT))
     return Family("chained-step37", build)
 

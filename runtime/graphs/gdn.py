@@ -79,7 +79,7 @@ def cumulative_log_decay(g: torch.Tensor) -> torch.Tensor:
     so in float32 a difference of two of its values is only as exact as ulp(Γ), and the decays near
     the diagonal, the ones that count, carry that error into every output (the chunked form's
     float32 error was 30x the recurrence's on strongly decaying inputs, enough on a GPU to put a MoE
-    model's chunked and recurrent logits 1.45e-3 apart; tests/test_runtime_memory.py). In float64
+    model's chunked and recurrent logits 1.45e-3 apart; tests/runtime/test_memory.py). In float64
     each decay is exact to the compute dtype, and all of them come from the same Γ, so the form stays
     the exact function of its (rounded) inputs. Callers cast each exponential back to their dtype.
     (The batched form spans only a batch's last `keep` tokens, a verification batch: a short Γ.)"""

@@ -6,7 +6,7 @@ one per sequence and layer), so a rollback makes another slot current instead of
 Slots are given as int64 tensors on the device (the state before the batch `src_slot[0]`, the state
 after kept token i `dst_slots[i]`), so a captured CUDA graph replays with new slots written into
 the same index buffers. They are the only addresses taken from loaded values (Triton's interpreter
-runs them: tests/test_triton_kernels.py).
+runs them: tests/runtime/test_triton_kernels.py).
 """
 
 from __future__ import annotations

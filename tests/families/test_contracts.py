@@ -1,0 +1,276 @@
+"""The plugin and graph contracts are declared, not probed (archs/base.py, runtime/graphs/contract.py).
+
+* An AST scan of runtime/, convert/ and specconv/verify/ fails on any `getattr(x, name, default)` or
+  `hasattr(x, name)` that is not in ALLOWED below (each entry with its reason), and on an ALLOWED
+  entry that no longer matches anything (so the list only shrinks). The speculative loop and the
+  drafters (runtime/speculative.py, runtime/spec_*.py, runtime/drafters/, specconv/verify/roundtrip.py)
+  have their own guard.
+* Every registered plugin is a complete ArchPlugin and every graph declares a complete Graph; an
+  incomplete one is refused where it is declared, with the missing hooks named.
+* Everything the runtime reads of a model's graph is a declared Graph field.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from specconv.archs import ArchPlugin, SpecconvError, check_plugin, register, supported_architectures
+from specconv.archs import _REGISTRY
+from specconv.runtime import graphs
+from specconv.runtime.graphs.contract import Graph, no_tensors, required_fields
+
+ROOT = Path(__file__).resolve().parents[2]
+SCANNED = ("runtime", "convert", "specconv/verify")
+NOT_SCANNED = ("runtime/speculative.py", "runtime/spec_", "runtime/drafters/", "specconv/verify/roundtrip.py")
+
+_TRANSFORMERS = "a transformers model / config object, whose attributes differ by model class and version"
+_EXTENSION = "a compiled extension from an older build may lack the symbol; the Python path is used then"
+_PLATFORM = "a platform constant or method that some operating systems lack"
+_HPARAMS = ("hyperparameters of families without MTP / MoE / per-block heads; one hparams dataclass per "
+            "family (issue 35) declares them")
+# (file, attribute probed) -> why it is not a capability probe of our own objects (or who removes it)
+ALLOWED: dict[tuple[str, str], str] = {
+    ("runtime/kernels_triton/dequant.py", "name"): "a gguf GGMLQuantizationType or a raw type id from a file",
+    ("runtime/gdn_native.py", "gdn"): _EXTENSION,
+    ("runtime/dequant_native.py", "switches"): _EXTENSION,
+    ("runtime/dequant_native.py", "i8"): _EXTENSION,
+    ("convert/checkpoint.py", "MADV_DONTNEED"): _PLATFORM,
+    ("convert/checkpoint.py", "MADV_WILLNEED"): _PLATFORM,
+    ("convert/checkpoint.py", "O_CLOEXEC"): _PLATFORM,
+    ("convert/checkpoint.py", "madvise"): _PLATFORM,
+    ("specconv/verify/chained_mtp.py", "attention_type"): _TRANSFORMERS,
+    ("specconv/verify/chained_mtp.py", "layer_type"): _TRANSFORMERS,
+    ("specconv/verify/chained_mtp.py", "_name_or_path"): _TRANSFORMERS,
+    ("specconv/verify/chained_mtp.py", "name_or_path"): _TRANSFORMERS,
+    ("specconv/verify/hf_checks.py", "hf_device_map"): _TRANSFORMERS,
+    ("specconv/verify/parity.py", "weight"): _TRANSFORMERS,
+    ("specconv/verify/parity.py", "A_log"): _TRANSFORMERS,
+    ("specconv/verify/parity.py", "name"): _TRANSFORMERS,  # float attributes of modules / configs, by name
+    ("specconv/verify/parity.py", "text_config"): _TRANSFORMERS,
+    ("specconv/verify/parity.py", "rope_parameters"): _TRANSFORMERS,
+    ("specconv/verify/parity.py", "mlp_layer_types"): _TRANSFORMERS,
+    # A GGUF tensor record from the file reader, or a header-only one from tools/fuzz_gguf.py.
+    ("runtime/validate.py", "data"): "a tensor record that may be header-only (no mapped bytes)",
+    ("runtime/validate.py", "n_nextn"): _HPARAMS,
+    ("runtime/validate.py", "n_head_kv"): _HPARAMS,
+    ("runtime/validate.py", "n_heads"): _HPARAMS,
+    ("runtime/validate.py", "head_dim"): _HPARAMS,
+    ("runtime/validate.py", "n_rot"): _HPARAMS,
+    ("runtime/validate.py", "n_expert"): _HPARAMS,
+    ("runtime/validate.py", "n_expert_used"): _HPARAMS,
+    ("runtime/shapes.py", "n_nextn"): _HPARAMS,
+    ("runtime/shapes_families.py", "n_group"): _HPARAMS,
+    ("runtime/shapes_families.py", "n_group_used"): _HPARAMS,
+    # The MTP decode's input width: the assistant's lines, which move to the drafter base.
+    ("runtime/context.py", "n_embd_in"): "the assistant / DFlash input width; declared by the drafter base",
+}
+
+
+def _scanned_files() -> list[Path]:
+    files = []
+    for folder in SCANNED:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if not rel.startswith(NOT_SCANNED):
+                files.append(path)
+    return files
+
+
+def probes(source: str) -> list[tuple[int, str]]:
+    """(line, attribute) of every getattr-with-default / hasattr call; a non-constant name is given as
+    its source text."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        is_probe = (node.func.id == "getattr" and len(node.args) == 3) or (node.func.id == "hasattr" and len(node.args) == 2)
+        if is_probe:
+            name = node.args[1]
+            found.append((node.lineno, name.value if isinstance(name, ast.Constant) else ast.unparse(name)))
+    return found
+
+
+def test_probe_scan_finds_getattr_with_default_and_hasattr_only():
+    source = ("getattr(g, 'KIND', None)\nhasattr(g, 'serves')\ngetattr(g, 'KIND')\ng.KIND\n"
+              "getattr(m, name, 0)\nx.getattr(g, 'a', 1)\n")
+    assert probes(source) == [(1, "KIND"), (2, "serves"), (5, "name")]
+
+
+def test_no_capability_probes_outside_the_allow_list():
+    files = _scanned_files()
+    assert len(files) > 50, "the scan found too few files: wrong ROOT?"
+    seen, new = set(), []
+    for path in files:
+        rel = path.relative_to(ROOT).as_posix()
+        for line, attr in probes(path.read_text()):
+            seen.add((rel, attr))
+            if (rel, attr) not in ALLOWED:
+                new.append(f"{rel}:{line} probes {attr!r}")
+    print(f"\nscanned {len(files)} files; {len(seen)} allowed probe sites, {len(new)} new")
+    assert not new, ("getattr/hasattr capability probes: declare the hook in ArchPlugin (archs/base.py) or Graph "
+                     "(runtime/graphs/contract.py) and read it directly:\n  " + "\n  ".join(new))
+    stale = sorted(set(ALLOWED) - seen)
+    assert not stale, f"ALLOWED entries that match no probe any more (remove them): {stale}"
+
+
+# ---- plugins ---------------------------------------------------------------------------------------------
+
+def test_every_registered_plugin_is_a_complete_arch_plugin():
+    archs = supported_architectures()
+    classes = {cls for cls in _REGISTRY.values()}
+    for cls in classes:
+        assert issubclass(cls, ArchPlugin)
+        check_plugin(cls)  # raises on a missing hook
+        assert not cls.__abstractmethods__
+        assert cls.family and cls.hf_architectures
+    print(f"\n{len(classes)} plugin classes for {len(archs)} architectures satisfy ArchPlugin")
+
+
+class _Incomplete(ArchPlugin):  # gguf_arch and tensor_plan written; metadata, vocab_size and layer counts not
+    hf_architectures = ("IncompleteForCausalLM",)
+    family = "incomplete"
+
+    @property
+    def gguf_arch(self) -> str:
+        return "incomplete"
+
+    def tensor_plan(self):
+        return []
+
+
+def test_an_incomplete_plugin_is_refused_at_registration_with_its_missing_hooks_named():
+    supported_architectures()
+    before = dict(_REGISTRY)
+    with pytest.raises(SpecconvError) as err:
+        register(_Incomplete)
+    message = str(err.value)
+    print(f"\n{message}")
+    for hook in ("metadata", "n_mtp_layers", "n_trunk_layers", "vocab_size"):
+        assert hook in message
+    assert "gguf_arch" not in message and "tensor_plan" not in message
+    assert _REGISTRY == before  # nothing registered
+
+
+def test_a_plugin_without_identity_or_base_is_refused():
+    class Nameless(_Incomplete):
+        hf_architectures = ()
+        family = ""
+    with pytest.raises(SpecconvError, match="family, hf_architectures"):
+        check_plugin(Nameless)
+    with pytest.raises(SpecconvError, match="does not subclass ArchPlugin"):
+        check_plugin(object)
+
+
+def test_plugin_defaults_are_declared_on_the_base():
+    for hook in ("uses_target", "standalone_drafter", "missing_mtp", "notices", "tokenizer_dir", "refine",
+                 "normalize_name", "tokenizer_model", "tokenizer_pre", "special_tokens"):
+        assert hook in vars(ArchPlugin), hook
+    assert _Incomplete.refine({}) is _Incomplete  # the default hands over to no other class
+
+
+# ---- graphs ----------------------------------------------------------------------------------------------
+
+def test_every_graph_declares_a_complete_graph():
+    declared = {}
+    for arch in graphs.GRAPHS:
+        graph = graphs.graph_for(arch)
+        assert isinstance(graph, Graph)
+        assert not required_fields(graph)
+        assert graph.name == graphs.GRAPHS[arch]
+        declared[graph.name] = graph
+    # every graph module in the folder is registered (helpers declare no GRAPH)
+    for path in sorted((ROOT / "runtime/graphs").glob("*.py")):
+        if "\nGRAPH = Graph(" in path.read_text():
+            assert path.stem in declared, f"{path.name} declares a GRAPH but no GGUF arch maps to it"
+    print(f"\n{len(declared)} graphs declare Graph for {len(graphs.GRAPHS)} GGUF arches")
+
+
+def _minimal(**over) -> dict:
+    fields = {name: no_tensors for name in required_fields()}
+    fields.update(name="toy", HParams=graphs.graph_for("llama").HParams)
+    fields.update(over)
+    return fields
+
+
+def test_an_incomplete_graph_is_refused_where_it_is_declared():
+    partial = _minimal()
+    del partial["forward_mtp"], partial["mtp_layout"]
+    with pytest.raises(SpecconvError) as err:
+        Graph(**partial)
+    print(f"\n{err.value}")
+    assert "toy" in str(err.value) and "mtp_layout, forward_mtp" in str(err.value)
+    Graph(**_minimal())  # complete: accepted
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"MTP_ROWS": "sideways"}, "MTP_ROWS"),
+    ({"TARGET_HIDDEN": "nextn"}, "TARGET_HIDDEN"),
+    ({"CHAIN_HIDDEN": "post_norm"}, "CHAIN_HIDDEN"),
+    ({"KIND": "sidecar"}, "KIND"),
+    ({"forward_encoder": no_tensors}, "ENCODER"),
+    ({"main_tensors": ("token_embd.weight",)}, "callable"),
+    ({"HParams": dict}, "from_kv"),
+])
+def test_a_graph_with_a_bad_capability_is_refused(over, message):
+    with pytest.raises(SpecconvError, match=message):
+        Graph(**_minimal(**over))
+
+
+def test_the_allowed_capability_values_are_the_runtime_s():
+    from specconv.runtime.drafters import mtp_chain
+    from specconv.runtime.graphs import contract
+
+    assert set(contract.MTP_ROW_LAYOUTS) == set(mtp_chain.LAYOUTS)  # each a layout the MTP drafter runs
+
+
+def test_a_module_without_a_graph_declaration_is_refused(monkeypatch):
+    monkeypatch.setitem(graphs.GRAPHS, "toy-arch", "ops")  # a helper module: no GRAPH
+    with pytest.raises(SpecconvError, match="declares no GRAPH"):
+        graphs.graph_for("toy-arch")
+
+
+def _graph_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, field) of every attribute read of a model's graph: `<model>.graph.X`, `self.graph.X` and,
+    within a function, names bound to a `.graph` (`g, hp = model.graph, model.hparams`)."""
+    reads = set()
+    for scope in [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+        aliases = set()
+        if scope is not tree:
+            for node in ast.walk(scope):
+                if isinstance(node, ast.Assign):
+                    for target in node.targets:
+                        pairs = (zip(target.elts, node.value.elts) if isinstance(target, ast.Tuple)
+                                 and isinstance(node.value, ast.Tuple) else [(target, node.value)])
+                        for t, v in pairs:
+                            if isinstance(t, ast.Name) and isinstance(v, ast.Attribute) and v.attr == "graph":
+                                aliases.add(t.id)
+        for node in ast.walk(scope):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value
+            of_graph = (isinstance(owner, ast.Attribute) and owner.attr == "graph"
+                        and ast.unparse(owner.value).split(".")[-1] in ("model", "head", "target", "self")) \
+                or (isinstance(owner, ast.Name) and owner.id in aliases)
+            if of_graph:
+                reads.add((node.lineno, node.attr))
+    return sorted(reads)
+
+
+def test_the_runtime_reads_only_declared_graph_fields():
+    declared = {f.name for f in dataclasses.fields(Graph)}
+    files = [ROOT / p for p in ("runtime/model.py", "runtime/context.py", "runtime/step_graphs.py",
+                                "runtime/validate.py", "runtime/speculative.py")]
+    files += sorted((ROOT / "runtime/drafters").glob("*.py")) + sorted((ROOT / "specconv/verify").glob("*.py"))
+    reads, undeclared = 0, []
+    for path in files:
+        for line, name in _graph_reads(ast.parse(path.read_text())):
+            reads += 1
+            if name not in declared:
+                undeclared.append(f"{path.relative_to(ROOT)}:{line} reads graph.{name}")
+    print(f"\n{reads} reads of a model's graph, all of declared fields" if not undeclared else "")
+    assert reads >= 10, "the scan found too few graph reads: did Model.graph move?"
+    assert not undeclared, "\n".join(undeclared)
