@@ -45,6 +45,7 @@ class TensorSpec:
     accepts: Callable[[Any], list[Shape]] | None = None  # further shapes the runtime reads (other converters)
     hook: str | None = None  # planned by the plugin hook of this name (what the table cannot say)
     role: Role = Role.SHARED  # of a global tensor; a block's tensors take their block's role
+    graph: str | None = None  # the runtime graph that reads it ("encoder", "mtp") where the role does not say
 
     def __post_init__(self):
         if isinstance(self.on, str):
@@ -134,6 +135,14 @@ class TensorTable:
         out = [s.name() for s in self.globals() if s.optional == optional and s.role in roles]
         for bid in blocks:
             out += [s.name(bid) for s in self.block(sizes, bid) if s.optional == optional]
+        return out
+
+    def graph_names(self, sizes, blocks: Iterable[int], graph: str, optional: bool = False) -> list[str]:
+        """The required (or optional) tensors that `graph` reads, of the globals and the given blocks, for
+        a file whose graphs are not its roles (an EAGLE-3 head: a trunk file run as ENCODER + MTP)."""
+        out = [s.name() for s in self.globals() if s.optional == optional and s.graph == graph]
+        for bid in blocks:
+            out += [s.name(bid) for s in self.block(sizes, bid) if s.optional == optional and s.graph == graph]
         return out
 
     # ---- (c) the expected shapes ---------------------------------------------------------------

@@ -15,7 +15,6 @@ from typing import Any, Callable, Mapping
 from specconv.archs.errors import SpecconvError
 
 Shapes = dict[str, tuple]
-MAX_VOCAB = 1 << 24
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -42,26 +41,6 @@ def _experts(p: str, E: int, Fe: int, X: int) -> Shapes:
 def _gqa(p: str, E_in: int, E: int, nh: int, nkv: int, hd: int, q_mult: int = 1) -> Shapes:
     return {p + "attn_q.weight": (E_in, q_mult * nh * hd), p + "attn_k.weight": (E_in, nkv * hd),
             p + "attn_v.weight": (E_in, nkv * hd), p + "attn_output.weight": (nh * hd, E)}
-
-
-def llama(hp, E_in: int | None = None) -> Shapes:
-    E, out = hp.n_embd, _common(hp, hp.n_embd)
-    out["rope_freqs.weight"] = (hp.n_rot // 2,)
-    for i in range(hp.n_layer):
-        p = f"blk.{i}."
-        out.update(_gqa(p, E_in or E, E, hp.n_head, hp.n_head_kv, hp.head_dim))
-        out.update({p + "attn_norm.weight": (E,), p + "ffn_norm.weight": (E,)})
-        out.update(_dense_ffn(p, E, hp.n_ff))
-    return out
-
-
-def eagle3(hp) -> Shapes:
-    E = hp.n_embd
-    out = llama(hp, E_in=2 * E)
-    out.update({"fc.weight": (3 * hp.target_hidden_size, E), "enc.output_norm.weight": (3 * hp.target_hidden_size,),
-                "blk.0.attn_norm_2.weight": (E,), "token_embd.weight": (E, hp.n_vocab),
-                "output.weight": (E, "Vd"), "d2t": ("Vd",)})
-    return out
 
 
 def gemma4(hp) -> Shapes:
@@ -96,16 +75,13 @@ def gemma4(hp) -> Shapes:
 # The families not yet on a tensor table; the others' graphs declare `expected_shapes`, derived from
 # their table (archs/tensor_table.py).
 EXPECTED: dict[str, Callable[[Any], Shapes]] = {
-    "llama": llama, "eagle3": eagle3, "gemma4": gemma4, "gemma4-assistant": gemma4,
+    "gemma4": gemma4, "gemma4-assistant": gemma4,
 }
 
 
-def expected_shapes(hp, needed, graph) -> Shapes:
+def expected_shapes(hp, graph) -> Shapes:
     """From the graph's tensor table when it declares one (runtime/graphs/contract.py), else EXPECTED."""
-    out = graph.expected_shapes(hp) if graph.expected_shapes is not None else EXPECTED[hp.arch](hp)
-    if hp.arch == "eagle3" and "d2t" not in needed:  # no draft vocabulary: the head spans the target's
-        out["output.weight"] = (hp.n_embd, hp.n_vocab)
-    return out
+    return graph.expected_shapes(hp) if graph.expected_shapes is not None else EXPECTED[hp.arch](hp)
 
 
 # ---- per-family consistency --------------------------------------------------------------------
@@ -127,37 +103,8 @@ def check_arch_hparams(hp, kv: Mapping[str, Any]) -> None:
             raise SpecconvError(f"{a}.attention.shared_kv_layers {hp.n_shared} exceeds the {hp.n_layer} layers")
         if hp.n_expert and not hp.n_ff_exp:
             raise SpecconvError(f"{a}.expert_feed_forward_length is missing")
-    if a == "eagle3":
-        tokens = kv.get("tokenizer.ggml.tokens")
-        if not 0 < hp.n_vocab <= MAX_VOCAB:
-            raise SpecconvError(f"{a}: vocabulary size {hp.n_vocab} ({a}.vocab_size or tokenizer.ggml.tokens) is "
-                                f"outside 1..{MAX_VOCAB}")
-        if isinstance(tokens, list) and len(tokens) > hp.n_vocab:  # logits are scattered over n_vocab columns
-            raise SpecconvError(f"{a}.vocab_size {hp.n_vocab} is smaller than the {len(tokens)} tokenizer tokens")
-        if not hp.n_ff:
-            raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
-    if a == "llama" and not hp.n_ff:
-        raise SpecconvError(f"{a}.feed_forward_length is missing or 0")
     if a in _families.ARCH_HPARAMS:
         _families.ARCH_HPARAMS[a](hp)
-
-
-def _eagle3_values(file, hp, needed) -> None:
-    """d2t maps draft ids to target ids: every entry must be a target id (the decoder scatters by it)."""
-    if "d2t" not in needed or "d2t" not in file.tensors:
-        return
-    import numpy as np
-    from gguf import GGMLQuantizationType as Q
-
-    if "output.weight" not in needed:  # the target's head spans the target vocabulary, not the draft's
-        raise SpecconvError("tensor d2t maps a draft vocabulary, but the head has no output.weight of its own")
-    t = file.tensors["d2t"]
-    view = {Q.I32: np.int32, Q.I64: np.int64}.get(t.tensor_type)  # torch indexes with these, not I8 / I16
-    if view is None:
-        raise SpecconvError(f"tensor d2t has type {t.tensor_type.name}; I64 or I32 is expected")
-    values = np.asarray(t.data).view(view)
-    if values.size and (int(values.min()) < 0 or int(values.max()) >= hp.n_vocab):
-        raise SpecconvError(f"tensor d2t holds ids outside the target vocabulary [0, {hp.n_vocab})")
 
 
 def _gemma4_values(file, hp, needed) -> None:
@@ -176,8 +123,7 @@ def _gemma4_values(file, hp, needed) -> None:
                                 f"{p}ffn_up_exps.weight)")
 
 
-CHECK_VALUES = {"eagle3": _eagle3_values, "gemma4": _gemma4_values}
-INTEGER_TENSORS = {"eagle3": ("d2t",)}  # the only tensors read as integers
+CHECK_VALUES = {"gemma4": _gemma4_values}
 
 
 # the families added later (hy_v3, step35, mimo2, glm-dsa / deepseek32, dflash); imported last, as it

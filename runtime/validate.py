@@ -221,14 +221,16 @@ def validate_model(file, graph, hparams, needed: list[str]) -> None:
 
     try:
         check_hparams(hparams, file.kv)
+        if graph.check_hparams is not None:
+            graph.check_hparams(hparams, file.kv)
         for name in needed:
             if name in file.tensors:
-                check_tensor_info(name, file.tensors[name], shapes.INTEGER_TENSORS.get(hparams.arch, ()))
-        expected = shapes.expected_shapes(hparams, needed, graph)
+                check_tensor_info(name, file.tensors[name], graph.INTEGER_TENSORS)
+        expected = shapes.expected_shapes(hparams, graph)
         bound: dict[str, int] = {}
         for name in needed:
             if name in expected and name in file.tensors:
-                _check_shape(name, tuple(int(d) for d in file.tensors[name].shape), expected[name], bound)
+                check_shape(name, tuple(int(d) for d in file.tensors[name].shape), expected[name], bound)
         tokens = file.kv.get("tokenizer.ggml.tokens")
         if "tokenizer.ggml.tokens" in file.kv or "tokenizer.ggml.model" in file.kv:
             check_tokenizer_kv(file.kv, supported=False)
@@ -285,7 +287,7 @@ def _fmt(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def _check_shape(name: str, found: tuple[int, ...], expected, bound: dict[str, int]) -> None:
+def check_shape(name: str, found: tuple[int, ...], expected, bound: dict[str, int]) -> None:
     """`expected`: one shape, or a list of the shapes a graph accepts."""
     options = expected if isinstance(expected, list) else [expected]
     for option in options:

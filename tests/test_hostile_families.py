@@ -106,7 +106,7 @@ def test_every_loaded_tensor_has_an_expected_shape(tmp_path_factory):
         models = [target] + ([load(paths[1], share_from=target)] if len(paths) > 1 else [])
         for m in models:
             needed = m._needed()
-            expected = shapes.expected_shapes(m.hparams, needed, m.graph)
+            expected = shapes.expected_shapes(m.hparams, m.graph)
             without = [n for n in needed if n not in expected]
             assert not without, f"{name}: {m.paths[0].name} ({m.hparams.arch}) loads tensors without a shape rule: {without[:5]}"
             covered.add(m.hparams.arch)

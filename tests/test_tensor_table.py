@@ -56,6 +56,26 @@ def _dsa(family: str, **over):
     return build
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # written as rope_freqs.weight
+
+
+def _llama(root):
+    from tests.fixtures.tiny_eagle3 import build_llama_target
+
+    return build_llama_target(root, rope_scaling=LLAMA3_ROPE)
+
+
+def _eagle3(**head):
+    """A head converted with its target: (head folder, the convert arguments naming the target)."""
+    def build(root):
+        from tests.fixtures.tiny_eagle3 import build_eagle3_head, build_llama_target
+
+        target = build_llama_target(root / "target")
+        return build_eagle3_head(root / "head", target, **head), ["--target", str(target)]
+    return build
+
+
 QWEN_MTP = {"output.weight", "blk.{n}.nextn.shared_head_norm.weight"}
 NEXTN_COPIES = QWEN_MTP | {"blk.{n}.nextn.embed_tokens.weight", "blk.{n}.nextn.shared_head_head.weight"}
 GLM_ATTN = {f"blk.{{i}}.{x}" for x in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm.weight",
@@ -75,6 +95,14 @@ FAMILIES = {
     "glm47flash": ("deepseek2", _nextn_moe("glm4moelite"), 1, NEXTN_COPIES),
     "glm-dsa-shared": ("glm-dsa", _dsa("glm-dsa", indexer_types=["full", "shared", "full"]), 1, NEXTN_COPIES),
     "deepseek32": ("deepseek32", _dsa("deepseek32"), 1, NEXTN_COPIES),
+    "llama": ("llama", _llama, 0, {"output.weight", "rope_freqs.weight"}),
+    # the draft vocabulary's own head and d2t; the embedding is the target's
+    "eagle3": ("eagle3", _eagle3(layout="eagle"), 0, {"output.weight", "d2t"}),
+    # its own embedding, the norm before fc (then required), llama3 rope, a head over the whole vocabulary
+    "eagle3-speculators": ("eagle3", _eagle3(layout="speculators", norm_before_fc=True, draft_vocab=512,
+                                             rope_scaling=LLAMA3_ROPE), 0,
+                           {"token_embd.weight", "output.weight", "rope_freqs.weight"}),
+    "eagle3-target-head": ("eagle3", _eagle3(lm_head=False), 0, set()),  # embedding and head: the target's
 }
 
 
@@ -86,13 +114,16 @@ def test_converted_file_is_what_the_runtime_derives(case, tmp_path):
     from specconv.runtime.graphs import graph_for
 
     arch, build, n_mtp, optional_written = FAMILIES[case]
-    path = convert_gguf(build(tmp_path / "hf"), tmp_path / "m.gguf", outtype="f16")
+    built = build(tmp_path / "hf")
+    source, extra_args = built if isinstance(built, tuple) else (built, ())
+    path = convert_gguf(source, tmp_path / "m.gguf", outtype="f16", extra_args=extra_args)
     file = GGUFModelFile(path)
     assert file.arch == arch
     graph = graph_for(arch)
     hp = graph.HParams.from_kv(file.kv)
     assert hp.n_nextn == n_mtp
-    required = graph.main_tensors(hp) + graph.mtp_tensors(hp)
+    required = graph.main_tensors(hp) + graph.mtp_tensors(hp) + (graph.encoder_tensors(hp) if graph.encoder_tensors
+                                                                 else [])
     optional = list(graph.OPTIONAL) + graph.optional_main_tensors(hp) + graph.optional_mtp_tensors(hp)
     written = set(file.tensors)
     assert set(required) <= written, sorted(set(required) - written)
@@ -100,10 +131,11 @@ def test_converted_file_is_what_the_runtime_derives(case, tmp_path):
     blocks = range(hp.n_layer + hp.n_nextn)
     assert written - set(required) == {t.format(n=hp.n_layer, i=i) for t in optional_written for i in blocks}
 
-    expected, vocab = graph.expected_shapes(hp), file.tensors["token_embd.weight"].shape[1]
-    for name, t in file.tensors.items():
+    expected, bound = graph.expected_shapes(hp), {}
+    for name, t in file.tensors.items():  # a size the file chooses ("V", "Vd") binds to its first tensor
         options = expected[name] if isinstance(expected[name], list) else [expected[name]]
-        assert tuple(t.shape) == tuple(vocab if d == "V" else d for d in options[0]), name
+        want = [bound.setdefault(d, found) if isinstance(d, str) else d for d, found in zip(options[0], t.shape)]
+        assert tuple(t.shape) == tuple(want), name
         assert (t.tensor_type == Q.F32) == graph.keep_float32(name), (name, t.tensor_type.name)
     kept = sum(graph.keep_float32(n) for n in file.tensors)
     print(f"{case}: {len(file.tensors)} tensors, {kept} kept F32, {len(written - set(required))} optional written")

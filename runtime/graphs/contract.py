@@ -78,6 +78,8 @@ class Graph:
     MTP_ROWS: str = "llama.cpp"  # where each MTP block's rows begin (MTP_ROW_LAYOUTS)
     TARGET_HIDDEN: str = "post_norm"  # the target rows the MTP head reads (HIDDEN_STATES)
     check_values: Callable[..., None] | None = None  # (file, hp, needed) -> raises on bad tensor values
+    check_hparams: Callable[..., None] | None = None  # (hp, kv) -> raises on inconsistent hyperparameters
+    INTEGER_TENSORS: tuple[str, ...] = ()  # tensors read as integers (EAGLE-3's d2t); every other is float
     # hp -> {GGUF name: ggml shape(s)} of a family on a tensor table; None: runtime/shapes.py's entry
     expected_shapes: Callable[[Any], Mapping[str, Any]] | None = None
 
