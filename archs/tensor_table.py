@@ -78,13 +78,23 @@ class TensorTable:
     specs: tuple[TensorSpec, ...]
     # sizes, block index -> the block's tags ("attention" / "recurrent", "dense" / "moe", "nextn", ...)
     block_tags: Callable[[Any, int], frozenset[str]]
+    # sizes -> the tags the model has for its global tensors (Gemma 4's per-layer inputs); None: every global
+    global_tags: Callable[[Any], frozenset[str]] | None = None
+    # sizes, block index -> the sizes of that block (per-block head sizes and widths); None: the same for all
+    block_sizes: Callable[[Any, int], Any] | None = None
 
-    def globals(self) -> list[TensorSpec]:
-        return [s for s in self.specs if not s.per_block]
+    def globals(self, sizes=None) -> list[TensorSpec]:
+        """The global specs; with `sizes`, those whose tags the model has (without: every one)."""
+        tags = self.global_tags(sizes) if self.global_tags is not None and sizes is not None else None
+        return [s for s in self.specs if not s.per_block and (tags is None or s.on <= tags)]
 
     def block(self, sizes, bid: int) -> list[TensorSpec]:
         tags = self.block_tags(sizes, bid)
         return [s for s in self.specs if s.per_block and s.on <= tags]
+
+    def sizes_of(self, sizes, bid: int):
+        """The sizes block `bid`'s shapes are written in."""
+        return self.block_sizes(sizes, bid) if self.block_sizes is not None else sizes
 
     def replacing(self, tag: str, specs: Sequence[TensorSpec]) -> "TensorTable":
         """This table with the block specs that need `tag` replaced by `specs` (in their place)."""
@@ -95,7 +105,7 @@ class TensorTable:
                     out += specs
                 continue
             out.append(s)
-        return TensorTable(tuple(out), self.block_tags)
+        return TensorTable(tuple(out), self.block_tags, self.global_tags, self.block_sizes)
 
     # ---- (a) the converter's plan ------------------------------------------------------------
 
@@ -103,9 +113,10 @@ class TensorTable:
         """Add every tensor of the globals and of `blocks` to `plan` (a plan_tools.RolePlan): sources
         checked against the sizes, transforms bound, F32 pinned where the table keeps a tensor float."""
         hooks = hooks or {}
-        self._plan_specs(plan, sizes, self.globals(), None, "", None, hooks)
+        self._plan_specs(plan, sizes, self.globals(sizes), None, "", None, hooks)
         for b in blocks:
-            self._plan_specs(plan, sizes, self.block(sizes, b.bid), b.bid, b.prefix, b.role, hooks)
+            self._plan_specs(plan, self.sizes_of(sizes, b.bid), self.block(sizes, b.bid), b.bid, b.prefix, b.role,
+                             hooks)
 
     @staticmethod
     def _plan_specs(plan, sizes, specs, bid, prefix, role, hooks) -> None:
@@ -132,7 +143,7 @@ class TensorTable:
         """The required (or, with optional=True, the optional) tensors of the globals whose role is in
         `roles` and of the given blocks, in table order."""
         roles = set(roles)
-        out = [s.name() for s in self.globals() if s.optional == optional and s.role in roles]
+        out = [s.name() for s in self.globals(sizes) if s.optional == optional and s.role in roles]
         for bid in blocks:
             out += [s.name(bid) for s in self.block(sizes, bid) if s.optional == optional]
         return out
@@ -140,7 +151,7 @@ class TensorTable:
     def graph_names(self, sizes, blocks: Iterable[int], graph: str, optional: bool = False) -> list[str]:
         """The required (or optional) tensors that `graph` reads, of the globals and the given blocks, for
         a file whose graphs are not its roles (an EAGLE-3 head: a trunk file run as ENCODER + MTP)."""
-        out = [s.name() for s in self.globals() if s.optional == optional and s.graph == graph]
+        out = [s.name() for s in self.globals(sizes) if s.optional == optional and s.graph == graph]
         for bid in blocks:
             out += [s.name(bid) for s in self.block(sizes, bid) if s.optional == optional and s.graph == graph]
         return out
@@ -152,16 +163,16 @@ class TensorTable:
         accepts (what this converter writes first)."""
         out: dict[str, tuple | list[tuple]] = {}
 
-        def put(s: TensorSpec, name: str) -> None:
+        def put(s: TensorSpec, name: str, sizes) -> None:
             shapes = [s.shape(sizes)] + (list(s.accepts(sizes)) if s.accepts else [])
             ggml = [tuple(reversed(sh)) for sh in shapes]
             out[name] = ggml[0] if len(ggml) == 1 else ggml
 
-        for s in self.globals():
-            put(s, s.name())
+        for s in self.globals(sizes):
+            put(s, s.name(), sizes)
         for bid in blocks:
             for s in self.block(sizes, bid):
-                put(s, s.name(bid))
+                put(s, s.name(bid), self.sizes_of(sizes, bid))
         return out
 
     # ---- (d) the storage rule ------------------------------------------------------------------

@@ -76,12 +76,25 @@ def _eagle3(**head):
     return build
 
 
+def _gemma4(assistant: bool = False, **over):
+    def build(root):
+        from tests.fixtures import tiny_gemma4
+
+        return tiny_gemma4.tiny_assistant() if assistant else tiny_gemma4.tiny_gemma4("hub", **over)
+    return build
+
+
+def _gemma4_v(hp) -> set[str]:
+    """attn_v of the K/V-owning sliding layers (the full ones of attention_k_eq_v have none)."""
+    return {f"blk.{i}.attn_v.weight" for i in range(hp.n_layer) if hp.owns_kv(i) and hp.is_swa[i]}
+
+
 QWEN_MTP = {"output.weight", "blk.{n}.nextn.shared_head_norm.weight"}
 NEXTN_COPIES = QWEN_MTP | {"blk.{n}.nextn.embed_tokens.weight", "blk.{n}.nextn.shared_head_head.weight"}
 GLM_ATTN = {f"blk.{{i}}.{x}" for x in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm.weight",
                                         "attn_k_norm.weight")}
-# case -> (arch, tiny checkpoint builder, MTP blocks, the optional tensors the converter writes for it:
-# {n} the MTP block, {i} every block); every fixture has an untied output head
+# case -> (arch, tiny checkpoint builder (a folder, or with the convert arguments), MTP blocks, the optional
+# tensors the converter writes for it: {n} the MTP block, {i} every block, or a function of the hparams)
 FAMILIES = {
     "qwen35": ("qwen35", _qwen35(False), 1, QWEN_MTP), "qwen35moe": ("qwen35moe", _qwen35(True), 1, QWEN_MTP),
     "qwen3next": ("qwen3next", _qwen3next, 1, QWEN_MTP),
@@ -103,6 +116,14 @@ FAMILIES = {
                                              rope_scaling=LLAMA3_ROPE), 0,
                            {"token_embd.weight", "output.weight", "rope_freqs.weight"}),
     "eagle3-target-head": ("eagle3", _eagle3(lm_head=False), 0, set()),  # embedding and head: the target's
+    # per-layer inputs, K/V-sharing tail layers, attention_k_eq_v
+    "gemma4": ("gemma4", _gemma4(), 0, _gemma4_v),
+    # the MoE blocks (fused gate|up experts: optional by name), no sharing, no per-layer inputs
+    "gemma4-moe": ("gemma4", _gemma4(num_kv_shared_layers=0, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                                     moe_intermediate_size=16, hidden_size_per_layer_input=0,
+                                     vocab_size_per_layer_input=0), 0,
+                   lambda hp: _gemma4_v(hp) | {f"blk.{i}.ffn_gate_up_exps.weight" for i in range(hp.n_layer)}),
+    "gemma4-assistant": ("gemma4-assistant", _gemma4(assistant=True), 2, set()),
 }
 
 
@@ -129,7 +150,9 @@ def test_converted_file_is_what_the_runtime_derives(case, tmp_path):
     assert set(required) <= written, sorted(set(required) - written)
     assert written <= set(required) | set(optional), sorted(written - set(required) - set(optional))
     blocks = range(hp.n_layer + hp.n_nextn)
-    assert written - set(required) == {t.format(n=hp.n_layer, i=i) for t in optional_written for i in blocks}
+    optional_written = optional_written(hp) if callable(optional_written) else {
+        t.format(n=hp.n_layer, i=i) for t in optional_written for i in blocks}
+    assert written - set(required) == optional_written
 
     expected, bound = graph.expected_shapes(hp), {}
     for name, t in file.tensors.items():  # a size the file chooses ("V", "Vd") binds to its first tensor
