@@ -190,13 +190,14 @@ class TensorTable:
 
 class GraphTensors:
     """A runtime graph's tensor lists from its family's table: the trunk graph runs blocks
-    0..n_layer-1, the MTP graph the first nextn block (n_layer); `sizes(hp)` turns the graph's
+    0..n_layer-1, the MTP graph the first nextn block (n_layer), or with `chained` every one of the
+    n_nextn blocks after the trunk (hy_v3, step35, mimo2); `sizes(hp)` turns the graph's
     hparams into the table's sizes. A graph module exposes these as its `main_tensors`,
     `optional_main_tensors`, `mtp_tensors`, `optional_mtp_tensors`, `OPTIONAL`, `keep_float32` and
     `expected_shapes`."""
 
-    def __init__(self, table: TensorTable, sizes: Callable[[Any], Any]):
-        self.table, self.sizes = table, sizes
+    def __init__(self, table: TensorTable, sizes: Callable[[Any], Any], chained: bool = False):
+        self.table, self.sizes, self.chained = table, sizes, chained
         self.OPTIONAL = tuple(table.names(None, (), optional=True))  # e.g. output.weight, absent when tied
         self.keep_float32 = table.keeps_float32  # what the file keeps F32 stays float32 in any compute dtype
 
@@ -207,13 +208,17 @@ class GraphTensors:
         """Trunk-block tensors the graph runs without (e.g. GLM's attention biases), loaded when present."""
         return self.table.names(self.sizes(hp), range(hp.n_layer), roles=(), optional=True)
 
+    def _mtp_blocks(self, hp) -> range:
+        """The first nextn block; with `chained`, all k of them (block i drafts position i)."""
+        return range(hp.n_layer, hp.n_layer + (hp.n_nextn if self.chained else 1))
+
     def mtp_tensors(self, hp) -> list[str]:
         if not hp.n_nextn:
             return []
-        return self.table.names(self.sizes(hp), [hp.n_layer], roles=(Role.MTP, Role.SHARED))
+        return self.table.names(self.sizes(hp), self._mtp_blocks(hp), roles=(Role.MTP, Role.SHARED))
 
     def optional_mtp_tensors(self, hp) -> list[str]:
-        return self.table.names(self.sizes(hp), [hp.n_layer], roles=(), optional=True) if hp.n_nextn else []
+        return self.table.names(self.sizes(hp), self._mtp_blocks(hp), roles=(), optional=True) if hp.n_nextn else []
 
     def expected_shapes(self, hp) -> dict[str, tuple | list[tuple]]:
         """Every tensor of the file's blocks, trunk and MTP, in ggml order (runtime/shapes.py)."""

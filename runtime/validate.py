@@ -301,6 +301,12 @@ def check_shape(name: str, found: tuple[int, ...], expected, bound: dict[str, in
     raise SpecconvError(f"tensor {name} has the wrong shape: expected {shown}, found {_fmt(found)} (ggml order)")
 
 
+def check_rope_width(what: str, n_rot: int, head: int) -> None:
+    """A rope width the graph slices a head by: even and within the head."""
+    if n_rot < 0 or n_rot % 2 or n_rot > head:
+        raise SpecconvError(f"{what} {n_rot} must be even and at most the head size {head}")
+
+
 def check_hparams(hp, kv: Mapping[str, Any]) -> None:
     """Hyperparameters consistent with each other (what the graphs divide, index and slice by)."""
     from specconv.runtime import shapes

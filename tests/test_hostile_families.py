@@ -87,7 +87,7 @@ def test_shape_modules_import_in_either_order():
 
     for first in ("shapes_families", "shapes"):
         code = (f"import specconv.runtime.{first}; from specconv.runtime import shapes; "
-                f"assert {{'hy_v3', 'dflash', 'mimo2'}} <= set(shapes.EXPECTED)")
+                f"assert 'dflash' in shapes.EXPECTED")
         subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
 
 

@@ -84,9 +84,49 @@ def _gemma4(assistant: bool = False, **over):
     return build
 
 
-def _gemma4_v(hp) -> set[str]:
+def _chained_written(family: str):
+    """The optional tensors a chained-MTP checkpoint gives, read off its own tensor names: each block's
+    FFN, dense or routed by whether it has a router; the untied head; the family's per-checkpoint
+    extras (step35's head-wise gates and the MTP blocks' own LM head, mimo2's sinks and its MTP blocks'
+    fused q|k|v and output norm)."""
+    router = {"hy_v3": "mlp.router.gate.weight", "step35": "moe.gate.weight", "mimo2": "mlp.gate.weight"}[family]
+    bias = "exp_probs_b" if family == "hy_v3" else "exp_probs_b.bias"
+    routed = ["ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", bias]
+    routed += [] if family == "mimo2" else ["ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"]
+
+    def written(hp, source) -> set[str]:
+        from safetensors import safe_open
+
+        with safe_open(str(source / "model.safetensors"), "np") as f:
+            hf = set(f.keys())
+        out = {"output.weight"} if "lm_head.weight" in hf else set()
+        for i in range(hp.n_layer + hp.n_nextn):
+            mtp = i >= hp.n_layer
+            p = f"model.mtp.layers.{i - hp.n_layer}." if family == "mimo2" and mtp else f"model.layers.{i}."
+            ffn = routed if p + router in hf else ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+            extra = {"step35": ["attn_q_norm.weight", "attn_k_norm.weight"]
+                     + (["attn_gate.weight"] if p + "self_attn.g_proj.weight" in hf else [])
+                     + (["nextn.shared_head_head.weight"] if p + "transformer.shared_head.output.weight" in hf else [])
+                     + (["nextn.embed_tokens.weight"] if p + "embed_tokens.weight" in hf else []),
+                     "mimo2": (["attn_qkv.weight", "layer_output_norm.weight"] if mtp else
+                               ["attn_q.weight", "attn_k.weight", "attn_v.weight"])
+                     + (["attn_sinks.weight"] if p + "self_attn.attention_sink_bias" in hf else [])}.get(family, [])
+            out |= {f"blk.{i}.{n}" for n in ffn + extra}
+        return out
+    return written
+
+
+def _gemma4_v(hp, source=None) -> set[str]:
     """attn_v of the K/V-owning sliding layers (the full ones of attention_k_eq_v have none)."""
     return {f"blk.{i}.attn_v.weight" for i in range(hp.n_layer) if hp.owns_kv(i) and hp.is_swa[i]}
+
+
+def _chained(family: str, **over):
+    def build(root):
+        from tests.fixtures.tiny_chained import build_tiny
+
+        return build_tiny(root, family, **over)
+    return build
 
 
 QWEN_MTP = {"output.weight", "blk.{n}.nextn.shared_head_norm.weight"}
@@ -94,7 +134,8 @@ NEXTN_COPIES = QWEN_MTP | {"blk.{n}.nextn.embed_tokens.weight", "blk.{n}.nextn.s
 GLM_ATTN = {f"blk.{{i}}.{x}" for x in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm.weight",
                                         "attn_k_norm.weight")}
 # case -> (arch, tiny checkpoint builder (a folder, or with the convert arguments), MTP blocks, the optional
-# tensors the converter writes for it: {n} the MTP block, {i} every block, or a function of the hparams)
+# tensors the converter writes for it: {n} the MTP block, {i} every block, or a function of the hparams and
+# the checkpoint folder)
 FAMILIES = {
     "qwen35": ("qwen35", _qwen35(False), 1, QWEN_MTP), "qwen35moe": ("qwen35moe", _qwen35(True), 1, QWEN_MTP),
     "qwen3next": ("qwen3next", _qwen3next, 1, QWEN_MTP),
@@ -122,8 +163,12 @@ FAMILIES = {
     "gemma4-moe": ("gemma4", _gemma4(num_kv_shared_layers=0, enable_moe_block=True, num_experts=8, top_k_experts=2,
                                      moe_intermediate_size=16, hidden_size_per_layer_input=0,
                                      vocab_size_per_layer_input=0), 0,
-                   lambda hp: _gemma4_v(hp) | {f"blk.{i}.ffn_gate_up_exps.weight" for i in range(hp.n_layer)}),
+                   lambda hp, source: _gemma4_v(hp) | {f"blk.{i}.ffn_gate_up_exps.weight" for i in range(hp.n_layer)}),
     "gemma4-assistant": ("gemma4-assistant", _gemma4(assistant=True), 2, set()),
+    # dense and routed blocks, k MTP blocks (their FFN optional by name: the file decides which)
+    "hy_v3": ("hy_v3", _chained("hy_v3", k=2), 2, _chained_written("hy_v3")),
+    "step35": ("step35", _chained("step35", k=2), 2, _chained_written("step35")),
+    "mimo2": ("mimo2", _chained("mimo2", k=2), 2, _chained_written("mimo2")),
 }
 
 
@@ -150,7 +195,7 @@ def test_converted_file_is_what_the_runtime_derives(case, tmp_path):
     assert set(required) <= written, sorted(set(required) - written)
     assert written <= set(required) | set(optional), sorted(written - set(required) - set(optional))
     blocks = range(hp.n_layer + hp.n_nextn)
-    optional_written = optional_written(hp) if callable(optional_written) else {
+    optional_written = optional_written(hp, source) if callable(optional_written) else {
         t.format(n=hp.n_layer, i=i) for t in optional_written for i in blocks}
     assert written - set(required) == optional_written
 
