@@ -6,8 +6,8 @@ key or tensor, never an exception from deep inside a graph, a hang or an unbound
   every `HParams.from_kv`, so nothing there divides by zero or compares a string with an int).
 * `read_hparams(file, graph)`: `from_kv` with the file named in its errors.
 * `validate_model(file, graph, hparams, needed)`: hparams consistent with each other, every needed
-  tensor of the shape the hparams imply (the family's tensor table, archs/tensor_table.py, or
-  runtime/shapes.py), element counts without overflow, a storage type the runtime computes with, the
+  tensor of the shape the hparams imply (the graph's `expected_shapes`, from its family's tensor
+  table, archs/tensor_table.py), element counts without overflow, a storage type the runtime computes with, the
   tokenizer's arrays and special ids.
 """
 
@@ -216,7 +216,6 @@ def _named(file, message: str) -> str:
 
 def validate_model(file, graph, hparams, needed: list[str]) -> None:
     """One-line SpecconvError naming the file and the key or tensor, unless the file can be run."""
-    from specconv.runtime import shapes
     from specconv.runtime.tokenizer import check_tokenizer_kv
 
     try:
@@ -226,7 +225,7 @@ def validate_model(file, graph, hparams, needed: list[str]) -> None:
         for name in needed:
             if name in file.tensors:
                 check_tensor_info(name, file.tensors[name], graph.INTEGER_TENSORS)
-        expected = shapes.expected_shapes(hparams, graph)
+        expected = graph.expected_shapes(hparams)
         bound: dict[str, int] = {}
         for name in needed:
             if name in expected and name in file.tensors:
@@ -238,9 +237,8 @@ def validate_model(file, graph, hparams, needed: list[str]) -> None:
             if "V" in bound and isinstance(tokens, list) and len(tokens) > bound["V"]:
                 raise SpecconvError(f"tokenizer.ggml.tokens has {len(tokens)} entries, more than the {bound['V']} "
                                     f"rows of the embedding and output")
-        check_values = graph.check_values or shapes.CHECK_VALUES.get(hparams.arch)
-        if check_values is not None:
-            check_values(file, hparams, needed)
+        if graph.check_values is not None:
+            graph.check_values(file, hparams, needed)
     except SpecconvError as exc:
         raise SpecconvError(_named(file, str(exc))) from None
 
@@ -308,9 +306,8 @@ def check_rope_width(what: str, n_rot: int, head: int) -> None:
 
 
 def check_hparams(hp, kv: Mapping[str, Any]) -> None:
-    """Hyperparameters consistent with each other (what the graphs divide, index and slice by)."""
-    from specconv.runtime import shapes
-
+    """Hyperparameters consistent with each other (what the graphs divide, index and slice by); a
+    graph's own checks are its `check_hparams`."""
     if hp.n_layer < 0 or getattr(hp, "n_nextn", 0) < 0:
         raise SpecconvError(f"{hp.arch}: block_count is smaller than nextn_predict_layers")
     kv_heads = hp.n_head_kv if isinstance(getattr(hp, "n_head_kv", 1), list) else [getattr(hp, "n_head_kv", 1)]
@@ -332,4 +329,8 @@ def check_hparams(hp, kv: Mapping[str, Any]) -> None:
     n_expert, used = getattr(hp, "n_expert", 0), getattr(hp, "n_expert_used", 0)
     if n_expert and not 1 <= used <= n_expert:
         raise SpecconvError(f"{hp.arch}.expert_used_count {used} must be within 1..expert_count {n_expert}")
-    shapes.check_arch_hparams(hp, kv)
+    block_count = hp.n_layer + getattr(hp, "n_nextn", 0)
+    for key in ("attention.recurrent_layers", "attention.sliding_window_pattern"):
+        v = kv.get(f"{hp.arch}.{key}")
+        if isinstance(v, list) and len(v) != block_count:
+            raise SpecconvError(f"{hp.arch}.{key} has {len(v)} entries for block_count {block_count}")

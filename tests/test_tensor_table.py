@@ -84,6 +84,17 @@ def _gemma4(assistant: bool = False, **over):
     return build
 
 
+def _dflash(**head):
+    """A DFlash drafter converted with its Qwen3 target: (drafter folder, the convert arguments)."""
+    def build(root):
+        from tests.fixtures.tiny_dflash import build_dflash
+        from tests.fixtures.tiny_qwen3 import build_qwen3
+
+        target = build_qwen3(root / "target", n_layers=6, seed=4, head_dim=16)
+        return build_dflash(root / "dflash", target, **head), ["--target", str(target)]
+    return build
+
+
 def _chained_written(family: str):
     """The optional tensors a chained-MTP checkpoint gives, read off its own tensor names: each block's
     FFN, dense or routed by whether it has a router; the untied head; the family's per-checkpoint
@@ -166,6 +177,8 @@ FAMILIES = {
                    lambda hp, source: _gemma4_v(hp) | {f"blk.{i}.ffn_gate_up_exps.weight" for i in range(hp.n_layer)}),
     "gemma4-assistant": ("gemma4-assistant", _gemma4(assistant=True), 2, set()),
     # dense and routed blocks, k MTP blocks (their FFN optional by name: the file decides which)
+    "dflash": ("dflash", _dflash(), 0, set()),  # embedding and head: the target's
+    "dflash2": ("dflash", _dflash(v2=True), 0, set()),  # the convolutions and the candidate selector
     "hy_v3": ("hy_v3", _chained("hy_v3", k=2), 2, _chained_written("hy_v3")),
     "step35": ("step35", _chained("step35", k=2), 2, _chained_written("step35")),
     "mimo2": ("mimo2", _chained("mimo2", k=2), 2, _chained_written("mimo2")),
