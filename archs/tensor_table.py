@@ -10,7 +10,7 @@ is kept float (F32 in the file, float32 in the runtime) or quantizable.
 The sizes are one object per family whose fields the shape functions read. The plugin builds it
 from config.json, the graph from GGUF metadata; in the graph's sizes a dimension the file chooses is
 a string (the vocabulary "V"), which the load-time shape check binds to the first tensor that has it
-(runtime/shapes.py).
+(runtime/validate.py).
 
 What a table cannot say stays in the plugin as a hook, named by `TensorSpec.hook` and called once
 per block (the routed experts, fused or per expert; the output head, absent when tied). A spec with
@@ -221,5 +221,5 @@ class GraphTensors:
         return self.table.names(self.sizes(hp), self._mtp_blocks(hp), roles=(), optional=True) if hp.n_nextn else []
 
     def expected_shapes(self, hp) -> dict[str, tuple | list[tuple]]:
-        """Every tensor of the file's blocks, trunk and MTP, in ggml order (runtime/shapes.py)."""
+        """Every tensor of the file's blocks, trunk and MTP, in ggml order (runtime/validate.py)."""
         return self.table.ggml_shapes(self.sizes(hp), range(hp.n_layer + hp.n_nextn))
