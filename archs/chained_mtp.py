@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar, Sequence
 
-from gguf import GGUFValueType
 
 from . import names
-from .base import ArchPlugin, MetaKV, Role, TensorPlan
+from .base import ArchPlugin, Role, TensorPlan
 from .errors import SpecconvError
 from .plan_tools import RolePlan, add_output_head, embedding_rows
 from .tensor_table import Block, Hook, TensorSpec, TensorTable
@@ -211,12 +210,3 @@ class ChainedMtpPlugin(ArchPlugin):
         """The checkpoint prefix of GGUF block i (MTP blocks follow the trunk's numbering by default)."""
         return f"model.layers.{i}."
 
-    # ------------------------------------------------------------------ metadata
-
-    def _putter(self, kv: list[MetaKV]) -> Callable[..., None]:
-        arch = self.gguf_arch
-
-        def put(fmt: str, value: Any, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> None:
-            kv.append(MetaKV(fmt.format(arch=arch), value, vtype, sub))
-
-        return put

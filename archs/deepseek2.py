@@ -21,13 +21,14 @@ from functools import partial
 from typing import ClassVar
 
 import numpy as np
-from gguf import GGUFValueType, Keys
+from gguf import Keys
 
 from . import names, register
 from . import transforms as tf
 from .base import Checkpoint, MetaKV
-from .config_reader import MAX_LAYERS, ConfigReader
+from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
+from .metadata import MetadataWriter
 from .nextn_moe import NextnMoePlugin, nextn_moe_table, norm
 from .tensor_table import TensorSpec, TensorTable
 
@@ -140,23 +141,20 @@ class Deepseek2(NextnMoePlugin):
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         hp = self.hp
-        kv: list[MetaKV] = []
-        put = self._putter(kv)
-        u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
-        self._common_head_kv(put, keep_mtp, 1)  # MLA is written as MQA over the latent
-        put(Keys.LLM.VOCAB_SIZE, hp.vocab, u32)
+        w = MetadataWriter(self.gguf_arch)
+        self._common_head_kv(w, keep_mtp, 1)  # MLA is written as MQA over the latent
+        w.u32(Keys.LLM.VOCAB_SIZE, hp.vocab)
         # 0 = a plain attn_q; llama.cpp needs the key except for its "lite" layer counts
-        put(Keys.Attention.Q_LORA_RANK, self.q_lora or 0, u32)
-        put(Keys.Attention.KV_LORA_RANK, self.kv_lora, u32)
-        put(Keys.Attention.KEY_LENGTH, self.kv_lora + self.dr, u32)
-        put(Keys.Attention.VALUE_LENGTH, self.kv_lora, u32)
-        put(Keys.Attention.KEY_LENGTH_MLA, self.dn + self.dr, u32)  # selects llama.cpp's attn_k_b/attn_v_b path
-        put(Keys.Attention.VALUE_LENGTH_MLA, self.dv, u32)
-        put(Keys.Rope.DIMENSION_COUNT, self.dr, u32)
+        w.u32(Keys.Attention.Q_LORA_RANK, self.q_lora or 0)
+        w.u32(Keys.Attention.KV_LORA_RANK, self.kv_lora)
+        w.head_sizes(self.kv_lora + self.dr, self.kv_lora)
+        w.u32(Keys.Attention.KEY_LENGTH_MLA, self.dn + self.dr)  # selects llama.cpp's attn_k_b/attn_v_b path
+        w.u32(Keys.Attention.VALUE_LENGTH_MLA, self.dv)
+        w.u32(Keys.Rope.DIMENSION_COUNT, self.dr)
         if hp.yarn is not None and hp.yarn.mscale_all_dim is not None:
-            put(Keys.Rope.SCALING_YARN_LOG_MUL, 0.1 * hp.yarn.mscale_all_dim, f32)  # llama.cpp's legacy encoding
-        self._common_moe_kv(put, keep_mtp)
-        return kv
+            w.f32(Keys.Rope.SCALING_YARN_LOG_MUL, 0.1 * hp.yarn.mscale_all_dim)  # llama.cpp's legacy encoding
+        self._common_moe_kv(w, keep_mtp)
+        return w.kv
 
 
 @register

@@ -25,8 +25,9 @@ from gguf import GGUFValueType, Keys
 
 from . import names, plugin_class_for, register
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
-from .config_reader import MAX_LAYERS, ConfigReader
+from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
+from .metadata import MetadataWriter
 from .plan_tools import RolePlan
 from .tensor_table import Block, TensorSpec, TensorTable
 
@@ -261,60 +262,47 @@ class DFlash(ArchPlugin):
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         cfg, arch = self.cfg, self.gguf_arch
-        u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
-        kv: list[MetaKV] = []
-
-        def put(fmt: str, value: Any, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> None:
-            kv.append(MetaKV(fmt.format(arch=arch), value, vtype, sub))
-
         # llama.cpp's TextModel keys (its Qwen3Model base), then DFlashModel's own
-        put(Keys.LLM.BLOCK_COUNT, self.L, u32)
-        if (context := cfg.integer("max_position_embeddings", default=None)) is not None:
-            put(Keys.LLM.CONTEXT_LENGTH, context, u32)
-        put(Keys.LLM.EMBEDDING_LENGTH, self.H, u32)
-        put(Keys.LLM.FEED_FORWARD_LENGTH, self.F, u32)
-        put(Keys.Attention.HEAD_COUNT, self.n_head, u32)
-        put(Keys.Attention.HEAD_COUNT_KV, self.n_kv, u32)
+        w = MetadataWriter(arch)
+        w.text_model(self.L, cfg.integer("max_position_embeddings", default=None), self.H, self.F, self.n_head,
+                     self.n_kv)
         is_causal = cfg.flag("is_causal", default=None)
         early_causal = is_causal is False  # TextModel writes it here; DFlashModel rewrites it in place
         if early_causal:
-            put(names.causal_key(arch), False, GGUFValueType.BOOL)
+            w.flag(names.causal_key(arch), False)
         rope = cfg.with_rope()
         kind = rope.string("rope_type", default=None) or cfg.section("rope_scaling").string("type", default=None)
         if kind not in (None, "default"):
             raise SpecconvError(f"DFlash rope scaling {kind!r} is not supported (default rope only)")
-        if (theta := rope.number("rope_theta", default=None)) is not None:
-            put(Keys.Rope.FREQ_BASE, theta, f32)
-        put(Keys.Attention.LAYERNORM_RMS_EPS, cfg.number("rms_norm_eps", default=1e-6), f32)
+        w.f32(Keys.Rope.FREQ_BASE, rope.number("rope_theta", default=None))
+        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, cfg.number("rms_norm_eps", default=1e-6))
         if cfg.has("head_dim"):
-            put(Keys.Attention.KEY_LENGTH, self.hd, u32)
-            put(Keys.Attention.VALUE_LENGTH, self.hd, u32)
+            w.head_sizes(self.hd)
         if (prf := rope.number("partial_rotary_factor", default=None)) is not None:
-            put(Keys.Rope.DIMENSION_COUNT, int(self.hd * prf), u32)
-        if (value_scale := self.dcfg.number("attention_value_scale", default=None)) is not None:
-            put("{arch}.attention.value_scale", value_scale, f32)
-        put(names.block_size_key(arch), self.block_size, u32)
+            w.u32(Keys.Rope.DIMENSION_COUNT, int(self.hd * prf))
+        w.f32("{arch}.attention.value_scale", self.dcfg.number("attention_value_scale", default=None))
+        w.u32(names.block_size_key(arch), self.block_size)
         if self.v2:
             for key, value in self.conv.items():
-                put("{arch}." + key, value, u32)
+                w.u32("{arch}." + key, value)
         for key, value in (("logit_scale", self._opt("output_multiplier")),
                            ("final_logit_softcapping", self._opt("final_logit_softcapping")),
                            ("embedding_scale", self._opt("input_embedding_scale"))):
             if value is not None and (key != "final_logit_softcapping" or value > 0):
-                put("{arch}." + key, value, f32)
-        put(names.target_layers_key(arch), list(self.target_layers), GGUFValueType.ARRAY, GGUFValueType.INT32)
+                w.f32("{arch}." + key, value)
+        w.array(names.target_layers_key(arch), self.target_layers, GGUFValueType.INT32)
         swa_all = self.dcfg.flag("use_swa", default=False)
         window = self.dcfg.integer("swa_window_size", default=None) or cfg.integer("sliding_window", default=None)
         if (cfg.flag("use_sliding_window", default=False) or swa_all) and window:
             pattern = ([True] * self.L if swa_all else
                        [t == "sliding_attention" for t in cfg.strings("layer_types", default=None) or []])
-            put(Keys.Attention.SLIDING_WINDOW, window, u32)
-            put(Keys.Attention.SLIDING_WINDOW_PATTERN, pattern, GGUFValueType.ARRAY, GGUFValueType.BOOL)
+            w.u32(Keys.Attention.SLIDING_WINDOW, window)
+            w.array(Keys.Attention.SLIDING_WINDOW_PATTERN, pattern, GGUFValueType.BOOL)
         causal = is_causal if is_causal is not None else self.dcfg.flag("causal", default=None)
-        if causal is not None and not early_causal:
-            put(names.causal_key(arch), causal, GGUFValueType.BOOL)
+        if not early_causal:
+            w.flag(names.causal_key(arch), causal)
         if self._target_uses_mrope():  # M-RoPE target (Qwen3.5): the draft ropes on the temporal section only
-            put(Keys.Rope.DIMENSION_SECTIONS, [self.hd // 2, 0, 0, 0], GGUFValueType.ARRAY, GGUFValueType.INT32)
+            w.array(Keys.Rope.DIMENSION_SECTIONS, [self.hd // 2, 0, 0, 0], GGUFValueType.INT32)
         # upstream writes it after the tokenizer (set_vocab); the engine appends the tokenizer after these
-        put(names.MASK_TOKEN_ID_KEY, self.mask_token_id, u32)
-        return kv
+        w.u32(names.MASK_TOKEN_ID_KEY, self.mask_token_id)
+        return w.kv

@@ -27,6 +27,7 @@ from .base import MetaKV
 from .config_reader import ConfigReader
 from .deepseek2 import DEEPSEEK2_TABLE, Deepseek2, Glm4MoeLite
 from .errors import SpecconvError
+from .metadata import MetadataWriter
 from .tensor_table import TensorSpec, TensorTable
 
 # llama.cpp's glm-dsa loader: below this trained context every layer is "full" by default.
@@ -101,11 +102,10 @@ class DsaMixin:
                 raise SpecconvError(f"layer {bid} is a 'shared' indexer layer but the checkpoint has {wk}")
         return super().tensor_plan()
 
-    def _indexer_kv(self, kv: list[MetaKV]) -> None:
-        put, u32 = self._putter(kv), GGUFValueType.UINT32
-        put(Keys.Attention.Indexer.HEAD_COUNT, self.index_heads, u32)
-        put(Keys.Attention.Indexer.KEY_LENGTH, self.index_dim, u32)
-        put(Keys.Attention.Indexer.TOP_K, self.index_topk, u32)
+    def _indexer_kv(self, w: MetadataWriter) -> None:
+        w.u32(Keys.Attention.Indexer.HEAD_COUNT, self.index_heads)
+        w.u32(Keys.Attention.Indexer.KEY_LENGTH, self.index_dim)
+        w.u32(Keys.Attention.Indexer.TOP_K, self.index_topk)
 
 
 @register
@@ -133,15 +133,14 @@ class GlmMoeDsa(DsaMixin, Glm4MoeLite):
         return names.GLM_DSA
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
-        kv = super().metadata(keep_mtp)
-        self._indexer_kv(kv)
+        w = MetadataWriter(self.gguf_arch, super().metadata(keep_mtp))
+        self._indexer_kv(w)
         # llama.cpp's default without the key: all full below GLM52_CONTEXT, GLM-5.2's pattern above
         differs = self.hp.context_length >= GLM52_CONTEXT or not all(self.indexer_full)
         if self.tc.has("indexer_types") or differs:
             # one bool per trunk block (llama.cpp reads n_layer entries; the nextn block is full)
-            self._putter(kv)(names.indexer_types_key(names.GLM_DSA), self.indexer_full, GGUFValueType.ARRAY,
-                             GGUFValueType.BOOL)
-        return kv
+            w.array(names.indexer_types_key(names.GLM_DSA), self.indexer_full, GGUFValueType.BOOL)
+        return w.kv
 
 
 @register
@@ -167,6 +166,6 @@ class DeepseekV32(DsaMixin, Deepseek2):
         return names.DEEPSEEK32
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
-        kv = super().metadata(keep_mtp)
-        self._indexer_kv(kv)
-        return kv
+        w = MetadataWriter(self.gguf_arch, super().metadata(keep_mtp))
+        self._indexer_kv(w)
+        return w.kv

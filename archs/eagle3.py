@@ -35,6 +35,7 @@ from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 from .llama import (BLOCK_SPECS, ROPE_FREQS_SPEC, Sizes, _norm, add_rope_freqs, attention_shapes, block_tags, llama_kv,
                     rope_freqs_first)
+from .metadata import MetadataWriter
 from .plan_tools import RolePlan
 from .tensor_table import Block, TensorSpec, TensorTable
 
@@ -275,9 +276,9 @@ class Eagle3(ArchPlugin):
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         arch = self.gguf_arch
         cfg = self.cfg.with_values({"head_dim": self.hd})  # key/value_length always written (llama.cpp's converter: when known)
-        kv = llama_kv(arch, cfg, 1, self.V)
-        kv += [MetaKV(names.target_layers_key(arch), list(self.layers), GGUFValueType.ARRAY, GGUFValueType.INT32),
-               MetaKV(names.target_hidden_size_key(arch), self.Ht, GGUFValueType.UINT32),
-               MetaKV(names.norm_before_residual_key(arch), self.norm_before_residual, GGUFValueType.BOOL),
-               MetaKV(names.norm_before_fc_key(arch), self.norm_before_fc, GGUFValueType.BOOL)]
-        return kv
+        w = MetadataWriter(arch, llama_kv(arch, cfg, 1, self.V))
+        w.array(names.target_layers_key(arch), self.layers, GGUFValueType.INT32)
+        w.u32(names.target_hidden_size_key(arch), self.Ht)
+        w.put(names.norm_before_residual_key(arch), self.norm_before_residual, GGUFValueType.BOOL)
+        w.put(names.norm_before_fc_key(arch), self.norm_before_fc, GGUFValueType.BOOL)
+        return w.kv

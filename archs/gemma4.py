@@ -28,8 +28,9 @@ from gguf import GGUFValueType, Keys
 from . import names, register
 from . import transforms as tf
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
-from .config_reader import MAX_LAYERS, ConfigReader
+from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
+from .metadata import MetadataWriter
 from .plan_tools import RolePlan, text_model_name
 from .tensor_table import Block, TensorSpec, TensorTable
 
@@ -329,44 +330,28 @@ class _Gemma4Base(ArchPlugin):
     # ---- metadata -------------------------------------------------------------------------
     def _kv(self, arch: str, n_vocab: int) -> list[MetaKV]:
         hp = self.hp
-        u32, f32, b = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
-        out: list[MetaKV] = []
-
-        def put(key, value, vtype, sub=None):
-            out.append(MetaKV(key.format(arch=arch), value, vtype, sub))
-
-        put(Keys.LLM.BLOCK_COUNT, hp.N, u32)
-        put(Keys.LLM.CONTEXT_LENGTH, hp.context_length, u32)
-        put(Keys.LLM.EMBEDDING_LENGTH, hp.H, u32)
-        if hp.double_wide and hp.n_shared:
-            put(Keys.LLM.FEED_FORWARD_LENGTH, [hp.ffn_width(i) for i in range(hp.N)], GGUFValueType.ARRAY, u32)
-        else:
-            put(Keys.LLM.FEED_FORWARD_LENGTH, hp.F, u32)
-        put(Keys.Attention.HEAD_COUNT, hp.n_head, u32)
-        if len(set(hp.nkv)) > 1:
-            put(Keys.Attention.HEAD_COUNT_KV, list(hp.nkv), GGUFValueType.ARRAY, u32)
-        else:
-            put(Keys.Attention.HEAD_COUNT_KV, hp.nkv[0], u32)
-        put(Keys.Rope.FREQ_BASE, hp.rope_theta, f32)
-        put(Keys.Rope.FREQ_BASE_SWA, hp.rope_theta_swa, f32)
-        put(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps, f32)
+        w = MetadataWriter(arch)
+        ffn = [hp.ffn_width(i) for i in range(hp.N)] if hp.double_wide and hp.n_shared else hp.F
+        w.text_model(hp.N, hp.context_length, hp.H, ffn, hp.n_head,
+                     list(hp.nkv) if len(set(hp.nkv)) > 1 else hp.nkv[0])
+        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
+        w.f32(Keys.Rope.FREQ_BASE_SWA, hp.rope_theta_swa)
+        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps)
         if hp.moe:
-            put(Keys.LLM.EXPERT_COUNT, hp.E, u32)
-            put(Keys.LLM.EXPERT_USED_COUNT, hp.k_used, u32)
-            put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.Fe, u32)
-        put(Keys.Attention.KEY_LENGTH, hp.hd_full, u32)
-        put(Keys.Attention.VALUE_LENGTH, hp.hd_full, u32)
-        put(Keys.Attention.KEY_LENGTH_SWA, hp.hd_swa, u32)
-        put(Keys.Attention.VALUE_LENGTH_SWA, hp.hd_swa, u32)
+            w.experts(hp.E, hp.k_used)
+            w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.Fe)
+        w.head_sizes(hp.hd_full)
+        w.u32(Keys.Attention.KEY_LENGTH_SWA, hp.hd_swa)
+        w.u32(Keys.Attention.VALUE_LENGTH_SWA, hp.hd_swa)
         if hp.final_softcap:
-            put(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, hp.final_softcap, f32)
-        put(Keys.Attention.SLIDING_WINDOW, hp.sliding_window, u32)
-        put(Keys.Attention.SHARED_KV_LAYERS, hp.n_shared, u32)
-        put(Keys.LLM.EMBD_LENGTH_PER_LAYER_INP, hp.P, u32)
-        put(Keys.Attention.SLIDING_WINDOW_PATTERN, [t == SLIDING for t in hp.types], GGUFValueType.ARRAY, b)
-        put(Keys.Rope.DIMENSION_COUNT, hp.hd_full, u32)
-        put(Keys.Rope.DIMENSION_COUNT_SWA, int(hp.hd_swa * hp.rope_factor_swa), u32)
-        return out
+            w.f32(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, hp.final_softcap)
+        w.u32(Keys.Attention.SLIDING_WINDOW, hp.sliding_window)
+        w.u32(Keys.Attention.SHARED_KV_LAYERS, hp.n_shared)
+        w.u32(Keys.LLM.EMBD_LENGTH_PER_LAYER_INP, hp.P)
+        w.array(Keys.Attention.SLIDING_WINDOW_PATTERN, [t == SLIDING for t in hp.types], GGUFValueType.BOOL)
+        w.u32(Keys.Rope.DIMENSION_COUNT, hp.hd_full)
+        w.u32(Keys.Rope.DIMENSION_COUNT_SWA, int(hp.hd_swa * hp.rope_factor_swa))
+        return w.kv
 
 
 @register
@@ -459,8 +444,7 @@ class Gemma4Assistant(_Gemma4Base):
         return self._plan(self.table, s)
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
-        arch, u32 = self.gguf_arch, GGUFValueType.UINT32
-        kv = self._kv(arch, self.vocab_size())
-        kv.append(MetaKV(Keys.LLM.EMBEDDING_LENGTH_OUT.format(arch=arch), self.Hb, u32))
-        kv.append(MetaKV(names.nextn_predict_layers_key(arch), self.hp.N, u32))
-        return kv
+        w = MetadataWriter(self.gguf_arch, self._kv(self.gguf_arch, self.vocab_size()))
+        w.u32(Keys.LLM.EMBEDDING_LENGTH_OUT, self.Hb)
+        w.nextn(self.hp.N)  # the whole assistant is one drafter of N blocks
+        return w.kv

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from gguf import GGUFValueType, Keys
+from gguf import Keys
 
 from . import names, register
 from .base import Checkpoint, MetaKV
 from .errors import SpecconvError
+from .metadata import MetadataWriter
 from .nextn_moe import NextnMoePlugin, nextn_moe_table, norm
 from .tensor_table import TensorSpec, TensorTable
 
@@ -81,12 +82,9 @@ class Glm4Moe(NextnMoePlugin):
                     qk_norm=self.qk_norm)
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
-        kv: list[MetaKV] = []
-        put = self._putter(kv)
-        u32 = GGUFValueType.UINT32
-        self._common_head_kv(put, keep_mtp, self.n_head_kv)
-        put(Keys.Attention.KEY_LENGTH, self.head_dim, u32)
-        put(Keys.Attention.VALUE_LENGTH, self.head_dim, u32)
-        put(Keys.Rope.DIMENSION_COUNT, self.rope_dim, u32)
-        self._common_moe_kv(put, keep_mtp)
-        return kv
+        w = MetadataWriter(self.gguf_arch)
+        self._common_head_kv(w, keep_mtp, self.n_head_kv)
+        w.head_sizes(self.head_dim)
+        w.u32(Keys.Rope.DIMENSION_COUNT, self.rope_dim)
+        self._common_moe_kv(w, keep_mtp)
+        return w.kv

@@ -17,14 +17,15 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar, Mapping
 
-from gguf import GGUFValueType, Keys
+from gguf import Keys
 
 from . import names, register
 from .base import Checkpoint, MetaKV, Role
 from .chained_mtp import ChainedMtpPlugin, Sizes, chained_table, check_stated_count, head_copies, norm_spec, routed_specs
+from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
-from .config_reader import MAX_LAYERS, ConfigReader
-from .nextn_moe import _TOWERS, MOE_KEYS, MoeHparams, parse_moe_hparams
+from .metadata import MetadataWriter
+from .nextn_moe import MOE_KEYS, MoeHparams, _TOWERS, parse_moe_hparams
 from .plan_tools import RolePlan, plan_experts, text_model_name, trunk_indexed_mtp_count
 from .tensor_table import Hook, TensorSpec, TensorTable
 
@@ -132,28 +133,18 @@ class HyV3(ChainedMtpPlugin):
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         """In the order of llama.cpp's converter (TextModel's keys, then HYV3Model's)."""
         hp = self.hp
-        u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
-        kv: list[MetaKV] = []
-        put = self._putter(kv)
-
-        put(Keys.LLM.BLOCK_COUNT, hp.n_layer + (self.k if keep_mtp else 0), u32)
-        put(Keys.LLM.CONTEXT_LENGTH, hp.context_length, u32)
-        put(Keys.LLM.EMBEDDING_LENGTH, hp.hidden, u32)
-        put(Keys.LLM.FEED_FORWARD_LENGTH, hp.ffn, u32)
-        put(Keys.Attention.HEAD_COUNT, hp.n_head, u32)
-        put(Keys.Attention.HEAD_COUNT_KV, self.n_head_kv, u32)
-        put(Keys.Rope.FREQ_BASE, hp.rope_theta, f32)
-        put(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps, f32)
-        put(Keys.LLM.EXPERT_COUNT, hp.n_expert, u32)
-        put(Keys.LLM.EXPERT_USED_COUNT, hp.n_expert_used, u32)
+        w = MetadataWriter(self.gguf_arch)
+        w.text_model(hp.n_layer + (self.k if keep_mtp else 0), hp.context_length, hp.hidden, hp.ffn, hp.n_head,
+                     self.n_head_kv)
+        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
+        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps)
+        w.experts(hp.n_expert, hp.n_expert_used)
         if self.has_head_dim:
-            put(Keys.Attention.KEY_LENGTH, self.head_dim, u32)
-            put(Keys.Attention.VALUE_LENGTH, self.head_dim, u32)
-        put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn, u32)
-        put(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_ffn, u32)
-        put(Keys.LLM.EXPERT_WEIGHTS_NORM, hp.norm_topk, GGUFValueType.BOOL)
-        put(Keys.LLM.EXPERT_WEIGHTS_SCALE, hp.routed_scale, f32)
-        put(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID, u32)
-        if keep_mtp and self.k:
-            put(Keys.LLM.NEXTN_PREDICT_LAYERS, self.k, u32)
-        return kv
+            w.head_sizes(self.head_dim)
+        w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn)
+        w.u32(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_ffn)
+        w.flag(Keys.LLM.EXPERT_WEIGHTS_NORM, hp.norm_topk)
+        w.f32(Keys.LLM.EXPERT_WEIGHTS_SCALE, hp.routed_scale)
+        w.u32(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID)
+        w.nextn(self.k if keep_mtp else 0)
+        return w.kv

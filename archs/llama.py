@@ -17,13 +17,14 @@ from functools import partial
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
-from gguf import GGUFValueType, Keys
+from gguf import Keys
 
 from . import names, plugin_class_for_family, register
 from . import transforms as tf
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
-from .config_reader import MAX_LAYERS, ConfigReader
+from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
+from .metadata import MetadataWriter
 from .plan_tools import RolePlan, embedding_rows
 from .tensor_table import Block, TensorSpec, TensorTable
 
@@ -176,22 +177,16 @@ def attention_shapes(cfg: ConfigReader) -> tuple[int, int, int]:
 def llama_kv(arch: str, cfg: ConfigReader, n_layer: int, vocab: int) -> list[MetaKV]:
     """The LLaMA key set llama.cpp's converter writes (TextModel + LlamaModel)."""
     n_head, n_kv, hd = attention_shapes(cfg)
-    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
-    kv = [MetaKV(Keys.LLM.BLOCK_COUNT.format(arch=arch), n_layer, u32)]
-    if context := cfg.integer("max_position_embeddings", default=None):
-        kv.append(MetaKV(Keys.LLM.CONTEXT_LENGTH.format(arch=arch), context, u32))
-    kv += [MetaKV(Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), cfg.integer("hidden_size"), u32),
-           MetaKV(Keys.LLM.FEED_FORWARD_LENGTH.format(arch=arch), cfg.integer("intermediate_size"), u32),
-           MetaKV(Keys.Attention.HEAD_COUNT.format(arch=arch), n_head, u32),
-           MetaKV(Keys.Attention.HEAD_COUNT_KV.format(arch=arch), n_kv, u32),
-           MetaKV(Keys.Rope.FREQ_BASE.format(arch=arch), cfg.with_rope().number("rope_theta", default=10000.0), f32),
-           MetaKV(Keys.Attention.LAYERNORM_RMS_EPS.format(arch=arch), cfg.number("rms_norm_eps", default=1e-6), f32)]
+    w = MetadataWriter(arch)
+    w.text_model(n_layer, cfg.integer("max_position_embeddings", default=None) or None,  # 0: not written
+                 cfg.integer("hidden_size"), cfg.integer("intermediate_size"), n_head, n_kv)
+    w.f32(Keys.Rope.FREQ_BASE, cfg.with_rope().number("rope_theta", default=10000.0))
+    w.f32(Keys.Attention.LAYERNORM_RMS_EPS, cfg.number("rms_norm_eps", default=1e-6))
     if cfg.integer("head_dim", default=None):
-        kv += [MetaKV(Keys.Attention.KEY_LENGTH.format(arch=arch), hd, u32),
-               MetaKV(Keys.Attention.VALUE_LENGTH.format(arch=arch), hd, u32)]
-    kv += [MetaKV(Keys.LLM.VOCAB_SIZE.format(arch=arch), vocab, u32),
-           MetaKV(Keys.Rope.DIMENSION_COUNT.format(arch=arch), hd, u32)]
-    return kv
+        w.head_sizes(hd)
+    w.u32(Keys.LLM.VOCAB_SIZE, vocab)
+    w.u32(Keys.Rope.DIMENSION_COUNT, hd)
+    return w.kv
 
 
 @register

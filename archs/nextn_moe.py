@@ -11,33 +11,24 @@ FFN/MoE tensors, nextn extras, common KV) lives here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping
 
-from gguf import GGUFValueType, Keys
+from gguf import Keys
 
 from . import names
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
-from .config_reader import MAX_LAYERS, ConfigReader
+from .base import ArchPlugin, Checkpoint, Role, TensorPlan
+from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
+from .metadata import MetadataWriter
 from .plan_tools import (
     RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name, trunk_indexed_mtp_count,
 )
+from .rope_scaling import RopeScaling, rope_scaling_of
 from .tensor_table import Block, TensorSpec, TensorTable
 
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.")
 # HF nextn copies -> GGUF nextn part (docs/reference/gguf-layout.md §4.1)
 NEXTN_OPTIONAL = (("embed_tokens", names.NEXTN_EMBED_TOKENS), ("shared_head.head", names.NEXTN_SHARED_HEAD_HEAD))
-
-
-@dataclass(frozen=True)
-class Yarn:
-    factor: float
-    original_context: int
-    ext_factor: float | None
-    attn_factor: float | None
-    beta_fast: float | None
-    beta_slow: float | None
-    mscale_all_dim: float | None
 
 
 @dataclass(frozen=True)
@@ -63,28 +54,11 @@ class MoeHparams:
     context_length: int
     tie_embeddings: bool
     mtp_layers_config: int
-    yarn: Yarn | None
+    yarn: RopeScaling | None
 
     @property
     def shared_ffn(self) -> int:
         return self.expert_ffn * self.n_shared
-
-
-def _yarn(tc: ConfigReader) -> Yarn | None:
-    rope = tc.with_rope()
-    kind = rope.string("rope_type", default=None)
-    if kind is None:
-        kind = tc.section("rope_scaling").string("type", default=None)
-    if kind in (None, "default"):
-        return None
-    if kind != "yarn":
-        raise SpecconvError(f"config.json: rope scaling type {kind!r} is not supported here (default or yarn)")
-    factor, orig = rope.number("factor", default=None), rope.integer("original_max_position_embeddings", default=None)
-    if factor is None or orig is None:
-        raise SpecconvError("config.json: yarn rope scaling needs 'factor' and 'original_max_position_embeddings'")
-    return Yarn(factor, orig, rope.number("extrapolation_factor", default=None),
-                rope.number("attention_factor", "attn_factor", default=None), rope.number("beta_fast", default=None),
-                rope.number("beta_slow", default=None), rope.number("mscale_all_dim", default=None))
 
 
 # The config keys of the MoE fields (transformers' Glm4MoeConfig / DeepseekV3Config names); a family
@@ -126,7 +100,8 @@ def parse_moe_hparams(cfg: ConfigReader, tc: ConfigReader, family: str, keys: Ma
         rope_theta=tc.with_rope().number("rope_theta", default=10000.0),
         context_length=tc.integer("max_position_embeddings", default=4096),
         tie_embeddings=cfg.flag("tie_word_embeddings", default=tc.flag("tie_word_embeddings", default=False)),
-        mtp_layers_config=tc.integer(*keys["num_nextn_predict_layers"], default=0), yarn=_yarn(tc),
+        mtp_layers_config=tc.integer(*keys["num_nextn_predict_layers"], default=0),
+        yarn=rope_scaling_of(tc, family, ("yarn",), mscale=True),
     )
 
 
@@ -327,55 +302,23 @@ class NextnMoePlugin(ArchPlugin):
 
     # ------------------------------------------------------------------ metadata
 
-    def _putter(self, kv: list[MetaKV]) -> Callable[..., None]:
-        arch = self.gguf_arch
+    def _common_head_kv(self, w: MetadataWriter, keep_mtp: bool, n_head_kv: int) -> None:
+        hp = self.hp
+        w.text_model(hp.n_layer + (self._k if keep_mtp else 0), hp.context_length, hp.hidden, hp.ffn, hp.n_head,
+                     n_head_kv)
+        w.rope_scaling(hp.yarn)
+        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
+        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps)
+        w.experts(hp.n_expert, hp.n_expert_used)
+        w.expert_groups(hp.n_group, hp.topk_group)
 
-        def put(fmt: str, value: Any, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> None:
-            kv.append(MetaKV(fmt.format(arch=arch), value, vtype, sub))
-
-        return put
-
-    def _common_head_kv(self, put: Callable[..., None], keep_mtp: bool, n_head_kv: int) -> None:
-        hp, u32, f32 = self.hp, GGUFValueType.UINT32, GGUFValueType.FLOAT32
-        put(Keys.LLM.BLOCK_COUNT, hp.n_layer + (self._k if keep_mtp else 0), u32)
-        put(Keys.LLM.CONTEXT_LENGTH, hp.context_length, u32)
-        put(Keys.LLM.EMBEDDING_LENGTH, hp.hidden, u32)
-        put(Keys.LLM.FEED_FORWARD_LENGTH, hp.ffn, u32)
-        put(Keys.Attention.HEAD_COUNT, hp.n_head, u32)
-        put(Keys.Attention.HEAD_COUNT_KV, n_head_kv, u32)
-        self._yarn_kv(put)
-        put(Keys.Rope.FREQ_BASE, hp.rope_theta, f32)
-        put(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps, f32)
-        put(Keys.LLM.EXPERT_COUNT, hp.n_expert, u32)
-        put(Keys.LLM.EXPERT_USED_COUNT, hp.n_expert_used, u32)
-        if hp.n_group is not None:
-            put(Keys.LLM.EXPERT_GROUP_COUNT, hp.n_group, u32)
-        if hp.topk_group is not None:
-            put(Keys.LLM.EXPERT_GROUP_USED_COUNT, hp.topk_group, u32)
-
-    def _common_moe_kv(self, put: Callable[..., None], keep_mtp: bool) -> None:
-        hp, u32 = self.hp, GGUFValueType.UINT32
-        put(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, hp.first_dense, u32)
-        put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn, u32)
-        put(Keys.LLM.EXPERT_SHARED_COUNT, hp.n_shared, u32)
+    def _common_moe_kv(self, w: MetadataWriter, keep_mtp: bool) -> None:
+        hp = self.hp
+        w.u32(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, hp.first_dense)
+        w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn)
+        w.u32(Keys.LLM.EXPERT_SHARED_COUNT, hp.n_shared)
         # Always explicit: a missing key means softmax to llama.cpp's deepseek2 (docs/reference/gguf-layout.md §7.5).
-        put(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID, u32)
-        put(Keys.LLM.EXPERT_WEIGHTS_SCALE, hp.routed_scale, GGUFValueType.FLOAT32)
-        put(Keys.LLM.EXPERT_WEIGHTS_NORM, hp.norm_topk, GGUFValueType.BOOL)
-        if keep_mtp and self._k:
-            put(Keys.LLM.NEXTN_PREDICT_LAYERS, self._k, u32)
-
-    def _yarn_kv(self, put: Callable[..., None]) -> None:
-        y = self.hp.yarn
-        if y is None:
-            return
-        f32 = GGUFValueType.FLOAT32
-        put(Keys.Rope.SCALING_TYPE, "yarn", GGUFValueType.STRING)
-        put(Keys.Rope.SCALING_FACTOR, y.factor, f32)
-        put(Keys.Rope.SCALING_ORIG_CTX_LEN, y.original_context, GGUFValueType.UINT32)
-        for key, value in ((Keys.Rope.SCALING_YARN_EXT_FACTOR, y.ext_factor),
-                           (Keys.Rope.SCALING_YARN_ATTN_FACTOR, y.attn_factor),
-                           (Keys.Rope.SCALING_YARN_BETA_FAST, y.beta_fast),
-                           (Keys.Rope.SCALING_YARN_BETA_SLOW, y.beta_slow)):
-            if value is not None:
-                put(key, value, f32)
+        w.u32(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID)
+        w.f32(Keys.LLM.EXPERT_WEIGHTS_SCALE, hp.routed_scale)
+        w.flag(Keys.LLM.EXPERT_WEIGHTS_NORM, hp.norm_topk)
+        w.nextn(self._k if keep_mtp else 0)

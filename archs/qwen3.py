@@ -16,16 +16,17 @@ specconv's runtime follows the config; docs/archs.md notes the consequence for l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from gguf import GGUFValueType, Keys
+from gguf import Keys
 
 from . import names, register
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
-from .config_reader import MAX_LAYERS, ConfigReader
+from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
+from .metadata import MetadataWriter
 from .plan_tools import RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name
-from .qwen35_hparams import rope_scaling_of
+from .rope_scaling import rope_scaling_of
 from .tensor_table import Block, TensorSpec, TensorTable
 
 QWEN3, QWEN3MOE = "qwen3", "qwen3moe"
@@ -118,7 +119,7 @@ class Qwen3Base(ArchPlugin):
         if cfg.flag("use_sliding_window", default=False):
             raise SpecconvError("config.json: use_sliding_window=true is not supported (llama.cpp's qwen3 "
                                 "graphs attend to the whole context)")
-        self.rope_scaling = rope_scaling_of(cfg)
+        self.rope_scaling = rope_scaling_of(cfg, "Qwen3", unscaled=("default", "mrope"))
         self.context_length = cfg.integer("max_position_embeddings", default=None, min=1)
         self.rope_theta = cfg.with_rope().number("rope_theta", default=None)
         self.rms_eps = cfg.number("rms_norm_eps", default=1e-6)
@@ -183,47 +184,21 @@ class Qwen3Base(ArchPlugin):
     # ------------------------------------------------------------------ metadata
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
-        arch = self.gguf_arch
-        u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
-        kv: list[MetaKV] = []
-
-        def put(fmt: str, value: Any, vtype: GGUFValueType) -> None:
-            kv.append(MetaKV(fmt.format(arch=arch), value, vtype))
-
         # The keys and order of llama.cpp's TextModel.set_gguf_parameters (+ Qwen2MoeModel's).
-        put(Keys.LLM.BLOCK_COUNT, self.L, u32)
-        if self.context_length is not None:
-            put(Keys.LLM.CONTEXT_LENGTH, self.context_length, u32)
-        put(Keys.LLM.EMBEDDING_LENGTH, self.H, u32)
-        put(Keys.LLM.FEED_FORWARD_LENGTH, self.F, u32)
-        put(Keys.Attention.HEAD_COUNT, self.n_head, u32)
-        put(Keys.Attention.HEAD_COUNT_KV, self.n_kv, u32)
-        s = self.rope_scaling
-        if s is not None:
-            put(Keys.Rope.SCALING_TYPE, s.kind, GGUFValueType.STRING)
-            put(Keys.Rope.SCALING_FACTOR, s.factor, f32)
-            if s.kind == "yarn":
-                put(Keys.Rope.SCALING_ORIG_CTX_LEN, s.original_context, u32)
-                for key, value in ((Keys.Rope.SCALING_YARN_EXT_FACTOR, s.ext_factor),
-                                   (Keys.Rope.SCALING_YARN_ATTN_FACTOR, s.attn_factor),
-                                   (Keys.Rope.SCALING_YARN_BETA_FAST, s.beta_fast),
-                                   (Keys.Rope.SCALING_YARN_BETA_SLOW, s.beta_slow)):
-                    if value is not None:
-                        put(key, value, f32)
-        if self.rope_theta is not None:
-            put(Keys.Rope.FREQ_BASE, self.rope_theta, f32)
-        put(Keys.Attention.LAYERNORM_RMS_EPS, self.rms_eps, f32)
+        w = MetadataWriter(self.gguf_arch)
+        w.text_model(self.L, self.context_length, self.H, self.F, self.n_head, self.n_kv)
+        w.rope_scaling(self.rope_scaling)
+        w.f32(Keys.Rope.FREQ_BASE, self.rope_theta)
+        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, self.rms_eps)
         if self.moe:
-            put(Keys.LLM.EXPERT_COUNT, self.E, u32)
-            put(Keys.LLM.EXPERT_USED_COUNT, self.k_used, u32)
+            w.experts(self.E, self.k_used)
         if self.has_head_dim:
-            put(Keys.Attention.KEY_LENGTH, self.hd, u32)
-            put(Keys.Attention.VALUE_LENGTH, self.hd, u32)
+            w.head_sizes(self.hd)
         if self.moe:
-            put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, self.Fe, u32)
+            w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, self.Fe)
             if not self.norm_topk:  # not written upstream (llama.cpp renormalises); see the module docstring
-                put("{arch}." + EXPERT_WEIGHTS_NORM, False, GGUFValueType.BOOL)
-        return kv
+                w.flag("{arch}." + EXPERT_WEIGHTS_NORM, False)
+        return w.kv
 
 
 @register

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, ClassVar
+from typing import ClassVar
 
 import numpy as np
 from gguf import GGUFValueType, Keys
@@ -20,6 +20,7 @@ from . import names, register
 from . import transforms as tf
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .errors import SpecconvError
+from .metadata import MetadataWriter
 from .plan_tools import RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name
 from .qwen35_hparams import Qwen35Hparams, parse_hparams
 from .tensor_table import Block, TensorSpec, TensorTable
@@ -265,66 +266,34 @@ class Qwen35Base(ArchPlugin):
         return self.hp.full_attention_interval
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
-        hp, arch = self.hp, self.gguf_arch
+        hp = self.hp
         k = self._k if keep_mtp else 0
-        u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
-        kv: list[MetaKV] = []
-
-        def put(fmt: str, value: Any, vtype: GGUFValueType, sub: GGUFValueType | None = None) -> None:
-            kv.append(MetaKV(fmt.format(arch=arch), value, vtype, sub))
-
         # Same keys and order as the pinned upstream converter (TextModel, Qwen2Moe, mixins; for
         # qwen3next: TextModel, Qwen2MoeModel, _QwenMtpMixin, Qwen3NextModel).
-        put(Keys.LLM.BLOCK_COUNT, hp.n_layer + k, u32)
-        put(Keys.LLM.CONTEXT_LENGTH, hp.context_length, u32)
-        put(Keys.LLM.EMBEDDING_LENGTH, hp.hidden, u32)
-        ffn = self._feed_forward_length()
-        if ffn is not None:
-            put(Keys.LLM.FEED_FORWARD_LENGTH, ffn, u32)
-        put(Keys.Attention.HEAD_COUNT, hp.n_head, u32)
-        put(Keys.Attention.HEAD_COUNT_KV, hp.n_head_kv, u32)
-        self._rope_scaling_kv(put)
+        w = MetadataWriter(self.gguf_arch)
+        w.text_model(hp.n_layer + k, hp.context_length, hp.hidden, self._feed_forward_length(), hp.n_head,
+                     hp.n_head_kv)
+        w.rope_scaling(hp.rope_scaling)
         if self.writes_rope_sections:
-            put(Keys.Rope.DIMENSION_SECTIONS, list(hp.rope_sections), GGUFValueType.ARRAY, GGUFValueType.INT32)
-        put(Keys.Rope.FREQ_BASE, hp.rope_theta, f32)
-        put(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps, f32)
+            w.array(Keys.Rope.DIMENSION_SECTIONS, hp.rope_sections, GGUFValueType.INT32)
+        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
+        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps)
         if hp.moe:
-            put(Keys.LLM.EXPERT_COUNT, hp.n_expert, u32)
-            put(Keys.LLM.EXPERT_USED_COUNT, hp.n_expert_used, u32)
-        put(Keys.Attention.KEY_LENGTH, hp.head_dim, u32)
-        put(Keys.Attention.VALUE_LENGTH, hp.head_dim, u32)
+            w.experts(hp.n_expert, hp.n_expert_used)
+        w.head_sizes(hp.head_dim)
         if hp.moe:
-            put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn, u32)
-            put(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_ffn, u32)
-        if k:
-            put(Keys.LLM.NEXTN_PREDICT_LAYERS, k, u32)
-        put(Keys.SSM.CONV_KERNEL, hp.conv_kernel, u32)
-        put(Keys.SSM.STATE_SIZE, hp.dk, u32)
-        put(Keys.SSM.GROUP_COUNT, hp.nk, u32)
-        put(Keys.SSM.TIME_STEP_RANK, hp.nv, u32)
-        put(Keys.SSM.INNER_SIZE, hp.nv * hp.dv, u32)
-        put(names.recurrent_layers_key("{arch}"), hp.recurrent + [False] * k, GGUFValueType.ARRAY,
-            GGUFValueType.BOOL)
-        put(Keys.LLM.FULL_ATTENTION_INTERVAL, self._full_attention_interval(), u32)
-        put(Keys.Rope.DIMENSION_COUNT, hp.rope_dim, u32)
-        return kv
-
-    def _rope_scaling_kv(self, put: Callable[..., None]) -> None:
-        s = self.hp.rope_scaling
-        if s is None:
-            return
-        f32 = GGUFValueType.FLOAT32
-        put(Keys.Rope.SCALING_TYPE, s.kind, GGUFValueType.STRING)
-        put(Keys.Rope.SCALING_FACTOR, s.factor, f32)
-        if s.kind != "yarn":
-            return
-        put(Keys.Rope.SCALING_ORIG_CTX_LEN, s.original_context, GGUFValueType.UINT32)
-        for key, value in ((Keys.Rope.SCALING_YARN_EXT_FACTOR, s.ext_factor),
-                           (Keys.Rope.SCALING_YARN_ATTN_FACTOR, s.attn_factor),
-                           (Keys.Rope.SCALING_YARN_BETA_FAST, s.beta_fast),
-                           (Keys.Rope.SCALING_YARN_BETA_SLOW, s.beta_slow)):
-            if value is not None:
-                put(key, value, f32)
+            w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn)
+            w.u32(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_ffn)
+        w.nextn(k)
+        w.u32(Keys.SSM.CONV_KERNEL, hp.conv_kernel)
+        w.u32(Keys.SSM.STATE_SIZE, hp.dk)
+        w.u32(Keys.SSM.GROUP_COUNT, hp.nk)
+        w.u32(Keys.SSM.TIME_STEP_RANK, hp.nv)
+        w.u32(Keys.SSM.INNER_SIZE, hp.nv * hp.dv)
+        w.array(names.recurrent_layers_key("{arch}"), hp.recurrent + [False] * k, GGUFValueType.BOOL)
+        w.u32(Keys.LLM.FULL_ATTENTION_INTERVAL, self._full_attention_interval())
+        w.u32(Keys.Rope.DIMENSION_COUNT, hp.rope_dim)
+        return w.kv
 
 
 # ---------------------------------------------------------------------- transforms

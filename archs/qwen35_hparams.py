@@ -12,22 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .config_reader import MAX_LAYERS, ConfigReader
+from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
+from .rope_scaling import RopeScaling, rope_scaling_of
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    kind: str  # "linear" | "yarn"
-    factor: float
-    original_context: int | None = None
-    ext_factor: float | None = None
-    attn_factor: float | None = None
-    beta_fast: float | None = None
-    beta_slow: float | None = None
 
 
 @dataclass(frozen=True)
@@ -130,28 +120,6 @@ def _rope_sections(tc: ConfigReader, rope_dim: int) -> tuple[int, int, int, int]
     return padded  # type: ignore[return-value]
 
 
-def rope_scaling_of(tc: ConfigReader) -> RopeScaling | None:
-    """Linear or YaRN rope scaling from the rope fields (top level, `rope_parameters` or `rope_scaling`)."""
-    rope = tc.with_rope()
-    kind = rope.string("rope_type", default=None)
-    if kind is None:
-        kind = tc.section("rope_scaling").string("type", default=None)  # pre-v5 spelling
-    if kind in (None, "default", "mrope"):
-        return None
-    factor = rope.number("factor", default=None)
-    if kind not in ("linear", "yarn") or factor is None:
-        raise SpecconvError(f"config.json: rope scaling type {kind!r} is not supported for Qwen3.5 "
-                            f"(supported: default, linear, yarn with a factor)")
-    if kind == "linear":
-        return RopeScaling("linear", factor)
-    orig = rope.integer("original_max_position_embeddings", default=None)
-    if orig is None:
-        raise SpecconvError("config.json: yarn rope scaling needs 'original_max_position_embeddings'")
-    return RopeScaling("yarn", factor, orig, rope.number("extrapolation_factor", default=None),
-                       rope.number("attention_factor", "attn_factor", default=None),
-                       rope.number("beta_fast", default=None), rope.number("beta_slow", default=None))
-
-
 def parse_hparams(config: Mapping[str, Any], moe: bool) -> Qwen35Hparams:
     cfg = ConfigReader(config)
     tc = cfg.text_model()
@@ -209,7 +177,8 @@ def parse_hparams(config: Mapping[str, Any], moe: bool) -> Qwen35Hparams:
         context_length=tc.integer("max_position_embeddings", default=32768, min=1),
         rms_eps=tc.number("rms_norm_eps", default=1e-6) or 1e-6,
         rope_theta=tc.with_rope().number("rope_theta", default=10000.0),
-        rope_dim=rope_dim, rope_sections=_rope_sections(tc, rope_dim), rope_scaling=rope_scaling_of(tc),
+        rope_dim=rope_dim, rope_sections=_rope_sections(tc, rope_dim),
+        rope_scaling=rope_scaling_of(tc, "Qwen3.5", unscaled=("default", "mrope")),
         full_attention_interval=attention_interval(types, configured_interval),
         tie_embeddings=tie, mtp_layers_config=mtp_cfg, **extra,
     )

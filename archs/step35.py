@@ -26,8 +26,9 @@ from gguf import GGUFValueType, Keys
 from . import names, register
 from .base import Checkpoint, MetaKV, Role
 from .chained_mtp import ChainedMtpPlugin, Sizes, chained_table, check_stated_count, head_copies, norm_spec, routed_specs
-from .config_reader import MAX_LAYERS, ConfigReader
+from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
+from .metadata import MetadataWriter
 from .plan_tools import RolePlan, text_model_name, trunk_indexed_mtp_count
 from .tensor_table import Hook, TensorSpec, TensorTable
 
@@ -223,43 +224,34 @@ class Step35(ChainedMtpPlugin):
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         """In the order of llama.cpp's converter (TextModel's keys, where Step35Model's later
         writes of the same key keep their first place, then Step35Model's own)."""
-        u32, f32, b = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
-        arr = GGUFValueType.ARRAY
-        total = self.n + (self.n_meta if keep_mtp else 0)
-        kv: list[MetaKV] = []
-        put = self._putter(kv)
-
-        types = _per_layer(self.layer_types, total, FULL)
-        put(Keys.LLM.BLOCK_COUNT, self.n + (self.k if keep_mtp else 0), u32)
-        put(Keys.LLM.CONTEXT_LENGTH, self.context_length, u32)
-        put(Keys.LLM.EMBEDDING_LENGTH, self.hidden, u32)
-        put(Keys.LLM.FEED_FORWARD_LENGTH, self.ffn, u32)
         i32 = GGUFValueType.INT32  # integer arrays as llama.cpp's converter writes them (Python ints)
-        put(Keys.Attention.HEAD_COUNT, self.n_heads[:total] + [self.n_heads[-1]] * (total - len(self.n_heads)), arr, i32)
-        put(Keys.Rope.FREQ_BASE, self.rope_full, f32)
+        total = self.n + (self.n_meta if keep_mtp else 0)
+        types = _per_layer(self.layer_types, total, FULL)
+        w = MetadataWriter(self.gguf_arch)
+        # head_count_kv comes later here (Step35Model's own write)
+        w.text_model(self.n + (self.k if keep_mtp else 0), self.context_length, self.hidden, self.ffn,
+                     self.n_heads[:total] + [self.n_heads[-1]] * (total - len(self.n_heads)), None, array_type=i32)
+        w.f32(Keys.Rope.FREQ_BASE, self.rope_full)
         if SWA in self.layer_types:
-            put(Keys.Rope.FREQ_BASE_SWA, self.rope_swa, f32)
-        put(Keys.Attention.LAYERNORM_RMS_EPS, self.rms_eps, f32)
-        put(Keys.Attention.KEY_LENGTH, self.head_dim, u32)
-        put(Keys.Attention.VALUE_LENGTH, self.head_dim, u32)
-        put(Keys.Attention.HEAD_COUNT_KV, self.n_kvs[:total] + [self.n_kvs[-1]] * (total - len(self.n_kvs)), arr, i32)
-        put(Keys.Attention.SLIDING_WINDOW, self.sliding_window, u32)
-        put(Keys.Attention.SLIDING_WINDOW_PATTERN, [t == SWA for t in types], arr, b)
-        put(Keys.LLM.EXPERT_COUNT, self.n_expert, u32)
-        put(Keys.LLM.EXPERT_USED_COUNT, self.n_expert_used, u32)
-        put(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, self.expert_ffn, u32)
-        put(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, self.shared_ffn, u32)
-        put(Keys.LLM.EXPERT_WEIGHTS_SCALE, self.moe_scale, f32)
+            w.f32(Keys.Rope.FREQ_BASE_SWA, self.rope_swa)
+        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, self.rms_eps)
+        w.head_sizes(self.head_dim)
+        w.count(Keys.Attention.HEAD_COUNT_KV, self.n_kvs[:total] + [self.n_kvs[-1]] * (total - len(self.n_kvs)), i32)
+        w.u32(Keys.Attention.SLIDING_WINDOW, self.sliding_window)
+        w.array(Keys.Attention.SLIDING_WINDOW_PATTERN, [t == SWA for t in types], GGUFValueType.BOOL)
+        w.experts(self.n_expert, self.n_expert_used)
+        w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, self.expert_ffn)
+        w.u32(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, self.shared_ffn)
+        w.f32(Keys.LLM.EXPERT_WEIGHTS_SCALE, self.moe_scale)
         # transformers and vLLM always renormalise the top-k weights; llama.cpp defaults to false
         # when the key is absent, so it is always written
-        put(Keys.LLM.EXPERT_WEIGHTS_NORM, self.norm_expert_weight, b)
-        put(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, self.leading_dense, u32)
-        put(Keys.LLM.MOE_EVERY_N_LAYERS, self.moe_every, u32)
+        w.flag(Keys.LLM.EXPERT_WEIGHTS_NORM, self.norm_expert_weight)
+        w.u32(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, self.leading_dense)
+        w.u32(Keys.LLM.MOE_EVERY_N_LAYERS, self.moe_every)
         for key, values in (("swiglu_clamp_exp", self.clamp), ("swiglu_clamp_shexp", self.clamp_shared)):
             if values is not None:
-                put("{arch}." + key, (values + [0.0] * total)[:total], arr, f32)
-        if keep_mtp and self.k:
-            put(Keys.LLM.NEXTN_PREDICT_LAYERS, self.k, u32)
-        return kv
+                w.array("{arch}." + key, (values + [0.0] * total)[:total], GGUFValueType.FLOAT32)
+        w.nextn(self.k if keep_mtp else 0)
+        return w.kv
 
 

@@ -136,3 +136,19 @@ def test_llama_cpp_converter_differs_only_where_it_is_wrong(conv, tmp_path, llam
           f"{ours.get('mimo2.attention.sliding_window')}); its MTP context: "
           f"{next(x for x in theirs.stderr.splitlines() if 'fused attn_qkv' in x).strip()[-80:]}")
     assert d_ours < 1e-4 and d_up > 1e-2
+
+
+def test_plugin_and_graph_hparams_share_the_release_names(conv):
+    """One naming for mimo2: the graph's HParams, read from the converted file through the GGUF key
+    reader, gives each config.json quantity under the name the plugin's Mimo2Hparams gives it."""
+    from specconv.runtime.gguf_file import GGUFModelFile
+    from specconv.runtime.graphs import mimo2 as graph
+    src, files = conv
+    config = _plugin(src).hp
+    hp = graph.HParams.from_kv(GGUFModelFile(files["embed"]).kv)
+    shared = ("head_dim", "v_head_dim", "sliding_window", "rope_theta", "swa_rope_theta", "rotary_dim")
+    got, want = ({n: getattr(h, n) for n in shared} for h in (hp, config))
+    print(f"\nmimo2 hparams by their release names: {want}")
+    assert got == pytest.approx(want)
+    assert hp.swa[:N] == [bool(x) for x in config.hybrid_layer_pattern]
+    assert hp.attention_value_scale == pytest.approx(config.attention_value_scale or 1.0)

@@ -21,6 +21,7 @@ from specconv.runtime.backend import Experts
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, by_rows, moe, rms_norm, swiglu
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.memory import Batch, MemoryLayout
 
 
@@ -42,31 +43,18 @@ class ChainedHParams:
 
 # ---- metadata ------------------------------------------------------------------------------------------------
 
-def block_counts(arch: str, get: Callable[..., Any]) -> tuple[int, int]:
+def block_counts(r: HParamsReader) -> tuple[int, int]:
     """(block_count, nextn_predict_layers): the trunk has block_count - nextn_predict_layers blocks."""
-    total, n_nextn = get("block_count"), get("nextn_predict_layers", 0)
+    total, n_nextn = r.key("block_count", type=int), r.key("nextn_predict_layers", 0, int)
     if n_nextn > total:
-        raise SpecconvError(f"{arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({total})")
+        raise SpecconvError(f"{r.arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({total})")
     return total, n_nextn
 
 
-def per_layer_reader(arch: str, get: Callable[..., Any], total: int) -> Callable[..., list]:
-    """read(key, default): a per-block key as a list of `total` entries (a scalar applies to every block,
-    as llama.cpp's get_key_or_arr reads it); required when no default is given."""
-    def read(key: str, default=None) -> list:
-        v = get(key, default, required=default is None)
-        v = list(v) if isinstance(v, (list, tuple)) else [v] * total
-        if len(v) < total:
-            raise SpecconvError(f"{arch}.{key} has {len(v)} entries for {total} blocks")
-        return v[:total]
-
-    return read
-
-
-def gating(arch: str, get: Callable[..., Any]) -> int:
-    value = get("expert_gating_func", ms.GATING_SIGMOID, required=False)
+def gating(r: HParamsReader) -> int:
+    value = r.key("expert_gating_func", ms.GATING_SIGMOID, int)
     if value not in (ms.GATING_SOFTMAX, ms.GATING_SIGMOID):
-        raise SpecconvError(f"{arch}.expert_gating_func is {value}; supported: softmax (1), sigmoid (2)")
+        raise SpecconvError(f"{r.arch}.expert_gating_func is {value}; supported: softmax (1), sigmoid (2)")
     return value
 
 

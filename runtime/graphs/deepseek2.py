@@ -28,6 +28,7 @@ from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, by_rows, cached_attention, dense, linear, rms_norm
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.memory import Batch, MemoryLayout
 
 
@@ -49,21 +50,21 @@ class HParams(ms.MoeKV):
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         base = ms.MoeKV.read(kv)
-        _, get = ms.kv_getter(kv)
-        if get("attention.key_length_mla", None, required=False) is None:
+        key = HParamsReader(kv).key
+        if key("attention.key_length_mla", None) is None:
             raise SpecconvError("deepseek2 file without attention.key_length_mla (an old unsplit attn_kv_b "
                                 "layout); reconvert it")
-        dr = get("rope.dimension_count")
-        extra = dict(q_lora=get("attention.q_lora_rank", 0, required=False) or 0,
-                     kv_lora=get("attention.kv_lora_rank"), dr=dr,
-                     dn=get("attention.key_length_mla") - dr, dv=get("attention.value_length_mla"))
-        if get("rope.scaling.type", None, required=False) == "yarn":
-            extra.update(yarn_factor=float(get("rope.scaling.factor")),
-                         yarn_orig_ctx=int(get("rope.scaling.original_context_length")),
-                         yarn_beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0, required=False)),
-                         yarn_beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
-                         yarn_attn_factor=get("rope.scaling.yarn_attn_factor", None, required=False),
-                         yarn_log_mul=float(get("rope.scaling.yarn_log_multiplier", 0.0, required=False)) / 0.1)
+        dr = key("rope.dimension_count", type=int)
+        extra = dict(q_lora=key("attention.q_lora_rank", 0, int),
+                     kv_lora=key("attention.kv_lora_rank", type=int), dr=dr,
+                     dn=key("attention.key_length_mla", type=int) - dr, dv=key("attention.value_length_mla", type=int))
+        if key("rope.scaling.type", None, str) == "yarn":
+            extra.update(yarn_factor=key("rope.scaling.factor", type=float),
+                         yarn_orig_ctx=key("rope.scaling.original_context_length", type=int),
+                         yarn_beta_fast=key("rope.scaling.yarn_beta_fast", 32.0, float),
+                         yarn_beta_slow=key("rope.scaling.yarn_beta_slow", 1.0, float),
+                         yarn_attn_factor=key("rope.scaling.yarn_attn_factor", None),
+                         yarn_log_mul=key("rope.scaling.yarn_log_multiplier", 0.0, float) / 0.1)
         hp = cls(**vars(base), **extra)
         if hp.dn < 1 or hp.dr % 2:
             raise SpecconvError(f"{hp.arch}: attention.key_length_mla {hp.dn + hp.dr} must exceed an even "

@@ -26,6 +26,7 @@ from specconv.archs.dflash import DFLASH_TABLE, Sizes
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import acc, by_rows, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.memory import Batch, Memory, MemoryLayout
 from specconv.runtime.types import GraphType
 from specconv.runtime.validate import check_kv, check_rope_width
@@ -75,52 +76,46 @@ class HParams:
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         check_kv(kv)  # types and ranges first (runtime/validate.py): nothing below calls int() on a string
-        arch = kv["general.architecture"]
-
-        def get(key, default=None):
-            v = kv.get(f"{arch}.{key}", default)
-            if v is None:
-                raise SpecconvError(f"GGUF metadata lacks {arch}.{key}")
-            return v
-
-        n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
-        head_dim = int(get("attention.key_length", n_embd // n_head))
-        layers = kv.get(f"{arch}.target_layers")
+        r = HParamsReader(kv)
+        arch, key = r.arch, r.key
+        n_embd, n_head = key("embedding_length", type=int), key("attention.head_count", type=int)
+        head_dim = key("attention.key_length", n_embd // n_head, int)
+        layers = key("target_layers", None, list)
         if not layers:
             raise SpecconvError(f"GGUF metadata lacks {arch}.target_layers (the target layers a DFlash drafter reads)")
         mask = kv.get(names.MASK_TOKEN_ID_KEY)
         if mask is None:
             raise SpecconvError(f"GGUF metadata lacks {names.MASK_TOKEN_ID_KEY} (the DFlash block's mask token)")
-        if f"{arch}.hyper_connection_count" in kv:
+        if r.has("hyper_connection_count"):
             raise SpecconvError(f"{arch}.hyper_connection_count: DSpark (DeepSeek-V4 stage) drafters are not "
                                 f"supported by specconv's runtime (llama.cpp runs them)")
-        n_layer = int(get("block_count"))
-        n_swa = int(get("attention.sliding_window", 0))
-        swa_layers = [bool(x) for x in (kv.get(f"{arch}.attention.sliding_window_pattern") or [])] if n_swa else []
+        n_layer = key("block_count", type=int)
+        n_swa = key("attention.sliding_window", 0, int)
+        swa_layers = [bool(x) for x in key("attention.sliding_window_pattern", [], list)] if n_swa else []
         if n_swa and len(swa_layers) != n_layer:
             raise SpecconvError(f"{arch}.attention.sliding_window_pattern has {len(swa_layers)} entries for "
                                 f"{n_layer} layers")
-        sections = kv.get(f"{arch}.rope.dimension_sections")
-        n_rot = int(get("rope.dimension_count", head_dim))
+        sections = key("rope.dimension_sections", None, list)
+        n_rot = key("rope.dimension_count", head_dim, int)
         if sections is not None and [int(x) for x in sections] != [n_rot // 2, 0, 0, 0]:
             raise SpecconvError(f"{arch}.rope.dimension_sections {list(sections)}: only the temporal section "
                                 f"[{n_rot // 2}, 0, 0, 0] (drafts for M-RoPE targets) is supported")
         tokens = kv.get("tokenizer.ggml.tokens")
-        extra = dict(conv_kernel=int(get("conv_kernel_size", 0)), conv_group=int(get("conv_group_size", 0)),
-                     selector_rank=int(get("selector_rank", 0)), selector_top_k=int(get("selector_top_k", 0)),
-                     logit_scale=float(get("logit_scale", 0.0)), softcap=float(get("final_logit_softcapping", 0.0)),
-                     embedding_scale=float(get("embedding_scale", 0.0)),
-                     value_scale=float(get("attention.value_scale", 0.0)), n_swa=n_swa, swa_layers=swa_layers)
+        extra = dict(conv_kernel=key("conv_kernel_size", 0, int), conv_group=key("conv_group_size", 0, int),
+                     selector_rank=key("selector_rank", 0, int), selector_top_k=key("selector_top_k", 0, int),
+                     logit_scale=key("logit_scale", 0.0, float), softcap=key("final_logit_softcapping", 0.0, float),
+                     embedding_scale=key("embedding_scale", 0.0, float),
+                     value_scale=key("attention.value_scale", 0.0, float), n_swa=n_swa, swa_layers=swa_layers)
         if extra["selector_top_k"] and not (extra["conv_kernel"] > 0 and extra["conv_group"] > 0
                                             and n_embd % extra["conv_group"] == 0 and extra["selector_rank"] > 0):
             raise SpecconvError(f"{arch}: DFlash2 file with incomplete conv / selector metadata")
         return cls(arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, **extra,
-                   n_head_kv=int(get("attention.head_count_kv", n_head)), head_dim=head_dim,
-                   n_rot=int(get("rope.dimension_count", head_dim)), rope_base=float(get("rope.freq_base", 10000.0)),
-                   eps=float(get("attention.layer_norm_rms_epsilon")), n_ff=int(get("feed_forward_length")),
-                   block_size=int(get("block_size", 16)), target_layers=[int(j) for j in layers],
-                   mask_token_id=int(mask), causal=bool(get("attention.causal", False)),
-                   n_vocab=len(tokens) if tokens is not None else 0, context_length=int(get("context_length", 0)))
+                   n_head_kv=key("attention.head_count_kv", n_head, int), head_dim=head_dim,
+                   n_rot=n_rot, rope_base=key("rope.freq_base", 10000.0, float),
+                   eps=key("attention.layer_norm_rms_epsilon", type=float), n_ff=key("feed_forward_length", type=int),
+                   block_size=key("block_size", 16, int), target_layers=[int(j) for j in layers],
+                   mask_token_id=int(mask), causal=key("attention.causal", False, bool),
+                   n_vocab=len(tokens) if tokens is not None else 0, context_length=key("context_length", 0, int))
 
 
 # tensors llama.cpp's dflash graph uses when present, which this graph does not implement

@@ -35,6 +35,7 @@ from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, attended_kv, by_rows, dense, linear, rms_norm
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.memory import Batch, MemoryLayout
 
 LAYERNORM_EPS = 1e-6  # the indexer's k_norm: transformers' LayerNorm(eps=1e-6), llama.cpp deepseek32's f_norm_eps
@@ -51,18 +52,19 @@ class HParams(ds.HParams):
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         base = ds.HParams.from_kv(kv)
-        arch, get = ms.kv_getter(kv)
-        if f"{arch}.expert_gating_func" not in kv and arch == "glm-dsa":
+        r = HParamsReader(kv)
+        arch, key = r.arch, r.key
+        if not r.has("expert_gating_func") and arch == "glm-dsa":
             base.gating = ms.GATING_SIGMOID  # llama.cpp's glm-dsa default (its converter may leave the key out)
         if not base.q_lora:
             raise SpecconvError(f"{arch}: attention.q_lora_rank is 0; the DSA indexer projects from the q_a latent")
-        heads, dim, topk = (get(f"attention.indexer.{k}") for k in ("head_count", "key_length", "top_k"))
+        heads, dim, topk = (key(f"attention.indexer.{k}", type=int) for k in ("head_count", "key_length", "top_k"))
         if min(heads, dim, topk) <= 0 or base.dr > dim:
             raise SpecconvError(f"{arch}: indexer head_count {heads}, key_length {dim}, top_k {topk} with rope "
                                 f"dimension {base.dr} (need positive sizes and key_length ≥ rope dims)")
-        full = get("attention.indexer.types", None, required=False)
+        full = key("attention.indexer.types", None, list)
         if full is None:  # llama.cpp's default below GLM-5.2's 1M context: every layer full
-            if arch == "glm-dsa" and get("context_length") >= 1048576:
+            if arch == "glm-dsa" and key("context_length", type=int) >= 1048576:
                 raise SpecconvError("glm-dsa file with a ≥1M context and no attention.indexer.types; "
                                     "reconvert it with specconv (the per-layer indexer list is needed)")
             full = [True] * base.n_layer

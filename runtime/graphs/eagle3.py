@@ -27,6 +27,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.llama import Sizes
 from specconv.runtime.graphs import llama
 from specconv.runtime.graphs.contract import Graph
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.graphs.ops import acc, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.types import GraphType
@@ -46,17 +47,16 @@ class HParams(llama.HParams):
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         base = llama.HParams.from_kv(kv)
         arch = base.arch
-        layers = kv.get(names.target_layers_key(arch))
+        key = HParamsReader(kv).key
+        layers = key("target_layers", None, list)
         if layers is None or len(layers) != 3:
             raise SpecconvError(f"an eagle3 file needs {names.target_layers_key(arch)} with exactly 3 entries")
-        ht = kv.get(names.target_hidden_size_key(arch))
-        if ht is None:
-            raise SpecconvError(f"GGUF metadata lacks {names.target_hidden_size_key(arch)}")
+        ht = key("target_hidden_size", type=int)
         if base.n_layer != 1:
             raise SpecconvError(f"an eagle3 head has one decoder layer, this file declares {base.n_layer}")
         return cls(**vars(base), target_layers=tuple(int(x) for x in layers), target_hidden_size=int(ht),
-                   norm_before_residual=bool(kv.get(names.norm_before_residual_key(arch), False)),
-                   norm_before_fc=bool(kv.get(names.norm_before_fc_key(arch), False)))
+                   norm_before_residual=key("norm_before_residual", False, bool),
+                   norm_before_fc=key("norm_before_fc", False, bool))
 
 
 def serves(hp: HParams, file) -> set[GraphType]:

@@ -25,6 +25,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import acc, attended_kv, by_rows, linear, moe as routed_moe, rms_norm, rope_neox_partial
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
 
@@ -63,46 +64,33 @@ class HParams:
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         check_kv(kv)  # types and ranges first: nothing below divides by 0 or compares a str
-        arch = kv["general.architecture"]
-
-        def get(key, default=None):
-            v = kv.get(f"{arch}.{key}", default)
-            if v is None:
-                raise SpecconvError(f"GGUF metadata lacks {arch}.{key}")
-            return v
-
-        n = int(get("block_count"))
-
-        def per_layer(key, default=None):
-            v = get(key, default)
-            if isinstance(v, (list, tuple)):
-                if len(v) != n:
-                    raise SpecconvError(f"{arch}.{key} has {len(v)} entries for {n} blocks")
-                return [int(x) for x in v]
-            return [int(v)] * n
-
-        swa = [bool(x) for x in get("attention.sliding_window_pattern")]
+        r = HParamsReader(kv)
+        arch, key = r.arch, r.key
+        n = key("block_count", type=int)
+        swa = [bool(x) for x in key("attention.sliding_window_pattern", type=list)]
         if len(swa) != n:
             raise SpecconvError(f"{arch}.attention.sliding_window_pattern has {len(swa)} entries for {n} blocks")
-        hd_full, hd_swa = int(get("attention.key_length")), int(get("attention.key_length_swa"))
-        if int(get("attention.value_length", hd_full)) != hd_full or int(get("attention.value_length_swa", hd_swa)) != hd_swa:
+        hd_full, hd_swa = key("attention.key_length", type=int), key("attention.key_length_swa", type=int)
+        if (key("attention.value_length", hd_full, int) != hd_full
+                or key("attention.value_length_swa", hd_swa, int) != hd_swa):
             raise SpecconvError(f"{arch}: key and value head sizes must be equal")
         tokens = kv.get("tokenizer.ggml.tokens")
-        n_nextn = int(kv.get(f"{arch}.nextn_predict_layers", 0) or 0)
-        hp = cls(arch=arch, n_layer=n - n_nextn, n_embd=int(get("embedding_length")),
-                 n_head=int(get("attention.head_count")), n_head_kv=per_layer("attention.head_count_kv"),
-                 head_dim=[hd_swa if s else hd_full for s in swa], is_swa=swa, n_ff=per_layer("feed_forward_length"),
-                 window=int(get("attention.sliding_window")), n_shared=int(get("attention.shared_kv_layers", 0)),
-                 n_per_layer=int(get("embedding_length_per_layer_input", 0)),
-                 softcap=float(kv.get(f"{arch}.final_logit_softcapping") or 0.0),
-                 rope_base=float(get("rope.freq_base")), rope_base_swa=float(get("rope.freq_base_swa")),
-                 n_rot_swa=int(get("rope.dimension_count_swa", hd_swa)),
-                 eps=float(get("attention.layer_norm_rms_epsilon")),
-                 n_vocab=len(tokens) if tokens is not None else 0, context_length=int(get("context_length", 0)),
-                 n_nextn=n_nextn, n_expert=int(get("expert_count", 0)), n_expert_used=int(get("expert_used_count", 0)),
-                 n_ff_exp=int(get("expert_feed_forward_length", 0)),
-                 n_embd_out=int(get("embedding_length_out", 0)))
-        if int(get("rope.dimension_count", hd_full)) != hd_full:
+        n_nextn = key("nextn_predict_layers", 0, int)
+        hp = cls(arch=arch, n_layer=n - n_nextn, n_embd=key("embedding_length", type=int),
+                 n_head=key("attention.head_count", type=int), n_head_kv=r.per_layer("attention.head_count_kv", n),
+                 head_dim=[hd_swa if s else hd_full for s in swa], is_swa=swa,
+                 n_ff=r.per_layer("feed_forward_length", n), window=key("attention.sliding_window", type=int),
+                 n_shared=key("attention.shared_kv_layers", 0, int),
+                 n_per_layer=key("embedding_length_per_layer_input", 0, int),
+                 softcap=key("final_logit_softcapping", 0.0, float) or 0.0,
+                 rope_base=key("rope.freq_base", type=float), rope_base_swa=key("rope.freq_base_swa", type=float),
+                 n_rot_swa=key("rope.dimension_count_swa", hd_swa, int),
+                 eps=key("attention.layer_norm_rms_epsilon", type=float),
+                 n_vocab=len(tokens) if tokens is not None else 0, context_length=key("context_length", 0, int),
+                 n_nextn=n_nextn, n_expert=key("expert_count", 0, int), n_expert_used=key("expert_used_count", 0, int),
+                 n_ff_exp=key("expert_feed_forward_length", 0, int),
+                 n_embd_out=key("embedding_length_out", 0, int))
+        if key("rope.dimension_count", hd_full, int) != hd_full:
             raise SpecconvError(f"{arch}.rope.dimension_count must be the full head dim {hd_full} (proportional "
                                 f"rope is expressed with rope_freqs)")
         if hp.n_layer:

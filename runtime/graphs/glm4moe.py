@@ -19,6 +19,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.graphs.ops import acc, cached_attention, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -33,15 +34,15 @@ class HParams(ms.MoeKV):
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         base = ms.MoeKV.read(kv)
-        _, get = ms.kv_getter(kv)
-        head_dim = get("attention.key_length", base.n_embd // base.n_head, required=False)
-        if get("attention.value_length", head_dim, required=False) != head_dim:
+        key = HParamsReader(kv).key
+        head_dim = key("attention.key_length", base.n_embd // base.n_head, int)
+        if key("attention.value_length", head_dim, int) != head_dim:
             raise SpecconvError("glm4moe: attention.key_length != value_length")
-        n_head_kv = get("attention.head_count_kv", base.n_head)
+        n_head_kv = key("attention.head_count_kv", base.n_head, int)
         if base.n_head % n_head_kv:
             raise SpecconvError(f"glm4moe: {base.n_head} heads are not a multiple of {n_head_kv} KV heads")
         return cls(**vars(base), n_head_kv=n_head_kv, head_dim=head_dim,
-                   n_rot=get("rope.dimension_count", head_dim // 2, required=False))
+                   n_rot=key("rope.dimension_count", head_dim // 2, int))
 
 
 # ---- which tensors the graphs need: the family's table (archs/glm4moe.py) ----------------------

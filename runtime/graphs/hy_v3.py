@@ -22,8 +22,8 @@ from specconv.archs.chained_mtp import Sizes
 from specconv.archs.errors import SpecconvError
 from specconv.archs.hy_v3 import HY_V3_TABLE
 from specconv.runtime.graphs import chained
-from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.graphs.ops import rope_cos_sin
 from specconv.runtime.graphs.qwen3 import attention  # Hy3's is Qwen3's: GQA, q/k RMSNorm, NEOX rope
 from specconv.runtime.memory import Batch
@@ -45,22 +45,23 @@ class HParams(chained.ChainedHParams):
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         check_kv(kv)  # types and ranges first (runtime/validate.py)
-        arch, get = ms.kv_getter(kv)
-        block_count, n_nextn = chained.block_counts(arch, get)
-        n_embd, n_head = get("embedding_length"), get("attention.head_count")
-        head_dim = get("attention.key_length", n_embd // n_head, required=False)
-        if get("attention.value_length", head_dim, required=False) != head_dim:
+        r = HParamsReader(kv)
+        arch, key = r.arch, r.key
+        block_count, n_nextn = chained.block_counts(r)
+        n_embd, n_head = key("embedding_length", type=int), key("attention.head_count", type=int)
+        head_dim = key("attention.key_length", n_embd // n_head, int)
+        if key("attention.value_length", head_dim, int) != head_dim:
             raise SpecconvError(f"{arch}: attention.key_length != value_length")
-        n_head_kv = get("attention.head_count_kv", n_head)
+        n_head_kv = key("attention.head_count_kv", n_head, int)
         if n_head % n_head_kv:
             raise SpecconvError(f"{arch}: {n_head} heads are not a multiple of {n_head_kv} KV heads")
-        gating = chained.gating(arch, get)
+        gating = chained.gating(r)
         return cls(arch=arch, n_layer=block_count - n_nextn, n_nextn=n_nextn, n_embd=n_embd, n_head=n_head,
-                   n_head_kv=n_head_kv, head_dim=head_dim, eps=float(get("attention.layer_norm_rms_epsilon")),
-                   rope_base=float(get("rope.freq_base", 10000.0)), n_expert=get("expert_count", 0, required=False),
-                   n_expert_used=get("expert_used_count", 0, required=False),
-                   weights_scale=float(get("expert_weights_scale", 1.0, required=False) or 1.0),
-                   weights_norm=bool(get("expert_weights_norm", False, required=False)), gating=gating)
+                   n_head_kv=n_head_kv, head_dim=head_dim, eps=key("attention.layer_norm_rms_epsilon", type=float),
+                   rope_base=key("rope.freq_base", 10000.0, float), n_expert=key("expert_count", 0, int),
+                   n_expert_used=key("expert_used_count", 0, int),
+                   weights_scale=key("expert_weights_scale", 1.0, float) or 1.0,
+                   weights_norm=key("expert_weights_norm", False, bool), gating=gating)
 
 
 # ---- which tensors the graph needs: the family's table (archs/hy_v3.py) ------------------------

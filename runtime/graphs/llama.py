@@ -18,6 +18,7 @@ from specconv.archs.llama import LLAMA_TABLE, ROPE_FREQS, Sizes
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_trunk
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.graphs.ops import acc, cached_attention, linear, rms_norm, swiglu
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
@@ -41,23 +42,17 @@ class HParams:
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         check_kv(kv)  # types and ranges first: nothing below divides by 0 or compares a str
-        arch = kv["general.architecture"]
-
-        def get(key, default=None):
-            v = kv.get(f"{arch}.{key}", default)
-            if v is None:
-                raise SpecconvError(f"GGUF metadata lacks {arch}.{key}")
-            return v
-
-        n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
-        head_dim = int(get("attention.key_length", n_embd // n_head))
+        r = HParamsReader(kv)
+        key = r.key
+        n_embd, n_head = key("embedding_length", type=int), key("attention.head_count", type=int)
+        head_dim = key("attention.key_length", n_embd // n_head, int)
         tokens = kv.get("tokenizer.ggml.tokens")
-        return cls(arch=arch, n_layer=int(get("block_count")), n_embd=n_embd, n_head=n_head,
-                   n_head_kv=int(get("attention.head_count_kv", n_head)), head_dim=head_dim,
-                   n_rot=int(get("rope.dimension_count", head_dim)), rope_base=float(get("rope.freq_base", 10000.0)),
-                   eps=float(get("attention.layer_norm_rms_epsilon")), n_ff=int(get("feed_forward_length", 0)),
-                   n_vocab=int(kv.get(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else 0)),
-                   context_length=int(get("context_length", 0)))
+        return cls(arch=r.arch, n_layer=key("block_count", type=int), n_embd=n_embd, n_head=n_head,
+                   n_head_kv=key("attention.head_count_kv", n_head, int), head_dim=head_dim,
+                   n_rot=key("rope.dimension_count", head_dim, int), rope_base=key("rope.freq_base", 10000.0, float),
+                   eps=key("attention.layer_norm_rms_epsilon", type=float), n_ff=key("feed_forward_length", 0, int),
+                   n_vocab=key("vocab_size", 0, int) or (len(tokens) if tokens is not None else 0),
+                   context_length=key("context_length", 0, int))
 
 
 # ---- which tensors the graph needs: the family's table (archs/llama.py) ------------------------

@@ -26,10 +26,10 @@ from specconv.archs.chained_mtp import Sizes
 from specconv.archs.errors import SpecconvError
 from specconv.archs.mimo2 import MIMO2_TABLE
 from specconv.runtime.graphs import chained
-from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import nextn_input, output_head
 from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.memory import Batch
 from specconv.runtime.placement import on_layer_device
 from specconv.runtime.validate import check_rope_width
@@ -40,14 +40,14 @@ from specconv.runtime.validate import check_rope_width
 class HParams(chained.ChainedHParams):
     n_head: int
     n_kvs: list[int]
-    hd_k: int
-    hd_v: int
-    swa: list[bool]
-    n_swa: int
-    n_rot: int
-    base: float
-    base_swa: float
-    v_scale: float
+    head_dim: int  # Q / K heads (attention.key_length)
+    v_head_dim: int  # V heads (attention.value_length)
+    swa: list[bool]  # per block (trunk and MTP)
+    sliding_window: int
+    rotary_dim: int
+    rope_theta: float
+    swa_rope_theta: float
+    attention_value_scale: float
     weights_norm: bool = True  # llama.cpp's mimo2 always renormalises and never scales
     weights_scale: float = 1.0
 
@@ -56,37 +56,34 @@ class HParams(chained.ChainedHParams):
         return self.n_kvs
 
     @property
-    def head_dim(self) -> int:
-        return self.hd_k
-
-    @property
     def cell_width(self) -> int:  # K and V cells share one width (the larger head; the other is padded)
-        return max(self.hd_k, self.hd_v)
+        return max(self.head_dim, self.v_head_dim)
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         # no check_kv here yet: runtime/validate.py wants one head_count_kv value for mimo2, which llama.cpp
         # reads per block (get_key_or_arr); every key is checked below
-        arch, get = ms.kv_getter(kv)
-        total, n_nextn = chained.block_counts(arch, get)
-        per_layer = chained.per_layer_reader(arch, get, total)
-        n_head, hd_k = get("attention.head_count"), get("attention.key_length")
-        kvs = [int(x) for x in per_layer("attention.head_count_kv")]
+        r = HParamsReader(kv)
+        arch, key = r.arch, r.key
+        total, n_nextn = chained.block_counts(r)
+        n_head, head_dim = key("attention.head_count", type=int), key("attention.key_length", type=int)
+        kvs = r.per_layer("attention.head_count_kv", total)
         for i, h in enumerate(kvs):
             if h < 1 or n_head % h:
                 raise SpecconvError(f"{arch}: block {i}: {n_head} heads are not a multiple of {h} KV heads")
-        base = float(get("rope.freq_base", 10000.0, required=False))
-        return cls(arch=arch, n_layer=total - n_nextn, n_nextn=n_nextn, n_embd=get("embedding_length"),
-                   n_head=n_head, n_kvs=kvs, hd_k=hd_k, hd_v=get("attention.value_length", hd_k, required=False),
-                   swa=[bool(x) for x in per_layer("attention.sliding_window_pattern", False)],
-                   n_swa=int(get("attention.sliding_window", 0, required=False) or 0),
-                   n_rot=get("rope.dimension_count", hd_k, required=False), base=base,
-                   base_swa=float(get("rope.freq_base_swa", base, required=False)),
-                   eps=float(get("attention.layer_norm_rms_epsilon")),
-                   v_scale=float(get("attention.value_scale", 1.0, required=False) or 1.0),
-                   n_expert_used=get("expert_used_count", 0, required=False) or 0,
-                   n_group=get("expert_group_count", 1, required=False) or 1,
-                   n_group_used=get("expert_group_used_count", 1, required=False) or 1)
+        theta = key("rope.freq_base", 10000.0, float)
+        return cls(arch=arch, n_layer=total - n_nextn, n_nextn=n_nextn, n_embd=key("embedding_length", type=int),
+                   n_head=n_head, n_kvs=kvs, head_dim=head_dim,
+                   v_head_dim=key("attention.value_length", head_dim, int),
+                   swa=r.per_layer("attention.sliding_window_pattern", total, False, bool),
+                   sliding_window=key("attention.sliding_window", 0, int),
+                   rotary_dim=key("rope.dimension_count", head_dim, int), rope_theta=theta,
+                   swa_rope_theta=key("rope.freq_base_swa", theta, float),
+                   eps=key("attention.layer_norm_rms_epsilon", type=float),
+                   attention_value_scale=key("attention.value_scale", 1.0, float) or 1.0,
+                   n_expert_used=key("expert_used_count", 0, int),
+                   n_group=key("expert_group_count", 1, int) or 1,
+                   n_group_used=key("expert_group_used_count", 1, int) or 1)
 
 
 # ---- which tensors the graph needs: the family's table (archs/mimo2.py) ------------------------
@@ -96,7 +93,7 @@ def sizes(hp: HParams) -> Sizes:
     bound per block; q, k and v split or fused, whichever the file holds."""
     total = hp.n_layer + hp.n_nextn
     return Sizes(n_layer=hp.n_layer, E=hp.n_embd, V="V", heads=(hp.n_head,) * total, kv_heads=tuple(hp.n_kvs),
-                 head_dim=hp.hd_k, v_head_dim=hp.hd_v)
+                 head_dim=hp.head_dim, v_head_dim=hp.v_head_dim)
 
 
 _tensors = chained.tensor_lists(MIMO2_TABLE, sizes)
@@ -104,7 +101,7 @@ keep_float32 = MIMO2_TABLE.keeps_float32
 
 
 def check_hparams(hp: HParams, kv) -> None:
-    check_rope_width(f"{hp.arch}.rope.dimension_count", hp.n_rot, hp.hd_k)
+    check_rope_width(f"{hp.arch}.rope.dimension_count", hp.rotary_dim, hp.head_dim)
 
 
 def check_values(file, hp: HParams, needed: list[str]) -> None:
@@ -130,19 +127,21 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     nh, nkv = hp.n_head, hp.n_kvs[i]
     if p + "attn_qkv.weight" in w:
         qkv = linear(a, w[p + "attn_qkv.weight"])
-        q, k, v = qkv.split([nh * hp.hd_k, nkv * hp.hd_k, nkv * hp.hd_v], dim=-1)
+        q, k, v = qkv.split([nh * hp.head_dim, nkv * hp.head_dim, nkv * hp.v_head_dim], dim=-1)
     else:
         q, k, v = (linear(a, w[p + f"attn_{x}.weight"]) for x in "qkv")
-    q, k, v = q.reshape(n, nh, hp.hd_k), k.reshape(n, nkv, hp.hd_k), v.reshape(n, nkv, hp.hd_v)
+    q, k, v = q.reshape(n, nh, hp.head_dim), k.reshape(n, nkv, hp.head_dim), v.reshape(n, nkv, hp.v_head_dim)
     cos, sin = rope[1] if hp.swa[i] else rope[0]
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
     W = hp.cell_width
     k_all, v_all, k_pos = attended_kv(batch, i, _pad(k, W), _pad(v, W))
     sinks = w.get(p + "attn_sinks.weight")
-    o = chained.attend(q, k_all[..., :hp.hd_k], v_all[..., :hp.hd_v], batch.positions, k_pos, hp.hd_k ** -0.5,
-                hp.n_swa if hp.swa[i] else 0, None if sinks is None else acc(sinks))
-    out = linear(o.reshape(n, nh * hp.hd_v), w[p + "attn_output.weight"])
-    return out if hp.v_scale == 1.0 else (acc(out) * hp.v_scale).to(out.dtype)
+    window = hp.sliding_window if hp.swa[i] else 0
+    o = chained.attend(q, k_all[..., :hp.head_dim], v_all[..., :hp.v_head_dim], batch.positions, k_pos,
+                       hp.head_dim ** -0.5, window, None if sinks is None else acc(sinks))
+    out = linear(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])
+    scale = hp.attention_value_scale
+    return out if scale == 1.0 else (acc(out) * scale).to(out.dtype)
 
 
 def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -150,8 +149,8 @@ def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(hp: HParams, batch: Batch):
-    return lambda dtype: (rope_cos_sin(batch.positions, hp.n_rot, hp.base, dtype),
-                          rope_cos_sin(batch.positions, hp.n_rot, hp.base_swa, dtype))
+    return lambda dtype: (rope_cos_sin(batch.positions, hp.rotary_dim, hp.rope_theta, dtype),
+                          rope_cos_sin(batch.positions, hp.rotary_dim, hp.swa_rope_theta, dtype))
 
 
 _forwards = chained.Forwards(_rope, attention, ffn)  # its MTP head ends differently: forward_mtp

@@ -11,30 +11,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.archs.nextn_moe import Sizes
 from specconv.runtime.backend import Experts
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.graphs.ops import acc, linear, moe, swiglu
 from specconv.runtime.validate import check_kv
 
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
-
-
-def kv_getter(kv: Mapping[str, Any]) -> tuple[str, Callable[..., Any]]:
-    arch = kv["general.architecture"]
-
-    def get(key: str, default: Any = None, required: bool = True) -> Any:
-        v = kv.get(f"{arch}.{key}", default)
-        if v is None and required:
-            raise SpecconvError(f"GGUF metadata lacks {arch}.{key}")
-        return v
-
-    return arch, get
 
 
 @dataclass
@@ -61,29 +50,30 @@ class MoeKV:
     @classmethod
     def read(cls, kv: Mapping[str, Any]) -> "MoeKV":
         check_kv(kv)  # types and ranges first: nothing below divides by 0 or compares a str
-        arch, get = kv_getter(kv)
-        block_count = get("block_count")
-        n_nextn = get("nextn_predict_layers", 0)
+        r = HParamsReader(kv)
+        arch, key = r.arch, r.key
+        block_count = key("block_count", type=int)
+        n_nextn = key("nextn_predict_layers", 0, int)
         if n_nextn > block_count:
             raise SpecconvError(f"{arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({block_count})")
         # A missing key means what it means to llama.cpp: sigmoid for glm4moe, softmax for deepseek2
         # (except its GLM-4.7-Flash special case), which is wrong for DeepSeek-V3 but is what files
         # from llama.cpp's converter say (docs/reference/gguf-layout.md §7.5); the runtime runs the file as written.
-        lite_glm = get("vocab_size", 0, required=False) == 154880 and block_count - n_nextn in (47, 48)
+        lite_glm = key("vocab_size", 0, int) == 154880 and block_count - n_nextn in (47, 48)
         default = GATING_SIGMOID if arch == "glm4moe" or lite_glm else GATING_SOFTMAX
-        gating = get("expert_gating_func", default, required=False)
+        gating = key("expert_gating_func", default, int)
         if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
             raise SpecconvError(f"{arch}.expert_gating_func is {gating}; supported: softmax (1), sigmoid (2)")
         m = cls(
-            arch=arch, n_layer=block_count - n_nextn, n_nextn=n_nextn, n_embd=get("embedding_length"),
-            n_head=get("attention.head_count"), eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_base=float(get("rope.freq_base", 10000.0)), n_ff=get("feed_forward_length", 0, required=False) or 0,
-            n_expert=get("expert_count"), n_expert_used=get("expert_used_count"),
-            n_ff_exp=get("expert_feed_forward_length"), n_expert_shared=get("expert_shared_count", 0),
-            n_dense_lead=get("leading_dense_block_count", 0), n_group=get("expert_group_count", 1, required=False) or 1,
-            n_group_used=get("expert_group_used_count", 1, required=False) or 1,
-            weights_scale=float(get("expert_weights_scale", 1.0, required=False) or 1.0),
-            weights_norm=bool(get("expert_weights_norm", False, required=False)), gating=gating,
+            arch=arch, n_layer=block_count - n_nextn, n_nextn=n_nextn, n_embd=key("embedding_length", type=int),
+            n_head=key("attention.head_count", type=int), eps=key("attention.layer_norm_rms_epsilon", type=float),
+            rope_base=key("rope.freq_base", 10000.0, float), n_ff=key("feed_forward_length", 0, int),
+            n_expert=key("expert_count", type=int), n_expert_used=key("expert_used_count", type=int),
+            n_ff_exp=key("expert_feed_forward_length", type=int), n_expert_shared=key("expert_shared_count", 0, int),
+            n_dense_lead=key("leading_dense_block_count", 0, int), n_group=key("expert_group_count", 1, int) or 1,
+            n_group_used=key("expert_group_used_count", 1, int) or 1,
+            weights_scale=key("expert_weights_scale", 1.0, float) or 1.0,
+            weights_norm=key("expert_weights_norm", False, bool), gating=gating,
         )
         if m.n_group > 1 and (m.n_expert % m.n_group or not 0 < m.n_group_used < m.n_group):
             raise SpecconvError(f"{arch}: {m.n_group} expert groups ({m.n_group_used} used) do not fit "

@@ -23,6 +23,7 @@ from specconv.archs.qwen3 import QWEN3_TABLE, Sizes
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_trunk
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.ops import (
     acc, cached_attention, linear, moe as routed_moe, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
@@ -62,40 +63,35 @@ class HParams:
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         check_kv(kv)  # types and ranges first: nothing below divides by 0 or compares a str
-        arch = kv["general.architecture"]
-
-        def get(key, default=None):
-            v = kv.get(f"{arch}.{key}", default)
-            if v is None:
-                raise SpecconvError(f"GGUF metadata lacks {arch}.{key}")
-            return v
-
-        n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
-        head_dim = int(get("attention.key_length", n_embd // n_head))
-        if int(get("attention.value_length", head_dim)) != head_dim:
+        r = HParamsReader(kv)
+        arch, key = r.arch, r.key
+        n_embd, n_head = key("embedding_length", type=int), key("attention.head_count", type=int)
+        head_dim = key("attention.key_length", n_embd // n_head, int)
+        if key("attention.value_length", head_dim, int) != head_dim:
             raise SpecconvError(f"{arch}: attention.value_length differs from key_length")
-        scaling = kv.get(f"{arch}.rope.scaling.type")
+        scaling = key("rope.scaling.type", None, str)
         factor, yarn = 1.0, None
         if scaling == "linear":
-            factor = float(get("rope.scaling.factor"))
+            factor = key("rope.scaling.factor", type=float)
         elif scaling == "yarn":
-            yarn = {"factor": float(get("rope.scaling.factor")), "orig_ctx": int(get("rope.scaling.original_context_length")),
-                    "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
-                    "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)),
-                    "attn_factor": kv.get(f"{arch}.rope.scaling.yarn_attn_factor")}
+            yarn = {"factor": key("rope.scaling.factor", type=float),
+                    "orig_ctx": key("rope.scaling.original_context_length", type=int),
+                    "beta_fast": key("rope.scaling.yarn_beta_fast", 32.0, float),
+                    "beta_slow": key("rope.scaling.yarn_beta_slow", 1.0, float),
+                    "attn_factor": key("rope.scaling.yarn_attn_factor", None)}
         elif scaling not in (None, "none"):
             raise SpecconvError(f"{arch}: rope scaling {scaling!r} is not supported by the runtime's qwen3 graph "
                                 f"(default, linear and yarn are)")
         tokens = kv.get("tokenizer.ggml.tokens")
-        hp = cls(arch=arch, n_layer=int(get("block_count")), n_embd=n_embd, n_head=n_head,
-                 n_head_kv=int(get("attention.head_count_kv", n_head)), head_dim=head_dim,
-                 n_rot=int(get("rope.dimension_count", head_dim)), rope_base=float(get("rope.freq_base", 10000.0)),
-                 eps=float(get("attention.layer_norm_rms_epsilon")), n_ff=int(get("feed_forward_length", 0)),
-                 n_expert=int(get("expert_count", 0)), n_expert_used=int(get("expert_used_count", 0)),
-                 n_ff_exp=int(get("expert_feed_forward_length", 0)),
-                 norm_topk=bool(get("expert_weights_norm", True)), rope_linear_factor=factor, yarn=yarn,
-                 n_vocab=int(kv.get(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else 0)),
-                 context_length=int(get("context_length", 0)))
+        hp = cls(arch=arch, n_layer=key("block_count", type=int), n_embd=n_embd, n_head=n_head,
+                 n_head_kv=key("attention.head_count_kv", n_head, int), head_dim=head_dim,
+                 n_rot=key("rope.dimension_count", head_dim, int), rope_base=key("rope.freq_base", 10000.0, float),
+                 eps=key("attention.layer_norm_rms_epsilon", type=float), n_ff=key("feed_forward_length", 0, int),
+                 n_expert=key("expert_count", 0, int), n_expert_used=key("expert_used_count", 0, int),
+                 n_ff_exp=key("expert_feed_forward_length", 0, int),
+                 norm_topk=key("expert_weights_norm", True, bool), rope_linear_factor=factor, yarn=yarn,
+                 n_vocab=key("vocab_size", 0, int) or (len(tokens) if tokens is not None else 0),
+                 context_length=key("context_length", 0, int))
         if arch == "qwen3moe" and not (hp.n_expert and 0 < hp.n_expert_used <= hp.n_expert):
             raise SpecconvError(f"qwen3moe file with expert_count {hp.n_expert}, expert_used_count {hp.n_expert_used}")
         if hp.n_head % hp.n_head_kv:

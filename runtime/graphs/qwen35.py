@@ -20,6 +20,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.graphs.ops import (
     acc, cached_attention, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin, rope_neox_partial,
     swiglu,
@@ -71,41 +72,35 @@ class HParams:
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         check_kv(kv)  # types and ranges first: nothing below divides by 0 or compares a str
-        arch = kv["general.architecture"]
-
-        def get(key, default=None, required=True):
-            v = kv.get(f"{arch}.{key}", default)
-            if v is None and required:
-                raise SpecconvError(f"GGUF metadata lacks {arch}.{key}")
-            return v
-
-        block_count = get("block_count")
-        n_nextn = get("nextn_predict_layers", 0)
+        r = HParamsReader(kv)
+        arch, key = r.arch, r.key
+        block_count = key("block_count", type=int)
+        n_nextn = key("nextn_predict_layers", 0, int)
         if n_nextn > block_count:
             raise SpecconvError(f"{arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({block_count})")
         n_layer = block_count - n_nextn
-        key_len, val_len = get("attention.key_length"), get("attention.value_length")
+        key_len, val_len = key("attention.key_length", type=int), key("attention.value_length", type=int)
         if key_len != val_len:
             raise SpecconvError(f"attention.key_length {key_len} != value_length {val_len}")
-        rec = kv.get(f"{arch}.attention.recurrent_layers")
+        rec = key("attention.recurrent_layers", None, list)
         if rec is not None:
             recurrent = [bool(x) for x in rec[:n_layer]]
         else:
-            interval = get("full_attention_interval", 4)
+            interval = key("full_attention_interval", 4, int)
             recurrent = [(i + 1) % interval != 0 for i in range(n_layer)]
         hp = cls(
-            arch=arch, n_layer=n_layer, n_nextn=n_nextn, n_embd=get("embedding_length"),
-            n_head=get("attention.head_count"), n_head_kv=_scalar(get("attention.head_count_kv")),
-            head_dim=key_len, n_rot=get("rope.dimension_count", key_len), rope_base=float(get("rope.freq_base", 10000.0)),
-            eps=float(get("attention.layer_norm_rms_epsilon")), recurrent=recurrent,
-            conv_kernel=get("ssm.conv_kernel"), ssm_dk=get("ssm.state_size"), ssm_groups=get("ssm.group_count"),
-            ssm_heads=get("ssm.time_step_rank"), ssm_inner=get("ssm.inner_size"),
-            n_ff=_scalar(get("feed_forward_length", 0, required=False) or 0),
-            n_expert=get("expert_count", 0, required=False) or 0,
-            n_expert_used=get("expert_used_count", 0, required=False) or 0,
-            n_ff_exp=get("expert_feed_forward_length", 0, required=False) or 0,
-            n_ff_shexp=get("expert_shared_feed_forward_length", 0, required=False) or 0,
-            context_length=get("context_length", 0, required=False) or 0,
+            arch=arch, n_layer=n_layer, n_nextn=n_nextn, n_embd=key("embedding_length", type=int),
+            n_head=key("attention.head_count", type=int), n_head_kv=_scalar(key("attention.head_count_kv")),
+            head_dim=key_len, n_rot=key("rope.dimension_count", key_len, int),
+            rope_base=key("rope.freq_base", 10000.0, float),
+            eps=key("attention.layer_norm_rms_epsilon", type=float), recurrent=recurrent,
+            conv_kernel=key("ssm.conv_kernel", type=int), ssm_dk=key("ssm.state_size", type=int),
+            ssm_groups=key("ssm.group_count", type=int), ssm_heads=key("ssm.time_step_rank", type=int),
+            ssm_inner=key("ssm.inner_size", type=int), n_ff=_scalar(key("feed_forward_length", 0)),
+            n_expert=key("expert_count", 0, int), n_expert_used=key("expert_used_count", 0, int),
+            n_ff_exp=key("expert_feed_forward_length", 0, int),
+            n_ff_shexp=key("expert_shared_feed_forward_length", 0, int),
+            context_length=key("context_length", 0, int),
         )
         if hp.ssm_inner % hp.ssm_heads or hp.ssm_heads % hp.ssm_groups:
             raise SpecconvError(f"inconsistent SSM sizes: inner {hp.ssm_inner}, heads {hp.ssm_heads}, groups {hp.ssm_groups}")

@@ -25,6 +25,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn
 from specconv.runtime.graphs import qwen35 as q35
 from specconv.runtime.graphs.contract import Graph
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.graphs.ops import acc, dense, l2_norm, linear, rms_norm
 from specconv.runtime.memory import Batch
 
@@ -44,7 +45,7 @@ class HParams(q35.HParams):
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         hp = super().from_kv(kv)
-        scaling = kv.get(f"{hp.arch}.rope.scaling.type")
+        scaling = HParamsReader(kv).key("rope.scaling.type", None, str)
         if scaling not in (None, "none"):
             raise SpecconvError(f"{hp.arch}.rope.scaling.type is {scaling!r}: the runtime's qwen3next graph runs "
                                 f"unscaled rope only (the releases' configuration)")

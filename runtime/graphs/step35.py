@@ -27,9 +27,9 @@ from specconv.archs.chained_mtp import Sizes
 from specconv.archs.errors import SpecconvError
 from specconv.archs.step35 import STEP35_TABLE
 from specconv.runtime.graphs import chained
-from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
+from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.memory import Batch
 from specconv.runtime.validate import check_rope_width
 
@@ -63,31 +63,32 @@ class HParams(chained.ChainedHParams):
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         # no check_kv here yet: runtime/validate.py types attention.head_count as a scalar, and step35
         # writes it per block (llama.cpp reads it with get_key_or_arr); every key is checked below
-        arch, get = ms.kv_getter(kv)
-        total, n_nextn = chained.block_counts(arch, get)
-        per_layer = chained.per_layer_reader(arch, get, total)
-        head_dim = get("attention.key_length")
-        if get("attention.value_length", head_dim, required=False) != head_dim:
+        r = HParamsReader(kv)
+        arch, key = r.arch, r.key
+        total, n_nextn = chained.block_counts(r)
+        head_dim = key("attention.key_length", type=int)
+        if key("attention.value_length", head_dim, int) != head_dim:
             raise SpecconvError(f"{arch}: attention.key_length != value_length")
-        n_heads, n_kvs = per_layer("attention.head_count"), per_layer("attention.head_count_kv")
+        n_heads, n_kvs = r.per_layer("attention.head_count", total), r.per_layer("attention.head_count_kv", total)
         for i, (h, k) in enumerate(zip(n_heads, n_kvs)):
             if h % k:
                 raise SpecconvError(f"{arch}: block {i} has {h} heads, not a multiple of {k} KV heads")
-        n_rot = get("rope.dimension_count", head_dim, required=False)
-        base = float(get("rope.freq_base", 10000.0, required=False))
-        gating = chained.gating(arch, get)
-        return cls(arch=arch, n_layer=total - n_nextn, n_nextn=n_nextn, n_embd=get("embedding_length"),
-                   head_dim=head_dim, n_heads=[int(x) for x in n_heads], n_kvs=[int(x) for x in n_kvs],
-                   swa=[bool(x) for x in per_layer("attention.sliding_window_pattern", False)],
-                   n_swa=int(get("attention.sliding_window", 0, required=False) or 0),
+        n_rot = key("rope.dimension_count", head_dim, int)
+        base = key("rope.freq_base", 10000.0, float)
+        gating = chained.gating(r)
+        return cls(arch=arch, n_layer=total - n_nextn, n_nextn=n_nextn, n_embd=key("embedding_length", type=int),
+                   head_dim=head_dim, n_heads=n_heads, n_kvs=n_kvs,
+                   swa=r.per_layer("attention.sliding_window_pattern", total, False, bool),
+                   n_swa=key("attention.sliding_window", 0, int),
                    n_rot_full=n_rot // 2,  # llama.cpp: full-attention blocks rotate half the rope dims
-                   n_rot_swa=get("rope.dimension_count_swa", n_rot, required=False), base_full=base,
-                   base_swa=float(get("rope.freq_base_swa", base, required=False)),
-                   eps=float(get("attention.layer_norm_rms_epsilon")), n_expert_used=get("expert_used_count", 0),
-                   weights_scale=float(get("expert_weights_scale", 1.0, required=False) or 1.0),
-                   weights_norm=bool(get("expert_weights_norm", False, required=False)),
-                   clamp_exp=[float(x) for x in per_layer("swiglu_clamp_exp", 0.0)],
-                   clamp_shexp=[float(x) for x in per_layer("swiglu_clamp_shexp", 0.0)], gating=gating)
+                   n_rot_swa=key("rope.dimension_count_swa", n_rot, int), base_full=base,
+                   base_swa=key("rope.freq_base_swa", base, float),
+                   eps=key("attention.layer_norm_rms_epsilon", type=float),
+                   n_expert_used=key("expert_used_count", 0, int),
+                   weights_scale=key("expert_weights_scale", 1.0, float) or 1.0,
+                   weights_norm=key("expert_weights_norm", False, bool),
+                   clamp_exp=r.per_layer("swiglu_clamp_exp", total, 0.0, float),
+                   clamp_shexp=r.per_layer("swiglu_clamp_shexp", total, 0.0, float), gating=gating)
 
 
 # ---- which tensors the graph needs: the family's table (archs/step35.py) ------------------------
