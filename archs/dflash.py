@@ -17,7 +17,7 @@ windows) converts as upstream writes it; llama.cpp and specconv's runtime run it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
@@ -29,7 +29,7 @@ from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan
-from .tensor_table import Block, TensorSpec, TensorTable
+from .tensor_table import Block, TensorSpec, TensorTable, read_by
 
 _PRE_BY_MODEL_TYPE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
 
@@ -100,7 +100,7 @@ DFLASH_TABLE = TensorTable((
     _own("selector_successor.weight", _SEL + "successor_codebook", lambda s: (s.V, s.selector_rank), "v2"),
     _own("selector_hidden.weight", _SEL + "hidden_projection.weight", lambda s: (s.selector_rank, s.E), "v2"),
     TensorSpec(names.OUTPUT, None, lambda s: (s.V, s.E), optional=True, hook="head", role=Role.TRUNK),
-    *(replace(spec, graph="mtp") for spec in (
+    *read_by("mtp", (
         _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
         TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.E)),
         TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.E)),

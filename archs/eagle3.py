@@ -22,7 +22,6 @@ unique; `t2d` (training only) is dropped; q/k rows get the LLaMA pair permutatio
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import partial
 from typing import Any, ClassVar, Mapping, Sequence
 
@@ -37,7 +36,7 @@ from .llama import (BLOCK_SPECS, ROPE_FREQS_SPEC, Sizes, _norm, add_rope_freqs, 
                     rope_freqs_first)
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan
-from .tensor_table import Block, TensorSpec, TensorTable
+from .tensor_table import Block, TensorSpec, TensorTable, read_by
 
 I64 = GGMLQuantizationType.I64
 INT_DTYPES = {"I64", "I32"}
@@ -116,10 +115,6 @@ def absolute_d2t(ts: list[np.ndarray], n_target_vocab: int) -> np.ndarray:
     return ids
 
 
-def _mtp(spec: TensorSpec) -> TensorSpec:
-    return replace(spec, graph="mtp")
-
-
 # The head is a trunk file (Role.TRUNK) that the runtime runs as two graphs: the ENCODER (fc over the
 # target's features) and the decoder, served as MTP. Optional tensors a head may leave to its target
 # (token_embd; output, which then spans the target vocabulary) or hold only for some configs.
@@ -132,8 +127,7 @@ EAGLE3_TABLE = TensorTable((
     _norm(names.OUTPUT_NORM, "norm.weight", role=Role.TRUNK, graph="mtp"),
     TensorSpec(names.OUTPUT, None, lambda s: (s.Vd, s.E), optional=True, hook="head", role=Role.TRUNK, graph="mtp"),
     TensorSpec(names.EAGLE3_D2T, None, lambda s: (s.Vd,), optional=True, hook="head", role=Role.TRUNK, graph="mtp"),
-    _mtp(ROPE_FREQS_SPEC),
-    *map(_mtp, BLOCK_SPECS),
+    *read_by("mtp", (ROPE_FREQS_SPEC, *BLOCK_SPECS)),
     _norm("blk.{bid}.attn_norm_2.weight", "{p}hidden_norm.weight", graph="mtp"),
 ), block_tags)
 

@@ -32,7 +32,7 @@ from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, text_model_name
-from .tensor_table import Block, TensorSpec, TensorTable
+from .tensor_table import Block, TensorSpec, TensorTable, read_by
 
 ROPE_FREQS = "rope_freqs.weight"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -264,18 +264,14 @@ GEMMA4_TABLE = TensorTable((  # one file, every tensor Role.TRUNK (no MTP routin
 ) + BLOCK_SPECS, block_tags, global_tags, block_sizes)
 
 
-def _mtp(spec: TensorSpec) -> TensorSpec:
-    return replace(spec, graph="mtp")
-
-
 # The assistant: one file the runtime serves as MTP only, its blocks reading the target's K/V.
-ASSISTANT_TABLE = TensorTable(tuple(map(_mtp, (
+ASSISTANT_TABLE = TensorTable(read_by("mtp", (
     _EMBEDDING,
     TensorSpec(names.NEXTN_PRE_PROJECTION, "pre_projection.weight", lambda s: (s.E, 2 * s.Eo), role=Role.TRUNK),
     TensorSpec(names.NEXTN_POST_PROJECTION, "post_projection.weight", lambda s: (s.Eo, s.E), role=Role.TRUNK),
     _OUTPUT_NORM,
     _ROPE_FREQS,
-) + BLOCK_SPECS)), block_tags, global_tags, block_sizes)
+) + BLOCK_SPECS), block_tags, global_tags, block_sizes)
 
 
 class _Gemma4Base(ArchPlugin):

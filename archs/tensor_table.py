@@ -21,7 +21,7 @@ neither `hf` nor `hook` is one this converter never writes but the runtime reads
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -59,6 +59,11 @@ class TensorSpec:
 
     def name(self, bid: int | None = None) -> str:
         return self.gguf.format(bid=bid) if self.per_block else self.gguf
+
+
+def read_by(graph: str, specs: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
+    """`specs` as the runtime's `graph` reads them (`TensorSpec.graph`): a drafter file's rows."""
+    return tuple(replace(s, graph=graph) for s in specs)
 
 
 @dataclass(frozen=True)
