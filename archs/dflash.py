@@ -17,20 +17,105 @@ windows) converts as upstream writes it; llama.cpp and specconv's runtime run it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
 from gguf import GGUFValueType, Keys
 
 from . import names, plugin_class_for, register
-from . import transforms as tf
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan
+from .tensor_table import Block, TensorSpec, TensorTable, read_by
 
 _PRE_BY_MODEL_TYPE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The dimensions of the DFlash table: the plugin's from config.json, the graph's from GGUF metadata
+    (runtime/graphs/dflash.py, V = "V")."""
+
+    n_layer: int
+    E: int  # hidden size (the target's)
+    V: int | str  # vocabulary
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    ffn: int
+    E_in: int  # fc's input: the k target layers' rows, concatenated
+    v2: bool = False  # DFlash2: dynamic convolutions and the candidate selector
+    conv_kernel: int = 0
+    conv_group: int = 0
+    selector_rank: int = 0
+
+    @property
+    def q(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @property
+    def conv_proj(self) -> int:
+        return 2 * self.conv_kernel * (self.E // self.conv_group)
+
+
+def _tags(s: Sizes, bid: int | None = None) -> frozenset[str]:
+    return frozenset({"v2"} if s.v2 else ())
+
+
+def _norm(gguf: str, hf: str, dim=lambda s: (s.E,), **kw) -> TensorSpec:
+    return TensorSpec(gguf, hf, dim, f32=True, **kw)  # plain RMSNorm weights, kept F32
+
+
+def _own(gguf: str, hf: str, shape, on: str = "", f32: bool = False) -> TensorSpec:
+    """A tensor of the drafter's decoder (the runtime's MTP graph)."""
+    return TensorSpec(gguf, hf, shape, on, f32=f32, role=Role.TRUNK, graph="mtp")
+
+
+def _conv(side: str, hf: str) -> tuple[TensorSpec, ...]:
+    """DFlash2's dynamic convolution around attention or MLP: base kernels [2, K, H] (F32, no `.weight`
+    suffix, as upstream names them) and the kernel projection [2·K·H/group, H]."""
+    return (TensorSpec(f"blk.{{bid}}.{side}_conv_base", f"{{p}}{hf}.base_kernel", lambda s: (2, s.conv_kernel, s.E),
+                       "v2", f32=True, graph="mtp"),
+            TensorSpec(f"blk.{{bid}}.{side}_conv_proj.weight", f"{{p}}{hf}.kernel_projection.weight",
+                       lambda s: (s.conv_proj, s.E), "v2", graph="mtp"))
+
+
+_ATTN, _MLP = "{p}self_attn.", "{p}mlp."
+_SEL = "candidate_selector."
+# A trunk file (Role.TRUNK) the runtime runs as a drafter (its MTP graph); embedding and head are the
+# target's unless the checkpoint has its own.
+DFLASH_TABLE = TensorTable((
+    TensorSpec(names.TOKEN_EMBD, None, lambda s: (s.V, s.E), optional=True, hook="embedding", role=Role.TRUNK),
+    _own(names.EAGLE3_FC, "fc.weight", lambda s: (s.E, s.E_in)),
+    _own(names.ENC_OUTPUT_NORM, "hidden_norm.weight", lambda s: (s.E,), f32=True),
+    _own(names.OUTPUT_NORM, "norm.weight", lambda s: (s.E,), f32=True),
+    _own("selector_predecessor.weight", _SEL + "predecessor_codebook", lambda s: (s.V, s.selector_rank), "v2"),
+    _own("selector_successor.weight", _SEL + "successor_codebook", lambda s: (s.V, s.selector_rank), "v2"),
+    _own("selector_hidden.weight", _SEL + "hidden_projection.weight", lambda s: (s.selector_rank, s.E), "v2"),
+    TensorSpec(names.OUTPUT, None, lambda s: (s.V, s.E), optional=True, hook="head", role=Role.TRUNK),
+    *read_by("mtp", (
+        _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
+        TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.E)),
+        TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.E)),
+        TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.E)),
+        TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.q)),
+        _norm("blk.{bid}.attn_q_norm.weight", _ATTN + "q_norm.weight", lambda s: (s.head_dim,)),
+        _norm("blk.{bid}.attn_k_norm.weight", _ATTN + "k_norm.weight", lambda s: (s.head_dim,)),
+        _norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),
+        TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.ffn, s.E)),
+        TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.ffn, s.E)),
+        TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.E, s.ffn)),
+    )),
+    *_conv("attn", "attention_conv"),
+    *_conv("ffn", "mlp_conv"),
+), _tags, global_tags=_tags)
 
 
 @register
@@ -150,50 +235,28 @@ class DFlash(ArchPlugin):
 
     # ------------------------------------------------------------------ tensors
 
+    table: ClassVar[TensorTable] = DFLASH_TABLE
+
+    def sizes(self) -> Sizes:
+        conv = self.conv if self.v2 else {}
+        return Sizes(n_layer=self.L, E=self.H, V=self.V, n_head=self.n_head, n_head_kv=self.n_kv, head_dim=self.hd,
+                     ffn=self.F, E_in=len(self.target_layers) * self.H, v2=self.v2,
+                     conv_kernel=conv.get("conv_kernel_size", 0), conv_group=conv.get("conv_group_size", 0),
+                     selector_rank=conv.get("selector_rank", 0))
+
     def tensor_plan(self) -> list[TensorPlan]:
-        plan, H, F, V, k = RolePlan(self.checkpoint.tensors), self.H, self.F, self.V, len(self.target_layers)
-        trunk, q, kv = Role.TRUNK, self.n_head * self.hd, self.n_kv * self.hd
-        if plan.has("embed_tokens.weight"):
-            plan.add(names.TOKEN_EMBD, [plan.source("embed_tokens.weight", (V, H))], (V, H), trunk)
-        plan.add(names.EAGLE3_FC, [plan.source("fc.weight", (H, k * H))], (H, k * H), trunk)
-        plan.add(names.ENC_OUTPUT_NORM, [plan.source("hidden_norm.weight", (H,))], (H,), trunk, tf.identity, True)
-        for i in range(self.L):
-            p = f"layers.{i}."
-            plan.add(names.blk(i, "attn_norm"), [plan.source(p + "input_layernorm.weight", (H,))], (H,), trunk,
-                     tf.identity, True)
-            for part, hf, shape in (("attn_q", "q_proj", (q, H)), ("attn_k", "k_proj", (kv, H)),
-                                    ("attn_v", "v_proj", (kv, H)), ("attn_output", "o_proj", (H, q))):
-                plan.add(names.blk(i, part), [plan.source(f"{p}self_attn.{hf}.weight", shape)], shape, trunk)
-            for part, hf in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
-                plan.add(names.blk(i, part), [plan.source(f"{p}self_attn.{hf}.weight", (self.hd,))], (self.hd,),
-                         trunk, tf.identity, True)
-            plan.add(names.blk(i, "ffn_norm"), [plan.source(p + "post_attention_layernorm.weight", (H,))], (H,),
-                     trunk, tf.identity, True)
-            for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
-                plan.add(names.blk(i, f"ffn_{part}"), [plan.source(f"{p}mlp.{part}_proj.weight", shape)], shape, trunk)
-            if self.v2:
-                self._conv_tensors(plan, i, p)
-        plan.add(names.OUTPUT_NORM, [plan.source("norm.weight", (H,))], (H,), trunk, tf.identity, True)
-        if self.v2:
-            R, sel = self.conv["selector_rank"], "candidate_selector."
-            for gguf_name, hf, shape in (("selector_predecessor.weight", "predecessor_codebook", (V, R)),
-                                         ("selector_successor.weight", "successor_codebook", (V, R)),
-                                         ("selector_hidden.weight", "hidden_projection.weight", (R, H))):
-                plan.add(gguf_name, [plan.source(sel + hf, shape)], shape, trunk)
-        if plan.has("lm_head.weight"):
-            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (V, H))], (V, H), trunk)
+        plan = RolePlan(self.checkpoint.tensors)
+        blocks = [Block(i, f"layers.{i}.", Role.TRUNK) for i in range(self.L)]
+        self.table.plan(plan, self.sizes(), blocks, {"embedding": self._embedding, "head": self._head})
         return plan.finish(self.gguf_arch)
 
-    def _conv_tensors(self, plan: RolePlan, i: int, p: str) -> None:
-        """DFlash2's dynamic convolutions around attention and MLP: base kernels [2, K, H] (F32: no
-        `.weight` suffix, as upstream names them) and kernel projections [2·K·H/group, H]."""
-        H, K = self.H, self.conv["conv_kernel_size"]
-        projected = 2 * K * (H // self.conv["conv_group_size"])
-        for gguf_part, hf in (("attn", "attention_conv"), ("ffn", "mlp_conv")):
-            plan.add(names.blk(i, f"{gguf_part}_conv_base", None), [plan.source(f"{p}{hf}.base_kernel", (2, K, H))],
-                     (2, K, H), Role.TRUNK, tf.identity, True)
-            plan.add(names.blk(i, f"{gguf_part}_conv_proj"),
-                     [plan.source(f"{p}{hf}.kernel_projection.weight", (projected, H))], (projected, H), Role.TRUNK)
+    def _embedding(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
+        if plan.has("embed_tokens.weight"):  # else the target's
+            plan.add(names.TOKEN_EMBD, [plan.source("embed_tokens.weight", (s.V, s.E))], (s.V, s.E), role)
+
+    def _head(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
+        if plan.has("lm_head.weight"):  # else the target's
+            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (s.V, s.E))], (s.V, s.E), role)
 
     # ------------------------------------------------------------------ metadata
 

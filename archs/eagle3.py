@@ -29,11 +29,14 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from . import names, plugin_class_for, register
-from .base import ArchPlugin, Checkpoint, MetaKV, TensorPlan
-from .config_reader import ConfigReader, MAX_LAYERS
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
-from .llama import PlanBuilder, _permuted, add_rope_freqs, attention_shapes, llama_kv
+from .llama import (BLOCK_SPECS, ROPE_FREQS_SPEC, Sizes, _norm, add_rope_freqs, attention_shapes, block_tags, llama_kv,
+                    rope_freqs_first)
 from .metadata import MetadataWriter
+from .plan_tools import RolePlan
+from .tensor_table import Block, TensorSpec, TensorTable, read_by
 
 I64 = GGMLQuantizationType.I64
 INT_DTYPES = {"I64", "I32"}
@@ -110,6 +113,23 @@ def absolute_d2t(ts: list[np.ndarray], n_target_vocab: int) -> np.ndarray:
     if np.unique(ids).size != ids.size:
         raise SpecconvError("d2t maps two draft tokens to the same target id (a corrupt or mismatched d2t)")
     return ids
+
+
+# The head is a trunk file (Role.TRUNK) that the runtime runs as two graphs: the ENCODER (fc over the
+# target's features) and the decoder, served as MTP. Optional tensors a head may leave to its target
+# (token_embd; output, which then spans the target vocabulary) or hold only for some configs.
+EAGLE3_TABLE = TensorTable((
+    TensorSpec(names.TOKEN_EMBD, None, lambda s: (s.V, s.E), optional=True, hook="embedding", role=Role.TRUNK,
+               graph="mtp"),
+    TensorSpec(names.EAGLE3_FC, "fc.weight", lambda s: (s.E, 3 * s.Ht), role=Role.TRUNK, graph="encoder"),
+    _norm(names.ENC_OUTPUT_NORM, None, lambda s: (3 * s.Ht,), optional=True, hook="enc_norm", role=Role.TRUNK,
+          graph="encoder"),  # written and read when norm_before_fc
+    _norm(names.OUTPUT_NORM, "norm.weight", role=Role.TRUNK, graph="mtp"),
+    TensorSpec(names.OUTPUT, None, lambda s: (s.Vd, s.E), optional=True, hook="head", role=Role.TRUNK, graph="mtp"),
+    TensorSpec(names.EAGLE3_D2T, None, lambda s: (s.Vd,), optional=True, hook="head", role=Role.TRUNK, graph="mtp"),
+    *read_by("mtp", (ROPE_FREQS_SPEC, *BLOCK_SPECS)),
+    _norm("blk.{bid}.attn_norm_2.weight", "{p}hidden_norm.weight", graph="mtp"),
+), block_tags)
 
 
 @register
@@ -204,42 +224,46 @@ class Eagle3(ArchPlugin):
 
     # ------------------------------------------------------------------ tensors
 
+    table: ClassVar[TensorTable] = EAGLE3_TABLE
+
+    def sizes(self) -> Sizes:
+        return Sizes(n_layer=1, E=self.H, V=self.V, n_head=self.n_head, n_head_kv=self.n_kv, head_dim=self.hd,
+                     ffn=self.F, n_rot=self.hd, E_in=2 * self.H, Ht=self.Ht, Vd=self.Vd)
+
     def tensor_plan(self) -> list[TensorPlan]:
-        plan, H, F, V, Vd, Ht = PlanBuilder(self.checkpoint), self.H, self.F, self.V, self.Vd, self.Ht
-        q, kv, p = self.n_head * self.hd, self.n_kv * self.hd, "layers.0."
-        if plan.has("embed_tokens.weight"):
-            plan.add(names.TOKEN_EMBD, [plan.source("embed_tokens.weight", (V, H))], (V, H))
-        plan.add(names.EAGLE3_FC, [plan.source("fc.weight", (H, 3 * Ht))], (H, 3 * Ht))
+        plan = RolePlan(self.checkpoint.tensors)
+        hooks = {"embedding": self._embedding, "enc_norm": self._enc_norm, "head": self._head,
+                 "rope_freqs": self._rope_freqs}
+        self.table.plan(plan, self.sizes(), [Block(0, "layers.0.", Role.TRUNK)], hooks)
+        # d2t last, as llama.cpp's converter writes it (after every float tensor)
+        return sorted(rope_freqs_first(plan.finish(self.gguf_arch)), key=lambda p: p.name == names.EAGLE3_D2T)
+
+    def _embedding(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
+        if plan.has("embed_tokens.weight"):  # else the runtime takes the target's
+            plan.add(names.TOKEN_EMBD, [plan.source("embed_tokens.weight", (s.V, s.E))], (s.V, s.E), role)
+
+    def _enc_norm(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
         if self.norm_before_fc:
-            plan.add("enc.output_norm.weight", [plan.source("input_norm.weight", (3 * Ht,))], (3 * Ht,))
-        plan.add(names.blk(0, "attn_norm"), [plan.source(p + "input_layernorm.weight", (H,))], (H,))
-        plan.add(names.blk(0, "attn_norm_2"), [plan.source(p + "hidden_norm.weight", (H,))], (H,))
-        a = p + "self_attn."
-        plan.add(names.blk(0, "attn_q"), [plan.source(a + "q_proj.weight", (q, 2 * H))], (q, 2 * H),
-                 partial(_permuted, n_head=self.n_head))
-        plan.add(names.blk(0, "attn_k"), [plan.source(a + "k_proj.weight", (kv, 2 * H))], (kv, 2 * H),
-                 partial(_permuted, n_head=self.n_kv))
-        plan.add(names.blk(0, "attn_v"), [plan.source(a + "v_proj.weight", (kv, 2 * H))], (kv, 2 * H))
-        plan.add(names.blk(0, "attn_output"), [plan.source(a + "o_proj.weight", (H, q))], (H, q))
-        plan.add(names.blk(0, "ffn_norm"), [plan.source(p + "post_attention_layernorm.weight", (H,))], (H,))
-        for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
-            plan.add(names.blk(0, f"ffn_{part}"), [plan.source(f"{p}mlp.{part}_proj.weight", shape)], shape)
-        plan.add(names.OUTPUT_NORM, [plan.source("norm.weight", (H,))], (H,))
+            plan.add(names.ENC_OUTPUT_NORM, [plan.source("input_norm.weight", (3 * s.Ht,))], (3 * s.Ht,), role,
+                     f32=True)
+
+    def _head(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
+        """The head's own output matrix over the draft vocabulary, and d2t mapping it to target ids."""
         has_head = plan.has("lm_head.weight")
         if has_head:
-            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (Vd, H))], (Vd, H))
+            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (s.Vd, s.E))], (s.Vd, s.E), role)
         if plan.has("d2t"):
             if not has_head:
                 raise SpecconvError("the head has d2t but no lm_head.weight: a reduced vocabulary needs its own head")
-            plan.add(names.EAGLE3_D2T, [plan.source("d2t", (Vd,), INT_DTYPES)], (Vd,),
-                     partial(absolute_d2t, n_target_vocab=V), I64)
-        elif Vd != V:
-            raise SpecconvError(f"draft_vocab_size {Vd} differs from the vocabulary {V} but the checkpoint has no d2t "
-                                f"mapping")
-        add_rope_freqs(plan, self.cfg, self.hd, "norm.weight")
-        plans = plan.finish(self.gguf_arch)
-        # d2t last, as llama.cpp's converter writes it (after every float tensor)
-        return sorted(plans, key=lambda p: p.name == names.EAGLE3_D2T)
+            d2t = plan.source("d2t", (s.Vd,), INT_DTYPES)
+            plan.plans.append(TensorPlan(names.EAGLE3_D2T, (d2t,), (s.Vd,), role,
+                                         partial(absolute_d2t, n_target_vocab=s.V), I64))
+        elif s.Vd != s.V:
+            raise SpecconvError(f"draft_vocab_size {s.Vd} differs from the vocabulary {s.V} but the checkpoint has no "
+                                f"d2t mapping")
+
+    def _rope_freqs(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
+        add_rope_freqs(plan, self.cfg, s.head_dim, "norm.weight")
 
     # ------------------------------------------------------------------ metadata
 

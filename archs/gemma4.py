@@ -18,11 +18,12 @@ embedding is the tied LM head, and `embedding_length_out` carries the backbone (
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
-from gguf import GGMLQuantizationType, GGUFValueType, Keys
+from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
@@ -30,9 +31,9 @@ from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .metadata import MetadataWriter
-from .plan_tools import CheckedPlan, text_model_name
+from .plan_tools import RolePlan, text_model_name
+from .tensor_table import Block, TensorSpec, TensorTable, read_by
 
-F32 = GGMLQuantizationType.F32
 ROPE_FREQS = "rope_freqs.weight"
 SLIDING, FULL = "sliding_attention", "full_attention"
 _TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
@@ -159,11 +160,118 @@ def _normalize(raw: str):
     return text_model_name(raw, _TOWERS, "vision/audio tower (belongs in an mmproj file)")
 
 
-class PlanBuilder(CheckedPlan):
-    """Checked sources; every Gemma 4 output belongs to the one file (no MTP routing)."""
+@dataclass(frozen=True)
+class Sizes:
+    """The dimensions of the Gemma 4 tables: the plugins' from config.json, the graphs' from GGUF
+    metadata (runtime/graphs/gemma4.py, V = "V"). Head sizes, KV heads and FFN widths are per block;
+    `block_sizes` gives a block its own (`head_dim`, `n_head_kv`, `ffn`)."""
 
-    def add(self, gguf_name, sources, shape, transform=tf.identity, force=None) -> None:
-        self.plans.append(TensorPlan(gguf_name, tuple(sources), tuple(shape), Role.TRUNK, transform, force))
+    n_layer: int  # trunk blocks (0 for the assistant, whose blocks all draft)
+    E: int  # hidden size
+    V: int | str  # vocabulary
+    n_head: int
+    head_dims: tuple[int, ...]  # per block
+    kv_heads: tuple[int, ...]
+    ffns: tuple[int, ...]
+    owns_kv: tuple[bool, ...]  # the block has its own K/V (not a sharing tail layer, not the assistant)
+    rope_half: int | str  # rope_freqs entries: half the full-attention head ("R" in a file without full layers)
+    P: int = 0  # per-layer input (PLE) width
+    Vp: int | str = 0  # per-layer embedding rows
+    n_expert: int = 0
+    expert_ffn: int = 0
+    Eo: int = 0  # assistant: the target's hidden size
+    head_dim: int = 0  # of one block (block_sizes)
+    n_head_kv: int = 0
+    ffn: int = 0
+
+
+def block_sizes(s: Sizes, bid: int) -> Sizes:
+    return replace(s, head_dim=s.head_dims[bid], n_head_kv=s.kv_heads[bid], ffn=s.ffns[bid])
+
+
+def block_tags(s: Sizes, bid: int) -> frozenset[str]:
+    """K/V-owning blocks hold k (and v); trunk blocks hold the per-layer inputs and the MoE branch."""
+    tags = {"kv"} if s.owns_kv[bid] else set()
+    if bid < s.n_layer:
+        tags |= ({"ple"} if s.P else set()) | ({"moe"} if s.n_expert else set())
+    return frozenset(tags)
+
+
+def global_tags(s: Sizes) -> frozenset[str]:
+    return frozenset({"ple"} if s.P else set())
+
+
+def _norm(gguf: str, hf: str | None, dim=lambda s: (s.E,), on: str = "", **kw) -> TensorSpec:
+    return TensorSpec(gguf, hf, dim, on, f32=True, **kw)  # plain RMSNorm weights, kept F32
+
+
+_ATTN, _MLP = "{p}self_attn.", "{p}mlp."
+BLOCK_SPECS = (
+    _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
+    TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.n_head * s.head_dim, s.E)),
+    _norm("blk.{bid}.attn_q_norm.weight", _ATTN + "q_norm.weight", lambda s: (s.head_dim,)),
+    TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.n_head_kv * s.head_dim, s.E), "kv"),
+    # absent on the full layers of attention_k_eq_v models (v is k there): the plugin's hook decides
+    TensorSpec("blk.{bid}.attn_v.weight", None, lambda s: (s.n_head_kv * s.head_dim, s.E), "kv", optional=True,
+               hook="attn_v"),
+    _norm("blk.{bid}.attn_k_norm.weight", _ATTN + "k_norm.weight", lambda s: (s.head_dim,), "kv"),
+    TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.n_head * s.head_dim)),
+    _norm("blk.{bid}.post_attention_norm.weight", "{p}post_attention_layernorm.weight"),
+    _norm("blk.{bid}.ffn_norm.weight", "{p}pre_feedforward_layernorm.weight"),
+    _norm("blk.{bid}.post_ffw_norm.weight", "{p}post_feedforward_layernorm.weight"),
+    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.ffn, s.E)),
+    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.ffn, s.E)),
+    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.E, s.ffn)),
+    TensorSpec("blk.{bid}.layer_output_scale.weight", "{p}layer_scalar", lambda s: (1,), f32=True),
+    TensorSpec("blk.{bid}.inp_gate.weight", "{p}per_layer_input_gate.weight", lambda s: (s.P, s.E), "ple"),
+    TensorSpec("blk.{bid}.proj.weight", "{p}per_layer_projection.weight", lambda s: (s.E, s.P), "ple"),
+    _norm("blk.{bid}.post_norm.weight", "{p}post_per_layer_input_norm.weight", on="ple"),
+    TensorSpec("blk.{bid}.ffn_gate_inp.weight", "{p}router.proj.weight", lambda s: (s.n_expert, s.E), "moe",
+               f32=True),
+    TensorSpec("blk.{bid}.ffn_gate_inp.scale", "{p}router.scale", lambda s: (s.E,), "moe", f32=True),
+    TensorSpec("blk.{bid}.ffn_down_exps.scale", "{p}router.per_expert_scale", lambda s: (s.n_expert,), "moe",
+               f32=True),
+    # fused gate|up as the checkpoint has them; split gate and up only in other converters' files
+    TensorSpec("blk.{bid}.ffn_gate_up_exps.weight", "{p}experts.gate_up_proj",
+               lambda s: (s.n_expert, 2 * s.expert_ffn, s.E), "moe", optional=True),
+    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, lambda s: (s.n_expert, s.expert_ffn, s.E), "moe",
+               optional=True),
+    TensorSpec("blk.{bid}.ffn_up_exps.weight", None, lambda s: (s.n_expert, s.expert_ffn, s.E), "moe",
+               optional=True),
+    TensorSpec("blk.{bid}.ffn_down_exps.weight", "{p}experts.down_proj", lambda s: (s.n_expert, s.E, s.expert_ffn),
+               "moe"),
+    _norm("blk.{bid}.pre_ffw_norm_2.weight", "{p}pre_feedforward_layernorm_2.weight", on="moe"),
+    _norm("blk.{bid}.post_ffw_norm_1.weight", "{p}post_feedforward_layernorm_1.weight", on="moe"),
+    _norm("blk.{bid}.post_ffw_norm_2.weight", "{p}post_feedforward_layernorm_2.weight", on="moe"),
+)
+# the embedding, trimmed to the tokenizer's real size, is the tied head (the plugin's hook)
+_EMBEDDING = TensorSpec(names.TOKEN_EMBD, None, lambda s: (s.V, s.E), hook="embedding", role=Role.TRUNK)
+_OUTPUT_NORM = _norm(names.OUTPUT_NORM, "model.norm.weight", role=Role.TRUNK)
+# synthesised: proportional rope for llama.cpp's full NEOX rope (docs/reference/gguf-layout.md §7.6)
+_ROPE_FREQS = TensorSpec(ROPE_FREQS, None, lambda s: (s.rope_half,), f32=True, hook="rope_freqs", role=Role.TRUNK)
+
+GEMMA4_TABLE = TensorTable((  # one file, every tensor Role.TRUNK (no MTP routing)
+    _EMBEDDING,
+    TensorSpec(names.OUTPUT, None, lambda s: (s.V, s.E), optional=True, role=Role.TRUNK),  # other converters'
+    TensorSpec("per_layer_token_embd.weight", None, lambda s: (s.Vp, s.n_layer * s.P), "ple", hook="ple_embedding",
+               role=Role.TRUNK),  # trimmed to the vocabulary, as llama.cpp sizes it
+    TensorSpec("per_layer_model_proj.weight", "model.per_layer_model_projection.weight",
+               lambda s: (s.n_layer * s.P, s.E), "ple", role=Role.TRUNK),
+    _norm("per_layer_proj_norm.weight", "model.per_layer_projection_norm.weight", lambda s: (s.P,), "ple",
+          role=Role.TRUNK),
+    _OUTPUT_NORM,
+    _ROPE_FREQS,
+) + BLOCK_SPECS, block_tags, global_tags, block_sizes)
+
+
+# The assistant: one file the runtime serves as MTP only, its blocks reading the target's K/V.
+ASSISTANT_TABLE = TensorTable(read_by("mtp", (
+    _EMBEDDING,
+    TensorSpec(names.NEXTN_PRE_PROJECTION, "pre_projection.weight", lambda s: (s.E, 2 * s.Eo), role=Role.TRUNK),
+    TensorSpec(names.NEXTN_POST_PROJECTION, "post_projection.weight", lambda s: (s.Eo, s.E), role=Role.TRUNK),
+    _OUTPUT_NORM,
+    _ROPE_FREQS,
+) + BLOCK_SPECS), block_tags, global_tags, block_sizes)
 
 
 class _Gemma4Base(ArchPlugin):
@@ -183,43 +291,37 @@ class _Gemma4Base(ArchPlugin):
         real = real_vocab_size(self.checkpoint.source_dir)
         return min(rows, real) if real else rows
 
-    # ---- shared tensor plan pieces --------------------------------------------------------
-    def _embedding(self, plan: PlanBuilder, width: int) -> None:
-        V = self.vocab_size()
+    # ---- the tables' hooks -----------------------------------------------------------------
+    def sizes(self, n_layer: int, owns_kv) -> Sizes:
+        hp = self.hp
+        moe = hp.moe and n_layer
+        return Sizes(n_layer=n_layer, E=hp.H, V=self.vocab_size(), n_head=hp.n_head, head_dims=tuple(hp.hd),
+                     kv_heads=tuple(hp.nkv), ffns=tuple(hp.ffn_width(i) for i in range(hp.N)),
+                     owns_kv=tuple(owns_kv(i) for i in range(hp.N)), rope_half=hp.hd_full // 2, P=hp.P,
+                     Vp=self.vocab_size(), n_expert=hp.E if moe else 0, expert_ffn=hp.Fe if moe else 0)
+
+    def _plan(self, table: TensorTable, s: Sizes, **hooks) -> list[TensorPlan]:
+        plan = RolePlan(self.checkpoint.tensors)
+        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(self.hp.N)]
+        table.plan(plan, s, blocks, {"embedding": self._embedding, "rope_freqs": self._rope_freqs, **hooks})
+        for i in range(self.hp.N):
+            if not s.owns_kv[i]:  # transformers drops these on load; a checkpoint may still carry them
+                for extra in ("k_proj.weight", "v_proj.weight", "k_norm.weight"):
+                    if plan.has(f"model.layers.{i}.self_attn.{extra}"):
+                        plan.used.add(f"model.layers.{i}.self_attn.{extra}")
+        return plan.finish(self.gguf_arch)
+
+    def _embedding(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
         info = self.checkpoint.tensors.get("model.embed_tokens.weight")
-        rows = int(info.shape[0]) if info is not None else V
-        src = plan.source("model.embed_tokens.weight", (rows, width))
-        plan.add(names.TOKEN_EMBD, [src], (V, width), partial(tf.slice_axis, dim=0, start=0, stop=V))
+        rows = int(info.shape[0]) if info is not None else s.V
+        src = plan.source("model.embed_tokens.weight", (rows, s.E))
+        plan.add(names.TOKEN_EMBD, [src], (s.V, s.E), role, partial(tf.slice_axis, dim=0, start=0, stop=s.V))
         if plan.has("lm_head.weight"):  # tied: the loader duplicates token_embd as the head
             plan.used.add("lm_head.weight")
 
-    def _norm(self, plan: PlanBuilder, gguf: str, hf: str, width: int) -> None:
-        plan.add(gguf, [plan.source(hf, (width,))], (width,))
-
-    def _layer(self, plan: PlanBuilder, i: int, with_kv: bool) -> None:
-        hp, H = self.hp, self.hp.H
-        p, hd, nkv = f"model.layers.{i}.", hp.hd[i], hp.nkv[i]
-        q, kv = hp.n_head * hd, nkv * hd
-        self._norm(plan, names.blk(i, "attn_norm"), p + "input_layernorm.weight", H)
-        plan.add(names.blk(i, "attn_q"), [plan.source(p + "self_attn.q_proj.weight", (q, H))], (q, H))
-        self._norm(plan, names.blk(i, "attn_q_norm"), p + "self_attn.q_norm.weight", hd)
-        if with_kv:
-            plan.add(names.blk(i, "attn_k"), [plan.source(p + "self_attn.k_proj.weight", (kv, H))], (kv, H))
-            if not (hp.k_eq_v and hp.types[i] == FULL):
-                plan.add(names.blk(i, "attn_v"), [plan.source(p + "self_attn.v_proj.weight", (kv, H))], (kv, H))
-            self._norm(plan, names.blk(i, "attn_k_norm"), p + "self_attn.k_norm.weight", hd)
-        plan.add(names.blk(i, "attn_output"), [plan.source(p + "self_attn.o_proj.weight", (H, q))], (H, q))
-        self._norm(plan, names.blk(i, "post_attention_norm"), p + "post_attention_layernorm.weight", H)
-        self._norm(plan, names.blk(i, "ffn_norm"), p + "pre_feedforward_layernorm.weight", H)
-        self._norm(plan, names.blk(i, "post_ffw_norm"), p + "post_feedforward_layernorm.weight", H)
-        F = hp.ffn_width(i)
-        for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
-            plan.add(names.blk(i, f"ffn_{part}"), [plan.source(f"{p}mlp.{part}_proj.weight", shape)], shape)
-        plan.add(names.blk(i, "layer_output_scale"), [plan.source(p + "layer_scalar", (1,))], (1,), force=F32)
-
-    def _rope_freqs(self, plan: PlanBuilder) -> None:
+    def _rope_freqs(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
         values = self.hp.rope_freq_factors()
-        plan.add(ROPE_FREQS, ["model.norm.weight"], (len(values),), partial(tf.constant, values=values), F32)
+        plan.add(ROPE_FREQS, ["model.norm.weight"], (len(values),), role, partial(tf.constant, values=values), f32=True)
 
     # ---- metadata -------------------------------------------------------------------------
     def _kv(self, arch: str, n_vocab: int) -> list[MetaKV]:
@@ -269,52 +371,24 @@ class Gemma4(_Gemma4Base):
     def n_mtp_layers(self) -> int:
         return 0
 
-    def tensor_plan(self):
-        plan, hp, H = PlanBuilder(self.checkpoint.tensors), self.hp, self.hp.H
-        self._embedding(plan, H)
-        if hp.P:
-            NP = hp.N * hp.P
-            v_ple = int(self.checkpoint.tensors["model.embed_tokens_per_layer.weight"].shape[0]) \
-                if "model.embed_tokens_per_layer.weight" in self.checkpoint.tensors else hp.V_ple
-            V = self.vocab_size()
-            if v_ple < V:
-                raise SpecconvError(f"the per-layer embedding has {v_ple} rows, fewer than the {V} tokens")
-            # llama.cpp sizes this table by the vocabulary too: trimmed like token_embd
-            plan.add("per_layer_token_embd.weight", [plan.source("model.embed_tokens_per_layer.weight", (v_ple, NP))],
-                     (V, NP), partial(tf.slice_axis, dim=0, start=0, stop=V))
-            plan.add("per_layer_model_proj.weight", [plan.source("model.per_layer_model_projection.weight", (NP, H))],
-                     (NP, H))
-            self._norm(plan, "per_layer_proj_norm.weight", "model.per_layer_projection_norm.weight", hp.P)
-        for i in range(hp.N):
-            self._layer(plan, i, with_kv=hp.owns_kv(i))
-            p = f"model.layers.{i}."
-            if not hp.owns_kv(i):  # transformers drops these on load; a checkpoint may still carry them
-                for extra in ("k_proj.weight", "v_proj.weight", "k_norm.weight"):
-                    if plan.has(p + "self_attn." + extra):
-                        plan.used.add(p + "self_attn." + extra)
-            if hp.P:
-                plan.add(names.blk(i, "inp_gate"), [plan.source(p + "per_layer_input_gate.weight", (hp.P, H))], (hp.P, H))
-                plan.add(names.blk(i, "proj"), [plan.source(p + "per_layer_projection.weight", (H, hp.P))], (H, hp.P))
-                self._norm(plan, names.blk(i, "post_norm"), p + "post_per_layer_input_norm.weight", H)
-            if hp.moe:
-                self._moe(plan, i)
-        self._norm(plan, names.OUTPUT_NORM, "model.norm.weight", H)
-        self._rope_freqs(plan)
-        return plan.finish(self.gguf_arch)
+    table: ClassVar[TensorTable] = GEMMA4_TABLE
 
-    def _moe(self, plan: PlanBuilder, i: int) -> None:
-        hp, H, p = self.hp, self.hp.H, f"model.layers.{i}."
-        E, Fe = hp.E, hp.Fe
-        plan.add(names.blk(i, "ffn_gate_inp"), [plan.source(p + "router.proj.weight", (E, H))], (E, H), force=F32)
-        plan.add(names.blk(i, "ffn_gate_inp", "scale"), [plan.source(p + "router.scale", (H,))], (H,), force=F32)
-        plan.add(names.blk(i, "ffn_down_exps", "scale"), [plan.source(p + "router.per_expert_scale", (E,))], (E,),
-                 force=F32)
-        plan.add(names.blk(i, "ffn_gate_up_exps"), [plan.source(p + "experts.gate_up_proj", (E, 2 * Fe, H))],
-                 (E, 2 * Fe, H))
-        plan.add(names.blk(i, "ffn_down_exps"), [plan.source(p + "experts.down_proj", (E, H, Fe))], (E, H, Fe))
-        self._norm(plan, names.blk(i, "pre_ffw_norm_2"), p + "pre_feedforward_layernorm_2.weight", H)
-        self._norm(plan, names.blk(i, "post_ffw_norm_1"), p + "post_feedforward_layernorm_1.weight", H)
-        self._norm(plan, names.blk(i, "post_ffw_norm_2"), p + "post_feedforward_layernorm_2.weight", H)
+    def tensor_plan(self):
+        s = self.sizes(self.hp.N, self.hp.owns_kv)
+        return self._plan(self.table, s, attn_v=self._attn_v, ple_embedding=self._ple_embedding)
+
+    def _attn_v(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
+        if not (self.hp.k_eq_v and self.hp.types[bid] == FULL):
+            kv = (s.n_head_kv * s.head_dim, s.E)
+            plan.add(names.blk(bid, "attn_v"), [plan.source(p + "self_attn.v_proj.weight", kv)], kv, role)
+
+    def _ple_embedding(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
+        hf, NP = "model.embed_tokens_per_layer.weight", s.n_layer * s.P
+        v_ple = int(self.checkpoint.tensors[hf].shape[0]) if hf in self.checkpoint.tensors else self.hp.V_ple
+        if v_ple < s.V:
+            raise SpecconvError(f"the per-layer embedding has {v_ple} rows, fewer than the {s.V} tokens")
+        plan.add("per_layer_token_embd.weight", [plan.source(hf, (v_ple, NP))], (s.Vp, NP), role,
+                 partial(tf.slice_axis, dim=0, start=0, stop=s.V))
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         return self._kv(self.gguf_arch, self.vocab_size())
@@ -359,16 +433,11 @@ class Gemma4Assistant(_Gemma4Base):
     def n_mtp_layers(self) -> int:
         return 0  # the whole file is the drafter; there is no trunk/MTP split to route
 
+    table: ClassVar[TensorTable] = ASSISTANT_TABLE
+
     def tensor_plan(self):
-        plan, hp, H, Hb = PlanBuilder(self.checkpoint.tensors), self.hp, self.hp.H, self.Hb
-        self._embedding(plan, H)
-        plan.add(names.NEXTN_PRE_PROJECTION, [plan.source("pre_projection.weight", (H, 2 * Hb))], (H, 2 * Hb))
-        plan.add(names.NEXTN_POST_PROJECTION, [plan.source("post_projection.weight", (Hb, H))], (Hb, H))
-        for i in range(hp.N):
-            self._layer(plan, i, with_kv=False)
-        self._norm(plan, names.OUTPUT_NORM, "model.norm.weight", H)
-        self._rope_freqs(plan)
-        return plan.finish(self.gguf_arch)
+        s = replace(self.sizes(0, lambda i: False), Eo=self.Hb)  # every block reads the target's K/V
+        return self._plan(self.table, s)
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         w = MetadataWriter(self.gguf_arch, self._kv(self.gguf_arch, self.vocab_size()))

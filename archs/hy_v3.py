@@ -20,14 +20,14 @@ from typing import Any, ClassVar, Mapping
 from gguf import Keys
 
 from . import names, register
-from . import transforms as tf
 from .base import Checkpoint, MetaKV, Role
-from .chained_mtp import ChainedMtpPlugin, check_stated_count
+from .chained_mtp import ChainedMtpPlugin, Sizes, chained_table, check_stated_count, head_copies, norm_spec, routed_specs
 from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .nextn_moe import MOE_KEYS, MoeHparams, _TOWERS, parse_moe_hparams
-from .plan_tools import RolePlan, add_swiglu, plan_experts, text_model_name, trunk_indexed_mtp_count
+from .plan_tools import RolePlan, plan_experts, text_model_name, trunk_indexed_mtp_count
+from .tensor_table import Hook, TensorSpec, TensorTable
 
 # Hy3's names of the MoE fields (nextn_moe.MOE_KEYS)
 HY_V3_MOE_KEYS: Mapping[str, tuple[str, ...]] = {
@@ -36,6 +36,26 @@ HY_V3_MOE_KEYS: Mapping[str, tuple[str, ...]] = {
 # transformers' HYV3Config defaults for the behavioural fields a config.json may leave out
 DEFAULTS: Mapping[str, Any] = {"num_shared_experts": 1, "router_scaling_factor": 2.826, "rms_norm_eps": 1e-5,
                                "max_position_embeddings": 131072, "attention_bias": False, "route_norm": True}
+
+
+_norm = norm_spec()
+_ATTN = "{p}self_attn."
+HY_V3_TABLE = chained_table(
+    _norm,
+    head=(_norm("blk.{bid}.nextn.shared_head_norm.weight", "{p}final_layernorm.weight", "nextn"), *head_copies()),
+    attention=(
+        TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.E)),
+        TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.E)),
+        TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.E)),
+        TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.q)),
+        _norm("blk.{bid}.attn_q_norm.weight", _ATTN + "q_norm.weight", dim=lambda s: (s.head_dim,)),
+        _norm("blk.{bid}.attn_k_norm.weight", _ATTN + "k_norm.weight", dim=lambda s: (s.head_dim,)),
+    ),
+    ffn_norm=(_norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),),
+    # llama.cpp's hy_v3 loader names the selection bias without a suffix (tn(FFN_EXP_PROBS_B, i))
+    routed=routed_specs("{p}mlp.router.gate.weight", "exp_probs_b", "{p}mlp.expert_bias",
+                        shared_hf="{p}mlp.shared_mlp."),
+)
 
 
 @register
@@ -92,29 +112,21 @@ class HyV3(ChainedMtpPlugin):
 
     # ------------------------------------------------------------------ tensors
 
-    def _mtp_head(self, plan: RolePlan, i: int, p: str, role: Role) -> None:
-        self._norm(plan, names.nextn(i, names.NEXTN_SHARED_HEAD_NORM), p + "final_layernorm.weight", role)
+    table: ClassVar[TensorTable] = HY_V3_TABLE
 
-    def _attention(self, plan: RolePlan, bid: int, a: str, role: Role) -> None:
-        H, hd = self.hp.hidden, self.head_dim
-        q, kv = self.hp.n_head * hd, self.n_head_kv * hd
-        for part, hf, rows in (("attn_q", "q_proj", q), ("attn_k", "k_proj", kv), ("attn_v", "v_proj", kv)):
-            plan.add(names.blk(bid, part), [plan.source(f"{a}{hf}.weight", (rows, H))], (rows, H), role)
-        plan.add(names.blk(bid, "attn_output"), [plan.source(a + "o_proj.weight", (H, q))], (H, q), role)
-        self._norm(plan, names.blk(bid, "attn_q_norm"), a + "q_norm.weight", role, hd)
-        self._norm(plan, names.blk(bid, "attn_k_norm"), a + "k_norm.weight", role, hd)
+    def sizes(self) -> Sizes:
+        hp, total = self.hp, self.n + self.k
+        return Sizes(n_layer=self.n, E=hp.hidden, V=self.vocab, heads=(hp.n_head,) * total,
+                     kv_heads=(self.n_head_kv,) * total, head_dim=self.head_dim, moe_layers=frozenset(self.moe_layers),
+                     ffn=hp.ffn, n_expert=hp.n_expert, expert_ffn=hp.expert_ffn, shared_ffn=hp.shared_ffn)
 
-    def _moe(self, plan: RolePlan, bid: int, p: str, role: Role) -> None:
-        hp, m = self.hp, p + "mlp."
-        H, E = hp.hidden, hp.n_expert
-        plan.add(names.blk(bid, "ffn_gate_inp"), [plan.source(m + "router.gate.weight", (E, H))], (E, H), role,
-                 tf.identity, True)
-        # llama.cpp's hy_v3 loader names the selection bias without a suffix (tn(FFN_EXP_PROBS_B, i))
-        plan.add(names.blk(bid, "exp_probs_b", None), [plan.source(m + "expert_bias", (E,))], (E,), role,
-                 tf.identity, True)
-        plan_experts(plan, bid, m + "experts.", E, hp.expert_ffn, H, role, where=f"layer {bid} ({m}experts)",
+    def hooks(self) -> dict[str, Hook]:
+        return {"experts": self._experts}
+
+    def _experts(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
+        m = p + "mlp."
+        plan_experts(plan, bid, m + "experts.", s.n_expert, s.expert_ffn, s.E, role, where=f"layer {bid} ({m}experts)",
                      count_field="num_experts")
-        add_swiglu(plan, bid, m + "shared_mlp.", hp.shared_ffn, H, role, "_shexp")
 
     # ------------------------------------------------------------------ metadata
 

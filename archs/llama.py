@@ -12,11 +12,12 @@ Supported here: what a LLaMA-3-style target needs (GQA, SwiGLU, untied or tied h
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
-from gguf import GGMLQuantizationType, Keys
+from gguf import Keys
 
 from . import names, plugin_class_for_family, register
 from . import transforms as tf
@@ -24,9 +25,9 @@ from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .metadata import MetadataWriter
-from .plan_tools import FLOAT_DTYPES, CheckedPlan, embedding_rows  # noqa: F401 (FLOAT_DTYPES: re-export)
+from .plan_tools import RolePlan, embedding_rows
+from .tensor_table import Block, TensorSpec, TensorTable
 
-F32 = GGMLQuantizationType.F32
 ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -84,18 +85,83 @@ def llama3_rope_factors(cfg: ConfigReader, head_dim: int) -> list[float] | None:
     return out
 
 
-class PlanBuilder(CheckedPlan):
-    """TensorPlans with every source checked for presence, shape and a floating dtype; all trunk."""
+@dataclass(frozen=True)
+class Sizes:
+    """The dimensions of the LLaMA and EAGLE-3 tables: the plugins' from config.json, the graphs' from
+    GGUF metadata (runtime/graphs/llama.py, eagle3.py; V = "V" where the file chooses it)."""
 
-    def __init__(self, ckpt: Checkpoint):
-        super().__init__(ckpt.tensors)
+    n_layer: int
+    E: int  # hidden size
+    V: int | str  # vocabulary
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    ffn: int
+    n_rot: int  # rope width: rope_freqs holds n_rot / 2 factors
+    E_in: int = 0  # attention input width (EAGLE-3: 2E, [embedding ; fused features]); 0: E
+    Ht: int = 0  # EAGLE-3: the target's hidden size (fc reads 3 of its layers)
+    Vd: int | str = 0  # EAGLE-3: the draft vocabulary of its own head ("Vd": bound by d2t)
 
-    def add(self, gguf_name, sources, shape, transform=tf.identity, force=None) -> None:
-        self.plans.append(TensorPlan(gguf_name, tuple(sources), tuple(shape), Role.TRUNK, transform, force))
+    @property
+    def q(self) -> int:
+        return self.n_head * self.head_dim
 
-    def finish(self, arch: str) -> list[TensorPlan]:
-        # generated rope_freqs first, as llama.cpp's converter emits its extra tensors before the checkpoint's
-        return sorted(super().finish(arch), key=lambda p: p.name != ROPE_FREQS)
+    @property
+    def kv(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @property
+    def attn_in(self) -> int:
+        return self.E_in or self.E
+
+
+def block_tags(s: Sizes, bid: int) -> frozenset[str]:
+    return frozenset()  # every block alike
+
+
+def _norm(gguf: str, hf: str, dim=lambda s: (s.E,), **kw) -> TensorSpec:
+    return TensorSpec(gguf, hf, dim, f32=True, **kw)  # RMSNorm weights, kept F32
+
+
+_ATTN, _MLP = "{p}self_attn.", "{p}mlp."
+# One decoder block (LLaMA's every layer, EAGLE-3's one layer on a 2E input).
+BLOCK_SPECS = (
+    _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
+    TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.attn_in),
+               transform=lambda s: partial(_permuted, n_head=s.n_head)),
+    TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.attn_in),
+               transform=lambda s: partial(_permuted, n_head=s.n_head_kv)),
+    TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.attn_in)),
+    TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.q)),
+    _norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),
+    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.ffn, s.E)),
+    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.ffn, s.E)),
+    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.E, s.ffn)),
+)
+# llama3 rope scaling's generated factors, written only for such a config (the plugin's hook)
+ROPE_FREQS_SPEC = TensorSpec(ROPE_FREQS, None, lambda s: (s.n_rot // 2,), optional=True, f32=True, hook="rope_freqs",
+                             role=Role.TRUNK)
+
+LLAMA_TABLE = TensorTable((  # every tensor of the trunk file (Role.TRUNK, as llama.cpp has no sidecar for it)
+    TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.V, s.E), role=Role.TRUNK),
+    _norm(names.OUTPUT_NORM, "model.norm.weight", role=Role.TRUNK),
+    TensorSpec(names.OUTPUT, None, lambda s: (s.V, s.E), optional=True, hook="output_head", role=Role.TRUNK),
+    ROPE_FREQS_SPEC,
+) + BLOCK_SPECS, block_tags)
+
+
+def add_rope_freqs(plan: RolePlan, cfg: ConfigReader, head_dim: int, anchor: str) -> None:
+    """`rope_freqs.weight` for llama3 rope scaling: a generated tensor, placed after `anchor` (a small
+    tensor, read but unused: plans need a source to have a place in the checkpoint order)."""
+    factors = llama3_rope_factors(cfg, head_dim)
+    if factors is not None:
+        plan.add(ROPE_FREQS, [anchor], (head_dim // 2,), Role.TRUNK, partial(tf.constant, values=tuple(factors)),
+                 f32=True)
+
+
+def rope_freqs_first(plans: list[TensorPlan]) -> list[TensorPlan]:
+    """Generated rope_freqs first, as llama.cpp's converter emits its extra tensors before the checkpoint's."""
+    return sorted(plans, key=lambda p: p.name != ROPE_FREQS)
 
 
 def attention_shapes(cfg: ConfigReader) -> tuple[int, int, int]:
@@ -121,14 +187,6 @@ def llama_kv(arch: str, cfg: ConfigReader, n_layer: int, vocab: int) -> list[Met
     w.u32(Keys.LLM.VOCAB_SIZE, vocab)
     w.u32(Keys.Rope.DIMENSION_COUNT, hd)
     return w.kv
-
-
-def add_rope_freqs(plan: PlanBuilder, cfg: ConfigReader, head_dim: int, anchor: str) -> None:
-    """`rope_freqs.weight` for llama3 rope scaling: a generated tensor, placed after `anchor` (a small
-    tensor, read but unused: plans need a source to have a place in the checkpoint order)."""
-    factors = llama3_rope_factors(cfg, head_dim)
-    if factors is not None:
-        plan.add(ROPE_FREQS, [anchor], (head_dim // 2,), partial(tf.constant, values=tuple(factors)), F32)
 
 
 @register
@@ -174,29 +232,26 @@ class Llama(ArchPlugin):
     def vocab_size(self) -> int:
         return embedding_rows(self.checkpoint)
 
+    table: ClassVar[TensorTable] = LLAMA_TABLE
+
+    def sizes(self) -> Sizes:
+        return Sizes(n_layer=self.L, E=self.H, V=self.vocab_size(), n_head=self.n_head, n_head_kv=self.n_kv,
+                     head_dim=self.hd, ffn=self.F, n_rot=self.hd)
+
     def tensor_plan(self) -> list[TensorPlan]:
-        plan, H, F, V = PlanBuilder(self.checkpoint), self.H, self.F, self.vocab_size()
-        q, kv = self.n_head * self.hd, self.n_kv * self.hd
-        plan.add(names.TOKEN_EMBD, [plan.source("model.embed_tokens.weight", (V, H))], (V, H))
-        for i in range(self.L):
-            p = f"model.layers.{i}."
-            plan.add(names.blk(i, "attn_norm"), [plan.source(p + "input_layernorm.weight", (H,))], (H,))
-            plan.add(names.blk(i, "attn_q"), [plan.source(p + "self_attn.q_proj.weight", (q, H))], (q, H),
-                     partial(_permuted, n_head=self.n_head))
-            plan.add(names.blk(i, "attn_k"), [plan.source(p + "self_attn.k_proj.weight", (kv, H))], (kv, H),
-                     partial(_permuted, n_head=self.n_kv))
-            plan.add(names.blk(i, "attn_v"), [plan.source(p + "self_attn.v_proj.weight", (kv, H))], (kv, H))
-            plan.add(names.blk(i, "attn_output"), [plan.source(p + "self_attn.o_proj.weight", (H, q))], (H, q))
-            plan.add(names.blk(i, "ffn_norm"), [plan.source(p + "post_attention_layernorm.weight", (H,))], (H,))
-            for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
-                plan.add(names.blk(i, f"ffn_{part}"), [plan.source(f"{p}mlp.{part}_proj.weight", shape)], shape)
-        plan.add(names.OUTPUT_NORM, [plan.source("model.norm.weight", (H,))], (H,))
+        plan = RolePlan(self.checkpoint.tensors)
+        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(self.L)]
+        self.table.plan(plan, self.sizes(), blocks, {"output_head": self._output_head, "rope_freqs": self._rope_freqs})
+        return rope_freqs_first(plan.finish(self.gguf_arch))
+
+    def _output_head(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
         if plan.has("lm_head.weight") and not self.tied:
-            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (V, H))], (V, H))
+            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (s.V, s.E))], (s.V, s.E), role)
         else:
-            plan.used.add("lm_head.weight")
-        add_rope_freqs(plan, self.cfg, self.hd, "model.norm.weight")
-        return plan.finish(self.gguf_arch)
+            plan.used.add("lm_head.weight")  # tied: a saved head is the embedding again
+
+    def _rope_freqs(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
+        add_rope_freqs(plan, self.cfg, s.head_dim, "model.norm.weight")
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         return llama_kv(self.gguf_arch, self.cfg, self.L, self.vocab_size())

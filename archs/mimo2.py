@@ -29,12 +29,13 @@ from gguf import GGUFValueType, Keys
 from . import names, register
 from . import transforms as tf
 from .base import Checkpoint, MetaKV, Role
-from .chained_mtp import ChainedMtpPlugin, check_stated_count
+from .chained_mtp import ChainedMtpPlugin, Sizes, chained_table, check_stated_count, head_copies, norm_spec, routed_specs
 from .config_reader import ConfigReader
 from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .mimo2_hparams import Mimo2Hparams
 from .plan_tools import RolePlan, plan_experts, text_model_name
+from .tensor_table import Hook, TensorSpec, TensorTable
 
 _MTP = re.compile(r"^model\.mtp\.layers\.(\d+)\.(.+)$")
 _TOWERS = ("visual.", "model.visual.", "audio_tokenizer.", "model.audio_tokenizer.", "speech_embeddings.")
@@ -42,6 +43,31 @@ _TOWERS = ("visual.", "model.visual.", "audio_tokenizer.", "model.audio_tokenize
 
 def concat_rows(arrays: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(arrays, axis=0)
+
+
+_norm = norm_spec()
+_ATTN = "{p}self_attn."
+MIMO2_TABLE = chained_table(
+    _norm,
+    head=(_norm("blk.{bid}.layer_output_norm.weight", "{p}final_layernorm.weight", "nextn", optional=True),
+          TensorSpec("blk.{bid}.nextn.shared_head_norm.weight", None, lambda s: (s.E,), "nextn", optional=True,
+                     f32=True), *head_copies()),  # other converters' head ends
+    attention=(
+        TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.E), "split_qkv",
+                   optional=True),
+        TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.E), "split_qkv",
+                   optional=True),
+        TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.v, s.E), "split_qkv",
+                   optional=True),
+        TensorSpec("blk.{bid}.attn_qkv.weight", None, lambda s: (s.q + s.kv + s.v, s.E), "fused_qkv", optional=True,
+                   hook="fused_qkv"),
+        TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.o)),
+        TensorSpec("blk.{bid}.attn_sinks.weight", None, lambda s: (s.n_head,), optional=True, f32=True, hook="sinks"),
+    ),
+    ffn_norm=(_norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight", "trunk"),
+              _norm("blk.{bid}.ffn_norm.weight", "{p}pre_mlp_layernorm.weight", "nextn")),
+    routed=routed_specs("{p}mlp.gate.weight", "exp_probs_b.bias", "{p}mlp.gate.e_score_correction_bias"),
+)
 
 
 @register
@@ -79,42 +105,40 @@ class MiMo2(ChainedMtpPlugin):
 
     # ------------------------------------------------------------------ tensors
 
+    table: ClassVar[TensorTable] = MIMO2_TABLE
+
+    def sizes(self) -> Sizes:
+        hp, total = self.hp, self.n + self.k
+        # the MTP blocks are sliding-window blocks (vLLM's MiMoV2MTPLayer)
+        kv_heads = tuple(hp.swa_num_key_value_heads if i >= self.n or hp.hybrid_layer_pattern[i]
+                         else hp.num_key_value_heads for i in range(total))
+        return Sizes(n_layer=self.n, E=self.hidden, V=self.vocab, heads=(hp.num_attention_heads,) * total,
+                     kv_heads=kv_heads, head_dim=hp.head_dim, v_head_dim=hp.v_head_dim,
+                     moe_layers=frozenset(self.moe_layers), ffn=hp.intermediate_size, n_expert=hp.n_routed_experts,
+                     expert_ffn=hp.moe_intermediate_size)
+
+    def hooks(self) -> dict[str, Hook]:
+        return {"experts": self._experts, "fused_qkv": self._fused_qkv, "sinks": self._sinks}
+
     def _prefix(self, i: int) -> str:
         return f"model.mtp.layers.{i - self.n}." if i >= self.n else f"model.layers.{i}."
 
-    def _ffn_norm_source(self, i: int) -> str:
-        return "pre_mlp_layernorm" if i >= self.n else "post_attention_layernorm"
+    def _fused_qkv(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
+        a = p + "self_attn."
+        srcs = [plan.source(a + "q_proj.weight", (s.q, s.E)), plan.source(a + "k_proj.weight", (s.kv, s.E)),
+                plan.source(a + "v_proj.weight", (s.v, s.E))]
+        plan.add(names.blk(bid, "attn_qkv"), srcs, (s.q + s.kv + s.v, s.E), role, concat_rows)
 
-    def _mtp_head(self, plan: RolePlan, i: int, p: str, role: Role) -> None:
-        self._norm(plan, names.blk(i, "layer_output_norm"), p + "final_layernorm.weight", role)
-
-    def _attention(self, plan: RolePlan, i: int, a: str, role: Role) -> None:
-        hp, H, mtp = self.hp, self.hidden, i >= self.n
-        swa = mtp or hp.hybrid_layer_pattern[i]  # the MTP blocks are sliding-window blocks (vLLM's MiMoV2MTPLayer)
-        kv = hp.swa_num_key_value_heads if swa else hp.num_key_value_heads
-        n_head = hp.num_attention_heads
-        q_rows, k_rows, v_rows = n_head * hp.head_dim, kv * hp.head_dim, kv * hp.v_head_dim
-        srcs = [plan.source(a + "q_proj.weight", (q_rows, H)), plan.source(a + "k_proj.weight", (k_rows, H)),
-                plan.source(a + "v_proj.weight", (v_rows, H))]
-        if mtp:  # llama.cpp's MTP graph reads only a fused attn_qkv
-            rows = q_rows + k_rows + v_rows
-            plan.add(names.blk(i, "attn_qkv"), srcs, (rows, H), role, concat_rows)
-        else:
-            for part, src, rows in zip(("attn_q", "attn_k", "attn_v"), srcs, (q_rows, k_rows, v_rows)):
-                plan.add(names.blk(i, part), [src], (rows, H), role)
-        o_cols = n_head * hp.v_head_dim
-        plan.add(names.blk(i, "attn_output"), [plan.source(a + "o_proj.weight", (H, o_cols))], (H, o_cols), role)
+    def _sinks(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
+        a = p + "self_attn."
         if plan.has(a + "attention_sink_bias"):
-            plan.add(names.blk(i, "attn_sinks"), [plan.source(a + "attention_sink_bias", (n_head,))],
-                     (n_head,), role, tf.identity, True)
+            plan.add(names.blk(bid, "attn_sinks"), [plan.source(a + "attention_sink_bias", (s.n_head,))],
+                     (s.n_head,), role, tf.identity, True)
 
-    def _moe(self, plan: RolePlan, i: int, p: str, role: Role) -> None:
-        H, E, m = self.hidden, self.hp.n_routed_experts, p + "mlp."
-        plan.add(names.blk(i, "ffn_gate_inp"), [plan.source(m + "gate.weight", (E, H))], (E, H), role, tf.identity, True)
-        plan.add(names.blk(i, "exp_probs_b", "bias"), [plan.source(m + "gate.e_score_correction_bias", (E,))], (E,),
-                 role, tf.identity, True)
-        plan_experts(plan, i, m + "experts.", E, self.hp.moe_intermediate_size, H, role,
-                     where=f"layer {i} ({m}experts)", count_field="n_routed_experts")
+    def _experts(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
+        m = p + "mlp."
+        plan_experts(plan, bid, m + "experts.", s.n_expert, s.expert_ffn, s.E, role, where=f"layer {bid} ({m}experts)",
+                     count_field="n_routed_experts")
 
     # ------------------------------------------------------------------ metadata
 

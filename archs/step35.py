@@ -24,13 +24,13 @@ import numpy as np
 from gguf import GGUFValueType, Keys
 
 from . import names, register
-from . import transforms as tf
 from .base import Checkpoint, MetaKV, Role
-from .chained_mtp import ChainedMtpPlugin, check_stated_count
+from .chained_mtp import ChainedMtpPlugin, Sizes, chained_table, check_stated_count, head_copies, norm_spec, routed_specs
 from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .metadata import MetadataWriter
-from .plan_tools import RolePlan, add_swiglu, text_model_name, trunk_indexed_mtp_count
+from .plan_tools import RolePlan, text_model_name, trunk_indexed_mtp_count
+from .tensor_table import Hook, TensorSpec, TensorTable
 
 _TOWERS = ("vision_model.", "model.vision_model.", "vit_large_projector.", "model.multi_modal_projector.")
 FULL, SWA = "full_attention", "sliding_attention"
@@ -54,13 +54,34 @@ def _per_layer(values, n: int, default) -> list:
     return (list(values) + [default] * (n - len(values)))[:n]
 
 
+_norm = norm_spec(plus_one)  # every RMSNorm is Gemma-style: 1 + w
+_ATTN = "{p}self_attn."
+STEP35_TABLE = chained_table(
+    _norm,
+    head=(_norm("blk.{bid}.nextn.shared_head_norm.weight", "{p}transformer.shared_head.norm.weight", "nextn"),
+          *head_copies(on_file=True)),
+    attention=(
+        TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.E)),
+        TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.E)),
+        TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.E)),
+        TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.q)),
+        _norm("blk.{bid}.attn_q_norm.weight", _ATTN + "q_norm.weight", dim=lambda s: (s.head_dim,), optional=True),
+        _norm("blk.{bid}.attn_k_norm.weight", _ATTN + "k_norm.weight", dim=lambda s: (s.head_dim,), optional=True),
+        TensorSpec("blk.{bid}.attn_gate.weight", None, lambda s: (s.n_head, s.E), optional=True, hook="attn_gate"),
+    ),
+    ffn_norm=(_norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),),
+    routed=routed_specs("{p}moe.gate.weight", "exp_probs_b.bias", "{p}moe.router_bias", experts_hf="{p}moe.",
+                        shared_hf="{p}share_expert.", router_shapes=lambda s: [(s.n_expert, s.E), (s.n_expert, s.E, 1)],
+                        router_transform=lambda s: partial(_squeeze_to, (s.n_expert, s.E))),
+)
+
+
 @register
 class Step35(ChainedMtpPlugin):
     hf_architectures = ("Step3p5ForCausalLM", "Step3p7ForConditionalGeneration")
     family: ClassVar[str] = "step35"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "deepseek-v3"
-    norm_transform: ClassVar = staticmethod(plus_one)  # every RMSNorm is Gemma-style: 1 + w
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
@@ -175,37 +196,28 @@ class Step35(ChainedMtpPlugin):
 
     # ------------------------------------------------------------------ tensors
 
-    def _mtp_head(self, plan: RolePlan, i: int, p: str, role: Role) -> None:
-        V, H = self.vocab, self.hidden
-        self._norm(plan, names.nextn(i, names.NEXTN_SHARED_HEAD_NORM), p + "transformer.shared_head.norm.weight", role)
+    table: ClassVar[TensorTable] = STEP35_TABLE
+
+    def sizes(self) -> Sizes:
+        return Sizes(n_layer=self.n, E=self.hidden, V=self.vocab, heads=tuple(self.n_heads), kv_heads=tuple(self.n_kvs),
+                     head_dim=self.head_dim, moe_layers=frozenset(self.moe_layers), ffn=self.ffn,
+                     n_expert=self.n_expert, expert_ffn=self.expert_ffn, shared_ffn=self.shared_ffn)
+
+    def hooks(self) -> dict[str, Hook]:
+        return {"head_copies": self._head_copies, "attn_gate": self._attn_gate}
+
+    def _head_copies(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
         for hf, part in (("transformer.shared_head.output", names.NEXTN_SHARED_HEAD_HEAD),
                          ("embed_tokens", names.NEXTN_EMBED_TOKENS)):
             if plan.has(f"{p}{hf}.weight"):  # llama.cpp prefers a block's own copies when present
-                plan.add(names.nextn(i, part), [plan.source(f"{p}{hf}.weight", (V, H))], (V, H), role)
+                plan.add(names.nextn(bid, part), [plan.source(f"{p}{hf}.weight", (s.V, s.E))], (s.V, s.E), role)
 
-    def _attention(self, plan: RolePlan, i: int, a: str, role: Role) -> None:
-        H, hd = self.hidden, self.head_dim
-        q, kv = self.n_heads[i] * hd, self.n_kvs[i] * hd
-        for part, hf, rows in (("attn_q", "q_proj", q), ("attn_k", "k_proj", kv), ("attn_v", "v_proj", kv)):
-            plan.add(names.blk(i, part), [plan.source(f"{a}{hf}.weight", (rows, H))], (rows, H), role)
-        plan.add(names.blk(i, "attn_output"), [plan.source(a + "o_proj.weight", (H, q))], (H, q), role)
-        self._norm(plan, names.blk(i, "attn_q_norm"), a + "q_norm.weight", role, hd)
-        self._norm(plan, names.blk(i, "attn_k_norm"), a + "k_norm.weight", role, hd)
+    def _attn_gate(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
+        a = p + "self_attn."
         if plan.has(a + "g_proj.weight"):  # head-wise gate: one row per head (llama.cpp has no per-element gate)
-            shape = (self.n_heads[i], H)
+            shape = (s.n_head, s.E)
             src = plan.source(a + "g_proj.weight", [shape, shape + (1,)])
-            plan.add(names.blk(i, "attn_gate"), [src], shape, role, partial(_squeeze_to, shape))
-
-    def _moe(self, plan: RolePlan, i: int, p: str, role: Role) -> None:
-        H, E, Fe = self.hidden, self.n_expert, self.expert_ffn
-        m = p + "moe."
-        plan.add(names.blk(i, "ffn_gate_inp"), [plan.source(m + "gate.weight", [(E, H), (E, H, 1)])], (E, H), role,
-                 partial(_squeeze_to, (E, H)), True)
-        plan.add(names.blk(i, "exp_probs_b", "bias"), [plan.source(m + "router_bias", (E,))], (E,), role,
-                 tf.identity, True)
-        for part, shape in (("gate", (E, Fe, H)), ("up", (E, Fe, H)), ("down", (E, H, Fe))):
-            plan.add(names.blk(i, f"ffn_{part}_exps"), [plan.source(f"{m}{part}_proj.weight", shape)], shape, role)
-        add_swiglu(plan, i, p + "share_expert.", self.shared_ffn, H, role, "_shexp")
+            plan.add(names.blk(bid, "attn_gate"), [src], shape, role, partial(_squeeze_to, shape))
 
     # ------------------------------------------------------------------ metadata
 

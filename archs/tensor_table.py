@@ -10,7 +10,7 @@ is kept float (F32 in the file, float32 in the runtime) or quantizable.
 The sizes are one object per family whose fields the shape functions read. The plugin builds it
 from config.json, the graph from GGUF metadata; in the graph's sizes a dimension the file chooses is
 a string (the vocabulary "V"), which the load-time shape check binds to the first tensor that has it
-(runtime/shapes.py).
+(runtime/validate.py).
 
 What a table cannot say stays in the plugin as a hook, named by `TensorSpec.hook` and called once
 per block (the routed experts, fused or per expert; the output head, absent when tied). A spec with
@@ -21,7 +21,7 @@ neither `hf` nor `hook` is one this converter never writes but the runtime reads
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -45,6 +45,7 @@ class TensorSpec:
     accepts: Callable[[Any], list[Shape]] | None = None  # further shapes the runtime reads (other converters)
     hook: str | None = None  # planned by the plugin hook of this name (what the table cannot say)
     role: Role = Role.SHARED  # of a global tensor; a block's tensors take their block's role
+    graph: str | None = None  # the runtime graph that reads it ("encoder", "mtp") where the role does not say
 
     def __post_init__(self):
         if isinstance(self.on, str):
@@ -58,6 +59,11 @@ class TensorSpec:
 
     def name(self, bid: int | None = None) -> str:
         return self.gguf.format(bid=bid) if self.per_block else self.gguf
+
+
+def read_by(graph: str, specs: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
+    """`specs` as the runtime's `graph` reads them (`TensorSpec.graph`): a drafter file's rows."""
+    return tuple(replace(s, graph=graph) for s in specs)
 
 
 @dataclass(frozen=True)
@@ -77,13 +83,23 @@ class TensorTable:
     specs: tuple[TensorSpec, ...]
     # sizes, block index -> the block's tags ("attention" / "recurrent", "dense" / "moe", "nextn", ...)
     block_tags: Callable[[Any, int], frozenset[str]]
+    # sizes -> the tags the model has for its global tensors (Gemma 4's per-layer inputs); None: every global
+    global_tags: Callable[[Any], frozenset[str]] | None = None
+    # sizes, block index -> the sizes of that block (per-block head sizes and widths); None: the same for all
+    block_sizes: Callable[[Any, int], Any] | None = None
 
-    def globals(self) -> list[TensorSpec]:
-        return [s for s in self.specs if not s.per_block]
+    def globals(self, sizes=None) -> list[TensorSpec]:
+        """The global specs; with `sizes`, those whose tags the model has (without: every one)."""
+        tags = self.global_tags(sizes) if self.global_tags is not None and sizes is not None else None
+        return [s for s in self.specs if not s.per_block and (tags is None or s.on <= tags)]
 
     def block(self, sizes, bid: int) -> list[TensorSpec]:
         tags = self.block_tags(sizes, bid)
         return [s for s in self.specs if s.per_block and s.on <= tags]
+
+    def sizes_of(self, sizes, bid: int):
+        """The sizes block `bid`'s shapes are written in."""
+        return self.block_sizes(sizes, bid) if self.block_sizes is not None else sizes
 
     def replacing(self, tag: str, specs: Sequence[TensorSpec]) -> "TensorTable":
         """This table with the block specs that need `tag` replaced by `specs` (in their place)."""
@@ -94,7 +110,7 @@ class TensorTable:
                     out += specs
                 continue
             out.append(s)
-        return TensorTable(tuple(out), self.block_tags)
+        return TensorTable(tuple(out), self.block_tags, self.global_tags, self.block_sizes)
 
     # ---- (a) the converter's plan ------------------------------------------------------------
 
@@ -102,9 +118,10 @@ class TensorTable:
         """Add every tensor of the globals and of `blocks` to `plan` (a plan_tools.RolePlan): sources
         checked against the sizes, transforms bound, F32 pinned where the table keeps a tensor float."""
         hooks = hooks or {}
-        self._plan_specs(plan, sizes, self.globals(), None, "", None, hooks)
+        self._plan_specs(plan, sizes, self.globals(sizes), None, "", None, hooks)
         for b in blocks:
-            self._plan_specs(plan, sizes, self.block(sizes, b.bid), b.bid, b.prefix, b.role, hooks)
+            self._plan_specs(plan, self.sizes_of(sizes, b.bid), self.block(sizes, b.bid), b.bid, b.prefix, b.role,
+                             hooks)
 
     @staticmethod
     def _plan_specs(plan, sizes, specs, bid, prefix, role, hooks) -> None:
@@ -131,9 +148,17 @@ class TensorTable:
         """The required (or, with optional=True, the optional) tensors of the globals whose role is in
         `roles` and of the given blocks, in table order."""
         roles = set(roles)
-        out = [s.name() for s in self.globals() if s.optional == optional and s.role in roles]
+        out = [s.name() for s in self.globals(sizes) if s.optional == optional and s.role in roles]
         for bid in blocks:
             out += [s.name(bid) for s in self.block(sizes, bid) if s.optional == optional]
+        return out
+
+    def graph_names(self, sizes, blocks: Iterable[int], graph: str, optional: bool = False) -> list[str]:
+        """The required (or optional) tensors that `graph` reads, of the globals and the given blocks, for
+        a file whose graphs are not its roles (an EAGLE-3 head: a trunk file run as ENCODER + MTP)."""
+        out = [s.name() for s in self.globals(sizes) if s.optional == optional and s.graph == graph]
+        for bid in blocks:
+            out += [s.name(bid) for s in self.block(sizes, bid) if s.optional == optional and s.graph == graph]
         return out
 
     # ---- (c) the expected shapes ---------------------------------------------------------------
@@ -143,16 +168,16 @@ class TensorTable:
         accepts (what this converter writes first)."""
         out: dict[str, tuple | list[tuple]] = {}
 
-        def put(s: TensorSpec, name: str) -> None:
+        def put(s: TensorSpec, name: str, sizes) -> None:
             shapes = [s.shape(sizes)] + (list(s.accepts(sizes)) if s.accepts else [])
             ggml = [tuple(reversed(sh)) for sh in shapes]
             out[name] = ggml[0] if len(ggml) == 1 else ggml
 
-        for s in self.globals():
-            put(s, s.name())
+        for s in self.globals(sizes):
+            put(s, s.name(), sizes)
         for bid in blocks:
             for s in self.block(sizes, bid):
-                put(s, s.name(bid))
+                put(s, s.name(bid), self.sizes_of(sizes, bid))
         return out
 
     # ---- (d) the storage rule ------------------------------------------------------------------
@@ -170,13 +195,14 @@ class TensorTable:
 
 class GraphTensors:
     """A runtime graph's tensor lists from its family's table: the trunk graph runs blocks
-    0..n_layer-1, the MTP graph the first nextn block (n_layer); `sizes(hp)` turns the graph's
+    0..n_layer-1, the MTP graph the first nextn block (n_layer), or with `chained` every one of the
+    n_nextn blocks after the trunk (hy_v3, step35, mimo2); `sizes(hp)` turns the graph's
     hparams into the table's sizes. A graph module exposes these as its `main_tensors`,
     `optional_main_tensors`, `mtp_tensors`, `optional_mtp_tensors`, `OPTIONAL`, `keep_float32` and
     `expected_shapes`."""
 
-    def __init__(self, table: TensorTable, sizes: Callable[[Any], Any]):
-        self.table, self.sizes = table, sizes
+    def __init__(self, table: TensorTable, sizes: Callable[[Any], Any], chained: bool = False):
+        self.table, self.sizes, self.chained = table, sizes, chained
         self.OPTIONAL = tuple(table.names(None, (), optional=True))  # e.g. output.weight, absent when tied
         self.keep_float32 = table.keeps_float32  # what the file keeps F32 stays float32 in any compute dtype
 
@@ -187,14 +213,18 @@ class GraphTensors:
         """Trunk-block tensors the graph runs without (e.g. GLM's attention biases), loaded when present."""
         return self.table.names(self.sizes(hp), range(hp.n_layer), roles=(), optional=True)
 
+    def _mtp_blocks(self, hp) -> range:
+        """The first nextn block; with `chained`, all k of them (block i drafts position i)."""
+        return range(hp.n_layer, hp.n_layer + (hp.n_nextn if self.chained else 1))
+
     def mtp_tensors(self, hp) -> list[str]:
         if not hp.n_nextn:
             return []
-        return self.table.names(self.sizes(hp), [hp.n_layer], roles=(Role.MTP, Role.SHARED))
+        return self.table.names(self.sizes(hp), self._mtp_blocks(hp), roles=(Role.MTP, Role.SHARED))
 
     def optional_mtp_tensors(self, hp) -> list[str]:
-        return self.table.names(self.sizes(hp), [hp.n_layer], roles=(), optional=True) if hp.n_nextn else []
+        return self.table.names(self.sizes(hp), self._mtp_blocks(hp), roles=(), optional=True) if hp.n_nextn else []
 
     def expected_shapes(self, hp) -> dict[str, tuple | list[tuple]]:
-        """Every tensor of the file's blocks, trunk and MTP, in ggml order (runtime/shapes.py)."""
+        """Every tensor of the file's blocks, trunk and MTP, in ggml order (runtime/validate.py)."""
         return self.table.ggml_shapes(self.sizes(hp), range(hp.n_layer + hp.n_nextn))

@@ -6,8 +6,8 @@ key or tensor, never an exception from deep inside a graph, a hang or an unbound
   every `HParams.from_kv`, so nothing there divides by zero or compares a string with an int).
 * `read_hparams(file, graph)`: `from_kv` with the file named in its errors.
 * `validate_model(file, graph, hparams, needed)`: hparams consistent with each other, every needed
-  tensor of the shape the hparams imply (the family's tensor table, archs/tensor_table.py, or
-  runtime/shapes.py), element counts without overflow, a storage type the runtime computes with, the
+  tensor of the shape the hparams imply (the graph's `expected_shapes`, from its family's tensor
+  table, archs/tensor_table.py), element counts without overflow, a storage type the runtime computes with, the
   tokenizer's arrays and special ids.
 """
 
@@ -216,19 +216,20 @@ def _named(file, message: str) -> str:
 
 def validate_model(file, graph, hparams, needed: list[str]) -> None:
     """One-line SpecconvError naming the file and the key or tensor, unless the file can be run."""
-    from specconv.runtime import shapes
     from specconv.runtime.tokenizer import check_tokenizer_kv
 
     try:
         check_hparams(hparams, file.kv)
+        if graph.check_hparams is not None:
+            graph.check_hparams(hparams, file.kv)
         for name in needed:
             if name in file.tensors:
-                check_tensor_info(name, file.tensors[name], shapes.INTEGER_TENSORS.get(hparams.arch, ()))
-        expected = shapes.expected_shapes(hparams, needed, graph)
+                check_tensor_info(name, file.tensors[name], graph.INTEGER_TENSORS)
+        expected = graph.expected_shapes(hparams)
         bound: dict[str, int] = {}
         for name in needed:
             if name in expected and name in file.tensors:
-                _check_shape(name, tuple(int(d) for d in file.tensors[name].shape), expected[name], bound)
+                check_shape(name, tuple(int(d) for d in file.tensors[name].shape), expected[name], bound)
         tokens = file.kv.get("tokenizer.ggml.tokens")
         if "tokenizer.ggml.tokens" in file.kv or "tokenizer.ggml.model" in file.kv:
             check_tokenizer_kv(file.kv, supported=False)
@@ -236,9 +237,8 @@ def validate_model(file, graph, hparams, needed: list[str]) -> None:
             if "V" in bound and isinstance(tokens, list) and len(tokens) > bound["V"]:
                 raise SpecconvError(f"tokenizer.ggml.tokens has {len(tokens)} entries, more than the {bound['V']} "
                                     f"rows of the embedding and output")
-        check_values = graph.check_values or shapes.CHECK_VALUES.get(hparams.arch)
-        if check_values is not None:
-            check_values(file, hparams, needed)
+        if graph.check_values is not None:
+            graph.check_values(file, hparams, needed)
     except SpecconvError as exc:
         raise SpecconvError(_named(file, str(exc))) from None
 
@@ -285,7 +285,7 @@ def _fmt(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def _check_shape(name: str, found: tuple[int, ...], expected, bound: dict[str, int]) -> None:
+def check_shape(name: str, found: tuple[int, ...], expected, bound: dict[str, int]) -> None:
     """`expected`: one shape, or a list of the shapes a graph accepts."""
     options = expected if isinstance(expected, list) else [expected]
     for option in options:
@@ -299,10 +299,15 @@ def _check_shape(name: str, found: tuple[int, ...], expected, bound: dict[str, i
     raise SpecconvError(f"tensor {name} has the wrong shape: expected {shown}, found {_fmt(found)} (ggml order)")
 
 
-def check_hparams(hp, kv: Mapping[str, Any]) -> None:
-    """Hyperparameters consistent with each other (what the graphs divide, index and slice by)."""
-    from specconv.runtime import shapes
+def check_rope_width(what: str, n_rot: int, head: int) -> None:
+    """A rope width the graph slices a head by: even and within the head."""
+    if n_rot < 0 or n_rot % 2 or n_rot > head:
+        raise SpecconvError(f"{what} {n_rot} must be even and at most the head size {head}")
 
+
+def check_hparams(hp, kv: Mapping[str, Any]) -> None:
+    """Hyperparameters consistent with each other (what the graphs divide, index and slice by); a
+    graph's own checks are its `check_hparams`."""
     if hp.n_layer < 0 or getattr(hp, "n_nextn", 0) < 0:
         raise SpecconvError(f"{hp.arch}: block_count is smaller than nextn_predict_layers")
     kv_heads = hp.n_head_kv if isinstance(getattr(hp, "n_head_kv", 1), list) else [getattr(hp, "n_head_kv", 1)]
@@ -324,4 +329,8 @@ def check_hparams(hp, kv: Mapping[str, Any]) -> None:
     n_expert, used = getattr(hp, "n_expert", 0), getattr(hp, "n_expert_used", 0)
     if n_expert and not 1 <= used <= n_expert:
         raise SpecconvError(f"{hp.arch}.expert_used_count {used} must be within 1..expert_count {n_expert}")
-    shapes.check_arch_hparams(hp, kv)
+    block_count = hp.n_layer + getattr(hp, "n_nextn", 0)
+    for key in ("attention.recurrent_layers", "attention.sliding_window_pattern"):
+        v = kv.get(f"{hp.arch}.{key}")
+        if isinstance(v, list) and len(v) != block_count:
+            raise SpecconvError(f"{hp.arch}.{key} has {len(v)} entries for block_count {block_count}")

@@ -1,8 +1,8 @@
 """Pieces the chained-MTP graphs share (hy_v3, step35, mimo2; docs/mtp.md §Chained MTP heads).
 
 Each of those graphs keeps what is its own (hyperparameters, attention, rope); the rest is written
-once here: reading the block counts, the tensor lists (trunk blocks, then k MTP blocks with their
-nextn inputs), the KV-cache layouts, which MTP block a context runs (`hp.mtp_block`), a windowed
+once here: reading the block counts, the tensor lists from the family's table (trunk blocks, then k
+MTP blocks with their nextn inputs) and the checks of which FFN a block holds, the KV-cache layouts, which MTP block a context runs (`hp.mtp_block`), a windowed
 attention with optional sinks, the dense-or-routed SwiGLU FFN, the pre-norm residual block, and the
 trunk / MTP forwards through decoder.py (so multi-device placement comes with them).
 """
@@ -14,7 +14,9 @@ from typing import Any, Callable
 
 import torch
 
+from specconv.archs.chained_mtp import Sizes
 from specconv.archs.errors import SpecconvError
+from specconv.archs.tensor_table import GraphTensors, TensorTable
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
@@ -22,7 +24,6 @@ from specconv.runtime.graphs.ops import acc, by_rows, moe, rms_norm, swiglu
 from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.memory import Batch, MemoryLayout
 
-Names = Callable[[int], list[str]]
 
 
 @dataclass(kw_only=True)
@@ -36,6 +37,7 @@ class ChainedHParams:
     n_expert_used: int
     gating: int = ms.GATING_SIGMOID
     n_group: int = 1
+    n_group_used: int = 1
     mtp_block: int = 0  # which MTP block an MTP context runs (0..n_nextn-1; runtime/drafters/mtp.py)
 
 
@@ -58,33 +60,42 @@ def gating(r: HParamsReader) -> int:
 
 # ---- tensors and caches -------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class TensorLists:
-    """The tensor lists of a graph whose blocks need `required(i)` and may hold `optional(i)`; each
-    MTP block adds its nextn inputs and head."""
-    required: Names
-    optional: Names
-    shared: tuple[str, ...] = ("token_embd.weight", "output_norm.weight")
-
-    def main_tensors(self, hp) -> list[str]:
-        return list(self.shared) + [n for i in range(hp.n_layer) for n in self.required(i)]
-
-    def optional_main_tensors(self, hp) -> list[str]:
-        return [n for i in range(hp.n_layer) for n in self.optional(i)]
-
-    def mtp_tensors(self, hp) -> list[str]:
-        names = list(self.shared)
-        for i in _mtp_blocks(hp):
-            names += self.required(i) + [f"blk.{i}.nextn.{x}.weight" for x in ms.NEXTN_REQUIRED]
-        return names
-
-    def optional_mtp_tensors(self, hp) -> list[str]:
-        return [n for i in _mtp_blocks(hp)
-                for n in self.optional(i) + [f"blk.{i}.nextn.{x}.weight" for x in ms.NEXTN_OPTIONAL]]
+def tensor_lists(table: TensorTable, sizes: Callable[[Any], Sizes]) -> GraphTensors:
+    """A chained-MTP graph's lists from its family's table (archs/chained_mtp.py): the trunk blocks, then
+    every MTP block with its nextn inputs and head; a block's dense or routed FFN, whichever the file holds."""
+    return GraphTensors(table, sizes, chained=True)
 
 
-def _mtp_blocks(hp) -> range:
-    return range(hp.n_layer, hp.n_layer + hp.n_nextn)
+def check_ffn(file, hp, needed: list[str], bias: str, shared: bool) -> None:
+    """Each block the graph runs holds a whole dense FFN or a whole routed one (with shared expert), and
+    its routing fits its experts."""
+    have = set(needed)
+    for i in range(hp.n_layer + hp.n_nextn):
+        p = f"blk.{i}."
+        if p + "attn_norm.weight" not in have:
+            continue  # a block this graph type does not run
+        if p + "ffn_gate_inp.weight" in have:
+            want = [p + n for n in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", bias)]
+            if shared:
+                want += [p + f"ffn_{n}_shexp.weight" for n in ("gate", "up", "down")]
+            missing = [n for n in want if n not in have]
+            if missing:
+                raise SpecconvError(f"missing tensor {missing[0]} (block {i} has a router, ffn_gate_inp)")
+            check_routing(hp, int(file.tensors[p + "ffn_gate_inp.weight"].shape[-1]), f"block {i}")
+        else:
+            missing = [p + f"ffn_{n}.weight" for n in ("gate", "up", "down") if p + f"ffn_{n}.weight" not in have]
+            if missing:
+                raise SpecconvError(f"missing tensor {missing[0]} (block {i} has no router, so a dense FFN)")
+
+
+def check_routing(hp, X: int, where: str) -> None:
+    used, groups, groups_used = hp.n_expert_used, hp.n_group, hp.n_group_used
+    if not 1 <= used <= X:
+        raise SpecconvError(f"{hp.arch}.expert_used_count {used} must be within 1..{X} (the experts of {where})")
+    if groups > 1 and (X % groups or X // groups < 2 or not 1 <= groups_used <= groups
+                       or used > groups_used * (X // groups)):
+        raise SpecconvError(f"{hp.arch}: {groups} expert groups ({groups_used} used) of the {X} experts of {where} "
+                            f"cannot give {used} experts (groups must divide them, 2 or more each)")
 
 
 def mtp_block_id(hp) -> int:

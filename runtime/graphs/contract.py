@@ -55,6 +55,9 @@ class Graph:
     forward_main: Callable[..., tuple] = REQUIRED
     # (w, hp, tokens, hidden_in, batch[, kv_from]) -> (logits, nextn, pre_norm)
     forward_mtp: Callable[..., tuple] = REQUIRED
+    # hp -> {GGUF name: ggml shape(s)} the load-time check holds each tensor to (runtime/validate.py), from
+    # the family's tensor table (archs/tensor_table.py); a string dimension is one the file chooses
+    expected_shapes: Callable[[Any], Mapping[str, Any]] = REQUIRED
 
     OPTIONAL: tuple[str, ...] = ()  # whole-model tensors used when present (an untied output head)
     optional_main_tensors: Names = no_tensors  # per-block MAIN tensors used when present (biases)
@@ -78,8 +81,8 @@ class Graph:
     MTP_ROWS: str = "llama.cpp"  # where each MTP block's rows begin (MTP_ROW_LAYOUTS)
     TARGET_HIDDEN: str = "post_norm"  # the target rows the MTP head reads (HIDDEN_STATES)
     check_values: Callable[..., None] | None = None  # (file, hp, needed) -> raises on bad tensor values
-    # hp -> {GGUF name: ggml shape(s)} of a family on a tensor table; None: runtime/shapes.py's entry
-    expected_shapes: Callable[[Any], Mapping[str, Any]] | None = None
+    check_hparams: Callable[..., None] | None = None  # (hp, kv) -> raises on inconsistent hyperparameters
+    INTEGER_TENSORS: tuple[str, ...] = ()  # tensors read as integers (EAGLE-3's d2t); every other is float
 
     def __post_init__(self):
         missing = required_fields(self)

@@ -22,15 +22,15 @@ from typing import Any, Mapping
 import torch
 
 from specconv.archs import names
+from specconv.archs.dflash import DFLASH_TABLE, Sizes
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.graphs.contract import Graph
+from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import acc, by_rows, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
 from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.memory import Batch, Memory, MemoryLayout
 from specconv.runtime.types import GraphType
-from specconv.runtime.validate import check_kv
+from specconv.runtime.validate import check_kv, check_rope_width
 
-OPTIONAL = (names.TOKEN_EMBD, names.OUTPUT)
 
 
 @dataclass
@@ -139,35 +139,47 @@ def n_vocab(hp: HParams) -> int:
     return hp.n_vocab
 
 
-def _block_names(i: int) -> list[str]:
-    return [f"blk.{i}.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
-                                           "attn_k_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
+# ---- which tensors the graph needs: the drafter's table (archs/dflash.py) ---------------------
+
+TABLE = DFLASH_TABLE
+
+
+def sizes(hp: HParams) -> Sizes:
+    """The table's sizes from GGUF metadata; the vocabulary is the file's ("V", bound by its tensors)."""
+    return Sizes(n_layer=hp.n_layer, E=hp.n_embd, V="V", n_head=hp.n_head, n_head_kv=hp.n_head_kv,
+                 head_dim=hp.head_dim, ffn=hp.n_ff, E_in=hp.n_embd_in, v2=hp.v2, conv_kernel=hp.conv_kernel,
+                 conv_group=hp.conv_group, selector_rank=hp.selector_rank)
 
 
 def main_tensors(hp: HParams) -> list[str]:
     return []
 
 
-def _v2_names(i: int) -> list[str]:
-    return [f"blk.{i}.attn_conv_base", f"blk.{i}.attn_conv_proj.weight", f"blk.{i}.ffn_conv_base",
-            f"blk.{i}.ffn_conv_proj.weight"]
-
-
-SELECTOR = ("selector_predecessor.weight", "selector_successor.weight", "selector_hidden.weight")
-
-
 def mtp_tensors(hp: HParams) -> list[str]:
-    names_ = [names.EAGLE3_FC, names.ENC_OUTPUT_NORM, names.OUTPUT_NORM]
-    names_ += [n for i in range(hp.n_layer) for n in _block_names(i) + (_v2_names(i) if hp.v2 else [])]
-    return names_ + (list(SELECTOR) if hp.v2 else [])
+    return TABLE.graph_names(sizes(hp), range(hp.n_layer), "mtp")
 
 
-def optional_mtp_tensors(hp: HParams) -> list[str]:
-    return []
+def expected_shapes(hp: HParams) -> dict[str, tuple | list[tuple]]:
+    return TABLE.ggml_shapes(sizes(hp), range(hp.n_layer))
 
 
-def keep_float32(name: str) -> bool:
-    return name.endswith("norm.weight") or name.endswith("_conv_base")
+OPTIONAL = tuple(TABLE.names(None, (), optional=True))  # token_embd and output: else the target's
+SELECTOR = ("selector_predecessor.weight", "selector_successor.weight", "selector_hidden.weight")  # DFlash2's
+keep_float32 = TABLE.keeps_float32
+
+
+def check_hparams(hp: HParams, kv: Mapping[str, Any]) -> None:
+    check_rope_width(f"{hp.arch}.rope.dimension_count", hp.n_rot, hp.head_dim)
+
+
+def check_values(file, hp: HParams, needed: list[str]) -> None:
+    """The selector's top-k fits the tokens it scores."""
+    if hp.v2:
+        rows = int(file.tensors["selector_successor.weight"].shape[-1]) if "selector_successor.weight" in file.tensors \
+            else 0
+        if rows and hp.selector_top_k > rows:
+            raise SpecconvError(f"{hp.arch}.selector_top_k {hp.selector_top_k} exceeds the {rows} tokens of "
+                                f"selector_successor.weight")
 
 
 def mtp_layout(hp: HParams) -> MemoryLayout:
@@ -308,7 +320,7 @@ GRAPH = Graph(
     HParams=HParams,
     main_tensors=main_tensors,
     mtp_tensors=mtp_tensors,
-    optional_mtp_tensors=optional_mtp_tensors,
+    optional_mtp_tensors=no_tensors,
     keep_float32=keep_float32,
     main_layout=main_layout,
     mtp_layout=mtp_layout,
@@ -320,4 +332,7 @@ GRAPH = Graph(
     KIND="dflash",
     SHAREABLE=(),  # a draft's own tensors are never replaced by the target's
     FROM_TARGET={names.TOKEN_EMBD: (names.TOKEN_EMBD,), names.OUTPUT: (names.OUTPUT, names.TOKEN_EMBD)},
+    expected_shapes=expected_shapes,
+    check_hparams=check_hparams,
+    check_values=check_values,
 )

@@ -22,16 +22,18 @@ from typing import Any, Mapping
 import torch
 
 from specconv.archs import names
+from specconv.archs.eagle3 import EAGLE3_TABLE
 from specconv.archs.errors import SpecconvError
+from specconv.archs.llama import Sizes
 from specconv.runtime.graphs import llama
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.graphs.ops import acc, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.types import GraphType
+from specconv.runtime.validate import check_shape
 
-ENC_NORM = "enc.output_norm.weight"
-# Tensors a head may leave to its target: own name -> target names tried in order.
+ENC_NORM = names.ENC_OUTPUT_NORM
 
 
 @dataclass
@@ -61,8 +63,23 @@ def serves(hp: HParams, file) -> set[GraphType]:
     return {GraphType.ENCODER, GraphType.MTP}
 
 
+# ---- which tensors each graph needs: the head's table (archs/eagle3.py) -------------------------
+
+TABLE = EAGLE3_TABLE
+
+
+def sizes(hp: HParams) -> Sizes:
+    """The table's sizes from GGUF metadata: token_embd spans the target vocabulary; the head's own
+    output and d2t the draft vocabulary ("Vd", bound by the file)."""
+    return Sizes(n_layer=1, E=hp.n_embd, V=hp.n_vocab, n_head=hp.n_head, n_head_kv=hp.n_head_kv,
+                 head_dim=hp.head_dim, ffn=hp.n_ff, n_rot=hp.n_rot, E_in=2 * hp.n_embd, Ht=hp.target_hidden_size,
+                 Vd="Vd")
+
+
 def encoder_tensors(hp: HParams) -> list[str]:
-    return [names.EAGLE3_FC] + ([ENC_NORM] if hp.norm_before_fc else [])
+    """fc, and the norm before it when the file says norm_before_fc (optional in the table)."""
+    s = sizes(hp)
+    return TABLE.graph_names(s, [0], "encoder") + ([ENC_NORM] if hp.norm_before_fc else [])
 
 
 def main_tensors(hp: HParams) -> list[str]:
@@ -70,18 +87,53 @@ def main_tensors(hp: HParams) -> list[str]:
 
 
 def mtp_tensors(hp: HParams) -> list[str]:
-    return ["output_norm.weight", "blk.0.attn_norm_2.weight"] + llama.block_tensors(0)
+    return TABLE.graph_names(sizes(hp), [0], "mtp")
 
 
 def optional_mtp_tensors(hp: HParams) -> list[str]:
-    return [names.TOKEN_EMBD, names.OUTPUT, names.EAGLE3_D2T, llama.ROPE_FREQS]
+    """token_embd and output (else the target's), d2t (with a draft vocabulary), rope_freqs (llama3 rope)."""
+    return TABLE.graph_names(sizes(hp), [0], "mtp", optional=True)
+
+
+def expected_shapes(hp: HParams) -> dict[str, tuple | list[tuple]]:
+    return TABLE.ggml_shapes(sizes(hp), [0])
 
 
 OPTIONAL = ()
+keep_float32 = TABLE.keeps_float32
+MAX_VOCAB = 1 << 24
 
 
-def keep_float32(name: str) -> bool:
-    return llama.keep_float32(name)
+def check_hparams(hp: HParams, kv: Mapping[str, Any]) -> None:
+    tokens = kv.get("tokenizer.ggml.tokens")
+    if not 0 < hp.n_vocab <= MAX_VOCAB:
+        raise SpecconvError(f"{hp.arch}: vocabulary size {hp.n_vocab} ({hp.arch}.vocab_size or tokenizer.ggml.tokens) "
+                            f"is outside 1..{MAX_VOCAB}")
+    if isinstance(tokens, list) and len(tokens) > hp.n_vocab:  # logits are scattered over n_vocab columns
+        raise SpecconvError(f"{hp.arch}.vocab_size {hp.n_vocab} is smaller than the {len(tokens)} tokenizer tokens")
+    llama.check_hparams(hp, kv)
+
+
+def check_values(file, hp: HParams, needed: list[str]) -> None:
+    """Without d2t the head's own output spans the target vocabulary, not a draft one; with it, d2t maps
+    draft ids to target ids, every entry a target id (the decoder scatters by it)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    if names.EAGLE3_D2T not in needed or names.EAGLE3_D2T not in file.tensors:
+        if names.OUTPUT in needed and names.OUTPUT in file.tensors:
+            check_shape(names.OUTPUT, tuple(int(d) for d in file.tensors[names.OUTPUT].shape),
+                        (hp.n_embd, hp.n_vocab), {})
+        return
+    if names.OUTPUT not in needed:  # the target's head spans the target vocabulary, not the draft's
+        raise SpecconvError("tensor d2t maps a draft vocabulary, but the head has no output.weight of its own")
+    t = file.tensors[names.EAGLE3_D2T]
+    view = {Q.I32: np.int32, Q.I64: np.int64}.get(t.tensor_type)  # torch indexes with these, not I8 / I16
+    if view is None:
+        raise SpecconvError(f"tensor d2t has type {t.tensor_type.name}; I64 or I32 is expected")
+    values = np.asarray(t.data).view(view)
+    if values.size and (int(values.min()) < 0 or int(values.max()) >= hp.n_vocab):
+        raise SpecconvError(f"tensor d2t holds ids outside the target vocabulary [0, {hp.n_vocab})")
 
 
 def mtp_layout(hp: HParams) -> MemoryLayout:
@@ -166,5 +218,9 @@ GRAPH = Graph(
     n_vocab=n_vocab,
     KIND="eagle3",  # Model.kind of these files
     SHAREABLE=(),  # same-named tensors of the head (its output_norm, its own embedding) are its own
+    expected_shapes=expected_shapes,
+    check_hparams=check_hparams,
+    check_values=check_values,
+    INTEGER_TENSORS=(names.EAGLE3_D2T,),
     FROM_TARGET={names.TOKEN_EMBD: (names.TOKEN_EMBD,), names.OUTPUT: (names.OUTPUT, names.TOKEN_EMBD)},
 )

@@ -20,16 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from specconv.archs.errors import SpecconvError
+from specconv.archs.gemma4 import GEMMA4_TABLE, ROPE_FREQS, Sizes
+from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts
-from specconv.runtime.graphs.contract import Graph
+from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import acc, attended_kv, by_rows, linear, moe as routed_moe, rms_norm, rope_neox_partial
 from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
-
-ROPE_FREQS = "rope_freqs.weight"
-OPTIONAL = ("output.weight",)
-_OWN_KV = ("attn_k", "attn_k_norm")
 
 
 @dataclass
@@ -116,47 +114,57 @@ def _blk(i: int, name: str) -> str:
     return f"blk.{i}.{name}.weight"
 
 
-def block_tensors(hp: HParams, i: int, with_kv: bool) -> list[str]:
-    names = [_blk(i, n) for n in ("attn_norm", "attn_q", "attn_q_norm", "attn_output", "post_attention_norm",
-                                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm", "layer_output_scale")]
-    if with_kv:
-        names += [_blk(i, n) for n in _OWN_KV]
-    if hp.n_per_layer and i < hp.n_layer:
-        names += [_blk(i, n) for n in ("inp_gate", "proj", "post_norm")]
-    if hp.n_expert and i < hp.n_layer:
-        names += [_blk(i, n) for n in ("ffn_gate_inp", "ffn_down_exps", "pre_ffw_norm_2", "post_ffw_norm_1",
-                                       "post_ffw_norm_2")]
-        names += [f"blk.{i}.ffn_gate_inp.scale", f"blk.{i}.ffn_down_exps.scale"]
-    return names
+# ---- which tensors the graph needs: the family's table (archs/gemma4.py) ------------------------
+
+TABLE = GEMMA4_TABLE
 
 
-def main_tensors(hp: HParams) -> list[str]:
-    names = ["token_embd.weight", "output_norm.weight", ROPE_FREQS]
-    if hp.n_per_layer:
-        names += ["per_layer_token_embd.weight", "per_layer_model_proj.weight", "per_layer_proj_norm.weight"]
-    for i in range(hp.n_layer):
-        names += block_tensors(hp, i, hp.owns_kv(i))
-    return names
+def sizes(hp: HParams) -> Sizes:
+    """The table's sizes from GGUF metadata; the vocabularies are the file's ("V", "Vp"), and so is the
+    rope_freqs length of a file without full-attention layers ("R", which nothing else reads)."""
+    full = [d for d, swa in zip(hp.head_dim, hp.is_swa) if not swa]
+    return Sizes(n_layer=hp.n_layer, E=hp.n_embd, V="V", n_head=hp.n_head, head_dims=tuple(hp.head_dim),
+                 kv_heads=tuple(hp.n_head_kv), ffns=tuple(hp.n_ff),
+                 owns_kv=tuple(hp.owns_kv(i) for i in range(hp.n_blocks)), rope_half=full[0] // 2 if full else "R",
+                 P=hp.n_per_layer, Vp="Vp", n_expert=hp.n_expert, expert_ffn=hp.n_ff_exp, Eo=hp.n_embd_out)
 
 
-def optional_main_tensors(hp: HParams) -> list[str]:
-    """attn_v (absent on attention_k_eq_v full layers) and the fused or split expert matrices."""
-    names = [_blk(i, "attn_v") for i in range(hp.n_layer) if hp.owns_kv(i)]
-    if hp.n_expert:
-        names += [_blk(i, n) for i in range(hp.n_layer) for n in ("ffn_gate_up_exps", "ffn_gate_exps", "ffn_up_exps")]
-    return names
+_tensors = GraphTensors(TABLE, sizes)
+OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32  # OPTIONAL: another converter's output.weight
+main_tensors, expected_shapes = _tensors.main_tensors, _tensors.expected_shapes
+# attn_v (absent on attention_k_eq_v full layers) and the fused or split expert matrices
+optional_main_tensors = _tensors.optional_main_tensors
+mtp_tensors = optional_mtp_tensors = no_tensors  # the drafter is a separate gemma4-assistant file
 
 
-def mtp_tensors(hp: HParams) -> list[str]:
-    return []
+def check_hparams(hp: HParams, kv: Mapping[str, Any]) -> None:
+    """Rope widths and K/V sharing the blocks can index (the assistant's too)."""
+    a = hp.arch
+    if hp.n_rot_swa % 2 or any(hp.n_rot_swa > d for d, s in zip(hp.head_dim, hp.is_swa) if s):
+        raise SpecconvError(f"{a}.rope.dimension_count_swa {hp.n_rot_swa} must be even and at most the "
+                            f"sliding head size")
+    if any(d % 2 for d in hp.head_dim):
+        raise SpecconvError(f"{a}: head sizes {sorted(set(hp.head_dim))} must be even (rope)")
+    if hp.n_layer and hp.n_shared > hp.n_layer:
+        raise SpecconvError(f"{a}.attention.shared_kv_layers {hp.n_shared} exceeds the {hp.n_layer} layers")
+    if hp.n_expert and not hp.n_ff_exp:
+        raise SpecconvError(f"{a}.expert_feed_forward_length is missing")
 
 
-def optional_mtp_tensors(hp: HParams) -> list[str]:
-    return []
-
-
-def keep_float32(name: str) -> bool:
-    return name.endswith("norm.weight") or name == ROPE_FREQS or "layer_output_scale" in name or name.endswith(".scale")
+def check_values(file, hp: HParams, needed: list[str]) -> None:
+    """Per-layer embeddings cover every token id (llama.cpp keeps their own, longer vocabulary), and an
+    MoE layer has its gate and up experts, fused or split (both optional by name)."""
+    ple, embd = file.tensors.get("per_layer_token_embd.weight"), file.tensors.get("token_embd.weight")
+    if "per_layer_token_embd.weight" in needed and ple is not None and embd is not None \
+            and ple.shape[-1] < embd.shape[-1]:
+        raise SpecconvError(f"tensor per_layer_token_embd.weight has {ple.shape[-1]} rows, fewer than the "
+                            f"{embd.shape[-1]} tokens of token_embd.weight")
+    for i in range(hp.n_layer if hp.n_expert else 0):
+        p = f"blk.{i}."
+        if p + "ffn_gate_up_exps.weight" not in needed and not (
+                p + "ffn_gate_exps.weight" in needed and p + "ffn_up_exps.weight" in needed):
+            raise SpecconvError(f"missing tensor {p}ffn_gate_up_exps.weight (or {p}ffn_gate_exps.weight and "
+                                f"{p}ffn_up_exps.weight)")
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
@@ -351,4 +359,7 @@ GRAPH = Graph(
     forward_mtp=forward_mtp,
     OPTIONAL=OPTIONAL,
     optional_main_tensors=optional_main_tensors,
+    expected_shapes=expected_shapes,
+    check_hparams=check_hparams,
+    check_values=check_values,
 )

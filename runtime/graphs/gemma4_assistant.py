@@ -21,6 +21,7 @@ import torch
 
 from specconv.archs import names
 from specconv.archs.errors import SpecconvError
+from specconv.archs.gemma4 import ASSISTANT_TABLE
 from specconv.runtime.graphs import gemma4
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.ops import acc, linear, rms_norm
@@ -29,7 +30,8 @@ from specconv.runtime.types import GraphType
 
 TARGET_EMBD = "target.token_embd.weight"  # the target's input embedding, taken at load time
 OPTIONAL = ()
-keep_float32 = gemma4.keep_float32
+TABLE = ASSISTANT_TABLE  # archs/gemma4.py; every tensor read by the MTP graph
+keep_float32 = TABLE.keeps_float32
 
 
 class HParams(gemma4.HParams):
@@ -60,15 +62,15 @@ def main_tensors(hp) -> list[str]:
 
 
 def mtp_tensors(hp) -> list[str]:
-    out = [names.TOKEN_EMBD, names.OUTPUT_NORM, gemma4.ROPE_FREQS, names.NEXTN_PRE_PROJECTION,
-           names.NEXTN_POST_PROJECTION]
-    for i in range(hp.n_nextn):
-        out += gemma4.block_tensors(hp, i, with_kv=False)
-    return out
+    return TABLE.graph_names(gemma4.sizes(hp), range(hp.n_nextn), "mtp")
 
 
 def optional_mtp_tensors(hp) -> list[str]:
-    return []
+    return TABLE.graph_names(gemma4.sizes(hp), range(hp.n_nextn), "mtp", optional=True)
+
+
+def expected_shapes(hp) -> dict[str, tuple | list[tuple]]:
+    return TABLE.ggml_shapes(gemma4.sizes(hp), range(hp.n_nextn))
 
 
 def main_layout(hp, state_dtype=torch.float32) -> MemoryLayout:
@@ -147,4 +149,6 @@ GRAPH = Graph(
     SHAREABLE=(),  # its token_embd / output_norm are its own (the tied head), never the target's
     FROM_TARGET={TARGET_EMBD: (names.TOKEN_EMBD,)},
     NEEDS_KV_FROM=True,
+    expected_shapes=expected_shapes,
+    check_hparams=gemma4.check_hparams,
 )

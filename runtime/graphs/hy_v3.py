@@ -18,21 +18,17 @@ from typing import Any, Mapping
 
 import torch
 
+from specconv.archs.chained_mtp import Sizes
 from specconv.archs.errors import SpecconvError
+from specconv.archs.hy_v3 import HY_V3_TABLE
 from specconv.runtime.graphs import chained
-from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.graphs.ops import rope_cos_sin
 from specconv.runtime.graphs.qwen3 import attention  # Hy3's is Qwen3's: GQA, q/k RMSNorm, NEOX rope
 from specconv.runtime.memory import Batch
-from specconv.runtime.validate import check_kv
+from specconv.runtime.validate import check_kv, check_rope_width
 
-OPTIONAL = ("output.weight",)  # absent when tied to token_embd
-_ATTN = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_norm")
-_DENSE = ("ffn_gate", "ffn_up", "ffn_down")
-_MOE = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",
-        "ffn_down_shexp")
 _BIAS = "exp_probs_b"  # llama.cpp's hy_v3 names it without a suffix
 
 
@@ -68,19 +64,26 @@ class HParams(chained.ChainedHParams):
                    weights_norm=key("expert_weights_norm", False, bool), gating=gating)
 
 
-def _required(i: int) -> list[str]:
-    return [f"blk.{i}.{n}.weight" for n in _ATTN]
+# ---- which tensors the graph needs: the family's table (archs/hy_v3.py) ------------------------
+
+def sizes(hp: HParams) -> Sizes:
+    """The table's sizes from GGUF metadata: the vocabulary, FFN widths and (without expert_count) the
+    expert count are the file's, bound per block."""
+    total = hp.n_layer + hp.n_nextn
+    return Sizes(n_layer=hp.n_layer, E=hp.n_embd, V="V", heads=(hp.n_head,) * total, kv_heads=(hp.n_head_kv,) * total,
+                 head_dim=hp.head_dim, n_expert=hp.n_expert or None)
 
 
-def _ffn_optional(i: int) -> list[str]:
-    return [f"blk.{i}.{n}.weight" for n in _DENSE + _MOE] + [f"blk.{i}.{_BIAS}"]
+_tensors = chained.tensor_lists(HY_V3_TABLE, sizes)
+keep_float32 = HY_V3_TABLE.keeps_float32
 
 
-_tensors = chained.TensorLists(_required, _ffn_optional)
+def check_hparams(hp: HParams, kv) -> None:
+    check_rope_width(f"{hp.arch}.attention.key_length (all of it is roped)", hp.head_dim, hp.head_dim)
 
 
-def keep_float32(name: str) -> bool:
-    return ms.keep_float32(name) or name.endswith(_BIAS)
+def check_values(file, hp: HParams, needed: list[str]) -> None:
+    chained.check_ffn(file, hp, needed, _BIAS, shared=True)
 
 
 _layouts = chained.Layouts(lambda hp: hp.head_dim)
@@ -109,8 +112,11 @@ GRAPH = Graph(
     mtp_layout=_layouts.mtp_layout,
     forward_main=_forwards.forward_main,
     forward_mtp=_forwards.forward_mtp,
-    OPTIONAL=OPTIONAL,
+    OPTIONAL=_tensors.OPTIONAL,  # output.weight, absent when tied to token_embd
     optional_main_tensors=_tensors.optional_main_tensors,
+    expected_shapes=_tensors.expected_shapes,
+    check_hparams=check_hparams,
+    check_values=check_values,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk / forward_nextn
     CHAINED_MTP=True,  # block i drafts position i (runtime/drafters/mtp.py)
     CHAIN_HIDDEN="nextn",  # the post-norm block output seeds the next block (vLLM, llama.cpp)

@@ -14,15 +14,14 @@ from typing import Any, Mapping
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.archs.llama import LLAMA_TABLE, ROPE_FREQS, Sizes
+from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_trunk
 from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.graphs.ops import acc, cached_attention, linear, rms_norm, swiglu
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
-
-ROPE_FREQS = "rope_freqs.weight"
-
 
 @dataclass
 class HParams:
@@ -56,28 +55,27 @@ class HParams:
                    context_length=key("context_length", 0, int))
 
 
-def block_tensors(i: int) -> list[str]:
-    return [f"blk.{i}.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
-                                           "ffn_gate", "ffn_up", "ffn_down")]
+# ---- which tensors the graph needs: the family's table (archs/llama.py) ------------------------
+
+TABLE = LLAMA_TABLE
 
 
-def main_tensors(hp: HParams) -> list[str]:
-    return ["token_embd.weight", "output_norm.weight"] + [n for i in range(hp.n_layer) for n in block_tensors(i)]
+def sizes(hp: HParams) -> Sizes:
+    """The table's sizes from GGUF metadata; the vocabulary is the file's ("V", bound by its tensors)."""
+    return Sizes(n_layer=hp.n_layer, E=hp.n_embd, V="V", n_head=hp.n_head, n_head_kv=hp.n_head_kv,
+                 head_dim=hp.head_dim, ffn=hp.n_ff, n_rot=hp.n_rot)
 
 
-def mtp_tensors(hp: HParams) -> list[str]:
-    return []
+_tensors = GraphTensors(TABLE, sizes)  # no MTP head: the MTP lists are empty
+OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32  # OPTIONAL: output.weight, rope_freqs.weight
+main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
+mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
+expected_shapes = _tensors.expected_shapes
 
 
-def optional_mtp_tensors(hp: HParams) -> list[str]:
-    return []
-
-
-OPTIONAL = ("output.weight", ROPE_FREQS)
-
-
-def keep_float32(name: str) -> bool:
-    return name.endswith("norm.weight") or name == ROPE_FREQS
+def check_hparams(hp: HParams, kv: Mapping[str, Any]) -> None:
+    if not hp.n_ff:
+        raise SpecconvError(f"{hp.arch}.feed_forward_length is missing or 0")
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
@@ -165,5 +163,8 @@ GRAPH = Graph(
     forward_main=forward_main,
     forward_mtp=forward_mtp,
     OPTIONAL=OPTIONAL,
+    optional_main_tensors=optional_main_tensors,
+    expected_shapes=expected_shapes,
+    check_hparams=check_hparams,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

@@ -22,20 +22,18 @@ from typing import Any, Mapping
 
 import torch
 
+from specconv.archs.chained_mtp import Sizes
 from specconv.archs.errors import SpecconvError
+from specconv.archs.mimo2 import MIMO2_TABLE
 from specconv.runtime.graphs import chained
-from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import nextn_input, output_head
 from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.memory import Batch
 from specconv.runtime.placement import on_layer_device
+from specconv.runtime.validate import check_rope_width
 
-OPTIONAL = ("output.weight",)
-_BLOCK = ("attn_norm", "attn_output", "ffn_norm")
-_OPT = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_sinks", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp",
-        "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "layer_output_norm")
 
 
 @dataclass
@@ -50,7 +48,6 @@ class HParams(chained.ChainedHParams):
     rope_theta: float
     swa_rope_theta: float
     attention_value_scale: float
-    n_group_used: int = 1
     weights_norm: bool = True  # llama.cpp's mimo2 always renormalises and never scales
     weights_scale: float = 1.0
 
@@ -89,19 +86,33 @@ class HParams(chained.ChainedHParams):
                    n_group_used=key("expert_group_used_count", 1, int) or 1)
 
 
-def _names(i: int, extra=()) -> list[str]:
-    return [f"blk.{i}.{n}.weight" for n in _BLOCK + tuple(extra)]
+# ---- which tensors the graph needs: the family's table (archs/mimo2.py) ------------------------
+
+def sizes(hp: HParams) -> Sizes:
+    """The table's sizes from GGUF metadata: the vocabulary, FFN widths and expert counts are the file's,
+    bound per block; q, k and v split or fused, whichever the file holds."""
+    total = hp.n_layer + hp.n_nextn
+    return Sizes(n_layer=hp.n_layer, E=hp.n_embd, V="V", heads=(hp.n_head,) * total, kv_heads=tuple(hp.n_kvs),
+                 head_dim=hp.head_dim, v_head_dim=hp.v_head_dim)
 
 
-def _optional(i: int) -> list[str]:
-    return [f"blk.{i}.{n}.weight" for n in _OPT] + [f"blk.{i}.exp_probs_b.bias"]
+_tensors = chained.tensor_lists(MIMO2_TABLE, sizes)
+keep_float32 = MIMO2_TABLE.keeps_float32
 
 
-_tensors = chained.TensorLists(_names, _optional)
+def check_hparams(hp: HParams, kv) -> None:
+    check_rope_width(f"{hp.arch}.rope.dimension_count", hp.rotary_dim, hp.head_dim)
 
 
-def keep_float32(name: str) -> bool:
-    return ms.keep_float32(name) or name.endswith("attn_sinks.weight")
+def check_values(file, hp: HParams, needed: list[str]) -> None:
+    """Each block holds its q, k and v, split or fused, and a whole dense or routed FFN."""
+    have = set(needed)
+    for i in range(hp.n_layer + hp.n_nextn):
+        p = f"blk.{i}."
+        split = [p + f"attn_{x}.weight" for x in "qkv"]
+        if p + "attn_norm.weight" in have and p + "attn_qkv.weight" not in have and not all(n in have for n in split):
+            raise SpecconvError(f"missing tensor {p}attn_qkv.weight (or {p}attn_q/k/v.weight)")
+    chained.check_ffn(file, hp, needed, "exp_probs_b.bias", shared=False)
 
 
 _layouts = chained.Layouts(lambda hp: hp.cell_width)
@@ -173,8 +184,11 @@ GRAPH = Graph(
     mtp_layout=_layouts.mtp_layout,
     forward_main=_forwards.forward_main,
     forward_mtp=forward_mtp,
-    OPTIONAL=OPTIONAL,
+    OPTIONAL=_tensors.OPTIONAL,  # output.weight, absent when tied to token_embd
     optional_main_tensors=_tensors.optional_main_tensors,
+    expected_shapes=_tensors.expected_shapes,
+    check_hparams=check_hparams,
+    check_values=check_values,
     MULTI_DEVICE=True,
     CHAINED_MTP=True,
     CHAIN_HIDDEN="nextn",  # post-norm (vLLM's MiMoV2MTPLayer returns final_layernorm(h))

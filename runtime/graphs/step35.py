@@ -23,19 +23,16 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+from specconv.archs.chained_mtp import Sizes
 from specconv.archs.errors import SpecconvError
+from specconv.archs.step35 import STEP35_TABLE
 from specconv.runtime.graphs import chained
-from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.memory import Batch
+from specconv.runtime.validate import check_rope_width
 
-OPTIONAL = ("output.weight",)
-_ATTN = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
-_ATTN_OPT = ("attn_q_norm", "attn_k_norm", "attn_gate")
-_FFN_OPT = ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
-            "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 
 
 @dataclass
@@ -94,16 +91,27 @@ class HParams(chained.ChainedHParams):
                    clamp_shexp=r.per_layer("swiglu_clamp_shexp", total, 0.0, float), gating=gating)
 
 
-def _block_names(i: int) -> list[str]:
-    return [f"blk.{i}.{n}.weight" for n in _ATTN]
+# ---- which tensors the graph needs: the family's table (archs/step35.py) ------------------------
+
+def sizes(hp: HParams) -> Sizes:
+    """The table's sizes from GGUF metadata: the vocabulary, FFN widths and expert counts are the file's,
+    bound per block."""
+    return Sizes(n_layer=hp.n_layer, E=hp.n_embd, V="V", heads=tuple(hp.n_heads), kv_heads=tuple(hp.n_kvs),
+                 head_dim=hp.head_dim)
 
 
-def _optional(i: int) -> list[str]:
-    return [f"blk.{i}.{n}.weight" for n in _ATTN_OPT + _FFN_OPT] + [f"blk.{i}.exp_probs_b.bias"]
+_tensors = chained.tensor_lists(STEP35_TABLE, sizes)
+keep_float32 = STEP35_TABLE.keeps_float32
 
 
-_tensors = chained.TensorLists(_block_names, _optional)
-keep_float32 = ms.keep_float32
+def check_hparams(hp: HParams, kv) -> None:
+    check_rope_width(f"half of {hp.arch}.rope.dimension_count (the full-attention blocks' rope)", hp.n_rot_full,
+                     hp.head_dim)
+    check_rope_width(f"{hp.arch}.rope.dimension_count_swa", hp.n_rot_swa, hp.head_dim)
+
+
+def check_values(file, hp: HParams, needed: list[str]) -> None:
+    chained.check_ffn(file, hp, needed, "exp_probs_b.bias", shared=True)
 
 
 _layouts = chained.Layouts(lambda hp: hp.head_dim)
@@ -160,8 +168,11 @@ GRAPH = Graph(
     mtp_layout=_layouts.mtp_layout,
     forward_main=_forwards.forward_main,
     forward_mtp=_forwards.forward_mtp,
-    OPTIONAL=OPTIONAL,
+    OPTIONAL=_tensors.OPTIONAL,  # output.weight, absent when tied to token_embd
     optional_main_tensors=_tensors.optional_main_tensors,
+    expected_shapes=_tensors.expected_shapes,
+    check_hparams=check_hparams,
+    check_values=check_values,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk / forward_nextn
     CHAINED_MTP=True,  # block i drafts position i (runtime/drafters/mtp.py)
     CHAIN_HIDDEN="pre_norm",  # a block passes its output before shared_head_norm (vLLM, llama.cpp)

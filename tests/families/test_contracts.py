@@ -62,9 +62,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("runtime/validate.py", "n_rot"): _HPARAMS,
     ("runtime/validate.py", "n_expert"): _HPARAMS,
     ("runtime/validate.py", "n_expert_used"): _HPARAMS,
-    ("runtime/shapes.py", "n_nextn"): _HPARAMS,
-    ("runtime/shapes_families.py", "n_group"): _HPARAMS,
-    ("runtime/shapes_families.py", "n_group_used"): _HPARAMS,
     # The MTP decode's input width: the assistant's lines, which move to the drafter base.
     ("runtime/context.py", "n_embd_in"): "the assistant / DFlash input width; declared by the drafter base",
 }

@@ -57,12 +57,97 @@ def _dsa(family: str, **over):
     return build
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # written as rope_freqs.weight
+
+
+def _llama(root):
+    from tests.fixtures.tiny_eagle3 import build_llama_target
+
+    return build_llama_target(root, rope_scaling=LLAMA3_ROPE)
+
+
+def _eagle3(**head):
+    """A head converted with its target: (head folder, the convert arguments naming the target)."""
+    def build(root):
+        from tests.fixtures.tiny_eagle3 import build_eagle3_head, build_llama_target
+
+        target = build_llama_target(root / "target")
+        return build_eagle3_head(root / "head", target, **head), ["--target", str(target)]
+    return build
+
+
+def _gemma4(assistant: bool = False, **over):
+    def build(root):
+        from tests.fixtures import tiny_gemma4
+
+        return tiny_gemma4.tiny_assistant() if assistant else tiny_gemma4.tiny_gemma4("hub", **over)
+    return build
+
+
+def _dflash(**head):
+    """A DFlash drafter converted with its Qwen3 target: (drafter folder, the convert arguments)."""
+    def build(root):
+        from tests.fixtures.tiny_dflash import build_dflash
+        from tests.fixtures.tiny_qwen3 import build_qwen3
+
+        target = build_qwen3(root / "target", n_layers=6, seed=4, head_dim=16)
+        return build_dflash(root / "dflash", target, **head), ["--target", str(target)]
+    return build
+
+
+def _chained_written(family: str):
+    """The optional tensors a chained-MTP checkpoint gives, read off its own tensor names: each block's
+    FFN, dense or routed by whether it has a router; the untied head; the family's per-checkpoint
+    extras (step35's head-wise gates and the MTP blocks' own LM head, mimo2's sinks and its MTP blocks'
+    fused q|k|v and output norm)."""
+    router = {"hy_v3": "mlp.router.gate.weight", "step35": "moe.gate.weight", "mimo2": "mlp.gate.weight"}[family]
+    bias = "exp_probs_b" if family == "hy_v3" else "exp_probs_b.bias"
+    routed = ["ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", bias]
+    routed += [] if family == "mimo2" else ["ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"]
+
+    def written(hp, source) -> set[str]:
+        from safetensors import safe_open
+
+        with safe_open(str(source / "model.safetensors"), "np") as f:
+            hf = set(f.keys())
+        out = {"output.weight"} if "lm_head.weight" in hf else set()
+        for i in range(hp.n_layer + hp.n_nextn):
+            mtp = i >= hp.n_layer
+            p = f"model.mtp.layers.{i - hp.n_layer}." if family == "mimo2" and mtp else f"model.layers.{i}."
+            ffn = routed if p + router in hf else ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+            extra = {"step35": ["attn_q_norm.weight", "attn_k_norm.weight"]
+                     + (["attn_gate.weight"] if p + "self_attn.g_proj.weight" in hf else [])
+                     + (["nextn.shared_head_head.weight"] if p + "transformer.shared_head.output.weight" in hf else [])
+                     + (["nextn.embed_tokens.weight"] if p + "embed_tokens.weight" in hf else []),
+                     "mimo2": (["attn_qkv.weight", "layer_output_norm.weight"] if mtp else
+                               ["attn_q.weight", "attn_k.weight", "attn_v.weight"])
+                     + (["attn_sinks.weight"] if p + "self_attn.attention_sink_bias" in hf else [])}.get(family, [])
+            out |= {f"blk.{i}.{n}" for n in ffn + extra}
+        return out
+    return written
+
+
+def _gemma4_v(hp, source=None) -> set[str]:
+    """attn_v of the K/V-owning sliding layers (the full ones of attention_k_eq_v have none)."""
+    return {f"blk.{i}.attn_v.weight" for i in range(hp.n_layer) if hp.owns_kv(i) and hp.is_swa[i]}
+
+
+def _chained(family: str, **over):
+    def build(root):
+        from tests.fixtures.tiny_chained import build_tiny
+
+        return build_tiny(root, family, **over)
+    return build
+
+
 QWEN_MTP = {"output.weight", "blk.{n}.nextn.shared_head_norm.weight"}
 NEXTN_COPIES = QWEN_MTP | {"blk.{n}.nextn.embed_tokens.weight", "blk.{n}.nextn.shared_head_head.weight"}
 GLM_ATTN = {f"blk.{{i}}.{x}" for x in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm.weight",
                                         "attn_k_norm.weight")}
-# case -> (arch, tiny checkpoint builder, MTP blocks, the optional tensors the converter writes for it:
-# {n} the MTP block, {i} every block); every fixture has an untied output head
+# case -> (arch, tiny checkpoint builder (a folder, or with the convert arguments), MTP blocks, the optional
+# tensors the converter writes for it: {n} the MTP block, {i} every block, or a function of the hparams and
+# the checkpoint folder)
 FAMILIES = {
     "qwen35": ("qwen35", _qwen35(False), 1, QWEN_MTP), "qwen35moe": ("qwen35moe", _qwen35(True), 1, QWEN_MTP),
     "qwen3next": ("qwen3next", _qwen3next, 1, QWEN_MTP),
@@ -76,6 +161,28 @@ FAMILIES = {
     "glm47flash": ("deepseek2", _nextn_moe("glm4moelite"), 1, NEXTN_COPIES),
     "glm-dsa-shared": ("glm-dsa", _dsa("glm-dsa", indexer_types=["full", "shared", "full"]), 1, NEXTN_COPIES),
     "deepseek32": ("deepseek32", _dsa("deepseek32"), 1, NEXTN_COPIES),
+    "llama": ("llama", _llama, 0, {"output.weight", "rope_freqs.weight"}),
+    # the draft vocabulary's own head and d2t; the embedding is the target's
+    "eagle3": ("eagle3", _eagle3(layout="eagle"), 0, {"output.weight", "d2t"}),
+    # its own embedding, the norm before fc (then required), llama3 rope, a head over the whole vocabulary
+    "eagle3-speculators": ("eagle3", _eagle3(layout="speculators", norm_before_fc=True, draft_vocab=512,
+                                             rope_scaling=LLAMA3_ROPE), 0,
+                           {"token_embd.weight", "output.weight", "rope_freqs.weight"}),
+    "eagle3-target-head": ("eagle3", _eagle3(lm_head=False), 0, set()),  # embedding and head: the target's
+    # per-layer inputs, K/V-sharing tail layers, attention_k_eq_v
+    "gemma4": ("gemma4", _gemma4(), 0, _gemma4_v),
+    # the MoE blocks (fused gate|up experts: optional by name), no sharing, no per-layer inputs
+    "gemma4-moe": ("gemma4", _gemma4(num_kv_shared_layers=0, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                                     moe_intermediate_size=16, hidden_size_per_layer_input=0,
+                                     vocab_size_per_layer_input=0), 0,
+                   lambda hp, source: _gemma4_v(hp) | {f"blk.{i}.ffn_gate_up_exps.weight" for i in range(hp.n_layer)}),
+    "gemma4-assistant": ("gemma4-assistant", _gemma4(assistant=True), 2, set()),
+    # dense and routed blocks, k MTP blocks (their FFN optional by name: the file decides which)
+    "dflash": ("dflash", _dflash(), 0, set()),  # embedding and head: the target's
+    "dflash2": ("dflash", _dflash(v2=True), 0, set()),  # the convolutions and the candidate selector
+    "hy_v3": ("hy_v3", _chained("hy_v3", k=2), 2, _chained_written("hy_v3")),
+    "step35": ("step35", _chained("step35", k=2), 2, _chained_written("step35")),
+    "mimo2": ("mimo2", _chained("mimo2", k=2), 2, _chained_written("mimo2")),
 }
 
 
@@ -87,24 +194,30 @@ def test_converted_file_is_what_the_runtime_derives(case, tmp_path):
     from specconv.runtime.graphs import graph_for
 
     arch, build, n_mtp, optional_written = FAMILIES[case]
-    path = convert_gguf(build(tmp_path / "hf"), tmp_path / "m.gguf", outtype="f16")
+    built = build(tmp_path / "hf")
+    source, extra_args = built if isinstance(built, tuple) else (built, ())
+    path = convert_gguf(source, tmp_path / "m.gguf", outtype="f16", extra_args=extra_args)
     file = GGUFModelFile(path)
     assert file.arch == arch
     graph = graph_for(arch)
     hp = graph.HParams.from_kv(file.kv)
     assert hp.n_nextn == n_mtp
-    required = graph.main_tensors(hp) + graph.mtp_tensors(hp)
+    required = graph.main_tensors(hp) + graph.mtp_tensors(hp) + (graph.encoder_tensors(hp) if graph.encoder_tensors
+                                                                 else [])
     optional = list(graph.OPTIONAL) + graph.optional_main_tensors(hp) + graph.optional_mtp_tensors(hp)
     written = set(file.tensors)
     assert set(required) <= written, sorted(set(required) - written)
     assert written <= set(required) | set(optional), sorted(written - set(required) - set(optional))
     blocks = range(hp.n_layer + hp.n_nextn)
-    assert written - set(required) == {t.format(n=hp.n_layer, i=i) for t in optional_written for i in blocks}
+    optional_written = optional_written(hp, source) if callable(optional_written) else {
+        t.format(n=hp.n_layer, i=i) for t in optional_written for i in blocks}
+    assert written - set(required) == optional_written
 
-    expected, vocab = graph.expected_shapes(hp), file.tensors["token_embd.weight"].shape[1]
-    for name, t in file.tensors.items():
+    expected, bound = graph.expected_shapes(hp), {}
+    for name, t in file.tensors.items():  # a size the file chooses ("V", "Vd") binds to its first tensor
         options = expected[name] if isinstance(expected[name], list) else [expected[name]]
-        assert tuple(t.shape) == tuple(vocab if d == "V" else d for d in options[0]), name
+        want = [bound.setdefault(d, found) if isinstance(d, str) else d for d, found in zip(options[0], t.shape)]
+        assert tuple(t.shape) == tuple(want), name
         assert (t.tensor_type == Q.F32) == graph.keep_float32(name), (name, t.tensor_type.name)
     kept = sum(graph.keep_float32(n) for n in file.tensors)
     print(f"{case}: {len(file.tensors)} tensors, {kept} kept F32, {len(written - set(required))} optional written")

@@ -1,6 +1,6 @@
 """Hostile files of the families added after the first validation set (tests/robustness/test_hostile_files.py):
 hy_v3, step35, mimo2, glm-dsa, deepseek32, DFlash / DFlash2 drafters, GLM-4.7-Flash, EAGLE-3 over
-Qwen3, Qwen3 / Qwen3-MoE. Each rule of runtime/validate.py and runtime/shapes_families.py has a crafted
+Qwen3, Qwen3 / Qwen3-MoE. Each rule of runtime/validate.py and of the graphs' checks has a crafted
 file (a valid seed from tools/fuzz_seeds.py edited as a document) that must give a one-line
 SpecconvError naming the file and the key or tensor; and every tensor any graph loads has an
 expected shape (a graph in GRAPHS without shape rules fails here).
@@ -74,30 +74,18 @@ def target_of(seeds, seed: str):
 # ---- coverage: every graph and every tensor it loads ------------------------------------------------
 
 def test_every_graph_has_shape_rules():
-    from specconv.runtime import shapes
+    """Every graph states the shapes of its tensors (Graph.expected_shapes, from its family's table)."""
     from specconv.runtime.graphs import GRAPHS, graph_for
 
-    on_table = {a for a in GRAPHS if graph_for(a).expected_shapes is not None}  # archs/tensor_table.py
-    assert not on_table & set(shapes.EXPECTED), "a family on a tensor table keeps shapes in runtime/shapes.py"
-    missing = sorted(a for a in GRAPHS if a not in shapes.EXPECTED and a not in on_table)
-    assert not missing, f"graphs without expected tensor shapes (a tensor table or runtime/shapes.py): {missing}"
-
-
-def test_shape_modules_import_in_either_order():
-    import subprocess
-
-    for first in ("shapes_families", "shapes"):
-        code = (f"import specconv.runtime.{first}; from specconv.runtime import shapes; "
-                f"assert {{'hy_v3', 'dflash', 'mimo2'}} <= set(shapes.EXPECTED)")
-        subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+    missing = sorted(a for a in GRAPHS if not callable(graph_for(a).expected_shapes))
+    assert not missing, f"graphs without expected tensor shapes: {missing}"
 
 
 def test_every_loaded_tensor_has_an_expected_shape(tmp_path_factory):
     """Each seed of every family, loaded as the fuzzer runs it: every tensor its graphs need has a
-    rule (its family's tensor table or runtime/shapes.py), and the seed passes them."""
+    rule (its family's tensor table), and the seed passes them."""
     from fuzz_seeds import SEEDS, build_seeds
 
-    from specconv.runtime import shapes
     from specconv.runtime.graphs import GRAPHS
 
     built = build_seeds(tmp_path_factory.mktemp("all"), list(SEEDS))
@@ -107,7 +95,7 @@ def test_every_loaded_tensor_has_an_expected_shape(tmp_path_factory):
         models = [target] + ([load(paths[1], share_from=target)] if len(paths) > 1 else [])
         for m in models:
             needed = m._needed()
-            expected = shapes.expected_shapes(m.hparams, needed, m.graph)
+            expected = m.graph.expected_shapes(m.hparams)
             without = [n for n in needed if n not in expected]
             assert not without, f"{name}: {m.paths[0].name} ({m.hparams.arch}) loads tensors without a shape rule: {without[:5]}"
             covered.add(m.hparams.arch)
@@ -171,7 +159,7 @@ def test_dflash_keys_checked_before_use(seeds, tmp_path):
             "KV dflash.attention.head_count 4 is not a multiple of head_count_kv 3")
 
 
-# ---- expected shapes and tensor sets (runtime/shapes_families.py) ---------------------------------
+# ---- expected shapes and tensor sets (the families' tables and the graphs' checks) -----------------
 
 @pytest.mark.parametrize("file, edit, words", [
     ("hy_v3-embed.gguf", dims("blk.0.attn_q.weight", [96, 64]), ["tensor blk.0.attn_q.weight has the wrong shape",
