@@ -18,7 +18,7 @@ from . import names
 from .base import ArchPlugin, Role, TensorPlan
 from .errors import SpecconvError
 from .plan_tools import RolePlan, add_output_head, embedding_rows
-from .tensor_table import Block, Hook, TensorSpec, TensorTable
+from .tensor_table import AttentionWidths, Block, Hook, TensorSpec, TensorTable
 
 
 def check_stated_count(plugin: ArchPlugin, stated: Any, k: int, where: str, missing: str | None = None) -> None:
@@ -34,7 +34,7 @@ def check_stated_count(plugin: ArchPlugin, stated: Any, k: int, where: str, miss
 
 
 @dataclass(frozen=True)
-class Sizes:
+class Sizes(AttentionWidths):
     """The dimensions of a chained-MTP table: the plugin's from config.json, the graph's from GGUF
     metadata (V = "V"). The graphs read a block's FFN widths and expert count from its tensors, so in
     the graph's sizes they are None and `block_sizes` names them per block ("F3", "Fe3", "X3", "Fs3"),
@@ -54,14 +54,6 @@ class Sizes:
     shared_ffn: int | str | None = None
     n_head: int = 0  # of one block (block_sizes)
     n_head_kv: int = 0
-
-    @property
-    def q(self) -> int:
-        return self.n_head * self.head_dim
-
-    @property
-    def kv(self) -> int:
-        return self.n_head_kv * self.head_dim
 
     @property
     def v(self) -> int:

@@ -29,13 +29,13 @@ from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan
-from .tensor_table import Block, TensorSpec, TensorTable, read_by
+from .tensor_table import AttentionWidths, Block, TensorSpec, TensorTable, read_by
 
 _PRE_BY_MODEL_TYPE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
 
 
 @dataclass(frozen=True)
-class Sizes:
+class Sizes(AttentionWidths):
     """The dimensions of the DFlash table: the plugin's from config.json, the graph's from GGUF metadata
     (runtime/graphs/dflash.py, V = "V")."""
 
@@ -51,14 +51,6 @@ class Sizes:
     conv_kernel: int = 0
     conv_group: int = 0
     selector_rank: int = 0
-
-    @property
-    def q(self) -> int:
-        return self.n_head * self.head_dim
-
-    @property
-    def kv(self) -> int:
-        return self.n_head_kv * self.head_dim
 
     @property
     def conv_proj(self) -> int:

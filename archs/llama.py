@@ -26,7 +26,7 @@ from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, embedding_rows
-from .tensor_table import Block, TensorSpec, TensorTable
+from .tensor_table import AttentionWidths, Block, TensorSpec, TensorTable
 
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -86,7 +86,7 @@ def llama3_rope_factors(cfg: ConfigReader, head_dim: int) -> list[float] | None:
 
 
 @dataclass(frozen=True)
-class Sizes:
+class Sizes(AttentionWidths):
     """The dimensions of the LLaMA and EAGLE-3 tables: the plugins' from config.json, the graphs' from
     GGUF metadata (runtime/graphs/llama.py, eagle3.py; V = "V" where the file chooses it)."""
 
@@ -101,14 +101,6 @@ class Sizes:
     E_in: int = 0  # attention input width (EAGLE-3: 2E, [embedding ; fused features]); 0: E
     Ht: int = 0  # EAGLE-3: the target's hidden size (fc reads 3 of its layers)
     Vd: int | str = 0  # EAGLE-3: the draft vocabulary of its own head ("Vd": bound by d2t)
-
-    @property
-    def q(self) -> int:
-        return self.n_head * self.head_dim
-
-    @property
-    def kv(self) -> int:
-        return self.n_head_kv * self.head_dim
 
     @property
     def attn_in(self) -> int:

@@ -27,14 +27,14 @@ from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name
 from .rope_scaling import rope_scaling_of
-from .tensor_table import Block, TensorSpec, TensorTable
+from .tensor_table import AttentionWidths, Block, TensorSpec, TensorTable
 
 QWEN3, QWEN3MOE = "qwen3", "qwen3moe"
 EXPERT_WEIGHTS_NORM = "expert_weights_norm"  # `{arch}.expert_weights_norm` (bool), llama.cpp's key
 
 
 @dataclass(frozen=True)
-class Sizes:
+class Sizes(AttentionWidths):
     """The dimensions of the Qwen3 table: the plugin's from config.json, the graph's from GGUF metadata
     (runtime/graphs/qwen3.py, V = "V")."""
 
@@ -48,14 +48,6 @@ class Sizes:
     ffn: int = 0
     n_expert: int = 0
     expert_ffn: int = 0
-
-    @property
-    def q(self) -> int:
-        return self.n_head * self.head_dim
-
-    @property
-    def kv(self) -> int:
-        return self.n_head_kv * self.head_dim
 
 
 def block_tags(s: Sizes, bid: int) -> frozenset[str]:

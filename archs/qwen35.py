@@ -23,7 +23,7 @@ from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name
 from .qwen35_hparams import Qwen35Hparams, parse_hparams
-from .tensor_table import Block, TensorSpec, TensorTable
+from .tensor_table import AttentionWidths, Block, TensorSpec, TensorTable
 
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.audio_tower.",
@@ -33,7 +33,7 @@ _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "
 
 
 @dataclass(frozen=True)
-class Sizes:
+class Sizes(AttentionWidths):
     """The dimensions the Qwen3.5 / Qwen3-Next table is written in: the plugin's from config.json
     (`sizes_from_config`), the graph's from GGUF metadata (runtime/graphs/qwen35.py, V = "V")."""
 
@@ -54,14 +54,6 @@ class Sizes:
     n_expert: int = 0
     expert_ffn: int = 0
     shared_ffn: int = 0
-
-    @property
-    def q(self) -> int:
-        return self.n_head * self.head_dim
-
-    @property
-    def kv(self) -> int:
-        return self.n_head_kv * self.head_dim
 
     @property
     def r(self) -> int:

@@ -32,6 +32,19 @@ from .transforms import identity
 Shape = tuple  # ints, or strings for sizes the file chooses (runtime only)
 
 
+
+class AttentionWidths:
+    """The q and k/v projection widths of a family's sizes (a dataclass with n_head, n_head_kv and
+    head_dim), which its table rows use."""
+
+    @property
+    def q(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.n_head_kv * self.head_dim
+
 @dataclass(frozen=True)
 class TensorSpec:
     gguf: str  # name template, "blk.{bid}.attn_q.weight" or a global name such as "token_embd.weight"
