@@ -27,7 +27,13 @@ from tests.fixtures.kquant_files import converted, models  # noqa: F401 (fixture
 from tests.fixtures.gguf_files import convert_gguf
 
 F64_REL = 1e-12  # measured 4e-15 .. 2e-14: float64 rounding
-F32_REL = {"bundled": 1e-5, "dense": 1e-4, "moe": 1e-4}  # measured 2.5e-6, 6e-6, 2e-5 (random GDN layers amplify)
+# float32: ours against transformers in float64 may be F32_OWN_NOISE x transformers' own float32 error
+# (its float32 sums against its float64 ones, the same chunks), and never under F32_FLOOR. The
+# reference's float32 error is the yardstick: random Gated DeltaNet layers amplify rounding, and
+# transformers' chunked form takes its decays as float32 differences of a cumulative sum, which
+# ours takes in float64 (runtime/graphs/gdn.py cumulative_log_decay).
+F32_OWN_NOISE = 2.0
+F32_FLOOR = 1e-5
 
 # transformers module (under model.layers.N.) -> GGUF tensor of block N
 _PARTS = {"linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
@@ -113,10 +119,14 @@ def test_sums_equal_transformers_inputs(checkpoints, text, tmp_path, name, dtype
     chunks = [res.chunks.ids(i) for i in range(res.chunks.n_chunks)]
     assert res.chunks.n_chunks == n_chunks and all(len(c) == ctx for c in chunks)
     arch = "qwen35moe" if name == "moe" else "qwen35"
-    with reference_model(folder, arch, torch.float64 if dtype == "f64" else torch.float32) as (model, bad):
-        assert not bad
-        with reference_precision(model):
-            ref, ref_counts = transformers_sums(model, chunks, process_output)
+
+    def reference(precision):
+        with reference_model(folder, arch, precision) as (model, bad):
+            assert not bad
+            with reference_precision(model):
+                return transformers_sums(model, chunks, process_output)
+
+    ref, ref_counts = reference(torch.float64)
     assert sorted(res.sums) == sorted(ref)
     assert ("output.weight" in ref) == process_output
     for n in ref:
@@ -126,8 +136,15 @@ def test_sums_equal_transformers_inputs(checkpoints, text, tmp_path, name, dtype
             assert res.counts[n][0] == ctx * n_chunks  # every position of every chunk
     worst, where = worst_relative(res.sums, ref)
     experts = sum(ref_counts[n].size > 1 for n in ref)
-    print(f"{name} {dtype}: {len(ref)} matrices ({experts} routed-expert tensors), max |Δ|/sum {worst:.2e} ({where})")
-    assert worst < (F64_REL if dtype == "f64" else F32_REL[name])
+    print(f"{name} {dtype}: {len(ref)} matrices ({experts} routed-expert tensors), max |Δ|/sum {worst:.2e} ({where}) "
+          "against transformers in float64")
+    if dtype == "f64":
+        assert worst < F64_REL
+    else:
+        own, own_where = worst_relative(reference(torch.float32)[0], ref)
+        bound = max(F32_FLOOR, F32_OWN_NOISE * own)
+        print(f"  transformers' own float32 sums against its float64 ones: {own:.2e} ({own_where}); bound {bound:.2e}")
+        assert worst < bound
     assert res.chunk_count == n_chunks and res.unnamed == 0
 
 
