@@ -19,6 +19,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.tensor_table import GraphTensors, TensorTable
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs import moe_sigmoid as ms
+from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, by_rows, moe, rms_norm, swiglu
 from specconv.runtime.graphs.hparams_reader import HParamsReader
@@ -198,3 +199,23 @@ class Forwards:
     def forward_mtp(self, w, hp, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
         return forward_nextn(w, mtp_block_id(hp), hp.eps, tokens, hidden_in, self.make_rope(hp, batch),
                              self._block(w, hp, batch))
+
+
+def graph(name: str, HParams: type, tensors: GraphTensors, layouts: Layouts, forwards: Forwards,
+          **family) -> Graph:
+    """The Graph of a chained-MTP family: its lists, layouts and forwards, and what every chained graph
+    declares (the release's shifted MTP rows, k blocks drafting positions 1..k, blocks placed over
+    devices, captured decode steps); `family` holds the rest (keep_float32, check_hparams,
+    check_values, CHAIN_HIDDEN, TARGET_HIDDEN, or a forward_mtp of its own)."""
+    return Graph(**{
+        "name": name, "HParams": HParams, "CAPTURABLE": True,
+        "main_tensors": tensors.main_tensors, "mtp_tensors": tensors.mtp_tensors,
+        "optional_mtp_tensors": tensors.optional_mtp_tensors, "OPTIONAL": tensors.OPTIONAL,
+        "optional_main_tensors": tensors.optional_main_tensors, "expected_shapes": tensors.expected_shapes,
+        "main_layout": layouts.main_layout, "mtp_layout": layouts.mtp_layout,
+        "forward_main": forwards.forward_main, "forward_mtp": forwards.forward_mtp,
+        "MULTI_DEVICE": True,  # runs through decoder.forward_trunk / forward_nextn
+        "CHAINED_MTP": True,  # block i drafts position i (runtime/drafters/mtp.py)
+        # the release's rows: from (x_1, h_0), no zero-state row (docs/reference/model-math.md §12)
+        "MTP_ROWS": "shifted",
+        **family})

@@ -22,7 +22,6 @@ from specconv.archs.chained_mtp import Sizes
 from specconv.archs.errors import SpecconvError
 from specconv.archs.hy_v3 import HY_V3_TABLE
 from specconv.runtime.graphs import chained
-from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.hparams_reader import HParamsReader
 from specconv.runtime.graphs.ops import rope_cos_sin
 from specconv.runtime.graphs.qwen3 import attention  # Hy3's is Qwen3's: GQA, q/k RMSNorm, NEOX rope
@@ -100,25 +99,8 @@ def _rope(hp: HParams, batch: Batch):
 _forwards = chained.Forwards(_rope, attention, ffn)
 
 
-GRAPH = Graph(
-    name="hy_v3",
-    CAPTURABLE=True,
-    HParams=HParams,
-    main_tensors=_tensors.main_tensors,
-    mtp_tensors=_tensors.mtp_tensors,
-    optional_mtp_tensors=_tensors.optional_mtp_tensors,
-    keep_float32=keep_float32,
-    main_layout=_layouts.main_layout,
-    mtp_layout=_layouts.mtp_layout,
-    forward_main=_forwards.forward_main,
-    forward_mtp=_forwards.forward_mtp,
-    OPTIONAL=_tensors.OPTIONAL,  # output.weight, absent when tied to token_embd
-    optional_main_tensors=_tensors.optional_main_tensors,
-    expected_shapes=_tensors.expected_shapes,
-    check_hparams=check_hparams,
+GRAPH = chained.graph(
+    "hy_v3", HParams, _tensors, _layouts, _forwards, keep_float32=keep_float32, check_hparams=check_hparams,
     check_values=check_values,
-    MULTI_DEVICE=True,  # runs through decoder.forward_trunk / forward_nextn
-    CHAINED_MTP=True,  # block i drafts position i (runtime/drafters/mtp.py)
     CHAIN_HIDDEN="nextn",  # the post-norm block output seeds the next block (vLLM, llama.cpp)
-    MTP_ROWS="shifted",  # the release's rows: from (x_1, h_0), no zero-state row (docs/reference/model-math.md §12)
 )

@@ -26,7 +26,6 @@ from specconv.archs.chained_mtp import Sizes
 from specconv.archs.errors import SpecconvError
 from specconv.archs.mimo2 import MIMO2_TABLE
 from specconv.runtime.graphs import chained
-from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import nextn_input, output_head
 from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.graphs.hparams_reader import HParamsReader
@@ -172,26 +171,9 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
     return on_layer_device(w, i, lambda t, h: _mtp(w, hp, i, t, h, batch), tokens, hidden_in)
 
 
-GRAPH = Graph(
-    name="mimo2",
-    CAPTURABLE=True,
-    HParams=HParams,
-    main_tensors=_tensors.main_tensors,
-    mtp_tensors=_tensors.mtp_tensors,
-    optional_mtp_tensors=_tensors.optional_mtp_tensors,
-    keep_float32=keep_float32,
-    main_layout=_layouts.main_layout,
-    mtp_layout=_layouts.mtp_layout,
-    forward_main=_forwards.forward_main,
-    forward_mtp=forward_mtp,
-    OPTIONAL=_tensors.OPTIONAL,  # output.weight, absent when tied to token_embd
-    optional_main_tensors=_tensors.optional_main_tensors,
-    expected_shapes=_tensors.expected_shapes,
-    check_hparams=check_hparams,
-    check_values=check_values,
-    MULTI_DEVICE=True,
-    CHAINED_MTP=True,
+GRAPH = chained.graph(
+    "mimo2", HParams, _tensors, _layouts, _forwards, keep_float32=keep_float32, check_hparams=check_hparams,
+    check_values=check_values, forward_mtp=forward_mtp,
     CHAIN_HIDDEN="nextn",  # post-norm (vLLM's MiMoV2MTPLayer returns final_layernorm(h))
-    MTP_ROWS="shifted",  # the release's rows: from (x_1, h_0), no zero-state row (docs/reference/model-math.md §12)
     TARGET_HIDDEN="post_norm",
 )
