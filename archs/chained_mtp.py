@@ -40,7 +40,7 @@ class Sizes(AttentionWidths):
     the graph's sizes they are None and `block_sizes` names them per block ("F3", "Fe3", "X3", "Fs3"),
     each bound by the first tensor that has it; likewise which FFN a block holds (`moe_layers` None)."""
 
-    n_layer: int  # trunk blocks; the k MTP blocks follow
+    num_hidden_layers: int  # trunk blocks; the k MTP blocks follow
     E: int  # hidden size
     V: int | str  # vocabulary
     heads: tuple[int, ...]  # query heads per block
@@ -49,33 +49,33 @@ class Sizes(AttentionWidths):
     v_head_dim: int = 0  # 0: head_dim
     moe_layers: frozenset[int] | None = None  # blocks with routed experts; None: the file decides
     ffn: int | str | None = None  # dense FFN width
-    n_expert: int | str | None = None
+    num_experts: int | str | None = None
     expert_ffn: int | str | None = None
     shared_ffn: int | str | None = None
-    n_head: int = 0  # of one block (block_sizes)
-    n_head_kv: int = 0
+    num_attention_heads: int = 0  # of one block (block_sizes)
+    num_key_value_heads: int = 0
 
     @property
     def v(self) -> int:
-        return self.n_head_kv * (self.v_head_dim or self.head_dim)
+        return self.num_key_value_heads * (self.v_head_dim or self.head_dim)
 
     @property
     def o(self) -> int:
-        return self.n_head * (self.v_head_dim or self.head_dim)
+        return self.num_attention_heads * (self.v_head_dim or self.head_dim)
 
 
 def block_sizes(s: Sizes, bid: int) -> Sizes:
     def own(value, name: str):
         return f"{name}{bid}" if value is None else value
-    return replace(s, n_head=s.heads[bid], n_head_kv=s.kv_heads[bid], ffn=own(s.ffn, "F"),
-                   n_expert=own(s.n_expert, "X"), expert_ffn=own(s.expert_ffn, "Fe"), shared_ffn=own(s.shared_ffn, "Fs"))
+    return replace(s, num_attention_heads=s.heads[bid], num_key_value_heads=s.kv_heads[bid], ffn=own(s.ffn, "F"),
+                   num_experts=own(s.num_experts, "X"), expert_ffn=own(s.expert_ffn, "Fe"), shared_ffn=own(s.shared_ffn, "Fs"))
 
 
 def block_tags(s: Sizes, bid: int) -> frozenset[str]:
     """`trunk` or `nextn` (an MTP block); `dense` or `moe`; `split_qkv` or `fused_qkv` (mimo2 writes its
     MTP blocks' q, k and v as one matrix, as llama.cpp's MTP graph reads them). Where the file decides
     (the runtime's sizes, `moe_layers` None), both of each pair."""
-    mtp = bid >= s.n_layer
+    mtp = bid >= s.num_hidden_layers
     tags = {"nextn" if mtp else "trunk"}
     if s.moe_layers is None:
         return frozenset(tags | {"dense", "moe", "split_qkv", "fused_qkv"})
@@ -102,12 +102,12 @@ def routed_specs(router: str, bias: str, bias_hf: str, experts_hf: str | None = 
         return TensorSpec(f"blk.{{bid}}.ffn_{part}_exps.weight", hf, shape, "moe", optional=True,
                           hook=None if experts_hf else "experts")
     specs = (
-        TensorSpec("blk.{bid}.ffn_gate_inp.weight", router, lambda s: (s.n_expert, s.E), "moe", optional=True,
+        TensorSpec("blk.{bid}.ffn_gate_inp.weight", router, lambda s: (s.num_experts, s.E), "moe", optional=True,
                    f32=True, hf_shape=router_shapes, transform=router_transform),
-        TensorSpec(f"blk.{{bid}}.{bias}", bias_hf, lambda s: (s.n_expert,), "moe", optional=True, f32=True),
-        experts("gate", lambda s: (s.n_expert, s.expert_ffn, s.E)),
-        experts("up", lambda s: (s.n_expert, s.expert_ffn, s.E)),
-        experts("down", lambda s: (s.n_expert, s.E, s.expert_ffn)),
+        TensorSpec(f"blk.{{bid}}.{bias}", bias_hf, lambda s: (s.num_experts,), "moe", optional=True, f32=True),
+        experts("gate", lambda s: (s.num_experts, s.expert_ffn, s.E)),
+        experts("up", lambda s: (s.num_experts, s.expert_ffn, s.E)),
+        experts("down", lambda s: (s.num_experts, s.E, s.expert_ffn)),
     )
     if shared_hf is None:
         return specs

@@ -34,10 +34,10 @@ from .tensor_table import TensorSpec, TensorTable
 
 
 
-def llamacpp_reads_as_lite(n_layer: int, vocab: int) -> bool:
+def llamacpp_reads_as_lite(num_hidden_layers: int, vocab: int) -> bool:
     """llama.cpp's deepseek2 loader treats these trunk sizes as DeepSeek-V2-Lite and never reads
     q_lora_rank (src/models/deepseek2.cpp `is_lite`)."""
-    return n_layer in (26, 27) or (n_layer == 48 and vocab == 128256)
+    return num_hidden_layers in (26, 27) or (num_hidden_layers == 48 and vocab == 128256)
 
 
 @tf.layout_only
@@ -77,24 +77,24 @@ def _rope_rows(block, start):
 _A = "{p}self_attn."
 _QK = lambda s: s.dn + s.dr  # noqa: E731  (a query head's width)
 _Q_ROWS = _rope_rows(_QK, lambda s: s.dn)
-_KV_B_SOURCE = lambda s: (s.n_head * (s.dn + s.dv), s.kv_lora)  # noqa: E731
+_KV_B_SOURCE = lambda s: (s.num_attention_heads * (s.dn + s.dv), s.kv_lora)  # noqa: E731
 
 # MLA, written the way llama.cpp loads it (docs/reference/gguf-layout.md §7.5); the FFN-input norm is ffn_norm
 MLA = (
-    TensorSpec("blk.{bid}.attn_q.weight", _A + "q_proj.weight", lambda s: (s.n_head * _QK(s), s.E), "q_plain",
+    TensorSpec("blk.{bid}.attn_q.weight", _A + "q_proj.weight", lambda s: (s.num_attention_heads * _QK(s), s.E), "q_plain",
                transform=_Q_ROWS),
     TensorSpec("blk.{bid}.attn_q_a.weight", _A + "q_a_proj.weight", lambda s: (s.q_lora, s.E), "q_lora"),
     norm("blk.{bid}.attn_q_a_norm.weight", _A + "q_a_layernorm.weight", "q_lora", lambda s: (s.q_lora,)),
-    TensorSpec("blk.{bid}.attn_q_b.weight", _A + "q_b_proj.weight", lambda s: (s.n_head * _QK(s), s.q_lora),
+    TensorSpec("blk.{bid}.attn_q_b.weight", _A + "q_b_proj.weight", lambda s: (s.num_attention_heads * _QK(s), s.q_lora),
                "q_lora", transform=_Q_ROWS),
     TensorSpec("blk.{bid}.attn_kv_a_mqa.weight", _A + "kv_a_proj_with_mqa.weight", lambda s: (s.kv_lora + s.dr, s.E),
                transform=_rope_rows(lambda s: s.kv_lora + s.dr, lambda s: s.kv_lora)),
     norm("blk.{bid}.attn_kv_a_norm.weight", _A + "kv_a_layernorm.weight", dim=lambda s: (s.kv_lora,)),
-    TensorSpec("blk.{bid}.attn_k_b.weight", _A + "kv_b_proj.weight", lambda s: (s.n_head, s.kv_lora, s.dn),
-               hf_shape=_KV_B_SOURCE, transform=lambda s: partial(kv_b_keys, nh=s.n_head, dn=s.dn, dv=s.dv)),
-    TensorSpec("blk.{bid}.attn_v_b.weight", _A + "kv_b_proj.weight", lambda s: (s.n_head, s.dv, s.kv_lora),
-               hf_shape=_KV_B_SOURCE, transform=lambda s: partial(kv_b_values, nh=s.n_head, dn=s.dn, dv=s.dv)),
-    TensorSpec("blk.{bid}.attn_output.weight", _A + "o_proj.weight", lambda s: (s.E, s.n_head * s.dv)),
+    TensorSpec("blk.{bid}.attn_k_b.weight", _A + "kv_b_proj.weight", lambda s: (s.num_attention_heads, s.kv_lora, s.dn),
+               hf_shape=_KV_B_SOURCE, transform=lambda s: partial(kv_b_keys, nh=s.num_attention_heads, dn=s.dn, dv=s.dv)),
+    TensorSpec("blk.{bid}.attn_v_b.weight", _A + "kv_b_proj.weight", lambda s: (s.num_attention_heads, s.dv, s.kv_lora),
+               hf_shape=_KV_B_SOURCE, transform=lambda s: partial(kv_b_values, nh=s.num_attention_heads, dn=s.dn, dv=s.dv)),
+    TensorSpec("blk.{bid}.attn_output.weight", _A + "o_proj.weight", lambda s: (s.E, s.num_attention_heads * s.dv)),
 )
 DEEPSEEK2_TABLE = nextn_moe_table(MLA, "ffn_norm")
 
@@ -125,8 +125,8 @@ class Deepseek2(NextnMoePlugin):
             raise SpecconvError("config.json: attention_bias=true is not supported (llama.cpp's deepseek2 has no "
                                 "attention biases)")
         self.rope_interleave = tc.flag("rope_interleave", default=True)
-        if self.q_lora is not None and self.lite_by_size and llamacpp_reads_as_lite(hp.n_layer, hp.vocab):
-            raise SpecconvError(f"a deepseek2 model with {hp.n_layer} layers and vocabulary {hp.vocab} is read by "
+        if self.q_lora is not None and self.lite_by_size and llamacpp_reads_as_lite(hp.num_hidden_layers, hp.vocab):
+            raise SpecconvError(f"a deepseek2 model with {hp.num_hidden_layers} layers and vocabulary {hp.vocab} is read by "
                                 f"llama.cpp as DeepSeek-V2-Lite, which ignores q_lora_rank (q_a/q_b projections)")
 
     @property

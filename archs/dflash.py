@@ -39,11 +39,11 @@ class Sizes(AttentionWidths):
     """The dimensions of the DFlash table: the plugin's from config.json, the graph's from GGUF metadata
     (runtime/graphs/dflash.py, V = "V")."""
 
-    n_layer: int
+    num_hidden_layers: int
     E: int  # hidden size (the target's)
     V: int | str  # vocabulary
-    n_head: int
-    n_head_kv: int
+    num_attention_heads: int
+    num_key_value_heads: int
     head_dim: int
     ffn: int
     E_in: int  # fc's input: the k target layers' rows, concatenated
@@ -130,9 +130,9 @@ class DFlash(ArchPlugin):
                                 "config.json and tokenizer)")
         self.target = target = ConfigReader(checkpoint.target_config, file="the target's config.json").text_model()
         self.H, self.L = cfg.integer("hidden_size", min=1), cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
-        self.n_head = cfg.integer("num_attention_heads", min=1)
-        self.n_kv = cfg.integer("num_key_value_heads", default=self.n_head, min=1)
-        self.hd = cfg.integer("head_dim", default=self.H // self.n_head, min=1)
+        self.num_attention_heads = cfg.integer("num_attention_heads", min=1)
+        self.n_kv = cfg.integer("num_key_value_heads", default=self.num_attention_heads, min=1)
+        self.hd = cfg.integer("head_dim", default=self.H // self.num_attention_heads, min=1)
         self.F = cfg.integer("intermediate_size", min=1)
         self.V, self.L_target = target.integer("vocab_size", min=1), target.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
         target_h = target.integer("hidden_size", min=1)
@@ -143,8 +143,8 @@ class DFlash(ArchPlugin):
         if own_vocab is not None and own_vocab != self.V:
             raise SpecconvError(f"the DFlash drafter was trained for a vocabulary of {own_vocab} tokens, the "
                                 f"target has {self.V}: wrong --target")
-        if self.n_head % self.n_kv:
-            raise SpecconvError(f"num_attention_heads {self.n_head} is not a multiple of num_key_value_heads {self.n_kv}")
+        if self.num_attention_heads % self.n_kv:
+            raise SpecconvError(f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.n_kv}")
         if cfg.string("hidden_act", default="silu") != "silu" or cfg.flag("attention_bias", default=False):
             raise SpecconvError("this DFlash drafter uses another activation than silu or attention biases, which "
                                 "llama.cpp's dflash graph does not have")
@@ -231,7 +231,7 @@ class DFlash(ArchPlugin):
 
     def sizes(self) -> Sizes:
         conv = self.conv if self.v2 else {}
-        return Sizes(n_layer=self.L, E=self.H, V=self.V, n_head=self.n_head, n_head_kv=self.n_kv, head_dim=self.hd,
+        return Sizes(num_hidden_layers=self.L, E=self.H, V=self.V, num_attention_heads=self.num_attention_heads, num_key_value_heads=self.n_kv, head_dim=self.hd,
                      ffn=self.F, E_in=len(self.target_layers) * self.H, v2=self.v2,
                      conv_kernel=conv.get("conv_kernel_size", 0), conv_group=conv.get("conv_group_size", 0),
                      selector_rank=conv.get("selector_rank", 0))
@@ -256,7 +256,7 @@ class DFlash(ArchPlugin):
         cfg, arch = self.cfg, self.gguf_arch
         # llama.cpp's TextModel keys (its Qwen3Model base), then DFlashModel's own
         w = MetadataWriter(arch)
-        w.text_model(self.L, cfg.integer("max_position_embeddings", default=None), self.H, self.F, self.n_head,
+        w.text_model(self.L, cfg.integer("max_position_embeddings", default=None), self.H, self.F, self.num_attention_heads,
                      self.n_kv)
         is_causal = cfg.flag("is_causal", default=None)
         early_causal = is_causal is False  # TextModel writes it here; DFlashModel rewrites it in place

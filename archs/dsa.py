@@ -34,7 +34,7 @@ from .tensor_table import TensorSpec, TensorTable
 GLM52_CONTEXT = 1048576
 
 
-def glm_indexer_types(tc: ConfigReader, n_layer: int) -> list[str]:
+def glm_indexer_types(tc: ConfigReader, num_hidden_layers: int) -> list[str]:
     """transformers' GlmMoeDsaConfig reading: `indexer_types`, else `index_topk_pattern`, else the
     `index_topk_freq` / `index_skip_topk_offset` schedule (defaults 1 / 2: every layer full)."""
     types = tc.strings("indexer_types", default=None)
@@ -50,9 +50,9 @@ def glm_indexer_types(tc: ConfigReader, n_layer: int) -> list[str]:
     if types is None:
         freq = max(tc.integer("index_topk_freq", default=1) or 1, 1)
         offset = tc.integer("index_skip_topk_offset", default=2)
-        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layer)]
-    if len(types) != n_layer or not set(types) <= {"full", "shared"}:
-        raise SpecconvError(f"config.json: indexer_types {types} is not 'full'/'shared' for each of {n_layer} layers")
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_hidden_layers)]
+    if len(types) != num_hidden_layers or not set(types) <= {"full", "shared"}:
+        raise SpecconvError(f"config.json: indexer_types {types} is not 'full'/'shared' for each of {num_hidden_layers} layers")
     if types and types[0] != "full":
         raise SpecconvError("config.json: indexer_types[0] is 'shared'; a shared layer needs an earlier full one")
     return types
@@ -89,14 +89,14 @@ class DsaMixin:
         if self.dr > self.index_dim:
             raise SpecconvError(f"config.json: qk_rope_head_dim ({self.dr}) exceeds index_head_dim ({self.index_dim}); "
                                 f"the indexer ropes its first qk_rope_head_dim dims")
-        self.indexer_full = [True] * self.hp.n_layer
+        self.indexer_full = [True] * self.hp.num_hidden_layers
 
     def attention_sizes(self) -> dict:
         return dict(super().attention_sizes(), index_heads=self.index_heads, index_dim=self.index_dim,
                     index_full=tuple(self.indexer_full))
 
     def tensor_plan(self):
-        for bid in range(self.hp.n_layer):
+        for bid in range(self.hp.num_hidden_layers):
             wk = f"model.layers.{bid}.self_attn.indexer.wk.weight"
             if not self.indexer_full[bid] and wk in self.checkpoint.tensors:
                 raise SpecconvError(f"layer {bid} is a 'shared' indexer layer but the checkpoint has {wk}")
@@ -125,7 +125,7 @@ class GlmMoeDsa(DsaMixin, Glm4MoeLite):
     def __init__(self, checkpoint):
         super().__init__(checkpoint)
         self._init_indexer()
-        self.indexer_types = glm_indexer_types(self.tc, self.hp.n_layer)
+        self.indexer_types = glm_indexer_types(self.tc, self.hp.num_hidden_layers)
         self.indexer_full = [t == "full" for t in self.indexer_types]
 
     @property

@@ -61,7 +61,7 @@ def config_layer_ids(config: ConfigReader, path: tuple[str, ...]) -> list[int] |
     return node.integers(path[-1], default=None) or None
 
 
-def resolve_target_layers(config: Mapping[str, Any], n_layer: int,
+def resolve_target_layers(config: Mapping[str, Any], num_hidden_layers: int,
                           override: Sequence[int] | None = None) -> tuple[list[int], str, list[str]]:
     """(layer inputs for `eagle3.target_layers`, where they came from, notices) for a head's config.
 
@@ -83,22 +83,22 @@ def resolve_target_layers(config: Mapping[str, Any], n_layer: int,
                     notices.append(f"{other_key} {other_ids} disagrees with {key} {ids}; using {key} "
                                    f"(layer inputs {layers}); give --target-layers if the head was trained otherwise")
         else:
-            layers, source = [2, n_layer // 2, n_layer - 3], "default [2, L//2, L-3] (layer inputs)"
+            layers, source = [2, num_hidden_layers // 2, num_hidden_layers - 3], "default [2, L//2, L-3] (layer inputs)"
     if len(layers) != 3:
         raise SpecconvError(f"an EAGLE-3 head reads 3 target layers, {source} gives {layers}")
-    bad = [j for j in layers if not 0 <= j <= n_layer]
+    bad = [j for j in layers if not 0 <= j <= num_hidden_layers]
     if bad:
-        raise SpecconvError(f"target layer {bad[0]} (from {source}) is outside 0..{n_layer}: the target has {n_layer} "
-                            f"layers (layer input {n_layer} is its final normed output)")
+        raise SpecconvError(f"target layer {bad[0]} (from {source}) is outside 0..{num_hidden_layers}: the target has {num_hidden_layers} "
+                            f"layers (layer input {num_hidden_layers} is its final normed output)")
     return layers, source, notices
 
 
-def angelslim_default_notice(n_layer: int) -> str:
+def angelslim_default_notice(num_hidden_layers: int) -> str:
     """AngelSlim trains a head without ids on ITS default, [1, (L+1)//2-1, L-3] as layer outputs (docs/eagle3.md);
     the config cannot tell an AngelSlim head from others named Eagle3LlamaForCausalLM, so this is only said."""
-    inputs = [2, (n_layer + 1) // 2, n_layer - 2]
+    inputs = [2, (num_hidden_layers + 1) // 2, num_hidden_layers - 2]
     return (f"no layer ids in config.json: if AngelSlim trained this head, it read layer inputs {inputs} (its default), "
-            f"not [2, {n_layer // 2}, {n_layer - 3}]: give --target-layers {','.join(map(str, inputs))}")
+            f"not [2, {num_hidden_layers // 2}, {num_hidden_layers - 3}]: give --target-layers {','.join(map(str, inputs))}")
 
 
 def absolute_d2t(ts: list[np.ndarray], n_target_vocab: int) -> np.ndarray:
@@ -147,7 +147,7 @@ class Eagle3(ArchPlugin):
                                 "config.json and tokenizer)")
         self.cfg = cfg = ConfigReader(checkpoint.config).merged("transformer_layer_config")
         self.target = target = ConfigReader(checkpoint.target_config, file="the target's config.json").text_model()
-        self.n_head, self.n_kv, self.hd = attention_shapes(cfg)
+        self.num_attention_heads, self.n_kv, self.hd = attention_shapes(cfg)
         self.H, self.F = cfg.integer("hidden_size", min=1), cfg.integer("intermediate_size", min=1)
         self.V, self.L_target = target.integer("vocab_size", min=1), target.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
         for key in ("fc_norm", "norm_output"):  # EAGLE-3.1 options (per-feature norms before fc, ...): not in the GGUF
@@ -227,8 +227,8 @@ class Eagle3(ArchPlugin):
     table: ClassVar[TensorTable] = EAGLE3_TABLE
 
     def sizes(self) -> Sizes:
-        return Sizes(n_layer=1, E=self.H, V=self.V, n_head=self.n_head, n_head_kv=self.n_kv, head_dim=self.hd,
-                     ffn=self.F, n_rot=self.hd, E_in=2 * self.H, Ht=self.Ht, Vd=self.Vd)
+        return Sizes(num_hidden_layers=1, E=self.H, V=self.V, num_attention_heads=self.num_attention_heads, num_key_value_heads=self.n_kv, head_dim=self.hd,
+                     ffn=self.F, rotary_dim=self.hd, E_in=2 * self.H, Ht=self.Ht, Vd=self.Vd)
 
     def tensor_plan(self) -> list[TensorPlan]:
         plan = RolePlan(self.checkpoint.tensors)

@@ -63,9 +63,9 @@ class Gemma4Hparams:
         self.H = cfg.integer("hidden_size", min=1)
         self.F = cfg.integer("intermediate_size")
         self.N = cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
-        self.n_head = cfg.integer("num_attention_heads", min=1)
+        self.num_attention_heads = cfg.integer("num_attention_heads", min=1)
         self.hd_swa = cfg.integer("head_dim", default=256, min=1) or 256
-        self.nkv_swa = cfg.integer("num_key_value_heads", default=self.n_head, min=1)
+        self.nkv_swa = cfg.integer("num_key_value_heads", default=self.num_attention_heads, min=1)
         types = cfg.strings("layer_types", default=None)
         if not types:
             types = [SLIDING if (i + 1) % 6 else FULL for i in range(self.N)]  # transformers' default 5:1
@@ -87,8 +87,8 @@ class Gemma4Hparams:
             else:
                 hd = over.integer("head_dim", default=None, min=1) or self.hd_swa
                 nkv = over.integer("num_key_value_heads", default=None, min=1) or self.nkv_swa
-            if self.n_head % nkv:
-                raise SpecconvError(f"layer {i}: {self.n_head} heads are not a multiple of {nkv} KV heads")
+            if self.num_attention_heads % nkv:
+                raise SpecconvError(f"layer {i}: {self.num_attention_heads} heads are not a multiple of {nkv} KV heads")
             self.hd.append(hd)
             self.nkv.append(nkv)
         full = [i for i, t in enumerate(self.types) if t == FULL]
@@ -140,8 +140,8 @@ class Gemma4Hparams:
     def rope_freq_factors(self) -> tuple[float, ...]:
         """1 for the rotated pairs of a full layer, 1e30 (θ → 0) for the rest (docs/reference/gguf-layout.md §7.6)."""
         half = self.hd_full // 2
-        n_rot = int(self.hd_full * self.rope_factor / 2)
-        return (1.0,) * n_rot + (1e30,) * (half - n_rot)
+        rotary_dim = int(self.hd_full * self.rope_factor / 2)
+        return (1.0,) * rotary_dim + (1e30,) * (half - rotary_dim)
 
 
 def _per_layer_config(section: ConfigReader) -> dict[int, ConfigReader]:
@@ -166,10 +166,10 @@ class Sizes:
     metadata (runtime/graphs/gemma4.py, V = "V"). Head sizes, KV heads and FFN widths are per block;
     `block_sizes` gives a block its own (`head_dim`, `n_head_kv`, `ffn`)."""
 
-    n_layer: int  # trunk blocks (0 for the assistant, whose blocks all draft)
+    num_hidden_layers: int  # trunk blocks (0 for the assistant, whose blocks all draft)
     E: int  # hidden size
     V: int | str  # vocabulary
-    n_head: int
+    num_attention_heads: int
     head_dims: tuple[int, ...]  # per block
     kv_heads: tuple[int, ...]
     ffns: tuple[int, ...]
@@ -177,23 +177,23 @@ class Sizes:
     rope_half: int | str  # rope_freqs entries: half the full-attention head ("R" in a file without full layers)
     P: int = 0  # per-layer input (PLE) width
     Vp: int | str = 0  # per-layer embedding rows
-    n_expert: int = 0
+    num_experts: int = 0
     expert_ffn: int = 0
     Eo: int = 0  # assistant: the target's hidden size
     head_dim: int = 0  # of one block (block_sizes)
-    n_head_kv: int = 0
+    num_key_value_heads: int = 0
     ffn: int = 0
 
 
 def block_sizes(s: Sizes, bid: int) -> Sizes:
-    return replace(s, head_dim=s.head_dims[bid], n_head_kv=s.kv_heads[bid], ffn=s.ffns[bid])
+    return replace(s, head_dim=s.head_dims[bid], num_key_value_heads=s.kv_heads[bid], ffn=s.ffns[bid])
 
 
 def block_tags(s: Sizes, bid: int) -> frozenset[str]:
     """K/V-owning blocks hold k (and v); trunk blocks hold the per-layer inputs and the MoE branch."""
     tags = {"kv"} if s.owns_kv[bid] else set()
-    if bid < s.n_layer:
-        tags |= ({"ple"} if s.P else set()) | ({"moe"} if s.n_expert else set())
+    if bid < s.num_hidden_layers:
+        tags |= ({"ple"} if s.P else set()) | ({"moe"} if s.num_experts else set())
     return frozenset(tags)
 
 
@@ -208,14 +208,14 @@ def _norm(gguf: str, hf: str | None, dim=lambda s: (s.E,), on: str = "", **kw) -
 _ATTN, _MLP = "{p}self_attn.", "{p}mlp."
 BLOCK_SPECS = (
     _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
-    TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.n_head * s.head_dim, s.E)),
+    TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.num_attention_heads * s.head_dim, s.E)),
     _norm("blk.{bid}.attn_q_norm.weight", _ATTN + "q_norm.weight", lambda s: (s.head_dim,)),
-    TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.n_head_kv * s.head_dim, s.E), "kv"),
+    TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.num_key_value_heads * s.head_dim, s.E), "kv"),
     # absent on the full layers of attention_k_eq_v models (v is k there): the plugin's hook decides
-    TensorSpec("blk.{bid}.attn_v.weight", None, lambda s: (s.n_head_kv * s.head_dim, s.E), "kv", optional=True,
+    TensorSpec("blk.{bid}.attn_v.weight", None, lambda s: (s.num_key_value_heads * s.head_dim, s.E), "kv", optional=True,
                hook="attn_v"),
     _norm("blk.{bid}.attn_k_norm.weight", _ATTN + "k_norm.weight", lambda s: (s.head_dim,), "kv"),
-    TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.n_head * s.head_dim)),
+    TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.num_attention_heads * s.head_dim)),
     _norm("blk.{bid}.post_attention_norm.weight", "{p}post_attention_layernorm.weight"),
     _norm("blk.{bid}.ffn_norm.weight", "{p}pre_feedforward_layernorm.weight"),
     _norm("blk.{bid}.post_ffw_norm.weight", "{p}post_feedforward_layernorm.weight"),
@@ -226,19 +226,19 @@ BLOCK_SPECS = (
     TensorSpec("blk.{bid}.inp_gate.weight", "{p}per_layer_input_gate.weight", lambda s: (s.P, s.E), "ple"),
     TensorSpec("blk.{bid}.proj.weight", "{p}per_layer_projection.weight", lambda s: (s.E, s.P), "ple"),
     _norm("blk.{bid}.post_norm.weight", "{p}post_per_layer_input_norm.weight", on="ple"),
-    TensorSpec("blk.{bid}.ffn_gate_inp.weight", "{p}router.proj.weight", lambda s: (s.n_expert, s.E), "moe",
+    TensorSpec("blk.{bid}.ffn_gate_inp.weight", "{p}router.proj.weight", lambda s: (s.num_experts, s.E), "moe",
                f32=True),
     TensorSpec("blk.{bid}.ffn_gate_inp.scale", "{p}router.scale", lambda s: (s.E,), "moe", f32=True),
-    TensorSpec("blk.{bid}.ffn_down_exps.scale", "{p}router.per_expert_scale", lambda s: (s.n_expert,), "moe",
+    TensorSpec("blk.{bid}.ffn_down_exps.scale", "{p}router.per_expert_scale", lambda s: (s.num_experts,), "moe",
                f32=True),
     # fused gate|up as the checkpoint has them; split gate and up only in other converters' files
     TensorSpec("blk.{bid}.ffn_gate_up_exps.weight", "{p}experts.gate_up_proj",
-               lambda s: (s.n_expert, 2 * s.expert_ffn, s.E), "moe", optional=True),
-    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, lambda s: (s.n_expert, s.expert_ffn, s.E), "moe",
+               lambda s: (s.num_experts, 2 * s.expert_ffn, s.E), "moe", optional=True),
+    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, lambda s: (s.num_experts, s.expert_ffn, s.E), "moe",
                optional=True),
-    TensorSpec("blk.{bid}.ffn_up_exps.weight", None, lambda s: (s.n_expert, s.expert_ffn, s.E), "moe",
+    TensorSpec("blk.{bid}.ffn_up_exps.weight", None, lambda s: (s.num_experts, s.expert_ffn, s.E), "moe",
                optional=True),
-    TensorSpec("blk.{bid}.ffn_down_exps.weight", "{p}experts.down_proj", lambda s: (s.n_expert, s.E, s.expert_ffn),
+    TensorSpec("blk.{bid}.ffn_down_exps.weight", "{p}experts.down_proj", lambda s: (s.num_experts, s.E, s.expert_ffn),
                "moe"),
     _norm("blk.{bid}.pre_ffw_norm_2.weight", "{p}pre_feedforward_layernorm_2.weight", on="moe"),
     _norm("blk.{bid}.post_ffw_norm_1.weight", "{p}post_feedforward_layernorm_1.weight", on="moe"),
@@ -253,10 +253,10 @@ _ROPE_FREQS = TensorSpec(ROPE_FREQS, None, lambda s: (s.rope_half,), f32=True, h
 GEMMA4_TABLE = TensorTable((  # one file, every tensor Role.TRUNK (no MTP routing)
     _EMBEDDING,
     TensorSpec(names.OUTPUT, None, lambda s: (s.V, s.E), optional=True, role=Role.TRUNK),  # other converters'
-    TensorSpec("per_layer_token_embd.weight", None, lambda s: (s.Vp, s.n_layer * s.P), "ple", hook="ple_embedding",
+    TensorSpec("per_layer_token_embd.weight", None, lambda s: (s.Vp, s.num_hidden_layers * s.P), "ple", hook="ple_embedding",
                role=Role.TRUNK),  # trimmed to the vocabulary, as llama.cpp sizes it
     TensorSpec("per_layer_model_proj.weight", "model.per_layer_model_projection.weight",
-               lambda s: (s.n_layer * s.P, s.E), "ple", role=Role.TRUNK),
+               lambda s: (s.num_hidden_layers * s.P, s.E), "ple", role=Role.TRUNK),
     _norm("per_layer_proj_norm.weight", "model.per_layer_projection_norm.weight", lambda s: (s.P,), "ple",
           role=Role.TRUNK),
     _OUTPUT_NORM,
@@ -292,13 +292,13 @@ class _Gemma4Base(ArchPlugin):
         return min(rows, real) if real else rows
 
     # ---- the tables' hooks -----------------------------------------------------------------
-    def sizes(self, n_layer: int, owns_kv) -> Sizes:
+    def sizes(self, num_hidden_layers: int, owns_kv) -> Sizes:
         hp = self.hp
-        moe = hp.moe and n_layer
-        return Sizes(n_layer=n_layer, E=hp.H, V=self.vocab_size(), n_head=hp.n_head, head_dims=tuple(hp.hd),
+        moe = hp.moe and num_hidden_layers
+        return Sizes(num_hidden_layers=num_hidden_layers, E=hp.H, V=self.vocab_size(), num_attention_heads=hp.num_attention_heads, head_dims=tuple(hp.hd),
                      kv_heads=tuple(hp.nkv), ffns=tuple(hp.ffn_width(i) for i in range(hp.N)),
                      owns_kv=tuple(owns_kv(i) for i in range(hp.N)), rope_half=hp.hd_full // 2, P=hp.P,
-                     Vp=self.vocab_size(), n_expert=hp.E if moe else 0, expert_ffn=hp.Fe if moe else 0)
+                     Vp=self.vocab_size(), num_experts=hp.E if moe else 0, expert_ffn=hp.Fe if moe else 0)
 
     def _plan(self, table: TensorTable, s: Sizes, **hooks) -> list[TensorPlan]:
         plan = RolePlan(self.checkpoint.tensors)
@@ -324,11 +324,11 @@ class _Gemma4Base(ArchPlugin):
         plan.add(ROPE_FREQS, ["model.norm.weight"], (len(values),), role, partial(tf.constant, values=values), f32=True)
 
     # ---- metadata -------------------------------------------------------------------------
-    def _kv(self, arch: str, n_vocab: int) -> list[MetaKV]:
+    def _kv(self, arch: str, vocab_size: int) -> list[MetaKV]:
         hp = self.hp
         w = MetadataWriter(arch)
         ffn = [hp.ffn_width(i) for i in range(hp.N)] if hp.double_wide and hp.n_shared else hp.F
-        w.text_model(hp.N, hp.context_length, hp.H, ffn, hp.n_head,
+        w.text_model(hp.N, hp.context_length, hp.H, ffn, hp.num_attention_heads,
                      list(hp.nkv) if len(set(hp.nkv)) > 1 else hp.nkv[0])
         w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
         w.f32(Keys.Rope.FREQ_BASE_SWA, hp.rope_theta_swa)
@@ -379,11 +379,11 @@ class Gemma4(_Gemma4Base):
 
     def _attn_v(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
         if not (self.hp.k_eq_v and self.hp.types[bid] == FULL):
-            kv = (s.n_head_kv * s.head_dim, s.E)
+            kv = (s.num_key_value_heads * s.head_dim, s.E)
             plan.add(names.blk(bid, "attn_v"), [plan.source(p + "self_attn.v_proj.weight", kv)], kv, role)
 
     def _ple_embedding(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
-        hf, NP = "model.embed_tokens_per_layer.weight", s.n_layer * s.P
+        hf, NP = "model.embed_tokens_per_layer.weight", s.num_hidden_layers * s.P
         v_ple = int(self.checkpoint.tensors[hf].shape[0]) if hf in self.checkpoint.tensors else self.hp.V_ple
         if v_ple < s.V:
             raise SpecconvError(f"the per-layer embedding has {v_ple} rows, fewer than the {s.V} tokens")

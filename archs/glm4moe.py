@@ -31,10 +31,10 @@ def _proj(part: str, hf: str, rows) -> tuple[TensorSpec, TensorSpec]:
 
 # GQA with optional q/k/v biases and per-head q/k norms (use_qk_norm), docs/reference/gguf-layout.md §7.4
 GLM4MOE_TABLE = nextn_moe_table((
-    *_proj("attn_q", "q_proj", lambda s: s.n_head * s.head_dim),
-    *_proj("attn_k", "k_proj", lambda s: s.n_head_kv * s.head_dim),
-    *_proj("attn_v", "v_proj", lambda s: s.n_head_kv * s.head_dim),
-    TensorSpec("blk.{bid}.attn_output.weight", _A + "o_proj.weight", lambda s: (s.E, s.n_head * s.head_dim)),
+    *_proj("attn_q", "q_proj", lambda s: s.num_attention_heads * s.head_dim),
+    *_proj("attn_k", "k_proj", lambda s: s.num_key_value_heads * s.head_dim),
+    *_proj("attn_v", "v_proj", lambda s: s.num_key_value_heads * s.head_dim),
+    TensorSpec("blk.{bid}.attn_output.weight", _A + "o_proj.weight", lambda s: (s.E, s.num_attention_heads * s.head_dim)),
     norm("blk.{bid}.attn_q_norm.weight", _A + "q_norm.weight", "qk_norm", lambda s: (s.head_dim,), optional=True),
     norm("blk.{bid}.attn_k_norm.weight", _A + "k_norm.weight", "qk_norm", lambda s: (s.head_dim,), optional=True),
 ), "post_attention_norm")
@@ -58,11 +58,11 @@ class Glm4Moe(NextnMoePlugin):
         super().__init__(checkpoint)
         tc = self.tc
         hp = self.hp
-        self.n_head_kv = tc.integer("num_key_value_heads", default=hp.n_head, min=1)
-        self.head_dim = tc.integer("head_dim", default=hp.hidden // hp.n_head, min=1)
-        if hp.n_head % self.n_head_kv:
-            raise SpecconvError(f"config.json: num_attention_heads ({hp.n_head}) is not a multiple of "
-                                f"num_key_value_heads ({self.n_head_kv})")
+        self.num_key_value_heads = tc.integer("num_key_value_heads", default=hp.num_attention_heads, min=1)
+        self.head_dim = tc.integer("head_dim", default=hp.hidden // hp.num_attention_heads, min=1)
+        if hp.num_attention_heads % self.num_key_value_heads:
+            raise SpecconvError(f"config.json: num_attention_heads ({hp.num_attention_heads}) is not a multiple of "
+                                f"num_key_value_heads ({self.num_key_value_heads})")
         factor = tc.with_rope().number("partial_rotary_factor", default=0.5)  # GLM's default (upstream too)
         self.rope_dim = int(self.head_dim * factor)
         if self.rope_dim % 2 or self.rope_dim == 0:
@@ -78,12 +78,12 @@ class Glm4Moe(NextnMoePlugin):
     table: ClassVar[TensorTable] = GLM4MOE_TABLE
 
     def attention_sizes(self) -> dict:
-        return dict(n_head_kv=self.n_head_kv, head_dim=self.head_dim, attn_bias=self.attention_bias,
+        return dict(num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, attn_bias=self.attention_bias,
                     qk_norm=self.qk_norm)
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         w = MetadataWriter(self.gguf_arch)
-        self._common_head_kv(w, keep_mtp, self.n_head_kv)
+        self._common_head_kv(w, keep_mtp, self.num_key_value_heads)
         w.head_sizes(self.head_dim)
         w.u32(Keys.Rope.DIMENSION_COUNT, self.rope_dim)
         self._common_moe_kv(w, keep_mtp)

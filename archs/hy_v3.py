@@ -90,14 +90,14 @@ class HyV3(ChainedMtpPlugin):
                                  "from the checkpoint's tensors")
         self.hp: MoeHparams = parse_moe_hparams(cfg, derived, "hy_v3", HY_V3_MOE_KEYS, groups=False)
         hp = self.hp
-        self.n, self.hidden, self.vocab, self.ffn = hp.n_layer, hp.hidden, hp.vocab, hp.ffn
+        self.n, self.hidden, self.vocab, self.ffn = hp.num_hidden_layers, hp.hidden, hp.vocab, hp.ffn
         self.tied = hp.tie_embeddings
-        self.n_head_kv = tc.integer("num_key_value_heads", default=hp.n_head, min=1)
-        self.head_dim = tc.integer("head_dim", default=hp.hidden // hp.n_head, min=1)
+        self.num_key_value_heads = tc.integer("num_key_value_heads", default=hp.num_attention_heads, min=1)
+        self.head_dim = tc.integer("head_dim", default=hp.hidden // hp.num_attention_heads, min=1)
         self.has_head_dim = tc.has("head_dim")
-        if self.hp.n_head % self.n_head_kv:
-            raise SpecconvError(f"config.json: num_attention_heads ({self.hp.n_head}) is not a multiple of "
-                                f"num_key_value_heads ({self.n_head_kv})")
+        if self.hp.num_attention_heads % self.num_key_value_heads:
+            raise SpecconvError(f"config.json: num_attention_heads ({self.hp.num_attention_heads}) is not a multiple of "
+                                f"num_key_value_heads ({self.num_key_value_heads})")
 
     @property
     def gguf_arch(self) -> str:
@@ -116,16 +116,16 @@ class HyV3(ChainedMtpPlugin):
 
     def sizes(self) -> Sizes:
         hp, total = self.hp, self.n + self.k
-        return Sizes(n_layer=self.n, E=hp.hidden, V=self.vocab, heads=(hp.n_head,) * total,
-                     kv_heads=(self.n_head_kv,) * total, head_dim=self.head_dim, moe_layers=frozenset(self.moe_layers),
-                     ffn=hp.ffn, n_expert=hp.n_expert, expert_ffn=hp.expert_ffn, shared_ffn=hp.shared_ffn)
+        return Sizes(num_hidden_layers=self.n, E=hp.hidden, V=self.vocab, heads=(hp.num_attention_heads,) * total,
+                     kv_heads=(self.num_key_value_heads,) * total, head_dim=self.head_dim, moe_layers=frozenset(self.moe_layers),
+                     ffn=hp.ffn, num_experts=hp.num_experts, expert_ffn=hp.expert_ffn, shared_ffn=hp.shared_ffn)
 
     def hooks(self) -> dict[str, Hook]:
         return {"experts": self._experts}
 
     def _experts(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
         m = p + "mlp."
-        plan_experts(plan, bid, m + "experts.", s.n_expert, s.expert_ffn, s.E, role, where=f"layer {bid} ({m}experts)",
+        plan_experts(plan, bid, m + "experts.", s.num_experts, s.expert_ffn, s.E, role, where=f"layer {bid} ({m}experts)",
                      count_field="num_experts")
 
     # ------------------------------------------------------------------ metadata
@@ -134,11 +134,11 @@ class HyV3(ChainedMtpPlugin):
         """In the order of llama.cpp's converter (TextModel's keys, then HYV3Model's)."""
         hp = self.hp
         w = MetadataWriter(self.gguf_arch)
-        w.text_model(hp.n_layer + (self.k if keep_mtp else 0), hp.context_length, hp.hidden, hp.ffn, hp.n_head,
-                     self.n_head_kv)
+        w.text_model(hp.num_hidden_layers + (self.k if keep_mtp else 0), hp.context_length, hp.hidden, hp.ffn, hp.num_attention_heads,
+                     self.num_key_value_heads)
         w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
         w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps)
-        w.experts(hp.n_expert, hp.n_expert_used)
+        w.experts(hp.num_experts, hp.num_experts_per_tok)
         if self.has_head_dim:
             w.head_sizes(self.head_dim)
         w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn)

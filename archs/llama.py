@@ -31,23 +31,23 @@ from .tensor_table import AttentionWidths, Block, TensorSpec, TensorTable
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def pair_permute(t: np.ndarray, n_head: int) -> np.ndarray:
+def pair_permute(t: np.ndarray, num_attention_heads: int) -> np.ndarray:
     """Rows of each head from rotate-half order to adjacent pairs: [n_head, 2, hd/2] -> [n_head, hd/2, 2]."""
     rows = t.shape[0]
-    if rows % (2 * n_head):
-        raise SpecconvError(f"cannot pair-permute {rows} rows over {n_head} heads (head_dim must be even)")
-    return np.ascontiguousarray(t.reshape(n_head, 2, rows // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape))
+    if rows % (2 * num_attention_heads):
+        raise SpecconvError(f"cannot pair-permute {rows} rows over {num_attention_heads} heads (head_dim must be even)")
+    return np.ascontiguousarray(t.reshape(num_attention_heads, 2, rows // num_attention_heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape))
 
 
-def pair_unpermute(t: np.ndarray, n_head: int) -> np.ndarray:
+def pair_unpermute(t: np.ndarray, num_attention_heads: int) -> np.ndarray:
     """Inverse of `pair_permute` (GGUF -> HF order), for tests and readers."""
     rows = t.shape[0]
-    return np.ascontiguousarray(t.reshape(n_head, rows // n_head // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape))
+    return np.ascontiguousarray(t.reshape(num_attention_heads, rows // num_attention_heads // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape))
 
 
 @tf.layout_only
-def _permuted(ts: list[np.ndarray], n_head: int) -> np.ndarray:
-    return pair_permute(ts[0], n_head)
+def _permuted(ts: list[np.ndarray], num_attention_heads: int) -> np.ndarray:
+    return pair_permute(ts[0], num_attention_heads)
 
 
 def llama3_rope_factors(cfg: ConfigReader, head_dim: int) -> list[float] | None:
@@ -90,14 +90,14 @@ class Sizes(AttentionWidths):
     """The dimensions of the LLaMA and EAGLE-3 tables: the plugins' from config.json, the graphs' from
     GGUF metadata (runtime/graphs/llama.py, eagle3.py; V = "V" where the file chooses it)."""
 
-    n_layer: int
+    num_hidden_layers: int
     E: int  # hidden size
     V: int | str  # vocabulary
-    n_head: int
-    n_head_kv: int
+    num_attention_heads: int
+    num_key_value_heads: int
     head_dim: int
     ffn: int
-    n_rot: int  # rope width: rope_freqs holds n_rot / 2 factors
+    rotary_dim: int  # rope width: rope_freqs holds rotary_dim / 2 factors
     E_in: int = 0  # attention input width (EAGLE-3: 2E, [embedding ; fused features]); 0: E
     Ht: int = 0  # EAGLE-3: the target's hidden size (fc reads 3 of its layers)
     Vd: int | str = 0  # EAGLE-3: the draft vocabulary of its own head ("Vd": bound by d2t)
@@ -120,9 +120,9 @@ _ATTN, _MLP = "{p}self_attn.", "{p}mlp."
 BLOCK_SPECS = (
     _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
     TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.attn_in),
-               transform=lambda s: partial(_permuted, n_head=s.n_head)),
+               transform=lambda s: partial(_permuted, num_attention_heads=s.num_attention_heads)),
     TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.attn_in),
-               transform=lambda s: partial(_permuted, n_head=s.n_head_kv)),
+               transform=lambda s: partial(_permuted, num_attention_heads=s.num_key_value_heads)),
     TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.attn_in)),
     TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.q)),
     _norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),
@@ -131,7 +131,7 @@ BLOCK_SPECS = (
     TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.E, s.ffn)),
 )
 # llama3 rope scaling's generated factors, written only for such a config (the plugin's hook)
-ROPE_FREQS_SPEC = TensorSpec(ROPE_FREQS, None, lambda s: (s.n_rot // 2,), optional=True, f32=True, hook="rope_freqs",
+ROPE_FREQS_SPEC = TensorSpec(ROPE_FREQS, None, lambda s: (s.rotary_dim // 2,), optional=True, f32=True, hook="rope_freqs",
                              role=Role.TRUNK)
 
 LLAMA_TABLE = TensorTable((  # every tensor of the trunk file (Role.TRUNK, as llama.cpp has no sidecar for it)
@@ -158,20 +158,20 @@ def rope_freqs_first(plans: list[TensorPlan]) -> list[TensorPlan]:
 
 def attention_shapes(cfg: ConfigReader) -> tuple[int, int, int]:
     """(n_head, n_head_kv, head_dim) of a LLaMA-style config."""
-    n_head = cfg.integer("num_attention_heads", min=1)
-    n_kv = cfg.integer("num_key_value_heads", default=n_head, min=1) or n_head
-    hd = cfg.integer("head_dim", default=None, min=1) or cfg.integer("hidden_size", min=1) // n_head
-    if n_head % n_kv:
-        raise SpecconvError(f"num_attention_heads {n_head} is not a multiple of num_key_value_heads {n_kv}")
-    return n_head, n_kv, hd
+    num_attention_heads = cfg.integer("num_attention_heads", min=1)
+    n_kv = cfg.integer("num_key_value_heads", default=num_attention_heads, min=1) or num_attention_heads
+    hd = cfg.integer("head_dim", default=None, min=1) or cfg.integer("hidden_size", min=1) // num_attention_heads
+    if num_attention_heads % n_kv:
+        raise SpecconvError(f"num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads {n_kv}")
+    return num_attention_heads, n_kv, hd
 
 
-def llama_kv(arch: str, cfg: ConfigReader, n_layer: int, vocab: int) -> list[MetaKV]:
+def llama_kv(arch: str, cfg: ConfigReader, num_hidden_layers: int, vocab: int) -> list[MetaKV]:
     """The LLaMA key set llama.cpp's converter writes (TextModel + LlamaModel)."""
-    n_head, n_kv, hd = attention_shapes(cfg)
+    num_attention_heads, n_kv, hd = attention_shapes(cfg)
     w = MetadataWriter(arch)
-    w.text_model(n_layer, cfg.integer("max_position_embeddings", default=None) or None,  # 0: not written
-                 cfg.integer("hidden_size"), cfg.integer("intermediate_size"), n_head, n_kv)
+    w.text_model(num_hidden_layers, cfg.integer("max_position_embeddings", default=None) or None,  # 0: not written
+                 cfg.integer("hidden_size"), cfg.integer("intermediate_size"), num_attention_heads, n_kv)
     w.f32(Keys.Rope.FREQ_BASE, cfg.with_rope().number("rope_theta", default=10000.0))
     w.f32(Keys.Attention.LAYERNORM_RMS_EPS, cfg.number("rms_norm_eps", default=1e-6))
     if cfg.integer("head_dim", default=None):
@@ -198,7 +198,7 @@ class Llama(ArchPlugin):
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
         self.cfg = cfg = ConfigReader(checkpoint.config)
-        self.n_head, self.n_kv, self.hd = attention_shapes(cfg)
+        self.num_attention_heads, self.n_kv, self.hd = attention_shapes(cfg)
         self.H, self.F = cfg.integer("hidden_size", min=1), cfg.integer("intermediate_size", min=1)
         self.L = cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
         self.tied = cfg.flag("tie_word_embeddings", default=False)
@@ -227,8 +227,8 @@ class Llama(ArchPlugin):
     table: ClassVar[TensorTable] = LLAMA_TABLE
 
     def sizes(self) -> Sizes:
-        return Sizes(n_layer=self.L, E=self.H, V=self.vocab_size(), n_head=self.n_head, n_head_kv=self.n_kv,
-                     head_dim=self.hd, ffn=self.F, n_rot=self.hd)
+        return Sizes(num_hidden_layers=self.L, E=self.H, V=self.vocab_size(), num_attention_heads=self.num_attention_heads, num_key_value_heads=self.n_kv,
+                     head_dim=self.hd, ffn=self.F, rotary_dim=self.hd)
 
     def tensor_plan(self) -> list[TensorPlan]:
         plan = RolePlan(self.checkpoint.tensors)

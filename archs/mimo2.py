@@ -62,7 +62,7 @@ MIMO2_TABLE = chained_table(
         TensorSpec("blk.{bid}.attn_qkv.weight", None, lambda s: (s.q + s.kv + s.v, s.E), "fused_qkv", optional=True,
                    hook="fused_qkv"),
         TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.o)),
-        TensorSpec("blk.{bid}.attn_sinks.weight", None, lambda s: (s.n_head,), optional=True, f32=True, hook="sinks"),
+        TensorSpec("blk.{bid}.attn_sinks.weight", None, lambda s: (s.num_attention_heads,), optional=True, f32=True, hook="sinks"),
     ),
     ffn_norm=(_norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight", "trunk"),
               _norm("blk.{bid}.ffn_norm.weight", "{p}pre_mlp_layernorm.weight", "nextn")),
@@ -112,9 +112,9 @@ class MiMo2(ChainedMtpPlugin):
         # the MTP blocks are sliding-window blocks (vLLM's MiMoV2MTPLayer)
         kv_heads = tuple(hp.swa_num_key_value_heads if i >= self.n or hp.hybrid_layer_pattern[i]
                          else hp.num_key_value_heads for i in range(total))
-        return Sizes(n_layer=self.n, E=self.hidden, V=self.vocab, heads=(hp.num_attention_heads,) * total,
+        return Sizes(num_hidden_layers=self.n, E=self.hidden, V=self.vocab, heads=(hp.num_attention_heads,) * total,
                      kv_heads=kv_heads, head_dim=hp.head_dim, v_head_dim=hp.v_head_dim,
-                     moe_layers=frozenset(self.moe_layers), ffn=hp.intermediate_size, n_expert=hp.n_routed_experts,
+                     moe_layers=frozenset(self.moe_layers), ffn=hp.intermediate_size, num_experts=hp.n_routed_experts,
                      expert_ffn=hp.moe_intermediate_size)
 
     def hooks(self) -> dict[str, Hook]:
@@ -132,12 +132,12 @@ class MiMo2(ChainedMtpPlugin):
     def _sinks(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
         a = p + "self_attn."
         if plan.has(a + "attention_sink_bias"):
-            plan.add(names.blk(bid, "attn_sinks"), [plan.source(a + "attention_sink_bias", (s.n_head,))],
-                     (s.n_head,), role, tf.identity, True)
+            plan.add(names.blk(bid, "attn_sinks"), [plan.source(a + "attention_sink_bias", (s.num_attention_heads,))],
+                     (s.num_attention_heads,), role, tf.identity, True)
 
     def _experts(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
         m = p + "mlp."
-        plan_experts(plan, bid, m + "experts.", s.n_expert, s.expert_ffn, s.E, role, where=f"layer {bid} ({m}experts)",
+        plan_experts(plan, bid, m + "experts.", s.num_experts, s.expert_ffn, s.E, role, where=f"layer {bid} ({m}experts)",
                      count_field="n_routed_experts")
 
     # ------------------------------------------------------------------ metadata

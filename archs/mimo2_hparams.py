@@ -51,18 +51,18 @@ class Mimo2Hparams:
         tc = cfg.text_model()
         n = tc.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
         stated_mtp = tc.integer("num_nextn_predict_layers", default=None)
-        n_head = tc.integer("num_attention_heads", min=1)
+        num_attention_heads = tc.integer("num_attention_heads", min=1)
         n_kv = tc.integer("num_key_value_heads", min=1)
         n_kv_swa = tc.integer("swa_num_key_value_heads", default=2 * n_kv, min=1)  # transformers' rule: twice
         head_dim, v_head_dim = tc.integer("head_dim", min=1), tc.integer("v_head_dim", min=1)
-        for key, want in (("swa_num_attention_heads", n_head), ("swa_head_dim", head_dim),
+        for key, want in (("swa_num_attention_heads", num_attention_heads), ("swa_head_dim", head_dim),
                           ("swa_v_head_dim", v_head_dim)):
             got = tc.integer(key, default=want)
             if got != want:
                 raise SpecconvError(f"config.json: {key} = {got} differs from the full layers' {want} "
                                     f"(llama.cpp's mimo2 has one value for both)")
-        if n_head % n_kv or n_head % n_kv_swa:
-            raise SpecconvError(f"config.json: {n_head} heads are not a multiple of {n_kv} / {n_kv_swa} KV heads")
+        if num_attention_heads % n_kv or num_attention_heads % n_kv_swa:
+            raise SpecconvError(f"config.json: {num_attention_heads} heads are not a multiple of {n_kv} / {n_kv_swa} KV heads")
         pattern = tc.integers("hybrid_layer_pattern", default=None)
         if pattern is None and tc.has("layer_types"):
             pattern = [int(t == "sliding_attention") for t in tc.strings("layer_types")]
@@ -76,7 +76,7 @@ class Mimo2Hparams:
         hp = dict(
             num_hidden_layers=n, num_nextn_predict_layers=stated_mtp,
             hidden_size=tc.integer("hidden_size", min=1), vocab_size=tc.integer("vocab_size", min=1),
-            intermediate_size=tc.integer("intermediate_size"), num_attention_heads=n_head,
+            intermediate_size=tc.integer("intermediate_size"), num_attention_heads=num_attention_heads,
             num_key_value_heads=n_kv, swa_num_key_value_heads=n_kv_swa, head_dim=head_dim, v_head_dim=v_head_dim,
             hybrid_layer_pattern=tuple(int(bool(x)) for x in pattern[:n]),
             sliding_window=window + 1 if window is not None else tc.integer("sliding_window"),

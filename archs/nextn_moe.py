@@ -35,13 +35,13 @@ NEXTN_OPTIONAL = (("embed_tokens", names.NEXTN_EMBED_TOKENS), ("shared_head.head
 class MoeHparams:
     """Fields both families read the same way (transformers' Glm4MoeConfig / DeepseekV3Config)."""
 
-    n_layer: int
+    num_hidden_layers: int
     hidden: int
     vocab: int
-    n_head: int
+    num_attention_heads: int
     ffn: int  # dense width (leading dense blocks)
-    n_expert: int
-    n_expert_used: int
+    num_experts: int
+    num_experts_per_tok: int
     expert_ffn: int
     n_shared: int
     first_dense: int
@@ -73,24 +73,24 @@ def parse_moe_hparams(cfg: ConfigReader, tc: ConfigReader, family: str, keys: Ma
                       groups: bool = True) -> MoeHparams:
     """`cfg`: the whole config.json; `tc`: the text config with the family's transformers defaults
     (`text_fields`). `groups`: whether the family has expert groups (n_group / topk_group)."""
-    n_layer, used = tc.integer("num_hidden_layers", min=1, max=MAX_LAYERS), tc.integer("num_experts_per_tok", min=1)
-    n_expert = tc.integer(*keys["n_routed_experts"], min=1)
-    if used > n_expert:
-        raise SpecconvError(f"config.json: num_experts_per_tok ({used}) exceeds n_routed_experts ({n_expert})")
+    num_hidden_layers, used = tc.integer("num_hidden_layers", min=1, max=MAX_LAYERS), tc.integer("num_experts_per_tok", min=1)
+    num_experts = tc.integer(*keys["n_routed_experts"], min=1)
+    if used > num_experts:
+        raise SpecconvError(f"config.json: num_experts_per_tok ({used}) exceeds n_routed_experts ({num_experts})")
     n_group = tc.integer("n_group", default=None) if groups else None
     topk_group = tc.integer("topk_group", default=None) if groups else None
     if n_group is not None and n_group > 1:
         # llama.cpp's loader asserts exactly these (docs/reference/gguf-layout.md §7.4)
-        if n_expert % n_group or not (0 < (topk_group or 0) < n_group) or n_group >= n_expert:
+        if num_experts % n_group or not (0 < (topk_group or 0) < n_group) or n_group >= num_experts:
             raise SpecconvError(f"config.json: expert groups n_group={n_group}, topk_group={topk_group} do not fit "
-                                f"{n_expert} experts (need E % n_group == 0, 0 < topk_group < n_group < E)")
+                                f"{num_experts} experts (need E % n_group == 0, 0 < topk_group < n_group < E)")
     act = tc.string("hidden_act", default="silu")
     if act != "silu":
         raise SpecconvError(f"config.json: hidden_act {act!r} is not supported ({family} uses silu)")
     return MoeHparams(
-        n_layer=n_layer, hidden=tc.integer("hidden_size", min=1), vocab=tc.integer("vocab_size", min=1),
-        n_head=tc.integer("num_attention_heads", min=1), ffn=tc.integer("intermediate_size"), n_expert=n_expert,
-        n_expert_used=used, expert_ffn=tc.integer("moe_intermediate_size"),
+        num_hidden_layers=num_hidden_layers, hidden=tc.integer("hidden_size", min=1), vocab=tc.integer("vocab_size", min=1),
+        num_attention_heads=tc.integer("num_attention_heads", min=1), ffn=tc.integer("intermediate_size"), num_experts=num_experts,
+        num_experts_per_tok=used, expert_ffn=tc.integer("moe_intermediate_size"),
         n_shared=tc.integer(*keys["n_shared_experts"], default=0), first_dense=tc.integer("first_k_dense_replace",
                                                                                           default=0),
         n_group=n_group, topk_group=topk_group,
@@ -113,17 +113,17 @@ class Sizes:
     """The dimensions the nextn-MoE tables are written in: the plugin's from config.json, the graph's
     from GGUF metadata (runtime/graphs/glm4moe.py, deepseek2.py, dsa.py; V = "V")."""
 
-    n_layer: int  # trunk blocks
+    num_hidden_layers: int  # trunk blocks
     E: int  # hidden size
     V: int | str  # vocabulary
-    n_head: int
+    num_attention_heads: int
     ffn: int  # dense width (leading dense blocks)
-    n_expert: int
+    num_experts: int
     expert_ffn: int
     n_shared: int  # shared experts (0: none)
     first_dense: int  # leading dense blocks
     # GQA (glm4moe); the bias and q/k-norm flags say which optional tensors a block may hold
-    n_head_kv: int = 0
+    num_key_value_heads: int = 0
     head_dim: int = 0
     attn_bias: bool = False
     qk_norm: bool = False
@@ -149,9 +149,9 @@ def block_tags(s: Sizes, bid: int) -> frozenset[str]:
     attention variant (q_lora / q_plain, attn_bias, qk_norm, indexer)."""
     moe = bid >= s.first_dense
     tags = {"moe" if moe else "dense", "q_lora" if s.q_lora else "q_plain"}
-    tags |= {t for t, on in (("shared", moe and s.n_shared), ("nextn", bid >= s.n_layer), ("attn_bias", s.attn_bias),
+    tags |= {t for t, on in (("shared", moe and s.n_shared), ("nextn", bid >= s.num_hidden_layers), ("attn_bias", s.attn_bias),
                              ("qk_norm", s.qk_norm)) if on}
-    if s.index_full and (bid >= s.n_layer or s.index_full[bid]):  # the nextn block runs its own indexer
+    if s.index_full and (bid >= s.num_hidden_layers or s.index_full[bid]):  # the nextn block runs its own indexer
         tags.add("indexer")
     return frozenset(tags)
 
@@ -176,14 +176,14 @@ def nextn_moe_table(attention: tuple[TensorSpec, ...], post_attention_norm: str)
         TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.ffn, s.E), "dense"),
         TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.ffn, s.E), "dense"),
         TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.E, s.ffn), "dense"),
-        TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.n_expert, s.E), "moe",
+        TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.num_experts, s.E), "moe",
                    f32=True),
-        TensorSpec("blk.{bid}.exp_probs_b.bias", _MLP + "gate.e_score_correction.bias", lambda s: (s.n_expert,),
+        TensorSpec("blk.{bid}.exp_probs_b.bias", _MLP + "gate.e_score_correction.bias", lambda s: (s.num_experts,),
                    "moe", f32=True),
         *(TensorSpec(f"blk.{{bid}}.ffn_{x}_exps.weight", None, shape, "moe", hook="experts")
-          for x, shape in (("gate", lambda s: (s.n_expert, s.expert_ffn, s.E)),
-                           ("up", lambda s: (s.n_expert, s.expert_ffn, s.E)),
-                           ("down", lambda s: (s.n_expert, s.E, s.expert_ffn)))),
+          for x, shape in (("gate", lambda s: (s.num_experts, s.expert_ffn, s.E)),
+                           ("up", lambda s: (s.num_experts, s.expert_ffn, s.E)),
+                           ("down", lambda s: (s.num_experts, s.E, s.expert_ffn)))),
         TensorSpec("blk.{bid}.ffn_gate_shexp.weight", _MLP + "shared_experts.gate_proj.weight",
                    lambda s: (s.shared_ffn, s.E), "moe shared"),
         TensorSpec("blk.{bid}.ffn_up_shexp.weight", _MLP + "shared_experts.up_proj.weight",
@@ -218,9 +218,9 @@ class NextnMoePlugin(ArchPlugin):
         self.tc = self.text_fields(checkpoint.config)
         self.hp = parse_moe_hparams(ConfigReader(checkpoint.config), self.tc, self.family)
         self._k = self._count_mtp_layers()
-        if self._k and self.hp.first_dense > self.hp.n_layer:
+        if self._k and self.hp.first_dense > self.hp.num_hidden_layers:
             raise SpecconvError(f"config.json: first_k_dense_replace ({self.hp.first_dense}) exceeds "
-                                f"num_hidden_layers ({self.hp.n_layer}); the nextn block must be an MoE block")
+                                f"num_hidden_layers ({self.hp.num_hidden_layers}); the nextn block must be an MoE block")
 
     @classmethod
     def text_fields(cls, config: Mapping[str, Any]) -> ConfigReader:
@@ -241,7 +241,7 @@ class NextnMoePlugin(ArchPlugin):
 
     @property
     def n_trunk_layers(self) -> int:
-        return self.hp.n_layer
+        return self.hp.num_hidden_layers
 
     @property
     def n_mtp_layers(self) -> int:
@@ -254,7 +254,7 @@ class NextnMoePlugin(ArchPlugin):
         some: transformers' configs default to num_nextn_predict_layers=1 and its save_pretrained
         drops the nextn weights, so that config value alone does not mean they were ever there.
         """
-        n = self.hp.n_layer
+        n = self.hp.num_hidden_layers
         k = trunk_indexed_mtp_count(self.checkpoint, n)
         configured = self.hp.mtp_layers_config
         if k and k != configured:
@@ -271,7 +271,7 @@ class NextnMoePlugin(ArchPlugin):
 
     def sizes(self) -> Sizes:
         hp = self.hp
-        return Sizes(n_layer=hp.n_layer, E=hp.hidden, V=hp.vocab, n_head=hp.n_head, ffn=hp.ffn, n_expert=hp.n_expert,
+        return Sizes(num_hidden_layers=hp.num_hidden_layers, E=hp.hidden, V=hp.vocab, num_attention_heads=hp.num_attention_heads, ffn=hp.ffn, num_experts=hp.num_experts,
                      expert_ffn=hp.expert_ffn, n_shared=hp.n_shared, first_dense=hp.first_dense,
                      **self.attention_sizes())
 
@@ -281,7 +281,7 @@ class NextnMoePlugin(ArchPlugin):
 
     def tensor_plan(self) -> list[TensorPlan]:
         plan = RolePlan(self.checkpoint.tensors)
-        n = self.hp.n_layer
+        n = self.hp.num_hidden_layers
         blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK if i < n else Role.MTP) for i in range(n + self._k)]
         hooks = {"output_head": self._output_head, "experts": self._experts, "nextn_copies": self._nextn_copies}
         self.table.plan(plan, self.sizes(), blocks, hooks)
@@ -292,7 +292,7 @@ class NextnMoePlugin(ArchPlugin):
 
     def _experts(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
         ex = p + "mlp.experts."
-        plan_experts(plan, bid, ex, s.n_expert, s.expert_ffn, s.E, role, where=f"layer {bid} ({ex.rstrip('.')})",
+        plan_experts(plan, bid, ex, s.num_experts, s.expert_ffn, s.E, role, where=f"layer {bid} ({ex.rstrip('.')})",
                      count_field="n_routed_experts")
 
     def _nextn_copies(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
@@ -302,14 +302,14 @@ class NextnMoePlugin(ArchPlugin):
 
     # ------------------------------------------------------------------ metadata
 
-    def _common_head_kv(self, w: MetadataWriter, keep_mtp: bool, n_head_kv: int) -> None:
+    def _common_head_kv(self, w: MetadataWriter, keep_mtp: bool, num_key_value_heads: int) -> None:
         hp = self.hp
-        w.text_model(hp.n_layer + (self._k if keep_mtp else 0), hp.context_length, hp.hidden, hp.ffn, hp.n_head,
-                     n_head_kv)
+        w.text_model(hp.num_hidden_layers + (self._k if keep_mtp else 0), hp.context_length, hp.hidden, hp.ffn, hp.num_attention_heads,
+                     num_key_value_heads)
         w.rope_scaling(hp.yarn)
         w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
         w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps)
-        w.experts(hp.n_expert, hp.n_expert_used)
+        w.experts(hp.num_experts, hp.num_experts_per_tok)
         w.expert_groups(hp.n_group, hp.topk_group)
 
     def _common_moe_kv(self, w: MetadataWriter, keep_mtp: bool) -> None:

@@ -82,17 +82,17 @@ class RolePlan(CheckedPlan):
 _TRUNK_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def trunk_indexed_mtp_count(checkpoint: Checkpoint, n_layer: int) -> int:
+def trunk_indexed_mtp_count(checkpoint: Checkpoint, num_hidden_layers: int) -> int:
     """k = the layers `model.layers.{N..}` present, which must run contiguously from N."""
     seen = set()
     for name in checkpoint.tensors:
         m = _TRUNK_LAYER.match(name)
-        if m and int(m.group(1)) >= n_layer:
-            seen.add(int(m.group(1)) - n_layer)
+        if m and int(m.group(1)) >= num_hidden_layers:
+            seen.add(int(m.group(1)) - num_hidden_layers)
     k = max(seen) + 1 if seen else 0
     if seen and sorted(seen) != list(range(k)):
-        raise SpecconvError(f"checkpoint holds MTP layers {sorted(i + n_layer for i in seen)}, not a contiguous run "
-                            f"from layer {n_layer}")
+        raise SpecconvError(f"checkpoint holds MTP layers {sorted(i + num_hidden_layers for i in seen)}, not a contiguous run "
+                            f"from layer {num_hidden_layers}")
     return k
 
 

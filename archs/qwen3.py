@@ -38,15 +38,15 @@ class Sizes(AttentionWidths):
     """The dimensions of the Qwen3 table: the plugin's from config.json, the graph's from GGUF metadata
     (runtime/graphs/qwen3.py, V = "V")."""
 
-    n_layer: int
+    num_hidden_layers: int
     moe: bool
     E: int  # hidden size
     V: int | str  # vocabulary
-    n_head: int
-    n_head_kv: int
+    num_attention_heads: int
+    num_key_value_heads: int
     head_dim: int
     ffn: int = 0
-    n_expert: int = 0
+    num_experts: int = 0
     expert_ffn: int = 0
 
 
@@ -74,12 +74,12 @@ QWEN3_TABLE = TensorTable((
     TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.ffn, s.E), "dense"),
     TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.ffn, s.E), "dense"),
     TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.E, s.ffn), "dense"),
-    TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.n_expert, s.E), "moe", f32=True),
-    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, lambda s: (s.n_expert, s.expert_ffn, s.E), "moe",
+    TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.num_experts, s.E), "moe", f32=True),
+    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, lambda s: (s.num_experts, s.expert_ffn, s.E), "moe",
                hook="experts"),
-    TensorSpec("blk.{bid}.ffn_up_exps.weight", None, lambda s: (s.n_expert, s.expert_ffn, s.E), "moe",
+    TensorSpec("blk.{bid}.ffn_up_exps.weight", None, lambda s: (s.num_experts, s.expert_ffn, s.E), "moe",
                hook="experts"),
-    TensorSpec("blk.{bid}.ffn_down_exps.weight", None, lambda s: (s.n_expert, s.E, s.expert_ffn), "moe",
+    TensorSpec("blk.{bid}.ffn_down_exps.weight", None, lambda s: (s.num_experts, s.E, s.expert_ffn), "moe",
                hook="experts"),
 ), block_tags)
 
@@ -95,12 +95,12 @@ class Qwen3Base(ArchPlugin):
         cfg = ConfigReader(checkpoint.config)
         self.H = cfg.integer("hidden_size", min=1)
         self.L = cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
-        self.n_head = cfg.integer("num_attention_heads", min=1)
-        self.n_kv = cfg.integer("num_key_value_heads", default=self.n_head, min=1)
-        self.hd = cfg.integer("head_dim", default=self.H // self.n_head, min=1)
+        self.num_attention_heads = cfg.integer("num_attention_heads", min=1)
+        self.n_kv = cfg.integer("num_key_value_heads", default=self.num_attention_heads, min=1)
+        self.hd = cfg.integer("head_dim", default=self.H // self.num_attention_heads, min=1)
         self.F = cfg.integer("intermediate_size", min=1)
-        if self.n_head % self.n_kv:
-            raise SpecconvError(f"config.json: num_attention_heads {self.n_head} is not a multiple of "
+        if self.num_attention_heads % self.n_kv:
+            raise SpecconvError(f"config.json: num_attention_heads {self.num_attention_heads} is not a multiple of "
                                 f"num_key_value_heads {self.n_kv}")
         act = cfg.string("hidden_act", default="silu")
         if act != "silu":
@@ -158,8 +158,8 @@ class Qwen3Base(ArchPlugin):
         return plan.finish(self.gguf_arch)
 
     def sizes(self) -> Sizes:
-        return Sizes(n_layer=self.L, moe=self.moe, E=self.H, V=self.vocab_size(), n_head=self.n_head,
-                     n_head_kv=self.n_kv, head_dim=self.hd, ffn=self.F, n_expert=self.E if self.moe else 0,
+        return Sizes(num_hidden_layers=self.L, moe=self.moe, E=self.H, V=self.vocab_size(), num_attention_heads=self.num_attention_heads,
+                     num_key_value_heads=self.n_kv, head_dim=self.hd, ffn=self.F, num_experts=self.E if self.moe else 0,
                      expert_ffn=self.Fe if self.moe else 0)
 
     def _output_head(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
@@ -170,7 +170,7 @@ class Qwen3Base(ArchPlugin):
             add_output_head(plan, self.tied, s.V, s.E)
 
     def _experts(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
-        plan_experts(plan, bid, p + "mlp.experts.", s.n_expert, s.expert_ffn, s.E, role,
+        plan_experts(plan, bid, p + "mlp.experts.", s.num_experts, s.expert_ffn, s.E, role,
                      where=f"layer {bid} (mlp.experts)", count_field="num_experts")
 
     # ------------------------------------------------------------------ metadata
@@ -178,7 +178,7 @@ class Qwen3Base(ArchPlugin):
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         # The keys and order of llama.cpp's TextModel.set_gguf_parameters (+ Qwen2MoeModel's).
         w = MetadataWriter(self.gguf_arch)
-        w.text_model(self.L, self.context_length, self.H, self.F, self.n_head, self.n_kv)
+        w.text_model(self.L, self.context_length, self.H, self.F, self.num_attention_heads, self.n_kv)
         w.rope_scaling(self.rope_scaling)
         w.f32(Keys.Rope.FREQ_BASE, self.rope_theta)
         w.f32(Keys.Attention.LAYERNORM_RMS_EPS, self.rms_eps)

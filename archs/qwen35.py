@@ -37,13 +37,13 @@ class Sizes(AttentionWidths):
     """The dimensions the Qwen3.5 / Qwen3-Next table is written in: the plugin's from config.json
     (`sizes_from_config`), the graph's from GGUF metadata (runtime/graphs/qwen35.py, V = "V")."""
 
-    n_layer: int  # trunk blocks
+    num_hidden_layers: int  # trunk blocks
     recurrent: tuple[bool, ...]  # per trunk block: Gated DeltaNet (True) or full attention
     moe: bool
     E: int  # hidden size
     V: int | str  # vocabulary (embedding rows)
-    n_head: int
-    n_head_kv: int
+    num_attention_heads: int
+    num_key_value_heads: int
     head_dim: int
     nk: int  # Gated DeltaNet key heads
     nv: int  # value heads
@@ -51,7 +51,7 @@ class Sizes(AttentionWidths):
     dv: int
     conv_kernel: int
     ffn: int = 0  # dense MLP width
-    n_expert: int = 0
+    num_experts: int = 0
     expert_ffn: int = 0
     shared_ffn: int = 0
 
@@ -70,17 +70,17 @@ class Sizes(AttentionWidths):
 
 
 def sizes_from_config(hp: Qwen35Hparams) -> Sizes:
-    return Sizes(n_layer=hp.n_layer, recurrent=tuple(hp.recurrent), moe=hp.moe, E=hp.hidden, V=hp.vocab,
-                 n_head=hp.n_head, n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, nk=hp.nk, nv=hp.nv, dk=hp.dk,
-                 dv=hp.dv, conv_kernel=hp.conv_kernel, ffn=hp.ffn or 0, n_expert=hp.n_expert,
+    return Sizes(num_hidden_layers=hp.num_hidden_layers, recurrent=tuple(hp.recurrent), moe=hp.moe, E=hp.hidden, V=hp.vocab,
+                 num_attention_heads=hp.num_attention_heads, num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, nk=hp.nk, nv=hp.nv, dk=hp.dk,
+                 dv=hp.dv, conv_kernel=hp.conv_kernel, ffn=hp.ffn or 0, num_experts=hp.num_experts,
                  expert_ffn=hp.expert_ffn, shared_ffn=hp.shared_ffn)
 
 
 def block_tags(s: Sizes, bid: int) -> frozenset[str]:
     """A trunk block is recurrent or attention; the MTP block (bid = n_layer) is attention and holds the
     nextn head; the FFN of every block is dense or MoE."""
-    mixer = "recurrent" if bid < s.n_layer and s.recurrent[bid] else "attention"
-    return frozenset({mixer, "moe" if s.moe else "dense"} | ({"nextn"} if bid == s.n_layer else set()))
+    mixer = "recurrent" if bid < s.num_hidden_layers and s.recurrent[bid] else "attention"
+    return frozenset({mixer, "moe" if s.moe else "dense"} | ({"nextn"} if bid == s.num_hidden_layers else set()))
 
 
 def _norm(gguf: str, hf: str, on: str = "", dim=lambda s: (s.E,)) -> TensorSpec:
@@ -140,12 +140,12 @@ QWEN35_TABLE = TensorTable((
     TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.ffn, s.E), "dense"),
     TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.ffn, s.E), "dense"),
     TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.E, s.ffn), "dense"),
-    TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.n_expert, s.E), "moe", f32=True),
-    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, lambda s: (s.n_expert, s.expert_ffn, s.E), "moe",
+    TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.num_experts, s.E), "moe", f32=True),
+    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, lambda s: (s.num_experts, s.expert_ffn, s.E), "moe",
                hook="experts"),
-    TensorSpec("blk.{bid}.ffn_up_exps.weight", None, lambda s: (s.n_expert, s.expert_ffn, s.E), "moe",
+    TensorSpec("blk.{bid}.ffn_up_exps.weight", None, lambda s: (s.num_experts, s.expert_ffn, s.E), "moe",
                hook="experts"),
-    TensorSpec("blk.{bid}.ffn_down_exps.weight", None, lambda s: (s.n_expert, s.E, s.expert_ffn), "moe",
+    TensorSpec("blk.{bid}.ffn_down_exps.weight", None, lambda s: (s.num_experts, s.E, s.expert_ffn), "moe",
                hook="experts"),
     TensorSpec("blk.{bid}.ffn_gate_shexp.weight", _MLP + "shared_expert.gate_proj.weight",
                lambda s: (s.shared_ffn, s.E), "moe"),
@@ -195,7 +195,7 @@ class Qwen35Base(ArchPlugin):
 
     @property
     def n_trunk_layers(self) -> int:
-        return self.hp.n_layer
+        return self.hp.num_hidden_layers
 
     @property
     def n_mtp_layers(self) -> int:
@@ -231,8 +231,8 @@ class Qwen35Base(ArchPlugin):
 
     def tensor_plan(self) -> list[TensorPlan]:
         hp, plan = self.hp, RolePlan(self.checkpoint.tensors)
-        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(hp.n_layer)]
-        blocks += [Block(hp.n_layer + j, f"mtp.layers.{j}.", Role.MTP) for j in range(self._k)]
+        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(hp.num_hidden_layers)]
+        blocks += [Block(hp.num_hidden_layers + j, f"mtp.layers.{j}.", Role.MTP) for j in range(self._k)]
         hooks = {"output_head": self._output_head, "experts": self._experts}
         self.table.plan(plan, sizes_from_config(hp), blocks, hooks)
         return plan.finish(self.gguf_arch)
@@ -243,7 +243,7 @@ class Qwen35Base(ArchPlugin):
     def _experts(self, plan: RolePlan, sizes: Sizes, bid: int, p: str, role: Role) -> None:
         """Routed experts from the fused 3-D layout (releases) or per-expert tensors (save_pretrained)."""
         m = p + "mlp."
-        plan_experts(plan, bid, m + "experts.", sizes.n_expert, sizes.expert_ffn, sizes.E, role,
+        plan_experts(plan, bid, m + "experts.", sizes.num_experts, sizes.expert_ffn, sizes.E, role,
                      where=f"layer {bid} ({m.rstrip('.')})", count_field="num_experts")
 
     # ------------------------------------------------------------------ metadata
@@ -263,15 +263,15 @@ class Qwen35Base(ArchPlugin):
         # Same keys and order as the pinned upstream converter (TextModel, Qwen2Moe, mixins; for
         # qwen3next: TextModel, Qwen2MoeModel, _QwenMtpMixin, Qwen3NextModel).
         w = MetadataWriter(self.gguf_arch)
-        w.text_model(hp.n_layer + k, hp.context_length, hp.hidden, self._feed_forward_length(), hp.n_head,
-                     hp.n_head_kv)
+        w.text_model(hp.num_hidden_layers + k, hp.context_length, hp.hidden, self._feed_forward_length(), hp.num_attention_heads,
+                     hp.num_key_value_heads)
         w.rope_scaling(hp.rope_scaling)
         if self.writes_rope_sections:
             w.array(Keys.Rope.DIMENSION_SECTIONS, hp.rope_sections, GGUFValueType.INT32)
         w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
         w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps)
         if hp.moe:
-            w.experts(hp.n_expert, hp.n_expert_used)
+            w.experts(hp.num_experts, hp.num_experts_per_tok)
         w.head_sizes(hp.head_dim)
         if hp.moe:
             w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn)

@@ -23,11 +23,11 @@ FULL = "full_attention"
 @dataclass(frozen=True)
 class Qwen35Hparams:
     moe: bool
-    n_layer: int
+    num_hidden_layers: int
     hidden: int
     vocab: int
-    n_head: int
-    n_head_kv: int
+    num_attention_heads: int
+    num_key_value_heads: int
     head_dim: int
     ffn: int | None  # dense MLP width (None for MoE)
     layer_types: tuple[str, ...]
@@ -45,8 +45,8 @@ class Qwen35Hparams:
     full_attention_interval: int
     tie_embeddings: bool
     mtp_layers_config: int  # 0 when absent
-    n_expert: int = 0
-    n_expert_used: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
     expert_ffn: int = 0
     shared_ffn: int = 0
 
@@ -68,15 +68,15 @@ class Qwen35Hparams:
         return [t == LINEAR for t in self.layer_types]
 
 
-def layer_types_of(tc: ConfigReader, n_layer: int) -> tuple[str, ...]:
+def layer_types_of(tc: ConfigReader, num_hidden_layers: int) -> tuple[str, ...]:
     """`layer_types`, or what transformers derives from `full_attention_interval` (default 4)."""
     types = tc.strings("layer_types", default=None)
     if types is None:
         interval = tc.integer("full_attention_interval", default=4, min=1)
-        return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layer))
+        return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_hidden_layers))
     types = tuple(types)
-    if len(types) != n_layer:
-        raise tc.error("layer_types", f"has {len(types)} entries, num_hidden_layers is {n_layer}")
+    if len(types) != num_hidden_layers:
+        raise tc.error("layer_types", f"has {len(types)} entries, num_hidden_layers is {num_hidden_layers}")
     bad = sorted({t for t in types if t not in (LINEAR, FULL)})
     if bad:
         raise tc.error("layer_types", f"holds unknown layer type(s) {', '.join(bad)} "
@@ -123,10 +123,10 @@ def _rope_sections(tc: ConfigReader, rope_dim: int) -> tuple[int, int, int, int]
 def parse_hparams(config: Mapping[str, Any], moe: bool) -> Qwen35Hparams:
     cfg = ConfigReader(config)
     tc = cfg.text_model()
-    n_layer = tc.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
+    num_hidden_layers = tc.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
     hidden = tc.integer("hidden_size", min=1)
-    n_head = tc.integer("num_attention_heads", min=1)
-    head_dim = tc.integer("head_dim", default=hidden // n_head, min=1)
+    num_attention_heads = tc.integer("num_attention_heads", min=1)
+    head_dim = tc.integer("head_dim", default=hidden // num_attention_heads, min=1)
     nk = tc.integer("linear_num_key_heads", default=16, min=1)
     nv = tc.integer("linear_num_value_heads", default=32, min=1)
     dk = tc.integer("linear_key_head_dim", default=128, min=1)
@@ -150,7 +150,7 @@ def parse_hparams(config: Mapping[str, Any], moe: bool) -> Qwen35Hparams:
     if not 0 < factor <= 1:
         raise SpecconvError(f"config.json: partial_rotary_factor {factor} is not in (0, 1]")
     rope_dim = int(head_dim * factor)
-    types = layer_types_of(tc, n_layer)
+    types = layer_types_of(tc, num_hidden_layers)
     configured_interval = tc.integer("full_attention_interval", default=None)
 
     # The wrapper's own flag governs tying in transformers (model.config is the outer config).
@@ -162,16 +162,16 @@ def parse_hparams(config: Mapping[str, Any], moe: bool) -> Qwen35Hparams:
 
     extra: dict[str, int] = {}
     if moe:
-        extra = dict(n_expert=tc.integer("num_experts", min=1), n_expert_used=tc.integer("num_experts_per_tok", min=1),
+        extra = dict(num_experts=tc.integer("num_experts", min=1), num_experts_per_tok=tc.integer("num_experts_per_tok", min=1),
                      expert_ffn=tc.integer("moe_intermediate_size", min=1),
                      shared_ffn=tc.integer("shared_expert_intermediate_size", min=1))
-        if extra["n_expert_used"] > extra["n_expert"]:
-            raise SpecconvError(f"config.json: num_experts_per_tok ({extra['n_expert_used']}) exceeds "
-                                f"num_experts ({extra['n_expert']})")
+        if extra["num_experts_per_tok"] > extra["num_experts"]:
+            raise SpecconvError(f"config.json: num_experts_per_tok ({extra['num_experts_per_tok']}) exceeds "
+                                f"num_experts ({extra['num_experts']})")
 
     return Qwen35Hparams(
-        moe=moe, n_layer=n_layer, hidden=hidden, vocab=tc.integer("vocab_size", min=1), n_head=n_head,
-        n_head_kv=tc.integer("num_key_value_heads", default=n_head, min=1), head_dim=head_dim,
+        moe=moe, num_hidden_layers=num_hidden_layers, hidden=hidden, vocab=tc.integer("vocab_size", min=1), num_attention_heads=num_attention_heads,
+        num_key_value_heads=tc.integer("num_key_value_heads", default=num_attention_heads, min=1), head_dim=head_dim,
         ffn=None if moe else tc.integer("intermediate_size", min=1), layer_types=types,
         nk=nk, nv=nv, dk=dk, dv=dv, conv_kernel=tc.integer("linear_conv_kernel_dim", default=4, min=1),
         context_length=tc.integer("max_position_embeddings", default=32768, min=1),

@@ -67,12 +67,12 @@ STEP35_TABLE = chained_table(
         TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.q)),
         _norm("blk.{bid}.attn_q_norm.weight", _ATTN + "q_norm.weight", dim=lambda s: (s.head_dim,), optional=True),
         _norm("blk.{bid}.attn_k_norm.weight", _ATTN + "k_norm.weight", dim=lambda s: (s.head_dim,), optional=True),
-        TensorSpec("blk.{bid}.attn_gate.weight", None, lambda s: (s.n_head, s.E), optional=True, hook="attn_gate"),
+        TensorSpec("blk.{bid}.attn_gate.weight", None, lambda s: (s.num_attention_heads, s.E), optional=True, hook="attn_gate"),
     ),
     ffn_norm=(_norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),),
     routed=routed_specs("{p}moe.gate.weight", "exp_probs_b.bias", "{p}moe.router_bias", experts_hf="{p}moe.",
-                        shared_hf="{p}share_expert.", router_shapes=lambda s: [(s.n_expert, s.E), (s.n_expert, s.E, 1)],
-                        router_transform=lambda s: partial(_squeeze_to, (s.n_expert, s.E))),
+                        shared_hf="{p}share_expert.", router_shapes=lambda s: [(s.num_experts, s.E), (s.num_experts, s.E, 1)],
+                        router_transform=lambda s: partial(_squeeze_to, (s.num_experts, s.E))),
 )
 
 
@@ -97,11 +97,11 @@ class Step35(ChainedMtpPlugin):
         self.hidden, self.vocab = tc.integer("hidden_size", min=1), tc.integer("vocab_size", min=1)
         self.head_dim = tc.integer("head_dim", min=1)
         self.ffn = tc.integer("intermediate_size")
-        n_head = tc.integer("num_attention_heads", min=1)
+        num_attention_heads = tc.integer("num_attention_heads", min=1)
         n_kv = tc.integer("num_attention_groups", "num_key_value_heads", min=1)
         other = tc.section("attention_other_setting")
         n_head_swa = other.integer("num_attention_heads",
-                                   default=tc.integer("num_sliding_attention_heads", default=n_head, min=1), min=1)
+                                   default=tc.integer("num_sliding_attention_heads", default=num_attention_heads, min=1), min=1)
         n_kv_swa = other.integer("num_attention_groups", default=n_kv, min=1)
         if other.integer("head_dim", default=self.head_dim) != self.head_dim:
             raise SpecconvError("config.json: attention_other_setting.head_dim differs from head_dim "
@@ -115,7 +115,7 @@ class Step35(ChainedMtpPlugin):
             if f is not None and f != want:
                 raise SpecconvError(f"config.json: partial_rotary_factors[{i}] = {f}; llama.cpp's step35 rotates "
                                     f"{'all' if t == SWA else 'half'} of the head on {t} layers ({want})")
-        self.n_heads = [n_head_swa if t == SWA else n_head for t in self.layer_types]
+        self.n_heads = [n_head_swa if t == SWA else num_attention_heads for t in self.layer_types]
         self.n_kvs = [n_kv_swa if t == SWA else n_kv for t in self.layer_types]
         for i, (h, kv) in enumerate(zip(self.n_heads, self.n_kvs)):
             if h % kv:
@@ -128,8 +128,8 @@ class Step35(ChainedMtpPlugin):
             raise SpecconvError("config.json: query_pre_attn_scalar ≠ head_dim (llama.cpp scales by head_dim^-1/2)")
         if tc.flag("use_bidirectional_attention", default=False):
             raise SpecconvError("config.json: use_bidirectional_attention is not supported (causal decoding)")
-        self.n_expert = tc.integer("moe_num_experts", "n_routed_experts", "num_local_experts", min=1)
-        self.n_expert_used = tc.integer("moe_top_k", "num_experts_per_tok", min=1)
+        self.num_experts = tc.integer("moe_num_experts", "n_routed_experts", "num_local_experts", min=1)
+        self.num_experts_per_tok = tc.integer("moe_top_k", "num_experts_per_tok", min=1)
         self.expert_ffn = tc.integer("moe_intermediate_size")
         self.shared_ffn = tc.integer("share_expert_dim", "share_expert_dims")
         self.moe_layers = {i for i in range(total) if f"model.layers.{i}.moe.gate.weight" in checkpoint.tensors}
@@ -199,9 +199,9 @@ class Step35(ChainedMtpPlugin):
     table: ClassVar[TensorTable] = STEP35_TABLE
 
     def sizes(self) -> Sizes:
-        return Sizes(n_layer=self.n, E=self.hidden, V=self.vocab, heads=tuple(self.n_heads), kv_heads=tuple(self.n_kvs),
+        return Sizes(num_hidden_layers=self.n, E=self.hidden, V=self.vocab, heads=tuple(self.n_heads), kv_heads=tuple(self.n_kvs),
                      head_dim=self.head_dim, moe_layers=frozenset(self.moe_layers), ffn=self.ffn,
-                     n_expert=self.n_expert, expert_ffn=self.expert_ffn, shared_ffn=self.shared_ffn)
+                     num_experts=self.num_experts, expert_ffn=self.expert_ffn, shared_ffn=self.shared_ffn)
 
     def hooks(self) -> dict[str, Hook]:
         return {"head_copies": self._head_copies, "attn_gate": self._attn_gate}
@@ -215,7 +215,7 @@ class Step35(ChainedMtpPlugin):
     def _attn_gate(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
         a = p + "self_attn."
         if plan.has(a + "g_proj.weight"):  # head-wise gate: one row per head (llama.cpp has no per-element gate)
-            shape = (s.n_head, s.E)
+            shape = (s.num_attention_heads, s.E)
             src = plan.source(a + "g_proj.weight", [shape, shape + (1,)])
             plan.add(names.blk(bid, "attn_gate"), [src], shape, role, partial(_squeeze_to, shape))
 
@@ -239,7 +239,7 @@ class Step35(ChainedMtpPlugin):
         w.count(Keys.Attention.HEAD_COUNT_KV, self.n_kvs[:total] + [self.n_kvs[-1]] * (total - len(self.n_kvs)), i32)
         w.u32(Keys.Attention.SLIDING_WINDOW, self.sliding_window)
         w.array(Keys.Attention.SLIDING_WINDOW_PATTERN, [t == SWA for t in types], GGUFValueType.BOOL)
-        w.experts(self.n_expert, self.n_expert_used)
+        w.experts(self.num_experts, self.num_experts_per_tok)
         w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, self.expert_ffn)
         w.u32(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, self.shared_ffn)
         w.f32(Keys.LLM.EXPERT_WEIGHTS_SCALE, self.moe_scale)

@@ -39,11 +39,11 @@ class AttentionWidths:
 
     @property
     def q(self) -> int:
-        return self.n_head * self.head_dim
+        return self.num_attention_heads * self.head_dim
 
     @property
     def kv(self) -> int:
-        return self.n_head_kv * self.head_dim
+        return self.num_key_value_heads * self.head_dim
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -220,24 +220,24 @@ class GraphTensors:
         self.keep_float32 = table.keeps_float32  # what the file keeps F32 stays float32 in any compute dtype
 
     def main_tensors(self, hp) -> list[str]:
-        return self.table.names(self.sizes(hp), range(hp.n_layer))
+        return self.table.names(self.sizes(hp), range(hp.num_hidden_layers))
 
     def optional_main_tensors(self, hp) -> list[str]:
         """Trunk-block tensors the graph runs without (e.g. GLM's attention biases), loaded when present."""
-        return self.table.names(self.sizes(hp), range(hp.n_layer), roles=(), optional=True)
+        return self.table.names(self.sizes(hp), range(hp.num_hidden_layers), roles=(), optional=True)
 
     def _mtp_blocks(self, hp) -> range:
         """The first nextn block; with `chained`, all k of them (block i drafts position i)."""
-        return range(hp.n_layer, hp.n_layer + (hp.n_nextn if self.chained else 1))
+        return range(hp.num_hidden_layers, hp.num_hidden_layers + (hp.num_nextn_predict_layers if self.chained else 1))
 
     def mtp_tensors(self, hp) -> list[str]:
-        if not hp.n_nextn:
+        if not hp.num_nextn_predict_layers:
             return []
         return self.table.names(self.sizes(hp), self._mtp_blocks(hp), roles=(Role.MTP, Role.SHARED))
 
     def optional_mtp_tensors(self, hp) -> list[str]:
-        return self.table.names(self.sizes(hp), self._mtp_blocks(hp), roles=(), optional=True) if hp.n_nextn else []
+        return self.table.names(self.sizes(hp), self._mtp_blocks(hp), roles=(), optional=True) if hp.num_nextn_predict_layers else []
 
     def expected_shapes(self, hp) -> dict[str, tuple | list[tuple]]:
         """Every tensor of the file's blocks, trunk and MTP, in ggml order (runtime/validate.py)."""
-        return self.table.ggml_shapes(self.sizes(hp), range(hp.n_layer + hp.n_nextn))
+        return self.table.ggml_shapes(self.sizes(hp), range(hp.num_hidden_layers + hp.num_nextn_predict_layers))

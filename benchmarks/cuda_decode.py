@@ -95,7 +95,7 @@ def batch_costs(model, n_max: int, repeats: int) -> list[float]:
     from specconv.runtime.types import GraphType
 
     prefix, device = 16, model.device
-    ids = [(3 + 7919 * i) % model.n_vocab for i in range(prefix + n_max)]
+    ids = [(3 + 7919 * i) % model.vocab_size for i in range(prefix + n_max)]
     ctx = Context(model, GraphType.MAIN, n_ctx=prefix + n_max + 1, n_rs_seq=n_max)
     ctx.decode(ids[:prefix], hidden=(), logits=None)
     runs: dict[int, list[float]] = {n: [] for n in range(1, n_max + 1)}
@@ -119,7 +119,7 @@ def profile_step(model) -> dict:
     from specconv.runtime.context import Context
     from specconv.runtime.types import GraphType
 
-    ids = [t % model.n_vocab for t in PROMPT[:11]]
+    ids = [t % model.vocab_size for t in PROMPT[:11]]
     ctx = Context(model, GraphType.MAIN, n_ctx=len(ids) + 1, n_rs_seq=0)
     ctx.decode(ids[:8], hidden=(), logits=None)
     ctx.decode(ids[8:9], hidden=(), logits="last")  # with graphs: the warm-up, then the capture
@@ -160,7 +160,7 @@ def profile_rounds(model, ref: list[int], prompt: list[int], n: int) -> dict:
     from specconv.runtime.speculative import SpecConfig, speculative_generate
 
     def run():
-        return speculative_generate(model, SyntheticDrafter(ref, model.n_vocab, 0.8, seed=0), prompt, n,
+        return speculative_generate(model, SyntheticDrafter(ref, model.vocab_size, 0.8, seed=0), prompt, n,
                                     SpecConfig(draft_max=3))
 
     run()
@@ -264,7 +264,7 @@ def run_file(path: Path, args) -> dict:
         out["memory_before_load_gb"] = base / 1e9
         out["memory_after_load_gb"] = (torch.cuda.memory_allocated(device) - base) / 1e9
     out["t_s"] = batch_costs(model, args.batch_max, args.repeats)
-    prompt, n = [t % model.n_vocab for t in PROMPT[:16]], args.n_predict
+    prompt, n = [t % model.vocab_size for t in PROMPT[:16]], args.n_predict
     plain = generate(model, prompt, n)
     out["plain_tokens_per_s"] = _decode_rate(plain)
     ref = greedy_reference(model, prompt, n)

@@ -125,7 +125,7 @@ def measure(path: Path, repeats: int, threads: int, with_llama: bool) -> str:
 
     model = load_model(path, device="cpu")
     sections = SECTIONS.use(model)
-    ids = [(3 + 7919 * i) % model.n_vocab for i in range(PREFIX + 4)]
+    ids = [(3 + 7919 * i) % model.vocab_size for i in range(PREFIX + 4)]
     ctx = Context(model, GraphType.MAIN, n_ctx=PREFIX + 5, n_rs_seq=4)
     ctx.decode(ids[:PREFIX], hidden=(), logits=None)
     llama = llama_forward(path, threads, ids) if with_llama else None
@@ -158,7 +158,7 @@ def measure(path: Path, repeats: int, threads: int, with_llama: bool) -> str:
 
     labels = sorted({label for (_, _, label) in runs if label != "TOTAL"}, key=lambda k: -ms("float32", 1, k))
     hp = model.hparams
-    lines = [f"{path.name} (hidden {model.n_embd}, vocabulary {model.n_vocab}, {hp.n_layer} blocks): CPU ms, "
+    lines = [f"{path.name} (hidden {model.hidden_size}, vocabulary {model.vocab_size}, {hp.num_hidden_layers} blocks): CPU ms, "
              f"{threads} thread(s), medians of {repeats}, load average {os.getloadavg()[0]:.1f}", "",
              "| section | float32 n=1 | n=4 | 8-bit n=1 | n=4 |", "|---|---|---|---|---|"]
     for label in ["TOTAL"] + labels:

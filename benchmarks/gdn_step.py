@@ -77,7 +77,7 @@ def model_forward(path: str, repeats: int) -> None:
     from specconv.runtime.types import GraphType
     model = load_model(path, device="cpu", weights="stored")
     prefix = 16
-    ids = [(3 + 7919 * i) % model.n_vocab for i in range(prefix + 4)]
+    ids = [(3 + 7919 * i) % model.vocab_size for i in range(prefix + 4)]
     ctx = Context(model, GraphType.MAIN, n_ctx=prefix + 5, n_rs_seq=4)
     ctx.decode(ids[:prefix], hidden=(), logits=None)
     real = gdn_native.available

@@ -85,7 +85,7 @@ def draft_mtp(target_path, prompt: list[int], n_predict: int, draft_max: int, mt
     """Greedy speculative decoding with llama.cpp's MTP head (embedded, or `mtp_path` sidecar)."""
     _, ext = peers._lib()
     target, head = _models(target_path, mtp_path)
-    n_embd = peers.n_embd_out(target)
+    hidden_size = peers.n_embd_out(target)
     n_ctx = max(256, len(prompt) + n_predict + draft_max + 8)
     tgt = peers.new_context(target, n_ctx=n_ctx, n_rs_seq=draft_max)
     try:
@@ -93,7 +93,7 @@ def draft_mtp(target_path, prompt: list[int], n_predict: int, draft_max: int, mt
         dft = peers.new_context(head, n_ctx=n_ctx, mtp_of=tgt)
         try:
             ext.llama_set_embeddings_nextn(dft, True, True)
-            return _loop(tgt, dft, target, head, n_embd, n_ctx, prompt, n_predict, draft_max)
+            return _loop(tgt, dft, target, head, hidden_size, n_ctx, prompt, n_predict, draft_max)
         finally:
             peers.free_context(dft)
     finally:
@@ -108,10 +108,10 @@ def _process(dft, batch: list[int], pos0: int, pending_h: np.ndarray, h: np.ndar
     return h[-1].copy()
 
 
-def _loop(tgt, dft, target, head, n_embd, n_ctx, prompt, n_predict, draft_max) -> LlamaResult:
+def _loop(tgt, dft, target, head, hidden_size, n_ctx, prompt, n_predict, draft_max) -> LlamaResult:
     stats = SpecStats(draft_max)
     start = time.perf_counter()
-    pending_h = np.zeros(n_embd, np.float32)
+    pending_h = np.zeros(hidden_size, np.float32)
     prefix, id_last = [int(t) for t in prompt[:-1]], int(prompt[-1])
     if prefix:
         peers.decode_tokens(tgt, prefix, 0)

@@ -146,7 +146,7 @@ def llama_worker(path: str, prompt_tokens: int, n: int, threads: int) -> None:
     cp.n_threads = cp.n_threads_batch = threads
     ctx = llama_cpp.llama_init_from_model(model, cp)
     load = time.perf_counter() - start
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    vocab_size = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
 
     def decode(ids, pos0):
         batch = llama_cpp.llama_batch_init(len(ids), 0, 1)
@@ -158,7 +158,7 @@ def llama_worker(path: str, prompt_tokens: int, n: int, threads: int) -> None:
         assert llama_cpp.llama_decode(ctx, batch) == 0
         llama_cpp.llama_batch_free(batch)
         row = llama_cpp.llama_get_logits_ith(ctx, -1)
-        return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), (n_vocab,))))
+        return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), (vocab_size,))))
 
     prompt = PROMPT[:prompt_tokens]
     t0 = time.perf_counter()

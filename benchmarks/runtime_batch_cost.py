@@ -29,7 +29,7 @@ def _costs(model, n_max: int, repeats: int, modes_of_pass) -> dict:
     from specconv.runtime.types import GraphType
 
     prefix = 16
-    ids = [(3 + 7919 * i) % model.n_vocab for i in range(prefix + n_max)]
+    ids = [(3 + 7919 * i) % model.vocab_size for i in range(prefix + n_max)]
     ctx = Context(model, GraphType.MAIN, n_ctx=prefix + n_max + 1, n_rs_seq=n_max)
     ctx.decode(ids[:prefix], hidden=(), logits=None)
     ctx.decode(ids[prefix:prefix + 1], hidden=(), logits="all")  # first-call costs out of the timings

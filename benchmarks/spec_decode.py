@@ -108,7 +108,7 @@ def forward_costs(target, prompt: list[int], draft_max: int, reps: int = 21) -> 
 
     target_ms = {n: median_ms(lambda n=n: verify(n)) for n in range(1, draft_max + 2)}
     mtp = Context(target, GraphType.MTP, n_ctx=len(prompt) + 8)
-    rows = torch.zeros(len(prompt), target.n_embd, dtype=target.dtype, device=target.device)
+    rows = torch.zeros(len(prompt), target.hidden_size, dtype=target.dtype, device=target.device)
     mtp.decode(prompt, positions=list(range(len(prompt))), hidden_in=rows, logits=None)
     q = mtp.n_past()
 

@@ -96,7 +96,7 @@ def run_file(path: Path, args, progress=print) -> dict:
     torch.set_num_threads(args.threads)
     model = load_model(path, device="cpu")
     params = sum(w.numel() for w in model.weights.values()) if hasattr(model.weights, "values") else None
-    prompt, n = [t % model.n_vocab for t in PROMPT[:args.prompt_tokens]], args.n_predict
+    prompt, n = [t % model.vocab_size for t in PROMPT[:args.prompt_tokens]], args.n_predict
     progress(f"{path.name}: decode cost by batch size (specconv)")
     ours = measure_target_costs(model, args.batch_max, repeats=3, stat="median", budget_s=3.0)
     llama = None
@@ -145,8 +145,8 @@ def run_file(path: Path, args, progress=print) -> dict:
                                      if llama and "error" not in llama and k < len(llama["target_ratios"]) else None)
         rows.append(row)
     hp = model.hparams
-    shape = {"arch": getattr(hp, "arch", "?"), "blocks": getattr(hp, "n_layer", None),
-             "recurrent": sum(getattr(hp, "recurrent", []) or []), "hidden": model.n_embd, "vocab": model.n_vocab}
+    shape = {"arch": getattr(hp, "arch", "?"), "blocks": getattr(hp, "num_hidden_layers", None),
+             "recurrent": sum(getattr(hp, "recurrent", []) or []), "hidden": model.hidden_size, "vocab": model.vocab_size}
     return {"file": path.name, "file_gb": path.stat().st_size / 1e9, "params": params, "threads": args.threads,
             "shape": shape,
             "specconv_seconds": ours.seconds, "specconv_ratios": ratios, "llamacpp": llama, "rows": rows,
@@ -166,7 +166,7 @@ def _one(model, ref, prompt, n, a, k, seed, t1) -> dict:
     from specconv.runtime.speculative import SpecConfig, speculative_generate
     from specconv.verify.costs import TimedDrafter
 
-    drafter = TimedDrafter(SyntheticDrafter(ref, model.n_vocab, a, seed=seed))
+    drafter = TimedDrafter(SyntheticDrafter(ref, model.vocab_size, a, seed=seed))
     auto = k == "auto"
     res = speculative_generate(model, drafter, prompt, n, SpecConfig(draft_max=AUTO_K_MAX if auto else k, auto=auto))
     s = res.stats["speculative"]

@@ -41,14 +41,14 @@ def serves(f: GgufFile) -> tuple[list[str], list[str]]:
     total = f.block_count()
     if nextn > total:
         return [], [f"nextn_predict_layers={nextn} exceeds block_count={total}"]
-    n_layer = total - nextn
+    num_hidden_layers = total - nextn
     if "blk.0.attn_norm.weight" not in f.tensors:
-        missing = [f"blk.{i}.nextn.eh_proj.weight" for i in range(n_layer, total) if f"blk.{i}.nextn.eh_proj.weight"
+        missing = [f"blk.{i}.nextn.eh_proj.weight" for i in range(num_hidden_layers, total) if f"blk.{i}.nextn.eh_proj.weight"
                    not in f.tensors]
         if missing:
             problems.append(f"MTP-only file without {missing[0]}")
         return ["mtp"], problems
-    head = f"blk.{n_layer}.nextn.eh_proj.weight"
+    head = f"blk.{num_hidden_layers}.nextn.eh_proj.weight"
     if head not in f.tensors:
         if f.arch in TRUNK_ONLY_DETECTING_ARCHES:
             return ["main"], problems

@@ -92,7 +92,7 @@ class Calibration:
         """The reference's rows into the store, and (with a head) its hidden states, greedy tokens and
         its head's acceptance."""
         c = self.chunks
-        self.store = LogProbStore(c.n_chunks * c.scored, self.model.n_vocab, self.folder)
+        self.store = LogProbStore(c.n_chunks * c.scored, self.model.vocab_size, self.folder)
         want = mtp_acceptance.wanted_hidden([self._drafter()]) if self.has_head else ()
         for i in range(c.n_chunks):
             out = self._run(i, want)

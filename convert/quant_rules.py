@@ -78,10 +78,10 @@ class TensorInfo:
 @dataclass(frozen=True)
 class Hparams:
     arch: str
-    n_layer: int  # block_count, MTP layers included
-    n_expert: int
-    n_head: int  # of layer 0
-    n_head_kv: int
+    num_hidden_layers: int  # block_count, MTP layers included
+    num_experts: int
+    num_attention_heads: int  # of layer 0
+    num_key_value_heads: int
 
     @classmethod
     def from_kv(cls, arch: str, kv: Sequence[MetaKV]) -> "Hparams":
@@ -91,19 +91,19 @@ class Hparams:
             v = values.get(f"{arch}.{key}", default)
             return int(v[0] if isinstance(v, (list, tuple)) else v)
 
-        n_head = first("attention.head_count", 0)
-        return cls(arch, first("block_count", 0), first("expert_count", 0), n_head,
-                   first("attention.head_count_kv", n_head))
+        num_attention_heads = first("attention.head_count", 0)
+        return cls(arch, first("block_count", 0), first("expert_count", 0), num_attention_heads,
+                   first("attention.head_count_kv", num_attention_heads))
 
     @property
     def n_gqa(self) -> int:
-        return self.n_head // self.n_head_kv if self.n_head_kv else 0
+        return self.num_attention_heads // self.num_key_value_heads if self.num_key_value_heads else 0
 
     @property
     def is_70b(self) -> bool:
-        if self.n_layer != _SEVENTY_B_LAYERS.get(self.arch):
+        if self.num_hidden_layers != _SEVENTY_B_LAYERS.get(self.arch):
             return False
-        return self.arch != "llama" or self.n_head != self.n_head_kv  # llama: equal heads is "65B"
+        return self.arch != "llama" or self.num_attention_heads != self.num_key_value_heads  # llama: equal heads is "65B"
 
 
 def loader_order(names: Sequence[str]) -> list[str]:
@@ -160,8 +160,8 @@ class _Chooser:
         self.i_wv = self.i_down = self.i_gate = self.i_up = 0
 
     def _layer(self, counter: int, name: str) -> tuple[int, int]:
-        n = self.hp.n_layer
-        if self.hp.n_expert <= 1:
+        n = self.hp.num_hidden_layers
+        if self.hp.num_experts <= 1:
             return counter, n
         m = _LAYER.match(name)
         if not m:
@@ -197,11 +197,11 @@ class _Chooser:
                 new = Q.Q5_K
             if hp.is_70b and new in (Q.Q3_K, Q.Q4_K):
                 new = Q.Q5_K
-            if hp.n_expert == 8:
+            if hp.num_experts == 8:
                 new = Q.Q8_0
             self.i_wv += 1
         elif cat == "attn_k":
-            if hp.n_expert == 8:
+            if hp.num_experts == 8:
                 new = Q.Q8_0
         elif cat == "ffn_down":
             i, n = self._layer(self.i_down, t.name)
@@ -223,7 +223,7 @@ class _Chooser:
                 new = Q.Q5_K
             self.i_down += 1
         elif cat == "attn_output":
-            if hp.n_expert == 8:
+            if hp.num_experts == 8:
                 if f in (FT.MOSTLY_Q2_K, FT.MOSTLY_Q3_K_S, FT.MOSTLY_Q3_K_M, FT.MOSTLY_Q4_K_S, FT.MOSTLY_Q4_K_M,
                          FT.MOSTLY_IQ4_NL, FT.MOSTLY_IQ4_XS):
                     new = Q.Q5_K

@@ -47,7 +47,7 @@ def _looks_special(text: str) -> bool:
             or (text.startswith("<｜") and text.endswith("｜>")) or (text.startswith("<unused") and text.endswith(">")))
 
 
-def vocabulary(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int]]:
+def vocabulary(model_dir: Path, vocab_size: int) -> tuple[list[str], list[int]]:
     """(tokens, token types), padded to `n_vocab` entries."""
     try:
         vocab = BpeVocab(model_dir)
@@ -65,9 +65,9 @@ def vocabulary(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int]]:
             types.append(int(TokenType.CONTROL if flags[text] or _looks_special(text) else TokenType.USER_DEFINED))
         else:
             types.append(int(TokenType.NORMAL))
-    if len(tokens) > n_vocab:
-        raise SpecconvError(f"the tokenizer has {len(tokens)} tokens but the token embedding has only {n_vocab} rows")
-    padding = range(len(tokens), n_vocab)
+    if len(tokens) > vocab_size:
+        raise SpecconvError(f"the tokenizer has {len(tokens)} tokens but the token embedding has only {vocab_size} rows")
+    padding = range(len(tokens), vocab_size)
     tokens.extend([f"[PAD{i}]" for i in padding])
     types.extend([int(TokenType.UNUSED)] * len(padding))
     return tokens, types
@@ -78,7 +78,7 @@ _GEMMA4_VISIBLE = {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "
                    "<tool_response|>", '<|"|>'}
 
 
-def gemma4_tokenizer_kv(model_dir: Path, n_vocab: int) -> list[MetaKV]:
+def gemma4_tokenizer_kv(model_dir: Path, vocab_size: int) -> list[MetaKV]:
     """`tokenizer.ggml.model = gemma4`: BPE with byte fallback, read with gguf-py's LlamaHfVocab, with
     scores, token types and merges; no `pre` (llama.cpp forces it), add_bos on, no space prefix."""
     # gguf-py builds this tokenizer with transformers, which reads config.json through its config class:
@@ -102,14 +102,14 @@ def gemma4_tokenizer_kv(model_dir: Path, n_vocab: int) -> list[MetaKV]:
         tokens.append(text)
         scores.append(float(score))
         types.append(int(TokenType.USER_DEFINED if text in _GEMMA4_VISIBLE else toktype))
-    if len(tokens) != n_vocab:
-        raise SpecconvError(f"the tokenizer has {len(tokens)} tokens but the token embedding keeps {n_vocab} rows")
+    if len(tokens) != vocab_size:
+        raise SpecconvError(f"the tokenizer has {len(tokens)} tokens but the token embedding keeps {vocab_size} rows")
     writer = GGUFWriter(None, "capture")
     writer.add_tokenizer_model("gemma4")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
-    special = special_vocab(model_dir, n_vocab)
+    special = special_vocab(model_dir, vocab_size)
     if not special.merges:
         raise SpecconvError(f"the Gemma tokenizer in {model_dir} has no merges (llama.cpp requires them)")
     special.add_to_gguf(writer, quiet=True)
@@ -130,7 +130,7 @@ def _added_token_ids(model_dir: Path) -> dict[str, int]:
 _SPECIAL_KINDS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask", "eot")  # what gguf-py's SpecialVocab reads
 
 
-def special_vocab(model_dir: Path, n_vocab: int) -> SpecialVocab:
+def special_vocab(model_dir: Path, vocab_size: int) -> SpecialVocab:
     """gguf-py's SpecialVocab, after the `*_token_id` values it reads from config.json (top level, else
     `text_config`) are checked: an integer id or a list of them (a negative id stops it with a ValueError)."""
     config = ConfigReader(read_config(model_dir))
@@ -141,10 +141,10 @@ def special_vocab(model_dir: Path, n_vocab: int) -> SpecialVocab:
             part.integers(key)
         else:
             part.integer(key, default=None)
-    return SpecialVocab(model_dir, load_merges=True, n_vocab=n_vocab)
+    return SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
 
 
-def tokenizer_kv(model_dir: str | Path, n_vocab: int, model: str, pre: str,
+def tokenizer_kv(model_dir: str | Path, vocab_size: int, model: str, pre: str,
                  special_tokens: Mapping[str, str] | None = None) -> list[MetaKV]:
     """The `tokenizer.*` KV pairs for a vocabulary of `n_vocab` entries (the embedding's rows).
 
@@ -152,14 +152,14 @@ def tokenizer_kv(model_dir: str | Path, n_vocab: int, model: str, pre: str,
     tokenizer's config left that kind unset (a token the tokenizer lacks is skipped)."""
     model_dir = Path(model_dir)
     if model == "gemma4":
-        return gemma4_tokenizer_kv(model_dir, n_vocab)
-    tokens, types = vocabulary(model_dir, n_vocab)
+        return gemma4_tokenizer_kv(model_dir, vocab_size)
+    tokens, types = vocabulary(model_dir, vocab_size)
     writer = GGUFWriter(None, "capture")
     writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    special = special_vocab(model_dir, n_vocab)
+    special = special_vocab(model_dir, vocab_size)
     if model == "gpt2" and not special.merges:
         raise SpecconvError(f"the BPE tokenizer in {model_dir} has no merges")
     added = _added_token_ids(model_dir) if special_tokens else {}

@@ -71,8 +71,8 @@ class Context:
         n = host.shape[0]
         if n == 0:
             raise SpecconvError("decode: empty batch")
-        if int(host.min()) < 0 or int(host.max()) >= self.model.n_vocab:
-            raise SpecconvError(f"decode: token id out of range [0, {self.model.n_vocab})")
+        if int(host.min()) < 0 or int(host.max()) >= self.model.vocab_size:
+            raise SpecconvError(f"decode: token id out of range [0, {self.model.vocab_size})")
         if positions is None:
             start = self.memory.n_past(seq)
             host_positions = list(range(start, start + n))
@@ -103,7 +103,7 @@ class Context:
             elif self.graph_type == GraphType.MTP:
                 if hidden_in is None:
                     raise SpecconvError("MTP decode needs hidden_in: one target hidden row per token")
-                width = getattr(hp, "n_embd_in", hp.n_embd)  # the assistant takes target-width rows
+                width = hp.input_width  # the assistant takes target-width rows
                 h = torch.as_tensor(hidden_in, device=dev).reshape(n, width).to(self.model.dtype)
                 if self.kv_from is not None:
                     lg, z, pre = g.forward_mtp(w, hp, tokens, h, batch, kv_from=self.kv_from)
@@ -143,9 +143,9 @@ class Context:
                 want.add(int(name.split(":", 1)[1]))
             elif name not in ("post_norm", "pre_norm"):
                 raise SpecconvError(f"unknown hidden state {name!r} (post_norm, pre_norm, layer:J)")
-        bad = [j for j in want if not 0 <= j <= hp.n_layer]
+        bad = [j for j in want if not 0 <= j <= hp.num_hidden_layers]
         if bad:
-            raise SpecconvError(f"layer:{bad[0]} out of range 0..{hp.n_layer}")
+            raise SpecconvError(f"layer:{bad[0]} out of range 0..{hp.num_hidden_layers}")
         lg, post, pre, per_layer = self.model.graph.forward_main(self.model.weights, hp, tokens, batch, want,
                                                                   self.gdn_mode, logit_rows)
         out = {}

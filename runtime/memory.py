@@ -47,7 +47,7 @@ class MemoryLayout:
     """What one graph needs: attention layer shapes and recurrent layer shapes (by graph-local index)."""
 
     attn_layers: list[int]  # graph layer ids with a KV cache
-    n_head_kv: int
+    num_key_value_heads: int
     head_dim: int
     rec_layers: list[int]  # graph layer ids with recurrent state
     conv_channels: int = 0
@@ -83,7 +83,7 @@ class Memory:
         where = layer_device or (lambda _l: device)
 
         def shape(l):
-            return (n_seq, n_ctx) + tuple(layout.layer_shapes.get(l, (layout.n_head_kv, layout.head_dim)))
+            return (n_seq, n_ctx) + tuple(layout.layer_shapes.get(l, (layout.num_key_value_heads, layout.head_dim)))
 
         self.k = {l: torch.zeros(shape(l), dtype=dtype, device=where(l)) for l in layout.attn_layers}
         self.v = {l: torch.zeros(shape(l), dtype=dtype, device=where(l)) for l in layout.attn_layers}

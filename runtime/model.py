@@ -51,19 +51,19 @@ class Model:
             "sidecar" if self.serves == {GraphType.MTP} else "embedded" if GraphType.MTP in self.serves else "trunk")
         self.backend = for_device(self.device)  # the arithmetic of its device (runtime/backend.py)
         self.weights = self._load_weights(share_from, devices)
-        self.n_embd = self.hparams.n_embd
-        self.n_vocab = (int(self.weights["token_embd.weight"].shape[0]) if "token_embd.weight" in self.weights
-                        else self.graph.n_vocab(self.hparams))
+        self.hidden_size = self.hparams.hidden_size
+        self.vocab_size = (int(self.weights["token_embd.weight"].shape[0]) if "token_embd.weight" in self.weights
+                        else self.graph.vocab_size(self.hparams))
         self._tokenizer = None
 
     def _detect_graphs(self) -> set[GraphType]:
         hp, f = self.hparams, self.file
         has_trunk = f.has("blk.0.attn_norm.weight")
-        has_mtp = hp.n_nextn > 0 and f.has(f"blk.{hp.n_layer}.nextn.eh_proj.weight")
-        if hp.n_nextn > 0 and not has_trunk:
+        has_mtp = hp.num_nextn_predict_layers > 0 and f.has(f"blk.{hp.num_hidden_layers}.nextn.eh_proj.weight")
+        if hp.num_nextn_predict_layers > 0 and not has_trunk:
             if not has_mtp:
-                raise SpecconvError(f"{self.paths[0].name}: declares {hp.n_nextn} MTP layer(s) but holds neither "
-                                    f"the trunk nor blk.{hp.n_layer}.nextn.eh_proj.weight")
+                raise SpecconvError(f"{self.paths[0].name}: declares {hp.num_nextn_predict_layers} MTP layer(s) but holds neither "
+                                    f"the trunk nor blk.{hp.num_hidden_layers}.nextn.eh_proj.weight")
             return {GraphType.MTP}
         if not has_trunk:
             raise SpecconvError(f"{self.paths[0].name}: no trunk (blk.0.attn_norm.weight) and no MTP layers")
@@ -91,7 +91,7 @@ class Model:
 
     def _placement(self, needed: list[str], devices: list[torch.device]) -> Placement:
         """Blocks cut over the devices by their stored bytes (one device: everything on it)."""
-        n_blocks = self.hparams.n_layer
+        n_blocks = self.hparams.num_hidden_layers
         layer_bytes = [0] * n_blocks
         for name in needed:
             parts = name.split(".")
@@ -145,7 +145,7 @@ class Model:
             raise SpecconvError(f"{name} is an MTP-only sidecar (no trunk): it cannot run as the main model; "
                                 f"load the trunk file as MAIN and this one with --mtp")
         if graph_type == GraphType.MTP:
-            raise SpecconvError(f"{name} has no MTP head (no blk.{self.hparams.n_layer}.nextn.eh_proj.weight); "
+            raise SpecconvError(f"{name} has no MTP head (no blk.{self.hparams.num_hidden_layers}.nextn.eh_proj.weight); "
                                 f"give an mtp- sidecar file")
         raise SpecconvError(f"{name} cannot run graph type {graph_type.value}")
 

@@ -95,7 +95,7 @@ def measure_target_costs(target, n_max: int, repeats: int = 2, prefix: int = 16,
     if n_max < 1:
         raise SpecconvError("cost measurement needs n_max ≥ 1")
     started = time.perf_counter()
-    vocab = target.n_vocab
+    vocab = target.vocab_size
     ids = [(3 + 7919 * i) % vocab for i in range(prefix + n_max)]
     ctx = Context(target, GraphType.MAIN, n_ctx=prefix + n_max + 1, n_rs_seq=n_max)
     ctx.decode(ids[:prefix], hidden=(), logits=None)

@@ -208,7 +208,7 @@ def build_drafter(kind: str, target: Model, n_ctx: int, draft_max: int, mtp_path
 
         if reference is None or acceptance is None:
             raise SpecconvError("--spec synthetic needs --acceptance A (and the plain run's tokens as its reference)")
-        return SyntheticDrafter(reference, target.n_vocab, acceptance, seed)
+        return SyntheticDrafter(reference, target.vocab_size, acceptance, seed)
     if kind == "mtp":
         head = load_model(mtp_path, device=target.device, dtype=target.dtype, share_from=target) if mtp_path else target
         head.require(GraphType.MTP)

@@ -182,7 +182,7 @@ class GGUFTokenizer:
         if added:
             tk.add_tokens(added)
         self._tk = tk
-        self.n_vocab = len(tokens)
+        self.vocab_size = len(tokens)
         self.special_ids = {i for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL}
         self.bos_id = kv.get("tokenizer.ggml.bos_token_id")
         self.eos_id = kv.get("tokenizer.ggml.eos_token_id")

@@ -299,37 +299,36 @@ def check_shape(name: str, found: tuple[int, ...], expected, bound: dict[str, in
     raise SpecconvError(f"tensor {name} has the wrong shape: expected {shown}, found {_fmt(found)} (ggml order)")
 
 
-def check_rope_width(what: str, n_rot: int, head: int) -> None:
+def check_rope_width(what: str, rotary_dim: int, head: int) -> None:
     """A rope width the graph slices a head by: even and within the head."""
-    if n_rot < 0 or n_rot % 2 or n_rot > head:
-        raise SpecconvError(f"{what} {n_rot} must be even and at most the head size {head}")
+    if rotary_dim < 0 or rotary_dim % 2 or rotary_dim > head:
+        raise SpecconvError(f"{what} {rotary_dim} must be even and at most the head size {head}")
 
 
 def check_hparams(hp, kv: Mapping[str, Any]) -> None:
     """Hyperparameters consistent with each other (what the graphs divide, index and slice by); a
     graph's own checks are its `check_hparams`."""
-    if hp.n_layer < 0 or getattr(hp, "n_nextn", 0) < 0:
+    if hp.num_hidden_layers < 0 or hp.num_nextn_predict_layers < 0:
         raise SpecconvError(f"{hp.arch}: block_count is smaller than nextn_predict_layers")
-    kv_heads = hp.n_head_kv if isinstance(getattr(hp, "n_head_kv", 1), list) else [getattr(hp, "n_head_kv", 1)]
-    heads = getattr(hp, "n_heads", None) or [hp.n_head] * len(kv_heads)  # per block (step35) or one count
-    for i, (n_head, h) in enumerate(zip(heads, kv_heads)):
-        if h < 1 or n_head < 1 or n_head % h:
-            where = f" (block {i})" if len(kv_heads) > 1 else ""
-            raise SpecconvError(f"{hp.arch}.attention.head_count {n_head} is not a multiple of head_count_kv {h}{where}")
-    head_dims = hp.head_dim if isinstance(getattr(hp, "head_dim", None), list) else [getattr(hp, "head_dim", None)]
-    n_rot = getattr(hp, "n_rot", None)
-    if n_rot is not None and head_dims[0] is not None:
-        if n_rot % 2 or n_rot > min(head_dims):
-            raise SpecconvError(f"{hp.arch}.rope.dimension_count {n_rot} must be even and at most the head size "
+    kv_heads = hp.per_block(hp.num_key_value_heads)
+    for i, (heads, kv_count) in enumerate(zip(hp.per_block(hp.num_attention_heads), kv_heads)):
+        if kv_count and (heads < 1 or heads % kv_count):  # 0: a family without these heads
+            where = f" (block {i})" if len(set(kv_heads)) > 1 else ""
+            raise SpecconvError(f"{hp.arch}.attention.head_count {heads} is not a multiple of head_count_kv "
+                                f"{kv_count}{where}")
+    head_dims = [d for d in hp.per_block(hp.head_dim) if d]
+    if hp.rotary_dim is not None and head_dims:
+        if hp.rotary_dim % 2 or hp.rotary_dim > min(head_dims):
+            raise SpecconvError(f"{hp.arch}.rope.dimension_count {hp.rotary_dim} must be even and at most the head size "
                                 f"{min(head_dims)}")
         sections = kv.get(f"{hp.arch}.rope.dimension_sections")
-        if isinstance(sections, list) and 2 * sum(sections) > n_rot:
+        if isinstance(sections, list) and 2 * sum(sections) > hp.rotary_dim:
             raise SpecconvError(f"{hp.arch}.rope.dimension_sections {sections} do not fit rope.dimension_count "
-                                f"{n_rot} (2 x their sum must be at most it)")
-    n_expert, used = getattr(hp, "n_expert", 0), getattr(hp, "n_expert_used", 0)
-    if n_expert and not 1 <= used <= n_expert:
-        raise SpecconvError(f"{hp.arch}.expert_used_count {used} must be within 1..expert_count {n_expert}")
-    block_count = hp.n_layer + getattr(hp, "n_nextn", 0)
+                                f"{hp.rotary_dim} (2 x their sum must be at most it)")
+    if hp.num_experts and not 1 <= hp.num_experts_per_tok <= hp.num_experts:
+        raise SpecconvError(f"{hp.arch}.expert_used_count {hp.num_experts_per_tok} must be within 1..expert_count "
+                            f"{hp.num_experts}")
+    block_count = hp.num_hidden_layers + hp.num_nextn_predict_layers
     for key in ("attention.recurrent_layers", "attention.sliding_window_pattern"):
         v = kv.get(f"{hp.arch}.{key}")
         if isinstance(v, list) and len(v) != block_count:

@@ -79,7 +79,7 @@ def _pipeline(kind: str, paths: list[Path]) -> None:
     tok = target.tokenizer
     ids = tok.encode(PROMPT) or [0]
     tok.decode(ids)
-    ids = [i for i in ids if i < target.n_vocab] or [0]
+    ids = [i for i in ids if i < target.vocab_size] or [0]
     if kind == "plain":
         generate(target, ids, 2)
         return

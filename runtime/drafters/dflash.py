@@ -38,25 +38,25 @@ def check_drafter_fits_target(target: Model, head: Model) -> None:
     """A one-line SpecconvError when the DFlash file was not made for this target."""
     if head.arch != names.DFLASH:
         raise SpecconvError(f"{head.paths[0].name} is not a DFlash drafter (arch {head.arch})")
-    hp, n_layer = head.hparams, target.hparams.n_layer
-    if hp.n_embd != target.n_embd:
-        raise SpecconvError(f"the DFlash drafter reads target hidden states of width {hp.n_embd}, the target's are "
-                            f"{target.n_embd}: converted against another target")
-    bad = [j for j in hp.target_layers if not 0 <= j <= n_layer]
+    hp, num_hidden_layers = head.hparams, target.hparams.num_hidden_layers
+    if hp.hidden_size != target.hidden_size:
+        raise SpecconvError(f"the DFlash drafter reads target hidden states of width {hp.hidden_size}, the target's are "
+                            f"{target.hidden_size}: converted against another target")
+    bad = [j for j in hp.target_layers if not 0 <= j <= num_hidden_layers]
     if bad:
-        raise SpecconvError(f"the DFlash drafter reads target layer input {bad[0]}, but the target has {n_layer} "
+        raise SpecconvError(f"the DFlash drafter reads target layer input {bad[0]}, but the target has {num_hidden_layers} "
                             f"layers: converted against another target")
     check_same_vocabulary(target, head)
     for name in (names.TOKEN_EMBD, names.OUTPUT):
         if name not in head.weights:
             raise SpecconvError(f"the DFlash drafter has no {name}: load it with load_model(drafter, share_from=target)")
     for name in graph.SELECTOR[:2] if hp.v2 else ():  # indexed by token ids of the (maybe shared) output
-        rows = int(head.weights[name].shape[0]) if name in head.weights else head.n_vocab
-        if rows != head.n_vocab:
+        rows = int(head.weights[name].shape[0]) if name in head.weights else head.vocab_size
+        if rows != head.vocab_size:
             raise SpecconvError(f"{head.paths[0].name}: the DFlash2 drafter's {name} has {rows} token rows, but the "
-                                f"vocabulary it drafts from has {head.n_vocab}: converted against another target")
-    if not 0 <= hp.mask_token_id < head.n_vocab:
-        raise SpecconvError(f"mask token {hp.mask_token_id} is outside the vocabulary [0, {head.n_vocab})")
+                                f"vocabulary it drafts from has {head.vocab_size}: converted against another target")
+    if not 0 <= hp.mask_token_id < head.vocab_size:
+        raise SpecconvError(f"mask token {hp.mask_token_id} is outside the vocabulary [0, {head.vocab_size})")
 
 
 class DFlashDrafter(Drafter):

@@ -24,8 +24,8 @@ from specconv.runtime.types import GraphType
 
 def check_same_vocabulary(target: Model, draft: Model) -> None:
     """The draft must speak the target's token ids: same size and, when both carry one, same token list."""
-    if target.n_vocab != draft.n_vocab:
-        raise SpecconvError(f"draft model vocabulary ({draft.n_vocab}) differs from the target's ({target.n_vocab})")
+    if target.vocab_size != draft.vocab_size:
+        raise SpecconvError(f"draft model vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
     a, b = target.file.get("tokenizer.ggml.tokens"), draft.file.get("tokenizer.ggml.tokens")
     if a is not None and b is not None and list(a) != list(b):
         first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) if len(a) == len(b) else min(len(a), len(b))

@@ -35,25 +35,25 @@ def check_head_fits_target(target: Model, head: Model) -> None:
     """A one-line SpecconvError when the EAGLE-3 head was not made for this target."""
     if head.arch != names.EAGLE3:
         raise SpecconvError(f"{head.paths[0].name} is not an EAGLE-3 head (arch {head.arch})")
-    hp, n_layer = head.hparams, target.hparams.n_layer
-    if hp.target_hidden_size != target.n_embd:
+    hp, num_hidden_layers = head.hparams, target.hparams.num_hidden_layers
+    if hp.target_hidden_size != target.hidden_size:
         raise SpecconvError(f"the EAGLE-3 head reads target hidden states of width {hp.target_hidden_size}, the "
-                            f"target's are {target.n_embd}: converted against another target")
-    bad = [j for j in hp.target_layers if not 0 <= j <= n_layer]
+                            f"target's are {target.hidden_size}: converted against another target")
+    bad = [j for j in hp.target_layers if not 0 <= j <= num_hidden_layers]
     if bad:
-        raise SpecconvError(f"the EAGLE-3 head reads target layer {bad[0]}, but the target has {n_layer} layers "
-                            f"(0..{n_layer}): converted against another target")
+        raise SpecconvError(f"the EAGLE-3 head reads target layer {bad[0]}, but the target has {num_hidden_layers} layers "
+                            f"(0..{num_hidden_layers}): converted against another target")
     check_same_vocabulary(target, head)
     for name in (names.TOKEN_EMBD, names.OUTPUT):
         if name not in head.weights:
             raise SpecconvError(f"the EAGLE-3 head has no {name}: load it with load_model(head, share_from=target)")
-    if head.weights[names.TOKEN_EMBD].shape[-1] != head.n_embd:
+    if head.weights[names.TOKEN_EMBD].shape[-1] != head.hidden_size:
         raise SpecconvError(f"the target's token embedding (width {head.weights[names.TOKEN_EMBD].shape[-1]}) does "
-                            f"not fit the head (width {head.n_embd}) and the head has none of its own")
+                            f"not fit the head (width {head.hidden_size}) and the head has none of its own")
     d2t = head.weights.get(names.EAGLE3_D2T)
     d2t = dense(d2t) if d2t is not None else None
-    if d2t is not None and (int(d2t.min()) < 0 or int(d2t.max()) >= target.n_vocab):
-        raise SpecconvError(f"d2t holds target ids outside [0, {target.n_vocab})")
+    if d2t is not None and (int(d2t.min()) < 0 or int(d2t.max()) >= target.vocab_size):
+        raise SpecconvError(f"d2t holds target ids outside [0, {target.vocab_size})")
 
 
 class Eagle3Drafter(Drafter):

@@ -57,7 +57,7 @@ def n_chained_blocks(head: Model) -> int:
     """Blocks the drafter chains: nextn_predict_layers for graphs that support it, else 1."""
     if not head.graph.CHAINED_MTP:
         return 1
-    return max(1, int(head.hparams.n_nextn))  # every chained graph's hparams count their blocks
+    return max(1, int(head.hparams.num_nextn_predict_layers))  # every chained graph's hparams count their blocks
 
 
 def rows_layout(head: Model) -> str:
@@ -83,9 +83,9 @@ class MtpDrafter(Drafter):
     needs_hidden = True
 
     def __init__(self, head: Model, n_ctx: int, target: Model | None = None, layout: str | None = None):
-        if target is not None and (target.n_vocab != head.n_vocab or target.n_embd != head.n_embd):
-            raise SpecconvError(f"MTP head (vocab {head.n_vocab}, width {head.n_embd}) does not fit the target "
-                                f"(vocab {target.n_vocab}, width {target.n_embd})")
+        if target is not None and (target.vocab_size != head.vocab_size or target.hidden_size != head.hidden_size):
+            raise SpecconvError(f"MTP head (vocab {head.vocab_size}, width {head.hidden_size}) does not fit the target "
+                                f"(vocab {target.vocab_size}, width {target.hidden_size})")
         self.head = head
         self.n_blocks = n_chained_blocks(head)
         # the target rows the head reads: post-norm, or pre-norm where the graph says so (step35)
@@ -99,7 +99,7 @@ class MtpDrafter(Drafter):
             self.first_row = first_row_position(self.layout, 0)
             self.ctx = Context(head, GraphType.MTP, n_ctx=n_ctx)
         self.n_committed = 0
-        self.pending_h = torch.zeros(head.n_embd, dtype=head.dtype, device=head.device)
+        self.pending_h = torch.zeros(head.hidden_size, dtype=head.dtype, device=head.device)
         self._last_draft_logits: list[torch.Tensor] = []
 
     @property
@@ -119,7 +119,7 @@ class MtpDrafter(Drafter):
             return self.chain.start(prefix, hidden)
         self.ctx.clear()
         self.n_committed = 0
-        self.pending_h = torch.zeros(self.head.n_embd, dtype=self.head.dtype, device=self.head.device)
+        self.pending_h = torch.zeros(self.head.hidden_size, dtype=self.head.dtype, device=self.head.device)
         if len(prefix):
             self._catch_up(list(prefix), hidden)
 

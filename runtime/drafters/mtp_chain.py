@@ -53,7 +53,7 @@ class MtpChain:
         self.k = len(self.ctxs)
         self.chain_hidden = chain_hidden
         head = views[0]
-        self.zero = torch.zeros(head.n_embd, dtype=head.dtype, device=head.device)
+        self.zero = torch.zeros(head.hidden_size, dtype=head.dtype, device=head.device)
         self.n_committed = 0
         self.pending = [self.zero] * self.k
         self.last_draft_logits: list[torch.Tensor] = []

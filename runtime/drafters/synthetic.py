@@ -35,14 +35,14 @@ class SyntheticDrafter(Drafter):
     needs_hidden = False
     synthetic = True  # reports and verify tell measurement drafters apart by this flag
 
-    def __init__(self, reference: Sequence[int], n_vocab: int, acceptance: float, seed: int | None = 0):
+    def __init__(self, reference: Sequence[int], vocab_size: int, acceptance: float, seed: int | None = 0):
         """`reference`: prompt + the target's greedy continuation (token ids)."""
         if not 0.0 <= float(acceptance) <= 1.0:
             raise SpecconvError(f"--acceptance must be in [0, 1], not {acceptance}")
-        if n_vocab < 2:
+        if vocab_size < 2:
             raise SpecconvError("the synthetic drafter needs a vocabulary of at least 2 tokens")
         self.reference = [int(t) for t in reference]
-        self.n_vocab, self.acceptance = int(n_vocab), float(acceptance)
+        self.vocab_size, self.acceptance = int(vocab_size), float(acceptance)
         self.gen = torch.Generator().manual_seed(0 if seed is None else int(seed))
         self.history: list[int] = []
 
@@ -58,11 +58,11 @@ class SyntheticDrafter(Drafter):
         n = len(truth)
         replace = torch.rand(n, generator=self.gen) >= self.acceptance
         # another token, uniform over the V - 1 others: an offset in 1..V-1 added modulo V
-        offset = torch.randint(1, self.n_vocab, (n,), generator=self.gen)
-        tokens = [(t + int(o)) % self.n_vocab if r else t for t, r, o in zip(truth, replace.tolist(), offset.tolist())]
+        offset = torch.randint(1, self.vocab_size, (n,), generator=self.gen)
+        tokens = [(t + int(o)) % self.vocab_size if r else t for t, r, o in zip(truth, replace.tolist(), offset.tolist())]
         probs = None
         if temperature > 0:  # the exact q each token was drawn from, for the Leviathan rule
-            probs = torch.full((n, self.n_vocab), (1.0 - self.acceptance) / (self.n_vocab - 1))
+            probs = torch.full((n, self.vocab_size), (1.0 - self.acceptance) / (self.vocab_size - 1))
             probs[torch.arange(n), torch.tensor(truth)] = self.acceptance
         return Draft(tokens, probs)
 

@@ -16,6 +16,7 @@ import torch
 
 from specconv.archs.chained_mtp import Sizes
 from specconv.archs.errors import SpecconvError
+from specconv.archs.hparams import FamilyHParams
 from specconv.archs.tensor_table import GraphTensors, TensorTable
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs import moe_sigmoid as ms
@@ -28,14 +29,14 @@ from specconv.runtime.memory import Batch, MemoryLayout
 
 
 @dataclass(kw_only=True)
-class ChainedHParams:
+class ChainedHParams(FamilyHParams):
     """The fields every chained-MTP graph reads (keyword-only, so each graph's own fields follow)."""
     arch: str
-    n_layer: int
-    n_nextn: int
-    n_embd: int
+    num_hidden_layers: int
+    num_nextn_predict_layers: int
+    hidden_size: int
     eps: float
-    n_expert_used: int
+    num_experts_per_tok: int
     gating: int = ms.GATING_SIGMOID
     n_group: int = 1
     n_group_used: int = 1
@@ -46,10 +47,10 @@ class ChainedHParams:
 
 def block_counts(r: HParamsReader) -> tuple[int, int]:
     """(block_count, nextn_predict_layers): the trunk has block_count - nextn_predict_layers blocks."""
-    total, n_nextn = r.key("block_count", type=int), r.key("nextn_predict_layers", 0, int)
-    if n_nextn > total:
-        raise SpecconvError(f"{r.arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({total})")
-    return total, n_nextn
+    total, num_nextn_predict_layers = r.key("block_count", type=int), r.key("nextn_predict_layers", 0, int)
+    if num_nextn_predict_layers > total:
+        raise SpecconvError(f"{r.arch}.nextn_predict_layers ({num_nextn_predict_layers}) exceeds block_count ({total})")
+    return total, num_nextn_predict_layers
 
 
 def gating(r: HParamsReader) -> int:
@@ -71,7 +72,7 @@ def check_ffn(file, hp, needed: list[str], bias: str, shared: bool) -> None:
     """Each block the graph runs holds a whole dense FFN or a whole routed one (with shared expert), and
     its routing fits its experts."""
     have = set(needed)
-    for i in range(hp.n_layer + hp.n_nextn):
+    for i in range(hp.num_hidden_layers + hp.num_nextn_predict_layers):
         p = f"blk.{i}."
         if p + "attn_norm.weight" not in have:
             continue  # a block this graph type does not run
@@ -90,7 +91,7 @@ def check_ffn(file, hp, needed: list[str], bias: str, shared: bool) -> None:
 
 
 def check_routing(hp, X: int, where: str) -> None:
-    used, groups, groups_used = hp.n_expert_used, hp.n_group, hp.n_group_used
+    used, groups, groups_used = hp.num_experts_per_tok, hp.n_group, hp.n_group_used
     if not 1 <= used <= X:
         raise SpecconvError(f"{hp.arch}.expert_used_count {used} must be within 1..{X} (the experts of {where})")
     if groups > 1 and (X % groups or X // groups < 2 or not 1 <= groups_used <= groups
@@ -101,16 +102,16 @@ def check_routing(hp, X: int, where: str) -> None:
 
 def mtp_block_id(hp) -> int:
     """The block an MTP context runs: n_layer + hp.mtp_block (runtime/drafters/mtp.py sets mtp_block)."""
-    if not 0 <= hp.mtp_block < max(hp.n_nextn, 1):
-        raise SpecconvError(f"{hp.arch}: MTP block {hp.mtp_block} out of range (the file has {hp.n_nextn})")
-    return hp.n_layer + hp.mtp_block
+    if not 0 <= hp.mtp_block < max(hp.num_nextn_predict_layers, 1):
+        raise SpecconvError(f"{hp.arch}: MTP block {hp.mtp_block} out of range (the file has {hp.num_nextn_predict_layers})")
+    return hp.num_hidden_layers + hp.mtp_block
 
 
-def _layout(layers: list[int], n_head_kv: int | list[int], width: int) -> MemoryLayout:
-    if isinstance(n_head_kv, list):  # KV heads per block: each layer's cells get their own shape
-        return MemoryLayout(attn_layers=layers, n_head_kv=n_head_kv[layers[0] if layers else 0], head_dim=width,
-                            rec_layers=[], layer_shapes={i: (n_head_kv[i], width) for i in layers})
-    return MemoryLayout(attn_layers=layers, n_head_kv=n_head_kv, head_dim=width, rec_layers=[])
+def _layout(layers: list[int], num_key_value_heads: int | list[int], width: int) -> MemoryLayout:
+    if isinstance(num_key_value_heads, list):  # KV heads per block: each layer's cells get their own shape
+        return MemoryLayout(attn_layers=layers, num_key_value_heads=num_key_value_heads[layers[0] if layers else 0], head_dim=width,
+                            rec_layers=[], layer_shapes={i: (num_key_value_heads[i], width) for i in layers})
+    return MemoryLayout(attn_layers=layers, num_key_value_heads=num_key_value_heads, head_dim=width, rec_layers=[])
 
 
 @dataclass(frozen=True)
@@ -119,10 +120,10 @@ class Layouts:
     width: Callable[[Any], int]
 
     def main_layout(self, hp, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-        return _layout(list(range(hp.n_layer)), hp.n_head_kv, self.width(hp))
+        return _layout(list(range(hp.num_hidden_layers)), hp.num_key_value_heads, self.width(hp))
 
     def mtp_layout(self, hp) -> MemoryLayout:
-        return _layout([mtp_block_id(hp)], hp.n_head_kv, self.width(hp))
+        return _layout([mtp_block_id(hp)], hp.num_key_value_heads, self.width(hp))
 
 
 # ---- compute ------------------------------------------------------------------------------------------------
@@ -192,8 +193,8 @@ class Forwards:
 
     def forward_main(self, w, hp, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                      want_logits: torch.Tensor | None):
-        """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
-        return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits, self.make_rope(hp, batch),
+        """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
+        return forward_trunk(w, hp.num_hidden_layers, hp.eps, tokens, want_layers, want_logits, self.make_rope(hp, batch),
                              self._block(w, hp, batch))
 
     def forward_mtp(self, w, hp, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):

@@ -23,6 +23,8 @@ MTP_ROW_LAYOUTS = ("llama.cpp", "shifted")  # runtime/drafters/mtp_chain.py LAYO
 KINDS = (None, "eagle3", "dflash", "assistant")  # None: trunk / sidecar / embedded, from the file's tensors
 
 Names = Callable[[Any], list[str]]
+FROM_TABLE = ("main_tensors", "optional_main_tensors", "mtp_tensors", "optional_mtp_tensors", "OPTIONAL",
+              "keep_float32", "expected_shapes")  # what `Graph.tensors` gives
 
 
 def no_tensors(hp) -> list[str]:
@@ -44,6 +46,9 @@ class Graph:
     that is missing, so an incomplete graph fails where it is declared."""
 
     name: str = REQUIRED  # the graph module's name, for messages
+    # The family's tensor table as the graph reads it (archs/tensor_table.py GraphTensors): the tensor
+    # lists, OPTIONAL, keep_float32 and expected_shapes below derive from it where not given.
+    tensors: Any = None
     HParams: type = REQUIRED  # `HParams.from_kv(kv)`: hyperparameters from GGUF metadata (runtime/validate.py)
     main_tensors: Names = REQUIRED  # tensors the MAIN graph needs (hp -> GGUF names)
     mtp_tensors: Names = REQUIRED  # tensors the MTP graph needs
@@ -67,7 +72,7 @@ class Graph:
     forward_encoder: Callable[..., Any] | None = None
     # (hp, file) -> the graph types a file serves; None: decided from its tensors (runtime/model.py)
     serves: Callable[..., set] | None = None
-    n_vocab: Callable[[Any], int] | None = None  # rows of the vocabulary when the file has no token_embd
+    vocab_size: Callable[[Any], int] | None = None  # rows of the vocabulary when the file has no token_embd
     KIND: str | None = None  # Model.kind of every file of this graph (a draft head); None: from its tensors
     MULTI_DEVICE: bool = False  # the forwards follow a placement of blocks over several devices
     SHAREABLE: tuple[str, ...] = SHARED_WITH_TARGET  # tensors reused from the target when identical
@@ -85,6 +90,11 @@ class Graph:
     INTEGER_TENSORS: tuple[str, ...] = ()  # tensors read as integers (EAGLE-3's d2t); every other is float
 
     def __post_init__(self):
+        if self.tensors is not None:
+            defaults = {f.name: f.default for f in fields(self)}
+            for name in FROM_TABLE:
+                if getattr(self, name) is defaults[name]:  # every field: the dataclass's own
+                    object.__setattr__(self, name, getattr(self.tensors, name))
         missing = required_fields(self)
         if missing:
             raise SpecconvError(f"graph {self.name if self.name is not REQUIRED else '?'} does not declare "

@@ -21,9 +21,9 @@ def output_head(w) -> torch.Tensor:
     return w["output.weight"] if "output.weight" in w else w["token_embd.weight"]
 
 
-def forward_trunk(w, n_layer: int, eps: float, tokens: torch.Tensor, want_layers: set[int],
+def forward_trunk(w, num_hidden_layers: int, eps: float, tokens: torch.Tensor, want_layers: set[int],
                   want_logits: torch.Tensor | None, make_rope: Callable[[torch.dtype], object], block: Block):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm}).
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm}).
 
     `make_rope(dtype)` builds the rope tables in the activations' accumulation dtype.
     """
@@ -33,7 +33,7 @@ def forward_trunk(w, n_layer: int, eps: float, tokens: torch.Tensor, want_layers
     main = h.device
     rope = make_rope(acc(h).dtype)
     layer_inputs = {}
-    for i in range(n_layer):
+    for i in range(num_hidden_layers):
         if i in want_layers:
             layer_inputs[i] = h.to(main)
         if multi:  # activations and rope tables follow the blocks over the devices (runtime/placement.py)
@@ -46,36 +46,36 @@ def forward_trunk(w, n_layer: int, eps: float, tokens: torch.Tensor, want_layers
     if multi:
         h = move(h, placement.devices[-1])  # the output norm and head sit on the last device
     post = rms_norm(h, w["output_norm.weight"], eps)
-    if n_layer in want_layers:
-        layer_inputs[n_layer] = post.to(main)
+    if num_hidden_layers in want_layers:
+        layer_inputs[num_hidden_layers] = post.to(main)
     rows = post if want_logits is None else post[want_logits.to(post.device)]
     return acc(linear(rows, output_head(w))).to(main), post.to(main), h.to(main), layer_inputs
 
 
-def nextn_input(w, n_layer: int, eps: float, tokens: torch.Tensor, hidden_in: torch.Tensor) -> torch.Tensor:
+def nextn_input(w, num_hidden_layers: int, eps: float, tokens: torch.Tensor, hidden_in: torch.Tensor) -> torch.Tensor:
     """eh_proj · [enorm(E[x]) ; hnorm(h)], embedding first (the nextn block sits at index n_layer)."""
-    p = f"blk.{n_layer}.nextn."
+    p = f"blk.{num_hidden_layers}.nextn."
     embd = w.get(p + "embed_tokens.weight", w["token_embd.weight"])
     e = rms_norm(embd[tokens], w[p + "enorm.weight"], eps)
     hn = rms_norm(hidden_in.to(e.dtype), w[p + "hnorm.weight"], eps)
     return linear(torch.cat([e, hn], dim=-1), w[p + "eh_proj.weight"])
 
 
-def nextn_output(w, n_layer: int, eps: float, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def nextn_output(w, num_hidden_layers: int, eps: float, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, z): z = shared_head_norm(y) (or output_norm), logits from shared_head_head (or output)."""
-    p = f"blk.{n_layer}.nextn."
+    p = f"blk.{num_hidden_layers}.nextn."
     z = rms_norm(y, w.get(p + "shared_head_norm.weight", w["output_norm.weight"]), eps)
     return acc(linear(z, w.get(p + "shared_head_head.weight", output_head(w)))), z
 
 
-def forward_nextn(w, n_layer: int, eps: float, tokens: torch.Tensor, hidden_in: torch.Tensor,
+def forward_nextn(w, num_hidden_layers: int, eps: float, tokens: torch.Tensor, hidden_in: torch.Tensor,
                   make_rope: Callable[[torch.dtype], object], block: Block):
     """One MTP row per token: u = eh_proj·[enorm(E[x]) ; hnorm(h)], the block at index n_layer,
     z = shared_head_norm(y); returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
     def run(tokens, hidden_in):
-        h = nextn_input(w, n_layer, eps, tokens, hidden_in)
-        y = block(n_layer, h, make_rope(acc(h).dtype))
-        logits, z = nextn_output(w, n_layer, eps, y)
+        h = nextn_input(w, num_hidden_layers, eps, tokens, hidden_in)
+        y = block(num_hidden_layers, h, make_rope(acc(h).dtype))
+        logits, z = nextn_output(w, num_hidden_layers, eps, y)
         return logits, z, y
 
-    return on_layer_device(w, n_layer, run, tokens, hidden_in)  # the MTP block sits on the last device
+    return on_layer_device(w, num_hidden_layers, run, tokens, hidden_in)  # the MTP block sits on the last device

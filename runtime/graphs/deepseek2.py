@@ -33,7 +33,7 @@ from specconv.runtime.memory import Batch, MemoryLayout
 
 
 
-@dataclass
+@dataclass(kw_only=True)
 class HParams(ms.MoeKV):
     q_lora: int = 0  # 0: a plain attn_q
     kv_lora: int = 0
@@ -65,7 +65,7 @@ class HParams(ms.MoeKV):
                          yarn_beta_slow=key("rope.scaling.yarn_beta_slow", 1.0, float),
                          yarn_attn_factor=key("rope.scaling.yarn_attn_factor", None),
                          yarn_log_mul=key("rope.scaling.yarn_log_multiplier", 0.0, float) / 0.1)
-        hp = cls(**vars(base), **extra)
+        hp = cls(**{**vars(base), **extra})
         if hp.dn < 1 or hp.dr % 2:
             raise SpecconvError(f"{hp.arch}: attention.key_length_mla {hp.dn + hp.dr} must exceed an even "
                                 f"rope.dimension_count {hp.dr}")
@@ -83,18 +83,14 @@ def sizes(hp: HParams):
 
 TABLE = DEEPSEEK2_TABLE
 _tensors = GraphTensors(TABLE, sizes)
-OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32
-main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
-mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
-expected_shapes = _tensors.expected_shapes
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    return MemoryLayout(attn_layers=list(range(hp.n_layer)), n_head_kv=1, head_dim=hp.kv_lora + hp.dr, rec_layers=[])
+    return MemoryLayout(attn_layers=list(range(hp.num_hidden_layers)), num_key_value_heads=1, head_dim=hp.kv_lora + hp.dr, rec_layers=[])
 
 
 def mtp_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[hp.n_layer], n_head_kv=1, head_dim=hp.kv_lora + hp.dr, rec_layers=[])
+    return MemoryLayout(attn_layers=[hp.num_hidden_layers], num_key_value_heads=1, head_dim=hp.kv_lora + hp.dr, rec_layers=[])
 
 
 # ---- rope ---------------------------------------------------------------------------------------
@@ -111,8 +107,8 @@ def inv_freq(hp: HParams, device) -> tuple[torch.Tensor, float]:
         return 1.0 / pos_freqs, 1.0
     f = hp.yarn_factor
 
-    def corr(n_rot: float) -> float:
-        return d * math.log(hp.yarn_orig_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+    def corr(rotary_dim: float) -> float:
+        return d * math.log(hp.yarn_orig_ctx / (rotary_dim * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = max(math.floor(corr(hp.yarn_beta_fast)), 0), min(math.ceil(corr(hp.yarn_beta_slow)), d - 1)
     if low == high:
@@ -152,7 +148,7 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def mla(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
     n, p = a.shape[0], f"blk.{i}."
-    nh, dn, dr, kvl = hp.n_head, hp.dn, hp.dr, hp.kv_lora
+    nh, dn, dr, kvl = hp.num_attention_heads, hp.dn, hp.dr, hp.kv_lora
     if hp.q_lora:
         cq = rms_norm(linear(a, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"], hp.eps)
         q = linear(cq, w[p + "attn_q_b.weight"])
@@ -181,33 +177,27 @@ def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
-    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
+    return forward_trunk(w, hp.num_hidden_layers, hp.eps, tokens, want_layers, want_logits,
                          lambda dtype: rope_cos_sin(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 
 
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
     """Returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
-    return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
+    return forward_nextn(w, hp.num_hidden_layers, hp.eps, tokens, hidden_in,
                          lambda dtype: rope_cos_sin(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 
 
 GRAPH = Graph(
     name="deepseek2",
+    tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,
-    main_tensors=main_tensors,
-    mtp_tensors=mtp_tensors,
-    optional_mtp_tensors=optional_mtp_tensors,
-    keep_float32=keep_float32,
     main_layout=main_layout,
     mtp_layout=mtp_layout,
     forward_main=forward_main,
     forward_mtp=forward_mtp,
-    OPTIONAL=OPTIONAL,
-    optional_main_tensors=optional_main_tensors,
-    expected_shapes=expected_shapes,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

@@ -24,6 +24,7 @@ import torch
 from specconv.archs import names
 from specconv.archs.dflash import DFLASH_TABLE, Sizes
 from specconv.archs.errors import SpecconvError
+from specconv.archs.hparams import FamilyHParams
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import acc, by_rows, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
 from specconv.runtime.graphs.hparams_reader import HParamsReader
@@ -33,15 +34,15 @@ from specconv.runtime.validate import check_kv, check_rope_width
 
 
 
-@dataclass
-class HParams:
+@dataclass(kw_only=True)
+class HParams(FamilyHParams):
     arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
     head_dim: int
-    n_rot: int
+    rotary_dim: int
     rope_base: float
     eps: float
     n_ff: int
@@ -49,9 +50,9 @@ class HParams:
     target_layers: list[int] = field(default_factory=list)  # target layer INPUTS (llama.cpp's convention)
     mask_token_id: int = 0
     causal: bool = False
-    n_vocab: int = 0
+    vocab_size: int = 0
     context_length: int = 0
-    n_nextn: int = 0
+    num_nextn_predict_layers: int = 0
     # DFlash2: dynamic convolutions (kernel taps, channels per group) and the candidate selector
     conv_kernel: int = 0
     conv_group: int = 0
@@ -69,17 +70,17 @@ class HParams:
         return self.selector_top_k > 0
 
     @property
-    def n_embd_in(self) -> int:
+    def input_width(self) -> int:
         """Width of one context row: the k target layers' hidden states, concatenated."""
-        return len(self.target_layers) * self.n_embd
+        return len(self.target_layers) * self.hidden_size
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         check_kv(kv)  # types and ranges first (runtime/validate.py): nothing below calls int() on a string
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        n_embd, n_head = key("embedding_length", type=int), key("attention.head_count", type=int)
-        head_dim = key("attention.key_length", n_embd // n_head, int)
+        hidden_size, num_attention_heads = key("embedding_length", type=int), key("attention.head_count", type=int)
+        head_dim = key("attention.key_length", hidden_size // num_attention_heads, int)
         layers = key("target_layers", None, list)
         if not layers:
             raise SpecconvError(f"GGUF metadata lacks {arch}.target_layers (the target layers a DFlash drafter reads)")
@@ -89,17 +90,17 @@ class HParams:
         if r.has("hyper_connection_count"):
             raise SpecconvError(f"{arch}.hyper_connection_count: DSpark (DeepSeek-V4 stage) drafters are not "
                                 f"supported by specconv's runtime (llama.cpp runs them)")
-        n_layer = key("block_count", type=int)
+        num_hidden_layers = key("block_count", type=int)
         n_swa = key("attention.sliding_window", 0, int)
         swa_layers = [bool(x) for x in key("attention.sliding_window_pattern", [], list)] if n_swa else []
-        if n_swa and len(swa_layers) != n_layer:
+        if n_swa and len(swa_layers) != num_hidden_layers:
             raise SpecconvError(f"{arch}.attention.sliding_window_pattern has {len(swa_layers)} entries for "
-                                f"{n_layer} layers")
+                                f"{num_hidden_layers} layers")
         sections = key("rope.dimension_sections", None, list)
-        n_rot = key("rope.dimension_count", head_dim, int)
-        if sections is not None and [int(x) for x in sections] != [n_rot // 2, 0, 0, 0]:
+        rotary_dim = key("rope.dimension_count", head_dim, int)
+        if sections is not None and [int(x) for x in sections] != [rotary_dim // 2, 0, 0, 0]:
             raise SpecconvError(f"{arch}.rope.dimension_sections {list(sections)}: only the temporal section "
-                                f"[{n_rot // 2}, 0, 0, 0] (drafts for M-RoPE targets) is supported")
+                                f"[{rotary_dim // 2}, 0, 0, 0] (drafts for M-RoPE targets) is supported")
         tokens = kv.get("tokenizer.ggml.tokens")
         extra = dict(conv_kernel=key("conv_kernel_size", 0, int), conv_group=key("conv_group_size", 0, int),
                      selector_rank=key("selector_rank", 0, int), selector_top_k=key("selector_top_k", 0, int),
@@ -107,15 +108,15 @@ class HParams:
                      embedding_scale=key("embedding_scale", 0.0, float),
                      value_scale=key("attention.value_scale", 0.0, float), n_swa=n_swa, swa_layers=swa_layers)
         if extra["selector_top_k"] and not (extra["conv_kernel"] > 0 and extra["conv_group"] > 0
-                                            and n_embd % extra["conv_group"] == 0 and extra["selector_rank"] > 0):
+                                            and hidden_size % extra["conv_group"] == 0 and extra["selector_rank"] > 0):
             raise SpecconvError(f"{arch}: DFlash2 file with incomplete conv / selector metadata")
-        return cls(arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, **extra,
-                   n_head_kv=key("attention.head_count_kv", n_head, int), head_dim=head_dim,
-                   n_rot=n_rot, rope_base=key("rope.freq_base", 10000.0, float),
+        return cls(arch=arch, num_hidden_layers=num_hidden_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads, **extra,
+                   num_key_value_heads=key("attention.head_count_kv", num_attention_heads, int), head_dim=head_dim,
+                   rotary_dim=rotary_dim, rope_base=key("rope.freq_base", 10000.0, float),
                    eps=key("attention.layer_norm_rms_epsilon", type=float), n_ff=key("feed_forward_length", type=int),
                    block_size=key("block_size", 16, int), target_layers=[int(j) for j in layers],
                    mask_token_id=int(mask), causal=key("attention.causal", False, bool),
-                   n_vocab=len(tokens) if tokens is not None else 0, context_length=key("context_length", 0, int))
+                   vocab_size=len(tokens) if tokens is not None else 0, context_length=key("context_length", 0, int))
 
 
 # tensors llama.cpp's dflash graph uses when present, which this graph does not implement
@@ -135,8 +136,8 @@ def serves(hp: HParams, file) -> set[GraphType]:
     return {GraphType.MTP}
 
 
-def n_vocab(hp: HParams) -> int:
-    return hp.n_vocab
+def vocab_size(hp: HParams) -> int:
+    return hp.vocab_size
 
 
 # ---- which tensors the graph needs: the drafter's table (archs/dflash.py) ---------------------
@@ -146,8 +147,8 @@ TABLE = DFLASH_TABLE
 
 def sizes(hp: HParams) -> Sizes:
     """The table's sizes from GGUF metadata; the vocabulary is the file's ("V", bound by its tensors)."""
-    return Sizes(n_layer=hp.n_layer, E=hp.n_embd, V="V", n_head=hp.n_head, n_head_kv=hp.n_head_kv,
-                 head_dim=hp.head_dim, ffn=hp.n_ff, E_in=hp.n_embd_in, v2=hp.v2, conv_kernel=hp.conv_kernel,
+    return Sizes(num_hidden_layers=hp.num_hidden_layers, E=hp.hidden_size, V="V", num_attention_heads=hp.num_attention_heads, num_key_value_heads=hp.num_key_value_heads,
+                 head_dim=hp.head_dim, ffn=hp.n_ff, E_in=hp.input_width, v2=hp.v2, conv_kernel=hp.conv_kernel,
                  conv_group=hp.conv_group, selector_rank=hp.selector_rank)
 
 
@@ -156,11 +157,11 @@ def main_tensors(hp: HParams) -> list[str]:
 
 
 def mtp_tensors(hp: HParams) -> list[str]:
-    return TABLE.graph_names(sizes(hp), range(hp.n_layer), "mtp")
+    return TABLE.graph_names(sizes(hp), range(hp.num_hidden_layers), "mtp")
 
 
 def expected_shapes(hp: HParams) -> dict[str, tuple | list[tuple]]:
-    return TABLE.ggml_shapes(sizes(hp), range(hp.n_layer))
+    return TABLE.ggml_shapes(sizes(hp), range(hp.num_hidden_layers))
 
 
 OPTIONAL = tuple(TABLE.names(None, (), optional=True))  # token_embd and output: else the target's
@@ -169,7 +170,7 @@ keep_float32 = TABLE.keeps_float32
 
 
 def check_hparams(hp: HParams, kv: Mapping[str, Any]) -> None:
-    check_rope_width(f"{hp.arch}.rope.dimension_count", hp.n_rot, hp.head_dim)
+    check_rope_width(f"{hp.arch}.rope.dimension_count", hp.rotary_dim, hp.head_dim)
 
 
 def check_values(file, hp: HParams, needed: list[str]) -> None:
@@ -183,7 +184,7 @@ def check_values(file, hp: HParams, needed: list[str]) -> None:
 
 
 def mtp_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=list(range(hp.n_layer)), n_head_kv=hp.n_head_kv, head_dim=hp.head_dim,
+    return MemoryLayout(attn_layers=list(range(hp.num_hidden_layers)), num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim,
                         rec_layers=[])
 
 
@@ -191,14 +192,14 @@ main_layout = mtp_layout
 
 
 def _rope(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
-    return rope_cos_sin(positions, hp.n_rot, hp.rope_base, dtype)
+    return rope_cos_sin(positions, hp.rotary_dim, hp.rope_base, dtype)
 
 
 def _context_kv(w, hp: HParams, i: int, g: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
     """K (normed, roped) and V of context rows g in layer i; no attn_norm on g (it is normed once)."""
     n, p = g.shape[0], f"blk.{i}."
-    k = rms_norm(linear(g, w[p + "attn_k.weight"]).view(n, hp.n_head_kv, hp.head_dim), w[p + "attn_k_norm.weight"], hp.eps)
-    v = linear(g, w[p + "attn_v.weight"]).view(n, hp.n_head_kv, hp.head_dim)
+    k = rms_norm(linear(g, w[p + "attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim), w[p + "attn_k_norm.weight"], hp.eps)
+    v = linear(g, w[p + "attn_v.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
     return rope_neox_partial(k, *rope), v
 
 
@@ -207,7 +208,7 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
     cache. Returns (empty logits [n, 0], g, g): these rows predict nothing."""
     g = rms_norm(linear(hidden_in, w[names.EAGLE3_FC]), w[names.ENC_OUTPUT_NORM], hp.eps)
     rope = _rope(hp, batch.positions, acc(g).dtype)
-    for i in range(hp.n_layer):
+    for i in range(hp.num_hidden_layers):
         batch.attend_kv(i, *_context_kv(w, hp, i, g, rope))
     return g.new_zeros(g.shape[0], 0), g, g
 
@@ -256,20 +257,20 @@ def forward_block(w, hp: HParams, tokens: torch.Tensor, positions: torch.Tensor,
     if hp.embedding_scale:
         x = x * hp.embedding_scale
     rope = _rope(hp, positions, acc(x).dtype)
-    for i in range(hp.n_layer):
+    for i in range(hp.num_hidden_layers):
         p = f"blk.{i}."
         a = rms_norm(x, w[p + "attn_norm.weight"], hp.eps)
         if hp.v2:
             dyn = linear(a, w[p + "attn_conv_proj.weight"])
             a = _conv(hp, a, dyn, w[p + "attn_conv_base"], 0)
-        q = rms_norm(linear(a, w[p + "attn_q.weight"]).view(n, hp.n_head, hp.head_dim), w[p + "attn_q_norm.weight"], hp.eps)
+        q = rms_norm(linear(a, w[p + "attn_q.weight"]).view(n, hp.num_attention_heads, hp.head_dim), w[p + "attn_q_norm.weight"], hp.eps)
         q = rope_neox_partial(q, *rope)
         k, v = _context_kv(w, hp, i, a, rope)  # the block rows' own K/V: same projections, on attn_norm(x)
         k_ctx, v_ctx, pos_ctx = memory.cells(seq, i)
         window = hp.n_swa if hp.swa_layers and hp.swa_layers[i] else 0
         o = _attention(q, torch.cat([k_ctx.to(k.dtype), k]), torch.cat([v_ctx.to(v.dtype), v]), positions,
                        torch.cat([pos_ctx, positions]), hp.head_dim ** -0.5, hp.causal, window)
-        cur = linear(o.reshape(n, hp.n_head * hp.head_dim), w[p + "attn_output.weight"])
+        cur = linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[p + "attn_output.weight"])
         if hp.value_scale:
             cur = cur * hp.value_scale
         if hp.v2:
@@ -328,7 +329,7 @@ GRAPH = Graph(
     forward_mtp=forward_mtp,
     OPTIONAL=OPTIONAL,
     serves=serves,
-    n_vocab=n_vocab,
+    vocab_size=vocab_size,
     KIND="dflash",
     SHAREABLE=(),  # a draft's own tensors are never replaced by the target's
     FROM_TARGET={names.TOKEN_EMBD: (names.TOKEN_EMBD,), names.OUTPUT: (names.OUTPUT, names.TOKEN_EMBD)},

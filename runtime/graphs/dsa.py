@@ -41,7 +41,7 @@ from specconv.runtime.memory import Batch, MemoryLayout
 LAYERNORM_EPS = 1e-6  # the indexer's k_norm: transformers' LayerNorm(eps=1e-6), llama.cpp deepseek32's f_norm_eps
 
 
-@dataclass
+@dataclass(kw_only=True)
 class HParams(ds.HParams):
     index_heads: int = 0
     index_dim: int = 0
@@ -67,15 +67,15 @@ class HParams(ds.HParams):
             if arch == "glm-dsa" and key("context_length", type=int) >= 1048576:
                 raise SpecconvError("glm-dsa file with a ≥1M context and no attention.indexer.types; "
                                     "reconvert it with specconv (the per-layer indexer list is needed)")
-            full = [True] * base.n_layer
-        full = tuple(bool(x) for x in list(full)[:base.n_layer])
-        if len(full) != base.n_layer or not full[0]:
-            raise SpecconvError(f"{arch}.attention.indexer.types must give {base.n_layer} layers, the first full")
+            full = [True] * base.num_hidden_layers
+        full = tuple(bool(x) for x in list(full)[:base.num_hidden_layers])
+        if len(full) != base.num_hidden_layers or not full[0]:
+            raise SpecconvError(f"{arch}.attention.indexer.types must give {base.num_hidden_layers} layers, the first full")
         return dataclasses.replace(cls(**vars(base)), index_heads=heads, index_dim=dim, index_topk=topk,
                                    index_halves=arch == "deepseek32", index_full=full)
 
     def runs_indexer(self, i: int) -> bool:
-        return i >= self.n_layer or self.index_full[i]  # the nextn block runs its own
+        return i >= self.num_hidden_layers or self.index_full[i]  # the nextn block runs its own
 
 
 # ---- which tensors the graphs need: the family's table (archs/dsa.py) --------------------------
@@ -88,10 +88,6 @@ def sizes(hp: HParams):
 
 TABLE = DSA_TABLE
 _tensors = GraphTensors(TABLE, sizes)
-OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32
-main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
-mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
-expected_shapes = _tensors.expected_shapes
 
 
 def _row_width(hp: HParams) -> int:
@@ -99,11 +95,11 @@ def _row_width(hp: HParams) -> int:
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    return MemoryLayout(attn_layers=list(range(hp.n_layer)), n_head_kv=1, head_dim=_row_width(hp), rec_layers=[])
+    return MemoryLayout(attn_layers=list(range(hp.num_hidden_layers)), num_key_value_heads=1, head_dim=_row_width(hp), rec_layers=[])
 
 
 def mtp_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[hp.n_layer], n_head_kv=1, head_dim=_row_width(hp), rec_layers=[])
+    return MemoryLayout(attn_layers=[hp.num_hidden_layers], num_key_value_heads=1, head_dim=_row_width(hp), rec_layers=[])
 
 
 # ---- the lightning indexer ------------------------------------------------------------------------
@@ -168,7 +164,7 @@ def select(hp: HParams, scores: torch.Tensor, visible: torch.Tensor) -> torch.Te
 def mla_dsa(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope, state: dict) -> torch.Tensor:
     """Absorbed MLA (runtime/graphs/deepseek2.py `mla`) restricted to the indexer's keys."""
     n, p = a.shape[0], f"blk.{i}."
-    nh, dn, dr, kvl = hp.n_head, hp.dn, hp.dr, hp.kv_lora
+    nh, dn, dr, kvl = hp.num_attention_heads, hp.dn, hp.dr, hp.kv_lora
     cq = rms_norm(linear(a, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"], hp.eps)
     q = linear(cq, w[p + "attn_q_b.weight"]).view(n, nh, dn + dr)
     kv = linear(a, w[p + "attn_kv_a_mqa.weight"])
@@ -209,9 +205,9 @@ def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope, state: d
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
     state: dict = {}
-    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
+    return forward_trunk(w, hp.num_hidden_layers, hp.eps, tokens, want_layers, want_logits,
                          lambda dtype: ds.rope_cos_sin(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope, state))
 
@@ -219,25 +215,19 @@ def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
     """Returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
     state: dict = {}
-    return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
+    return forward_nextn(w, hp.num_hidden_layers, hp.eps, tokens, hidden_in,
                          lambda dtype: ds.rope_cos_sin(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope, state))
 
 
 GRAPH = Graph(
     name="dsa",
+    tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,
-    main_tensors=main_tensors,
-    mtp_tensors=mtp_tensors,
-    optional_mtp_tensors=optional_mtp_tensors,
-    keep_float32=keep_float32,
     main_layout=main_layout,
     mtp_layout=mtp_layout,
     forward_main=forward_main,
     forward_mtp=forward_mtp,
-    OPTIONAL=OPTIONAL,
-    optional_main_tensors=optional_main_tensors,
-    expected_shapes=expected_shapes,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk / forward_nextn
 )

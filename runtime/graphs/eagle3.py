@@ -36,7 +36,7 @@ from specconv.runtime.validate import check_shape
 ENC_NORM = names.ENC_OUTPUT_NORM
 
 
-@dataclass
+@dataclass(kw_only=True)
 class HParams(llama.HParams):
     target_layers: tuple[int, ...] = ()
     target_hidden_size: int = 0
@@ -52,8 +52,8 @@ class HParams(llama.HParams):
         if layers is None or len(layers) != 3:
             raise SpecconvError(f"an eagle3 file needs {names.target_layers_key(arch)} with exactly 3 entries")
         ht = key("target_hidden_size", type=int)
-        if base.n_layer != 1:
-            raise SpecconvError(f"an eagle3 head has one decoder layer, this file declares {base.n_layer}")
+        if base.num_hidden_layers != 1:
+            raise SpecconvError(f"an eagle3 head has one decoder layer, this file declares {base.num_hidden_layers}")
         return cls(**vars(base), target_layers=tuple(int(x) for x in layers), target_hidden_size=int(ht),
                    norm_before_residual=key("norm_before_residual", False, bool),
                    norm_before_fc=key("norm_before_fc", False, bool))
@@ -71,8 +71,8 @@ TABLE = EAGLE3_TABLE
 def sizes(hp: HParams) -> Sizes:
     """The table's sizes from GGUF metadata: token_embd spans the target vocabulary; the head's own
     output and d2t the draft vocabulary ("Vd", bound by the file)."""
-    return Sizes(n_layer=1, E=hp.n_embd, V=hp.n_vocab, n_head=hp.n_head, n_head_kv=hp.n_head_kv,
-                 head_dim=hp.head_dim, ffn=hp.n_ff, n_rot=hp.n_rot, E_in=2 * hp.n_embd, Ht=hp.target_hidden_size,
+    return Sizes(num_hidden_layers=1, E=hp.hidden_size, V=hp.vocab_size, num_attention_heads=hp.num_attention_heads, num_key_value_heads=hp.num_key_value_heads,
+                 head_dim=hp.head_dim, ffn=hp.n_ff, rotary_dim=hp.rotary_dim, E_in=2 * hp.hidden_size, Ht=hp.target_hidden_size,
                  Vd="Vd")
 
 
@@ -106,11 +106,11 @@ MAX_VOCAB = 1 << 24
 
 def check_hparams(hp: HParams, kv: Mapping[str, Any]) -> None:
     tokens = kv.get("tokenizer.ggml.tokens")
-    if not 0 < hp.n_vocab <= MAX_VOCAB:
-        raise SpecconvError(f"{hp.arch}: vocabulary size {hp.n_vocab} ({hp.arch}.vocab_size or tokenizer.ggml.tokens) "
+    if not 0 < hp.vocab_size <= MAX_VOCAB:
+        raise SpecconvError(f"{hp.arch}: vocabulary size {hp.vocab_size} ({hp.arch}.vocab_size or tokenizer.ggml.tokens) "
                             f"is outside 1..{MAX_VOCAB}")
-    if isinstance(tokens, list) and len(tokens) > hp.n_vocab:  # logits are scattered over n_vocab columns
-        raise SpecconvError(f"{hp.arch}.vocab_size {hp.n_vocab} is smaller than the {len(tokens)} tokenizer tokens")
+    if isinstance(tokens, list) and len(tokens) > hp.vocab_size:  # logits are scattered over n_vocab columns
+        raise SpecconvError(f"{hp.arch}.vocab_size {hp.vocab_size} is smaller than the {len(tokens)} tokenizer tokens")
     llama.check_hparams(hp, kv)
 
 
@@ -123,7 +123,7 @@ def check_values(file, hp: HParams, needed: list[str]) -> None:
     if names.EAGLE3_D2T not in needed or names.EAGLE3_D2T not in file.tensors:
         if names.OUTPUT in needed and names.OUTPUT in file.tensors:
             check_shape(names.OUTPUT, tuple(int(d) for d in file.tensors[names.OUTPUT].shape),
-                        (hp.n_embd, hp.n_vocab), {})
+                        (hp.hidden_size, hp.vocab_size), {})
         return
     if names.OUTPUT not in needed:  # the target's head spans the target vocabulary, not the draft's
         raise SpecconvError("tensor d2t maps a draft vocabulary, but the head has no output.weight of its own")
@@ -132,25 +132,25 @@ def check_values(file, hp: HParams, needed: list[str]) -> None:
     if view is None:
         raise SpecconvError(f"tensor d2t has type {t.tensor_type.name}; I64 or I32 is expected")
     values = np.asarray(t.data).view(view)
-    if values.size and (int(values.min()) < 0 or int(values.max()) >= hp.n_vocab):
-        raise SpecconvError(f"tensor d2t holds ids outside the target vocabulary [0, {hp.n_vocab})")
+    if values.size and (int(values.min()) < 0 or int(values.max()) >= hp.vocab_size):
+        raise SpecconvError(f"tensor d2t holds ids outside the target vocabulary [0, {hp.vocab_size})")
 
 
 def mtp_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[0], n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, rec_layers=[])
+    return MemoryLayout(attn_layers=[0], num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, rec_layers=[])
 
 
 def encoder_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[], n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, rec_layers=[])
+    return MemoryLayout(attn_layers=[], num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, rec_layers=[])
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
     raise SpecconvError("an EAGLE-3 head has no main graph; run it as ENCODER + MTP next to its target")
 
 
-def n_vocab(hp: HParams) -> int:
+def vocab_size(hp: HParams) -> int:
     """Target vocabulary (what the decoder's logits span), from the KV / tokenizer."""
-    return hp.n_vocab
+    return hp.vocab_size
 
 
 # ---- graphs -----------------------------------------------------------------------------------
@@ -182,14 +182,14 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, g: torch.Tensor, batch: Ba
     out = r + llama.ffn(w, 0, rms_norm(r, w["blk.0.ffn_norm.weight"], hp.eps))
     draft_logits = acc(linear(rms_norm(out, w["output_norm.weight"], hp.eps), _needed(w, names.OUTPUT)))
     d2t = w.get(names.EAGLE3_D2T)
-    return to_target_vocab(draft_logits, dense(d2t) if d2t is not None else None, hp.n_vocab), out, out
+    return to_target_vocab(draft_logits, dense(d2t) if d2t is not None else None, hp.vocab_size), out, out
 
 
-def to_target_vocab(draft_logits: torch.Tensor, d2t: torch.Tensor | None, n_vocab: int) -> torch.Tensor:
+def to_target_vocab(draft_logits: torch.Tensor, d2t: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
     """Scatter draft-vocabulary logits [n, Vd] to target ids [n, V]; ids outside d2t get -inf."""
     if d2t is None:
         return draft_logits
-    full = torch.full((draft_logits.shape[0], n_vocab), float("-inf"), dtype=draft_logits.dtype,
+    full = torch.full((draft_logits.shape[0], vocab_size), float("-inf"), dtype=draft_logits.dtype,
                       device=draft_logits.device)
     full[:, d2t.to(draft_logits.device)] = draft_logits
     return full
@@ -215,7 +215,7 @@ GRAPH = Graph(
     encoder_layout=encoder_layout,
     forward_encoder=forward_encoder,
     serves=serves,
-    n_vocab=n_vocab,
+    vocab_size=vocab_size,
     KIND="eagle3",  # Model.kind of these files
     SHAREABLE=(),  # same-named tensors of the head (its output_norm, its own embedding) are its own
     expected_shapes=expected_shapes,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from specconv.archs.errors import SpecconvError
+from specconv.archs.hparams import FamilyHParams
 from specconv.archs.gemma4 import GEMMA4_TABLE, ROPE_FREQS, Sizes
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts
@@ -30,13 +31,13 @@ from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
 
 
-@dataclass
-class HParams:
+@dataclass(kw_only=True)
+class HParams(FamilyHParams):
     arch: str
-    n_layer: int  # trunk layers (0 for the assistant)
-    n_embd: int
-    n_head: int
-    n_head_kv: list[int]
+    num_hidden_layers: int  # trunk layers (0 for the assistant)
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: list[int]
     head_dim: list[int]
     is_swa: list[bool]
     n_ff: list[int]
@@ -48,18 +49,18 @@ class HParams:
     rope_base_swa: float
     n_rot_swa: int
     eps: float
-    n_vocab: int = 0
+    vocab_size: int = 0
     context_length: int = 0
-    n_nextn: int = 0
-    n_expert: int = 0
-    n_expert_used: int = 0
+    num_nextn_predict_layers: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
     n_ff_exp: int = 0
     n_embd_out: int = 0  # assistant: the backbone (target) width
     store: dict = field(default_factory=dict)  # layer type (is_swa) -> last K/V-owning layer
 
     @property
     def n_blocks(self) -> int:
-        return self.n_layer + self.n_nextn
+        return self.num_hidden_layers + self.num_nextn_predict_layers
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
@@ -75,9 +76,9 @@ class HParams:
                 or key("attention.value_length_swa", hd_swa, int) != hd_swa):
             raise SpecconvError(f"{arch}: key and value head sizes must be equal")
         tokens = kv.get("tokenizer.ggml.tokens")
-        n_nextn = key("nextn_predict_layers", 0, int)
-        hp = cls(arch=arch, n_layer=n - n_nextn, n_embd=key("embedding_length", type=int),
-                 n_head=key("attention.head_count", type=int), n_head_kv=r.per_layer("attention.head_count_kv", n),
+        num_nextn_predict_layers = key("nextn_predict_layers", 0, int)
+        hp = cls(arch=arch, num_hidden_layers=n - num_nextn_predict_layers, hidden_size=key("embedding_length", type=int),
+                 num_attention_heads=key("attention.head_count", type=int), num_key_value_heads=r.per_layer("attention.head_count_kv", n),
                  head_dim=[hd_swa if s else hd_full for s in swa], is_swa=swa,
                  n_ff=r.per_layer("feed_forward_length", n), window=key("attention.sliding_window", type=int),
                  n_shared=key("attention.shared_kv_layers", 0, int),
@@ -86,16 +87,16 @@ class HParams:
                  rope_base=key("rope.freq_base", type=float), rope_base_swa=key("rope.freq_base_swa", type=float),
                  n_rot_swa=key("rope.dimension_count_swa", hd_swa, int),
                  eps=key("attention.layer_norm_rms_epsilon", type=float),
-                 n_vocab=len(tokens) if tokens is not None else 0, context_length=key("context_length", 0, int),
-                 n_nextn=n_nextn, n_expert=key("expert_count", 0, int), n_expert_used=key("expert_used_count", 0, int),
+                 vocab_size=len(tokens) if tokens is not None else 0, context_length=key("context_length", 0, int),
+                 num_nextn_predict_layers=num_nextn_predict_layers, num_experts=key("expert_count", 0, int), num_experts_per_tok=key("expert_used_count", 0, int),
                  n_ff_exp=key("expert_feed_forward_length", 0, int),
                  n_embd_out=key("embedding_length_out", 0, int))
         if key("rope.dimension_count", hd_full, int) != hd_full:
             raise SpecconvError(f"{arch}.rope.dimension_count must be the full head dim {hd_full} (proportional "
                                 f"rope is expressed with rope_freqs)")
-        if hp.n_layer:
-            owners = range(hp.n_layer - hp.n_shared)
-            for swa_type in set(swa[:hp.n_layer]):
+        if hp.num_hidden_layers:
+            owners = range(hp.num_hidden_layers - hp.n_shared)
+            for swa_type in set(swa[:hp.num_hidden_layers]):
                 found = [i for i in owners if swa[i] == swa_type]
                 if not found:
                     raise SpecconvError(f"{arch}: K/V-sharing layers of a type no earlier layer produces")
@@ -103,7 +104,7 @@ class HParams:
         return hp
 
     def owns_kv(self, i: int) -> bool:
-        return i < self.n_layer - self.n_shared
+        return i < self.num_hidden_layers - self.n_shared
 
     def kv_layer(self, i: int) -> int:
         """The layer whose K/V layer i attends to (itself, or the store layer of its type)."""
@@ -123,17 +124,14 @@ def sizes(hp: HParams) -> Sizes:
     """The table's sizes from GGUF metadata; the vocabularies are the file's ("V", "Vp"), and so is the
     rope_freqs length of a file without full-attention layers ("R", which nothing else reads)."""
     full = [d for d, swa in zip(hp.head_dim, hp.is_swa) if not swa]
-    return Sizes(n_layer=hp.n_layer, E=hp.n_embd, V="V", n_head=hp.n_head, head_dims=tuple(hp.head_dim),
-                 kv_heads=tuple(hp.n_head_kv), ffns=tuple(hp.n_ff),
+    return Sizes(num_hidden_layers=hp.num_hidden_layers, E=hp.hidden_size, V="V", num_attention_heads=hp.num_attention_heads, head_dims=tuple(hp.head_dim),
+                 kv_heads=tuple(hp.num_key_value_heads), ffns=tuple(hp.n_ff),
                  owns_kv=tuple(hp.owns_kv(i) for i in range(hp.n_blocks)), rope_half=full[0] // 2 if full else "R",
-                 P=hp.n_per_layer, Vp="Vp", n_expert=hp.n_expert, expert_ffn=hp.n_ff_exp, Eo=hp.n_embd_out)
+                 P=hp.n_per_layer, Vp="Vp", num_experts=hp.num_experts, expert_ffn=hp.n_ff_exp, Eo=hp.n_embd_out)
 
 
 _tensors = GraphTensors(TABLE, sizes)
-OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32  # OPTIONAL: another converter's output.weight
-main_tensors, expected_shapes = _tensors.main_tensors, _tensors.expected_shapes
 # attn_v (absent on attention_k_eq_v full layers) and the fused or split expert matrices
-optional_main_tensors = _tensors.optional_main_tensors
 mtp_tensors = optional_mtp_tensors = no_tensors  # the drafter is a separate gemma4-assistant file
 
 
@@ -145,9 +143,9 @@ def check_hparams(hp: HParams, kv: Mapping[str, Any]) -> None:
                             f"sliding head size")
     if any(d % 2 for d in hp.head_dim):
         raise SpecconvError(f"{a}: head sizes {sorted(set(hp.head_dim))} must be even (rope)")
-    if hp.n_layer and hp.n_shared > hp.n_layer:
-        raise SpecconvError(f"{a}.attention.shared_kv_layers {hp.n_shared} exceeds the {hp.n_layer} layers")
-    if hp.n_expert and not hp.n_ff_exp:
+    if hp.num_hidden_layers and hp.n_shared > hp.num_hidden_layers:
+        raise SpecconvError(f"{a}.attention.shared_kv_layers {hp.n_shared} exceeds the {hp.num_hidden_layers} layers")
+    if hp.num_experts and not hp.n_ff_exp:
         raise SpecconvError(f"{a}.expert_feed_forward_length is missing")
 
 
@@ -159,7 +157,7 @@ def check_values(file, hp: HParams, needed: list[str]) -> None:
             and ple.shape[-1] < embd.shape[-1]:
         raise SpecconvError(f"tensor per_layer_token_embd.weight has {ple.shape[-1]} rows, fewer than the "
                             f"{embd.shape[-1]} tokens of token_embd.weight")
-    for i in range(hp.n_layer if hp.n_expert else 0):
+    for i in range(hp.num_hidden_layers if hp.num_experts else 0):
         p = f"blk.{i}."
         if p + "ffn_gate_up_exps.weight" not in needed and not (
                 p + "ffn_gate_exps.weight" in needed and p + "ffn_up_exps.weight" in needed):
@@ -168,9 +166,9 @@ def check_values(file, hp: HParams, needed: list[str]) -> None:
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    owners = [i for i in range(hp.n_layer) if hp.owns_kv(i)]
-    return MemoryLayout(attn_layers=owners, n_head_kv=hp.n_head_kv[0], head_dim=hp.head_dim[0], rec_layers=[],
-                        layer_shapes={i: (hp.n_head_kv[i], hp.head_dim[i]) for i in owners})
+    owners = [i for i in range(hp.num_hidden_layers) if hp.owns_kv(i)]
+    return MemoryLayout(attn_layers=owners, num_key_value_heads=hp.num_key_value_heads[0], head_dim=hp.head_dim[0], rec_layers=[],
+                        layer_shapes={i: (hp.num_key_value_heads[i], hp.head_dim[i]) for i in owners})
 
 
 def mtp_layout(hp: HParams) -> MemoryLayout:
@@ -184,8 +182,8 @@ def rope_tables(w, hp: HParams, positions: torch.Tensor, dtype: torch.dtype) -> 
     out = {}
     hd_swa = hp.head_dim[hp.is_swa.index(True)] if True in hp.is_swa else 0
     if hd_swa:
-        n_rot = hp.n_rot_swa
-        exponent = torch.arange(0, n_rot, 2, device=positions.device, dtype=torch.int64).float() / n_rot
+        rotary_dim = hp.n_rot_swa
+        exponent = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.int64).float() / rotary_dim
         inv = (1.0 / (hp.rope_base_swa ** exponent)).to(dtype)
         ang = positions.to(dtype)[:, None] * inv[None, :]
         out[True] = (ang.cos(), ang.sin())
@@ -240,13 +238,13 @@ def _attend(q, k, v, q_pos, k_pos, window: int | None) -> torch.Tensor:
 
 def query(w, hp: HParams, i: int, a: torch.Tensor, rope) -> torch.Tensor:
     n, hd = a.shape[0], hp.head_dim[i]
-    q = rms_norm(linear(a, w[_blk(i, "attn_q")]).view(n, hp.n_head, hd), w[_blk(i, "attn_q_norm")], hp.eps)
+    q = rms_norm(linear(a, w[_blk(i, "attn_q")]).view(n, hp.num_attention_heads, hd), w[_blk(i, "attn_q_norm")], hp.eps)
     cos, sin = rope[hp.is_swa[i]]
     return rope_neox_partial(q, cos, sin)
 
 
 def keys_values(w, hp: HParams, i: int, a: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
-    n, hd, nkv = a.shape[0], hp.head_dim[i], hp.n_head_kv[i]
+    n, hd, nkv = a.shape[0], hp.head_dim[i], hp.num_key_value_heads[i]
     k_raw = linear(a, w[_blk(i, "attn_k")]).view(n, nkv, hd)
     v_w = w.get(_blk(i, "attn_v"))
     v = k_raw if v_w is None else linear(a, v_w).view(n, nkv, hd)  # attention_k_eq_v: V is the raw K
@@ -265,7 +263,7 @@ def ffn_block(w, hp: HParams, i: int, h: torch.Tensor) -> torch.Tensor:
     """h + post_ffw_norm(dense GeGLU [+ MoE branch])."""
     x = rms_norm(h, w[_blk(i, "ffn_norm")], hp.eps)
     f = geglu(x, w[_blk(i, "ffn_gate")], w[_blk(i, "ffn_up")], w[_blk(i, "ffn_down")])
-    if hp.n_expert and i < hp.n_layer:
+    if hp.num_experts and i < hp.num_hidden_layers:
         f1 = rms_norm(f, w[_blk(i, "post_ffw_norm_1")], hp.eps)
         f2 = rms_norm(moe(w, hp, i, h), w[_blk(i, "post_ffw_norm_2")], hp.eps)
         f = f1 + f2
@@ -275,9 +273,9 @@ def ffn_block(w, hp: HParams, i: int, h: torch.Tensor) -> torch.Tensor:
 def moe(w, hp: HParams, i: int, h: torch.Tensor) -> torch.Tensor:
     """docs/reference/model-math.md §6.3: router on the residual stream, experts on pre_ffw_norm_2(h)."""
     p = f"blk.{i}."
-    t = acc(rms_norm(h, None, hp.eps)) * w[p + "ffn_gate_inp.scale"].to(acc(h).dtype) * hp.n_embd ** -0.5
+    t = acc(rms_norm(h, None, hp.eps)) * w[p + "ffn_gate_inp.scale"].to(acc(h).dtype) * hp.hidden_size ** -0.5
     probs = torch.softmax(linear(t, w[p + "ffn_gate_inp.weight"]), dim=-1)
-    weights, chosen = torch.topk(probs, hp.n_expert_used, dim=-1)
+    weights, chosen = torch.topk(probs, hp.num_experts_per_tok, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
     weights = weights * w[p + "ffn_down_exps.scale"].to(weights.dtype)[chosen]
     u = rms_norm(h, w[p + "pre_ffw_norm_2.weight"], hp.eps)
@@ -292,8 +290,8 @@ def moe(w, hp: HParams, i: int, h: torch.Tensor) -> torch.Tensor:
 
 def per_layer_inputs(w, hp: HParams, tokens: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """PLE rows [n, N, P] from the scaled embedding h (docs/reference/model-math.md §6.1)."""
-    n, N, P = h.shape[0], hp.n_layer, hp.n_per_layer
-    proj = linear(h, w["per_layer_model_proj.weight"]) * hp.n_embd ** -0.5
+    n, N, P = h.shape[0], hp.num_hidden_layers, hp.n_per_layer
+    proj = linear(h, w["per_layer_model_proj.weight"]) * hp.hidden_size ** -0.5
     proj = rms_norm(proj.view(n, N, P), w["per_layer_proj_norm.weight"], hp.eps)
     tok = w["per_layer_token_embd.weight"][tokens].to(h.dtype).view(n, N, P) * math.sqrt(P)
     return (proj + tok) * 2 ** -0.5
@@ -311,14 +309,14 @@ def output_logits(w, hp: HParams, rows: torch.Tensor) -> torch.Tensor:
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
     emb = w["token_embd.weight"][tokens]
-    h = (acc(emb) * math.sqrt(hp.n_embd)).to(emb.dtype)
+    h = (acc(emb) * math.sqrt(hp.hidden_size)).to(emb.dtype)
     ple = per_layer_inputs(w, hp, tokens, h) if hp.n_per_layer else None
     rope = rope_tables(w, hp, batch.positions, acc(h).dtype)
     kv_of: dict[int, tuple] = {}
     layer_inputs = {}
-    for i in range(hp.n_layer):
+    for i in range(hp.num_hidden_layers):
         if i in want_layers:
             layer_inputs[i] = h
         a = rms_norm(h, w[_blk(i, "attn_norm")], hp.eps)
@@ -335,8 +333,8 @@ def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers
             h = h + rms_norm(linear(g, w[_blk(i, "proj")]), w[_blk(i, "post_norm")], hp.eps)
         h = (acc(h) * w[_blk(i, "layer_output_scale")].to(acc(h).dtype)).to(h.dtype)
     post = rms_norm(h, w["output_norm.weight"], hp.eps)
-    if hp.n_layer in want_layers:
-        layer_inputs[hp.n_layer] = post
+    if hp.num_hidden_layers in want_layers:
+        layer_inputs[hp.num_hidden_layers] = post
     rows = post if want_logits is None else post[want_logits]
     return output_logits(w, hp, rows), post, h, layer_inputs
 
@@ -347,19 +345,15 @@ def forward_mtp(*args, **kwargs):
 
 GRAPH = Graph(
     name="gemma4",
+    tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,
-    main_tensors=main_tensors,
     mtp_tensors=mtp_tensors,
     optional_mtp_tensors=optional_mtp_tensors,
-    keep_float32=keep_float32,
     main_layout=main_layout,
     mtp_layout=mtp_layout,
     forward_main=forward_main,
     forward_mtp=forward_mtp,
-    OPTIONAL=OPTIONAL,
-    optional_main_tensors=optional_main_tensors,
-    expected_shapes=expected_shapes,
     check_hparams=check_hparams,
     check_values=check_values,
 )

@@ -38,14 +38,14 @@ class HParams(gemma4.HParams):
     @classmethod
     def from_kv(cls, kv):
         hp = super().from_kv(kv)
-        if hp.n_layer != 0 or hp.n_nextn == 0:
+        if hp.num_hidden_layers != 0 or hp.num_nextn_predict_layers == 0:
             raise SpecconvError("a gemma4-assistant file needs nextn_predict_layers = block_count")
-        if not hp.n_embd_out or hp.n_embd_out == hp.n_embd:
+        if not hp.n_embd_out or hp.n_embd_out == hp.hidden_size:
             raise SpecconvError("a gemma4-assistant file needs embedding_length_out (the target's hidden size)")
         return hp
 
     @property
-    def n_embd_in(self) -> int:
+    def input_width(self) -> int:
         return self.n_embd_out
 
 
@@ -53,8 +53,8 @@ def serves(hp, file) -> set[GraphType]:
     return {GraphType.MTP}
 
 
-def n_vocab(hp) -> int:
-    return hp.n_vocab
+def vocab_size(hp) -> int:
+    return hp.vocab_size
 
 
 def main_tensors(hp) -> list[str]:
@@ -62,15 +62,15 @@ def main_tensors(hp) -> list[str]:
 
 
 def mtp_tensors(hp) -> list[str]:
-    return TABLE.graph_names(gemma4.sizes(hp), range(hp.n_nextn), "mtp")
+    return TABLE.graph_names(gemma4.sizes(hp), range(hp.num_nextn_predict_layers), "mtp")
 
 
 def optional_mtp_tensors(hp) -> list[str]:
-    return TABLE.graph_names(gemma4.sizes(hp), range(hp.n_nextn), "mtp", optional=True)
+    return TABLE.graph_names(gemma4.sizes(hp), range(hp.num_nextn_predict_layers), "mtp", optional=True)
 
 
 def expected_shapes(hp) -> dict[str, tuple | list[tuple]]:
-    return TABLE.ggml_shapes(gemma4.sizes(hp), range(hp.n_nextn))
+    return TABLE.ggml_shapes(gemma4.sizes(hp), range(hp.num_nextn_predict_layers))
 
 
 def main_layout(hp, state_dtype=torch.float32) -> MemoryLayout:
@@ -78,7 +78,7 @@ def main_layout(hp, state_dtype=torch.float32) -> MemoryLayout:
 
 
 def mtp_layout(hp) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[], n_head_kv=hp.n_head_kv[0], head_dim=hp.head_dim[0], rec_layers=[])
+    return MemoryLayout(attn_layers=[], num_key_value_heads=hp.num_key_value_heads[0], head_dim=hp.head_dim[0], rec_layers=[])
 
 
 def target_layer_for(target_hp, is_swa: bool) -> int:
@@ -92,14 +92,14 @@ def target_layer_for(target_hp, is_swa: bool) -> int:
 
 def check_fits_target(hp, target_hp) -> None:
     """One-line SpecconvError unless every assistant layer can read its target layer's K/V."""
-    if hp.n_embd_out != target_hp.n_embd:
+    if hp.n_embd_out != target_hp.hidden_size:
         raise SpecconvError(f"the assistant reads target hidden states of width {hp.n_embd_out}, the target's "
-                            f"are {target_hp.n_embd}")
-    for i in range(hp.n_nextn):
+                            f"are {target_hp.hidden_size}")
+    for i in range(hp.num_nextn_predict_layers):
         t = target_layer_for(target_hp, hp.is_swa[i])
-        if (hp.head_dim[i], hp.n_head_kv[i]) != (target_hp.head_dim[t], target_hp.n_head_kv[t]):
-            raise SpecconvError(f"assistant layer {i} has head dim {hp.head_dim[i]} / {hp.n_head_kv[i]} KV heads, "
-                                f"target layer {t} has {target_hp.head_dim[t]} / {target_hp.n_head_kv[t]}")
+        if (hp.head_dim[i], hp.num_key_value_heads[i]) != (target_hp.head_dim[t], target_hp.num_key_value_heads[t]):
+            raise SpecconvError(f"assistant layer {i} has head dim {hp.head_dim[i]} / {hp.num_key_value_heads[i]} KV heads, "
+                                f"target layer {t} has {target_hp.head_dim[t]} / {target_hp.num_key_value_heads[t]}")
     if hp.window != target_hp.window:
         raise SpecconvError(f"assistant sliding window {hp.window} differs from the target's {target_hp.window}")
 
@@ -113,7 +113,7 @@ def forward_mtp(w, hp, tokens: torch.Tensor, h: torch.Tensor, batch: Batch, kv_f
     x = linear(torch.cat([e, h.to(e.dtype)], dim=-1), w[names.NEXTN_PRE_PROJECTION])
     rope = gemma4.rope_tables(w, hp, batch.positions, acc(x).dtype)
     target_hp, memory = kv_from.model.hparams, kv_from.memory
-    for i in range(hp.n_nextn):
+    for i in range(hp.num_nextn_predict_layers):
         a = rms_norm(x, w[gemma4._blk(i, "attn_norm")], hp.eps)
         q = gemma4.query(w, hp, i, a, rope)
         k, v, k_pos = memory.cells(batch.seq, target_layer_for(target_hp, hp.is_swa[i]))
@@ -144,7 +144,7 @@ GRAPH = Graph(
     forward_mtp=forward_mtp,
     OPTIONAL=OPTIONAL,
     serves=serves,
-    n_vocab=n_vocab,
+    vocab_size=vocab_size,
     KIND="assistant",
     SHAREABLE=(),  # its token_embd / output_norm are its own (the tied head), never the target's
     FROM_TARGET={TARGET_EMBD: (names.TOKEN_EMBD,)},

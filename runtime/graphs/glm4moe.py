@@ -25,24 +25,24 @@ from specconv.runtime.memory import Batch, MemoryLayout
 
 
 
-@dataclass
+@dataclass(kw_only=True)
 class HParams(ms.MoeKV):
-    n_head_kv: int = 0
+    num_key_value_heads: int = 0
     head_dim: int = 0
-    n_rot: int = 0
+    rotary_dim: int = 0
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         base = ms.MoeKV.read(kv)
         key = HParamsReader(kv).key
-        head_dim = key("attention.key_length", base.n_embd // base.n_head, int)
+        head_dim = key("attention.key_length", base.hidden_size // base.num_attention_heads, int)
         if key("attention.value_length", head_dim, int) != head_dim:
             raise SpecconvError("glm4moe: attention.key_length != value_length")
-        n_head_kv = key("attention.head_count_kv", base.n_head, int)
-        if base.n_head % n_head_kv:
-            raise SpecconvError(f"glm4moe: {base.n_head} heads are not a multiple of {n_head_kv} KV heads")
-        return cls(**vars(base), n_head_kv=n_head_kv, head_dim=head_dim,
-                   n_rot=key("rope.dimension_count", head_dim // 2, int))
+        num_key_value_heads = key("attention.head_count_kv", base.num_attention_heads, int)
+        if base.num_attention_heads % num_key_value_heads:
+            raise SpecconvError(f"glm4moe: {base.num_attention_heads} heads are not a multiple of {num_key_value_heads} KV heads")
+        return cls(**{**vars(base), "num_key_value_heads": num_key_value_heads, "head_dim": head_dim,
+                      "rotary_dim": key("rope.dimension_count", head_dim // 2, int)})
 
 
 # ---- which tensors the graphs need: the family's table (archs/glm4moe.py) ----------------------
@@ -50,24 +50,20 @@ class HParams(ms.MoeKV):
 
 def sizes(hp: HParams):
     """The table's sizes; a block may hold q/k/v biases and q/k norms (optional: loaded when present)."""
-    return hp.table_sizes(n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, attn_bias=True, qk_norm=True)
+    return hp.table_sizes(num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, attn_bias=True, qk_norm=True)
 
 
 TABLE = GLM4MOE_TABLE
 _tensors = GraphTensors(TABLE, sizes)
-OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32
-main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
-mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
-expected_shapes = _tensors.expected_shapes
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    return MemoryLayout(attn_layers=list(range(hp.n_layer)), n_head_kv=hp.n_head_kv, head_dim=hp.head_dim,
+    return MemoryLayout(attn_layers=list(range(hp.num_hidden_layers)), num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim,
                         rec_layers=[])
 
 
 def mtp_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[hp.n_layer], n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, rec_layers=[])
+    return MemoryLayout(attn_layers=[hp.num_hidden_layers], num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, rec_layers=[])
 
 
 def _proj(w, p: str, a: torch.Tensor, part: str) -> torch.Tensor:
@@ -78,9 +74,9 @@ def _proj(w, p: str, a: torch.Tensor, part: str) -> torch.Tensor:
 
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
     n, p = a.shape[0], f"blk.{i}."
-    q = _proj(w, p, a, "attn_q").view(n, hp.n_head, hp.head_dim)
-    k = _proj(w, p, a, "attn_k").view(n, hp.n_head_kv, hp.head_dim)
-    v = _proj(w, p, a, "attn_v").view(n, hp.n_head_kv, hp.head_dim)
+    q = _proj(w, p, a, "attn_q").view(n, hp.num_attention_heads, hp.head_dim)
+    k = _proj(w, p, a, "attn_k").view(n, hp.num_key_value_heads, hp.head_dim)
+    v = _proj(w, p, a, "attn_v").view(n, hp.num_key_value_heads, hp.head_dim)
     if p + "attn_q_norm.weight" in w:
         q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
     if p + "attn_k_norm.weight" in w:
@@ -88,7 +84,7 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     cos, sin = rope
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
     o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
-    return linear(o.reshape(n, hp.n_head * hp.head_dim), w[p + "attn_output.weight"])
+    return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[p + "attn_output.weight"])
 
 
 def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
@@ -98,33 +94,27 @@ def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
-    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
-                         lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
+    return forward_trunk(w, hp.num_hidden_layers, hp.eps, tokens, want_layers, want_logits,
+                         lambda dtype: rope_cos_sin(batch.positions, hp.rotary_dim, hp.rope_base, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 
 
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
     """Returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
-    return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
-                         lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
+    return forward_nextn(w, hp.num_hidden_layers, hp.eps, tokens, hidden_in,
+                         lambda dtype: rope_cos_sin(batch.positions, hp.rotary_dim, hp.rope_base, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 
 
 GRAPH = Graph(
     name="glm4moe",
+    tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,
-    main_tensors=main_tensors,
-    mtp_tensors=mtp_tensors,
-    optional_mtp_tensors=optional_mtp_tensors,
-    keep_float32=keep_float32,
     main_layout=main_layout,
     mtp_layout=mtp_layout,
     forward_main=forward_main,
     forward_mtp=forward_mtp,
-    OPTIONAL=OPTIONAL,
-    expected_shapes=expected_shapes,
-    optional_main_tensors=optional_main_tensors,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

@@ -1,7 +1,7 @@
 """Hy3 graphs (GGUF arch `hy_v3`), as llama.cpp 0c1e570's src/models/hy-v3.cpp computes them.
 
 MAIN: per block, attn_norm -> GQA attention with per-head q/k RMSNorms before a NEOX rope over the
-whole head (n_rot = head_dim), scale hd^-1/2 -> residual -> ffn_norm -> a dense SwiGLU (blocks
+whole head (rotary_dim = head_dim), scale hd^-1/2 -> residual -> ffn_norm -> a dense SwiGLU (blocks
 without `ffn_gate_inp`) or the sigmoid-routed MoE (selection bias `exp_probs_b`, renormalised top-k
 weights times `expert_weights_scale`) plus the shared expert -> residual.
 MTP: k chained blocks at n_layer..n_layer+k-1. `HParams.mtp_block` picks the block a context runs
@@ -31,13 +31,13 @@ from specconv.runtime.validate import check_kv, check_rope_width
 _BIAS = "exp_probs_b"  # llama.cpp's hy_v3 names it without a suffix
 
 
-@dataclass
+@dataclass(kw_only=True)
 class HParams(chained.ChainedHParams):
-    n_head: int
-    n_head_kv: int
+    num_attention_heads: int
+    num_key_value_heads: int
     head_dim: int
     rope_base: float
-    n_expert: int
+    num_experts: int
     weights_scale: float
     weights_norm: bool
 
@@ -46,19 +46,19 @@ class HParams(chained.ChainedHParams):
         check_kv(kv)  # types and ranges first (runtime/validate.py)
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        block_count, n_nextn = chained.block_counts(r)
-        n_embd, n_head = key("embedding_length", type=int), key("attention.head_count", type=int)
-        head_dim = key("attention.key_length", n_embd // n_head, int)
+        block_count, num_nextn_predict_layers = chained.block_counts(r)
+        hidden_size, num_attention_heads = key("embedding_length", type=int), key("attention.head_count", type=int)
+        head_dim = key("attention.key_length", hidden_size // num_attention_heads, int)
         if key("attention.value_length", head_dim, int) != head_dim:
             raise SpecconvError(f"{arch}: attention.key_length != value_length")
-        n_head_kv = key("attention.head_count_kv", n_head, int)
-        if n_head % n_head_kv:
-            raise SpecconvError(f"{arch}: {n_head} heads are not a multiple of {n_head_kv} KV heads")
+        num_key_value_heads = key("attention.head_count_kv", num_attention_heads, int)
+        if num_attention_heads % num_key_value_heads:
+            raise SpecconvError(f"{arch}: {num_attention_heads} heads are not a multiple of {num_key_value_heads} KV heads")
         gating = chained.gating(r)
-        return cls(arch=arch, n_layer=block_count - n_nextn, n_nextn=n_nextn, n_embd=n_embd, n_head=n_head,
-                   n_head_kv=n_head_kv, head_dim=head_dim, eps=key("attention.layer_norm_rms_epsilon", type=float),
-                   rope_base=key("rope.freq_base", 10000.0, float), n_expert=key("expert_count", 0, int),
-                   n_expert_used=key("expert_used_count", 0, int),
+        return cls(arch=arch, num_hidden_layers=block_count - num_nextn_predict_layers, num_nextn_predict_layers=num_nextn_predict_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                   num_key_value_heads=num_key_value_heads, head_dim=head_dim, eps=key("attention.layer_norm_rms_epsilon", type=float),
+                   rope_base=key("rope.freq_base", 10000.0, float), num_experts=key("expert_count", 0, int),
+                   num_experts_per_tok=key("expert_used_count", 0, int),
                    weights_scale=key("expert_weights_scale", 1.0, float) or 1.0,
                    weights_norm=key("expert_weights_norm", False, bool), gating=gating)
 
@@ -68,9 +68,9 @@ class HParams(chained.ChainedHParams):
 def sizes(hp: HParams) -> Sizes:
     """The table's sizes from GGUF metadata: the vocabulary, FFN widths and (without expert_count) the
     expert count are the file's, bound per block."""
-    total = hp.n_layer + hp.n_nextn
-    return Sizes(n_layer=hp.n_layer, E=hp.n_embd, V="V", heads=(hp.n_head,) * total, kv_heads=(hp.n_head_kv,) * total,
-                 head_dim=hp.head_dim, n_expert=hp.n_expert or None)
+    total = hp.num_hidden_layers + hp.num_nextn_predict_layers
+    return Sizes(num_hidden_layers=hp.num_hidden_layers, E=hp.hidden_size, V="V", heads=(hp.num_attention_heads,) * total, kv_heads=(hp.num_key_value_heads,) * total,
+                 head_dim=hp.head_dim, num_experts=hp.num_experts or None)
 
 
 _tensors = chained.tensor_lists(HY_V3_TABLE, sizes)

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.archs.hparams import FamilyHParams
 from specconv.archs.llama import LLAMA_TABLE, ROPE_FREQS, Sizes
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs.contract import Graph
@@ -23,35 +24,35 @@ from specconv.runtime.graphs.ops import acc, cached_attention, linear, rms_norm,
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
 
-@dataclass
-class HParams:
+@dataclass(kw_only=True)
+class HParams(FamilyHParams):
     arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
     head_dim: int
-    n_rot: int
+    rotary_dim: int
     rope_base: float
     eps: float
     n_ff: int = 0
-    n_vocab: int = 0
+    vocab_size: int = 0
     context_length: int = 0
-    n_nextn: int = 0  # no MTP layers in this family
+    num_nextn_predict_layers: int = 0  # no MTP layers in this family
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         check_kv(kv)  # types and ranges first: nothing below divides by 0 or compares a str
         r = HParamsReader(kv)
         key = r.key
-        n_embd, n_head = key("embedding_length", type=int), key("attention.head_count", type=int)
-        head_dim = key("attention.key_length", n_embd // n_head, int)
+        hidden_size, num_attention_heads = key("embedding_length", type=int), key("attention.head_count", type=int)
+        head_dim = key("attention.key_length", hidden_size // num_attention_heads, int)
         tokens = kv.get("tokenizer.ggml.tokens")
-        return cls(arch=r.arch, n_layer=key("block_count", type=int), n_embd=n_embd, n_head=n_head,
-                   n_head_kv=key("attention.head_count_kv", n_head, int), head_dim=head_dim,
-                   n_rot=key("rope.dimension_count", head_dim, int), rope_base=key("rope.freq_base", 10000.0, float),
+        return cls(arch=r.arch, num_hidden_layers=key("block_count", type=int), hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                   num_key_value_heads=key("attention.head_count_kv", num_attention_heads, int), head_dim=head_dim,
+                   rotary_dim=key("rope.dimension_count", head_dim, int), rope_base=key("rope.freq_base", 10000.0, float),
                    eps=key("attention.layer_norm_rms_epsilon", type=float), n_ff=key("feed_forward_length", 0, int),
-                   n_vocab=key("vocab_size", 0, int) or (len(tokens) if tokens is not None else 0),
+                   vocab_size=key("vocab_size", 0, int) or (len(tokens) if tokens is not None else 0),
                    context_length=key("context_length", 0, int))
 
 
@@ -62,15 +63,11 @@ TABLE = LLAMA_TABLE
 
 def sizes(hp: HParams) -> Sizes:
     """The table's sizes from GGUF metadata; the vocabulary is the file's ("V", bound by its tensors)."""
-    return Sizes(n_layer=hp.n_layer, E=hp.n_embd, V="V", n_head=hp.n_head, n_head_kv=hp.n_head_kv,
-                 head_dim=hp.head_dim, ffn=hp.n_ff, n_rot=hp.n_rot)
+    return Sizes(num_hidden_layers=hp.num_hidden_layers, E=hp.hidden_size, V="V", num_attention_heads=hp.num_attention_heads, num_key_value_heads=hp.num_key_value_heads,
+                 head_dim=hp.head_dim, ffn=hp.n_ff, rotary_dim=hp.rotary_dim)
 
 
 _tensors = GraphTensors(TABLE, sizes)  # no MTP head: the MTP lists are empty
-OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32  # OPTIONAL: output.weight, rope_freqs.weight
-main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
-mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
-expected_shapes = _tensors.expected_shapes
 
 
 def check_hparams(hp: HParams, kv: Mapping[str, Any]) -> None:
@@ -79,20 +76,20 @@ def check_hparams(hp: HParams, kv: Mapping[str, Any]) -> None:
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    return MemoryLayout(attn_layers=list(range(hp.n_layer)), n_head_kv=hp.n_head_kv, head_dim=hp.head_dim,
+    return MemoryLayout(attn_layers=list(range(hp.num_hidden_layers)), num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim,
                         rec_layers=[])
 
 
 def mtp_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[], n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, rec_layers=[])
+    return MemoryLayout(attn_layers=[], num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, rec_layers=[])
 
 
 # ---- blocks -----------------------------------------------------------------------------------
 
-def rope_norm(positions: torch.Tensor, n_rot: int, base: float, dtype: torch.dtype,
+def rope_norm(positions: torch.Tensor, rotary_dim: int, base: float, dtype: torch.dtype,
               factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [n, n_rot/2] with θ_i = base^(-2i/n_rot) / factor_i (llama.cpp's rope_freqs divide θ)."""
-    exponent = torch.arange(0, n_rot, 2, device=positions.device, dtype=torch.int64).float() / n_rot
+    """cos/sin [n, rotary_dim/2] with θ_i = base^(-2i/rotary_dim) / factor_i (llama.cpp's rope_freqs divide θ)."""
+    exponent = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.int64).float() / rotary_dim
     inv_freq = 1.0 / (base ** exponent)
     if factors is not None:
         inv_freq = inv_freq / factors.float().to(inv_freq.device)
@@ -113,13 +110,13 @@ def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
     """Plain GQA attention of block i on input rows `a` (any width the q/k/v matrices take)."""
     n = a.shape[0]
-    q = linear(a, w[f"blk.{i}.attn_q.weight"]).view(n, hp.n_head, hp.head_dim)
-    k = linear(a, w[f"blk.{i}.attn_k.weight"]).view(n, hp.n_head_kv, hp.head_dim)
-    v = linear(a, w[f"blk.{i}.attn_v.weight"]).view(n, hp.n_head_kv, hp.head_dim)
+    q = linear(a, w[f"blk.{i}.attn_q.weight"]).view(n, hp.num_attention_heads, hp.head_dim)
+    k = linear(a, w[f"blk.{i}.attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
+    v = linear(a, w[f"blk.{i}.attn_v.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
     cos, sin = rope
     q, k = apply_rope_pairs(q, cos, sin), apply_rope_pairs(k, cos, sin)
     o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
-    return linear(o.reshape(n, hp.n_head * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
+    return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
 
 
 def ffn(w, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +125,7 @@ def ffn(w, i: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_for(w, hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
-    return rope_norm(positions, hp.n_rot, hp.rope_base, dtype, w.get(ROPE_FREQS))
+    return rope_norm(positions, hp.rotary_dim, hp.rope_base, dtype, w.get(ROPE_FREQS))
 
 
 # ---- graph ------------------------------------------------------------------------------------
@@ -140,8 +137,8 @@ def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
-    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
+    return forward_trunk(w, hp.num_hidden_layers, hp.eps, tokens, want_layers, want_logits,
                          lambda dtype: rope_for(w, hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 
@@ -152,19 +149,13 @@ def forward_mtp(*args, **kwargs):
 
 GRAPH = Graph(
     name="llama",
+    tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,
-    main_tensors=main_tensors,
-    mtp_tensors=mtp_tensors,
-    optional_mtp_tensors=optional_mtp_tensors,
-    keep_float32=keep_float32,
     main_layout=main_layout,
     mtp_layout=mtp_layout,
     forward_main=forward_main,
     forward_mtp=forward_mtp,
-    OPTIONAL=OPTIONAL,
-    optional_main_tensors=optional_main_tensors,
-    expected_shapes=expected_shapes,
     check_hparams=check_hparams,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

@@ -35,10 +35,10 @@ from specconv.runtime.validate import check_rope_width
 
 
 
-@dataclass
+@dataclass(kw_only=True)
 class HParams(chained.ChainedHParams):
-    n_head: int
-    n_kvs: list[int]
+    num_attention_heads: int
+    num_key_value_heads: list[int]  # per block
     head_dim: int  # Q / K heads (attention.key_length)
     v_head_dim: int  # V heads (attention.value_length)
     swa: list[bool]  # per block (trunk and MTP)
@@ -51,10 +51,6 @@ class HParams(chained.ChainedHParams):
     weights_scale: float = 1.0
 
     @property
-    def n_head_kv(self) -> list[int]:
-        return self.n_kvs
-
-    @property
     def cell_width(self) -> int:  # K and V cells share one width (the larger head; the other is padded)
         return max(self.head_dim, self.v_head_dim)
 
@@ -64,15 +60,15 @@ class HParams(chained.ChainedHParams):
         # reads per block (get_key_or_arr); every key is checked below
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        total, n_nextn = chained.block_counts(r)
-        n_head, head_dim = key("attention.head_count", type=int), key("attention.key_length", type=int)
+        total, num_nextn_predict_layers = chained.block_counts(r)
+        num_attention_heads, head_dim = key("attention.head_count", type=int), key("attention.key_length", type=int)
         kvs = r.per_layer("attention.head_count_kv", total)
         for i, h in enumerate(kvs):
-            if h < 1 or n_head % h:
-                raise SpecconvError(f"{arch}: block {i}: {n_head} heads are not a multiple of {h} KV heads")
+            if h < 1 or num_attention_heads % h:
+                raise SpecconvError(f"{arch}: block {i}: {num_attention_heads} heads are not a multiple of {h} KV heads")
         theta = key("rope.freq_base", 10000.0, float)
-        return cls(arch=arch, n_layer=total - n_nextn, n_nextn=n_nextn, n_embd=key("embedding_length", type=int),
-                   n_head=n_head, n_kvs=kvs, head_dim=head_dim,
+        return cls(arch=arch, num_hidden_layers=total - num_nextn_predict_layers, num_nextn_predict_layers=num_nextn_predict_layers, hidden_size=key("embedding_length", type=int),
+                   num_attention_heads=num_attention_heads, num_key_value_heads=kvs, head_dim=head_dim,
                    v_head_dim=key("attention.value_length", head_dim, int),
                    swa=r.per_layer("attention.sliding_window_pattern", total, False, bool),
                    sliding_window=key("attention.sliding_window", 0, int),
@@ -80,7 +76,7 @@ class HParams(chained.ChainedHParams):
                    swa_rope_theta=key("rope.freq_base_swa", theta, float),
                    eps=key("attention.layer_norm_rms_epsilon", type=float),
                    attention_value_scale=key("attention.value_scale", 1.0, float) or 1.0,
-                   n_expert_used=key("expert_used_count", 0, int),
+                   num_experts_per_tok=key("expert_used_count", 0, int),
                    n_group=key("expert_group_count", 1, int) or 1,
                    n_group_used=key("expert_group_used_count", 1, int) or 1)
 
@@ -90,8 +86,8 @@ class HParams(chained.ChainedHParams):
 def sizes(hp: HParams) -> Sizes:
     """The table's sizes from GGUF metadata: the vocabulary, FFN widths and expert counts are the file's,
     bound per block; q, k and v split or fused, whichever the file holds."""
-    total = hp.n_layer + hp.n_nextn
-    return Sizes(n_layer=hp.n_layer, E=hp.n_embd, V="V", heads=(hp.n_head,) * total, kv_heads=tuple(hp.n_kvs),
+    total = hp.num_hidden_layers + hp.num_nextn_predict_layers
+    return Sizes(num_hidden_layers=hp.num_hidden_layers, E=hp.hidden_size, V="V", heads=(hp.num_attention_heads,) * total, kv_heads=tuple(hp.num_key_value_heads),
                  head_dim=hp.head_dim, v_head_dim=hp.v_head_dim)
 
 
@@ -106,7 +102,7 @@ def check_hparams(hp: HParams, kv) -> None:
 def check_values(file, hp: HParams, needed: list[str]) -> None:
     """Each block holds its q, k and v, split or fused, and a whole dense or routed FFN."""
     have = set(needed)
-    for i in range(hp.n_layer + hp.n_nextn):
+    for i in range(hp.num_hidden_layers + hp.num_nextn_predict_layers):
         p = f"blk.{i}."
         split = [p + f"attn_{x}.weight" for x in "qkv"]
         if p + "attn_norm.weight" in have and p + "attn_qkv.weight" not in have and not all(n in have for n in split):
@@ -123,7 +119,7 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
 
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
     n, p = a.shape[0], f"blk.{i}."
-    nh, nkv = hp.n_head, hp.n_kvs[i]
+    nh, nkv = hp.num_attention_heads, hp.num_key_value_heads[i]
     if p + "attn_qkv.weight" in w:
         qkv = linear(a, w[p + "attn_qkv.weight"])
         q, k, v = qkv.split([nh * hp.head_dim, nkv * hp.head_dim, nkv * hp.v_head_dim], dim=-1)

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.archs.hparams import FamilyHParams
 from specconv.archs.nextn_moe import Sizes
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.hparams_reader import HParamsReader
@@ -26,18 +27,18 @@ GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
 
 
-@dataclass
-class MoeKV:
+@dataclass(kw_only=True)
+class MoeKV(FamilyHParams):
     arch: str
-    n_layer: int
-    n_nextn: int
-    n_embd: int
-    n_head: int
+    num_hidden_layers: int
+    num_nextn_predict_layers: int
+    hidden_size: int
+    num_attention_heads: int
     eps: float
     rope_base: float
     n_ff: int
-    n_expert: int
-    n_expert_used: int
+    num_experts: int
+    num_experts_per_tok: int
     n_ff_exp: int
     n_expert_shared: int
     n_dense_lead: int
@@ -53,46 +54,46 @@ class MoeKV:
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
         block_count = key("block_count", type=int)
-        n_nextn = key("nextn_predict_layers", 0, int)
-        if n_nextn > block_count:
-            raise SpecconvError(f"{arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({block_count})")
+        num_nextn_predict_layers = key("nextn_predict_layers", 0, int)
+        if num_nextn_predict_layers > block_count:
+            raise SpecconvError(f"{arch}.nextn_predict_layers ({num_nextn_predict_layers}) exceeds block_count ({block_count})")
         # A missing key means what it means to llama.cpp: sigmoid for glm4moe, softmax for deepseek2
         # (except its GLM-4.7-Flash special case), which is wrong for DeepSeek-V3 but is what files
         # from llama.cpp's converter say (docs/reference/gguf-layout.md §7.5); the runtime runs the file as written.
-        lite_glm = key("vocab_size", 0, int) == 154880 and block_count - n_nextn in (47, 48)
+        lite_glm = key("vocab_size", 0, int) == 154880 and block_count - num_nextn_predict_layers in (47, 48)
         default = GATING_SIGMOID if arch == "glm4moe" or lite_glm else GATING_SOFTMAX
         gating = key("expert_gating_func", default, int)
         if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
             raise SpecconvError(f"{arch}.expert_gating_func is {gating}; supported: softmax (1), sigmoid (2)")
         m = cls(
-            arch=arch, n_layer=block_count - n_nextn, n_nextn=n_nextn, n_embd=key("embedding_length", type=int),
-            n_head=key("attention.head_count", type=int), eps=key("attention.layer_norm_rms_epsilon", type=float),
+            arch=arch, num_hidden_layers=block_count - num_nextn_predict_layers, num_nextn_predict_layers=num_nextn_predict_layers, hidden_size=key("embedding_length", type=int),
+            num_attention_heads=key("attention.head_count", type=int), eps=key("attention.layer_norm_rms_epsilon", type=float),
             rope_base=key("rope.freq_base", 10000.0, float), n_ff=key("feed_forward_length", 0, int),
-            n_expert=key("expert_count", type=int), n_expert_used=key("expert_used_count", type=int),
+            num_experts=key("expert_count", type=int), num_experts_per_tok=key("expert_used_count", type=int),
             n_ff_exp=key("expert_feed_forward_length", type=int), n_expert_shared=key("expert_shared_count", 0, int),
             n_dense_lead=key("leading_dense_block_count", 0, int), n_group=key("expert_group_count", 1, int) or 1,
             n_group_used=key("expert_group_used_count", 1, int) or 1,
             weights_scale=key("expert_weights_scale", 1.0, float) or 1.0,
             weights_norm=key("expert_weights_norm", False, bool), gating=gating,
         )
-        if m.n_group > 1 and (m.n_expert % m.n_group or not 0 < m.n_group_used < m.n_group):
+        if m.n_group > 1 and (m.num_experts % m.n_group or not 0 < m.n_group_used < m.n_group):
             raise SpecconvError(f"{arch}: {m.n_group} expert groups ({m.n_group_used} used) do not fit "
-                                f"{m.n_expert} experts")
+                                f"{m.num_experts} experts")
         if m.n_dense_lead > block_count:
             raise SpecconvError(f"{arch}.leading_dense_block_count {m.n_dense_lead} exceeds block_count {block_count}")
-        if m.n_expert < 1:
-            raise SpecconvError(f"{arch}: expert_used_count {m.n_expert_used} must be within 1..expert_count "
-                                f"{m.n_expert}")
-        if m.n_group > 1 and (m.n_expert // m.n_group < 2
-                              or m.n_expert_used > m.n_group_used * (m.n_expert // m.n_group)):
-            raise SpecconvError(f"{arch}: {m.n_group} expert groups ({m.n_group_used} used) of {m.n_expert} experts "
-                                f"cannot give {m.n_expert_used} experts (and need 2 per group)")
+        if m.num_experts < 1:
+            raise SpecconvError(f"{arch}: expert_used_count {m.num_experts_per_tok} must be within 1..expert_count "
+                                f"{m.num_experts}")
+        if m.n_group > 1 and (m.num_experts // m.n_group < 2
+                              or m.num_experts_per_tok > m.n_group_used * (m.num_experts // m.n_group)):
+            raise SpecconvError(f"{arch}: {m.n_group} expert groups ({m.n_group_used} used) of {m.num_experts} experts "
+                                f"cannot give {m.num_experts_per_tok} experts (and need 2 per group)")
         return m
 
     def table_sizes(self, **attention: Any) -> Sizes:
         """The sizes of the family's tensor table (archs/nextn_moe.py); `attention`: its attention fields."""
-        return Sizes(n_layer=self.n_layer, E=self.n_embd, V="V", n_head=self.n_head, ffn=self.n_ff,
-                     n_expert=self.n_expert, expert_ffn=self.n_ff_exp, n_shared=self.n_expert_shared,
+        return Sizes(num_hidden_layers=self.num_hidden_layers, E=self.hidden_size, V="V", num_attention_heads=self.num_attention_heads, ffn=self.n_ff,
+                     num_experts=self.num_experts, expert_ffn=self.n_ff_exp, n_shared=self.n_expert_shared,
                      first_dense=self.n_dense_lead, **attention)
 
 
@@ -113,7 +114,7 @@ def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, hp) -> tupl
         keep = torch.zeros_like(group_score, dtype=torch.bool)
         keep.scatter_(1, group_score.topk(hp.n_group_used, dim=-1).indices, True)
         choice = choice.masked_fill(~keep.repeat_interleave(E // hp.n_group, dim=1), float("-inf"))
-    chosen = choice.topk(hp.n_expert_used, dim=-1).indices
+    chosen = choice.topk(hp.num_experts_per_tok, dim=-1).indices
     weights = scores.gather(1, chosen)
     if hp.weights_norm:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

@@ -75,11 +75,11 @@ def _observed_moe(x, weights, chosen, experts: Experts, observer) -> torch.Tenso
     return out
 
 
-def rope_cos_sin(positions: torch.Tensor, n_rot: int, base: float,
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float,
                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [n, n_rot/2] for NEOX rope with θ_i = base^(-2i/n_rot). The frequencies are rounded to
+    """cos/sin [n, rotary_dim/2] for NEOX rope with θ_i = base^(-2i/rotary_dim). The frequencies are rounded to
     float32 as HF and llama.cpp hold them; angles and cos/sin in `dtype` (float32 or float64)."""
-    exponent = torch.arange(0, n_rot, 2, device=positions.device, dtype=torch.int64).float() / n_rot
+    exponent = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.int64).float() / rotary_dim
     inv_freq = (1.0 / (base ** exponent)).to(dtype)
     angles = positions.to(dtype)[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()

@@ -19,6 +19,7 @@ import math
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.archs.hparams import FamilyHParams
 from specconv.archs.qwen3 import QWEN3_TABLE, Sizes
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs.contract import Graph
@@ -34,39 +35,39 @@ from specconv.runtime.validate import check_kv
 ARCHES = ("qwen3", "qwen3moe")
 
 
-@dataclass
-class HParams:
+@dataclass(kw_only=True)
+class HParams(FamilyHParams):
     arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
     head_dim: int
-    n_rot: int
+    rotary_dim: int
     rope_base: float
     eps: float
     n_ff: int = 0
-    n_expert: int = 0
-    n_expert_used: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
     n_ff_exp: int = 0
     norm_topk: bool = True
     rope_linear_factor: float = 1.0  # rope.scaling.type linear: positions divided by it
     yarn: dict | None = None  # rope.scaling.type yarn: factor, orig_ctx, beta_fast, beta_slow, attn_factor
-    n_vocab: int = 0
+    vocab_size: int = 0
     context_length: int = 0
-    n_nextn: int = 0  # no MTP head in this family
+    num_nextn_predict_layers: int = 0  # no MTP head in this family
 
     @property
     def is_moe(self) -> bool:
-        return self.n_expert > 0
+        return self.num_experts > 0
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         check_kv(kv)  # types and ranges first: nothing below divides by 0 or compares a str
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        n_embd, n_head = key("embedding_length", type=int), key("attention.head_count", type=int)
-        head_dim = key("attention.key_length", n_embd // n_head, int)
+        hidden_size, num_attention_heads = key("embedding_length", type=int), key("attention.head_count", type=int)
+        head_dim = key("attention.key_length", hidden_size // num_attention_heads, int)
         if key("attention.value_length", head_dim, int) != head_dim:
             raise SpecconvError(f"{arch}: attention.value_length differs from key_length")
         scaling = key("rope.scaling.type", None, str)
@@ -83,19 +84,19 @@ class HParams:
             raise SpecconvError(f"{arch}: rope scaling {scaling!r} is not supported by the runtime's qwen3 graph "
                                 f"(default, linear and yarn are)")
         tokens = kv.get("tokenizer.ggml.tokens")
-        hp = cls(arch=arch, n_layer=key("block_count", type=int), n_embd=n_embd, n_head=n_head,
-                 n_head_kv=key("attention.head_count_kv", n_head, int), head_dim=head_dim,
-                 n_rot=key("rope.dimension_count", head_dim, int), rope_base=key("rope.freq_base", 10000.0, float),
+        hp = cls(arch=arch, num_hidden_layers=key("block_count", type=int), hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                 num_key_value_heads=key("attention.head_count_kv", num_attention_heads, int), head_dim=head_dim,
+                 rotary_dim=key("rope.dimension_count", head_dim, int), rope_base=key("rope.freq_base", 10000.0, float),
                  eps=key("attention.layer_norm_rms_epsilon", type=float), n_ff=key("feed_forward_length", 0, int),
-                 n_expert=key("expert_count", 0, int), n_expert_used=key("expert_used_count", 0, int),
+                 num_experts=key("expert_count", 0, int), num_experts_per_tok=key("expert_used_count", 0, int),
                  n_ff_exp=key("expert_feed_forward_length", 0, int),
                  norm_topk=key("expert_weights_norm", True, bool), rope_linear_factor=factor, yarn=yarn,
-                 n_vocab=key("vocab_size", 0, int) or (len(tokens) if tokens is not None else 0),
+                 vocab_size=key("vocab_size", 0, int) or (len(tokens) if tokens is not None else 0),
                  context_length=key("context_length", 0, int))
-        if arch == "qwen3moe" and not (hp.n_expert and 0 < hp.n_expert_used <= hp.n_expert):
-            raise SpecconvError(f"qwen3moe file with expert_count {hp.n_expert}, expert_used_count {hp.n_expert_used}")
-        if hp.n_head % hp.n_head_kv:
-            raise SpecconvError(f"{arch}: head_count {hp.n_head} is not a multiple of head_count_kv {hp.n_head_kv}")
+        if arch == "qwen3moe" and not (hp.num_experts and 0 < hp.num_experts_per_tok <= hp.num_experts):
+            raise SpecconvError(f"qwen3moe file with expert_count {hp.num_experts}, expert_used_count {hp.num_experts_per_tok}")
+        if hp.num_attention_heads % hp.num_key_value_heads:
+            raise SpecconvError(f"{arch}: head_count {hp.num_attention_heads} is not a multiple of head_count_kv {hp.num_key_value_heads}")
         if not (hp.n_ff_exp if hp.is_moe else hp.n_ff):
             raise SpecconvError(f"{arch}: the feed-forward width is missing or 0")
         return hp
@@ -108,33 +109,29 @@ TABLE = QWEN3_TABLE
 
 def sizes(hp: HParams) -> Sizes:
     """The table's sizes from GGUF metadata; the vocabulary is the file's ("V", bound by its tensors)."""
-    return Sizes(n_layer=hp.n_layer, moe=hp.is_moe, E=hp.n_embd, V="V", n_head=hp.n_head, n_head_kv=hp.n_head_kv,
-                 head_dim=hp.head_dim, ffn=hp.n_ff, n_expert=hp.n_expert, expert_ffn=hp.n_ff_exp)
+    return Sizes(num_hidden_layers=hp.num_hidden_layers, moe=hp.is_moe, E=hp.hidden_size, V="V", num_attention_heads=hp.num_attention_heads, num_key_value_heads=hp.num_key_value_heads,
+                 head_dim=hp.head_dim, ffn=hp.n_ff, num_experts=hp.num_experts, expert_ffn=hp.n_ff_exp)
 
 
 _tensors = GraphTensors(TABLE, sizes)  # no MTP head: the MTP lists are empty
-OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32
-main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
-mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
-expected_shapes = _tensors.expected_shapes
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    return MemoryLayout(attn_layers=list(range(hp.n_layer)), n_head_kv=hp.n_head_kv, head_dim=hp.head_dim,
+    return MemoryLayout(attn_layers=list(range(hp.num_hidden_layers)), num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim,
                         rec_layers=[])
 
 
 def mtp_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[], n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, rec_layers=[])
+    return MemoryLayout(attn_layers=[], num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, rec_layers=[])
 
 
 # ---- blocks -----------------------------------------------------------------------------------
 
 def yarn_inv_freq(hp: HParams, device) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [n_rot/2], cos/sin factor) of YaRN as transformers computes them: a linear
+    """(inverse frequencies [rotary_dim/2], cos/sin factor) of YaRN as transformers computes them: a linear
     ramp between extrapolated (θ_i) and interpolated (θ_i / factor) frequencies over the correction
     range of dimensions (floored / ceiled), and attention factor 0.1·ln(factor) + 1 unless given."""
-    y, d, base = hp.yarn, hp.n_rot, hp.rope_base
+    y, d, base = hp.yarn, hp.rotary_dim, hp.rope_base
 
     def corr(rotations: float) -> float:
         return d * math.log(y["orig_ctx"] / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -155,21 +152,21 @@ def rope_for(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
         angles = positions.to(dtype)[:, None] * inv.to(dtype)[None, :]
         return angles.cos() * attn, angles.sin() * attn
     pos = positions if hp.rope_linear_factor == 1.0 else positions.to(dtype) / hp.rope_linear_factor
-    return rope_cos_sin(pos, hp.n_rot, hp.rope_base, dtype)
+    return rope_cos_sin(pos, hp.rotary_dim, hp.rope_base, dtype)
 
 
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
-    """GQA with per-head RMS-normed q and k, NEOX rope on the first n_rot dims."""
+    """GQA with per-head RMS-normed q and k, NEOX rope on the first rotary_dim dims."""
     n, p = a.shape[0], f"blk.{i}."
-    q = linear(a, w[p + "attn_q.weight"]).view(n, hp.n_head, hp.head_dim)
-    k = linear(a, w[p + "attn_k.weight"]).view(n, hp.n_head_kv, hp.head_dim)
-    v = linear(a, w[p + "attn_v.weight"]).view(n, hp.n_head_kv, hp.head_dim)
+    q = linear(a, w[p + "attn_q.weight"]).view(n, hp.num_attention_heads, hp.head_dim)
+    k = linear(a, w[p + "attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
+    v = linear(a, w[p + "attn_v.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
     q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
     k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
     cos, sin = rope
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
     o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
-    return linear(o.reshape(n, hp.n_head * hp.head_dim), w[p + "attn_output.weight"])
+    return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[p + "attn_output.weight"])
 
 
 def moe(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +174,7 @@ def moe(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
     only the experts some row chose are evaluated (`W[e]` keeps stored experts packed)."""
     p = f"blk.{i}."
     probs = torch.softmax(acc(linear(acc(x), w[p + "ffn_gate_inp.weight"])), dim=-1)
-    weights, chosen = torch.topk(probs, hp.n_expert_used, dim=-1)
+    weights, chosen = torch.topk(probs, hp.num_experts_per_tok, dim=-1)
     if hp.norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
     experts = Experts(w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"],
@@ -201,8 +198,8 @@ def block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
-    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
+    return forward_trunk(w, hp.num_hidden_layers, hp.eps, tokens, want_layers, want_logits,
                          lambda dtype: rope_for(hp, batch.positions, dtype),
                          lambda i, h, rope: block(w, hp, i, h, batch, rope))
 
@@ -213,18 +210,12 @@ def forward_mtp(*args, **kwargs):
 
 GRAPH = Graph(
     name="qwen3",
+    tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,
-    main_tensors=main_tensors,
-    mtp_tensors=mtp_tensors,
-    optional_mtp_tensors=optional_mtp_tensors,
-    keep_float32=keep_float32,
     main_layout=main_layout,
     mtp_layout=mtp_layout,
     forward_main=forward_main,
     forward_mtp=forward_mtp,
-    OPTIONAL=OPTIONAL,
-    optional_main_tensors=optional_main_tensors,
-    expected_shapes=expected_shapes,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

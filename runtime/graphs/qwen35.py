@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from specconv.archs.errors import SpecconvError
+from specconv.archs.hparams import FamilyHParams
 from specconv.archs.qwen35 import QWEN35_TABLE, Sizes
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn
@@ -31,16 +32,16 @@ from specconv.runtime.validate import check_kv
 ARCHES = ("qwen35", "qwen35moe")
 
 
-@dataclass
-class HParams:
+@dataclass(kw_only=True)
+class HParams(FamilyHParams):
     arch: str
-    n_layer: int  # trunk blocks
-    n_nextn: int  # MTP blocks after the trunk
-    n_embd: int
-    n_head: int
-    n_head_kv: int
+    num_hidden_layers: int  # trunk blocks
+    num_nextn_predict_layers: int  # MTP blocks after the trunk
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
     head_dim: int
-    n_rot: int
+    rotary_dim: int
     rope_base: float
     eps: float
     recurrent: list[bool]  # per trunk block
@@ -50,8 +51,8 @@ class HParams:
     ssm_heads: int  # nv (ssm.time_step_rank)
     ssm_inner: int  # nv * dv
     n_ff: int = 0
-    n_expert: int = 0
-    n_expert_used: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
     n_ff_exp: int = 0
     n_ff_shexp: int = 0
     context_length: int = 0
@@ -59,7 +60,7 @@ class HParams:
 
     @property
     def is_moe(self) -> bool:
-        return self.n_expert > 0
+        return self.num_experts > 0
 
     @property
     def ssm_dv(self) -> int:
@@ -75,36 +76,36 @@ class HParams:
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
         block_count = key("block_count", type=int)
-        n_nextn = key("nextn_predict_layers", 0, int)
-        if n_nextn > block_count:
-            raise SpecconvError(f"{arch}.nextn_predict_layers ({n_nextn}) exceeds block_count ({block_count})")
-        n_layer = block_count - n_nextn
+        num_nextn_predict_layers = key("nextn_predict_layers", 0, int)
+        if num_nextn_predict_layers > block_count:
+            raise SpecconvError(f"{arch}.nextn_predict_layers ({num_nextn_predict_layers}) exceeds block_count ({block_count})")
+        num_hidden_layers = block_count - num_nextn_predict_layers
         key_len, val_len = key("attention.key_length", type=int), key("attention.value_length", type=int)
         if key_len != val_len:
             raise SpecconvError(f"attention.key_length {key_len} != value_length {val_len}")
         rec = key("attention.recurrent_layers", None, list)
         if rec is not None:
-            recurrent = [bool(x) for x in rec[:n_layer]]
+            recurrent = [bool(x) for x in rec[:num_hidden_layers]]
         else:
             interval = key("full_attention_interval", 4, int)
-            recurrent = [(i + 1) % interval != 0 for i in range(n_layer)]
+            recurrent = [(i + 1) % interval != 0 for i in range(num_hidden_layers)]
         hp = cls(
-            arch=arch, n_layer=n_layer, n_nextn=n_nextn, n_embd=key("embedding_length", type=int),
-            n_head=key("attention.head_count", type=int), n_head_kv=_scalar(key("attention.head_count_kv")),
-            head_dim=key_len, n_rot=key("rope.dimension_count", key_len, int),
+            arch=arch, num_hidden_layers=num_hidden_layers, num_nextn_predict_layers=num_nextn_predict_layers, hidden_size=key("embedding_length", type=int),
+            num_attention_heads=key("attention.head_count", type=int), num_key_value_heads=_scalar(key("attention.head_count_kv")),
+            head_dim=key_len, rotary_dim=key("rope.dimension_count", key_len, int),
             rope_base=key("rope.freq_base", 10000.0, float),
             eps=key("attention.layer_norm_rms_epsilon", type=float), recurrent=recurrent,
             conv_kernel=key("ssm.conv_kernel", type=int), ssm_dk=key("ssm.state_size", type=int),
             ssm_groups=key("ssm.group_count", type=int), ssm_heads=key("ssm.time_step_rank", type=int),
             ssm_inner=key("ssm.inner_size", type=int), n_ff=_scalar(key("feed_forward_length", 0)),
-            n_expert=key("expert_count", 0, int), n_expert_used=key("expert_used_count", 0, int),
+            num_experts=key("expert_count", 0, int), num_experts_per_tok=key("expert_used_count", 0, int),
             n_ff_exp=key("expert_feed_forward_length", 0, int),
             n_ff_shexp=key("expert_shared_feed_forward_length", 0, int),
             context_length=key("context_length", 0, int),
         )
         if hp.ssm_inner % hp.ssm_heads or hp.ssm_heads % hp.ssm_groups:
             raise SpecconvError(f"inconsistent SSM sizes: inner {hp.ssm_inner}, heads {hp.ssm_heads}, groups {hp.ssm_groups}")
-        if arch == "qwen35moe" and not hp.n_expert:
+        if arch == "qwen35moe" and not hp.num_experts:
             raise SpecconvError("qwen35moe file without expert_count")
         if hp.is_moe and not (hp.n_ff_exp and hp.n_ff_shexp):
             raise SpecconvError(f"{arch}: expert_feed_forward_length and expert_shared_feed_forward_length are needed")
@@ -129,46 +130,42 @@ TABLE = QWEN35_TABLE
 
 def sizes(hp: HParams) -> Sizes:
     """The table's sizes from GGUF metadata; the vocabulary is the file's ("V", bound by its tensors)."""
-    return Sizes(n_layer=hp.n_layer, recurrent=tuple(hp.recurrent), moe=hp.is_moe, E=hp.n_embd, V="V",
-                 n_head=hp.n_head, n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, nk=hp.ssm_groups,
+    return Sizes(num_hidden_layers=hp.num_hidden_layers, recurrent=tuple(hp.recurrent), moe=hp.is_moe, E=hp.hidden_size, V="V",
+                 num_attention_heads=hp.num_attention_heads, num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, nk=hp.ssm_groups,
                  nv=hp.ssm_heads, dk=hp.ssm_dk, dv=hp.ssm_dv, conv_kernel=hp.conv_kernel, ffn=hp.n_ff,
-                 n_expert=hp.n_expert, expert_ffn=hp.n_ff_exp, shared_ffn=hp.n_ff_shexp)
+                 num_experts=hp.num_experts, expert_ffn=hp.n_ff_exp, shared_ffn=hp.n_ff_shexp)
 
 
 _tensors = GraphTensors(TABLE, sizes)
-OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32
-main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
-mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
-expected_shapes = _tensors.expected_shapes
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
     return MemoryLayout(
-        attn_layers=[i for i in range(hp.n_layer) if not hp.recurrent[i]], n_head_kv=hp.n_head_kv,
-        head_dim=hp.head_dim, rec_layers=[i for i in range(hp.n_layer) if hp.recurrent[i]],
+        attn_layers=[i for i in range(hp.num_hidden_layers) if not hp.recurrent[i]], num_key_value_heads=hp.num_key_value_heads,
+        head_dim=hp.head_dim, rec_layers=[i for i in range(hp.num_hidden_layers) if hp.recurrent[i]],
         conv_channels=hp.conv_channels, conv_kernel=hp.conv_kernel, ssm_heads=hp.ssm_heads,
         ssm_dk=hp.ssm_dk, ssm_dv=hp.ssm_dv, state_dtype=state_dtype)
 
 
 def mtp_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[hp.n_layer], n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, rec_layers=[])
+    return MemoryLayout(attn_layers=[hp.num_hidden_layers], num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, rec_layers=[])
 
 
 # ---- blocks -----------------------------------------------------------------------------------
 
 def gated_attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
     n = a.shape[0]
-    qg = linear(a, w[f"blk.{i}.attn_q.weight"]).view(n, hp.n_head, 2 * hp.head_dim)
+    qg = linear(a, w[f"blk.{i}.attn_q.weight"]).view(n, hp.num_attention_heads, 2 * hp.head_dim)
     q, gate = qg[..., :hp.head_dim], qg[..., hp.head_dim:]  # q and gate interleaved per head
-    k = linear(a, w[f"blk.{i}.attn_k.weight"]).view(n, hp.n_head_kv, hp.head_dim)
-    v = linear(a, w[f"blk.{i}.attn_v.weight"]).view(n, hp.n_head_kv, hp.head_dim)
+    k = linear(a, w[f"blk.{i}.attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
+    v = linear(a, w[f"blk.{i}.attn_v.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
     q = rms_norm(q, w[f"blk.{i}.attn_q_norm.weight"], hp.eps)
     k = rms_norm(k, w[f"blk.{i}.attn_k_norm.weight"], hp.eps)
     cos, sin = rope
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
     o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
     o = o * torch.sigmoid(acc(gate)).to(o.dtype)
-    return linear(o.reshape(n, hp.n_head * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
+    return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
 
 
 def gated_deltanet(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, mode: str) -> torch.Tensor:
@@ -198,7 +195,7 @@ def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
     p = f"blk.{i}."
     if not hp.is_moe:
         return swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
-    routed = moe_softmax_topk(x, w[p + "ffn_gate_inp.weight"], hp.n_expert_used, w[p + "ffn_gate_exps.weight"],
+    routed = moe_softmax_topk(x, w[p + "ffn_gate_inp.weight"], hp.num_experts_per_tok, w[p + "ffn_gate_exps.weight"],
                               w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"])
     shared = swiglu(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
     gate_w = w[p + "ffn_gate_inp_shexp.weight"]  # [1, H]; [H] as llama.cpp's converter writes it
@@ -212,7 +209,7 @@ def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope, gdn_mode
            deltanet=gated_deltanet) -> torch.Tensor:
     """`deltanet`: the Gated DeltaNet mixer (this module's by default; Qwen3-Next passes its own)."""
     a = rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps)
-    recurrent = i < hp.n_layer and hp.recurrent[i]  # the MTP block (i = n_layer) is full attention
+    recurrent = i < hp.num_hidden_layers and hp.recurrent[i]  # the MTP block (i = n_layer) is full attention
     h = h + (deltanet(w, hp, i, a, batch, gdn_mode) if recurrent
              else gated_attention(w, hp, i, a, batch, rope))
     return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.eps))
@@ -220,34 +217,28 @@ def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope, gdn_mode
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None, deltanet=gated_deltanet):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
-    return forward_trunk(w, hp.n_layer, hp.eps, tokens, want_layers, want_logits,
-                         lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
+    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
+    return forward_trunk(w, hp.num_hidden_layers, hp.eps, tokens, want_layers, want_logits,
+                         lambda dtype: rope_cos_sin(batch.positions, hp.rotary_dim, hp.rope_base, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope, gdn_mode, deltanet))
 
 
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
     """One MTP row per token: u = eh_proj·[enorm(E[x]) ; hnorm(h)], one full-attention block,
     z = shared_head_norm(y); returns (logits, z = "nextn", y = pre-norm)."""
-    return forward_nextn(w, hp.n_layer, hp.eps, tokens, hidden_in,
-                         lambda dtype: rope_cos_sin(batch.positions, hp.n_rot, hp.rope_base, dtype),
+    return forward_nextn(w, hp.num_hidden_layers, hp.eps, tokens, hidden_in,
+                         lambda dtype: rope_cos_sin(batch.positions, hp.rotary_dim, hp.rope_base, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 
 
 GRAPH = Graph(
     name="qwen35",
+    tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,
-    main_tensors=main_tensors,
-    mtp_tensors=mtp_tensors,
-    optional_mtp_tensors=optional_mtp_tensors,
-    keep_float32=keep_float32,
     main_layout=main_layout,
     mtp_layout=mtp_layout,
     forward_main=forward_main,
     forward_mtp=forward_mtp,
-    OPTIONAL=OPTIONAL,
-    optional_main_tensors=optional_main_tensors,
-    expected_shapes=expected_shapes,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

@@ -35,10 +35,6 @@ mtp_layout = q35.mtp_layout
 # the family's table (archs/qwen3next.py), with Qwen3.5's sizes
 TABLE = QWEN3NEXT_TABLE
 _tensors = GraphTensors(TABLE, q35.sizes)
-OPTIONAL, keep_float32 = _tensors.OPTIONAL, _tensors.keep_float32
-main_tensors, optional_main_tensors = _tensors.main_tensors, _tensors.optional_main_tensors
-mtp_tensors, optional_mtp_tensors = _tensors.mtp_tensors, _tensors.optional_mtp_tensors
-expected_shapes = _tensors.expected_shapes
 
 
 class HParams(q35.HParams):
@@ -49,7 +45,7 @@ class HParams(q35.HParams):
         if scaling not in (None, "none"):
             raise SpecconvError(f"{hp.arch}.rope.scaling.type is {scaling!r}: the runtime's qwen3next graph runs "
                                 f"unscaled rope only (the releases' configuration)")
-        if not hp.n_expert:
+        if not hp.num_experts:
             raise SpecconvError("qwen3next file without expert_count (every qwen3next block is MoE)")
         return hp
 
@@ -79,7 +75,7 @@ def gated_deltanet(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, mode: 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
     """qwen35's trunk with this module's Gated DeltaNet mixer. Returns (logits rows, post_norm,
-    pre_norm, {layer J: input of block J; J = n_layer: post_norm})."""
+    pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
     return q35.forward_main(w, hp, tokens, batch, want_layers, gdn_mode, want_logits, deltanet=gated_deltanet)
 
 
@@ -90,18 +86,12 @@ forward_mtp = q35.forward_mtp
 
 GRAPH = Graph(
     name="qwen3next",
+    tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,
-    main_tensors=main_tensors,
-    mtp_tensors=mtp_tensors,
-    optional_mtp_tensors=optional_mtp_tensors,
-    keep_float32=keep_float32,
     main_layout=main_layout,
     mtp_layout=mtp_layout,
     forward_main=forward_main,
     forward_mtp=forward_mtp,
-    OPTIONAL=OPTIONAL,
-    optional_main_tensors=optional_main_tensors,
-    expected_shapes=expected_shapes,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

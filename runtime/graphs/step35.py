@@ -34,11 +34,11 @@ from specconv.runtime.validate import check_rope_width
 
 
 
-@dataclass
+@dataclass(kw_only=True)
 class HParams(chained.ChainedHParams):
     head_dim: int
-    n_heads: list[int]
-    n_kvs: list[int]
+    num_attention_heads: list[int]  # per block
+    num_key_value_heads: list[int]
     swa: list[bool]
     n_swa: int
     n_rot_full: int
@@ -50,40 +50,32 @@ class HParams(chained.ChainedHParams):
     clamp_exp: list[float] = field(default_factory=list)
     clamp_shexp: list[float] = field(default_factory=list)
 
-    @property
-    def n_head(self) -> int:  # the first block's, for the shared load-time checks (each block is checked here)
-        return self.n_heads[0]
-
-    @property
-    def n_head_kv(self) -> list[int]:
-        return self.n_kvs
-
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
         # no check_kv here yet: runtime/validate.py types attention.head_count as a scalar, and step35
         # writes it per block (llama.cpp reads it with get_key_or_arr); every key is checked below
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        total, n_nextn = chained.block_counts(r)
+        total, num_nextn_predict_layers = chained.block_counts(r)
         head_dim = key("attention.key_length", type=int)
         if key("attention.value_length", head_dim, int) != head_dim:
             raise SpecconvError(f"{arch}: attention.key_length != value_length")
-        n_heads, n_kvs = r.per_layer("attention.head_count", total), r.per_layer("attention.head_count_kv", total)
-        for i, (h, k) in enumerate(zip(n_heads, n_kvs)):
+        num_attention_heads, num_key_value_heads = r.per_layer("attention.head_count", total), r.per_layer("attention.head_count_kv", total)
+        for i, (h, k) in enumerate(zip(num_attention_heads, num_key_value_heads)):
             if h % k:
                 raise SpecconvError(f"{arch}: block {i} has {h} heads, not a multiple of {k} KV heads")
-        n_rot = key("rope.dimension_count", head_dim, int)
+        rotary_dim = key("rope.dimension_count", head_dim, int)
         base = key("rope.freq_base", 10000.0, float)
         gating = chained.gating(r)
-        return cls(arch=arch, n_layer=total - n_nextn, n_nextn=n_nextn, n_embd=key("embedding_length", type=int),
-                   head_dim=head_dim, n_heads=n_heads, n_kvs=n_kvs,
+        return cls(arch=arch, num_hidden_layers=total - num_nextn_predict_layers, num_nextn_predict_layers=num_nextn_predict_layers, hidden_size=key("embedding_length", type=int),
+                   head_dim=head_dim, num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
                    swa=r.per_layer("attention.sliding_window_pattern", total, False, bool),
                    n_swa=key("attention.sliding_window", 0, int),
-                   n_rot_full=n_rot // 2,  # llama.cpp: full-attention blocks rotate half the rope dims
-                   n_rot_swa=key("rope.dimension_count_swa", n_rot, int), base_full=base,
+                   n_rot_full=rotary_dim // 2,  # llama.cpp: full-attention blocks rotate half the rope dims
+                   n_rot_swa=key("rope.dimension_count_swa", rotary_dim, int), base_full=base,
                    base_swa=key("rope.freq_base_swa", base, float),
                    eps=key("attention.layer_norm_rms_epsilon", type=float),
-                   n_expert_used=key("expert_used_count", 0, int),
+                   num_experts_per_tok=key("expert_used_count", 0, int),
                    weights_scale=key("expert_weights_scale", 1.0, float) or 1.0,
                    weights_norm=key("expert_weights_norm", False, bool),
                    clamp_exp=r.per_layer("swiglu_clamp_exp", total, 0.0, float),
@@ -95,7 +87,7 @@ class HParams(chained.ChainedHParams):
 def sizes(hp: HParams) -> Sizes:
     """The table's sizes from GGUF metadata: the vocabulary, FFN widths and expert counts are the file's,
     bound per block."""
-    return Sizes(n_layer=hp.n_layer, E=hp.n_embd, V="V", heads=tuple(hp.n_heads), kv_heads=tuple(hp.n_kvs),
+    return Sizes(num_hidden_layers=hp.num_hidden_layers, E=hp.hidden_size, V="V", heads=tuple(hp.num_attention_heads), kv_heads=tuple(hp.num_key_value_heads),
                  head_dim=hp.head_dim)
 
 
@@ -118,7 +110,7 @@ _layouts = chained.Layouts(lambda hp: hp.head_dim)
 
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
     n, p, hd = a.shape[0], f"blk.{i}.", hp.head_dim
-    nh, nkv = hp.n_heads[i], hp.n_kvs[i]
+    nh, nkv = hp.num_attention_heads[i], hp.num_key_value_heads[i]
     q = linear(a, w[p + "attn_q.weight"]).view(n, nh, hd)
     k = linear(a, w[p + "attn_k.weight"]).view(n, nkv, hd)
     v = linear(a, w[p + "attn_v.weight"]).view(n, nkv, hd)

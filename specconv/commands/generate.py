@@ -31,9 +31,9 @@ def prompt_ids(model, prompt: str | None, tokens: str | None) -> list[int]:
         raise SpecconvError("give exactly one of -p/--prompt TEXT or --tokens 1,2,3")
     if tokens is not None:
         ids = parse_tokens(tokens)
-        bad = [t for t in ids if not 0 <= t < model.n_vocab]
+        bad = [t for t in ids if not 0 <= t < model.vocab_size]
         if bad:
-            raise SpecconvError(f"--tokens: id {bad[0]} is outside the vocabulary [0, {model.n_vocab})")
+            raise SpecconvError(f"--tokens: id {bad[0]} is outside the vocabulary [0, {model.vocab_size})")
         return ids
     return model.tokenizer.encode(prompt)
 

@@ -21,7 +21,7 @@ from specconv.errors import SpecconvError
 MIN_CTX = 4
 
 
-def read_token_file(path: Path, n_vocab: int) -> list[int]:
+def read_token_file(path: Path, vocab_size: int) -> list[int]:
     text = Path(path).read_text(encoding="utf-8").strip()
     try:
         ids = json.loads(text) if text.startswith("[") else [int(t) for t in re.split(r"[\s,]+", text) if t]
@@ -30,17 +30,17 @@ def read_token_file(path: Path, n_vocab: int) -> list[int]:
             from None
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise SpecconvError(f"--tokens {path}: not a list of integer token ids")
-    bad = [t for t in ids if not 0 <= t < n_vocab]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise SpecconvError(f"--tokens {path}: token id {bad[0]} is outside the vocabulary [0, {n_vocab})")
+        raise SpecconvError(f"--tokens {path}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     return ids
 
 
-def read_stream(tokenizer, n_vocab: int, text: Path | None = None, tokens: Path | None = None) -> list[int]:
+def read_stream(tokenizer, vocab_size: int, text: Path | None = None, tokens: Path | None = None) -> list[int]:
     if (text is None) == (tokens is None):
         raise SpecconvError("give the evaluation text as --text FILE or --tokens FILE (one of them)")
     if tokens is not None:
-        return read_token_file(tokens, n_vocab)
+        return read_token_file(tokens, vocab_size)
     try:
         content = Path(text).read_text(encoding="utf-8")
     except UnicodeDecodeError:

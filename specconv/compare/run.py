@@ -88,12 +88,12 @@ def run_compare(opts: CompareOptions, progress=None) -> dict:
         if s != shapes[0]:
             raise SpecconvError(f"{Path(f).name} is {_shape_text(s)}, {Path(files[0]).name} {_shape_text(shapes[0])}: "
                                 "compare files of one model")
-    header, n_vocab = headers[0], shapes[0][2]
+    header, vocab_size = headers[0], shapes[0][2]
     tokenizer = GGUFTokenizer(header.kv)
-    stream = read_stream(tokenizer, n_vocab, opts.text, opts.tokens)
+    stream = read_stream(tokenizer, vocab_size, opts.text, opts.tokens)
     bos = tokenizer.bos_id if tokenizer.add_bos and tokenizer.bos_id is not None else None
     chunks = Chunks.plan(stream, opts.ctx, bos, opts.chunks)
-    job = _Job(opts, chunks, stream, header.arch, tick, source_hf, sidecars, n_vocab)
+    job = _Job(opts, chunks, stream, header.arch, tick, source_hf, sidecars, vocab_size)
     with tempfile.TemporaryDirectory(prefix="specconv-compare-") as tmp:
         job.tmp = Path(tmp)
         try:
@@ -149,11 +149,11 @@ def _greedy(logits: torch.Tensor) -> np.ndarray:
 
 class _Job:
     def __init__(self, opts: CompareOptions, chunks: Chunks, stream, arch: str, tick, source_hf: bool, sidecars,
-                 n_vocab: int):
+                 vocab_size: int):
         self.opts, self.chunks, self.stream, self.arch, self.tick = opts, chunks, stream, arch, tick
         self.source_hf, self.sidecars = source_hf, sidecars
         self.k = opts.draft_max
-        self.n_vocab = n_vocab  # every GGUF's (checked from the headers)
+        self.vocab_size = vocab_size  # every GGUF's (checked from the headers)
         self.tmp: Path | None = None
         self.store: LogProbStore | None = None
         self.records: list[mtp.TrunkRecord] = []
@@ -168,7 +168,7 @@ class _Job:
         o = self.opts
         if self.source_hf:
             dtype = torch.float64 if o.dtype == "f64" else torch.float32
-            return HfTrunk(o.source, self.arch, self.n_vocab, dtype)
+            return HfTrunk(o.source, self.arch, self.vocab_size, dtype)
         return GgufTrunk(o.source, self.chunks.ctx, o.device, o.dtype, o.source_mtp)
 
     def _open_quant(self, i: int) -> GgufTrunk:
@@ -219,7 +219,7 @@ class _Job:
         source = _Pass(Path(self.opts.source))
         n_quants = len(self.opts.quants)
         trunk = self._open_source()
-        store = self.store = LogProbStore(c.n_chunks * c.scored, self.n_vocab, self.tmp)
+        store = self.store = LogProbStore(c.n_chunks * c.scored, self.vocab_size, self.tmp)
         drafter = self._drafter(trunk)
         # chunks to run: the source, each quant, and the source's head over each quant's recorded trunk
         self.tick("source", total=c.n_chunks * (1 + n_quants + (n_quants if drafter is not None else 0)))

@@ -158,18 +158,18 @@ class LogProbStore:
     """`n_rows` rows of a `n_vocab` vocabulary; the codes go to a file in `folder` when given (DiskRows),
     else stay in memory."""
 
-    def __init__(self, n_rows: int, n_vocab: int, folder: Path | None = None):
-        self.codes = (DiskRows(Path(folder) / "source-logprobs.u16", np.uint16, (n_vocab,)) if folder is not None
-                      else _MemoryRows(np.uint16, n_rows, (n_vocab,)))
+    def __init__(self, n_rows: int, vocab_size: int, folder: Path | None = None):
+        self.codes = (DiskRows(Path(folder) / "source-logprobs.u16", np.uint16, (vocab_size,)) if folder is not None
+                      else _MemoryRows(np.uint16, n_rows, (vocab_size,)))
         self.step = np.zeros(n_rows, dtype=np.float32)
         self.offset = np.zeros(n_rows, dtype=np.float32)
         self.target_logprob = np.zeros(n_rows, dtype=np.float64)
         self.argmax = np.zeros(n_rows, dtype=np.int64)
-        self.n_rows, self.n_vocab, self.filled = n_rows, n_vocab, 0
+        self.n_rows, self.vocab_size, self.filled = n_rows, vocab_size, 0
 
     @property
     def nbytes(self) -> int:
-        return int(self.n_rows * (2 * self.n_vocab + 4 + 4 + 8 + 8))
+        return int(self.n_rows * (2 * self.vocab_size + 4 + 4 + 8 + 8))
 
     def append(self, logits: torch.Tensor, targets) -> StoredRows:
         """Store the rows of `logits` [n, V] whose next tokens are `targets` [n]; returns them as rows."""

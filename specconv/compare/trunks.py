@@ -51,7 +51,7 @@ class GgufTrunk:
             self.head_file = Path(mtp_path)
         elif GraphType.MTP in self.model.serves:
             self.head, self.head_file = self.model, self.path
-        self.n_vocab = self.model.n_vocab
+        self.vocab_size = self.model.vocab_size
         self.context = Context(self.model, GraphType.MAIN, n_ctx=ctx, n_rs_seq=0)
 
     def run(self, ids: list[int], first: int, hidden: tuple[str, ...] = ()) -> ChunkOutput:
@@ -72,26 +72,26 @@ class HfTrunk:
     head = None
     head_file = None
 
-    def __init__(self, folder: Path, arch: str, n_vocab: int, dtype: torch.dtype):
+    def __init__(self, folder: Path, arch: str, vocab_size: int, dtype: torch.dtype):
         from specconv.verify import parity
 
-        self.path, self.n_vocab, self._parity = Path(folder), n_vocab, parity
+        self.path, self.vocab_size, self._parity = Path(folder), vocab_size, parity
         self._session = parity.reference_model(self.path, arch, dtype)
         self.model, bad = self._session.__enter__()
         if bad:
             self.close()
             raise SpecconvError(f"{folder}: transformers could not load the checkpoint completely ({bad})")
-        if self.model.config.get_text_config().vocab_size < n_vocab:
+        if self.model.config.get_text_config().vocab_size < vocab_size:
             self.close()
             raise SpecconvError(f"{folder}: a vocabulary of {self.model.config.get_text_config().vocab_size}, "
-                                f"smaller than the GGUF files' {n_vocab}")
+                                f"smaller than the GGUF files' {vocab_size}")
 
     @torch.no_grad()
     def run(self, ids: list[int], first: int, hidden: tuple[str, ...] = ()) -> ChunkOutput:
         p = self._parity
         with p.reference_precision(self.model):
             out = self.model(torch.tensor([ids], device=p.input_device(self.model)), use_cache=False)
-        return ChunkOutput(out.logits[0, first:, :self.n_vocab].cpu(), {})
+        return ChunkOutput(out.logits[0, first:, :self.vocab_size].cpu(), {})
 
     def close(self) -> None:
         if self._session is not None:

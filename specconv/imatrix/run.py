@@ -61,7 +61,7 @@ def collect(opts: ImatrixOptions, progress=None) -> ImatrixResult:
     model = load_model(opts.model, device=opts.device, dtype=opts.dtype)
     model.require(GraphType.MAIN)
     tokenizer = model.tokenizer
-    stream = read_stream(tokenizer, model.n_vocab, opts.text, opts.tokens)
+    stream = read_stream(tokenizer, model.vocab_size, opts.text, opts.tokens)
     bos = tokenizer.bos_id if tokenizer.add_bos and tokenizer.bos_id is not None else None
     chunks = Chunks.plan(stream, opts.ctx, bos, opts.chunks)
     context = Context(model, GraphType.MAIN, n_ctx=chunks.ctx, n_rs_seq=0)

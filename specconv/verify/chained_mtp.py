@@ -306,7 +306,7 @@ def _pre_norm_rows(main, prompts) -> list[torch.Tensor]:
 
 def chained_mtp_check(report, head, main, prompts, hidden, judge, ref: str, errors) -> None:
     """One check per MTP block; report.parity gains `mtp` (the worst block) and `mtp_blocks`."""
-    k = head.hparams.n_nextn
+    k = head.hparams.num_nextn_predict_layers
     hf_dir = Path(getattr(main.config, "_name_or_path", "") or getattr(main.config, "name_or_path", ""))
     try:
         blocks = load_blocks(main, head.arch, hf_dir, k)

@@ -106,9 +106,9 @@ def llamacpp_costs(path, k: int, mtp_path=None, threads: int | None = None) -> d
     models, contexts = [], []
     try:
         target = _load(llama_cpp, path, load_mtp=False, models=models)
-        n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(target))
+        vocab_size = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(target))
         ctx = _context(llama_cpp, target, threads, n_rs_seq=k + 1, contexts=contexts)
-        ids = [(3 + 7919 * i) % n_vocab for i in range(PREFIX + k + 1)]
+        ids = [(3 + 7919 * i) % vocab_size for i in range(PREFIX + k + 1)]
         _decode(llama_cpp, ctx, ids[:PREFIX], 0)
         _decode(llama_cpp, ctx, ids[PREFIX:PREFIX + 1], PREFIX)  # first-call costs out of the timings
         _seq_rm(llama_cpp, ctx, PREFIX)

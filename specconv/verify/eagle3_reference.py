@@ -34,13 +34,13 @@ _LAYER = ("midlayer.", "layers.0.")  # the decoder layer's names in the two layo
 CPU = torch.device("cpu")  # where the reference computes (its tensors are read there)
 
 
-def hidden_state_indices(config: dict, n_layer: int) -> tuple[list[int], str]:
+def hidden_state_indices(config: dict, num_hidden_layers: int) -> tuple[list[int], str]:
     """(indices into transformers' `hidden_states` of the target, how the config named them)."""
     for path, offset, what in _ID_KEYS:
         ids = config_layer_ids(ConfigReader(config, file="the head's config.json"), path)
         if ids:
             return [i + offset for i in ids], f"{'.'.join(path)} {ids} ({what})"
-    return [2, n_layer // 2, n_layer - 3], "no ids in config.json, default [2, L//2, L-3] (layer inputs)"
+    return [2, num_hidden_layers // 2, num_hidden_layers - 3], "no ids in config.json, default [2, L//2, L-3] (layer inputs)"
 
 
 class Eagle3Reference:
@@ -70,9 +70,9 @@ class Eagle3Reference:
         self.dtype = dtype
         c = ConfigReader(self.raw_config, file=f"--draft-hf {head_dir}/config.json").merged("transformer_layer_config")
         self.eps = c.number("rms_norm_eps", default=1e-6)
-        self.n_head = c.integer("num_attention_heads", min=1)
-        self.n_kv = c.integer("num_key_value_heads", default=None, min=1) or self.n_head
-        self.hd = c.integer("head_dim", default=None, min=1) or c.integer("hidden_size", min=1) // self.n_head
+        self.num_attention_heads = c.integer("num_attention_heads", min=1)
+        self.n_kv = c.integer("num_key_value_heads", default=None, min=1) or self.num_attention_heads
+        self.hd = c.integer("head_dim", default=None, min=1) or c.integer("hidden_size", min=1) // self.num_attention_heads
         self.norm_before_fc = c.flag("norm_before_fc", default=False)
         self.norm_before_residual = c.flag("norm_before_residual", default=False)
         # the rest of what the rope below reads (transformers' LlamaConfig)
@@ -120,7 +120,7 @@ class Eagle3Reference:
         own = self.t.get("embed_tokens.weight")
         rows = own[tokens] if own is not None else target_embed(tokens)
         g = g.to(self.dtype)
-        n, nh, nkv, hd = tokens.shape[0], self.n_head, self.n_kv, self.hd
+        n, nh, nkv, hd = tokens.shape[0], self.num_attention_heads, self.n_kv, self.hd
         e = self._rms(rows.to(self.dtype), self.need("L.input_layernorm.weight"))
         gn = self._rms(g, self.need("L.hidden_norm.weight"))
         c = torch.cat([e, gn], -1)

@@ -67,7 +67,7 @@ def _judge(report: Report, kind: str, tol: float):
 
 
 def _mtp(report: Report, head, main, prompts, hidden, judge, ref: str) -> None:
-    n_mtp = head.hparams.n_nextn
+    n_mtp = head.hparams.num_nextn_predict_layers
     if head.graph.CHAINED_MTP:  # several chained blocks, each judged (chained_mtp.py)
         from specconv.verify.chained_mtp import chained_mtp_check
 
@@ -93,8 +93,8 @@ def eagle3_head_check(report: Report, target, head, hf_target, head_dir: Path, p
     except SpecconvError as exc:
         report.add("parity: EAGLE-3 head vs its checkpoint", False, str(exc))
         return
-    n_layer = target.hparams.n_layer
-    want, how = hidden_state_indices(ref.raw_config, n_layer)
+    num_hidden_layers = target.hparams.num_hidden_layers
+    want, how = hidden_state_indices(ref.raw_config, num_hidden_layers)
     ours_layers = [int(j) for j in head.hparams.target_layers]
     hint = ""
     if ours_layers != want:

@@ -159,7 +159,7 @@ def run_verify(opts: VerifyOptions, progress: Progress | None = None) -> Report:
             structure.check_file(report, draft_model, "draft")
             try:
                 check_same_vocabulary(target, draft_model)
-                report.add("draft: same vocabulary as the model", True, f"{draft_model.n_vocab} tokens")
+                report.add("draft: same vocabulary as the model", True, f"{draft_model.vocab_size} tokens")
             except SpecconvError as exc:
                 report.add("draft: same vocabulary as the model", False, str(exc))
                 draft_model = None
@@ -193,8 +193,8 @@ def _eagle3_head(report: Report, target, opts: VerifyOptions):
     """An EAGLE-3 --draft: loaded next to the target (its embedding / head), checked to belong to it."""
     def detail(head):
         hp = head.hparams
-        return (f"target layers {list(hp.target_layers)} of {target.hparams.n_layer}, width {hp.target_hidden_size}, "
-                f"draft vocabulary {head.weights['output.weight'].shape[0]} of {target.n_vocab}")
+        return (f"target layers {list(hp.target_layers)} of {target.hparams.num_hidden_layers}, width {hp.target_hidden_size}, "
+                f"draft vocabulary {head.weights['output.weight'].shape[0]} of {target.vocab_size}")
 
     return _draft_reading_target(report, target, opts, "EAGLE-3 head", check_head_fits_target, detail)
 
@@ -204,7 +204,7 @@ def _assistant(report: Report, target, opts: VerifyOptions):
     from specconv.runtime.drafters.gemma4_assistant import check_assistant_fits_target
 
     def detail(assistant):
-        return (f"{assistant.hparams.n_nextn} layers reading target layers "
+        return (f"{assistant.hparams.num_nextn_predict_layers} layers reading target layers "
                 f"{sorted(set(target.hparams.store.values()))}, backbone width {assistant.hparams.n_embd_out}")
 
     return _draft_reading_target(report, target, opts, "Gemma 4 assistant", check_assistant_fits_target, detail)
@@ -215,7 +215,7 @@ def _dflash(report: Report, target, opts: VerifyOptions):
     from specconv.runtime.drafters.dflash import check_drafter_fits_target
 
     def detail(d):
-        return (f"target layer inputs {list(d.hparams.target_layers)} of {target.hparams.n_layer}, "
+        return (f"target layer inputs {list(d.hparams.target_layers)} of {target.hparams.num_hidden_layers}, "
                 f"block {d.hparams.block_size}, mask token {d.hparams.mask_token_id}")
 
     return _draft_reading_target(report, target, opts, "DFlash drafter", check_drafter_fits_target, detail)
@@ -242,7 +242,7 @@ def _load(report: Report, label: str, path, device, share_from=None, dtype=None,
     except SpecconvError as exc:
         report.add(f"{label}: loads", False, str(exc))
         return None
-    report.add(f"{label}: loads", True, f"{Path(path).name}: {model.arch}, {model.kind}, vocab {model.n_vocab}, "
+    report.add(f"{label}: loads", True, f"{Path(path).name}: {model.arch}, {model.kind}, vocab {model.vocab_size}, "
                                          f"{len(model.file.tensors)} tensors")
     return model
 

@@ -44,19 +44,19 @@ def check_file(report: Report, model: Model, label: str) -> None:
                f"{len(names)} tensors, arch {model.arch}, serves {sorted(g.value for g in model.serves)}"
                + (f"; not part of the {model.arch} graph: {', '.join(unexpected[:5])}" if unexpected else ""))
     nextn_blocks = sorted({int(m.group(1)) for n in names if (m := _NEXTN.match(n))})
-    declared = list(range(hp.n_layer, hp.n_layer + hp.n_nextn))
+    declared = list(range(hp.num_hidden_layers, hp.num_hidden_layers + hp.num_nextn_predict_layers))
     if model.kind == "assistant":  # Gemma 4 assistant: every block is a draft layer reading the target's K/V
-        ok = hp.n_layer == 0 and hp.n_nextn > 0
-        detail = f"nextn_predict_layers={hp.n_nextn} = block_count: every layer drafts (no trunk, no nextn blocks)"
+        ok = hp.num_hidden_layers == 0 and hp.num_nextn_predict_layers > 0
+        detail = f"nextn_predict_layers={hp.num_nextn_predict_layers} = block_count: every layer drafts (no trunk, no nextn blocks)"
     elif not nextn_blocks:
         ok = True
-        detail = (f"declares {hp.n_nextn} MTP layer(s), holds none (a trunk-only file: give the head with --mtp)"
-                  if hp.n_nextn else "no MTP layers declared or present")
+        detail = (f"declares {hp.num_nextn_predict_layers} MTP layer(s), holds none (a trunk-only file: give the head with --mtp)"
+                  if hp.num_nextn_predict_layers else "no MTP layers declared or present")
     else:
         ok = nextn_blocks == declared
-        detail = f"nextn_predict_layers={hp.n_nextn} (blocks {declared}), nextn tensors in blocks {nextn_blocks}"
+        detail = f"nextn_predict_layers={hp.num_nextn_predict_layers} (blocks {declared}), nextn tensors in blocks {nextn_blocks}"
     report.add(f"{label}: MTP layers vs nextn_predict_layers", ok, detail)
-    sizes = {"token_embd rows": model.n_vocab}
+    sizes = {"token_embd rows": model.vocab_size}
     if "output.weight" in model.weights and "d2t" not in model.weights:  # with d2t: a draft vocabulary
         sizes["output rows"] = int(model.weights["output.weight"].shape[0])
     tokens = f.get("tokenizer.ggml.tokens")
@@ -81,7 +81,7 @@ def tokenizer_fingerprint(model: Model) -> str | None:
     return h.hexdigest()[:16]
 
 
-_NOT_COMPARED = {"n_nextn", "extra", "recurrent", "context_length"}
+_NOT_COMPARED = {"num_nextn_predict_layers", "extra", "recurrent", "context_length"}
 
 
 def check_pair(report: Report, target: Model, head: Model, label: str) -> None:
@@ -97,12 +97,12 @@ def check_pair(report: Report, target: Model, head: Model, label: str) -> None:
             if a != b:
                 problems.append(f"{fld.name} {b} ≠ {a}")
     report.add(f"{label}: same arch and hyper-parameters", not problems,
-               "; ".join(problems) if problems else f"{target.arch}, {target.hparams.n_layer} trunk blocks, "
-                                                     f"width {target.n_embd}")
+               "; ".join(problems) if problems else f"{target.arch}, {target.hparams.num_hidden_layers} trunk blocks, "
+                                                     f"width {target.hidden_size}")
     fa, fb = tokenizer_fingerprint(target), tokenizer_fingerprint(head)
-    same_vocab = target.n_vocab == head.n_vocab and (fa is None or fb is None or fa == fb)
+    same_vocab = target.vocab_size == head.vocab_size and (fa is None or fb is None or fa == fb)
     report.add(f"{label}: same vocabulary", same_vocab,
-               f"{head.n_vocab} vs {target.n_vocab} tokens, tokenizer fingerprint {fb} vs {fa}")
+               f"{head.vocab_size} vs {target.vocab_size} tokens, tokenizer fingerprint {fb} vs {fa}")
     shared = [n for n in ("token_embd.weight", "output.weight", "output_norm.weight")
               if n in target.file.tensors and n in head.file.tensors]
     diffs = {n: _tensor_difference(target, head, n) for n in shared}

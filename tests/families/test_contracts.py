@@ -30,8 +30,6 @@ NOT_SCANNED = ("runtime/speculative.py", "runtime/spec_", "runtime/drafters/", "
 _TRANSFORMERS = "a transformers model / config object, whose attributes differ by model class and version"
 _EXTENSION = "a compiled extension from an older build may lack the symbol; the Python path is used then"
 _PLATFORM = "a platform constant or method that some operating systems lack"
-_HPARAMS = ("hyperparameters of families without MTP / MoE / per-block heads; one hparams dataclass per "
-            "family (issue 35) declares them")
 # (file, attribute probed) -> why it is not a capability probe of our own objects (or who removes it)
 ALLOWED: dict[tuple[str, str], str] = {
     ("runtime/kernels_triton/dequant.py", "name"): "a gguf GGMLQuantizationType or a raw type id from a file",
@@ -55,15 +53,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("specconv/verify/parity.py", "mlp_layer_types"): _TRANSFORMERS,
     # A GGUF tensor record from the file reader, or a header-only one from tools/fuzz_gguf.py.
     ("runtime/validate.py", "data"): "a tensor record that may be header-only (no mapped bytes)",
-    ("runtime/validate.py", "n_nextn"): _HPARAMS,
-    ("runtime/validate.py", "n_head_kv"): _HPARAMS,
-    ("runtime/validate.py", "n_heads"): _HPARAMS,
-    ("runtime/validate.py", "head_dim"): _HPARAMS,
-    ("runtime/validate.py", "n_rot"): _HPARAMS,
-    ("runtime/validate.py", "n_expert"): _HPARAMS,
-    ("runtime/validate.py", "n_expert_used"): _HPARAMS,
-    # The MTP decode's input width: the assistant's lines, which move to the drafter base.
-    ("runtime/context.py", "n_embd_in"): "the assistant / DFlash input width; declared by the drafter base",
 }
 
 

@@ -112,9 +112,9 @@ def _chained_written(family: str):
         with safe_open(str(source / "model.safetensors"), "np") as f:
             hf = set(f.keys())
         out = {"output.weight"} if "lm_head.weight" in hf else set()
-        for i in range(hp.n_layer + hp.n_nextn):
-            mtp = i >= hp.n_layer
-            p = f"model.mtp.layers.{i - hp.n_layer}." if family == "mimo2" and mtp else f"model.layers.{i}."
+        for i in range(hp.num_hidden_layers + hp.num_nextn_predict_layers):
+            mtp = i >= hp.num_hidden_layers
+            p = f"model.mtp.layers.{i - hp.num_hidden_layers}." if family == "mimo2" and mtp else f"model.layers.{i}."
             ffn = routed if p + router in hf else ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
             extra = {"step35": ["attn_q_norm.weight", "attn_k_norm.weight"]
                      + (["attn_gate.weight"] if p + "self_attn.g_proj.weight" in hf else [])
@@ -130,7 +130,7 @@ def _chained_written(family: str):
 
 def _gemma4_v(hp, source=None) -> set[str]:
     """attn_v of the K/V-owning sliding layers (the full ones of attention_k_eq_v have none)."""
-    return {f"blk.{i}.attn_v.weight" for i in range(hp.n_layer) if hp.owns_kv(i) and hp.is_swa[i]}
+    return {f"blk.{i}.attn_v.weight" for i in range(hp.num_hidden_layers) if hp.owns_kv(i) and hp.is_swa[i]}
 
 
 def _chained(family: str, **over):
@@ -175,7 +175,7 @@ FAMILIES = {
     "gemma4-moe": ("gemma4", _gemma4(num_kv_shared_layers=0, enable_moe_block=True, num_experts=8, top_k_experts=2,
                                      moe_intermediate_size=16, hidden_size_per_layer_input=0,
                                      vocab_size_per_layer_input=0), 0,
-                   lambda hp, source: _gemma4_v(hp) | {f"blk.{i}.ffn_gate_up_exps.weight" for i in range(hp.n_layer)}),
+                   lambda hp, source: _gemma4_v(hp) | {f"blk.{i}.ffn_gate_up_exps.weight" for i in range(hp.num_hidden_layers)}),
     "gemma4-assistant": ("gemma4-assistant", _gemma4(assistant=True), 2, set()),
     # dense and routed blocks, k MTP blocks (their FFN optional by name: the file decides which)
     "dflash": ("dflash", _dflash(), 0, set()),  # embedding and head: the target's
@@ -201,16 +201,16 @@ def test_converted_file_is_what_the_runtime_derives(case, tmp_path):
     assert file.arch == arch
     graph = graph_for(arch)
     hp = graph.HParams.from_kv(file.kv)
-    assert hp.n_nextn == n_mtp
+    assert hp.num_nextn_predict_layers == n_mtp
     required = graph.main_tensors(hp) + graph.mtp_tensors(hp) + (graph.encoder_tensors(hp) if graph.encoder_tensors
                                                                  else [])
     optional = list(graph.OPTIONAL) + graph.optional_main_tensors(hp) + graph.optional_mtp_tensors(hp)
     written = set(file.tensors)
     assert set(required) <= written, sorted(set(required) - written)
     assert written <= set(required) | set(optional), sorted(written - set(required) - set(optional))
-    blocks = range(hp.n_layer + hp.n_nextn)
+    blocks = range(hp.num_hidden_layers + hp.num_nextn_predict_layers)
     optional_written = optional_written(hp, source) if callable(optional_written) else {
-        t.format(n=hp.n_layer, i=i) for t in optional_written for i in blocks}
+        t.format(n=hp.num_hidden_layers, i=i) for t in optional_written for i in blocks}
     assert written - set(required) == optional_written
 
     expected, bound = graph.expected_shapes(hp), {}
@@ -288,9 +288,9 @@ def test_runtime_names_and_shapes():
 
 def test_graph_tensors_split_trunk_and_mtp_head():
     class HP:
-        n_layer, n_nextn = 2, 1
+        num_hidden_layers, num_nextn_predict_layers = 2, 1
 
-    g = GraphTensors(_toy(), lambda hp: {"V": "V", "n": hp.n_layer})
+    g = GraphTensors(_toy(), lambda hp: {"V": "V", "n": hp.num_hidden_layers})
     assert g.OPTIONAL == ("output.weight",)
     assert g.mtp_tensors(HP()) == ["token_embd.weight", "blk.2.attn_norm.weight", "blk.2.attn_q.weight",
                                    "blk.2.ffn_gate_exps.weight", "blk.2.ffn_up_exps.weight",
@@ -333,7 +333,7 @@ def test_worked_example_in_the_docs_is_the_qwen3_table():
     quoted = re.findall(r'TensorSpec\(("[^"]+"|names\.\w+), ("[^"]+"|None),\s*lambda s: (\([^)]*\))'
                         r'(?:, "(\w+)")?', example)
     assert len(quoted) >= 6
-    sizes = {"V": 7, "E": 8, "q": 9, "ffn": 10, "n_expert": 11, "expert_ffn": 12}
+    sizes = {"V": 7, "E": 8, "q": 9, "ffn": 10, "num_experts": 11, "expert_ffn": 12}
 
     class S:
         pass

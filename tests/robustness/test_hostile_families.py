@@ -259,7 +259,7 @@ def test_dflash2_selector_rows_match_the_shared_vocabulary(seeds, tmp_path):
             if any(t.name == name for t in doc.tensors):
                 drop(name)(doc)
         for name in ("selector_successor.weight", "selector_predecessor.weight"):
-            dims(name, [rank, target.n_vocab - 12])(doc)
+            dims(name, [rank, target.vocab_size - 12])(doc)
         doc.kvs = [e for e in doc.kvs if not e.key.startswith("tokenizer.ggml.") or e.key.endswith("mask_token_id")]
 
     head = load(edited(seeds, file, tmp_path, shrink_selector_and_share), share_from=target)
@@ -267,5 +267,5 @@ def test_dflash2_selector_rows_match_the_shared_vocabulary(seeds, tmp_path):
         check_drafter_fits_target(target, head)
     msg = str(info.value)
     print(msg)
-    assert "\n" not in msg and file in msg and f"{target.n_vocab - 12} token rows" in msg, msg
+    assert "\n" not in msg and file in msg and f"{target.vocab_size - 12} token rows" in msg, msg
     check_drafter_fits_target(target, load(path_of(seeds, file), share_from=target))  # the seed itself fits

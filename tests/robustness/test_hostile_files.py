@@ -188,7 +188,7 @@ def test_trailing_dimension_and_vocabulary_mismatch(seeds, tmp_path):
         kv["tokenizer.ggml.merges"].value = [m for m in kv["tokenizer.ggml.merges"].value
                                              if {*m.split(b" "), m.replace(b" ", b"")} <= left]
     model = load(edited(seeds, "qwen35-embed.gguf", tmp_path, fewer_tokens))
-    assert model.n_vocab == 512 and model.tokenizer.n_vocab == 508
+    assert model.vocab_size == 512 and model.tokenizer.vocab_size == 508
 
 
 def test_integer_and_unsupported_storage_types(seeds, tmp_path):

@@ -149,8 +149,8 @@ def test_decode_and_verification_read_nothing_back_from_the_device(tmp_path_fact
     model = load_model(tiny_gguf(tmp_path_factory, moe=moe, outtype="q8_0")[1], device="meta", dtype=dtype)
     assert model.backend.name == "torch"
     one, verify, draft = _decode_steps(model)
-    assert one.logits.device.type == "meta" and verify.logits.shape == (4, model.n_vocab)
-    assert draft.logits.shape == (3, model.n_vocab)
+    assert one.logits.device.type == "meta" and verify.logits.shape == (4, model.vocab_size)
+    assert draft.logits.shape == (3, model.vocab_size)
     print(f"\n[meta, {dtype}, {'moe' if moe else 'dense'}] prompt, step, verification of 4, rollback, MTP head: "
           f"no host read")
 

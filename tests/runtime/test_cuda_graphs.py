@@ -108,7 +108,7 @@ def test_greedy_plain_and_speculative_tokens_with_graphs_equal_eager(q8_file, gr
 
         def run():
             plain = generate(model, prompt, n).tokens
-            made = (SyntheticDrafter(prompt + plain, model.n_vocab, 0.8, seed=seed) if drafter == "synthetic"
+            made = (SyntheticDrafter(prompt + plain, model.vocab_size, 0.8, seed=seed) if drafter == "synthetic"
                     else MtpDrafter(model, len(prompt) + n + K + 2, model))
             res = speculative_generate(model, made, prompt, n, SpecConfig(draft_max=K))
             stats = res.stats["speculative"]
@@ -281,7 +281,7 @@ def test_cuda_graphs_on_the_gpu(q8_file, drafter):
     assert torch.equal(got, ref), float((got - ref).abs().max())
     prompt = [int(t) for t in prompt_ids(9, seed=36)]
     plain = generate(model, prompt, 32).tokens
-    made = (SyntheticDrafter(prompt + plain, model.n_vocab, 0.8, seed=1) if drafter == "synthetic"
+    made = (SyntheticDrafter(prompt + plain, model.vocab_size, 0.8, seed=1) if drafter == "synthetic"
             else MtpDrafter(model, len(prompt) + 32 + K + 2, model))
     spec = speculative_generate(model, made, prompt, 32, SpecConfig(draft_max=K))
     print(f"\n[cuda graphs on {torch.cuda.get_device_name(0)}, {drafter}] replays = eager; accepted "

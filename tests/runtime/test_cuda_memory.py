@@ -60,7 +60,7 @@ def state_bytes(ctx: Context) -> int:
     positions, and per recurrent layer a ring of conv windows and SSM states."""
     mem, layout = ctx.memory, ctx.memory.layout
     size = torch.empty(0, dtype=mem.dtype).element_size()
-    kv = sum(2 * mem.n_seq * mem.n_ctx * layout.n_head_kv * layout.head_dim * size for _ in layout.attn_layers)
+    kv = sum(2 * mem.n_seq * mem.n_ctx * layout.num_key_value_heads * layout.head_dim * size for _ in layout.attn_layers)
     state = torch.empty(0, dtype=layout.state_dtype).element_size()
     ring = (layout.conv_kernel - 1) * layout.conv_channels + layout.ssm_heads * layout.ssm_dk * layout.ssm_dv
     rec = len(layout.rec_layers) * mem.n_seq * mem.slots * ring * state

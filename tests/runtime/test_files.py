@@ -155,7 +155,7 @@ def test_sidecar_serves_only_mtp_and_is_refused_as_main(tmp_path_factory):
     # a sidecar may share the target's embedding and head: same logits, one copy in memory
     shared = load_model(side, share_from=target)
     assert shared.weights["token_embd.weight"] is target.weights["token_embd.weight"]
-    h = torch.randn(5, target.n_embd, generator=torch.Generator().manual_seed(0))
+    h = torch.randn(5, target.hidden_size, generator=torch.Generator().manual_seed(0))
     a = Context(sidecar, GraphType.MTP).decode([1, 2, 3, 4, 5], hidden_in=h).logits
     b = Context(shared, GraphType.MTP).decode([1, 2, 3, 4, 5], hidden_in=h).logits
     assert torch.equal(a, b)

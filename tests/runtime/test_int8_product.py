@@ -204,7 +204,7 @@ def test_model_verification_rows_are_the_bits_of_one_row_forwards(q8_file):
     from specconv.runtime import Context, GraphType, load_model
 
     model = load_model(q8_file, device="cpu")
-    ids = [(3 + 7919 * i) % model.n_vocab for i in range(26)]
+    ids = [(3 + 7919 * i) % model.vocab_size for i in range(26)]
     for n in (2, 3, 4, 5):
         batch = Context(model, GraphType.MAIN, n_ctx=64, n_rs_seq=8)
         batch.decode(ids[:20])
@@ -229,7 +229,7 @@ def test_model_states_after_a_prompt_and_a_rollback_are_the_bits_of_plain_steps(
     from specconv.runtime import Context, GraphType, load_model
 
     model = load_model(q8_file, device="cpu")
-    ids = [(3 + 7919 * i) % model.n_vocab for i in range(32)]
+    ids = [(3 + 7919 * i) % model.vocab_size for i in range(32)]
     prompt, then = ids[:21], ids[21:27]
     plain = Context(model, GraphType.MAIN, n_ctx=64, n_rs_seq=0, rollback="checkpoint")
     plain.decode(prompt)
@@ -241,7 +241,7 @@ def test_model_states_after_a_prompt_and_a_rollback_are_the_bits_of_plain_steps(
     for kept in range(4):  # then[:kept + 1] accepted, the rest of the batch wrong drafts
         ctx = Context(model, GraphType.MAIN, n_ctx=64, n_rs_seq=3)
         ctx.decode(prompt)
-        batch = then[:kept + 1] + [(7 * t + 1) % model.n_vocab for t in then[kept + 1:4]]
+        batch = then[:kept + 1] + [(7 * t + 1) % model.vocab_size for t in then[kept + 1:4]]
         out = ctx.decode(batch).logits
         assert torch.equal(out[:kept + 1], reference[:kept + 1])
         assert ctx.seq_rm(0, len(prompt) + kept + 1)
@@ -262,11 +262,11 @@ def test_model_speculative_greedy_equals_plain(q8_file, monkeypatch):
 
     monkeypatch.setattr(dequant_native, "matmul_t", counted)
     model = load_model(q8_file, device="cpu")
-    long_prompt = [(11 + 4099 * i) % model.n_vocab for i in range(24)]  # over the native step's 16 tokens
+    long_prompt = [(11 + 4099 * i) % model.vocab_size for i in range(24)]  # over the native step's 16 tokens
     for prompt in ([17], [5, 900, 42, 3000, 7, 5, 900, 42], long_prompt):
         reference = greedy_reference(model, prompt, 40)
         for a, k, auto in [(0.5, 1, False), (0.8, 2, False), (0.8, 3, False), (0.6, 4, False), (0.8, 8, True)]:
-            res = speculative_generate(model, SyntheticDrafter(reference, model.n_vocab, a, seed=k), prompt, 40,
+            res = speculative_generate(model, SyntheticDrafter(reference, model.vocab_size, a, seed=k), prompt, 40,
                                        SpecConfig(draft_max=k, auto=auto))
             assert res.tokens == reference[len(prompt):], (prompt, a, k, auto)
     assert calls and set(calls) == {"int8"}  # every product of this model took the 8-bit path

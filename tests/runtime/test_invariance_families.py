@@ -148,7 +148,7 @@ def backend(request, monkeypatch):
 
 
 def _ids(model, n, seed):
-    return [int(t) % model.n_vocab for t in prompt_ids(n, seed=seed)]
+    return [int(t) % model.vocab_size for t in prompt_ids(n, seed=seed)]
 
 
 def test_verification_rows_are_the_bits_of_one_row_forwards(family, backend, monkeypatch):

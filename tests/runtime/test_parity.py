@@ -186,7 +186,7 @@ def test_layer_hidden_states_match_transformers(tmp_path_factory):
     src, path = tiny_gguf(tmp_path_factory)
     model = load_model(path, device="cpu")
     ids = prompt_ids()
-    n = model.hparams.n_layer
+    n = model.hparams.num_hidden_layers
     out = Context(model, GraphType.MAIN, n_ctx=len(ids)).decode(ids, hidden=("pre_norm",), layers=range(n + 1))
     main, _ = load_hf(src)
     with torch.no_grad():

@@ -80,7 +80,7 @@ def family_file(tmp_path_factory, family: str, outtype: str):
 
 def run(model, ids=IDS):
     """(trunk logits, post-norm hidden, and the MTP head's logits when the file has one)."""
-    ids = [i % (model.n_vocab - 8) for i in ids]
+    ids = [i % (model.vocab_size - 8) for i in ids]
     ctx = Context(model, GraphType.MAIN, n_ctx=len(ids) + 1)
     out = ctx.decode(ids)
     hidden = out.hidden["post_norm"]
@@ -239,7 +239,7 @@ def test_a_moe_decode_step_reads_only_the_routed_experts(tmp_path_factory, monke
         if not isinstance(w, StoredWeight):
             continue
         block = int(name.split(".")[1]) if name.startswith("blk.") else None
-        if block is not None and block >= hp.n_layer:
+        if block is not None and block >= hp.num_hidden_layers:
             continue  # the MTP block is not part of the trunk's forward
         if name == "token_embd.weight":
             expected += w.raw[0].numel()  # one row
@@ -251,8 +251,8 @@ def test_a_moe_decode_step_reads_only_the_routed_experts(tmp_path_factory, monke
             expected += w.stored_bytes
     all_experts = sum(w.stored_bytes for n, w in model.weights.items() if "_exps." in n)
     print(f"\n[moe, {backend} backend] one token read {read} stored bytes; all experts hold {all_experts}; "
-          f"experts used per layer {[len(c) for c in chosen.values()]} of {hp.n_expert}")
-    assert len(chosen) == hp.n_layer and all(len(c) == hp.n_expert_used for c in chosen.values())
+          f"experts used per layer {[len(c) for c in chosen.values()]} of {hp.num_experts}")
+    assert len(chosen) == hp.num_hidden_layers and all(len(c) == hp.num_experts_per_tok for c in chosen.values())
     assert read == expected
 
 

@@ -48,8 +48,8 @@ class ScriptedDrafter(Drafter):
     name = "scripted"
     needs_hidden = False
 
-    def __init__(self, oracle: list[int], plan: list[tuple[int, int]], n_vocab: int):
-        self.oracle, self.plan, self.n_vocab = oracle, plan, n_vocab
+    def __init__(self, oracle: list[int], plan: list[tuple[int, int]], vocab_size: int):
+        self.oracle, self.plan, self.vocab_size = oracle, plan, vocab_size
         self.round = 0
         self.committed = 0
 
@@ -60,7 +60,7 @@ class ScriptedDrafter(Drafter):
         n, good = self.plan[self.round % len(self.plan)]
         self.round += 1
         base = self.committed + 1  # oracle index of d_1
-        out = [self.oracle[base + i] if i < good else (self.oracle[base + i] + 1) % self.n_vocab
+        out = [self.oracle[base + i] if i < good else (self.oracle[base + i] + 1) % self.vocab_size
                for i in range(min(n, n_max, len(self.oracle) - base))]
         return Draft(out)
 
@@ -137,7 +137,7 @@ def test_rollback_state_equals_recompute(target64, rollback):
                 worst = max(worst, float((a - b).abs().max()))
         rounds.append(rnd)
 
-    drafter = ScriptedDrafter(oracle, PLAN, target.n_vocab)
+    drafter = ScriptedDrafter(oracle, PLAN, target.vocab_size)
     res = speculative_generate(target, drafter, p, 32, SpecConfig(draft_max=4, rollback=rollback), on_round=check)
     print(f"{rollback}: {len(rounds)} rounds, max |state - recompute| = {worst:.2e}")
     assert res.tokens == expected
@@ -159,7 +159,7 @@ def test_rollback_check_catches_a_missing_rollback(target, plain, monkeypatch):
     p = PROMPTS[1]
     oracle = p + plain[tuple(p)]
     monkeypatch.setattr(Context, "seq_rm", lambda self, seq, from_pos: True)
-    res = speculative_generate(target, ScriptedDrafter(oracle, PLAN, target.n_vocab), p, N, SpecConfig(draft_max=4))
+    res = speculative_generate(target, ScriptedDrafter(oracle, PLAN, target.vocab_size), p, N, SpecConfig(draft_max=4))
     assert res.tokens != plain[tuple(p)]
 
 
@@ -168,7 +168,7 @@ def test_target_tokens_evaluated(target, plain):
     oracle = p + plain[tuple(p)]
     for rollback in ("snapshot", "checkpoint"):
         log = []
-        res = speculative_generate(target, ScriptedDrafter(oracle, PLAN, target.n_vocab), p, N,
+        res = speculative_generate(target, ScriptedDrafter(oracle, PLAN, target.vocab_size), p, N,
                                    SpecConfig(draft_max=4, rollback=rollback), on_round=lambda c, r: log.append((c, r)))
         ctx = log[-1][0]
         verified = sum(len(r.drafts) + 1 for _, r in log)
@@ -223,7 +223,7 @@ def test_statistics_algebra(target, plan):
     p = PROMPTS[1]
     oracle = p + generate(target, p, 24).tokens
     log = []
-    res = speculative_generate(target, ScriptedDrafter(oracle, plan, target.n_vocab), p, 24,
+    res = speculative_generate(target, ScriptedDrafter(oracle, plan, target.vocab_size), p, 24,
                                SpecConfig(draft_max=4), on_round=lambda c, r: log.append(r))
     s = res.stats["speculative"]
     drafting = [r for r in log if r.drafts]
@@ -317,7 +317,7 @@ def test_draft_model_vocabulary_check():
     from specconv.runtime.drafters.draft_model import check_same_vocabulary
 
     def model(n, tokens):
-        return SimpleNamespace(n_vocab=n, file=SimpleNamespace(get=lambda key: tokens))
+        return SimpleNamespace(vocab_size=n, file=SimpleNamespace(get=lambda key: tokens))
 
     check_same_vocabulary(model(3, ["a", "b", "c"]), model(3, ["a", "b", "c"]))
     check_same_vocabulary(model(3, ["a", "b", "c"]), model(3, None))  # no token list to compare: sizes decide

@@ -125,7 +125,7 @@ def test_loop_first_token_follows_the_target():
     prompt, temp, trials = [5, 17, 42, 99], 0.5, 600
     p = probabilities(Context(target, GraphType.MAIN, n_ctx=8).decode(prompt).logits[-1], temp)
     drafter = DraftModelDrafter(other, 16, 1, target)
-    counts, accepted = torch.zeros(target.n_vocab), 0
+    counts, accepted = torch.zeros(target.vocab_size), 0
     for seed in range(trials):
         res = speculative_generate(target, drafter, prompt, 2, SpecConfig(draft_max=1, temperature=temp, seed=seed))
         counts[res.tokens[0]] += 1

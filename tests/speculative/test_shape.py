@@ -186,7 +186,7 @@ def test_declared_rows_reach_accept_and_tokens_match_plain(target):
     rec = Recorder(truth)
     res = speculative_generate(target, rec, prompt, n, SpecConfig(draft_max=3))
     assert res.tokens == truth[len(prompt):]
-    width = target.n_embd * 2  # layer:1 ‖ post_norm
+    width = target.hidden_size * 2  # layer:1 ‖ post_norm
     accepts = [c for c in rec.calls if c[0] == "accept"]
     assert accepts and all(shape == (len(batch), width) for _, _, batch, shape in accepts)
     assert res.stats["speculative"]["accepted"] == res.stats["speculative"]["drafted"] > 0

@@ -45,7 +45,7 @@ def references(target):
 
 
 def run(target, prompt, reference, a, k, auto=False, seed=0, temperature=0.0, n=N):
-    drafter = SyntheticDrafter(reference, target.n_vocab, a, seed=seed)
+    drafter = SyntheticDrafter(reference, target.vocab_size, a, seed=seed)
     return speculative_generate(target, drafter, prompt, n,
                                 SpecConfig(draft_max=k, auto=auto, temperature=temperature, seed=seed))
 
@@ -153,13 +153,13 @@ def test_temperature_keeps_target_distribution(target, references):
     probs = probabilities(ctx.decode(p, hidden=(), logits="last").logits[-1], 1.0)
     counts = torch.zeros_like(probs)
     trials, accepted = 1500, 0
-    drafter = SyntheticDrafter(ref, target.n_vocab, 0.6, seed=1)
+    drafter = SyntheticDrafter(ref, target.vocab_size, 0.6, seed=1)
     for seed in range(trials):
         res = speculative_generate(target, drafter, p, 2, SpecConfig(draft_max=1, temperature=1.0, seed=seed))
         counts[res.tokens[0]] += 1
         accepted += res.stats["speculative"]["accepted"]
     pval = _pooled_chi_square(counts, probs)
-    q = torch.full_like(probs, 0.4 / (target.n_vocab - 1))
+    q = torch.full_like(probs, 0.4 / (target.vocab_size - 1))
     q[ref[len(p)]] = 0.6
     exact = float(torch.minimum(probs, q).sum())
     rate = accepted / trials
@@ -173,7 +173,7 @@ def test_temperature_keeps_target_distribution(target, references):
     ctx = Context(target, GraphType.MAIN, n_ctx=len(p) + 2)
     probs2 = probabilities(ctx.decode(p + [first], hidden=(), logits="last").logits[-1], t2)
     counts2 = torch.zeros_like(probs2)
-    drafter = SyntheticDrafter(ref, target.n_vocab, 0.6, seed=2)
+    drafter = SyntheticDrafter(ref, target.vocab_size, 0.6, seed=2)
     for seed in range(trials):
         res = speculative_generate(target, drafter, p, 3, SpecConfig(draft_max=2, temperature=t2, seed=10_000 + seed))
         if res.tokens[0] == first:

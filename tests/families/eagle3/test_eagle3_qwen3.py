@@ -110,7 +110,7 @@ def test_runtime_equals_the_reference(built, case):
           + f"; first drafts ours {ours} reference {ref_drafts}")
     assert all(v < TOL for v in d.values()), d
     assert ours == ref_drafts
-    outside = torch.ones(target.n_vocab, dtype=torch.bool)
+    outside = torch.ones(target.vocab_size, dtype=torch.bool)
     outside[ref.d2t] = False
     assert torch.isneginf(dec.logits[:, outside]).all()
 

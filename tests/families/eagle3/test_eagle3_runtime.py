@@ -83,7 +83,7 @@ def test_parity_with_independent_forward(built, case):
                                             ref_g[:-1], pos, hf_target.get_output_embeddings().weight.detach())
     d2t = reference_d2t(heads[case][0])
     if d2t is None:  # full vocabulary, no mapping
-        d2t = torch.arange(target.n_vocab)
+        d2t = torch.arange(target.vocab_size)
     diffs = {"features": (ours_f.double() - ref_f).abs().max().item(), "g": (g.double() - ref_g).abs().max().item(),
              "logits": (dec.logits[:, d2t].double() - ref_logits).abs().max().item(),
              "out": (dec.hidden["nextn"].double() - ref_out).abs().max().item()}
@@ -192,8 +192,8 @@ def test_sampled_drafts_stay_in_the_draft_vocabulary(built):
     for _ in range(20):
         d = drafter.draft(PROMPT[-1], 4, 0.0, 1.5, gen)
         assert len(d) == 4 and set(d.tokens) <= d2t
-        assert d.probs.shape == (4, target.n_vocab)
-        outside = torch.ones(target.n_vocab, dtype=torch.bool)
+        assert d.probs.shape == (4, target.vocab_size)
+        outside = torch.ones(target.vocab_size, dtype=torch.bool)
         outside[sorted(d2t)] = False
         assert (d.probs[:, outside] == 0).all()
         torch.testing.assert_close(d.probs.sum(-1), torch.ones(4))

@@ -188,7 +188,7 @@ def test_declared_but_absent_nextn_block_runs_as_trunk(root, variant, tmp_path, 
     _, files = _conv(root, variant)
     path = _strip_nextn_block(files["embed"], tmp_path / "declared.gguf")
     model = load_model(path, device="cpu")
-    assert model.serves == {GraphType.MAIN} and model.hparams.n_nextn == 1
+    assert model.serves == {GraphType.MAIN} and model.hparams.num_nextn_predict_layers == 1
     ours = Context(model, GraphType.MAIN, n_ctx=64).decode(IDS).logits.numpy()
     diff = float(np.abs(llama_peer.llama_logits(path, IDS) - ours).max())
     print(f"{variant} nextn declared, block absent: runtime vs llama.cpp max |Δlogit| = {diff:.3g}")

@@ -88,7 +88,7 @@ def test_runtime_matches_transformers(root, variant):
     model = load_model(path, device="cpu")
     assert model.serves == {GraphType.MAIN}
     ref, ref_h = hf_forward(src, IDS)
-    L = model.hparams.n_layer
+    L = model.hparams.num_hidden_layers
     ctx = Context(model, GraphType.MAIN, n_ctx=64)
     out = ctx.decode(IDS, hidden=("post_norm",), layers=(0, 2, L))
     ctx.clear()

@@ -444,19 +444,19 @@ def test_release_scale_dimensions_headers_only():
     dk = dv = 128, K 4, 3:1 layers. Only headers: the plan and metadata never touch data."""
     from specconv.archs import Checkpoint, SourceTensor, plugin_class_for
 
-    hidden, n_layer, vocab = 4096, 32, 248320
+    hidden, num_hidden_layers, vocab = 4096, 32, 248320
     cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "tie_word_embeddings": False,
-           "text_config": {"hidden_size": hidden, "num_hidden_layers": n_layer, "num_attention_heads": 16,
+           "text_config": {"hidden_size": hidden, "num_hidden_layers": num_hidden_layers, "num_attention_heads": 16,
                            "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 12288, "vocab_size": vocab,
                            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
                            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "max_position_embeddings": 262144,
                            "rms_norm_eps": 1e-6, "mtp_num_hidden_layers": 1,
                            "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                                           for i in range(n_layer)],
+                                           for i in range(num_hidden_layers)],
                            "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                                "mrope_section": [11, 11, 10], "mrope_interleaved": True}}}
     # The tensor names of the synthetic layout at 32 layers; shapes are rewritten from the real dims.
-    names_only = hf_shapes(text_config(n_layer=n_layer, layer_types=cfg["text_config"]["layer_types"]))
+    names_only = hf_shapes(text_config(num_hidden_layers=num_hidden_layers, layer_types=cfg["text_config"]["layer_types"]))
     scale = {H: hidden, V: vocab}
     C, nvdv = 2 * 16 * 128 + 32 * 128, 32 * 128
     real = {"in_proj_qkv.weight": (C, hidden), "in_proj_z.weight": (nvdv, hidden), "in_proj_b.weight": (32, hidden),

@@ -129,7 +129,7 @@ def test_full_attention_interval_follows_layer_types(types, interval, want):
 
 
 def test_layer_types_derived_from_interval_when_absent():
-    cfg = text_config(layer_types=["linear_attention", "linear_attention", "full_attention"] * 2, n_layer=6)
+    cfg = text_config(layer_types=["linear_attention", "linear_attention", "full_attention"] * 2, num_hidden_layers=6)
     tensors = random_tensors(hf_shapes(cfg))
     del cfg["layer_types"]
     cfg["full_attention_interval"] = 3

@@ -1,0 +1,53 @@
+"""The base of every family's hyperparameters: one dataclass per family, with Hugging Face's names.
+
+A family declares one subclass (in its plugin module, archs/<family>.py). The plugin builds it from
+config.json (`from_config`, through archs/config_reader.py), the runtime graph from GGUF metadata
+(`from_kv`, through runtime/graphs/hparams_reader.py), and the family's tensor table reads it as its
+sizes, so a quantity has one name from the checkpoint to the graph. Field names are the ones of the
+family's transformers config; a quantity only GGUF has takes a name that says what it is.
+
+The fields here are what the generic runtime reads of any family: the block counts, the widths the
+load-time checks hold to each other (runtime/validate.py), and the vocabulary. A family without
+attention heads or experts leaves those at 0; one whose blocks differ gives lists (one entry a block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VOCAB_FROM_FILE = "V"  # the vocabulary dimension of a file's tensors: bound by the first tensor that has it
+
+
+@dataclass(kw_only=True)
+class FamilyHParams:
+    arch: str  # the GGUF architecture (general.architecture)
+    num_hidden_layers: int  # trunk blocks; the MTP blocks follow them
+    hidden_size: int
+    vocab_size: int = 0  # 0 where neither config nor file states it (a sidecar without a tokenizer)
+    num_nextn_predict_layers: int = 0  # MTP (nextn) blocks after the trunk
+    max_position_embeddings: int = 0
+    # Widths the load-time checks hold to each other; lists where blocks differ, 0 where not the family's.
+    num_attention_heads: int | list[int] = 0
+    num_key_value_heads: int | list[int] = 0
+    head_dim: int | list[int] = 0
+    rotary_dim: int | None = None  # rope width within a head (GGUF rope.dimension_count); None: no rope check
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    from_file: bool = False  # read from GGUF metadata (from_kv), not from config.json
+
+    @property
+    def vocab_dim(self) -> int | str:
+        """The vocabulary dimension of the family's tensor shapes: config.json's size when converting,
+        the file's own (VOCAB_FROM_FILE) when loading, which the shape check binds to its tensors."""
+        return VOCAB_FROM_FILE if self.from_file else self.vocab_size
+
+    @property
+    def input_width(self) -> int:
+        """Width of the hidden rows an MTP forward takes from its target (the Gemma 4 assistant's
+        differs from its own hidden size)."""
+        return self.hidden_size
+
+    def per_block(self, value: int | list[int]) -> list[int]:
+        """A width as one value per block (a single value applies to every block)."""
+        return list(value) if isinstance(value, (list, tuple)) else [value] * (self.num_hidden_layers
+                                                                              + self.num_nextn_predict_layers)
