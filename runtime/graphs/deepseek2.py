@@ -28,7 +28,7 @@ from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, by_rows, cached_attention, dense, linear, rms_norm
-from specconv.runtime.graphs.hparams_reader import HParamsReader
+from specconv.archs.hparams import HParamsReader
 from specconv.runtime.memory import Batch, MemoryLayout
 
 

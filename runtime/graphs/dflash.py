@@ -27,7 +27,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.hparams import FamilyHParams
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import acc, by_rows, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
-from specconv.runtime.graphs.hparams_reader import HParamsReader
+from specconv.archs.hparams import HParamsReader
 from specconv.runtime.memory import Batch, Memory, MemoryLayout
 from specconv.runtime.types import GraphType
 from specconv.runtime.validate import check_kv, check_rope_width

@@ -27,7 +27,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.llama import Sizes
 from specconv.runtime.graphs import llama
 from specconv.runtime.graphs.contract import Graph
-from specconv.runtime.graphs.hparams_reader import HParamsReader
+from specconv.archs.hparams import HParamsReader
 from specconv.runtime.graphs.ops import acc, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.types import GraphType

@@ -26,7 +26,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import acc, attended_kv, by_rows, linear, moe as routed_moe, rms_norm, rope_neox_partial
-from specconv.runtime.graphs.hparams_reader import HParamsReader
+from specconv.archs.hparams import HParamsReader
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
 

@@ -19,7 +19,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
-from specconv.runtime.graphs.hparams_reader import HParamsReader
+from specconv.archs.hparams import HParamsReader
 from specconv.runtime.graphs.ops import acc, cached_attention, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.memory import Batch, MemoryLayout
 

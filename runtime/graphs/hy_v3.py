@@ -22,7 +22,7 @@ from specconv.archs.chained_mtp import Sizes
 from specconv.archs.errors import SpecconvError
 from specconv.archs.hy_v3 import HY_V3_TABLE
 from specconv.runtime.graphs import chained
-from specconv.runtime.graphs.hparams_reader import HParamsReader
+from specconv.archs.hparams import HParamsReader
 from specconv.runtime.graphs.ops import rope_cos_sin
 from specconv.runtime.graphs.qwen3 import attention  # Hy3's is Qwen3's: GQA, q/k RMSNorm, NEOX rope
 from specconv.runtime.memory import Batch

@@ -19,7 +19,7 @@ from specconv.archs.llama import LLAMA_TABLE, ROPE_FREQS, Sizes
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_trunk
-from specconv.runtime.graphs.hparams_reader import HParamsReader
+from specconv.archs.hparams import HParamsReader
 from specconv.runtime.graphs.ops import acc, cached_attention, linear, rms_norm, swiglu
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv

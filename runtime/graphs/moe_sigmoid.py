@@ -19,7 +19,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.hparams import FamilyHParams
 from specconv.archs.nextn_moe import Sizes
 from specconv.runtime.backend import Experts
-from specconv.runtime.graphs.hparams_reader import HParamsReader
+from specconv.archs.hparams import HParamsReader
 from specconv.runtime.graphs.ops import acc, linear, moe, swiglu
 from specconv.runtime.validate import check_kv
 

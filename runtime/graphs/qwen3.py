@@ -24,7 +24,7 @@ from specconv.archs.qwen3 import QWEN3_TABLE, Sizes
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_trunk
-from specconv.runtime.graphs.hparams_reader import HParamsReader
+from specconv.archs.hparams import HParamsReader
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.ops import (
     acc, cached_attention, linear, moe as routed_moe, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,

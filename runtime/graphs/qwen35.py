@@ -21,7 +21,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
-from specconv.runtime.graphs.hparams_reader import HParamsReader
+from specconv.archs.hparams import HParamsReader
 from specconv.runtime.graphs.ops import (
     acc, cached_attention, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin, rope_neox_partial,
     swiglu,

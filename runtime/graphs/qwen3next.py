@@ -25,7 +25,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn
 from specconv.runtime.graphs import qwen35 as q35
 from specconv.runtime.graphs.contract import Graph
-from specconv.runtime.graphs.hparams_reader import HParamsReader
+from specconv.archs.hparams import HParamsReader
 from specconv.runtime.graphs.ops import acc, dense, l2_norm, linear, rms_norm
 from specconv.runtime.memory import Batch
 

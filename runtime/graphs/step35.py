@@ -28,7 +28,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.step35 import STEP35_TABLE
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
-from specconv.runtime.graphs.hparams_reader import HParamsReader
+from specconv.archs.hparams import HParamsReader
 from specconv.runtime.memory import Batch
 from specconv.runtime.validate import check_rope_width
 

@@ -1,11 +1,11 @@
-"""runtime/graphs/hparams_reader.py: the one reader of `{arch}.*` GGUF keys every graph's from_kv uses."""
+"""archs/hparams.py: the one reader of `{arch}.*` GGUF keys every graph's from_kv uses."""
 
 from __future__ import annotations
 
 import pytest
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.graphs.hparams_reader import HParamsReader
+from specconv.archs.hparams import HParamsReader
 
 KV = {"general.architecture": "demo", "demo.block_count": 4, "demo.rope.freq_base": 10000,
       "demo.attention.head_count_kv": [2, 2, 4, 4, 1], "demo.attention.sliding_window_pattern": [True, False],
