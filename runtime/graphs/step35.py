@@ -21,13 +21,14 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from specconv.archs.step35 import STEP35_TABLE, Step35HParams
+from specconv.archs.step35 import STEP35_TABLE
+from specconv.archs.step35_hparams import Step35HParams
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.memory import Batch
 from specconv.runtime.validate import check_rope_width
 
-HParams = Step35HParams  # read from GGUF metadata by Step35HParams.from_kv (archs/step35.py)
+HParams = Step35HParams  # read from GGUF metadata by Step35HParams.from_kv (archs/step35_hparams.py)
 
 _tensors = chained.tensor_lists(STEP35_TABLE)
 keep_float32 = STEP35_TABLE.keeps_float32
