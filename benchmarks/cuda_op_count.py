@@ -103,6 +103,11 @@ class OpCounter(TorchDispatchMode):
 _active: list[OpCounter] = []
 
 
+def active_counters() -> list[OpCounter]:
+    """The counters counting now, outermost first."""
+    return list(_active)
+
+
 class _Launcher:
     """`jit.<kernel>[grid](...)`: records one launch with the active counter, runs nothing."""
 
