@@ -42,8 +42,9 @@ if str(REPO) not in sys.path:
 OUTSIDE = "outside blocks"
 H200_SMS = 132  # the card of docs/benchmarks.md's measurements
 # aten operations that launch no kernel on a GPU (beyond views, which torch marks itself)
-FREE = frozenset({"empty", "empty_strided", "empty_like", "detach", "detach_", "alias", "lift_fresh", "_local_scalar_dense",
-                  "resize_", "set_", "_reshape_alias", "sym_size", "sym_stride", "sym_numel", "is_same_size"})
+FREE = frozenset({"empty", "empty_strided", "empty_like", "detach", "detach_", "alias", "lift_fresh",
+                  "_local_scalar_dense", "resize_", "set_", "_reshape_alias", "sym_size", "sym_stride", "sym_numel",
+                  "is_same_size"})
 
 
 def is_launch(func) -> bool:

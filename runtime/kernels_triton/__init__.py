@@ -26,4 +26,5 @@ from specconv.runtime.kernels_triton.norm import MAX_WIDTH as MAX_NORM_WIDTH, l2
 from specconv.runtime.kernels_triton.rope import rope
 
 __all__ = ["available", "causal_conv", "dequantize_rows", "expert_matmul", "gdn_gates", "gdn_step", "l2_norm",
-           "quant_matmul", "rms_norm", "rope", "silu_mul", "FUSED_MAX_ROWS", "KERNEL_TYPES", "MAX_NORM_WIDTH", "MAX_TOKENS"]
+           "quant_matmul", "rms_norm", "rope", "silu_mul", "FUSED_MAX_ROWS", "KERNEL_TYPES", "MAX_NORM_WIDTH",
+           "MAX_TOKENS"]

@@ -31,12 +31,13 @@ def _silu(x):
 
 
 @triton.jit
-def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, y_ptr, inner, width, stride_xa, stride_xb, stride_ra, stride_rb,
-                stride_za, stride_zb, eps, MEAN: tl.constexpr, HAS_W: tl.constexpr, HAS_RES: tl.constexpr,
-                HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
+def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, y_ptr, inner, width, count, stride_xa, stride_xb,
+                stride_ra, stride_rb, stride_za, stride_zb, eps, MEAN: tl.constexpr, HAS_W: tl.constexpr,
+                HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
     """Row r (= a · inner + b) of x [A, inner, width]: s = x (+ res, rounded into sum's dtype and
     written to sum), y = s · (Σ s² (/ width with MEAN) + eps)^(-1/2) (· w), with a gate rounded into
-    x's dtype first and multiplied by silu(z); y, sum contiguous [A · inner, width]."""
+    x's dtype first and multiplied by silu(z); y, sum contiguous [A · inner, width]. `count`: width
+    as a float (the mean's divisor)."""
     r = tl.program_id(0)
     a = r // inner
     b = r % inner
@@ -49,7 +50,7 @@ def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, y_ptr, inner, width, stri
         x = _rounded(x, sum_ptr.dtype.element_ty)
     total = tl.sum(x * x, axis=0)
     if MEAN:
-        total = tl.div_rn(total, width.to(tl.float32))
+        total = tl.div_rn(total, count)
     y = x * tl.div_rn(1.0, tl.sqrt_rn(total + eps))
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)

@@ -70,9 +70,9 @@ def _norm(op: str, x, weight, eps: float, residual, gate, out_dtype, mean: bool)
     block = _common.next_power_of_2(width)
     jit = _common.jit_module("_pointwise_jit")
     jit.norm_kernel[(a * inner,)](rows3, res, y if total is None else total, x if weight is None else weight, z, y,
-                                  inner, width, rows3.stride(0), rows3.stride(1), res.stride(0), res.stride(1),
-                                  z.stride(0), z.stride(1), float(eps), MEAN=mean, HAS_W=weight is not None,
-                                  HAS_RES=residual is not None, HAS_GATE=gate is not None,
+                                  inner, width, float(width), rows3.stride(0), rows3.stride(1), res.stride(0),
+                                  res.stride(1), z.stride(0), z.stride(1), float(eps), MEAN=mean,
+                                  HAS_W=weight is not None, HAS_RES=residual is not None, HAS_GATE=gate is not None,
                                   BLOCK=block, num_warps=_warps(block),
                                   enable_fp_fusion=False)
     return y if total is None else (total, y)
