@@ -73,15 +73,20 @@ def assert_file_reads_back_the_config(src: Path, gguf: Path) -> int:
     return len(want)
 
 
+def check_sweep_case(case: family_sweep.Case, tmp_path: Path) -> None:
+    """Build and convert a sweep fixture, then hold its file to its config."""
+    built = case.build(tmp_path)
+    compared = assert_file_reads_back_the_config(built.src, built.target)
+    print(f"\n[{case.name}] {compared} fields equal from config.json and from the file "
+          f"(not compared: {', '.join(NOT_IN_THE_FILE)})")
+
+
 SWEEP = {c.name: c for c in family_sweep.CASES if c.family in ("qwen35", "qwen35moe")}
 
 
 @pytest.mark.parametrize("name", sorted(SWEEP))
 def test_converted_file_reads_back_the_config_hparams(name, tmp_path):
-    built = SWEEP[name].build(tmp_path)
-    compared = assert_file_reads_back_the_config(built.src, built.target)
-    print(f"\n[{name}] {compared} fields equal from config.json and from the file "
-          f"(not compared: {', '.join(NOT_IN_THE_FILE)})")
+    check_sweep_case(SWEEP[name], tmp_path)
 
 
 def test_yarn_rope_scaling_reads_back(tmp_path):
