@@ -50,8 +50,8 @@ def _own(gguf: str, hf: str, shape, on: str = "", f32: bool = False) -> TensorSp
 def _conv(side: str, hf: str) -> tuple[TensorSpec, ...]:
     """DFlash2's dynamic convolution around attention or MLP: base kernels [2, K, H] (F32, no `.weight`
     suffix, as upstream names them) and the kernel projection [2·K·H/group, H]."""
-    return (TensorSpec(f"blk.{{bid}}.{side}_conv_base", f"{{p}}{hf}.base_kernel", lambda s: (2, s.conv_kernel_size, s.hidden_size),
-                       "v2", f32=True, graph="mtp"),
+    return (TensorSpec(f"blk.{{bid}}.{side}_conv_base", f"{{p}}{hf}.base_kernel",
+                       lambda s: (2, s.conv_kernel_size, s.hidden_size), "v2", f32=True, graph="mtp"),
             TensorSpec(f"blk.{{bid}}.{side}_conv_proj.weight", f"{{p}}{hf}.kernel_projection.weight",
                        lambda s: (s.conv_proj, s.hidden_size), "v2", graph="mtp"))
 
@@ -61,7 +61,8 @@ _SEL = "candidate_selector."
 # A trunk file (Role.TRUNK) the runtime runs as a drafter (its MTP graph); embedding and head are the
 # target's unless the checkpoint has its own.
 DFLASH_TABLE = TensorTable((
-    TensorSpec(names.TOKEN_EMBD, None, lambda s: (s.vocab_dim, s.hidden_size), optional=True, hook="embedding", role=Role.TRUNK),
+    TensorSpec(names.TOKEN_EMBD, None, lambda s: (s.vocab_dim, s.hidden_size), optional=True, hook="embedding",
+               role=Role.TRUNK),
     _own(names.EAGLE3_FC, "fc.weight", lambda s: (s.hidden_size, s.input_width)),
     _own(names.ENC_OUTPUT_NORM, "hidden_norm.weight", lambda s: (s.hidden_size,), f32=True),
     _own(names.OUTPUT_NORM, "norm.weight", lambda s: (s.hidden_size,), f32=True),
@@ -78,9 +79,11 @@ DFLASH_TABLE = TensorTable((
         _norm("blk.{bid}.attn_q_norm.weight", _ATTN + "q_norm.weight", lambda s: (s.head_dim,)),
         _norm("blk.{bid}.attn_k_norm.weight", _ATTN + "k_norm.weight", lambda s: (s.head_dim,)),
         _norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),
-        TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.intermediate_size, s.hidden_size)),
+        TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight",
+                   lambda s: (s.intermediate_size, s.hidden_size)),
         TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.intermediate_size, s.hidden_size)),
-        TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.hidden_size, s.intermediate_size)),
+        TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight",
+                   lambda s: (s.hidden_size, s.intermediate_size)),
     )),
     *_conv("attn", "attention_conv"),
     *_conv("ffn", "mlp_conv"),

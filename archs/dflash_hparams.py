@@ -110,7 +110,8 @@ class DFlashHParams(AttentionWidths, FamilyHParams):
             raise SpecconvError(f"DFlash block_size {block_size} must be ≥ 2 (the anchor and one mask)")
         mask = dcfg.integer("mask_token_id", default=None, min=None)
         if mask is None or not 0 <= mask < vocab:
-            raise SpecconvError(f"dflash_config.mask_token_id {mask!r} is missing or outside the vocabulary [0, {vocab})")
+            raise SpecconvError(f"dflash_config.mask_token_id {mask!r} is missing or outside the vocabulary "
+                                f"[0, {vocab})")
         layers, _ = target_layers_of(cfg, target_layer_count, target_layers)
         return cls(num_hidden_layers=layer_count, hidden_size=hidden, vocab_size=vocab, num_attention_heads=heads,
                    num_key_value_heads=n_kv, head_dim=head_dim, intermediate_size=ffn, block_size=block_size,
@@ -195,7 +196,8 @@ def _rope_and_norms(cfg: ConfigReader, target: ConfigReader, head_dim: int) -> d
     target_rope = target.section("rope_parameters")
     if not target_rope.data:
         target_rope = target.section("rope_scaling")
-    return dict(rope_theta=rope.number("rope_theta", default=None), rms_norm_eps=cfg.number("rms_norm_eps", default=1e-6),
+    return dict(rope_theta=rope.number("rope_theta", default=None),
+                rms_norm_eps=cfg.number("rms_norm_eps", default=1e-6),
                 states_head_dim=cfg.has("head_dim"), states_rotary_dim=partial is not None,
                 rotary_dim=head_dim if partial is None else int(head_dim * partial),
                 max_position_embeddings=cfg.integer("max_position_embeddings", default=None) or 0,

@@ -34,7 +34,7 @@ from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 from .hparams import HParamsReader
-from .llama import (BLOCK_SPECS, ROPE_FREQS_SPEC, LlamaHParams, _common_config, _norm, add_rope_freqs, attention_shapes,
+from .llama import (BLOCK_SPECS, ROPE_FREQS_SPEC, LlamaHParams, llama_layer_config, _norm, add_rope_freqs, attention_shapes,
                     block_tags, llama_kv, rope_freqs_first)
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan
@@ -171,10 +171,10 @@ class Eagle3HParams(LlamaHParams):
         target_hidden = target.integer("hidden_size", min=1)
         own = cfg.integer("target_hidden_size", default=None)
         if own is not None and own != target_hidden:
-            raise SpecconvError(f"the EAGLE-3 head expects target hidden size {own}, but the target has {target_hidden}: "
-                                f"wrong --target")
+            raise SpecconvError(f"the EAGLE-3 head expects target hidden size {own}, but the target has "
+                                f"{target_hidden}: wrong --target")
         layers, _, _ = resolve_target_layers(config, target_layer_count, target_layers)
-        return cls(**{**_common_config(cfg), "vocab_size": vocab, "states_head_dim": True},  # key_length always written
+        return cls(**{**llama_layer_config(cfg), "vocab_size": vocab, "states_head_dim": True},  # key_length always written
                    num_hidden_layers=1, hidden_size=hidden_size, intermediate_size=ffn, num_attention_heads=heads,
                    num_key_value_heads=n_kv, head_dim=hd, rotary_dim=hd, target_layers=tuple(layers),
                    target_hidden_size=target_hidden, draft_vocab_size=draft_vocab,

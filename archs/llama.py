@@ -92,7 +92,8 @@ def attention_shapes(cfg: ConfigReader) -> tuple[int, int, int]:
     n_kv = cfg.integer("num_key_value_heads", default=num_attention_heads, min=1) or num_attention_heads
     hd = cfg.integer("head_dim", default=None, min=1) or cfg.integer("hidden_size", min=1) // num_attention_heads
     if num_attention_heads % n_kv:
-        raise SpecconvError(f"num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads {n_kv}")
+        raise SpecconvError(f"num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads "
+                            f"{n_kv}")
     return num_attention_heads, n_kv, hd
 
 
@@ -126,7 +127,7 @@ class LlamaHParams(AttentionWidths, FamilyHParams):
         return cls(num_hidden_layers=cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS), hidden_size=hidden_size,
                    intermediate_size=ffn, num_attention_heads=heads, num_key_value_heads=n_kv, head_dim=hd,
                    rotary_dim=hd, tie_word_embeddings=cfg.flag("tie_word_embeddings", default=False),
-                   **_common_config(cfg))
+                   **llama_layer_config(cfg))
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "LlamaHParams":
@@ -147,7 +148,7 @@ class LlamaHParams(AttentionWidths, FamilyHParams):
                    states_head_dim=r.has("attention.key_length"), from_file=True)
 
 
-def _common_config(cfg: ConfigReader) -> dict[str, Any]:
+def llama_layer_config(cfg: ConfigReader) -> dict[str, Any]:
     """The fields a LLaMA config and an EAGLE-3 head's layer config state alike, with transformers' defaults."""
     return dict(max_position_embeddings=cfg.integer("max_position_embeddings", default=None) or 0,
                 rope_theta=cfg.with_rope().number("rope_theta", default=10000.0),
@@ -181,8 +182,8 @@ BLOCK_SPECS = (
                lambda s: (s.hidden_size, s.intermediate_size)),
 )
 # llama3 rope scaling's generated factors, written only for such a config (the plugin's hook)
-ROPE_FREQS_SPEC = TensorSpec(ROPE_FREQS, None, lambda s: (s.rotary_dim // 2,), optional=True, f32=True, hook="rope_freqs",
-                             role=Role.TRUNK)
+ROPE_FREQS_SPEC = TensorSpec(ROPE_FREQS, None, lambda s: (s.rotary_dim // 2,), optional=True, f32=True,
+                             hook="rope_freqs", role=Role.TRUNK)
 
 LLAMA_TABLE = TensorTable((  # every tensor of the trunk file (Role.TRUNK, as llama.cpp has no sidecar for it)
     TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.vocab_dim, s.hidden_size),
@@ -271,7 +272,8 @@ class Llama(ArchPlugin):
     def tensor_plan(self) -> list[TensorPlan]:
         plan = RolePlan(self.checkpoint.tensors)
         blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(self.hp.num_hidden_layers)]
-        self.table.plan(plan, self.sizes(), blocks, {"output_head": self._output_head, "rope_freqs": self._rope_freqs})
+        hooks = {"output_head": self._output_head, "rope_freqs": self._rope_freqs}
+        self.table.plan(plan, self.sizes(), blocks, hooks)
         return rope_freqs_first(plan.finish(self.gguf_arch))
 
     def _output_head(self, plan: RolePlan, s: LlamaHParams, bid: None, p: str, role: Role) -> None:

@@ -85,26 +85,14 @@ class Qwen3HParams(AttentionWidths, FamilyHParams):
         if cfg.flag("use_sliding_window", default=False):
             raise SpecconvError("config.json: use_sliding_window=true is not supported (llama.cpp's qwen3 "
                                 "graphs attend to the whole context)")
-        hp = cls(arch=QWEN3MOE if moe else QWEN3, num_hidden_layers=num_hidden_layers, hidden_size=hidden_size,
-                 num_attention_heads=heads, num_key_value_heads=n_kv, head_dim=head_dim, rotary_dim=head_dim,
-                 intermediate_size=ffn, rope_scaling=rope_scaling_of(cfg, "Qwen3", unscaled=("default", "mrope")),
-                 max_position_embeddings=cfg.integer("max_position_embeddings", default=None, min=1) or 0,
-                 rope_theta=cfg.with_rope().number("rope_theta", default=None),
-                 rms_norm_eps=cfg.number("rms_norm_eps", default=1e-6), states_head_dim=cfg.has("head_dim"),
-                 tie_word_embeddings=cfg.flag("tie_word_embeddings", default=False),
-                 vocab_size=cfg.integer("vocab_size", default=0))
-        if moe:
-            hp.num_experts = cfg.integer("num_experts", "num_local_experts", min=1)
-            hp.num_experts_per_tok = cfg.integer("num_experts_per_tok", min=1)
-            hp.moe_intermediate_size = cfg.integer("moe_intermediate_size", min=1)
-            if not 0 < hp.num_experts_per_tok <= hp.num_experts:
-                raise SpecconvError(f"config.json: num_experts_per_tok {hp.num_experts_per_tok} is not in "
-                                    f"1..{hp.num_experts}")
-            if cfg.integers("mlp_only_layers", default=None) or cfg.integer("decoder_sparse_step", default=1) != 1:
-                raise SpecconvError("config.json: dense layers in a Qwen3-MoE (mlp_only_layers / "
-                                    "decoder_sparse_step != 1) are not supported (llama.cpp's qwen3moe has none)")
-            hp.norm_topk_prob = cfg.flag("norm_topk_prob", default=False)
-        return hp
+        return cls(arch=QWEN3MOE if moe else QWEN3, num_hidden_layers=num_hidden_layers, hidden_size=hidden_size,
+                   num_attention_heads=heads, num_key_value_heads=n_kv, head_dim=head_dim, rotary_dim=head_dim,
+                   intermediate_size=ffn, rope_scaling=rope_scaling_of(cfg, "Qwen3", unscaled=("default", "mrope")),
+                   max_position_embeddings=cfg.integer("max_position_embeddings", default=None, min=1) or 0,
+                   rope_theta=cfg.with_rope().number("rope_theta", default=None),
+                   rms_norm_eps=cfg.number("rms_norm_eps", default=1e-6), states_head_dim=cfg.has("head_dim"),
+                   tie_word_embeddings=cfg.flag("tie_word_embeddings", default=False),
+                   vocab_size=cfg.integer("vocab_size", default=0), **(_experts_of(cfg) if moe else {}))
 
     @classmethod
     def from_kv(cls, kv: Mapping[str, Any]) -> "Qwen3HParams":
@@ -138,6 +126,20 @@ class Qwen3HParams(AttentionWidths, FamilyHParams):
         return hp
 
 
+def _experts_of(cfg: ConfigReader) -> dict[str, Any]:
+    """A Qwen3-MoE config's expert fields, checked: every layer routed (llama.cpp's qwen3moe has no dense one)."""
+    count = cfg.integer("num_experts", "num_local_experts", min=1)
+    used = cfg.integer("num_experts_per_tok", min=1)
+    width = cfg.integer("moe_intermediate_size", min=1)
+    if not 0 < used <= count:
+        raise SpecconvError(f"config.json: num_experts_per_tok {used} is not in 1..{count}")
+    if cfg.integers("mlp_only_layers", default=None) or cfg.integer("decoder_sparse_step", default=1) != 1:
+        raise SpecconvError("config.json: dense layers in a Qwen3-MoE (mlp_only_layers / "
+                            "decoder_sparse_step != 1) are not supported (llama.cpp's qwen3moe has none)")
+    return dict(num_experts=count, num_experts_per_tok=used, moe_intermediate_size=width,
+                norm_topk_prob=cfg.flag("norm_topk_prob", default=False))
+
+
 def _rope_scaling_from_kv(r: HParamsReader) -> RopeScaling | None:
     """rope.scaling.* as archs/metadata.py writes them (a key not written reads as None)."""
     kind, key = r.key("rope.scaling.type", None, str), r.key
@@ -150,7 +152,8 @@ def _rope_scaling_from_kv(r: HParamsReader) -> RopeScaling | None:
                            key("rope.scaling.original_context_length", type=int),
                            key("rope.scaling.yarn_ext_factor", None, float),
                            key("rope.scaling.yarn_attn_factor", None, float),
-                           key("rope.scaling.yarn_beta_fast", None, float), key("rope.scaling.yarn_beta_slow", None, float))
+                           key("rope.scaling.yarn_beta_fast", None, float),
+                           key("rope.scaling.yarn_beta_slow", None, float))
     raise SpecconvError(f"{r.arch}: rope scaling {kind!r} is not supported by the runtime's qwen3 graph "
                         f"(default, linear and yarn are)")
 

@@ -30,7 +30,8 @@ def _check(name, src, gguf):
     from_kv, from_config = Qwen3HParams.from_kv(file.kv), Qwen3HParams.from_config(config, moe=moe)
     diffs, n = differences(from_kv, from_config, UNSTATED)
     print(f"\n[{name}] {n} fields equal from the file and from config.json (rope scaling "
-          f"{from_config.rope_scaling}, norm_topk_prob {from_config.norm_topk_prob})" + "".join(f"\n    {d}" for d in diffs))
+          f"{from_config.rope_scaling}, norm_topk_prob {from_config.norm_topk_prob})"
+          + "".join(f"\n    {d}" for d in diffs))
     assert not diffs
     assert from_config.tie_word_embeddings == ("output.weight" not in file.tensors)
     return from_config
