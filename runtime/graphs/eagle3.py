@@ -21,7 +21,8 @@ from typing import Any, Mapping
 import torch
 
 from specconv.archs import names
-from specconv.archs.eagle3 import EAGLE3_TABLE, Eagle3HParams
+from specconv.archs.eagle3 import EAGLE3_TABLE
+from specconv.archs.eagle3_hparams import Eagle3HParams
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import llama
 from specconv.runtime.graphs.contract import Graph
@@ -31,7 +32,7 @@ from specconv.runtime.types import GraphType
 from specconv.runtime.validate import check_shape
 
 ENC_NORM = names.ENC_OUTPUT_NORM
-HParams = Eagle3HParams  # read from GGUF metadata by Eagle3HParams.from_kv (archs/eagle3.py)
+HParams = Eagle3HParams  # read from GGUF metadata by Eagle3HParams.from_kv (archs/eagle3_hparams.py)
 
 
 def serves(hp: HParams, file) -> set[GraphType]:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from specconv.archs.eagle3 import Eagle3HParams
+from specconv.archs.eagle3_hparams import Eagle3HParams
 from specconv.archs.llama import LlamaHParams
 from specconv.runtime.gguf_file import GGUFModelFile
 from tests.fixtures.family_runner import built, cases
