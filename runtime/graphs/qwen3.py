@@ -79,9 +79,10 @@ def rope_for(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
     return rope_cos_sin(pos, hp.rotary_dim, hp.rope_freq_base, dtype)
 
 
-def qk_norm_attention(w, hp, i: int, a: torch.Tensor, batch: Batch, rope, eps: float) -> torch.Tensor:
-    """GQA with per-head RMS-normed q and k (epsilon `eps`), NEOX rope on the first rotary_dim dims."""
-    n, p = a.shape[0], f"blk.{i}."
+def attention(w, hp, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+    """GQA with per-head RMS-normed q and k, NEOX rope on the first rotary_dim dims (Qwen3's block,
+    and Hy3's: runtime/graphs/hy_v3.py)."""
+    n, p, eps = a.shape[0], f"blk.{i}.", hp.rms_norm_eps
     q = linear(a, w[p + "attn_q.weight"]).view(n, hp.num_attention_heads, hp.head_dim)
     k = linear(a, w[p + "attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
     v = linear(a, w[p + "attn_v.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
@@ -91,12 +92,6 @@ def qk_norm_attention(w, hp, i: int, a: torch.Tensor, batch: Batch, rope, eps: f
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
     o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
     return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[p + "attn_output.weight"])
-
-
-def attention(w, hp, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
-    """Qwen3's attention as Hy3's graph runs it (runtime/graphs/hy_v3.py), on hparams whose norm
-    epsilon is `eps` (runtime/graphs/chained.py)."""
-    return qk_norm_attention(w, hp, i, a, batch, rope, hp.eps)
 
 
 def moe(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +116,7 @@ def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
 
 def block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
     eps = hp.rms_norm_eps
-    h = h + qk_norm_attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], eps), batch, rope, eps)
+    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], eps), batch, rope)
     return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], eps))
 
 
