@@ -18,20 +18,19 @@ windows) converts as upstream writes it; llama.cpp and specconv's runtime run it
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import ClassVar
 
 from gguf import GGUFValueType, Keys
 
-from . import names, plugin_class_for, register
+from . import names, register
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .config_reader import ConfigReader
 from .dflash_hparams import DFlashHParams, target_layers_of
 from .errors import SpecconvError
 from .metadata import MetadataWriter
-from .plan_tools import RolePlan
+from .plan_tools import RolePlan, target_tokenizer_pre
 from .tensor_table import Block, TensorSpec, TensorTable, read_by
 
-_PRE_BY_MODEL_TYPE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
 
 
 def _tags(s: DFlashHParams, bid: int | None = None) -> frozenset[str]:
@@ -110,16 +109,8 @@ class DFlash(ArchPlugin):
         layers, source = target_layers_of(self.cfg, target_layer_count, checkpoint.target_layers)
         self.notices = [f"dflash.target_layers {layers} (layer inputs) from {source}"]
         self.tokenizer_dir = checkpoint.target_dir
-        self.tokenizer_pre = self._target_tokenizer_pre(checkpoint.target_config)
+        self.tokenizer_pre = target_tokenizer_pre(checkpoint.target_config)
 
-    @staticmethod
-    def _target_tokenizer_pre(target_config: Mapping[str, Any]) -> str:
-        try:
-            return plugin_class_for(target_config).tokenizer_pre
-        except SpecconvError:
-            target = ConfigReader(target_config, file="the target's config.json")
-            model_type = target.text_model().string("model_type", default=None) or target.string("model_type", default=None)
-            return _PRE_BY_MODEL_TYPE.get(model_type, "default")
 
     # ------------------------------------------------------------------ naming
 

@@ -23,25 +23,24 @@ unique; `t2d` (training only) is dropped; q/k rows get the LLaMA pair permutatio
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, ClassVar, Mapping
+from typing import ClassVar
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from . import names, plugin_class_for, register
+from . import names, register
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .config_reader import ConfigReader
 from .errors import SpecconvError
 from .eagle3_hparams import Eagle3HParams, angelslim_default_notice, resolve_target_layers
 from .llama import BLOCK_SPECS, ROPE_FREQS_SPEC, _norm, add_rope_freqs, block_tags, llama_kv, rope_freqs_first
 from .metadata import MetadataWriter
-from .plan_tools import RolePlan
+from .plan_tools import RolePlan, target_tokenizer_pre
 from .tensor_table import Block, TensorSpec, TensorTable, read_by
 
 I64 = GGMLQuantizationType.I64
 INT_DTYPES = {"I64", "I32"}
 # tokenizer.ggml.pre of targets whose plugin this project lacks (model_type -> name llama.cpp knows)
-_PRE_BY_MODEL_TYPE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
 
 
 def absolute_d2t(ts: list[np.ndarray], n_target_vocab: int) -> np.ndarray:
@@ -95,7 +94,7 @@ class Eagle3(ArchPlugin):
         self.cfg = ConfigReader(checkpoint.config).merged("transformer_layer_config")  # rope_freqs, architectures
         self.notices = self._layer_notices(checkpoint)
         self.tokenizer_dir = checkpoint.target_dir
-        self.tokenizer_pre = self._target_tokenizer_pre(checkpoint.target_config)
+        self.tokenizer_pre = target_tokenizer_pre(checkpoint.target_config)
 
     def _layer_notices(self, checkpoint: Checkpoint) -> list[str]:
         """Where eagle3.target_layers came from, and what the config's ids leave open."""
@@ -106,14 +105,6 @@ class Eagle3(ArchPlugin):
             notices.append(angelslim_default_notice(target_layer_count))
         return notices
 
-    @staticmethod
-    def _target_tokenizer_pre(target_config: Mapping[str, Any]) -> str:
-        try:
-            return plugin_class_for(target_config).tokenizer_pre
-        except SpecconvError:
-            target = ConfigReader(target_config, file="the target's config.json")
-            model_type = target.text_model().string("model_type", default=None) or target.string("model_type", default=None)
-            return _PRE_BY_MODEL_TYPE.get(model_type, "default")
 
     # ------------------------------------------------------------------ naming
 
