@@ -14,20 +14,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import math
-
 import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.archs.hparams import FamilyHParams
 from specconv.archs.qwen3 import QWEN3_TABLE, Sizes
+from specconv.archs.rope_scaling import RopeScaling
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_trunk
 from specconv.archs.hparams import HParamsReader
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.ops import (
-    acc, cached_attention, linear, moe as routed_moe, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
+    acc, cached_attention, linear, moe as routed_moe, rms_norm, rope_cos_sin_scaled, rope_neox_partial, swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.validate import check_kv
@@ -127,32 +126,12 @@ def mtp_layout(hp: HParams) -> MemoryLayout:
 
 # ---- blocks -----------------------------------------------------------------------------------
 
-def yarn_inv_freq(hp: HParams, device) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [rotary_dim/2], cos/sin factor) of YaRN as transformers computes them: a linear
-    ramp between extrapolated (θ_i) and interpolated (θ_i / factor) frequencies over the correction
-    range of dimensions (floored / ceiled), and attention factor 0.1·ln(factor) + 1 unless given."""
-    y, d, base = hp.yarn, hp.rotary_dim, hp.rope_base
-
-    def corr(rotations: float) -> float:
-        return d * math.log(y["orig_ctx"] / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = max(math.floor(corr(y["beta_fast"])), 0), min(math.ceil(corr(y["beta_slow"])), d - 1)
-    high = high + 0.001 if low == high else high
-    pos_freqs = base ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d)
-    extrapolate = 1 - ((torch.arange(d // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    inv = (1.0 / (y["factor"] * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
-    attn = y["attn_factor"]
-    attn = float(attn) if attn is not None else (0.1 * math.log(y["factor"]) + 1.0 if y["factor"] > 1 else 1.0)
-    return inv, attn
-
-
 def rope_for(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
-    if hp.yarn is not None:
-        inv, attn = yarn_inv_freq(hp, positions.device)
-        angles = positions.to(dtype)[:, None] * inv.to(dtype)[None, :]
-        return angles.cos() * attn, angles.sin() * attn
-    pos = positions if hp.rope_linear_factor == 1.0 else positions.to(dtype) / hp.rope_linear_factor
-    return rope_cos_sin(pos, hp.rotary_dim, hp.rope_base, dtype)
+    y = hp.yarn
+    scaling = (RopeScaling("yarn", y["factor"], y["orig_ctx"], beta_fast=y["beta_fast"], beta_slow=y["beta_slow"],
+                           attn_factor=y["attn_factor"]) if y is not None
+               else None if hp.rope_linear_factor == 1.0 else RopeScaling("linear", hp.rope_linear_factor))
+    return rope_cos_sin_scaled(positions, hp.rotary_dim, hp.rope_base, scaling, dtype)
 
 
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
