@@ -86,7 +86,8 @@ def mtp_logits(head, target, ids):
 def test_trunk_logits_match_transformers(tmp_path_factory, variant):
     src, path = files(tmp_path_factory, variant)
     model = load(path)
-    assert model.hparams.rope_scaling is not None and model.hparams.rope_scaling.kind == VARIANTS[variant][1]["rope_type"]
+    scaling = model.hparams.rope_scaling  # the file states the scaling the graph must apply
+    assert scaling is not None and scaling.kind == VARIANTS[variant][1]["rope_type"]
     ids = prompt_ids(N_POSITIONS)
     ref_batch, ref_steps = ref.hf_logits(src, ids), hf_logits_token_by_token(src, ids)
     ctx = Context(model, GraphType.MAIN, n_ctx=len(ids))
