@@ -333,7 +333,8 @@ def test_worked_example_in_the_docs_is_the_qwen3_table():
     quoted = re.findall(r'TensorSpec\(("[^"]+"|names\.\w+), ("[^"]+"|None),\s*lambda s: (\([^)]*\))'
                         r'(?:, "(\w+)")?', example)
     assert len(quoted) >= 6
-    sizes = {"V": 7, "E": 8, "q": 9, "ffn": 10, "num_experts": 11, "expert_ffn": 12}
+    sizes = {"vocab_dim": 7, "hidden_size": 8, "q": 9, "intermediate_size": 10, "num_experts": 11,
+             "moe_intermediate_size": 12}
 
     class S:
         pass
@@ -345,10 +346,8 @@ def test_worked_example_in_the_docs_is_the_qwen3_table():
         assert spec.hf == (None if hf == "None" else hf.strip('"')), gguf
         assert spec.shape(S) == eval(shape, {}, {"s": S}), gguf  # noqa: S307  (the doc's own expression)
         assert spec.on == (frozenset({tag}) if tag else frozenset()), gguf
-    from dataclasses import fields
+    from specconv.archs.qwen3 import Qwen3HParams
 
-    from specconv.archs.qwen3 import Sizes
-
-    block = example[example.index("class Sizes:"):example.index("def block_tags")]
-    assert re.findall(r"^    (\w+): ", block, re.M) == [f.name for f in fields(Sizes)]
-    print(f"{len(quoted)} rows of the worked example match QWEN3_TABLE, its Sizes fields archs/qwen3.py's")
+    block = example[example.index("class Qwen3HParams("):example.index("def block_tags")]
+    assert re.findall(r"^    (\w+): ", block, re.M) == list(Qwen3HParams.__annotations__)  # the fields it declares
+    print(f"{len(quoted)} rows of the worked example match QWEN3_TABLE, its hparams fields archs/qwen3.py's")
