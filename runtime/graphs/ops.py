@@ -13,8 +13,12 @@ backend of the activations' device (runtime/backend.py); they take embedding row
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from specconv.archs.errors import SpecconvError
+from specconv.archs.rope_scaling import RopeScaling
 from specconv.runtime.backend import Experts, activation_observer, for_device, rows_alone
 from specconv.runtime.stored import StoredWeight
 
@@ -95,6 +99,61 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float,
     inv_freq = (1.0 / (base ** exponent)).to(dtype)
     angles = positions.to(dtype)[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
+
+
+def yarn_inv_freq(rotary_dim: int, base: float, yarn: RopeScaling, device) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim/2] in float32, cos/sin factor) of YaRN as transformers computes them:
+    a linear ramp between extrapolated (θ_i) and interpolated (θ_i / factor) frequencies over the
+    correction range of dimensions (floored / ceiled), β_fast 32 and β_slow 1 unless the file gives
+    them, and attention factor 0.1·ln(factor) + 1 unless given. The file's yarn_ext_factor is not read:
+    transformers has no such parameter and llama.cpp takes it from its context parameters (1 for YaRN)."""
+    d, factor = rotary_dim, yarn.factor
+    beta_fast = 32.0 if yarn.beta_fast is None else yarn.beta_fast
+    beta_slow = 1.0 if yarn.beta_slow is None else yarn.beta_slow
+
+    def corr(rotations: float) -> float:
+        return d * math.log(yarn.original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), d - 1)
+    high = high + 0.001 if low == high else high
+    pos_freqs = base ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d)
+    extrapolate = 1 - ((torch.arange(d // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    attn = yarn.attn_factor
+    attn = float(attn) if attn is not None else (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return inv, attn
+
+
+def rope_cos_sin_scaled(positions: torch.Tensor, rotary_dim: int, base: float, scaling: RopeScaling | None,
+                        dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_cos_sin` under a file's rope scaling (archs/rope_scaling.py; the graph refuses other kinds
+    at load): none; linear, positions divided by its factor; YaRN, `yarn_inv_freq`'s frequencies and
+    cos/sin multiplied by its attention factor."""
+    if scaling is None:
+        return rope_cos_sin(positions, rotary_dim, base, dtype)
+    if scaling.kind == "linear":
+        return rope_cos_sin(positions.to(dtype) / scaling.factor, rotary_dim, base, dtype)
+    inv, attn = yarn_inv_freq(rotary_dim, base, scaling, positions.device)
+    angles = positions.to(dtype)[:, None] * inv.to(dtype)[None, :]
+    return angles.cos() * attn, angles.sin() * attn
+
+
+SCALED_ROPE_KINDS = ("linear", "yarn")  # what rope_cos_sin_scaled runs
+
+
+def check_rope_scaling(arch: str, scaling: RopeScaling | None, base: float) -> None:
+    """A one-line SpecconvError unless `rope_cos_sin_scaled` can run the file's rope scaling."""
+    if scaling is None:
+        return
+    where = f"{arch}.rope.scaling"
+    if scaling.kind not in SCALED_ROPE_KINDS:
+        raise SpecconvError(f"{where}.type {scaling.kind!r} is not supported by the runtime "
+                            f"(none, {' and '.join(SCALED_ROPE_KINDS)} are)")
+    if scaling.factor is None or scaling.factor <= 0:
+        raise SpecconvError(f"{where}.factor must be given and positive for {scaling.kind} rope scaling")
+    if scaling.kind == "yarn" and (scaling.original_context is None or base <= 1.0):
+        raise SpecconvError(f"YaRN rope scaling needs {where}.original_context_length and "
+                            f"{arch}.rope.freq_base > 1")
 
 
 def rope_neox_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,6 @@ No shared expert, no MTP head. The trunk runs through decoder.forward_trunk (mul
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from specconv.archs.errors import SpecconvError
@@ -22,7 +20,7 @@ from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_trunk
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.ops import (
-    acc, cached_attention, linear, moe as routed_moe, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
+    acc, cached_attention, linear, moe as routed_moe, rms_norm, rope_cos_sin_scaled, rope_neox_partial, swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -46,37 +44,8 @@ def mtp_layout(hp: HParams) -> MemoryLayout:
 
 # ---- blocks -----------------------------------------------------------------------------------
 
-def yarn_inv_freq(hp: HParams, device) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [rotary_dim/2], cos/sin factor) of YaRN as transformers computes them: a linear
-    ramp between extrapolated (θ_i) and interpolated (θ_i / factor) frequencies over the correction
-    range of dimensions (floored / ceiled), and attention factor 0.1·ln(factor) + 1 unless given;
-    β_fast 32 and β_slow 1 unless the file gives them."""
-    y, d, base = hp.rope_scaling, hp.rotary_dim, hp.rope_freq_base
-    beta_fast = 32.0 if y.beta_fast is None else y.beta_fast
-    beta_slow = 1.0 if y.beta_slow is None else y.beta_slow
-
-    def corr(rotations: float) -> float:
-        return d * math.log(y.original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), d - 1)
-    high = high + 0.001 if low == high else high
-    pos_freqs = base ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d)
-    extrapolate = 1 - ((torch.arange(d // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    inv = (1.0 / (y.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
-    attn = y.attn_factor
-    attn = float(attn) if attn is not None else (0.1 * math.log(y.factor) + 1.0 if y.factor > 1 else 1.0)
-    return inv, attn
-
-
 def rope_for(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
-    scaling = hp.rope_scaling
-    if scaling is not None and scaling.kind == "yarn":
-        inv, attn = yarn_inv_freq(hp, positions.device)
-        angles = positions.to(dtype)[:, None] * inv.to(dtype)[None, :]
-        return angles.cos() * attn, angles.sin() * attn
-    factor = 1.0 if scaling is None else scaling.factor  # linear: positions divided by it
-    pos = positions if factor == 1.0 else positions.to(dtype) / factor
-    return rope_cos_sin(pos, hp.rotary_dim, hp.rope_freq_base, dtype)
+    return rope_cos_sin_scaled(positions, hp.rotary_dim, hp.rope_freq_base, hp.rope_scaling, dtype)
 
 
 def attention(w, hp, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:

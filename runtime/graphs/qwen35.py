@@ -3,6 +3,8 @@
 MAIN: the trunk (blocks 0..n_layer-1): gated full attention with partial NEOX rope, Gated DeltaNet,
 dense SwiGLU or MoE with a gated shared expert. MTP: the one nextn block (block n_layer) with its
 own KV cache; input rows are (token, target post-norm hidden), embedding first in the concat.
+Rope (trunk and MTP block) follows the file's rope.scaling.* (linear or YaRN) on the rotary dims as
+transformers' Qwen3.5 does; its M-RoPE sections coincide for text, whose positions are one per token.
 Only GGUF names are used here.
 """
 
@@ -18,8 +20,8 @@ from specconv.runtime.graphs import gdn
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import (
-    acc, cached_attention, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin, rope_neox_partial,
-    swiglu,
+    acc, cached_attention, check_rope_scaling, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin_scaled,
+    rope_neox_partial, swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -109,11 +111,19 @@ def _block(w, hp: Qwen35HParams, i: int, h: torch.Tensor, batch: Batch, rope, gd
     return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.rms_norm_eps))
 
 
+def rope_for(hp: Qwen35HParams, positions: torch.Tensor, dtype: torch.dtype):
+    return rope_cos_sin_scaled(positions, hp.rotary_dim, hp.rope_theta, hp.rope_scaling, dtype)
+
+
+def check_hparams(hp: Qwen35HParams, kv) -> None:
+    check_rope_scaling(hp.arch, hp.rope_scaling, hp.rope_theta)
+
+
 def forward_main(w, hp: Qwen35HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None, deltanet=gated_deltanet):
     """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
     return forward_trunk(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, want_layers, want_logits,
-                         lambda dtype: rope_cos_sin(batch.positions, hp.rotary_dim, hp.rope_theta, dtype),
+                         lambda dtype: rope_for(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope, gdn_mode, deltanet))
 
 
@@ -121,7 +131,7 @@ def forward_mtp(w, hp: Qwen35HParams, tokens: torch.Tensor, hidden_in: torch.Ten
     """One MTP row per token: u = eh_proj·[enorm(E[x]) ; hnorm(h)], one full-attention block,
     z = shared_head_norm(y); returns (logits, z = "nextn", y = pre-norm)."""
     return forward_nextn(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, hidden_in,
-                         lambda dtype: rope_cos_sin(batch.positions, hp.rotary_dim, hp.rope_theta, dtype),
+                         lambda dtype: rope_for(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 
 
@@ -134,5 +144,6 @@ GRAPH = Graph(
     mtp_layout=mtp_layout,
     forward_main=forward_main,
     forward_mtp=forward_mtp,
+    check_hparams=check_hparams,  # rope scaling it cannot run is refused at load
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )
