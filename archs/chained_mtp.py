@@ -13,15 +13,15 @@ blocks (the graphs, runtime/graphs/chained.py, derive their lists from the same 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, Sequence
 
 
 from . import names
-from .base import ArchPlugin, Role, TensorPlan
+from .base import ArchPlugin
 from .errors import SpecconvError
 from .hparams import FamilyHParams, HParamsReader
-from .plan_tools import RolePlan, add_output_head, embedding_rows
-from .tensor_table import AttentionWidths, Block, Hook, TensorSpec, TensorTable
+from .plan_tools import output_head
+from .tensor_table import AttentionWidths, Hook, TensorSpec, TensorTable
 
 
 def check_stated_count(stated: Any, k: int, where: str) -> None:
@@ -194,35 +194,6 @@ class ChainedMtpPlugin(ArchPlugin):
 
     hp: ChainedHParams
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.num_hidden_layers
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return self.hp.num_nextn_predict_layers
-
-    def vocab_size(self) -> int:
-        return embedding_rows(self.checkpoint)
-
-    # ------------------------------------------------------------------ tensors
-
-    table: ClassVar[TensorTable]
-
     def hooks(self) -> dict[str, Hook]:
-        """The family's hooks besides the output head (routed experts, tensors only some checkpoints have)."""
-        return {}
-
-    def tensor_plan(self) -> list[TensorPlan]:
-        plan = RolePlan(self.checkpoint.tensors)
-        n = self.n_trunk_layers
-        blocks = [Block(i, self._prefix(i), Role.TRUNK if i < n else Role.MTP) for i in range(n + self.n_mtp_layers)]
-        self.table.plan(plan, self.hp, blocks, {"output_head": self._output_head, **self.hooks()})
-        return plan.finish(self.gguf_arch)
-
-    def _output_head(self, plan: RolePlan, s: ChainedHParams, bid: None, p: str, role: Role) -> None:
-        add_output_head(plan, s.tie_word_embeddings, s.vocab_dim, s.hidden_size)
-
-    def _prefix(self, i: int) -> str:
-        """The checkpoint prefix of GGUF block i (MTP blocks follow the trunk's numbering by default)."""
-        return f"model.layers.{i}."
+        """The output head; a family adds its own (routed experts, tensors only some checkpoints have)."""
+        return {"output_head": output_head}

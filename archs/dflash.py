@@ -23,13 +23,13 @@ from typing import ClassVar
 from gguf import GGUFValueType, Keys
 
 from . import names, register
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .base import ArchPlugin, Checkpoint, MetaKV, Role
 from .config_reader import ConfigReader
 from .dflash_hparams import DFlashHParams, target_layers_of
 from .errors import SpecconvError
 from .metadata import MetadataWriter
-from .plan_tools import RolePlan, target_tokenizer_pre
-from .tensor_table import Block, TensorSpec, TensorTable, read_by
+from .plan_tools import RolePlan, own_embedding, target_tokenizer_pre
+from .tensor_table import Hook, TensorSpec, TensorTable, read_by
 
 
 
@@ -124,14 +124,6 @@ class DFlash(ArchPlugin):
             return (None, "rotary inv_freq buffer (recomputed from the config)")
         return raw_name[len("model."):] if raw_name.startswith("model.") else raw_name
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.num_hidden_layers
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return 0
-
     def vocab_size(self) -> int:
         return self.hp.vocab_size  # the GGUF carries the target's vocabulary
 
@@ -139,16 +131,11 @@ class DFlash(ArchPlugin):
 
     table: ClassVar[TensorTable] = DFLASH_TABLE
 
-    def tensor_plan(self) -> list[TensorPlan]:
-        plan = RolePlan(self.checkpoint.tensors)
-        blocks = [Block(i, f"layers.{i}.", Role.TRUNK) for i in range(self.hp.num_hidden_layers)]
-        self.table.plan(plan, self.hp, blocks, {"embedding": self._embedding, "head": self._head})
-        return plan.finish(self.gguf_arch)
+    def block_prefix(self, bid: int) -> str:
+        return f"layers.{bid}."
 
-    def _embedding(self, plan: RolePlan, s: DFlashHParams, bid: None, p: str, role: Role) -> None:
-        if plan.has("embed_tokens.weight"):  # else the target's
-            shape = (s.vocab_size, s.hidden_size)
-            plan.add(names.TOKEN_EMBD, [plan.source("embed_tokens.weight", shape)], shape, role)
+    def hooks(self) -> dict[str, Hook]:
+        return {"embedding": own_embedding, "head": self._head}
 
     def _head(self, plan: RolePlan, s: DFlashHParams, bid: None, p: str, role: Role) -> None:
         if plan.has("lm_head.weight"):  # else the target's

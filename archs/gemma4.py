@@ -27,12 +27,12 @@ from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, embedding_rows
 from .errors import SpecconvError
 from .gemma4_hparams import FULL, Gemma4AssistantHParams, Gemma4HParams
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, text_model_name
-from .tensor_table import Block, TensorSpec, TensorTable, read_by
+from .tensor_table import Block, Hook, TensorSpec, TensorTable, read_by
 
 ROPE_FREQS = "rope_freqs.weight"
 _TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
@@ -41,10 +41,7 @@ _TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "
 
 def checkpoint_vocab_size(checkpoint: Checkpoint) -> int:
     """The vocabulary a file gets: the embedding's rows, trimmed to the tokenizer's real size."""
-    info = checkpoint.tensors.get("model.embed_tokens.weight")
-    if info is None:
-        raise SpecconvError("checkpoint lacks tensor model.embed_tokens.weight")
-    rows = int(info.shape[0])
+    rows = embedding_rows(checkpoint)
     real = real_vocab_size(checkpoint.source_dir)
     return min(rows, real) if real else rows
 
@@ -191,17 +188,18 @@ class _Gemma4Base(ArchPlugin):
         return self.hp.vocab_size
 
     # ---- the tables' hooks -----------------------------------------------------------------
-    def tensor_plan(self) -> list[TensorPlan]:
-        plan, hp = RolePlan(self.checkpoint.tensors), self.hp
-        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(hp.n_blocks)]
-        self.table.plan(plan, hp, blocks, {"embedding": self._embedding, "rope_freqs": self._rope_freqs,
-                                           "attn_v": self._attn_v, "ple_embedding": self._ple_embedding})
-        for i in range(hp.n_blocks):
-            if not hp.owns_kv(i):  # transformers drops these on load; a checkpoint may still carry them
-                for extra in ("k_proj.weight", "v_proj.weight", "k_norm.weight"):
-                    if plan.has(f"model.layers.{i}.self_attn.{extra}"):
-                        plan.used.add(f"model.layers.{i}.self_attn.{extra}")
-        return plan.finish(self.gguf_arch)
+    def blocks(self) -> list[Block]:
+        """Every block in the one file (the assistant's draft blocks too): no trunk / MTP routing."""
+        return [Block(i, self.block_prefix(i), Role.TRUNK) for i in range(self.hp.n_blocks)]
+
+    def hooks(self) -> dict[str, Hook]:
+        return {"embedding": self._embedding, "rope_freqs": self._rope_freqs, "attn_v": self._attn_v,
+                "ple_embedding": self._ple_embedding}
+
+    def ignored_sources(self) -> list[str]:
+        # K/V-sharing layers' own k/v: transformers drops them on load; a checkpoint may still carry them
+        return [f"{self.block_prefix(i)}self_attn.{extra}" for i in range(self.hp.n_blocks) if not self.hp.owns_kv(i)
+                for extra in ("k_proj.weight", "v_proj.weight", "k_norm.weight")]
 
     def _embedding(self, plan: RolePlan, s: Gemma4HParams, bid: None, p: str, role: Role) -> None:
         info = self.checkpoint.tensors.get("model.embed_tokens.weight")
@@ -271,13 +269,6 @@ class Gemma4(_Gemma4Base):
     def normalize_name(cls, raw_name: str):
         return _normalize(raw_name)
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.num_hidden_layers
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return 0
 
 
 @register
@@ -299,12 +290,8 @@ class Gemma4Assistant(_Gemma4Base):
         return _normalize(raw_name)
 
     @property
-    def n_trunk_layers(self) -> int:
-        return 0
-
-    @property
     def n_mtp_layers(self) -> int:
-        return 0  # the whole file is the drafter; there is no trunk/MTP split to route
+        return 0  # the whole file is the drafter (its hparams' num_hidden_layers is 0); there is no trunk/MTP split to route
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         w = MetadataWriter(self.gguf_arch, super().metadata(keep_mtp))

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Mapping
 from gguf import Keys
 
 from . import names, register
-from .base import Checkpoint, MetaKV, Role
+from .base import Checkpoint, MetaKV
 from .chained_mtp import (ChainedHParams, ChainedMtpPlugin, block_counts, chained_table, check_stated_count, head_copies,
                           kv_fields, norm_spec, routed_specs)
 from .config_reader import ConfigReader, MAX_LAYERS
@@ -29,7 +29,7 @@ from .errors import SpecconvError
 from .hparams import HParamsReader
 from .metadata import MetadataWriter
 from .nextn_moe import _TOWERS
-from .plan_tools import RolePlan, plan_experts, text_model_name, trunk_indexed_mtp_count
+from .plan_tools import routed_experts, text_model_name, trunk_indexed_mtp_count
 from .tensor_table import Hook, TensorSpec, TensorTable
 
 # transformers' HYV3Config defaults for the behavioural fields a config.json may leave out
@@ -168,12 +168,7 @@ class HyV3(ChainedMtpPlugin):
     table: ClassVar[TensorTable] = HY_V3_TABLE
 
     def hooks(self) -> dict[str, Hook]:
-        return {"experts": self._experts}
-
-    def _experts(self, plan: RolePlan, s: HyV3HParams, bid: int, p: str, role: Role) -> None:
-        m = p + "mlp."
-        plan_experts(plan, bid, m + "experts.", s.num_experts, s.moe_intermediate_size, s.hidden_size, role,
-                     where=f"layer {bid} ({m}experts)", count_field="num_experts")
+        return {**super().hooks(), "experts": routed_experts("num_experts")}
 
     # ------------------------------------------------------------------ metadata
 

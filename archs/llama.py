@@ -26,8 +26,8 @@ from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .hparams import FamilyHParams, HParamsReader
 from .metadata import MetadataWriter
-from .plan_tools import RolePlan, embedding_rows
-from .tensor_table import AttentionWidths, Block, TensorSpec, TensorTable
+from .plan_tools import RolePlan
+from .tensor_table import AttentionWidths, Hook, TensorSpec, TensorTable
 
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -252,29 +252,17 @@ class Llama(ArchPlugin):
             return (None, "rotary inv_freq buffer (recomputed from the config)")
         return raw_name
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.num_hidden_layers
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return 0
-
-    def vocab_size(self) -> int:
-        return embedding_rows(self.checkpoint)
-
     table: ClassVar[TensorTable] = LLAMA_TABLE
 
     def sizes(self) -> LlamaHParams:
         """The hparams the file is written with: its vocabulary is the embedding's rows."""
         return replace(self.hp, vocab_size=self.vocab_size())
 
+    def hooks(self) -> dict[str, Hook]:
+        return {"output_head": self._output_head, "rope_freqs": self._rope_freqs}
+
     def tensor_plan(self) -> list[TensorPlan]:
-        plan = RolePlan(self.checkpoint.tensors)
-        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(self.hp.num_hidden_layers)]
-        hooks = {"output_head": self._output_head, "rope_freqs": self._rope_freqs}
-        self.table.plan(plan, self.sizes(), blocks, hooks)
-        return rope_freqs_first(plan.finish(self.gguf_arch))
+        return rope_freqs_first(super().tensor_plan())
 
     def _output_head(self, plan: RolePlan, s: LlamaHParams, bid: None, p: str, role: Role) -> None:
         if plan.has("lm_head.weight") and not s.tie_word_embeddings:

@@ -31,7 +31,7 @@ from .base import Checkpoint, MetaKV, Role
 from .chained_mtp import ChainedMtpPlugin, chained_table, head_copies, norm_spec, routed_specs
 from .metadata import MetadataWriter
 from .mimo2_hparams import Mimo2HParams
-from .plan_tools import RolePlan, plan_experts, text_model_name
+from .plan_tools import RolePlan, routed_experts, text_model_name
 from .tensor_table import Hook, TensorSpec, TensorTable
 
 _TOWERS = ("visual.", "model.visual.", "audio_tokenizer.", "model.audio_tokenizer.", "speech_embeddings.")
@@ -90,11 +90,12 @@ class MiMo2(ChainedMtpPlugin):
     table: ClassVar[TensorTable] = MIMO2_TABLE
 
     def hooks(self) -> dict[str, Hook]:
-        return {"experts": self._experts, "fused_qkv": self._fused_qkv, "sinks": self._sinks}
+        return {**super().hooks(), "experts": routed_experts("n_routed_experts"), "fused_qkv": self._fused_qkv,
+                "sinks": self._sinks}
 
-    def _prefix(self, i: int) -> str:
+    def block_prefix(self, bid: int) -> str:
         n = self.hp.num_hidden_layers
-        return f"model.mtp.layers.{i - n}." if i >= n else f"model.layers.{i}."
+        return f"model.mtp.layers.{bid - n}." if bid >= n else f"model.layers.{bid}."
 
     def _fused_qkv(self, plan: RolePlan, s: Mimo2HParams, bid: int, p: str, role: Role) -> None:
         a = p + "self_attn."
@@ -107,11 +108,6 @@ class MiMo2(ChainedMtpPlugin):
         if plan.has(a + "attention_sink_bias"):
             plan.add(names.blk(bid, "attn_sinks"), [plan.source(a + "attention_sink_bias", (s.num_attention_heads,))],
                      (s.num_attention_heads,), role, tf.identity, True)
-
-    def _experts(self, plan: RolePlan, s: Mimo2HParams, bid: int, p: str, role: Role) -> None:
-        m = p + "mlp."
-        plan_experts(plan, bid, m + "experts.", s.num_experts, s.moe_intermediate_size, s.hidden_size, role,
-                     where=f"layer {bid} ({m}experts)", count_field="n_routed_experts")
 
     # ------------------------------------------------------------------ metadata
 

@@ -16,14 +16,14 @@ from typing import ClassVar
 from gguf import Keys
 
 from . import names
-from .base import ArchPlugin, Checkpoint, Role, TensorPlan
+from .base import ArchPlugin, Checkpoint, Role
 from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .plan_tools import (
-    RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name, trunk_indexed_mtp_count,
+    RolePlan, output_head, routed_experts, text_model_name, trunk_indexed_mtp_count,
 )
 from .nextn_moe_hparams import NextnMoeHParams
-from .tensor_table import Block, TensorSpec, TensorTable
+from .tensor_table import Hook, TensorSpec, TensorTable
 
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.")
 # HF nextn copies -> GGUF nextn part (docs/reference/gguf-layout.md §4.1)
@@ -124,12 +124,8 @@ class NextnMoePlugin(ArchPlugin):
     # ------------------------------------------------------------------ structure
 
     @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.num_hidden_layers
-
-    @property
     def n_mtp_layers(self) -> int:
-        return self._k
+        return self._k  # the checkpoint's nextn blocks (config.json's count may name stripped ones)
 
     def _count_mtp_layers(self) -> int:
         """k = the layers `model.layers.{N..}` present; they must be the config's count, contiguous.
@@ -146,28 +142,13 @@ class NextnMoePlugin(ArchPlugin):
                                 f"{k} nextn layer(s) (model.layers.{n}..{n + k - 1})")
         return k
 
-    def vocab_size(self) -> int:
-        return embedding_rows(self.checkpoint)
-
     # ------------------------------------------------------------------ tensors
 
     table: ClassVar[TensorTable]  # the family's (archs/glm4moe.py, deepseek2.py, dsa.py)
 
-    def tensor_plan(self) -> list[TensorPlan]:
-        plan = RolePlan(self.checkpoint.tensors)
-        n = self.hp.num_hidden_layers
-        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK if i < n else Role.MTP) for i in range(n + self._k)]
-        hooks = {"output_head": self._output_head, "experts": self._experts, "nextn_copies": self._nextn_copies}
-        self.table.plan(plan, self.hp, blocks, hooks)
-        return plan.finish(self.gguf_arch)
-
-    def _output_head(self, plan: RolePlan, s: NextnMoeHParams, bid: None, p: str, role: Role) -> None:
-        add_output_head(plan, s.tie_word_embeddings, s.vocab_dim, s.hidden_size)
-
-    def _experts(self, plan: RolePlan, s: NextnMoeHParams, bid: int, p: str, role: Role) -> None:
-        ex = p + "mlp.experts."
-        plan_experts(plan, bid, ex, s.num_experts, s.moe_intermediate_size, s.hidden_size, role,
-                     where=f"layer {bid} ({ex.rstrip('.')})", count_field="n_routed_experts")
+    def hooks(self) -> dict[str, Hook]:
+        return {"output_head": output_head, "experts": routed_experts("n_routed_experts"),
+                "nextn_copies": self._nextn_copies}
 
     def _nextn_copies(self, plan: RolePlan, s: NextnMoeHParams, bid: int, p: str, role: Role) -> None:
         shape = (s.vocab_dim, s.hidden_size)

@@ -21,14 +21,14 @@ from typing import Any, ClassVar, Mapping
 from gguf import Keys
 
 from . import names, register
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .base import ArchPlugin, Checkpoint, MetaKV, Role
 from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .hparams import FamilyHParams, HParamsReader
 from .metadata import MetadataWriter
-from .plan_tools import RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name
+from .plan_tools import RolePlan, add_output_head, routed_experts, text_model_name
 from .rope_scaling import RopeScaling, rope_scaling_of
-from .tensor_table import AttentionWidths, Block, TensorSpec, TensorTable
+from .tensor_table import AttentionWidths, Hook, TensorSpec, TensorTable
 
 QWEN3, QWEN3MOE = "qwen3", "qwen3moe"
 EXPERT_WEIGHTS_NORM = "expert_weights_norm"  # `{arch}.expert_weights_norm` (bool), llama.cpp's key
@@ -215,17 +215,6 @@ class Qwen3Base(ArchPlugin):
     def normalize_name(cls, raw_name: str):
         return text_model_name(raw_name, (), "")
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.num_hidden_layers
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return 0
-
-    def vocab_size(self) -> int:
-        return embedding_rows(self.checkpoint)
-
     # ------------------------------------------------------------------ tensors
 
     table: ClassVar[TensorTable] = QWEN3_TABLE
@@ -234,11 +223,8 @@ class Qwen3Base(ArchPlugin):
         """The hparams the file is written with: its vocabulary is the embedding's rows."""
         return replace(self.hp, vocab_size=self.vocab_size())
 
-    def tensor_plan(self) -> list[TensorPlan]:
-        plan = RolePlan(self.checkpoint.tensors)
-        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(self.hp.num_hidden_layers)]
-        self.table.plan(plan, self.sizes(), blocks, {"output_head": self._output_head, "experts": self._experts})
-        return plan.finish(self.gguf_arch)
+    def hooks(self) -> dict[str, Hook]:
+        return {"output_head": self._output_head, "experts": routed_experts("num_experts")}
 
     def _output_head(self, plan: RolePlan, s: Qwen3HParams, bid: None, p: str, role: Role) -> None:
         if s.tie_word_embeddings and plan.has("lm_head.weight"):
@@ -247,10 +233,6 @@ class Qwen3Base(ArchPlugin):
             plan.add(names.OUTPUT, [plan.source("lm_head.weight", shape)], shape, Role.SHARED)
         else:
             add_output_head(plan, s.tie_word_embeddings, s.vocab_size, s.hidden_size)
-
-    def _experts(self, plan: RolePlan, s: Qwen3HParams, bid: int, p: str, role: Role) -> None:
-        plan_experts(plan, bid, p + "mlp.experts.", s.num_experts, s.moe_intermediate_size, s.hidden_size, role,
-                     where=f"layer {bid} (mlp.experts)", count_field="num_experts")
 
     # ------------------------------------------------------------------ metadata
 

@@ -18,12 +18,12 @@ from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .base import ArchPlugin, Checkpoint, MetaKV
 from .errors import SpecconvError
 from .metadata import MetadataWriter
-from .plan_tools import RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name
+from .plan_tools import output_head, routed_experts, text_model_name
 from .qwen35_hparams import Qwen35HParams
-from .tensor_table import Block, TensorSpec, TensorTable
+from .tensor_table import Hook, TensorSpec, TensorTable
 
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.audio_tower.",
@@ -163,14 +163,6 @@ class Qwen35Base(ArchPlugin):
 
     # ------------------------------------------------------------------ structure
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.num_hidden_layers
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return self.hp.num_nextn_predict_layers
-
     def _count_mtp_layers(self, configured: int) -> int:
         """k per docs/reference/gguf-layout.md §4.4: from the config (`configured`, 0 when it states none),
         else from `mtp.layers.*`; both must agree."""
@@ -192,30 +184,16 @@ class Qwen35Base(ArchPlugin):
             raise SpecconvError("checkpoint has mtp.* tensors but no mtp.layers.* block")
         return from_names
 
-    def vocab_size(self) -> int:
-        return embedding_rows(self.checkpoint)
-
     # ------------------------------------------------------------------ tensors
 
     table: ClassVar[TensorTable] = QWEN35_TABLE  # Qwen3-Next: its own (archs/qwen3next.py)
 
-    def tensor_plan(self) -> list[TensorPlan]:
-        hp, plan = self.hp, RolePlan(self.checkpoint.tensors)
-        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(hp.num_hidden_layers)]
-        blocks += [Block(hp.num_hidden_layers + j, f"mtp.layers.{j}.", Role.MTP)
-                   for j in range(hp.num_nextn_predict_layers)]
-        hooks = {"output_head": self._output_head, "experts": self._experts}
-        self.table.plan(plan, hp, blocks, hooks)
-        return plan.finish(self.gguf_arch)
+    def block_prefix(self, bid: int) -> str:
+        n = self.hp.num_hidden_layers
+        return f"mtp.layers.{bid - n}." if bid >= n else f"model.layers.{bid}."
 
-    def _output_head(self, plan: RolePlan, hp: Qwen35HParams, bid: None, p: str, role: Role) -> None:
-        add_output_head(plan, hp.tie_word_embeddings, hp.vocab_dim, hp.hidden_size)
-
-    def _experts(self, plan: RolePlan, hp: Qwen35HParams, bid: int, p: str, role: Role) -> None:
-        """Routed experts from the fused 3-D layout (releases) or per-expert tensors (save_pretrained)."""
-        m = p + "mlp."
-        plan_experts(plan, bid, m + "experts.", hp.num_experts, hp.moe_intermediate_size, hp.hidden_size, role,
-                     where=f"layer {bid} ({m.rstrip('.')})", count_field="num_experts")
+    def hooks(self) -> dict[str, Hook]:
+        return {"output_head": output_head, "experts": routed_experts("num_experts")}
 
     # ------------------------------------------------------------------ metadata
 

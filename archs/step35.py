@@ -91,7 +91,7 @@ class Step35(ChainedMtpPlugin):
     table: ClassVar[TensorTable] = STEP35_TABLE
 
     def hooks(self) -> dict[str, Hook]:
-        return {"head_copies": self._head_copies, "attn_gate": self._attn_gate}
+        return {**super().hooks(), "head_copies": self._head_copies, "attn_gate": self._attn_gate}
 
     def _head_copies(self, plan: RolePlan, s: Step35HParams, bid: int, p: str, role: Role) -> None:
         for hf, part in (("transformer.shared_head.output", names.NEXTN_SHARED_HEAD_HEAD),

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from .base import Role
+from .base import Block, Role
 from .errors import SpecconvError
 from .transforms import identity
 
@@ -77,15 +77,6 @@ class TensorSpec:
 def read_by(graph: str, specs: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
     """`specs` as the runtime's `graph` reads them (`TensorSpec.graph`): a drafter file's rows."""
     return tuple(replace(s, graph=graph) for s in specs)
-
-
-@dataclass(frozen=True)
-class Block:
-    """One block as the converter walks it: GGUF index, HF name prefix, and where it goes."""
-
-    bid: int
-    prefix: str
-    role: Role
 
 
 Hook = Callable[..., None]  # hook(plan, sizes, bid, prefix, role); bid None and prefix "" for a global
