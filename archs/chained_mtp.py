@@ -67,19 +67,11 @@ class ChainedHParams(AttentionWidths, FamilyHParams):
         return None
 
 
-def block_counts(r: HParamsReader) -> tuple[int, int]:
-    """(trunk blocks, MTP blocks): block_count counts both."""
-    total, num_nextn_predict_layers = r.key("block_count", type=int), r.key("nextn_predict_layers", 0, int)
-    if num_nextn_predict_layers > total:
-        raise SpecconvError(f"{r.arch}.nextn_predict_layers ({num_nextn_predict_layers}) exceeds block_count ({total})")
-    return total - num_nextn_predict_layers, num_nextn_predict_layers
-
-
 def kv_fields(r: HParamsReader) -> dict[str, Any]:
     """The ChainedHParams fields a GGUF file states, read the same way for every chained family (each
     family's from_kv reads its own keys first). The expert count is the family's: where it is 0 the
     shapes bind each block's to its router."""
-    num_hidden_layers, num_nextn_predict_layers = block_counts(r)
+    num_hidden_layers, num_nextn_predict_layers = r.block_counts()
     gating = r.key("expert_gating_func", names.EXPERT_GATING_SIGMOID, int)
     if gating not in (names.EXPERT_GATING_SOFTMAX, names.EXPERT_GATING_SIGMOID):
         raise SpecconvError(f"{r.arch}.expert_gating_func is {gating}; supported: softmax (1), sigmoid (2)")

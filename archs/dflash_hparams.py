@@ -122,8 +122,7 @@ class DFlashHParams(AttentionWidths, FamilyHParams):
     def from_kv(cls, kv: Mapping[str, Any]) -> "DFlashHParams":
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        hidden_size, heads = key("embedding_length", type=int), key("attention.head_count", type=int)
-        head_dim = key("attention.key_length", hidden_size // heads, int)
+        hidden_size, heads, head_dim = r.attention_widths()
         layers = key("target_layers", None, list)
         if not layers:
             raise SpecconvError(f"GGUF metadata lacks {arch}.target_layers (the target layers a DFlash drafter reads)")

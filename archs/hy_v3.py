@@ -22,7 +22,7 @@ from gguf import Keys
 
 from . import names, register
 from .base import Checkpoint, MetaKV
-from .chained_mtp import (ChainedHParams, ChainedMtpPlugin, block_counts, chained_table, check_stated_count, head_copies,
+from .chained_mtp import (ChainedHParams, ChainedMtpPlugin, chained_table, check_stated_count, head_copies,
                           kv_fields, norm_spec, routed_specs)
 from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
@@ -105,11 +105,8 @@ class HyV3HParams(ChainedHParams):
         """GGUF metadata; the FFN widths are each block's tensors' (ChainedHParams)."""
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        block_counts(r)
-        hidden_size, num_attention_heads = key("embedding_length", type=int), key("attention.head_count", type=int)
-        head_dim = key("attention.key_length", hidden_size // num_attention_heads, int)
-        if key("attention.value_length", head_dim, int) != head_dim:
-            raise SpecconvError(f"{arch}: attention.key_length != value_length")
+        _, num_attention_heads, head_dim = r.attention_widths()
+        r.check_value_length(head_dim)
         num_key_value_heads = key("attention.head_count_kv", num_attention_heads, int)
         if num_attention_heads % num_key_value_heads:
             raise SpecconvError(f"{arch}: {num_attention_heads} heads are not a multiple of {num_key_value_heads} KV heads")

@@ -133,9 +133,7 @@ class LlamaHParams(AttentionWidths, FamilyHParams):
     def from_kv(cls, kv: Mapping[str, Any]) -> "LlamaHParams":
         r = HParamsReader(kv)
         key = r.key
-        hidden_size, num_attention_heads = key("embedding_length", type=int), key("attention.head_count", type=int)
-        head_dim = key("attention.key_length", hidden_size // num_attention_heads, int)
-        tokens = kv.get("tokenizer.ggml.tokens")
+        hidden_size, num_attention_heads, head_dim = r.attention_widths()
         return cls(arch=r.arch, num_hidden_layers=key("block_count", type=int), hidden_size=hidden_size,
                    num_attention_heads=num_attention_heads,
                    num_key_value_heads=key("attention.head_count_kv", num_attention_heads, int), head_dim=head_dim,
@@ -143,7 +141,7 @@ class LlamaHParams(AttentionWidths, FamilyHParams):
                    rope_theta=key("rope.freq_base", 10000.0, float),
                    rms_norm_eps=key("attention.layer_norm_rms_epsilon", type=float),
                    intermediate_size=key("feed_forward_length", 0, int),
-                   vocab_size=key("vocab_size", 0, int) or (len(tokens) if tokens is not None else 0),
+                   vocab_size=r.vocab_size(),
                    max_position_embeddings=key("context_length", 0, int),
                    states_head_dim=r.has("attention.key_length"), from_file=True)
 

@@ -98,11 +98,8 @@ class Qwen3HParams(AttentionWidths, FamilyHParams):
     def from_kv(cls, kv: Mapping[str, Any]) -> "Qwen3HParams":
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        hidden_size, heads = key("embedding_length", type=int), key("attention.head_count", type=int)
-        head_dim = key("attention.key_length", hidden_size // heads, int)
-        if key("attention.value_length", head_dim, int) != head_dim:
-            raise SpecconvError(f"{arch}: attention.value_length differs from key_length")
-        tokens = kv.get("tokenizer.ggml.tokens")
+        hidden_size, heads, head_dim = r.attention_widths()
+        r.check_value_length(head_dim)
         hp = cls(arch=arch, num_hidden_layers=key("block_count", type=int), hidden_size=hidden_size,
                  num_attention_heads=heads, num_key_value_heads=key("attention.head_count_kv", heads, int),
                  head_dim=head_dim, rotary_dim=key("rope.dimension_count", head_dim, int),
@@ -112,7 +109,7 @@ class Qwen3HParams(AttentionWidths, FamilyHParams):
                  num_experts_per_tok=key("expert_used_count", 0, int),
                  moe_intermediate_size=key("expert_feed_forward_length", 0, int),
                  norm_topk_prob=key(EXPERT_WEIGHTS_NORM, True, bool),
-                 vocab_size=key("vocab_size", 0, int) or (len(tokens) if tokens is not None else 0),
+                 vocab_size=r.vocab_size(),
                  max_position_embeddings=key("context_length", 0, int), states_head_dim=r.has("attention.key_length"),
                  from_file=True)
         if arch == QWEN3MOE and not (hp.num_experts and 0 < hp.num_experts_per_tok <= hp.num_experts):
