@@ -21,7 +21,7 @@ from .base import ArchPlugin
 from .errors import SpecconvError
 from .hparams import FamilyHParams, HParamsReader
 from .plan_tools import output_head
-from .tensor_table import AttentionWidths, Hook, TensorSpec, TensorTable
+from .tensor_table import AttentionWidths, Hook, TensorSpec, TensorTable, expert_specs, swiglu_specs
 
 
 def check_stated_count(stated: Any, k: int, where: str) -> None:
@@ -119,28 +119,15 @@ def routed_specs(router: str, bias: str, bias_hf: str, experts_hf: str | None = 
     """A routed block's tensors: router (F32), selection bias (F32), experts (from `experts_hf`
     `{gate,up,down}_proj.weight` 3-D, else the plugin's `experts` hook) and the shared expert. All
     optional: the graph runs a block's dense or routed FFN, whichever the file holds."""
-    def experts(part: str, shape) -> TensorSpec:
-        hf = f"{experts_hf}{part}_proj.weight" if experts_hf else None
-        return TensorSpec(f"blk.{{bid}}.ffn_{part}_exps.weight", hf, shape, "moe", optional=True,
-                          hook=None if experts_hf else "experts")
     specs = (
         TensorSpec("blk.{bid}.ffn_gate_inp.weight", router, lambda s: (s.num_experts, s.hidden_size), "moe",
                    optional=True, f32=True, hf_shape=router_shapes, transform=router_transform),
         TensorSpec(f"blk.{{bid}}.{bias}", bias_hf, lambda s: (s.num_experts,), "moe", optional=True, f32=True),
-        experts("gate", lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size)),
-        experts("up", lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size)),
-        experts("down", lambda s: (s.num_experts, s.hidden_size, s.moe_intermediate_size)),
+        *expert_specs(experts_hf, optional=True),
     )
     if shared_hf is None:
         return specs
-    def shared(part: str, shape) -> TensorSpec:
-        return TensorSpec(f"blk.{{bid}}.ffn_{part}_shexp.weight", f"{shared_hf}{part}_proj.weight", shape, "moe",
-                          optional=True)
-    return specs + (
-        shared("gate", lambda s: (s.shared_expert_intermediate_size, s.hidden_size)),
-        shared("up", lambda s: (s.shared_expert_intermediate_size, s.hidden_size)),
-        shared("down", lambda s: (s.hidden_size, s.shared_expert_intermediate_size)),
-    )
+    return specs + swiglu_specs(shared_hf, "moe", lambda s: s.shared_expert_intermediate_size, "_shexp", optional=True)
 
 
 def head_copies(on_file: bool = False) -> tuple[TensorSpec, ...]:
@@ -170,12 +157,7 @@ def chained_table(norm: NormSpec, *, head: Sequence[TensorSpec], attention: Sequ
         norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
         *attention,
         *ffn_norm,
-        TensorSpec("blk.{bid}.ffn_gate.weight", "{p}mlp.gate_proj.weight", lambda s: (s.intermediate_size, s.hidden_size),
-                   "dense", optional=True),
-        TensorSpec("blk.{bid}.ffn_up.weight", "{p}mlp.up_proj.weight", lambda s: (s.intermediate_size, s.hidden_size),
-                   "dense", optional=True),
-        TensorSpec("blk.{bid}.ffn_down.weight", "{p}mlp.down_proj.weight", lambda s: (s.hidden_size, s.intermediate_size),
-                   "dense", optional=True),
+        *swiglu_specs("{p}mlp.", "dense", optional=True),
         *routed,
     ), block_tags, block_sizes=block_sizes)
 

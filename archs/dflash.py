@@ -29,16 +29,13 @@ from .dflash_hparams import DFlashHParams, target_layers_of
 from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, own_embedding, target_tokenizer_pre
-from .tensor_table import Hook, TensorSpec, TensorTable, read_by
+from .qwen3 import QWEN3_ATTENTION
+from .tensor_table import Hook, TensorSpec, TensorTable, read_by, swiglu_specs
 
 
 
 def _tags(s: DFlashHParams, bid: int | None = None) -> frozenset[str]:
     return frozenset({"v2"} if s.v2 else ())
-
-
-def _norm(gguf: str, hf: str, dim=lambda s: (s.hidden_size,), **kw) -> TensorSpec:
-    return TensorSpec(gguf, hf, dim, f32=True, **kw)  # plain RMSNorm weights, kept F32
 
 
 def _own(gguf: str, hf: str, shape, on: str = "", f32: bool = False) -> TensorSpec:
@@ -55,7 +52,6 @@ def _conv(side: str, hf: str) -> tuple[TensorSpec, ...]:
                        lambda s: (s.conv_proj, s.hidden_size), "v2", graph="mtp"))
 
 
-_ATTN, _MLP = "{p}self_attn.", "{p}mlp."
 _SEL = "candidate_selector."
 # A trunk file (Role.TRUNK) the runtime runs as a drafter (its MTP graph); embedding and head are the
 # target's unless the checkpoint has its own.
@@ -69,21 +65,7 @@ DFLASH_TABLE = TensorTable((
     _own("selector_successor.weight", _SEL + "successor_codebook", lambda s: (s.vocab_dim, s.selector_rank), "v2"),
     _own("selector_hidden.weight", _SEL + "hidden_projection.weight", lambda s: (s.selector_rank, s.hidden_size), "v2"),
     TensorSpec(names.OUTPUT, None, lambda s: (s.vocab_dim, s.hidden_size), optional=True, hook="head", role=Role.TRUNK),
-    *read_by("mtp", (
-        _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
-        TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.hidden_size)),
-        TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.hidden_size)),
-        TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.hidden_size)),
-        TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.hidden_size, s.q)),
-        _norm("blk.{bid}.attn_q_norm.weight", _ATTN + "q_norm.weight", lambda s: (s.head_dim,)),
-        _norm("blk.{bid}.attn_k_norm.weight", _ATTN + "k_norm.weight", lambda s: (s.head_dim,)),
-        _norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),
-        TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight",
-                   lambda s: (s.intermediate_size, s.hidden_size)),
-        TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.intermediate_size, s.hidden_size)),
-        TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight",
-                   lambda s: (s.hidden_size, s.intermediate_size)),
-    )),
+    *read_by("mtp", QWEN3_ATTENTION + swiglu_specs("{p}mlp.")),  # Qwen3 decoder layers
     *_conv("attn", "attention_conv"),
     *_conv("ffn", "mlp_conv"),
 ), _tags, global_tags=_tags)

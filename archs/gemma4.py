@@ -32,7 +32,7 @@ from .errors import SpecconvError
 from .gemma4_hparams import FULL, Gemma4AssistantHParams, Gemma4HParams
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, text_model_name
-from .tensor_table import Block, Hook, TensorSpec, TensorTable, read_by
+from .tensor_table import Block, Hook, TensorSpec, TensorTable, read_by, swiglu_specs
 
 ROPE_FREQS = "rope_freqs.weight"
 _TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
@@ -111,9 +111,7 @@ BLOCK_SPECS = (
     _norm("blk.{bid}.post_attention_norm.weight", "{p}post_attention_layernorm.weight"),
     _norm("blk.{bid}.ffn_norm.weight", "{p}pre_feedforward_layernorm.weight"),
     _norm("blk.{bid}.post_ffw_norm.weight", "{p}post_feedforward_layernorm.weight"),
-    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.intermediate_size, s.hidden_size)),
-    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.intermediate_size, s.hidden_size)),
-    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.hidden_size, s.intermediate_size)),
+    *swiglu_specs(_MLP),
     TensorSpec("blk.{bid}.layer_output_scale.weight", "{p}layer_scalar", lambda s: (1,), f32=True),
     TensorSpec("blk.{bid}.inp_gate.weight", "{p}per_layer_input_gate.weight",
                lambda s: (s.hidden_size_per_layer_input, s.hidden_size), "ple"),

@@ -27,7 +27,7 @@ from .errors import SpecconvError
 from .hparams import FamilyHParams, HParamsReader
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan
-from .tensor_table import AttentionWidths, Hook, TensorSpec, TensorTable
+from .tensor_table import AttentionWidths, Hook, TensorSpec, TensorTable, swiglu_specs
 
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -173,11 +173,7 @@ BLOCK_SPECS = (
     TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.attention_input_width)),
     TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.hidden_size, s.q)),
     _norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),
-    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight",
-               lambda s: (s.intermediate_size, s.hidden_size)),
-    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.intermediate_size, s.hidden_size)),
-    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight",
-               lambda s: (s.hidden_size, s.intermediate_size)),
+    *swiglu_specs(_MLP),
 )
 # llama3 rope scaling's generated factors, written only for such a config (the plugin's hook)
 ROPE_FREQS_SPEC = TensorSpec(ROPE_FREQS, None, lambda s: (s.rotary_dim // 2,), optional=True, f32=True,

@@ -23,7 +23,7 @@ from .plan_tools import (
     RolePlan, output_head, routed_experts, text_model_name, trunk_indexed_mtp_count,
 )
 from .nextn_moe_hparams import NextnMoeHParams
-from .tensor_table import Hook, TensorSpec, TensorTable
+from .tensor_table import Hook, TensorSpec, TensorTable, expert_specs, swiglu_specs
 
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.")
 # HF nextn copies -> GGUF nextn part (docs/reference/gguf-layout.md §4.1)
@@ -49,8 +49,6 @@ def norm(gguf: str, hf: str, on: str = "", dim=lambda s: (s.hidden_size,), optio
 
 _MLP = "{p}mlp."
 _VOCAB_ROWS = lambda s: (s.vocab_dim, s.hidden_size)  # noqa: E731  (the embedding, the head and their copies)
-_DENSE_IN = lambda s: (s.intermediate_size, s.hidden_size)  # noqa: E731
-_EXPERTS_IN = lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size)  # noqa: E731
 
 
 def nextn_moe_table(attention: tuple[TensorSpec, ...], post_attention_norm: str) -> TensorTable:
@@ -62,23 +60,13 @@ def nextn_moe_table(attention: tuple[TensorSpec, ...], post_attention_norm: str)
         norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
         *attention,
         norm(f"blk.{{bid}}.{post_attention_norm}.weight", "{p}post_attention_layernorm.weight"),
-        TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", _DENSE_IN, "dense"),
-        TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", _DENSE_IN, "dense"),
-        TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.hidden_size, s.intermediate_size),
-                   "dense"),
+        *swiglu_specs(_MLP, "dense"),
         TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.num_experts, s.hidden_size),
                    "moe", f32=True),
         TensorSpec("blk.{bid}.exp_probs_b.bias", _MLP + "gate.e_score_correction.bias", lambda s: (s.num_experts,),
                    "moe", f32=True),
-        *(TensorSpec(f"blk.{{bid}}.ffn_{x}_exps.weight", None, shape, "moe", hook="experts")
-          for x, shape in (("gate", _EXPERTS_IN), ("up", _EXPERTS_IN),
-                           ("down", lambda s: (s.num_experts, s.hidden_size, s.moe_intermediate_size)))),
-        TensorSpec("blk.{bid}.ffn_gate_shexp.weight", _MLP + "shared_experts.gate_proj.weight",
-                   lambda s: (s.shared_intermediate_size, s.hidden_size), "moe shared"),
-        TensorSpec("blk.{bid}.ffn_up_shexp.weight", _MLP + "shared_experts.up_proj.weight",
-                   lambda s: (s.shared_intermediate_size, s.hidden_size), "moe shared"),
-        TensorSpec("blk.{bid}.ffn_down_shexp.weight", _MLP + "shared_experts.down_proj.weight",
-                   lambda s: (s.hidden_size, s.shared_intermediate_size), "moe shared"),
+        *expert_specs(),
+        *swiglu_specs(_MLP + "shared_experts.", "moe shared", lambda s: s.shared_intermediate_size, "_shexp"),
         # the nextn extras of every MTP block (docs/reference/gguf-layout.md §4.1); eh_proj's input is the
         # embedding half first, as in HF and llama.cpp
         TensorSpec("blk.{bid}.nextn.eh_proj.weight", "{p}eh_proj.weight", lambda s: (s.hidden_size, 2 * s.hidden_size),

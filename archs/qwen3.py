@@ -28,7 +28,7 @@ from .hparams import FamilyHParams, HParamsReader
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, add_output_head, routed_experts, text_model_name
 from .rope_scaling import RopeScaling, rope_scaling_of
-from .tensor_table import AttentionWidths, Hook, TensorSpec, TensorTable
+from .tensor_table import AttentionWidths, Hook, TensorSpec, TensorTable, expert_specs, swiglu_specs
 
 QWEN3, QWEN3MOE = "qwen3", "qwen3moe"
 EXPERT_WEIGHTS_NORM = "expert_weights_norm"  # `{arch}.expert_weights_norm` (bool), llama.cpp's key
@@ -164,11 +164,8 @@ def _norm(gguf: str, hf: str, dim=lambda s: (s.hidden_size,)) -> TensorSpec:
 
 
 _ATTN, _MLP = "{p}self_attn.", "{p}mlp."
-QWEN3_TABLE = TensorTable((
-    TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.vocab_dim, s.hidden_size)),
-    _norm(names.OUTPUT_NORM, "model.norm.weight"),
-    TensorSpec(names.OUTPUT, None, lambda s: (s.vocab_dim, s.hidden_size), optional=True,
-               hook="output_head"),  # absent when tied
+# A Qwen3 decoder layer up to its FFN (DFlash drafters' layers too): pre-norm attention with per-head q/k norms.
+QWEN3_ATTENTION = (
     _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
     TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.hidden_size)),
     TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.hidden_size)),
@@ -177,20 +174,17 @@ QWEN3_TABLE = TensorTable((
     _norm("blk.{bid}.attn_q_norm.weight", _ATTN + "q_norm.weight", lambda s: (s.head_dim,)),
     _norm("blk.{bid}.attn_k_norm.weight", _ATTN + "k_norm.weight", lambda s: (s.head_dim,)),
     _norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),
-    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight",
-               lambda s: (s.intermediate_size, s.hidden_size), "dense"),
-    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight",
-               lambda s: (s.intermediate_size, s.hidden_size), "dense"),
-    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight",
-               lambda s: (s.hidden_size, s.intermediate_size), "dense"),
+)
+QWEN3_TABLE = TensorTable((
+    TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.vocab_dim, s.hidden_size)),
+    _norm(names.OUTPUT_NORM, "model.norm.weight"),
+    TensorSpec(names.OUTPUT, None, lambda s: (s.vocab_dim, s.hidden_size), optional=True,
+               hook="output_head"),  # absent when tied
+    *QWEN3_ATTENTION,
+    *swiglu_specs(_MLP, "dense"),
     TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight",
                lambda s: (s.num_experts, s.hidden_size), "moe", f32=True),
-    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None,
-               lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size), "moe", hook="experts"),
-    TensorSpec("blk.{bid}.ffn_up_exps.weight", None,
-               lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size), "moe", hook="experts"),
-    TensorSpec("blk.{bid}.ffn_down_exps.weight", None,
-               lambda s: (s.num_experts, s.hidden_size, s.moe_intermediate_size), "moe", hook="experts"),
+    *expert_specs(),
 ), block_tags)
 
 

@@ -23,7 +23,7 @@ from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .plan_tools import output_head, routed_experts, text_model_name
 from .qwen35_hparams import Qwen35HParams
-from .tensor_table import Hook, TensorSpec, TensorTable
+from .tensor_table import Hook, TensorSpec, TensorTable, expert_specs, swiglu_specs
 
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.audio_tower.",
@@ -57,7 +57,6 @@ def _tiled(dim: int, per_head: str, after_qk: bool = False):
 _LA = "{p}linear_attn."
 _MLP = "{p}mlp."
 _CONV = lambda s: (s.conv_channels, s.linear_conv_kernel_dim)  # noqa: E731
-_GATE_UP_EXPS = lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size)  # noqa: E731
 
 QWEN35_GDN = (  # Qwen3.5's Gated DeltaNet (Qwen3-Next's differs: archs/qwen3next.py)
     TensorSpec("blk.{bid}.attn_qkv.weight", _LA + "in_proj_qkv.weight", lambda s: (s.conv_channels, s.hidden_size),
@@ -100,24 +99,11 @@ QWEN35_TABLE = TensorTable((
     _norm("blk.{bid}.attn_k_norm.weight", "{p}self_attn.k_norm.weight", "attention", lambda s: (s.head_dim,)),
     *QWEN35_GDN,
     _norm("blk.{bid}.post_attention_norm.weight", "{p}post_attention_layernorm.weight"),
-    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.intermediate_size, s.hidden_size),
-               "dense"),
-    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.intermediate_size, s.hidden_size),
-               "dense"),
-    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.hidden_size, s.intermediate_size),
-               "dense"),
+    *swiglu_specs(_MLP, "dense"),
     TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.num_experts, s.hidden_size), "moe",
                f32=True),
-    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, _GATE_UP_EXPS, "moe", hook="experts"),
-    TensorSpec("blk.{bid}.ffn_up_exps.weight", None, _GATE_UP_EXPS, "moe", hook="experts"),
-    TensorSpec("blk.{bid}.ffn_down_exps.weight", None,
-               lambda s: (s.num_experts, s.hidden_size, s.moe_intermediate_size), "moe", hook="experts"),
-    TensorSpec("blk.{bid}.ffn_gate_shexp.weight", _MLP + "shared_expert.gate_proj.weight",
-               lambda s: (s.shared_expert_intermediate_size, s.hidden_size), "moe"),
-    TensorSpec("blk.{bid}.ffn_up_shexp.weight", _MLP + "shared_expert.up_proj.weight",
-               lambda s: (s.shared_expert_intermediate_size, s.hidden_size), "moe"),
-    TensorSpec("blk.{bid}.ffn_down_shexp.weight", _MLP + "shared_expert.down_proj.weight",
-               lambda s: (s.hidden_size, s.shared_expert_intermediate_size), "moe"),
+    *expert_specs(),
+    *swiglu_specs(_MLP + "shared_expert.", "moe", lambda s: s.shared_expert_intermediate_size, "_shexp"),
     # written {H, 1}, as llama.cpp's converter writes it; its loader (and ours) also take {H}
     TensorSpec("blk.{bid}.ffn_gate_inp_shexp.weight", _MLP + "shared_expert_gate.weight",
                lambda s: (1, s.hidden_size), "moe", f32=True, accepts=lambda s: [(s.hidden_size,)]),
