@@ -130,16 +130,12 @@ class DFlash(ArchPlugin):
         hp, arch = self.hp, self.gguf_arch
         # llama.cpp's TextModel keys (its Qwen3Model base), then DFlashModel's own
         w = MetadataWriter(arch)
-        w.text_model(hp.num_hidden_layers, hp.max_position_embeddings or None, hp.hidden_size, hp.intermediate_size,
-                     hp.num_attention_heads, hp.num_key_value_heads)
-        # a top-level is_causal false is written here (TextModel), any other causality after the window
+        # a top-level is_causal false is written by TextModel, any other causality after the window
         early_causal = self.cfg.flag("is_causal", default=None) is False
-        if early_causal:
-            w.flag(names.causal_key(arch), False)
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-        if hp.states_head_dim:
-            w.head_sizes(hp.head_dim)
+        w.text_model(hp.num_hidden_layers, hp.max_position_embeddings or None, hp.hidden_size, hp.intermediate_size,
+                     hp.num_attention_heads, hp.num_key_value_heads, causal=False if early_causal else None,
+                     rope_theta=hp.rope_theta, rms_norm_eps=hp.rms_norm_eps,
+                     key_length=hp.head_dim if hp.states_head_dim else None)
         if hp.states_rotary_dim:
             w.u32(Keys.Rope.DIMENSION_COUNT, hp.rotary_dim)
         w.f32("{arch}.attention.value_scale", hp.attention_value_scale)

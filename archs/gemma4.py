@@ -231,12 +231,10 @@ class _Gemma4Base(ArchPlugin):
         hp = self.hp
         w = MetadataWriter(self.gguf_arch)
         w.text_model(hp.n_blocks, hp.max_position_embeddings, hp.hidden_size, _one_or_list(hp.intermediate_size),
-                     hp.num_attention_heads, _one_or_list(hp.num_key_value_heads))
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Rope.FREQ_BASE_SWA, hp.sliding_rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-        if hp.num_experts:
-            w.experts(hp.num_experts, hp.num_experts_per_tok)
+                     hp.num_attention_heads, _one_or_list(hp.num_key_value_heads), rope_theta=hp.rope_theta,
+                     rope_theta_swa=hp.sliding_rope_theta, rms_norm_eps=hp.rms_norm_eps,
+                     experts=(hp.num_experts, hp.num_experts_per_tok) if hp.num_experts else None)
+        if hp.num_experts:  # before the head sizes, in the upstream converter's order
             w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.moe_intermediate_size)
         w.head_sizes(hp.global_head_dim)
         w.u32(Keys.Attention.KEY_LENGTH_SWA, hp.sliding_head_dim)

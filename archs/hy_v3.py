@@ -174,12 +174,9 @@ class HyV3(ChainedMtpPlugin):
         hp, k = self.hp, self.hp.num_nextn_predict_layers if keep_mtp else 0
         w = MetadataWriter(self.gguf_arch)
         w.text_model(hp.num_hidden_layers + k, hp.max_position_embeddings, hp.hidden_size, hp.intermediate_size,
-                     hp.num_attention_heads, hp.num_key_value_heads)
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-        w.experts(hp.num_experts, hp.num_experts_per_tok)
-        if hp.head_dim_stated:
-            w.head_sizes(hp.head_dim)
+                     hp.num_attention_heads, hp.num_key_value_heads, rope_theta=hp.rope_theta,
+                     rms_norm_eps=hp.rms_norm_eps, experts=(hp.num_experts, hp.num_experts_per_tok),
+                     key_length=hp.head_dim if hp.head_dim_stated else None)
         w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.moe_intermediate_size)
         w.u32(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_expert_intermediate_size)
         w.flag(Keys.LLM.EXPERT_WEIGHTS_NORM, hp.norm_topk_prob)

@@ -207,11 +207,9 @@ def llama_kv(hp: LlamaHParams) -> list[MetaKV]:
     """The LLaMA key set llama.cpp's converter writes (TextModel + LlamaModel)."""
     w = MetadataWriter(hp.arch)
     w.text_model(hp.num_hidden_layers, hp.max_position_embeddings or None,  # 0: not written
-                 hp.hidden_size, hp.intermediate_size, hp.num_attention_heads, hp.num_key_value_heads)
-    w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-    w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-    if hp.states_head_dim:
-        w.head_sizes(hp.head_dim)
+                 hp.hidden_size, hp.intermediate_size, hp.num_attention_heads, hp.num_key_value_heads,
+                 rope_theta=hp.rope_theta, rms_norm_eps=hp.rms_norm_eps,
+                 key_length=hp.head_dim if hp.states_head_dim else None)
     w.u32(Keys.LLM.VOCAB_SIZE, hp.vocab_size)
     w.u32(Keys.Rope.DIMENSION_COUNT, hp.rotary_dim)
     return w.kv

@@ -119,14 +119,10 @@ class MiMo2(ChainedMtpPlugin):
         blocks = hp.num_hidden_layers + k
         w = MetadataWriter(self.gguf_arch)
         w.text_model(blocks, hp.max_position_embeddings, hp.hidden_size, hp.intermediate_size,
-                     hp.num_attention_heads, hp.num_key_value_heads[:blocks], array_type=i32)
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Rope.FREQ_BASE_SWA, hp.swa_rope_theta)
-        w.experts(hp.num_experts, hp.num_experts_per_tok)
-        if hp.expert_groups_stated:
-            w.expert_groups(hp.n_group, hp.topk_group)
-        w.u32(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID)
-        w.head_sizes(hp.head_dim, hp.v_head_dim)
+                     hp.num_attention_heads, hp.num_key_value_heads[:blocks], array_type=i32, rope_theta=hp.rope_theta,
+                     rope_theta_swa=hp.swa_rope_theta, experts=(hp.num_experts, hp.num_experts_per_tok),
+                     expert_groups=(hp.n_group, hp.topk_group) if hp.expert_groups_stated else None,
+                     expert_gating_func=names.EXPERT_GATING_SIGMOID, key_length=hp.head_dim, value_length=hp.v_head_dim)
         w.u32(Keys.Attention.SLIDING_WINDOW, hp.sliding_window)
         w.array(Keys.Attention.SLIDING_WINDOW_PATTERN, hp.hybrid_layer_pattern[:blocks], i32)
         w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.moe_intermediate_size)

@@ -149,12 +149,9 @@ class NextnMoePlugin(ArchPlugin):
     def _common_head_kv(self, w: MetadataWriter, keep_mtp: bool, num_key_value_heads: int) -> None:
         hp = self.hp
         w.text_model(hp.num_hidden_layers + (self._k if keep_mtp else 0), hp.max_position_embeddings, hp.hidden_size,
-                     hp.intermediate_size, hp.num_attention_heads, num_key_value_heads)
-        w.rope_scaling(hp.rope_scaling)
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-        w.experts(hp.num_experts, hp.num_experts_per_tok)
-        w.expert_groups(hp.n_group, hp.topk_group)
+                     hp.intermediate_size, hp.num_attention_heads, num_key_value_heads, rope_scaling=hp.rope_scaling,
+                     rope_theta=hp.rope_theta, rms_norm_eps=hp.rms_norm_eps,
+                     experts=(hp.num_experts, hp.num_experts_per_tok), expert_groups=(hp.n_group, hp.topk_group))
 
     def _common_moe_kv(self, w: MetadataWriter, keep_mtp: bool) -> None:
         hp = self.hp

@@ -232,14 +232,10 @@ class Qwen3Base(ArchPlugin):
         hp = self.hp
         w = MetadataWriter(self.gguf_arch)
         w.text_model(hp.num_hidden_layers, hp.max_position_embeddings or None, hp.hidden_size, hp.intermediate_size,
-                     hp.num_attention_heads, hp.num_key_value_heads)
-        w.rope_scaling(hp.rope_scaling)
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-        if hp.is_moe:
-            w.experts(hp.num_experts, hp.num_experts_per_tok)
-        if hp.states_head_dim:
-            w.head_sizes(hp.head_dim)
+                     hp.num_attention_heads, hp.num_key_value_heads, rope_scaling=hp.rope_scaling,
+                     rope_theta=hp.rope_theta, rms_norm_eps=hp.rms_norm_eps,
+                     experts=(hp.num_experts, hp.num_experts_per_tok) if hp.is_moe else None,
+                     key_length=hp.head_dim if hp.states_head_dim else None)
         if hp.is_moe:
             w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.moe_intermediate_size)
             if not hp.norm_topk_prob:  # not written upstream (llama.cpp renormalises); see the module docstring

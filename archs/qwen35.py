@@ -193,15 +193,10 @@ class Qwen35Base(ArchPlugin):
         # qwen3next: TextModel, Qwen2MoeModel, _QwenMtpMixin, Qwen3NextModel).
         w = MetadataWriter(self.gguf_arch)
         w.text_model(hp.num_hidden_layers + k, hp.max_position_embeddings, hp.hidden_size,
-                     hp.intermediate_size or None, hp.num_attention_heads, hp.num_key_value_heads)
-        w.rope_scaling(hp.rope_scaling)
-        if self.writes_rope_sections:
-            w.array(Keys.Rope.DIMENSION_SECTIONS, hp.mrope_section, GGUFValueType.INT32)
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-        if hp.is_moe:
-            w.experts(hp.num_experts, hp.num_experts_per_tok)
-        w.head_sizes(hp.head_dim)
+                     hp.intermediate_size or None, hp.num_attention_heads, hp.num_key_value_heads,
+                     rope_scaling=hp.rope_scaling, rope_sections=hp.mrope_section if self.writes_rope_sections else None,
+                     rope_theta=hp.rope_theta, rms_norm_eps=hp.rms_norm_eps,
+                     experts=(hp.num_experts, hp.num_experts_per_tok) if hp.is_moe else None, key_length=hp.head_dim)
         if hp.is_moe:
             w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.moe_intermediate_size)
             w.u32(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_expert_intermediate_size)

@@ -120,12 +120,9 @@ class Step35(ChainedMtpPlugin):
         w = MetadataWriter(self.gguf_arch)
         # head_count_kv comes later here (Step35Model's own write)
         w.text_model(n + k, hp.max_position_embeddings, hp.hidden_size, hp.intermediate_size,
-                     heads[:total] + [heads[-1]] * (total - len(heads)), None, array_type=i32)
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        if SWA in hp.layer_types:
-            w.f32(Keys.Rope.FREQ_BASE_SWA, hp.swa_rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-        w.head_sizes(hp.head_dim)
+                     heads[:total] + [heads[-1]] * (total - len(heads)), None, array_type=i32, rope_theta=hp.rope_theta,
+                     rope_theta_swa=hp.swa_rope_theta if SWA in hp.layer_types else None,
+                     rms_norm_eps=hp.rms_norm_eps, key_length=hp.head_dim)
         w.count(Keys.Attention.HEAD_COUNT_KV, kv_heads[:total] + [kv_heads[-1]] * (total - len(kv_heads)), i32)
         w.u32(Keys.Attention.SLIDING_WINDOW, hp.sliding_window)
         w.array(Keys.Attention.SLIDING_WINDOW_PATTERN, [t == SWA for t in types], GGUFValueType.BOOL)
