@@ -13,11 +13,11 @@ blocks (the graphs, runtime/graphs/chained.py, derive their lists from the same 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 
 from . import names
-from .base import ArchPlugin
+from .base import ArchPlugin, Checkpoint
 from .errors import SpecconvError
 from .hparams import FamilyHParams, HParamsReader
 from .plan_tools import output_head
@@ -163,10 +163,15 @@ def chained_table(norm: NormSpec, *, head: Sequence[TensorSpec], attention: Sequ
 
 
 class ChainedMtpPlugin(ArchPlugin):
-    """Sets `hp` in __init__ (its family's ChainedHParams, from config.json and the checkpoint's
-    tensor names); declares its `table` and `hooks()`."""
+    """Builds `hp` (its family's `HParams`, from config.json and the checkpoint's tensor names);
+    a family declares its `HParams`, its `table` and its `hooks()`."""
 
+    HParams: ClassVar[type[ChainedHParams]]
     hp: ChainedHParams
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        self.hp = self.HParams.from_config(checkpoint)
 
     def hooks(self) -> dict[str, Hook]:
         """The output head; a family adds its own (routed experts, tensors only some checkpoints have)."""

@@ -88,11 +88,7 @@ class HyV3HParams(ChainedHParams):
                       max_position_embeddings=tc.integer("max_position_embeddings", default=4096),
                       tie_word_embeddings=cfg.flag("tie_word_embeddings",
                                                    default=tc.flag("tie_word_embeddings", default=False)))
-        num_key_value_heads = tc.integer("num_key_value_heads", default=num_attention_heads, min=1)
-        head_dim = tc.integer("head_dim", default=hidden_size // num_attention_heads, min=1)
-        if num_attention_heads % num_key_value_heads:
-            raise SpecconvError(f"config.json: num_attention_heads ({num_attention_heads}) is not a multiple of "
-                                f"num_key_value_heads ({num_key_value_heads})")
+        _, num_key_value_heads, head_dim = tc.attention_heads()
         return cls(arch=names.HY_V3, num_hidden_layers=n, num_nextn_predict_layers=k, mtp_layers_in_config=stated,
                    hidden_size=hidden_size, vocab_size=vocab_size, num_attention_heads=num_attention_heads,
                    num_key_value_heads=num_key_value_heads, head_dim=head_dim, head_dim_stated=tc.has("head_dim"),
@@ -143,10 +139,10 @@ class HyV3(ChainedMtpPlugin):
     family: ClassVar[str] = "hy_v3"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "hy_v4"  # the Hy tokenizer llama.cpp 0c1e570 knows (Hy4-preview)
+    HParams: ClassVar[type[HyV3HParams]] = HyV3HParams
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        self.hp = HyV3HParams.from_config(checkpoint)
         self.missing_mtp = self.hp.missing_mtp(f"model.layers.{self.hp.num_hidden_layers}.*")
 
     @property

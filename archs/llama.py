@@ -86,17 +86,6 @@ def llama3_rope_factors(cfg: ConfigReader, head_dim: int) -> list[float] | None:
     return out
 
 
-def attention_shapes(cfg: ConfigReader) -> tuple[int, int, int]:
-    """(num_attention_heads, num_key_value_heads, head_dim) of a LLaMA-style config."""
-    num_attention_heads = cfg.integer("num_attention_heads", min=1)
-    n_kv = cfg.integer("num_key_value_heads", default=num_attention_heads, min=1) or num_attention_heads
-    hd = cfg.integer("head_dim", default=None, min=1) or cfg.integer("hidden_size", min=1) // num_attention_heads
-    if num_attention_heads % n_kv:
-        raise SpecconvError(f"num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads "
-                            f"{n_kv}")
-    return num_attention_heads, n_kv, hd
-
-
 @dataclass(kw_only=True)
 class LlamaHParams(AttentionWidths, FamilyHParams):
     """A LLaMA model's hyperparameters under transformers' LlamaConfig names: the plugin's from
@@ -122,7 +111,7 @@ class LlamaHParams(AttentionWidths, FamilyHParams):
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "LlamaHParams":
         cfg = ConfigReader(config)
-        heads, n_kv, hd = attention_shapes(cfg)
+        heads, n_kv, hd = cfg.attention_heads()
         hidden_size, ffn = cfg.integer("hidden_size", min=1), cfg.integer("intermediate_size", min=1)
         return cls(num_hidden_layers=cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS), hidden_size=hidden_size,
                    intermediate_size=ffn, num_attention_heads=heads, num_key_value_heads=n_kv, head_dim=hd,

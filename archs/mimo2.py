@@ -27,7 +27,7 @@ from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import Checkpoint, MetaKV, Role
+from .base import MetaKV, Role
 from .chained_mtp import ChainedMtpPlugin, chained_table, head_copies, norm_spec, routed_specs
 from .metadata import MetadataWriter
 from .mimo2_hparams import Mimo2HParams
@@ -73,9 +73,7 @@ class MiMo2(ChainedMtpPlugin):
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "qwen2"
 
-    def __init__(self, checkpoint: Checkpoint):
-        super().__init__(checkpoint)
-        self.hp: Mimo2HParams = Mimo2HParams.from_config(checkpoint)
+    HParams: ClassVar[type[Mimo2HParams]] = Mimo2HParams
 
     @property
     def gguf_arch(self) -> str:

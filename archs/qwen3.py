@@ -69,13 +69,8 @@ class Qwen3HParams(AttentionWidths, FamilyHParams):
         cfg = ConfigReader(config)
         hidden_size = cfg.integer("hidden_size", min=1)
         num_hidden_layers = cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
-        heads = cfg.integer("num_attention_heads", min=1)
-        n_kv = cfg.integer("num_key_value_heads", default=heads, min=1)
-        head_dim = cfg.integer("head_dim", default=hidden_size // heads, min=1)
+        heads, n_kv, head_dim = cfg.attention_heads()
         ffn = cfg.integer("intermediate_size", min=1)
-        if heads % n_kv:
-            raise SpecconvError(f"config.json: num_attention_heads {heads} is not a multiple of "
-                                f"num_key_value_heads {n_kv}")
         act = cfg.string("hidden_act", default="silu")
         if act != "silu":
             raise SpecconvError(f"config.json: hidden_act {act!r} is not supported (qwen3 uses silu)")

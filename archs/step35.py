@@ -72,10 +72,10 @@ class Step35(ChainedMtpPlugin):
     family: ClassVar[str] = "step35"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "deepseek-v3"
+    HParams: ClassVar[type[Step35HParams]] = Step35HParams
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        self.hp = Step35HParams.from_config(checkpoint)
         self.missing_mtp = self.hp.missing_mtp(f"model.layers.{self.hp.num_hidden_layers}.*")
 
     @property
