@@ -318,6 +318,7 @@ def forward_main(*args, **kwargs):
 
 GRAPH = Graph(
     name="dflash",
+    archs=("dflash",),  # the GGUF arches this graph runs (graph_for finds it by them)
     HParams=HParams,
     main_tensors=main_tensors,
     mtp_tensors=mtp_tensors,

@@ -201,6 +201,7 @@ def forward_main(*args, **kwargs):
 
 GRAPH = Graph(
     name="eagle3",
+    archs=("eagle3",),  # the GGUF arches this graph runs (graph_for finds it by them)
     HParams=HParams,
     main_tensors=main_tensors,
     mtp_tensors=mtp_tensors,

@@ -345,6 +345,7 @@ def forward_mtp(*args, **kwargs):
 
 GRAPH = Graph(
     name="gemma4",
+    archs=("gemma4",),  # the GGUF arches this graph runs (graph_for finds it by them)
     tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,

@@ -133,6 +133,7 @@ def forward_main(*args, **kwargs):
 
 GRAPH = Graph(
     name="gemma4_assistant",
+    archs=("gemma4-assistant",),  # the GGUF arches this graph runs (graph_for finds it by them)
     HParams=HParams,
     main_tensors=main_tensors,
     mtp_tensors=mtp_tensors,

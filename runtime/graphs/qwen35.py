@@ -233,6 +233,7 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
 
 GRAPH = Graph(
     name="qwen35",
+    archs=ARCHES,  # the GGUF arches this graph runs (graph_for finds it by them)
     tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import types
 from pathlib import Path
 
 import pytest
@@ -162,22 +163,29 @@ def test_plugin_defaults_are_declared_on_the_base():
 
 def test_every_graph_declares_a_complete_graph():
     declared = {}
-    for arch in graphs.GRAPHS:
+    for arch in graphs.supported_archs():
         graph = graphs.graph_for(arch)
         assert isinstance(graph, Graph)
         assert not required_fields(graph)
-        assert graph.name == graphs.GRAPHS[arch]
+        assert arch in graph.archs  # found by its own declaration
+        assert graph.name == graphs.graph_module(arch).__name__.rsplit(".", 1)[-1]
         declared[graph.name] = graph
-    # every graph module in the folder is registered (helpers declare no GRAPH)
+    # every graph module in the folder is found (helpers declare no GRAPH)
     for path in sorted((ROOT / "runtime/graphs").glob("*.py")):
         if "\nGRAPH = " in path.read_text():  # Graph(...) or a shared maker (chained.graph)
-            assert path.stem in declared, f"{path.name} declares a GRAPH but no GGUF arch maps to it"
-    print(f"\n{len(declared)} graphs declare Graph for {len(graphs.GRAPHS)} GGUF arches")
+            assert path.stem in declared, f"{path.name} declares a GRAPH but graph_for does not find it"
+    print(f"\n{len(declared)} graphs declare Graph for {len(graphs.supported_archs())} GGUF arches")
+
+
+def test_an_unknown_arch_names_the_supported_ones():
+    with pytest.raises(SpecconvError, match="no graph for GGUF arch 'toy-arch'") as err:
+        graphs.graph_for("toy-arch")
+    assert all(arch in str(err.value) for arch in ("llama", "qwen35moe", "glm-dsa"))
 
 
 def _minimal(**over) -> dict:
     fields = {name: no_tensors for name in required_fields()}
-    fields.update(name="toy", HParams=graphs.graph_for("llama").HParams)
+    fields.update(name="toy", archs=("toy-arch",), HParams=graphs.graph_for("llama").HParams)
     fields.update(over)
     return fields
 
@@ -200,6 +208,8 @@ def test_an_incomplete_graph_is_refused_where_it_is_declared():
     ({"forward_encoder": no_tensors}, "ENCODER"),
     ({"main_tensors": ("token_embd.weight",)}, "callable"),
     ({"HParams": dict}, "from_kv"),
+    ({"archs": ()}, "archs"),
+    ({"archs": "llama"}, "archs"),
 ])
 def test_a_graph_with_a_bad_capability_is_refused(over, message):
     with pytest.raises(SpecconvError, match=message):
@@ -213,10 +223,33 @@ def test_the_allowed_capability_values_are_the_runtime_s():
     assert set(contract.MTP_ROW_LAYOUTS) == set(mtp_chain.LAYOUTS)  # each a layout the MTP drafter runs
 
 
-def test_a_module_without_a_graph_declaration_is_refused(monkeypatch):
-    monkeypatch.setitem(graphs.GRAPHS, "toy-arch", "ops")  # a helper module: no GRAPH
+def test_a_module_without_a_graph_declaration_is_refused():
+    from specconv.runtime.graphs import ops  # a helper module: no GRAPH
+
     with pytest.raises(SpecconvError, match="declares no GRAPH"):
+        graphs.register_module(ops)
+
+
+def test_a_graph_module_outside_the_package_is_found_once_registered():
+    toy = types.ModuleType("toy_graph")
+    toy.GRAPH = Graph(**_minimal())
+    with pytest.raises(SpecconvError, match="no graph for GGUF arch 'toy-arch'"):
         graphs.graph_for("toy-arch")
+    assert graphs.register_module(toy) is toy.GRAPH
+    try:
+        assert graphs.graph_for("toy-arch") is toy.GRAPH and "toy-arch" in graphs.supported_archs()
+        assert graphs.graph_for("llama").name == "llama"  # the package's graphs are still found
+    finally:
+        graphs.unregister_module(toy)
+    assert "toy-arch" not in graphs.supported_archs()
+
+
+def test_an_arch_declared_by_two_graphs_is_refused():
+    twin = types.ModuleType("twin_graph")
+    twin.GRAPH = Graph(**_minimal(archs=("toy-arch", "llama")))  # llama is runtime/graphs/llama.py's
+    with pytest.raises(SpecconvError, match="'llama' is declared by two graphs"):
+        graphs.register_module(twin)
+    assert "toy-arch" not in graphs.supported_archs()  # refused whole
 
 
 def _graph_reads(tree: ast.AST) -> list[tuple[int, str]]:
