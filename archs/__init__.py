@@ -38,6 +38,8 @@ def check_plugin(cls: type) -> None:
     lacking = sorted(cls.__abstractmethods__)
     if not cls.hf_architectures:
         lacking.insert(0, "hf_architectures")
+    if not cls.gguf_arch:
+        lacking.insert(0, "gguf_arch")
     if not cls.family:
         lacking.insert(0, "family")
     if lacking:

@@ -94,7 +94,12 @@ class ArchPlugin(abc.ABC):
 
     # --- identity (class attributes) ----------------------------------------------------------
     hf_architectures: ClassVar[tuple[str, ...]] = ()  # the HF `architectures` strings it converts
+    gguf_arch: ClassVar[str] = ""  # the GGUF `general.architecture` it writes (a graph's Graph.archs runs it)
     family: ClassVar[str] = ""  # plugin family name shown to users, e.g. "qwen35"
+    # The transformers class `specconv verify --hf` loads as the reference, by the config.json
+    # `architectures` string converted (a release layout may need a class of its own); a string left
+    # out, or an empty mapping, means no transformers reference (specconv/verify/parity.py).
+    hf_reference: ClassVar[dict[str, str]] = {}
     # A draft head converted against its target (`--target`: EAGLE-3, DFlash): the engine fills
     # Checkpoint.target_config / target_dir / target_layers and refuses those options elsewhere.
     uses_target: ClassVar[bool] = False
@@ -116,11 +121,6 @@ class ArchPlugin(abc.ABC):
         return cls
 
     # --- naming -----------------------------------------------------------------------------
-    @property
-    @abc.abstractmethod
-    def gguf_arch(self) -> str:
-        """The GGUF `general.architecture` string written."""
-
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | None | tuple[None, str]:
         """Map a raw checkpoint name to the plugin's canonical HF name.

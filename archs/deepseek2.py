@@ -102,6 +102,8 @@ DEEPSEEK2_TABLE = nextn_moe_table(MLA, "ffn_norm")
 @register
 class Deepseek2(NextnMoePlugin):
     hf_architectures = ("DeepseekV3ForCausalLM",)
+    gguf_arch: ClassVar[str] = "deepseek2"
+    hf_reference: ClassVar[dict[str, str]] = {"DeepseekV3ForCausalLM": "DeepseekV3ForCausalLM"}
     family: ClassVar[str] = "deepseek2"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "deepseek-v3"
@@ -128,10 +130,6 @@ class Deepseek2(NextnMoePlugin):
         if self.q_lora is not None and self.lite_by_size and llamacpp_reads_as_lite(hp.num_hidden_layers, hp.vocab):
             raise SpecconvError(f"a deepseek2 model with {hp.num_hidden_layers} layers and vocabulary {hp.vocab} is read by "
                                 f"llama.cpp as DeepSeek-V2-Lite, which ignores q_lora_rank (q_a/q_b projections)")
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.DEEPSEEK2
 
     table: ClassVar[TensorTable] = DEEPSEEK2_TABLE
 
@@ -172,6 +170,8 @@ class Glm4MoeLite(Deepseek2):
     """
 
     hf_architectures = ("Glm4MoeLiteForCausalLM",)
+    gguf_arch: ClassVar[str] = "deepseek2"
+    hf_reference: ClassVar[dict[str, str]] = {"Glm4MoeLiteForCausalLM": "Glm4MoeLiteForCausalLM"}
     family: ClassVar[str] = "glm4moelite"
     tokenizer_pre: ClassVar[str] = "glm4"
     special_tokens: ClassVar[dict[str, str]] = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>",

@@ -114,6 +114,8 @@ class GlmMoeDsa(DsaMixin, Glm4MoeLite):
     ropes adjacent pairs like the main attention (llama.cpp's NORM rope, as written)."""
 
     hf_architectures = ("GlmMoeDsaForCausalLM",)
+    gguf_arch: ClassVar[str] = "glm-dsa"
+    hf_reference: ClassVar[dict[str, str]] = {"GlmMoeDsaForCausalLM": "GlmMoeDsaForCausalLM"}
     family: ClassVar[str] = "glm-dsa"
     config_defaults: ClassVar[dict] = {
         "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "n_shared_experts": 1,
@@ -128,10 +130,6 @@ class GlmMoeDsa(DsaMixin, Glm4MoeLite):
         self.indexer_types = glm_indexer_types(self.tc, self.hp.num_hidden_layers)
         self.indexer_full = [t == "full" for t in self.indexer_types]
 
-    @property
-    def gguf_arch(self) -> str:
-        return names.GLM_DSA
-
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         w = MetadataWriter(self.gguf_arch, super().metadata(keep_mtp))
         self._indexer_kv(w)
@@ -139,7 +137,7 @@ class GlmMoeDsa(DsaMixin, Glm4MoeLite):
         differs = self.hp.context_length >= GLM52_CONTEXT or not all(self.indexer_full)
         if self.tc.has("indexer_types") or differs:
             # one bool per trunk block (llama.cpp reads n_layer entries; the nextn block is full)
-            w.array(names.indexer_types_key(names.GLM_DSA), self.indexer_full, GGUFValueType.BOOL)
+            w.array(names.indexer_types_key(self.gguf_arch), self.indexer_full, GGUFValueType.BOOL)
         return w.kv
 
 
@@ -149,6 +147,8 @@ class DeepseekV32(DsaMixin, Deepseek2):
     NEOX rope on the indexer, as written), the main attention adjacent pairs."""
 
     hf_architectures = ("DeepseekV32ForCausalLM",)
+    gguf_arch: ClassVar[str] = "deepseek32"
+    hf_reference: ClassVar[dict[str, str]] = {"DeepseekV32ForCausalLM": "DeepseekV32ForCausalLM"}
     family: ClassVar[str] = "deepseek32"
     index_rope_halves: ClassVar[bool] = True
     config_defaults: ClassVar[dict] = {  # transformers' DeepseekV32Config
@@ -160,10 +160,6 @@ class DeepseekV32(DsaMixin, Deepseek2):
         if not self.rope_interleave:
             raise SpecconvError("config.json: rope_interleave=false; DeepSeek-V3.2 always ropes adjacent pairs")
         self._init_indexer()
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.DEEPSEEK32
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         w = MetadataWriter(self.gguf_arch, super().metadata(keep_mtp))

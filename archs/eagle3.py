@@ -136,6 +136,7 @@ EAGLE3_TABLE = TensorTable((
 class Eagle3(ArchPlugin):
     hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM",
                                                    "Eagle3Speculator", "Eagle3DraftModel")
+    gguf_arch: ClassVar[str] = "eagle3"
     family: ClassVar[str] = "eagle3"
     uses_target: ClassVar[bool] = True  # the engine passes --target TARGET_DIR through the Checkpoint
     tokenizer_model: ClassVar[str] = "gpt2"
@@ -195,10 +196,6 @@ class Eagle3(ArchPlugin):
             return _PRE_BY_MODEL_TYPE.get(model_type, "default")
 
     # ------------------------------------------------------------------ naming
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.EAGLE3
 
     @classmethod
     def normalize_name(cls, raw_name: str):

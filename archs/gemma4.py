@@ -353,11 +353,11 @@ class _Gemma4Base(ArchPlugin):
 @register
 class Gemma4(_Gemma4Base):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM")
+    gguf_arch: ClassVar[str] = "gemma4"
+    hf_reference: ClassVar[dict[str, str]] = {  # a release in its own class: Gemma4ForCausalLM would
+        "Gemma4ForConditionalGeneration": "Gemma4ForConditionalGeneration",  # random-initialise it
+        "Gemma4ForCausalLM": "Gemma4ForCausalLM"}  # (docs/reference/peers.md §2.5)
     family: ClassVar[str] = "gemma4"
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.GEMMA4
 
     @classmethod
     def normalize_name(cls, raw_name: str):
@@ -397,6 +397,7 @@ class Gemma4(_Gemma4Base):
 @register
 class Gemma4Assistant(_Gemma4Base):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Gemma4AssistantForCausalLM",)
+    gguf_arch: ClassVar[str] = "gemma4-assistant"
     family: ClassVar[str] = "gemma4-assistant"
     standalone_drafter: ClassVar[bool] = True  # the whole file drafts: no trunk/MTP split, no notice about it
 
@@ -414,10 +415,6 @@ class Gemma4Assistant(_Gemma4Base):
         if self.hp.P or self.hp.moe or self.hp.double_wide:
             raise SpecconvError("a Gemma 4 assistant has no per-layer inputs, MoE blocks or double-wide MLPs")
         self.hp.n_shared = self.hp.N  # the assistant config forces it
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.GEMMA4_ASSISTANT
 
     @classmethod
     def normalize_name(cls, raw_name: str):

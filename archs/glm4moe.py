@@ -43,6 +43,8 @@ GLM4MOE_TABLE = nextn_moe_table((
 @register
 class Glm4Moe(NextnMoePlugin):
     hf_architectures = ("Glm4MoeForCausalLM",)
+    gguf_arch: ClassVar[str] = "glm4moe"
+    hf_reference: ClassVar[dict[str, str]] = {"Glm4MoeForCausalLM": "Glm4MoeForCausalLM"}
     family: ClassVar[str] = "glm4moe"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "glm4"
@@ -70,10 +72,6 @@ class Glm4Moe(NextnMoePlugin):
                                 f"and positive")
         self.attention_bias = tc.flag("attention_bias", default=False)
         self.qk_norm = tc.flag("use_qk_norm", default=False)
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.GLM4MOE
 
     table: ClassVar[TensorTable] = GLM4MOE_TABLE
 

@@ -61,6 +61,8 @@ HY_V3_TABLE = chained_table(
 @register
 class HyV3(ChainedMtpPlugin):
     hf_architectures = ("HYV3ForCausalLM",)
+    gguf_arch: ClassVar[str] = "hy_v3"
+    hf_reference: ClassVar[dict[str, str]] = {"HYV3ForCausalLM": "HYV3ForCausalLM"}
     family: ClassVar[str] = "hy_v3"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "hy_v4"  # the Hy tokenizer llama.cpp 0c1e570 knows (Hy4-preview)
@@ -98,10 +100,6 @@ class HyV3(ChainedMtpPlugin):
         if self.hp.num_attention_heads % self.num_key_value_heads:
             raise SpecconvError(f"config.json: num_attention_heads ({self.hp.num_attention_heads}) is not a multiple of "
                                 f"num_key_value_heads ({self.num_key_value_heads})")
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.HY_V3
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:

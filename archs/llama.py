@@ -184,6 +184,8 @@ def llama_kv(arch: str, cfg: ConfigReader, num_hidden_layers: int, vocab: int) -
 @register
 class Llama(ArchPlugin):
     hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)
+    gguf_arch: ClassVar[str] = "llama"
+    hf_reference: ClassVar[dict[str, str]] = {"LlamaForCausalLM": "LlamaForCausalLM"}
     family: ClassVar[str] = "llama"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "llama-bpe"
@@ -202,10 +204,6 @@ class Llama(ArchPlugin):
         self.H, self.F = cfg.integer("hidden_size", min=1), cfg.integer("intermediate_size", min=1)
         self.L = cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
         self.tied = cfg.flag("tie_word_embeddings", default=False)
-
-    @property
-    def gguf_arch(self) -> str:
-        return "llama"
 
     @classmethod
     def normalize_name(cls, raw_name: str):

@@ -73,6 +73,7 @@ MIMO2_TABLE = chained_table(
 @register
 class MiMo2(ChainedMtpPlugin):
     hf_architectures = ("MiMoV2FlashForCausalLM",)
+    gguf_arch: ClassVar[str] = "mimo2"
     family: ClassVar[str] = "mimo2"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "qwen2"
@@ -94,10 +95,6 @@ class MiMo2(ChainedMtpPlugin):
             wrong = [i for i in range(self.n) if bool(freq[i]) != (i in self.moe_layers)]
             if wrong:
                 raise SpecconvError(f"config.json moe_layer_freq disagrees with the checkpoint at layer {wrong[0]}")
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.MIMO2
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:

@@ -29,7 +29,6 @@ from .plan_tools import RolePlan, add_output_head, embedding_rows, plan_experts,
 from .rope_scaling import rope_scaling_of
 from .tensor_table import AttentionWidths, Block, TensorSpec, TensorTable
 
-QWEN3, QWEN3MOE = "qwen3", "qwen3moe"
 EXPERT_WEIGHTS_NORM = "expert_weights_norm"  # `{arch}.expert_weights_norm` (bool), llama.cpp's key
 
 
@@ -128,10 +127,6 @@ class Qwen3Base(ArchPlugin):
                                     "decoder_sparse_step != 1) are not supported (llama.cpp's qwen3moe has none)")
             self.norm_topk = cfg.flag("norm_topk_prob", default=False)
 
-    @property
-    def gguf_arch(self) -> str:
-        return QWEN3MOE if self.moe else QWEN3
-
     @classmethod
     def normalize_name(cls, raw_name: str):
         return text_model_name(raw_name, (), "")
@@ -196,10 +191,14 @@ class Qwen3Base(ArchPlugin):
 @register
 class Qwen3(Qwen3Base):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Qwen3ForCausalLM",)
+    gguf_arch: ClassVar[str] = "qwen3"
+    hf_reference: ClassVar[dict[str, str]] = {"Qwen3ForCausalLM": "Qwen3ForCausalLM"}
     moe = False
 
 
 @register
 class Qwen3Moe(Qwen3Base):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Qwen3MoeForCausalLM",)
+    gguf_arch: ClassVar[str] = "qwen3moe"
+    hf_reference: ClassVar[dict[str, str]] = {"Qwen3MoeForCausalLM": "Qwen3MoeForCausalLM"}
     moe = True

@@ -73,6 +73,8 @@ QWEN3NEXT_TABLE = QWEN35_TABLE.replacing("recurrent", (
 @register
 class Qwen3Next(Qwen35Base):
     hf_architectures = ("Qwen3NextForCausalLM",)
+    gguf_arch: ClassVar[str] = "qwen3next"
+    hf_reference: ClassVar[dict[str, str]] = {"Qwen3NextForCausalLM": "Qwen3NextForCausalLM"}
     family: ClassVar[str] = "qwen3next"
     moe: ClassVar[bool] = True
     tokenizer_pre: ClassVar[str] = "qwen2"
@@ -90,10 +92,6 @@ class Qwen3Next(Qwen35Base):
             raise SpecconvError("config.json: norm_topk_prob=false is not supported (llama.cpp's qwen3next always "
                                 "renormalises the top-k expert weights)")
         self.interval = tc.integer("full_attention_interval", default=4, min=1)
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.QWEN3NEXT
 
     table: ClassVar[TensorTable] = QWEN3NEXT_TABLE
 

@@ -79,6 +79,7 @@ STEP35_TABLE = chained_table(
 @register
 class Step35(ChainedMtpPlugin):
     hf_architectures = ("Step3p5ForCausalLM", "Step3p7ForConditionalGeneration")
+    gguf_arch: ClassVar[str] = "step35"
     family: ClassVar[str] = "step35"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "deepseek-v3"
@@ -185,10 +186,6 @@ class Step35(ChainedMtpPlugin):
         first = lambda t: next((theta[i] for i, x in enumerate(self.layer_types) if x == t and i < len(theta)),  # noqa: E731
                                theta[0])
         return first(FULL), first(SWA)
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.STEP35
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import types
 from pathlib import Path
 
@@ -113,17 +114,15 @@ def test_every_registered_plugin_is_a_complete_arch_plugin():
         assert issubclass(cls, ArchPlugin)
         check_plugin(cls)  # raises on a missing hook
         assert not cls.__abstractmethods__
-        assert cls.family and cls.hf_architectures
+        assert cls.family and cls.hf_architectures and cls.gguf_arch
+        assert set(cls.hf_reference) <= set(cls.hf_architectures)  # a reference for a checkpoint it converts
     print(f"\n{len(classes)} plugin classes for {len(archs)} architectures satisfy ArchPlugin")
 
 
 class _Incomplete(ArchPlugin):  # gguf_arch and tensor_plan written; metadata, vocab_size and layer counts not
     hf_architectures = ("IncompleteForCausalLM",)
+    gguf_arch = "incomplete"
     family = "incomplete"
-
-    @property
-    def gguf_arch(self) -> str:
-        return "incomplete"
 
     def tensor_plan(self):
         return []
@@ -145,8 +144,9 @@ def test_an_incomplete_plugin_is_refused_at_registration_with_its_missing_hooks_
 def test_a_plugin_without_identity_or_base_is_refused():
     class Nameless(_Incomplete):
         hf_architectures = ()
+        gguf_arch = ""
         family = ""
-    with pytest.raises(SpecconvError, match="family, hf_architectures"):
+    with pytest.raises(SpecconvError, match="family, gguf_arch, hf_architectures"):
         check_plugin(Nameless)
     with pytest.raises(SpecconvError, match="does not subclass ArchPlugin"):
         check_plugin(object)
@@ -154,7 +154,7 @@ def test_a_plugin_without_identity_or_base_is_refused():
 
 def test_plugin_defaults_are_declared_on_the_base():
     for hook in ("uses_target", "standalone_drafter", "missing_mtp", "notices", "tokenizer_dir", "refine",
-                 "normalize_name", "tokenizer_model", "tokenizer_pre", "special_tokens"):
+                 "normalize_name", "tokenizer_model", "tokenizer_pre", "special_tokens", "hf_reference"):
         assert hook in vars(ArchPlugin), hook
     assert _Incomplete.refine({}) is _Incomplete  # the default hands over to no other class
 
@@ -293,3 +293,41 @@ def test_the_runtime_reads_only_declared_graph_fields():
     print(f"\n{reads} reads of a model's graph, all of declared fields" if not undeclared else "")
     assert reads >= 10, "the scan found too few graph reads: did Model.graph move?"
     assert not undeclared, "\n".join(undeclared)
+
+
+# ---- transformers reference classes (ArchPlugin.hf_reference, specconv/verify/parity.py) ------------------
+
+def test_every_declared_reference_is_a_transformers_class():
+    import transformers
+
+    declared = {(cls.__name__, hf, ref) for cls in _REGISTRY.values() for hf, ref in cls.hf_reference.items()}
+    for plugin, hf, ref in sorted(declared):
+        assert isinstance(getattr(transformers, ref), type), f"{plugin}: {hf} -> {ref}"
+    print(f"\n{len(declared)} checkpoint architectures with a transformers reference")
+
+
+@pytest.mark.parametrize("architectures, arch, reference", [
+    (["Qwen3_5ForConditionalGeneration"], "qwen35", "Qwen3_5ForCausalLM"),  # a release: transformers' key mapping
+    (["Gemma4ForConditionalGeneration"], "gemma4", "Gemma4ForConditionalGeneration"),  # its own class
+    (["Gemma4ForCausalLM"], "gemma4", "Gemma4ForCausalLM"),
+    (["DeepseekV3ForCausalLM"], "deepseek2", "DeepseekV3ForCausalLM"),
+    (["Glm4MoeLiteForCausalLM"], "deepseek2", "Glm4MoeLiteForCausalLM"),  # GLM-4.7-Flash, written as deepseek2
+    (["LlamaForCausalLM"], "llama", "LlamaForCausalLM"),
+])
+def test_the_reference_class_follows_the_checkpoint(tmp_path, architectures, arch, reference):
+    from specconv.verify import parity
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": architectures}))
+    assert parity.reference_class_name(tmp_path, arch) == reference
+
+
+@pytest.mark.parametrize("architectures, arch, message", [
+    (["Step3p5ForCausalLM"], "step35", "no transformers reference for GGUF arch 'step35'"),
+    (["LlamaForCausalLM"], "qwen35", "a llama checkpoint, not the qwen35 the GGUF file holds"),
+])
+def test_a_checkpoint_without_a_reference_or_of_another_arch_is_refused(tmp_path, architectures, arch, message):
+    from specconv.verify import parity
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": architectures}))
+    with pytest.raises(SpecconvError, match=message):
+        parity.reference_class_name(tmp_path, arch)
