@@ -14,21 +14,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from specconv.archs import names
-
 from specconv.runtime.gguf_reader import GgufFile, open_gguf
+from specconv.runtime.graphs import find_graph, kind_of
 from .plan_report import kv_value
-
-TRUNK_ONLY_DETECTING_ARCHES = {names.GLM4MOE, names.DEEPSEEK2}
 
 
 def serves(f: GgufFile) -> tuple[list[str], list[str]]:
     """(graph types the file serves: "main" and/or "mtp", problems that keep llama.cpp from loading it)."""
     nextn = f.nextn_layers()
     problems: list[str] = []
-    if f.arch == names.EAGLE3:  # a draft head: llama.cpp runs its ENCODER graph and its decoder next to a target
+    if kind_of(f.arch) == "eagle3":  # a draft head: llama.cpp runs its ENCODER graph and its decoder next to a target
         return ["encoder", "decoder"], problems
-    if f.arch == names.GEMMA4_ASSISTANT:  # every block drafts, reading the target's K/V (docs/reference/gguf-layout.md §7.7)
+    if kind_of(f.arch) == "assistant":  # every block drafts, reading the target's K/V (docs/reference/gguf-layout.md §7.7)
         if nextn != f.block_count():
             problems.append(f"a gemma4-assistant file needs nextn_predict_layers = block_count ({f.block_count()}), "
                             f"it declares {nextn}")
@@ -50,7 +47,8 @@ def serves(f: GgufFile) -> tuple[list[str], list[str]]:
         return ["mtp"], problems
     head = f"blk.{num_hidden_layers}.nextn.eh_proj.weight"
     if head not in f.tensors:
-        if f.arch in TRUNK_ONLY_DETECTING_ARCHES:
+        graph = find_graph(f.arch)
+        if graph is not None and graph.LLAMA_CPP_SKIPS_ABSENT_NEXTN:
             return ["main"], problems
         problems.append(f"declares {nextn} MTP layer(s) but {head} is missing; llama.cpp's {f.arch} loader "
                         "refuses such a file (write it trunk-only: no nextn key, block_count = N)")
@@ -83,7 +81,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "serves": graph_types,
         "kind": {("main",): "trunk-only", ("mtp",): "mtp-only", ("main", "mtp"): "embedded",
                  ("encoder", "decoder"): "EAGLE-3 draft head"}.get(tuple(graph_types), "unusable")
-        if arch != names.GEMMA4_ASSISTANT else "Gemma 4 assistant drafter (reads its target's K/V)",
+        if kind_of(arch) != "assistant" else "Gemma 4 assistant drafter (reads its target's K/V)",
         "block_count": f.block_count(),
         "nextn_predict_layers": nextn,
         "problems": problems,

@@ -91,6 +91,12 @@ class Graph:
     check_values: Callable[..., None] | None = None  # (file, hp, needed) -> raises on bad tensor values
     check_hparams: Callable[..., None] | None = None  # (hp, kv) -> raises on inconsistent hyperparameters
     INTEGER_TENSORS: tuple[str, ...] = ()  # tensors read as integers (EAGLE-3's d2t); every other is float
+    # KV keys (after `{arch}.`) read as per-layer lists, llama.cpp's get_key_or_arr (runtime/validate.py
+    # check_kv); every other key must hold one value
+    PER_LAYER_KEYS: tuple[str, ...] = ()
+    # llama.cpp's loader of this arch runs a file that declares nextn layers but lacks their tensors as a
+    # trunk-only model, where the others refuse it (convert/gguf_summary.py: what `inspect` reports)
+    LLAMA_CPP_SKIPS_ABSENT_NEXTN: bool = False
 
     def __post_init__(self):
         if self.tensors is not None:

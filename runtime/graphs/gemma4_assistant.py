@@ -134,6 +134,7 @@ def forward_main(*args, **kwargs):
 GRAPH = Graph(
     name="gemma4_assistant",
     archs=("gemma4-assistant",),  # the GGUF arches this graph runs (graph_for finds it by them)
+    PER_LAYER_KEYS=("attention.head_count_kv", "feed_forward_length"),  # per-layer lists (llama.cpp get_key_or_arr)
     HParams=HParams,
     main_tensors=main_tensors,
     mtp_tensors=mtp_tensors,

@@ -234,6 +234,7 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
 GRAPH = Graph(
     name="qwen35",
     archs=ARCHES,  # the GGUF arches this graph runs (graph_for finds it by them)
+    PER_LAYER_KEYS=("attention.head_count_kv", "feed_forward_length"),  # per-layer lists (llama.cpp get_key_or_arr)
     tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,
