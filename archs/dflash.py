@@ -113,7 +113,7 @@ DFLASH_TABLE = TensorTable((
 @register
 class DFlash(ArchPlugin):
     hf_architectures: ClassVar[tuple[str, ...]] = ("DFlashDraftModel", "DFlash2DraftModel")
-    gguf_arch: ClassVar[str] = "dflash"
+    gguf_arch: ClassVar[str] = names.DFLASH
     family: ClassVar[str] = "dflash"
     uses_target: ClassVar[bool] = True  # tokenizer, vocabulary and layer count come from --target
     tokenizer_model: ClassVar[str] = "gpt2"

@@ -136,7 +136,7 @@ EAGLE3_TABLE = TensorTable((
 class Eagle3(ArchPlugin):
     hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM",
                                                    "Eagle3Speculator", "Eagle3DraftModel")
-    gguf_arch: ClassVar[str] = "eagle3"
+    gguf_arch: ClassVar[str] = names.EAGLE3
     family: ClassVar[str] = "eagle3"
     uses_target: ClassVar[bool] = True  # the engine passes --target TARGET_DIR through the Checkpoint
     tokenizer_model: ClassVar[str] = "gpt2"

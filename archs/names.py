@@ -1,10 +1,11 @@
 """GGUF tensor names and KV keys that the PyPI `gguf` 0.19.0 wheel lacks.
 
 The wheel lags llama.cpp: it has no `recurrent_layers` key, no nextn tensors for the Qwen/DeepSeek
-arches in its name map, and no EAGLE-3 / Gemma 4 assistant arches (docs/reference/gguf-layout.md §8). The writer
-does not validate names, so specconv formats them itself from this one table. A family's GGUF arch
-string is its own: its plugin's `gguf_arch` and its graph's `archs` (docs/architecture.md). The strings are the
-ones of the pinned llama.cpp tree (gguf-py/gguf/constants.py at commit 0c1e5709).
+arches in its name map, and no EAGLE-3 / Gemma 4 assistant arches (docs/reference/gguf-layout.md
+§8). The writer does not validate names, so specconv formats them itself from this one table. A
+family's GGUF arch string is its own: its plugin's `gguf_arch` and its graph's `archs`
+(docs/architecture.md). The strings are the ones of the pinned llama.cpp tree
+(gguf-py/gguf/constants.py at commit 0c1e5709).
 
 This module has no dependencies beyond the standard library, because the runtime may import it
 (and only it) from `archs`.
@@ -38,20 +39,26 @@ def block_count_key(arch: str) -> str:
     return arch_key(arch, "block_count")
 
 
-# EAGLE-3 heads (and DFlash drafters: target_layers)
-def target_layers_key(arch: str) -> str:
+# The arches of two drafter kinds (runtime/graphs/contract.py KINDS), whose name is the kind's: the
+# drafters and the CLI name the kind. Every other arch string lives in its family's files.
+EAGLE3 = "eagle3"  # not in the wheel
+DFLASH = "dflash"  # llama.cpp 0c1e570 gguf-py constants.py
+
+
+# EAGLE-3 (arch "eagle3")
+def target_layers_key(arch: str = EAGLE3) -> str:
     return arch_key(arch, "target_layers")  # i32[3]
 
 
-def target_hidden_size_key(arch: str) -> str:
+def target_hidden_size_key(arch: str = EAGLE3) -> str:
     return arch_key(arch, "target_hidden_size")  # u32
 
 
-def norm_before_residual_key(arch: str) -> str:
+def norm_before_residual_key(arch: str = EAGLE3) -> str:
     return arch_key(arch, "norm_before_residual")  # bool
 
 
-def norm_before_fc_key(arch: str) -> str:
+def norm_before_fc_key(arch: str = EAGLE3) -> str:
     return arch_key(arch, "norm_before_fc")  # bool
 
 
@@ -105,7 +112,7 @@ MASK_TOKEN_ID_KEY = "tokenizer.ggml.mask_token_id"  # u32: the token that fills 
 ENC_OUTPUT_NORM = "enc.output_norm.weight"  # DFlash: RMSNorm after fc (the checkpoint's hidden_norm)
 
 
-def block_size_key(arch: str) -> str:
+def block_size_key(arch: str = DFLASH) -> str:
     return arch_key(arch, "block_size")  # u32: the trained block (anchor + masks)
 
 

@@ -36,7 +36,7 @@ from specconv.runtime.types import GraphType
 
 def check_drafter_fits_target(target: Model, head: Model) -> None:
     """A one-line SpecconvError when the DFlash file was not made for this target."""
-    if head.graph.KIND != "dflash":
+    if head.arch != names.DFLASH:
         raise SpecconvError(f"{head.paths[0].name} is not a DFlash drafter (arch {head.arch})")
     hp, num_hidden_layers = head.hparams, target.hparams.num_hidden_layers
     if hp.hidden_size != target.hidden_size:

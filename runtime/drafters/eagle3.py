@@ -33,7 +33,7 @@ from specconv.runtime.types import GraphType
 
 def check_head_fits_target(target: Model, head: Model) -> None:
     """A one-line SpecconvError when the EAGLE-3 head was not made for this target."""
-    if head.graph.KIND != "eagle3":
+    if head.arch != names.EAGLE3:
         raise SpecconvError(f"{head.paths[0].name} is not an EAGLE-3 head (arch {head.arch})")
     hp, num_hidden_layers = head.hparams, target.hparams.num_hidden_layers
     if hp.target_hidden_size != target.hidden_size:

@@ -81,7 +81,7 @@ def test_names_module_formats():
     assert names.blk(2, "ssm_dt", "bias") == "blk.2.ssm_dt.bias"
     assert names.recurrent_layers_key("qwen35") == "qwen35.attention.recurrent_layers"
     assert names.nextn_predict_layers_key("qwen35moe") == "qwen35moe.nextn_predict_layers"
-    assert names.target_layers_key("eagle3") == "eagle3.target_layers"
+    assert names.target_layers_key() == "eagle3.target_layers"
     with pytest.raises(ValueError):
         names.nextn(0, "bogus")
 
