@@ -68,6 +68,13 @@ def plugin_class_for_family(family: str) -> type[ArchPlugin]:
     raise SpecconvError(f"no architecture plugin of family {family!r}")
 
 
+def plugin_classes_writing(gguf_arch: str) -> list[type[ArchPlugin]]:
+    """The registered plugin classes that write GGUF arch `gguf_arch` (deepseek2: DeepSeek-V3's and
+    GLM-4.7-Flash's), for tools that read a file's header and ask what its family declares."""
+    _load_builtin_plugins()
+    return sorted({cls for cls in _REGISTRY.values() if cls.gguf_arch == gguf_arch}, key=lambda cls: cls.__name__)
+
+
 def plugin_class_for(config: Mapping) -> type[ArchPlugin]:
     """The plugin class for a config.json, or a SpecconvError listing what is supported."""
     _load_builtin_plugins()
@@ -94,6 +101,7 @@ __all__ = [
     "check_plugin",
     "plugin_class_for",
     "plugin_class_for_family",
+    "plugin_classes_writing",
     "register",
     "supported_architectures",
 ]

@@ -105,6 +105,9 @@ class ArchPlugin(abc.ABC):
     uses_target: ClassVar[bool] = False
     # The whole file is a drafter (the Gemma 4 assistant): no trunk / MTP split, no notice about one.
     standalone_drafter: ClassVar[bool] = False
+    # llama.cpp's loader of `gguf_arch` runs a file that declares nextn layers but lacks their tensors
+    # as a trunk-only model, where other loaders refuse it (what `inspect` reports: convert/gguf_summary.py)
+    llama_cpp_skips_absent_nextn: ClassVar[bool] = False
 
     # --- what a conversion reports (set by the plugin while it reads the checkpoint) ----------
     # Set when the config declares MTP layers whose weights are absent: only a trunk-only

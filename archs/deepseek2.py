@@ -103,6 +103,7 @@ DEEPSEEK2_TABLE = nextn_moe_table(MLA, "ffn_norm")
 class Deepseek2(NextnMoePlugin):
     hf_architectures = ("DeepseekV3ForCausalLM",)
     gguf_arch: ClassVar[str] = "deepseek2"
+    llama_cpp_skips_absent_nextn: ClassVar[bool] = True  # trunk-only without the nextn tensors (inspect)
     hf_reference: ClassVar[dict[str, str]] = {"DeepseekV3ForCausalLM": "DeepseekV3ForCausalLM"}
     family: ClassVar[str] = "deepseek2"
     tokenizer_model: ClassVar[str] = "gpt2"

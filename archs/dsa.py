@@ -77,6 +77,7 @@ class DsaMixin:
     """The lightning indexer on top of a deepseek2-style plugin."""
 
     table: ClassVar[TensorTable] = DSA_TABLE
+    llama_cpp_skips_absent_nextn: ClassVar[bool] = False  # deepseek2's rule is not the DSA arches'
 
     index_rope_halves: ClassVar[bool] = False  # True: the indexer rotates halves (DeepSeek-V3.2)
     lite_by_size: ClassVar[bool] = False  # glm-dsa / deepseek32 always read q_lora_rank (no V2-Lite rule)

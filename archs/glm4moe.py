@@ -44,6 +44,7 @@ GLM4MOE_TABLE = nextn_moe_table((
 class Glm4Moe(NextnMoePlugin):
     hf_architectures = ("Glm4MoeForCausalLM",)
     gguf_arch: ClassVar[str] = "glm4moe"
+    llama_cpp_skips_absent_nextn: ClassVar[bool] = True  # trunk-only without the nextn tensors (inspect)
     hf_reference: ClassVar[dict[str, str]] = {"Glm4MoeForCausalLM": "Glm4MoeForCausalLM"}
     family: ClassVar[str] = "glm4moe"
     tokenizer_model: ClassVar[str] = "gpt2"

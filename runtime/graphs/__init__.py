@@ -86,15 +86,8 @@ def graph_for(arch: str) -> Graph:
     return declared_graph(graph_module(arch))
 
 
-def find_graph(arch: str) -> Graph | None:
-    """The declared graph of a GGUF arch, or None for an arch the runtime does not run (tools that only
-    read headers meet those)."""
-    module = _graphs().get(arch)
-    return declared_graph(module) if module is not None else None
-
-
 def kind_of(arch: str) -> str | None:
     """The drafter kind of a GGUF arch's files (Graph.KIND: "eagle3", "dflash", "assistant"); None for a
     model's own arch and for an arch without a graph."""
-    graph = find_graph(arch)
-    return graph.KIND if graph is not None else None
+    module = _graphs().get(arch)
+    return declared_graph(module).KIND if module is not None else None

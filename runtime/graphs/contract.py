@@ -94,9 +94,6 @@ class Graph:
     # KV keys (after `{arch}.`) read as per-layer lists, llama.cpp's get_key_or_arr (runtime/validate.py
     # check_kv); every other key must hold one value
     PER_LAYER_KEYS: tuple[str, ...] = ()
-    # llama.cpp's loader of this arch runs a file that declares nextn layers but lacks their tensors as a
-    # trunk-only model, where the others refuse it (convert/gguf_summary.py: what `inspect` reports)
-    LLAMA_CPP_SKIPS_ABSENT_NEXTN: bool = False
 
     def __post_init__(self):
         if self.tensors is not None:

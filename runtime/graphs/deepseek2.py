@@ -193,7 +193,6 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
 GRAPH = Graph(
     name="deepseek2",
     archs=("deepseek2",),  # the GGUF arches this graph runs (graph_for finds it by them)
-    LLAMA_CPP_SKIPS_ABSENT_NEXTN=True,  # a trunk-only file despite its nextn key (gguf_summary.py)
     tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,

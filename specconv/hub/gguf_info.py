@@ -11,10 +11,10 @@ from pathlib import Path
 
 import gguf
 
+from specconv.archs import plugin_classes_writing
 from specconv.errors import SpecconvError
 from specconv.hub.gguf_header import read_header
 from specconv.hub.naming import SHARD_RE, Role, file_type_tag, tensor_type_tag
-from specconv.runtime.graphs import kind_of
 
 SPLIT_KEYS = (
     gguf.Keys.Split.LLM_KV_SPLIT_NO,
@@ -49,9 +49,12 @@ class GgufModel:
 def detect_role(arch: str, kv: dict[str, object], tensor_names: set[str]) -> Role:
     """llama.cpp's rule (docs/reference/gguf-layout.md §4.3): nextn > 0 without `blk.0.attn_norm` is a
     sidecar; no nextn key (or 0) is a trunk-only model."""
-    kind = kind_of(arch)  # a draft head's kind, declared by its graph (Graph.KIND)
-    if kind is not None:
-        return {"eagle3": Role.EAGLE3, "dflash": Role.DFLASH, "assistant": Role.ASSISTANT}[kind]
+    if arch == "eagle3":
+        return Role.EAGLE3
+    if arch == "dflash":
+        return Role.DFLASH
+    if any(p.standalone_drafter for p in plugin_classes_writing(arch)):  # the Gemma 4 assistant
+        return Role.ASSISTANT
     nextn = kv.get(f"{arch}.nextn_predict_layers")
     if not nextn:
         return Role.TRUNK

@@ -331,3 +331,19 @@ def test_a_checkpoint_without_a_reference_or_of_another_arch_is_refused(tmp_path
     (tmp_path / "config.json").write_text(json.dumps({"architectures": architectures}))
     with pytest.raises(SpecconvError, match=message):
         parity.reference_class_name(tmp_path, arch)
+
+
+def test_the_plugins_writing_one_arch_agree_on_what_header_readers_ask():
+    """inspect and the hub read a file's header and ask the plugins that write its arch
+    (archs.plugin_classes_writing): deepseek2's two plugins must say the same."""
+    from specconv.archs import plugin_classes_writing
+
+    arches = {cls.gguf_arch for cls in _REGISTRY.values()}
+    for arch in sorted(arches):
+        plugins = plugin_classes_writing(arch)
+        assert plugins and all(p.gguf_arch == arch for p in plugins)
+        assert len({(p.standalone_drafter, p.llama_cpp_skips_absent_nextn) for p in plugins}) == 1, arch
+    skipping = sorted(a for a in arches if plugin_classes_writing(a)[0].llama_cpp_skips_absent_nextn)
+    print(f"\n{len(arches)} GGUF arches; llama.cpp runs trunk-only without nextn tensors: {skipping}")
+    assert skipping == ["deepseek2", "glm4moe"]  # llama.cpp's loaders of these two mark the nextn tensors optional
+    assert plugin_classes_writing("no-such-arch") == []
