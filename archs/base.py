@@ -108,6 +108,9 @@ class ArchPlugin(abc.ABC):
     # llama.cpp's loader of `gguf_arch` runs a file that declares nextn layers but lacks their tensors
     # as a trunk-only model, where other loaders refuse it (what `inspect` reports: convert/gguf_summary.py)
     llama_cpp_skips_absent_nextn: ClassVar[bool] = False
+    # The release keeps MTP block j as `model.layers.{N+j}` (DeepSeek-V3, GLM), where transformers'
+    # MtpModel reads it and the CausalLM class ignores it (specconv/verify/parity.py load_mtp_reference)
+    mtp_as_trunk_layers: ClassVar[bool] = False
 
     # --- what a conversion reports (set by the plugin while it reads the checkpoint) ----------
     # Set when the config declares MTP layers whose weights are absent: only a trunk-only

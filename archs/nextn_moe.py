@@ -209,6 +209,7 @@ class NextnMoePlugin(ArchPlugin):
     """Base of the glm4moe and deepseek2 plugins."""
 
     family: ClassVar[str] = ""
+    mtp_as_trunk_layers: ClassVar[bool] = True  # nextn block j is model.layers.{N+j} (verify's MTP reference)
     # transformers' config-class defaults for behavioural fields a config.json may leave out, so a
     # missing field means what it means to transformers (e.g. DeepSeek's routed scale 2.5)
     config_defaults: ClassVar[Mapping[str, Any]] = {}
