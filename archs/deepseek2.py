@@ -23,7 +23,7 @@ from typing import ClassVar
 import numpy as np
 from gguf import Keys
 
-from . import names, register
+from . import register
 from . import transforms as tf
 from .base import Checkpoint, MetaKV
 from .config_reader import ConfigReader, MAX_LAYERS

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from gguf import Keys
 
-from . import names, register
+from . import register
 from .base import Checkpoint, MetaKV
 from .errors import SpecconvError
 from .metadata import MetadataWriter

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from . import names, register
+from . import register
 from . import transforms as tf
 from .base import Checkpoint
 from .config_reader import ConfigReader
