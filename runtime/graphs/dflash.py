@@ -318,9 +318,9 @@ def forward_main(*args, **kwargs):
 
 GRAPH = Graph(
     name="dflash",
-    archs=("dflash",),  # the GGUF arches this graph runs (graph_for finds it by them)
     HParams=HParams,
     main_tensors=main_tensors,
+    archs=("dflash",),  # the GGUF arches this graph runs (graph_for finds it by them)
     mtp_tensors=mtp_tensors,
     optional_mtp_tensors=no_tensors,
     keep_float32=keep_float32,

@@ -133,10 +133,10 @@ def forward_main(*args, **kwargs):
 
 GRAPH = Graph(
     name="gemma4_assistant",
-    archs=("gemma4-assistant",),  # the GGUF arches this graph runs (graph_for finds it by them)
-    PER_LAYER_KEYS=("attention.head_count_kv", "feed_forward_length"),  # per-layer lists (llama.cpp get_key_or_arr)
     HParams=HParams,
     main_tensors=main_tensors,
+    archs=("gemma4-assistant",),  # the GGUF arches this graph runs (graph_for finds it by them)
+    PER_LAYER_KEYS=("attention.head_count_kv", "feed_forward_length"),  # per-layer lists (llama.cpp get_key_or_arr)
     mtp_tensors=mtp_tensors,
     optional_mtp_tensors=optional_mtp_tensors,
     keep_float32=keep_float32,

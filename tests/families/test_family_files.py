@@ -8,8 +8,9 @@ them); its names are the `gguf_arch` and the `hf_architectures` of those classes
   3. any module that imports the modules of 1-2 of this group and of no other group: code written
      for this family alone (a family built on another's module: dsa on deepseek2, qwen3next on
      qwen35, eagle3 on llama; the Gemma 4 assistant's drafter on its graph);
-  4. the shared helpers of a few families listed in FAMILY_HELPERS, for the groups whose files
-     import them.
+  4. a module of archs/ or runtime/graphs/ that only this group's files import (a family's own
+     helper: archs/gemma4_hparams.py), and the helpers shared by a few families listed in
+     FAMILY_HELPERS, for the groups whose files import them.
 A string literal equal to a group's name (AST scan of archs/, runtime/, convert/, specconv/;
 tests/, docs/ and tools/ are not scanned) may occur only in that group's files. Names that are also
 a drafter kind (runtime/graphs/contract.py KINDS: "eagle3", "dflash") are the kind's name there, which
@@ -145,7 +146,13 @@ def family_files() -> tuple[dict[str, set[str]], dict[str, set[str]], dict]:
         groups = {group_of[m] for m in imported if m in group_of} - {group_of.get(rel)}
         if len(groups) == 1:
             files[groups.pop()].add(rel)
-    for helper in FAMILY_HELPERS:  # rule 4
+    for rel in scan:  # rule 4: a helper only one group imports
+        if rel.startswith(("archs/", "runtime/graphs/")) and rel not in group_of:
+            importers = [f for f, (_, imported) in scan.items() if rel in imported]
+            groups = {g for g, fs in files.items() for f in importers if f in fs}
+            if importers and len(groups) == 1 and all(any(f in fs for fs in files.values()) for f in importers):
+                files[groups.pop()].add(rel)
+    for helper in FAMILY_HELPERS:  # rule 4: the listed shared helpers
         for g, fs in own.items():
             if any(helper in scan[f][1] for f in fs):
                 files[g].add(helper)
