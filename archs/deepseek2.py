@@ -23,7 +23,7 @@ from typing import ClassVar
 import numpy as np
 from gguf import Keys
 
-from . import register
+from . import names, register
 from . import transforms as tf
 from .base import Checkpoint, MetaKV
 from .config_reader import ConfigReader, MAX_LAYERS
@@ -102,7 +102,7 @@ DEEPSEEK2_TABLE = nextn_moe_table(MLA, "ffn_norm")
 @register
 class Deepseek2(NextnMoePlugin):
     hf_architectures = ("DeepseekV3ForCausalLM",)
-    gguf_arch: ClassVar[str] = "deepseek2"
+    gguf_arch: ClassVar[str] = names.DEEPSEEK2
     llama_cpp_skips_absent_nextn: ClassVar[bool] = True  # trunk-only without the nextn tensors (inspect)
     hf_reference: ClassVar[dict[str, str]] = {"DeepseekV3ForCausalLM": "DeepseekV3ForCausalLM"}
     family: ClassVar[str] = "deepseek2"
@@ -171,7 +171,7 @@ class Glm4MoeLite(Deepseek2):
     """
 
     hf_architectures = ("Glm4MoeLiteForCausalLM",)
-    gguf_arch: ClassVar[str] = "deepseek2"
+    gguf_arch: ClassVar[str] = names.DEEPSEEK2
     hf_reference: ClassVar[dict[str, str]] = {"Glm4MoeLiteForCausalLM": "Glm4MoeLiteForCausalLM"}
     family: ClassVar[str] = "glm4moelite"
     tokenizer_pre: ClassVar[str] = "glm4"

@@ -115,7 +115,7 @@ class GlmMoeDsa(DsaMixin, Glm4MoeLite):
     ropes adjacent pairs like the main attention (llama.cpp's NORM rope, as written)."""
 
     hf_architectures = ("GlmMoeDsaForCausalLM",)
-    gguf_arch: ClassVar[str] = "glm-dsa"
+    gguf_arch: ClassVar[str] = names.GLM_DSA
     hf_reference: ClassVar[dict[str, str]] = {"GlmMoeDsaForCausalLM": "GlmMoeDsaForCausalLM"}
     family: ClassVar[str] = "glm-dsa"
     config_defaults: ClassVar[dict] = {
@@ -148,7 +148,7 @@ class DeepseekV32(DsaMixin, Deepseek2):
     NEOX rope on the indexer, as written), the main attention adjacent pairs."""
 
     hf_architectures = ("DeepseekV32ForCausalLM",)
-    gguf_arch: ClassVar[str] = "deepseek32"
+    gguf_arch: ClassVar[str] = names.DEEPSEEK32
     hf_reference: ClassVar[dict[str, str]] = {"DeepseekV32ForCausalLM": "DeepseekV32ForCausalLM"}
     family: ClassVar[str] = "deepseek32"
     index_rope_halves: ClassVar[bool] = True

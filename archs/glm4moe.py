@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from gguf import Keys
 
-from . import register
+from . import names, register
 from .base import Checkpoint, MetaKV
 from .errors import SpecconvError
 from .metadata import MetadataWriter
@@ -43,7 +43,7 @@ GLM4MOE_TABLE = nextn_moe_table((
 @register
 class Glm4Moe(NextnMoePlugin):
     hf_architectures = ("Glm4MoeForCausalLM",)
-    gguf_arch: ClassVar[str] = "glm4moe"
+    gguf_arch: ClassVar[str] = names.GLM4MOE
     llama_cpp_skips_absent_nextn: ClassVar[bool] = True  # trunk-only without the nextn tensors (inspect)
     hf_reference: ClassVar[dict[str, str]] = {"Glm4MoeForCausalLM": "Glm4MoeForCausalLM"}
     family: ClassVar[str] = "glm4moe"

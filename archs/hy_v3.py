@@ -61,7 +61,7 @@ HY_V3_TABLE = chained_table(
 @register
 class HyV3(ChainedMtpPlugin):
     hf_architectures = ("HYV3ForCausalLM",)
-    gguf_arch: ClassVar[str] = "hy_v3"
+    gguf_arch: ClassVar[str] = names.HY_V3
     hf_reference: ClassVar[dict[str, str]] = {"HYV3ForCausalLM": "HYV3ForCausalLM"}
     family: ClassVar[str] = "hy_v3"
     tokenizer_model: ClassVar[str] = "gpt2"

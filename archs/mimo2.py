@@ -73,7 +73,7 @@ MIMO2_TABLE = chained_table(
 @register
 class MiMo2(ChainedMtpPlugin):
     hf_architectures = ("MiMoV2FlashForCausalLM",)
-    gguf_arch: ClassVar[str] = "mimo2"
+    gguf_arch: ClassVar[str] = names.MIMO2
     family: ClassVar[str] = "mimo2"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "qwen2"

@@ -1,17 +1,27 @@
-"""GGUF tensor names and KV keys that the PyPI `gguf` 0.19.0 wheel lacks.
+"""GGUF tensor names, KV keys and arch strings that the PyPI `gguf` 0.19.0 wheel lacks.
 
 The wheel lags llama.cpp: it has no `recurrent_layers` key, no nextn tensors for the Qwen/DeepSeek
-arches in its name map, and no EAGLE-3 / Gemma 4 assistant arches (docs/reference/gguf-layout.md
-§8). The writer does not validate names, so specconv formats them itself from this one table. A
-family's GGUF arch string is its own: its plugin's `gguf_arch` and its graph's `archs`
-(docs/architecture.md). The strings are the ones of the pinned llama.cpp tree
-(gguf-py/gguf/constants.py at commit 0c1e5709).
+arches in its name map, and no EAGLE-3 / Gemma 4 assistant arches (docs/reference/gguf-layout.md §8). The writer
+does not validate names, so specconv formats them itself from this one table. The strings are the
+ones of the pinned llama.cpp tree (gguf-py/gguf/constants.py at commit 0c1e5709).
 
 This module has no dependencies beyond the standard library, because the runtime may import it
 (and only it) from `archs`.
 """
 
 from __future__ import annotations
+
+# ------------------------------------------------------------------------------- arch strings
+
+QWEN35 = "qwen35"
+QWEN35MOE = "qwen35moe"
+QWEN3NEXT = "qwen3next"
+GLM4MOE = "glm4moe"
+DEEPSEEK2 = "deepseek2"
+GEMMA4 = "gemma4"
+EAGLE3 = "eagle3"  # not in the wheel
+GEMMA4_ASSISTANT = "gemma4-assistant"  # not in the wheel; note the hyphen
+
 
 # ------------------------------------------------------------------------------- KV keys
 
@@ -37,12 +47,6 @@ def full_attention_interval_key(arch: str) -> str:
 
 def block_count_key(arch: str) -> str:
     return arch_key(arch, "block_count")
-
-
-# The arches of two drafter kinds (runtime/graphs/contract.py KINDS), whose name is the kind's: the
-# drafters and the CLI name the kind. Every other arch string lives in its family's files.
-EAGLE3 = "eagle3"  # not in the wheel
-DFLASH = "dflash"  # llama.cpp 0c1e570 gguf-py constants.py
 
 
 # EAGLE-3 (arch "eagle3")
@@ -107,7 +111,13 @@ OUTPUT_NORM = "output_norm.weight"
 OUTPUT = "output.weight"
 SHARED_TENSORS = (TOKEN_EMBD, OUTPUT_NORM, OUTPUT)  # the ones an MTP sidecar carries besides blk.N+
 
-# DFlash block-diffusion drafters (llama.cpp 0c1e570 gguf-py constants.py).
+# Chained-MTP families (llama.cpp 0c1e570 src/llama-arch.cpp); hy_v3 is not in the wheel.
+HY_V3 = "hy_v3"
+STEP35 = "step35"
+MIMO2 = "mimo2"
+
+# DFlash block-diffusion drafters (llama.cpp 0c1e570: arch "dflash", gguf-py constants.py).
+DFLASH = "dflash"
 MASK_TOKEN_ID_KEY = "tokenizer.ggml.mask_token_id"  # u32: the token that fills a draft block
 ENC_OUTPUT_NORM = "enc.output_norm.weight"  # DFlash: RMSNorm after fc (the checkpoint's hidden_norm)
 
@@ -120,5 +130,9 @@ def causal_key(arch: str) -> str:
     return arch_key(arch, "attention.causal")  # bool
 
 # DeepSeek Sparse Attention families (llama.cpp 0c1e570 src/llama-arch.cpp; docs/dsa.md).
+GLM_DSA = "glm-dsa"
+DEEPSEEK32 = "deepseek32"  # not in the wheel
+
+
 def indexer_types_key(arch: str) -> str:
     return arch_key(arch, "attention.indexer.types")  # bool[n_layer]: True where a block runs its own indexer

@@ -29,6 +29,7 @@ from .plan_tools import RolePlan, add_output_head, embedding_rows, plan_experts,
 from .rope_scaling import rope_scaling_of
 from .tensor_table import AttentionWidths, Block, TensorSpec, TensorTable
 
+QWEN3, QWEN3MOE = "qwen3", "qwen3moe"
 EXPERT_WEIGHTS_NORM = "expert_weights_norm"  # `{arch}.expert_weights_norm` (bool), llama.cpp's key
 
 
@@ -191,7 +192,7 @@ class Qwen3Base(ArchPlugin):
 @register
 class Qwen3(Qwen3Base):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Qwen3ForCausalLM",)
-    gguf_arch: ClassVar[str] = "qwen3"
+    gguf_arch: ClassVar[str] = QWEN3
     hf_reference: ClassVar[dict[str, str]] = {"Qwen3ForCausalLM": "Qwen3ForCausalLM"}
     moe = False
 
@@ -199,6 +200,6 @@ class Qwen3(Qwen3Base):
 @register
 class Qwen3Moe(Qwen3Base):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Qwen3MoeForCausalLM",)
-    gguf_arch: ClassVar[str] = "qwen3moe"
+    gguf_arch: ClassVar[str] = QWEN3MOE
     hf_reference: ClassVar[dict[str, str]] = {"Qwen3MoeForCausalLM": "Qwen3MoeForCausalLM"}
     moe = True

@@ -306,7 +306,7 @@ def _conv1d(ts: list[np.ndarray], shape: tuple[int, int], nk: int, r: int, block
 @register
 class Qwen35(Qwen35Base):
     hf_architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
-    gguf_arch: ClassVar[str] = "qwen35"
+    gguf_arch: ClassVar[str] = names.QWEN35
     hf_reference: ClassVar[dict[str, str]] = {"Qwen3_5ForCausalLM": "Qwen3_5ForCausalLM",  # a release too (key map)
                                                  "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
     moe = False
@@ -315,7 +315,7 @@ class Qwen35(Qwen35Base):
 @register
 class Qwen35Moe(Qwen35Base):
     hf_architectures = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
-    gguf_arch: ClassVar[str] = "qwen35moe"
+    gguf_arch: ClassVar[str] = names.QWEN35MOE
     hf_reference: ClassVar[dict[str, str]] = {"Qwen3_5MoeForCausalLM": "Qwen3_5MoeForCausalLM",
                                                  "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
     moe = True

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from . import register
+from . import names, register
 from . import transforms as tf
 from .base import Checkpoint
 from .config_reader import ConfigReader
@@ -73,7 +73,7 @@ QWEN3NEXT_TABLE = QWEN35_TABLE.replacing("recurrent", (
 @register
 class Qwen3Next(Qwen35Base):
     hf_architectures = ("Qwen3NextForCausalLM",)
-    gguf_arch: ClassVar[str] = "qwen3next"
+    gguf_arch: ClassVar[str] = names.QWEN3NEXT
     hf_reference: ClassVar[dict[str, str]] = {"Qwen3NextForCausalLM": "Qwen3NextForCausalLM"}
     family: ClassVar[str] = "qwen3next"
     moe: ClassVar[bool] = True

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from specconv.archs import names
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
 from specconv.runtime.drafters import chain_drafts
@@ -29,9 +30,9 @@ from specconv.runtime.types import GraphType
 
 
 def check_assistant_fits_target(target: Model, assistant: Model) -> None:
-    if assistant.graph.KIND != "assistant":
+    if assistant.arch != names.GEMMA4_ASSISTANT:
         raise SpecconvError(f"{assistant.paths[0].name} is not a Gemma 4 assistant (arch {assistant.arch})")
-    if target.arch != "gemma4":  # the assistant reads a Gemma 4 target's K/V
+    if target.arch != names.GEMMA4:
         raise SpecconvError(f"a Gemma 4 assistant drafts for a gemma4 target, not {target.arch}")
     graph.check_fits_target(assistant.hparams, target.hparams)
     check_same_vocabulary(target, assistant)

@@ -12,7 +12,9 @@ them); its names are the `gguf_arch` and the `hf_architectures` of those classes
      helper: archs/gemma4_hparams.py), and the helpers shared by a few families listed in
      FAMILY_HELPERS, for the groups whose files import them.
 A string literal equal to a group's name (AST scan of archs/, runtime/, convert/, specconv/;
-tests/, docs/ and tools/ are not scanned) may occur only in that group's files. Names that are also
+tests/, docs/ and tools/ are not scanned), or a use of an archs/names.py constant holding one
+(`names.GEMMA4`), may occur only in that group's files; names.py, where those constants are
+defined, is read through its uses. Names that are also
 a drafter kind (runtime/graphs/contract.py KINDS: "eagle3", "dflash") are the kind's name there, which
 the drafters, `--spec` and the hub name, so they are not held to the rule. What generic code still
 names is in ALLOWED, each entry with its reason; an entry that matches nothing fails (the list only
@@ -34,6 +36,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from specconv.archs import _REGISTRY, supported_architectures
+from specconv.archs import names as names_module
 from specconv.runtime import graphs
 from specconv.runtime.graphs.contract import KINDS
 
@@ -103,12 +106,25 @@ def _imports(rel: str, tree: ast.AST) -> set[str]:
     return found - {None}
 
 
+# archs/names.py's string constants (`names.GEMMA4`): a use stands for the string it holds
+_CONSTANTS = {k: v for k, v in vars(names_module).items() if k.isupper() and isinstance(v, str)}
+DEFINITIONS = "archs/names.py"  # where the constants are written; their uses are scanned instead
+
+
 def _strings(tree: ast.AST) -> dict[str, int]:
-    """Every string literal of a file (docstrings included) -> its first line."""
+    """Every string a file writes -> its first line: string literals (docstrings included) and the
+    archs/names.py constants it uses (`names.X`, or X imported from names)."""
     found = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             found.setdefault(node.value, node.lineno)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "names"
+              and node.attr in _CONSTANTS):
+            found.setdefault(_CONSTANTS[node.attr], node.lineno)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "names":
+            for alias in node.names:
+                if alias.name in _CONSTANTS:
+                    found.setdefault(_CONSTANTS[alias.name], node.lineno)
     return found
 
 
@@ -118,7 +134,7 @@ def _scan() -> dict[str, tuple[dict[str, int], set[str]]]:
         for path in sorted((ROOT / top).rglob("*.py")):
             rel = _rel(path)
             tree = ast.parse(path.read_text(encoding="utf-8"))
-            out[rel] = (_strings(tree), _imports(rel, tree))
+            out[rel] = ({} if rel == DEFINITIONS else _strings(tree), _imports(rel, tree))
     return out
 
 
@@ -201,6 +217,7 @@ def test_the_scan_sees_a_family_named_in_generic_code():
         "runtime/context.py": 'if arch == "qwen35moe": pass',  # generic code
         "runtime/graphs/llama.py": 'NAME = "Glm4MoeForCausalLM"',  # another family's graph
         "runtime/graphs/qwen35.py": 'ARCH = "qwen35moe"',  # its own graph: fine
+        "runtime/model.py": "if arch == names.GEMMA4_ASSISTANT: pass",  # through a names.py constant
         "runtime/speculative.py": 'KIND = "eagle3"',  # a drafter kind's name: not held to the rule
     }
     for rel, code in planted.items():
@@ -209,7 +226,8 @@ def test_the_scan_sees_a_family_named_in_generic_code():
     leaks, _ = _leaks(names, files, scan)
     new = sorted(leak.split(":")[0] + " " + leak.split(" names ")[1].split(" ")[0] for leak in leaks)
     print("\n" + "\n".join(leaks))
-    assert new == ["runtime/context.py 'qwen35moe'", "runtime/graphs/llama.py 'Glm4MoeForCausalLM'"]
+    assert new == ["runtime/context.py 'qwen35moe'", "runtime/graphs/llama.py 'Glm4MoeForCausalLM'",
+                   "runtime/model.py 'gemma4-assistant'"]
 
 
 def test_the_family_helpers_serve_only_families():
