@@ -1,10 +1,12 @@
 """What the chained-MTP plugins share (hy_v3, step35, mimo2; docs/mtp.md §Chained MTP heads).
 
 Their checkpoints hold k MTP blocks after the N trunk layers, each with `eh_proj / enorm / hnorm`
-and a full decoder block, written as GGUF blocks N..N+k-1. `chained_table` is a family's tensor
-table (archs/tensor_table.py): nextn inputs and head, attn_norm, attention, ffn_norm, dense or routed
-FFN, the family giving its own attention, MTP head and routed rows; `ChainedMtpPlugin` plans it over
-the N + k blocks (the graphs, runtime/graphs/chained.py, derive their lists from the same table);
+and a full decoder block, written as GGUF blocks N..N+k-1. `ChainedHParams` is the base of each
+family's one hparams dataclass (built from config.json by the plugin, from GGUF metadata by the
+graph); `chained_table` is a family's tensor table (archs/tensor_table.py), whose shapes read that
+dataclass: nextn inputs and head, attn_norm, attention, ffn_norm, dense or routed FFN, the family
+giving its own attention, MTP head and routed rows; `ChainedMtpPlugin` plans it over the N + k
+blocks (the graphs, runtime/graphs/chained.py, derive their lists from the same table);
 `check_stated_count` checks the MTP count config.json states.
 """
 
@@ -17,69 +19,114 @@ from typing import Any, Callable, ClassVar, Sequence
 from . import names
 from .base import ArchPlugin, Role, TensorPlan
 from .errors import SpecconvError
+from .hparams import FamilyHParams, HParamsReader
 from .plan_tools import RolePlan, add_output_head, embedding_rows
 from .tensor_table import AttentionWidths, Block, Hook, TensorSpec, TensorTable
 
 
-def check_stated_count(plugin: ArchPlugin, stated: Any, k: int, where: str, missing: str | None = None) -> None:
+def check_stated_count(stated: Any, k: int, where: str) -> None:
     """A count config.json states must be the one the checkpoint holds (`where` names its tensors).
-    A checkpoint with none converts without MTP (`missing`: the reason, when given): save_pretrained
-    drops MTP weights, so a stated count alone does not mean they were ever there."""
+    A checkpoint with none converts without MTP (ChainedHParams.missing_mtp): save_pretrained drops
+    MTP weights, so a stated count alone does not mean they were ever there."""
     if stated is not None and k and stated != k:
         raise SpecconvError(f"config.json says num_nextn_predict_layers={stated}, but the checkpoint holds "
                             f"{k} MTP layer(s) ({where})")
-    if missing and stated and not k:
-        plugin.missing_mtp = (f"config.json says num_nextn_predict_layers={stated}, but the checkpoint holds no "
-                              f"{missing} tensors")
 
 
-@dataclass(frozen=True)
-class Sizes(AttentionWidths):
-    """The dimensions of a chained-MTP table: the plugin's from config.json, the graph's from GGUF
-    metadata (V = "V"). The graphs read a block's FFN widths and expert count from its tensors, so in
-    the graph's sizes they are None and `block_sizes` names them per block ("F3", "Fe3", "X3", "Fs3"),
-    each bound by the first tensor that has it; likewise which FFN a block holds (`moe_layers` None)."""
+@dataclass(kw_only=True)
+class ChainedHParams(AttentionWidths, FamilyHParams):
+    """The hyperparameters every chained-MTP family has, under transformers' names (each family's
+    dataclass adds its own). Converting, config.json and the checkpoint's tensors give every width and
+    which blocks are routed; loading a file, the graph reads a block's FFN widths and (num_experts 0)
+    its expert count from its tensors: those fields are None and `block_sizes` names them per block
+    ("F3", "Fe3", "X3", "Fs3"), each bound by the first tensor that has it; likewise which FFN a block
+    holds (`moe_layers` None)."""
 
-    num_hidden_layers: int  # trunk blocks; the k MTP blocks follow
-    E: int  # hidden size
-    V: int | str  # vocabulary
-    heads: tuple[int, ...]  # query heads per block
-    kv_heads: tuple[int, ...]  # KV heads per block
-    head_dim: int
-    v_head_dim: int = 0  # 0: head_dim
-    moe_layers: frozenset[int] | None = None  # blocks with routed experts; None: the file decides
-    ffn: int | str | None = None  # dense FFN width
-    num_experts: int | str | None = None
-    expert_ffn: int | str | None = None
-    shared_ffn: int | str | None = None
-    num_attention_heads: int = 0  # of one block (block_sizes)
-    num_key_value_heads: int = 0
+    rms_norm_eps: float
+    tie_word_embeddings: bool = False  # config.json's; a file without output.weight is tied
+    intermediate_size: int | str | None = None  # dense FFN width
+    moe_intermediate_size: int | str | None = None  # one routed expert's width
+    shared_expert_intermediate_size: int | str | None = None  # the shared expert's width
+    moe_layers: frozenset[int] | None = None  # blocks with a router (the checkpoint's); None: the file's tensors
+    mtp_layers_in_config: int | None = None  # the MTP count config.json states (None: none stated)
+    # routing (moe_sigmoid.route): top-k weights renormalised, then scaled; sigmoid or softmax scores;
+    # the experts in n_group groups of which the best topk_group are eligible
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    expert_gating_func: int = names.EXPERT_GATING_SIGMOID  # GGUF's scoring function id
+    n_group: int = 1
+    topk_group: int = 1
+    mtp_block: int = 0  # which MTP block an MTP context runs (0..k-1; runtime/drafters/mtp.py)
+
+    # moe_sigmoid.route reads the routing under GGUF's names
+    @property
+    def weights_norm(self) -> bool:
+        return self.norm_topk_prob
 
     @property
-    def v(self) -> int:
-        return self.num_key_value_heads * (self.v_head_dim or self.head_dim)
+    def weights_scale(self) -> float:
+        return self.routed_scaling_factor
 
     @property
-    def o(self) -> int:
-        return self.num_attention_heads * (self.v_head_dim or self.head_dim)
+    def gating(self) -> int:
+        return self.expert_gating_func
+
+    @property
+    def n_group_used(self) -> int:
+        return self.topk_group
+
+    def missing_mtp(self, where: str) -> str | None:
+        """Why a checkpoint converts without MTP although config.json states a count (`where`: the
+        tensors it lacks)."""
+        if self.mtp_layers_in_config and not self.num_nextn_predict_layers:
+            return (f"config.json says num_nextn_predict_layers={self.mtp_layers_in_config}, but the checkpoint "
+                    f"holds no {where} tensors")
+        return None
 
 
-def block_sizes(s: Sizes, bid: int) -> Sizes:
+def block_counts(r: HParamsReader) -> tuple[int, int]:
+    """(trunk blocks, MTP blocks): block_count counts both."""
+    total, num_nextn_predict_layers = r.key("block_count", type=int), r.key("nextn_predict_layers", 0, int)
+    if num_nextn_predict_layers > total:
+        raise SpecconvError(f"{r.arch}.nextn_predict_layers ({num_nextn_predict_layers}) exceeds block_count ({total})")
+    return total - num_nextn_predict_layers, num_nextn_predict_layers
+
+
+def kv_fields(r: HParamsReader) -> dict[str, Any]:
+    """The ChainedHParams fields a GGUF file states, read the same way for every chained family (each
+    family's from_kv reads its own keys first). The expert count is the family's: where it is 0 the
+    shapes bind each block's to its router."""
+    num_hidden_layers, num_nextn_predict_layers = block_counts(r)
+    gating = r.key("expert_gating_func", names.EXPERT_GATING_SIGMOID, int)
+    if gating not in (names.EXPERT_GATING_SOFTMAX, names.EXPERT_GATING_SIGMOID):
+        raise SpecconvError(f"{r.arch}.expert_gating_func is {gating}; supported: softmax (1), sigmoid (2)")
+    return dict(arch=r.arch, num_hidden_layers=num_hidden_layers, num_nextn_predict_layers=num_nextn_predict_layers,
+                hidden_size=r.key("embedding_length", type=int), max_position_embeddings=r.key("context_length", 0, int),
+                rms_norm_eps=r.key("attention.layer_norm_rms_epsilon", type=float),
+                num_experts_per_tok=r.key("expert_used_count", 0, int), expert_gating_func=gating, from_file=True)
+
+
+def block_sizes(hp: ChainedHParams, bid: int) -> ChainedHParams:
+    """`hp` as block `bid`'s shapes read it: its own head counts, and where the file decides, its FFN
+    widths and expert count named after it."""
     def own(value, name: str):
         return f"{name}{bid}" if value is None else value
-    return replace(s, num_attention_heads=s.heads[bid], num_key_value_heads=s.kv_heads[bid], ffn=own(s.ffn, "F"),
-                   num_experts=own(s.num_experts, "X"), expert_ffn=own(s.expert_ffn, "Fe"), shared_ffn=own(s.shared_ffn, "Fs"))
+    return replace(hp, num_attention_heads=hp.per_block(hp.num_attention_heads)[bid],
+                   num_key_value_heads=hp.per_block(hp.num_key_value_heads)[bid],
+                   intermediate_size=own(hp.intermediate_size, "F"), num_experts=own(hp.num_experts or None, "X"),
+                   moe_intermediate_size=own(hp.moe_intermediate_size, "Fe"),
+                   shared_expert_intermediate_size=own(hp.shared_expert_intermediate_size, "Fs"))
 
 
-def block_tags(s: Sizes, bid: int) -> frozenset[str]:
+def block_tags(hp: ChainedHParams, bid: int) -> frozenset[str]:
     """`trunk` or `nextn` (an MTP block); `dense` or `moe`; `split_qkv` or `fused_qkv` (mimo2 writes its
     MTP blocks' q, k and v as one matrix, as llama.cpp's MTP graph reads them). Where the file decides
-    (the runtime's sizes, `moe_layers` None), both of each pair."""
-    mtp = bid >= s.num_hidden_layers
+    (`moe_layers` None), both of each pair."""
+    mtp = bid >= hp.num_hidden_layers
     tags = {"nextn" if mtp else "trunk"}
-    if s.moe_layers is None:
+    if hp.moe_layers is None:
         return frozenset(tags | {"dense", "moe", "split_qkv", "fused_qkv"})
-    return frozenset(tags | {"moe" if bid in s.moe_layers else "dense", "fused_qkv" if mtp else "split_qkv"})
+    return frozenset(tags | {"moe" if bid in hp.moe_layers else "dense", "fused_qkv" if mtp else "split_qkv"})
 
 
 NormSpec = Callable[..., TensorSpec]
@@ -87,7 +134,7 @@ NormSpec = Callable[..., TensorSpec]
 
 def norm_spec(transform: Callable | None = None) -> NormSpec:
     """A family's RMSNorm rows: kept F32, written through `transform` (step35's 1 + w) when given."""
-    def norm(gguf: str, hf: str | None, on: str = "", dim=lambda s: (s.E,), **kw) -> TensorSpec:
+    def norm(gguf: str, hf: str | None, on: str = "", dim=lambda s: (s.hidden_size,), **kw) -> TensorSpec:
         return TensorSpec(gguf, hf, dim, on, f32=True, transform=(lambda s: transform) if transform else None, **kw)
     return norm
 
@@ -102,22 +149,22 @@ def routed_specs(router: str, bias: str, bias_hf: str, experts_hf: str | None = 
         return TensorSpec(f"blk.{{bid}}.ffn_{part}_exps.weight", hf, shape, "moe", optional=True,
                           hook=None if experts_hf else "experts")
     specs = (
-        TensorSpec("blk.{bid}.ffn_gate_inp.weight", router, lambda s: (s.num_experts, s.E), "moe", optional=True,
-                   f32=True, hf_shape=router_shapes, transform=router_transform),
+        TensorSpec("blk.{bid}.ffn_gate_inp.weight", router, lambda s: (s.num_experts, s.hidden_size), "moe",
+                   optional=True, f32=True, hf_shape=router_shapes, transform=router_transform),
         TensorSpec(f"blk.{{bid}}.{bias}", bias_hf, lambda s: (s.num_experts,), "moe", optional=True, f32=True),
-        experts("gate", lambda s: (s.num_experts, s.expert_ffn, s.E)),
-        experts("up", lambda s: (s.num_experts, s.expert_ffn, s.E)),
-        experts("down", lambda s: (s.num_experts, s.E, s.expert_ffn)),
+        experts("gate", lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size)),
+        experts("up", lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size)),
+        experts("down", lambda s: (s.num_experts, s.hidden_size, s.moe_intermediate_size)),
     )
     if shared_hf is None:
         return specs
+    def shared(part: str, shape) -> TensorSpec:
+        return TensorSpec(f"blk.{{bid}}.ffn_{part}_shexp.weight", f"{shared_hf}{part}_proj.weight", shape, "moe",
+                          optional=True)
     return specs + (
-        TensorSpec("blk.{bid}.ffn_gate_shexp.weight", shared_hf + "gate_proj.weight", lambda s: (s.shared_ffn, s.E),
-                   "moe", optional=True),
-        TensorSpec("blk.{bid}.ffn_up_shexp.weight", shared_hf + "up_proj.weight", lambda s: (s.shared_ffn, s.E),
-                   "moe", optional=True),
-        TensorSpec("blk.{bid}.ffn_down_shexp.weight", shared_hf + "down_proj.weight", lambda s: (s.E, s.shared_ffn),
-                   "moe", optional=True),
+        shared("gate", lambda s: (s.shared_expert_intermediate_size, s.hidden_size)),
+        shared("up", lambda s: (s.shared_expert_intermediate_size, s.hidden_size)),
+        shared("down", lambda s: (s.hidden_size, s.shared_expert_intermediate_size)),
     )
 
 
@@ -125,8 +172,8 @@ def head_copies(on_file: bool = False) -> tuple[TensorSpec, ...]:
     """An MTP block's own embedding and LM head: read when a file has them (llama.cpp prefers them);
     written when the checkpoint has them only where `on_file` (the plugin's `head_copies` hook)."""
     hook = "head_copies" if on_file else None
-    return tuple(TensorSpec(f"blk.{{bid}}.nextn.{part}.weight", None, lambda s: (s.V, s.E), "nextn", optional=True,
-                            hook=hook)
+    return tuple(TensorSpec(f"blk.{{bid}}.nextn.{part}.weight", None, lambda s: (s.vocab_dim, s.hidden_size), "nextn",
+                            optional=True, hook=hook)
                  for part in (names.NEXTN_EMBED_TOKENS, names.NEXTN_SHARED_HEAD_HEAD))
 
 
@@ -135,44 +182,42 @@ def chained_table(norm: NormSpec, *, head: Sequence[TensorSpec], attention: Sequ
     """A chained-MTP family's table: embedding, output norm and head, each MTP block's nextn inputs and
     `head`, then every block's attn_norm, `attention`, `ffn_norm`, dense SwiGLU or `routed` FFN."""
     return TensorTable((
-        TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.V, s.E)),
+        TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.vocab_dim, s.hidden_size)),
         norm(names.OUTPUT_NORM, "model.norm.weight"),
-        TensorSpec(names.OUTPUT, None, lambda s: (s.V, s.E), optional=True, hook="output_head"),  # absent when tied
+        TensorSpec(names.OUTPUT, None, lambda s: (s.vocab_dim, s.hidden_size), optional=True,
+                   hook="output_head"),  # absent when tied
         # embedding half first, as in vLLM and llama.cpp
-        TensorSpec("blk.{bid}.nextn.eh_proj.weight", "{p}eh_proj.weight", lambda s: (s.E, 2 * s.E), "nextn"),
+        TensorSpec("blk.{bid}.nextn.eh_proj.weight", "{p}eh_proj.weight", lambda s: (s.hidden_size, 2 * s.hidden_size),
+                   "nextn"),
         norm("blk.{bid}.nextn.enorm.weight", "{p}enorm.weight", "nextn"),
         norm("blk.{bid}.nextn.hnorm.weight", "{p}hnorm.weight", "nextn"),
         *head,
         norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
         *attention,
         *ffn_norm,
-        TensorSpec("blk.{bid}.ffn_gate.weight", "{p}mlp.gate_proj.weight", lambda s: (s.ffn, s.E), "dense",
-                   optional=True),
-        TensorSpec("blk.{bid}.ffn_up.weight", "{p}mlp.up_proj.weight", lambda s: (s.ffn, s.E), "dense", optional=True),
-        TensorSpec("blk.{bid}.ffn_down.weight", "{p}mlp.down_proj.weight", lambda s: (s.E, s.ffn), "dense",
-                   optional=True),
+        TensorSpec("blk.{bid}.ffn_gate.weight", "{p}mlp.gate_proj.weight", lambda s: (s.intermediate_size, s.hidden_size),
+                   "dense", optional=True),
+        TensorSpec("blk.{bid}.ffn_up.weight", "{p}mlp.up_proj.weight", lambda s: (s.intermediate_size, s.hidden_size),
+                   "dense", optional=True),
+        TensorSpec("blk.{bid}.ffn_down.weight", "{p}mlp.down_proj.weight", lambda s: (s.hidden_size, s.intermediate_size),
+                   "dense", optional=True),
         *routed,
     ), block_tags, block_sizes=block_sizes)
 
 
 class ChainedMtpPlugin(ArchPlugin):
-    """Sets in __init__: n, k, hidden, vocab, tied, moe_layers (block ids with a router); declares its
-    `table`, `sizes()` and `hooks()`."""
+    """Sets `hp` in __init__ (its family's ChainedHParams, from config.json and the checkpoint's
+    tensor names); declares its `table` and `hooks()`."""
 
-    n: int
-    k: int
-    hidden: int
-    vocab: int
-    tied: bool
-    moe_layers: set[int]
+    hp: ChainedHParams
 
     @property
     def n_trunk_layers(self) -> int:
-        return self.n
+        return self.hp.num_hidden_layers
 
     @property
     def n_mtp_layers(self) -> int:
-        return self.k
+        return self.hp.num_nextn_predict_layers
 
     def vocab_size(self) -> int:
         return embedding_rows(self.checkpoint)
@@ -181,24 +226,20 @@ class ChainedMtpPlugin(ArchPlugin):
 
     table: ClassVar[TensorTable]
 
-    def sizes(self) -> Sizes:
-        """The table's sizes from the plugin's config (each family's own fields)."""
-        raise NotImplementedError
-
     def hooks(self) -> dict[str, Hook]:
         """The family's hooks besides the output head (routed experts, tensors only some checkpoints have)."""
         return {}
 
     def tensor_plan(self) -> list[TensorPlan]:
         plan = RolePlan(self.checkpoint.tensors)
-        blocks = [Block(i, self._prefix(i), Role.TRUNK if i < self.n else Role.MTP) for i in range(self.n + self.k)]
-        self.table.plan(plan, self.sizes(), blocks, {"output_head": self._output_head, **self.hooks()})
+        n = self.n_trunk_layers
+        blocks = [Block(i, self._prefix(i), Role.TRUNK if i < n else Role.MTP) for i in range(n + self.n_mtp_layers)]
+        self.table.plan(plan, self.hp, blocks, {"output_head": self._output_head, **self.hooks()})
         return plan.finish(self.gguf_arch)
 
-    def _output_head(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
-        add_output_head(plan, self.tied, s.V, s.E)
+    def _output_head(self, plan: RolePlan, s: ChainedHParams, bid: None, p: str, role: Role) -> None:
+        add_output_head(plan, s.tie_word_embeddings, s.vocab_dim, s.hidden_size)
 
     def _prefix(self, i: int) -> str:
         """The checkpoint prefix of GGUF block i (MTP blocks follow the trunk's numbering by default)."""
         return f"model.layers.{i}."
-

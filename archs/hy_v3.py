@@ -15,27 +15,113 @@ Release names (transformers' `hy_v3` conversion mapping): `mlp.router.gate.weigh
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from gguf import Keys
 
 from . import names, register
 from .base import Checkpoint, MetaKV, Role
-from .chained_mtp import ChainedMtpPlugin, Sizes, chained_table, check_stated_count, head_copies, norm_spec, routed_specs
+from .chained_mtp import (ChainedHParams, ChainedMtpPlugin, block_counts, chained_table, check_stated_count, head_copies,
+                          kv_fields, norm_spec, routed_specs)
 from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
+from .hparams import HParamsReader
 from .metadata import MetadataWriter
-from .nextn_moe import MOE_KEYS, MoeHparams, _TOWERS, parse_moe_hparams
+from .nextn_moe import _TOWERS
 from .plan_tools import RolePlan, plan_experts, text_model_name, trunk_indexed_mtp_count
 from .tensor_table import Hook, TensorSpec, TensorTable
 
-# Hy3's names of the MoE fields (nextn_moe.MOE_KEYS)
-HY_V3_MOE_KEYS: Mapping[str, tuple[str, ...]] = {
-    **MOE_KEYS, "n_routed_experts": ("num_experts", "num_local_experts"), "n_shared_experts": ("num_shared_experts",),
-    "routed_scaling_factor": ("router_scaling_factor",), "norm_topk_prob": ("route_norm",)}
 # transformers' HYV3Config defaults for the behavioural fields a config.json may leave out
 DEFAULTS: Mapping[str, Any] = {"num_shared_experts": 1, "router_scaling_factor": 2.826, "rms_norm_eps": 1e-5,
                                "max_position_embeddings": 131072, "attention_bias": False, "route_norm": True}
+
+
+@dataclass(kw_only=True)
+class HyV3HParams(ChainedHParams):
+    """Hy3's hyperparameters under HYV3Config's names (router_scaling_factor and route_norm are the
+    routing's routed_scaling_factor and norm_topk_prob; the shared expert's width is
+    num_shared_experts x moe_intermediate_size)."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    head_dim_stated: bool = False  # config.json states head_dim, so the file holds attention.key_length
+
+    @property
+    def eps(self) -> float:  # what qwen3.attention, which Hy3's graph runs, reads
+        return self.rms_norm_eps
+
+    @classmethod
+    def from_config(cls, checkpoint: Checkpoint) -> "HyV3HParams":
+        """config.json (HYV3Config's defaults for what it leaves out), with what the checkpoint's tensor
+        names say: k MTP layers at model.layers.{N..}, the routed layers (those with a router)."""
+        cfg = ConfigReader(checkpoint.config)
+        tc = cfg.text_model().with_defaults(DEFAULTS, "hy_v3 default")
+        if tc.flag("attention_bias", default=False):
+            raise SpecconvError("config.json: attention_bias=true is not supported for hy_v3 (llama.cpp loads no biases)")
+        rope = tc.with_rope().string("rope_type", default="default")
+        if rope != "default":
+            raise SpecconvError(f"config.json: rope type {rope!r} is not supported for hy_v3 (default only)")
+        n = tc.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
+        k = trunk_indexed_mtp_count(checkpoint, n)
+        stated = tc.integer("num_nextn_predict_layers", default=None)
+        check_stated_count(stated, k, f"model.layers.{n}..{n + k - 1}")
+        moe_layers = frozenset(i for i in range(n + k) if f"model.layers.{i}.mlp.router.gate.weight" in checkpoint.tensors)
+        types = tc.strings("mlp_layer_types", default=None)
+        if types is not None and len(types) >= n:
+            wrong = [i for i in range(n) if (types[i] == "sparse") != (i in moe_layers)]
+            if wrong:
+                raise SpecconvError(f"config.json mlp_layer_types disagrees with the checkpoint at layer {wrong[0]} "
+                                    f"(router tensor {'missing' if types[wrong[0]] == 'sparse' else 'present'})")
+        used, num_experts = tc.integer("num_experts_per_tok", min=1), tc.integer("num_experts", "num_local_experts", min=1)
+        if used > num_experts:
+            raise SpecconvError(f"config.json: num_experts_per_tok ({used}) exceeds n_routed_experts ({num_experts})")
+        act = tc.string("hidden_act", default="silu")
+        if act != "silu":
+            raise SpecconvError(f"config.json: hidden_act {act!r} is not supported (hy_v3 uses silu)")
+        hidden_size, num_attention_heads = tc.integer("hidden_size", min=1), tc.integer("num_attention_heads", min=1)
+        vocab_size = tc.integer("vocab_size", min=1)
+        intermediate_size, moe_intermediate_size = tc.integer("intermediate_size"), tc.integer("moe_intermediate_size")
+        shared = tc.integer("num_shared_experts", default=0)
+        fields = dict(routed_scaling_factor=tc.number("router_scaling_factor", default=1.0) or 1.0,
+                      norm_topk_prob=tc.flag("route_norm", default=True),
+                      rms_norm_eps=tc.number("rms_norm_eps", default=1e-6) or 1e-6,
+                      rope_theta=tc.with_rope().number("rope_theta", default=10000.0),
+                      max_position_embeddings=tc.integer("max_position_embeddings", default=4096),
+                      tie_word_embeddings=cfg.flag("tie_word_embeddings",
+                                                   default=tc.flag("tie_word_embeddings", default=False)))
+        num_key_value_heads = tc.integer("num_key_value_heads", default=num_attention_heads, min=1)
+        head_dim = tc.integer("head_dim", default=hidden_size // num_attention_heads, min=1)
+        if num_attention_heads % num_key_value_heads:
+            raise SpecconvError(f"config.json: num_attention_heads ({num_attention_heads}) is not a multiple of "
+                                f"num_key_value_heads ({num_key_value_heads})")
+        return cls(arch=names.HY_V3, num_hidden_layers=n, num_nextn_predict_layers=k, mtp_layers_in_config=stated,
+                   hidden_size=hidden_size, vocab_size=vocab_size, num_attention_heads=num_attention_heads,
+                   num_key_value_heads=num_key_value_heads, head_dim=head_dim, head_dim_stated=tc.has("head_dim"),
+                   intermediate_size=intermediate_size, moe_intermediate_size=moe_intermediate_size,
+                   shared_expert_intermediate_size=moe_intermediate_size * shared, moe_layers=moe_layers,
+                   num_experts=num_experts, num_experts_per_tok=used, **fields)
+
+    @classmethod
+    def from_kv(cls, kv: Mapping[str, Any]) -> "HyV3HParams":
+        """GGUF metadata; the FFN widths are each block's tensors' (ChainedHParams)."""
+        r = HParamsReader(kv)
+        arch, key = r.arch, r.key
+        block_counts(r)
+        hidden_size, num_attention_heads = key("embedding_length", type=int), key("attention.head_count", type=int)
+        head_dim = key("attention.key_length", hidden_size // num_attention_heads, int)
+        if key("attention.value_length", head_dim, int) != head_dim:
+            raise SpecconvError(f"{arch}: attention.key_length != value_length")
+        num_key_value_heads = key("attention.head_count_kv", num_attention_heads, int)
+        if num_attention_heads % num_key_value_heads:
+            raise SpecconvError(f"{arch}: {num_attention_heads} heads are not a multiple of {num_key_value_heads} KV heads")
+        return cls(**kv_fields(r), num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                   head_dim=head_dim, head_dim_stated=r.has("attention.key_length"),
+                   rope_theta=key("rope.freq_base", 10000.0, float), num_experts=key("expert_count", 0, int),
+                   routed_scaling_factor=key("expert_weights_scale", 1.0, float) or 1.0,
+                   norm_topk_prob=key("expert_weights_norm", False, bool))
 
 
 _norm = norm_spec()
@@ -44,10 +130,10 @@ HY_V3_TABLE = chained_table(
     _norm,
     head=(_norm("blk.{bid}.nextn.shared_head_norm.weight", "{p}final_layernorm.weight", "nextn"), *head_copies()),
     attention=(
-        TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.E)),
-        TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.E)),
-        TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.E)),
-        TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.q)),
+        TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.hidden_size)),
+        TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.hidden_size)),
+        TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.hidden_size)),
+        TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.hidden_size, s.q)),
         _norm("blk.{bid}.attn_q_norm.weight", _ATTN + "q_norm.weight", dim=lambda s: (s.head_dim,)),
         _norm("blk.{bid}.attn_k_norm.weight", _ATTN + "k_norm.weight", dim=lambda s: (s.head_dim,)),
     ),
@@ -69,37 +155,8 @@ class HyV3(ChainedMtpPlugin):
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        cfg = ConfigReader(checkpoint.config)
-        tc = cfg.text_model().with_defaults(DEFAULTS, "hy_v3 default")
-        if tc.flag("attention_bias", default=False):
-            raise SpecconvError("config.json: attention_bias=true is not supported for hy_v3 (llama.cpp loads no biases)")
-        rope = tc.with_rope().string("rope_type", default="default")
-        if rope != "default":
-            raise SpecconvError(f"config.json: rope type {rope!r} is not supported for hy_v3 (default only)")
-        n = tc.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
-        self.k = trunk_indexed_mtp_count(checkpoint, n)
-        check_stated_count(self, tc.integer("num_nextn_predict_layers", default=None), self.k,
-                           f"model.layers.{n}..{n + self.k - 1}", f"model.layers.{n}.*")
-        self.moe_layers = {i for i in range(n + self.k) if f"model.layers.{i}.mlp.router.gate.weight" in checkpoint.tensors}
-        types = tc.strings("mlp_layer_types", default=None)
-        if types is not None and len(types) >= n:
-            wrong = [i for i in range(n) if (types[i] == "sparse") != (i in self.moe_layers)]
-            if wrong:
-                raise SpecconvError(f"config.json mlp_layer_types disagrees with the checkpoint at layer {wrong[0]} "
-                                    f"(router tensor {'missing' if types[wrong[0]] == 'sparse' else 'present'})")
-        first_dense = min(self.moe_layers) if self.moe_layers else n
-        derived = tc.with_values({"first_k_dense_replace": first_dense, "num_nextn_predict_layers": self.k},
-                                 "from the checkpoint's tensors")
-        self.hp: MoeHparams = parse_moe_hparams(cfg, derived, "hy_v3", HY_V3_MOE_KEYS, groups=False)
-        hp = self.hp
-        self.n, self.hidden, self.vocab, self.ffn = hp.num_hidden_layers, hp.hidden, hp.vocab, hp.ffn
-        self.tied = hp.tie_embeddings
-        self.num_key_value_heads = tc.integer("num_key_value_heads", default=hp.num_attention_heads, min=1)
-        self.head_dim = tc.integer("head_dim", default=hp.hidden // hp.num_attention_heads, min=1)
-        self.has_head_dim = tc.has("head_dim")
-        if self.hp.num_attention_heads % self.num_key_value_heads:
-            raise SpecconvError(f"config.json: num_attention_heads ({self.hp.num_attention_heads}) is not a multiple of "
-                                f"num_key_value_heads ({self.num_key_value_heads})")
+        self.hp = HyV3HParams.from_config(checkpoint)
+        self.missing_mtp = self.hp.missing_mtp(f"model.layers.{self.hp.num_hidden_layers}.*")
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
@@ -112,37 +169,31 @@ class HyV3(ChainedMtpPlugin):
 
     table: ClassVar[TensorTable] = HY_V3_TABLE
 
-    def sizes(self) -> Sizes:
-        hp, total = self.hp, self.n + self.k
-        return Sizes(num_hidden_layers=self.n, E=hp.hidden, V=self.vocab, heads=(hp.num_attention_heads,) * total,
-                     kv_heads=(self.num_key_value_heads,) * total, head_dim=self.head_dim, moe_layers=frozenset(self.moe_layers),
-                     ffn=hp.ffn, num_experts=hp.num_experts, expert_ffn=hp.expert_ffn, shared_ffn=hp.shared_ffn)
-
     def hooks(self) -> dict[str, Hook]:
         return {"experts": self._experts}
 
-    def _experts(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
+    def _experts(self, plan: RolePlan, s: HyV3HParams, bid: int, p: str, role: Role) -> None:
         m = p + "mlp."
-        plan_experts(plan, bid, m + "experts.", s.num_experts, s.expert_ffn, s.E, role, where=f"layer {bid} ({m}experts)",
-                     count_field="num_experts")
+        plan_experts(plan, bid, m + "experts.", s.num_experts, s.moe_intermediate_size, s.hidden_size, role,
+                     where=f"layer {bid} ({m}experts)", count_field="num_experts")
 
     # ------------------------------------------------------------------ metadata
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         """In the order of llama.cpp's converter (TextModel's keys, then HYV3Model's)."""
-        hp = self.hp
+        hp, k = self.hp, self.hp.num_nextn_predict_layers if keep_mtp else 0
         w = MetadataWriter(self.gguf_arch)
-        w.text_model(hp.num_hidden_layers + (self.k if keep_mtp else 0), hp.context_length, hp.hidden, hp.ffn, hp.num_attention_heads,
-                     self.num_key_value_heads)
+        w.text_model(hp.num_hidden_layers + k, hp.max_position_embeddings, hp.hidden_size, hp.intermediate_size,
+                     hp.num_attention_heads, hp.num_key_value_heads)
         w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps)
+        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
         w.experts(hp.num_experts, hp.num_experts_per_tok)
-        if self.has_head_dim:
-            w.head_sizes(self.head_dim)
-        w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn)
-        w.u32(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_ffn)
-        w.flag(Keys.LLM.EXPERT_WEIGHTS_NORM, hp.norm_topk)
-        w.f32(Keys.LLM.EXPERT_WEIGHTS_SCALE, hp.routed_scale)
+        if hp.head_dim_stated:
+            w.head_sizes(hp.head_dim)
+        w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.moe_intermediate_size)
+        w.u32(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_expert_intermediate_size)
+        w.flag(Keys.LLM.EXPERT_WEIGHTS_NORM, hp.norm_topk_prob)
+        w.f32(Keys.LLM.EXPERT_WEIGHTS_SCALE, hp.routed_scaling_factor)
         w.u32(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID)
-        w.nextn(self.k if keep_mtp else 0)
+        w.nextn(k)
         return w.kv

@@ -15,12 +15,11 @@ Where this differs from llama.cpp's converter, on purpose (docs/archs.md §mimo2
 * `attention.sliding_window` = `sliding_window_size + 1`, the window transformers (and SGLang's
   reference) attend over; llama.cpp's converter writes `sliding_window`, one token narrower;
 * k is counted from the `model.mtp.layers.*` names (the config states none; llama.cpp assumes 3).
-config.json is read into `Mimo2Hparams` (archs/mimo2_hparams.py), with the release's field names.
+config.json is read into `Mimo2HParams` (archs/mimo2_hparams.py), with the release's field names.
 """
 
 from __future__ import annotations
 
-import re
 from typing import ClassVar
 
 import numpy as np
@@ -29,15 +28,12 @@ from gguf import GGUFValueType, Keys
 from . import names, register
 from . import transforms as tf
 from .base import Checkpoint, MetaKV, Role
-from .chained_mtp import ChainedMtpPlugin, Sizes, chained_table, check_stated_count, head_copies, norm_spec, routed_specs
-from .config_reader import ConfigReader
-from .errors import SpecconvError
+from .chained_mtp import ChainedMtpPlugin, chained_table, head_copies, norm_spec, routed_specs
 from .metadata import MetadataWriter
-from .mimo2_hparams import Mimo2Hparams
+from .mimo2_hparams import Mimo2HParams
 from .plan_tools import RolePlan, plan_experts, text_model_name
 from .tensor_table import Hook, TensorSpec, TensorTable
 
-_MTP = re.compile(r"^model\.mtp\.layers\.(\d+)\.(.+)$")
 _TOWERS = ("visual.", "model.visual.", "audio_tokenizer.", "model.audio_tokenizer.", "speech_embeddings.")
 
 
@@ -50,18 +46,18 @@ _ATTN = "{p}self_attn."
 MIMO2_TABLE = chained_table(
     _norm,
     head=(_norm("blk.{bid}.layer_output_norm.weight", "{p}final_layernorm.weight", "nextn", optional=True),
-          TensorSpec("blk.{bid}.nextn.shared_head_norm.weight", None, lambda s: (s.E,), "nextn", optional=True,
+          TensorSpec("blk.{bid}.nextn.shared_head_norm.weight", None, lambda s: (s.hidden_size,), "nextn", optional=True,
                      f32=True), *head_copies()),  # other converters' head ends
     attention=(
-        TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.E), "split_qkv",
+        TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.hidden_size), "split_qkv",
                    optional=True),
-        TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.E), "split_qkv",
+        TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.hidden_size), "split_qkv",
                    optional=True),
-        TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.v, s.E), "split_qkv",
+        TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.v, s.hidden_size), "split_qkv",
                    optional=True),
-        TensorSpec("blk.{bid}.attn_qkv.weight", None, lambda s: (s.q + s.kv + s.v, s.E), "fused_qkv", optional=True,
+        TensorSpec("blk.{bid}.attn_qkv.weight", None, lambda s: (s.q + s.kv + s.v, s.hidden_size), "fused_qkv", optional=True,
                    hook="fused_qkv"),
-        TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.o)),
+        TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.hidden_size, s.o)),
         TensorSpec("blk.{bid}.attn_sinks.weight", None, lambda s: (s.num_attention_heads,), optional=True, f32=True, hook="sinks"),
     ),
     ffn_norm=(_norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight", "trunk"),
@@ -80,21 +76,7 @@ class MiMo2(ChainedMtpPlugin):
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        cfg = ConfigReader(checkpoint.config)
-        self.hp = hp = Mimo2Hparams.from_config(cfg)
-        self.n, self.hidden, self.vocab = hp.num_hidden_layers, hp.hidden_size, hp.vocab_size
-        self.ffn, self.tied = hp.intermediate_size, hp.tie_word_embeddings
-        seen = {int(m.group(1)) for m in map(_MTP.match, checkpoint.tensors) if m}
-        self.k = max(seen) + 1 if seen else 0
-        if seen and sorted(seen) != list(range(self.k)):
-            raise SpecconvError(f"checkpoint holds MTP layers model.mtp.layers.{sorted(seen)}, not 0..{self.k - 1}")
-        check_stated_count(self, hp.num_nextn_predict_layers, self.k, "model.mtp.layers.*")
-        self.moe_layers = {i for i in range(self.n) if f"model.layers.{i}.mlp.gate.weight" in checkpoint.tensors}
-        freq = hp.moe_layer_freq
-        if isinstance(freq, list) and len(freq) >= self.n:
-            wrong = [i for i in range(self.n) if bool(freq[i]) != (i in self.moe_layers)]
-            if wrong:
-                raise SpecconvError(f"config.json moe_layer_freq disagrees with the checkpoint at layer {wrong[0]}")
+        self.hp: Mimo2HParams = Mimo2HParams.from_config(checkpoint)
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
@@ -104,38 +86,29 @@ class MiMo2(ChainedMtpPlugin):
 
     table: ClassVar[TensorTable] = MIMO2_TABLE
 
-    def sizes(self) -> Sizes:
-        hp, total = self.hp, self.n + self.k
-        # the MTP blocks are sliding-window blocks (vLLM's MiMoV2MTPLayer)
-        kv_heads = tuple(hp.swa_num_key_value_heads if i >= self.n or hp.hybrid_layer_pattern[i]
-                         else hp.num_key_value_heads for i in range(total))
-        return Sizes(num_hidden_layers=self.n, E=self.hidden, V=self.vocab, heads=(hp.num_attention_heads,) * total,
-                     kv_heads=kv_heads, head_dim=hp.head_dim, v_head_dim=hp.v_head_dim,
-                     moe_layers=frozenset(self.moe_layers), ffn=hp.intermediate_size, num_experts=hp.n_routed_experts,
-                     expert_ffn=hp.moe_intermediate_size)
-
     def hooks(self) -> dict[str, Hook]:
         return {"experts": self._experts, "fused_qkv": self._fused_qkv, "sinks": self._sinks}
 
     def _prefix(self, i: int) -> str:
-        return f"model.mtp.layers.{i - self.n}." if i >= self.n else f"model.layers.{i}."
+        n = self.hp.num_hidden_layers
+        return f"model.mtp.layers.{i - n}." if i >= n else f"model.layers.{i}."
 
-    def _fused_qkv(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
+    def _fused_qkv(self, plan: RolePlan, s: Mimo2HParams, bid: int, p: str, role: Role) -> None:
         a = p + "self_attn."
-        srcs = [plan.source(a + "q_proj.weight", (s.q, s.E)), plan.source(a + "k_proj.weight", (s.kv, s.E)),
-                plan.source(a + "v_proj.weight", (s.v, s.E))]
-        plan.add(names.blk(bid, "attn_qkv"), srcs, (s.q + s.kv + s.v, s.E), role, concat_rows)
+        srcs = [plan.source(a + "q_proj.weight", (s.q, s.hidden_size)), plan.source(a + "k_proj.weight", (s.kv, s.hidden_size)),
+                plan.source(a + "v_proj.weight", (s.v, s.hidden_size))]
+        plan.add(names.blk(bid, "attn_qkv"), srcs, (s.q + s.kv + s.v, s.hidden_size), role, concat_rows)
 
-    def _sinks(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
+    def _sinks(self, plan: RolePlan, s: Mimo2HParams, bid: int, p: str, role: Role) -> None:
         a = p + "self_attn."
         if plan.has(a + "attention_sink_bias"):
             plan.add(names.blk(bid, "attn_sinks"), [plan.source(a + "attention_sink_bias", (s.num_attention_heads,))],
                      (s.num_attention_heads,), role, tf.identity, True)
 
-    def _experts(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
+    def _experts(self, plan: RolePlan, s: Mimo2HParams, bid: int, p: str, role: Role) -> None:
         m = p + "mlp."
-        plan_experts(plan, bid, m + "experts.", s.num_experts, s.expert_ffn, s.E, role, where=f"layer {bid} ({m}experts)",
-                     count_field="n_routed_experts")
+        plan_experts(plan, bid, m + "experts.", s.num_experts, s.moe_intermediate_size, s.hidden_size, role,
+                     where=f"layer {bid} ({m}experts)", count_field="n_routed_experts")
 
     # ------------------------------------------------------------------ metadata
 
@@ -143,23 +116,23 @@ class MiMo2(ChainedMtpPlugin):
         """In the order of llama.cpp's converter (TextModel's keys, where MimoV2Model's later writes of
         the same key keep their first place, then MimoV2Model's own); integer arrays as it writes them."""
         i32 = GGUFValueType.INT32
-        hp, k = self.hp, self.k if keep_mtp else 0
-        pattern = list(hp.hybrid_layer_pattern) + [1] * k
+        hp, k = self.hp, self.hp.num_nextn_predict_layers if keep_mtp else 0
+        blocks = hp.num_hidden_layers + k
         w = MetadataWriter(self.gguf_arch)
-        w.text_model(self.n + k, hp.max_position_embeddings, hp.hidden_size, hp.intermediate_size,
-                     hp.num_attention_heads,
-                     [hp.swa_num_key_value_heads if s else hp.num_key_value_heads for s in pattern], array_type=i32)
+        w.text_model(blocks, hp.max_position_embeddings, hp.hidden_size, hp.intermediate_size,
+                     hp.num_attention_heads, hp.num_key_value_heads[:blocks], array_type=i32)
         w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
         w.f32(Keys.Rope.FREQ_BASE_SWA, hp.swa_rope_theta)
-        w.experts(hp.n_routed_experts, hp.num_experts_per_tok)
-        w.expert_groups(hp.n_group, hp.topk_group)
+        w.experts(hp.num_experts, hp.num_experts_per_tok)
+        if hp.expert_groups_stated:
+            w.expert_groups(hp.n_group, hp.topk_group)
         w.u32(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID)
         w.head_sizes(hp.head_dim, hp.v_head_dim)
         w.u32(Keys.Attention.SLIDING_WINDOW, hp.sliding_window)
-        w.array(Keys.Attention.SLIDING_WINDOW_PATTERN, pattern, i32)
+        w.array(Keys.Attention.SLIDING_WINDOW_PATTERN, hp.hybrid_layer_pattern[:blocks], i32)
         w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.moe_intermediate_size)
         w.u32(Keys.Rope.DIMENSION_COUNT, hp.rotary_dim)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.layernorm_epsilon)
+        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
         w.f32("{arch}.attention.value_scale", hp.attention_value_scale)
         w.nextn(k)
         return w.kv

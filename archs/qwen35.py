@@ -9,7 +9,7 @@ the actual layer pattern, `rope.dimension_sections` consistent with the rotary d
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import replace
 from functools import partial
 from typing import ClassVar
 
@@ -22,8 +22,8 @@ from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name
-from .qwen35_hparams import Qwen35Hparams, parse_hparams
-from .tensor_table import AttentionWidths, Block, TensorSpec, TensorTable
+from .qwen35_hparams import Qwen35HParams
+from .tensor_table import Block, TensorSpec, TensorTable
 
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.audio_tower.",
@@ -32,58 +32,14 @@ _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "
 # ---------------------------------------------------------------------- the tensor table
 
 
-@dataclass(frozen=True)
-class Sizes(AttentionWidths):
-    """The dimensions the Qwen3.5 / Qwen3-Next table is written in: the plugin's from config.json
-    (`sizes_from_config`), the graph's from GGUF metadata (runtime/graphs/qwen35.py, V = "V")."""
-
-    num_hidden_layers: int  # trunk blocks
-    recurrent: tuple[bool, ...]  # per trunk block: Gated DeltaNet (True) or full attention
-    moe: bool
-    E: int  # hidden size
-    V: int | str  # vocabulary (embedding rows)
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    nk: int  # Gated DeltaNet key heads
-    nv: int  # value heads
-    dk: int
-    dv: int
-    conv_kernel: int
-    ffn: int = 0  # dense MLP width
-    num_experts: int = 0
-    expert_ffn: int = 0
-    shared_ffn: int = 0
-
-    @property
-    def r(self) -> int:
-        """Value heads per key head."""
-        return self.nv // self.nk
-
-    @property
-    def qk_channels(self) -> int:
-        return 2 * self.nk * self.dk
-
-    @property
-    def conv_channels(self) -> int:
-        return self.qk_channels + self.nv * self.dv
-
-
-def sizes_from_config(hp: Qwen35Hparams) -> Sizes:
-    return Sizes(num_hidden_layers=hp.num_hidden_layers, recurrent=tuple(hp.recurrent), moe=hp.moe, E=hp.hidden, V=hp.vocab,
-                 num_attention_heads=hp.num_attention_heads, num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, nk=hp.nk, nv=hp.nv, dk=hp.dk,
-                 dv=hp.dv, conv_kernel=hp.conv_kernel, ffn=hp.ffn or 0, num_experts=hp.num_experts,
-                 expert_ffn=hp.expert_ffn, shared_ffn=hp.shared_ffn)
-
-
-def block_tags(s: Sizes, bid: int) -> frozenset[str]:
+def block_tags(s: Qwen35HParams, bid: int) -> frozenset[str]:
     """A trunk block is recurrent or attention; the MTP block (bid = n_layer) is attention and holds the
     nextn head; the FFN of every block is dense or MoE."""
     mixer = "recurrent" if bid < s.num_hidden_layers and s.recurrent[bid] else "attention"
-    return frozenset({mixer, "moe" if s.moe else "dense"} | ({"nextn"} if bid == s.num_hidden_layers else set()))
+    return frozenset({mixer, "moe" if s.is_moe else "dense"} | ({"nextn"} if bid == s.num_hidden_layers else set()))
 
 
-def _norm(gguf: str, hf: str, on: str = "", dim=lambda s: (s.E,)) -> TensorSpec:
+def _norm(gguf: str, hf: str, on: str = "", dim=lambda s: (s.hidden_size,)) -> TensorSpec:
     """A zero-centred RMSNorm: written as 1 + w, kept F32."""
     return TensorSpec(gguf, hf, dim, on, f32=True, transform=lambda s: tf.plus_one)
 
@@ -91,79 +47,91 @@ def _norm(gguf: str, hf: str, on: str = "", dim=lambda s: (s.E,)) -> TensorSpec:
 def _tiled(dim: int, per_head: str, after_qk: bool = False):
     """The value-head re-tiling along `dim` (docs/reference/gguf-layout.md §7.1.1 item 4) of blocks of
     `per_head` rows ("dv" or "1") per value head; `after_qk`: only the channels after q|k."""
-    def transform(s: Sizes):
-        start = {"start": s.qk_channels} if after_qk else {}
-        return partial(_retiled, dim=dim, nk=s.nk, r=s.r, block=s.dv if per_head == "dv" else 1, **start)
+    def transform(s: Qwen35HParams):
+        start = {"start": s.linear_qk_channels} if after_qk else {}
+        return partial(_retiled, dim=dim, nk=s.linear_num_key_heads, r=s.value_heads_per_key_head,
+                       block=s.linear_value_head_dim if per_head == "dv" else 1, **start)
     return transform
 
 
 _LA = "{p}linear_attn."
 _MLP = "{p}mlp."
-_CONV_SOURCE = lambda s: [(s.conv_channels, 1, s.conv_kernel), (s.conv_channels, s.conv_kernel)]  # noqa: E731
+_CONV = lambda s: (s.conv_channels, s.linear_conv_kernel_dim)  # noqa: E731
+_GATE_UP_EXPS = lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size)  # noqa: E731
 
 QWEN35_GDN = (  # Qwen3.5's Gated DeltaNet (Qwen3-Next's differs: archs/qwen3next.py)
-    TensorSpec("blk.{bid}.attn_qkv.weight", _LA + "in_proj_qkv.weight", lambda s: (s.conv_channels, s.E),
+    TensorSpec("blk.{bid}.attn_qkv.weight", _LA + "in_proj_qkv.weight", lambda s: (s.conv_channels, s.hidden_size),
                "recurrent", transform=_tiled(0, "dv", after_qk=True)),
-    TensorSpec("blk.{bid}.attn_gate.weight", _LA + "in_proj_z.weight", lambda s: (s.nv * s.dv, s.E), "recurrent",
-               transform=_tiled(0, "dv")),
-    TensorSpec("blk.{bid}.ssm_beta.weight", _LA + "in_proj_b.weight", lambda s: (s.nv, s.E), "recurrent",
-               transform=_tiled(0, "1")),
-    TensorSpec("blk.{bid}.ssm_alpha.weight", _LA + "in_proj_a.weight", lambda s: (s.nv, s.E), "recurrent",
-               transform=_tiled(0, "1")),
-    TensorSpec("blk.{bid}.ssm_a", _LA + "A_log", lambda s: (s.nv,), "recurrent", f32=True,
-               transform=lambda s: partial(_ssm_a, nk=s.nk, r=s.r)),
-    TensorSpec("blk.{bid}.ssm_dt.bias", _LA + "dt_bias", lambda s: (s.nv,), "recurrent", f32=True,
-               transform=_tiled(0, "1")),
-    TensorSpec("blk.{bid}.ssm_conv1d.weight", _LA + "conv1d.weight", lambda s: (s.conv_channels, s.conv_kernel),
-               "recurrent", f32=True, hf_shape=_CONV_SOURCE,
-               transform=lambda s: partial(_conv1d, shape=(s.conv_channels, s.conv_kernel), nk=s.nk, r=s.r,
-                                           block=s.dv, start=s.qk_channels)),
-    TensorSpec("blk.{bid}.ssm_norm.weight", _LA + "norm.weight", lambda s: (s.dv,), "recurrent", f32=True),
-    TensorSpec("blk.{bid}.ssm_out.weight", _LA + "out_proj.weight", lambda s: (s.E, s.nv * s.dv), "recurrent",
-               transform=_tiled(1, "dv")),
+    TensorSpec("blk.{bid}.attn_gate.weight", _LA + "in_proj_z.weight",
+               lambda s: (s.linear_value_width, s.hidden_size), "recurrent", transform=_tiled(0, "dv")),
+    TensorSpec("blk.{bid}.ssm_beta.weight", _LA + "in_proj_b.weight",
+               lambda s: (s.linear_num_value_heads, s.hidden_size), "recurrent", transform=_tiled(0, "1")),
+    TensorSpec("blk.{bid}.ssm_alpha.weight", _LA + "in_proj_a.weight",
+               lambda s: (s.linear_num_value_heads, s.hidden_size), "recurrent", transform=_tiled(0, "1")),
+    TensorSpec("blk.{bid}.ssm_a", _LA + "A_log", lambda s: (s.linear_num_value_heads,), "recurrent", f32=True,
+               transform=lambda s: partial(_ssm_a, nk=s.linear_num_key_heads, r=s.value_heads_per_key_head)),
+    TensorSpec("blk.{bid}.ssm_dt.bias", _LA + "dt_bias", lambda s: (s.linear_num_value_heads,), "recurrent",
+               f32=True, transform=_tiled(0, "1")),
+    TensorSpec("blk.{bid}.ssm_conv1d.weight", _LA + "conv1d.weight", _CONV, "recurrent", f32=True,
+               hf_shape=lambda s: [(s.conv_channels, 1, s.linear_conv_kernel_dim), _CONV(s)],
+               transform=lambda s: partial(_conv1d, shape=_CONV(s), nk=s.linear_num_key_heads,
+                                           r=s.value_heads_per_key_head, block=s.linear_value_head_dim,
+                                           start=s.linear_qk_channels)),
+    TensorSpec("blk.{bid}.ssm_norm.weight", _LA + "norm.weight", lambda s: (s.linear_value_head_dim,), "recurrent",
+               f32=True),
+    TensorSpec("blk.{bid}.ssm_out.weight", _LA + "out_proj.weight", lambda s: (s.hidden_size, s.linear_value_width),
+               "recurrent", transform=_tiled(1, "dv")),
 )
 
 QWEN35_TABLE = TensorTable((
-    TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.V, s.E)),
+    TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.vocab_dim, s.hidden_size)),
     _norm(names.OUTPUT_NORM, "model.norm.weight"),
-    TensorSpec(names.OUTPUT, None, lambda s: (s.V, s.E), optional=True, hook="output_head"),  # absent when tied
+    TensorSpec(names.OUTPUT, None, lambda s: (s.vocab_dim, s.hidden_size), optional=True,
+               hook="output_head"),  # absent when tied
     _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
     # full attention; q_proj rows stay per head [q_h ; gate_h]: llama.cpp splits them (§7.1.1 item 5)
-    TensorSpec("blk.{bid}.attn_q.weight", "{p}self_attn.q_proj.weight", lambda s: (2 * s.q, s.E), "attention"),
-    TensorSpec("blk.{bid}.attn_k.weight", "{p}self_attn.k_proj.weight", lambda s: (s.kv, s.E), "attention"),
-    TensorSpec("blk.{bid}.attn_v.weight", "{p}self_attn.v_proj.weight", lambda s: (s.kv, s.E), "attention"),
-    TensorSpec("blk.{bid}.attn_output.weight", "{p}self_attn.o_proj.weight", lambda s: (s.E, s.q), "attention"),
+    TensorSpec("blk.{bid}.attn_q.weight", "{p}self_attn.q_proj.weight", lambda s: (2 * s.q, s.hidden_size),
+               "attention"),
+    TensorSpec("blk.{bid}.attn_k.weight", "{p}self_attn.k_proj.weight", lambda s: (s.kv, s.hidden_size), "attention"),
+    TensorSpec("blk.{bid}.attn_v.weight", "{p}self_attn.v_proj.weight", lambda s: (s.kv, s.hidden_size), "attention"),
+    TensorSpec("blk.{bid}.attn_output.weight", "{p}self_attn.o_proj.weight", lambda s: (s.hidden_size, s.q),
+               "attention"),
     _norm("blk.{bid}.attn_q_norm.weight", "{p}self_attn.q_norm.weight", "attention", lambda s: (s.head_dim,)),
     _norm("blk.{bid}.attn_k_norm.weight", "{p}self_attn.k_norm.weight", "attention", lambda s: (s.head_dim,)),
     *QWEN35_GDN,
     _norm("blk.{bid}.post_attention_norm.weight", "{p}post_attention_layernorm.weight"),
-    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.ffn, s.E), "dense"),
-    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.ffn, s.E), "dense"),
-    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.E, s.ffn), "dense"),
-    TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.num_experts, s.E), "moe", f32=True),
-    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, lambda s: (s.num_experts, s.expert_ffn, s.E), "moe",
-               hook="experts"),
-    TensorSpec("blk.{bid}.ffn_up_exps.weight", None, lambda s: (s.num_experts, s.expert_ffn, s.E), "moe",
-               hook="experts"),
-    TensorSpec("blk.{bid}.ffn_down_exps.weight", None, lambda s: (s.num_experts, s.E, s.expert_ffn), "moe",
-               hook="experts"),
+    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.intermediate_size, s.hidden_size),
+               "dense"),
+    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.intermediate_size, s.hidden_size),
+               "dense"),
+    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.hidden_size, s.intermediate_size),
+               "dense"),
+    TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.num_experts, s.hidden_size), "moe",
+               f32=True),
+    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, _GATE_UP_EXPS, "moe", hook="experts"),
+    TensorSpec("blk.{bid}.ffn_up_exps.weight", None, _GATE_UP_EXPS, "moe", hook="experts"),
+    TensorSpec("blk.{bid}.ffn_down_exps.weight", None,
+               lambda s: (s.num_experts, s.hidden_size, s.moe_intermediate_size), "moe", hook="experts"),
     TensorSpec("blk.{bid}.ffn_gate_shexp.weight", _MLP + "shared_expert.gate_proj.weight",
-               lambda s: (s.shared_ffn, s.E), "moe"),
+               lambda s: (s.shared_expert_intermediate_size, s.hidden_size), "moe"),
     TensorSpec("blk.{bid}.ffn_up_shexp.weight", _MLP + "shared_expert.up_proj.weight",
-               lambda s: (s.shared_ffn, s.E), "moe"),
+               lambda s: (s.shared_expert_intermediate_size, s.hidden_size), "moe"),
     TensorSpec("blk.{bid}.ffn_down_shexp.weight", _MLP + "shared_expert.down_proj.weight",
-               lambda s: (s.E, s.shared_ffn), "moe"),
+               lambda s: (s.hidden_size, s.shared_expert_intermediate_size), "moe"),
     # written {H, 1}, as llama.cpp's converter writes it; its loader (and ours) also take {H}
-    TensorSpec("blk.{bid}.ffn_gate_inp_shexp.weight", _MLP + "shared_expert_gate.weight", lambda s: (1, s.E),
-               "moe", f32=True, accepts=lambda s: [(s.E,)]),
+    TensorSpec("blk.{bid}.ffn_gate_inp_shexp.weight", _MLP + "shared_expert_gate.weight",
+               lambda s: (1, s.hidden_size), "moe", f32=True, accepts=lambda s: [(s.hidden_size,)]),
     # the MTP head (block n_layer); the embedding half comes first in eh_proj's input, as in llama.cpp
-    TensorSpec("blk.{bid}.nextn.eh_proj.weight", "mtp.fc.weight", lambda s: (s.E, 2 * s.E), "nextn"),
+    TensorSpec("blk.{bid}.nextn.eh_proj.weight", "mtp.fc.weight", lambda s: (s.hidden_size, 2 * s.hidden_size),
+               "nextn"),
     _norm("blk.{bid}.nextn.enorm.weight", "mtp.pre_fc_norm_embedding.weight", "nextn"),
     _norm("blk.{bid}.nextn.hnorm.weight", "mtp.pre_fc_norm_hidden.weight", "nextn"),
-    TensorSpec("blk.{bid}.nextn.shared_head_norm.weight", "mtp.norm.weight", lambda s: (s.E,), "nextn",
+    TensorSpec("blk.{bid}.nextn.shared_head_norm.weight", "mtp.norm.weight", lambda s: (s.hidden_size,), "nextn",
                optional=True, f32=True, transform=lambda s: tf.plus_one),
-    TensorSpec("blk.{bid}.nextn.embed_tokens.weight", None, lambda s: (s.V, s.E), "nextn", optional=True),
-    TensorSpec("blk.{bid}.nextn.shared_head_head.weight", None, lambda s: (s.V, s.E), "nextn", optional=True),
+    TensorSpec("blk.{bid}.nextn.embed_tokens.weight", None, lambda s: (s.vocab_dim, s.hidden_size), "nextn",
+               optional=True),
+    TensorSpec("blk.{bid}.nextn.shared_head_head.weight", None, lambda s: (s.vocab_dim, s.hidden_size), "nextn",
+               optional=True),
 ), block_tags)
 
 
@@ -172,11 +140,13 @@ class Qwen35Base(ArchPlugin):
     moe: ClassVar[bool] = False
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "qwen35"
+    HParams: ClassVar[type[Qwen35HParams]] = Qwen35HParams  # Qwen3-Next reads config.json with its own rules
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        self.hp: Qwen35Hparams = parse_hparams(checkpoint.config, self.moe)
-        self._k = self._count_mtp_layers()
+        hp = self.HParams.from_config(checkpoint.config, self.gguf_arch)
+        # config.json states the MTP block count; the checkpoint's blocks are what is converted
+        self.hp = replace(hp, num_nextn_predict_layers=self._count_mtp_layers(hp.num_nextn_predict_layers))
 
     # ------------------------------------------------------------------ naming
 
@@ -195,16 +165,16 @@ class Qwen35Base(ArchPlugin):
 
     @property
     def n_mtp_layers(self) -> int:
-        return self._k
+        return self.hp.num_nextn_predict_layers
 
-    def _count_mtp_layers(self) -> int:
-        """k per docs/reference/gguf-layout.md §4.4: from the config, else from `mtp.layers.*`; both must agree."""
+    def _count_mtp_layers(self, configured: int) -> int:
+        """k per docs/reference/gguf-layout.md §4.4: from the config (`configured`, 0 when it states none),
+        else from `mtp.layers.*`; both must agree."""
         from_names = 0
         for name in self.checkpoint.tensors:
             m = _MTP_LAYER.match(name)
             if m:
                 from_names = max(from_names, int(m.group(1)) + 1)
-        configured = self.hp.mtp_layers_config
         if configured and not from_names and not any(n.startswith("mtp.") for n in self.checkpoint.tensors):
             # A stripped head: the trunk is still convertible, but only when the user asks for it.
             self.missing_mtp = (f"config.json says mtp_num_hidden_layers={configured}, but the checkpoint "
@@ -228,59 +198,54 @@ class Qwen35Base(ArchPlugin):
     def tensor_plan(self) -> list[TensorPlan]:
         hp, plan = self.hp, RolePlan(self.checkpoint.tensors)
         blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(hp.num_hidden_layers)]
-        blocks += [Block(hp.num_hidden_layers + j, f"mtp.layers.{j}.", Role.MTP) for j in range(self._k)]
+        blocks += [Block(hp.num_hidden_layers + j, f"mtp.layers.{j}.", Role.MTP)
+                   for j in range(hp.num_nextn_predict_layers)]
         hooks = {"output_head": self._output_head, "experts": self._experts}
-        self.table.plan(plan, sizes_from_config(hp), blocks, hooks)
+        self.table.plan(plan, hp, blocks, hooks)
         return plan.finish(self.gguf_arch)
 
-    def _output_head(self, plan: RolePlan, sizes: Sizes, bid: None, p: str, role: Role) -> None:
-        add_output_head(plan, self.hp.tie_embeddings, sizes.V, sizes.E)
+    def _output_head(self, plan: RolePlan, hp: Qwen35HParams, bid: None, p: str, role: Role) -> None:
+        add_output_head(plan, hp.tie_word_embeddings, hp.vocab_dim, hp.hidden_size)
 
-    def _experts(self, plan: RolePlan, sizes: Sizes, bid: int, p: str, role: Role) -> None:
+    def _experts(self, plan: RolePlan, hp: Qwen35HParams, bid: int, p: str, role: Role) -> None:
         """Routed experts from the fused 3-D layout (releases) or per-expert tensors (save_pretrained)."""
         m = p + "mlp."
-        plan_experts(plan, bid, m + "experts.", sizes.num_experts, sizes.expert_ffn, sizes.E, role,
+        plan_experts(plan, bid, m + "experts.", hp.num_experts, hp.moe_intermediate_size, hp.hidden_size, role,
                      where=f"layer {bid} ({m.rstrip('.')})", count_field="num_experts")
 
     # ------------------------------------------------------------------ metadata
 
-    # What qwen3next writes differently (archs/qwen3next.py overrides these three).
+    # What qwen3next writes differently (its hparams read feed_forward_length and the interval as configured)
     writes_rope_sections: ClassVar[bool] = True  # rope.dimension_sections (M-RoPE); qwen3next: NEOX rope
-
-    def _feed_forward_length(self) -> int | None:
-        return self.hp.ffn
-
-    def _full_attention_interval(self) -> int:
-        return self.hp.full_attention_interval
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         hp = self.hp
-        k = self._k if keep_mtp else 0
+        k = hp.num_nextn_predict_layers if keep_mtp else 0
         # Same keys and order as the pinned upstream converter (TextModel, Qwen2Moe, mixins; for
         # qwen3next: TextModel, Qwen2MoeModel, _QwenMtpMixin, Qwen3NextModel).
         w = MetadataWriter(self.gguf_arch)
-        w.text_model(hp.num_hidden_layers + k, hp.context_length, hp.hidden, self._feed_forward_length(), hp.num_attention_heads,
-                     hp.num_key_value_heads)
+        w.text_model(hp.num_hidden_layers + k, hp.max_position_embeddings, hp.hidden_size,
+                     hp.intermediate_size or None, hp.num_attention_heads, hp.num_key_value_heads)
         w.rope_scaling(hp.rope_scaling)
         if self.writes_rope_sections:
-            w.array(Keys.Rope.DIMENSION_SECTIONS, hp.rope_sections, GGUFValueType.INT32)
+            w.array(Keys.Rope.DIMENSION_SECTIONS, hp.mrope_section, GGUFValueType.INT32)
         w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_eps)
-        if hp.moe:
+        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
+        if hp.is_moe:
             w.experts(hp.num_experts, hp.num_experts_per_tok)
         w.head_sizes(hp.head_dim)
-        if hp.moe:
-            w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.expert_ffn)
-            w.u32(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_ffn)
+        if hp.is_moe:
+            w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.moe_intermediate_size)
+            w.u32(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_expert_intermediate_size)
         w.nextn(k)
-        w.u32(Keys.SSM.CONV_KERNEL, hp.conv_kernel)
-        w.u32(Keys.SSM.STATE_SIZE, hp.dk)
-        w.u32(Keys.SSM.GROUP_COUNT, hp.nk)
-        w.u32(Keys.SSM.TIME_STEP_RANK, hp.nv)
-        w.u32(Keys.SSM.INNER_SIZE, hp.nv * hp.dv)
-        w.array(names.recurrent_layers_key("{arch}"), hp.recurrent + [False] * k, GGUFValueType.BOOL)
-        w.u32(Keys.LLM.FULL_ATTENTION_INTERVAL, self._full_attention_interval())
-        w.u32(Keys.Rope.DIMENSION_COUNT, hp.rope_dim)
+        w.u32(Keys.SSM.CONV_KERNEL, hp.linear_conv_kernel_dim)
+        w.u32(Keys.SSM.STATE_SIZE, hp.linear_key_head_dim)
+        w.u32(Keys.SSM.GROUP_COUNT, hp.linear_num_key_heads)
+        w.u32(Keys.SSM.TIME_STEP_RANK, hp.linear_num_value_heads)
+        w.u32(Keys.SSM.INNER_SIZE, hp.linear_value_width)
+        w.array(names.recurrent_layers_key("{arch}"), list(hp.recurrent) + [False] * k, GGUFValueType.BOOL)
+        w.u32(Keys.LLM.FULL_ATTENTION_INTERVAL, hp.full_attention_interval)
+        w.u32(Keys.Rope.DIMENSION_COUNT, hp.rotary_dim)
         return w.kv
 
 

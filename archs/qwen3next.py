@@ -17,17 +17,18 @@ release's config.json states none). What differs (docs/reference/gguf-layout.md 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
-from typing import ClassVar
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
 from . import names, register
 from . import transforms as tf
-from .base import Checkpoint
 from .config_reader import ConfigReader
 from .errors import SpecconvError
 from .qwen35 import QWEN35_TABLE, Qwen35Base
+from .qwen35_hparams import Qwen35HParams
 from .tensor_table import TensorSpec, TensorTable
 
 
@@ -47,27 +48,66 @@ def neg_exp(ts: list[np.ndarray]) -> np.ndarray:
 
 
 _LA = "{p}linear_attn."
-_CONV = lambda s: (s.conv_channels, s.conv_kernel)  # noqa: E731
+_CONV = lambda s: (s.conv_channels, s.linear_conv_kernel_dim)  # noqa: E731
+# in_proj_qkvz holds per key head q and k (linear_key_head_dim rows each), then v and z (_VR rows each)
+_VR = lambda s: s.value_heads_per_key_head * s.linear_value_head_dim  # noqa: E731
+_QKVZ = lambda s: (s.linear_num_key_heads * (2 * s.linear_key_head_dim + 2 * _VR(s)), s.hidden_size)  # noqa: E731
 
 # Qwen3.5's table (archs/qwen35.py) with this Gated DeltaNet: q|k|v and z gathered from one projection,
 # b|a as one tensor, no value-head re-tiling
 QWEN3NEXT_TABLE = QWEN35_TABLE.replacing("recurrent", (
-    TensorSpec("blk.{bid}.attn_qkv.weight", _LA + "in_proj_qkvz.weight", lambda s: (s.conv_channels, s.E),
-               "recurrent", hf_shape=lambda s: (s.nk * (2 * s.dk + 2 * s.r * s.dv), s.E),
-               transform=lambda s: partial(qkvz_part, nk=s.nk, dk=s.dk, vr=s.r * s.dv, part="qkv")),
-    TensorSpec("blk.{bid}.attn_gate.weight", _LA + "in_proj_qkvz.weight", lambda s: (s.nv * s.dv, s.E),
-               "recurrent", hf_shape=lambda s: (s.nk * (2 * s.dk + 2 * s.r * s.dv), s.E),
-               transform=lambda s: partial(qkvz_part, nk=s.nk, dk=s.dk, vr=s.r * s.dv, part="z")),
-    TensorSpec("blk.{bid}.ssm_ba.weight", _LA + "in_proj_ba.weight", lambda s: (2 * s.nv, s.E), "recurrent"),
-    TensorSpec("blk.{bid}.ssm_a", _LA + "A_log", lambda s: (s.nv,), "recurrent", f32=True,
+    TensorSpec("blk.{bid}.attn_qkv.weight", _LA + "in_proj_qkvz.weight", lambda s: (s.conv_channels, s.hidden_size),
+               "recurrent", hf_shape=_QKVZ, transform=lambda s: partial(
+                   qkvz_part, nk=s.linear_num_key_heads, dk=s.linear_key_head_dim, vr=_VR(s), part="qkv")),
+    TensorSpec("blk.{bid}.attn_gate.weight", _LA + "in_proj_qkvz.weight",
+               lambda s: (s.linear_value_width, s.hidden_size), "recurrent", hf_shape=_QKVZ, transform=lambda s: partial(
+                   qkvz_part, nk=s.linear_num_key_heads, dk=s.linear_key_head_dim, vr=_VR(s), part="z")),
+    TensorSpec("blk.{bid}.ssm_ba.weight", _LA + "in_proj_ba.weight",
+               lambda s: (2 * s.linear_num_value_heads, s.hidden_size), "recurrent"),
+    TensorSpec("blk.{bid}.ssm_a", _LA + "A_log", lambda s: (s.linear_num_value_heads,), "recurrent", f32=True,
                transform=lambda s: neg_exp),
-    TensorSpec("blk.{bid}.ssm_dt.bias", _LA + "dt_bias", lambda s: (s.nv,), "recurrent", f32=True),
+    TensorSpec("blk.{bid}.ssm_dt.bias", _LA + "dt_bias", lambda s: (s.linear_num_value_heads,), "recurrent",
+               f32=True),
     TensorSpec("blk.{bid}.ssm_conv1d.weight", _LA + "conv1d.weight", _CONV, "recurrent", f32=True,
-               hf_shape=lambda s: [(s.conv_channels, 1, s.conv_kernel), _CONV(s)],
+               hf_shape=lambda s: [(s.conv_channels, 1, s.linear_conv_kernel_dim), _CONV(s)],
                transform=lambda s: partial(tf.reshape, shape=_CONV(s))),
-    TensorSpec("blk.{bid}.ssm_norm.weight", _LA + "norm.weight", lambda s: (s.dv,), "recurrent", f32=True),
-    TensorSpec("blk.{bid}.ssm_out.weight", _LA + "out_proj.weight", lambda s: (s.E, s.nv * s.dv), "recurrent"),
+    TensorSpec("blk.{bid}.ssm_norm.weight", _LA + "norm.weight", lambda s: (s.linear_value_head_dim,), "recurrent",
+               f32=True),
+    TensorSpec("blk.{bid}.ssm_out.weight", _LA + "out_proj.weight", lambda s: (s.hidden_size, s.linear_value_width),
+               "recurrent"),
 ))
+
+
+class Qwen3NextHParams(Qwen35HParams):
+    """Qwen3.5-MoE's fields, read with Qwen3-Next's rules: config.json's `intermediate_size` is written
+    as feed_forward_length and its `full_attention_interval` as configured (default 4;
+    recurrent_layers carries the actual pattern); a file with rope scaling is refused."""
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], arch: str = names.QWEN3NEXT) -> Qwen3NextHParams:
+        hp = super().from_config(config, arch)
+        tc = ConfigReader(config).text_model()
+        intermediate_size = tc.integer("intermediate_size", default=None, min=1)
+        # llama.cpp's qwen3next loader gives every block a router and experts, and always renormalises
+        # the top-k weights (docs/reference/gguf-layout.md §7.3): refuse configs transformers would run otherwise.
+        if tc.integers("mlp_only_layers", default=None) or tc.integer("decoder_sparse_step", default=1) != 1:
+            raise SpecconvError("config.json: dense layers (mlp_only_layers / decoder_sparse_step != 1) are not "
+                                "supported (llama.cpp's qwen3next has MoE in every block)")
+        if not tc.flag("norm_topk_prob", default=True):
+            raise SpecconvError("config.json: norm_topk_prob=false is not supported (llama.cpp's qwen3next always "
+                                "renormalises the top-k expert weights)")
+        return replace(hp, intermediate_size=intermediate_size or 0,
+                       full_attention_interval=tc.integer("full_attention_interval", default=4, min=1))
+
+    @classmethod
+    def from_kv(cls, kv: Mapping[str, Any]) -> Qwen3NextHParams:
+        hp = super().from_kv(kv)
+        if hp.rope_scaling is not None:
+            raise SpecconvError(f"{hp.arch}.rope.scaling.type is {hp.rope_scaling.kind!r}: the runtime's qwen3next graph runs "
+                                f"unscaled rope only (the releases' configuration)")
+        if not hp.num_experts:
+            raise SpecconvError("qwen3next file without expert_count (every qwen3next block is MoE)")
+        return hp
 
 
 @register
@@ -78,28 +118,10 @@ class Qwen3Next(Qwen35Base):
     family: ClassVar[str] = "qwen3next"
     moe: ClassVar[bool] = True
     tokenizer_pre: ClassVar[str] = "qwen2"
-
-    def __init__(self, checkpoint: Checkpoint):
-        super().__init__(checkpoint)
-        tc = ConfigReader(checkpoint.config).text_model()
-        self.ffn = tc.integer("intermediate_size", default=None, min=1)
-        # llama.cpp's qwen3next loader gives every block a router and experts, and always renormalises
-        # the top-k weights (docs/reference/gguf-layout.md §7.3): refuse configs transformers would run otherwise.
-        if tc.integers("mlp_only_layers", default=None) or tc.integer("decoder_sparse_step", default=1) != 1:
-            raise SpecconvError("config.json: dense layers (mlp_only_layers / decoder_sparse_step != 1) are not "
-                                "supported (llama.cpp's qwen3next has MoE in every block)")
-        if not tc.flag("norm_topk_prob", default=True):
-            raise SpecconvError("config.json: norm_topk_prob=false is not supported (llama.cpp's qwen3next always "
-                                "renormalises the top-k expert weights)")
-        self.interval = tc.integer("full_attention_interval", default=4, min=1)
+    HParams: ClassVar[type[Qwen35HParams]] = Qwen3NextHParams
 
     table: ClassVar[TensorTable] = QWEN3NEXT_TABLE
 
-    # metadata: Qwen35Base's keys and order, with these three differences
+    # metadata: Qwen35Base's keys and order, without rope.dimension_sections (and with what
+    # Qwen3NextHParams reads differently: feed_forward_length, full_attention_interval)
     writes_rope_sections: ClassVar[bool] = False
-
-    def _feed_forward_length(self) -> int | None:
-        return self.ffn
-
-    def _full_attention_interval(self) -> int:
-        return self.interval  # as configured (default 4); recurrent_layers carries the actual pattern

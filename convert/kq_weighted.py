@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from .kquants import (_affine_search, _half, _pack_2bit, _q6_k, _round, _seq_sum, _signed_peak, _u8, pack_q4_k, pack_q5_k,
-                      signed_fit)
+                      refine_levels, signed_fit)
 
 Q = GGMLQuantizationType
 F = np.float32
@@ -72,23 +72,8 @@ def _positive_fit(x: np.ndarray, w: np.ndarray, nmax: int):
     wx = w * x
     fl = lv.astype(np.float32)
     s_xl, s_l2 = _seq_sum(wx * fl), _seq_sum((w * fl) * fl)
-    for _ in range(5):
-        moved = np.zeros(x.shape[0], dtype=bool)
-        for i in range(x.shape[1]):
-            cur = levels[:, i].astype(np.float32)
-            xl = s_xl - wx[:, i] * cur
-            l2 = s_l2 - (w[:, i] * cur) * cur
-            cand = np.minimum(_round((x[:, i] * l2) / xl), nmax)
-            fc = cand.astype(np.float32)
-            xl2 = xl + wx[:, i] * fc
-            l2b = l2 + (w[:, i] * fc) * fc
-            take = (xl > 0) & (l2 > 0) & (cand != levels[:, i]) & ((xl2 * xl2) * s_l2 > (s_xl * s_xl) * l2b) & ~zero
-            levels[:, i] = np.where(take, _u8(cand), levels[:, i])
-            s_xl = np.where(take, xl2, s_xl)
-            s_l2 = np.where(take, l2b, s_l2)
-            moved |= take
-        if not moved.any():
-            break
+    levels, s_xl, s_l2 = refine_levels(x, w, wx, levels, s_xl, s_l2, zero, lambda c: np.minimum(c, nmax), _u8,
+                                       gate_before=True)
     out = np.where(s_l2 > 0, s_xl / s_l2, F(0))
     return np.where(zero[:, None], np.uint8(0), levels), np.where(zero, F(0), out)
 

@@ -163,10 +163,36 @@ def signed_fit(x: np.ndarray, w: np.ndarray, nmax: int):
     return np.where(zero[:, None], 0, levels + nmax), np.where(zero, F(0), scale)
 
 
+def refine_levels(x, w, wx, lv, s_xl, s_l2, zero, clamp, store, gate_before: bool):
+    """Up to 5 sweeps over the columns of `lv` (levels, rows × values), moving one level at a time to
+    where it fits x best while that improves the weighted fit s_xl² / s_l2 (w: weights, wx = w·x),
+    as llama.cpp's make_qx_quants refines. `clamp` keeps a candidate level in range, `store` gives
+    it `lv`'s type; `gate_before`: the sum l2 without the level must be positive (the weighted form),
+    else the sum with the candidate (the unweighted Q3_K form). A row whose sweep moved nothing
+    would move nothing again, so every row runs the sweeps that any row needs."""
+    for _ in range(5):
+        moved = np.zeros(x.shape[0], dtype=bool)
+        for i in range(x.shape[1]):
+            cur = lv[:, i].astype(np.float32)
+            xl = s_xl - wx[:, i] * cur
+            l2 = s_l2 - (w[:, i] * cur) * cur
+            cand = clamp(_round((x[:, i] * l2) / xl))
+            fc = cand.astype(np.float32)
+            xl2 = xl + wx[:, i] * fc
+            l2b = l2 + (w[:, i] * fc) * fc
+            take = ((xl > 0) & ((l2 if gate_before else l2b) > 0) & (cand != lv[:, i])
+                    & ((xl2 * xl2) * s_l2 > (s_xl * s_xl) * l2b) & ~zero)
+            lv[:, i] = np.where(take, store(cand), lv[:, i])
+            s_xl = np.where(take, xl2, s_xl)
+            s_l2 = np.where(take, l2b, s_l2)
+            moved |= take
+        if not moved.any():
+            break
+    return lv, s_xl, s_l2
+
+
 def _signed_refine(x, nmax: int):
-    """Per row: levels -nmax..nmax-1 from the peak's grid, then up to 5 sweeps moving one level at a
-    time while that improves the weighted fit (Q3_K). A row whose sweep moved nothing would move
-    nothing again, so every row runs the sweeps that any row needs."""
+    """Per row: levels -nmax..nmax-1 from the peak's grid, then `refine_levels`'s sweeps (Q3_K)."""
     peak, peak_abs = _signed_peak(x)
     zero = peak_abs < F(1e-15)
     lv = np.clip(_round((F(-nmax) / peak[:, None]) * x), -nmax, nmax - 1)
@@ -175,24 +201,8 @@ def _signed_refine(x, nmax: int):
     fl = lv.astype(np.float32)
     s_xl, s_l2 = _seq_sum(wx * fl), _seq_sum((ww * fl) * fl)
     lv = np.where(zero[:, None], 0, lv)  # such rows never change: their x are all below 1e-15
-    for _ in range(5):
-        moved = np.zeros(x.shape[0], dtype=bool)
-        for i in range(x.shape[1]):
-            xi, wi, wxi = x[:, i], ww[:, i], wx[:, i]
-            cur = lv[:, i].astype(np.float32)
-            xl = s_xl - wxi * cur
-            l2 = s_l2 - (wi * cur) * cur
-            cand = np.clip(_round((xi * l2) / xl), -nmax, nmax - 1)
-            fc = cand.astype(np.float32)
-            xl2 = xl + wxi * fc
-            l2b = l2 + (wi * fc) * fc
-            take = (xl > 0) & (cand != lv[:, i]) & (l2b > 0) & ((xl2 * xl2) * s_l2 > (s_xl * s_xl) * l2b) & ~zero
-            lv[:, i] = np.where(take, cand, lv[:, i])
-            s_xl = np.where(take, xl2, s_xl)
-            s_l2 = np.where(take, l2b, s_l2)
-            moved |= take
-        if not moved.any():
-            break
+    lv, s_xl, s_l2 = refine_levels(x, ww, wx, lv, s_xl, s_l2, zero, lambda c: np.clip(c, -nmax, nmax - 1),
+                                   lambda c: c, gate_before=False)
     scale = np.where(s_l2 > 0, s_xl / s_l2, F(0))
     return np.where(zero[:, None], 0, lv + nmax), np.where(zero, F(0), scale)
 

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
@@ -111,30 +111,30 @@ def _on_sigterm(signum, frame):
 
 
 @contextmanager
-def interruptible():
-    """SIGTERM raises `Terminated` (not an immediate exit) inside the block; main thread only."""
+def _in_main_thread(enter: Callable[[], Any], leave: Callable[[Any], Any]):
+    """`enter()` before the block and `leave(what enter returned)` after it, in the main thread only
+    (signal handlers and masks belong to it); elsewhere the block just runs."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    saved = enter()
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        leave(saved)
 
 
-@contextmanager
+def interruptible():
+    """SIGTERM raises `Terminated` (not an immediate exit) inside the block; main thread only."""
+    return _in_main_thread(lambda: signal.signal(signal.SIGTERM, _on_sigterm),
+                           lambda previous: signal.signal(signal.SIGTERM, previous))
+
+
 def signals_held():
     """SIGINT and SIGTERM wait until the block is done (a set of renames is never cut in half)."""
     held = {signal.SIGINT, signal.SIGTERM}
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    return _in_main_thread(lambda: signal.pthread_sigmask(signal.SIG_BLOCK, held),
+                           lambda old: signal.pthread_sigmask(signal.SIG_SETMASK, old))
 
 
 def write_error(path: Path, exc: OSError) -> SpecconvError:

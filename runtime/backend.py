@@ -9,6 +9,9 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
     moe(x, weights, chosen, experts)            Σ_slots weight · expert(x) over the routed experts
     causal_conv(m, conv_state, weight, keep)    the Gated DeltaNet's short conv + SiLU
     delta_rule(q, k, v, g, beta, state, keep, lazy, out, exact)   the gated delta rule
+    rms_norm, add_rms_norm, gated_rms_norm, l2_norm, rope, silu_mul, gdn_gates
+                                                the small operations around the products (ops.py's
+                                                helpers and gdn.gates reach them)
 
 * "torch" (runtime/backend_torch.py): torch operations only, on any device (CPU, CUDA, meta): the
   reference the others are tested against, and what runs where nothing faster applies.

@@ -17,6 +17,11 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   inputs (prompts) take the torch forms, or, inside `batch_invariant(True)`, the kernels in
   pieces of MAX_TOKENS tokens, so that every token of a prompt gets the bits of a decode step.
   float64 states take the torch forms.
+* around the products, one launch each where the tensors are float32 / bfloat16 / float16 on the
+  kernels' device: `rms_norm` (also with the residual add before it, `add_rms_norm`, or a SiLU gate
+  after it, `gated_rms_norm`), `l2_norm`, `rope` (NEOX and NORM pairs), `silu_mul` (SwiGLU's
+  product) and `gdn_gates` (kernels_triton.norm, .rope, .activation): float32 inside, the reference
+  formula's operations in its order, each row reduced by one program (batch-invariant).
 * `moe`: decode and verification batches (up to GATHER_MAX_ROWS rows) of stored experts of a
   KERNEL_TYPE pair every row with each of its k experts and run experts.ffn once over the n·k
   pairs, each product `kernels_triton.expert_matmul` (one launch: the expert index read on the
@@ -111,6 +116,62 @@ class CudaBackend(TorchBackend):
             total = total + y[:, s].to(total.dtype) * weights[:, s:s + 1]
         return total
 
+    # ---- around the products: one kernel each ------------------------------------------------------
+    def _pointwise(self, *tensors: torch.Tensor, dtypes=KERNEL_DTYPES) -> bool:
+        """Whether the one-launch kernels of norms, rope and activations take these tensors."""
+        return (self.kernels is not None and all(t.device.type in self.device_types and t.dtype in dtypes
+                                                  and t.device == tensors[0].device for t in tensors))
+
+    def _norm_weight(self, weight, x: torch.Tensor):
+        """A norm's weight as a tensor the kernel reads (None: no weight), or False where it cannot."""
+        if weight is None:
+            return None
+        values = weight.dense(torch.float32) if isinstance(weight, StoredWeight) else weight
+        fits = values.dim() == 1 and values.shape[0] == x.shape[-1] and self._pointwise(x, values)
+        return values if fits else False
+
+    def _norm_fits(self, x: torch.Tensor) -> bool:
+        return self._pointwise(x) and x.dim() > 0 and 0 < x.shape[-1] <= self.kernels.MAX_NORM_WIDTH
+
+    def rms_norm(self, x: torch.Tensor, weight, eps: float) -> torch.Tensor:
+        values = self._norm_weight(weight, x) if self._norm_fits(x) else False
+        if values is False:
+            return super().rms_norm(x, weight, eps)
+        return self.kernels.rms_norm(x, values, eps)
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight, eps: float):
+        values = self._norm_weight(weight, h) if self._norm_fits(h) and self._pointwise(h, delta) else False
+        if values is False or delta.dtype != h.dtype or delta.shape != h.shape:
+            return super().add_rms_norm(h, delta, weight, eps)
+        return self.kernels.rms_norm(h, values, eps, residual=delta)
+
+    def gated_rms_norm(self, x: torch.Tensor, weight, gate: torch.Tensor, eps: float) -> torch.Tensor:
+        values = self._norm_weight(weight, x) if self._norm_fits(x) and self._pointwise(x, gate) else False
+        if values is False or gate.shape != x.shape:
+            return super().gated_rms_norm(x, weight, gate, eps)
+        return self.kernels.rms_norm(x, values, eps, gate=gate)
+
+    def l2_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        if not self._norm_fits(x):
+            return super().l2_norm(x, eps)
+        return self.kernels.l2_norm(x, eps)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+        if not (x.dim() == 3 and cos.dim() == 2 and self._pointwise(x) and cos.device == x.device
+                and self._pointwise(cos, sin, dtypes=(torch.float32,)) and x.shape[-1] >= 2 * cos.shape[-1] >= 2):
+            return super().rope(x, cos, sin, style)
+        return self.kernels.rope(x, cos, sin, style)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if not (self._pointwise(gate, up) and gate.dtype == up.dtype and gate.shape == up.shape and gate.dim()):
+            return super().silu_mul(gate, up)
+        return self.kernels.silu_mul(gate, up)
+
+    def gdn_gates(self, b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor):
+        if not (b.dim() == 2 and self._pointwise(b, alpha, a, dt_bias, dtypes=(torch.float32,))):
+            return super().gdn_gates(b, alpha, a, dt_bias)
+        return self.kernels.gdn_gates(b, alpha, a, dt_bias)
+
     # ---- Gated DeltaNet, states in ring slots ------------------------------------------------------
     def _recurrent_pieces(self, n: int, ring: torch.Tensor, *tensors: torch.Tensor) -> bool:
         """Whether the Triton recurrent kernels take these n tokens (in pieces where n > MAX_TOKENS)."""
@@ -122,15 +183,15 @@ class CudaBackend(TorchBackend):
         if not (self._recurrent_pieces(n, ring, m) and ring.shape[1] >= 1):
             return super().causal_conv_slots(m, ring, weight, src_slot, dst_slots)
         values = weight.dense(torch.float32) if isinstance(weight, StoredWeight) else weight.to(torch.float32)
-        return torch.cat([self.kernels.causal_conv(m[a:b], ring, values, src, dst)
-                          for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
+        return _joined([self.kernels.causal_conv(m[a:b], ring, values, src, dst)
+                        for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
 
     def delta_rule_slots(self, q, k, v, g, beta, ring, src_slot, dst_slots):
         n = q.shape[0]
         if not self._recurrent_pieces(n, ring, q, k, v, g, beta):
             return super().delta_rule_slots(q, k, v, g, beta, ring, src_slot, dst_slots)
-        return torch.cat([self.kernels.gdn_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ring, src, dst)
-                          for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
+        return _joined([self.kernels.gdn_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ring, src, dst)
+                        for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
 
 
 class PairedExperts:
@@ -147,6 +208,11 @@ class PairedExperts:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.experts.shape[1:])
+
+
+def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces' rows in order: a single piece as it is (no copy, no launch)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def ring_pieces(n: int, step: int, src_slot: torch.Tensor, dst_slots: torch.Tensor):

@@ -116,7 +116,73 @@ class TorchBackend:
             rows.append(total)
         return torch.cat(rows)
 
+    # ---- around the products: norms, rope, gated activations ----------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight, eps: float) -> torch.Tensor:
+        """x · (mean(x²) + ε)^(-1/2) ⊙ w over the last axis, in the accumulation dtype, then x's dtype
+        (the GGUF weight already holds any +1)."""
+        xf = x.to(_wide(x.dtype))
+        # torch's own op: the same arithmetic in the same order (bit for bit), one call instead of six
+        values = None if weight is None else (weight.dense(xf.dtype) if isinstance(weight, StoredWeight)
+                                               else weight.to(xf.dtype))
+        return F.rms_norm(xf, (xf.shape[-1],), values, eps).to(x.dtype)
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight, eps: float):
+        """(h + delta, rms_norm(h + delta)): a block's residual add and the norm after it."""
+        total = h + delta
+        return total, self.rms_norm(total, weight, eps)
+
+    def gated_rms_norm(self, x: torch.Tensor, weight, gate: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm(x) · silu(gate) in the accumulation dtype (Gated DeltaNet's output norm)."""
+        return self.rms_norm(x, weight, eps) * F.silu(gate.to(_wide(gate.dtype)))
+
+    def l2_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """x · (Σ x² + ε)^(-1/2) over the last axis, in the accumulation dtype."""
+        xf = x.to(_wide(x.dtype))
+        return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+        """Rotate the first d = 2·cos.shape[-1] dims of every head of x [n, heads, hd] by the angles of
+        its token's row: pairs (i, i + d/2) for "neox", adjacent pairs (2i, 2i + 1) for "norm"."""
+        half = cos.shape[-1]
+        d = 2 * half
+        xr = x[..., :d].to(_wide(x.dtype))
+        c, s = cos[:, None, :], sin[:, None, :]
+        if style == "neox":
+            x1, x2 = xr[..., :half], xr[..., half:]
+            rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        elif style == "norm":
+            pairs = xr.unflatten(-1, (half, 2))
+            x1, x2 = pairs[..., 0], pairs[..., 1]
+            rotated = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+        else:
+            raise ValueError(f"rope style must be 'neox' or 'norm', not {style!r}")
+        rotated = rotated.to(x.dtype)
+        return rotated if d == x.shape[-1] else torch.cat([rotated, x[..., d:]], dim=-1)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) · up (SwiGLU's product before its down projection)."""
+        return F.silu(gate) * up
+
     # ---- Gated DeltaNet ---------------------------------------------------------------------------
+    def gdn_gates(self, b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor):
+        """(g, β) [n, heads] of the delta rule (runtime/graphs/gdn.py `gates`): β = σ(b),
+        g = a · softplus(alpha + dt_bias).
+
+        On the CPU a batch of up to gdn.MAX_ALONE_ROWS tokens (decode, verification) is computed one
+        token at a time: torch's CPU kernels take the last values of a call (under two vectors)
+        through scalar code whose sigmoid and softplus round differently from its vector code, so a
+        token's gates would depend on how many tokens share the call, and an 8-bit activation
+        product downstream (runtime/dq_dot_i8.inc) can turn that last bit into another code: a
+        verification batch would not give the bits of one-token decode steps."""
+        def one(bb, aa):
+            return a * F.softplus(aa + dt_bias), torch.sigmoid(bb)
+
+        n = b.shape[0]
+        if b.device.type != "cpu" or not 1 < n <= gdn.MAX_ALONE_ROWS:
+            return one(b, alpha)
+        rows = [one(b[t:t + 1], alpha[t:t + 1]) for t in range(n)]
+        return torch.cat([g for g, _ in rows]), torch.cat([beta for _, beta in rows])
+
     def causal_conv(self, m: torch.Tensor, conv_state: torch.Tensor, weight, keep: int):
         """Depthwise causal conv + SiLU: (activations [n, C], windows after the last `keep` tokens)."""
         k_size = weight.shape[1]

@@ -28,7 +28,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
 from specconv.runtime.drafters import best_candidate_probability, choose
 from specconv.runtime.drafters.base import Draft, Drafter
-from specconv.runtime.drafters.draft_model import check_same_vocabulary
+from specconv.runtime.drafters.draft_model import check_reads_target
 from specconv.runtime.graphs import dflash as graph
 from specconv.runtime.model import Model
 from specconv.runtime.types import GraphType
@@ -36,20 +36,8 @@ from specconv.runtime.types import GraphType
 
 def check_drafter_fits_target(target: Model, head: Model) -> None:
     """A one-line SpecconvError when the DFlash file was not made for this target."""
-    if head.arch != names.DFLASH:
-        raise SpecconvError(f"{head.paths[0].name} is not a DFlash drafter (arch {head.arch})")
-    hp, num_hidden_layers = head.hparams, target.hparams.num_hidden_layers
-    if hp.hidden_size != target.hidden_size:
-        raise SpecconvError(f"the DFlash drafter reads target hidden states of width {hp.hidden_size}, the target's are "
-                            f"{target.hidden_size}: converted against another target")
-    bad = [j for j in hp.target_layers if not 0 <= j <= num_hidden_layers]
-    if bad:
-        raise SpecconvError(f"the DFlash drafter reads target layer input {bad[0]}, but the target has {num_hidden_layers} "
-                            f"layers: converted against another target")
-    check_same_vocabulary(target, head)
-    for name in (names.TOKEN_EMBD, names.OUTPUT):
-        if name not in head.weights:
-            raise SpecconvError(f"the DFlash drafter has no {name}: load it with load_model(drafter, share_from=target)")
+    check_reads_target(target, head, "DFlash drafter", names.DFLASH, head.hparams.hidden_size)
+    hp = head.hparams
     for name in graph.SELECTOR[:2] if hp.v2 else ():  # indexed by token ids of the (maybe shared) output
         rows = int(head.weights[name].shape[0]) if name in head.weights else head.vocab_size
         if rows != head.vocab_size:

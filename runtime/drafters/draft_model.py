@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from specconv.archs import names
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
 from specconv.runtime.drafters import best_candidate_probability, choose
@@ -30,6 +31,26 @@ def check_same_vocabulary(target: Model, draft: Model) -> None:
     if a is not None and b is not None and list(a) != list(b):
         first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) if len(a) == len(b) else min(len(a), len(b))
         raise SpecconvError(f"draft model tokenizer differs from the target's (first at token id {first})")
+
+
+def check_reads_target(target: Model, head: Model, kind: str, arch: str, width: int) -> None:
+    """What a head that reads its target's hidden states (an EAGLE-3 head, a DFlash drafter) must
+    share with that target: a one-line SpecconvError naming the first thing that differs."""
+    article = "an" if kind[0] in "AEIOU" else "a"
+    if head.arch != arch:
+        raise SpecconvError(f"{head.paths[0].name} is not {article} {kind} (arch {head.arch})")
+    layers = target.hparams.num_hidden_layers
+    if width != target.hidden_size:
+        raise SpecconvError(f"the {kind} reads target hidden states of width {width}, the target's are "
+                            f"{target.hidden_size}: converted against another target")
+    bad = [j for j in head.hparams.target_layers if not 0 <= j <= layers]
+    if bad:
+        raise SpecconvError(f"the {kind} reads target layer input {bad[0]}, but the target has {layers} layers "
+                            f"(inputs 0..{layers}): converted against another target")
+    check_same_vocabulary(target, head)
+    for name in (names.TOKEN_EMBD, names.OUTPUT):
+        if name not in head.weights:
+            raise SpecconvError(f"the {kind} has no {name}: load it with load_model(..., share_from=target)")
 
 
 class DraftModelDrafter(Drafter):

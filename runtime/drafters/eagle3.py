@@ -25,7 +25,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
 from specconv.runtime.drafters import chain_drafts
 from specconv.runtime.drafters.base import Draft, Drafter
-from specconv.runtime.drafters.draft_model import check_same_vocabulary
+from specconv.runtime.drafters.draft_model import check_reads_target
 from specconv.runtime.graphs.ops import dense
 from specconv.runtime.model import Model
 from specconv.runtime.types import GraphType
@@ -33,20 +33,7 @@ from specconv.runtime.types import GraphType
 
 def check_head_fits_target(target: Model, head: Model) -> None:
     """A one-line SpecconvError when the EAGLE-3 head was not made for this target."""
-    if head.arch != names.EAGLE3:
-        raise SpecconvError(f"{head.paths[0].name} is not an EAGLE-3 head (arch {head.arch})")
-    hp, num_hidden_layers = head.hparams, target.hparams.num_hidden_layers
-    if hp.target_hidden_size != target.hidden_size:
-        raise SpecconvError(f"the EAGLE-3 head reads target hidden states of width {hp.target_hidden_size}, the "
-                            f"target's are {target.hidden_size}: converted against another target")
-    bad = [j for j in hp.target_layers if not 0 <= j <= num_hidden_layers]
-    if bad:
-        raise SpecconvError(f"the EAGLE-3 head reads target layer {bad[0]}, but the target has {num_hidden_layers} layers "
-                            f"(0..{num_hidden_layers}): converted against another target")
-    check_same_vocabulary(target, head)
-    for name in (names.TOKEN_EMBD, names.OUTPUT):
-        if name not in head.weights:
-            raise SpecconvError(f"the EAGLE-3 head has no {name}: load it with load_model(head, share_from=target)")
+    check_reads_target(target, head, "EAGLE-3 head", names.EAGLE3, head.hparams.target_hidden_size)
     if head.weights[names.TOKEN_EMBD].shape[-1] != head.hidden_size:
         raise SpecconvError(f"the target's token embedding (width {head.weights[names.TOKEN_EMBD].shape[-1]}) does "
                             f"not fit the head (width {head.hidden_size}) and the head has none of its own")

@@ -1,10 +1,11 @@
 """Pieces the chained-MTP graphs share (hy_v3, step35, mimo2; docs/mtp.md §Chained MTP heads).
 
-Each of those graphs keeps what is its own (hyperparameters, attention, rope); the rest is written
-once here: reading the block counts, the tensor lists from the family's table (trunk blocks, then k
-MTP blocks with their nextn inputs) and the checks of which FFN a block holds, the KV-cache layouts, which MTP block a context runs (`hp.mtp_block`), a windowed
-attention with optional sinks, the dense-or-routed SwiGLU FFN, the pre-norm residual block, and the
-trunk / MTP forwards through decoder.py (so multi-device placement comes with them).
+Each of those graphs keeps what is its own (attention, rope; its hyperparameters are its family's
+dataclass, archs/<family>.py); the rest is written once here: the tensor lists from the family's
+table (trunk blocks, then k MTP blocks with their nextn inputs) and the checks of which FFN a block
+holds, the KV-cache layouts, which MTP block a context runs (`hp.mtp_block`), a windowed attention
+with optional sinks, the dense-or-routed SwiGLU FFN, the pre-norm residual block, and the trunk / MTP
+forwards through decoder.py (so multi-device placement comes with them).
 """
 
 from __future__ import annotations
@@ -14,58 +15,27 @@ from typing import Any, Callable
 
 import torch
 
-from specconv.archs.chained_mtp import Sizes
 from specconv.archs.errors import SpecconvError
-from specconv.archs.hparams import FamilyHParams
 from specconv.archs.tensor_table import GraphTensors, TensorTable
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, by_rows, moe, rms_norm, swiglu
-from specconv.archs.hparams import HParamsReader
 from specconv.runtime.memory import Batch, MemoryLayout
-
-
-
-@dataclass(kw_only=True)
-class ChainedHParams(FamilyHParams):
-    """The fields every chained-MTP graph reads (keyword-only, so each graph's own fields follow)."""
-    arch: str
-    num_hidden_layers: int
-    num_nextn_predict_layers: int
-    hidden_size: int
-    eps: float
-    num_experts_per_tok: int
-    gating: int = ms.GATING_SIGMOID
-    n_group: int = 1
-    n_group_used: int = 1
-    mtp_block: int = 0  # which MTP block an MTP context runs (0..n_nextn-1; runtime/drafters/mtp.py)
-
-
-# ---- metadata ------------------------------------------------------------------------------------------------
-
-def block_counts(r: HParamsReader) -> tuple[int, int]:
-    """(block_count, nextn_predict_layers): the trunk has block_count - nextn_predict_layers blocks."""
-    total, num_nextn_predict_layers = r.key("block_count", type=int), r.key("nextn_predict_layers", 0, int)
-    if num_nextn_predict_layers > total:
-        raise SpecconvError(f"{r.arch}.nextn_predict_layers ({num_nextn_predict_layers}) exceeds block_count ({total})")
-    return total, num_nextn_predict_layers
-
-
-def gating(r: HParamsReader) -> int:
-    value = r.key("expert_gating_func", ms.GATING_SIGMOID, int)
-    if value not in (ms.GATING_SOFTMAX, ms.GATING_SIGMOID):
-        raise SpecconvError(f"{r.arch}.expert_gating_func is {value}; supported: softmax (1), sigmoid (2)")
-    return value
 
 
 # ---- tensors and caches -------------------------------------------------------------------------------------
 
-def tensor_lists(table: TensorTable, sizes: Callable[[Any], Sizes]) -> GraphTensors:
-    """A chained-MTP graph's lists from its family's table (archs/chained_mtp.py): the trunk blocks, then
-    every MTP block with its nextn inputs and head; a block's dense or routed FFN, whichever the file holds."""
-    return GraphTensors(table, sizes, chained=True)
+def tensor_lists(table: TensorTable) -> GraphTensors:
+    """A chained-MTP graph's lists from its family's table (archs/chained_mtp.py), whose shapes read the
+    family's hparams as they are: the trunk blocks, then every MTP block with its nextn inputs and head;
+    a block's dense or routed FFN, whichever the file holds."""
+    return GraphTensors(table, _as_is, chained=True)
+
+
+def _as_is(hp):
+    return hp
 
 
 def check_ffn(file, hp, needed: list[str], bias: str, shared: bool) -> None:
@@ -91,7 +61,7 @@ def check_ffn(file, hp, needed: list[str], bias: str, shared: bool) -> None:
 
 
 def check_routing(hp, X: int, where: str) -> None:
-    used, groups, groups_used = hp.num_experts_per_tok, hp.n_group, hp.n_group_used
+    used, groups, groups_used = hp.num_experts_per_tok, hp.n_group, hp.topk_group
     if not 1 <= used <= X:
         raise SpecconvError(f"{hp.arch}.expert_used_count {used} must be within 1..{X} (the experts of {where})")
     if groups > 1 and (X % groups or X // groups < 2 or not 1 <= groups_used <= groups
@@ -175,8 +145,8 @@ Ffn = Callable[..., torch.Tensor]
 
 def block(w, hp, i: int, h: torch.Tensor, batch: Batch, rope, attention: Attention, ffn_: Ffn) -> torch.Tensor:
     """Pre-norm residual block: h + attention(attn_norm(h)), then + ffn(ffn_norm(h))."""
-    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope)
-    return h + ffn_(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
+    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps), batch, rope)
+    return h + ffn_(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.rms_norm_eps))
 
 
 @dataclass(frozen=True)
@@ -194,11 +164,11 @@ class Forwards:
     def forward_main(self, w, hp, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                      want_logits: torch.Tensor | None):
         """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
-        return forward_trunk(w, hp.num_hidden_layers, hp.eps, tokens, want_layers, want_logits, self.make_rope(hp, batch),
-                             self._block(w, hp, batch))
+        return forward_trunk(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, want_layers, want_logits,
+                             self.make_rope(hp, batch), self._block(w, hp, batch))
 
     def forward_mtp(self, w, hp, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
-        return forward_nextn(w, mtp_block_id(hp), hp.eps, tokens, hidden_in, self.make_rope(hp, batch),
+        return forward_nextn(w, mtp_block_id(hp), hp.rms_norm_eps, tokens, hidden_in, self.make_rope(hp, batch),
                              self._block(w, hp, batch))
 
 

@@ -12,7 +12,6 @@ v [n, nv, dv], g (log-decay ≤ 0) and beta [n, nv], state S [nv, dk, dv]; all i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specconv.runtime.backend import for_device, rows_alone
 
@@ -22,22 +21,10 @@ MAX_ALONE_ROWS = 16  # batches up to this many tokens compute their gates a toke
 
 def gates(b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor):
     """(g, β) [n, heads] of the delta rule from the projections b, alpha [n, heads] and the per-head
-    a, dt_bias [heads]: β = σ(b), g = a · softplus(alpha + dt_bias) (docs/reference/model-math.md §2.2).
-
-    On the CPU a batch of up to MAX_ALONE_ROWS tokens (decode, verification) is computed one token at
-    a time: torch's CPU kernels take the last values of a call (under two vectors) through scalar code
-    whose sigmoid and softplus round differently from its vector code, so a token's gates would
-    depend on how many tokens share the call, and an 8-bit activation product downstream
-    (runtime/dq_dot_i8.inc) can turn that last bit into another code: a verification batch would
-    not give the bits of one-token decode steps."""
-    def one(bb, aa):
-        return a * F.softplus(aa + dt_bias), torch.sigmoid(bb)
-
-    n = b.shape[0]
-    if b.device.type != "cpu" or not 1 < n <= MAX_ALONE_ROWS:
-        return one(b, alpha)
-    rows = [one(b[t:t + 1], alpha[t:t + 1]) for t in range(n)]
-    return torch.cat([g for g, _ in rows]), torch.cat([beta for _, beta in rows])
+    a, dt_bias [heads]: β = σ(b), g = a · softplus(alpha + dt_bias) (docs/reference/model-math.md §2.2),
+    by the backend of b's device (runtime/backend_torch.py `gdn_gates`: on the CPU a decode or
+    verification batch token by token, so a token's gates do not depend on its batch)."""
+    return for_device(b.device).gdn_gates(b, alpha, a, dt_bias)
 
 
 def causal_conv(m: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, keep: int):

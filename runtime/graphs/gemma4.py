@@ -13,102 +13,19 @@ scale, then the tied head with soft-capping.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from specconv.archs.errors import SpecconvError
-from specconv.archs.hparams import FamilyHParams
-from specconv.archs.gemma4 import GEMMA4_TABLE, ROPE_FREQS, Sizes
+from specconv.archs.gemma4 import GEMMA4_TABLE, ROPE_FREQS
+from specconv.archs.gemma4_hparams import FULL, SLIDING, Gemma4HParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import acc, attended_kv, by_rows, linear, moe as routed_moe, rms_norm, rope_neox_partial
-from specconv.archs.hparams import HParamsReader
 from specconv.runtime.memory import Batch, MemoryLayout
-from specconv.runtime.validate import check_kv
-
-
-@dataclass(kw_only=True)
-class HParams(FamilyHParams):
-    arch: str
-    num_hidden_layers: int  # trunk layers (0 for the assistant)
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: list[int]
-    head_dim: list[int]
-    is_swa: list[bool]
-    n_ff: list[int]
-    window: int
-    n_shared: int
-    n_per_layer: int  # PLE width P
-    softcap: float
-    rope_base: float
-    rope_base_swa: float
-    n_rot_swa: int
-    eps: float
-    vocab_size: int = 0
-    context_length: int = 0
-    num_nextn_predict_layers: int = 0
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    n_ff_exp: int = 0
-    n_embd_out: int = 0  # assistant: the backbone (target) width
-    store: dict = field(default_factory=dict)  # layer type (is_swa) -> last K/V-owning layer
-
-    @property
-    def n_blocks(self) -> int:
-        return self.num_hidden_layers + self.num_nextn_predict_layers
-
-    @classmethod
-    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
-        check_kv(kv)  # types and ranges first: nothing below divides by 0 or compares a str
-        r = HParamsReader(kv)
-        arch, key = r.arch, r.key
-        n = key("block_count", type=int)
-        swa = [bool(x) for x in key("attention.sliding_window_pattern", type=list)]
-        if len(swa) != n:
-            raise SpecconvError(f"{arch}.attention.sliding_window_pattern has {len(swa)} entries for {n} blocks")
-        hd_full, hd_swa = key("attention.key_length", type=int), key("attention.key_length_swa", type=int)
-        if (key("attention.value_length", hd_full, int) != hd_full
-                or key("attention.value_length_swa", hd_swa, int) != hd_swa):
-            raise SpecconvError(f"{arch}: key and value head sizes must be equal")
-        tokens = kv.get("tokenizer.ggml.tokens")
-        num_nextn_predict_layers = key("nextn_predict_layers", 0, int)
-        hp = cls(arch=arch, num_hidden_layers=n - num_nextn_predict_layers, hidden_size=key("embedding_length", type=int),
-                 num_attention_heads=key("attention.head_count", type=int), num_key_value_heads=r.per_layer("attention.head_count_kv", n),
-                 head_dim=[hd_swa if s else hd_full for s in swa], is_swa=swa,
-                 n_ff=r.per_layer("feed_forward_length", n), window=key("attention.sliding_window", type=int),
-                 n_shared=key("attention.shared_kv_layers", 0, int),
-                 n_per_layer=key("embedding_length_per_layer_input", 0, int),
-                 softcap=key("final_logit_softcapping", 0.0, float) or 0.0,
-                 rope_base=key("rope.freq_base", type=float), rope_base_swa=key("rope.freq_base_swa", type=float),
-                 n_rot_swa=key("rope.dimension_count_swa", hd_swa, int),
-                 eps=key("attention.layer_norm_rms_epsilon", type=float),
-                 vocab_size=len(tokens) if tokens is not None else 0, context_length=key("context_length", 0, int),
-                 num_nextn_predict_layers=num_nextn_predict_layers, num_experts=key("expert_count", 0, int), num_experts_per_tok=key("expert_used_count", 0, int),
-                 n_ff_exp=key("expert_feed_forward_length", 0, int),
-                 n_embd_out=key("embedding_length_out", 0, int))
-        if key("rope.dimension_count", hd_full, int) != hd_full:
-            raise SpecconvError(f"{arch}.rope.dimension_count must be the full head dim {hd_full} (proportional "
-                                f"rope is expressed with rope_freqs)")
-        if hp.num_hidden_layers:
-            owners = range(hp.num_hidden_layers - hp.n_shared)
-            for swa_type in set(swa[:hp.num_hidden_layers]):
-                found = [i for i in owners if swa[i] == swa_type]
-                if not found:
-                    raise SpecconvError(f"{arch}: K/V-sharing layers of a type no earlier layer produces")
-                hp.store[swa_type] = found[-1]
-        return hp
-
-    def owns_kv(self, i: int) -> bool:
-        return i < self.num_hidden_layers - self.n_shared
-
-    def kv_layer(self, i: int) -> int:
-        """The layer whose K/V layer i attends to (itself, or the store layer of its type)."""
-        return i if self.owns_kv(i) else self.store[self.is_swa[i]]
 
 
 def _blk(i: int, name: str) -> str:
@@ -118,38 +35,27 @@ def _blk(i: int, name: str) -> str:
 # ---- which tensors the graph needs: the family's table (archs/gemma4.py) ------------------------
 
 TABLE = GEMMA4_TABLE
-
-
-def sizes(hp: HParams) -> Sizes:
-    """The table's sizes from GGUF metadata; the vocabularies are the file's ("V", "Vp"), and so is the
-    rope_freqs length of a file without full-attention layers ("R", which nothing else reads)."""
-    full = [d for d, swa in zip(hp.head_dim, hp.is_swa) if not swa]
-    return Sizes(num_hidden_layers=hp.num_hidden_layers, E=hp.hidden_size, V="V", num_attention_heads=hp.num_attention_heads, head_dims=tuple(hp.head_dim),
-                 kv_heads=tuple(hp.num_key_value_heads), ffns=tuple(hp.n_ff),
-                 owns_kv=tuple(hp.owns_kv(i) for i in range(hp.n_blocks)), rope_half=full[0] // 2 if full else "R",
-                 P=hp.n_per_layer, Vp="Vp", num_experts=hp.num_experts, expert_ffn=hp.n_ff_exp, Eo=hp.n_embd_out)
-
-
-_tensors = GraphTensors(TABLE, sizes)
+_tensors = GraphTensors(TABLE, lambda hp: hp)  # the table's shapes read the hparams themselves
 # attn_v (absent on attention_k_eq_v full layers) and the fused or split expert matrices
 mtp_tensors = optional_mtp_tensors = no_tensors  # the drafter is a separate gemma4-assistant file
 
 
-def check_hparams(hp: HParams, kv: Mapping[str, Any]) -> None:
+def check_hparams(hp: Gemma4HParams, kv: Mapping[str, Any]) -> None:
     """Rope widths and K/V sharing the blocks can index (the assistant's too)."""
     a = hp.arch
-    if hp.n_rot_swa % 2 or any(hp.n_rot_swa > d for d, s in zip(hp.head_dim, hp.is_swa) if s):
-        raise SpecconvError(f"{a}.rope.dimension_count_swa {hp.n_rot_swa} must be even and at most the "
-                            f"sliding head size")
+    rot = hp.sliding_rotary_dim
+    if rot % 2 or any(rot > d for i, d in enumerate(hp.head_dim) if hp.is_sliding(i)):
+        raise SpecconvError(f"{a}.rope.dimension_count_swa {rot} must be even and at most the sliding head size")
     if any(d % 2 for d in hp.head_dim):
         raise SpecconvError(f"{a}: head sizes {sorted(set(hp.head_dim))} must be even (rope)")
-    if hp.num_hidden_layers and hp.n_shared > hp.num_hidden_layers:
-        raise SpecconvError(f"{a}.attention.shared_kv_layers {hp.n_shared} exceeds the {hp.num_hidden_layers} layers")
-    if hp.num_experts and not hp.n_ff_exp:
+    if hp.num_hidden_layers and hp.num_kv_shared_layers > hp.num_hidden_layers:
+        raise SpecconvError(f"{a}.attention.shared_kv_layers {hp.num_kv_shared_layers} exceeds the "
+                            f"{hp.num_hidden_layers} layers")
+    if hp.num_experts and not hp.moe_intermediate_size:
         raise SpecconvError(f"{a}.expert_feed_forward_length is missing")
 
 
-def check_values(file, hp: HParams, needed: list[str]) -> None:
+def check_values(file, hp: Gemma4HParams, needed: list[str]) -> None:
     """Per-layer embeddings cover every token id (llama.cpp keeps their own, longer vocabulary), and an
     MoE layer has its gate and up experts, fused or split (both optional by name)."""
     ple, embd = file.tensors.get("per_layer_token_embd.weight"), file.tensors.get("token_embd.weight")
@@ -165,32 +71,32 @@ def check_values(file, hp: HParams, needed: list[str]) -> None:
                                 f"{p}ffn_up_exps.weight)")
 
 
-def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
+def main_layout(hp: Gemma4HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
     owners = [i for i in range(hp.num_hidden_layers) if hp.owns_kv(i)]
     return MemoryLayout(attn_layers=owners, num_key_value_heads=hp.num_key_value_heads[0], head_dim=hp.head_dim[0], rec_layers=[],
                         layer_shapes={i: (hp.num_key_value_heads[i], hp.head_dim[i]) for i in owners})
 
 
-def mtp_layout(hp: HParams) -> MemoryLayout:
+def mtp_layout(hp: Gemma4HParams) -> MemoryLayout:
     raise SpecconvError("gemma4 files have no MTP head; the Gemma 4 drafter is a separate gemma4-assistant file")
 
 
 # ---- blocks -----------------------------------------------------------------------------------
 
-def rope_tables(w, hp: HParams, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple]:
-    """cos/sin per layer type: sliding NEOX over n_rot_swa dims; full NEOX over the head with θ / rope_freqs."""
+def rope_tables(w, hp: Gemma4HParams, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple]:
+    """cos/sin per layer type: sliding NEOX over sliding_rotary_dim dims; full NEOX over the head with θ / rope_freqs."""
     out = {}
-    hd_swa = hp.head_dim[hp.is_swa.index(True)] if True in hp.is_swa else 0
+    hd_swa = hp.head_dim[hp.layer_types.index(SLIDING)] if SLIDING in hp.layer_types else 0
     if hd_swa:
-        rotary_dim = hp.n_rot_swa
+        rotary_dim = hp.sliding_rotary_dim
         exponent = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.int64).float() / rotary_dim
-        inv = (1.0 / (hp.rope_base_swa ** exponent)).to(dtype)
+        inv = (1.0 / (hp.sliding_rope_theta ** exponent)).to(dtype)
         ang = positions.to(dtype)[:, None] * inv[None, :]
         out[True] = (ang.cos(), ang.sin())
-    if False in hp.is_swa:
-        hd = hp.head_dim[hp.is_swa.index(False)]
+    if FULL in hp.layer_types:
+        hd = hp.head_dim[hp.layer_types.index(FULL)]
         exponent = torch.arange(0, hd, 2, device=positions.device, dtype=torch.int64).float() / hd
-        inv = 1.0 / (hp.rope_base ** exponent)
+        inv = 1.0 / (hp.rope_theta ** exponent)
         factors = w.get(ROPE_FREQS)
         if factors is not None:
             inv = inv / factors.float().to(inv.device)
@@ -236,49 +142,49 @@ def _attend(q, k, v, q_pos, k_pos, window: int | None) -> torch.Tensor:
     return torch.einsum("hnt,thd->nhd", probs, acc(v)).to(q.dtype)
 
 
-def query(w, hp: HParams, i: int, a: torch.Tensor, rope) -> torch.Tensor:
+def query(w, hp: Gemma4HParams, i: int, a: torch.Tensor, rope) -> torch.Tensor:
     n, hd = a.shape[0], hp.head_dim[i]
-    q = rms_norm(linear(a, w[_blk(i, "attn_q")]).view(n, hp.num_attention_heads, hd), w[_blk(i, "attn_q_norm")], hp.eps)
-    cos, sin = rope[hp.is_swa[i]]
+    q = rms_norm(linear(a, w[_blk(i, "attn_q")]).view(n, hp.num_attention_heads, hd), w[_blk(i, "attn_q_norm")], hp.rms_norm_eps)
+    cos, sin = rope[hp.is_sliding(i)]
     return rope_neox_partial(q, cos, sin)
 
 
-def keys_values(w, hp: HParams, i: int, a: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+def keys_values(w, hp: Gemma4HParams, i: int, a: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
     n, hd, nkv = a.shape[0], hp.head_dim[i], hp.num_key_value_heads[i]
     k_raw = linear(a, w[_blk(i, "attn_k")]).view(n, nkv, hd)
     v_w = w.get(_blk(i, "attn_v"))
     v = k_raw if v_w is None else linear(a, v_w).view(n, nkv, hd)  # attention_k_eq_v: V is the raw K
-    k = rms_norm(k_raw, w[_blk(i, "attn_k_norm")], hp.eps)
-    cos, sin = rope[hp.is_swa[i]]
-    return rope_neox_partial(k, cos, sin), rms_norm(v, None, hp.eps)
+    k = rms_norm(k_raw, w[_blk(i, "attn_k_norm")], hp.rms_norm_eps)
+    cos, sin = rope[hp.is_sliding(i)]
+    return rope_neox_partial(k, cos, sin), rms_norm(v, None, hp.rms_norm_eps)
 
 
-def attention_out(w, hp: HParams, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+def attention_out(w, hp: Gemma4HParams, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """x + post_attention_norm(attn_output · o)."""
     y = linear(o.reshape(o.shape[0], -1), w[_blk(i, "attn_output")])
-    return x + rms_norm(y, w[_blk(i, "post_attention_norm")], hp.eps)
+    return x + rms_norm(y, w[_blk(i, "post_attention_norm")], hp.rms_norm_eps)
 
 
-def ffn_block(w, hp: HParams, i: int, h: torch.Tensor) -> torch.Tensor:
+def ffn_block(w, hp: Gemma4HParams, i: int, h: torch.Tensor) -> torch.Tensor:
     """h + post_ffw_norm(dense GeGLU [+ MoE branch])."""
-    x = rms_norm(h, w[_blk(i, "ffn_norm")], hp.eps)
+    x = rms_norm(h, w[_blk(i, "ffn_norm")], hp.rms_norm_eps)
     f = geglu(x, w[_blk(i, "ffn_gate")], w[_blk(i, "ffn_up")], w[_blk(i, "ffn_down")])
     if hp.num_experts and i < hp.num_hidden_layers:
-        f1 = rms_norm(f, w[_blk(i, "post_ffw_norm_1")], hp.eps)
-        f2 = rms_norm(moe(w, hp, i, h), w[_blk(i, "post_ffw_norm_2")], hp.eps)
+        f1 = rms_norm(f, w[_blk(i, "post_ffw_norm_1")], hp.rms_norm_eps)
+        f2 = rms_norm(moe(w, hp, i, h), w[_blk(i, "post_ffw_norm_2")], hp.rms_norm_eps)
         f = f1 + f2
-    return h + rms_norm(f, w[_blk(i, "post_ffw_norm")], hp.eps)
+    return h + rms_norm(f, w[_blk(i, "post_ffw_norm")], hp.rms_norm_eps)
 
 
-def moe(w, hp: HParams, i: int, h: torch.Tensor) -> torch.Tensor:
+def moe(w, hp: Gemma4HParams, i: int, h: torch.Tensor) -> torch.Tensor:
     """docs/reference/model-math.md §6.3: router on the residual stream, experts on pre_ffw_norm_2(h)."""
     p = f"blk.{i}."
-    t = acc(rms_norm(h, None, hp.eps)) * w[p + "ffn_gate_inp.scale"].to(acc(h).dtype) * hp.hidden_size ** -0.5
+    t = acc(rms_norm(h, None, hp.rms_norm_eps)) * w[p + "ffn_gate_inp.scale"].to(acc(h).dtype) * hp.hidden_size ** -0.5
     probs = torch.softmax(linear(t, w[p + "ffn_gate_inp.weight"]), dim=-1)
     weights, chosen = torch.topk(probs, hp.num_experts_per_tok, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
     weights = weights * w[p + "ffn_down_exps.scale"].to(weights.dtype)[chosen]
-    u = rms_norm(h, w[p + "pre_ffw_norm_2.weight"], hp.eps)
+    u = rms_norm(h, w[p + "pre_ffw_norm_2.weight"], hp.rms_norm_eps)
     fused = w.get(p + "ffn_gate_up_exps.weight")
     if fused is not None:  # [E, 2Fe, H], gate rows first: one product gives both halves
         experts = Experts(fused, None, w[p + "ffn_down_exps.weight"], geglu_fused)
@@ -288,51 +194,51 @@ def moe(w, hp: HParams, i: int, h: torch.Tensor) -> torch.Tensor:
     return routed_moe(u, weights, chosen, experts).to(h.dtype)
 
 
-def per_layer_inputs(w, hp: HParams, tokens: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+def per_layer_inputs(w, hp: Gemma4HParams, tokens: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """PLE rows [n, N, P] from the scaled embedding h (docs/reference/model-math.md §6.1)."""
-    n, N, P = h.shape[0], hp.num_hidden_layers, hp.n_per_layer
+    n, N, P = h.shape[0], hp.num_hidden_layers, hp.hidden_size_per_layer_input
     proj = linear(h, w["per_layer_model_proj.weight"]) * hp.hidden_size ** -0.5
-    proj = rms_norm(proj.view(n, N, P), w["per_layer_proj_norm.weight"], hp.eps)
+    proj = rms_norm(proj.view(n, N, P), w["per_layer_proj_norm.weight"], hp.rms_norm_eps)
     tok = w["per_layer_token_embd.weight"][tokens].to(h.dtype).view(n, N, P) * math.sqrt(P)
     return (proj + tok) * 2 ** -0.5
 
 
-def output_logits(w, hp: HParams, rows: torch.Tensor) -> torch.Tensor:
+def output_logits(w, hp: Gemma4HParams, rows: torch.Tensor) -> torch.Tensor:
     head = w["output.weight"] if "output.weight" in w else w["token_embd.weight"]
     logits = acc(linear(rows, head))
-    if hp.softcap:
-        logits = hp.softcap * torch.tanh(logits / hp.softcap)
+    if hp.final_logit_softcapping:
+        logits = hp.final_logit_softcapping * torch.tanh(logits / hp.final_logit_softcapping)
     return logits
 
 
 # ---- graph ------------------------------------------------------------------------------------
 
-def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
+def forward_main(w, hp: Gemma4HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
     """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
     emb = w["token_embd.weight"][tokens]
     h = (acc(emb) * math.sqrt(hp.hidden_size)).to(emb.dtype)
-    ple = per_layer_inputs(w, hp, tokens, h) if hp.n_per_layer else None
+    ple = per_layer_inputs(w, hp, tokens, h) if hp.hidden_size_per_layer_input else None
     rope = rope_tables(w, hp, batch.positions, acc(h).dtype)
     kv_of: dict[int, tuple] = {}
     layer_inputs = {}
     for i in range(hp.num_hidden_layers):
         if i in want_layers:
             layer_inputs[i] = h
-        a = rms_norm(h, w[_blk(i, "attn_norm")], hp.eps)
+        a = rms_norm(h, w[_blk(i, "attn_norm")], hp.rms_norm_eps)
         q = query(w, hp, i, a, rope)
         if hp.owns_kv(i):
             k, v = keys_values(w, hp, i, a, rope)
             kv_of[i] = attended_kv(batch, i, k, v)
         k_all, v_all, k_pos = kv_of[hp.kv_layer(i)]
-        o = attend(q, k_all, v_all, batch.positions, k_pos, hp.window if hp.is_swa[i] else None)
+        o = attend(q, k_all, v_all, batch.positions, k_pos, hp.sliding_window if hp.is_sliding(i) else None)
         h = attention_out(w, hp, i, h, o)
         h = ffn_block(w, hp, i, h)
         if ple is not None:
             g = gelu_tanh(linear(h, w[_blk(i, "inp_gate")])) * ple[:, i].to(h.dtype)
-            h = h + rms_norm(linear(g, w[_blk(i, "proj")]), w[_blk(i, "post_norm")], hp.eps)
+            h = h + rms_norm(linear(g, w[_blk(i, "proj")]), w[_blk(i, "post_norm")], hp.rms_norm_eps)
         h = (acc(h) * w[_blk(i, "layer_output_scale")].to(acc(h).dtype)).to(h.dtype)
-    post = rms_norm(h, w["output_norm.weight"], hp.eps)
+    post = rms_norm(h, w["output_norm.weight"], hp.rms_norm_eps)
     if hp.num_hidden_layers in want_layers:
         layer_inputs[hp.num_hidden_layers] = post
     rows = post if want_logits is None else post[want_logits]
@@ -349,7 +255,7 @@ GRAPH = Graph(
     PER_LAYER_KEYS=("attention.head_count_kv", "feed_forward_length"),  # per-layer lists (llama.cpp get_key_or_arr)
     tensors=_tensors,
     CAPTURABLE=True,
-    HParams=HParams,
+    HParams=Gemma4HParams,
     mtp_tensors=mtp_tensors,
     optional_mtp_tensors=optional_mtp_tensors,
     main_layout=main_layout,

@@ -22,6 +22,7 @@ import torch
 from specconv.archs import names
 from specconv.archs.errors import SpecconvError
 from specconv.archs.gemma4 import ASSISTANT_TABLE
+from specconv.archs.gemma4_hparams import Gemma4AssistantHParams
 from specconv.runtime.graphs import gemma4
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.ops import acc, linear, rms_norm
@@ -32,21 +33,6 @@ TARGET_EMBD = "target.token_embd.weight"  # the target's input embedding, taken 
 OPTIONAL = ()
 TABLE = ASSISTANT_TABLE  # archs/gemma4.py; every tensor read by the MTP graph
 keep_float32 = TABLE.keeps_float32
-
-
-class HParams(gemma4.HParams):
-    @classmethod
-    def from_kv(cls, kv):
-        hp = super().from_kv(kv)
-        if hp.num_hidden_layers != 0 or hp.num_nextn_predict_layers == 0:
-            raise SpecconvError("a gemma4-assistant file needs nextn_predict_layers = block_count")
-        if not hp.n_embd_out or hp.n_embd_out == hp.hidden_size:
-            raise SpecconvError("a gemma4-assistant file needs embedding_length_out (the target's hidden size)")
-        return hp
-
-    @property
-    def input_width(self) -> int:
-        return self.n_embd_out
 
 
 def serves(hp, file) -> set[GraphType]:
@@ -62,15 +48,15 @@ def main_tensors(hp) -> list[str]:
 
 
 def mtp_tensors(hp) -> list[str]:
-    return TABLE.graph_names(gemma4.sizes(hp), range(hp.num_nextn_predict_layers), "mtp")
+    return TABLE.graph_names(hp, range(hp.num_nextn_predict_layers), "mtp")
 
 
 def optional_mtp_tensors(hp) -> list[str]:
-    return TABLE.graph_names(gemma4.sizes(hp), range(hp.num_nextn_predict_layers), "mtp", optional=True)
+    return TABLE.graph_names(hp, range(hp.num_nextn_predict_layers), "mtp", optional=True)
 
 
 def expected_shapes(hp) -> dict[str, tuple | list[tuple]]:
-    return TABLE.ggml_shapes(gemma4.sizes(hp), range(hp.num_nextn_predict_layers))
+    return TABLE.ggml_shapes(hp, range(hp.num_nextn_predict_layers))
 
 
 def main_layout(hp, state_dtype=torch.float32) -> MemoryLayout:
@@ -81,27 +67,29 @@ def mtp_layout(hp) -> MemoryLayout:
     return MemoryLayout(attn_layers=[], num_key_value_heads=hp.num_key_value_heads[0], head_dim=hp.head_dim[0], rec_layers=[])
 
 
-def target_layer_for(target_hp, is_swa: bool) -> int:
+def target_layer_for(target_hp, sliding: bool) -> int:
     """The target layer whose K/V an assistant layer of this type reads."""
-    layer = target_hp.store.get(is_swa)
+    layer = target_hp.store.get(sliding)
     if layer is None:
-        kind = "sliding" if is_swa else "full"
+        kind = "sliding" if sliding else "full"
         raise SpecconvError(f"the target has no K/V-owning {kind}-attention layer for the assistant to read")
     return layer
 
 
 def check_fits_target(hp, target_hp) -> None:
     """One-line SpecconvError unless every assistant layer can read its target layer's K/V."""
-    if hp.n_embd_out != target_hp.hidden_size:
-        raise SpecconvError(f"the assistant reads target hidden states of width {hp.n_embd_out}, the target's "
-                            f"are {target_hp.hidden_size}")
+    if hp.backbone_hidden_size != target_hp.hidden_size:
+        raise SpecconvError(f"the assistant reads target hidden states of width {hp.backbone_hidden_size}, the "
+                            f"target's are {target_hp.hidden_size}")
     for i in range(hp.num_nextn_predict_layers):
-        t = target_layer_for(target_hp, hp.is_swa[i])
+        t = target_layer_for(target_hp, hp.is_sliding(i))
         if (hp.head_dim[i], hp.num_key_value_heads[i]) != (target_hp.head_dim[t], target_hp.num_key_value_heads[t]):
-            raise SpecconvError(f"assistant layer {i} has head dim {hp.head_dim[i]} / {hp.num_key_value_heads[i]} KV heads, "
-                                f"target layer {t} has {target_hp.head_dim[t]} / {target_hp.num_key_value_heads[t]}")
-    if hp.window != target_hp.window:
-        raise SpecconvError(f"assistant sliding window {hp.window} differs from the target's {target_hp.window}")
+            raise SpecconvError(f"assistant layer {i} has head dim {hp.head_dim[i]} / {hp.num_key_value_heads[i]} KV "
+                                f"heads, target layer {t} has {target_hp.head_dim[t]} / "
+                                f"{target_hp.num_key_value_heads[t]}")
+    if hp.sliding_window != target_hp.sliding_window:
+        raise SpecconvError(f"assistant sliding window {hp.sliding_window} differs from the target's "
+                            f"{target_hp.sliding_window}")
 
 
 def forward_mtp(w, hp, tokens: torch.Tensor, h: torch.Tensor, batch: Batch, kv_from=None):
@@ -109,20 +97,20 @@ def forward_mtp(w, hp, tokens: torch.Tensor, h: torch.Tensor, batch: Batch, kv_f
     if kv_from is None:
         raise SpecconvError("the Gemma 4 assistant reads its target's K/V: create its context with kv_from=")
     emb = w[TARGET_EMBD][tokens]
-    e = (acc(emb) * math.sqrt(hp.n_embd_out)).to(emb.dtype)
+    e = (acc(emb) * math.sqrt(hp.backbone_hidden_size)).to(emb.dtype)
     x = linear(torch.cat([e, h.to(e.dtype)], dim=-1), w[names.NEXTN_PRE_PROJECTION])
     rope = gemma4.rope_tables(w, hp, batch.positions, acc(x).dtype)
     target_hp, memory = kv_from.model.hparams, kv_from.memory
     for i in range(hp.num_nextn_predict_layers):
-        a = rms_norm(x, w[gemma4._blk(i, "attn_norm")], hp.eps)
+        a = rms_norm(x, w[gemma4._blk(i, "attn_norm")], hp.rms_norm_eps)
         q = gemma4.query(w, hp, i, a, rope)
-        k, v, k_pos = memory.cells(batch.seq, target_layer_for(target_hp, hp.is_swa[i]))
+        k, v, k_pos = memory.cells(batch.seq, target_layer_for(target_hp, hp.is_sliding(i)))
         o = gemma4.attend(q, k.to(q.dtype), v.to(q.dtype), batch.positions, k_pos,
-                          hp.window if hp.is_swa[i] else None)
+                          hp.sliding_window if hp.is_sliding(i) else None)
         x = gemma4.attention_out(w, hp, i, x, o)
         x = gemma4.ffn_block(w, hp, i, x)
         x = (acc(x) * w[gemma4._blk(i, "layer_output_scale")].to(acc(x).dtype)).to(x.dtype)
-    y = rms_norm(x, w[names.OUTPUT_NORM], hp.eps)
+    y = rms_norm(x, w[names.OUTPUT_NORM], hp.rms_norm_eps)
     logits = acc(linear(y, w[names.TOKEN_EMBD]))
     return logits, linear(y, w[names.NEXTN_POST_PROJECTION]), y
 
@@ -133,7 +121,7 @@ def forward_main(*args, **kwargs):
 
 GRAPH = Graph(
     name="gemma4_assistant",
-    HParams=HParams,
+    HParams=Gemma4AssistantHParams,
     main_tensors=main_tensors,
     archs=("gemma4-assistant",),  # the GGUF arches this graph runs (graph_for finds it by them)
     PER_LAYER_KEYS=("attention.head_count_kv", "feed_forward_length"),  # per-layer lists (llama.cpp get_key_or_arr)

@@ -17,81 +17,21 @@ states for both (docs/mtp.md §Chained MTP heads). Shared with the other chained
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
-
 import torch
 
-from specconv.archs.chained_mtp import Sizes
 from specconv.archs.errors import SpecconvError
 from specconv.archs.mimo2 import MIMO2_TABLE
+from specconv.archs.mimo2_hparams import Mimo2HParams
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs.decoder import nextn_input, output_head
 from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
-from specconv.archs.hparams import HParamsReader
 from specconv.runtime.memory import Batch
 from specconv.runtime.placement import on_layer_device
 from specconv.runtime.validate import check_rope_width
 
+HParams = Mimo2HParams  # read from GGUF metadata by Mimo2HParams.from_kv (archs/mimo2_hparams.py)
 
-
-@dataclass(kw_only=True)
-class HParams(chained.ChainedHParams):
-    num_attention_heads: int
-    num_key_value_heads: list[int]  # per block
-    head_dim: int  # Q / K heads (attention.key_length)
-    v_head_dim: int  # V heads (attention.value_length)
-    swa: list[bool]  # per block (trunk and MTP)
-    sliding_window: int
-    rotary_dim: int
-    rope_theta: float
-    swa_rope_theta: float
-    attention_value_scale: float
-    weights_norm: bool = True  # llama.cpp's mimo2 always renormalises and never scales
-    weights_scale: float = 1.0
-
-    @property
-    def cell_width(self) -> int:  # K and V cells share one width (the larger head; the other is padded)
-        return max(self.head_dim, self.v_head_dim)
-
-    @classmethod
-    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
-        # no check_kv here yet: runtime/validate.py wants one head_count_kv value for mimo2, which llama.cpp
-        # reads per block (get_key_or_arr); every key is checked below
-        r = HParamsReader(kv)
-        arch, key = r.arch, r.key
-        total, num_nextn_predict_layers = chained.block_counts(r)
-        num_attention_heads, head_dim = key("attention.head_count", type=int), key("attention.key_length", type=int)
-        kvs = r.per_layer("attention.head_count_kv", total)
-        for i, h in enumerate(kvs):
-            if h < 1 or num_attention_heads % h:
-                raise SpecconvError(f"{arch}: block {i}: {num_attention_heads} heads are not a multiple of {h} KV heads")
-        theta = key("rope.freq_base", 10000.0, float)
-        return cls(arch=arch, num_hidden_layers=total - num_nextn_predict_layers, num_nextn_predict_layers=num_nextn_predict_layers, hidden_size=key("embedding_length", type=int),
-                   num_attention_heads=num_attention_heads, num_key_value_heads=kvs, head_dim=head_dim,
-                   v_head_dim=key("attention.value_length", head_dim, int),
-                   swa=r.per_layer("attention.sliding_window_pattern", total, False, bool),
-                   sliding_window=key("attention.sliding_window", 0, int),
-                   rotary_dim=key("rope.dimension_count", head_dim, int), rope_theta=theta,
-                   swa_rope_theta=key("rope.freq_base_swa", theta, float),
-                   eps=key("attention.layer_norm_rms_epsilon", type=float),
-                   attention_value_scale=key("attention.value_scale", 1.0, float) or 1.0,
-                   num_experts_per_tok=key("expert_used_count", 0, int),
-                   n_group=key("expert_group_count", 1, int) or 1,
-                   n_group_used=key("expert_group_used_count", 1, int) or 1)
-
-
-# ---- which tensors the graph needs: the family's table (archs/mimo2.py) ------------------------
-
-def sizes(hp: HParams) -> Sizes:
-    """The table's sizes from GGUF metadata: the vocabulary, FFN widths and expert counts are the file's,
-    bound per block; q, k and v split or fused, whichever the file holds."""
-    total = hp.num_hidden_layers + hp.num_nextn_predict_layers
-    return Sizes(num_hidden_layers=hp.num_hidden_layers, E=hp.hidden_size, V="V", heads=(hp.num_attention_heads,) * total, kv_heads=tuple(hp.num_key_value_heads),
-                 head_dim=hp.head_dim, v_head_dim=hp.v_head_dim)
-
-
-_tensors = chained.tensor_lists(MIMO2_TABLE, sizes)
+_tensors = chained.tensor_lists(MIMO2_TABLE)
 keep_float32 = MIMO2_TABLE.keeps_float32
 
 
@@ -126,17 +66,17 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     else:
         q, k, v = (linear(a, w[p + f"attn_{x}.weight"]) for x in "qkv")
     q, k, v = q.reshape(n, nh, hp.head_dim), k.reshape(n, nkv, hp.head_dim), v.reshape(n, nkv, hp.v_head_dim)
-    cos, sin = rope[1] if hp.swa[i] else rope[0]
+    cos, sin = rope[1] if hp.is_sliding(i) else rope[0]
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
     W = hp.cell_width
     k_all, v_all, k_pos = attended_kv(batch, i, _pad(k, W), _pad(v, W))
     sinks = w.get(p + "attn_sinks.weight")
-    window = hp.sliding_window if hp.swa[i] else 0
+    window = hp.sliding_window if hp.is_sliding(i) else 0
     o = chained.attend(q, k_all[..., :hp.head_dim], v_all[..., :hp.v_head_dim], batch.positions, k_pos,
                        hp.head_dim ** -0.5, window, None if sinks is None else acc(sinks))
     out = linear(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])
     scale = hp.attention_value_scale
-    return out if scale == 1.0 else (acc(out) * scale).to(out.dtype)
+    return out if scale is None or scale == 1.0 else (acc(out) * scale).to(out.dtype)
 
 
 def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -152,11 +92,11 @@ _forwards = chained.Forwards(_rope, attention, ffn)  # its MTP head ends differe
 
 
 def _mtp(w, hp: HParams, i: int, tokens, hidden_in, batch: Batch):
-    x = nextn_input(w, i, hp.eps, tokens, hidden_in)
+    x = nextn_input(w, i, hp.rms_norm_eps, tokens, hidden_in)
     y = chained.block(w, hp, i, x, batch, _rope(hp, batch)(acc(x).dtype), attention, ffn)
     p = f"blk.{i}."
     norm = w.get(p + "nextn.shared_head_norm.weight", w.get(p + "layer_output_norm.weight", w["output_norm.weight"]))
-    z = rms_norm(y, norm, hp.eps)
+    z = rms_norm(y, norm, hp.rms_norm_eps)
     return acc(linear(z, w.get(p + "nextn.shared_head_head.weight", output_head(w)))), z, y
 
 

@@ -1,6 +1,9 @@
 """Building blocks shared by the graphs (docs/reference/model-math.md §1): norms, rope, attention, FFNs.
 
-Reductions run in float32 whatever the compute dtype; results come back in the input dtype.
+Reductions run in float32 whatever the compute dtype; results come back in the input dtype. The norms,
+rope and SwiGLU's product are computed by the backend of the activations' device too (one Triton
+kernel each on CUDA, runtime/backend_cuda.py; the torch formulas of runtime/backend_torch.py
+elsewhere).
 
 A weight `w[name]` is a torch tensor or a `StoredWeight` (runtime/stored.py: kept in its GGUF
 type). Graphs multiply by weights only through `linear` and `moe`, which hand the product to the
@@ -11,7 +14,6 @@ backend of the activations' device (runtime/backend.py); they take embedding row
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specconv.runtime.backend import Experts, activation_observer, for_device, rows_alone
 from specconv.runtime.stored import StoredWeight
@@ -23,15 +25,25 @@ def acc(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x · (mean(x²) + ε)^(-1/2) ⊙ w over the last axis (the GGUF weight already holds any +1)."""
-    xf = acc(x)
-    # torch's own op: the same arithmetic in the same order (bit for bit), one call instead of six
-    return F.rms_norm(xf, (xf.shape[-1],), None if weight is None else dense(weight, xf.dtype), eps).to(x.dtype)
+    """x · (mean(x²) + ε)^(-1/2) ⊙ w over the last axis, in x's dtype (the GGUF weight already holds
+    any +1)."""
+    return for_device(x.device).rms_norm(x, weight, eps)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta, weight)): a block's residual add and the norm that follows it,
+    one kernel on CUDA."""
+    return for_device(h.device).add_rms_norm(h, delta, weight, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, weight, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x, weight) · silu(gate), in the accumulation dtype (Gated DeltaNet's output norm)."""
+    return for_device(x.device).gated_rms_norm(x, weight, gate, eps)
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = acc(x)
-    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+    """x · (Σ x² + ε)^(-1/2) over the last axis, in the accumulation dtype."""
+    return for_device(x.device).l2_norm(x, eps)
 
 
 def dense(w, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -87,13 +99,13 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float,
 
 def rope_neox_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (i, i + d/2) of the first d = 2·cos.shape[-1] dims of every head; x: [n, heads, hd]."""
-    half = cos.shape[-1]
-    d = 2 * half
-    xr = acc(x[..., :d])
-    x1, x2 = xr[..., :half], xr[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-    return torch.cat([rotated, x[..., d:]], dim=-1)
+    return for_device(x.device).rope(x, cos, sin, "neox")
+
+
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NORM rope: rotate adjacent pairs (2i, 2i + 1) of the first d = 2·cos.shape[-1] dims of every
+    head; x: [n, heads, hd]."""
+    return for_device(x.device).rope(x, cos, sin, "norm")
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -151,7 +163,7 @@ def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+    return linear(for_device(x.device).silu_mul(linear(x, gate), linear(x, up)), down)
 
 
 def moe_softmax_topk(x: torch.Tensor, router: torch.Tensor, n_used: int, gate_exps: torch.Tensor,

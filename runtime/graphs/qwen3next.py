@@ -14,65 +14,49 @@ rollback. The Gated DeltaNet differs in two places:
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 import torch
 import torch.nn.functional as F
 
-from specconv.archs.errors import SpecconvError
-from specconv.archs.qwen3next import QWEN3NEXT_TABLE
+from specconv.archs.qwen3next import QWEN3NEXT_TABLE, Qwen3NextHParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn
 from specconv.runtime.graphs import qwen35 as q35
 from specconv.runtime.graphs.contract import Graph
-from specconv.archs.hparams import HParamsReader
 from specconv.runtime.graphs.ops import acc, dense, l2_norm, linear, rms_norm
 from specconv.runtime.memory import Batch
 
 main_layout = q35.main_layout
 mtp_layout = q35.mtp_layout
 
-# the family's table (archs/qwen3next.py), with Qwen3.5's sizes
+# the family's table (archs/qwen3next.py), whose shapes read the hparams (Qwen3NextHParams)
 TABLE = QWEN3NEXT_TABLE
-_tensors = GraphTensors(TABLE, q35.sizes)
+_tensors = GraphTensors(TABLE, lambda hp: hp)
 
 
-class HParams(q35.HParams):
-    @classmethod
-    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
-        hp = super().from_kv(kv)
-        scaling = HParamsReader(kv).key("rope.scaling.type", None, str)
-        if scaling not in (None, "none"):
-            raise SpecconvError(f"{hp.arch}.rope.scaling.type is {scaling!r}: the runtime's qwen3next graph runs "
-                                f"unscaled rope only (the releases' configuration)")
-        if not hp.num_experts:
-            raise SpecconvError("qwen3next file without expert_count (every qwen3next block is MoE)")
-        return hp
-
-
-def gated_deltanet(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, mode: str) -> torch.Tensor:
+def gated_deltanet(w, hp: Qwen3NextHParams, i: int, a: torch.Tensor, batch: Batch, mode: str) -> torch.Tensor:
     n = a.shape[0]
-    nk, nv, dk, dv = hp.ssm_groups, hp.ssm_heads, hp.ssm_dk, hp.ssm_dv
-    r = nv // nk
+    nk, nv = hp.linear_num_key_heads, hp.linear_num_value_heads
+    dk, dv = hp.linear_key_head_dim, hp.linear_value_head_dim
+    r = hp.value_heads_per_key_head
     m = linear(a, w[f"blk.{i}.attn_qkv.weight"])  # [n, C] = [q | k | v]
     z = linear(a, w[f"blk.{i}.attn_gate.weight"]).view(n, nv, dv)
     ba = acc(linear(a, w[f"blk.{i}.ssm_ba.weight"])).view(n, nk, 2 * r)
     b, alpha = ba[..., :r].reshape(n, nv), ba[..., r:].reshape(n, nv)
     rec = gdn.Recurrence(batch, i, mode)  # states in and out of the memory's ring
     c = rec.conv(m, w[f"blk.{i}.ssm_conv1d.weight"])
-    q = l2_norm(c[:, :nk * dk].view(n, nk, dk), hp.eps) * dk ** -0.5
-    k = l2_norm(c[:, nk * dk:2 * nk * dk].view(n, nk, dk), hp.eps)
+    q = l2_norm(c[:, :nk * dk].view(n, nk, dk), hp.rms_norm_eps) * dk ** -0.5
+    k = l2_norm(c[:, nk * dk:2 * nk * dk].view(n, nk, dk), hp.rms_norm_eps)
     v = acc(c[:, 2 * nk * dk:].reshape(n, nv, dv))
     q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # value head h reads key head h // r
     g, beta = gdn.gates(b, alpha, dense(w[f"blk.{i}.ssm_a"], alpha.dtype),
                         dense(w[f"blk.{i}.ssm_dt.bias"], alpha.dtype))
     sd = rec.state_dtype  # float32, or float64 for a reference-grade recurrence
     o = rec.delta_rule(q.to(sd), k.to(sd), v.to(sd), g.to(sd), beta.to(sd))
-    y = rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], hp.eps) * F.silu(acc(z))
+    y = rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], hp.rms_norm_eps) * F.silu(acc(z))
     return linear(y.reshape(n, nv * dv).to(a.dtype), w[f"blk.{i}.ssm_out.weight"])
 
 
-def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
+def forward_main(w, hp: Qwen3NextHParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
     """qwen35's trunk with this module's Gated DeltaNet mixer. Returns (logits rows, post_norm,
     pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
@@ -89,7 +73,7 @@ GRAPH = Graph(
     archs=("qwen3next",),  # the GGUF arches this graph runs (graph_for finds it by them)
     tensors=_tensors,
     CAPTURABLE=True,
-    HParams=HParams,
+    HParams=Qwen3NextHParams,
     main_layout=main_layout,
     mtp_layout=mtp_layout,
     forward_main=forward_main,

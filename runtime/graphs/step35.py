@@ -16,89 +16,28 @@ logits = shared_head_head(shared_head_norm(y)). Shared with the other chained-MT
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 
-from specconv.archs.chained_mtp import Sizes
-from specconv.archs.errors import SpecconvError
 from specconv.archs.step35 import STEP35_TABLE
+from specconv.archs.step35_hparams import Step35HParams
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
-from specconv.archs.hparams import HParamsReader
 from specconv.runtime.memory import Batch
 from specconv.runtime.validate import check_rope_width
 
+HParams = Step35HParams  # read from GGUF metadata by Step35HParams.from_kv (archs/step35_hparams.py)
 
-
-@dataclass(kw_only=True)
-class HParams(chained.ChainedHParams):
-    head_dim: int
-    num_attention_heads: list[int]  # per block
-    num_key_value_heads: list[int]
-    swa: list[bool]
-    n_swa: int
-    n_rot_full: int
-    n_rot_swa: int
-    base_full: float
-    base_swa: float
-    weights_scale: float
-    weights_norm: bool
-    clamp_exp: list[float] = field(default_factory=list)
-    clamp_shexp: list[float] = field(default_factory=list)
-
-    @classmethod
-    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
-        # no check_kv here yet: runtime/validate.py types attention.head_count as a scalar, and step35
-        # writes it per block (llama.cpp reads it with get_key_or_arr); every key is checked below
-        r = HParamsReader(kv)
-        arch, key = r.arch, r.key
-        total, num_nextn_predict_layers = chained.block_counts(r)
-        head_dim = key("attention.key_length", type=int)
-        if key("attention.value_length", head_dim, int) != head_dim:
-            raise SpecconvError(f"{arch}: attention.key_length != value_length")
-        num_attention_heads, num_key_value_heads = r.per_layer("attention.head_count", total), r.per_layer("attention.head_count_kv", total)
-        for i, (h, k) in enumerate(zip(num_attention_heads, num_key_value_heads)):
-            if h % k:
-                raise SpecconvError(f"{arch}: block {i} has {h} heads, not a multiple of {k} KV heads")
-        rotary_dim = key("rope.dimension_count", head_dim, int)
-        base = key("rope.freq_base", 10000.0, float)
-        gating = chained.gating(r)
-        return cls(arch=arch, num_hidden_layers=total - num_nextn_predict_layers, num_nextn_predict_layers=num_nextn_predict_layers, hidden_size=key("embedding_length", type=int),
-                   head_dim=head_dim, num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-                   swa=r.per_layer("attention.sliding_window_pattern", total, False, bool),
-                   n_swa=key("attention.sliding_window", 0, int),
-                   n_rot_full=rotary_dim // 2,  # llama.cpp: full-attention blocks rotate half the rope dims
-                   n_rot_swa=key("rope.dimension_count_swa", rotary_dim, int), base_full=base,
-                   base_swa=key("rope.freq_base_swa", base, float),
-                   eps=key("attention.layer_norm_rms_epsilon", type=float),
-                   num_experts_per_tok=key("expert_used_count", 0, int),
-                   weights_scale=key("expert_weights_scale", 1.0, float) or 1.0,
-                   weights_norm=key("expert_weights_norm", False, bool),
-                   clamp_exp=r.per_layer("swiglu_clamp_exp", total, 0.0, float),
-                   clamp_shexp=r.per_layer("swiglu_clamp_shexp", total, 0.0, float), gating=gating)
-
-
-# ---- which tensors the graph needs: the family's table (archs/step35.py) ------------------------
-
-def sizes(hp: HParams) -> Sizes:
-    """The table's sizes from GGUF metadata: the vocabulary, FFN widths and expert counts are the file's,
-    bound per block."""
-    return Sizes(num_hidden_layers=hp.num_hidden_layers, E=hp.hidden_size, V="V", heads=tuple(hp.num_attention_heads), kv_heads=tuple(hp.num_key_value_heads),
-                 head_dim=hp.head_dim)
-
-
-_tensors = chained.tensor_lists(STEP35_TABLE, sizes)
+_tensors = chained.tensor_lists(STEP35_TABLE)
 keep_float32 = STEP35_TABLE.keeps_float32
 
 
 def check_hparams(hp: HParams, kv) -> None:
-    check_rope_width(f"half of {hp.arch}.rope.dimension_count (the full-attention blocks' rope)", hp.n_rot_full,
+    check_rope_width(f"half of {hp.arch}.rope.dimension_count (the full-attention blocks' rope)", hp.full_rotary_dim,
                      hp.head_dim)
-    check_rope_width(f"{hp.arch}.rope.dimension_count_swa", hp.n_rot_swa, hp.head_dim)
+    check_rope_width(f"{hp.arch}.rope.dimension_count_swa", hp.swa_rotary_dim, hp.head_dim)
 
 
 def check_values(file, hp: HParams, needed: list[str]) -> None:
@@ -115,13 +54,13 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     k = linear(a, w[p + "attn_k.weight"]).view(n, nkv, hd)
     v = linear(a, w[p + "attn_v.weight"]).view(n, nkv, hd)
     if p + "attn_q_norm.weight" in w:
-        q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
+        q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.rms_norm_eps)
     if p + "attn_k_norm.weight" in w:
-        k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
-    cos, sin = rope[1] if hp.swa[i] else rope[0]
+        k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.rms_norm_eps)
+    cos, sin = rope[1] if hp.is_sliding(i) else rope[0]
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
     k_all, v_all, k_pos = attended_kv(batch, i, k, v)
-    o = chained.attend(q, k_all, v_all, batch.positions, k_pos, hd ** -0.5, hp.n_swa if hp.swa[i] else 0)
+    o = chained.attend(q, k_all, v_all, batch.positions, k_pos, hd ** -0.5, hp.sliding_window if hp.is_sliding(i) else 0)
     if p + "attn_gate.weight" in w:  # head-wise gate on each head's output
         o = (acc(o) * torch.sigmoid(acc(linear(a, w[p + "attn_gate.weight"])))[..., None]).to(o.dtype)
     return linear(o.reshape(n, nh * hd), w[p + "attn_output.weight"])
@@ -135,13 +74,13 @@ def swiglu_clamped(x: torch.Tensor, gate, up, down, limit: float) -> torch.Tenso
 
 
 def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
-    return chained.ffn(w, hp, i, x, "exp_probs_b.bias", partial(swiglu_clamped, limit=hp.clamp_shexp[i]),
-                       partial(swiglu_clamped, limit=hp.clamp_exp[i]))
+    return chained.ffn(w, hp, i, x, "exp_probs_b.bias", partial(swiglu_clamped, limit=hp.shared_limit(i)),
+                       partial(swiglu_clamped, limit=hp.expert_limit(i)))
 
 
 def _rope(hp: HParams, batch: Batch):
-    return lambda dtype: (rope_cos_sin(batch.positions, hp.n_rot_full, hp.base_full, dtype),
-                          rope_cos_sin(batch.positions, hp.n_rot_swa, hp.base_swa, dtype))
+    return lambda dtype: (rope_cos_sin(batch.positions, hp.full_rotary_dim, hp.rope_theta, dtype),
+                          rope_cos_sin(batch.positions, hp.swa_rotary_dim, hp.swa_rope_theta, dtype))
 
 
 _forwards = chained.Forwards(_rope, attention, ffn)

@@ -5,6 +5,11 @@
     dequantize_rows(packed, qtype, rows, n_in, dtype)    packed rows -> values
     gdn_step(q, k, v, g, beta, states, src_slot, dst_slots)   the gated delta rule, 1-16 tokens
     causal_conv(m, states, weight, src_slot, dst_slots)       the short causal conv + SiLU
+    rms_norm(x, weight, eps, residual=None, gate=None)   RMSNorm (+ the residual add, or a SiLU gate)
+    l2_norm(x, eps)                                      x / ‖x‖ (Gated DeltaNet's q and k)
+    rope(x, cos, sin, style)                             NEOX / NORM rope of q or k
+    silu_mul(gate, up)                                   SwiGLU's silu(gate) · up
+    gdn_gates(b, alpha, a, dt_bias)                      the Gated DeltaNet's decay and β
 
 Importing this package does not import Triton; the first call does (a SpecconvError if it is not
 installed). The kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter
@@ -12,10 +17,14 @@ installed). The kernels run on CUDA tensors, or on CPU tensors under Triton's in
 """
 
 from specconv.runtime.kernels_triton._common import available
+from specconv.runtime.kernels_triton.activation import gdn_gates, silu_mul
 from specconv.runtime.kernels_triton.conv import causal_conv
 from specconv.runtime.kernels_triton.dequant import KERNEL_TYPES, dequantize_rows
 from specconv.runtime.kernels_triton.gdn import MAX_TOKENS, gdn_step
 from specconv.runtime.kernels_triton.matmul import FUSED_MAX_ROWS, expert_matmul, quant_matmul
+from specconv.runtime.kernels_triton.norm import MAX_WIDTH as MAX_NORM_WIDTH, l2_norm, rms_norm
+from specconv.runtime.kernels_triton.rope import rope
 
-__all__ = ["available", "causal_conv", "dequantize_rows", "expert_matmul", "gdn_step", "quant_matmul", "FUSED_MAX_ROWS",
-           "KERNEL_TYPES", "MAX_TOKENS"]
+__all__ = ["available", "causal_conv", "dequantize_rows", "expert_matmul", "gdn_gates", "gdn_step", "l2_norm",
+           "quant_matmul", "rms_norm", "rope", "silu_mul", "FUSED_MAX_ROWS", "KERNEL_TYPES", "MAX_NORM_WIDTH",
+           "MAX_TOKENS"]

@@ -212,7 +212,7 @@ def _assistant(report: Report, target, opts: VerifyOptions):
 
     def detail(assistant):
         return (f"{assistant.hparams.num_nextn_predict_layers} layers reading target layers "
-                f"{sorted(set(target.hparams.store.values()))}, backbone width {assistant.hparams.n_embd_out}")
+                f"{sorted(set(target.hparams.store.values()))}, backbone width {assistant.hparams.backbone_hidden_size}")
 
     return _draft_reading_target(report, target, opts, "Gemma 4 assistant", check_assistant_fits_target, detail)
 

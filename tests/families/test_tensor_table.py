@@ -130,7 +130,7 @@ def _chained_written(family: str):
 
 def _gemma4_v(hp, source=None) -> set[str]:
     """attn_v of the K/V-owning sliding layers (the full ones of attention_k_eq_v have none)."""
-    return {f"blk.{i}.attn_v.weight" for i in range(hp.num_hidden_layers) if hp.owns_kv(i) and hp.is_swa[i]}
+    return {f"blk.{i}.attn_v.weight" for i in range(hp.num_hidden_layers) if hp.owns_kv(i) and hp.is_sliding(i)}
 
 
 def _chained(family: str, **over):

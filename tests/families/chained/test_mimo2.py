@@ -140,7 +140,7 @@ def test_llama_cpp_converter_differs_only_where_it_is_wrong(conv, tmp_path, llam
 
 def test_plugin_and_graph_hparams_share_the_release_names(conv):
     """One naming for mimo2: the graph's HParams, read from the converted file through the GGUF key
-    reader, gives each config.json quantity under the name the plugin's Mimo2Hparams gives it."""
+    reader, gives each config.json quantity under the name the plugin's Mimo2HParams gives it."""
     from specconv.runtime.gguf_file import GGUFModelFile
     from specconv.runtime.graphs import mimo2 as graph
     src, files = conv
@@ -150,5 +150,5 @@ def test_plugin_and_graph_hparams_share_the_release_names(conv):
     got, want = ({n: getattr(h, n) for n in shared} for h in (hp, config))
     print(f"\nmimo2 hparams by their release names: {want}")
     assert got == pytest.approx(want)
-    assert hp.swa[:N] == [bool(x) for x in config.hybrid_layer_pattern]
+    assert hp.hybrid_layer_pattern[:N] == config.hybrid_layer_pattern[:N]
     assert hp.attention_value_scale == pytest.approx(config.attention_value_scale or 1.0)

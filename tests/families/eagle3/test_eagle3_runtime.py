@@ -206,7 +206,7 @@ def test_head_must_fit_its_target(built, tmp_path):
     targets, files, heads = built
     qwen = load_model(files["qwen35"], device="cpu")
     llama_head = load_model(heads["llama-speculators"][1], device="cpu", share_from=qwen)
-    with pytest.raises(SpecconvError, match="target layer 5"):
+    with pytest.raises(SpecconvError, match="target layer input 5"):
         Eagle3Drafter(llama_head, qwen, n_ctx=32)
 
 

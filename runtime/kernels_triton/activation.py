@@ -1,0 +1,64 @@
+"""Gated activations in one Triton launch each.
+
+    silu_mul(gate, up) -> silu(gate) · up        (SwiGLU's product; gate's dtype)
+    gdn_gates(b, alpha, a, dt_bias) -> (g, beta)  (the Gated DeltaNet's gates, float32)
+
+silu_mul: gate, up [..., F] of one float dtype, the last dimension contiguous; silu in float32,
+rounded into the dtype, times up in float32, rounded again: the reference's F.silu(gate) * up in
+that dtype (runtime/backend_torch.py). gdn_gates: b, alpha [n, heads], a, dt_bias [heads]:
+g = a · softplus(alpha + dt_bias), β = σ(b) (runtime/graphs/gdn.py `gates`), float32 out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.kernels_triton import _common
+
+BLOCK = 1024  # columns per program of silu_mul
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    op = "silu_mul"
+    _common.check_float(op, "gate", gate)
+    if up.dtype != gate.dtype:
+        raise SpecconvError(f"{op}: gate and up must have one dtype (got {gate.dtype}, {up.dtype})")
+    _common.check_shape(op, "up", up, tuple(gate.shape))
+    if gate.dim() == 0:
+        raise SpecconvError(f"{op}: gate must have a last dimension")
+    device = _common.check_device(op, gate, up)
+    width = gate.shape[-1]
+    g, u = gate.reshape(-1, width), up.reshape(-1, width)
+    for name, t in (("gate", g), ("up", u)):
+        _common.check_last_contiguous(op, name, t)
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=device)
+    if y.numel() == 0:
+        return y
+    block = min(BLOCK, _common.next_power_of_2(width))
+    jit = _common.jit_module("_pointwise_jit")
+    jit.silu_mul_kernel[(g.shape[0], _common.cdiv(width, block))](g, u, y, width, g.stride(0), u.stride(0),
+                                                                  BLOCK=block, enable_fp_fusion=False)
+    return y
+
+
+def gdn_gates(b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor):
+    op = "gdn_gates"
+    if b.dim() != 2:
+        raise SpecconvError(f"{op}: expected b, alpha [n, heads] (got b {tuple(b.shape)})")
+    n, heads = b.shape
+    _common.check_shape(op, "alpha", alpha, (n, heads))
+    _common.check_shape(op, "a", a, (heads,))
+    _common.check_shape(op, "dt_bias", dt_bias, (heads,))
+    for name, t in (("b", b), ("alpha", alpha), ("a", a), ("dt_bias", dt_bias)):
+        _common.check_float(op, name, t)
+        _common.check_last_contiguous(op, name, t)
+    device = _common.check_device(op, b, alpha, a, dt_bias)
+    g = torch.empty(n, heads, dtype=torch.float32, device=device)
+    beta = torch.empty(n, heads, dtype=torch.float32, device=device)
+    if n * heads == 0:
+        return g, beta
+    jit = _common.jit_module("_pointwise_jit")
+    jit.gdn_gates_kernel[(n,)](b, alpha, a, dt_bias, g, beta, heads, b.stride(0), alpha.stride(0),
+                               BLOCK=_common.next_power_of_2(heads), enable_fp_fusion=False)
+    return g, beta
