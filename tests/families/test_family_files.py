@@ -8,9 +8,10 @@ them); its names are the `gguf_arch` and the `hf_architectures` of those classes
   3. any module that imports the modules of 1-2 of this group and of no other group: code written
      for this family alone (a family built on another's module: dsa on deepseek2, qwen3next on
      qwen35, eagle3 on llama; the Gemma 4 assistant's drafter on its graph);
-  4. a module of archs/ or runtime/graphs/ that only this group's files import (a family's own
-     helper: archs/gemma4_hparams.py), and the helpers shared by a few families listed in
-     FAMILY_HELPERS, for the groups whose files import them.
+  4. a module of archs/ or runtime/graphs/ that only the plugin and graph modules of this group,
+     and of groups built on it, import (a family's own helper: archs/gemma4_hparams.py,
+     archs/qwen35_hparams.py, which Qwen3-Next reuses), and the helpers shared by a few families
+     listed in FAMILY_HELPERS, for the groups whose files import them.
 A string literal equal to a group's name (AST scan of archs/, runtime/, convert/, specconv/;
 tests/, docs/ and tools/ are not scanned), or a use of an archs/names.py constant holding one
 (`names.GEMMA4`), may occur only in that group's files; names.py, where those constants are
@@ -162,12 +163,17 @@ def family_files() -> tuple[dict[str, set[str]], dict[str, set[str]], dict]:
         groups = {group_of[m] for m in imported if m in group_of} - {group_of.get(rel)}
         if len(groups) == 1:
             files[groups.pop()].add(rel)
-    for rel in scan:  # rule 4: a helper only one group imports
+    # the groups each group builds on: whose plugin or graph modules its own ones import
+    builds_on = {g: {group_of[m] for f in fs for m in scan[f][1] if m in group_of} - {g} for g, fs in own.items()}
+    for rel in scan:  # rule 4: a helper of one group (and of the groups built on it) only
         if rel.startswith(("archs/", "runtime/graphs/")) and rel not in group_of:
             importers = [f for f, (_, imported) in scan.items() if rel in imported]
-            groups = {g for g, fs in files.items() for f in importers if f in fs}
-            if importers and len(groups) == 1 and all(any(f in fs for fs in files.values()) for f in importers):
-                files[groups.pop()].add(rel)
+            if not importers or not all(f in group_of for f in importers):
+                continue
+            groups = {group_of[f] for f in importers}
+            base = [b for b in groups if all(g == b or b in builds_on[g] for g in groups)]
+            if len(base) == 1:
+                files[base[0]].add(rel)
     for helper in FAMILY_HELPERS:  # rule 4: the listed shared helpers
         for g, fs in own.items():
             if any(helper in scan[f][1] for f in fs):
