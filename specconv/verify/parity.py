@@ -231,7 +231,8 @@ def load_mtp_reference(main, n_mtp: int):
     main.config.mtp_layer_types = ["full_attention"] * n_mtp
     if getattr(main.config, "mlp_layer_types", None) is not None:  # GLM-4.7-Flash: the nextn layer is MoE
         main.config.mtp_mlp_layer_types = ["sparse"] * n_mtp
-    if plugin_class_for(main.config.to_dict()).mtp_as_trunk_layers:
+    checkpoint = json.loads((Path(main.config.name_or_path) / "config.json").read_text(encoding="utf-8"))
+    if plugin_class_for(checkpoint).mtp_as_trunk_layers:  # the release's config.json, not the text config
         # nextn layers at model.layers.{N..}; the class regexes name the release's N (61, 92, 46)
         n = main.config.num_hidden_layers
         main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n + j}\..*" for j in range(n_mtp)]
