@@ -334,3 +334,29 @@ def test_a_family_in_two_files_outside_the_package_converts_and_runs(tmp_path, m
         for name in ("llama_copy", "llama_copy_graph"):
             sys.modules.pop(name, None)
     assert COPY_ARCH not in graphs.supported_archs()
+
+
+def test_the_worked_example_in_the_docs_quotes_the_family_s_two_files():
+    """docs/architecture.md's worked example (Qwen3-Next) quotes its plugin and graph modules as they
+    are: every quoted line but `...` is a line of the file, in the file's order."""
+    import re
+
+    doc = (ROOT / "docs/architecture.md").read_text(encoding="utf-8")
+    example = doc[doc.index("#### Worked example: Qwen3-Next"):doc.index("### A new drafter kind")]
+    steps = re.split(r"^Step \d, ", example, flags=re.M)[1:]
+    quoted = 0
+    for step in steps:
+        files = re.findall(r"`((?:archs|runtime/graphs)/\w+\.py)`", step.split("\n\n")[0])
+        if not files:
+            continue
+        lines = (ROOT / files[0]).read_text(encoding="utf-8").splitlines()
+        for block in re.findall(r"```python\n(.*?)```", step, flags=re.S):
+            at = 0
+            for line in block.splitlines():
+                if not line.strip() or "..." in line:
+                    continue
+                assert line in lines[at:], f"{files[0]}: not as quoted (or out of order): {line!r}"
+                at = lines.index(line, at) + 1
+                quoted += 1
+    print(f"\n{quoted} quoted lines of the worked example are the files' own")
+    assert quoted >= 30
