@@ -18,15 +18,17 @@ Everything else (names, MTP routing, MoE, nextn extras) is the deepseek2 plugin'
 
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from gguf import GGUFValueType, Keys
 
 from . import names, register
 from .base import MetaKV
 from .config_reader import ConfigReader
-from .deepseek2 import DEEPSEEK2_TABLE, Deepseek2, Glm4MoeLite
+from .deepseek2 import DEEPSEEK2_TABLE, Deepseek2, Deepseek2HParams, Glm4MoeLite, Glm4MoeLiteHParams
 from .errors import SpecconvError
+from .hparams import HParamsReader
 from .metadata import MetadataWriter
 from .tensor_table import TensorSpec, TensorTable
 
@@ -58,18 +60,121 @@ def glm_indexer_types(tc: ConfigReader, num_hidden_layers: int) -> list[str]:
     return types
 
 
+@dataclass(kw_only=True)
+class DsaHParams(Deepseek2HParams):
+    """DeepSeek-V3's fields plus the lightning indexer: index_n_heads heads of index_head_dim, the
+    index_topk keys it keeps, and per trunk layer whether it runs its own indexer ("full") or reuses
+    the previous full layer's choice ("shared"); the nextn block runs its own."""
+
+    lite_by_size: ClassVar[bool] = False  # glm-dsa / deepseek32 always read q_lora_rank (no V2-Lite rule)
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    indexer_types: tuple[str, ...]  # "full" | "shared", one per trunk layer
+
+    @property
+    def index_rope_halves(self) -> bool:
+        """The indexer ropes halves (llama.cpp's NEOX rope: DeepSeek-V3.2), else adjacent pairs (GLM-5)."""
+        return self.arch == names.DEEPSEEK32
+
+    def runs_indexer(self, bid: int) -> bool:
+        return bid >= self.num_hidden_layers or self.indexer_types[bid] == "full"  # the nextn block runs its own
+
+    def attention_tags(self, bid: int) -> set[str]:
+        return super().attention_tags(bid) | ({"indexer"} if self.runs_indexer(bid) else set())
+
+    @classmethod
+    def indexer_types_of(cls, tc: ConfigReader, num_hidden_layers: int) -> list[str]:
+        return ["full"] * num_hidden_layers
+
+    @classmethod
+    def fields_from_config(cls, cfg: ConfigReader, tc: ConfigReader) -> dict[str, Any]:
+        f = super().fields_from_config(cfg, tc)
+        index = {k: tc.integer(k, min=1) for k in ("index_n_heads", "index_head_dim", "index_topk")}
+        if f["q_lora_rank"] is None:
+            raise SpecconvError("config.json: q_lora_rank is null; the DSA indexer projects from the q_a latent")
+        if f["qk_rope_head_dim"] > index["index_head_dim"]:
+            raise SpecconvError(f"config.json: qk_rope_head_dim ({f['qk_rope_head_dim']}) exceeds index_head_dim "
+                                f"({index['index_head_dim']}); the indexer ropes its first qk_rope_head_dim dims")
+        return dict(f, **index, indexer_types=tuple(cls.indexer_types_of(tc, f["num_hidden_layers"])))
+
+    @classmethod
+    def fields_from_kv(cls, r: HParamsReader) -> dict[str, Any]:
+        f = super().fields_from_kv(r)
+        arch, key, n = r.arch, r.key, f["num_hidden_layers"]
+        if not f["q_lora_rank"]:
+            raise SpecconvError(f"{arch}: attention.q_lora_rank is 0; the DSA indexer projects from the q_a latent")
+        heads, dim, topk = (key(f"attention.indexer.{k}", type=int) for k in ("head_count", "key_length", "top_k"))
+        if min(heads, dim, topk) <= 0 or f["qk_rope_head_dim"] > dim:
+            raise SpecconvError(f"{arch}: indexer head_count {heads}, key_length {dim}, top_k {topk} with rope "
+                                f"dimension {f['qk_rope_head_dim']} (need positive sizes and key_length ≥ rope dims)")
+        full = key("attention.indexer.types", None, list)
+        if full is None:  # llama.cpp's default below GLM-5.2's 1M context: every layer full
+            if arch == names.GLM_DSA and key("context_length", type=int) >= GLM52_CONTEXT:
+                raise SpecconvError("glm-dsa file with a ≥1M context and no attention.indexer.types; "
+                                    "reconvert it with specconv (the per-layer indexer list is needed)")
+            full = [True] * n
+        full = [bool(x) for x in full[:n]]
+        if len(full) != n or not full[0]:
+            raise SpecconvError(f"{arch}.attention.indexer.types must give {n} layers, the first full")
+        return dict(f, index_n_heads=heads, index_head_dim=dim, index_topk=topk,
+                    indexer_types=tuple("full" if x else "shared" for x in full))
+
+
+@dataclass(kw_only=True)
+class GlmMoeDsaHParams(DsaHParams, Glm4MoeLiteHParams):
+    """GLM-5 / 5.1: GLM-4.7-Flash's reading of config.json (transformers' GlmMoeDsaConfig defaults) and
+    its indexer_types (`glm_indexer_types`)."""
+
+    family: ClassVar[str] = "glm-dsa"
+    gguf_arch: ClassVar[str] = names.GLM_DSA
+    config_defaults: ClassVar[dict] = {
+        "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "n_shared_experts": 1,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 202752, "q_lora_rank": 2048, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 192, "v_head_dim": 256, "rope_interleave": True,
+        "attention_bias": False, "first_k_dense_replace": 3, "index_topk": 2048, "index_head_dim": 128,
+        "index_n_heads": 32}
+
+    @classmethod
+    def indexer_types_of(cls, tc: ConfigReader, num_hidden_layers: int) -> list[str]:
+        return glm_indexer_types(tc, num_hidden_layers)
+
+
+@dataclass(kw_only=True)
+class DeepseekV32HParams(DsaHParams):
+    """DeepSeek-V3.2: DeepSeek-V3's reading of config.json (transformers' DeepseekV32Config defaults);
+    every layer runs its own indexer."""
+
+    family: ClassVar[str] = "deepseek32"
+    gguf_arch: ClassVar[str] = names.DEEPSEEK32
+    config_defaults: ClassVar[dict] = {  # transformers' DeepseekV32Config
+        **Deepseek2HParams.config_defaults, "first_k_dense_replace": 3, "index_topk": 2048, "index_head_dim": 128,
+        "index_n_heads": 64, "max_position_embeddings": 163840}
+
+    @classmethod
+    def fields_from_config(cls, cfg: ConfigReader, tc: ConfigReader) -> dict[str, Any]:
+        f = super().fields_from_config(cfg, tc)
+        if not f["rope_interleave"]:
+            raise SpecconvError("config.json: rope_interleave=false; DeepSeek-V3.2 always ropes adjacent pairs")
+        return f
+
+
 _X = "{p}self_attn.indexer."
 # deepseek2's table plus, in every block that runs its own indexer, the indexer (proj and the norm F32,
 # as llama.cpp's converter writes them)
 DSA_TABLE = TensorTable((
     *DEEPSEEK2_TABLE.specs,
     TensorSpec("blk.{bid}.indexer.attn_q_b.weight", _X + "wq_b.weight",
-               lambda s: (s.index_heads * s.index_dim, s.q_lora), "indexer"),
-    TensorSpec("blk.{bid}.indexer.attn_k.weight", _X + "wk.weight", lambda s: (s.index_dim, s.E), "indexer"),
-    TensorSpec("blk.{bid}.indexer.k_norm.weight", _X + "k_norm.weight", lambda s: (s.index_dim,), "indexer", f32=True),
-    TensorSpec("blk.{bid}.indexer.proj.weight", _X + "weights_proj.weight", lambda s: (s.index_heads, s.E), "indexer",
+               lambda s: (s.index_n_heads * s.index_head_dim, s.q_lora_rank), "indexer"),
+    TensorSpec("blk.{bid}.indexer.attn_k.weight", _X + "wk.weight", lambda s: (s.index_head_dim, s.hidden_size),
+               "indexer"),
+    TensorSpec("blk.{bid}.indexer.k_norm.weight", _X + "k_norm.weight", lambda s: (s.index_head_dim,), "indexer",
                f32=True),
-    TensorSpec("blk.{bid}.indexer.k_norm.bias", _X + "k_norm.bias", lambda s: (s.index_dim,), "indexer", f32=True),
+    TensorSpec("blk.{bid}.indexer.proj.weight", _X + "weights_proj.weight", lambda s: (s.index_n_heads, s.hidden_size),
+               "indexer", f32=True),
+    TensorSpec("blk.{bid}.indexer.k_norm.bias", _X + "k_norm.bias", lambda s: (s.index_head_dim,), "indexer",
+               f32=True),
 ), DEEPSEEK2_TABLE.block_tags)
 
 
@@ -79,34 +184,17 @@ class DsaMixin:
     table: ClassVar[TensorTable] = DSA_TABLE
     llama_cpp_skips_absent_nextn: ClassVar[bool] = False  # deepseek2's rule is not the DSA arches'
 
-    index_rope_halves: ClassVar[bool] = False  # True: the indexer rotates halves (DeepSeek-V3.2)
-    lite_by_size: ClassVar[bool] = False  # glm-dsa / deepseek32 always read q_lora_rank (no V2-Lite rule)
-
-    def _init_indexer(self) -> None:
-        self.index_heads, self.index_dim, self.index_topk = (self.tc.integer(k, min=1) for k in (
-            "index_n_heads", "index_head_dim", "index_topk"))
-        if self.q_lora is None:
-            raise SpecconvError("config.json: q_lora_rank is null; the DSA indexer projects from the q_a latent")
-        if self.dr > self.index_dim:
-            raise SpecconvError(f"config.json: qk_rope_head_dim ({self.dr}) exceeds index_head_dim ({self.index_dim}); "
-                                f"the indexer ropes its first qk_rope_head_dim dims")
-        self.indexer_full = [True] * self.hp.num_hidden_layers
-
-    def attention_sizes(self) -> dict:
-        return dict(super().attention_sizes(), index_heads=self.index_heads, index_dim=self.index_dim,
-                    index_full=tuple(self.indexer_full))
-
     def tensor_plan(self):
         for bid in range(self.hp.num_hidden_layers):
             wk = f"model.layers.{bid}.self_attn.indexer.wk.weight"
-            if not self.indexer_full[bid] and wk in self.checkpoint.tensors:
+            if not self.hp.runs_indexer(bid) and wk in self.checkpoint.tensors:
                 raise SpecconvError(f"layer {bid} is a 'shared' indexer layer but the checkpoint has {wk}")
         return super().tensor_plan()
 
     def _indexer_kv(self, w: MetadataWriter) -> None:
-        w.u32(Keys.Attention.Indexer.HEAD_COUNT, self.index_heads)
-        w.u32(Keys.Attention.Indexer.KEY_LENGTH, self.index_dim)
-        w.u32(Keys.Attention.Indexer.TOP_K, self.index_topk)
+        w.u32(Keys.Attention.Indexer.HEAD_COUNT, self.hp.index_n_heads)
+        w.u32(Keys.Attention.Indexer.KEY_LENGTH, self.hp.index_head_dim)
+        w.u32(Keys.Attention.Indexer.TOP_K, self.hp.index_topk)
 
 
 @register
@@ -115,30 +203,20 @@ class GlmMoeDsa(DsaMixin, Glm4MoeLite):
     ropes adjacent pairs like the main attention (llama.cpp's NORM rope, as written)."""
 
     hf_architectures = ("GlmMoeDsaForCausalLM",)
-    gguf_arch: ClassVar[str] = names.GLM_DSA
+    gguf_arch: ClassVar[str] = GlmMoeDsaHParams.gguf_arch
     hf_reference: ClassVar[dict[str, str]] = {"GlmMoeDsaForCausalLM": "GlmMoeDsaForCausalLM"}
-    family: ClassVar[str] = "glm-dsa"
-    config_defaults: ClassVar[dict] = {
-        "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "n_shared_experts": 1,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 202752, "q_lora_rank": 2048, "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64, "qk_nope_head_dim": 192, "v_head_dim": 256, "rope_interleave": True,
-        "attention_bias": False, "first_k_dense_replace": 3, "index_topk": 2048, "index_head_dim": 128,
-        "index_n_heads": 32}
-
-    def __init__(self, checkpoint):
-        super().__init__(checkpoint)
-        self._init_indexer()
-        self.indexer_types = glm_indexer_types(self.tc, self.hp.num_hidden_layers)
-        self.indexer_full = [t == "full" for t in self.indexer_types]
+    HParams = GlmMoeDsaHParams
+    family: ClassVar[str] = GlmMoeDsaHParams.family
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         w = MetadataWriter(self.gguf_arch, super().metadata(keep_mtp))
         self._indexer_kv(w)
         # llama.cpp's default without the key: all full below GLM52_CONTEXT, GLM-5.2's pattern above
-        differs = self.hp.context_length >= GLM52_CONTEXT or not all(self.indexer_full)
-        if self.tc.has("indexer_types") or differs:
+        full = [t == "full" for t in self.hp.indexer_types]
+        differs = self.hp.max_position_embeddings >= GLM52_CONTEXT or not all(full)
+        if ConfigReader(self.checkpoint.config).text_model().has("indexer_types") or differs:
             # one bool per trunk block (llama.cpp reads n_layer entries; the nextn block is full)
-            w.array(names.indexer_types_key(self.gguf_arch), self.indexer_full, GGUFValueType.BOOL)
+            w.array(names.indexer_types_key(names.GLM_DSA), full, GGUFValueType.BOOL)
         return w.kv
 
 
@@ -148,19 +226,10 @@ class DeepseekV32(DsaMixin, Deepseek2):
     NEOX rope on the indexer, as written), the main attention adjacent pairs."""
 
     hf_architectures = ("DeepseekV32ForCausalLM",)
-    gguf_arch: ClassVar[str] = names.DEEPSEEK32
+    gguf_arch: ClassVar[str] = DeepseekV32HParams.gguf_arch
     hf_reference: ClassVar[dict[str, str]] = {"DeepseekV32ForCausalLM": "DeepseekV32ForCausalLM"}
-    family: ClassVar[str] = "deepseek32"
-    index_rope_halves: ClassVar[bool] = True
-    config_defaults: ClassVar[dict] = {  # transformers' DeepseekV32Config
-        **Deepseek2.config_defaults, "first_k_dense_replace": 3, "index_topk": 2048, "index_head_dim": 128,
-        "index_n_heads": 64, "max_position_embeddings": 163840}
-
-    def __init__(self, checkpoint):
-        super().__init__(checkpoint)
-        if not self.rope_interleave:
-            raise SpecconvError("config.json: rope_interleave=false; DeepSeek-V3.2 always ropes adjacent pairs")
-        self._init_indexer()
+    HParams = DeepseekV32HParams
+    family: ClassVar[str] = DeepseekV32HParams.family
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         w = MetadataWriter(self.gguf_arch, super().metadata(keep_mtp))

@@ -16,81 +16,33 @@ The FFN is dense SwiGLU for the leading dense blocks and the sigmoid group-limit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Mapping
 
 import torch
 
-from specconv.archs.deepseek2 import DEEPSEEK2_TABLE
-from specconv.archs.errors import SpecconvError
+from specconv.archs.deepseek2 import DEEPSEEK2_TABLE, Deepseek2HParams
+from specconv.archs.rope_scaling import RopeScaling
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, by_rows, cached_attention, dense, linear, rms_norm
-from specconv.archs.hparams import HParamsReader
 from specconv.runtime.memory import Batch, MemoryLayout
 
+HParams = Deepseek2HParams  # from GGUF metadata by from_kv (archs/deepseek2.py)
 
-
-@dataclass(kw_only=True)
-class HParams(ms.MoeKV):
-    q_lora: int = 0  # 0: a plain attn_q
-    kv_lora: int = 0
-    dn: int = 0  # qk_nope_head_dim
-    dr: int = 0  # qk_rope_head_dim
-    dv: int = 0  # v_head_dim
-    yarn_factor: float = 1.0  # 1: no YaRN
-    yarn_orig_ctx: int = 0
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_attn_factor: float | None = None
-    yarn_log_mul: float = 0.0  # mscale_all_dim, decoded from the legacy 0.1·x encoding
-
-    @classmethod
-    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
-        base = ms.MoeKV.read(kv)
-        key = HParamsReader(kv).key
-        if key("attention.key_length_mla", None) is None:
-            raise SpecconvError("deepseek2 file without attention.key_length_mla (an old unsplit attn_kv_b "
-                                "layout); reconvert it")
-        dr = key("rope.dimension_count", type=int)
-        extra = dict(q_lora=key("attention.q_lora_rank", 0, int),
-                     kv_lora=key("attention.kv_lora_rank", type=int), dr=dr,
-                     dn=key("attention.key_length_mla", type=int) - dr, dv=key("attention.value_length_mla", type=int))
-        if key("rope.scaling.type", None, str) == "yarn":
-            extra.update(yarn_factor=key("rope.scaling.factor", type=float),
-                         yarn_orig_ctx=key("rope.scaling.original_context_length", type=int),
-                         yarn_beta_fast=key("rope.scaling.yarn_beta_fast", 32.0, float),
-                         yarn_beta_slow=key("rope.scaling.yarn_beta_slow", 1.0, float),
-                         yarn_attn_factor=key("rope.scaling.yarn_attn_factor", None),
-                         yarn_log_mul=key("rope.scaling.yarn_log_multiplier", 0.0, float) / 0.1)
-        hp = cls(**{**vars(base), **extra})
-        if hp.dn < 1 or hp.dr % 2:
-            raise SpecconvError(f"{hp.arch}: attention.key_length_mla {hp.dn + hp.dr} must exceed an even "
-                                f"rope.dimension_count {hp.dr}")
-        if hp.yarn_factor != 1.0 and (hp.rope_base <= 1.0 or hp.yarn_factor <= 0):
-            raise SpecconvError(f"{hp.arch}: YaRN needs rope.freq_base > 1 and rope.scaling.factor > 0")
-        return hp
-
-
-# ---- which tensors the graphs need: the family's table (archs/deepseek2.py) --------------------
-
-
-def sizes(hp: HParams):
-    return hp.table_sizes(q_lora=hp.q_lora, kv_lora=hp.kv_lora, dn=hp.dn, dr=hp.dr, dv=hp.dv)
-
-
+# Which tensors the graphs need: the family's table (archs/deepseek2.py), read with the file's hparams.
 TABLE = DEEPSEEK2_TABLE
-_tensors = GraphTensors(TABLE, sizes)
+_tensors = GraphTensors(TABLE, lambda hp: hp)
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    return MemoryLayout(attn_layers=list(range(hp.num_hidden_layers)), num_key_value_heads=1, head_dim=hp.kv_lora + hp.dr, rec_layers=[])
+    return MemoryLayout(attn_layers=list(range(hp.num_hidden_layers)), num_key_value_heads=1, head_dim=hp.latent_width,
+                        rec_layers=[])
 
 
 def mtp_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[hp.num_hidden_layers], num_key_value_heads=1, head_dim=hp.kv_lora + hp.dr, rec_layers=[])
+    return MemoryLayout(attn_layers=[hp.num_hidden_layers], num_key_value_heads=1, head_dim=hp.latent_width,
+                        rec_layers=[])
 
 
 # ---- rope ---------------------------------------------------------------------------------------
@@ -99,26 +51,34 @@ def _yarn_get_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def yarn(hp: HParams) -> RopeScaling | None:
+    """The file's YaRN scaling, None without one (or with factor 1)."""
+    s = hp.rope_scaling
+    return s if s is not None and s.factor != 1.0 else None
+
+
 def inv_freq(hp: HParams, device) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [dr/2] in float32, cos/sin factor), as transformers' default / YaRN rope."""
-    d, base = hp.dr, hp.rope_base
+    d, base, scaling = hp.qk_rope_head_dim, hp.rope_theta, yarn(hp)
     pos_freqs = base ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d)
-    if hp.yarn_factor == 1.0:
+    if scaling is None:
         return 1.0 / pos_freqs, 1.0
-    f = hp.yarn_factor
+    f = scaling.factor
 
     def corr(rotary_dim: float) -> float:
-        return d * math.log(hp.yarn_orig_ctx / (rotary_dim * 2 * math.pi)) / (2 * math.log(base))
+        return d * math.log(scaling.original_context / (rotary_dim * 2 * math.pi)) / (2 * math.log(base))
 
-    low, high = max(math.floor(corr(hp.yarn_beta_fast)), 0), min(math.ceil(corr(hp.yarn_beta_slow)), d - 1)
+    beta_fast = 32.0 if scaling.beta_fast is None else scaling.beta_fast  # transformers' defaults
+    beta_slow = 1.0 if scaling.beta_slow is None else scaling.beta_slow
+    low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), d - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(d // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp
     freq = (1.0 / (f * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    if hp.yarn_attn_factor is not None:
-        attn = float(hp.yarn_attn_factor)
-    elif hp.yarn_log_mul:
+    if scaling.attn_factor is not None:
+        attn = scaling.attn_factor
+    elif scaling.mscale_all_dim:
         attn = 1.0  # mscale / mscale_all_dim with mscale = mscale_all_dim, DeepSeek-V3's configuration
     else:
         attn = _yarn_get_mscale(f, 1.0)
@@ -126,8 +86,9 @@ def inv_freq(hp: HParams, device) -> tuple[torch.Tensor, float]:
 
 
 def softmax_scale(hp: HParams) -> float:
-    m = _yarn_get_mscale(hp.yarn_factor, hp.yarn_log_mul) if hp.yarn_log_mul else 1.0
-    return (hp.dn + hp.dr) ** -0.5 * m * m
+    scaling = yarn(hp)
+    m = _yarn_get_mscale(scaling.factor, scaling.mscale_all_dim) if scaling and scaling.mscale_all_dim else 1.0
+    return hp.qk_head_dim ** -0.5 * m * m
 
 
 def rope_cos_sin(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
@@ -148,15 +109,15 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def mla(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
     n, p = a.shape[0], f"blk.{i}."
-    nh, dn, dr, kvl = hp.num_attention_heads, hp.dn, hp.dr, hp.kv_lora
-    if hp.q_lora:
-        cq = rms_norm(linear(a, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"], hp.eps)
+    nh, dn, dr, kvl = hp.num_attention_heads, hp.qk_nope_head_dim, hp.qk_rope_head_dim, hp.kv_lora_rank
+    if hp.q_lora_rank:
+        cq = rms_norm(linear(a, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"], hp.rms_norm_eps)
         q = linear(cq, w[p + "attn_q_b.weight"])
     else:
         q = linear(a, w[p + "attn_q.weight"])
     q = q.view(n, nh, dn + dr)
     kv = linear(a, w[p + "attn_kv_a_mqa.weight"])
-    c = rms_norm(kv[:, :kvl], w[p + "attn_kv_a_norm.weight"], hp.eps)
+    c = rms_norm(kv[:, :kvl], w[p + "attn_kv_a_norm.weight"], hp.rms_norm_eps)
     cos, sin = rope
     q_pe = rope_pairs(q[..., dn:], cos, sin)
     k_pe = rope_pairs(kv[:, None, kvl:], cos, sin)
@@ -167,25 +128,25 @@ def mla(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Te
     o = cached_attention(batch, i, torch.cat([q_lat, q_pe], dim=-1), latent, latent, softmax_scale(hp))
     v_b = dense(w[p + "attn_v_b.weight"], acc(o).dtype)
     o = by_rows(n, lambda r: torch.einsum("nhl,hvl->nhv", acc(o[r, :, :kvl]), v_b)).to(a.dtype)
-    return linear(o.reshape(n, nh * hp.dv), w[p + "attn_output.weight"])
+    return linear(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])
 
 
 def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
-    h = h + mla(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope)
-    return h + ms.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
+    h = h + mla(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps), batch, rope)
+    return h + ms.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.rms_norm_eps))
 
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
     """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
-    return forward_trunk(w, hp.num_hidden_layers, hp.eps, tokens, want_layers, want_logits,
+    return forward_trunk(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, want_layers, want_logits,
                          lambda dtype: rope_cos_sin(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 
 
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
     """Returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
-    return forward_nextn(w, hp.num_hidden_layers, hp.eps, tokens, hidden_in,
+    return forward_nextn(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, hidden_in,
                          lambda dtype: rope_cos_sin(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 

@@ -20,14 +20,10 @@ token, rollback and sequence copies treat both alike and the cached run equals t
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, Mapping
-
 import torch
 import torch.nn.functional as F
 
-from specconv.archs.dsa import DSA_TABLE
+from specconv.archs.dsa import DSA_TABLE, DsaHParams
 from specconv.archs.errors import SpecconvError
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import deepseek2 as ds
@@ -35,63 +31,19 @@ from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
 from specconv.runtime.graphs.ops import acc, attended_kv, by_rows, dense, linear, rms_norm
-from specconv.archs.hparams import HParamsReader
 from specconv.runtime.memory import Batch, MemoryLayout
 
 LAYERNORM_EPS = 1e-6  # the indexer's k_norm: transformers' LayerNorm(eps=1e-6), llama.cpp deepseek32's f_norm_eps
 
+HParams = DsaHParams  # from GGUF metadata by from_kv (archs/dsa.py)
 
-@dataclass(kw_only=True)
-class HParams(ds.HParams):
-    index_heads: int = 0
-    index_dim: int = 0
-    index_topk: int = 0
-    index_halves: bool = False  # deepseek32: the indexer ropes halves (NEOX); glm-dsa adjacent pairs
-    index_full: tuple = ()  # per trunk layer: runs its own indexer (else reuses the previous one's choice)
-
-    @classmethod
-    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
-        base = ds.HParams.from_kv(kv)
-        r = HParamsReader(kv)
-        arch, key = r.arch, r.key
-        if not r.has("expert_gating_func") and arch == "glm-dsa":
-            base.gating = ms.GATING_SIGMOID  # llama.cpp's glm-dsa default (its converter may leave the key out)
-        if not base.q_lora:
-            raise SpecconvError(f"{arch}: attention.q_lora_rank is 0; the DSA indexer projects from the q_a latent")
-        heads, dim, topk = (key(f"attention.indexer.{k}", type=int) for k in ("head_count", "key_length", "top_k"))
-        if min(heads, dim, topk) <= 0 or base.dr > dim:
-            raise SpecconvError(f"{arch}: indexer head_count {heads}, key_length {dim}, top_k {topk} with rope "
-                                f"dimension {base.dr} (need positive sizes and key_length ≥ rope dims)")
-        full = key("attention.indexer.types", None, list)
-        if full is None:  # llama.cpp's default below GLM-5.2's 1M context: every layer full
-            if arch == "glm-dsa" and key("context_length", type=int) >= 1048576:
-                raise SpecconvError("glm-dsa file with a ≥1M context and no attention.indexer.types; "
-                                    "reconvert it with specconv (the per-layer indexer list is needed)")
-            full = [True] * base.num_hidden_layers
-        full = tuple(bool(x) for x in list(full)[:base.num_hidden_layers])
-        if len(full) != base.num_hidden_layers or not full[0]:
-            raise SpecconvError(f"{arch}.attention.indexer.types must give {base.num_hidden_layers} layers, the first full")
-        return dataclasses.replace(cls(**vars(base)), index_heads=heads, index_dim=dim, index_topk=topk,
-                                   index_halves=arch == "deepseek32", index_full=full)
-
-    def runs_indexer(self, i: int) -> bool:
-        return i >= self.num_hidden_layers or self.index_full[i]  # the nextn block runs its own
-
-
-# ---- which tensors the graphs need: the family's table (archs/dsa.py) --------------------------
-
-
-def sizes(hp: HParams):
-    return dataclasses.replace(ds.sizes(hp), index_heads=hp.index_heads, index_dim=hp.index_dim,
-                               index_full=hp.index_full)
-
-
+# Which tensors the graphs need: the family's table (archs/dsa.py), read with the file's hparams.
 TABLE = DSA_TABLE
-_tensors = GraphTensors(TABLE, sizes)
+_tensors = GraphTensors(TABLE, lambda hp: hp)
 
 
 def _row_width(hp: HParams) -> int:
-    return hp.kv_lora + hp.dr + hp.index_dim
+    return hp.latent_width + hp.index_head_dim
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
@@ -115,15 +67,16 @@ def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def _rope_front(hp: HParams, x: torch.Tensor, rope) -> torch.Tensor:
     """Rope the first dr dims of each D-wide head, the rest pass ([rope | nope], as both releases)."""
-    rot = (rope_halves if hp.index_halves else ds.rope_pairs)(x[..., :hp.dr], *rope)
-    return torch.cat([rot, x[..., hp.dr:]], dim=-1)
+    dr = hp.qk_rope_head_dim
+    rot = (rope_halves if hp.index_rope_halves else ds.rope_pairs)(x[..., :dr], *rope)
+    return torch.cat([rot, x[..., dr:]], dim=-1)
 
 
 def indexer_key(w, hp: HParams, i: int, a: torch.Tensor, rope) -> torch.Tensor:
     """k = rope(LayerNorm(attn_k · x)), [n, D]."""
     p = f"blk.{i}.indexer."
     k = acc(linear(a, w[p + "attn_k.weight"]))
-    k = F.layer_norm(k, (hp.index_dim,), w[p + "k_norm.weight"].to(k.dtype), w[p + "k_norm.bias"].to(k.dtype),
+    k = F.layer_norm(k, (hp.index_head_dim,), w[p + "k_norm.weight"].to(k.dtype), w[p + "k_norm.bias"].to(k.dtype),
                      LAYERNORM_EPS)
     return _rope_front(hp, k[:, None, :], rope)[:, 0].to(a.dtype)
 
@@ -131,12 +84,12 @@ def indexer_key(w, hp: HParams, i: int, a: torch.Tensor, rope) -> torch.Tensor:
 def index_scores(w, hp: HParams, i: int, a: torch.Tensor, cq: torch.Tensor, keys: torch.Tensor, rope) -> torch.Tensor:
     """I(t, s) for this batch's queries t over every cached key s: [n, T] (float32 or float64)."""
     p, n = f"blk.{i}.indexer.", a.shape[0]
-    q = _rope_front(hp, linear(cq, w[p + "attn_q_b.weight"]).view(n, hp.index_heads, hp.index_dim), rope)
-    weights = acc(linear(acc(a), w[p + "proj.weight"])) * hp.index_heads ** -0.5
+    q = _rope_front(hp, linear(cq, w[p + "attn_q_b.weight"]).view(n, hp.index_n_heads, hp.index_head_dim), rope)
+    weights = acc(linear(acc(a), w[p + "proj.weight"])) * hp.index_n_heads ** -0.5
     keys = acc(keys)
 
     def scores(r):
-        qk = torch.einsum("nhd,td->nht", acc(q[r]), keys) * hp.index_dim ** -0.5
+        qk = torch.einsum("nhd,td->nht", acc(q[r]), keys) * hp.index_head_dim ** -0.5
         return torch.einsum("nh,nht->nt", weights[r], F.relu(qk))
 
     return by_rows(n, scores)
@@ -164,15 +117,15 @@ def select(hp: HParams, scores: torch.Tensor, visible: torch.Tensor) -> torch.Te
 def mla_dsa(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope, state: dict) -> torch.Tensor:
     """Absorbed MLA (runtime/graphs/deepseek2.py `mla`) restricted to the indexer's keys."""
     n, p = a.shape[0], f"blk.{i}."
-    nh, dn, dr, kvl = hp.num_attention_heads, hp.dn, hp.dr, hp.kv_lora
-    cq = rms_norm(linear(a, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"], hp.eps)
+    nh, dn, dr, kvl = hp.num_attention_heads, hp.qk_nope_head_dim, hp.qk_rope_head_dim, hp.kv_lora_rank
+    cq = rms_norm(linear(a, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"], hp.rms_norm_eps)
     q = linear(cq, w[p + "attn_q_b.weight"]).view(n, nh, dn + dr)
     kv = linear(a, w[p + "attn_kv_a_mqa.weight"])
-    c = rms_norm(kv[:, :kvl], w[p + "attn_kv_a_norm.weight"], hp.eps)
+    c = rms_norm(kv[:, :kvl], w[p + "attn_kv_a_norm.weight"], hp.rms_norm_eps)
     q_pe = ds.rope_pairs(q[..., dn:], *rope)
     k_pe = ds.rope_pairs(kv[:, None, kvl:], *rope)[:, 0]
     full = hp.runs_indexer(i)
-    ik = indexer_key(w, hp, i, a, rope) if full else a.new_zeros(n, hp.index_dim)
+    ik = indexer_key(w, hp, i, a, rope) if full else a.new_zeros(n, hp.index_head_dim)
     row = torch.cat([c, k_pe.to(c.dtype), ik.to(c.dtype)], dim=-1)[:, None, :]
     k_all, _, k_pos = attended_kv(batch, i, row, row)
     visible = k_pos[None, :].to(batch.positions.device) <= batch.positions[:, None]
@@ -195,19 +148,19 @@ def mla_dsa(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope, state: 
         return torch.einsum("nhl,hvl->nhv", torch.einsum("hnt,tl->nhl", probs, lat[:, :kvl]), v_b)
 
     o = by_rows(n, attend).to(a.dtype)
-    return linear(o.reshape(n, nh * hp.dv), w[p + "attn_output.weight"])
+    return linear(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])
 
 
 def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope, state: dict) -> torch.Tensor:
-    h = h + mla_dsa(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope, state)
-    return h + ms.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
+    h = h + mla_dsa(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps), batch, rope, state)
+    return h + ms.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.rms_norm_eps))
 
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
     """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
     state: dict = {}
-    return forward_trunk(w, hp.num_hidden_layers, hp.eps, tokens, want_layers, want_logits,
+    return forward_trunk(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, want_layers, want_logits,
                          lambda dtype: ds.rope_cos_sin(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope, state))
 
@@ -215,7 +168,7 @@ def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
     """Returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
     state: dict = {}
-    return forward_nextn(w, hp.num_hidden_layers, hp.eps, tokens, hidden_in,
+    return forward_nextn(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, hidden_in,
                          lambda dtype: ds.rope_cos_sin(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope, state))
 

@@ -8,53 +8,22 @@ MTP: the nextn block (block n_layer, always MoE) on eh_proj·[enorm(E[x]); hnorm
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
-
 import torch
 
-from specconv.archs.errors import SpecconvError
-from specconv.archs.glm4moe import GLM4MOE_TABLE
+from specconv.archs.glm4moe import GLM4MOE_TABLE, Glm4MoeHParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
-from specconv.archs.hparams import HParamsReader
 from specconv.runtime.graphs.ops import acc, cached_attention, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.memory import Batch, MemoryLayout
 
+HParams = Glm4MoeHParams  # from GGUF metadata by from_kv (archs/glm4moe.py)
 
-
-@dataclass(kw_only=True)
-class HParams(ms.MoeKV):
-    num_key_value_heads: int = 0
-    head_dim: int = 0
-    rotary_dim: int = 0
-
-    @classmethod
-    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
-        base = ms.MoeKV.read(kv)
-        key = HParamsReader(kv).key
-        head_dim = key("attention.key_length", base.hidden_size // base.num_attention_heads, int)
-        if key("attention.value_length", head_dim, int) != head_dim:
-            raise SpecconvError("glm4moe: attention.key_length != value_length")
-        num_key_value_heads = key("attention.head_count_kv", base.num_attention_heads, int)
-        if base.num_attention_heads % num_key_value_heads:
-            raise SpecconvError(f"glm4moe: {base.num_attention_heads} heads are not a multiple of {num_key_value_heads} KV heads")
-        return cls(**{**vars(base), "num_key_value_heads": num_key_value_heads, "head_dim": head_dim,
-                      "rotary_dim": key("rope.dimension_count", head_dim // 2, int)})
-
-
-# ---- which tensors the graphs need: the family's table (archs/glm4moe.py) ----------------------
-
-
-def sizes(hp: HParams):
-    """The table's sizes; a block may hold q/k/v biases and q/k norms (optional: loaded when present)."""
-    return hp.table_sizes(num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, attn_bias=True, qk_norm=True)
-
-
+# Which tensors the graphs need: the family's table (archs/glm4moe.py), read with the file's hparams (a
+# block may hold q/k/v biases and q/k norms: optional, loaded when present).
 TABLE = GLM4MOE_TABLE
-_tensors = GraphTensors(TABLE, sizes)
+_tensors = GraphTensors(TABLE, lambda hp: hp)
 
 
 def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
@@ -78,9 +47,9 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     k = _proj(w, p, a, "attn_k").view(n, hp.num_key_value_heads, hp.head_dim)
     v = _proj(w, p, a, "attn_v").view(n, hp.num_key_value_heads, hp.head_dim)
     if p + "attn_q_norm.weight" in w:
-        q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
+        q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.rms_norm_eps)
     if p + "attn_k_norm.weight" in w:
-        k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
+        k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.rms_norm_eps)
     cos, sin = rope
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
     o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
@@ -88,22 +57,22 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
 
 
 def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
-    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope)
-    return h + ms.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.eps))
+    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps), batch, rope)
+    return h + ms.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.rms_norm_eps))
 
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
     """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
-    return forward_trunk(w, hp.num_hidden_layers, hp.eps, tokens, want_layers, want_logits,
-                         lambda dtype: rope_cos_sin(batch.positions, hp.rotary_dim, hp.rope_base, dtype),
+    return forward_trunk(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, want_layers, want_logits,
+                         lambda dtype: rope_cos_sin(batch.positions, hp.rotary_dim, hp.rope_theta, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 
 
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
     """Returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
-    return forward_nextn(w, hp.num_hidden_layers, hp.eps, tokens, hidden_in,
-                         lambda dtype: rope_cos_sin(batch.positions, hp.rotary_dim, hp.rope_base, dtype),
+    return forward_nextn(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, hidden_in,
+                         lambda dtype: rope_cos_sin(batch.positions, hp.rotary_dim, hp.rope_theta, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 
 
