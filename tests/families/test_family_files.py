@@ -11,7 +11,7 @@ them); its names are the `gguf_arch` and the `hf_architectures` of those classes
   4. a module of archs/ or runtime/graphs/ that only the plugin and graph modules of this group,
      and of groups built on it, import (a family's own helper: archs/gemma4_hparams.py,
      archs/qwen35_hparams.py, which Qwen3-Next reuses), and the helpers shared by a few families
-     listed in FAMILY_HELPERS, for the groups whose files import them.
+     listed in FAMILY_HELPERS, for the groups whose files import them and the groups built on those.
 A string literal equal to a group's name (AST scan of archs/, runtime/, convert/, specconv/;
 tests/, docs/ and tools/ are not scanned), or a use of an archs/names.py constant holding one
 (`names.GEMMA4`), may occur only in that group's files; names.py, where those constants are
@@ -48,7 +48,8 @@ PACKAGES = {"specconv.archs": "archs", "specconv.runtime": "runtime", "specconv.
 
 # Shared helpers of a few families (rule 4): each may name the families whose files import it.
 FAMILY_HELPERS: dict[str, str] = {
-    "runtime/graphs/moe_sigmoid.py": "the sigmoid-routed MoE block of the nextn-MoE and chained graphs",
+    "archs/nextn_moe_hparams.py": "the nextn-MoE families' shared hyperparameters (llama.cpp's default "
+                                  "expert gating differs by arch among them)",
 }
 
 _TOKENIZER = "a tokenizer name of llama.cpp (tokenizer.ggml.model / .pre) that the arch string happens to equal"
@@ -174,9 +175,10 @@ def family_files() -> tuple[dict[str, set[str]], dict[str, set[str]], dict]:
             base = [b for b in groups if all(g == b or b in builds_on[g] for g in groups)]
             if len(base) == 1:
                 files[base[0]].add(rel)
-    for helper in FAMILY_HELPERS:  # rule 4: the listed shared helpers
-        for g, fs in own.items():
-            if any(helper in scan[f][1] for f in fs):
+    for helper in FAMILY_HELPERS:  # rule 4: the listed shared helpers, for the groups (and those built on them)
+        users = {g for g, fs in own.items() if any(helper in scan[f][1] for f in fs)}
+        for g in own:
+            if g in users or builds_on[g] & users:
                 files[g].add(helper)
     return names, files, scan
 
