@@ -58,23 +58,6 @@ class ChainedHParams(AttentionWidths, FamilyHParams):
     topk_group: int = 1
     mtp_block: int = 0  # which MTP block an MTP context runs (0..k-1; runtime/drafters/mtp.py)
 
-    # moe_sigmoid.route reads the routing under GGUF's names
-    @property
-    def weights_norm(self) -> bool:
-        return self.norm_topk_prob
-
-    @property
-    def weights_scale(self) -> float:
-        return self.routed_scaling_factor
-
-    @property
-    def gating(self) -> int:
-        return self.expert_gating_func
-
-    @property
-    def n_group_used(self) -> int:
-        return self.topk_group
-
     def missing_mtp(self, where: str) -> str | None:
         """Why a checkpoint converts without MTP although config.json states a count (`where`: the
         tensors it lacks)."""

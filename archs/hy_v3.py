@@ -49,10 +49,6 @@ class HyV3HParams(ChainedHParams):
     rope_theta: float
     head_dim_stated: bool = False  # config.json states head_dim, so the file holds attention.key_length
 
-    @property
-    def eps(self) -> float:  # what qwen3.attention, which Hy3's graph runs, reads
-        return self.rms_norm_eps
-
     @classmethod
     def from_config(cls, checkpoint: Checkpoint) -> "HyV3HParams":
         """config.json (HYV3Config's defaults for what it leaves out), with what the checkpoint's tensor

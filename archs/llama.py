@@ -12,7 +12,7 @@ Supported here: what a LLaMA-3-style target needs (GQA, SwiGLU, untied or tied h
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, ClassVar, Mapping
 
@@ -24,6 +24,7 @@ from . import transforms as tf
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
+from .hparams import FamilyHParams, HParamsReader
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, embedding_rows
 from .tensor_table import AttentionWidths, Block, TensorSpec, TensorTable
@@ -85,59 +86,111 @@ def llama3_rope_factors(cfg: ConfigReader, head_dim: int) -> list[float] | None:
     return out
 
 
-@dataclass(frozen=True)
-class Sizes(AttentionWidths):
-    """The dimensions of the LLaMA and EAGLE-3 tables: the plugins' from config.json, the graphs' from
-    GGUF metadata (runtime/graphs/llama.py, eagle3.py; V = "V" where the file chooses it)."""
+def attention_shapes(cfg: ConfigReader) -> tuple[int, int, int]:
+    """(num_attention_heads, num_key_value_heads, head_dim) of a LLaMA-style config."""
+    num_attention_heads = cfg.integer("num_attention_heads", min=1)
+    n_kv = cfg.integer("num_key_value_heads", default=num_attention_heads, min=1) or num_attention_heads
+    hd = cfg.integer("head_dim", default=None, min=1) or cfg.integer("hidden_size", min=1) // num_attention_heads
+    if num_attention_heads % n_kv:
+        raise SpecconvError(f"num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads "
+                            f"{n_kv}")
+    return num_attention_heads, n_kv, hd
 
-    num_hidden_layers: int
-    E: int  # hidden size
-    V: int | str  # vocabulary
+
+@dataclass(kw_only=True)
+class LlamaHParams(AttentionWidths, FamilyHParams):
+    """A LLaMA model's hyperparameters under transformers' LlamaConfig names: the plugin's from
+    config.json (`from_config`), the graph's from GGUF metadata (`from_kv`, runtime/graphs/llama.py);
+    the LLaMA table's shapes read them. EAGLE-3 heads extend them (archs/eagle3.py)."""
+
+    arch: str = "llama"
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    ffn: int
     rotary_dim: int  # rope width: rope_freqs holds rotary_dim / 2 factors
-    E_in: int = 0  # attention input width (EAGLE-3: 2E, [embedding ; fused features]); 0: E
-    Ht: int = 0  # EAGLE-3: the target's hidden size (fc reads 3 of its layers)
-    Vd: int | str = 0  # EAGLE-3: the draft vocabulary of its own head ("Vd": bound by d2t)
+    intermediate_size: int = 0
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    states_head_dim: bool = False  # head_dim stated (config.json's head_dim; GGUF attention.key_length)
+    tie_word_embeddings: bool = False  # config.json only: a file says it by having no output.weight
 
     @property
-    def attn_in(self) -> int:
-        return self.E_in or self.E
+    def attention_input_width(self) -> int:
+        """Width of the rows q/k/v read (EAGLE-3's: 2·hidden_size, [embedding ; fused features])."""
+        return self.hidden_size
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "LlamaHParams":
+        cfg = ConfigReader(config)
+        heads, n_kv, hd = attention_shapes(cfg)
+        hidden_size, ffn = cfg.integer("hidden_size", min=1), cfg.integer("intermediate_size", min=1)
+        return cls(num_hidden_layers=cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS), hidden_size=hidden_size,
+                   intermediate_size=ffn, num_attention_heads=heads, num_key_value_heads=n_kv, head_dim=hd,
+                   rotary_dim=hd, tie_word_embeddings=cfg.flag("tie_word_embeddings", default=False),
+                   **llama_layer_config(cfg))
+
+    @classmethod
+    def from_kv(cls, kv: Mapping[str, Any]) -> "LlamaHParams":
+        r = HParamsReader(kv)
+        key = r.key
+        hidden_size, num_attention_heads = key("embedding_length", type=int), key("attention.head_count", type=int)
+        head_dim = key("attention.key_length", hidden_size // num_attention_heads, int)
+        tokens = kv.get("tokenizer.ggml.tokens")
+        return cls(arch=r.arch, num_hidden_layers=key("block_count", type=int), hidden_size=hidden_size,
+                   num_attention_heads=num_attention_heads,
+                   num_key_value_heads=key("attention.head_count_kv", num_attention_heads, int), head_dim=head_dim,
+                   rotary_dim=key("rope.dimension_count", head_dim, int),
+                   rope_theta=key("rope.freq_base", 10000.0, float),
+                   rms_norm_eps=key("attention.layer_norm_rms_epsilon", type=float),
+                   intermediate_size=key("feed_forward_length", 0, int),
+                   vocab_size=key("vocab_size", 0, int) or (len(tokens) if tokens is not None else 0),
+                   max_position_embeddings=key("context_length", 0, int),
+                   states_head_dim=r.has("attention.key_length"), from_file=True)
 
 
-def block_tags(s: Sizes, bid: int) -> frozenset[str]:
+def llama_layer_config(cfg: ConfigReader) -> dict[str, Any]:
+    """The fields a LLaMA config and an EAGLE-3 head's layer config state alike, with transformers' defaults."""
+    return dict(max_position_embeddings=cfg.integer("max_position_embeddings", default=None) or 0,
+                rope_theta=cfg.with_rope().number("rope_theta", default=10000.0),
+                rms_norm_eps=cfg.number("rms_norm_eps", default=1e-6), states_head_dim=cfg.has("head_dim"),
+                vocab_size=cfg.integer("vocab_size", default=0))
+
+
+def block_tags(s: LlamaHParams, bid: int) -> frozenset[str]:
     return frozenset()  # every block alike
 
 
-def _norm(gguf: str, hf: str, dim=lambda s: (s.E,), **kw) -> TensorSpec:
+def _norm(gguf: str, hf: str, dim=lambda s: (s.hidden_size,), **kw) -> TensorSpec:
     return TensorSpec(gguf, hf, dim, f32=True, **kw)  # RMSNorm weights, kept F32
 
 
 _ATTN, _MLP = "{p}self_attn.", "{p}mlp."
-# One decoder block (LLaMA's every layer, EAGLE-3's one layer on a 2E input).
+# One decoder block (LLaMA's every layer, EAGLE-3's one layer on a 2·hidden_size input).
 BLOCK_SPECS = (
     _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
-    TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.attn_in),
+    TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.attention_input_width),
                transform=lambda s: partial(_permuted, num_attention_heads=s.num_attention_heads)),
-    TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.attn_in),
+    TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.attention_input_width),
                transform=lambda s: partial(_permuted, num_attention_heads=s.num_key_value_heads)),
-    TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.attn_in)),
-    TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.q)),
+    TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.attention_input_width)),
+    TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.hidden_size, s.q)),
     _norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),
-    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.ffn, s.E)),
-    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.ffn, s.E)),
-    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.E, s.ffn)),
+    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight",
+               lambda s: (s.intermediate_size, s.hidden_size)),
+    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.intermediate_size, s.hidden_size)),
+    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight",
+               lambda s: (s.hidden_size, s.intermediate_size)),
 )
 # llama3 rope scaling's generated factors, written only for such a config (the plugin's hook)
-ROPE_FREQS_SPEC = TensorSpec(ROPE_FREQS, None, lambda s: (s.rotary_dim // 2,), optional=True, f32=True, hook="rope_freqs",
-                             role=Role.TRUNK)
+ROPE_FREQS_SPEC = TensorSpec(ROPE_FREQS, None, lambda s: (s.rotary_dim // 2,), optional=True, f32=True,
+                             hook="rope_freqs", role=Role.TRUNK)
 
 LLAMA_TABLE = TensorTable((  # every tensor of the trunk file (Role.TRUNK, as llama.cpp has no sidecar for it)
-    TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.V, s.E), role=Role.TRUNK),
+    TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.vocab_dim, s.hidden_size),
+               role=Role.TRUNK),
     _norm(names.OUTPUT_NORM, "model.norm.weight", role=Role.TRUNK),
-    TensorSpec(names.OUTPUT, None, lambda s: (s.V, s.E), optional=True, hook="output_head", role=Role.TRUNK),
+    TensorSpec(names.OUTPUT, None, lambda s: (s.vocab_dim, s.hidden_size), optional=True, hook="output_head",
+               role=Role.TRUNK),
     ROPE_FREQS_SPEC,
 ) + BLOCK_SPECS, block_tags)
 
@@ -156,28 +209,17 @@ def rope_freqs_first(plans: list[TensorPlan]) -> list[TensorPlan]:
     return sorted(plans, key=lambda p: p.name != ROPE_FREQS)
 
 
-def attention_shapes(cfg: ConfigReader) -> tuple[int, int, int]:
-    """(n_head, n_head_kv, head_dim) of a LLaMA-style config."""
-    num_attention_heads = cfg.integer("num_attention_heads", min=1)
-    n_kv = cfg.integer("num_key_value_heads", default=num_attention_heads, min=1) or num_attention_heads
-    hd = cfg.integer("head_dim", default=None, min=1) or cfg.integer("hidden_size", min=1) // num_attention_heads
-    if num_attention_heads % n_kv:
-        raise SpecconvError(f"num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads {n_kv}")
-    return num_attention_heads, n_kv, hd
-
-
-def llama_kv(arch: str, cfg: ConfigReader, num_hidden_layers: int, vocab: int) -> list[MetaKV]:
+def llama_kv(hp: LlamaHParams) -> list[MetaKV]:
     """The LLaMA key set llama.cpp's converter writes (TextModel + LlamaModel)."""
-    num_attention_heads, n_kv, hd = attention_shapes(cfg)
-    w = MetadataWriter(arch)
-    w.text_model(num_hidden_layers, cfg.integer("max_position_embeddings", default=None) or None,  # 0: not written
-                 cfg.integer("hidden_size"), cfg.integer("intermediate_size"), num_attention_heads, n_kv)
-    w.f32(Keys.Rope.FREQ_BASE, cfg.with_rope().number("rope_theta", default=10000.0))
-    w.f32(Keys.Attention.LAYERNORM_RMS_EPS, cfg.number("rms_norm_eps", default=1e-6))
-    if cfg.integer("head_dim", default=None):
-        w.head_sizes(hd)
-    w.u32(Keys.LLM.VOCAB_SIZE, vocab)
-    w.u32(Keys.Rope.DIMENSION_COUNT, hd)
+    w = MetadataWriter(hp.arch)
+    w.text_model(hp.num_hidden_layers, hp.max_position_embeddings or None,  # 0: not written
+                 hp.hidden_size, hp.intermediate_size, hp.num_attention_heads, hp.num_key_value_heads)
+    w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
+    w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
+    if hp.states_head_dim:
+        w.head_sizes(hp.head_dim)
+    w.u32(Keys.LLM.VOCAB_SIZE, hp.vocab_size)
+    w.u32(Keys.Rope.DIMENSION_COUNT, hp.rotary_dim)
     return w.kv
 
 
@@ -199,11 +241,8 @@ class Llama(ArchPlugin):
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        self.cfg = cfg = ConfigReader(checkpoint.config)
-        self.num_attention_heads, self.n_kv, self.hd = attention_shapes(cfg)
-        self.H, self.F = cfg.integer("hidden_size", min=1), cfg.integer("intermediate_size", min=1)
-        self.L = cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
-        self.tied = cfg.flag("tie_word_embeddings", default=False)
+        self.hp = LlamaHParams.from_config(checkpoint.config)
+        self.cfg = ConfigReader(checkpoint.config)  # its rope_scaling: the generated rope_freqs tensor
 
     @classmethod
     def normalize_name(cls, raw_name: str):
@@ -213,7 +252,7 @@ class Llama(ArchPlugin):
 
     @property
     def n_trunk_layers(self) -> int:
-        return self.L
+        return self.hp.num_hidden_layers
 
     @property
     def n_mtp_layers(self) -> int:
@@ -224,24 +263,26 @@ class Llama(ArchPlugin):
 
     table: ClassVar[TensorTable] = LLAMA_TABLE
 
-    def sizes(self) -> Sizes:
-        return Sizes(num_hidden_layers=self.L, E=self.H, V=self.vocab_size(), num_attention_heads=self.num_attention_heads, num_key_value_heads=self.n_kv,
-                     head_dim=self.hd, ffn=self.F, rotary_dim=self.hd)
+    def sizes(self) -> LlamaHParams:
+        """The hparams the file is written with: its vocabulary is the embedding's rows."""
+        return replace(self.hp, vocab_size=self.vocab_size())
 
     def tensor_plan(self) -> list[TensorPlan]:
         plan = RolePlan(self.checkpoint.tensors)
-        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(self.L)]
-        self.table.plan(plan, self.sizes(), blocks, {"output_head": self._output_head, "rope_freqs": self._rope_freqs})
+        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(self.hp.num_hidden_layers)]
+        hooks = {"output_head": self._output_head, "rope_freqs": self._rope_freqs}
+        self.table.plan(plan, self.sizes(), blocks, hooks)
         return rope_freqs_first(plan.finish(self.gguf_arch))
 
-    def _output_head(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
-        if plan.has("lm_head.weight") and not self.tied:
-            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (s.V, s.E))], (s.V, s.E), role)
+    def _output_head(self, plan: RolePlan, s: LlamaHParams, bid: None, p: str, role: Role) -> None:
+        if plan.has("lm_head.weight") and not s.tie_word_embeddings:
+            shape = (s.vocab_size, s.hidden_size)
+            plan.add(names.OUTPUT, [plan.source("lm_head.weight", shape)], shape, role)
         else:
             plan.used.add("lm_head.weight")  # tied: a saved head is the embedding again
 
-    def _rope_freqs(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
+    def _rope_freqs(self, plan: RolePlan, s: LlamaHParams, bid: None, p: str, role: Role) -> None:
         add_rope_freqs(plan, self.cfg, s.head_dim, "model.norm.weight")
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
-        return llama_kv(self.gguf_arch, self.cfg, self.L, self.vocab_size())
+        return llama_kv(self.sizes())

@@ -11,71 +11,23 @@ nextn extras, common KV) lives here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Mapping
+from typing import ClassVar
 
 from gguf import Keys
 
 from . import names
 from .base import ArchPlugin, Checkpoint, Role, TensorPlan
-from .config_reader import ConfigReader
 from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .plan_tools import (
     RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name, trunk_indexed_mtp_count,
 )
-from .nextn_moe_hparams import MOE_KEYS, NextnMoeHParams, moe_config_fields
-from .rope_scaling import RopeScaling
+from .nextn_moe_hparams import NextnMoeHParams
 from .tensor_table import Block, TensorSpec, TensorTable
 
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.")
 # HF nextn copies -> GGUF nextn part (docs/reference/gguf-layout.md §4.1)
 NEXTN_OPTIONAL = (("embed_tokens", names.NEXTN_EMBED_TOKENS), ("shared_head.head", names.NEXTN_SHARED_HEAD_HEAD))
-
-
-@dataclass(frozen=True)
-class MoeHparams:
-    """The MoE fields of config.json under the names archs/hy_v3.py reads (`parse_moe_hparams`)."""
-
-    num_hidden_layers: int
-    hidden: int
-    vocab: int
-    num_attention_heads: int
-    ffn: int  # dense width (leading dense blocks)
-    num_experts: int
-    num_experts_per_tok: int
-    expert_ffn: int
-    n_shared: int
-    first_dense: int
-    n_group: int | None
-    topk_group: int | None
-    routed_scale: float
-    norm_topk: bool
-    rms_eps: float
-    rope_theta: float
-    context_length: int
-    tie_embeddings: bool
-    mtp_layers_config: int
-    yarn: RopeScaling | None
-
-    @property
-    def shared_ffn(self) -> int:
-        return self.expert_ffn * self.n_shared
-
-
-def parse_moe_hparams(cfg: ConfigReader, tc: ConfigReader, family: str, keys: Mapping[str, tuple[str, ...]] = MOE_KEYS,
-                      groups: bool = True) -> MoeHparams:
-    """`moe_config_fields` (archs/nextn_moe_hparams.py) as a `MoeHparams`."""
-    f = moe_config_fields(cfg, tc, family, keys, groups)
-    return MoeHparams(
-        num_hidden_layers=f["num_hidden_layers"], hidden=f["hidden_size"], vocab=f["vocab_size"],
-        num_attention_heads=f["num_attention_heads"], ffn=f["intermediate_size"], num_experts=f["num_experts"],
-        num_experts_per_tok=f["num_experts_per_tok"], expert_ffn=f["moe_intermediate_size"],
-        n_shared=f["n_shared_experts"], first_dense=f["first_k_dense_replace"], n_group=f["n_group"],
-        topk_group=f["topk_group"], routed_scale=f["routed_scaling_factor"], norm_topk=f["norm_topk_prob"],
-        rms_eps=f["rms_norm_eps"], rope_theta=f["rope_theta"], context_length=f["max_position_embeddings"],
-        tie_embeddings=f["tie_word_embeddings"], mtp_layers_config=f["num_nextn_predict_layers"],
-        yarn=f["rope_scaling"])
 
 
 # ---------------------------------------------------------------------- the tensor table

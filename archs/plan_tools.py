@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from functools import partial
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType
 from . import names
 from . import transforms as tf
 from .base import Checkpoint, Role, SourceTensor, TensorPlan, plans_in_checkpoint_order
+from .config_reader import ConfigReader
 from .errors import SpecconvError
 
 F32 = GGMLQuantizationType.F32
@@ -157,3 +158,19 @@ def plan_experts(plan: RolePlan, bid: int, ex: str, E: int, Fe: int, H: int, rol
     for gguf_name, part, shape in ((gate_n, "gate", (Fe, H)), (up_n, "up", (Fe, H)), (down_n, "down", (H, Fe))):
         srcs = [plan.source(f"{ex}{e}.{part}_proj.weight", shape) for e in range(E)]
         plan.add(gguf_name, srcs, (E, *shape), role, tf.stack)
+
+
+_PRE_BY_MODEL_TYPE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}  # a target no plugin knows
+
+
+def target_tokenizer_pre(target_config: Mapping[str, Any]) -> str:
+    """`tokenizer.ggml.pre` of a draft head converted against its target (EAGLE-3, DFlash): the target
+    plugin's, or by the target's model_type when no plugin converts it."""
+    from . import plugin_class_for  # the registry imports the plugins, which import this module
+
+    try:
+        return plugin_class_for(target_config).tokenizer_pre
+    except SpecconvError:
+        target = ConfigReader(target_config, file="the target's config.json")
+        model_type = target.text_model().string("model_type", default=None) or target.string("model_type", default=None)
+        return _PRE_BY_MODEL_TYPE.get(model_type, "default")

@@ -15,8 +15,8 @@ specconv's runtime follows the config; docs/archs.md notes the consequence for l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Mapping
 
 from gguf import Keys
 
@@ -24,63 +24,176 @@ from . import names, register
 from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
 from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
+from .hparams import FamilyHParams, HParamsReader
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name
-from .rope_scaling import rope_scaling_of
+from .rope_scaling import RopeScaling, rope_scaling_of
 from .tensor_table import AttentionWidths, Block, TensorSpec, TensorTable
 
 QWEN3, QWEN3MOE = "qwen3", "qwen3moe"
 EXPERT_WEIGHTS_NORM = "expert_weights_norm"  # `{arch}.expert_weights_norm` (bool), llama.cpp's key
 
 
-@dataclass(frozen=True)
-class Sizes(AttentionWidths):
-    """The dimensions of the Qwen3 table: the plugin's from config.json, the graph's from GGUF metadata
-    (runtime/graphs/qwen3.py, V = "V")."""
+@dataclass(kw_only=True)
+class Qwen3HParams(AttentionWidths, FamilyHParams):
+    """A Qwen3 / Qwen3-MoE model's hyperparameters under transformers' Qwen3Config / Qwen3MoeConfig
+    names: the plugin's from config.json (`from_config`), the graph's from GGUF metadata (`from_kv`,
+    runtime/graphs/qwen3.py); the table's shapes read them."""
 
-    num_hidden_layers: int
-    moe: bool
-    E: int  # hidden size
-    V: int | str  # vocabulary
+    arch: str = QWEN3
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    ffn: int = 0
-    num_experts: int = 0
-    expert_ffn: int = 0
+    rotary_dim: int
+    intermediate_size: int = 0
+    moe_intermediate_size: int = 0  # Qwen3-MoE: each expert's FFN width
+    norm_topk_prob: bool = True  # renormalise the top-k router weights (GGUF expert_weights_norm)
+    rope_theta: float | None = None  # None: not stated (llama.cpp's 10000 applies)
+    rope_scaling: RopeScaling | None = None  # linear or YaRN (rope.scaling.*)
+    rms_norm_eps: float = 1e-6
+    states_head_dim: bool = False  # head_dim stated (config.json's head_dim; GGUF attention.key_length)
+    tie_word_embeddings: bool = False  # config.json only: a file says it by having no output.weight
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def rope_freq_base(self) -> float:
+        """θ of the rope: rope_theta, or llama.cpp's default where neither config nor file states it."""
+        return 10000.0 if self.rope_theta is None else self.rope_theta
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], moe: bool = False) -> "Qwen3HParams":
+        """`moe`: a Qwen3-MoE config (Qwen3MoeForCausalLM), whose expert fields are read and checked."""
+        cfg = ConfigReader(config)
+        hidden_size = cfg.integer("hidden_size", min=1)
+        num_hidden_layers = cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
+        heads = cfg.integer("num_attention_heads", min=1)
+        n_kv = cfg.integer("num_key_value_heads", default=heads, min=1)
+        head_dim = cfg.integer("head_dim", default=hidden_size // heads, min=1)
+        ffn = cfg.integer("intermediate_size", min=1)
+        if heads % n_kv:
+            raise SpecconvError(f"config.json: num_attention_heads {heads} is not a multiple of "
+                                f"num_key_value_heads {n_kv}")
+        act = cfg.string("hidden_act", default="silu")
+        if act != "silu":
+            raise SpecconvError(f"config.json: hidden_act {act!r} is not supported (qwen3 uses silu)")
+        if cfg.flag("attention_bias", default=False):
+            raise SpecconvError("config.json: attention_bias=true is not supported (llama.cpp's qwen3 graphs "
+                                "have no q/k/v biases)")
+        if cfg.flag("use_sliding_window", default=False):
+            raise SpecconvError("config.json: use_sliding_window=true is not supported (llama.cpp's qwen3 "
+                                "graphs attend to the whole context)")
+        return cls(arch=QWEN3MOE if moe else QWEN3, num_hidden_layers=num_hidden_layers, hidden_size=hidden_size,
+                   num_attention_heads=heads, num_key_value_heads=n_kv, head_dim=head_dim, rotary_dim=head_dim,
+                   intermediate_size=ffn, rope_scaling=rope_scaling_of(cfg, "Qwen3", unscaled=("default", "mrope")),
+                   max_position_embeddings=cfg.integer("max_position_embeddings", default=None, min=1) or 0,
+                   rope_theta=cfg.with_rope().number("rope_theta", default=None),
+                   rms_norm_eps=cfg.number("rms_norm_eps", default=1e-6), states_head_dim=cfg.has("head_dim"),
+                   tie_word_embeddings=cfg.flag("tie_word_embeddings", default=False),
+                   vocab_size=cfg.integer("vocab_size", default=0), **(_experts_of(cfg) if moe else {}))
+
+    @classmethod
+    def from_kv(cls, kv: Mapping[str, Any]) -> "Qwen3HParams":
+        r = HParamsReader(kv)
+        arch, key = r.arch, r.key
+        hidden_size, heads = key("embedding_length", type=int), key("attention.head_count", type=int)
+        head_dim = key("attention.key_length", hidden_size // heads, int)
+        if key("attention.value_length", head_dim, int) != head_dim:
+            raise SpecconvError(f"{arch}: attention.value_length differs from key_length")
+        tokens = kv.get("tokenizer.ggml.tokens")
+        hp = cls(arch=arch, num_hidden_layers=key("block_count", type=int), hidden_size=hidden_size,
+                 num_attention_heads=heads, num_key_value_heads=key("attention.head_count_kv", heads, int),
+                 head_dim=head_dim, rotary_dim=key("rope.dimension_count", head_dim, int),
+                 rope_theta=key("rope.freq_base", None, float), rope_scaling=_rope_scaling_from_kv(r),
+                 rms_norm_eps=key("attention.layer_norm_rms_epsilon", type=float),
+                 intermediate_size=key("feed_forward_length", 0, int), num_experts=key("expert_count", 0, int),
+                 num_experts_per_tok=key("expert_used_count", 0, int),
+                 moe_intermediate_size=key("expert_feed_forward_length", 0, int),
+                 norm_topk_prob=key(EXPERT_WEIGHTS_NORM, True, bool),
+                 vocab_size=key("vocab_size", 0, int) or (len(tokens) if tokens is not None else 0),
+                 max_position_embeddings=key("context_length", 0, int), states_head_dim=r.has("attention.key_length"),
+                 from_file=True)
+        if arch == QWEN3MOE and not (hp.num_experts and 0 < hp.num_experts_per_tok <= hp.num_experts):
+            raise SpecconvError(f"qwen3moe file with expert_count {hp.num_experts}, expert_used_count "
+                                f"{hp.num_experts_per_tok}")
+        if hp.num_attention_heads % hp.num_key_value_heads:
+            raise SpecconvError(f"{arch}: head_count {hp.num_attention_heads} is not a multiple of head_count_kv "
+                                f"{hp.num_key_value_heads}")
+        if not (hp.moe_intermediate_size if hp.is_moe else hp.intermediate_size):
+            raise SpecconvError(f"{arch}: the feed-forward width is missing or 0")
+        return hp
 
 
-def block_tags(s: Sizes, bid: int) -> frozenset[str]:
-    return frozenset({"moe" if s.moe else "dense"})
+def _experts_of(cfg: ConfigReader) -> dict[str, Any]:
+    """A Qwen3-MoE config's expert fields, checked: every layer routed (llama.cpp's qwen3moe has no dense one)."""
+    count = cfg.integer("num_experts", "num_local_experts", min=1)
+    used = cfg.integer("num_experts_per_tok", min=1)
+    width = cfg.integer("moe_intermediate_size", min=1)
+    if not 0 < used <= count:
+        raise SpecconvError(f"config.json: num_experts_per_tok {used} is not in 1..{count}")
+    if cfg.integers("mlp_only_layers", default=None) or cfg.integer("decoder_sparse_step", default=1) != 1:
+        raise SpecconvError("config.json: dense layers in a Qwen3-MoE (mlp_only_layers / "
+                            "decoder_sparse_step != 1) are not supported (llama.cpp's qwen3moe has none)")
+    return dict(num_experts=count, num_experts_per_tok=used, moe_intermediate_size=width,
+                norm_topk_prob=cfg.flag("norm_topk_prob", default=False))
 
 
-def _norm(gguf: str, hf: str, dim=lambda s: (s.E,)) -> TensorSpec:
+def _rope_scaling_from_kv(r: HParamsReader) -> RopeScaling | None:
+    """rope.scaling.* as archs/metadata.py writes them (a key not written reads as None)."""
+    kind, key = r.key("rope.scaling.type", None, str), r.key
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", key("rope.scaling.factor", type=float))
+    if kind == "yarn":
+        return RopeScaling("yarn", key("rope.scaling.factor", type=float),
+                           key("rope.scaling.original_context_length", type=int),
+                           key("rope.scaling.yarn_ext_factor", None, float),
+                           key("rope.scaling.yarn_attn_factor", None, float),
+                           key("rope.scaling.yarn_beta_fast", None, float),
+                           key("rope.scaling.yarn_beta_slow", None, float))
+    raise SpecconvError(f"{r.arch}: rope scaling {kind!r} is not supported by the runtime's qwen3 graph "
+                        f"(default, linear and yarn are)")
+
+
+def block_tags(s: Qwen3HParams, bid: int) -> frozenset[str]:
+    return frozenset({"moe" if s.is_moe else "dense"})
+
+
+def _norm(gguf: str, hf: str, dim=lambda s: (s.hidden_size,)) -> TensorSpec:
     return TensorSpec(gguf, hf, dim, f32=True)  # plain RMSNorm weights, kept F32
 
 
 _ATTN, _MLP = "{p}self_attn.", "{p}mlp."
 QWEN3_TABLE = TensorTable((
-    TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.V, s.E)),
+    TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.vocab_dim, s.hidden_size)),
     _norm(names.OUTPUT_NORM, "model.norm.weight"),
-    TensorSpec(names.OUTPUT, None, lambda s: (s.V, s.E), optional=True, hook="output_head"),  # absent when tied
+    TensorSpec(names.OUTPUT, None, lambda s: (s.vocab_dim, s.hidden_size), optional=True,
+               hook="output_head"),  # absent when tied
     _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
-    TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.E)),
-    TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.E)),
-    TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.E)),
-    TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.E, s.q)),
+    TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.hidden_size)),
+    TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.hidden_size)),
+    TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.hidden_size)),
+    TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.hidden_size, s.q)),
     _norm("blk.{bid}.attn_q_norm.weight", _ATTN + "q_norm.weight", lambda s: (s.head_dim,)),
     _norm("blk.{bid}.attn_k_norm.weight", _ATTN + "k_norm.weight", lambda s: (s.head_dim,)),
     _norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),
-    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.ffn, s.E), "dense"),
-    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.ffn, s.E), "dense"),
-    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.E, s.ffn), "dense"),
-    TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.num_experts, s.E), "moe", f32=True),
-    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, lambda s: (s.num_experts, s.expert_ffn, s.E), "moe",
-               hook="experts"),
-    TensorSpec("blk.{bid}.ffn_up_exps.weight", None, lambda s: (s.num_experts, s.expert_ffn, s.E), "moe",
-               hook="experts"),
-    TensorSpec("blk.{bid}.ffn_down_exps.weight", None, lambda s: (s.num_experts, s.E, s.expert_ffn), "moe",
-               hook="experts"),
+    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight",
+               lambda s: (s.intermediate_size, s.hidden_size), "dense"),
+    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight",
+               lambda s: (s.intermediate_size, s.hidden_size), "dense"),
+    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight",
+               lambda s: (s.hidden_size, s.intermediate_size), "dense"),
+    TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight",
+               lambda s: (s.num_experts, s.hidden_size), "moe", f32=True),
+    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None,
+               lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size), "moe", hook="experts"),
+    TensorSpec("blk.{bid}.ffn_up_exps.weight", None,
+               lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size), "moe", hook="experts"),
+    TensorSpec("blk.{bid}.ffn_down_exps.weight", None,
+               lambda s: (s.num_experts, s.hidden_size, s.moe_intermediate_size), "moe", hook="experts"),
 ), block_tags)
 
 
@@ -92,41 +205,7 @@ class Qwen3Base(ArchPlugin):
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
-        cfg = ConfigReader(checkpoint.config)
-        self.H = cfg.integer("hidden_size", min=1)
-        self.L = cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
-        self.num_attention_heads = cfg.integer("num_attention_heads", min=1)
-        self.n_kv = cfg.integer("num_key_value_heads", default=self.num_attention_heads, min=1)
-        self.hd = cfg.integer("head_dim", default=self.H // self.num_attention_heads, min=1)
-        self.F = cfg.integer("intermediate_size", min=1)
-        if self.num_attention_heads % self.n_kv:
-            raise SpecconvError(f"config.json: num_attention_heads {self.num_attention_heads} is not a multiple of "
-                                f"num_key_value_heads {self.n_kv}")
-        act = cfg.string("hidden_act", default="silu")
-        if act != "silu":
-            raise SpecconvError(f"config.json: hidden_act {act!r} is not supported (qwen3 uses silu)")
-        if cfg.flag("attention_bias", default=False):
-            raise SpecconvError("config.json: attention_bias=true is not supported (llama.cpp's qwen3 graphs "
-                                "have no q/k/v biases)")
-        if cfg.flag("use_sliding_window", default=False):
-            raise SpecconvError("config.json: use_sliding_window=true is not supported (llama.cpp's qwen3 "
-                                "graphs attend to the whole context)")
-        self.rope_scaling = rope_scaling_of(cfg, "Qwen3", unscaled=("default", "mrope"))
-        self.context_length = cfg.integer("max_position_embeddings", default=None, min=1)
-        self.rope_theta = cfg.with_rope().number("rope_theta", default=None)
-        self.rms_eps = cfg.number("rms_norm_eps", default=1e-6)
-        self.has_head_dim = cfg.has("head_dim")
-        self.tied = cfg.flag("tie_word_embeddings", default=False)
-        if self.moe:
-            self.E = cfg.integer("num_experts", "num_local_experts", min=1)
-            self.k_used = cfg.integer("num_experts_per_tok", min=1)
-            self.Fe = cfg.integer("moe_intermediate_size", min=1)
-            if not 0 < self.k_used <= self.E:
-                raise SpecconvError(f"config.json: num_experts_per_tok {self.k_used} is not in 1..{self.E}")
-            if cfg.integers("mlp_only_layers", default=None) or cfg.integer("decoder_sparse_step", default=1) != 1:
-                raise SpecconvError("config.json: dense layers in a Qwen3-MoE (mlp_only_layers / "
-                                    "decoder_sparse_step != 1) are not supported (llama.cpp's qwen3moe has none)")
-            self.norm_topk = cfg.flag("norm_topk_prob", default=False)
+        self.hp = Qwen3HParams.from_config(checkpoint.config, moe=self.moe)
 
     @classmethod
     def normalize_name(cls, raw_name: str):
@@ -134,7 +213,7 @@ class Qwen3Base(ArchPlugin):
 
     @property
     def n_trunk_layers(self) -> int:
-        return self.L
+        return self.hp.num_hidden_layers
 
     @property
     def n_mtp_layers(self) -> int:
@@ -147,44 +226,46 @@ class Qwen3Base(ArchPlugin):
 
     table: ClassVar[TensorTable] = QWEN3_TABLE
 
+    def sizes(self) -> Qwen3HParams:
+        """The hparams the file is written with: its vocabulary is the embedding's rows."""
+        return replace(self.hp, vocab_size=self.vocab_size())
+
     def tensor_plan(self) -> list[TensorPlan]:
         plan = RolePlan(self.checkpoint.tensors)
-        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(self.L)]
+        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(self.hp.num_hidden_layers)]
         self.table.plan(plan, self.sizes(), blocks, {"output_head": self._output_head, "experts": self._experts})
         return plan.finish(self.gguf_arch)
 
-    def sizes(self) -> Sizes:
-        return Sizes(num_hidden_layers=self.L, moe=self.moe, E=self.H, V=self.vocab_size(), num_attention_heads=self.num_attention_heads,
-                     num_key_value_heads=self.n_kv, head_dim=self.hd, ffn=self.F, num_experts=self.E if self.moe else 0,
-                     expert_ffn=self.Fe if self.moe else 0)
-
-    def _output_head(self, plan: RolePlan, s: Sizes, bid: None, p: str, role: Role) -> None:
-        if self.tied and plan.has("lm_head.weight"):
+    def _output_head(self, plan: RolePlan, s: Qwen3HParams, bid: None, p: str, role: Role) -> None:
+        if s.tie_word_embeddings and plan.has("lm_head.weight"):
             # llama.cpp's converter writes a saved head even when tied: the same file, byte for byte
-            plan.add(names.OUTPUT, [plan.source("lm_head.weight", (s.V, s.E))], (s.V, s.E), Role.SHARED)
+            shape = (s.vocab_size, s.hidden_size)
+            plan.add(names.OUTPUT, [plan.source("lm_head.weight", shape)], shape, Role.SHARED)
         else:
-            add_output_head(plan, self.tied, s.V, s.E)
+            add_output_head(plan, s.tie_word_embeddings, s.vocab_size, s.hidden_size)
 
-    def _experts(self, plan: RolePlan, s: Sizes, bid: int, p: str, role: Role) -> None:
-        plan_experts(plan, bid, p + "mlp.experts.", s.num_experts, s.expert_ffn, s.E, role,
+    def _experts(self, plan: RolePlan, s: Qwen3HParams, bid: int, p: str, role: Role) -> None:
+        plan_experts(plan, bid, p + "mlp.experts.", s.num_experts, s.moe_intermediate_size, s.hidden_size, role,
                      where=f"layer {bid} (mlp.experts)", count_field="num_experts")
 
     # ------------------------------------------------------------------ metadata
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         # The keys and order of llama.cpp's TextModel.set_gguf_parameters (+ Qwen2MoeModel's).
+        hp = self.hp
         w = MetadataWriter(self.gguf_arch)
-        w.text_model(self.L, self.context_length, self.H, self.F, self.num_attention_heads, self.n_kv)
-        w.rope_scaling(self.rope_scaling)
-        w.f32(Keys.Rope.FREQ_BASE, self.rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, self.rms_eps)
-        if self.moe:
-            w.experts(self.E, self.k_used)
-        if self.has_head_dim:
-            w.head_sizes(self.hd)
-        if self.moe:
-            w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, self.Fe)
-            if not self.norm_topk:  # not written upstream (llama.cpp renormalises); see the module docstring
+        w.text_model(hp.num_hidden_layers, hp.max_position_embeddings or None, hp.hidden_size, hp.intermediate_size,
+                     hp.num_attention_heads, hp.num_key_value_heads)
+        w.rope_scaling(hp.rope_scaling)
+        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
+        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
+        if hp.is_moe:
+            w.experts(hp.num_experts, hp.num_experts_per_tok)
+        if hp.states_head_dim:
+            w.head_sizes(hp.head_dim)
+        if hp.is_moe:
+            w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.moe_intermediate_size)
+            if not hp.norm_topk_prob:  # not written upstream (llama.cpp renormalises); see the module docstring
                 w.flag("{arch}." + EXPERT_WEIGHTS_NORM, False)
         return w.kv
 

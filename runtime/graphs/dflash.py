@@ -16,107 +16,21 @@ Two evaluations, as in llama.cpp's src/models/dflash.cpp:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 
 from specconv.archs import names
-from specconv.archs.dflash import DFLASH_TABLE, Sizes
+from specconv.archs.dflash import DFLASH_TABLE
+from specconv.archs.dflash_hparams import DFlashHParams
 from specconv.archs.errors import SpecconvError
-from specconv.archs.hparams import FamilyHParams
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import acc, by_rows, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
-from specconv.archs.hparams import HParamsReader
 from specconv.runtime.memory import Batch, Memory, MemoryLayout
 from specconv.runtime.types import GraphType
-from specconv.runtime.validate import check_kv, check_rope_width
+from specconv.runtime.validate import check_rope_width
 
-
-
-@dataclass(kw_only=True)
-class HParams(FamilyHParams):
-    arch: str
-    num_hidden_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rotary_dim: int
-    rope_base: float
-    eps: float
-    n_ff: int
-    block_size: int
-    target_layers: list[int] = field(default_factory=list)  # target layer INPUTS (llama.cpp's convention)
-    mask_token_id: int = 0
-    causal: bool = False
-    vocab_size: int = 0
-    context_length: int = 0
-    num_nextn_predict_layers: int = 0
-    # DFlash2: dynamic convolutions (kernel taps, channels per group) and the candidate selector
-    conv_kernel: int = 0
-    conv_group: int = 0
-    selector_rank: int = 0
-    selector_top_k: int = 0
-    logit_scale: float = 0.0  # 0: none; applied (with soft-capping) only before DFlash2's selector, as llama.cpp
-    softcap: float = 0.0
-    embedding_scale: float = 0.0
-    value_scale: float = 0.0
-    n_swa: int = 0  # sliding window of the layers marked in swa_layers (0: none)
-    swa_layers: list[bool] = field(default_factory=list)
-
-    @property
-    def v2(self) -> bool:
-        return self.selector_top_k > 0
-
-    @property
-    def input_width(self) -> int:
-        """Width of one context row: the k target layers' hidden states, concatenated."""
-        return len(self.target_layers) * self.hidden_size
-
-    @classmethod
-    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
-        check_kv(kv)  # types and ranges first (runtime/validate.py): nothing below calls int() on a string
-        r = HParamsReader(kv)
-        arch, key = r.arch, r.key
-        hidden_size, num_attention_heads = key("embedding_length", type=int), key("attention.head_count", type=int)
-        head_dim = key("attention.key_length", hidden_size // num_attention_heads, int)
-        layers = key("target_layers", None, list)
-        if not layers:
-            raise SpecconvError(f"GGUF metadata lacks {arch}.target_layers (the target layers a DFlash drafter reads)")
-        mask = kv.get(names.MASK_TOKEN_ID_KEY)
-        if mask is None:
-            raise SpecconvError(f"GGUF metadata lacks {names.MASK_TOKEN_ID_KEY} (the DFlash block's mask token)")
-        if r.has("hyper_connection_count"):
-            raise SpecconvError(f"{arch}.hyper_connection_count: DSpark (DeepSeek-V4 stage) drafters are not "
-                                f"supported by specconv's runtime (llama.cpp runs them)")
-        num_hidden_layers = key("block_count", type=int)
-        n_swa = key("attention.sliding_window", 0, int)
-        swa_layers = [bool(x) for x in key("attention.sliding_window_pattern", [], list)] if n_swa else []
-        if n_swa and len(swa_layers) != num_hidden_layers:
-            raise SpecconvError(f"{arch}.attention.sliding_window_pattern has {len(swa_layers)} entries for "
-                                f"{num_hidden_layers} layers")
-        sections = key("rope.dimension_sections", None, list)
-        rotary_dim = key("rope.dimension_count", head_dim, int)
-        if sections is not None and [int(x) for x in sections] != [rotary_dim // 2, 0, 0, 0]:
-            raise SpecconvError(f"{arch}.rope.dimension_sections {list(sections)}: only the temporal section "
-                                f"[{rotary_dim // 2}, 0, 0, 0] (drafts for M-RoPE targets) is supported")
-        tokens = kv.get("tokenizer.ggml.tokens")
-        extra = dict(conv_kernel=key("conv_kernel_size", 0, int), conv_group=key("conv_group_size", 0, int),
-                     selector_rank=key("selector_rank", 0, int), selector_top_k=key("selector_top_k", 0, int),
-                     logit_scale=key("logit_scale", 0.0, float), softcap=key("final_logit_softcapping", 0.0, float),
-                     embedding_scale=key("embedding_scale", 0.0, float),
-                     value_scale=key("attention.value_scale", 0.0, float), n_swa=n_swa, swa_layers=swa_layers)
-        if extra["selector_top_k"] and not (extra["conv_kernel"] > 0 and extra["conv_group"] > 0
-                                            and hidden_size % extra["conv_group"] == 0 and extra["selector_rank"] > 0):
-            raise SpecconvError(f"{arch}: DFlash2 file with incomplete conv / selector metadata")
-        return cls(arch=arch, num_hidden_layers=num_hidden_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads, **extra,
-                   num_key_value_heads=key("attention.head_count_kv", num_attention_heads, int), head_dim=head_dim,
-                   rotary_dim=rotary_dim, rope_base=key("rope.freq_base", 10000.0, float),
-                   eps=key("attention.layer_norm_rms_epsilon", type=float), n_ff=key("feed_forward_length", type=int),
-                   block_size=key("block_size", 16, int), target_layers=[int(j) for j in layers],
-                   mask_token_id=int(mask), causal=key("attention.causal", False, bool),
-                   vocab_size=len(tokens) if tokens is not None else 0, context_length=key("context_length", 0, int))
+HParams = DFlashHParams  # read from GGUF metadata by DFlashHParams.from_kv (archs/dflash_hparams.py)
 
 
 # tensors llama.cpp's dflash graph uses when present, which this graph does not implement
@@ -140,16 +54,9 @@ def vocab_size(hp: HParams) -> int:
     return hp.vocab_size
 
 
-# ---- which tensors the graph needs: the drafter's table (archs/dflash.py) ---------------------
+# ---- which tensors the graph needs: the drafter's table (archs/dflash.py), shapes from the hparams
 
 TABLE = DFLASH_TABLE
-
-
-def sizes(hp: HParams) -> Sizes:
-    """The table's sizes from GGUF metadata; the vocabulary is the file's ("V", bound by its tensors)."""
-    return Sizes(num_hidden_layers=hp.num_hidden_layers, E=hp.hidden_size, V="V", num_attention_heads=hp.num_attention_heads, num_key_value_heads=hp.num_key_value_heads,
-                 head_dim=hp.head_dim, ffn=hp.n_ff, E_in=hp.input_width, v2=hp.v2, conv_kernel=hp.conv_kernel,
-                 conv_group=hp.conv_group, selector_rank=hp.selector_rank)
 
 
 def main_tensors(hp: HParams) -> list[str]:
@@ -157,11 +64,11 @@ def main_tensors(hp: HParams) -> list[str]:
 
 
 def mtp_tensors(hp: HParams) -> list[str]:
-    return TABLE.graph_names(sizes(hp), range(hp.num_hidden_layers), "mtp")
+    return TABLE.graph_names(hp, range(hp.num_hidden_layers), "mtp")
 
 
 def expected_shapes(hp: HParams) -> dict[str, tuple | list[tuple]]:
-    return TABLE.ggml_shapes(sizes(hp), range(hp.num_hidden_layers))
+    return TABLE.ggml_shapes(hp, range(hp.num_hidden_layers))
 
 
 OPTIONAL = tuple(TABLE.names(None, (), optional=True))  # token_embd and output: else the target's
@@ -192,13 +99,13 @@ main_layout = mtp_layout
 
 
 def _rope(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
-    return rope_cos_sin(positions, hp.rotary_dim, hp.rope_base, dtype)
+    return rope_cos_sin(positions, hp.rotary_dim, hp.rope_freq_base, dtype)
 
 
 def _context_kv(w, hp: HParams, i: int, g: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
     """K (normed, roped) and V of context rows g in layer i; no attn_norm on g (it is normed once)."""
     n, p = g.shape[0], f"blk.{i}."
-    k = rms_norm(linear(g, w[p + "attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim), w[p + "attn_k_norm.weight"], hp.eps)
+    k = rms_norm(linear(g, w[p + "attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim), w[p + "attn_k_norm.weight"], hp.rms_norm_eps)
     v = linear(g, w[p + "attn_v.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
     return rope_neox_partial(k, *rope), v
 
@@ -206,7 +113,7 @@ def _context_kv(w, hp: HParams, i: int, g: torch.Tensor, rope) -> tuple[torch.Te
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
     """Context injection: rows of target features at `batch.positions` -> K/V of every layer in the
     cache. Returns (empty logits [n, 0], g, g): these rows predict nothing."""
-    g = rms_norm(linear(hidden_in, w[names.EAGLE3_FC]), w[names.ENC_OUTPUT_NORM], hp.eps)
+    g = rms_norm(linear(hidden_in, w[names.EAGLE3_FC]), w[names.ENC_OUTPUT_NORM], hp.rms_norm_eps)
     rope = _rope(hp, batch.positions, acc(g).dtype)
     for i in range(hp.num_hidden_layers):
         batch.attend_kv(i, *_context_kv(w, hp, i, g, rope))
@@ -238,7 +145,7 @@ def _conv(hp: HParams, h: torch.Tensor, dynamic: torch.Tensor, base, side: int) 
     W_i[t, c] = dynamic_i[side, t, c // group] + base[side, t, c]; `dynamic` [n, 2·K·G] is laid out
     side, tap, group (group fastest), `base` [2, K, H]."""
     n, H = h.shape
-    K, gs = hp.conv_kernel, hp.conv_group
+    K, gs = hp.conv_kernel_size, hp.conv_group_size
     coeff = acc(dynamic).view(n, 2, K, H // gs)[:, side].repeat_interleave(gs, dim=-1)
     weight = coeff + dense(base, coeff.dtype)[side]
     hf = acc(h)
@@ -254,29 +161,29 @@ def forward_block(w, hp: HParams, tokens: torch.Tensor, positions: torch.Tensor,
     committed context rows of `memory`. DFlash2 logits carry the logit scale and soft-capping."""
     n = tokens.shape[0]
     x = w[names.TOKEN_EMBD][tokens]
-    if hp.embedding_scale:
-        x = x * hp.embedding_scale
+    if hp.input_embedding_scale:
+        x = x * hp.input_embedding_scale
     rope = _rope(hp, positions, acc(x).dtype)
     for i in range(hp.num_hidden_layers):
         p = f"blk.{i}."
-        a = rms_norm(x, w[p + "attn_norm.weight"], hp.eps)
+        a = rms_norm(x, w[p + "attn_norm.weight"], hp.rms_norm_eps)
         if hp.v2:
             dyn = linear(a, w[p + "attn_conv_proj.weight"])
             a = _conv(hp, a, dyn, w[p + "attn_conv_base"], 0)
-        q = rms_norm(linear(a, w[p + "attn_q.weight"]).view(n, hp.num_attention_heads, hp.head_dim), w[p + "attn_q_norm.weight"], hp.eps)
+        q = rms_norm(linear(a, w[p + "attn_q.weight"]).view(n, hp.num_attention_heads, hp.head_dim), w[p + "attn_q_norm.weight"], hp.rms_norm_eps)
         q = rope_neox_partial(q, *rope)
         k, v = _context_kv(w, hp, i, a, rope)  # the block rows' own K/V: same projections, on attn_norm(x)
         k_ctx, v_ctx, pos_ctx = memory.cells(seq, i)
-        window = hp.n_swa if hp.swa_layers and hp.swa_layers[i] else 0
+        window = hp.sliding_window if hp.sliding_window_pattern and hp.sliding_window_pattern[i] else 0
         o = _attention(q, torch.cat([k_ctx.to(k.dtype), k]), torch.cat([v_ctx.to(v.dtype), v]), positions,
-                       torch.cat([pos_ctx, positions]), hp.head_dim ** -0.5, hp.causal, window)
+                       torch.cat([pos_ctx, positions]), hp.head_dim ** -0.5, bool(hp.causal), window)
         cur = linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[p + "attn_output.weight"])
-        if hp.value_scale:
-            cur = cur * hp.value_scale
+        if hp.attention_value_scale:
+            cur = cur * hp.attention_value_scale
         if hp.v2:
             cur = _conv(hp, cur, dyn, w[p + "attn_conv_base"], 1)
         x = x + cur
-        f = rms_norm(x, w[p + "ffn_norm.weight"], hp.eps)
+        f = rms_norm(x, w[p + "ffn_norm.weight"], hp.rms_norm_eps)
         if hp.v2:
             dyn = linear(f, w[p + "ffn_conv_proj.weight"])
             f = _conv(hp, f, dyn, w[p + "ffn_conv_base"], 0)
@@ -284,13 +191,14 @@ def forward_block(w, hp: HParams, tokens: torch.Tensor, positions: torch.Tensor,
         if hp.v2:
             f = _conv(hp, f, dyn, w[p + "ffn_conv_base"], 1)
         x = x + f
-    y = rms_norm(x, w[names.OUTPUT_NORM], hp.eps)
+    y = rms_norm(x, w[names.OUTPUT_NORM], hp.rms_norm_eps)
     logits = acc(linear(y, w[names.OUTPUT]))
     if hp.v2:  # the selector scores these logits, so they get the target's output transforms (as llama.cpp)
-        if hp.logit_scale:
-            logits = logits * hp.logit_scale
-        if hp.softcap > 0:
-            logits = torch.tanh(logits / hp.softcap) * hp.softcap
+        if hp.output_multiplier:
+            logits = logits * hp.output_multiplier
+        softcap = hp.final_logit_softcapping
+        if softcap is not None and softcap > 0:
+            logits = torch.tanh(logits / softcap) * softcap
     return logits, y
 
 

@@ -16,70 +16,37 @@ Token embedding and (without its own lm_head) the output head come from the targ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
 from specconv.archs import names
 from specconv.archs.eagle3 import EAGLE3_TABLE
+from specconv.archs.eagle3_hparams import Eagle3HParams
 from specconv.archs.errors import SpecconvError
-from specconv.archs.llama import Sizes
 from specconv.runtime.graphs import llama
 from specconv.runtime.graphs.contract import Graph
-from specconv.archs.hparams import HParamsReader
 from specconv.runtime.graphs.ops import acc, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.types import GraphType
 from specconv.runtime.validate import check_shape
 
 ENC_NORM = names.ENC_OUTPUT_NORM
-
-
-@dataclass(kw_only=True)
-class HParams(llama.HParams):
-    target_layers: tuple[int, ...] = ()
-    target_hidden_size: int = 0
-    norm_before_residual: bool = False
-    norm_before_fc: bool = False
-
-    @classmethod
-    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
-        base = llama.HParams.from_kv(kv)
-        arch = base.arch
-        key = HParamsReader(kv).key
-        layers = key("target_layers", None, list)
-        if layers is None or len(layers) != 3:
-            raise SpecconvError(f"an eagle3 file needs {names.target_layers_key(arch)} with exactly 3 entries")
-        ht = key("target_hidden_size", type=int)
-        if base.num_hidden_layers != 1:
-            raise SpecconvError(f"an eagle3 head has one decoder layer, this file declares {base.num_hidden_layers}")
-        return cls(**vars(base), target_layers=tuple(int(x) for x in layers), target_hidden_size=int(ht),
-                   norm_before_residual=key("norm_before_residual", False, bool),
-                   norm_before_fc=key("norm_before_fc", False, bool))
+HParams = Eagle3HParams  # read from GGUF metadata by Eagle3HParams.from_kv (archs/eagle3_hparams.py)
 
 
 def serves(hp: HParams, file) -> set[GraphType]:
     return {GraphType.ENCODER, GraphType.MTP}
 
 
-# ---- which tensors each graph needs: the head's table (archs/eagle3.py) -------------------------
+# ---- which tensors each graph needs: the head's table (archs/eagle3.py), shapes from the hparams ----
 
 TABLE = EAGLE3_TABLE
 
 
-def sizes(hp: HParams) -> Sizes:
-    """The table's sizes from GGUF metadata: token_embd spans the target vocabulary; the head's own
-    output and d2t the draft vocabulary ("Vd", bound by the file)."""
-    return Sizes(num_hidden_layers=1, E=hp.hidden_size, V=hp.vocab_size, num_attention_heads=hp.num_attention_heads, num_key_value_heads=hp.num_key_value_heads,
-                 head_dim=hp.head_dim, ffn=hp.n_ff, rotary_dim=hp.rotary_dim, E_in=2 * hp.hidden_size, Ht=hp.target_hidden_size,
-                 Vd="Vd")
-
-
 def encoder_tensors(hp: HParams) -> list[str]:
     """fc, and the norm before it when the file says norm_before_fc (optional in the table)."""
-    s = sizes(hp)
-    return TABLE.graph_names(s, [0], "encoder") + ([ENC_NORM] if hp.norm_before_fc else [])
+    return TABLE.graph_names(hp, [0], "encoder") + ([ENC_NORM] if hp.norm_before_fc else [])
 
 
 def main_tensors(hp: HParams) -> list[str]:
@@ -87,16 +54,16 @@ def main_tensors(hp: HParams) -> list[str]:
 
 
 def mtp_tensors(hp: HParams) -> list[str]:
-    return TABLE.graph_names(sizes(hp), [0], "mtp")
+    return TABLE.graph_names(hp, [0], "mtp")
 
 
 def optional_mtp_tensors(hp: HParams) -> list[str]:
     """token_embd and output (else the target's), d2t (with a draft vocabulary), rope_freqs (llama3 rope)."""
-    return TABLE.graph_names(sizes(hp), [0], "mtp", optional=True)
+    return TABLE.graph_names(hp, [0], "mtp", optional=True)
 
 
 def expected_shapes(hp: HParams) -> dict[str, tuple | list[tuple]]:
-    return TABLE.ggml_shapes(sizes(hp), [0])
+    return TABLE.ggml_shapes(hp, [0])
 
 
 OPTIONAL = ()
@@ -160,7 +127,7 @@ def forward_encoder(w, hp: HParams, features: torch.Tensor) -> torch.Tensor:
     if features.shape[-1] != want:
         raise SpecconvError(f"EAGLE-3 encoder: feature rows have width {features.shape[-1]}, expected 3 x "
                             f"{hp.target_hidden_size} = {want}")
-    x = rms_norm(features, w[ENC_NORM], hp.eps) if hp.norm_before_fc else features
+    x = rms_norm(features, w[ENC_NORM], hp.rms_norm_eps) if hp.norm_before_fc else features
     return linear(x, w[names.EAGLE3_FC])
 
 
@@ -173,14 +140,14 @@ def _needed(w, name: str) -> torch.Tensor:
 
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, g: torch.Tensor, batch: Batch):
     """Decoder rows (x_{t+1}, g_t) at positions t -> (logits over the target vocabulary, out, out)."""
-    e = rms_norm(_needed(w, names.TOKEN_EMBD)[tokens], w["blk.0.attn_norm.weight"], hp.eps)
+    e = rms_norm(_needed(w, names.TOKEN_EMBD)[tokens], w["blk.0.attn_norm.weight"], hp.rms_norm_eps)
     g = g.to(e.dtype)
-    g_norm = rms_norm(g, w["blk.0.attn_norm_2.weight"], hp.eps)
+    g_norm = rms_norm(g, w["blk.0.attn_norm_2.weight"], hp.rms_norm_eps)
     rope = llama.rope_for(w, hp, batch.positions, acc(e).dtype)
     residual = g_norm if hp.norm_before_residual else g
     r = residual + llama.attention(w, hp, 0, torch.cat([e, g_norm], dim=-1), batch, rope)
-    out = r + llama.ffn(w, 0, rms_norm(r, w["blk.0.ffn_norm.weight"], hp.eps))
-    draft_logits = acc(linear(rms_norm(out, w["output_norm.weight"], hp.eps), _needed(w, names.OUTPUT)))
+    out = r + llama.ffn(w, 0, rms_norm(r, w["blk.0.ffn_norm.weight"], hp.rms_norm_eps))
+    draft_logits = acc(linear(rms_norm(out, w["output_norm.weight"], hp.rms_norm_eps), _needed(w, names.OUTPUT)))
     d2t = w.get(names.EAGLE3_D2T)
     return to_target_vocab(draft_logits, dense(d2t) if d2t is not None else None, hp.vocab_size), out, out
 

@@ -8,70 +8,28 @@ decoder graph, which is the same layer on a 2H input.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
 from specconv.archs.errors import SpecconvError
-from specconv.archs.hparams import FamilyHParams
-from specconv.archs.llama import LLAMA_TABLE, ROPE_FREQS, Sizes
+from specconv.archs.llama import LLAMA_TABLE, ROPE_FREQS, LlamaHParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_trunk
-from specconv.archs.hparams import HParamsReader
 from specconv.runtime.graphs.ops import acc, cached_attention, linear, rms_norm, swiglu
 from specconv.runtime.memory import Batch, MemoryLayout
-from specconv.runtime.validate import check_kv
 
-@dataclass(kw_only=True)
-class HParams(FamilyHParams):
-    arch: str
-    num_hidden_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rotary_dim: int
-    rope_base: float
-    eps: float
-    n_ff: int = 0
-    vocab_size: int = 0
-    context_length: int = 0
-    num_nextn_predict_layers: int = 0  # no MTP layers in this family
+HParams = LlamaHParams  # read from GGUF metadata by LlamaHParams.from_kv (archs/llama.py)
 
-    @classmethod
-    def from_kv(cls, kv: Mapping[str, Any]) -> "HParams":
-        check_kv(kv)  # types and ranges first: nothing below divides by 0 or compares a str
-        r = HParamsReader(kv)
-        key = r.key
-        hidden_size, num_attention_heads = key("embedding_length", type=int), key("attention.head_count", type=int)
-        head_dim = key("attention.key_length", hidden_size // num_attention_heads, int)
-        tokens = kv.get("tokenizer.ggml.tokens")
-        return cls(arch=r.arch, num_hidden_layers=key("block_count", type=int), hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-                   num_key_value_heads=key("attention.head_count_kv", num_attention_heads, int), head_dim=head_dim,
-                   rotary_dim=key("rope.dimension_count", head_dim, int), rope_base=key("rope.freq_base", 10000.0, float),
-                   eps=key("attention.layer_norm_rms_epsilon", type=float), n_ff=key("feed_forward_length", 0, int),
-                   vocab_size=key("vocab_size", 0, int) or (len(tokens) if tokens is not None else 0),
-                   context_length=key("context_length", 0, int))
-
-
-# ---- which tensors the graph needs: the family's table (archs/llama.py) ------------------------
+# ---- which tensors the graph needs: the family's table (archs/llama.py), shapes from the hparams --
 
 TABLE = LLAMA_TABLE
-
-
-def sizes(hp: HParams) -> Sizes:
-    """The table's sizes from GGUF metadata; the vocabulary is the file's ("V", bound by its tensors)."""
-    return Sizes(num_hidden_layers=hp.num_hidden_layers, E=hp.hidden_size, V="V", num_attention_heads=hp.num_attention_heads, num_key_value_heads=hp.num_key_value_heads,
-                 head_dim=hp.head_dim, ffn=hp.n_ff, rotary_dim=hp.rotary_dim)
-
-
-_tensors = GraphTensors(TABLE, sizes)  # no MTP head: the MTP lists are empty
+_tensors = GraphTensors(TABLE, lambda hp: hp)  # no MTP head: the MTP lists are empty
 
 
 def check_hparams(hp: HParams, kv: Mapping[str, Any]) -> None:
-    if not hp.n_ff:
+    if not hp.intermediate_size:
         raise SpecconvError(f"{hp.arch}.feed_forward_length is missing or 0")
 
 
@@ -125,20 +83,20 @@ def ffn(w, i: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_for(w, hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
-    return rope_norm(positions, hp.rotary_dim, hp.rope_base, dtype, w.get(ROPE_FREQS))
+    return rope_norm(positions, hp.rotary_dim, hp.rope_theta, dtype, w.get(ROPE_FREQS))
 
 
 # ---- graph ------------------------------------------------------------------------------------
 
 def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
-    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.eps), batch, rope)
-    return h + ffn(w, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.eps))
+    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps), batch, rope)
+    return h + ffn(w, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.rms_norm_eps))
 
 
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
     """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
-    return forward_trunk(w, hp.num_hidden_layers, hp.eps, tokens, want_layers, want_logits,
+    return forward_trunk(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, want_layers, want_logits,
                          lambda dtype: rope_for(w, hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 

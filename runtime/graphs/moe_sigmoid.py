@@ -46,16 +46,15 @@ def select_experts(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, to
 
 
 def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, hp) -> tuple[torch.Tensor, torch.Tensor]:
-    """`select_experts` with the settings of a chained-MTP graph's hparams (runtime/graphs/chained.py)."""
-    return select_experts(x, router, bias, hp.num_experts_per_tok, hp.n_group, hp.n_group_used, hp.weights_norm,
-                          hp.weights_scale, hp.gating)
+    """`select_experts` with the routing settings of a family's hparams (the nextn families', the
+    chained-MTP families'), which share transformers' names for them."""
+    return select_experts(x, router, bias, hp.num_experts_per_tok, hp.n_group, hp.topk_group, hp.norm_topk_prob,
+                          hp.routed_scaling_factor, hp.expert_gating_func)
 
 
 def sigmoid_group_moe(w, hp: NextnMoeHParams, i: int, x: torch.Tensor) -> torch.Tensor:
     p = f"blk.{i}."
-    weights, chosen = select_experts(x, w[p + "ffn_gate_inp.weight"], w[p + "exp_probs_b.bias"], hp.num_experts_per_tok,
-                                     hp.n_group, hp.topk_group, hp.norm_topk_prob, hp.routed_scaling_factor,
-                                     hp.expert_gating_func)
+    weights, chosen = route(x, w[p + "ffn_gate_inp.weight"], w[p + "exp_probs_b.bias"], hp)
     experts = Experts(*(w[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down")), swiglu)
     out = moe(x, weights, chosen, experts)
     if hp.n_shared_experts:

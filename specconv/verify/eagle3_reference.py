@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specconv.archs.config_reader import ConfigReader
-from specconv.archs.eagle3 import config_layer_ids
+from specconv.archs.eagle3_hparams import config_layer_ids
 from specconv.errors import SpecconvError
 from specconv.verify.parity import input_device, module_device
 

@@ -16,6 +16,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.plan_tools import RolePlan
 from specconv.archs.tensor_table import Block, GraphTensors, TensorSpec, TensorTable
 from tests.fixtures.gguf_files import convert_gguf
+from tests.fixtures.paths import ROOT
 
 
 def _qwen35(moe: bool):
@@ -317,3 +318,36 @@ def test_replacing_a_group_keeps_its_place():
 def test_a_tensor_nothing_writes_must_be_optional():
     with pytest.raises(ValueError, match="never writes must be optional"):
         TensorSpec("blk.{bid}.x.weight", None, lambda s: (1,))
+
+
+def test_worked_example_in_the_docs_is_the_qwen3_table():
+    """docs/architecture.md's worked example quotes rows of archs/qwen3.py's table as they are."""
+    import re
+
+    from specconv.archs import names
+    from specconv.archs.qwen3 import QWEN3_TABLE
+
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    example = doc[doc.index("#### A table written from scratch: Qwen3"):doc.index("### A new drafter kind")]
+    table = {s.gguf: s for s in QWEN3_TABLE.specs}
+    quoted = re.findall(r'TensorSpec\(("[^"]+"|names\.\w+), ("[^"]+"|None),\s*lambda s: (\([^)]*\))'
+                        r'(?:, "(\w+)")?', example)
+    assert len(quoted) >= 6
+    sizes = {"vocab_dim": 7, "hidden_size": 8, "q": 9, "intermediate_size": 10, "num_experts": 11,
+             "moe_intermediate_size": 12}
+
+    class S:
+        pass
+    for k, v in sizes.items():
+        setattr(S, k, v)
+    for gguf, hf, shape, tag in quoted:
+        gguf = getattr(names, gguf[6:]) if gguf.startswith("names.") else gguf.strip('"')
+        spec = table[gguf]
+        assert spec.hf == (None if hf == "None" else hf.strip('"')), gguf
+        assert spec.shape(S) == eval(shape, {}, {"s": S}), gguf  # noqa: S307  (the doc's own expression)
+        assert spec.on == (frozenset({tag}) if tag else frozenset()), gguf
+    from specconv.archs.qwen3 import Qwen3HParams
+
+    block = example[example.index("class Qwen3HParams("):example.index("def block_tags")]
+    assert re.findall(r"^    (\w+): ", block, re.M) == list(Qwen3HParams.__annotations__)  # the fields it declares
+    print(f"{len(quoted)} rows of the worked example match QWEN3_TABLE, its hparams fields archs/qwen3.py's")

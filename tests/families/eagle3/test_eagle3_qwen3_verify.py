@@ -90,7 +90,7 @@ def test_verify_fails_a_head_converted_against_the_wrong_target(built, tmp_path)
     _, dirs, files = built
     code, _, failed = _run(tmp_path, files["qwen3"], "--draft", files["against12"], "--hf", dirs["qwen3"])
     print(f"\nconverted against a 12-layer Qwen3: {failed}")
-    assert code == 1 and "target layer 9, but the target has 8 layers" in failed["draft: EAGLE-3 head fits the model"]
+    assert code == 1 and "target layer input 9, but the target has 8 layers" in failed["draft: EAGLE-3 head fits the model"]
     code, rep, failed = _run(tmp_path, files["qwen3"], "--draft", files["against10"], "--hf", dirs["qwen3"],
                              "--draft-hf", dirs["plain"])
     print(f"converted against a 10-layer Qwen3: {failed}")

@@ -45,7 +45,7 @@ def test_verify_draft_eagle3(tmp_path):
     res, report = _verify(tmp_path, model, wrong, "wrong")
     failed = {c["name"]: c["detail"] for c in report["checks"] if not c["passed"]}
     assert res.exit_code != 0 and not report["passed"]
-    assert "target layer 5" in failed.get("draft: EAGLE-3 head fits the model", ""), failed
+    assert "target layer input 5" in failed.get("draft: EAGLE-3 head fits the model", ""), failed
 
 
 # ---- a Llama target (GGUF arch llama) with --hf, and the head against its own checkpoint (--draft-hf)
@@ -115,7 +115,7 @@ def test_verify_fails_a_head_converted_against_the_wrong_target(llama, tmp_path)
     # its layers lie beyond the target: --hf alone fails it (the head does not fit)
     code, _, failed = _run(tmp_path, files["target"], "--draft", files["against12"], "--hf", dirs["target"])
     print(f"\nconverted against a 12-layer model: {failed}")
-    assert code == 1 and "target layer 9, but the target has 8 layers" in failed["draft: EAGLE-3 head fits the model"]
+    assert code == 1 and "target layer input 9, but the target has 8 layers" in failed["draft: EAGLE-3 head fits the model"]
     # its layers fit but are not the ones its checkpoint means for this target: the reference catches it
     code, _, failed = _run(tmp_path, files["target"], "--draft", files["against10"], "--hf", dirs["target"],
                            "--draft-hf", dirs["plain"])
@@ -135,7 +135,7 @@ def test_target_with_a_head_beyond_it_is_one_line(llama):
     res = CliRunner().invoke(cli.cli, ["generate", str(files["target"]), "--spec", "eagle3", "--draft",
                                        str(files["against12"]), "--tokens", "5,6,7", "-n", "2", "--device", "cpu"])
     message = str(res.exception)
-    assert res.exit_code != 0 and "reads target layer 9, but the target has 8 layers" in message
+    assert res.exit_code != 0 and "reads target layer input 9, but the target has 8 layers" in message
     assert "\n" not in message.strip()
 
 

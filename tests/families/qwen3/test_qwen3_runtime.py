@@ -112,7 +112,7 @@ def test_norm_topk_prob_matters(root):
     """The no-renormalisation fixture is a real test: renormalising it moves the logits."""
     src, path = conv(root, "moe-no-norm-topk", **VARIANTS["moe-no-norm-topk"])
     model = load_model(path, device="cpu")
-    model.hparams.norm_topk = True
+    model.hparams.norm_topk_prob = True
     wrong = Context(model, GraphType.MAIN, n_ctx=64).decode(IDS).logits
     d = max_abs(wrong, hf_forward(src, IDS)[0])
     print(f"\n[qwen3moe norm_topk_prob=false] renormalising anyway moves the logits by {d:.2f}")
