@@ -62,9 +62,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("runtime/tokenizer.py", "gemma4"): _TOKENIZER,
     ("runtime/tokenizer.py", "qwen35"): _TOKENIZER,
     ("convert/tokenizer.py", "gemma4"): _TOKENIZER,
-    ("archs/dflash.py", "llama"): _MODEL_TYPE,
-    ("archs/dflash.py", "qwen3"): _MODEL_TYPE,
-    ("archs/eagle3.py", "qwen3"): _MODEL_TYPE,
+    ("archs/plan_tools.py", "llama"): _MODEL_TYPE,
+    ("archs/plan_tools.py", "qwen3"): _MODEL_TYPE,
     ("specconv/verify/chained_mtp.py", "hy_v3"): _CHAINED_REFERENCE,
     ("specconv/verify/chained_mtp.py", "step35"): _CHAINED_REFERENCE,
     ("specconv/verify/chained_mtp.py", "mimo2"): _CHAINED_REFERENCE,
@@ -344,7 +343,8 @@ def test_the_worked_example_in_the_docs_quotes_the_family_s_two_files():
     import re
 
     doc = (ROOT / "docs/architecture.md").read_text(encoding="utf-8")
-    example = doc[doc.index("#### Worked example: Qwen3-Next"):doc.index("### A new drafter kind")]
+    start = doc.index("\n", doc.index("#### Worked example: Qwen3-Next"))
+    example = doc[start:start + re.search(r"^#{2,4} ", doc[start:], flags=re.M).start()]  # to the next heading
     steps = re.split(r"^Step \d, ", example, flags=re.M)[1:]
     quoted = 0
     for step in steps:
