@@ -100,6 +100,9 @@ GLM4MOE_TABLE = nextn_moe_table((
 @register
 class Glm4Moe(NextnMoePlugin):
     hf_architectures = ("Glm4MoeForCausalLM",)
+    gguf_arch: ClassVar[str] = Glm4MoeHParams.gguf_arch
+    llama_cpp_skips_absent_nextn: ClassVar[bool] = True  # trunk-only without the nextn tensors (inspect)
+    hf_reference: ClassVar[dict[str, str]] = {"Glm4MoeForCausalLM": "Glm4MoeForCausalLM"}
     HParams = Glm4MoeHParams
     family: ClassVar[str] = Glm4MoeHParams.family
     tokenizer_model: ClassVar[str] = "gpt2"
