@@ -34,6 +34,7 @@ class Glm4MoeHParams(NextnMoeHParams):
         "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
         "norm_topk_prob": True, "n_shared_experts": 1, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
         "attention_bias": False, "use_qk_norm": False}
+    yarn_log_multiplier: ClassVar[bool] = False  # llama.cpp's glm4moe reads no mscale key
 
     # config.json's; a file's metadata does not say, and its blocks may hold them (optional tensors)
     attention_bias: bool = False
