@@ -69,15 +69,12 @@ MIMO2_TABLE = chained_table(
 @register
 class MiMo2(ChainedMtpPlugin):
     hf_architectures = ("MiMoV2FlashForCausalLM",)
+    gguf_arch: ClassVar[str] = names.MIMO2
     family: ClassVar[str] = "mimo2"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "qwen2"
 
     HParams: ClassVar[type[Mimo2HParams]] = Mimo2HParams
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.MIMO2
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:

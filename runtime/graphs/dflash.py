@@ -228,6 +228,7 @@ GRAPH = Graph(
     name="dflash",
     HParams=HParams,
     main_tensors=main_tensors,
+    archs=("dflash",),  # the GGUF arches this graph runs (graph_for finds it by them)
     mtp_tensors=mtp_tensors,
     optional_mtp_tensors=no_tensors,
     keep_float32=keep_float32,

@@ -175,6 +175,7 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
 
 GRAPH = Graph(
     name="dsa",
+    archs=("glm-dsa", "deepseek32"),  # the GGUF arches this graph runs (graph_for finds it by them)
     tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,

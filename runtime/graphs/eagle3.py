@@ -170,6 +170,7 @@ GRAPH = Graph(
     name="eagle3",
     HParams=HParams,
     main_tensors=main_tensors,
+    archs=("eagle3",),  # the GGUF arches this graph runs (graph_for finds it by them)
     mtp_tensors=mtp_tensors,
     optional_mtp_tensors=optional_mtp_tensors,
     keep_float32=keep_float32,

@@ -107,6 +107,7 @@ def forward_mtp(*args, **kwargs):
 
 GRAPH = Graph(
     name="llama",
+    archs=("llama",),  # the GGUF arches this graph runs (graph_for finds it by them)
     tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,

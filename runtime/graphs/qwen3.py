@@ -105,6 +105,7 @@ def forward_mtp(*args, **kwargs):
 
 GRAPH = Graph(
     name="qwen3",
+    archs=ARCHES,  # the GGUF arches this graph runs (graph_for finds it by them)
     tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,

@@ -137,6 +137,8 @@ def forward_mtp(w, hp: Qwen35HParams, tokens: torch.Tensor, hidden_in: torch.Ten
 
 GRAPH = Graph(
     name="qwen35",
+    archs=ARCHES,  # the GGUF arches this graph runs (graph_for finds it by them)
+    PER_LAYER_KEYS=("attention.head_count_kv", "feed_forward_length"),  # per-layer lists (llama.cpp get_key_or_arr)
     tensors=_tensors,
     CAPTURABLE=True,
     HParams=Qwen35HParams,

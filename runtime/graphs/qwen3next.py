@@ -70,6 +70,7 @@ forward_mtp = q35.forward_mtp
 
 GRAPH = Graph(
     name="qwen3next",
+    archs=("qwen3next",),  # the GGUF arches this graph runs (graph_for finds it by them)
     tensors=_tensors,
     CAPTURABLE=True,
     HParams=Qwen3NextHParams,
