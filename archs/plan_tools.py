@@ -1,8 +1,9 @@
 """Plan-building pieces the plugins share: a collector that checks every source tensor against the
-config, the final "every checkpoint tensor was used" check, the output head and the routed experts.
+config, the final "every checkpoint tensor was used" check, and the table hooks several families
+answer alike (the output head, the routed experts, a draft head's own embedding).
 
-One implementation, so that the llama, qwen35 and nextn-MoE (glm4moe, deepseek2) plugins reject a
-checkpoint for the same reasons with the same messages.
+One implementation, so that the plugins reject a checkpoint for the same reasons with the same
+messages.
 """
 
 from __future__ import annotations
@@ -119,12 +120,6 @@ def own_embedding(plan: RolePlan, s: Any, bid: None, p: str, role: Role) -> None
     if plan.has("embed_tokens.weight"):
         shape = (s.vocab_size, s.hidden_size)
         plan.add(names.TOKEN_EMBD, [plan.source("embed_tokens.weight", shape)], shape, role)
-
-
-def add_swiglu(plan: RolePlan, bid: int, prefix: str, F: int, H: int, role: Role, suffix: str = "") -> None:
-    """`{prefix}{gate,up,down}_proj.weight` -> ffn_{gate,up,down}{suffix} (a dense MLP or a shared expert)."""
-    for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
-        plan.add(names.blk(bid, f"ffn_{part}{suffix}"), [plan.source(f"{prefix}{part}_proj.weight", shape)], shape, role)
 
 
 def plan_experts(plan: RolePlan, bid: int, ex: str, E: int, Fe: int, H: int, role: Role,
