@@ -172,6 +172,12 @@ class ChainedMtpPlugin(ArchPlugin):
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
         self.hp = self.HParams.from_config(checkpoint)
+        # a stated MTP count without its weights converts trunk-only, never dropping the head silently
+        self.missing_mtp = self.hp.missing_mtp(self.mtp_source())
+
+    def mtp_source(self) -> str:
+        """The checkpoint tensors that hold the MTP blocks (named when config.json states blocks it lacks)."""
+        return f"model.layers.{self.hp.num_hidden_layers}.*"
 
     def hooks(self) -> dict[str, Hook]:
         """The output head; a family adds its own (routed experts, tensors only some checkpoints have)."""

@@ -143,10 +143,6 @@ class HyV3(ChainedMtpPlugin):
     tokenizer_pre: ClassVar[str] = "hy_v4"  # the Hy tokenizer llama.cpp 0c1e570 knows (Hy4-preview)
     HParams: ClassVar[type[HyV3HParams]] = HyV3HParams
 
-    def __init__(self, checkpoint: Checkpoint):
-        super().__init__(checkpoint)
-        self.missing_mtp = self.hp.missing_mtp(f"model.layers.{self.hp.num_hidden_layers}.*")
-
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
         name = text_model_name(raw_name, _TOWERS, "vision tower (belongs in a separate mmproj file)")

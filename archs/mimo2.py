@@ -88,6 +88,9 @@ class MiMo2(ChainedMtpPlugin):
         return {**super().hooks(), "experts": routed_experts("n_routed_experts"), "fused_qkv": self._fused_qkv,
                 "sinks": self._sinks}
 
+    def mtp_source(self) -> str:
+        return "model.mtp.layers.*"
+
     def block_prefix(self, bid: int) -> str:
         n = self.hp.num_hidden_layers
         return f"model.mtp.layers.{bid - n}." if bid >= n else f"model.layers.{bid}."

@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGUFValueType, Keys
 
 from . import names, register
-from .base import Checkpoint, MetaKV, Role
+from .base import MetaKV, Role
 from .chained_mtp import ChainedMtpPlugin, chained_table, head_copies, norm_spec, routed_specs
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, text_model_name
@@ -74,10 +74,6 @@ class Step35(ChainedMtpPlugin):
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "deepseek-v3"
     HParams: ClassVar[type[Step35HParams]] = Step35HParams
-
-    def __init__(self, checkpoint: Checkpoint):
-        super().__init__(checkpoint)
-        self.missing_mtp = self.hp.missing_mtp(f"model.layers.{self.hp.num_hidden_layers}.*")
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
