@@ -229,7 +229,6 @@ class Deepseek2(NextnMoePlugin):
     hf_reference: ClassVar[dict[str, str]] = {"DeepseekV3ForCausalLM": "DeepseekV3ForCausalLM"}
     HParams = Deepseek2HParams
     family: ClassVar[str] = Deepseek2HParams.family
-    tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "deepseek-v3"
     table: ClassVar[TensorTable] = DEEPSEEK2_TABLE
 

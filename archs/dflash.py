@@ -77,7 +77,6 @@ class DFlash(ArchPlugin):
     gguf_arch: ClassVar[str] = names.DFLASH
     family: ClassVar[str] = "dflash"
     uses_target: ClassVar[bool] = True  # tokenizer, vocabulary and layer count come from --target
-    tokenizer_model: ClassVar[str] = "gpt2"
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)

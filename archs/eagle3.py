@@ -84,7 +84,6 @@ class Eagle3(ArchPlugin):
     gguf_arch: ClassVar[str] = names.EAGLE3
     family: ClassVar[str] = "eagle3"
     uses_target: ClassVar[bool] = True  # the engine passes --target TARGET_DIR through the Checkpoint
-    tokenizer_model: ClassVar[str] = "gpt2"
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)

@@ -101,7 +101,6 @@ class Glm4Moe(NextnMoePlugin):
     hf_reference: ClassVar[dict[str, str]] = {"Glm4MoeForCausalLM": "Glm4MoeForCausalLM"}
     HParams = Glm4MoeHParams
     family: ClassVar[str] = Glm4MoeHParams.family
-    tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "glm4"
     # <|endoftext|> as end-of-turn makes GLM generate endlessly: llama.cpp's GLM converter fixes these.
     special_tokens: ClassVar[dict[str, str]] = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>",

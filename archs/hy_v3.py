@@ -139,7 +139,6 @@ class HyV3(ChainedMtpPlugin):
     gguf_arch: ClassVar[str] = names.HY_V3
     hf_reference: ClassVar[dict[str, str]] = {"HYV3ForCausalLM": "HYV3ForCausalLM"}
     family: ClassVar[str] = "hy_v3"
-    tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "hy_v4"  # the Hy tokenizer llama.cpp 0c1e570 knows (Hy4-preview)
     HParams: ClassVar[type[HyV3HParams]] = HyV3HParams
 

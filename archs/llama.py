@@ -210,7 +210,6 @@ class Llama(ArchPlugin):
     gguf_arch: ClassVar[str] = "llama"
     hf_reference: ClassVar[dict[str, str]] = {"LlamaForCausalLM": "LlamaForCausalLM"}
     family: ClassVar[str] = "llama"
-    tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "llama-bpe"
 
     @classmethod

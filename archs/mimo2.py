@@ -71,7 +71,6 @@ class MiMo2(ChainedMtpPlugin):
     hf_architectures = ("MiMoV2FlashForCausalLM",)
     gguf_arch: ClassVar[str] = names.MIMO2
     family: ClassVar[str] = "mimo2"
-    tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "qwen2"
 
     HParams: ClassVar[type[Mimo2HParams]] = Mimo2HParams

@@ -186,7 +186,6 @@ QWEN3_TABLE = TensorTable((
 class Qwen3Base(ArchPlugin):
     family: ClassVar[str] = "qwen3"
     moe: ClassVar[bool] = False
-    tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "qwen2"  # what llama.cpp's hash table names the Qwen3 tokenizer
 
     def __init__(self, checkpoint: Checkpoint):

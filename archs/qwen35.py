@@ -124,7 +124,6 @@ QWEN35_TABLE = TensorTable((
 class Qwen35Base(ArchPlugin):
     family: ClassVar[str] = "qwen35"
     moe: ClassVar[bool] = False
-    tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "qwen35"
     HParams: ClassVar[type[Qwen35HParams]] = Qwen35HParams  # Qwen3-Next reads config.json with its own rules
 

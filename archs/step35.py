@@ -71,7 +71,6 @@ class Step35(ChainedMtpPlugin):
     hf_architectures = ("Step3p5ForCausalLM", "Step3p7ForConditionalGeneration")
     gguf_arch: ClassVar[str] = names.STEP35
     family: ClassVar[str] = "step35"
-    tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "deepseek-v3"
     HParams: ClassVar[type[Step35HParams]] = Step35HParams
 
