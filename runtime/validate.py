@@ -260,7 +260,7 @@ def check_tensor_info(name: str, t, integer_ok=()) -> None:
     if dims[0] % block:
         raise SpecconvError(f"tensor {name}: rows of {dims[0]} are not whole {qtype.name} blocks of {block}")
     nbytes = n // block * size
-    stored = t.data.nbytes if hasattr(t, "data") else nbytes
+    stored = t.data.nbytes
     if stored != nbytes:
         raise SpecconvError(f"tensor {name}: ggml shape {dims} of {qtype.name} needs {nbytes} bytes, "
                             f"the file holds {stored}")
