@@ -146,7 +146,7 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, g: torch.Tensor, batch: Ba
     rope = llama.rope_for(w, hp, batch.positions, acc(e).dtype)
     residual = g_norm if hp.norm_before_residual else g
     r = residual + llama.attention(w, hp, 0, torch.cat([e, g_norm], dim=-1), batch, rope)
-    out = r + llama.ffn(w, 0, rms_norm(r, w["blk.0.ffn_norm.weight"], hp.rms_norm_eps))
+    out = r + llama.ffn(w, hp, 0, rms_norm(r, w["blk.0.ffn_norm.weight"], hp.rms_norm_eps))
     draft_logits = acc(linear(rms_norm(out, w["output_norm.weight"], hp.rms_norm_eps), _needed(w, names.OUTPUT)))
     d2t = w.get(names.EAGLE3_D2T)
     return to_target_vocab(draft_logits, dense(d2t) if d2t is not None else None, hp.vocab_size), out, out
