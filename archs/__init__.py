@@ -1,7 +1,15 @@
-"""Architecture plugins and their registry (keyed by Hugging Face `architectures` strings)."""
+"""Architecture plugins and their registry (keyed by Hugging Face `architectures` strings).
+
+A plugin module registers its classes with `@register`; every module of this package is imported
+on the first lookup, so a new family's plugin module is found without a list to edit (a module that
+registers nothing, such as a shared helper, is imported all the same).
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import pkgutil
 from typing import Mapping
 
 from .base import ArchPlugin, Checkpoint, MetaKV, MtpMode, Role, SourceTensor, TensorPlan
@@ -30,6 +38,8 @@ def check_plugin(cls: type) -> None:
     lacking = sorted(cls.__abstractmethods__)
     if not cls.hf_architectures:
         lacking.insert(0, "hf_architectures")
+    if not cls.gguf_arch:
+        lacking.insert(0, "gguf_arch")
     if not cls.family:
         lacking.insert(0, "family")
     if lacking:
@@ -37,12 +47,11 @@ def check_plugin(cls: type) -> None:
                             "(the ArchPlugin contract: archs/base.py)")
 
 
+@functools.cache
 def _load_builtin_plugins() -> None:
-    # Importing a plugin module registers it.
-    from . import deepseek2, eagle3, gemma4, glm4moe, llama, qwen3, qwen35, qwen3next  # noqa: F401
-    from . import hy_v3, mimo2, step35  # noqa: F401  (chained-MTP families)
-    from . import dflash  # noqa: F401  (block-diffusion drafters)
-    from . import dsa  # noqa: F401  (DeepSeek Sparse Attention: glm-dsa, deepseek32)
+    """Import every module of the package once: importing a plugin module registers its classes."""
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
 
 
 def supported_architectures() -> list[str]:
@@ -57,6 +66,13 @@ def plugin_class_for_family(family: str) -> type[ArchPlugin]:
         if cls.family == family:
             return cls
     raise SpecconvError(f"no architecture plugin of family {family!r}")
+
+
+def plugin_classes_writing(gguf_arch: str) -> list[type[ArchPlugin]]:
+    """The registered plugin classes that write GGUF arch `gguf_arch` (deepseek2: DeepSeek-V3's and
+    GLM-4.7-Flash's), for tools that read a file's header and ask what its family declares."""
+    _load_builtin_plugins()
+    return sorted({cls for cls in _REGISTRY.values() if cls.gguf_arch == gguf_arch}, key=lambda cls: cls.__name__)
 
 
 def plugin_class_for(config: Mapping) -> type[ArchPlugin]:
@@ -85,6 +101,7 @@ __all__ = [
     "check_plugin",
     "plugin_class_for",
     "plugin_class_for_family",
+    "plugin_classes_writing",
     "register",
     "supported_architectures",
 ]

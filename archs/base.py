@@ -94,12 +94,23 @@ class ArchPlugin(abc.ABC):
 
     # --- identity (class attributes) ----------------------------------------------------------
     hf_architectures: ClassVar[tuple[str, ...]] = ()  # the HF `architectures` strings it converts
+    gguf_arch: ClassVar[str] = ""  # the GGUF `general.architecture` it writes (a graph's Graph.archs runs it)
     family: ClassVar[str] = ""  # plugin family name shown to users, e.g. "qwen35"
+    # The transformers class `specconv verify --hf` loads as the reference, by the config.json
+    # `architectures` string converted (a release layout may need a class of its own); a string left
+    # out, or an empty mapping, means no transformers reference (specconv/verify/parity.py).
+    hf_reference: ClassVar[dict[str, str]] = {}
     # A draft head converted against its target (`--target`: EAGLE-3, DFlash): the engine fills
     # Checkpoint.target_config / target_dir / target_layers and refuses those options elsewhere.
     uses_target: ClassVar[bool] = False
     # The whole file is a drafter (the Gemma 4 assistant): no trunk / MTP split, no notice about one.
     standalone_drafter: ClassVar[bool] = False
+    # llama.cpp's loader of `gguf_arch` runs a file that declares nextn layers but lacks their tensors
+    # as a trunk-only model, where other loaders refuse it (what `inspect` reports: convert/gguf_summary.py)
+    llama_cpp_skips_absent_nextn: ClassVar[bool] = False
+    # The release keeps MTP block j as `model.layers.{N+j}` (DeepSeek-V3, GLM), where transformers'
+    # MtpModel reads it and the CausalLM class ignores it (specconv/verify/parity.py load_mtp_reference)
+    mtp_as_trunk_layers: ClassVar[bool] = False
 
     # --- what a conversion reports (set by the plugin while it reads the checkpoint) ----------
     # Set when the config declares MTP layers whose weights are absent: only a trunk-only
@@ -116,11 +127,6 @@ class ArchPlugin(abc.ABC):
         return cls
 
     # --- naming -----------------------------------------------------------------------------
-    @property
-    @abc.abstractmethod
-    def gguf_arch(self) -> str:
-        """The GGUF `general.architecture` string written."""
-
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | None | tuple[None, str]:
         """Map a raw checkpoint name to the plugin's canonical HF name.

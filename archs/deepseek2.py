@@ -224,6 +224,9 @@ DEEPSEEK2_TABLE = nextn_moe_table(MLA, "ffn_norm")
 @register
 class Deepseek2(NextnMoePlugin):
     hf_architectures = ("DeepseekV3ForCausalLM",)
+    gguf_arch: ClassVar[str] = Deepseek2HParams.gguf_arch
+    llama_cpp_skips_absent_nextn: ClassVar[bool] = True  # trunk-only without the nextn tensors (inspect)
+    hf_reference: ClassVar[dict[str, str]] = {"DeepseekV3ForCausalLM": "DeepseekV3ForCausalLM"}
     HParams = Deepseek2HParams
     family: ClassVar[str] = Deepseek2HParams.family
     tokenizer_model: ClassVar[str] = "gpt2"
@@ -263,6 +266,8 @@ class Glm4MoeLite(Deepseek2):
     """
 
     hf_architectures = ("Glm4MoeLiteForCausalLM",)
+    gguf_arch: ClassVar[str] = Glm4MoeLiteHParams.gguf_arch
+    hf_reference: ClassVar[dict[str, str]] = {"Glm4MoeLiteForCausalLM": "Glm4MoeLiteForCausalLM"}
     HParams = Glm4MoeLiteHParams
     family: ClassVar[str] = Glm4MoeLiteHParams.family
     tokenizer_pre: ClassVar[str] = "glm4"

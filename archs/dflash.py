@@ -92,6 +92,7 @@ DFLASH_TABLE = TensorTable((
 @register
 class DFlash(ArchPlugin):
     hf_architectures: ClassVar[tuple[str, ...]] = ("DFlashDraftModel", "DFlash2DraftModel")
+    gguf_arch: ClassVar[str] = names.DFLASH
     family: ClassVar[str] = "dflash"
     uses_target: ClassVar[bool] = True  # tokenizer, vocabulary and layer count come from --target
     tokenizer_model: ClassVar[str] = "gpt2"
@@ -113,10 +114,6 @@ class DFlash(ArchPlugin):
 
 
     # ------------------------------------------------------------------ naming
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.DFLASH
 
     @classmethod
     def normalize_name(cls, raw_name: str):

@@ -182,6 +182,7 @@ class DsaMixin:
     """The lightning indexer on top of a deepseek2-style plugin."""
 
     table: ClassVar[TensorTable] = DSA_TABLE
+    llama_cpp_skips_absent_nextn: ClassVar[bool] = False  # deepseek2's rule is not the DSA arches'
 
     def tensor_plan(self):
         for bid in range(self.hp.num_hidden_layers):
@@ -202,6 +203,8 @@ class GlmMoeDsa(DsaMixin, Glm4MoeLite):
     ropes adjacent pairs like the main attention (llama.cpp's NORM rope, as written)."""
 
     hf_architectures = ("GlmMoeDsaForCausalLM",)
+    gguf_arch: ClassVar[str] = GlmMoeDsaHParams.gguf_arch
+    hf_reference: ClassVar[dict[str, str]] = {"GlmMoeDsaForCausalLM": "GlmMoeDsaForCausalLM"}
     HParams = GlmMoeDsaHParams
     family: ClassVar[str] = GlmMoeDsaHParams.family
 
@@ -223,6 +226,8 @@ class DeepseekV32(DsaMixin, Deepseek2):
     NEOX rope on the indexer, as written), the main attention adjacent pairs."""
 
     hf_architectures = ("DeepseekV32ForCausalLM",)
+    gguf_arch: ClassVar[str] = DeepseekV32HParams.gguf_arch
+    hf_reference: ClassVar[dict[str, str]] = {"DeepseekV32ForCausalLM": "DeepseekV32ForCausalLM"}
     HParams = DeepseekV32HParams
     family: ClassVar[str] = DeepseekV32HParams.family
 

@@ -81,6 +81,7 @@ EAGLE3_TABLE = TensorTable((
 class Eagle3(ArchPlugin):
     hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM",
                                                    "Eagle3Speculator", "Eagle3DraftModel")
+    gguf_arch: ClassVar[str] = names.EAGLE3
     family: ClassVar[str] = "eagle3"
     uses_target: ClassVar[bool] = True  # the engine passes --target TARGET_DIR through the Checkpoint
     tokenizer_model: ClassVar[str] = "gpt2"
@@ -107,10 +108,6 @@ class Eagle3(ArchPlugin):
 
 
     # ------------------------------------------------------------------ naming
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.EAGLE3
 
     @classmethod
     def normalize_name(cls, raw_name: str):

@@ -259,13 +259,13 @@ class _Gemma4Base(ArchPlugin):
 @register
 class Gemma4(_Gemma4Base):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM")
+    gguf_arch: ClassVar[str] = names.GEMMA4
+    hf_reference: ClassVar[dict[str, str]] = {  # a release in its own class: Gemma4ForCausalLM would
+        "Gemma4ForConditionalGeneration": "Gemma4ForConditionalGeneration",  # random-initialise it
+        "Gemma4ForCausalLM": "Gemma4ForCausalLM"}  # (docs/reference/peers.md §2.5)
     family: ClassVar[str] = "gemma4"
     HParams: ClassVar[type[Gemma4HParams]] = Gemma4HParams
     table: ClassVar[TensorTable] = GEMMA4_TABLE
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.GEMMA4
 
     @classmethod
     def normalize_name(cls, raw_name: str):
@@ -283,14 +283,11 @@ class Gemma4(_Gemma4Base):
 @register
 class Gemma4Assistant(_Gemma4Base):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Gemma4AssistantForCausalLM",)
+    gguf_arch: ClassVar[str] = names.GEMMA4_ASSISTANT
     family: ClassVar[str] = "gemma4-assistant"
     standalone_drafter: ClassVar[bool] = True  # the whole file drafts: no trunk/MTP split, no notice about it
     HParams: ClassVar[type[Gemma4HParams]] = Gemma4AssistantHParams
     table: ClassVar[TensorTable] = ASSISTANT_TABLE
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.GEMMA4_ASSISTANT
 
     @classmethod
     def normalize_name(cls, raw_name: str):

@@ -34,6 +34,7 @@ class Glm4MoeHParams(NextnMoeHParams):
         "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
         "norm_topk_prob": True, "n_shared_experts": 1, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
         "attention_bias": False, "use_qk_norm": False}
+    yarn_log_multiplier: ClassVar[bool] = False  # llama.cpp's glm4moe reads no mscale key
 
     # config.json's; a file's metadata does not say, and its blocks may hold them (optional tensors)
     attention_bias: bool = False
@@ -100,6 +101,9 @@ GLM4MOE_TABLE = nextn_moe_table((
 @register
 class Glm4Moe(NextnMoePlugin):
     hf_architectures = ("Glm4MoeForCausalLM",)
+    gguf_arch: ClassVar[str] = Glm4MoeHParams.gguf_arch
+    llama_cpp_skips_absent_nextn: ClassVar[bool] = True  # trunk-only without the nextn tensors (inspect)
+    hf_reference: ClassVar[dict[str, str]] = {"Glm4MoeForCausalLM": "Glm4MoeForCausalLM"}
     HParams = Glm4MoeHParams
     family: ClassVar[str] = Glm4MoeHParams.family
     tokenizer_model: ClassVar[str] = "gpt2"

@@ -143,6 +143,8 @@ HY_V3_TABLE = chained_table(
 @register
 class HyV3(ChainedMtpPlugin):
     hf_architectures = ("HYV3ForCausalLM",)
+    gguf_arch: ClassVar[str] = names.HY_V3
+    hf_reference: ClassVar[dict[str, str]] = {"HYV3ForCausalLM": "HYV3ForCausalLM"}
     family: ClassVar[str] = "hy_v3"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "hy_v4"  # the Hy tokenizer llama.cpp 0c1e570 knows (Hy4-preview)
@@ -151,10 +153,6 @@ class HyV3(ChainedMtpPlugin):
         super().__init__(checkpoint)
         self.hp = HyV3HParams.from_config(checkpoint)
         self.missing_mtp = self.hp.missing_mtp(f"model.layers.{self.hp.num_hidden_layers}.*")
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.HY_V3
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:

@@ -226,6 +226,8 @@ def llama_kv(hp: LlamaHParams) -> list[MetaKV]:
 @register
 class Llama(ArchPlugin):
     hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)
+    gguf_arch: ClassVar[str] = "llama"
+    hf_reference: ClassVar[dict[str, str]] = {"LlamaForCausalLM": "LlamaForCausalLM"}
     family: ClassVar[str] = "llama"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "llama-bpe"
@@ -241,10 +243,6 @@ class Llama(ArchPlugin):
         super().__init__(checkpoint)
         self.hp = LlamaHParams.from_config(checkpoint.config)
         self.cfg = ConfigReader(checkpoint.config)  # its rope_scaling: the generated rope_freqs tensor
-
-    @property
-    def gguf_arch(self) -> str:
-        return "llama"
 
     @classmethod
     def normalize_name(cls, raw_name: str):

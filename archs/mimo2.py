@@ -69,6 +69,7 @@ MIMO2_TABLE = chained_table(
 @register
 class MiMo2(ChainedMtpPlugin):
     hf_architectures = ("MiMoV2FlashForCausalLM",)
+    gguf_arch: ClassVar[str] = names.MIMO2
     family: ClassVar[str] = "mimo2"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "qwen2"
@@ -76,10 +77,6 @@ class MiMo2(ChainedMtpPlugin):
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint)
         self.hp: Mimo2HParams = Mimo2HParams.from_config(checkpoint)
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.MIMO2
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:

@@ -98,6 +98,7 @@ def nextn_moe_table(attention: tuple[TensorSpec, ...], post_attention_norm: str)
 class NextnMoePlugin(ArchPlugin):
     """Base of the glm4moe and deepseek2 plugins."""
 
+    mtp_as_trunk_layers: ClassVar[bool] = True  # nextn block j is model.layers.{N+j} (verify's MTP reference)
     HParams: ClassVar[type[NextnMoeHParams]]  # the family's, built from config.json (self.hp)
 
     def __init__(self, checkpoint: Checkpoint):
@@ -107,10 +108,6 @@ class NextnMoePlugin(ArchPlugin):
         if self._k and self.hp.first_k_dense_replace > self.hp.num_hidden_layers:
             raise SpecconvError(f"config.json: first_k_dense_replace ({self.hp.first_k_dense_replace}) exceeds "
                                 f"num_hidden_layers ({self.hp.num_hidden_layers}); the nextn block must be an MoE block")
-
-    @property
-    def gguf_arch(self) -> str:
-        return self.hp.arch
 
     # ------------------------------------------------------------------ naming
 

@@ -29,10 +29,11 @@ MOE_KEYS: Mapping[str, tuple[str, ...]] = {
 
 
 def moe_config_fields(cfg: ConfigReader, tc: ConfigReader, family: str, keys: Mapping[str, tuple[str, ...]] = MOE_KEYS,
-                      groups: bool = True) -> dict[str, Any]:
+                      groups: bool = True, yarn_log_multiplier: bool = True) -> dict[str, Any]:
     """The `NextnMoeHParams` fields of config.json. `cfg`: the whole file; `tc`: the text config with
     the family's transformers defaults. `groups`: whether the family has expert groups (n_group /
-    topk_group)."""
+    topk_group). `yarn_log_multiplier`: whether the family's file carries YaRN's mscale_all_dim
+    (archs/rope_scaling.py rope_scaling_of's `mscale`)."""
     num_hidden_layers = tc.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
     used = tc.integer("num_experts_per_tok", min=1)
     num_experts = tc.integer(*keys["n_routed_experts"], min=1)
@@ -62,7 +63,7 @@ def moe_config_fields(cfg: ConfigReader, tc: ConfigReader, family: str, keys: Ma
         max_position_embeddings=tc.integer("max_position_embeddings", default=4096),
         tie_word_embeddings=cfg.flag("tie_word_embeddings", default=tc.flag("tie_word_embeddings", default=False)),
         num_nextn_predict_layers=tc.integer(*keys["num_nextn_predict_layers"], default=0),
-        rope_scaling=rope_scaling_of(tc, family, ("yarn",), mscale=True),
+        rope_scaling=rope_scaling_of(tc, family, ("yarn",), mscale=yarn_log_multiplier),
     )
 
 
@@ -92,6 +93,9 @@ class NextnMoeHParams(FamilyHParams):
     # transformers' config-class defaults for behavioural fields a config.json may leave out, so a
     # missing field means what it means to transformers (e.g. DeepSeek's routed scale 2.5)
     config_defaults: ClassVar[Mapping[str, Any]] = {}
+    # whether the file carries YaRN's mscale_all_dim (rope.scaling.yarn_log_multiplier, DeepSeek's);
+    # without it the converter writes transformers' resolved attention factor instead
+    yarn_log_multiplier: ClassVar[bool] = True
 
     intermediate_size: int = 0  # the leading dense blocks' FFN width
     moe_intermediate_size: int
@@ -135,7 +139,7 @@ class NextnMoeHParams(FamilyHParams):
     @classmethod
     def fields_from_config(cls, cfg: ConfigReader, tc: ConfigReader) -> dict[str, Any]:
         """The fields of config.json (`cfg`), checked; `tc`: `text_config`. A subclass adds its own."""
-        return moe_config_fields(cfg, tc, cls.family)
+        return moe_config_fields(cfg, tc, cls.family, yarn_log_multiplier=cls.yarn_log_multiplier)
 
     # ---- GGUF metadata --------------------------------------------------------------------------
 

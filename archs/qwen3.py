@@ -207,10 +207,6 @@ class Qwen3Base(ArchPlugin):
         super().__init__(checkpoint)
         self.hp = Qwen3HParams.from_config(checkpoint.config, moe=self.moe)
 
-    @property
-    def gguf_arch(self) -> str:
-        return QWEN3MOE if self.moe else QWEN3
-
     @classmethod
     def normalize_name(cls, raw_name: str):
         return text_model_name(raw_name, (), "")
@@ -277,10 +273,14 @@ class Qwen3Base(ArchPlugin):
 @register
 class Qwen3(Qwen3Base):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Qwen3ForCausalLM",)
+    gguf_arch: ClassVar[str] = QWEN3
+    hf_reference: ClassVar[dict[str, str]] = {"Qwen3ForCausalLM": "Qwen3ForCausalLM"}
     moe = False
 
 
 @register
 class Qwen3Moe(Qwen3Base):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Qwen3MoeForCausalLM",)
+    gguf_arch: ClassVar[str] = QWEN3MOE
+    hf_reference: ClassVar[dict[str, str]] = {"Qwen3MoeForCausalLM": "Qwen3MoeForCausalLM"}
     moe = True

@@ -150,10 +150,6 @@ class Qwen35Base(ArchPlugin):
 
     # ------------------------------------------------------------------ naming
 
-    @property
-    def gguf_arch(self) -> str:
-        return names.QWEN35MOE if self.moe else names.QWEN35
-
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
         name = text_model_name(raw_name, _TOWERS, "vision/audio tower (belongs in a separate mmproj file)")
@@ -275,10 +271,16 @@ def _conv1d(ts: list[np.ndarray], shape: tuple[int, int], nk: int, r: int, block
 @register
 class Qwen35(Qwen35Base):
     hf_architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+    gguf_arch: ClassVar[str] = names.QWEN35
+    hf_reference: ClassVar[dict[str, str]] = {"Qwen3_5ForCausalLM": "Qwen3_5ForCausalLM",  # a release too (key map)
+                                                 "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
     moe = False
 
 
 @register
 class Qwen35Moe(Qwen35Base):
     hf_architectures = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+    gguf_arch: ClassVar[str] = names.QWEN35MOE
+    hf_reference: ClassVar[dict[str, str]] = {"Qwen3_5MoeForCausalLM": "Qwen3_5MoeForCausalLM",
+                                                 "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
     moe = True

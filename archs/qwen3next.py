@@ -113,14 +113,12 @@ class Qwen3NextHParams(Qwen35HParams):
 @register
 class Qwen3Next(Qwen35Base):
     hf_architectures = ("Qwen3NextForCausalLM",)
+    gguf_arch: ClassVar[str] = names.QWEN3NEXT
+    hf_reference: ClassVar[dict[str, str]] = {"Qwen3NextForCausalLM": "Qwen3NextForCausalLM"}
     family: ClassVar[str] = "qwen3next"
     moe: ClassVar[bool] = True
     tokenizer_pre: ClassVar[str] = "qwen2"
     HParams: ClassVar[type[Qwen35HParams]] = Qwen3NextHParams
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.QWEN3NEXT
 
     table: ClassVar[TensorTable] = QWEN3NEXT_TABLE
 

@@ -6,6 +6,7 @@ the pre-v5 `rope_scaling.type`; its fields beside it. archs/metadata.py writes i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .config_reader import ConfigReader
@@ -25,10 +26,18 @@ class RopeScaling:
     mscale_all_dim: float | None = None  # DeepSeek's; written by that family (a legacy encoding)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1·mscale·ln(factor) + 1 (1 for factor <= 1), as transformers has it."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def rope_scaling_of(tc: ConfigReader, family: str, kinds: tuple[str, ...] = ("linear", "yarn"),
                     unscaled: tuple[str, ...] = ("default",), mscale: bool = False) -> RopeScaling | None:
-    """The text config `tc`'s rope scaling of one of `kinds`, None for a type in `unscaled` or none;
-    `mscale`: also DeepSeek's `mscale_all_dim`."""
+    """The text config `tc`'s rope scaling of one of `kinds`, None for a type in `unscaled` or none.
+    `mscale`: the family writes DeepSeek's `mscale_all_dim` (its graphs and llama.cpp's derive the
+    attention factor from it); otherwise a YaRN config with both `mscale` and `mscale_all_dim` and no
+    `attention_factor` has its attention factor resolved here as transformers resolves it
+    (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)), so the file states it."""
     rope = tc.with_rope()
     kind = rope.string("rope_type", default=None)
     if kind is None:
@@ -44,7 +53,13 @@ def rope_scaling_of(tc: ConfigReader, family: str, kinds: tuple[str, ...] = ("li
     orig = rope.integer("original_max_position_embeddings", default=None)
     if orig is None:
         raise SpecconvError("config.json: yarn rope scaling needs 'original_max_position_embeddings'")
-    return RopeScaling("yarn", factor, orig, rope.number("extrapolation_factor", default=None),
-                       rope.number("attention_factor", "attn_factor", default=None),
+    if rope.flag("truncate", default=True) is False:  # transformers' unfloored correction range (gpt-oss)
+        raise SpecconvError("config.json: yarn rope scaling with 'truncate': false is not supported "
+                            "(the runtime and llama.cpp floor / ceil YaRN's correction range)")
+    attn_factor = rope.number("attention_factor", "attn_factor", default=None)
+    m, m_all = rope.number("mscale", default=None), rope.number("mscale_all_dim", default=None)
+    if attn_factor is None and not mscale and m and m_all:
+        attn_factor = yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
+    return RopeScaling("yarn", factor, orig, rope.number("extrapolation_factor", default=None), attn_factor,
                        rope.number("beta_fast", default=None), rope.number("beta_slow", default=None),
-                       rope.number("mscale_all_dim", default=None) if mscale else None)
+                       m_all if mscale else None)

@@ -69,6 +69,7 @@ STEP35_TABLE = chained_table(
 @register
 class Step35(ChainedMtpPlugin):
     hf_architectures = ("Step3p5ForCausalLM", "Step3p7ForConditionalGeneration")
+    gguf_arch: ClassVar[str] = names.STEP35
     family: ClassVar[str] = "step35"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "deepseek-v3"
@@ -77,10 +78,6 @@ class Step35(ChainedMtpPlugin):
         super().__init__(checkpoint)
         self.hp = Step35HParams.from_config(checkpoint)
         self.missing_mtp = self.hp.missing_mtp(f"model.layers.{self.hp.num_hidden_layers}.*")
-
-    @property
-    def gguf_arch(self) -> str:
-        return names.STEP35
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:

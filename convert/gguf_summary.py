@@ -14,12 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from specconv.archs import names
+from specconv.archs import names, plugin_classes_writing
 
 from specconv.runtime.gguf_reader import GgufFile, open_gguf
 from .plan_report import kv_value
-
-TRUNK_ONLY_DETECTING_ARCHES = {names.GLM4MOE, names.DEEPSEEK2}
 
 
 def serves(f: GgufFile) -> tuple[list[str], list[str]]:
@@ -28,7 +26,7 @@ def serves(f: GgufFile) -> tuple[list[str], list[str]]:
     problems: list[str] = []
     if f.arch == names.EAGLE3:  # a draft head: llama.cpp runs its ENCODER graph and its decoder next to a target
         return ["encoder", "decoder"], problems
-    if f.arch == names.GEMMA4_ASSISTANT:  # every block drafts, reading the target's K/V (docs/reference/gguf-layout.md §7.7)
+    if _standalone_drafter(f.arch):  # every block drafts, reading the target's K/V (docs/reference/gguf-layout.md §7.7)
         if nextn != f.block_count():
             problems.append(f"a gemma4-assistant file needs nextn_predict_layers = block_count ({f.block_count()}), "
                             f"it declares {nextn}")
@@ -50,12 +48,17 @@ def serves(f: GgufFile) -> tuple[list[str], list[str]]:
         return ["mtp"], problems
     head = f"blk.{num_hidden_layers}.nextn.eh_proj.weight"
     if head not in f.tensors:
-        if f.arch in TRUNK_ONLY_DETECTING_ARCHES:
+        if any(p.llama_cpp_skips_absent_nextn for p in plugin_classes_writing(f.arch)):
             return ["main"], problems
         problems.append(f"declares {nextn} MTP layer(s) but {head} is missing; llama.cpp's {f.arch} loader "
                         "refuses such a file (write it trunk-only: no nextn key, block_count = N)")
         return ["main"], problems
     return ["main", "mtp"], problems
+
+
+def _standalone_drafter(arch: str) -> bool:
+    """A file that is all draft blocks reading a target's K/V (ArchPlugin.standalone_drafter)."""
+    return any(p.standalone_drafter for p in plugin_classes_writing(arch))
 
 
 def summarize(path: str | Path) -> dict[str, Any]:
@@ -83,7 +86,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "serves": graph_types,
         "kind": {("main",): "trunk-only", ("mtp",): "mtp-only", ("main", "mtp"): "embedded",
                  ("encoder", "decoder"): "EAGLE-3 draft head"}.get(tuple(graph_types), "unusable")
-        if arch != names.GEMMA4_ASSISTANT else "Gemma 4 assistant drafter (reads its target's K/V)",
+        if not _standalone_drafter(arch) else "Gemma 4 assistant drafter (reads its target's K/V)",
         "block_count": f.block_count(),
         "nextn_predict_layers": nextn,
         "problems": problems,

@@ -231,8 +231,9 @@ def build_drafter(kind: str, target: Model, n_ctx: int, draft_max: int, mtp_path
         if not draft_path:
             raise SpecconvError("--spec draft needs --draft D.gguf")
         from specconv.runtime.gguf_file import GGUFModelFile
+        from specconv.runtime.graphs import kind_of
 
-        if GGUFModelFile([draft_path]).arch == "gemma4-assistant":  # reads the target's K/V, no memory of its own
+        if kind_of(GGUFModelFile([draft_path]).arch) == "assistant":  # reads the target's K/V, no memory of its own
             from specconv.runtime.drafters import Gemma4AssistantDrafter
 
             assistant = load_model(draft_path, device=target.device, dtype=target.dtype, share_from=target)

@@ -105,17 +105,17 @@ _KEYS: dict[str, tuple[str, float, float]] = {
     "logit_scale": ("float", -1e30, 1e30),
     "embedding_scale": ("float", -1e30, 1e30),
 }
-# Keys some graphs take as per-layer lists (llama.cpp's get_key_or_arr), and which graphs; the others
-# need one value. A list has block_count entries (trunk and MTP blocks) unless named in _ANY_LENGTH.
-_PER_LAYER: dict[str, set[str]] = {
-    "attention.head_count": {"step35"},
-    "attention.head_count_kv": {"gemma4", "gemma4-assistant", "qwen35", "qwen35moe", "step35", "mimo2"},
-    "feed_forward_length": {"gemma4", "gemma4-assistant", "qwen35", "qwen35moe"},
-    "swiglu_clamp_exp": {"step35"},
-    "swiglu_clamp_shexp": {"step35"},
-}
+# Keys a graph takes as per-layer lists are its Graph.PER_LAYER_KEYS (llama.cpp's get_key_or_arr); the
+# others need one value. A list has block_count entries (trunk and MTP blocks) unless named in _ANY_LENGTH.
 _ANY_LENGTH = {"attention.indexer.types"}
 GLOBAL_INT_KEYS = ("tokenizer.ggml.mask_token_id",)  # read with int() by a graph (DFlash)
+
+
+def _per_layer_keys(arch: str) -> tuple[str, ...]:
+    """The keys the arch's graph reads per layer (none for an arch without a graph)."""
+    from specconv.runtime import graphs  # imported here: every graph module imports this one
+
+    return graphs.graph_for(arch).PER_LAYER_KEYS if arch in graphs.supported_archs() else ()
 
 
 def _is_int(v: Any) -> bool:
@@ -134,7 +134,7 @@ def _check_value(key: str, v: Any, kind: str, lo: float, hi: float, arch: str) -
     if kind in ("bools", "intlist") or (kind in ("ints", "floats") and isinstance(v, list)):
         if not isinstance(v, list):
             raise SpecconvError(f"KV {key} must be an array, found {type(v).__name__}")
-        if kind in ("ints", "floats") and arch not in _PER_LAYER.get(key[len(arch) + 1:], ()):
+        if kind in ("ints", "floats") and key[len(arch) + 1:] not in _per_layer_keys(arch):
             raise SpecconvError(f"KV {key}: the {arch} graph needs one value, found an array")
         if kind == "bools":
             bad = [x for x in v if not (isinstance(x, bool) or (_is_int(x) and x in (0, 1)))]

@@ -223,7 +223,7 @@ def _prepare_imports() -> None:
     import specconv.runtime.speculative  # noqa: F401
     from specconv.runtime import graphs
 
-    for arch in graphs.GRAPHS:
+    for arch in graphs.supported_archs():
         graphs.graph_module(arch)
     wire_validation()
 

@@ -1,11 +1,11 @@
 """The graph contract: everything the runtime reads of one architecture's graph, declared once.
 
-Each graph module ends with `GRAPH = Graph(name=..., HParams=..., ...)`: its hyperparameter reader,
-tensor lists, memory layouts and forwards (required), and the capabilities that differ between
-graphs (optional, each with the default most graphs share). The runtime (runtime/model.py,
-context.py, drafters/, speculative.py) and `specconv verify` read these fields and nothing else of a
-graph, so a new graph states here what it can do instead of being probed for it. The capability
-constants keep the upper-case names the graph modules used for them.
+Each graph module ends with `GRAPH = Graph(name=..., archs=..., ...)`: the GGUF arches it runs, its
+hyperparameter reader, tensor lists, memory layouts and forwards (required), and the capabilities
+that differ between graphs (optional, each with the default most graphs share). The runtime
+(runtime/model.py, context.py, drafters/, speculative.py) and `specconv verify` read these fields
+and nothing else of a graph, so a new graph states here what it can do instead of being probed for
+it. The capability constants keep the upper-case names the graph modules used for them.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ class Graph:
     that is missing, so an incomplete graph fails where it is declared."""
 
     name: str = REQUIRED  # the graph module's name, for messages
+    # the GGUF `general.architecture` strings this graph runs: graph_for (runtime/graphs/__init__.py)
+    # finds a file's graph by them, so a new graph module is found without a list to edit
+    archs: tuple[str, ...] = REQUIRED
     # The family's tensor table as the graph reads it (archs/tensor_table.py GraphTensors): the tensor
     # lists, OPTIONAL, keep_float32 and expected_shapes below derive from it where not given.
     tensors: Any = None
@@ -88,6 +91,9 @@ class Graph:
     check_values: Callable[..., None] | None = None  # (file, hp, needed) -> raises on bad tensor values
     check_hparams: Callable[..., None] | None = None  # (hp, kv) -> raises on inconsistent hyperparameters
     INTEGER_TENSORS: tuple[str, ...] = ()  # tensors read as integers (EAGLE-3's d2t); every other is float
+    # KV keys (after `{arch}.`) read as per-layer lists, llama.cpp's get_key_or_arr (runtime/validate.py
+    # check_kv); every other key must hold one value
+    PER_LAYER_KEYS: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.tensors is not None:
@@ -99,6 +105,9 @@ class Graph:
         if missing:
             raise SpecconvError(f"graph {self.name if self.name is not REQUIRED else '?'} does not declare "
                                 f"{', '.join(missing)} (the Graph contract: runtime/graphs/contract.py)")
+        if not (isinstance(self.archs, tuple) and self.archs and all(isinstance(a, str) and a for a in self.archs)):
+            raise SpecconvError(f"graph {self.name}: archs must be a non-empty tuple of GGUF arch strings, "
+                                f"not {self.archs!r}")
         for f in fields(self):
             value = getattr(self, f.name)  # every field: the dataclass's own
             if f.type.startswith(("Names", "Callable")) and value is not None and not callable(value):

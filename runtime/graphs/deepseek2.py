@@ -131,4 +131,5 @@ def _rope(w, hp: HParams, batch: Batch):
 GRAPH = trunk.graph(
     "deepseek2", HParams, _tensors, _layouts.main_layout, _layouts.mtp_layout,
     trunk.Trunk(_rope, trunk.prenorm(mla, ms.ffn), mtp_block=trunk.nextn_block),
+    archs=("deepseek2",),  # the GGUF arches this graph runs (graph_for finds it by them)
 )

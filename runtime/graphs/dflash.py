@@ -216,6 +216,7 @@ def lattice(w, hp: HParams, logits: torch.Tensor, y: torch.Tensor, anchor: int):
 GRAPH = draft_head.graph(
     "dflash", "dflash", "a DFlash file is a drafter: run it with --spec dflash next to its target",
     HParams=HParams,
+    archs=("dflash",),  # the GGUF arches this graph runs (graph_for finds it by them)
     mtp_tensors=mtp_tensors,
     optional_mtp_tensors=no_tensors,
     keep_float32=keep_float32,

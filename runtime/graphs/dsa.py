@@ -159,4 +159,5 @@ def _rope(w, hp: HParams, batch: Batch):
 GRAPH = trunk.graph(
     "dsa", HParams, _tensors, _layouts.main_layout, _layouts.mtp_layout,
     trunk.Trunk(_rope, _block, mtp_block=trunk.nextn_block),
+    archs=("glm-dsa", "deepseek32"),  # the GGUF arches this graph runs (graph_for finds it by them)
 )

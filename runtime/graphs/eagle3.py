@@ -147,6 +147,7 @@ def to_target_vocab(draft_logits: torch.Tensor, d2t: torch.Tensor | None, vocab_
 GRAPH = draft_head.graph(
     "eagle3", "eagle3", "an EAGLE-3 head has no main graph; run it as ENCODER + MTP next to its target",
     HParams=HParams,
+    archs=("eagle3",),  # the GGUF arches this graph runs (graph_for finds it by them)
     mtp_tensors=mtp_tensors,
     optional_mtp_tensors=optional_mtp_tensors,
     keep_float32=keep_float32,

@@ -251,6 +251,8 @@ def forward_mtp(*args, **kwargs):
 
 GRAPH = Graph(
     name="gemma4",
+    archs=("gemma4",),  # the GGUF arches this graph runs (graph_for finds it by them)
+    PER_LAYER_KEYS=("attention.head_count_kv", "feed_forward_length"),  # per-layer lists (llama.cpp get_key_or_arr)
     tensors=_tensors,
     CAPTURABLE=True,
     HParams=Gemma4HParams,

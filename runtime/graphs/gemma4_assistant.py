@@ -100,6 +100,8 @@ def forward_mtp(w, hp, tokens: torch.Tensor, h: torch.Tensor, batch: Batch, kv_f
 GRAPH = draft_head.graph(
     "gemma4_assistant", "assistant", "a Gemma 4 assistant has no main graph; use it as --draft next to its target",
     HParams=Gemma4AssistantHParams,
+    archs=("gemma4-assistant",),  # the GGUF arches this graph runs (graph_for finds it by them)
+    PER_LAYER_KEYS=("attention.head_count_kv", "feed_forward_length"),  # per-layer lists (llama.cpp get_key_or_arr)
     mtp_tensors=mtp_tensors,
     optional_mtp_tensors=optional_mtp_tensors,
     keep_float32=keep_float32,

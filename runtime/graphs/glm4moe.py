@@ -4,18 +4,23 @@ MAIN: GQA attention with optional q/k/v biases and per-head q/k RMSNorms (before
 on the first `rope.dimension_count` dims of each head, scale hd^-1/2; then a dense SwiGLU for the
 leading dense blocks and the sigmoid, group-limited MoE with shared experts for the rest.
 MTP: the nextn block (block n_layer, always MoE) on eh_proj·[enorm(E[x]); hnorm(h)], its own KV.
+Rope (trunk and MTP block) follows the file's YaRN rope.scaling.* as transformers' Glm4Moe does
+(docs/reference/model-math.md §1.3); a scaling it cannot run is refused at load.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specconv.archs.errors import SpecconvError
 from specconv.archs.glm4moe import GLM4MOE_TABLE, Glm4MoeHParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
-from specconv.runtime.graphs.ops import acc, cached_attention, linear, rms_norm, rope_cos_sin, rope_neox_partial
+from specconv.runtime.graphs.ops import (
+    acc, cached_attention, check_rope_scaling, linear, rms_norm, rope_cos_sin_scaled, rope_neox_partial,
+)
 from specconv.runtime.memory import Batch, MemoryLayout
 
 HParams = Glm4MoeHParams  # from GGUF metadata by from_kv (archs/glm4moe.py)
@@ -61,23 +66,35 @@ def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch
     return h + ms.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.rms_norm_eps))
 
 
+def rope_for(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
+    return rope_cos_sin_scaled(positions, hp.rotary_dim, hp.rope_theta, hp.rope_scaling, dtype)
+
+
+def check_hparams(hp: HParams, kv) -> None:
+    kind = kv.get(f"{hp.arch}.rope.scaling.type", "none")
+    if kind != "none" and hp.rope_scaling is None:  # a type the hparams do not read (archs/nextn_moe_hparams.py)
+        raise SpecconvError(f"{hp.arch}.rope.scaling.type {kind!r} is not supported by the runtime (none and yarn are)")
+    check_rope_scaling(hp.arch, hp.rope_scaling, hp.rope_theta)
+
+
 def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
                  want_logits: torch.Tensor | None):
     """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
     return forward_trunk(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, want_layers, want_logits,
-                         lambda dtype: rope_cos_sin(batch.positions, hp.rotary_dim, hp.rope_theta, dtype),
+                         lambda dtype: rope_for(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 
 
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
     """Returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
     return forward_nextn(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, hidden_in,
-                         lambda dtype: rope_cos_sin(batch.positions, hp.rotary_dim, hp.rope_theta, dtype),
+                         lambda dtype: rope_for(hp, batch.positions, dtype),
                          lambda i, h, rope: _block(w, hp, i, h, batch, rope))
 
 
 GRAPH = Graph(
     name="glm4moe",
+    archs=("glm4moe",),  # the GGUF arches this graph runs (graph_for finds it by them)
     tensors=_tensors,
     CAPTURABLE=True,
     HParams=HParams,
@@ -86,4 +103,5 @@ GRAPH = Graph(
     forward_main=forward_main,
     forward_mtp=forward_mtp,
     MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
+    check_hparams=check_hparams,  # rope scaling it cannot run is refused at load
 )

@@ -52,6 +52,7 @@ _forwards = chained.forwards(_rope, attention, ffn)
 
 GRAPH = chained.graph(
     "hy_v3", HParams, _tensors, _layouts, _forwards, check_hparams=check_hparams,
+    archs=("hy_v3",),  # the GGUF arches this graph runs (graph_for finds it by them)
     check_values=check_values,
     CHAIN_HIDDEN="nextn",  # the post-norm block output seeds the next block (vLLM, llama.cpp)
 )

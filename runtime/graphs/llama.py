@@ -83,5 +83,6 @@ GRAPH = trunk.graph(
     "llama", HParams, _tensors, _layouts.main_layout, _layouts.mtp_layout,
     trunk.Trunk(lambda w, hp, batch: lambda dtype: rope_for(w, hp, batch.positions, dtype),
                 trunk.prenorm(attention, ffn)),  # no MTP head
+    archs=("llama",),  # the GGUF arches this graph runs (graph_for finds it by them)
     check_hparams=check_hparams,
 )

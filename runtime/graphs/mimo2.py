@@ -108,6 +108,8 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
 
 GRAPH = chained.graph(
     "mimo2", HParams, _tensors, _layouts, _forwards, check_hparams=check_hparams,
+    archs=("mimo2",),  # the GGUF arches this graph runs (graph_for finds it by them)
+    PER_LAYER_KEYS=("attention.head_count_kv",),  # per-layer lists (llama.cpp get_key_or_arr)
     check_values=check_values, forward_mtp=forward_mtp,
     CHAIN_HIDDEN="nextn",  # post-norm (vLLM's MiMoV2MTPLayer returns final_layernorm(h))
     TARGET_HIDDEN="post_norm",

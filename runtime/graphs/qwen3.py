@@ -79,4 +79,5 @@ GRAPH = trunk.graph(
     "qwen3", HParams, _tensors, _layouts.main_layout, _layouts.mtp_layout,
     trunk.Trunk(lambda w, hp, batch: lambda dtype: rope_for(hp, batch.positions, dtype),
                 trunk.prenorm(attention, ffn)),  # no MTP head
+    archs=ARCHES,  # the GGUF arches this graph runs (graph_for finds it by them)
 )

@@ -124,5 +124,7 @@ def check_hparams(hp: Qwen35HParams, kv) -> None:
 GRAPH = trunk.graph(
     "qwen35", Qwen35HParams, _tensors, main_layout, mtp_layout,
     trunk.Trunk(rope, block_with(gated_deltanet), mtp_block=trunk.nextn_block),
+    archs=ARCHES,  # the GGUF arches this graph runs (graph_for finds it by them)
+    PER_LAYER_KEYS=("attention.head_count_kv", "feed_forward_length"),  # per-layer lists (llama.cpp get_key_or_arr)
     check_hparams=check_hparams,  # rope scaling it cannot run is refused at load
 )

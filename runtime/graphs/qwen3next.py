@@ -57,4 +57,5 @@ def gated_deltanet(w, hp: Qwen3NextHParams, i: int, a: torch.Tensor, batch: Batc
 GRAPH = trunk.graph(
     "qwen3next", Qwen3NextHParams, _tensors, q35.main_layout, q35.mtp_layout,
     trunk.Trunk(q35.rope, q35.block_with(gated_deltanet), mtp_block=trunk.nextn_block),
+    archs=("qwen3next",),  # the GGUF arches this graph runs (graph_for finds it by them)
 )

@@ -87,6 +87,8 @@ _forwards = chained.forwards(_rope, attention, ffn)
 
 GRAPH = chained.graph(
     "step35", HParams, _tensors, _layouts, _forwards, check_hparams=check_hparams,
+    archs=("step35",),  # the GGUF arches this graph runs (graph_for finds it by them)
+    PER_LAYER_KEYS=("attention.head_count", "attention.head_count_kv", "swiglu_clamp_exp", "swiglu_clamp_shexp"),
     check_values=check_values,
     CHAIN_HIDDEN="pre_norm",  # a block passes its output before shared_head_norm (vLLM, llama.cpp)
     TARGET_HIDDEN="pre_norm",  # the target's hidden state before output_norm (llama.cpp's step35 h_nextn)

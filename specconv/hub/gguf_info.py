@@ -11,6 +11,7 @@ from pathlib import Path
 
 import gguf
 
+from specconv.archs import plugin_classes_writing
 from specconv.errors import SpecconvError
 from specconv.hub.gguf_header import read_header
 from specconv.hub.naming import SHARD_RE, Role, file_type_tag, tensor_type_tag
@@ -52,7 +53,7 @@ def detect_role(arch: str, kv: dict[str, object], tensor_names: set[str]) -> Rol
         return Role.EAGLE3
     if arch == "dflash":
         return Role.DFLASH
-    if arch == "gemma4-assistant":
+    if any(p.standalone_drafter for p in plugin_classes_writing(arch)):  # the Gemma 4 assistant
         return Role.ASSISTANT
     nextn = kv.get(f"{arch}.nextn_predict_layers")
     if not nextn:

@@ -1,6 +1,7 @@
 """Parity with transformers on the checkpoint folder that was converted (`--hf`).
 
-The trunk: our runtime's logits for every prompt position vs `Qwen3_5(Moe)ForCausalLM` (float32).
+The trunk: our runtime's logits for every prompt position vs the transformers class the family's
+plugin declares for the checkpoint (`ArchPlugin.hf_reference`, e.g. `Qwen3_5ForCausalLM`; float32).
 Release layouts (`...ForConditionalGeneration` configs with `text_config`, `model.language_model.*`
 names) load into the CausalLM class through transformers' own key mapping; a load report with
 missing or mismatched keys fails the check instead of comparing against random weights.
@@ -31,6 +32,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from torch.overrides import TorchFunctionMode
 
+from specconv.archs import plugin_class_for
 from specconv.errors import SpecconvError
 from specconv.runtime import Context, GraphType
 from specconv.runtime.model import Model
@@ -52,27 +54,21 @@ DEFAULT_REL_RMS_TOLERANCE = 0.7
 # relative RMS 0.02 on the tiny Llama, 0.058 (bf16) / 0.062 (f16) on the tiny random Qwen3.5; two swapped
 # trunk tensors give 1.3.
 COMPUTE_REL_RMS_TOLERANCE = {torch.float16: 0.1, torch.bfloat16: 0.1}
-HF_CLASSES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
-              "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
-              "gemma4": "Gemma4ForCausalLM", "llama": "LlamaForCausalLM",
-              "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-              "qwen3next": "Qwen3NextForCausalLM",
-              "hy_v3": "HYV3ForCausalLM",
-              "glm-dsa": "GlmMoeDsaForCausalLM", "deepseek32": "DeepseekV32ForCausalLM"}
 
 
-def _class_name(hf_dir: Path, arch: str) -> str:
-    """Gemma 4 releases must load into the conditional-generation class: Gemma4ForCausalLM would
-    silently random-initialise them (docs/reference/peers.md §2.5)."""
-    if arch == "gemma4":
-        archs = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
-        if "Gemma4ForConditionalGeneration" in archs:
-            return "Gemma4ForConditionalGeneration"
-    if arch == "deepseek2":  # GLM-4.7-Flash is written as deepseek2 too
-        archs = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
-        if "Glm4MoeLiteForCausalLM" in archs:
-            return "Glm4MoeLiteForCausalLM"
-    return HF_CLASSES[arch]
+def reference_class_name(hf_dir: Path, arch: str) -> str:
+    """The transformers class the checkpoint in `hf_dir` loads into: what its family's plugin declares
+    for its config.json `architectures` (ArchPlugin.hf_reference); a SpecconvError when it declares
+    none, or when the folder converts to another GGUF arch than `arch`."""
+    config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    plugin = plugin_class_for(config)
+    if plugin.gguf_arch != arch:
+        raise SpecconvError(f"--hf {hf_dir}: a {plugin.gguf_arch} checkpoint, not the {arch} the GGUF file holds")
+    for hf_arch in config.get("architectures") or []:
+        if hf_arch in plugin.hf_reference:
+            return plugin.hf_reference[hf_arch]
+    raise SpecconvError(f"--hf: no transformers reference for GGUF arch {arch!r} "
+                        f"({', '.join(config.get('architectures') or [])}: family {plugin.family})")
 
 
 def criterion(*models: Model) -> tuple[str, float]:
@@ -198,14 +194,13 @@ def load_reference(hf_dir: Path, arch: str, dtype: torch.dtype = torch.float32, 
         if dtype == torch.float64:
             round_as_stored_(model)
         return model, bad
-    if arch not in HF_CLASSES:
-        raise SpecconvError(f"--hf: no transformers reference for GGUF arch {arch!r} (known: {', '.join(HF_CLASSES)})")
     if not (hf_dir / "config.json").is_file():
         raise SpecconvError(f"--hf {hf_dir}: no config.json")
+    name = reference_class_name(hf_dir, arch)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    cls = getattr(transformers, _class_name(hf_dir, arch))
+    cls = getattr(transformers, name)
     placement = {"device_map": "auto"}
     if offload_folder is not None:
         placement["offload_folder"] = str(offload_folder)
@@ -236,8 +231,9 @@ def load_mtp_reference(main, n_mtp: int):
     main.config.mtp_layer_types = ["full_attention"] * n_mtp
     if getattr(main.config, "mlp_layer_types", None) is not None:  # GLM-4.7-Flash: the nextn layer is MoE
         main.config.mtp_mlp_layer_types = ["sparse"] * n_mtp
-    if main.config.model_type in ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32"):
-        # their nextn layers are model.layers.{N..}; the class regexes name the release's N (61, 92, 46)
+    checkpoint = json.loads((Path(main.config.name_or_path) / "config.json").read_text(encoding="utf-8"))
+    if plugin_class_for(checkpoint).mtp_as_trunk_layers:  # the release's config.json, not the text config
+        # nextn layers at model.layers.{N..}; the class regexes name the release's N (61, 92, 46)
         n = main.config.num_hidden_layers
         main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n + j}\..*" for j in range(n_mtp)]
     mtp = MtpModel.from_pretrained(main).eval()

@@ -27,6 +27,7 @@ from specconv.runtime.drafters import DraftModelDrafter, Eagle3Drafter, Gemma4As
 from specconv.runtime.drafters.draft_model import check_same_vocabulary
 from specconv.runtime.drafters.eagle3 import check_head_fits_target
 from specconv.runtime.drafters.mtp import block_of_position as mtp_block_of_position
+from specconv.runtime.graphs import kind_of
 from specconv.runtime.spec_stats import expected_tokens, per_block
 from specconv.verify import roundtrip, structure
 from specconv.verify.hf_checks import run_hf_checks
@@ -111,7 +112,7 @@ def run_verify(opts: VerifyOptions, progress: Progress | None = None) -> Report:
         raise SpecconvError("--repeats must be ≥ 2: the spread of the repeats is the speed-up's noise")
     if opts.draft_hf and not (opts.hf and opts.draft):
         raise SpecconvError("--draft-hf (the EAGLE-3 head's checkpoint) needs --draft HEAD.gguf and --hf TARGET_DIR")
-    if opts.draft_hf and _gguf_arch(opts.draft) not in ("eagle3", "dflash", None):
+    if opts.draft_hf and _gguf_arch(opts.draft) is not None and _draft_kind(opts.draft) not in ("eagle3", "dflash"):
         raise SpecconvError(f"--draft-hf is for an EAGLE-3 head or a DFlash drafter; {Path(opts.draft).name} is "
                             f"{_gguf_arch(opts.draft)}")
     report = Report(model=str(opts.model))
@@ -147,11 +148,11 @@ def run_verify(opts: VerifyOptions, progress: Progress | None = None) -> Report:
     elif GraphType.MTP in target.serves:
         head = target
     eagle_head = assistant = dflash = None
-    if opts.draft and _gguf_arch(opts.draft) == "eagle3":
+    if opts.draft and _draft_kind(opts.draft) == "eagle3":
         eagle_head = _eagle3_head(report, target, opts)
-    elif opts.draft and _gguf_arch(opts.draft) == "dflash":
+    elif opts.draft and _draft_kind(opts.draft) == "dflash":
         dflash = _dflash(report, target, opts)
-    elif opts.draft and _gguf_arch(opts.draft) == "gemma4-assistant":
+    elif opts.draft and _draft_kind(opts.draft) == "assistant":
         assistant = _assistant(report, target, opts)
     elif opts.draft:
         draft_model = _load(report, "draft", opts.draft, opts.device, dtype=target.dtype, offload=target.offload)
@@ -173,7 +174,7 @@ def run_verify(opts: VerifyOptions, progress: Progress | None = None) -> Report:
                           opts.hf_max_memory, dflash=dflash)
         progress.step()
         if opts.draft_hf and eagle_head is None and dflash is None:
-            report.add("parity: EAGLE-3 head vs its checkpoint" if _gguf_arch(opts.draft) != "dflash" else
+            report.add("parity: EAGLE-3 head vs its checkpoint" if _draft_kind(opts.draft) != "dflash" else
                        "parity: DFlash drafter vs its checkpoint", False,
                        "not run: the draft did not load or does not fit the model (see above)")
     _speculative(report, target, head, draft_model, prompts, opts, progress, eagle_head, assistant, dflash)
@@ -187,6 +188,12 @@ def _gguf_arch(path) -> str | None:
         return GGUFModelFile([Path(path)]).arch
     except Exception:  # unreadable: _load reports it
         return None
+
+
+def _draft_kind(path) -> str | None:
+    """The drafter kind of a --draft file (Graph.KIND: "eagle3", "dflash", "assistant"), None for a model."""
+    arch = _gguf_arch(path)
+    return kind_of(arch) if arch is not None else None
 
 
 def _eagle3_head(report: Report, target, opts: VerifyOptions):
@@ -294,7 +301,7 @@ def _speculative(report: Report, target, head, draft_model, prompts, opts: Verif
     if eagle_head is not None:
         drafters["eagle3"] = lambda kk: Eagle3Drafter(eagle_head, target, n_ctx)
     if assistant is not None:
-        drafters["gemma4-assistant"] = lambda kk: Gemma4AssistantDrafter(assistant, target)
+        drafters[Gemma4AssistantDrafter.name] = lambda kk: Gemma4AssistantDrafter(assistant, target)
     if dflash is not None:
         from specconv.runtime.drafters.dflash import DFlashDrafter
 

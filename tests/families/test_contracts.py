@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
+import types
 from pathlib import Path
 
 import pytest
@@ -112,17 +114,15 @@ def test_every_registered_plugin_is_a_complete_arch_plugin():
         assert issubclass(cls, ArchPlugin)
         check_plugin(cls)  # raises on a missing hook
         assert not cls.__abstractmethods__
-        assert cls.family and cls.hf_architectures
+        assert cls.family and cls.hf_architectures and cls.gguf_arch
+        assert set(cls.hf_reference) <= set(cls.hf_architectures)  # a reference for a checkpoint it converts
     print(f"\n{len(classes)} plugin classes for {len(archs)} architectures satisfy ArchPlugin")
 
 
 class _Incomplete(ArchPlugin):  # gguf_arch and tensor_plan written; metadata, vocab_size and layer counts not
     hf_architectures = ("IncompleteForCausalLM",)
+    gguf_arch = "incomplete"
     family = "incomplete"
-
-    @property
-    def gguf_arch(self) -> str:
-        return "incomplete"
 
     def tensor_plan(self):
         return []
@@ -144,8 +144,9 @@ def test_an_incomplete_plugin_is_refused_at_registration_with_its_missing_hooks_
 def test_a_plugin_without_identity_or_base_is_refused():
     class Nameless(_Incomplete):
         hf_architectures = ()
+        gguf_arch = ""
         family = ""
-    with pytest.raises(SpecconvError, match="family, hf_architectures"):
+    with pytest.raises(SpecconvError, match="family, gguf_arch, hf_architectures"):
         check_plugin(Nameless)
     with pytest.raises(SpecconvError, match="does not subclass ArchPlugin"):
         check_plugin(object)
@@ -153,7 +154,7 @@ def test_a_plugin_without_identity_or_base_is_refused():
 
 def test_plugin_defaults_are_declared_on_the_base():
     for hook in ("uses_target", "standalone_drafter", "missing_mtp", "notices", "tokenizer_dir", "refine",
-                 "normalize_name", "tokenizer_model", "tokenizer_pre", "special_tokens"):
+                 "normalize_name", "tokenizer_model", "tokenizer_pre", "special_tokens", "hf_reference"):
         assert hook in vars(ArchPlugin), hook
     assert _Incomplete.refine({}) is _Incomplete  # the default hands over to no other class
 
@@ -162,22 +163,29 @@ def test_plugin_defaults_are_declared_on_the_base():
 
 def test_every_graph_declares_a_complete_graph():
     declared = {}
-    for arch in graphs.GRAPHS:
+    for arch in graphs.supported_archs():
         graph = graphs.graph_for(arch)
         assert isinstance(graph, Graph)
         assert not required_fields(graph)
-        assert graph.name == graphs.GRAPHS[arch]
+        assert arch in graph.archs  # found by its own declaration
+        assert graph.name == graphs.graph_module(arch).__name__.rsplit(".", 1)[-1]
         declared[graph.name] = graph
-    # every graph module in the folder is registered (helpers declare no GRAPH)
+    # every graph module in the folder is found (helpers declare no GRAPH)
     for path in sorted((ROOT / "runtime/graphs").glob("*.py")):
         if "\nGRAPH = " in path.read_text():  # Graph(...) or a shared maker (chained.graph)
-            assert path.stem in declared, f"{path.name} declares a GRAPH but no GGUF arch maps to it"
-    print(f"\n{len(declared)} graphs declare Graph for {len(graphs.GRAPHS)} GGUF arches")
+            assert path.stem in declared, f"{path.name} declares a GRAPH but graph_for does not find it"
+    print(f"\n{len(declared)} graphs declare Graph for {len(graphs.supported_archs())} GGUF arches")
+
+
+def test_an_unknown_arch_names_the_supported_ones():
+    with pytest.raises(SpecconvError, match="no graph for GGUF arch 'toy-arch'") as err:
+        graphs.graph_for("toy-arch")
+    assert all(arch in str(err.value) for arch in ("llama", "qwen35moe", "glm-dsa"))
 
 
 def _minimal(**over) -> dict:
     fields = {name: no_tensors for name in required_fields()}
-    fields.update(name="toy", HParams=graphs.graph_for("llama").HParams)
+    fields.update(name="toy", archs=("toy-arch",), HParams=graphs.graph_for("llama").HParams)
     fields.update(over)
     return fields
 
@@ -200,6 +208,8 @@ def test_an_incomplete_graph_is_refused_where_it_is_declared():
     ({"forward_encoder": no_tensors}, "ENCODER"),
     ({"main_tensors": ("token_embd.weight",)}, "callable"),
     ({"HParams": dict}, "from_kv"),
+    ({"archs": ()}, "archs"),
+    ({"archs": "llama"}, "archs"),
 ])
 def test_a_graph_with_a_bad_capability_is_refused(over, message):
     with pytest.raises(SpecconvError, match=message):
@@ -213,10 +223,33 @@ def test_the_allowed_capability_values_are_the_runtime_s():
     assert set(contract.MTP_ROW_LAYOUTS) == set(mtp_chain.LAYOUTS)  # each a layout the MTP drafter runs
 
 
-def test_a_module_without_a_graph_declaration_is_refused(monkeypatch):
-    monkeypatch.setitem(graphs.GRAPHS, "toy-arch", "ops")  # a helper module: no GRAPH
+def test_a_module_without_a_graph_declaration_is_refused():
+    from specconv.runtime.graphs import ops  # a helper module: no GRAPH
+
     with pytest.raises(SpecconvError, match="declares no GRAPH"):
+        graphs.register_module(ops)
+
+
+def test_a_graph_module_outside_the_package_is_found_once_registered():
+    toy = types.ModuleType("toy_graph")
+    toy.GRAPH = Graph(**_minimal())
+    with pytest.raises(SpecconvError, match="no graph for GGUF arch 'toy-arch'"):
         graphs.graph_for("toy-arch")
+    assert graphs.register_module(toy) is toy.GRAPH
+    try:
+        assert graphs.graph_for("toy-arch") is toy.GRAPH and "toy-arch" in graphs.supported_archs()
+        assert graphs.graph_for("llama").name == "llama"  # the package's graphs are still found
+    finally:
+        graphs.unregister_module(toy)
+    assert "toy-arch" not in graphs.supported_archs()
+
+
+def test_an_arch_declared_by_two_graphs_is_refused():
+    twin = types.ModuleType("twin_graph")
+    twin.GRAPH = Graph(**_minimal(archs=("toy-arch", "llama")))  # llama is runtime/graphs/llama.py's
+    with pytest.raises(SpecconvError, match="'llama' is declared by two graphs"):
+        graphs.register_module(twin)
+    assert "toy-arch" not in graphs.supported_archs()  # refused whole
 
 
 def _graph_reads(tree: ast.AST) -> list[tuple[int, str]]:
@@ -260,3 +293,59 @@ def test_the_runtime_reads_only_declared_graph_fields():
     print(f"\n{reads} reads of a model's graph, all of declared fields" if not undeclared else "")
     assert reads >= 10, "the scan found too few graph reads: did Model.graph move?"
     assert not undeclared, "\n".join(undeclared)
+
+
+# ---- transformers reference classes (ArchPlugin.hf_reference, specconv/verify/parity.py) ------------------
+
+def test_every_declared_reference_is_a_transformers_class():
+    import transformers
+
+    supported_architectures()
+    declared = {(cls.__name__, hf, ref) for cls in _REGISTRY.values() for hf, ref in cls.hf_reference.items()}
+    for plugin, hf, ref in sorted(declared):
+        assert isinstance(getattr(transformers, ref), type), f"{plugin}: {hf} -> {ref}"
+    print(f"\n{len(declared)} checkpoint architectures with a transformers reference")
+
+
+@pytest.mark.parametrize("architectures, arch, reference", [
+    (["Qwen3_5ForConditionalGeneration"], "qwen35", "Qwen3_5ForCausalLM"),  # a release: transformers' key mapping
+    (["Gemma4ForConditionalGeneration"], "gemma4", "Gemma4ForConditionalGeneration"),  # its own class
+    (["Gemma4ForCausalLM"], "gemma4", "Gemma4ForCausalLM"),
+    (["DeepseekV3ForCausalLM"], "deepseek2", "DeepseekV3ForCausalLM"),
+    (["Glm4MoeLiteForCausalLM"], "deepseek2", "Glm4MoeLiteForCausalLM"),  # GLM-4.7-Flash, written as deepseek2
+    (["LlamaForCausalLM"], "llama", "LlamaForCausalLM"),
+])
+def test_the_reference_class_follows_the_checkpoint(tmp_path, architectures, arch, reference):
+    from specconv.verify import parity
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": architectures}))
+    assert parity.reference_class_name(tmp_path, arch) == reference
+
+
+@pytest.mark.parametrize("architectures, arch, message", [
+    (["Step3p5ForCausalLM"], "step35", "no transformers reference for GGUF arch 'step35'"),
+    (["LlamaForCausalLM"], "qwen35", "a llama checkpoint, not the qwen35 the GGUF file holds"),
+])
+def test_a_checkpoint_without_a_reference_or_of_another_arch_is_refused(tmp_path, architectures, arch, message):
+    from specconv.verify import parity
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": architectures}))
+    with pytest.raises(SpecconvError, match=message):
+        parity.reference_class_name(tmp_path, arch)
+
+
+def test_the_plugins_writing_one_arch_agree_on_what_header_readers_ask():
+    """inspect and the hub read a file's header and ask the plugins that write its arch
+    (archs.plugin_classes_writing): deepseek2's two plugins must say the same."""
+    from specconv.archs import plugin_classes_writing
+
+    supported_architectures()
+    arches = {cls.gguf_arch for cls in _REGISTRY.values()}
+    for arch in sorted(arches):
+        plugins = plugin_classes_writing(arch)
+        assert plugins and all(p.gguf_arch == arch for p in plugins)
+        assert len({(p.standalone_drafter, p.llama_cpp_skips_absent_nextn) for p in plugins}) == 1, arch
+    skipping = sorted(a for a in arches if plugin_classes_writing(a)[0].llama_cpp_skips_absent_nextn)
+    print(f"\n{len(arches)} GGUF arches; llama.cpp runs trunk-only without nextn tensors: {skipping}")
+    assert skipping == ["deepseek2", "glm4moe"]  # llama.cpp's loaders of these two mark the nextn tensors optional
+    assert plugin_classes_writing("no-such-arch") == []

@@ -328,7 +328,7 @@ def test_worked_example_in_the_docs_is_the_qwen3_table():
     from specconv.archs.qwen3 import QWEN3_TABLE
 
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    example = doc[doc.index("#### Worked example: Qwen3"):doc.index("### A new drafter kind")]
+    example = doc[doc.index("#### A table written from scratch: Qwen3"):doc.index("### A new drafter kind")]
     table = {s.gguf: s for s in QWEN3_TABLE.specs}
     quoted = re.findall(r'TensorSpec\(("[^"]+"|names\.\w+), ("[^"]+"|None),\s*lambda s: (\([^)]*\))'
                         r'(?:, "(\w+)")?', example)
