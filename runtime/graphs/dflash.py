@@ -56,17 +56,9 @@ def serves(hp: HParams, file) -> set[GraphType]:
 TABLE = DFLASH_TABLE
 
 
-def mtp_tensors(hp: HParams) -> list[str]:
-    return TABLE.graph_names(hp, range(hp.num_hidden_layers), "mtp")
-
-
-def expected_shapes(hp: HParams) -> dict[str, tuple | list[tuple]]:
-    return TABLE.ggml_shapes(hp, range(hp.num_hidden_layers))
-
-
+_tensors = draft_head.HeadTensors(TABLE, lambda hp: range(hp.num_hidden_layers))
 OPTIONAL = tuple(TABLE.names(None, (), optional=True))  # token_embd and output: else the target's
 SELECTOR = ("selector_predecessor.weight", "selector_successor.weight", "selector_hidden.weight")  # DFlash2's
-keep_float32 = TABLE.keeps_float32
 
 
 def check_hparams(hp: HParams, kv: Mapping[str, Any]) -> None:
@@ -217,16 +209,14 @@ GRAPH = draft_head.graph(
     "dflash", "dflash", "a DFlash file is a drafter: run it with --spec dflash next to its target",
     HParams=HParams,
     archs=("dflash",),  # the GGUF arches this graph runs (graph_for finds it by them)
-    mtp_tensors=mtp_tensors,
-    optional_mtp_tensors=no_tensors,
-    keep_float32=keep_float32,
+    tensors=_tensors,
+    optional_mtp_tensors=no_tensors,  # its optional tensors are whole-model ones: OPTIONAL
     main_layout=main_layout,
     mtp_layout=mtp_layout,
     forward_mtp=forward_mtp,
     OPTIONAL=OPTIONAL,
     serves=serves,
     FROM_TARGET=draft_head.EMBEDDING_AND_HEAD,
-    expected_shapes=expected_shapes,
     check_hparams=check_hparams,
     check_values=check_values,
 )

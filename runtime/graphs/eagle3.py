@@ -44,21 +44,9 @@ def encoder_tensors(hp: HParams) -> list[str]:
     return TABLE.graph_names(hp, [0], "encoder") + ([ENC_NORM] if hp.norm_before_fc else [])
 
 
-def mtp_tensors(hp: HParams) -> list[str]:
-    return TABLE.graph_names(hp, [0], "mtp")
-
-
-def optional_mtp_tensors(hp: HParams) -> list[str]:
-    """token_embd and output (else the target's), d2t (with a draft vocabulary), rope_freqs (llama3 rope)."""
-    return TABLE.graph_names(hp, [0], "mtp", optional=True)
-
-
-def expected_shapes(hp: HParams) -> dict[str, tuple | list[tuple]]:
-    return TABLE.ggml_shapes(hp, [0])
-
-
-OPTIONAL = ()
-keep_float32 = TABLE.keeps_float32
+# the decoder block 0; optional: token_embd and output (else the target's), d2t (with a draft vocabulary),
+# rope_freqs (llama3 rope)
+_tensors = draft_head.HeadTensors(TABLE, lambda hp: [0])
 MAX_VOCAB = 1 << 24
 
 
@@ -148,17 +136,13 @@ GRAPH = draft_head.graph(
     "eagle3", "eagle3", "an EAGLE-3 head has no main graph; run it as ENCODER + MTP next to its target",
     HParams=HParams,
     archs=("eagle3",),  # the GGUF arches this graph runs (graph_for finds it by them)
-    mtp_tensors=mtp_tensors,
-    optional_mtp_tensors=optional_mtp_tensors,
-    keep_float32=keep_float32,
+    tensors=_tensors,
     mtp_layout=mtp_layout,
     forward_mtp=forward_mtp,
-    OPTIONAL=OPTIONAL,
     encoder_tensors=encoder_tensors,
     encoder_layout=encoder_layout,
     forward_encoder=forward_encoder,
     serves=lambda hp, file: {GraphType.ENCODER, GraphType.MTP},
-    expected_shapes=expected_shapes,
     check_hparams=check_hparams,
     check_values=check_values,
     INTEGER_TENSORS=(names.EAGLE3_D2T,),

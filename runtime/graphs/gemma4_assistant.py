@@ -28,21 +28,8 @@ from specconv.runtime.graphs.ops import acc, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 
 TARGET_EMBD = "target.token_embd.weight"  # the target's input embedding, taken at load time
-OPTIONAL = ()
 TABLE = ASSISTANT_TABLE  # archs/gemma4.py; every tensor read by the MTP graph
-keep_float32 = TABLE.keeps_float32
-
-
-def mtp_tensors(hp) -> list[str]:
-    return TABLE.graph_names(hp, range(hp.num_nextn_predict_layers), "mtp")
-
-
-def optional_mtp_tensors(hp) -> list[str]:
-    return TABLE.graph_names(hp, range(hp.num_nextn_predict_layers), "mtp", optional=True)
-
-
-def expected_shapes(hp) -> dict[str, tuple | list[tuple]]:
-    return TABLE.ggml_shapes(hp, range(hp.num_nextn_predict_layers))
+_tensors = draft_head.HeadTensors(TABLE, lambda hp: range(hp.num_nextn_predict_layers))
 
 
 def mtp_layout(hp) -> MemoryLayout:
@@ -102,14 +89,10 @@ GRAPH = draft_head.graph(
     HParams=Gemma4AssistantHParams,
     archs=("gemma4-assistant",),  # the GGUF arches this graph runs (graph_for finds it by them)
     PER_LAYER_KEYS=("attention.head_count_kv", "feed_forward_length"),  # per-layer lists (llama.cpp get_key_or_arr)
-    mtp_tensors=mtp_tensors,
-    optional_mtp_tensors=optional_mtp_tensors,
-    keep_float32=keep_float32,
+    tensors=_tensors,
     mtp_layout=mtp_layout,
     forward_mtp=forward_mtp,
-    OPTIONAL=OPTIONAL,
     FROM_TARGET={TARGET_EMBD: (names.TOKEN_EMBD,)},
     NEEDS_KV_FROM=True,
-    expected_shapes=expected_shapes,
     check_hparams=gemma4.check_hparams,
 )
