@@ -12,12 +12,17 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from . import transforms
+from .errors import SpecconvError
+from .hparams import FamilyHParams
+
+if TYPE_CHECKING:
+    from .tensor_table import Hook, TensorTable
 
 
 class Role(enum.Enum):
@@ -67,6 +72,15 @@ class MetaKV:
     sub_type: GGUFValueType | None = None  # element type of arrays
 
 
+@dataclass(frozen=True)
+class Block:
+    """One block as the converter walks it: GGUF index, HF name prefix, and where it goes."""
+
+    bid: int
+    prefix: str
+    role: Role
+
+
 @dataclass
 class Checkpoint:
     """The plugin's whole view of a checkpoint: its config and its tensor headers."""
@@ -88,8 +102,11 @@ class Checkpoint:
 class ArchPlugin(abc.ABC):
     """One architecture family as the converter (convert/engine.py) sees it: every hook it calls.
 
-    Subclasses set the identity class attributes and implement the abstract members; the rest have
-    defaults. `register` (archs/__init__.py) refuses a class that leaves an abstract member out.
+    Subclasses set the identity class attributes, their `table`, and `hp` in `__init__`, and
+    implement the abstract members; the rest have defaults, written for a model whose trunk blocks
+    are `model.layers.{i}` followed by its MTP blocks, with the vocabulary of its token embedding. A
+    family that differs overrides the hook that differs. `register` (archs/__init__.py) refuses a
+    class that leaves an abstract member out.
     """
 
     # --- identity (class attributes) ----------------------------------------------------------
@@ -111,6 +128,10 @@ class ArchPlugin(abc.ABC):
     # The release keeps MTP block j as `model.layers.{N+j}` (DeepSeek-V3, GLM), where transformers'
     # MtpModel reads it and the CausalLM class ignores it (specconv/verify/parity.py load_mtp_reference)
     mtp_as_trunk_layers: ClassVar[bool] = False
+
+    # --- what the plugin describes the checkpoint with -----------------------------------------
+    table: ClassVar[TensorTable]  # the family's tensors (archs/tensor_table.py)
+    hp: FamilyHParams  # the family's hyperparameters, set in __init__ from config.json
 
     # --- what a conversion reports (set by the plugin while it reads the checkpoint) ----------
     # Set when the config declares MTP layers whose weights are absent: only a trunk-only
@@ -137,18 +158,46 @@ class ArchPlugin(abc.ABC):
 
     # --- structure --------------------------------------------------------------------------
     @property
-    @abc.abstractmethod
     def n_trunk_layers(self) -> int:
         """Trunk blocks written (`block_count` of a trunk-only file)."""
+        return self.hp.num_hidden_layers
 
     @property
-    @abc.abstractmethod
     def n_mtp_layers(self) -> int:
         """MTP / nextn layers present in the checkpoint (0 when none)."""
+        return self.hp.num_nextn_predict_layers
 
-    @abc.abstractmethod
+    def sizes(self) -> FamilyHParams:
+        """The hparams the table's shapes are checked and written with."""
+        return self.hp
+
+    def block_prefix(self, bid: int) -> str:
+        """The checkpoint prefix of GGUF block `bid` (MTP blocks follow the trunk's numbering)."""
+        return f"model.layers.{bid}."
+
+    def blocks(self) -> list[Block]:
+        """The trunk blocks, then the MTP blocks, as the table plans them."""
+        n = self.n_trunk_layers
+        return [Block(i, self.block_prefix(i), Role.TRUNK if i < n else Role.MTP)
+                for i in range(n + self.n_mtp_layers)]
+
+    def hooks(self) -> dict[str, Hook]:
+        """The plugin hooks the table names (`TensorSpec.hook`): what the table cannot say."""
+        return {}
+
+    def ignored_sources(self) -> Sequence[str]:
+        """Checkpoint tensors that map to nothing in the file (transformers ignores them on load); a
+        name the checkpoint lacks is no error."""
+        return ()
+
     def tensor_plan(self) -> list[TensorPlan]:
         """Every GGUF tensor the checkpoint yields, trunk and MTP, in file order."""
+        from .plan_tools import RolePlan  # plan_tools builds on this module
+
+        plan = RolePlan(self.checkpoint.tensors)
+        self.table.plan(plan, self.sizes(), self.blocks(), self.hooks())
+        plan.used.update(name for name in self.ignored_sources() if plan.has(name))
+        return plan.finish(self.gguf_arch)
 
     @abc.abstractmethod
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
@@ -166,9 +215,17 @@ class ArchPlugin(abc.ABC):
     special_tokens: ClassVar[dict[str, str]] = {}
     tokenizer_dir: str | None = None  # the folder whose tokenizer is written; None: the checkpoint's
 
-    @abc.abstractmethod
     def vocab_size(self) -> int:
         """Rows of the token embedding (the GGUF vocabulary is padded to this)."""
+        return embedding_rows(self.checkpoint)
+
+
+def embedding_rows(checkpoint: Checkpoint) -> int:
+    """The vocabulary size as the checkpoint's token embedding has it."""
+    info = checkpoint.tensors.get("model.embed_tokens.weight")
+    if info is None:
+        raise SpecconvError("checkpoint lacks tensor model.embed_tokens.weight")
+    return int(info.shape[0])
 
 
 def plans_in_checkpoint_order(plans: list[TensorPlan], tensors: Mapping[str, SourceTensor]) -> list[TensorPlan]:

@@ -17,11 +17,11 @@ from typing import Any, Callable, ClassVar, Sequence
 
 
 from . import names
-from .base import ArchPlugin, Role, TensorPlan
+from .base import ArchPlugin, Checkpoint
 from .errors import SpecconvError
 from .hparams import FamilyHParams, HParamsReader
-from .plan_tools import RolePlan, add_output_head, embedding_rows
-from .tensor_table import AttentionWidths, Block, Hook, TensorSpec, TensorTable
+from .plan_tools import output_head
+from .tensor_table import AttentionWidths, Hook, TensorSpec, TensorTable, expert_specs, swiglu_specs
 
 
 def check_stated_count(stated: Any, k: int, where: str) -> None:
@@ -67,19 +67,11 @@ class ChainedHParams(AttentionWidths, FamilyHParams):
         return None
 
 
-def block_counts(r: HParamsReader) -> tuple[int, int]:
-    """(trunk blocks, MTP blocks): block_count counts both."""
-    total, num_nextn_predict_layers = r.key("block_count", type=int), r.key("nextn_predict_layers", 0, int)
-    if num_nextn_predict_layers > total:
-        raise SpecconvError(f"{r.arch}.nextn_predict_layers ({num_nextn_predict_layers}) exceeds block_count ({total})")
-    return total - num_nextn_predict_layers, num_nextn_predict_layers
-
-
 def kv_fields(r: HParamsReader) -> dict[str, Any]:
     """The ChainedHParams fields a GGUF file states, read the same way for every chained family (each
     family's from_kv reads its own keys first). The expert count is the family's: where it is 0 the
     shapes bind each block's to its router."""
-    num_hidden_layers, num_nextn_predict_layers = block_counts(r)
+    num_hidden_layers, num_nextn_predict_layers = r.block_counts()
     gating = r.key("expert_gating_func", names.EXPERT_GATING_SIGMOID, int)
     if gating not in (names.EXPERT_GATING_SOFTMAX, names.EXPERT_GATING_SIGMOID):
         raise SpecconvError(f"{r.arch}.expert_gating_func is {gating}; supported: softmax (1), sigmoid (2)")
@@ -127,28 +119,15 @@ def routed_specs(router: str, bias: str, bias_hf: str, experts_hf: str | None = 
     """A routed block's tensors: router (F32), selection bias (F32), experts (from `experts_hf`
     `{gate,up,down}_proj.weight` 3-D, else the plugin's `experts` hook) and the shared expert. All
     optional: the graph runs a block's dense or routed FFN, whichever the file holds."""
-    def experts(part: str, shape) -> TensorSpec:
-        hf = f"{experts_hf}{part}_proj.weight" if experts_hf else None
-        return TensorSpec(f"blk.{{bid}}.ffn_{part}_exps.weight", hf, shape, "moe", optional=True,
-                          hook=None if experts_hf else "experts")
     specs = (
         TensorSpec("blk.{bid}.ffn_gate_inp.weight", router, lambda s: (s.num_experts, s.hidden_size), "moe",
                    optional=True, f32=True, hf_shape=router_shapes, transform=router_transform),
         TensorSpec(f"blk.{{bid}}.{bias}", bias_hf, lambda s: (s.num_experts,), "moe", optional=True, f32=True),
-        experts("gate", lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size)),
-        experts("up", lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size)),
-        experts("down", lambda s: (s.num_experts, s.hidden_size, s.moe_intermediate_size)),
+        *expert_specs(experts_hf, optional=True),
     )
     if shared_hf is None:
         return specs
-    def shared(part: str, shape) -> TensorSpec:
-        return TensorSpec(f"blk.{{bid}}.ffn_{part}_shexp.weight", f"{shared_hf}{part}_proj.weight", shape, "moe",
-                          optional=True)
-    return specs + (
-        shared("gate", lambda s: (s.shared_expert_intermediate_size, s.hidden_size)),
-        shared("up", lambda s: (s.shared_expert_intermediate_size, s.hidden_size)),
-        shared("down", lambda s: (s.hidden_size, s.shared_expert_intermediate_size)),
-    )
+    return specs + swiglu_specs(shared_hf, "moe", lambda s: s.shared_expert_intermediate_size, "_shexp", optional=True)
 
 
 def head_copies(on_file: bool = False) -> tuple[TensorSpec, ...]:
@@ -178,51 +157,28 @@ def chained_table(norm: NormSpec, *, head: Sequence[TensorSpec], attention: Sequ
         norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
         *attention,
         *ffn_norm,
-        TensorSpec("blk.{bid}.ffn_gate.weight", "{p}mlp.gate_proj.weight", lambda s: (s.intermediate_size, s.hidden_size),
-                   "dense", optional=True),
-        TensorSpec("blk.{bid}.ffn_up.weight", "{p}mlp.up_proj.weight", lambda s: (s.intermediate_size, s.hidden_size),
-                   "dense", optional=True),
-        TensorSpec("blk.{bid}.ffn_down.weight", "{p}mlp.down_proj.weight", lambda s: (s.hidden_size, s.intermediate_size),
-                   "dense", optional=True),
+        *swiglu_specs("{p}mlp.", "dense", optional=True),
         *routed,
     ), block_tags, block_sizes=block_sizes)
 
 
 class ChainedMtpPlugin(ArchPlugin):
-    """Sets `hp` in __init__ (its family's ChainedHParams, from config.json and the checkpoint's
-    tensor names); declares its `table` and `hooks()`."""
+    """Builds `hp` (its family's `HParams`, from config.json and the checkpoint's tensor names);
+    a family declares its `HParams`, its `table` and its `hooks()`."""
 
+    HParams: ClassVar[type[ChainedHParams]]
     hp: ChainedHParams
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.num_hidden_layers
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__(checkpoint)
+        self.hp = self.HParams.from_config(checkpoint)
+        # a stated MTP count without its weights converts trunk-only, never dropping the head silently
+        self.missing_mtp = self.hp.missing_mtp(self.mtp_source())
 
-    @property
-    def n_mtp_layers(self) -> int:
-        return self.hp.num_nextn_predict_layers
-
-    def vocab_size(self) -> int:
-        return embedding_rows(self.checkpoint)
-
-    # ------------------------------------------------------------------ tensors
-
-    table: ClassVar[TensorTable]
+    def mtp_source(self) -> str:
+        """The checkpoint tensors that hold the MTP blocks (named when config.json states blocks it lacks)."""
+        return f"model.layers.{self.hp.num_hidden_layers}.*"
 
     def hooks(self) -> dict[str, Hook]:
-        """The family's hooks besides the output head (routed experts, tensors only some checkpoints have)."""
-        return {}
-
-    def tensor_plan(self) -> list[TensorPlan]:
-        plan = RolePlan(self.checkpoint.tensors)
-        n = self.n_trunk_layers
-        blocks = [Block(i, self._prefix(i), Role.TRUNK if i < n else Role.MTP) for i in range(n + self.n_mtp_layers)]
-        self.table.plan(plan, self.hp, blocks, {"output_head": self._output_head, **self.hooks()})
-        return plan.finish(self.gguf_arch)
-
-    def _output_head(self, plan: RolePlan, s: ChainedHParams, bid: None, p: str, role: Role) -> None:
-        add_output_head(plan, s.tie_word_embeddings, s.vocab_dim, s.hidden_size)
-
-    def _prefix(self, i: int) -> str:
-        """The checkpoint prefix of GGUF block i (MTP blocks follow the trunk's numbering by default)."""
-        return f"model.layers.{i}."
+        """The output head; a family adds its own (routed experts, tensors only some checkpoints have)."""
+        return {"output_head": output_head}

@@ -171,6 +171,18 @@ class ConfigReader:
             return read(where, value)
         return [None if v is None else read(f"{where}[{i}]", v) for i, v in enumerate(value)]
 
+    # ------------------------------------------------------------------ what several families read alike
+
+    def attention_heads(self) -> tuple[int, int, int]:
+        """(num_attention_heads, num_key_value_heads, head_dim) with transformers' defaults (every head a
+        KV head; head_dim = hidden_size / heads), checked: the KV heads divide the heads."""
+        heads = self.integer("num_attention_heads", min=1)
+        kv_heads = self.integer("num_key_value_heads", default=heads, min=1)
+        head_dim = self.integer("head_dim", default=None, min=1) or self.integer("hidden_size", min=1) // heads
+        if heads % kv_heads:
+            raise self.error("num_attention_heads", f"({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
+        return heads, kv_heads, head_dim
+
     # ------------------------------------------------------------------ objects
 
     def section(self, key: str) -> ConfigReader:

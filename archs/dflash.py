@@ -23,22 +23,19 @@ from typing import ClassVar
 from gguf import GGUFValueType, Keys
 
 from . import names, register
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .base import ArchPlugin, Checkpoint, MetaKV, Role
 from .config_reader import ConfigReader
 from .dflash_hparams import DFlashHParams, target_layers_of
 from .errors import SpecconvError
 from .metadata import MetadataWriter
-from .plan_tools import RolePlan, target_tokenizer_pre
-from .tensor_table import Block, TensorSpec, TensorTable, read_by
+from .plan_tools import RolePlan, own_embedding, target_tokenizer_pre
+from .qwen3 import QWEN3_ATTENTION
+from .tensor_table import Hook, TensorSpec, TensorTable, read_by, swiglu_specs
 
 
 
 def _tags(s: DFlashHParams, bid: int | None = None) -> frozenset[str]:
     return frozenset({"v2"} if s.v2 else ())
-
-
-def _norm(gguf: str, hf: str, dim=lambda s: (s.hidden_size,), **kw) -> TensorSpec:
-    return TensorSpec(gguf, hf, dim, f32=True, **kw)  # plain RMSNorm weights, kept F32
 
 
 def _own(gguf: str, hf: str, shape, on: str = "", f32: bool = False) -> TensorSpec:
@@ -55,7 +52,6 @@ def _conv(side: str, hf: str) -> tuple[TensorSpec, ...]:
                        lambda s: (s.conv_proj, s.hidden_size), "v2", graph="mtp"))
 
 
-_ATTN, _MLP = "{p}self_attn.", "{p}mlp."
 _SEL = "candidate_selector."
 # A trunk file (Role.TRUNK) the runtime runs as a drafter (its MTP graph); embedding and head are the
 # target's unless the checkpoint has its own.
@@ -69,21 +65,7 @@ DFLASH_TABLE = TensorTable((
     _own("selector_successor.weight", _SEL + "successor_codebook", lambda s: (s.vocab_dim, s.selector_rank), "v2"),
     _own("selector_hidden.weight", _SEL + "hidden_projection.weight", lambda s: (s.selector_rank, s.hidden_size), "v2"),
     TensorSpec(names.OUTPUT, None, lambda s: (s.vocab_dim, s.hidden_size), optional=True, hook="head", role=Role.TRUNK),
-    *read_by("mtp", (
-        _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
-        TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.hidden_size)),
-        TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.hidden_size)),
-        TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.hidden_size)),
-        TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.hidden_size, s.q)),
-        _norm("blk.{bid}.attn_q_norm.weight", _ATTN + "q_norm.weight", lambda s: (s.head_dim,)),
-        _norm("blk.{bid}.attn_k_norm.weight", _ATTN + "k_norm.weight", lambda s: (s.head_dim,)),
-        _norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),
-        TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight",
-                   lambda s: (s.intermediate_size, s.hidden_size)),
-        TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.intermediate_size, s.hidden_size)),
-        TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight",
-                   lambda s: (s.hidden_size, s.intermediate_size)),
-    )),
+    *read_by("mtp", QWEN3_ATTENTION + swiglu_specs("{p}mlp.")),  # Qwen3 decoder layers
     *_conv("attn", "attention_conv"),
     *_conv("ffn", "mlp_conv"),
 ), _tags, global_tags=_tags)
@@ -121,14 +103,6 @@ class DFlash(ArchPlugin):
             return (None, "rotary inv_freq buffer (recomputed from the config)")
         return raw_name[len("model."):] if raw_name.startswith("model.") else raw_name
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.num_hidden_layers
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return 0
-
     def vocab_size(self) -> int:
         return self.hp.vocab_size  # the GGUF carries the target's vocabulary
 
@@ -136,16 +110,11 @@ class DFlash(ArchPlugin):
 
     table: ClassVar[TensorTable] = DFLASH_TABLE
 
-    def tensor_plan(self) -> list[TensorPlan]:
-        plan = RolePlan(self.checkpoint.tensors)
-        blocks = [Block(i, f"layers.{i}.", Role.TRUNK) for i in range(self.hp.num_hidden_layers)]
-        self.table.plan(plan, self.hp, blocks, {"embedding": self._embedding, "head": self._head})
-        return plan.finish(self.gguf_arch)
+    def block_prefix(self, bid: int) -> str:
+        return f"layers.{bid}."
 
-    def _embedding(self, plan: RolePlan, s: DFlashHParams, bid: None, p: str, role: Role) -> None:
-        if plan.has("embed_tokens.weight"):  # else the target's
-            shape = (s.vocab_size, s.hidden_size)
-            plan.add(names.TOKEN_EMBD, [plan.source("embed_tokens.weight", shape)], shape, role)
+    def hooks(self) -> dict[str, Hook]:
+        return {"embedding": own_embedding, "head": self._head}
 
     def _head(self, plan: RolePlan, s: DFlashHParams, bid: None, p: str, role: Role) -> None:
         if plan.has("lm_head.weight"):  # else the target's
@@ -158,16 +127,12 @@ class DFlash(ArchPlugin):
         hp, arch = self.hp, self.gguf_arch
         # llama.cpp's TextModel keys (its Qwen3Model base), then DFlashModel's own
         w = MetadataWriter(arch)
-        w.text_model(hp.num_hidden_layers, hp.max_position_embeddings or None, hp.hidden_size, hp.intermediate_size,
-                     hp.num_attention_heads, hp.num_key_value_heads)
-        # a top-level is_causal false is written here (TextModel), any other causality after the window
+        # a top-level is_causal false is written by TextModel, any other causality after the window
         early_causal = self.cfg.flag("is_causal", default=None) is False
-        if early_causal:
-            w.flag(names.causal_key(arch), False)
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-        if hp.states_head_dim:
-            w.head_sizes(hp.head_dim)
+        w.text_model(hp.num_hidden_layers, hp.max_position_embeddings or None, hp.hidden_size, hp.intermediate_size,
+                     hp.num_attention_heads, hp.num_key_value_heads, causal=False if early_causal else None,
+                     rope_theta=hp.rope_theta, rms_norm_eps=hp.rms_norm_eps,
+                     key_length=hp.head_dim if hp.states_head_dim else None)
         if hp.states_rotary_dim:
             w.u32(Keys.Rope.DIMENSION_COUNT, hp.rotary_dim)
         w.f32("{arch}.attention.value_scale", hp.attention_value_scale)

@@ -82,9 +82,7 @@ class DFlashHParams(AttentionWidths, FamilyHParams):
         v2 = "DFlash2DraftModel" in cfg.strings("architectures", default=[]) or dcfg.has("conv_kernel_size")
         target = ConfigReader(target_config, file="the target's config.json").text_model()
         hidden, layer_count = cfg.integer("hidden_size", min=1), cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
-        heads = cfg.integer("num_attention_heads", min=1)
-        n_kv = cfg.integer("num_key_value_heads", default=heads, min=1)
-        head_dim = cfg.integer("head_dim", default=hidden // heads, min=1)
+        heads, n_kv, head_dim = cfg.attention_heads()
         ffn = cfg.integer("intermediate_size", min=1)
         vocab, target_layer_count = target.integer("vocab_size", min=1), target.integer("num_hidden_layers", min=1,
                                                                                          max=MAX_LAYERS)
@@ -96,8 +94,6 @@ class DFlashHParams(AttentionWidths, FamilyHParams):
         if own_vocab is not None and own_vocab != vocab:
             raise SpecconvError(f"the DFlash drafter was trained for a vocabulary of {own_vocab} tokens, the "
                                 f"target has {vocab}: wrong --target")
-        if heads % n_kv:
-            raise SpecconvError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {n_kv}")
         if cfg.string("hidden_act", default="silu") != "silu" or cfg.flag("attention_bias", default=False):
             raise SpecconvError("this DFlash drafter uses another activation than silu or attention biases, which "
                                 "llama.cpp's dflash graph does not have")
@@ -122,8 +118,7 @@ class DFlashHParams(AttentionWidths, FamilyHParams):
     def from_kv(cls, kv: Mapping[str, Any]) -> "DFlashHParams":
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        hidden_size, heads = key("embedding_length", type=int), key("attention.head_count", type=int)
-        head_dim = key("attention.key_length", hidden_size // heads, int)
+        hidden_size, heads, head_dim = r.attention_widths()
         layers = key("target_layers", None, list)
         if not layers:
             raise SpecconvError(f"GGUF metadata lacks {arch}.target_layers (the target layers a DFlash drafter reads)")

@@ -35,8 +35,8 @@ from .errors import SpecconvError
 from .eagle3_hparams import Eagle3HParams, angelslim_default_notice, resolve_target_layers
 from .llama import BLOCK_SPECS, ROPE_FREQS_SPEC, _norm, add_rope_freqs, block_tags, llama_kv, rope_freqs_first
 from .metadata import MetadataWriter
-from .plan_tools import RolePlan, target_tokenizer_pre
-from .tensor_table import Block, TensorSpec, TensorTable, read_by
+from .plan_tools import RolePlan, own_embedding, target_tokenizer_pre
+from .tensor_table import Hook, TensorSpec, TensorTable, read_by
 
 I64 = GGMLQuantizationType.I64
 INT_DTYPES = {"I64", "I32"}
@@ -120,14 +120,6 @@ class Eagle3(ArchPlugin):
             name = "layers.0." + name[len("midlayer."):]
         return name
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return 1
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return 0
-
     def vocab_size(self) -> int:
         return self.hp.vocab_size  # the GGUF carries the target's full vocabulary
 
@@ -135,18 +127,16 @@ class Eagle3(ArchPlugin):
 
     table: ClassVar[TensorTable] = EAGLE3_TABLE
 
-    def tensor_plan(self) -> list[TensorPlan]:
-        plan = RolePlan(self.checkpoint.tensors)
-        hooks = {"embedding": self._embedding, "enc_norm": self._enc_norm, "head": self._head,
-                 "rope_freqs": self._rope_freqs}
-        self.table.plan(plan, self.hp, [Block(0, "layers.0.", Role.TRUNK)], hooks)
-        # d2t last, as llama.cpp's converter writes it (after every float tensor)
-        return sorted(rope_freqs_first(plan.finish(self.gguf_arch)), key=lambda p: p.name == names.EAGLE3_D2T)
+    def block_prefix(self, bid: int) -> str:
+        return f"layers.{bid}."  # its one decoder layer (`midlayer.` as normalize_name reads it)
 
-    def _embedding(self, plan: RolePlan, s: Eagle3HParams, bid: None, p: str, role: Role) -> None:
-        if plan.has("embed_tokens.weight"):  # else the runtime takes the target's
-            shape = (s.vocab_size, s.hidden_size)
-            plan.add(names.TOKEN_EMBD, [plan.source("embed_tokens.weight", shape)], shape, role)
+    def hooks(self) -> dict[str, Hook]:
+        return {"embedding": own_embedding, "enc_norm": self._enc_norm, "head": self._head,
+                "rope_freqs": self._rope_freqs}
+
+    def tensor_plan(self) -> list[TensorPlan]:
+        # d2t last, as llama.cpp's converter writes it (after every float tensor)
+        return sorted(rope_freqs_first(super().tensor_plan()), key=lambda p: p.name == names.EAGLE3_D2T)
 
     def _enc_norm(self, plan: RolePlan, s: Eagle3HParams, bid: None, p: str, role: Role) -> None:
         if s.norm_before_fc:

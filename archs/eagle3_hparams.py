@@ -13,7 +13,7 @@ from . import names
 from .config_reader import MAX_LAYERS, ConfigReader
 from .errors import SpecconvError
 from .hparams import HParamsReader
-from .llama import LlamaHParams, attention_shapes, llama_layer_config
+from .llama import LlamaHParams, llama_layer_config
 
 # Where a head's config names its target layers, and whether that key names layer inputs (0) or
 # layer outputs (+1 to make them inputs). Checked in this order; the first present wins.
@@ -107,7 +107,7 @@ class Eagle3HParams(LlamaHParams):
         `target_layers`: --target-layers (layer inputs), else the config's ids (resolve_target_layers)."""
         cfg = ConfigReader(config).merged("transformer_layer_config")
         target = ConfigReader(target_config, file="the target's config.json").text_model()
-        heads, n_kv, hd = attention_shapes(cfg)
+        heads, n_kv, hd = cfg.attention_heads()
         hidden_size, ffn = cfg.integer("hidden_size", min=1), cfg.integer("intermediate_size", min=1)
         vocab, target_layer_count = target.integer("vocab_size", min=1), target.integer("num_hidden_layers", min=1,
                                                                                          max=MAX_LAYERS)

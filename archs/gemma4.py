@@ -27,12 +27,12 @@ from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .base import ArchPlugin, Checkpoint, MetaKV, Role, embedding_rows
 from .errors import SpecconvError
 from .gemma4_hparams import FULL, Gemma4AssistantHParams, Gemma4HParams
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, text_model_name
-from .tensor_table import Block, TensorSpec, TensorTable, read_by
+from .tensor_table import Block, Hook, TensorSpec, TensorTable, read_by, swiglu_specs
 
 ROPE_FREQS = "rope_freqs.weight"
 _TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
@@ -41,10 +41,7 @@ _TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "
 
 def checkpoint_vocab_size(checkpoint: Checkpoint) -> int:
     """The vocabulary a file gets: the embedding's rows, trimmed to the tokenizer's real size."""
-    info = checkpoint.tensors.get("model.embed_tokens.weight")
-    if info is None:
-        raise SpecconvError("checkpoint lacks tensor model.embed_tokens.weight")
-    rows = int(info.shape[0])
+    rows = embedding_rows(checkpoint)
     real = real_vocab_size(checkpoint.source_dir)
     return min(rows, real) if real else rows
 
@@ -114,9 +111,7 @@ BLOCK_SPECS = (
     _norm("blk.{bid}.post_attention_norm.weight", "{p}post_attention_layernorm.weight"),
     _norm("blk.{bid}.ffn_norm.weight", "{p}pre_feedforward_layernorm.weight"),
     _norm("blk.{bid}.post_ffw_norm.weight", "{p}post_feedforward_layernorm.weight"),
-    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.intermediate_size, s.hidden_size)),
-    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.intermediate_size, s.hidden_size)),
-    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.hidden_size, s.intermediate_size)),
+    *swiglu_specs(_MLP),
     TensorSpec("blk.{bid}.layer_output_scale.weight", "{p}layer_scalar", lambda s: (1,), f32=True),
     TensorSpec("blk.{bid}.inp_gate.weight", "{p}per_layer_input_gate.weight",
                lambda s: (s.hidden_size_per_layer_input, s.hidden_size), "ple"),
@@ -191,17 +186,18 @@ class _Gemma4Base(ArchPlugin):
         return self.hp.vocab_size
 
     # ---- the tables' hooks -----------------------------------------------------------------
-    def tensor_plan(self) -> list[TensorPlan]:
-        plan, hp = RolePlan(self.checkpoint.tensors), self.hp
-        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(hp.n_blocks)]
-        self.table.plan(plan, hp, blocks, {"embedding": self._embedding, "rope_freqs": self._rope_freqs,
-                                           "attn_v": self._attn_v, "ple_embedding": self._ple_embedding})
-        for i in range(hp.n_blocks):
-            if not hp.owns_kv(i):  # transformers drops these on load; a checkpoint may still carry them
-                for extra in ("k_proj.weight", "v_proj.weight", "k_norm.weight"):
-                    if plan.has(f"model.layers.{i}.self_attn.{extra}"):
-                        plan.used.add(f"model.layers.{i}.self_attn.{extra}")
-        return plan.finish(self.gguf_arch)
+    def blocks(self) -> list[Block]:
+        """Every block in the one file (the assistant's draft blocks too): no trunk / MTP routing."""
+        return [Block(i, self.block_prefix(i), Role.TRUNK) for i in range(self.hp.n_blocks)]
+
+    def hooks(self) -> dict[str, Hook]:
+        return {"embedding": self._embedding, "rope_freqs": self._rope_freqs, "attn_v": self._attn_v,
+                "ple_embedding": self._ple_embedding}
+
+    def ignored_sources(self) -> list[str]:
+        # K/V-sharing layers' own k/v: transformers drops them on load; a checkpoint may still carry them
+        return [f"{self.block_prefix(i)}self_attn.{extra}" for i in range(self.hp.n_blocks) if not self.hp.owns_kv(i)
+                for extra in ("k_proj.weight", "v_proj.weight", "k_norm.weight")]
 
     def _embedding(self, plan: RolePlan, s: Gemma4HParams, bid: None, p: str, role: Role) -> None:
         info = self.checkpoint.tensors.get("model.embed_tokens.weight")
@@ -235,12 +231,10 @@ class _Gemma4Base(ArchPlugin):
         hp = self.hp
         w = MetadataWriter(self.gguf_arch)
         w.text_model(hp.n_blocks, hp.max_position_embeddings, hp.hidden_size, _one_or_list(hp.intermediate_size),
-                     hp.num_attention_heads, _one_or_list(hp.num_key_value_heads))
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Rope.FREQ_BASE_SWA, hp.sliding_rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-        if hp.num_experts:
-            w.experts(hp.num_experts, hp.num_experts_per_tok)
+                     hp.num_attention_heads, _one_or_list(hp.num_key_value_heads), rope_theta=hp.rope_theta,
+                     rope_theta_swa=hp.sliding_rope_theta, rms_norm_eps=hp.rms_norm_eps,
+                     experts=(hp.num_experts, hp.num_experts_per_tok) if hp.num_experts else None)
+        if hp.num_experts:  # before the head sizes, in the upstream converter's order
             w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.moe_intermediate_size)
         w.head_sizes(hp.global_head_dim)
         w.u32(Keys.Attention.KEY_LENGTH_SWA, hp.sliding_head_dim)
@@ -271,13 +265,6 @@ class Gemma4(_Gemma4Base):
     def normalize_name(cls, raw_name: str):
         return _normalize(raw_name)
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.num_hidden_layers
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return 0
 
 
 @register
@@ -296,12 +283,8 @@ class Gemma4Assistant(_Gemma4Base):
         return _normalize(raw_name)
 
     @property
-    def n_trunk_layers(self) -> int:
-        return 0
-
-    @property
     def n_mtp_layers(self) -> int:
-        return 0  # the whole file is the drafter; there is no trunk/MTP split to route
+        return 0  # the whole file is the drafter (its hparams' num_hidden_layers is 0); there is no trunk/MTP split to route
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
         w = MetadataWriter(self.gguf_arch, super().metadata(keep_mtp))

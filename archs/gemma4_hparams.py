@@ -110,17 +110,16 @@ class Gemma4HParams(AttentionWidths, FamilyHParams):
     def from_kv(cls, kv: Mapping[str, Any]) -> "Gemma4HParams":
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        n = key("block_count", type=int)
+        trunk, nextn = r.block_counts()
+        n = trunk + nextn
         swa = [bool(x) for x in key("attention.sliding_window_pattern", type=list)]
         if len(swa) != n:
             raise SpecconvError(f"{arch}.attention.sliding_window_pattern has {len(swa)} entries for {n} blocks")
         hd_full, hd_swa = key("attention.key_length", type=int), key("attention.key_length_swa", type=int)
-        if (key("attention.value_length", hd_full, int) != hd_full
-                or key("attention.value_length_swa", hd_swa, int) != hd_swa):
-            raise SpecconvError(f"{arch}: key and value head sizes must be equal")
+        r.check_value_length(hd_full)
+        r.check_value_length(hd_swa, "_swa")
         tokens = kv.get("tokenizer.ggml.tokens")
-        nextn = key("nextn_predict_layers", 0, int)
-        hp = cls(arch=arch, num_hidden_layers=n - nextn, num_nextn_predict_layers=nextn,
+        hp = cls(arch=arch, num_hidden_layers=trunk, num_nextn_predict_layers=nextn,
                  hidden_size=key("embedding_length", type=int),
                  vocab_size=len(tokens) if tokens is not None else 0,
                  max_position_embeddings=key("context_length", 0, int),

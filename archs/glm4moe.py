@@ -47,12 +47,7 @@ class Glm4MoeHParams(NextnMoeHParams):
     @classmethod
     def fields_from_config(cls, cfg: ConfigReader, tc: ConfigReader) -> dict[str, Any]:
         f = super().fields_from_config(cfg, tc)
-        heads = f["num_attention_heads"]
-        kv_heads = tc.integer("num_key_value_heads", default=heads, min=1)
-        head_dim = tc.integer("head_dim", default=f["hidden_size"] // heads, min=1)
-        if heads % kv_heads:
-            raise SpecconvError(f"config.json: num_attention_heads ({heads}) is not a multiple of "
-                                f"num_key_value_heads ({kv_heads})")
+        _, kv_heads, head_dim = tc.attention_heads()
         factor = tc.with_rope().number("partial_rotary_factor", default=0.5)  # GLM's default (upstream too)
         rotary_dim = int(head_dim * factor)
         if rotary_dim % 2 or rotary_dim == 0:

@@ -96,6 +96,31 @@ class HParamsReader:
             raise SpecconvError(f"{self.name(name)} has {len(values)} entries for {n} blocks")
         return [_typed(self.name(name), v, type) for v in values[:n]]
 
+    # ---- what several families read alike ------------------------------------------------------
+
+    def block_counts(self) -> tuple[int, int]:
+        """(trunk blocks, MTP blocks): block_count counts both, nextn_predict_layers (0 when absent) the MTP ones."""
+        total, nextn = self.key("block_count", type=int), self.key("nextn_predict_layers", 0, int)
+        if nextn > total:
+            raise SpecconvError(f"{self.name('nextn_predict_layers')} ({nextn}) exceeds block_count ({total})")
+        return total - nextn, nextn
+
+    def attention_widths(self) -> tuple[int, int, int]:
+        """(embedding_length, attention.head_count, the head size): attention.key_length, else the
+        embedding split over the heads (llama.cpp's default)."""
+        hidden_size, heads = self.key("embedding_length", type=int), self.key("attention.head_count", type=int)
+        return hidden_size, heads, self.key("attention.key_length", hidden_size // heads, int)
+
+    def check_value_length(self, key_length: int, suffix: str = "") -> None:
+        """attention.value_length{suffix}, where stated, equals the key length (a family with one head size)."""
+        if self.key(f"attention.value_length{suffix}", key_length, int) != key_length:
+            raise SpecconvError(f"{self.arch}: attention.value_length{suffix} differs from key_length{suffix}")
+
+    def vocab_size(self) -> int:
+        """{arch}.vocab_size, else the tokenizer's token count, else 0 (a sidecar without a tokenizer)."""
+        tokens = self.kv.get("tokenizer.ggml.tokens")
+        return self.key("vocab_size", 0, int) or (len(tokens) if isinstance(tokens, list) else 0)
+
 
 def _typed(key: str, value: Any, type: type) -> Any:
     """`value` as `type`; an int is a float too, a bool is no number."""

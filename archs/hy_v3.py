@@ -21,15 +21,15 @@ from typing import Any, ClassVar, Mapping
 from gguf import Keys
 
 from . import names, register
-from .base import Checkpoint, MetaKV, Role
-from .chained_mtp import (ChainedHParams, ChainedMtpPlugin, block_counts, chained_table, check_stated_count, head_copies,
+from .base import Checkpoint, MetaKV
+from .chained_mtp import (ChainedHParams, ChainedMtpPlugin, chained_table, check_stated_count, head_copies,
                           kv_fields, norm_spec, routed_specs)
 from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .hparams import HParamsReader
 from .metadata import MetadataWriter
 from .nextn_moe import _TOWERS
-from .plan_tools import RolePlan, plan_experts, text_model_name, trunk_indexed_mtp_count
+from .plan_tools import routed_experts, text_model_name, trunk_indexed_mtp_count
 from .tensor_table import Hook, TensorSpec, TensorTable
 
 # transformers' HYV3Config defaults for the behavioural fields a config.json may leave out
@@ -88,11 +88,7 @@ class HyV3HParams(ChainedHParams):
                       max_position_embeddings=tc.integer("max_position_embeddings", default=4096),
                       tie_word_embeddings=cfg.flag("tie_word_embeddings",
                                                    default=tc.flag("tie_word_embeddings", default=False)))
-        num_key_value_heads = tc.integer("num_key_value_heads", default=num_attention_heads, min=1)
-        head_dim = tc.integer("head_dim", default=hidden_size // num_attention_heads, min=1)
-        if num_attention_heads % num_key_value_heads:
-            raise SpecconvError(f"config.json: num_attention_heads ({num_attention_heads}) is not a multiple of "
-                                f"num_key_value_heads ({num_key_value_heads})")
+        _, num_key_value_heads, head_dim = tc.attention_heads()
         return cls(arch=names.HY_V3, num_hidden_layers=n, num_nextn_predict_layers=k, mtp_layers_in_config=stated,
                    hidden_size=hidden_size, vocab_size=vocab_size, num_attention_heads=num_attention_heads,
                    num_key_value_heads=num_key_value_heads, head_dim=head_dim, head_dim_stated=tc.has("head_dim"),
@@ -105,11 +101,8 @@ class HyV3HParams(ChainedHParams):
         """GGUF metadata; the FFN widths are each block's tensors' (ChainedHParams)."""
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        block_counts(r)
-        hidden_size, num_attention_heads = key("embedding_length", type=int), key("attention.head_count", type=int)
-        head_dim = key("attention.key_length", hidden_size // num_attention_heads, int)
-        if key("attention.value_length", head_dim, int) != head_dim:
-            raise SpecconvError(f"{arch}: attention.key_length != value_length")
+        _, num_attention_heads, head_dim = r.attention_widths()
+        r.check_value_length(head_dim)
         num_key_value_heads = key("attention.head_count_kv", num_attention_heads, int)
         if num_attention_heads % num_key_value_heads:
             raise SpecconvError(f"{arch}: {num_attention_heads} heads are not a multiple of {num_key_value_heads} KV heads")
@@ -148,11 +141,7 @@ class HyV3(ChainedMtpPlugin):
     family: ClassVar[str] = "hy_v3"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "hy_v4"  # the Hy tokenizer llama.cpp 0c1e570 knows (Hy4-preview)
-
-    def __init__(self, checkpoint: Checkpoint):
-        super().__init__(checkpoint)
-        self.hp = HyV3HParams.from_config(checkpoint)
-        self.missing_mtp = self.hp.missing_mtp(f"model.layers.{self.hp.num_hidden_layers}.*")
+    HParams: ClassVar[type[HyV3HParams]] = HyV3HParams
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
@@ -166,12 +155,7 @@ class HyV3(ChainedMtpPlugin):
     table: ClassVar[TensorTable] = HY_V3_TABLE
 
     def hooks(self) -> dict[str, Hook]:
-        return {"experts": self._experts}
-
-    def _experts(self, plan: RolePlan, s: HyV3HParams, bid: int, p: str, role: Role) -> None:
-        m = p + "mlp."
-        plan_experts(plan, bid, m + "experts.", s.num_experts, s.moe_intermediate_size, s.hidden_size, role,
-                     where=f"layer {bid} ({m}experts)", count_field="num_experts")
+        return {**super().hooks(), "experts": routed_experts("num_experts")}
 
     # ------------------------------------------------------------------ metadata
 
@@ -180,12 +164,9 @@ class HyV3(ChainedMtpPlugin):
         hp, k = self.hp, self.hp.num_nextn_predict_layers if keep_mtp else 0
         w = MetadataWriter(self.gguf_arch)
         w.text_model(hp.num_hidden_layers + k, hp.max_position_embeddings, hp.hidden_size, hp.intermediate_size,
-                     hp.num_attention_heads, hp.num_key_value_heads)
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-        w.experts(hp.num_experts, hp.num_experts_per_tok)
-        if hp.head_dim_stated:
-            w.head_sizes(hp.head_dim)
+                     hp.num_attention_heads, hp.num_key_value_heads, rope_theta=hp.rope_theta,
+                     rms_norm_eps=hp.rms_norm_eps, experts=(hp.num_experts, hp.num_experts_per_tok),
+                     key_length=hp.head_dim if hp.head_dim_stated else None)
         w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.moe_intermediate_size)
         w.u32(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_expert_intermediate_size)
         w.flag(Keys.LLM.EXPERT_WEIGHTS_NORM, hp.norm_topk_prob)

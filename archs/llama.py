@@ -26,8 +26,8 @@ from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .hparams import FamilyHParams, HParamsReader
 from .metadata import MetadataWriter
-from .plan_tools import RolePlan, embedding_rows
-from .tensor_table import AttentionWidths, Block, TensorSpec, TensorTable
+from .plan_tools import RolePlan
+from .tensor_table import AttentionWidths, Hook, TensorSpec, TensorTable, swiglu_specs
 
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -86,17 +86,6 @@ def llama3_rope_factors(cfg: ConfigReader, head_dim: int) -> list[float] | None:
     return out
 
 
-def attention_shapes(cfg: ConfigReader) -> tuple[int, int, int]:
-    """(num_attention_heads, num_key_value_heads, head_dim) of a LLaMA-style config."""
-    num_attention_heads = cfg.integer("num_attention_heads", min=1)
-    n_kv = cfg.integer("num_key_value_heads", default=num_attention_heads, min=1) or num_attention_heads
-    hd = cfg.integer("head_dim", default=None, min=1) or cfg.integer("hidden_size", min=1) // num_attention_heads
-    if num_attention_heads % n_kv:
-        raise SpecconvError(f"num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads "
-                            f"{n_kv}")
-    return num_attention_heads, n_kv, hd
-
-
 @dataclass(kw_only=True)
 class LlamaHParams(AttentionWidths, FamilyHParams):
     """A LLaMA model's hyperparameters under transformers' LlamaConfig names: the plugin's from
@@ -122,7 +111,7 @@ class LlamaHParams(AttentionWidths, FamilyHParams):
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "LlamaHParams":
         cfg = ConfigReader(config)
-        heads, n_kv, hd = attention_shapes(cfg)
+        heads, n_kv, hd = cfg.attention_heads()
         hidden_size, ffn = cfg.integer("hidden_size", min=1), cfg.integer("intermediate_size", min=1)
         return cls(num_hidden_layers=cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS), hidden_size=hidden_size,
                    intermediate_size=ffn, num_attention_heads=heads, num_key_value_heads=n_kv, head_dim=hd,
@@ -133,9 +122,7 @@ class LlamaHParams(AttentionWidths, FamilyHParams):
     def from_kv(cls, kv: Mapping[str, Any]) -> "LlamaHParams":
         r = HParamsReader(kv)
         key = r.key
-        hidden_size, num_attention_heads = key("embedding_length", type=int), key("attention.head_count", type=int)
-        head_dim = key("attention.key_length", hidden_size // num_attention_heads, int)
-        tokens = kv.get("tokenizer.ggml.tokens")
+        hidden_size, num_attention_heads, head_dim = r.attention_widths()
         return cls(arch=r.arch, num_hidden_layers=key("block_count", type=int), hidden_size=hidden_size,
                    num_attention_heads=num_attention_heads,
                    num_key_value_heads=key("attention.head_count_kv", num_attention_heads, int), head_dim=head_dim,
@@ -143,7 +130,7 @@ class LlamaHParams(AttentionWidths, FamilyHParams):
                    rope_theta=key("rope.freq_base", 10000.0, float),
                    rms_norm_eps=key("attention.layer_norm_rms_epsilon", type=float),
                    intermediate_size=key("feed_forward_length", 0, int),
-                   vocab_size=key("vocab_size", 0, int) or (len(tokens) if tokens is not None else 0),
+                   vocab_size=r.vocab_size(),
                    max_position_embeddings=key("context_length", 0, int),
                    states_head_dim=r.has("attention.key_length"), from_file=True)
 
@@ -175,11 +162,7 @@ BLOCK_SPECS = (
     TensorSpec("blk.{bid}.attn_v.weight", _ATTN + "v_proj.weight", lambda s: (s.kv, s.attention_input_width)),
     TensorSpec("blk.{bid}.attn_output.weight", _ATTN + "o_proj.weight", lambda s: (s.hidden_size, s.q)),
     _norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),
-    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight",
-               lambda s: (s.intermediate_size, s.hidden_size)),
-    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.intermediate_size, s.hidden_size)),
-    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight",
-               lambda s: (s.hidden_size, s.intermediate_size)),
+    *swiglu_specs(_MLP),
 )
 # llama3 rope scaling's generated factors, written only for such a config (the plugin's hook)
 ROPE_FREQS_SPEC = TensorSpec(ROPE_FREQS, None, lambda s: (s.rotary_dim // 2,), optional=True, f32=True,
@@ -213,11 +196,9 @@ def llama_kv(hp: LlamaHParams) -> list[MetaKV]:
     """The LLaMA key set llama.cpp's converter writes (TextModel + LlamaModel)."""
     w = MetadataWriter(hp.arch)
     w.text_model(hp.num_hidden_layers, hp.max_position_embeddings or None,  # 0: not written
-                 hp.hidden_size, hp.intermediate_size, hp.num_attention_heads, hp.num_key_value_heads)
-    w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-    w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-    if hp.states_head_dim:
-        w.head_sizes(hp.head_dim)
+                 hp.hidden_size, hp.intermediate_size, hp.num_attention_heads, hp.num_key_value_heads,
+                 rope_theta=hp.rope_theta, rms_norm_eps=hp.rms_norm_eps,
+                 key_length=hp.head_dim if hp.states_head_dim else None)
     w.u32(Keys.LLM.VOCAB_SIZE, hp.vocab_size)
     w.u32(Keys.Rope.DIMENSION_COUNT, hp.rotary_dim)
     return w.kv
@@ -250,29 +231,17 @@ class Llama(ArchPlugin):
             return (None, "rotary inv_freq buffer (recomputed from the config)")
         return raw_name
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.num_hidden_layers
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return 0
-
-    def vocab_size(self) -> int:
-        return embedding_rows(self.checkpoint)
-
     table: ClassVar[TensorTable] = LLAMA_TABLE
 
     def sizes(self) -> LlamaHParams:
         """The hparams the file is written with: its vocabulary is the embedding's rows."""
         return replace(self.hp, vocab_size=self.vocab_size())
 
+    def hooks(self) -> dict[str, Hook]:
+        return {"output_head": self._output_head, "rope_freqs": self._rope_freqs}
+
     def tensor_plan(self) -> list[TensorPlan]:
-        plan = RolePlan(self.checkpoint.tensors)
-        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(self.hp.num_hidden_layers)]
-        hooks = {"output_head": self._output_head, "rope_freqs": self._rope_freqs}
-        self.table.plan(plan, self.sizes(), blocks, hooks)
-        return rope_freqs_first(plan.finish(self.gguf_arch))
+        return rope_freqs_first(super().tensor_plan())
 
     def _output_head(self, plan: RolePlan, s: LlamaHParams, bid: None, p: str, role: Role) -> None:
         if plan.has("lm_head.weight") and not s.tie_word_embeddings:

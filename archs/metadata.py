@@ -56,14 +56,40 @@ class MetadataWriter:
 
     def text_model(self, block_count: int, context_length: int | None, embedding_length: int,
                    feed_forward_length: int | Sequence[int] | None, head_count: int | Sequence[int],
-                   head_count_kv: int | Sequence[int] | None, array_type: GGUFValueType = U32) -> None:
-        """The keys llama.cpp's TextModel.set_gguf_parameters opens with, in its order."""
+                   head_count_kv: int | Sequence[int] | None, array_type: GGUFValueType = U32, *,
+                   causal: bool | None = None, rope_scaling: RopeScaling | None = None,
+                   rope_sections: Sequence[int] | None = None, rope_theta: float | None = None,
+                   rope_theta_swa: float | None = None, rms_norm_eps: float | None = None,
+                   experts: tuple[int, int] | None = None, expert_groups: tuple[int | None, int | None] | None = None,
+                   expert_gating_func: int | None = None, key_length: int | None = None,
+                   value_length: int | None = None) -> None:
+        """The keys llama.cpp's TextModel.set_gguf_parameters writes, in its order: block count, context,
+        widths and head counts, then what the family states of these (None: not written): a causal
+        flag only when false, rope scaling and M-RoPE sections, rope bases, the RMS epsilon, expert
+        (count, used) and group (count, used) counts, the gating function, the head sizes (value
+        length = key length unless given). A family whose converter writes a key of its own in
+        between stops here and writes the rest itself."""
         self.u32(Keys.LLM.BLOCK_COUNT, block_count)
         self.u32(Keys.LLM.CONTEXT_LENGTH, context_length)
         self.u32(Keys.LLM.EMBEDDING_LENGTH, embedding_length)
         self.count(Keys.LLM.FEED_FORWARD_LENGTH, feed_forward_length, array_type)
         self.count(Keys.Attention.HEAD_COUNT, head_count, array_type)
         self.count(Keys.Attention.HEAD_COUNT_KV, head_count_kv, array_type)
+        if causal is False:
+            self.flag(Keys.Attention.CAUSAL, False)
+        self.rope_scaling(rope_scaling)
+        if rope_sections is not None:
+            self.array(Keys.Rope.DIMENSION_SECTIONS, rope_sections, I32)
+        self.f32(Keys.Rope.FREQ_BASE, rope_theta)
+        self.f32(Keys.Rope.FREQ_BASE_SWA, rope_theta_swa)
+        self.f32(Keys.Attention.LAYERNORM_RMS_EPS, rms_norm_eps)
+        if experts is not None:
+            self.experts(*experts)
+        if expert_groups is not None:
+            self.expert_groups(*expert_groups)
+        self.u32(Keys.LLM.EXPERT_GATING_FUNC, expert_gating_func)
+        if key_length is not None:
+            self.head_sizes(key_length, value_length)
 
     def head_sizes(self, key_length: int, value_length: int | None = None) -> None:
         """attention.key_length and value_length (equal unless given)."""

@@ -27,11 +27,11 @@ from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import Checkpoint, MetaKV, Role
+from .base import MetaKV, Role
 from .chained_mtp import ChainedMtpPlugin, chained_table, head_copies, norm_spec, routed_specs
 from .metadata import MetadataWriter
 from .mimo2_hparams import Mimo2HParams
-from .plan_tools import RolePlan, plan_experts, text_model_name
+from .plan_tools import RolePlan, routed_experts, text_model_name
 from .tensor_table import Hook, TensorSpec, TensorTable
 
 _TOWERS = ("visual.", "model.visual.", "audio_tokenizer.", "model.audio_tokenizer.", "speech_embeddings.")
@@ -74,9 +74,7 @@ class MiMo2(ChainedMtpPlugin):
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "qwen2"
 
-    def __init__(self, checkpoint: Checkpoint):
-        super().__init__(checkpoint)
-        self.hp: Mimo2HParams = Mimo2HParams.from_config(checkpoint)
+    HParams: ClassVar[type[Mimo2HParams]] = Mimo2HParams
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
@@ -87,11 +85,15 @@ class MiMo2(ChainedMtpPlugin):
     table: ClassVar[TensorTable] = MIMO2_TABLE
 
     def hooks(self) -> dict[str, Hook]:
-        return {"experts": self._experts, "fused_qkv": self._fused_qkv, "sinks": self._sinks}
+        return {**super().hooks(), "experts": routed_experts("n_routed_experts"), "fused_qkv": self._fused_qkv,
+                "sinks": self._sinks}
 
-    def _prefix(self, i: int) -> str:
+    def mtp_source(self) -> str:
+        return "model.mtp.layers.*"
+
+    def block_prefix(self, bid: int) -> str:
         n = self.hp.num_hidden_layers
-        return f"model.mtp.layers.{i - n}." if i >= n else f"model.layers.{i}."
+        return f"model.mtp.layers.{bid - n}." if bid >= n else f"model.layers.{bid}."
 
     def _fused_qkv(self, plan: RolePlan, s: Mimo2HParams, bid: int, p: str, role: Role) -> None:
         a = p + "self_attn."
@@ -105,11 +107,6 @@ class MiMo2(ChainedMtpPlugin):
             plan.add(names.blk(bid, "attn_sinks"), [plan.source(a + "attention_sink_bias", (s.num_attention_heads,))],
                      (s.num_attention_heads,), role, tf.identity, True)
 
-    def _experts(self, plan: RolePlan, s: Mimo2HParams, bid: int, p: str, role: Role) -> None:
-        m = p + "mlp."
-        plan_experts(plan, bid, m + "experts.", s.num_experts, s.moe_intermediate_size, s.hidden_size, role,
-                     where=f"layer {bid} ({m}experts)", count_field="n_routed_experts")
-
     # ------------------------------------------------------------------ metadata
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
@@ -120,14 +117,10 @@ class MiMo2(ChainedMtpPlugin):
         blocks = hp.num_hidden_layers + k
         w = MetadataWriter(self.gguf_arch)
         w.text_model(blocks, hp.max_position_embeddings, hp.hidden_size, hp.intermediate_size,
-                     hp.num_attention_heads, hp.num_key_value_heads[:blocks], array_type=i32)
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Rope.FREQ_BASE_SWA, hp.swa_rope_theta)
-        w.experts(hp.num_experts, hp.num_experts_per_tok)
-        if hp.expert_groups_stated:
-            w.expert_groups(hp.n_group, hp.topk_group)
-        w.u32(Keys.LLM.EXPERT_GATING_FUNC, names.EXPERT_GATING_SIGMOID)
-        w.head_sizes(hp.head_dim, hp.v_head_dim)
+                     hp.num_attention_heads, hp.num_key_value_heads[:blocks], array_type=i32, rope_theta=hp.rope_theta,
+                     rope_theta_swa=hp.swa_rope_theta, experts=(hp.num_experts, hp.num_experts_per_tok),
+                     expert_groups=(hp.n_group, hp.topk_group) if hp.expert_groups_stated else None,
+                     expert_gating_func=names.EXPERT_GATING_SIGMOID, key_length=hp.head_dim, value_length=hp.v_head_dim)
         w.u32(Keys.Attention.SLIDING_WINDOW, hp.sliding_window)
         w.array(Keys.Attention.SLIDING_WINDOW_PATTERN, hp.hybrid_layer_pattern[:blocks], i32)
         w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.moe_intermediate_size)

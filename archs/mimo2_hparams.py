@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from . import names
 from .base import Checkpoint
-from .chained_mtp import ChainedHParams, block_counts, check_stated_count, kv_fields
+from .chained_mtp import ChainedHParams, check_stated_count, kv_fields
 from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .hparams import HParamsReader
@@ -139,7 +139,7 @@ class Mimo2HParams(ChainedHParams):
         are each block's tensors' (ChainedHParams)."""
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        total = sum(block_counts(r))
+        total = sum(r.block_counts())
         num_attention_heads, head_dim = key("attention.head_count", type=int), key("attention.key_length", type=int)
         kvs = r.per_layer("attention.head_count_kv", total)
         for i, h in enumerate(kvs):

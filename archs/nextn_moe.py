@@ -16,14 +16,14 @@ from typing import ClassVar
 from gguf import Keys
 
 from . import names
-from .base import ArchPlugin, Checkpoint, Role, TensorPlan
+from .base import ArchPlugin, Checkpoint, Role
 from .errors import SpecconvError
 from .metadata import MetadataWriter
 from .plan_tools import (
-    RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name, trunk_indexed_mtp_count,
+    RolePlan, output_head, routed_experts, text_model_name, trunk_indexed_mtp_count,
 )
 from .nextn_moe_hparams import NextnMoeHParams
-from .tensor_table import Block, TensorSpec, TensorTable
+from .tensor_table import Hook, TensorSpec, TensorTable, expert_specs, swiglu_specs
 
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.")
 # HF nextn copies -> GGUF nextn part (docs/reference/gguf-layout.md §4.1)
@@ -49,8 +49,6 @@ def norm(gguf: str, hf: str, on: str = "", dim=lambda s: (s.hidden_size,), optio
 
 _MLP = "{p}mlp."
 _VOCAB_ROWS = lambda s: (s.vocab_dim, s.hidden_size)  # noqa: E731  (the embedding, the head and their copies)
-_DENSE_IN = lambda s: (s.intermediate_size, s.hidden_size)  # noqa: E731
-_EXPERTS_IN = lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size)  # noqa: E731
 
 
 def nextn_moe_table(attention: tuple[TensorSpec, ...], post_attention_norm: str) -> TensorTable:
@@ -62,23 +60,13 @@ def nextn_moe_table(attention: tuple[TensorSpec, ...], post_attention_norm: str)
         norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
         *attention,
         norm(f"blk.{{bid}}.{post_attention_norm}.weight", "{p}post_attention_layernorm.weight"),
-        TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", _DENSE_IN, "dense"),
-        TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", _DENSE_IN, "dense"),
-        TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.hidden_size, s.intermediate_size),
-                   "dense"),
+        *swiglu_specs(_MLP, "dense"),
         TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.num_experts, s.hidden_size),
                    "moe", f32=True),
         TensorSpec("blk.{bid}.exp_probs_b.bias", _MLP + "gate.e_score_correction.bias", lambda s: (s.num_experts,),
                    "moe", f32=True),
-        *(TensorSpec(f"blk.{{bid}}.ffn_{x}_exps.weight", None, shape, "moe", hook="experts")
-          for x, shape in (("gate", _EXPERTS_IN), ("up", _EXPERTS_IN),
-                           ("down", lambda s: (s.num_experts, s.hidden_size, s.moe_intermediate_size)))),
-        TensorSpec("blk.{bid}.ffn_gate_shexp.weight", _MLP + "shared_experts.gate_proj.weight",
-                   lambda s: (s.shared_intermediate_size, s.hidden_size), "moe shared"),
-        TensorSpec("blk.{bid}.ffn_up_shexp.weight", _MLP + "shared_experts.up_proj.weight",
-                   lambda s: (s.shared_intermediate_size, s.hidden_size), "moe shared"),
-        TensorSpec("blk.{bid}.ffn_down_shexp.weight", _MLP + "shared_experts.down_proj.weight",
-                   lambda s: (s.hidden_size, s.shared_intermediate_size), "moe shared"),
+        *expert_specs(),
+        *swiglu_specs(_MLP + "shared_experts.", "moe shared", lambda s: s.shared_intermediate_size, "_shexp"),
         # the nextn extras of every MTP block (docs/reference/gguf-layout.md §4.1); eh_proj's input is the
         # embedding half first, as in HF and llama.cpp
         TensorSpec("blk.{bid}.nextn.eh_proj.weight", "{p}eh_proj.weight", lambda s: (s.hidden_size, 2 * s.hidden_size),
@@ -121,12 +109,8 @@ class NextnMoePlugin(ArchPlugin):
     # ------------------------------------------------------------------ structure
 
     @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.num_hidden_layers
-
-    @property
     def n_mtp_layers(self) -> int:
-        return self._k
+        return self._k  # the checkpoint's nextn blocks (config.json's count may name stripped ones)
 
     def _count_mtp_layers(self) -> int:
         """k = the layers `model.layers.{N..}` present; they must be the config's count, contiguous.
@@ -143,28 +127,13 @@ class NextnMoePlugin(ArchPlugin):
                                 f"{k} nextn layer(s) (model.layers.{n}..{n + k - 1})")
         return k
 
-    def vocab_size(self) -> int:
-        return embedding_rows(self.checkpoint)
-
     # ------------------------------------------------------------------ tensors
 
     table: ClassVar[TensorTable]  # the family's (archs/glm4moe.py, deepseek2.py, dsa.py)
 
-    def tensor_plan(self) -> list[TensorPlan]:
-        plan = RolePlan(self.checkpoint.tensors)
-        n = self.hp.num_hidden_layers
-        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK if i < n else Role.MTP) for i in range(n + self._k)]
-        hooks = {"output_head": self._output_head, "experts": self._experts, "nextn_copies": self._nextn_copies}
-        self.table.plan(plan, self.hp, blocks, hooks)
-        return plan.finish(self.gguf_arch)
-
-    def _output_head(self, plan: RolePlan, s: NextnMoeHParams, bid: None, p: str, role: Role) -> None:
-        add_output_head(plan, s.tie_word_embeddings, s.vocab_dim, s.hidden_size)
-
-    def _experts(self, plan: RolePlan, s: NextnMoeHParams, bid: int, p: str, role: Role) -> None:
-        ex = p + "mlp.experts."
-        plan_experts(plan, bid, ex, s.num_experts, s.moe_intermediate_size, s.hidden_size, role,
-                     where=f"layer {bid} ({ex.rstrip('.')})", count_field="n_routed_experts")
+    def hooks(self) -> dict[str, Hook]:
+        return {"output_head": output_head, "experts": routed_experts("n_routed_experts"),
+                "nextn_copies": self._nextn_copies}
 
     def _nextn_copies(self, plan: RolePlan, s: NextnMoeHParams, bid: int, p: str, role: Role) -> None:
         shape = (s.vocab_dim, s.hidden_size)
@@ -177,12 +146,9 @@ class NextnMoePlugin(ArchPlugin):
     def _common_head_kv(self, w: MetadataWriter, keep_mtp: bool, num_key_value_heads: int) -> None:
         hp = self.hp
         w.text_model(hp.num_hidden_layers + (self._k if keep_mtp else 0), hp.max_position_embeddings, hp.hidden_size,
-                     hp.intermediate_size, hp.num_attention_heads, num_key_value_heads)
-        w.rope_scaling(hp.rope_scaling)
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-        w.experts(hp.num_experts, hp.num_experts_per_tok)
-        w.expert_groups(hp.n_group, hp.topk_group)
+                     hp.intermediate_size, hp.num_attention_heads, num_key_value_heads, rope_scaling=hp.rope_scaling,
+                     rope_theta=hp.rope_theta, rms_norm_eps=hp.rms_norm_eps,
+                     experts=(hp.num_experts, hp.num_experts_per_tok), expert_groups=(hp.n_group, hp.topk_group))
 
     def _common_moe_kv(self, w: MetadataWriter, keep_mtp: bool) -> None:
         hp = self.hp

@@ -151,24 +151,20 @@ class NextnMoeHParams(FamilyHParams):
     def fields_from_kv(cls, r: HParamsReader) -> dict[str, Any]:
         """The fields of a file's metadata, checked (types and ranges: runtime/validate.py check_kv)."""
         arch, key = r.arch, r.key
-        block_count = key("block_count", type=int)
-        nextn = key("nextn_predict_layers", 0, int)
-        if nextn > block_count:
-            raise SpecconvError(f"{arch}.nextn_predict_layers ({nextn}) exceeds block_count ({block_count})")
+        n, nextn = r.block_counts()
         # A missing key means what it means to llama.cpp: sigmoid for glm4moe and glm-dsa, softmax for
         # deepseek2 (except its GLM-4.7-Flash special case) and deepseek32, which is wrong for DeepSeek-V3
         # but is what files from llama.cpp's converter say (docs/reference/gguf-layout.md §7.5); the
         # runtime runs the file as written.
-        lite_glm = key("vocab_size", 0, int) == 154880 and block_count - nextn in (47, 48)
+        lite_glm = key("vocab_size", 0, int) == 154880 and n in (47, 48)
         sigmoid = arch in (names.GLM4MOE, names.GLM_DSA) or lite_glm
         gating = key("expert_gating_func", names.EXPERT_GATING_SIGMOID if sigmoid else names.EXPERT_GATING_SOFTMAX, int)
         if gating not in GATINGS:
             raise SpecconvError(f"{arch}.expert_gating_func is {gating}; supported: softmax (1), sigmoid (2)")
-        tokens = r.kv.get("tokenizer.ggml.tokens")
         f = dict(
-            arch=arch, num_hidden_layers=block_count - nextn, num_nextn_predict_layers=nextn,
+            arch=arch, num_hidden_layers=n, num_nextn_predict_layers=nextn,
             hidden_size=key("embedding_length", type=int),
-            vocab_size=key("vocab_size", 0, int) or (len(tokens) if isinstance(tokens, list) else 0),
+            vocab_size=r.vocab_size(),
             max_position_embeddings=key("context_length", 0, int),
             num_attention_heads=key("attention.head_count", type=int),
             rms_norm_eps=key("attention.layer_norm_rms_epsilon", type=float),
@@ -185,9 +181,9 @@ class NextnMoeHParams(FamilyHParams):
         groups, groups_used = f["n_group"] or 1, f["topk_group"] or 1
         if groups > 1 and (experts % groups or not 0 < groups_used < groups):
             raise SpecconvError(f"{arch}: {groups} expert groups ({groups_used} used) do not fit {experts} experts")
-        if f["first_k_dense_replace"] > block_count:
+        if f["first_k_dense_replace"] > n + nextn:
             raise SpecconvError(f"{arch}.leading_dense_block_count {f['first_k_dense_replace']} exceeds block_count "
-                                f"{block_count}")
+                                f"{n + nextn}")
         if experts < 1:
             raise SpecconvError(f"{arch}: expert_used_count {used} must be within 1..expert_count {experts}")
         if groups > 1 and (experts // groups < 2 or used > groups_used * (experts // groups)):

@@ -1,8 +1,9 @@
 """Plan-building pieces the plugins share: a collector that checks every source tensor against the
-config, the final "every checkpoint tensor was used" check, the output head and the routed experts.
+config, the final "every checkpoint tensor was used" check, and the table hooks several families
+answer alike (the output head, the routed experts, a draft head's own embedding).
 
-One implementation, so that the llama, qwen35 and nextn-MoE (glm4moe, deepseek2) plugins reject a
-checkpoint for the same reasons with the same messages.
+One implementation, so that the plugins reject a checkpoint for the same reasons with the same
+messages.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from . import transforms as tf
 from .base import Checkpoint, Role, SourceTensor, TensorPlan, plans_in_checkpoint_order
 from .config_reader import ConfigReader
 from .errors import SpecconvError
+from .tensor_table import Hook
 
 F32 = GGMLQuantizationType.F32
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
@@ -97,14 +99,6 @@ def trunk_indexed_mtp_count(checkpoint: Checkpoint, num_hidden_layers: int) -> i
     return k
 
 
-def embedding_rows(checkpoint: Checkpoint) -> int:
-    """The vocabulary size as the checkpoint's token embedding has it."""
-    info = checkpoint.tensors.get("model.embed_tokens.weight")
-    if info is None:
-        raise SpecconvError("checkpoint lacks tensor model.embed_tokens.weight")
-    return int(info.shape[0])
-
-
 def add_output_head(plan: RolePlan, tied: bool, V: int, H: int) -> None:
     """`output.weight` from `lm_head.weight`, unless the config ties it to the embedding."""
     if tied:
@@ -115,10 +109,17 @@ def add_output_head(plan: RolePlan, tied: bool, V: int, H: int) -> None:
     plan.add(names.OUTPUT, [plan.source("lm_head.weight", (V, H))], (V, H), Role.SHARED)
 
 
-def add_swiglu(plan: RolePlan, bid: int, prefix: str, F: int, H: int, role: Role, suffix: str = "") -> None:
-    """`{prefix}{gate,up,down}_proj.weight` -> ffn_{gate,up,down}{suffix} (a dense MLP or a shared expert)."""
-    for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
-        plan.add(names.blk(bid, f"ffn_{part}{suffix}"), [plan.source(f"{prefix}{part}_proj.weight", shape)], shape, role)
+def output_head(plan: RolePlan, s: Any, bid: None, p: str, role: Role) -> None:
+    """The `output_head` table hook: `lm_head.weight`, unless the sizes' `tie_word_embeddings` ties it."""
+    add_output_head(plan, s.tie_word_embeddings, s.vocab_dim, s.hidden_size)
+
+
+def own_embedding(plan: RolePlan, s: Any, bid: None, p: str, role: Role) -> None:
+    """The `embedding` table hook of a draft head: its own `embed_tokens.weight` when the checkpoint has
+    one, else none (the runtime takes the target's)."""
+    if plan.has("embed_tokens.weight"):
+        shape = (s.vocab_size, s.hidden_size)
+        plan.add(names.TOKEN_EMBD, [plan.source("embed_tokens.weight", shape)], shape, role)
 
 
 def plan_experts(plan: RolePlan, bid: int, ex: str, E: int, Fe: int, H: int, role: Role,
@@ -158,6 +159,16 @@ def plan_experts(plan: RolePlan, bid: int, ex: str, E: int, Fe: int, H: int, rol
     for gguf_name, part, shape in ((gate_n, "gate", (Fe, H)), (up_n, "up", (Fe, H)), (down_n, "down", (H, Fe))):
         srcs = [plan.source(f"{ex}{e}.{part}_proj.weight", shape) for e in range(E)]
         plan.add(gguf_name, srcs, (E, *shape), role, tf.stack)
+
+
+def routed_experts(count_field: str) -> Hook:
+    """The `experts` table hook of a family whose blocks keep their routed experts under
+    `mlp.experts.` (E is the sizes' num_experts, `count_field` in config.json)."""
+    def hook(plan: RolePlan, s: Any, bid: int, p: str, role: Role) -> None:
+        ex = p + "mlp.experts."
+        plan_experts(plan, bid, ex, s.num_experts, s.moe_intermediate_size, s.hidden_size, role,
+                     where=f"layer {bid} ({ex.rstrip('.')})", count_field=count_field)
+    return hook
 
 
 _PRE_BY_MODEL_TYPE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}  # a target no plugin knows

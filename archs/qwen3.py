@@ -21,14 +21,14 @@ from typing import Any, ClassVar, Mapping
 from gguf import Keys
 
 from . import names, register
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .base import ArchPlugin, Checkpoint, MetaKV, Role
 from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .hparams import FamilyHParams, HParamsReader
 from .metadata import MetadataWriter
-from .plan_tools import RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name
+from .plan_tools import RolePlan, add_output_head, routed_experts, text_model_name
 from .rope_scaling import RopeScaling, rope_scaling_of
-from .tensor_table import AttentionWidths, Block, TensorSpec, TensorTable
+from .tensor_table import AttentionWidths, Hook, TensorSpec, TensorTable, expert_specs, swiglu_specs
 
 QWEN3, QWEN3MOE = "qwen3", "qwen3moe"
 EXPERT_WEIGHTS_NORM = "expert_weights_norm"  # `{arch}.expert_weights_norm` (bool), llama.cpp's key
@@ -69,13 +69,8 @@ class Qwen3HParams(AttentionWidths, FamilyHParams):
         cfg = ConfigReader(config)
         hidden_size = cfg.integer("hidden_size", min=1)
         num_hidden_layers = cfg.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
-        heads = cfg.integer("num_attention_heads", min=1)
-        n_kv = cfg.integer("num_key_value_heads", default=heads, min=1)
-        head_dim = cfg.integer("head_dim", default=hidden_size // heads, min=1)
+        heads, n_kv, head_dim = cfg.attention_heads()
         ffn = cfg.integer("intermediate_size", min=1)
-        if heads % n_kv:
-            raise SpecconvError(f"config.json: num_attention_heads {heads} is not a multiple of "
-                                f"num_key_value_heads {n_kv}")
         act = cfg.string("hidden_act", default="silu")
         if act != "silu":
             raise SpecconvError(f"config.json: hidden_act {act!r} is not supported (qwen3 uses silu)")
@@ -98,11 +93,8 @@ class Qwen3HParams(AttentionWidths, FamilyHParams):
     def from_kv(cls, kv: Mapping[str, Any]) -> "Qwen3HParams":
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        hidden_size, heads = key("embedding_length", type=int), key("attention.head_count", type=int)
-        head_dim = key("attention.key_length", hidden_size // heads, int)
-        if key("attention.value_length", head_dim, int) != head_dim:
-            raise SpecconvError(f"{arch}: attention.value_length differs from key_length")
-        tokens = kv.get("tokenizer.ggml.tokens")
+        hidden_size, heads, head_dim = r.attention_widths()
+        r.check_value_length(head_dim)
         hp = cls(arch=arch, num_hidden_layers=key("block_count", type=int), hidden_size=hidden_size,
                  num_attention_heads=heads, num_key_value_heads=key("attention.head_count_kv", heads, int),
                  head_dim=head_dim, rotary_dim=key("rope.dimension_count", head_dim, int),
@@ -112,7 +104,7 @@ class Qwen3HParams(AttentionWidths, FamilyHParams):
                  num_experts_per_tok=key("expert_used_count", 0, int),
                  moe_intermediate_size=key("expert_feed_forward_length", 0, int),
                  norm_topk_prob=key(EXPERT_WEIGHTS_NORM, True, bool),
-                 vocab_size=key("vocab_size", 0, int) or (len(tokens) if tokens is not None else 0),
+                 vocab_size=r.vocab_size(),
                  max_position_embeddings=key("context_length", 0, int), states_head_dim=r.has("attention.key_length"),
                  from_file=True)
         if arch == QWEN3MOE and not (hp.num_experts and 0 < hp.num_experts_per_tok <= hp.num_experts):
@@ -167,11 +159,8 @@ def _norm(gguf: str, hf: str, dim=lambda s: (s.hidden_size,)) -> TensorSpec:
 
 
 _ATTN, _MLP = "{p}self_attn.", "{p}mlp."
-QWEN3_TABLE = TensorTable((
-    TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.vocab_dim, s.hidden_size)),
-    _norm(names.OUTPUT_NORM, "model.norm.weight"),
-    TensorSpec(names.OUTPUT, None, lambda s: (s.vocab_dim, s.hidden_size), optional=True,
-               hook="output_head"),  # absent when tied
+# A Qwen3 decoder layer up to its FFN (DFlash drafters' layers too): pre-norm attention with per-head q/k norms.
+QWEN3_ATTENTION = (
     _norm("blk.{bid}.attn_norm.weight", "{p}input_layernorm.weight"),
     TensorSpec("blk.{bid}.attn_q.weight", _ATTN + "q_proj.weight", lambda s: (s.q, s.hidden_size)),
     TensorSpec("blk.{bid}.attn_k.weight", _ATTN + "k_proj.weight", lambda s: (s.kv, s.hidden_size)),
@@ -180,20 +169,17 @@ QWEN3_TABLE = TensorTable((
     _norm("blk.{bid}.attn_q_norm.weight", _ATTN + "q_norm.weight", lambda s: (s.head_dim,)),
     _norm("blk.{bid}.attn_k_norm.weight", _ATTN + "k_norm.weight", lambda s: (s.head_dim,)),
     _norm("blk.{bid}.ffn_norm.weight", "{p}post_attention_layernorm.weight"),
-    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight",
-               lambda s: (s.intermediate_size, s.hidden_size), "dense"),
-    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight",
-               lambda s: (s.intermediate_size, s.hidden_size), "dense"),
-    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight",
-               lambda s: (s.hidden_size, s.intermediate_size), "dense"),
+)
+QWEN3_TABLE = TensorTable((
+    TensorSpec(names.TOKEN_EMBD, "model.embed_tokens.weight", lambda s: (s.vocab_dim, s.hidden_size)),
+    _norm(names.OUTPUT_NORM, "model.norm.weight"),
+    TensorSpec(names.OUTPUT, None, lambda s: (s.vocab_dim, s.hidden_size), optional=True,
+               hook="output_head"),  # absent when tied
+    *QWEN3_ATTENTION,
+    *swiglu_specs(_MLP, "dense"),
     TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight",
                lambda s: (s.num_experts, s.hidden_size), "moe", f32=True),
-    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None,
-               lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size), "moe", hook="experts"),
-    TensorSpec("blk.{bid}.ffn_up_exps.weight", None,
-               lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size), "moe", hook="experts"),
-    TensorSpec("blk.{bid}.ffn_down_exps.weight", None,
-               lambda s: (s.num_experts, s.hidden_size, s.moe_intermediate_size), "moe", hook="experts"),
+    *expert_specs(),
 ), block_tags)
 
 
@@ -211,17 +197,6 @@ class Qwen3Base(ArchPlugin):
     def normalize_name(cls, raw_name: str):
         return text_model_name(raw_name, (), "")
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.num_hidden_layers
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return 0
-
-    def vocab_size(self) -> int:
-        return embedding_rows(self.checkpoint)
-
     # ------------------------------------------------------------------ tensors
 
     table: ClassVar[TensorTable] = QWEN3_TABLE
@@ -230,11 +205,8 @@ class Qwen3Base(ArchPlugin):
         """The hparams the file is written with: its vocabulary is the embedding's rows."""
         return replace(self.hp, vocab_size=self.vocab_size())
 
-    def tensor_plan(self) -> list[TensorPlan]:
-        plan = RolePlan(self.checkpoint.tensors)
-        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(self.hp.num_hidden_layers)]
-        self.table.plan(plan, self.sizes(), blocks, {"output_head": self._output_head, "experts": self._experts})
-        return plan.finish(self.gguf_arch)
+    def hooks(self) -> dict[str, Hook]:
+        return {"output_head": self._output_head, "experts": routed_experts("num_experts")}
 
     def _output_head(self, plan: RolePlan, s: Qwen3HParams, bid: None, p: str, role: Role) -> None:
         if s.tie_word_embeddings and plan.has("lm_head.weight"):
@@ -244,10 +216,6 @@ class Qwen3Base(ArchPlugin):
         else:
             add_output_head(plan, s.tie_word_embeddings, s.vocab_size, s.hidden_size)
 
-    def _experts(self, plan: RolePlan, s: Qwen3HParams, bid: int, p: str, role: Role) -> None:
-        plan_experts(plan, bid, p + "mlp.experts.", s.num_experts, s.moe_intermediate_size, s.hidden_size, role,
-                     where=f"layer {bid} (mlp.experts)", count_field="num_experts")
-
     # ------------------------------------------------------------------ metadata
 
     def metadata(self, keep_mtp: bool) -> list[MetaKV]:
@@ -255,14 +223,10 @@ class Qwen3Base(ArchPlugin):
         hp = self.hp
         w = MetadataWriter(self.gguf_arch)
         w.text_model(hp.num_hidden_layers, hp.max_position_embeddings or None, hp.hidden_size, hp.intermediate_size,
-                     hp.num_attention_heads, hp.num_key_value_heads)
-        w.rope_scaling(hp.rope_scaling)
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-        if hp.is_moe:
-            w.experts(hp.num_experts, hp.num_experts_per_tok)
-        if hp.states_head_dim:
-            w.head_sizes(hp.head_dim)
+                     hp.num_attention_heads, hp.num_key_value_heads, rope_scaling=hp.rope_scaling,
+                     rope_theta=hp.rope_theta, rms_norm_eps=hp.rms_norm_eps,
+                     experts=(hp.num_experts, hp.num_experts_per_tok) if hp.is_moe else None,
+                     key_length=hp.head_dim if hp.states_head_dim else None)
         if hp.is_moe:
             w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.moe_intermediate_size)
             if not hp.norm_topk_prob:  # not written upstream (llama.cpp renormalises); see the module docstring

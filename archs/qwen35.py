@@ -18,12 +18,12 @@ from gguf import GGUFValueType, Keys
 
 from . import names, register
 from . import transforms as tf
-from .base import ArchPlugin, Checkpoint, MetaKV, Role, TensorPlan
+from .base import ArchPlugin, Checkpoint, MetaKV
 from .errors import SpecconvError
 from .metadata import MetadataWriter
-from .plan_tools import RolePlan, add_output_head, embedding_rows, plan_experts, text_model_name
+from .plan_tools import output_head, routed_experts, text_model_name
 from .qwen35_hparams import Qwen35HParams
-from .tensor_table import Block, TensorSpec, TensorTable
+from .tensor_table import Hook, TensorSpec, TensorTable, expert_specs, swiglu_specs
 
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _TOWERS = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.audio_tower.",
@@ -57,7 +57,6 @@ def _tiled(dim: int, per_head: str, after_qk: bool = False):
 _LA = "{p}linear_attn."
 _MLP = "{p}mlp."
 _CONV = lambda s: (s.conv_channels, s.linear_conv_kernel_dim)  # noqa: E731
-_GATE_UP_EXPS = lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size)  # noqa: E731
 
 QWEN35_GDN = (  # Qwen3.5's Gated DeltaNet (Qwen3-Next's differs: archs/qwen3next.py)
     TensorSpec("blk.{bid}.attn_qkv.weight", _LA + "in_proj_qkv.weight", lambda s: (s.conv_channels, s.hidden_size),
@@ -100,24 +99,11 @@ QWEN35_TABLE = TensorTable((
     _norm("blk.{bid}.attn_k_norm.weight", "{p}self_attn.k_norm.weight", "attention", lambda s: (s.head_dim,)),
     *QWEN35_GDN,
     _norm("blk.{bid}.post_attention_norm.weight", "{p}post_attention_layernorm.weight"),
-    TensorSpec("blk.{bid}.ffn_gate.weight", _MLP + "gate_proj.weight", lambda s: (s.intermediate_size, s.hidden_size),
-               "dense"),
-    TensorSpec("blk.{bid}.ffn_up.weight", _MLP + "up_proj.weight", lambda s: (s.intermediate_size, s.hidden_size),
-               "dense"),
-    TensorSpec("blk.{bid}.ffn_down.weight", _MLP + "down_proj.weight", lambda s: (s.hidden_size, s.intermediate_size),
-               "dense"),
+    *swiglu_specs(_MLP, "dense"),
     TensorSpec("blk.{bid}.ffn_gate_inp.weight", _MLP + "gate.weight", lambda s: (s.num_experts, s.hidden_size), "moe",
                f32=True),
-    TensorSpec("blk.{bid}.ffn_gate_exps.weight", None, _GATE_UP_EXPS, "moe", hook="experts"),
-    TensorSpec("blk.{bid}.ffn_up_exps.weight", None, _GATE_UP_EXPS, "moe", hook="experts"),
-    TensorSpec("blk.{bid}.ffn_down_exps.weight", None,
-               lambda s: (s.num_experts, s.hidden_size, s.moe_intermediate_size), "moe", hook="experts"),
-    TensorSpec("blk.{bid}.ffn_gate_shexp.weight", _MLP + "shared_expert.gate_proj.weight",
-               lambda s: (s.shared_expert_intermediate_size, s.hidden_size), "moe"),
-    TensorSpec("blk.{bid}.ffn_up_shexp.weight", _MLP + "shared_expert.up_proj.weight",
-               lambda s: (s.shared_expert_intermediate_size, s.hidden_size), "moe"),
-    TensorSpec("blk.{bid}.ffn_down_shexp.weight", _MLP + "shared_expert.down_proj.weight",
-               lambda s: (s.hidden_size, s.shared_expert_intermediate_size), "moe"),
+    *expert_specs(),
+    *swiglu_specs(_MLP + "shared_expert.", "moe", lambda s: s.shared_expert_intermediate_size, "_shexp"),
     # written {H, 1}, as llama.cpp's converter writes it; its loader (and ours) also take {H}
     TensorSpec("blk.{bid}.ffn_gate_inp_shexp.weight", _MLP + "shared_expert_gate.weight",
                lambda s: (1, s.hidden_size), "moe", f32=True, accepts=lambda s: [(s.hidden_size,)]),
@@ -159,14 +145,6 @@ class Qwen35Base(ArchPlugin):
 
     # ------------------------------------------------------------------ structure
 
-    @property
-    def n_trunk_layers(self) -> int:
-        return self.hp.num_hidden_layers
-
-    @property
-    def n_mtp_layers(self) -> int:
-        return self.hp.num_nextn_predict_layers
-
     def _count_mtp_layers(self, configured: int) -> int:
         """k per docs/reference/gguf-layout.md §4.4: from the config (`configured`, 0 when it states none),
         else from `mtp.layers.*`; both must agree."""
@@ -188,30 +166,16 @@ class Qwen35Base(ArchPlugin):
             raise SpecconvError("checkpoint has mtp.* tensors but no mtp.layers.* block")
         return from_names
 
-    def vocab_size(self) -> int:
-        return embedding_rows(self.checkpoint)
-
     # ------------------------------------------------------------------ tensors
 
     table: ClassVar[TensorTable] = QWEN35_TABLE  # Qwen3-Next: its own (archs/qwen3next.py)
 
-    def tensor_plan(self) -> list[TensorPlan]:
-        hp, plan = self.hp, RolePlan(self.checkpoint.tensors)
-        blocks = [Block(i, f"model.layers.{i}.", Role.TRUNK) for i in range(hp.num_hidden_layers)]
-        blocks += [Block(hp.num_hidden_layers + j, f"mtp.layers.{j}.", Role.MTP)
-                   for j in range(hp.num_nextn_predict_layers)]
-        hooks = {"output_head": self._output_head, "experts": self._experts}
-        self.table.plan(plan, hp, blocks, hooks)
-        return plan.finish(self.gguf_arch)
+    def block_prefix(self, bid: int) -> str:
+        n = self.hp.num_hidden_layers
+        return f"mtp.layers.{bid - n}." if bid >= n else f"model.layers.{bid}."
 
-    def _output_head(self, plan: RolePlan, hp: Qwen35HParams, bid: None, p: str, role: Role) -> None:
-        add_output_head(plan, hp.tie_word_embeddings, hp.vocab_dim, hp.hidden_size)
-
-    def _experts(self, plan: RolePlan, hp: Qwen35HParams, bid: int, p: str, role: Role) -> None:
-        """Routed experts from the fused 3-D layout (releases) or per-expert tensors (save_pretrained)."""
-        m = p + "mlp."
-        plan_experts(plan, bid, m + "experts.", hp.num_experts, hp.moe_intermediate_size, hp.hidden_size, role,
-                     where=f"layer {bid} ({m.rstrip('.')})", count_field="num_experts")
+    def hooks(self) -> dict[str, Hook]:
+        return {"output_head": output_head, "experts": routed_experts("num_experts")}
 
     # ------------------------------------------------------------------ metadata
 
@@ -225,15 +189,10 @@ class Qwen35Base(ArchPlugin):
         # qwen3next: TextModel, Qwen2MoeModel, _QwenMtpMixin, Qwen3NextModel).
         w = MetadataWriter(self.gguf_arch)
         w.text_model(hp.num_hidden_layers + k, hp.max_position_embeddings, hp.hidden_size,
-                     hp.intermediate_size or None, hp.num_attention_heads, hp.num_key_value_heads)
-        w.rope_scaling(hp.rope_scaling)
-        if self.writes_rope_sections:
-            w.array(Keys.Rope.DIMENSION_SECTIONS, hp.mrope_section, GGUFValueType.INT32)
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-        if hp.is_moe:
-            w.experts(hp.num_experts, hp.num_experts_per_tok)
-        w.head_sizes(hp.head_dim)
+                     hp.intermediate_size or None, hp.num_attention_heads, hp.num_key_value_heads,
+                     rope_scaling=hp.rope_scaling, rope_sections=hp.mrope_section if self.writes_rope_sections else None,
+                     rope_theta=hp.rope_theta, rms_norm_eps=hp.rms_norm_eps,
+                     experts=(hp.num_experts, hp.num_experts_per_tok) if hp.is_moe else None, key_length=hp.head_dim)
         if hp.is_moe:
             w.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, hp.moe_intermediate_size)
             w.u32(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, hp.shared_expert_intermediate_size)

@@ -151,11 +151,7 @@ class Qwen35HParams(FamilyHParams, AttentionWidths):
         """The hyperparameters of a file (runtime/validate.py has checked its keys' types and ranges)."""
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        block_count = key("block_count", type=int)
-        nextn = key("nextn_predict_layers", 0, int)
-        if nextn > block_count:
-            raise SpecconvError(f"{arch}.nextn_predict_layers ({nextn}) exceeds block_count ({block_count})")
-        n = block_count - nextn
+        n, nextn = r.block_counts()
         key_len, val_len = key("attention.key_length", type=int), key("attention.value_length", type=int)
         if key_len != val_len:
             raise SpecconvError(f"attention.key_length {key_len} != value_length {val_len}")
@@ -166,11 +162,10 @@ class Qwen35HParams(FamilyHParams, AttentionWidths):
         rotary_dim = key("rope.dimension_count", key_len, int)
         nk, nv = key("ssm.group_count", type=int), key("ssm.time_step_rank", type=int)
         dk, inner = key("ssm.state_size", type=int), key("ssm.inner_size", type=int)
-        tokens = kv.get("tokenizer.ggml.tokens")
         hp = cls(
             arch=arch, num_hidden_layers=n, num_nextn_predict_layers=nextn,
             hidden_size=key("embedding_length", type=int),
-            vocab_size=key("vocab_size", 0, int) or (len(tokens) if tokens is not None else 0),
+            vocab_size=r.vocab_size(),
             num_attention_heads=key("attention.head_count", type=int),
             num_key_value_heads=_scalar(key("attention.head_count_kv")), head_dim=key_len, rotary_dim=rotary_dim,
             rope_theta=key("rope.freq_base", 10000.0, float),

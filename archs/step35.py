@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGUFValueType, Keys
 
 from . import names, register
-from .base import Checkpoint, MetaKV, Role
+from .base import MetaKV, Role
 from .chained_mtp import ChainedMtpPlugin, chained_table, head_copies, norm_spec, routed_specs
 from .metadata import MetadataWriter
 from .plan_tools import RolePlan, text_model_name
@@ -73,11 +73,7 @@ class Step35(ChainedMtpPlugin):
     family: ClassVar[str] = "step35"
     tokenizer_model: ClassVar[str] = "gpt2"
     tokenizer_pre: ClassVar[str] = "deepseek-v3"
-
-    def __init__(self, checkpoint: Checkpoint):
-        super().__init__(checkpoint)
-        self.hp = Step35HParams.from_config(checkpoint)
-        self.missing_mtp = self.hp.missing_mtp(f"model.layers.{self.hp.num_hidden_layers}.*")
+    HParams: ClassVar[type[Step35HParams]] = Step35HParams
 
     @classmethod
     def normalize_name(cls, raw_name: str) -> str | tuple[None, str]:
@@ -88,7 +84,7 @@ class Step35(ChainedMtpPlugin):
     table: ClassVar[TensorTable] = STEP35_TABLE
 
     def hooks(self) -> dict[str, Hook]:
-        return {"head_copies": self._head_copies, "attn_gate": self._attn_gate}
+        return {**super().hooks(), "head_copies": self._head_copies, "attn_gate": self._attn_gate}
 
     def _head_copies(self, plan: RolePlan, s: Step35HParams, bid: int, p: str, role: Role) -> None:
         for hf, part in (("transformer.shared_head.output", names.NEXTN_SHARED_HEAD_HEAD),
@@ -117,12 +113,9 @@ class Step35(ChainedMtpPlugin):
         w = MetadataWriter(self.gguf_arch)
         # head_count_kv comes later here (Step35Model's own write)
         w.text_model(n + k, hp.max_position_embeddings, hp.hidden_size, hp.intermediate_size,
-                     heads[:total] + [heads[-1]] * (total - len(heads)), None, array_type=i32)
-        w.f32(Keys.Rope.FREQ_BASE, hp.rope_theta)
-        if SWA in hp.layer_types:
-            w.f32(Keys.Rope.FREQ_BASE_SWA, hp.swa_rope_theta)
-        w.f32(Keys.Attention.LAYERNORM_RMS_EPS, hp.rms_norm_eps)
-        w.head_sizes(hp.head_dim)
+                     heads[:total] + [heads[-1]] * (total - len(heads)), None, array_type=i32, rope_theta=hp.rope_theta,
+                     rope_theta_swa=hp.swa_rope_theta if SWA in hp.layer_types else None,
+                     rms_norm_eps=hp.rms_norm_eps, key_length=hp.head_dim)
         w.count(Keys.Attention.HEAD_COUNT_KV, kv_heads[:total] + [kv_heads[-1]] * (total - len(kv_heads)), i32)
         w.u32(Keys.Attention.SLIDING_WINDOW, hp.sliding_window)
         w.array(Keys.Attention.SLIDING_WINDOW_PATTERN, [t == SWA for t in types], GGUFValueType.BOOL)

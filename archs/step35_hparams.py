@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from . import names
 from .base import Checkpoint
-from .chained_mtp import ChainedHParams, block_counts, check_stated_count, kv_fields
+from .chained_mtp import ChainedHParams, check_stated_count, kv_fields
 from .config_reader import ConfigReader, MAX_LAYERS
 from .errors import SpecconvError
 from .hparams import HParamsReader
@@ -137,10 +137,9 @@ class Step35HParams(ChainedHParams):
         widths are each block's tensors' (ChainedHParams)."""
         r = HParamsReader(kv)
         arch, key = r.arch, r.key
-        total = sum(block_counts(r))
+        total = sum(r.block_counts())
         head_dim = key("attention.key_length", type=int)
-        if key("attention.value_length", head_dim, int) != head_dim:
-            raise SpecconvError(f"{arch}: attention.key_length != value_length")
+        r.check_value_length(head_dim)
         heads, kv_heads = r.per_layer("attention.head_count", total), r.per_layer("attention.head_count_kv", total)
         for i, (h, k) in enumerate(zip(heads, kv_heads)):
             if h % k:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from .base import Role
+from .base import Block, Role
 from .errors import SpecconvError
 from .transforms import identity
 
@@ -74,18 +74,29 @@ class TensorSpec:
         return self.gguf.format(bid=bid) if self.per_block else self.gguf
 
 
+def swiglu_specs(hf: str, on: str = "", width: Callable[[Any], int] = lambda s: s.intermediate_size,
+                 suffix: str = "", **kw) -> tuple[TensorSpec, ...]:
+    """A SwiGLU MLP's rows: `blk.{bid}.ffn_{gate,up,down}{suffix}.weight` from `{hf}{gate,up,down}_proj.weight`,
+    [F, H], [F, H] and [H, F] with F = width(sizes): a dense MLP, or (suffix "_shexp") a shared expert."""
+    into, out = (lambda s: (width(s), s.hidden_size)), (lambda s: (s.hidden_size, width(s)))
+    return tuple(TensorSpec(f"blk.{{bid}}.ffn_{part}{suffix}.weight", f"{hf}{part}_proj.weight", shape, on, **kw)
+                 for part, shape in (("gate", into), ("up", into), ("down", out)))
+
+
+def expert_specs(hf: str | None = None, on: str = "moe", **kw) -> tuple[TensorSpec, ...]:
+    """Routed experts stacked as `blk.{bid}.ffn_{gate,up,down}_exps.weight` [E, Fe, H], [E, Fe, H], [E, H, Fe]:
+    read from `{hf}{gate,up,down}_proj.weight` when the checkpoint keeps them 3-D, else planned by the
+    plugin's `experts` hook (per-expert or fused tensors)."""
+    into = lambda s: (s.num_experts, s.moe_intermediate_size, s.hidden_size)  # noqa: E731
+    out = lambda s: (s.num_experts, s.hidden_size, s.moe_intermediate_size)  # noqa: E731
+    return tuple(TensorSpec(f"blk.{{bid}}.ffn_{part}_exps.weight", hf and f"{hf}{part}_proj.weight", shape, on,
+                            hook=None if hf else "experts", **kw)
+                 for part, shape in (("gate", into), ("up", into), ("down", out)))
+
+
 def read_by(graph: str, specs: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
     """`specs` as the runtime's `graph` reads them (`TensorSpec.graph`): a drafter file's rows."""
     return tuple(replace(s, graph=graph) for s in specs)
-
-
-@dataclass(frozen=True)
-class Block:
-    """One block as the converter walks it: GGUF index, HF name prefix, and where it goes."""
-
-    bid: int
-    prefix: str
-    role: Role
 
 
 Hook = Callable[..., None]  # hook(plan, sizes, bid, prefix, role); bid None and prefix "" for a global

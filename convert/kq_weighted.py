@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from .kquants import (_affine_search, _half, _pack_2bit, _q6_k, _round, _seq_sum, _signed_peak, _u8, pack_q4_k, pack_q5_k,
-                      refine_levels, signed_fit)
+from .kquants import (_affine_search, _half, _pack_2bit, _q6_k, _round, _seq_sum, _signed_peak, _u8, pack_q2_k, pack_q4_k,
+                      pack_q5_k, refine_levels, signed_fit)
 
 Q = GGMLQuantizationType
 F = np.float32
@@ -91,18 +91,8 @@ def _q2_k(x, qw):
     levels, scale, neg_min = _affine_search(x.reshape(-1, 16), weight.reshape(-1, 16), 3, -0.9, 0.05, 36, False)
     ls, dm = _positive_fit(scale.reshape(b, 16), sw, 15)
     lm, mm = _positive_fit(neg_min.reshape(b, 16), sw, 15)
-    d_bits, d = _half(dm)
-    m_bits, m = _half(mm)
     sc = _u8(ls.astype(np.int32) | (lm.astype(np.int32) << 4))
-    step = np.repeat(d[:, None] * (sc & 0xF).astype(np.float32), 16, axis=1)
-    shift = np.repeat(m[:, None] * (sc >> 4).astype(np.float32), 16, axis=1)
-    levels = np.where(step != 0, np.clip(_round((x + shift) / step), 0, 3), levels.reshape(b, 256))
-    out = np.empty((b, 84), dtype=np.uint8)
-    out[:, :16] = sc
-    out[:, 16:80] = _pack_2bit(levels)
-    out[:, 80:82] = d_bits.reshape(-1, 1).view(np.uint8)
-    out[:, 82:84] = m_bits.reshape(-1, 1).view(np.uint8)
-    return out
+    return pack_q2_k(x, levels, sc, _half(dm), _half(mm))
 
 
 def _q3_k(x, qw):

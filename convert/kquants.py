@@ -228,11 +228,18 @@ def _q2_k(x: np.ndarray) -> np.ndarray:
     sc = _u8(q_s) | _u8(q_m << 4)
     d_bits, d = _half(np.where(has_s, top_s / F(15), F(0)))
     m_bits, m = _half(np.where(has_m, top_m / F(15), F(0)))
+    return pack_q2_k(x, levels, sc, (d_bits, d), (m_bits, m))
+
+
+def pack_q2_k(x: np.ndarray, levels: np.ndarray, sc: np.ndarray, d: tuple[np.ndarray, np.ndarray],
+              m: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Q2_K super-blocks (84 B) of rows `x` [B, 256]: the 4-bit scale | min<<4 bytes `sc`, the levels
+    re-fit to the quantized scales (kept where a sub-block's step is 0), d and dmin ((f16 bits, value))."""
+    (d_bits, d), (m_bits, m) = d, m
     step = np.repeat(d[:, None] * (sc & 0xF).astype(np.float32), 16, axis=1)
     shift = np.repeat(m[:, None] * (sc >> 4).astype(np.float32), 16, axis=1)
-    fresh = np.clip(_round((x + shift) / step), 0, 3)
-    levels = np.where(step != 0, fresh, levels)
-    out = np.empty((b, 84), dtype=np.uint8)
+    levels = np.where(step != 0, np.clip(_round((x + shift) / step), 0, 3), levels.reshape(x.shape[0], 256))
+    out = np.empty((x.shape[0], 84), dtype=np.uint8)
     out[:, :16] = sc
     out[:, 16:80] = _pack_2bit(levels)
     out[:, 80:82] = d_bits.reshape(-1, 1).view(np.uint8)

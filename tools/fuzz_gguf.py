@@ -68,13 +68,13 @@ def _pipeline(kind: str, paths: list[Path]) -> None:
     from specconv.runtime import validate
     from specconv.runtime.generate import generate
     from specconv.runtime.gguf_file import GGUFModelFile
-    from specconv.runtime.graphs import graph_module
+    from specconv.runtime.graphs import graph_for
     from specconv.runtime.model import load_model
     from specconv.runtime.speculative import SpecConfig, build_drafter, speculative_generate
 
     for p in paths:
         f = GGUFModelFile(p)
-        validate.read_hparams(f, graph_module(f.arch))
+        validate.read_hparams(f, graph_for(f.arch))
     target = load_model(paths[0], device="cpu")
     tok = target.tokenizer
     ids = tok.encode(PROMPT) or [0]

@@ -48,3 +48,20 @@ def test_head_sizes_counts_and_nextn_append_to_a_given_list():
         ("demo.expert_count", 64), ("demo.expert_used_count", 8), ("demo.expert_group_used_count", 4),
         ("demo.nextn_predict_layers", 2)]
     assert MetadataWriter("x", w.kv).kv is w.kv  # plugins extend their base class's list in place
+
+
+def test_text_model_writes_the_stated_later_keys_in_text_model_order():
+    w = MetadataWriter("demo")
+    w.text_model(2, 4096, 64, 128, 4, 2, causal=False, rope_scaling=RopeScaling("linear", 2.0),
+                 rope_sections=[8, 0, 0, 0], rope_theta=1e6, rope_theta_swa=1e4, rms_norm_eps=1e-6, experts=(8, 2),
+                 expert_groups=(None, 1), expert_gating_func=2, key_length=16, value_length=8)
+    assert [k for k, *_ in _written(w)][6:] == [
+        "demo.attention.causal", "demo.rope.scaling.type", "demo.rope.scaling.factor", "demo.rope.dimension_sections",
+        "demo.rope.freq_base", "demo.rope.freq_base_swa", "demo.attention.layer_norm_rms_epsilon", "demo.expert_count",
+        "demo.expert_used_count", "demo.expert_group_used_count", "demo.expert_gating_func",
+        "demo.attention.key_length", "demo.attention.value_length"]
+    assert _written(w)[9] == ("demo.rope.dimension_sections", [8, 0, 0, 0], T.ARRAY, T.INT32)
+    bare = MetadataWriter("demo")
+    bare.text_model(2, 4096, 64, 128, 4, 2, causal=True, key_length=16)  # a causal model writes no flag
+    assert [k for k, *_ in _written(bare)][6:] == ["demo.attention.key_length", "demo.attention.value_length"]
+    assert _written(bare)[-1][1] == 16  # value length = key length unless given

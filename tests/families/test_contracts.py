@@ -119,13 +119,10 @@ def test_every_registered_plugin_is_a_complete_arch_plugin():
     print(f"\n{len(classes)} plugin classes for {len(archs)} architectures satisfy ArchPlugin")
 
 
-class _Incomplete(ArchPlugin):  # gguf_arch and tensor_plan written; metadata, vocab_size and layer counts not
+class _Incomplete(ArchPlugin):  # its identity written; metadata not (the one hook without a default)
     hf_architectures = ("IncompleteForCausalLM",)
     gguf_arch = "incomplete"
     family = "incomplete"
-
-    def tensor_plan(self):
-        return []
 
 
 def test_an_incomplete_plugin_is_refused_at_registration_with_its_missing_hooks_named():
@@ -135,9 +132,9 @@ def test_an_incomplete_plugin_is_refused_at_registration_with_its_missing_hooks_
         register(_Incomplete)
     message = str(err.value)
     print(f"\n{message}")
-    for hook in ("metadata", "n_mtp_layers", "n_trunk_layers", "vocab_size"):
-        assert hook in message
-    assert "gguf_arch" not in message and "tensor_plan" not in message
+    assert "metadata" in message
+    for declared in ("gguf_arch", "tensor_plan", "n_mtp_layers", "n_trunk_layers", "vocab_size"):
+        assert declared not in message
     assert _REGISTRY == before  # nothing registered
 
 
@@ -152,11 +149,66 @@ def test_a_plugin_without_identity_or_base_is_refused():
         check_plugin(object)
 
 
+_STRUCTURE_DEFAULTS = ("n_trunk_layers", "n_mtp_layers", "vocab_size", "sizes", "block_prefix", "blocks", "hooks",
+                       "ignored_sources", "tensor_plan")
+
+
 def test_plugin_defaults_are_declared_on_the_base():
     for hook in ("uses_target", "standalone_drafter", "missing_mtp", "notices", "tokenizer_dir", "refine",
-                 "normalize_name", "tokenizer_model", "tokenizer_pre", "special_tokens", "hf_reference"):
+                 "normalize_name", "tokenizer_model", "tokenizer_pre", "special_tokens",
+                 "hf_reference") + _STRUCTURE_DEFAULTS:
         assert hook in vars(ArchPlugin), hook
+        assert hook not in ArchPlugin.__abstractmethods__, hook
+    # what the defaults read: the family's hparams and table, declared (set by every plugin)
+    assert {"hp", "table"} <= set(ArchPlugin.__annotations__)
     assert _Incomplete.refine({}) is _Incomplete  # the default hands over to no other class
+
+
+class _Complete(_Incomplete):
+    def metadata(self, keep_mtp):
+        return []
+
+
+def _toy_plugin(ignored=()):
+    """A plugin with two trunk blocks and one MTP block, written with the base's defaults only."""
+    from specconv.archs.base import Checkpoint, SourceTensor
+    from specconv.archs.hparams import FamilyHParams
+    from specconv.archs.tensor_table import TensorSpec, TensorTable
+
+    table = TensorTable((TensorSpec("token_embd.weight", "model.embed_tokens.weight", lambda s: (s.vocab_dim, 4)),
+                         TensorSpec("blk.{bid}.attn_norm.weight", "{p}norm.weight", lambda s: (4,), f32=True)),
+                        lambda s, bid: frozenset())
+    tensors = {"model.embed_tokens.weight": SourceTensor("model.embed_tokens.weight", (11, 4), "F32")}
+    tensors.update({f"model.layers.{i}.{n}": SourceTensor(f"model.layers.{i}.{n}", (4,), "F32")
+                    for i in range(3) for n in ("norm.weight", "dropped.weight")})
+
+    class Toy(_Complete):
+        def __init__(self, checkpoint):
+            super().__init__(checkpoint)
+            self.hp = FamilyHParams(arch="incomplete", num_hidden_layers=2, hidden_size=4, vocab_size=11,
+                                    num_nextn_predict_layers=1)
+
+        def ignored_sources(self):
+            return list(ignored)
+
+    Toy.table = table
+    return Toy(Checkpoint(config={}, tensors=tensors))
+
+
+def test_the_base_defaults_plan_the_trunk_then_the_mtp_blocks_from_the_table():
+    from specconv.archs.base import Role
+
+    p = _toy_plugin(ignored=[f"model.layers.{i}.dropped.weight" for i in range(3)] + ["model.layers.9.absent"])
+    assert (p.n_trunk_layers, p.n_mtp_layers, p.vocab_size()) == (2, 1, 11)  # the embedding's rows
+    assert [(b.bid, b.prefix, b.role) for b in p.blocks()] == [
+        (0, "model.layers.0.", Role.TRUNK), (1, "model.layers.1.", Role.TRUNK), (2, "model.layers.2.", Role.MTP)]
+    plans = p.tensor_plan()
+    print(f"\n{[(t.name, t.role.value) for t in plans]}")
+    assert [(t.name, t.role) for t in plans] == [("token_embd.weight", Role.SHARED)] + [
+        (f"blk.{i}.attn_norm.weight", Role.TRUNK if i < 2 else Role.MTP) for i in range(3)]
+    # a checkpoint tensor neither planned nor ignored is refused, as before the defaults
+    with pytest.raises(SpecconvError, match="unexpected tensor.*dropped"):
+        _toy_plugin().tensor_plan()
 
 
 # ---- graphs ----------------------------------------------------------------------------------------------

@@ -106,3 +106,16 @@ def test_reader_types_and_paths():
     assert ConfigReader({"x": 1}).with_values({"x": 2}).integer("x") == 2
     merged = ConfigReader({"x": 1, "inner": {"x": 3}}).merged("inner")
     assert merged.integer("x") == 3
+
+
+def test_attention_heads_reads_transformers_defaults_and_refuses_kv_heads_that_do_not_divide():
+    assert ConfigReader({"num_attention_heads": 8, "hidden_size": 64}).attention_heads() == (8, 8, 8)
+    assert ConfigReader({"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 24,
+                         "hidden_size": 64}).attention_heads() == (8, 2, 24)
+    tc = ConfigReader({"text_config": {"num_attention_heads": 6, "num_key_value_heads": 4, "hidden_size": 48}})
+    with pytest.raises(SpecconvError) as exc:
+        tc.text_model().attention_heads()
+    assert str(exc.value) == ("config.json: text_config.num_attention_heads (6) is not a multiple of "
+                              "num_key_value_heads (4)")
+    with pytest.raises(SpecconvError, match="^config.json lacks hidden_size$"):  # needed only without head_dim
+        ConfigReader({"num_attention_heads": 8}).attention_heads()

@@ -50,3 +50,20 @@ def test_a_graph_reports_a_mistyped_key_by_name():
           "step35.attention.head_count": ["4", "4"], "step35.attention.head_count_kv": 1}
     with pytest.raises(SpecconvError, match=r"^GGUF key step35\.attention\.head_count must be int, found '4'$"):
         step35.HParams.from_kv(kv)
+
+
+def test_the_shared_reads_split_blocks_size_heads_and_count_the_vocabulary():
+    kv = {"general.architecture": "demo", "demo.block_count": 5, "demo.nextn_predict_layers": 2,
+          "demo.embedding_length": 64, "demo.attention.head_count": 4, "tokenizer.ggml.tokens": ["a"] * 7}
+    r = HParamsReader(kv)
+    assert r.block_counts() == (3, 2) and HParamsReader({**kv, "demo.nextn_predict_layers": 0}).block_counts() == (5, 0)
+    assert r.attention_widths() == (64, 4, 16)  # no key_length: the embedding split over the heads
+    assert HParamsReader({**kv, "demo.attention.key_length": 24}).attention_widths() == (64, 4, 24)
+    assert r.vocab_size() == 7 and HParamsReader({**kv, "demo.vocab_size": 9}).vocab_size() == 9
+    assert HParamsReader({"general.architecture": "demo"}).vocab_size() == 0  # a sidecar without a tokenizer
+    r.check_value_length(16)  # not stated: nothing to disagree with
+    HParamsReader({**kv, "demo.attention.value_length": 16}).check_value_length(16)
+    with pytest.raises(SpecconvError, match=r"^demo: attention\.value_length_swa differs from key_length_swa$"):
+        HParamsReader({**kv, "demo.attention.value_length_swa": 8}).check_value_length(16, "_swa")
+    with pytest.raises(SpecconvError, match=r"^demo\.nextn_predict_layers \(6\) exceeds block_count \(5\)$"):
+        HParamsReader({**kv, "demo.nextn_predict_layers": 6}).block_counts()

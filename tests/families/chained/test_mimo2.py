@@ -85,6 +85,9 @@ def test_mtp_count_and_refused_configs(conv):
     src, _ = conv
     assert _plugin(src).n_mtp_layers == K
     assert _plugin(src, drop=["model.mtp."]).n_mtp_layers == 0
+    # a count config.json states without the weights: trunk-only, with the reason, never silently
+    stripped = _plugin(src, lambda c: c.update(num_nextn_predict_layers=K), drop=["model.mtp."])
+    assert stripped.n_mtp_layers == 0 and "holds no model.mtp.layers.* tensors" in stripped.missing_mtp
     with pytest.raises(SpecconvError, match="not 0..2"):
         _plugin(src, drop=["model.mtp.layers.1."])
     with pytest.raises(SpecconvError, match="num_nextn_predict_layers=1, but the checkpoint holds 3"):
