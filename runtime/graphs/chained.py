@@ -4,13 +4,12 @@ Each of those graphs keeps what is its own (attention, rope; its hyperparameters
 dataclass, archs/<family>.py); the rest is written once here: the tensor lists from the family's
 table (trunk blocks, then k MTP blocks with their nextn inputs) and the checks of which FFN a block
 holds, the KV-cache layouts, which MTP block a context runs (`hp.mtp_block`), a windowed attention
-with optional sinks, the dense-or-routed SwiGLU FFN, the pre-norm residual block, and the trunk / MTP
-forwards through decoder.py (so multi-device placement comes with them).
+with optional sinks, the dense-or-routed SwiGLU FFN, and the forwards and Graph through trunk.py
+(pre-norm residual blocks run by decoder.py, so multi-device placement comes with them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -19,10 +18,9 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.tensor_table import GraphTensors, TensorTable
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs import moe_sigmoid as ms
+from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.contract import Graph
-from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
-from specconv.runtime.graphs.ops import acc, by_rows, moe, rms_norm, swiglu
-from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.graphs.ops import acc, by_rows, moe, swiglu
 
 
 # ---- tensors and caches -------------------------------------------------------------------------------------
@@ -77,23 +75,10 @@ def mtp_block_id(hp) -> int:
     return hp.num_hidden_layers + hp.mtp_block
 
 
-def _layout(layers: list[int], num_key_value_heads: int | list[int], width: int) -> MemoryLayout:
-    if isinstance(num_key_value_heads, list):  # KV heads per block: each layer's cells get their own shape
-        return MemoryLayout(attn_layers=layers, num_key_value_heads=num_key_value_heads[layers[0] if layers else 0], head_dim=width,
-                            rec_layers=[], layer_shapes={i: (num_key_value_heads[i], width) for i in layers})
-    return MemoryLayout(attn_layers=layers, num_key_value_heads=num_key_value_heads, head_dim=width, rec_layers=[])
-
-
-@dataclass(frozen=True)
-class Layouts:
-    """The KV-cache layouts of a graph whose cells are `width(hp)` wide."""
-    width: Callable[[Any], int]
-
-    def main_layout(self, hp, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-        return _layout(list(range(hp.num_hidden_layers)), hp.num_key_value_heads, self.width(hp))
-
-    def mtp_layout(self, hp) -> MemoryLayout:
-        return _layout([mtp_block_id(hp)], hp.num_key_value_heads, self.width(hp))
+def layouts(width: Callable[[Any], int]) -> trunk.Layouts:
+    """The KV-cache layouts of a chained graph whose cells are `width(hp)` wide: the trunk's blocks, and
+    the MTP block a context runs (KV heads per block where the file gives them per block)."""
+    return trunk.Layouts(width, mtp_block_id)
 
 
 # ---- compute ------------------------------------------------------------------------------------------------
@@ -138,54 +123,18 @@ def ffn(w, hp, i: int, x: torch.Tensor, bias: str, dense=swiglu, expert=swiglu, 
     return out.to(x.dtype)
 
 
-# attention(w, hp, i, a, batch, rope) / ffn(w, hp, i, x): a graph's own halves of a block
-Attention = Callable[..., torch.Tensor]
-Ffn = Callable[..., torch.Tensor]
+def forwards(rope: trunk.RopeOf, attention: trunk.Attention, ffn_: trunk.Ffn) -> trunk.Trunk:
+    """The forwards of a chained graph made of pre-norm residual blocks; its MTP forward runs block
+    `hp.mtp_block` (decoder.forward_nextn: (logits, z = shared_head_norm(y), y = pre-norm output))."""
+    return trunk.Trunk(rope, trunk.prenorm(attention, ffn_), mtp_block=mtp_block_id)
 
 
-def block(w, hp, i: int, h: torch.Tensor, batch: Batch, rope, attention: Attention, ffn_: Ffn) -> torch.Tensor:
-    """Pre-norm residual block: h + attention(attn_norm(h)), then + ffn(ffn_norm(h))."""
-    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps), batch, rope)
-    return h + ffn_(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.rms_norm_eps))
-
-
-@dataclass(frozen=True)
-class Forwards:
-    """The trunk and MTP forwards of a graph made of `block`s; `make_rope(hp, batch)(dtype)` builds its
-    rope tables. The MTP forward runs block `hp.mtp_block` through decoder.forward_nextn:
-    (logits, z = shared_head_norm(y), y = the block's pre-norm output)."""
-    make_rope: Callable[[Any, Batch], Callable]
-    attention: Attention
-    ffn: Ffn
-
-    def _block(self, w, hp, batch: Batch):
-        return lambda i, h, rope: block(w, hp, i, h, batch, rope, self.attention, self.ffn)
-
-    def forward_main(self, w, hp, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
-                     want_logits: torch.Tensor | None):
-        """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
-        return forward_trunk(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, want_layers, want_logits,
-                             self.make_rope(hp, batch), self._block(w, hp, batch))
-
-    def forward_mtp(self, w, hp, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
-        return forward_nextn(w, mtp_block_id(hp), hp.rms_norm_eps, tokens, hidden_in, self.make_rope(hp, batch),
-                             self._block(w, hp, batch))
-
-
-def graph(name: str, HParams: type, tensors: GraphTensors, layouts: Layouts, forwards: Forwards,
+def graph(name: str, HParams: type, tensors: GraphTensors, layouts_: trunk.Layouts, forwards_: trunk.Trunk,
           **family) -> Graph:
-    """The Graph of a chained-MTP family: its lists, layouts and forwards, and what every chained graph
-    declares (the release's shifted MTP rows, k blocks drafting positions 1..k, blocks placed over
-    devices, captured decode steps); `family` holds the rest (keep_float32, check_hparams,
-    check_values, CHAIN_HIDDEN, TARGET_HIDDEN, or a forward_mtp of its own)."""
-    return Graph(**{
-        "name": name, "HParams": HParams, "CAPTURABLE": True,
-        "main_tensors": tensors.main_tensors, "mtp_tensors": tensors.mtp_tensors,
-        "optional_mtp_tensors": tensors.optional_mtp_tensors, "OPTIONAL": tensors.OPTIONAL,
-        "optional_main_tensors": tensors.optional_main_tensors, "expected_shapes": tensors.expected_shapes,
-        "main_layout": layouts.main_layout, "mtp_layout": layouts.mtp_layout,
-        "forward_main": forwards.forward_main, "forward_mtp": forwards.forward_mtp,
-        "MULTI_DEVICE": True,  # runs through decoder.forward_trunk / forward_nextn
+    """The Graph of a chained-MTP family (trunk.graph) with what every chained graph declares (the
+    release's shifted MTP rows, k blocks drafting positions 1..k); `family` holds the rest
+    (check_hparams, check_values, CHAIN_HIDDEN, TARGET_HIDDEN, or a forward_mtp of its own)."""
+    return trunk.graph(name, HParams, tensors, layouts_.main_layout, layouts_.mtp_layout, forwards_, **{
         "CHAINED_MTP": True,  # block i drafts position i (runtime/drafters/mtp.py)
         # the release's rows: from (x_1, h_0), no zero-state row (docs/reference/model-math.md §12)
         "MTP_ROWS": "shifted",

@@ -23,10 +23,9 @@ from specconv.archs.deepseek2 import DEEPSEEK2_TABLE, Deepseek2HParams
 from specconv.archs.rope_scaling import RopeScaling
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
-from specconv.runtime.graphs.contract import Graph
-from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
+from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import acc, by_rows, cached_attention, dense, linear, rms_norm
-from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.memory import Batch
 
 HParams = Deepseek2HParams  # from GGUF metadata by from_kv (archs/deepseek2.py)
 
@@ -35,14 +34,8 @@ TABLE = DEEPSEEK2_TABLE
 _tensors = GraphTensors(TABLE, lambda hp: hp)
 
 
-def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    return MemoryLayout(attn_layers=list(range(hp.num_hidden_layers)), num_key_value_heads=1, head_dim=hp.latent_width,
-                        rec_layers=[])
-
-
-def mtp_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[hp.num_hidden_layers], num_key_value_heads=1, head_dim=hp.latent_width,
-                        rec_layers=[])
+# one latent row per token and block (stored as both K and V), the nextn block's too
+_layouts = trunk.Layouts(lambda hp: hp.latent_width, trunk.nextn_block, heads=lambda hp: 1)
 
 
 # ---- rope ---------------------------------------------------------------------------------------
@@ -131,35 +124,12 @@ def mla(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Te
     return linear(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])
 
 
-def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
-    h = h + mla(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps), batch, rope)
-    return h + ms.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.rms_norm_eps))
+def _rope(w, hp: HParams, batch: Batch):
+    return lambda dtype: rope_cos_sin(hp, batch.positions, dtype)
 
 
-def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
-                 want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
-    return forward_trunk(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, want_layers, want_logits,
-                         lambda dtype: rope_cos_sin(hp, batch.positions, dtype),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))
-
-
-def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
-    """Returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
-    return forward_nextn(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, hidden_in,
-                         lambda dtype: rope_cos_sin(hp, batch.positions, dtype),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))
-
-
-GRAPH = Graph(
-    name="deepseek2",
+GRAPH = trunk.graph(
+    "deepseek2", HParams, _tensors, _layouts.main_layout, _layouts.mtp_layout,
+    trunk.Trunk(_rope, trunk.prenorm(mla, ms.ffn), mtp_block=trunk.nextn_block),
     archs=("deepseek2",),  # the GGUF arches this graph runs (graph_for finds it by them)
-    tensors=_tensors,
-    CAPTURABLE=True,
-    HParams=HParams,
-    main_layout=main_layout,
-    mtp_layout=mtp_layout,
-    forward_main=forward_main,
-    forward_mtp=forward_mtp,
-    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

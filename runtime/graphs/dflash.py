@@ -24,7 +24,8 @@ from specconv.archs import names
 from specconv.archs.dflash import DFLASH_TABLE
 from specconv.archs.dflash_hparams import DFlashHParams
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.graphs.contract import Graph, no_tensors
+from specconv.runtime.graphs import draft_head
+from specconv.runtime.graphs.contract import no_tensors
 from specconv.runtime.graphs.ops import acc, by_rows, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
 from specconv.runtime.memory import Batch, Memory, MemoryLayout
 from specconv.runtime.types import GraphType
@@ -50,30 +51,14 @@ def serves(hp: HParams, file) -> set[GraphType]:
     return {GraphType.MTP}
 
 
-def vocab_size(hp: HParams) -> int:
-    return hp.vocab_size
-
-
 # ---- which tensors the graph needs: the drafter's table (archs/dflash.py), shapes from the hparams
 
 TABLE = DFLASH_TABLE
 
 
-def main_tensors(hp: HParams) -> list[str]:
-    return []
-
-
-def mtp_tensors(hp: HParams) -> list[str]:
-    return TABLE.graph_names(hp, range(hp.num_hidden_layers), "mtp")
-
-
-def expected_shapes(hp: HParams) -> dict[str, tuple | list[tuple]]:
-    return TABLE.ggml_shapes(hp, range(hp.num_hidden_layers))
-
-
+_tensors = draft_head.HeadTensors(TABLE, lambda hp: range(hp.num_hidden_layers))
 OPTIONAL = tuple(TABLE.names(None, (), optional=True))  # token_embd and output: else the target's
 SELECTOR = ("selector_predecessor.weight", "selector_successor.weight", "selector_hidden.weight")  # DFlash2's
-keep_float32 = TABLE.keeps_float32
 
 
 def check_hparams(hp: HParams, kv: Mapping[str, Any]) -> None:
@@ -220,29 +205,18 @@ def lattice(w, hp: HParams, logits: torch.Tensor, y: torch.Tensor, anchor: int):
     return cands, scores
 
 
-def forward_main(*args, **kwargs):
-    raise SpecconvError("a DFlash file is a drafter: run it with --spec dflash next to its target")
-
-
-GRAPH = Graph(
-    name="dflash",
+GRAPH = draft_head.graph(
+    "dflash", "dflash", "a DFlash file is a drafter: run it with --spec dflash next to its target",
     HParams=HParams,
-    main_tensors=main_tensors,
     archs=("dflash",),  # the GGUF arches this graph runs (graph_for finds it by them)
-    mtp_tensors=mtp_tensors,
-    optional_mtp_tensors=no_tensors,
-    keep_float32=keep_float32,
+    tensors=_tensors,
+    optional_mtp_tensors=no_tensors,  # its optional tensors are whole-model ones: OPTIONAL
     main_layout=main_layout,
     mtp_layout=mtp_layout,
-    forward_main=forward_main,
     forward_mtp=forward_mtp,
     OPTIONAL=OPTIONAL,
     serves=serves,
-    vocab_size=vocab_size,
-    KIND="dflash",
-    SHAREABLE=(),  # a draft's own tensors are never replaced by the target's
-    FROM_TARGET={names.TOKEN_EMBD: (names.TOKEN_EMBD,), names.OUTPUT: (names.OUTPUT, names.TOKEN_EMBD)},
-    expected_shapes=expected_shapes,
+    FROM_TARGET=draft_head.EMBEDDING_AND_HEAD,
     check_hparams=check_hparams,
     check_values=check_values,
 )

@@ -20,6 +20,8 @@ token, rollback and sequence copies treat both alike and the cached run equals t
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -28,10 +30,9 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import deepseek2 as ds
 from specconv.runtime.graphs import moe_sigmoid as ms
-from specconv.runtime.graphs.contract import Graph
-from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
+from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import acc, attended_kv, by_rows, dense, linear, rms_norm
-from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.memory import Batch
 
 LAYERNORM_EPS = 1e-6  # the indexer's k_norm: transformers' LayerNorm(eps=1e-6), llama.cpp deepseek32's f_norm_eps
 
@@ -46,12 +47,7 @@ def _row_width(hp: HParams) -> int:
     return hp.latent_width + hp.index_head_dim
 
 
-def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    return MemoryLayout(attn_layers=list(range(hp.num_hidden_layers)), num_key_value_heads=1, head_dim=_row_width(hp), rec_layers=[])
-
-
-def mtp_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[hp.num_hidden_layers], num_key_value_heads=1, head_dim=_row_width(hp), rec_layers=[])
+_layouts = trunk.Layouts(_row_width, trunk.nextn_block, heads=lambda hp: 1)
 
 
 # ---- the lightning indexer ------------------------------------------------------------------------
@@ -151,37 +147,17 @@ def mla_dsa(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope, state: 
     return linear(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])
 
 
-def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope, state: dict) -> torch.Tensor:
-    h = h + mla_dsa(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps), batch, rope, state)
-    return h + ms.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.rms_norm_eps))
+def _block(w, hp: HParams, batch: Batch, gdn_mode: str):
+    state: dict = {}  # the last full indexer layer's selection, which shared-indexer layers of one forward reuse
+    return trunk.prenorm(partial(mla_dsa, state=state), ms.ffn)(w, hp, batch, gdn_mode)
 
 
-def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
-                 want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
-    state: dict = {}
-    return forward_trunk(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, want_layers, want_logits,
-                         lambda dtype: ds.rope_cos_sin(hp, batch.positions, dtype),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope, state))
+def _rope(w, hp: HParams, batch: Batch):
+    return lambda dtype: ds.rope_cos_sin(hp, batch.positions, dtype)
 
 
-def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
-    """Returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
-    state: dict = {}
-    return forward_nextn(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, hidden_in,
-                         lambda dtype: ds.rope_cos_sin(hp, batch.positions, dtype),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope, state))
-
-
-GRAPH = Graph(
-    name="dsa",
+GRAPH = trunk.graph(
+    "dsa", HParams, _tensors, _layouts.main_layout, _layouts.mtp_layout,
+    trunk.Trunk(_rope, _block, mtp_block=trunk.nextn_block),
     archs=("glm-dsa", "deepseek32"),  # the GGUF arches this graph runs (graph_for finds it by them)
-    tensors=_tensors,
-    CAPTURABLE=True,
-    HParams=HParams,
-    main_layout=main_layout,
-    mtp_layout=mtp_layout,
-    forward_main=forward_main,
-    forward_mtp=forward_mtp,
-    MULTI_DEVICE=True,  # runs through decoder.forward_trunk / forward_nextn
 )

@@ -24,8 +24,7 @@ from specconv.archs import names
 from specconv.archs.eagle3 import EAGLE3_TABLE
 from specconv.archs.eagle3_hparams import Eagle3HParams
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.graphs import llama
-from specconv.runtime.graphs.contract import Graph
+from specconv.runtime.graphs import draft_head, llama
 from specconv.runtime.graphs.ops import acc, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.types import GraphType
@@ -33,10 +32,6 @@ from specconv.runtime.validate import check_shape
 
 ENC_NORM = names.ENC_OUTPUT_NORM
 HParams = Eagle3HParams  # read from GGUF metadata by Eagle3HParams.from_kv (archs/eagle3_hparams.py)
-
-
-def serves(hp: HParams, file) -> set[GraphType]:
-    return {GraphType.ENCODER, GraphType.MTP}
 
 
 # ---- which tensors each graph needs: the head's table (archs/eagle3.py), shapes from the hparams ----
@@ -49,25 +44,9 @@ def encoder_tensors(hp: HParams) -> list[str]:
     return TABLE.graph_names(hp, [0], "encoder") + ([ENC_NORM] if hp.norm_before_fc else [])
 
 
-def main_tensors(hp: HParams) -> list[str]:
-    return []
-
-
-def mtp_tensors(hp: HParams) -> list[str]:
-    return TABLE.graph_names(hp, [0], "mtp")
-
-
-def optional_mtp_tensors(hp: HParams) -> list[str]:
-    """token_embd and output (else the target's), d2t (with a draft vocabulary), rope_freqs (llama3 rope)."""
-    return TABLE.graph_names(hp, [0], "mtp", optional=True)
-
-
-def expected_shapes(hp: HParams) -> dict[str, tuple | list[tuple]]:
-    return TABLE.ggml_shapes(hp, [0])
-
-
-OPTIONAL = ()
-keep_float32 = TABLE.keeps_float32
+# the decoder block 0; optional: token_embd and output (else the target's), d2t (with a draft vocabulary),
+# rope_freqs (llama3 rope)
+_tensors = draft_head.HeadTensors(TABLE, lambda hp: [0])
 MAX_VOCAB = 1 << 24
 
 
@@ -111,15 +90,6 @@ def encoder_layout(hp: HParams) -> MemoryLayout:
     return MemoryLayout(attn_layers=[], num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, rec_layers=[])
 
 
-def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    raise SpecconvError("an EAGLE-3 head has no main graph; run it as ENCODER + MTP next to its target")
-
-
-def vocab_size(hp: HParams) -> int:
-    """Target vocabulary (what the decoder's logits span), from the KV / tokenizer."""
-    return hp.vocab_size
-
-
 # ---- graphs -----------------------------------------------------------------------------------
 
 def forward_encoder(w, hp: HParams, features: torch.Tensor) -> torch.Tensor:
@@ -146,7 +116,7 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, g: torch.Tensor, batch: Ba
     rope = llama.rope_for(w, hp, batch.positions, acc(e).dtype)
     residual = g_norm if hp.norm_before_residual else g
     r = residual + llama.attention(w, hp, 0, torch.cat([e, g_norm], dim=-1), batch, rope)
-    out = r + llama.ffn(w, 0, rms_norm(r, w["blk.0.ffn_norm.weight"], hp.rms_norm_eps))
+    out = r + llama.ffn(w, hp, 0, rms_norm(r, w["blk.0.ffn_norm.weight"], hp.rms_norm_eps))
     draft_logits = acc(linear(rms_norm(out, w["output_norm.weight"], hp.rms_norm_eps), _needed(w, names.OUTPUT)))
     d2t = w.get(names.EAGLE3_D2T)
     return to_target_vocab(draft_logits, dense(d2t) if d2t is not None else None, hp.vocab_size), out, out
@@ -162,33 +132,19 @@ def to_target_vocab(draft_logits: torch.Tensor, d2t: torch.Tensor | None, vocab_
     return full
 
 
-def forward_main(*args, **kwargs):
-    raise SpecconvError("an EAGLE-3 head has no main graph")
-
-
-GRAPH = Graph(
-    name="eagle3",
+GRAPH = draft_head.graph(
+    "eagle3", "eagle3", "an EAGLE-3 head has no main graph; run it as ENCODER + MTP next to its target",
     HParams=HParams,
-    main_tensors=main_tensors,
     archs=("eagle3",),  # the GGUF arches this graph runs (graph_for finds it by them)
-    mtp_tensors=mtp_tensors,
-    optional_mtp_tensors=optional_mtp_tensors,
-    keep_float32=keep_float32,
-    main_layout=main_layout,
+    tensors=_tensors,
     mtp_layout=mtp_layout,
-    forward_main=forward_main,
     forward_mtp=forward_mtp,
-    OPTIONAL=OPTIONAL,
     encoder_tensors=encoder_tensors,
     encoder_layout=encoder_layout,
     forward_encoder=forward_encoder,
-    serves=serves,
-    vocab_size=vocab_size,
-    KIND="eagle3",  # Model.kind of these files
-    SHAREABLE=(),  # same-named tensors of the head (its output_norm, its own embedding) are its own
-    expected_shapes=expected_shapes,
+    serves=lambda hp, file: {GraphType.ENCODER, GraphType.MTP},
     check_hparams=check_hparams,
     check_values=check_values,
     INTEGER_TENSORS=(names.EAGLE3_D2T,),
-    FROM_TARGET={names.TOKEN_EMBD: (names.TOKEN_EMBD,), names.OUTPUT: (names.OUTPUT, names.TOKEN_EMBD)},
+    FROM_TARGET=draft_head.EMBEDDING_AND_HEAD,
 )

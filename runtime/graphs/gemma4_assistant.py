@@ -23,44 +23,13 @@ from specconv.archs import names
 from specconv.archs.errors import SpecconvError
 from specconv.archs.gemma4 import ASSISTANT_TABLE
 from specconv.archs.gemma4_hparams import Gemma4AssistantHParams
-from specconv.runtime.graphs import gemma4
-from specconv.runtime.graphs.contract import Graph
+from specconv.runtime.graphs import draft_head, gemma4
 from specconv.runtime.graphs.ops import acc, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
-from specconv.runtime.types import GraphType
 
 TARGET_EMBD = "target.token_embd.weight"  # the target's input embedding, taken at load time
-OPTIONAL = ()
 TABLE = ASSISTANT_TABLE  # archs/gemma4.py; every tensor read by the MTP graph
-keep_float32 = TABLE.keeps_float32
-
-
-def serves(hp, file) -> set[GraphType]:
-    return {GraphType.MTP}
-
-
-def vocab_size(hp) -> int:
-    return hp.vocab_size
-
-
-def main_tensors(hp) -> list[str]:
-    return []
-
-
-def mtp_tensors(hp) -> list[str]:
-    return TABLE.graph_names(hp, range(hp.num_nextn_predict_layers), "mtp")
-
-
-def optional_mtp_tensors(hp) -> list[str]:
-    return TABLE.graph_names(hp, range(hp.num_nextn_predict_layers), "mtp", optional=True)
-
-
-def expected_shapes(hp) -> dict[str, tuple | list[tuple]]:
-    return TABLE.ggml_shapes(hp, range(hp.num_nextn_predict_layers))
-
-
-def main_layout(hp, state_dtype=torch.float32) -> MemoryLayout:
-    raise SpecconvError("a Gemma 4 assistant has no main graph; use it as --draft next to its target")
+_tensors = draft_head.HeadTensors(TABLE, lambda hp: range(hp.num_nextn_predict_layers))
 
 
 def mtp_layout(hp) -> MemoryLayout:
@@ -115,30 +84,15 @@ def forward_mtp(w, hp, tokens: torch.Tensor, h: torch.Tensor, batch: Batch, kv_f
     return logits, linear(y, w[names.NEXTN_POST_PROJECTION]), y
 
 
-def forward_main(*args, **kwargs):
-    raise SpecconvError("a Gemma 4 assistant has no main graph")
-
-
-GRAPH = Graph(
-    name="gemma4_assistant",
+GRAPH = draft_head.graph(
+    "gemma4_assistant", "assistant", "a Gemma 4 assistant has no main graph; use it as --draft next to its target",
     HParams=Gemma4AssistantHParams,
-    main_tensors=main_tensors,
     archs=("gemma4-assistant",),  # the GGUF arches this graph runs (graph_for finds it by them)
     PER_LAYER_KEYS=("attention.head_count_kv", "feed_forward_length"),  # per-layer lists (llama.cpp get_key_or_arr)
-    mtp_tensors=mtp_tensors,
-    optional_mtp_tensors=optional_mtp_tensors,
-    keep_float32=keep_float32,
-    main_layout=main_layout,
+    tensors=_tensors,
     mtp_layout=mtp_layout,
-    forward_main=forward_main,
     forward_mtp=forward_mtp,
-    OPTIONAL=OPTIONAL,
-    serves=serves,
-    vocab_size=vocab_size,
-    KIND="assistant",
-    SHAREABLE=(),  # its token_embd / output_norm are its own (the tied head), never the target's
     FROM_TARGET={TARGET_EMBD: (names.TOKEN_EMBD,)},
     NEEDS_KV_FROM=True,
-    expected_shapes=expected_shapes,
     check_hparams=gemma4.check_hparams,
 )

@@ -16,12 +16,11 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.glm4moe import GLM4MOE_TABLE, Glm4MoeHParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
-from specconv.runtime.graphs.contract import Graph
-from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
+from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
     acc, cached_attention, check_rope_scaling, linear, rms_norm, rope_cos_sin_scaled, rope_neox_partial,
 )
-from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.memory import Batch
 
 HParams = Glm4MoeHParams  # from GGUF metadata by from_kv (archs/glm4moe.py)
 
@@ -31,13 +30,7 @@ TABLE = GLM4MOE_TABLE
 _tensors = GraphTensors(TABLE, lambda hp: hp)
 
 
-def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    return MemoryLayout(attn_layers=list(range(hp.num_hidden_layers)), num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim,
-                        rec_layers=[])
-
-
-def mtp_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[hp.num_hidden_layers], num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, rec_layers=[])
+_layouts = trunk.Layouts(lambda hp: hp.head_dim, trunk.nextn_block)  # the nextn block has its own KV
 
 
 def _proj(w, p: str, a: torch.Tensor, part: str) -> torch.Tensor:
@@ -61,13 +54,8 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[p + "attn_output.weight"])
 
 
-def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
-    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps), batch, rope)
-    return h + ms.ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.rms_norm_eps))
-
-
-def rope_for(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
-    return rope_cos_sin_scaled(positions, hp.rotary_dim, hp.rope_theta, hp.rope_scaling, dtype)
+def rope(w, hp: HParams, batch: Batch):
+    return lambda dtype: rope_cos_sin_scaled(batch.positions, hp.rotary_dim, hp.rope_theta, hp.rope_scaling, dtype)
 
 
 def check_hparams(hp: HParams, kv) -> None:
@@ -77,31 +65,9 @@ def check_hparams(hp: HParams, kv) -> None:
     check_rope_scaling(hp.arch, hp.rope_scaling, hp.rope_theta)
 
 
-def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
-                 want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
-    return forward_trunk(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, want_layers, want_logits,
-                         lambda dtype: rope_for(hp, batch.positions, dtype),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))
-
-
-def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
-    """Returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
-    return forward_nextn(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, hidden_in,
-                         lambda dtype: rope_for(hp, batch.positions, dtype),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))
-
-
-GRAPH = Graph(
-    name="glm4moe",
+GRAPH = trunk.graph(
+    "glm4moe", HParams, _tensors, _layouts.main_layout, _layouts.mtp_layout,
+    trunk.Trunk(rope, trunk.prenorm(attention, ms.ffn, ffn_norm="post_attention_norm"), mtp_block=trunk.nextn_block),
     archs=("glm4moe",),  # the GGUF arches this graph runs (graph_for finds it by them)
-    tensors=_tensors,
-    CAPTURABLE=True,
-    HParams=HParams,
-    main_layout=main_layout,
-    mtp_layout=mtp_layout,
-    forward_main=forward_main,
-    forward_mtp=forward_mtp,
-    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
     check_hparams=check_hparams,  # rope scaling it cannot run is refused at load
 )

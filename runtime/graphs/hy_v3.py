@@ -26,7 +26,6 @@ _BIAS = "exp_probs_b"  # llama.cpp's hy_v3 names it without a suffix
 HParams = HyV3HParams  # read from GGUF metadata by HyV3HParams.from_kv (archs/hy_v3.py)
 
 _tensors = chained.tensor_lists(HY_V3_TABLE)
-keep_float32 = HY_V3_TABLE.keeps_float32
 
 
 def check_hparams(hp: HParams, kv) -> None:
@@ -37,22 +36,22 @@ def check_values(file, hp: HParams, needed: list[str]) -> None:
     chained.check_ffn(file, hp, needed, _BIAS, shared=True)
 
 
-_layouts = chained.Layouts(lambda hp: hp.head_dim)
+_layouts = chained.layouts(lambda hp: hp.head_dim)
 
 
 def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
     return chained.ffn(w, hp, i, x, _BIAS)
 
 
-def _rope(hp: HParams, batch: Batch):
+def _rope(w, hp: HParams, batch: Batch):
     return lambda dtype: rope_cos_sin(batch.positions, hp.head_dim, hp.rope_theta, dtype)
 
 
-_forwards = chained.Forwards(_rope, attention, ffn)
+_forwards = chained.forwards(_rope, attention, ffn)
 
 
 GRAPH = chained.graph(
-    "hy_v3", HParams, _tensors, _layouts, _forwards, keep_float32=keep_float32, check_hparams=check_hparams,
+    "hy_v3", HParams, _tensors, _layouts, _forwards, check_hparams=check_hparams,
     archs=("hy_v3",),  # the GGUF arches this graph runs (graph_for finds it by them)
     check_values=check_values,
     CHAIN_HIDDEN="nextn",  # the post-norm block output seeds the next block (vLLM, llama.cpp)

@@ -15,10 +15,9 @@ import torch
 from specconv.archs.errors import SpecconvError
 from specconv.archs.llama import LLAMA_TABLE, ROPE_FREQS, LlamaHParams
 from specconv.archs.tensor_table import GraphTensors
-from specconv.runtime.graphs.contract import Graph
-from specconv.runtime.graphs.decoder import forward_trunk
-from specconv.runtime.graphs.ops import acc, cached_attention, linear, rms_norm, swiglu
-from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.graphs import trunk
+from specconv.runtime.graphs.ops import acc, cached_attention, linear, swiglu
+from specconv.runtime.memory import Batch
 
 HParams = LlamaHParams  # read from GGUF metadata by LlamaHParams.from_kv (archs/llama.py)
 
@@ -33,13 +32,7 @@ def check_hparams(hp: HParams, kv: Mapping[str, Any]) -> None:
         raise SpecconvError(f"{hp.arch}.feed_forward_length is missing or 0")
 
 
-def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    return MemoryLayout(attn_layers=list(range(hp.num_hidden_layers)), num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim,
-                        rec_layers=[])
-
-
-def mtp_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[], num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, rec_layers=[])
+_layouts = trunk.Layouts(lambda hp: hp.head_dim)  # every block attends; no MTP block
 
 
 # ---- blocks -----------------------------------------------------------------------------------
@@ -77,7 +70,7 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
 
 
-def ffn(w, i: int, x: torch.Tensor) -> torch.Tensor:
+def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
     p = f"blk.{i}."
     return swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
 
@@ -86,35 +79,10 @@ def rope_for(w, hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
     return rope_norm(positions, hp.rotary_dim, hp.rope_theta, dtype, w.get(ROPE_FREQS))
 
 
-# ---- graph ------------------------------------------------------------------------------------
-
-def _block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
-    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps), batch, rope)
-    return h + ffn(w, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], hp.rms_norm_eps))
-
-
-def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
-                 want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
-    return forward_trunk(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, want_layers, want_logits,
-                         lambda dtype: rope_for(w, hp, batch.positions, dtype),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))
-
-
-def forward_mtp(*args, **kwargs):
-    raise SpecconvError("llama files have no MTP head")
-
-
-GRAPH = Graph(
-    name="llama",
+GRAPH = trunk.graph(
+    "llama", HParams, _tensors, _layouts.main_layout, _layouts.mtp_layout,
+    trunk.Trunk(lambda w, hp, batch: lambda dtype: rope_for(w, hp, batch.positions, dtype),
+                trunk.prenorm(attention, ffn)),  # no MTP head
     archs=("llama",),  # the GGUF arches this graph runs (graph_for finds it by them)
-    tensors=_tensors,
-    CAPTURABLE=True,
-    HParams=HParams,
-    main_layout=main_layout,
-    mtp_layout=mtp_layout,
-    forward_main=forward_main,
-    forward_mtp=forward_mtp,
     check_hparams=check_hparams,
-    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

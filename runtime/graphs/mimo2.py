@@ -22,7 +22,7 @@ import torch
 from specconv.archs.errors import SpecconvError
 from specconv.archs.mimo2 import MIMO2_TABLE
 from specconv.archs.mimo2_hparams import Mimo2HParams
-from specconv.runtime.graphs import chained
+from specconv.runtime.graphs import chained, trunk
 from specconv.runtime.graphs.decoder import nextn_input, output_head
 from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
 from specconv.runtime.memory import Batch
@@ -32,7 +32,6 @@ from specconv.runtime.validate import check_rope_width
 HParams = Mimo2HParams  # read from GGUF metadata by Mimo2HParams.from_kv (archs/mimo2_hparams.py)
 
 _tensors = chained.tensor_lists(MIMO2_TABLE)
-keep_float32 = MIMO2_TABLE.keeps_float32
 
 
 def check_hparams(hp: HParams, kv) -> None:
@@ -50,7 +49,7 @@ def check_values(file, hp: HParams, needed: list[str]) -> None:
     chained.check_ffn(file, hp, needed, "exp_probs_b.bias", shared=False)
 
 
-_layouts = chained.Layouts(lambda hp: hp.cell_width)
+_layouts = chained.layouts(lambda hp: hp.cell_width)
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -83,17 +82,17 @@ def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
     return chained.ffn(w, hp, i, x, "exp_probs_b.bias", shared=False)
 
 
-def _rope(hp: HParams, batch: Batch):
+def _rope(w, hp: HParams, batch: Batch):
     return lambda dtype: (rope_cos_sin(batch.positions, hp.rotary_dim, hp.rope_theta, dtype),
                           rope_cos_sin(batch.positions, hp.rotary_dim, hp.swa_rope_theta, dtype))
 
 
-_forwards = chained.Forwards(_rope, attention, ffn)  # its MTP head ends differently: forward_mtp
+_forwards = chained.forwards(_rope, attention, ffn)  # its MTP head ends differently: forward_mtp
 
 
 def _mtp(w, hp: HParams, i: int, tokens, hidden_in, batch: Batch):
     x = nextn_input(w, i, hp.rms_norm_eps, tokens, hidden_in)
-    y = chained.block(w, hp, i, x, batch, _rope(hp, batch)(acc(x).dtype), attention, ffn)
+    y = trunk.residual_block(w, hp, i, x, batch, _rope(w, hp, batch)(acc(x).dtype), attention, ffn)
     p = f"blk.{i}."
     norm = w.get(p + "nextn.shared_head_norm.weight", w.get(p + "layer_output_norm.weight", w["output_norm.weight"]))
     z = rms_norm(y, norm, hp.rms_norm_eps)
@@ -108,7 +107,7 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
 
 
 GRAPH = chained.graph(
-    "mimo2", HParams, _tensors, _layouts, _forwards, keep_float32=keep_float32, check_hparams=check_hparams,
+    "mimo2", HParams, _tensors, _layouts, _forwards, check_hparams=check_hparams,
     archs=("mimo2",),  # the GGUF arches this graph runs (graph_for finds it by them)
     PER_LAYER_KEYS=("attention.head_count_kv",),  # per-layer lists (llama.cpp get_key_or_arr)
     check_values=check_values, forward_mtp=forward_mtp,

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from specconv.archs.errors import SpecconvError
 from specconv.archs.qwen3 import QWEN3_TABLE, Qwen3HParams
 from specconv.archs.tensor_table import GraphTensors
-from specconv.runtime.graphs.contract import Graph
-from specconv.runtime.graphs.decoder import forward_trunk
 from specconv.runtime.backend import Experts
+from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
     acc, cached_attention, linear, moe as routed_moe, rms_norm, rope_cos_sin_scaled, rope_neox_partial, swiglu,
 )
-from specconv.runtime.memory import Batch, MemoryLayout
+from specconv.runtime.memory import Batch
 
 ARCHES = ("qwen3", "qwen3moe")
 HParams = Qwen3HParams  # read from GGUF metadata by Qwen3HParams.from_kv (archs/qwen3.py)
@@ -33,13 +31,7 @@ TABLE = QWEN3_TABLE
 _tensors = GraphTensors(TABLE, lambda hp: hp)  # no MTP head: the MTP lists are empty
 
 
-def main_layout(hp: HParams, state_dtype: torch.dtype = torch.float32) -> MemoryLayout:
-    return MemoryLayout(attn_layers=list(range(hp.num_hidden_layers)), num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim,
-                        rec_layers=[])
-
-
-def mtp_layout(hp: HParams) -> MemoryLayout:
-    return MemoryLayout(attn_layers=[], num_key_value_heads=hp.num_key_value_heads, head_dim=hp.head_dim, rec_layers=[])
+_layouts = trunk.Layouts(lambda hp: hp.head_dim)  # every block attends; no MTP block
 
 
 # ---- blocks -----------------------------------------------------------------------------------
@@ -83,35 +75,9 @@ def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
     return swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
 
 
-def block(w, hp: HParams, i: int, h: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
-    eps = hp.rms_norm_eps
-    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], eps), batch, rope)
-    return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], eps))
-
-
-# ---- graph ------------------------------------------------------------------------------------
-
-def forward_main(w, hp: HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
-                 want_logits: torch.Tensor | None):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
-    return forward_trunk(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, want_layers, want_logits,
-                         lambda dtype: rope_for(hp, batch.positions, dtype),
-                         lambda i, h, rope: block(w, hp, i, h, batch, rope))
-
-
-def forward_mtp(*args, **kwargs):
-    raise SpecconvError("qwen3 / qwen3moe files have no MTP head")
-
-
-GRAPH = Graph(
-    name="qwen3",
+GRAPH = trunk.graph(
+    "qwen3", HParams, _tensors, _layouts.main_layout, _layouts.mtp_layout,
+    trunk.Trunk(lambda w, hp, batch: lambda dtype: rope_for(hp, batch.positions, dtype),
+                trunk.prenorm(attention, ffn)),  # no MTP head
     archs=ARCHES,  # the GGUF arches this graph runs (graph_for finds it by them)
-    tensors=_tensors,
-    CAPTURABLE=True,
-    HParams=HParams,
-    main_layout=main_layout,
-    mtp_layout=mtp_layout,
-    forward_main=forward_main,
-    forward_mtp=forward_mtp,
-    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

@@ -16,9 +16,7 @@ import torch.nn.functional as F
 from specconv.archs.qwen35 import QWEN35_TABLE
 from specconv.archs.qwen35_hparams import LINEAR, Qwen35HParams
 from specconv.archs.tensor_table import GraphTensors
-from specconv.runtime.graphs import gdn
-from specconv.runtime.graphs.contract import Graph
-from specconv.runtime.graphs.decoder import forward_nextn, forward_trunk
+from specconv.runtime.graphs import gdn, trunk
 from specconv.runtime.graphs.ops import (
     acc, cached_attention, check_rope_scaling, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin_scaled,
     rope_neox_partial, swiglu,
@@ -101,9 +99,8 @@ def ffn(w, hp: Qwen35HParams, i: int, x: torch.Tensor) -> torch.Tensor:
 
 # ---- graphs -----------------------------------------------------------------------------------
 
-def _block(w, hp: Qwen35HParams, i: int, h: torch.Tensor, batch: Batch, rope, gdn_mode: str = "",
-           deltanet=gated_deltanet) -> torch.Tensor:
-    """`deltanet`: the Gated DeltaNet mixer (this module's by default; Qwen3-Next passes its own)."""
+def _block(w, hp: Qwen35HParams, i: int, h: torch.Tensor, batch: Batch, rope, gdn_mode: str,
+           deltanet) -> torch.Tensor:
     a = rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps)
     recurrent = i < hp.num_hidden_layers and hp.layer_types[i] == LINEAR  # the MTP block (i = n_layer): attention
     h = h + (deltanet(w, hp, i, a, batch, gdn_mode) if recurrent
@@ -111,41 +108,23 @@ def _block(w, hp: Qwen35HParams, i: int, h: torch.Tensor, batch: Batch, rope, gd
     return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.rms_norm_eps))
 
 
-def rope_for(hp: Qwen35HParams, positions: torch.Tensor, dtype: torch.dtype):
-    return rope_cos_sin_scaled(positions, hp.rotary_dim, hp.rope_theta, hp.rope_scaling, dtype)
+def block_with(deltanet) -> trunk.BlockOf:
+    """The blocks with `deltanet` as Gated DeltaNet mixer (this module's; Qwen3-Next gives its own)."""
+    return lambda w, hp, batch, gdn_mode: lambda i, h, rope: _block(w, hp, i, h, batch, rope, gdn_mode, deltanet)
+
+
+def rope(w, hp: Qwen35HParams, batch: Batch):
+    return lambda dtype: rope_cos_sin_scaled(batch.positions, hp.rotary_dim, hp.rope_theta, hp.rope_scaling, dtype)
 
 
 def check_hparams(hp: Qwen35HParams, kv) -> None:
     check_rope_scaling(hp.arch, hp.rope_scaling, hp.rope_theta)
 
 
-def forward_main(w, hp: Qwen35HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
-                 want_logits: torch.Tensor | None, deltanet=gated_deltanet):
-    """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
-    return forward_trunk(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, want_layers, want_logits,
-                         lambda dtype: rope_for(hp, batch.positions, dtype),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope, gdn_mode, deltanet))
-
-
-def forward_mtp(w, hp: Qwen35HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
-    """One MTP row per token: u = eh_proj·[enorm(E[x]) ; hnorm(h)], one full-attention block,
-    z = shared_head_norm(y); returns (logits, z = "nextn", y = pre-norm)."""
-    return forward_nextn(w, hp.num_hidden_layers, hp.rms_norm_eps, tokens, hidden_in,
-                         lambda dtype: rope_for(hp, batch.positions, dtype),
-                         lambda i, h, rope: _block(w, hp, i, h, batch, rope))
-
-
-GRAPH = Graph(
-    name="qwen35",
+GRAPH = trunk.graph(
+    "qwen35", Qwen35HParams, _tensors, main_layout, mtp_layout,
+    trunk.Trunk(rope, block_with(gated_deltanet), mtp_block=trunk.nextn_block),
     archs=ARCHES,  # the GGUF arches this graph runs (graph_for finds it by them)
     PER_LAYER_KEYS=("attention.head_count_kv", "feed_forward_length"),  # per-layer lists (llama.cpp get_key_or_arr)
-    tensors=_tensors,
-    CAPTURABLE=True,
-    HParams=Qwen35HParams,
-    main_layout=main_layout,
-    mtp_layout=mtp_layout,
-    forward_main=forward_main,
-    forward_mtp=forward_mtp,
     check_hparams=check_hparams,  # rope scaling it cannot run is refused at load
-    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

@@ -19,14 +19,10 @@ import torch.nn.functional as F
 
 from specconv.archs.qwen3next import QWEN3NEXT_TABLE, Qwen3NextHParams
 from specconv.archs.tensor_table import GraphTensors
-from specconv.runtime.graphs import gdn
+from specconv.runtime.graphs import gdn, trunk
 from specconv.runtime.graphs import qwen35 as q35
-from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.ops import acc, dense, l2_norm, linear, rms_norm
 from specconv.runtime.memory import Batch
-
-main_layout = q35.main_layout
-mtp_layout = q35.mtp_layout
 
 # the family's table (archs/qwen3next.py), whose shapes read the hparams (Qwen3NextHParams)
 TABLE = QWEN3NEXT_TABLE
@@ -56,27 +52,10 @@ def gated_deltanet(w, hp: Qwen3NextHParams, i: int, a: torch.Tensor, batch: Batc
     return linear(y.reshape(n, nv * dv).to(a.dtype), w[f"blk.{i}.ssm_out.weight"])
 
 
-def forward_main(w, hp: Qwen3NextHParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
-                 want_logits: torch.Tensor | None):
-    """qwen35's trunk with this module's Gated DeltaNet mixer. Returns (logits rows, post_norm,
-    pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
-    return q35.forward_main(w, hp, tokens, batch, want_layers, gdn_mode, want_logits, deltanet=gated_deltanet)
-
-
-# One MTP row per token (u = eh_proj·[enorm(E[x]) ; hnorm(h)], the block at n_layer, shared head norm):
-# that block is full attention, so qwen35's MTP forward is this family's too.
-forward_mtp = q35.forward_mtp
-
-
-GRAPH = Graph(
-    name="qwen3next",
+# qwen35's blocks with this module's Gated DeltaNet mixer; the MTP block (at n_layer) is full attention,
+# so the MTP forward is qwen35's too
+GRAPH = trunk.graph(
+    "qwen3next", Qwen3NextHParams, _tensors, q35.main_layout, q35.mtp_layout,
+    trunk.Trunk(q35.rope, q35.block_with(gated_deltanet), mtp_block=trunk.nextn_block),
     archs=("qwen3next",),  # the GGUF arches this graph runs (graph_for finds it by them)
-    tensors=_tensors,
-    CAPTURABLE=True,
-    HParams=Qwen3NextHParams,
-    main_layout=main_layout,
-    mtp_layout=mtp_layout,
-    forward_main=forward_main,
-    forward_mtp=forward_mtp,
-    MULTI_DEVICE=True,  # runs through decoder.forward_trunk, which follows a placement over devices
 )

@@ -31,7 +31,6 @@ from specconv.runtime.validate import check_rope_width
 HParams = Step35HParams  # read from GGUF metadata by Step35HParams.from_kv (archs/step35_hparams.py)
 
 _tensors = chained.tensor_lists(STEP35_TABLE)
-keep_float32 = STEP35_TABLE.keeps_float32
 
 
 def check_hparams(hp: HParams, kv) -> None:
@@ -44,7 +43,7 @@ def check_values(file, hp: HParams, needed: list[str]) -> None:
     chained.check_ffn(file, hp, needed, "exp_probs_b.bias", shared=True)
 
 
-_layouts = chained.Layouts(lambda hp: hp.head_dim)
+_layouts = chained.layouts(lambda hp: hp.head_dim)
 
 
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
@@ -78,16 +77,16 @@ def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
                        partial(swiglu_clamped, limit=hp.expert_limit(i)))
 
 
-def _rope(hp: HParams, batch: Batch):
+def _rope(w, hp: HParams, batch: Batch):
     return lambda dtype: (rope_cos_sin(batch.positions, hp.full_rotary_dim, hp.rope_theta, dtype),
                           rope_cos_sin(batch.positions, hp.swa_rotary_dim, hp.swa_rope_theta, dtype))
 
 
-_forwards = chained.Forwards(_rope, attention, ffn)
+_forwards = chained.forwards(_rope, attention, ffn)
 
 
 GRAPH = chained.graph(
-    "step35", HParams, _tensors, _layouts, _forwards, keep_float32=keep_float32, check_hparams=check_hparams,
+    "step35", HParams, _tensors, _layouts, _forwards, check_hparams=check_hparams,
     archs=("step35",),  # the GGUF arches this graph runs (graph_for finds it by them)
     PER_LAYER_KEYS=("attention.head_count", "attention.head_count_kv", "swiglu_clamp_exp", "swiglu_clamp_shexp"),
     check_values=check_values,
