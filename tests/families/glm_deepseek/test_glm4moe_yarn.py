@@ -23,7 +23,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFValueType as V
 
 from specconv.archs.rope_scaling import yarn_mscale
 from specconv.runtime import Context, GraphType
@@ -31,12 +30,10 @@ from specconv.runtime.generate import generate
 from specconv.runtime.mtp_rows import mtp_rows
 from tests.fixtures import mtp_checks
 from tests.fixtures import tiny_glm_deepseek as tiny
-from tests.fixtures.hf_reference import llamacpp_mtp_rows
-from tests.fixtures.hostile import load, refused, set_kv
+from tests.fixtures.hostile import edited, load, refused, rope_scaling_refusals
 from tests.fixtures.runtime_common import max_abs
 from tests.fixtures.tiny_tools import converted_once, logits_token_by_token
 
-from fuzz_mutate import Doc  # noqa: E402  (tools/, on the path once tests.fixtures.hostile is imported)
 
 TOL = 1e-4
 IDS = [int(x) for x in np.random.default_rng(7).integers(0, tiny.VOCAB - 3, 64)]
@@ -162,25 +159,8 @@ def test_llama_cpp_reads_no_yarn_fields_for_glm4moe(root, llama_peer):
     assert d_ours < TOL < d_llama
 
 
-def _edited(path, out, edit):
-    doc = Doc.parse(path)
-    edit(doc)
-    out.write_bytes(doc.to_bytes())
-    return out
-
-
-def _drop(key: str):
-    return lambda doc: doc.kvs.remove(next(kv for kv in doc.kvs if kv.key == key))
-
-
-@pytest.mark.parametrize("what, edit, words", [
-    ("an unknown scaling type", lambda d: set_kv(d, "glm4moe.rope.scaling.type", "longrope", V.STRING),
-     ("'longrope'", "rope.scaling.type")),
-    ("YaRN without its original context", _drop("glm4moe.rope.scaling.original_context_length"),
-     ("original_context_length",)),
-    ("YaRN without a factor", _drop("glm4moe.rope.scaling.factor"), ("rope.scaling.factor",)),
-])
+@pytest.mark.parametrize("what, edit, words", rope_scaling_refusals("glm4moe"))
 def test_scaling_the_graph_cannot_run_is_refused(root, tmp_path, what, edit, words):
     _, paths = files(root, "yarn")
-    msg = refused(_edited(paths["embed"], tmp_path / "edited.gguf", edit), *words)
+    msg = refused(edited(paths["embed"], tmp_path / "edited.gguf", edit), *words)
     print(f"\n[{what}] {msg}")

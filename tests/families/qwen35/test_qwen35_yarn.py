@@ -25,16 +25,14 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFValueType as V
 
 from specconv.runtime import Context, GraphType
 from specconv.runtime.generate import generate
 from specconv.runtime.mtp_rows import mtp_rows
 from tests.fixtures import hf_reference as ref
-from tests.fixtures.hostile import load, refused, set_kv
+from tests.fixtures.hostile import edited, load, refused, rope_scaling_refusals
 from tests.fixtures.runtime_common import hf_logits_token_by_token, max_abs, parity, prompt_ids, tiny_gguf
 
-from fuzz_mutate import Doc  # noqa: E402  (tools/, on the path once tests.fixtures.hostile is imported)
 
 TOL = 1e-4
 N_POSITIONS = 128  # half the original context: the interpolated frequencies turn by a radian or more
@@ -176,25 +174,8 @@ def test_sidecar_mtp_head_runs_scaled(tmp_path_factory, llama_peer):
     assert d <= TOL
 
 
-def _edited(path, out, edit):
-    doc = Doc.parse(path)
-    edit(doc)
-    out.write_bytes(doc.to_bytes())
-    return out
-
-
-def _drop(key: str):
-    return lambda doc: doc.kvs.remove(next(kv for kv in doc.kvs if kv.key == key))
-
-
-@pytest.mark.parametrize("what, edit, words", [
-    ("an unknown scaling type", lambda d: set_kv(d, "qwen35.rope.scaling.type", "longrope", V.STRING),
-     ("'longrope'", "rope.scaling.type")),
-    ("YaRN without its original context", _drop("qwen35.rope.scaling.original_context_length"),
-     ("original_context_length",)),
-    ("scaling without a factor", _drop("qwen35.rope.scaling.factor"), ("rope.scaling.factor",)),
-])
+@pytest.mark.parametrize("what, edit, words", rope_scaling_refusals("qwen35"))
 def test_scaling_the_graph_cannot_run_is_refused(tmp_path_factory, tmp_path, what, edit, words):
     _, path = files(tmp_path_factory, "dense-yarn")
-    msg = refused(_edited(path, tmp_path / "edited.gguf", edit), *words)
+    msg = refused(edited(path, tmp_path / "edited.gguf", edit), *words)
     print(f"\n[{what}] {msg}")
