@@ -11,14 +11,14 @@ Only GGUF names are used here.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specconv.archs.qwen35 import QWEN35_TABLE
 from specconv.archs.qwen35_hparams import LINEAR, Qwen35HParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn, trunk
 from specconv.runtime.graphs.ops import (
-    acc, cached_attention, check_rope_scaling, l2_norm, linear, moe_softmax_topk, rms_norm, rope_cos_sin_scaled,
+    acc, add_rms_norm, cached_attention, check_rope_scaling, gated_rms_norm, l2_norm, linear, moe_softmax_topk, rms_norm,
+    rope_cos_sin_scaled,
     rope_neox_partial, swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
@@ -81,7 +81,7 @@ def gated_deltanet(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch, 
     g, beta = gdn.gates(b, alpha, w[f"blk.{i}.ssm_a"].to(alpha.dtype), w[f"blk.{i}.ssm_dt.bias"].to(alpha.dtype))
     sd = rec.state_dtype  # float32, or float64 for a reference-grade recurrence
     o = rec.delta_rule(q.to(sd), k.to(sd), v.to(sd), g.to(sd), beta.to(sd))
-    y = rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], hp.rms_norm_eps) * F.silu(acc(z))
+    y = gated_rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], z, hp.rms_norm_eps)  # one kernel on CUDA
     return linear(y.reshape(n, nv * dv).to(a.dtype), w[f"blk.{i}.ssm_out.weight"])
 
 
@@ -103,9 +103,9 @@ def _block(w, hp: Qwen35HParams, i: int, h: torch.Tensor, batch: Batch, rope, gd
            deltanet) -> torch.Tensor:
     a = rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps)
     recurrent = i < hp.num_hidden_layers and hp.layer_types[i] == LINEAR  # the MTP block (i = n_layer): attention
-    h = h + (deltanet(w, hp, i, a, batch, gdn_mode) if recurrent
-             else gated_attention(w, hp, i, a, batch, rope))
-    return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.post_attention_norm.weight"], hp.rms_norm_eps))
+    mixed = deltanet(w, hp, i, a, batch, gdn_mode) if recurrent else gated_attention(w, hp, i, a, batch, rope)
+    h, x = add_rms_norm(h, mixed, w[f"blk.{i}.post_attention_norm.weight"], hp.rms_norm_eps)  # one kernel on CUDA
+    return h + ffn(w, hp, i, x)
 
 
 def block_with(deltanet) -> trunk.BlockOf:

@@ -15,13 +15,12 @@ rollback. The Gated DeltaNet differs in two places:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specconv.archs.qwen3next import QWEN3NEXT_TABLE, Qwen3NextHParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn, trunk
 from specconv.runtime.graphs import qwen35 as q35
-from specconv.runtime.graphs.ops import acc, dense, l2_norm, linear, rms_norm
+from specconv.runtime.graphs.ops import acc, dense, gated_rms_norm, l2_norm, linear
 from specconv.runtime.memory import Batch
 
 # the family's table (archs/qwen3next.py), whose shapes read the hparams (Qwen3NextHParams)
@@ -48,7 +47,7 @@ def gated_deltanet(w, hp: Qwen3NextHParams, i: int, a: torch.Tensor, batch: Batc
                         dense(w[f"blk.{i}.ssm_dt.bias"], alpha.dtype))
     sd = rec.state_dtype  # float32, or float64 for a reference-grade recurrence
     o = rec.delta_rule(q.to(sd), k.to(sd), v.to(sd), g.to(sd), beta.to(sd))
-    y = rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], hp.rms_norm_eps) * F.silu(acc(z))
+    y = gated_rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], z, hp.rms_norm_eps)  # one kernel on CUDA
     return linear(y.reshape(n, nv * dv).to(a.dtype), w[f"blk.{i}.ssm_out.weight"])
 
 
