@@ -17,12 +17,12 @@ from __future__ import annotations
 import re
 
 import pytest
-from huggingface_hub import constants
 
 from tests.fixtures.cli import run_cli
 from tests.fixtures.hub.llamacpp_rules import lc_find_best_model, lc_find_best_sibling, lc_is_model
 from tests.fixtures.hub.server import WRITE_TOKEN, FakeHub
 from tests.fixtures.paths import ROOT
+from tests.fixtures.hub.client import loopback_client
 
 NAME_RE = re.compile(r"^(?P<mtp>mtp-)?(?P<base>.+)-(?P<size>(?:\d+x)?\d+(?:\.\d+)?[KMBT](?:-[\w.]+)?)-(?P<tag>[A-Z0-9_]+)\.gguf$")
 
@@ -83,10 +83,7 @@ FAMILIES = {"qwen35": _qwen35, "qwen35moe": lambda r: _qwen35(r, moe=True), "qwe
 
 @pytest.fixture(autouse=True)
 def hub_client_env(monkeypatch, tmp_path):
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # the fake speaks the LFS protocol
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-file"))
-    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    loopback_client(monkeypatch, tmp_path)  # the loopback Hub; each test gives its token
 
 
 def check_names(names: list[str]) -> None:

@@ -19,7 +19,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from huggingface_hub import constants
 
 from specconv.demo.bundled import bundled_model_dir, heldout_files
 from specconv.hub.naming import human_size
@@ -27,6 +26,7 @@ from tests.fixtures.cli import run_cli
 from tests.fixtures.gguf_files import convert_gguf
 from tests.fixtures.hub.cards import table_rows
 from tests.fixtures.hub.server import WRITE_TOKEN, FakeHub
+from tests.fixtures.hub.client import loopback_client
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.slow
@@ -41,10 +41,7 @@ HEADER = "| File | Quant type | Size | Bits per weight |"
 
 @pytest.fixture(autouse=True)
 def hub_client_env(monkeypatch, tmp_path):
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # the fake speaks the LFS protocol
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-file"))
-    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    loopback_client(monkeypatch, tmp_path)  # the loopback Hub; each test gives its token
     monkeypatch.setenv("COLUMNS", "250")
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from huggingface_hub import constants
 
 from specconv.errors import SpecconvError
 from specconv.hub.client import RetryPolicy, upload_plan
@@ -32,6 +31,7 @@ from tests.fixtures.hub.cards import table_rows
 from tests.fixtures.hub.llamacpp_rules import lc_find_best_model, lc_find_best_sibling
 from tests.fixtures.hub.server import WRITE_TOKEN, Fault, FakeHub
 from tests.fixtures.kquant_files import write_qwen35
+from tests.fixtures.hub.client import loopback_client
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.slow
@@ -46,12 +46,7 @@ FIGURES = {"Q8_0": (1.25e-2, 0.812, 2.44, 1.71, True), "Q6_K": (4.5e-2, 0.733, 2
 
 @pytest.fixture(autouse=True)
 def hub_client_env(monkeypatch, tmp_path):
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # the fake speaks the LFS protocol
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-file"))
-    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    loopback_client(monkeypatch, tmp_path)  # the loopback Hub; each test gives its token
 
 
 @pytest.fixture(scope="module")
