@@ -148,15 +148,7 @@ def test_llamacpp_trunk_logits_equal_transformers(root, llama_peer, variant):
 @pytest.mark.parametrize("variant", [{}, {"yarn": True}], ids=["default", "yarn"])
 def test_llamacpp_mtp_contexts_and_logits_equal_mtpmodel(root, llama_peer, variant):
     src, files = tiny.converted(FAMILY, root, **variant)
-    _, hidden = tiny.hf_trunk(src, IDS)
-    ref = tiny.hf_mtp_llamacpp_rows(src, IDS, hidden)
-    for target, head in (("embed", None), ("separate", "mtp-separate"), ("none", "only")):
-        assert llama_peer.llama_mtp_context_ok(files[target], None if head is None else files[head])
-        got = llama_peer.llama_mtp_logits(files[target], IDS, None if head is None else files[head], hidden=hidden)
-        diff = float(np.abs(got - ref).max())
-        print(f"deepseek2 {variant} llama.cpp MTP head ({target}+{head or 'embedded'}) vs MtpModel: "
-              f"max |Δ| = {diff:.3g}")
-        assert diff < 1e-4
+    tiny.check_llamacpp_mtp_heads(llama_peer, src, files, IDS, f"deepseek2 {variant}")
 
 
 def test_q_lora_free_variant_runs_in_llamacpp(tmp_path, llama_peer):

@@ -180,14 +180,7 @@ def test_llamacpp_trunk_logits_equal_transformers(conv, llama_peer):
 
 def test_llamacpp_mtp_contexts_and_logits_equal_mtpmodel(conv, llama_peer):
     src, files = conv
-    _, hidden = tiny.hf_trunk(src, IDS)
-    ref = tiny.hf_mtp_llamacpp_rows(src, IDS, hidden)
-    for target, head in (("embed", None), ("separate", "mtp-separate"), ("none", "only")):
-        assert llama_peer.llama_mtp_context_ok(files[target], None if head is None else files[head])
-        got = llama_peer.llama_mtp_logits(files[target], IDS, None if head is None else files[head], hidden=hidden)
-        diff = float(np.abs(got - ref).max())
-        print(f"glm4moe llama.cpp MTP head ({target}+{head or 'embedded'}) vs MtpModel: max |Δ| = {diff:.3g}")
-        assert diff < 1e-4
+    tiny.check_llamacpp_mtp_heads(llama_peer, src, files, IDS, "glm4moe")
 
 
 def test_release_scale_glm45_headers():
