@@ -25,10 +25,11 @@ from gguf import GGUFReader
 
 from specconv import cli
 from specconv.runtime import Context, GraphType, load_model
-from specconv.runtime.drafters import Draft, Eagle3Drafter
+from specconv.runtime.drafters import Eagle3Drafter
 from specconv.runtime.generate import generate
 from specconv.runtime.speculative import SpecConfig, speculative_generate
 from tests.fixtures.gguf_files import convert_gguf
+from tests.fixtures.tiny_eagle3 import SteeredEagle3
 from tests.fixtures.tiny_eagle3_qwen3 import HEAD_DIM, Reference, build_head
 from tests.fixtures.tiny_qwen3 import build_qwen3, load_hf
 
@@ -146,21 +147,6 @@ def test_llama_cpp_runs_our_files(built, case, llama_peer):
     assert theirs == ref_drafts == ours
 
 
-class _Steered(Eagle3Drafter):
-    """Real EAGLE-3 drafting, then the first m drafts replaced by the target's greedy continuation (m cycling
-    0..k), so rounds accept 0..k and the head's rows after partial acceptance are exercised."""
-
-    def __init__(self, head, target, n_ctx, truth):
-        super().__init__(head, target, n_ctx)
-        self.truth, self.round = truth, 0
-
-    def draft(self, id_last, n_max, p_min=0.0, temperature=0.0, generator=None):
-        d = super().draft(id_last, n_max, p_min, temperature, generator)
-        m, self.round = self.round % (n_max + 1), self.round + 1
-        at = self.n_committed + 1
-        return Draft([self.truth[at + i] if i < m else t for i, t in enumerate(d.tokens)])
-
-
 @pytest.mark.parametrize("case", ["qwen3-specforge", "qwen3moe-angelslim"])
 def test_speculative_greedy_equals_plain(built, case):
     target, head = _models(built, case)
@@ -172,7 +158,7 @@ def test_speculative_greedy_equals_plain(built, case):
                                        SpecConfig(draft_max=k, rollback=rollback))
             assert res.tokens == plain, (k, rollback)
     truth = PROMPT + generate(target, PROMPT, n + 1).tokens
-    res = speculative_generate(target, _Steered(head, target, 64, truth), PROMPT, n, SpecConfig(draft_max=3))
+    res = speculative_generate(target, SteeredEagle3(head, target, 64, truth), PROMPT, n, SpecConfig(draft_max=3))
     s = res.stats["speculative"]
     print(f"\n{case}: steered rounds accepted {s['accepted']}/{s['drafted']}, per position {s['per_position']}")
     assert res.tokens == plain and s["accepted"] > 0 and s["per_position"][2] > 0

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from specconv.runtime import Context, GraphType, load_model
-from specconv.runtime.drafters import Draft, Eagle3Drafter
+from specconv.runtime.drafters import Eagle3Drafter
 from specconv.runtime.generate import generate
 from specconv.runtime.speculative import SpecConfig, speculative_generate
 from tests.fixtures.tiny_eagle3 import (
-    build_eagle3_head, build_llama_target, reference_d2t, reference_decoder, reference_encoder, target_features,
+    SteeredEagle3, build_eagle3_head, build_llama_target, reference_d2t, reference_decoder, reference_encoder,
+    target_features,
 )
 from tests.fixtures.gguf_files import convert_gguf
 from tests.fixtures.tiny_qwen35 import build_qwen35
@@ -133,22 +134,6 @@ def test_greedy_speculative_equals_plain(built, case):
             assert drafter.committed_rows() == len(PROMPT) + len(res.tokens) - 2  # rows 0..n_past-2
 
 
-class _SteeredEagle3(Eagle3Drafter):
-    """Real EAGLE-3 drafting (rows written to the head's cache), then the first `m` draft tokens are
-    replaced by the target's greedy continuation, m cycling through 0..k, so rounds accept 0..k."""
-
-    def __init__(self, head, target, n_ctx, truth):
-        super().__init__(head, target, n_ctx)
-        self.truth, self.round = truth, 0
-
-    def draft(self, id_last, n_max, p_min=0.0, temperature=0.0, generator=None):
-        d = super().draft(id_last, n_max, p_min, temperature, generator)
-        m, self.round = self.round % (n_max + 1), self.round + 1
-        at = self.n_committed + 1  # the target position of the first draft token
-        tokens = [self.truth[at + i] if i < m else t for i, t in enumerate(d.tokens)]
-        return Draft(tokens)
-
-
 @pytest.mark.parametrize("case", ["qwen35-speculators", "llama-speculators"])
 def test_accepting_rounds_keep_the_head_cache_exact(built, case):
     target, head = _models(built, case)
@@ -171,7 +156,7 @@ def test_accepting_rounds_keep_the_head_cache_exact(built, case):
         steered.ctx.seq_rm(0, committed - 1)
         worst[0] = max(worst[0], (a.logits[a.logits.isfinite()] - b.logits[b.logits.isfinite()]).abs().max().item())
 
-    steered = _SteeredEagle3(head, target, 64, truth)
+    steered = SteeredEagle3(head, target, 64, truth)
     res = speculative_generate(target, steered, PROMPT, n, SpecConfig(draft_max=3), on_round=check)
     s = res.stats["speculative"]
     print(f"\n{case}: steered rounds accepted {s['accepted']}/{s['drafted']}, per position {s['per_position']}, "
