@@ -38,6 +38,7 @@ from gguf import GGML_QUANT_SIZES
 from specconv.runtime import dequant
 from specconv.runtime.backend import Experts, rows_alone
 from specconv.runtime.backend_torch import GATHER_MAX_ROWS, TorchBackend, _wide
+from specconv.runtime.graphs import gdn
 from specconv.runtime.stored import StoredWeight
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -145,16 +146,17 @@ class CudaBackend(TorchBackend):
             return super().add_rms_norm(h, delta, weight, eps)
         return self.kernels.rms_norm(h, values, eps, residual=delta)
 
-    def gated_rms_norm(self, x: torch.Tensor, weight, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    def gated_rms_norm(self, x: torch.Tensor, weight, gate: torch.Tensor, eps: float,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
         values = self._norm_weight(weight, x) if self._norm_fits(x) and self._pointwise(x, gate) else False
-        if values is False or gate.shape != x.shape:
-            return super().gated_rms_norm(x, weight, gate, eps)
-        return self.kernels.rms_norm(x, values, eps, gate=gate)
+        if values is False or gate.shape != x.shape or out_dtype not in (None,) + KERNEL_DTYPES:
+            return super().gated_rms_norm(x, weight, gate, eps, out_dtype)
+        return self.kernels.rms_norm(x, values, eps, gate=gate, out_dtype=out_dtype)
 
-    def l2_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+    def l2_norm(self, x: torch.Tensor, eps: float, scale: float | None = None) -> torch.Tensor:
         if not self._norm_fits(x):
-            return super().l2_norm(x, eps)
-        return self.kernels.l2_norm(x, eps)
+            return super().l2_norm(x, eps, scale)
+        return self.kernels.l2_norm(x, eps, scale=scale)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
         if not (x.dim() == 3 and cos.dim() == 2 and self._pointwise(x) and cos.device == x.device
@@ -168,7 +170,11 @@ class CudaBackend(TorchBackend):
         return self.kernels.silu_mul(gate, up)
 
     def gdn_gates(self, b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor):
-        if not (b.dim() == 2 and self._pointwise(b, alpha, a, dt_bias, dtypes=(torch.float32,))):
+        """The kernel reads b and alpha in the compute dtype, as the projections left them (a
+        [n, groups, r] view included): no cast or copy before it."""
+        if not (b.dim() in (2, 3) and b.shape == alpha.shape and self._pointwise(b, alpha)
+                and self._pointwise(a, dt_bias, dtypes=(torch.float32,)) and a.device == b.device
+                and all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (b, alpha))):
             return super().gdn_gates(b, alpha, a, dt_bias)
         return self.kernels.gdn_gates(b, alpha, a, dt_bias)
 
@@ -186,11 +192,14 @@ class CudaBackend(TorchBackend):
         return _joined([self.kernels.causal_conv(m[a:b], ring, values, src, dst)
                         for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
 
-    def delta_rule_slots(self, q, k, v, g, beta, ring, src_slot, dst_slots):
+    def delta_rule_slots(self, q, k, v, g, beta, ring, src_slot, dst_slots, key_heads: str = gdn.TILED):
+        """The kernel reads each value head's key head (`key_heads` layout) and every input in its
+        dtype: q, k with the key heads only and v in the compute dtype need no copy first."""
         n = q.shape[0]
         if not self._recurrent_pieces(n, ring, q, k, v, g, beta):
-            return super().delta_rule_slots(q, k, v, g, beta, ring, src_slot, dst_slots)
-        return _joined([self.kernels.gdn_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ring, src, dst)
+            return super().delta_rule_slots(q, k, v, g, beta, ring, src_slot, dst_slots, key_heads)
+        return _joined([self.kernels.gdn_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ring, src, dst,
+                                              key_heads=key_heads)
                         for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
 
 

@@ -131,14 +131,19 @@ class TorchBackend:
         total = h + delta
         return total, self.rms_norm(total, weight, eps)
 
-    def gated_rms_norm(self, x: torch.Tensor, weight, gate: torch.Tensor, eps: float) -> torch.Tensor:
-        """rms_norm(x) · silu(gate) in the accumulation dtype (Gated DeltaNet's output norm)."""
-        return self.rms_norm(x, weight, eps) * F.silu(gate.to(_wide(gate.dtype)))
+    def gated_rms_norm(self, x: torch.Tensor, weight, gate: torch.Tensor, eps: float,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """rms_norm(x) · silu(gate) in the accumulation dtype (Gated DeltaNet's output norm), rounded
+        into `out_dtype` when given (the dtype of the product that reads it)."""
+        y = self.rms_norm(x, weight, eps) * F.silu(gate.to(_wide(gate.dtype)))
+        return y if out_dtype is None else y.to(out_dtype)
 
-    def l2_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        """x · (Σ x² + ε)^(-1/2) over the last axis, in the accumulation dtype."""
+    def l2_norm(self, x: torch.Tensor, eps: float, scale: float | None = None) -> torch.Tensor:
+        """x · (Σ x² + ε)^(-1/2) over the last axis, in the accumulation dtype, then times `scale`
+        when given (a second rounding: Gated DeltaNet's q · dk^(-1/2))."""
         xf = x.to(_wide(x.dtype))
-        return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+        y = xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+        return y if scale is None else y * scale
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
         """Rotate the first d = 2·cos.shape[-1] dims of every head of x [n, heads, hd] by the angles of
@@ -166,7 +171,9 @@ class TorchBackend:
     # ---- Gated DeltaNet ---------------------------------------------------------------------------
     def gdn_gates(self, b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor):
         """(g, β) [n, heads] of the delta rule (runtime/graphs/gdn.py `gates`): β = σ(b),
-        g = a · softplus(alpha + dt_bias).
+        g = a · softplus(alpha + dt_bias), in the accumulation dtype; b, alpha [n, heads] or
+        [n, groups, heads / groups] in any float dtype (cast and made [n, heads] rows first), a,
+        dt_bias [heads] in the accumulation dtype.
 
         On the CPU a batch of up to gdn.MAX_ALONE_ROWS tokens (decode, verification) is computed one
         token at a time: torch's CPU kernels take the last values of a call (under two vectors)
@@ -178,6 +185,7 @@ class TorchBackend:
             return a * F.softplus(aa + dt_bias), torch.sigmoid(bb)
 
         n = b.shape[0]
+        b, alpha = (x.to(_wide(x.dtype)).flatten(1) for x in (b, alpha))
         if b.device.type != "cpu" or not 1 < n <= gdn.MAX_ALONE_ROWS:
             return one(b, alpha)
         rows = [one(b[t:t + 1], alpha[t:t + 1]) for t in range(n)]
@@ -230,9 +238,12 @@ class TorchBackend:
         return out
 
     def delta_rule_slots(self, q, k, v, g, beta, ring: torch.Tensor, src_slot: torch.Tensor,
-                         dst_slots: torch.Tensor) -> torch.Tensor:
+                         dst_slots: torch.Tensor, key_heads: str = gdn.TILED) -> torch.Tensor:
         """The delta rule with its states in a ring [slots, nv, dk, dv] (as causal_conv_slots); every
-        kept token's state written whole. Returns o [n, nv, dv]."""
+        kept token's state written whole. q, k may hold the key heads only (in the `key_heads`
+        layout), v, g, beta the compute dtype (gdn.rule_inputs). Returns o [n, nv, dv] in the ring's
+        dtype."""
+        q, k, v, g, beta = gdn.rule_inputs(q, k, v, g, beta, ring.dtype, key_heads)
         o, states = self.delta_rule(q, k, v, g, beta, ring.index_select(0, src_slot)[0], dst_slots.shape[0],
                                     exact=rows_alone())
         ring.index_copy_(0, dst_slots, states.to(ring.dtype))

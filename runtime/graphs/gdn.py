@@ -4,9 +4,13 @@ after each of the last `keep` tokens, so the memory can keep per-position snapsh
 without recomputation; the batched form does it without a per-token Python loop (a speculative
 verification batch of k+1 tokens is one set of tensor operations).
 
-Shapes (one sequence): q, k [n, nv, dk] (already expanded to value heads, L2-normed, q scaled),
-v [n, nv, dv], g (log-decay ≤ 0) and beta [n, nv], state S [nv, dk, dv]; all in the state dtype
-(float32, or float64 for a float64 context).
+Shapes (one sequence): q, k [n, nv, dk] (L2-normed, q scaled), v [n, nv, dv], g (log-decay ≤ 0)
+and beta [n, nv], state S [nv, dk, dv]; all in the state dtype (float32, or float64 for a float64
+context). `delta_rule` and `Recurrence` also take q, k with the nk key heads of the file and v, g,
+beta in the compute dtype: the key head of value head h follows the file's layout (TILED: h mod nk,
+Qwen3.5's GGUF files; GROUPED: h // (nv / nk), Qwen3-Next's), and each form expands and casts where
+it needs to (`rule_inputs`: the torch and native forms; the CUDA kernel reads key head and dtype
+itself, so a decode step launches no copy for either).
 """
 
 from __future__ import annotations
@@ -14,17 +18,47 @@ from __future__ import annotations
 import torch
 
 from specconv.runtime.backend import for_device, rows_alone
+from specconv.runtime.graphs.ops import dense
 
 CHUNK = 64  # as HF torch_chunk_gated_delta_rule and llama.cpp's prefill path
 MAX_ALONE_ROWS = 16  # batches up to this many tokens compute their gates a token at a time (gates)
+# which key head value head h reads, for nv value heads over nk key heads (nk divides nv)
+TILED = "tiled"  # h mod nk: GGUF's Qwen3.5 files (the converter tiles the value heads)
+GROUPED = "grouped"  # h // (nv / nk): Qwen3-Next's files (each key head's value heads together)
+KEY_HEAD_LAYOUTS = (TILED, GROUPED)
 
 
-def gates(b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor):
-    """(g, β) [n, heads] of the delta rule from the projections b, alpha [n, heads] and the per-head
-    a, dt_bias [heads]: β = σ(b), g = a · softplus(alpha + dt_bias) (docs/reference/model-math.md §2.2),
-    by the backend of b's device (runtime/backend_torch.py `gdn_gates`: on the CPU a decode or
-    verification batch token by token, so a token's gates do not depend on its batch)."""
-    return for_device(b.device).gdn_gates(b, alpha, a, dt_bias)
+def gates(b: torch.Tensor, alpha: torch.Tensor, a, dt_bias):
+    """(g, β) [n, heads] of the delta rule, in the accumulation dtype, from the projections b, alpha
+    [n, heads] (or [n, groups, heads / groups], views of one projection in head order) in the compute
+    dtype and the per-head weights a, dt_bias [heads] (taken in the accumulation dtype): β = σ(b),
+    g = a · softplus(alpha + dt_bias) (docs/reference/model-math.md §2.2), by the backend of b's
+    device (runtime/backend_torch.py `gdn_gates`: on the CPU a decode or verification batch token by
+    token, so a token's gates do not depend on its batch; the CUDA kernel reads b and alpha as
+    they are)."""
+    wide = torch.float64 if b.dtype == torch.float64 else torch.float32  # ops.acc's rule
+    return for_device(b.device).gdn_gates(b, alpha, dense(a, wide), dense(dt_bias, wide))
+
+
+def value_heads(x: torch.Tensor, nv: int, key_heads: str) -> torch.Tensor:
+    """x [n, nk, d] with one head per value head [n, nv, d] (x itself where nk = nv), in `key_heads`'
+    layout (TILED or GROUPED)."""
+    nk = x.shape[1]
+    if key_heads not in KEY_HEAD_LAYOUTS:
+        raise ValueError(f"key head layout must be one of {KEY_HEAD_LAYOUTS}, not {key_heads!r}")
+    if nk == 0 or nv % nk:
+        raise ValueError(f"{nv} value heads over {nk} key heads")
+    if nk == nv:
+        return x
+    return x.repeat(1, nv // nk, 1) if key_heads == TILED else x.repeat_interleave(nv // nk, dim=1)
+
+
+def rule_inputs(q, k, v, g, beta, dtype: torch.dtype, key_heads: str):
+    """(q, k, v, g, beta) as the torch and native forms take them: in `dtype` (the state's), q and k
+    with one head per value head (`value_heads`)."""
+    nv = v.shape[1]
+    return (value_heads(q.to(dtype), nv, key_heads), value_heads(k.to(dtype), nv, key_heads),
+            v.to(dtype), g.to(dtype), beta.to(dtype))
 
 
 def causal_conv(m: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, keep: int):
@@ -165,7 +199,7 @@ BATCHED_MAX = CHUNK  # the batched form's n² state sum stays cheap up to one ch
 
 
 def delta_rule(q, k, v, g, beta, state, keep: int, mode: str = "auto", lazy: bool = False,
-               out: torch.Tensor | None = None):
+               out: torch.Tensor | None = None, key_heads: str = TILED):
     """Outputs for every token and the states after each of the last `keep` tokens (with `lazy`, as a
     `PendingStates` where the batched or native form computes them: Batch.recurrent_out takes either).
     `out`: where the state after the last token is wanted (the memory's slot for it); the native
@@ -183,7 +217,11 @@ def delta_rule(q, k, v, g, beta, state, keep: int, mode: str = "auto", lazy: boo
 
     In batch-invariant mode (runtime/backend.py `rows_alone`: a bfloat16 / float16 model) every
     form runs token by token, each token as a batch of one (the states as a tensor), prompts
-    included: a token's output and state are the same bits whatever batch it came in."""
+    included: a token's output and state are the same bits whatever batch it came in.
+
+    q, k may hold the key heads only, v, g, beta the compute dtype (`rule_inputs` makes them the
+    forms' inputs, `key_heads` the layout)."""
+    q, k, v, g, beta = rule_inputs(q, k, v, g, beta, state.dtype, key_heads)
     n = q.shape[0]
     if mode == "recurrent":
         return recurrent_delta_rule(q, k, v, g, beta, state, keep=keep)
@@ -221,15 +259,16 @@ class Recurrence:
         out, self._conv_states = causal_conv(m, conv_state, weight, b.keep)
         return out
 
-    def delta_rule(self, q, k, v, g, beta) -> torch.Tensor:
-        """o [n, nv, dv] (inputs in the state dtype, shapes as `delta_rule`), after `conv`."""
+    def delta_rule(self, q, k, v, g, beta, key_heads: str = TILED) -> torch.Tensor:
+        """o [n, nv, dv] in the state dtype, after `conv`: q, k [n, nk, dk] (key heads in the
+        `key_heads` layout), v, g, beta in the compute or the state dtype (as `delta_rule`)."""
         b = self.batch
         if self.slots:
             index = b.index(q.device)
             return for_device(q.device).delta_rule_slots(q, k, v, g, beta, b.memory.ssm[self.layer][b.seq],
-                                                         index.src_slot, index.dst_slots)
+                                                         index.src_slot, index.dst_slots, key_heads=key_heads)
         _, ssm_state = b.recurrent_in(self.layer)
         o, states = delta_rule(q, k, v, g, beta, ssm_state, keep=b.keep, mode=self.mode, lazy=True,
-                               out=b.state_out(self.layer))
+                               out=b.state_out(self.layer), key_heads=key_heads)
         b.recurrent_out(self.layer, self._conv_states, states)
         return o

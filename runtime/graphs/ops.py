@@ -40,14 +40,17 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight, eps: float) -> tu
     return for_device(h.device).add_rms_norm(h, delta, weight, eps)
 
 
-def gated_rms_norm(x: torch.Tensor, weight, gate: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm(x, weight) · silu(gate), in the accumulation dtype (Gated DeltaNet's output norm)."""
-    return for_device(x.device).gated_rms_norm(x, weight, gate, eps)
+def gated_rms_norm(x: torch.Tensor, weight, gate: torch.Tensor, eps: float,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """rms_norm(x, weight) · silu(gate), in the accumulation dtype (Gated DeltaNet's output norm), or
+    rounded once into `out_dtype` (the next product's input: one kernel on CUDA, no cast after it)."""
+    return for_device(x.device).gated_rms_norm(x, weight, gate, eps, out_dtype)
 
 
-def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x · (Σ x² + ε)^(-1/2) over the last axis, in the accumulation dtype."""
-    return for_device(x.device).l2_norm(x, eps)
+def l2_norm(x: torch.Tensor, eps: float, scale: float | None = None) -> torch.Tensor:
+    """x · (Σ x² + ε)^(-1/2) over the last axis, in the accumulation dtype, then times `scale` if
+    given (rounded after the norm, as a separate product would be; one kernel on CUDA)."""
+    return for_device(x.device).l2_norm(x, eps, scale)
 
 
 def dense(w, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -67,22 +67,19 @@ def gated_deltanet(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch, 
     dk, dv = hp.linear_key_head_dim, hp.linear_value_head_dim
     m = linear(a, w[f"blk.{i}.attn_qkv.weight"])  # [n, C] = [q | k | v]
     z = linear(a, w[f"blk.{i}.attn_gate.weight"]).view(n, nv, dv)
-    b = acc(linear(a, w[f"blk.{i}.ssm_beta.weight"]))
-    alpha = acc(linear(a, w[f"blk.{i}.ssm_alpha.weight"]))
+    b = linear(a, w[f"blk.{i}.ssm_beta.weight"])
+    alpha = linear(a, w[f"blk.{i}.ssm_alpha.weight"])
     rec = gdn.Recurrence(batch, i, mode)  # states in and out of the memory's ring
     c = rec.conv(m, w[f"blk.{i}.ssm_conv1d.weight"])
-    q = c[:, :nk * dk].view(n, nk, dk)
-    k = c[:, nk * dk:2 * nk * dk].view(n, nk, dk)
-    v = acc(c[:, 2 * nk * dk:].reshape(n, nv, dv))
-    q = l2_norm(q, hp.rms_norm_eps) * dk ** -0.5
-    k = l2_norm(k, hp.rms_norm_eps)
-    # GGUF value heads are tiled: value head h reads key head h mod nk
-    q, k = q.repeat(1, nv // nk, 1), k.repeat(1, nv // nk, 1)
-    g, beta = gdn.gates(b, alpha, w[f"blk.{i}.ssm_a"].to(alpha.dtype), w[f"blk.{i}.ssm_dt.bias"].to(alpha.dtype))
-    sd = rec.state_dtype  # float32, or float64 for a reference-grade recurrence
-    o = rec.delta_rule(q.to(sd), k.to(sd), v.to(sd), g.to(sd), beta.to(sd))
-    y = gated_rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], z, hp.rms_norm_eps)  # one kernel on CUDA
-    return linear(y.reshape(n, nv * dv).to(a.dtype), w[f"blk.{i}.ssm_out.weight"])
+    q = l2_norm(c[:, :nk * dk].view(n, nk, dk), hp.rms_norm_eps, scale=dk ** -0.5)
+    k = l2_norm(c[:, nk * dk:2 * nk * dk].view(n, nk, dk), hp.rms_norm_eps)
+    v = c[:, 2 * nk * dk:].view(n, nv, dv)
+    g, beta = gdn.gates(b, alpha, w[f"blk.{i}.ssm_a"], w[f"blk.{i}.ssm_dt.bias"])  # accumulation dtype
+    # GGUF value heads are tiled: value head h reads key head h mod nk; the delta rule takes the
+    # key heads and v in the compute dtype as they are (expanded and cast where a form needs it)
+    o = rec.delta_rule(q, k, v, g, beta, key_heads=gdn.TILED)
+    y = gated_rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], z, hp.rms_norm_eps, out_dtype=a.dtype)  # one kernel on CUDA
+    return linear(y.reshape(n, nv * dv), w[f"blk.{i}.ssm_out.weight"])
 
 
 def ffn(w, hp: Qwen35HParams, i: int, x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from specconv.archs.qwen3next import QWEN3NEXT_TABLE, Qwen3NextHParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn, trunk
 from specconv.runtime.graphs import qwen35 as q35
-from specconv.runtime.graphs.ops import acc, dense, gated_rms_norm, l2_norm, linear
+from specconv.runtime.graphs.ops import gated_rms_norm, l2_norm, linear
 from specconv.runtime.memory import Batch
 
 # the family's table (archs/qwen3next.py), whose shapes read the hparams (Qwen3NextHParams)
@@ -35,20 +35,17 @@ def gated_deltanet(w, hp: Qwen3NextHParams, i: int, a: torch.Tensor, batch: Batc
     r = hp.value_heads_per_key_head
     m = linear(a, w[f"blk.{i}.attn_qkv.weight"])  # [n, C] = [q | k | v]
     z = linear(a, w[f"blk.{i}.attn_gate.weight"]).view(n, nv, dv)
-    ba = acc(linear(a, w[f"blk.{i}.ssm_ba.weight"])).view(n, nk, 2 * r)
-    b, alpha = ba[..., :r].reshape(n, nv), ba[..., r:].reshape(n, nv)
+    ba = linear(a, w[f"blk.{i}.ssm_ba.weight"]).view(n, nk, 2 * r)
+    b, alpha = ba[..., :r], ba[..., r:]  # [n, nk, r]: value heads in order (gdn.gates reads the views)
     rec = gdn.Recurrence(batch, i, mode)  # states in and out of the memory's ring
     c = rec.conv(m, w[f"blk.{i}.ssm_conv1d.weight"])
-    q = l2_norm(c[:, :nk * dk].view(n, nk, dk), hp.rms_norm_eps) * dk ** -0.5
+    q = l2_norm(c[:, :nk * dk].view(n, nk, dk), hp.rms_norm_eps, scale=dk ** -0.5)
     k = l2_norm(c[:, nk * dk:2 * nk * dk].view(n, nk, dk), hp.rms_norm_eps)
-    v = acc(c[:, 2 * nk * dk:].reshape(n, nv, dv))
-    q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # value head h reads key head h // r
-    g, beta = gdn.gates(b, alpha, dense(w[f"blk.{i}.ssm_a"], alpha.dtype),
-                        dense(w[f"blk.{i}.ssm_dt.bias"], alpha.dtype))
-    sd = rec.state_dtype  # float32, or float64 for a reference-grade recurrence
-    o = rec.delta_rule(q.to(sd), k.to(sd), v.to(sd), g.to(sd), beta.to(sd))
-    y = gated_rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], z, hp.rms_norm_eps)  # one kernel on CUDA
-    return linear(y.reshape(n, nv * dv).to(a.dtype), w[f"blk.{i}.ssm_out.weight"])
+    v = c[:, 2 * nk * dk:].view(n, nv, dv)
+    g, beta = gdn.gates(b, alpha, w[f"blk.{i}.ssm_a"], w[f"blk.{i}.ssm_dt.bias"])  # accumulation dtype
+    o = rec.delta_rule(q, k, v, g, beta, key_heads=gdn.GROUPED)  # value head h reads key head h // r
+    y = gated_rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], z, hp.rms_norm_eps, out_dtype=a.dtype)  # one kernel on CUDA
+    return linear(y.reshape(n, nv * dv), w[f"blk.{i}.ssm_out.weight"])
 
 
 # qwen35's blocks with this module's Gated DeltaNet mixer; the MTP block (at n_layer) is full attention,

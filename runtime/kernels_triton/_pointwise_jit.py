@@ -32,12 +32,12 @@ def _silu(x):
 
 @triton.jit
 def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, y_ptr, inner, width, count, stride_xa, stride_xb,
-                stride_ra, stride_rb, stride_za, stride_zb, eps, MEAN: tl.constexpr, HAS_W: tl.constexpr,
-                HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
+                stride_ra, stride_rb, stride_za, stride_zb, eps, scale, MEAN: tl.constexpr, HAS_W: tl.constexpr,
+                HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     """Row r (= a · inner + b) of x [A, inner, width]: s = x (+ res, rounded into sum's dtype and
-    written to sum), y = s · (Σ s² (/ width with MEAN) + eps)^(-1/2) (· w), with a gate rounded into
-    x's dtype first and multiplied by silu(z); y, sum contiguous [A · inner, width]. `count`: width
-    as a float (the mean's divisor)."""
+    written to sum), y = s · (Σ s² (/ width with MEAN) + eps)^(-1/2) (· scale, rounded after the
+    norm) (· w), with a gate rounded into x's dtype first and multiplied by silu(z); y, sum
+    contiguous [A · inner, width]. `count`: width as a float (the mean's divisor)."""
     r = tl.program_id(0)
     a = r // inner
     b = r % inner
@@ -52,6 +52,8 @@ def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, y_ptr, inner, width, coun
     if MEAN:
         total = tl.div_rn(total, count)
     y = x * tl.div_rn(1.0, tl.sqrt_rn(total + eps))
+    if HAS_SCALE:
+        y = y * scale
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_GATE:
@@ -103,22 +105,26 @@ def silu_mul_kernel(g_ptr, u_ptr, y_ptr, width, stride_g, stride_u, BLOCK: tl.co
 
 
 @triton.jit
-def gdn_gates_kernel(b_ptr, alpha_ptr, a_ptr, bias_ptr, g_ptr, beta_ptr, heads, stride_b, stride_alpha,
-                     BLOCK: tl.constexpr):
-    """Token program_id(0): g = a · softplus(alpha + dt_bias), β = σ(b) over its heads (float32).
+def gdn_gates_kernel(b_ptr, alpha_ptr, a_ptr, bias_ptr, g_ptr, beta_ptr, heads, per_group, stride_b, stride_bg,
+                     stride_alpha, stride_ag, BLOCK: tl.constexpr):
+    """Token program_id(0): g = a · softplus(alpha + dt_bias), β = σ(b) over its heads (float32). b and
+    alpha are read as [n, heads / per_group, per_group] through their strides (head h at group
+    h // per_group, element h mod per_group), in their dtype.
     softplus as torch's (threshold 20) with log1p(e) = log(1 + e) · e / ((1 + e) − 1), exact to a few
     ulps where 1 + e rounds away e's low bits."""
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK)
     ok = h < heads
-    x = tl.load(alpha_ptr + t * stride_alpha + h, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(alpha_ptr + t * stride_alpha + (h // per_group) * stride_ag + h % per_group, mask=ok,
+                other=0.0).to(tl.float32)
     x = x + tl.load(bias_ptr + h, mask=ok, other=0.0).to(tl.float32)
     e = tl.exp(x)
     u = 1.0 + e
     log1p = tl.where(u == 1.0, e, tl.log(u) * tl.div_rn(e, tl.where(u == 1.0, 1.0, u - 1.0)))
     softplus = tl.where(x > 20.0, x, log1p)
     g = tl.load(a_ptr + h, mask=ok, other=0.0).to(tl.float32) * softplus
-    bb = tl.load(b_ptr + t * stride_b + h, mask=ok, other=0.0).to(tl.float32)
+    bb = tl.load(b_ptr + t * stride_b + (h // per_group) * stride_bg + h % per_group, mask=ok,
+                 other=0.0).to(tl.float32)
     beta = tl.div_rn(1.0, 1.0 + tl.exp(-bb))
     tl.store(g_ptr + t * heads + h, g, mask=ok)
     tl.store(beta_ptr + t * heads + h, beta, mask=ok)

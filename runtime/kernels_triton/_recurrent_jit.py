@@ -17,7 +17,7 @@ import triton.language as tl
 
 @triton.jit
 def gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, src_slot_ptr, dst_slots_ptr, o_ptr,
-                    n, keep, n_key_heads, dk, dv,
+                    n, keep, n_key_heads, group, dk, dv,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                     stride_slot, stride_sh, stride_sk, stride_ot, stride_oh,
                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -25,9 +25,10 @@ def gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, src_slot_p
     needs only itself through the tokens, so the program keeps its [dk, BLOCK_V] block in registers
     for all n tokens, reading the state once and writing each kept token's state once. Per token
     (the recurrent form of runtime/graphs/gdn.py): S ← e^g S; δ = β (v − Sᵀk); S ← S + k δᵀ; o = Sᵀq.
-    Value head h reads key head h mod n_key_heads (GGUF's tiled value heads)."""
+    Value head h reads key head (h // group) mod n_key_heads: h mod n_key_heads for GGUF's tiled
+    value heads (group 1), h // group for grouped ones (group = value heads per key head)."""
     h = tl.program_id(0)
-    key_head = h % n_key_heads
+    key_head = (h // group) % n_key_heads
     rows = tl.arange(0, BLOCK_K)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok, col_ok = rows < dk, cols < dv

@@ -1,12 +1,14 @@
 """Gated activations in one Triton launch each.
 
     silu_mul(gate, up) -> silu(gate) · up        (SwiGLU's product; gate's dtype)
-    gdn_gates(b, alpha, a, dt_bias) -> (g, beta)  (the Gated DeltaNet's gates, float32)
+    gdn_gates(b, alpha, a, dt_bias) -> (g, beta)  (the Gated DeltaNet's gates, float32 [n, heads])
 
 silu_mul: gate, up [..., F] of one float dtype, the last dimension contiguous; silu in float32,
 rounded into the dtype, times up in float32, rounded again: the reference's F.silu(gate) * up in
-that dtype (runtime/backend_torch.py). gdn_gates: b, alpha [n, heads], a, dt_bias [heads]:
-g = a · softplus(alpha + dt_bias), β = σ(b) (runtime/graphs/gdn.py `gates`), float32 out.
+that dtype (runtime/backend_torch.py). gdn_gates: b, alpha [n, heads] or [n, groups, heads / groups]
+(views of one projection, read through their strides: no copy), a, dt_bias [heads], any float dtype
+(loaded into float32, as the reference casts them first): g = a · softplus(alpha + dt_bias),
+β = σ(b) (runtime/graphs/gdn.py `gates`), float32 [n, heads] out.
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def gdn_gates(b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor):
     op = "gdn_gates"
-    if b.dim() != 2:
-        raise SpecconvError(f"{op}: expected b, alpha [n, heads] (got b {tuple(b.shape)})")
-    n, heads = b.shape
-    _common.check_shape(op, "alpha", alpha, (n, heads))
+    if b.dim() not in (2, 3):
+        raise SpecconvError(f"{op}: expected b, alpha [n, heads] or [n, groups, heads / groups] "
+                            f"(got b {tuple(b.shape)})")
+    _common.check_shape(op, "alpha", alpha, tuple(b.shape))
+    n, per_group = b.shape[0], b.shape[-1]
+    heads = b.shape[1] * b.shape[2] if b.dim() == 3 else per_group
     _common.check_shape(op, "a", a, (heads,))
     _common.check_shape(op, "dt_bias", dt_bias, (heads,))
     for name, t in (("b", b), ("alpha", alpha), ("a", a), ("dt_bias", dt_bias)):
@@ -59,6 +63,8 @@ def gdn_gates(b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: to
     if n * heads == 0:
         return g, beta
     jit = _common.jit_module("_pointwise_jit")
-    jit.gdn_gates_kernel[(n,)](b, alpha, a, dt_bias, g, beta, heads, b.stride(0), alpha.stride(0),
-                               BLOCK=_common.next_power_of_2(heads), enable_fp_fusion=False)
+    groups = (b.stride(1), alpha.stride(1)) if b.dim() == 3 else (0, 0)  # a 2-D row: one group of all heads
+    jit.gdn_gates_kernel[(n,)](b, alpha, a, dt_bias, g, beta, heads, max(per_group, 1), b.stride(0), groups[0],
+                               alpha.stride(0), groups[1], BLOCK=_common.next_power_of_2(heads),
+                               enable_fp_fusion=False)
     return g, beta

@@ -1,10 +1,12 @@
 """The gated delta rule for 1-16 tokens in one Triton launch, each kept token's state in its own slot.
 
-    gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, out=None) -> o [n, nv, dv]
+    gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, out=None, key_heads="tiled") -> o [n, nv, dv]
 
 Shapes (one sequence, docs/reference/model-math.md §2.2): q, k [n, nk, dk] (L2-normed, q scaled;
-value head h reads key head h mod nk, so nk may be the key heads before GGUF's tiling or nv after
-it), v [n, nv, dv], g (log-decay ≤ 0) and beta [n, nv]; states [slots, nv, dk, dv] float32, the ring
+value head h reads key head h mod nk with key_heads "tiled", GGUF's Qwen3.5 layout, or h // (nv / nk)
+with "grouped", Qwen3-Next's; nk = nv reads head h either way), v [n, nv, dv], g (log-decay ≤ 0)
+and beta [n, nv], each in any float dtype (loaded into float32: the compute dtype's v needs no cast
+first); states [slots, nv, dk, dv] float32, the ring
 of the sequence's states for this layer (runtime/memory.py `Memory.ssm[layer][seq]`). The state
 before the batch is read from slot `src_slot` and the state after token n - keep + i written to slot
 `dst_slots[i]` (keep = len(dst_slots) ≤ n): a rollback to token i makes that slot current, nothing is
@@ -24,6 +26,7 @@ from specconv.runtime.kernels_triton import _common
 
 MAX_TOKENS = 16  # longer inputs (prompts) take runtime/graphs/gdn.py's chunked form
 BLOCK_V = 32  # state columns per program
+KEY_HEAD_LAYOUTS = ("tiled", "grouped")  # runtime/graphs/gdn.py TILED, GROUPED
 
 
 def slot_index(op: str, name: str, slots, n_slots: int, device: torch.device, length: int | None = None):
@@ -46,7 +49,8 @@ def slot_index(op: str, name: str, slots, n_slots: int, device: torch.device, le
 
 
 def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             states: torch.Tensor, src_slot, dst_slots, out: torch.Tensor | None = None) -> torch.Tensor:
+             states: torch.Tensor, src_slot, dst_slots, out: torch.Tensor | None = None,
+             key_heads: str = "tiled") -> torch.Tensor:
     op = "gdn_step"
     if q.dim() != 3 or v.dim() != 3 or states.dim() != 4:
         raise SpecconvError(f"{op}: expected q, k [n, nk, dk], v [n, nv, dv], states [slots, nv, dk, dv] "
@@ -60,6 +64,9 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     _common.check_shape(op, "states", states, (states.shape[0], nv, dk, dv))
     if not 1 <= n <= MAX_TOKENS or nk == 0 or nv % nk:
         raise SpecconvError(f"{op}: {n} tokens (1..{MAX_TOKENS}) and {nv} value heads over {nk} key heads")
+    if key_heads not in KEY_HEAD_LAYOUTS:
+        raise SpecconvError(f"{op}: key_heads must be one of {KEY_HEAD_LAYOUTS} (got {key_heads!r})")
+    group = nv // nk if key_heads == "grouped" else 1  # value head h reads key head (h // group) mod nk
     if states.dtype != torch.float32:
         raise SpecconvError(f"{op}: states must be float32 (got {states.dtype})")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
@@ -79,7 +86,7 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     _common.check_last_contiguous(op, "out", out)
     jit = _common.jit_module("_recurrent_jit")
     grid = (nv, _common.cdiv(dv, BLOCK_V))
-    jit.gdn_step_kernel[grid](q, k, v, g, beta, states, src, dst, out, n, keep, nk, dk, dv,
+    jit.gdn_step_kernel[grid](q, k, v, g, beta, states, src, dst, out, n, keep, nk, group, dk, dv,
                               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                               g.stride(0), beta.stride(0), states.stride(0), states.stride(1), states.stride(2),
                               out.stride(0), out.stride(1),

@@ -1,14 +1,15 @@
 """RMSNorm and its neighbours in one Triton launch each (float32 inside, one rounding out).
 
     rms_norm(x, weight, eps, residual=None, gate=None, out_dtype=None) -> y  (or (x + residual, y))
-    l2_norm(x, eps) -> float32 y
+    l2_norm(x, eps, scale=None) -> float32 y
 
 * rms_norm: y = x · (mean(x²) + eps)^(-1/2) ⊙ weight over the last axis, the formula of
   runtime/graphs/ops.py `rms_norm` (the GGUF weight already holds any +1), in `out_dtype` (x's by
   default). With `residual`: s = x + residual rounded into x's dtype, normalised, and returned with y
   (the residual add of a block and the next norm). With `gate`: y rounded into x's dtype, then
   · silu(gate) in float32 (the gated norm of Gated DeltaNet; out_dtype float32 by default).
-* l2_norm: y = x · (Σ x² + eps)^(-1/2), float32 (q and k of Gated DeltaNet).
+* l2_norm: y = x · (Σ x² + eps)^(-1/2), float32 (q and k of Gated DeltaNet); with `scale`, y · scale
+  rounded after the norm (q's dk^(-1/2): the reference's two float32 roundings).
 
 x, residual, gate: [..., width], float32 / bfloat16 / float16, on CUDA (or the CPU under the
 interpreter), the last dimension contiguous; up to three dimensions are read through their strides
@@ -43,7 +44,7 @@ def _warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
-def _norm(op: str, x, weight, eps: float, residual, gate, out_dtype, mean: bool):
+def _norm(op: str, x, weight, eps: float, residual, gate, out_dtype, mean: bool, scale: float | None = None):
     width = x.shape[-1]
     if width > MAX_WIDTH:
         raise SpecconvError(f"{op}: rows of {width} values (at most {MAX_WIDTH})")
@@ -71,9 +72,10 @@ def _norm(op: str, x, weight, eps: float, residual, gate, out_dtype, mean: bool)
     jit = _common.jit_module("_pointwise_jit")
     jit.norm_kernel[(a * inner,)](rows3, res, y if total is None else total, x if weight is None else weight, z, y,
                                   inner, width, float(width), rows3.stride(0), rows3.stride(1), res.stride(0),
-                                  res.stride(1), z.stride(0), z.stride(1), float(eps), MEAN=mean,
-                                  HAS_W=weight is not None, HAS_RES=residual is not None, HAS_GATE=gate is not None,
-                                  BLOCK=block, num_warps=_warps(block),
+                                  res.stride(1), z.stride(0), z.stride(1), float(eps),
+                                  1.0 if scale is None else float(scale), MEAN=mean, HAS_W=weight is not None,
+                                  HAS_RES=residual is not None, HAS_GATE=gate is not None,
+                                  HAS_SCALE=scale is not None, BLOCK=block, num_warps=_warps(block),
                                   enable_fp_fusion=False)
     return y if total is None else (total, y)
 
@@ -87,5 +89,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
     return _norm("rms_norm", x, weight, eps, residual, gate, out_dtype, mean=True)
 
 
-def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return _norm("l2_norm", x, None, eps, None, None, torch.float32, mean=False)
+def l2_norm(x: torch.Tensor, eps: float, scale: float | None = None) -> torch.Tensor:
+    return _norm("l2_norm", x, None, eps, None, None, torch.float32, mean=False, scale=scale)
