@@ -3,10 +3,10 @@
     quant_matmul(x, packed, qtype, n_out, n_in)          x @ Wᵀ, W packed in its GGUF type
     expert_matmul(x, experts, qtype, n_out, n_in, chosen)   row r @ W[chosen[r]]ᵀ: routed experts by index
     dequantize_rows(packed, qtype, rows, n_in, dtype)    packed rows -> values
-    gdn_step(q, k, v, g, beta, states, src_slot, dst_slots)   the gated delta rule, 1-16 tokens
+    gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, key_heads="tiled")   the gated delta rule, 1-16 tokens
     causal_conv(m, states, weight, src_slot, dst_slots)       the short causal conv + SiLU
     rms_norm(x, weight, eps, residual=None, gate=None)   RMSNorm (+ the residual add, or a SiLU gate)
-    l2_norm(x, eps)                                      x / ‖x‖ (Gated DeltaNet's q and k)
+    l2_norm(x, eps, scale=None)                          x / ‖x‖ (· scale) (Gated DeltaNet's q and k)
     rope(x, cos, sin, style)                             NEOX / NORM rope of q or k
     silu_mul(gate, up)                                   SwiGLU's silu(gate) · up
     gdn_gates(b, alpha, a, dt_bias)                      the Gated DeltaNet's decay and β
