@@ -198,8 +198,8 @@ class CudaBackend(TorchBackend):
         n = q.shape[0]
         if not self._recurrent_pieces(n, ring, q, k, v, g, beta):
             return super().delta_rule_slots(q, k, v, g, beta, ring, src_slot, dst_slots, key_heads)
-        return _joined([self.kernels.gdn_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ring, src, dst,
-                                              key_heads=key_heads)
+        group = v.shape[1] // q.shape[1] if key_heads == gdn.GROUPED else 1  # value heads per key head, in order
+        return _joined([self.kernels.gdn_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ring, src, dst, group=group)
                         for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
 
 

@@ -3,7 +3,7 @@
     quant_matmul(x, packed, qtype, n_out, n_in)          x @ Wᵀ, W packed in its GGUF type
     expert_matmul(x, experts, qtype, n_out, n_in, chosen)   row r @ W[chosen[r]]ᵀ: routed experts by index
     dequantize_rows(packed, qtype, rows, n_in, dtype)    packed rows -> values
-    gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, key_heads="tiled")   the gated delta rule, 1-16 tokens
+    gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, group=1)   the gated delta rule, 1-16 tokens
     causal_conv(m, states, weight, src_slot, dst_slots)       the short causal conv + SiLU
     rms_norm(x, weight, eps, residual=None, gate=None)   RMSNorm (+ the residual add, or a SiLU gate)
     l2_norm(x, eps, scale=None)                          x / ‖x‖ (· scale) (Gated DeltaNet's q and k)

@@ -1,10 +1,10 @@
 """The gated delta rule for 1-16 tokens in one Triton launch, each kept token's state in its own slot.
 
-    gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, out=None, key_heads="tiled") -> o [n, nv, dv]
+    gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, out=None, group=1) -> o [n, nv, dv]
 
 Shapes (one sequence, docs/reference/model-math.md §2.2): q, k [n, nk, dk] (L2-normed, q scaled;
-value head h reads key head h mod nk with key_heads "tiled", GGUF's Qwen3.5 layout, or h // (nv / nk)
-with "grouped", Qwen3-Next's; nk = nv reads head h either way), v [n, nv, dv], g (log-decay ≤ 0)
+value head h reads key head (h // group) mod nk: group 1 reads h mod nk, GGUF's tiled Qwen3.5
+heads; group nv / nk reads h // group, Qwen3-Next's grouped heads; nk = nv reads head h), v [n, nv, dv], g (log-decay ≤ 0)
 and beta [n, nv], each in any float dtype (loaded into float32: the compute dtype's v needs no cast
 first); states [slots, nv, dk, dv] float32, the ring
 of the sequence's states for this layer (runtime/memory.py `Memory.ssm[layer][seq]`). The state
@@ -26,7 +26,6 @@ from specconv.runtime.kernels_triton import _common
 
 MAX_TOKENS = 16  # longer inputs (prompts) take runtime/graphs/gdn.py's chunked form
 BLOCK_V = 32  # state columns per program
-KEY_HEAD_LAYOUTS = ("tiled", "grouped")  # runtime/graphs/gdn.py TILED, GROUPED
 
 
 def slot_index(op: str, name: str, slots, n_slots: int, device: torch.device, length: int | None = None):
@@ -50,7 +49,7 @@ def slot_index(op: str, name: str, slots, n_slots: int, device: torch.device, le
 
 def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              states: torch.Tensor, src_slot, dst_slots, out: torch.Tensor | None = None,
-             key_heads: str = "tiled") -> torch.Tensor:
+             group: int = 1) -> torch.Tensor:
     op = "gdn_step"
     if q.dim() != 3 or v.dim() != 3 or states.dim() != 4:
         raise SpecconvError(f"{op}: expected q, k [n, nk, dk], v [n, nv, dv], states [slots, nv, dk, dv] "
@@ -64,9 +63,8 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     _common.check_shape(op, "states", states, (states.shape[0], nv, dk, dv))
     if not 1 <= n <= MAX_TOKENS or nk == 0 or nv % nk:
         raise SpecconvError(f"{op}: {n} tokens (1..{MAX_TOKENS}) and {nv} value heads over {nk} key heads")
-    if key_heads not in KEY_HEAD_LAYOUTS:
-        raise SpecconvError(f"{op}: key_heads must be one of {KEY_HEAD_LAYOUTS} (got {key_heads!r})")
-    group = nv // nk if key_heads == "grouped" else 1  # value head h reads key head (h // group) mod nk
+    if group not in (1, nv // nk):
+        raise SpecconvError(f"{op}: group must be 1 (tiled heads) or {nv // nk} (grouped heads), got {group}")
     if states.dtype != torch.float32:
         raise SpecconvError(f"{op}: states must be float32 (got {states.dtype})")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):

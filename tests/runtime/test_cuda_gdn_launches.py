@@ -2,8 +2,8 @@
 `gated_deltanet`): the kernels take the tensors as the products and the conv leave them, so nothing
 is copied, cast or tiled between them, and the CPU keeps the bits of the casts and tiling it made.
 
-* kernels (Triton's interpreter here, compiled on a GPU): gdn_step given the key heads only (tiled or
-  grouped) computes the bits of the kernel given q, k expanded to every value head; 16-bit inputs
+* kernels (Triton's interpreter here, compiled on a GPU): gdn_step given the key heads only (tiled,
+  group 1, or grouped, group nv / nk) computes the bits of the kernel given q, k expanded to every value head; 16-bit inputs
   are loaded into float32 (gdn_step, gdn_gates, l2_norm: the bits of the kernel on the float32
   values); gdn_gates reads Qwen3-Next's [n, nk, r] views as their contiguous copies; l2_norm's scale
   is the product after the norm; the gated norm stores its float32 result rounded once into bf16;
@@ -32,6 +32,7 @@ if not ON_GPU:
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from benchmarks import cuda_op_count  # noqa: E402
+from specconv.archs.errors import SpecconvError  # noqa: E402
 from specconv.runtime import Context, GraphType, kernels_triton as kt, load_model  # noqa: E402
 from specconv.runtime.backend import batch_invariant  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
@@ -88,7 +89,8 @@ def test_gdn_step_reads_key_heads_and_16bit_inputs_in_place(key_heads, n):
 
     def run(q, k, v, g, beta, layout):
         states = ring.clone().to(DEVICE)
-        o = kt.gdn_step(*(t.to(DEVICE) for t in (q, k, v, g, beta)), states, 0, dst, key_heads=layout)
+        group = v.shape[1] // q.shape[1] if layout == gdn.GROUPED else 1
+        o = kt.gdn_step(*(t.to(DEVICE) for t in (q, k, v, g, beta)), states, 0, dst, group=group)
         return o.cpu(), states.cpu()
 
     o, states = run(q, k, v, g, beta, key_heads)
@@ -99,6 +101,8 @@ def test_gdn_step_reads_key_heads_and_16bit_inputs_in_place(key_heads, n):
     o16, states16 = run(*low, key_heads)
     o16_as_32, states16_as_32 = run(*(t.float() for t in low), key_heads)
     assert torch.equal(o16, o16_as_32) and torch.equal(states16, states16_as_32)
+    with pytest.raises(SpecconvError, match=r"gdn_step: group must be 1 \(tiled heads\) or 3"):
+        kt.gdn_step(*(t.to(DEVICE) for t in (q, k, v, g, beta)), ring.clone().to(DEVICE), 0, dst, group=2)
     print(f"\n[{WHERE}] gdn_step {key_heads} n={n}: key heads = expanded heads, bf16 = its float32 values, "
           "bit for bit")
 
