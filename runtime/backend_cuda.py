@@ -12,7 +12,8 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   same shapes at every step, as CUDA-graph capture needs. `attention` runs kernels_triton.attention,
   one launch for all rows and heads with the output gate fused (float32 / bfloat16 / float16, head
   dimensions up to MAX_ATTENTION_HEAD_DIM): the online softmax over fixed blocks of cells, one
-  program per row and head, so batch-invariant without a per-row loop.
+  program per row and head, so batch-invariant without a per-row loop. `write_kv`: a batch's K and
+  V into those buffers by cell index, one launch (kernels_triton.write_kv) where the dtypes match.
 * Gated DeltaNet states in ring slots (`slot_states`): `causal_conv_slots` and `delta_rule_slots`
   run kernels_triton.causal_conv / gdn_step, one launch each for up to MAX_TOKENS tokens, reading
   the state before the batch from its slot and writing each kept token's state into its own slot
@@ -183,6 +184,12 @@ class CudaBackend(TorchBackend):
                 <= self.kernels.MAX_ATTENTION_HEAD_DIM and q_pos.device == k_pos.device == q.device):
             return super().attention(q, k, v, q_pos, k_pos, scale, gate)
         return self.kernels.attention(q, k, v, q_pos, k_pos, scale, gate)
+
+    def write_kv(self, k_cache, v_cache, cells, k, v):
+        if not (self._pointwise(k_cache, v_cache, k, v) and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype
+                and cells.device == k.device and cells.dtype == torch.int64 and cells.dim() == 1):
+            return super().write_kv(k_cache, v_cache, cells, k, v)
+        self.kernels.write_kv(k_cache, v_cache, cells, k, v)
 
     # ---- Gated DeltaNet, states in ring slots ------------------------------------------------------
     def _recurrent_pieces(self, n: int, ring: torch.Tensor, *tensors: torch.Tensor) -> bool:

@@ -13,7 +13,8 @@ checked for host reads: tests/runtime/test_backend.py).
   batches (prompts) group the rows by expert, one product per routed expert, which reads the
   expert list on the host. Both sum a row's experts in increasing expert order.
 * `attention`: ops.causal_attention (einsums, a mask and torch's softmax; in batch-invariant mode
-  each query row alone), then an optional sigmoid output gate.
+  each query row alone), then an optional sigmoid output gate. `write_kv`: a batch's K/V into a
+  layer's fixed-size buffers by cell index (index_copy_).
 * `causal_conv`, `delta_rule`: the torch forms of runtime/graphs/gdn.py; in batch-invariant mode
   the delta rule runs token by token, each token as a batch of one would (`exact`).
   `causal_conv_slots`, `delta_rule_slots`: the same forms reading and writing the memory's ring of
@@ -178,6 +179,13 @@ class TorchBackend:
             o = torch.cat([ops.causal_attention(q[i:i + 1], k, v, q_pos[i:i + 1], k_pos, scale)
                            for i in range(q.shape[0])])
         return ops.sigmoid_gated(o, gate)
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        """k_cache[cells] = k, v_cache[cells] = v in the caches' dtype (caches [cells, nkv, d], cells an
+        int64 tensor on their device: what a captured graph replays with other cells)."""
+        k_cache.index_copy_(0, cells, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, cells, v.to(v_cache.dtype))
 
     # ---- Gated DeltaNet ---------------------------------------------------------------------------
     def gdn_gates(self, b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor):

@@ -68,3 +68,21 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, gate_ptr, o_ptr, c
         sig = _rounded(tl.div_rn(1.0, 1.0 + tl.exp(-z)), o_ptr.dtype.element_ty)
         o = _rounded(o, o_ptr.dtype.element_ty) * sig
     tl.store(o_ptr + p * dv + dvs, o.to(o_ptr.dtype.element_ty), mask=dv_ok)
+
+
+@triton.jit
+def write_kv_kernel(k_ptr, v_ptr, cells_ptr, kc_ptr, vc_ptr, kv_heads, dk, dv, stride_kn, stride_kh, stride_vn,
+                    stride_vh, stride_kct, stride_kch, stride_vct, stride_vch, BLOCK_DK: tl.constexpr,
+                    BLOCK_DV: tl.constexpr):
+    """Token t, KV head h (program t · kv_heads + h): k[t, h] into k_cache[cells[t], h] and v[t, h]
+    into v_cache[cells[t], h], bits unchanged (the same dtype on both sides)."""
+    p = tl.program_id(0)
+    t = p // kv_heads
+    h = p % kv_heads
+    cell = tl.load(cells_ptr + t).to(tl.int64)
+    dks = tl.arange(0, BLOCK_DK)
+    dvs = tl.arange(0, BLOCK_DV)
+    k = tl.load(k_ptr + t * stride_kn + h * stride_kh + dks, mask=dks < dk)
+    tl.store(kc_ptr + cell * stride_kct + h * stride_kch + dks, k, mask=dks < dk)
+    v = tl.load(v_ptr + t * stride_vn + h * stride_vh + dvs, mask=dvs < dv)
+    tl.store(vc_ptr + cell * stride_vct + h * stride_vch + dvs, v, mask=dvs < dv)

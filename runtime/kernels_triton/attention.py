@@ -1,6 +1,8 @@
-"""Causal attention over a layer's whole fixed-size K/V buffer in one Triton launch.
+"""Causal attention over a layer's whole fixed-size K/V buffer, and the write of a batch's K/V into it,
+in one Triton launch each.
 
     attention(q, k, v, q_pos, k_pos, scale, gate=None) -> o [n, heads, dv] in q's dtype
+    write_kv(k_cache, v_cache, cells, k, v)   k_cache[cells] = k, v_cache[cells] = v, in place
 
 q [n, heads, dk]; k [cells, kv_heads, dk], v [cells, kv_heads, dv]: the layer's buffers
 (runtime/memory.py `Batch.attend_kv(..., whole=True)`), float32 / bfloat16 / float16, the last
@@ -15,6 +17,10 @@ gated attention: o · sigmoid(gate)), one rounding out.
 Every row is one program per head (_attention_jit.py): its sums run over the whole buffer in blocks
 of a size fixed by the head dimension, in cell order, so a row gives the same bits alone or in a
 batch of any width, and the launch has the same shape at every step (CUDA-graph capture).
+
+write_kv: k, v [n, kv_heads, d] into the caches [cells, kv_heads, d] of the same dtype at the cells
+`cells` [n] (an int64 tensor on the device, never read on the host; the caller's cells are in
+range: runtime/memory.py reserves them), both in one launch where two index_copy_ take two.
 """
 
 from __future__ import annotations
@@ -74,3 +80,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
                                        num_warps=4 if max(block_dk, block_dv) <= 256 else 8,
                                        enable_fp_fusion=False)
     return o
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    op = "write_kv"
+    if k_cache.dim() != 3 or v_cache.dim() != 3:
+        raise SpecconvError(f"{op}: expected caches [cells, kv_heads, d] (got {tuple(k_cache.shape)}, "
+                            f"{tuple(v_cache.shape)})")
+    if cells.dim() != 1:
+        raise SpecconvError(f"{op}: cells must be a vector (got shape {tuple(cells.shape)})")
+    n = cells.shape[0]
+    _common.check_shape(op, "k", k, (n, *k_cache.shape[1:]))
+    _common.check_shape(op, "v", v, (n, *v_cache.shape[1:]))
+    if cells.dtype != torch.int64 or (n > 1 and cells.stride(0) != 1):
+        raise SpecconvError(f"{op}: cells must be a contiguous int64 vector (got {cells.dtype})")
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        _common.check_float(op, name, t)
+        if t.dtype != cache.dtype:
+            raise SpecconvError(f"{op}: {name} is {t.dtype}, its cache {cache.dtype}")
+        _common.check_last_contiguous(op, name, t)
+        _common.check_last_contiguous(op, f"{name}_cache", cache)
+    _common.check_device(op, k_cache, v_cache, cells, k, v)
+    kv_heads, dk, dv = k.shape[1], k.shape[2], v.shape[2]
+    if n * kv_heads == 0:
+        return
+    jit = _common.jit_module("_attention_jit")
+    jit.write_kv_kernel[(n * kv_heads,)](k, v, cells, k_cache, v_cache, kv_heads, dk, dv, k.stride(0), k.stride(1),
+                                         v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+                                         v_cache.stride(0), v_cache.stride(1),
+                                         BLOCK_DK=_common.next_power_of_2(dk), BLOCK_DV=_common.next_power_of_2(dv),
+                                         num_warps=1)

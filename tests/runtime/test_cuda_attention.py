@@ -1,13 +1,15 @@
-"""The one-launch attention kernel (runtime/kernels_triton/attention.py) against the torch formula of
-runtime/graphs/ops.py `causal_attention` (what TorchBackend.attention and the CPU run):
+"""The one-launch attention kernel and K/V write (runtime/kernels_triton/attention.py) against the torch
+formulas: runtime/graphs/ops.py `causal_attention` (what TorchBackend.attention and the CPU run) and
+TorchBackend.write_kv's index_copy_:
 
 * float32: every output within an error bound derived from float32 rounding (`rounding_bound`),
   for GQA ratios 1/2/4/8, head dimensions 64 to 512, unwritten cells, partly filled buffers and
   1 to 16 query rows; the output gate fused;
 * bfloat16: within the roundings into bfloat16 of each side's float32 result;
 * batch invariance: a row alone gives the bits it gets in a batch of 16;
-* the seam: ops.cached_attention reaches the kernel through CudaBackend.attention (one launch per
-  layer instead of the formula's operations: counted on the `meta` device by
+* write_kv: the caches afterwards equal index_copy_'s bit for bit;
+* the seam: ops.cached_attention reaches the kernels through CudaBackend.attention and .write_kv
+  (one launch each per layer instead of the formulas' operations: counted on the `meta` device by
   benchmarks/cuda_op_count.py), falls back to the formula where the kernel does not apply, and
   greedy speculative decoding in bfloat16 equals plain decoding with the kernel.
 
@@ -246,25 +248,68 @@ def test_bad_input_is_a_one_line_error():
         kt.attention(*wide, 0.1)
 
 
+# ---- the K/V write ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+def test_write_kv_gives_the_bits_of_index_copy(dtype):
+    """A batch's K and V (views of one projection, as a fused qkv gives them) into scattered cells
+    of the caches: the caches afterwards equal TorchBackend.write_kv's (two index_copy_) bit for bit,
+    every other cell untouched."""
+    n, kv_heads, dk, dv, cells = 5, 2, 96, 64, 40
+    qkv = rand(n, kv_heads, dk + dv, seed=61).to(dtype)
+    k, v = qkv[..., :dk], qkv[..., dk:]
+    caches = [rand(cells, kv_heads, d, seed=62 + d).to(dtype) for d in (dk, dv)]
+    where = torch.tensor([3, 17, 18, 39, 0])
+    ref = [c.clone() for c in caches]
+    TorchBackend().write_kv(*ref, where, k, v)
+    got = [c.clone().to(DEVICE) for c in caches]
+    kt.write_kv(*got, where.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+    assert all(torch.equal(g.cpu(), r) for g, r in zip(got, ref))
+    print(f"\n[{WHERE}, {dtype}] write_kv: the caches equal index_copy_'s, bit for bit")
+
+
+def test_write_kv_refuses_what_it_would_change():
+    caches = [torch.zeros(8, 2, 16, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    k = torch.ones(3, 2, 16, device=DEVICE)
+    where = torch.tensor([0, 1, 2], device=DEVICE)
+    with pytest.raises(SpecconvError, match="its cache"):  # a cast the caller must make
+        kt.write_kv(*caches, where, k, k)
+    with pytest.raises(SpecconvError, match="int64"):
+        kt.write_kv(*caches, where.int(), k.bfloat16(), k.bfloat16())
+    backend = CudaBackend(kt, device_types=(DEVICE.type,))
+    backend.write_kv(*caches, where, k, 2 * k)  # float32 into bf16 caches: the torch form, rounded as it rounds
+    assert bool((caches[0][:3] == 1).all() and (caches[1][:3] == 2).all() and (caches[0][3:] == 0).all())
+
+
 # ---- the seam ---------------------------------------------------------------------------------------
 
+SEAM = {"attention": "triton.attention_kernel", "write_kv": "triton.write_kv_kernel"}  # method: its launch
+
+
 class TorchAttention(CudaBackend):
-    """The CUDA backend with the torch formula for attention (what it computed before the kernel).
-    Counts, per active op counter, the attention calls and the launches inside them."""
+    """The CUDA backend with the torch formulas for attention and the K/V write (what it computed
+    before these kernels). Counts, per active op counter, the calls and the launches inside them."""
 
     def __init__(self, device_type: str):
         super().__init__(kt, device_types=(device_type,))
         self.calls, self.inside = Counter(), Counter()
 
-    def attention(self, *args):
+
+def _formula(name: str):
+    def method(self, *args):
         counters = cuda_op_count.active_counters()
         if not counters:
-            return TorchBackend.attention(self, *args)
+            return getattr(TorchBackend, name)(self, *args)
         with cuda_op_count.counting() as inside:
-            out = TorchBackend.attention(self, *args)
-        self.calls[id(counters[0].tally)] += 1
+            out = getattr(TorchBackend, name)(self, *args)
+        self.calls[id(counters[0].tally), name] += 1
         self.inside[id(counters[0].tally)] += inside.tally.total
         return out
+    return method
+
+
+for _name in SEAM:
+    setattr(TorchAttention, _name, _formula(_name))
 
 
 @pytest.fixture(scope="module")
@@ -272,25 +317,28 @@ def q8_file(tmp_path_factory):
     return tiny_gguf(tmp_path_factory, outtype="q8_0")[1]
 
 
-def test_each_attention_becomes_one_launch(q8_file):
+def test_each_attention_and_kv_write_becomes_one_launch(q8_file):
     """Counted on `meta` with the CUDA backend's choices (benchmarks/cuda_op_count.py): each
     attention layer's einsums, mask, softmax, casts, per-row loop and output gate become one launch,
-    and nothing else in the step changes."""
+    its two index_copy_ of K and V another, and nothing else in the step changes."""
     k = 3
     fused = cuda_op_count.count_steps(q8_file, "bf16", k)
     before = TorchAttention("meta")
     unfused = cuda_op_count.count_steps(q8_file, "bf16", k, backend=before)
     for name, new, old in (("step", fused.step, unfused.step), ("verification", fused.verify, unfused.verify)):
-        calls, inside = before.calls[id(old)], before.inside[id(old)]
-        launches = new.by_op["triton.attention_kernel"]
-        attention = {kind: (cuda_op_count.block_summary(old, unfused.recurrent)[kind][1], each)
-                     for kind, (_, each) in cuda_op_count.block_summary(new, fused.recurrent).items()}["attention"]
-        print(f"\n[meta, bf16] {name}: {old.total} -> {new.total} launches (attention block {attention[0]} -> "
-              f"{attention[1]}): {calls} attention calls, {inside} launches of the formula -> {launches}")
-        assert calls > 0 and launches == calls
-        assert new.total == old.total - inside + launches
+        calls = {method: before.calls[id(old), method] for method in SEAM}
+        inside = before.inside[id(old)]
+        launches = {method: new.by_op[launch] for method, launch in SEAM.items()}
+        blocks = {kind: (cuda_op_count.block_summary(old, unfused.recurrent)[kind][1], each)
+                  for kind, (_, each) in cuda_op_count.block_summary(new, fused.recurrent).items()}
+        print(f"\n[meta, bf16] {name}: {old.total} -> {new.total} launches (attention block "
+              f"{blocks['attention'][0]} -> {blocks['attention'][1]}): calls {calls}, {inside} launches of the "
+              f"torch formulas -> {launches}")
+        assert all(calls[m] > 0 and launches[m] == calls[m] for m in SEAM)  # one launch per call
+        assert new.total == old.total - inside + sum(launches.values())  # and nothing else changed
         assert not any(new.by_op[op] for op in ("einsum", "softmax", "sigmoid", "bitwise_not"))
-        assert attention[1] < attention[0]
+        assert blocks["attention"][1] < blocks["attention"][0]
+        assert blocks["Gated DeltaNet"][1] == blocks["Gated DeltaNet"][0]
 
 
 def test_the_backend_falls_back_to_the_formula_where_the_kernel_does_not_apply():
