@@ -281,6 +281,29 @@ def test_write_kv_refuses_what_it_would_change():
     assert bool((caches[0][:3] == 1).all() and (caches[1][:3] == 2).all() and (caches[0][3:] == 0).all())
 
 
+def test_memory_writes_a_batch_through_the_backend(monkeypatch):
+    """Batch.attend_kv(whole=True) under the CUDA backend: after a prompt, a rollback and a
+    verification batch, the whole buffers and cell positions equal the torch backend's bit for bit."""
+    from specconv.runtime.memory import Memory, MemoryLayout
+
+    def run(backend):
+        monkeypatch.setattr(backend_module, "_backend", lambda kind: backend)
+        memory = Memory(MemoryLayout(attn_layers=[0], num_key_value_heads=2, head_dim=32, rec_layers=[]),
+                        n_seq=1, n_ctx=24, n_rs_seq=3, device=DEVICE, dtype=torch.bfloat16)
+        seen = []
+        for seed, positions in enumerate(([0, 1, 2, 3, 4, 5], [6, 7, 8, 9], [8, 9, 10])):
+            if positions[0] <= memory.last_pos[0]:
+                memory.seq_rm(0, positions[0])
+            batch = memory.begin(0, torch.tensor(positions, device=DEVICE), positions)
+            k, v = (rand(len(positions), 2, 32, seed=70 + 2 * seed + j).bfloat16().to(DEVICE) for j in (0, 1))
+            seen.append([t.clone().cpu() for t in batch.attend_kv(0, k, v, whole=True)])
+            memory.commit(batch)
+        return seen
+
+    got, ref = run(CudaBackend(kt, device_types=(DEVICE.type,))), run(TorchBackend())
+    assert all(torch.equal(g, r) for step_g, step_r in zip(got, ref) for g, r in zip(step_g, step_r))
+
+
 # ---- the seam ---------------------------------------------------------------------------------------
 
 SEAM = {"attention": "triton.attention_kernel", "write_kv": "triton.write_kv_kernel"}  # method: its launch
