@@ -12,6 +12,10 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
     rms_norm, add_rms_norm, gated_rms_norm, l2_norm, rope, silu_mul, gdn_gates
                                                 the small operations around the products (ops.py's
                                                 helpers and gdn.gates reach them)
+    attention(q, k, v, q_pos, k_pos, scale, gate)   causal attention over a layer's K/V cells, with an
+                                                optional sigmoid output gate (ops.cached_attention)
+    write_kv(k_cache, v_cache, cells, k, v)     a batch's K/V into a layer's fixed-size buffers, in
+                                                place by cell index (runtime/memory.py `Batch.attend_kv`)
 
 * "torch" (runtime/backend_torch.py): torch operations only, on any device (CPU, CUDA, meta): the
   reference the others are tested against, and what runs where nothing faster applies.

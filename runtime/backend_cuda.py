@@ -9,7 +9,11 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   `batch_invariant(True)`, as pieces of FUSED_MAX_ROWS rows through the one-pass kernel, so that
   every row of a prompt gets the bits of a decode step.
 * attention over each layer's whole fixed-size K/V buffer, written in place (`static_kv`): the
-  same shapes at every step, as CUDA-graph capture needs.
+  same shapes at every step, as CUDA-graph capture needs. `attention` runs kernels_triton.attention,
+  one launch for all rows and heads with the output gate fused (float32 / bfloat16 / float16, head
+  dimensions up to MAX_ATTENTION_HEAD_DIM): the online softmax over fixed blocks of cells, one
+  program per row and head, so batch-invariant without a per-row loop. `write_kv`: a batch's K and
+  V into those buffers by cell index, one launch (kernels_triton.write_kv) where the dtypes match.
 * Gated DeltaNet states in ring slots (`slot_states`): `causal_conv_slots` and `delta_rule_slots`
   run kernels_triton.causal_conv / gdn_step, one launch each for up to MAX_TOKENS tokens, reading
   the state before the batch from its slot and writing each kept token's state into its own slot
@@ -177,6 +181,21 @@ class CudaBackend(TorchBackend):
                 and all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (b, alpha))):
             return super().gdn_gates(b, alpha, a, dt_bias)
         return self.kernels.gdn_gates(b, alpha, a, dt_bias)
+
+    # ---- attention ---------------------------------------------------------------------------------
+    def attention(self, q, k, v, q_pos, k_pos, scale, gate=None):
+        tensors = (q, k, v) if gate is None else (q, k, v, gate)
+        if not (self._pointwise(*tensors) and q.dim() == k.dim() == v.dim() == 3 and k.shape[1] > 0
+                and q.shape[1] % k.shape[1] == 0 and 0 < max(q.shape[-1], v.shape[-1])
+                <= self.kernels.MAX_ATTENTION_HEAD_DIM and q_pos.device == k_pos.device == q.device):
+            return super().attention(q, k, v, q_pos, k_pos, scale, gate)
+        return self.kernels.attention(q, k, v, q_pos, k_pos, scale, gate)
+
+    def write_kv(self, k_cache, v_cache, cells, k, v):
+        if not (self._pointwise(k_cache, v_cache, k, v) and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype
+                and cells.device == k.device and cells.dtype == torch.int64 and cells.dim() == 1):
+            return super().write_kv(k_cache, v_cache, cells, k, v)
+        self.kernels.write_kv(k_cache, v_cache, cells, k, v)
 
     # ---- Gated DeltaNet, states in ring slots ------------------------------------------------------
     def _recurrent_pieces(self, n: int, ring: torch.Tensor, *tensors: torch.Tensor) -> bool:

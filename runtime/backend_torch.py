@@ -12,6 +12,9 @@ checked for host reads: tests/runtime/test_backend.py).
   experts by index (`StoredWeight.take`: no host read, only the routed experts' bytes); longer
   batches (prompts) group the rows by expert, one product per routed expert, which reads the
   expert list on the host. Both sum a row's experts in increasing expert order.
+* `attention`: ops.causal_attention (einsums, a mask and torch's softmax; in batch-invariant mode
+  each query row alone), then an optional sigmoid output gate. `write_kv`: a batch's K/V into a
+  layer's fixed-size buffers by cell index (index_copy_).
 * `causal_conv`, `delta_rule`: the torch forms of runtime/graphs/gdn.py; in batch-invariant mode
   the delta rule runs token by token, each token as a batch of one would (`exact`).
   `causal_conv_slots`, `delta_rule_slots`: the same forms reading and writing the memory's ring of
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 
 from specconv.runtime import dequant, stored
 from specconv.runtime.backend import Experts, rows_alone
-from specconv.runtime.graphs import gdn
+from specconv.runtime.graphs import gdn, ops
 from specconv.runtime.stored import StoredWeight
 
 GATHER_MAX_ROWS = 16  # MoE batches up to this many rows take each row's experts by index
@@ -167,6 +170,27 @@ class TorchBackend:
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) · up (SwiGLU's product before its down projection)."""
         return F.silu(gate) * up
+
+    # ---- attention ---------------------------------------------------------------------------------
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                  scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(q·kᵀ·scale) v over the cells with k_pos ≤ q_pos (ops.causal_attention; q [n, nh, dk],
+        k, v [cells, nkv, d]), then the output gate ops.sigmoid_gated(o, gate) where given. In
+        batch-invariant mode each query row alone (K and V widened once for all rows)."""
+        if not rows_alone() or q.shape[0] <= 1:
+            o = ops.causal_attention(q, k, v, q_pos, k_pos, scale)
+        else:
+            k, v = ops.acc(k), ops.acc(v)
+            o = torch.cat([ops.causal_attention(q[i:i + 1], k, v, q_pos[i:i + 1], k_pos, scale)
+                           for i in range(q.shape[0])])
+        return ops.sigmoid_gated(o, gate)
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        """k_cache[cells] = k, v_cache[cells] = v in the caches' dtype (caches [cells, nkv, d], cells an
+        int64 tensor on their device: what a captured graph replays with other cells)."""
+        k_cache.index_copy_(0, cells, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, cells, v.to(v_cache.dtype))
 
     # ---- Gated DeltaNet ---------------------------------------------------------------------------
     def gdn_gates(self, b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor):

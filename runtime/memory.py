@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime.backend import for_device
 from specconv.runtime.placement import active_device
 
 EMPTY = -2  # slot holds nothing valid
@@ -352,8 +353,7 @@ class Batch:
         m, s, n = self.memory, self.seq, k.shape[0]
         if whole:  # written by a cell index tensor: what a captured graph replays with new cells
             cells = self.index(k.device).cells
-            m.k[layer][s].index_copy_(0, cells, k.to(m.dtype))
-            m.v[layer][s].index_copy_(0, cells, v.to(m.dtype))
+            for_device(k.device).write_kv(m.k[layer][s], m.v[layer][s], cells, k, v)  # one launch on CUDA
 
             def whole_positions(dev):
                 pos = m.cell_pos[s].to(dev, copy=True).index_copy_(0, cells, self.positions.to(dev))

@@ -1,9 +1,9 @@
 """Building blocks shared by the graphs (docs/reference/model-math.md §1): norms, rope, attention, FFNs.
 
 Reductions run in float32 whatever the compute dtype; results come back in the input dtype. The norms,
-rope and SwiGLU's product are computed by the backend of the activations' device too (one Triton
-kernel each on CUDA, runtime/backend_cuda.py; the torch formulas of runtime/backend_torch.py
-elsewhere).
+rope, SwiGLU's product and the attention over the cache are computed by the backend of the
+activations' device too (one Triton kernel each on CUDA, runtime/backend_cuda.py; the torch formulas
+of runtime/backend_torch.py elsewhere).
 
 A weight `w[name]` is a torch tensor or a `StoredWeight` (runtime/stored.py: kept in its GGUF
 type). Graphs multiply by weights only through `linear` and `moe`, which hand the product to the
@@ -204,24 +204,26 @@ def attended_kv(batch, layer: int, k: torch.Tensor, v: torch.Tensor):
     return batch.attend_kv(layer, k, v, whole=rows_alone())
 
 
-def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def sigmoid_gated(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """o · sigmoid(gate), the sigmoid rounded into o's dtype first (an attention's output gate);
+    o itself where there is no gate."""
+    return o if gate is None else o * torch.sigmoid(acc(gate)).to(o.dtype)
+
+
+def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     gate: torch.Tensor | None = None) -> torch.Tensor:
     """Store this batch's K/V in layer `layer`'s cache (runtime/memory.py `Batch`) and attend to every
-    cell visible by position: `causal_attention` over the cache.
+    cell visible by position: `causal_attention` over the cache, by the backend (`attention`: one
+    Triton launch on CUDA), with the output gate `sigmoid_gated(o, gate)` where given.
 
     A backend with `static_kv` (CUDA) attends over the layer's whole fixed-size buffer, cells not
-    written masked out, so the shapes do not change from step to step. In batch-invariant mode
-    (runtime/backend.py `rows_alone`) each query row attends alone over that whole buffer, so its
-    sums run over the same cells in the same order whatever the batch's width and wherever the
-    sequence ends."""
-    if not (rows_alone() or for_device(q.device).static_kv):
-        k_all, v_all, k_pos = batch.attend_kv(layer, k, v)
-        return causal_attention(q, k_all, v_all, batch.positions, k_pos, scale)
-    k_all, v_all, k_pos = batch.attend_kv(layer, k, v, whole=True)
-    if not rows_alone():
-        return causal_attention(q, k_all, v_all, batch.positions, k_pos, scale)
-    k_all, v_all, q_pos = acc(k_all), acc(v_all), batch.positions
-    return torch.cat([causal_attention(q[i:i + 1], k_all, v_all, q_pos[i:i + 1], k_pos, scale)
-                      for i in range(q.shape[0])])
+    written masked out, so the shapes do not change from step to step. So does batch-invariant mode
+    (runtime/backend.py `rows_alone`), in which each query row attends alone over that whole buffer,
+    so its sums run over the same cells in the same order whatever the batch's width and wherever
+    the sequence ends."""
+    backend = for_device(q.device)
+    k_all, v_all, k_pos = batch.attend_kv(layer, k, v, whole=rows_alone() or backend.static_kv)
+    return backend.attention(q, k_all, v_all, batch.positions, k_pos, scale, gate)
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -56,8 +56,7 @@ def gated_attention(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch,
     k = rms_norm(k, w[f"blk.{i}.attn_k_norm.weight"], hp.rms_norm_eps)
     cos, sin = rope
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
-    o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
-    o = o * torch.sigmoid(acc(gate)).to(o.dtype)
+    o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5, gate)  # o · sigmoid(gate): one kernel on CUDA
     return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
 
 

@@ -1,0 +1,113 @@
+"""Causal attention over a layer's whole fixed-size K/V buffer, and the write of a batch's K/V into it,
+in one Triton launch each.
+
+    attention(q, k, v, q_pos, k_pos, scale, gate=None) -> o [n, heads, dv] in q's dtype
+    write_kv(k_cache, v_cache, cells, k, v)   k_cache[cells] = k, v_cache[cells] = v, in place
+
+q [n, heads, dk]; k [cells, kv_heads, dk], v [cells, kv_heads, dv]: the layer's buffers
+(runtime/memory.py `Batch.attend_kv(..., whole=True)`), float32 / bfloat16 / float16, the last
+dimension contiguous, the others read through their strides; k_pos [cells] the position of every
+cell (memory.UNWRITTEN where none was written), q_pos [n] the query rows' positions (integer
+tensors on the same device, never read on the host). Query head j reads KV head j // (heads /
+kv_heads). Cell c is visible to row r iff k_pos[c] ≤ q_pos[r]; o[r] = softmax((q·kᵀ)·scale) v over
+the visible cells, the formula of runtime/graphs/ops.py `causal_attention`, in float32. With `gate`
+[n, heads, dv]: o rounded into q's dtype, times sigmoid(gate) rounded into q's dtype (Qwen3.5's
+gated attention: o · sigmoid(gate)), one rounding out.
+
+Every row is one program per head (_attention_jit.py): its sums run over the whole buffer in blocks
+of a size fixed by the head dimension, in cell order, so a row gives the same bits alone or in a
+batch of any width, and the launch has the same shape at every step (CUDA-graph capture).
+
+write_kv: k, v [n, kv_heads, d] into the caches [cells, kv_heads, d] of the same dtype at the cells
+`cells` [n] (an int64 tensor on the device, never read on the host; the caller's cells are in
+range: runtime/memory.py reserves them), both in one launch where two index_copy_ take two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.kernels_triton import _common
+
+MAX_HEAD_DIM = 512  # one program holds a head's query and output; wider heads take the torch reference
+TILE = 8192  # values of one block of K (or V) cells a program holds: BLOCK_T · the padded head width
+
+
+def block_cells(head_dim: int) -> int:
+    """Cells per block of the online softmax for heads of `head_dim` (at least 16)."""
+    return max(16, min(64, TILE // _common.next_power_of_2(head_dim)))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    op = "attention"
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise SpecconvError(f"{op}: expected q [n, heads, dk], k [cells, kv_heads, dk], v [cells, kv_heads, dv] "
+                            f"(got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)})")
+    n, heads, dk = q.shape
+    cells, kv_heads, dv = v.shape
+    _common.check_shape(op, "k", k, (cells, kv_heads, dk))
+    if kv_heads == 0 or heads % kv_heads:
+        raise SpecconvError(f"{op}: {heads} query heads do not share {kv_heads} KV heads evenly")
+    if max(dk, dv) > MAX_HEAD_DIM or min(dk, dv) == 0:
+        raise SpecconvError(f"{op}: head dimensions {dk}, {dv} (1 to {MAX_HEAD_DIM})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _common.check_float(op, name, t)
+        _common.check_last_contiguous(op, name, t)
+    _common.check_shape(op, "q_pos", q_pos, (n,))
+    _common.check_shape(op, "k_pos", k_pos, (cells,))
+    for name, t in (("q_pos", q_pos), ("k_pos", k_pos)):
+        if t.dtype not in (torch.int32, torch.int64) or (t.numel() > 1 and t.stride(0) != 1):
+            raise SpecconvError(f"{op}: {name} must be a contiguous int32 or int64 vector (got {t.dtype})")
+    tensors = [q, k, v, q_pos, k_pos]
+    if gate is not None:
+        _common.check_shape(op, "gate", gate, (n, heads, dv))
+        _common.check_float(op, "gate", gate)
+        _common.check_last_contiguous(op, "gate", gate)
+        tensors.append(gate)
+    device = _common.check_device(op, *tensors)
+    o = torch.empty(n, heads, dv, dtype=q.dtype, device=device)
+    if n * heads == 0:
+        return o
+    z = q if gate is None else gate
+    jit = _common.jit_module("_attention_jit")
+    block_dk, block_dv = _common.next_power_of_2(dk), _common.next_power_of_2(dv)
+    jit.attention_kernel[(n * heads,)](q, k, v, k_pos, q_pos, z, o, cells, heads, heads // kv_heads, dk, dv,
+                                       float(scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                                       v.stride(1), z.stride(0), z.stride(1), HAS_GATE=gate is not None,
+                                       BLOCK_T=block_cells(max(dk, dv)), BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+                                       num_warps=4 if max(block_dk, block_dv) <= 256 else 8,
+                                       enable_fp_fusion=False)
+    return o
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    op = "write_kv"
+    if k_cache.dim() != 3 or v_cache.dim() != 3:
+        raise SpecconvError(f"{op}: expected caches [cells, kv_heads, d] (got {tuple(k_cache.shape)}, "
+                            f"{tuple(v_cache.shape)})")
+    if cells.dim() != 1:
+        raise SpecconvError(f"{op}: cells must be a vector (got shape {tuple(cells.shape)})")
+    n = cells.shape[0]
+    _common.check_shape(op, "k", k, (n, *k_cache.shape[1:]))
+    _common.check_shape(op, "v", v, (n, *v_cache.shape[1:]))
+    if cells.dtype != torch.int64 or (n > 1 and cells.stride(0) != 1):
+        raise SpecconvError(f"{op}: cells must be a contiguous int64 vector (got {cells.dtype})")
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        _common.check_float(op, name, t)
+        if t.dtype != cache.dtype:
+            raise SpecconvError(f"{op}: {name} is {t.dtype}, its cache {cache.dtype}")
+        _common.check_last_contiguous(op, name, t)
+        _common.check_last_contiguous(op, f"{name}_cache", cache)
+    _common.check_device(op, k_cache, v_cache, cells, k, v)
+    kv_heads, dk, dv = k.shape[1], k.shape[2], v.shape[2]
+    if n * kv_heads == 0:
+        return
+    jit = _common.jit_module("_attention_jit")
+    jit.write_kv_kernel[(n * kv_heads,)](k, v, cells, k_cache, v_cache, kv_heads, dk, dv, k.stride(0), k.stride(1),
+                                         v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+                                         v_cache.stride(0), v_cache.stride(1),
+                                         BLOCK_DK=_common.next_power_of_2(dk), BLOCK_DV=_common.next_power_of_2(dv),
+                                         num_warps=1)
