@@ -211,6 +211,26 @@ def output_logits(w, hp: Gemma4HParams, rows: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def _block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, batch: Batch, rope, kv_of: dict[int, tuple],
+           ple: torch.Tensor | None) -> torch.Tensor:
+    """Block i on the residual stream h: attention to its own K/V or to those of the layer it shares
+    (`kv_of`: the K/V of the blocks run so far), the FFN with its sandwich norms, the per-layer input
+    (PLE rows [n, N, P], or None), times the layer output scale."""
+    a = rms_norm(h, w[_blk(i, "attn_norm")], hp.rms_norm_eps)
+    q = query(w, hp, i, a, rope)
+    if hp.owns_kv(i):
+        k, v = keys_values(w, hp, i, a, rope)
+        kv_of[i] = attended_kv(batch, i, k, v)
+    k_all, v_all, k_pos = kv_of[hp.kv_layer(i)]
+    o = attend(q, k_all, v_all, batch.positions, k_pos, hp.sliding_window if hp.is_sliding(i) else None)
+    h = attention_out(w, hp, i, h, o)
+    h = ffn_block(w, hp, i, h)
+    if ple is not None:
+        g = gelu_tanh(linear(h, w[_blk(i, "inp_gate")])) * ple[:, i].to(h.dtype)
+        h = h + rms_norm(linear(g, w[_blk(i, "proj")]), w[_blk(i, "post_norm")], hp.rms_norm_eps)
+    return (acc(h) * w[_blk(i, "layer_output_scale")].to(acc(h).dtype)).to(h.dtype)
+
+
 # ---- graph ------------------------------------------------------------------------------------
 
 def forward_main(w, hp: Gemma4HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
@@ -225,19 +245,7 @@ def forward_main(w, hp: Gemma4HParams, tokens: torch.Tensor, batch: Batch, want_
     for i in range(hp.num_hidden_layers):
         if i in want_layers:
             layer_inputs[i] = h
-        a = rms_norm(h, w[_blk(i, "attn_norm")], hp.rms_norm_eps)
-        q = query(w, hp, i, a, rope)
-        if hp.owns_kv(i):
-            k, v = keys_values(w, hp, i, a, rope)
-            kv_of[i] = attended_kv(batch, i, k, v)
-        k_all, v_all, k_pos = kv_of[hp.kv_layer(i)]
-        o = attend(q, k_all, v_all, batch.positions, k_pos, hp.sliding_window if hp.is_sliding(i) else None)
-        h = attention_out(w, hp, i, h, o)
-        h = ffn_block(w, hp, i, h)
-        if ple is not None:
-            g = gelu_tanh(linear(h, w[_blk(i, "inp_gate")])) * ple[:, i].to(h.dtype)
-            h = h + rms_norm(linear(g, w[_blk(i, "proj")]), w[_blk(i, "post_norm")], hp.rms_norm_eps)
-        h = (acc(h) * w[_blk(i, "layer_output_scale")].to(acc(h).dtype)).to(h.dtype)
+        h = _block(w, hp, i, h, batch, rope, kv_of, ple)
     post = rms_norm(h, w["output_norm.weight"], hp.rms_norm_eps)
     if hp.num_hidden_layers in want_layers:
         layer_inputs[hp.num_hidden_layers] = post
