@@ -17,11 +17,11 @@ dimension included). Every aten operation the step dispatches is seen by a Torch
 * free: views, `empty` and the like (no kernel on a GPU).
 
 Counts are per block, outside the blocks (embedding, rope tables, output norm and head) and per
-step, for one decode step and one verification batch of k + 1 tokens, and by operation. A block is
-what decoder.forward_trunk runs as block i (every graph built by runtime/graphs/trunk.py), or, for a
-graph with a forward of its own (gemma4), its module's `_block(w, hp, i, ...)`. torch may run a few composite operations as
-one kernel on a GPU where the meta device shows their parts (F.rms_norm on CUDA in recent torch);
-the counts are those of the operations the runtime asks for.
+step, for one decode step and one verification batch of k + 1 tokens, and by operation. A block
+is what decoder.forward_trunk runs as block i (every graph built by runtime/graphs/trunk.py), or,
+for a graph with a forward of its own (gemma4), its module's `_block(w, hp, i, ...)`. torch may run
+a few composite operations as one kernel on a GPU where the meta device shows their parts
+(F.rms_norm on CUDA in recent torch); the counts are those of the operations the runtime asks for.
 """
 
 from __future__ import annotations

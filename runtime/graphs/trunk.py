@@ -17,7 +17,7 @@ import torch
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs.contract import Graph
 from specconv.runtime.graphs.decoder import Block, forward_nextn, forward_trunk
-from specconv.runtime.graphs.ops import rms_norm
+from specconv.runtime.graphs.ops import add_rms_norm, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 
 RopeOf = Callable[[Any, Any, Batch], Callable[[torch.dtype], object]]  # (w, hp, batch) -> (dtype -> rope)
@@ -34,9 +34,12 @@ def nextn_block(hp) -> int:
 
 def residual_block(w, hp, i: int, h: torch.Tensor, batch: Batch, rope, attention: Attention, ffn: Ffn,
                    ffn_norm: str = "ffn_norm") -> torch.Tensor:
-    """Pre-norm residual block: h + attention(attn_norm(h)), then + ffn(<ffn_norm>(h))."""
-    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps), batch, rope)
-    return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.{ffn_norm}.weight"], hp.rms_norm_eps))
+    """Pre-norm residual block: h + attention(attn_norm(h)), then + ffn(<ffn_norm>(h)). The residual add
+    and the FFN's norm after it are one ops.add_rms_norm (one launch on CUDA, the same two torch
+    operations elsewhere)."""
+    mixed = attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps), batch, rope)
+    h, x = add_rms_norm(h, mixed, w[f"blk.{i}.{ffn_norm}.weight"], hp.rms_norm_eps)
+    return h + ffn(w, hp, i, x)
 
 
 def prenorm(attention: Attention, ffn: Ffn, ffn_norm: str = "ffn_norm") -> BlockOf:
