@@ -16,7 +16,7 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs.contract import Graph
-from specconv.runtime.graphs.decoder import Block, Residual, forward_nextn, forward_trunk, normed, settled
+from specconv.runtime.graphs.decoder import Block, Residual, forward_nextn, forward_trunk, normed
 from specconv.runtime.graphs.ops import add_rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -42,12 +42,6 @@ def pending_block(w, hp, i: int, h: torch.Tensor | Residual, batch: Batch, rope,
     mixed = attention(w, hp, i, a, batch, rope)
     h, x = add_rms_norm(h, mixed, w[f"blk.{i}.{ffn_norm}.weight"], hp.rms_norm_eps)
     return Residual(h, ffn(w, hp, i, x))
-
-
-def residual_block(w, hp, i: int, h: torch.Tensor, batch: Batch, rope, attention: Attention, ffn: Ffn,
-                   ffn_norm: str = "ffn_norm") -> torch.Tensor:
-    """`pending_block`'s output as one tensor."""
-    return settled(pending_block(w, hp, i, h, batch, rope, attention, ffn, ffn_norm))
 
 
 def prenorm(attention: Attention, ffn: Ffn, ffn_norm: str = "ffn_norm") -> BlockOf:
