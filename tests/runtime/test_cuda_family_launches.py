@@ -38,6 +38,7 @@ from benchmarks import cuda_op_count  # noqa: E402
 from specconv.runtime import Context, GraphType, backend as backend_module, kernels_triton, load_model  # noqa: E402
 from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
+from tests.fixtures.gguf_files import convert_gguf  # noqa: E402
 from tools import family_snapshot  # noqa: E402
 
 torch.set_num_threads(1)
@@ -65,7 +66,7 @@ def files(tmp_path_factory):
             sources[name] = (root, by_name[name].build(root / "build"))
         if (name, outtype) not in built:
             root, source = sources[name]
-            path = family_snapshot._convert(source.src, root / f"model.{outtype}.gguf", outtype, [])
+            path = convert_gguf(source.src, root / f"model.{outtype}.gguf", outtype=outtype)
             built[name, outtype] = (path, list(source.prompt))
         return built[name, outtype]
     return get
