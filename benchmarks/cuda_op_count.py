@@ -2,6 +2,8 @@
 
     python3 benchmarks/cuda_op_count.py                       # the tiny Qwen3.5 fixture, bf16, k = 3
     python3 benchmarks/cuda_op_count.py --model FILE.gguf     # any file (its weights are never read)
+    python3 benchmarks/cuda_op_count.py --family llama-release --family gemma4-release
+                                                              # family snapshot fixtures (FAMILIES)
 
 The model is loaded on the `meta` device (tensors without values: nothing is computed, nothing needs
 a GPU) with runtime/backend_cuda.py's CudaBackend as the device's backend, so the forward takes the
@@ -14,11 +16,12 @@ dimension included). Every aten operation the step dispatches is seen by a Torch
   launch: what a GPU runs as one kernel;
 * free: views, `empty` and the like (no kernel on a GPU).
 
-Counts are per block (the graph's block function, attributed by name), outside the blocks
-(embedding, rope tables, output norm and head) and per step, for one decode step and one
-verification batch of k + 1 tokens, and by operation. torch may run a few composite operations as
-one kernel on a GPU where the meta device shows their parts (F.rms_norm on CUDA in recent torch);
-the counts are those of the operations the runtime asks for.
+Counts are per block, outside the blocks (embedding, rope tables, output norm and head) and per
+step, for one decode step and one verification batch of k + 1 tokens, and by operation. A block
+is what decoder.forward_trunk runs as block i (every graph built by runtime/graphs/trunk.py), or,
+for a graph with a forward of its own (gemma4), its module's `_block(w, hp, i, ...)`. torch may run
+a few composite operations as one kernel on a GPU where the meta device shows their parts
+(F.rms_norm on CUDA in recent torch); the counts are those of the operations the runtime asks for.
 """
 
 from __future__ import annotations
@@ -168,53 +171,80 @@ def cuda_backend_on_meta(backend=None) -> Iterator[object]:
         backend_module._backend = real
 
 
+def _block_hooks(counter: OpCounter, graph) -> list[tuple[object, str, object]]:
+    """(module, name, replacement) that label each trunk block's ops `block i` while counting: the
+    block function decoder.forward_trunk is handed (trunk.Trunk graphs), and the `_block(w, hp, i, ...)`
+    of a graph module whose forward_main is its own."""
+    from specconv.runtime.graphs import trunk
+
+    real_trunk = trunk.forward_trunk
+
+    def labelled(block):
+        def each(i, h, rope):
+            with counter.labelled(f"block {i}"):
+                return block(i, h, rope)
+        return each
+
+    def forward_trunk(*args):  # forward_trunk(w, ..., make_rope, block), all positional (trunk.Trunk)
+        return real_trunk(*args[:-1], labelled(args[-1]))
+
+    hooks = [(trunk, "forward_trunk", forward_trunk)]
+    module = sys.modules[graph.forward_main.__module__]
+    if module is not trunk and "_block" in vars(module):
+        real_block = module._block
+
+        def block(w, hp, i, *args, **kwargs):
+            with counter.labelled(f"block {i}"):
+                return real_block(w, hp, i, *args, **kwargs)
+        hooks.append((module, "_block", block))
+    return hooks
+
+
 @contextlib.contextmanager
-def counting(graph_module=None) -> Iterator[OpCounter]:
-    """An OpCounter over the ops dispatched inside; with `graph_module` (a runtime/graphs module whose
-    forward calls its `_block(w, hp, i, ...)`), each block's ops labelled `block i`."""
+def counting(graph=None) -> Iterator[OpCounter]:
+    """An OpCounter over the ops dispatched inside; with `graph` (the runtime Graph the forward runs),
+    each trunk block's ops labelled `block i` (_block_hooks)."""
     counter = OpCounter()
-    real_block = None if graph_module is None else graph_module._block
-
-    def block(w, hp, i, *args, **kwargs):
-        with counter.labelled(f"block {i}"):
-            return real_block(w, hp, i, *args, **kwargs)
-
-    if graph_module is not None:
-        graph_module._block = block
+    hooks = [] if graph is None else _block_hooks(counter, graph)
+    saved = [(module, name, getattr(module, name)) for module, name, _ in hooks]
+    for module, name, replacement in hooks:
+        setattr(module, name, replacement)
     _active.append(counter)
     try:
         with counter:
             yield counter
     finally:
         _active.remove(counter)
-        if graph_module is not None:
-            graph_module._block = real_block
+        for module, name, real in saved:
+            setattr(module, name, real)
 
 
 @dataclass
 class StepCounts:
     step: Tally  # one decode step (one token)
     verify: Tally  # one verification batch of k + 1 tokens
-    recurrent: list[bool]  # per trunk block
+    recurrent: list[bool]  # per trunk block (all False in a graph without Gated DeltaNet blocks)
+    arch: str = ""
 
 
 def count_steps(path, dtype: str = "bf16", k: int = 3, backend=None, sms: int = H200_SMS) -> StepCounts:
     """Launches of one decode step and one verification batch of k + 1 tokens (after a short prompt)
     of the GGUF at `path`, loaded on `meta` with `backend` (default: the CUDA backend)."""
+    from specconv.archs.qwen35_hparams import Qwen35HParams
     from specconv.runtime import Context, GraphType, load_model
-    from specconv.runtime.graphs import qwen35
 
     with meta_launches(sms), cuda_backend_on_meta(backend):
         model = load_model(path, device="meta", dtype=dtype)
-        if model.hparams.arch not in qwen35.ARCHES:
-            raise SystemExit(f"{path}: the per-block count follows the qwen35 graph, not {model.hparams.arch}")
+        hp = model.hparams
         ctx = Context(model, GraphType.MAIN, n_ctx=64, n_rs_seq=k)
         ctx.decode(list(range(5, 13)))
-        with counting(qwen35) as step:
+        with counting(model.graph) as step:
             ctx.decode([3])
-        with counting(qwen35) as verify:
+        with counting(model.graph) as verify:
             ctx.decode(list(range(20, 21 + k)))
-    return StepCounts(step.tally, verify.tally, list(model.hparams.recurrent))
+    # Qwen3.5 and Qwen3-Next (whose hparams extend Qwen3.5's) mix Gated DeltaNet and attention blocks
+    recurrent = list(hp.recurrent) if isinstance(hp, Qwen35HParams) else [False] * hp.num_hidden_layers
+    return StepCounts(step.tally, verify.tally, recurrent, hp.arch)
 
 
 def block_summary(tally: Tally, recurrent: list[bool]) -> dict[str, tuple[int, int]]:
@@ -227,11 +257,21 @@ def block_summary(tally: Tally, recurrent: list[bool]) -> dict[str, tuple[int, i
     return out
 
 
+def block_counts(tally: Tally, n_blocks: int) -> list[tuple[int, int]]:
+    """(blocks, launches per block) for each distinct per-block count, in block order of first use:
+    a family's blocks of one shape (dense, MoE, sliding, full, ...) share a count."""
+    per_block = Counter(tally.by_label[f"block {i}"] for i in range(n_blocks))
+    return [(n, each) for each, n in per_block.items()]
+
+
 def report(counts: StepCounts, k: int, top: int = 12) -> str:
-    lines = []
+    lines = [f"{counts.arch}:"] if counts.arch else []
     for name, tally in (("decode step (1 token)", counts.step), (f"verification ({k + 1} tokens)", counts.verify)):
-        per_block = block_summary(tally, counts.recurrent)
-        blocks = ", ".join(f"{kind} {n} × {each}" for kind, (n, each) in per_block.items())
+        if any(counts.recurrent):
+            per_block = block_summary(tally, counts.recurrent)
+            blocks = ", ".join(f"{kind} {n} × {each}" for kind, (n, each) in per_block.items())
+        else:
+            blocks = "blocks " + ", ".join(f"{n} × {each}" for n, each in block_counts(tally, len(counts.recurrent)))
         lines.append(f"{name}: {tally.total} launches ({blocks}, {OUTSIDE} {tally.by_label[OUTSIDE]}); "
                      f"{tally.free} free ops (views, allocations)")
     lines.append("decode step, launches by operation: " +
@@ -247,20 +287,46 @@ def tiny_fixture(root: Path, outtype: str = "q8_0", moe: bool = False) -> Path:
     return convert_gguf(build_qwen35(root / "hf", moe=moe), root / "model.gguf", outtype=outtype)
 
 
-def main(argv=None) -> StepCounts:
+def family_fixture(root: Path, name: str, outtype: str = "q8_0") -> Path:
+    """The target of family snapshot fixture `name` (tools/family_snapshot.py: the tiny checkpoints of
+    tests/fixtures/tiny_*.py in a release layout or the shapes that switch behaviour), converted."""
+    from tests.fixtures.gguf_files import convert_gguf
+    from tools import family_snapshot
+
+    fixtures = {f.name: f for f in family_snapshot.families()}
+    if name not in fixtures:
+        raise SystemExit(f"no family fixture {name!r}; one of {', '.join(sorted(fixtures))}")
+    return convert_gguf(fixtures[name].build(root / "build").src, root / "model.gguf", outtype=outtype)
+
+
+# one fixture per trunk graph the launch counts are reported for (docs/benchmarks.md)
+FAMILIES = ("llama-release", "qwen3-release", "qwen3moe-release", "glm4moe-release", "deepseek2-shapes",
+            "gemma4-release", "gemma4-moe-shapes")
+
+
+def main(argv=None) -> list[StepCounts]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, default=None, help="a qwen35 GGUF (default: the tiny test fixture)")
-    p.add_argument("--outtype", default="q8_0", help="the tiny fixture's type (without --model)")
-    p.add_argument("--moe", action="store_true", help="the tiny fixture's MoE sibling (without --model)")
+    p.add_argument("--model", type=Path, default=None, help="a GGUF (default: the tiny Qwen3.5 test fixture)")
+    p.add_argument("--family", action="append", default=[],
+                   help=f"a family snapshot fixture instead (repeatable; 'all': {', '.join(FAMILIES)})")
+    p.add_argument("--outtype", default="q8_0", help="the fixtures' type (without --model)")
+    p.add_argument("--moe", action="store_true", help="the tiny Qwen3.5's MoE sibling (without --model)")
     p.add_argument("--dtype", default="bf16", help="compute dtype (bf16: the CUDA default)")
     p.add_argument("-k", type=int, default=3, help="drafts per verification batch")
     p.add_argument("--sms", type=int, default=H200_SMS, help="multiprocessors of the GPU the launches are planned for")
     args = p.parse_args(argv)
+    families = [f for name in args.family for f in (FAMILIES if name == "all" else [name])]
+    out = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.model or tiny_fixture(Path(tmp), args.outtype, args.moe)
-        counts = count_steps(path, args.dtype, args.k, sms=args.sms)
-    print(report(counts, args.k))
-    return counts
+        if args.model or not families:
+            out.append(count_steps(args.model or tiny_fixture(Path(tmp), args.outtype, args.moe), args.dtype, args.k,
+                                   sms=args.sms))
+            print(report(out[-1], args.k))
+        for name in families:
+            path = family_fixture(Path(tmp) / name, name, args.outtype)
+            out.append(count_steps(path, args.dtype, args.k, sms=args.sms))
+            print(f"[{name}] " + report(out[-1], args.k))
+    return out
 
 
 if __name__ == "__main__":

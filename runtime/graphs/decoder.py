@@ -5,15 +5,35 @@ and rope; everything around them is written once here.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
-from specconv.runtime.graphs.ops import acc, linear, rms_norm
+from specconv.runtime.graphs.ops import acc, add_rms_norm, linear, rms_norm
 from specconv.runtime.placement import move, on_layer_device, running_on
 
-# block(i, h, rope) -> h after block i
-Block = Callable[[int, torch.Tensor, object], torch.Tensor]
+
+class Residual(NamedTuple):
+    """The residual stream h + delta with its last add left to the norm that reads it next (the next
+    block's input norm, the output norm): ops.add_rms_norm adds and normalises in one launch on CUDA."""
+    h: torch.Tensor
+    delta: torch.Tensor
+
+
+# block(i, h, rope) -> h after block i; a block may take and return its stream as a Residual
+Block = Callable[[int, "torch.Tensor | Residual", object], "torch.Tensor | Residual"]
+
+
+def settled(h: torch.Tensor | Residual) -> torch.Tensor:
+    """The residual stream as one tensor (its pending add done)."""
+    return h.h + h.delta if isinstance(h, Residual) else h
+
+
+def normed(h: torch.Tensor | Residual, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the stream as one tensor, rms_norm of it): a pending add and the norm in one ops.add_rms_norm."""
+    if isinstance(h, Residual):
+        return add_rms_norm(h.h, h.delta, weight, eps)
+    return h, rms_norm(h, weight, eps)
 
 
 def output_head(w) -> torch.Tensor:
@@ -35,17 +55,18 @@ def forward_trunk(w, num_hidden_layers: int, eps: float, tokens: torch.Tensor, w
     layer_inputs = {}
     for i in range(num_hidden_layers):
         if i in want_layers:
+            h = settled(h)
             layer_inputs[i] = h.to(main)
         if multi:  # activations and rope tables follow the blocks over the devices (runtime/placement.py)
             dev = placement.layer_device(i)
-            h, rope = move(h, dev), move(rope, dev)
+            h, rope = move(settled(h), dev), move(rope, dev)
             with running_on(dev):
                 h = block(i, h, rope)
         else:
             h = block(i, h, rope)
     if multi:
-        h = move(h, placement.devices[-1])  # the output norm and head sit on the last device
-    post = rms_norm(h, w["output_norm.weight"], eps)
+        h = move(settled(h), placement.devices[-1])  # the output norm and head sit on the last device
+    h, post = normed(h, w["output_norm.weight"], eps)
     if num_hidden_layers in want_layers:
         layer_inputs[num_hidden_layers] = post.to(main)
     rows = post if want_logits is None else post[want_logits.to(post.device)]
@@ -61,11 +82,12 @@ def nextn_input(w, num_hidden_layers: int, eps: float, tokens: torch.Tensor, hid
     return linear(torch.cat([e, hn], dim=-1), w[p + "eh_proj.weight"])
 
 
-def nextn_output(w, num_hidden_layers: int, eps: float, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, z): z = shared_head_norm(y) (or output_norm), logits from shared_head_head (or output)."""
+def nextn_output(w, num_hidden_layers: int, eps: float, y: torch.Tensor | Residual):
+    """(logits, z, y): z = shared_head_norm(y) (or output_norm), logits from shared_head_head (or
+    output), y as one tensor."""
     p = f"blk.{num_hidden_layers}.nextn."
-    z = rms_norm(y, w.get(p + "shared_head_norm.weight", w["output_norm.weight"]), eps)
-    return acc(linear(z, w.get(p + "shared_head_head.weight", output_head(w)))), z
+    y, z = normed(y, w.get(p + "shared_head_norm.weight", w["output_norm.weight"]), eps)
+    return acc(linear(z, w.get(p + "shared_head_head.weight", output_head(w)))), z, y
 
 
 def forward_nextn(w, num_hidden_layers: int, eps: float, tokens: torch.Tensor, hidden_in: torch.Tensor,
@@ -75,7 +97,6 @@ def forward_nextn(w, num_hidden_layers: int, eps: float, tokens: torch.Tensor, h
     def run(tokens, hidden_in):
         h = nextn_input(w, num_hidden_layers, eps, tokens, hidden_in)
         y = block(num_hidden_layers, h, make_rope(acc(h).dtype))
-        logits, z = nextn_output(w, num_hidden_layers, eps, y)
-        return logits, z, y
+        return nextn_output(w, num_hidden_layers, eps, y)
 
     return on_layer_device(w, num_hidden_layers, run, tokens, hidden_in)  # the MTP block sits on the last device

@@ -24,7 +24,7 @@ from specconv.archs.rope_scaling import RopeScaling
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
-from specconv.runtime.graphs.ops import acc, by_rows, cached_attention, dense, linear, rms_norm
+from specconv.runtime.graphs.ops import acc, by_rows, cached_attention, dense, linear, rms_norm, rope_pairs
 from specconv.runtime.memory import Batch
 
 HParams = Deepseek2HParams  # from GGUF metadata by from_kv (archs/deepseek2.py)
@@ -90,14 +90,6 @@ def rope_cos_sin(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
     return angles.cos() * attn, angles.sin() * attn
 
 
-def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (2i, 2i+1) by angle i (llama.cpp NORM rope); x: [n, heads, dr]."""
-    xf = acc(x)
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2).to(x.dtype)
-
-
 # ---- blocks -------------------------------------------------------------------------------------
 
 def mla(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
@@ -112,7 +104,7 @@ def mla(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Te
     kv = linear(a, w[p + "attn_kv_a_mqa.weight"])
     c = rms_norm(kv[:, :kvl], w[p + "attn_kv_a_norm.weight"], hp.rms_norm_eps)
     cos, sin = rope
-    q_pe = rope_pairs(q[..., dn:], cos, sin)
+    q_pe = rope_pairs(q[..., dn:], cos, sin)  # llama.cpp's NORM rope (adjacent pairs): one kernel each on CUDA
     k_pe = rope_pairs(kv[:, None, kvl:], cos, sin)
     # absorb W_kb into the query: q_lat[h] = W_kb[h]ᵀ q_nope[h]; attn_k_b[h] is [kv_lora, dn]
     k_b = dense(w[p + "attn_k_b.weight"], acc(q).dtype)

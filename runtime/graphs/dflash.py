@@ -26,7 +26,9 @@ from specconv.archs.dflash_hparams import DFlashHParams
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import draft_head
 from specconv.runtime.graphs.contract import no_tensors
-from specconv.runtime.graphs.ops import acc, by_rows, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu
+from specconv.runtime.graphs.ops import (
+    acc, add_rms_norm, by_rows, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
+)
 from specconv.runtime.memory import Batch, Memory, MemoryLayout
 from specconv.runtime.types import GraphType
 from specconv.runtime.validate import check_rope_width
@@ -140,6 +142,12 @@ def _conv(hp: HParams, h: torch.Tensor, dynamic: torch.Tensor, base, side: int) 
     return out.to(h.dtype)
 
 
+def _add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): a residual add and the norm after it, one ops.add_rms_norm (one
+    launch on CUDA); (x, rms_norm(x)) where there is nothing to add."""
+    return (x, rms_norm(x, weight, eps)) if delta is None else add_rms_norm(x, delta, weight, eps)
+
+
 def forward_block(w, hp: HParams, tokens: torch.Tensor, positions: torch.Tensor, memory: Memory,
                   seq: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [n, V], final-normed hidden [n, H]) of the block `tokens` at `positions` over the
@@ -149,9 +157,10 @@ def forward_block(w, hp: HParams, tokens: torch.Tensor, positions: torch.Tensor,
     if hp.input_embedding_scale:
         x = x * hp.input_embedding_scale
     rope = _rope(hp, positions, acc(x).dtype)
+    f = None  # the last layer's FFN output, added to x together with the next norm
     for i in range(hp.num_hidden_layers):
         p = f"blk.{i}."
-        a = rms_norm(x, w[p + "attn_norm.weight"], hp.rms_norm_eps)
+        x, a = _add_norm(x, f, w[p + "attn_norm.weight"], hp.rms_norm_eps)
         if hp.v2:
             dyn = linear(a, w[p + "attn_conv_proj.weight"])
             a = _conv(hp, a, dyn, w[p + "attn_conv_base"], 0)
@@ -167,16 +176,14 @@ def forward_block(w, hp: HParams, tokens: torch.Tensor, positions: torch.Tensor,
             cur = cur * hp.attention_value_scale
         if hp.v2:
             cur = _conv(hp, cur, dyn, w[p + "attn_conv_base"], 1)
-        x = x + cur
-        f = rms_norm(x, w[p + "ffn_norm.weight"], hp.rms_norm_eps)
+        x, f = add_rms_norm(x, cur, w[p + "ffn_norm.weight"], hp.rms_norm_eps)
         if hp.v2:
             dyn = linear(f, w[p + "ffn_conv_proj.weight"])
             f = _conv(hp, f, dyn, w[p + "ffn_conv_base"], 0)
         f = swiglu(f, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
         if hp.v2:
             f = _conv(hp, f, dyn, w[p + "ffn_conv_base"], 1)
-        x = x + f
-    y = rms_norm(x, w[names.OUTPUT_NORM], hp.rms_norm_eps)
+    x, y = _add_norm(x, f, w[names.OUTPUT_NORM], hp.rms_norm_eps)
     logits = acc(linear(y, w[names.OUTPUT]))
     if hp.v2:  # the selector scores these logits, so they get the target's output transforms (as llama.cpp)
         if hp.output_multiplier:

@@ -31,7 +31,9 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import deepseek2 as ds
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
-from specconv.runtime.graphs.ops import acc, attended_kv, by_rows, dense, linear, rms_norm
+from specconv.runtime.graphs.ops import (
+    acc, attended_kv, by_rows, dense, linear, rms_norm, rope_neox_partial, rope_pairs,
+)
 from specconv.runtime.memory import Batch
 
 LAYERNORM_EPS = 1e-6  # the indexer's k_norm: transformers' LayerNorm(eps=1e-6), llama.cpp deepseek32's f_norm_eps
@@ -52,20 +54,10 @@ _layouts = trunk.Layouts(_row_width, trunk.nextn_block, heads=lambda hp: 1)
 
 # ---- the lightning indexer ------------------------------------------------------------------------
 
-def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (i, i + dr/2) by angle i (llama.cpp NEOX rope); x: [n, heads, dr]."""
-    xf = acc(x)
-    h = xf.shape[-1] // 2
-    x1, x2 = xf[..., :h], xf[..., h:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
 def _rope_front(hp: HParams, x: torch.Tensor, rope) -> torch.Tensor:
-    """Rope the first dr dims of each D-wide head, the rest pass ([rope | nope], as both releases)."""
-    dr = hp.qk_rope_head_dim
-    rot = (rope_halves if hp.index_rope_halves else ds.rope_pairs)(x[..., :dr], *rope)
-    return torch.cat([rot, x[..., dr:]], dim=-1)
+    """Rope the first dr dims of each D-wide head (the tables' width), the rest pass ([rope | nope], as
+    both releases): halves (i, i + dr/2) for DeepSeek-V3.2 (llama.cpp NEOX rope), adjacent pairs for GLM."""
+    return (rope_neox_partial if hp.index_rope_halves else rope_pairs)(x, *rope)
 
 
 def indexer_key(w, hp: HParams, i: int, a: torch.Tensor, rope) -> torch.Tensor:
@@ -118,8 +110,8 @@ def mla_dsa(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope, state: 
     q = linear(cq, w[p + "attn_q_b.weight"]).view(n, nh, dn + dr)
     kv = linear(a, w[p + "attn_kv_a_mqa.weight"])
     c = rms_norm(kv[:, :kvl], w[p + "attn_kv_a_norm.weight"], hp.rms_norm_eps)
-    q_pe = ds.rope_pairs(q[..., dn:], *rope)
-    k_pe = ds.rope_pairs(kv[:, None, kvl:], *rope)[:, 0]
+    q_pe = rope_pairs(q[..., dn:], *rope)
+    k_pe = rope_pairs(kv[:, None, kvl:], *rope)[:, 0]
     full = hp.runs_indexer(i)
     ik = indexer_key(w, hp, i, a, rope) if full else a.new_zeros(n, hp.index_head_dim)
     row = torch.cat([c, k_pe.to(c.dtype), ik.to(c.dtype)], dim=-1)[:, None, :]

@@ -25,7 +25,7 @@ from specconv.archs.eagle3 import EAGLE3_TABLE
 from specconv.archs.eagle3_hparams import Eagle3HParams
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import draft_head, llama
-from specconv.runtime.graphs.ops import acc, dense, linear, rms_norm
+from specconv.runtime.graphs.ops import acc, add_rms_norm, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.types import GraphType
 from specconv.runtime.validate import check_shape
@@ -115,9 +115,11 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, g: torch.Tensor, batch: Ba
     g_norm = rms_norm(g, w["blk.0.attn_norm_2.weight"], hp.rms_norm_eps)
     rope = llama.rope_for(w, hp, batch.positions, acc(e).dtype)
     residual = g_norm if hp.norm_before_residual else g
-    r = residual + llama.attention(w, hp, 0, torch.cat([e, g_norm], dim=-1), batch, rope)
-    out = r + llama.ffn(w, hp, 0, rms_norm(r, w["blk.0.ffn_norm.weight"], hp.rms_norm_eps))
-    draft_logits = acc(linear(rms_norm(out, w["output_norm.weight"], hp.rms_norm_eps), _needed(w, names.OUTPUT)))
+    # each residual add with the norm after it: one ops.add_rms_norm (one launch on CUDA)
+    r, x = add_rms_norm(residual, llama.attention(w, hp, 0, torch.cat([e, g_norm], dim=-1), batch, rope),
+                        w["blk.0.ffn_norm.weight"], hp.rms_norm_eps)
+    out, y = add_rms_norm(r, llama.ffn(w, hp, 0, x), w["output_norm.weight"], hp.rms_norm_eps)
+    draft_logits = acc(linear(y, _needed(w, names.OUTPUT)))
     d2t = w.get(names.EAGLE3_D2T)
     return to_target_vocab(draft_logits, dense(d2t) if d2t is not None else None, hp.vocab_size), out, out
 

@@ -24,7 +24,9 @@ from specconv.archs.gemma4_hparams import FULL, SLIDING, Gemma4HParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.contract import Graph, no_tensors
-from specconv.runtime.graphs.ops import acc, attended_kv, by_rows, linear, moe as routed_moe, rms_norm, rope_neox_partial
+from specconv.runtime.graphs.ops import (
+    acc, add_rms_norm, attended_kv, by_rows, linear, moe as routed_moe, rms_norm, rope_neox_partial,
+)
 from specconv.runtime.memory import Batch, MemoryLayout
 
 
@@ -159,21 +161,25 @@ def keys_values(w, hp: Gemma4HParams, i: int, a: torch.Tensor, rope) -> tuple[to
     return rope_neox_partial(k, cos, sin), rms_norm(v, None, hp.rms_norm_eps)
 
 
-def attention_out(w, hp: Gemma4HParams, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """x + post_attention_norm(attn_output · o)."""
+def attention_out(w, hp: Gemma4HParams, i: int, o: torch.Tensor) -> torch.Tensor:
+    """post_attention_norm(attn_output · o): what attention adds to the residual stream."""
     y = linear(o.reshape(o.shape[0], -1), w[_blk(i, "attn_output")])
-    return x + rms_norm(y, w[_blk(i, "post_attention_norm")], hp.rms_norm_eps)
+    return rms_norm(y, w[_blk(i, "post_attention_norm")], hp.rms_norm_eps)
 
 
-def ffn_block(w, hp: Gemma4HParams, i: int, h: torch.Tensor) -> torch.Tensor:
-    """h + post_ffw_norm(dense GeGLU [+ MoE branch])."""
-    x = rms_norm(h, w[_blk(i, "ffn_norm")], hp.rms_norm_eps)
+def ffn_block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """h' + post_ffw_norm(dense GeGLU [+ MoE branch]) of h' = h + attn (attention_out). Each add
+    followed by a norm (h + attn and ffn_norm; the two branches and post_ffw_norm) is one
+    ops.add_rms_norm (one launch on CUDA)."""
+    h, x = add_rms_norm(h, attn, w[_blk(i, "ffn_norm")], hp.rms_norm_eps)
     f = geglu(x, w[_blk(i, "ffn_gate")], w[_blk(i, "ffn_up")], w[_blk(i, "ffn_down")])
     if hp.num_experts and i < hp.num_hidden_layers:
         f1 = rms_norm(f, w[_blk(i, "post_ffw_norm_1")], hp.rms_norm_eps)
         f2 = rms_norm(moe(w, hp, i, h), w[_blk(i, "post_ffw_norm_2")], hp.rms_norm_eps)
-        f = f1 + f2
-    return h + rms_norm(f, w[_blk(i, "post_ffw_norm")], hp.rms_norm_eps)
+        normed = add_rms_norm(f1, f2, w[_blk(i, "post_ffw_norm")], hp.rms_norm_eps)[1]
+    else:
+        normed = rms_norm(f, w[_blk(i, "post_ffw_norm")], hp.rms_norm_eps)
+    return h + normed
 
 
 def moe(w, hp: Gemma4HParams, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -211,6 +217,25 @@ def output_logits(w, hp: Gemma4HParams, rows: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def _block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, batch: Batch, rope, kv_of: dict[int, tuple],
+           ple: torch.Tensor | None) -> torch.Tensor:
+    """Block i on the residual stream h: attention to its own K/V or to those of the layer it shares
+    (`kv_of`: the K/V of the blocks run so far), the FFN with its sandwich norms, the per-layer input
+    (PLE rows [n, N, P], or None), times the layer output scale."""
+    a = rms_norm(h, w[_blk(i, "attn_norm")], hp.rms_norm_eps)
+    q = query(w, hp, i, a, rope)
+    if hp.owns_kv(i):
+        k, v = keys_values(w, hp, i, a, rope)
+        kv_of[i] = attended_kv(batch, i, k, v)
+    k_all, v_all, k_pos = kv_of[hp.kv_layer(i)]
+    o = attend(q, k_all, v_all, batch.positions, k_pos, hp.sliding_window if hp.is_sliding(i) else None)
+    h = ffn_block(w, hp, i, h, attention_out(w, hp, i, o))
+    if ple is not None:
+        g = gelu_tanh(linear(h, w[_blk(i, "inp_gate")])) * ple[:, i].to(h.dtype)
+        h = h + rms_norm(linear(g, w[_blk(i, "proj")]), w[_blk(i, "post_norm")], hp.rms_norm_eps)
+    return (acc(h) * w[_blk(i, "layer_output_scale")].to(acc(h).dtype)).to(h.dtype)
+
+
 # ---- graph ------------------------------------------------------------------------------------
 
 def forward_main(w, hp: Gemma4HParams, tokens: torch.Tensor, batch: Batch, want_layers: set[int], gdn_mode: str,
@@ -225,19 +250,7 @@ def forward_main(w, hp: Gemma4HParams, tokens: torch.Tensor, batch: Batch, want_
     for i in range(hp.num_hidden_layers):
         if i in want_layers:
             layer_inputs[i] = h
-        a = rms_norm(h, w[_blk(i, "attn_norm")], hp.rms_norm_eps)
-        q = query(w, hp, i, a, rope)
-        if hp.owns_kv(i):
-            k, v = keys_values(w, hp, i, a, rope)
-            kv_of[i] = attended_kv(batch, i, k, v)
-        k_all, v_all, k_pos = kv_of[hp.kv_layer(i)]
-        o = attend(q, k_all, v_all, batch.positions, k_pos, hp.sliding_window if hp.is_sliding(i) else None)
-        h = attention_out(w, hp, i, h, o)
-        h = ffn_block(w, hp, i, h)
-        if ple is not None:
-            g = gelu_tanh(linear(h, w[_blk(i, "inp_gate")])) * ple[:, i].to(h.dtype)
-            h = h + rms_norm(linear(g, w[_blk(i, "proj")]), w[_blk(i, "post_norm")], hp.rms_norm_eps)
-        h = (acc(h) * w[_blk(i, "layer_output_scale")].to(acc(h).dtype)).to(h.dtype)
+        h = _block(w, hp, i, h, batch, rope, kv_of, ple)
     post = rms_norm(h, w["output_norm.weight"], hp.rms_norm_eps)
     if hp.num_hidden_layers in want_layers:
         layer_inputs[hp.num_hidden_layers] = post

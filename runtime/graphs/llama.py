@@ -16,7 +16,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.llama import LLAMA_TABLE, ROPE_FREQS, LlamaHParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import trunk
-from specconv.runtime.graphs.ops import acc, cached_attention, linear, swiglu
+from specconv.runtime.graphs.ops import cached_attention, linear, rope_pairs, swiglu
 from specconv.runtime.memory import Batch
 
 HParams = LlamaHParams  # read from GGUF metadata by LlamaHParams.from_kv (archs/llama.py)
@@ -48,16 +48,6 @@ def rope_norm(positions: torch.Tensor, rotary_dim: int, base: float, dtype: torc
     return angles.cos(), angles.sin()
 
 
-def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NORM rope: rotate adjacent pairs (2i, 2i+1) of the first 2·cos.shape[-1] dims; x: [n, heads, hd]."""
-    d = 2 * cos.shape[-1]
-    xr = acc(x[..., :d]).unflatten(-1, (d // 2, 2))
-    x0, x1 = xr[..., 0], xr[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    rotated = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat([rotated, x[..., d:]], dim=-1)
-
-
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
     """Plain GQA attention of block i on input rows `a` (any width the q/k/v matrices take)."""
     n = a.shape[0]
@@ -65,7 +55,7 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     k = linear(a, w[f"blk.{i}.attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
     v = linear(a, w[f"blk.{i}.attn_v.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
     cos, sin = rope
-    q, k = apply_rope_pairs(q, cos, sin), apply_rope_pairs(k, cos, sin)
+    q, k = rope_pairs(q, cos, sin), rope_pairs(k, cos, sin)  # NORM rope: one kernel each on CUDA
     o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
     return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
 

@@ -23,8 +23,8 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.mimo2 import MIMO2_TABLE
 from specconv.archs.mimo2_hparams import Mimo2HParams
 from specconv.runtime.graphs import chained, trunk
-from specconv.runtime.graphs.decoder import nextn_input, output_head
-from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
+from specconv.runtime.graphs.decoder import nextn_input, normed, output_head
+from specconv.runtime.graphs.ops import acc, attended_kv, linear, rope_cos_sin, rope_neox_partial
 from specconv.runtime.memory import Batch
 from specconv.runtime.placement import on_layer_device
 from specconv.runtime.validate import check_rope_width
@@ -92,10 +92,10 @@ _forwards = chained.forwards(_rope, attention, ffn)  # its MTP head ends differe
 
 def _mtp(w, hp: HParams, i: int, tokens, hidden_in, batch: Batch):
     x = nextn_input(w, i, hp.rms_norm_eps, tokens, hidden_in)
-    y = trunk.residual_block(w, hp, i, x, batch, _rope(w, hp, batch)(acc(x).dtype), attention, ffn)
+    y = trunk.pending_block(w, hp, i, x, batch, _rope(w, hp, batch)(acc(x).dtype), attention, ffn)
     p = f"blk.{i}."
     norm = w.get(p + "nextn.shared_head_norm.weight", w.get(p + "layer_output_norm.weight", w["output_norm.weight"]))
-    z = rms_norm(y, norm, hp.rms_norm_eps)
+    y, z = normed(y, norm, hp.rms_norm_eps)  # the block's last residual add and this norm: one launch on CUDA
     return acc(linear(z, w.get(p + "nextn.shared_head_head.weight", output_head(w)))), z, y
 
 

@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from specconv.archs.step35 import STEP35_TABLE
 from specconv.archs.step35_hparams import Step35HParams
 from specconv.runtime.graphs import chained
-from specconv.runtime.graphs.ops import acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial
+from specconv.runtime.graphs.ops import (
+    acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
+)
 from specconv.runtime.memory import Batch
 from specconv.runtime.validate import check_rope_width
 
@@ -66,10 +68,12 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
 
 
 def swiglu_clamped(x: torch.Tensor, gate, up, down, limit: float) -> torch.Tensor:
+    """SwiGLU with silu(g) ≤ limit and |u| ≤ limit; without a limit (≤ 1e-6) ops.swiglu, whose product
+    is one launch on CUDA."""
+    if limit <= 1e-6:
+        return swiglu(x, gate, up, down)
     g, u = F.silu(linear(x, gate)), linear(x, up)
-    if limit > 1e-6:
-        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
-    return linear(g * u, down)
+    return linear(g.clamp(max=limit) * u.clamp(-limit, limit), down)
 
 
 def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs.contract import Graph
-from specconv.runtime.graphs.decoder import Block, forward_nextn, forward_trunk
-from specconv.runtime.graphs.ops import rms_norm
+from specconv.runtime.graphs.decoder import Block, Residual, forward_nextn, forward_trunk, normed
+from specconv.runtime.graphs.ops import add_rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 
 RopeOf = Callable[[Any, Any, Batch], Callable[[torch.dtype], object]]  # (w, hp, batch) -> (dtype -> rope)
@@ -32,17 +32,23 @@ def nextn_block(hp) -> int:
     return hp.num_hidden_layers
 
 
-def residual_block(w, hp, i: int, h: torch.Tensor, batch: Batch, rope, attention: Attention, ffn: Ffn,
-                   ffn_norm: str = "ffn_norm") -> torch.Tensor:
-    """Pre-norm residual block: h + attention(attn_norm(h)), then + ffn(<ffn_norm>(h))."""
-    h = h + attention(w, hp, i, rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps), batch, rope)
-    return h + ffn(w, hp, i, rms_norm(h, w[f"blk.{i}.{ffn_norm}.weight"], hp.rms_norm_eps))
+def pending_block(w, hp, i: int, h: torch.Tensor | Residual, batch: Batch, rope, attention: Attention, ffn: Ffn,
+                  ffn_norm: str = "ffn_norm") -> Residual:
+    """Pre-norm residual block: h + attention(attn_norm(h)), then + ffn(<ffn_norm>(h)). Each residual
+    add is done with the norm after it, one ops.add_rms_norm (one launch on CUDA, the same two torch
+    operations elsewhere): the input's pending add with attn_norm, the attention's with the FFN's
+    norm; the FFN's add is left pending (a Residual) for the norm that reads the block's output."""
+    h, a = normed(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps)
+    mixed = attention(w, hp, i, a, batch, rope)
+    h, x = add_rms_norm(h, mixed, w[f"blk.{i}.{ffn_norm}.weight"], hp.rms_norm_eps)
+    return Residual(h, ffn(w, hp, i, x))
 
 
 def prenorm(attention: Attention, ffn: Ffn, ffn_norm: str = "ffn_norm") -> BlockOf:
-    """The BlockOf of a family whose blocks are all `residual_block`s of its attention and FFN."""
+    """The BlockOf of a family whose blocks are all `pending_block`s of its attention and FFN (the
+    stream passed from block to block as a Residual: decoder.forward_trunk / forward_nextn)."""
     return lambda w, hp, batch, gdn_mode: (
-        lambda i, h, rope: residual_block(w, hp, i, h, batch, rope, attention, ffn, ffn_norm))
+        lambda i, h, rope: pending_block(w, hp, i, h, batch, rope, attention, ffn, ffn_norm))
 
 
 @dataclass(frozen=True)

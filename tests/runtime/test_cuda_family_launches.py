@@ -1,0 +1,158 @@
+"""The fused operations around the products in every family's graph, not only Qwen3.5's
+(tests/runtime/test_cuda_fused_step.py): launches per decode step with the CUDA backend's choices,
+counted on the `meta` device by benchmarks/cuda_op_count.py, and the forward through the kernels.
+
+* The families route a residual add and the norm after it through ops.add_rms_norm (trunk.py's
+  pre-norm blocks: the attention's add with the FFN's norm, the FFN's with the next block's input
+  norm or the output norm; Gemma 4's sandwich norms; the EAGLE-3 and DFlash heads) and llama.cpp's
+  NORM rope through ops.rope_pairs (llama, DeepSeek-V3, GLM-DSA): one launch each on CUDA. Counted
+  against the same backend running those calls as separate operations (the residual add, then the
+  norm kernel, as the graphs did; rope as the backend's torch formula, which the graphs' own
+  formulas were, with one concatenation more in llama's), each such call is one launch where it was
+  several, and nothing else in the step changed: every block's count drops, and the step's by
+  exactly the separate form's launches minus one per call (one decode step and one verification
+  batch of k + 1 tokens).
+* No family's decode step launches more than its ceiling (STEP_LAUNCHES: the counts with these
+  fusions; step35 also runs its unclamped SwiGLUs through ops.swiglu).
+* The forward through the kernels (Triton's interpreter on the CPU, compiled kernels on a GPU) gives
+  the float32 logits of the torch reference within float32 noise (the fused calls include rope on
+  strided head slices: DeepSeek-V3's q[..., dn:], the latent's rope part).
+
+The CPU's bits are the family snapshot's (tests/families/test_family_snapshot.py): the torch formulas
+of the fused operations are the operations the graphs ran before, in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first compiled (jitted)
+
+from benchmarks import cuda_op_count  # noqa: E402
+from specconv.runtime import Context, GraphType, backend as backend_module, kernels_triton, load_model  # noqa: E402
+from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
+from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
+from tests.fixtures.gguf_files import convert_gguf  # noqa: E402
+from tools import family_snapshot  # noqa: E402
+
+torch.set_num_threads(1)
+
+K = 3
+# family snapshot fixture -> launches of one bf16 decode step of its q8_0 file (the tiny checkpoints of
+# tests/fixtures/tiny_*.py): (before these fusions, with them = the ceiling no later change may exceed)
+STEP_LAUNCHES = {
+    "llama-release": (303, 183), "qwen3-release": (146, 138), "qwen3moe-release": (226, 218),
+    "glm4moe-release": (228, 222), "deepseek2-shapes": (296, 242), "dsa-glm-dsa": (385, 283),
+    "dsa-deepseek32": (401, 299), "chained-hy_v3": (176, 170), "chained-step35": (223, 214),
+    "chained-mimo2": (208, 202), "gemma4-release": (314, 308), "gemma4-moe-shapes": (487, 475),
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """(family fixture, outtype) -> (its converted file, its prompt), built on first use."""
+    built, sources = {}, {}
+    by_name = {f.name: f for f in family_snapshot.families()}
+
+    def get(name: str, outtype: str):
+        if name not in sources:
+            root = tmp_path_factory.mktemp(name)
+            sources[name] = (root, by_name[name].build(root / "build"))
+        if (name, outtype) not in built:
+            root, source = sources[name]
+            path = convert_gguf(source.src, root / f"model.{outtype}.gguf", outtype=outtype)
+            built[name, outtype] = (path, list(source.prompt))
+        return built[name, outtype]
+    return get
+
+
+class CountedFusions(CudaBackend):
+    """The CUDA backend (its launches recorded on `meta`) that counts, per active op counter, the
+    calls of the fused operations and the launches inside them. With `separate`, it runs them as the
+    graphs did before: the residual add, then the norm kernel; NORM rope as its torch formula."""
+
+    def __init__(self, separate: bool):
+        super().__init__(kernels_triton, device_types=("meta",))
+        self.separate = separate
+        self.calls, self.inside = Counter(), Counter()
+
+    def _counted(self, run):
+        counters = cuda_op_count.active_counters()
+        if not counters:
+            return run()
+        with cuda_op_count.counting() as inside:
+            out = run()
+        key = id(counters[0].tally)
+        self.calls[key] += 1
+        self.inside[key] += inside.tally.total
+        return out
+
+    def add_rms_norm(self, h, delta, weight, eps):
+        def separate():
+            total = h + delta
+            return total, self.rms_norm(total, weight, eps)
+        return self._counted(separate if self.separate else lambda: super(CountedFusions, self).add_rms_norm(
+            h, delta, weight, eps))
+
+    def rope(self, x, cos, sin, style):
+        if style != "norm":  # NEOX rope was one launch already (ops.rope_neox_partial)
+            return super().rope(x, cos, sin, style)
+        form = TorchBackend.rope if self.separate else CudaBackend.rope
+        return self._counted(lambda: form(self, x, cos, sin, style))
+
+
+@pytest.mark.parametrize("name", sorted(STEP_LAUNCHES))
+def test_each_fused_call_is_one_launch_and_no_family_count_rises(files, name):
+    path, _ = files(name, "q8_0")
+    fused_backend, separate_backend = CountedFusions(separate=False), CountedFusions(separate=True)
+    fused = cuda_op_count.count_steps(path, "bf16", K, backend=fused_backend)
+    separate = cuda_op_count.count_steps(path, "bf16", K, backend=separate_backend)
+    print(f"\n[{name}, meta, bf16] fused:\n{cuda_op_count.report(fused, K)}\n"
+          f"[{name}] as separate operations:\n{cuda_op_count.report(separate, K)}")
+    blocks = len(fused.recurrent)
+    for what, new, old in (("step", fused.step, separate.step), ("verification", fused.verify, separate.verify)):
+        calls, inside = separate_backend.calls[id(old)], separate_backend.inside[id(old)]
+        print(f"{what}: {old.total} -> {new.total} launches: {calls} fused calls, {inside} launches as separate "
+              f"operations -> {fused_backend.inside[id(new)]}")
+        assert calls >= blocks  # every block fuses at least its residual add with the next norm
+        assert fused_backend.calls[id(new)] == calls and fused_backend.inside[id(new)] == calls  # one launch each
+        assert new.total == old.total - inside + calls  # and nothing else changed
+        for i in range(blocks):
+            assert new.by_label[f"block {i}"] < old.by_label[f"block {i}"], (what, i)
+    before, ceiling = STEP_LAUNCHES[name]
+    print(f"decode step: {fused.step.total} launches (before these fusions {before}, ceiling {ceiling})")
+    assert fused.step.total <= ceiling
+
+
+def _install(monkeypatch, backend):
+    monkeypatch.setattr(backend_module, "_backend", lambda kind: backend)
+
+
+def _prompt_and_verification(model, ids):
+    ctx = Context(model, GraphType.MAIN, n_ctx=len(ids) + 2, n_rs_seq=K)
+    head = ctx.decode(ids[:-K - 1]).logits
+    return torch.cat([head, ctx.decode(ids[-K - 1:]).logits])
+
+
+@pytest.mark.parametrize("name", ["llama-release", "deepseek2-shapes", "dsa-glm-dsa", "gemma4-moe-shapes"])
+def test_the_forward_through_the_kernels_equals_the_torch_reference(files, name, monkeypatch):
+    """float32 files: the products take torch's path on both sides, so only the kernels around them
+    differ (a few ulps per output), amplified through the tiny random model."""
+    device = "cuda" if ON_GPU else "cpu"
+    path, prompt = files(name, "f32")
+    model = load_model(path, device=device, dtype="f32")
+    ids = prompt[:12]
+    _install(monkeypatch, CudaBackend(kernels_triton, device_types=(device,)))
+    kernels = _prompt_and_verification(model, ids)
+    _install(monkeypatch, TorchBackend())
+    reference = _prompt_and_verification(model, ids)
+    diff = float((kernels - reference).abs().max())
+    print(f"\n[{name}, {device}, f32] logits through the kernels vs the torch reference: max |Δlogit| {diff:.2e} "
+          f"(largest |logit| {float(reference.abs().max()):.2f})")
+    assert diff <= 1e-4  # the float32 noise of a few ulps per norm and rope; a wrong kernel moves logits by O(1)
