@@ -64,7 +64,6 @@ class Context:
                layers: Sequence[int] = (), hidden_in: torch.Tensor | None = None,
                logits: str | None = "all") -> DecodeOutput:
         self.memory.check_seq(seq)
-        dev = self.model.device
         # ids and positions are checked on the host and moved to the device once: nothing in a
         # decode reads a device tensor back (a host sync per call on a GPU; tests/runtime/test_backend.py)
         host = torch.as_tensor(tokens, dtype=torch.long, device="cpu").reshape(-1)
@@ -73,6 +72,26 @@ class Context:
             raise SpecconvError("decode: empty batch")
         if int(host.min()) < 0 or int(host.max()) >= self.model.vocab_size:
             raise SpecconvError(f"decode: token id out of range [0, {self.model.vocab_size})")
+        return self._evaluate(host, None, n, positions, seq, hidden, layers, hidden_in, logits)
+
+    def decode_drafted(self, ids: torch.Tensor, positions, seq: int = 0, hidden_in: torch.Tensor | None = None,
+                       logits: str | None = "all") -> DecodeOutput:
+        """`decode` of token ids already on the model's device: a draft step's argmax over the
+        vocabulary, in range by construction and not read back to be checked (a host sync per draft
+        on a GPU). The greedy MTP drafters feed each draft step the previous step's argmax this way
+        (runtime/drafters/mtp.py); a graphed context copies them into its static token slot."""
+        self.memory.check_seq(seq)
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.long or ids.shape[0] == 0:
+            raise SpecconvError("decode_drafted: token ids must be a non-empty one-dimensional int64 tensor")
+        if ids.device != torch.device(self.model.device):
+            raise SpecconvError(f"decode_drafted: token ids on {ids.device}, the model on {self.model.device}")
+        return self._evaluate(None, ids, ids.shape[0], positions, seq, ("post_norm",), (), hidden_in, logits)
+
+    def _evaluate(self, host: torch.Tensor | None, device_ids: torch.Tensor | None, n: int, positions, seq: int,
+                  hidden: Sequence[str], layers: Sequence[int], hidden_in: torch.Tensor | None,
+                  logits: str | None) -> DecodeOutput:
+        """A batch of n token ids: checked values on the host (`host`) or a device tensor (`device_ids`)."""
+        dev = self.model.device
         if positions is None:
             start = self.memory.n_past(seq)
             host_positions = list(range(start, start + n))
@@ -86,6 +105,11 @@ class Context:
             host_positions, positions = given.tolist(), given.to(dev)
         if logits not in ("all", "last", None):
             raise SpecconvError("decode: logits must be 'all', 'last' or None")
+        mtp = self.graph_type == GraphType.MTP
+        if mtp and hidden_in is None:
+            raise SpecconvError("MTP decode needs hidden_in: one target hidden row per token")
+        if self.graph_type not in (GraphType.MAIN, GraphType.MTP):
+            raise SpecconvError(f"graph type {self.graph_type.value} takes feature rows: use Context.encode")
         g, hp, w = self.model.graph, self.model.hparams, self.model.weights
         if self.kv_from is not None:  # nothing of its own to store: every decode reads the target's cells
             batch = Batch(self.memory, seq, positions, 0, [], host_positions)
@@ -93,18 +117,20 @@ class Context:
             batch = self.memory.begin(seq, positions, host_positions)
         # bfloat16 / float16: every row computed as in a one-row batch (runtime/backend.py), so the
         # verification of k drafts gives each row the bits of a decode step
-        graphed = self.graph_type == GraphType.MAIN and self.graphs is not None and self.graphs.takes(n, hidden, layers)
-        tokens = None if graphed else host.to(dev)  # a graph's ids go in with its other static inputs
+        graphed = self.graphs is not None and self.graphs.takes(n, hidden, layers)
+        # a graph's host ids go in with its other static inputs (one host-to-device copy)
+        tokens = device_ids if host is None else None if graphed else host.to(dev)
         with torch.inference_mode(), batch_invariant(self.model.dtype in INVARIANT_DTYPES):
-            if graphed:
-                out = self.graphs.decode(host.tolist(), batch, hidden, logits)
-            elif self.graph_type == GraphType.MAIN:
-                out = self._main(tokens, batch, hidden, layers, _logit_rows(logits, n, dev))
-            elif self.graph_type == GraphType.MTP:
-                if hidden_in is None:
-                    raise SpecconvError("MTP decode needs hidden_in: one target hidden row per token")
+            h = None
+            if mtp:
                 width = hp.input_width  # the assistant takes target-width rows
                 h = torch.as_tensor(hidden_in, device=dev).reshape(n, width).to(self.model.dtype)
+            if graphed:
+                ids = host.tolist() if host is not None else device_ids
+                out = self.graphs.decode(ids, batch, hidden, logits, hidden_in=h)
+            elif not mtp:
+                out = self._main(tokens, batch, hidden, layers, _logit_rows(logits, n, dev))
+            else:
                 if self.kv_from is not None:
                     lg, z, pre = g.forward_mtp(w, hp, tokens, h, batch, kv_from=self.kv_from)
                 else:
@@ -112,8 +138,6 @@ class Context:
                 if logits != "all":
                     lg = lg[_logit_rows(logits, n, dev)]
                 out = DecodeOutput(logits=lg, hidden={"nextn": z, "pre_norm": pre})
-            else:
-                raise SpecconvError(f"graph type {self.graph_type.value} takes feature rows: use Context.encode")
         if self.kv_from is None:
             self.memory.commit(batch)
         self.n_evaluated += n
