@@ -3,17 +3,23 @@
 A one-row decode step of a 1 B model launches thousands of small kernels; on a GPU their launch cost,
 not the weights' bytes, sets the step's time (issue [21]). A `Context` whose model qualifies
 (`enabled_for`) keeps one captured forward per width n = 1 .. min(ring, MAX_WIDTH) — the decode step
-and the verification of k drafts, k + 1 ≤ n_rs_seq + 1 — and replays it every round:
+and the verification of k drafts, k + 1 ≤ n_rs_seq + 1; for an MTP head's context its draft step
+and the catch-up of the j + 1 committed rows — and replays it every round:
 
 * static inputs: one int64 device buffer per width holding the token ids, positions, K/V cell of each
   token, the ring slot of the recurrent state before the batch and the slots of the states after it
   (`memory.BatchIndex`, every field 128 bytes into the buffer: the kernels' pointer alignment);
-* the captured region is `forward_main` on a `Batch.replayable` batch, whose addresses are those
-  tensors only (a forward that reads a host integer of the batch raises), and on the memory's
-  fixed-size buffers (the backend's `static_kv` and `slot_states`): every shape is the width's;
+* an MTP context's hidden rows (`hidden_in`): a static [n, input width] buffer per width, written by
+  a device-to-device copy; token ids already on the device (a draft step's argmax,
+  `Context.decode_drafted`) are copied into the token slot the same way, after the host copy;
+* the captured region is `forward_main` (MTP: `forward_mtp`) on a `Batch.replayable` batch, whose
+  addresses are those tensors only (a forward that reads a host integer of the batch raises), and on
+  the memory's fixed-size buffers (the backend's `static_kv` and `slot_states`): every shape is the
+  width's;
 * outside it, on the host: `Memory.begin` (cell offsets, slots, the context-full check), the values
   copied into the static buffer (one pinned host-to-device copy), the replay, `Memory.commit`; the
-  logits and hidden rows are copied out of the static outputs before the next replay overwrites them.
+  logits and hidden rows (MAIN: post_norm / pre_norm; MTP: nextn / pre_norm) are copied out of the
+  static outputs before the next replay overwrites them.
 
 Per width: the first call runs the forward eagerly on the static buffers (Triton compiles its
 kernels, cuBLAS sets up), the second captures it (`torch.cuda.CUDAGraph`, one capture stream and one
