@@ -35,6 +35,7 @@ from specconv.runtime.speculative import SpecConfig, speculative_generate  # noq
 from tests.fixtures.capture_standin import K, graphable  # noqa: E402, F401
 from tests.fixtures.host_reads import HostReads  # noqa: E402
 from tests.fixtures.runtime_common import prompt_ids, tiny_gguf  # noqa: E402
+from tests.runtime.test_cuda_graphs_families import FAMILIES, files  # noqa: E402, F401
 
 torch.set_num_threads(1)
 ROUNDS = [1, 3, 0, 2, 2, 0, 3, 1, 0, 0]  # drafts accepted per round: the catch-up is j + 1 rows
@@ -132,6 +133,34 @@ def test_chained_heads_replay_their_blocks_like_eager_drafting(graphable, tmp_pa
           f"{float((got.float() - ref.float()).abs().max()):.1e}")
     assert drafts == eager_drafts and torch.equal(got, ref)
     assert all(g.captures > 0 and g.replays > 0 for g in graphs)
+
+
+@pytest.mark.parametrize("graph_name", sorted(FAMILIES))
+def test_every_family_head_replays_like_eager_and_reads_nothing_on_meta(files, graphable, graph_name):
+    """The MTP head of every captured family whose fixture has one (the nextn block through each
+    family's own attention: MLA, DSA, sliding windows...): replays equal eager decoding bit for bit
+    in bfloat16, and on `meta` every width's warm-up, capture and replays read nothing."""
+    path, prompt = files(graph_name)
+    model = load_model(path, device="cpu", dtype="bf16")
+    if GraphType.MTP not in model.serves:
+        pytest.skip(f"the {graph_name} fixture has no MTP head")
+    ids = (prompt * 8)[:40]
+    rows = torch.randn(len(ids), model.hparams.input_width, generator=torch.Generator().manual_seed(47))
+    rows = rows.to(model.dtype)
+    graphed = Context(model, GraphType.MTP, n_ctx=len(ids))
+    with step_graphs.cuda_graphs("off"):
+        eager = Context(model, GraphType.MTP, n_ctx=len(ids))
+    got, widths = _head_rounds(graphed, ids, rows, ROUNDS[:6], on_device=True)
+    ref, _ = _head_rounds(eager, ids, rows, ROUNDS[:6], on_device=False)
+    delta = max(float((x.float() - y.float()).abs().max()) for x, y in zip(got, ref))
+    print(f"\n[{graph_name} MTP head + graphs, bf16] {graphed.graphs.captures} captures, {graphed.graphs.replays} "
+          f"replays; max |Δ| vs eager {delta:.1e}")
+    assert all(torch.equal(x, y) for x, y in zip(got, ref))
+    assert graphed.graphs.captures == sum(c >= 2 for c in widths.values())
+    meta = load_model(path, device="meta", dtype="bf16")
+    ctx = Context(meta, GraphType.MTP, n_ctx=len(ids))
+    _head_rounds(ctx, ids, rows.to("meta"), ROUNDS[:6], on_device=True)
+    assert ctx.graphs.captures == graphed.graphs.captures and ctx.graphs.replays == graphed.graphs.replays
 
 
 @pytest.fixture(scope="module")
