@@ -102,7 +102,7 @@ class Context:
                 raise SpecconvError(f"decode: {n} tokens but {given.shape[0]} positions")
             if n > 1 and bool((given[1:] <= given[:-1]).any()):
                 raise SpecconvError("decode: positions must increase within a batch")
-            host_positions, positions = given.tolist(), given.to(dev)
+            host_positions, positions = given.tolist(), step_graphs.upload(given, dev)
         if logits not in ("all", "last", None):
             raise SpecconvError("decode: logits must be 'all', 'last' or None")
         mtp = self.graph_type == GraphType.MTP
@@ -119,7 +119,7 @@ class Context:
         # verification of k drafts gives each row the bits of a decode step
         graphed = self.graphs is not None and self.graphs.takes(n, hidden, layers)
         # a graph's host ids go in with its other static inputs (one host-to-device copy)
-        tokens = device_ids if host is None else None if graphed else host.to(dev)
+        tokens = device_ids if host is None else None if graphed else step_graphs.upload(host, dev)
         with torch.inference_mode(), batch_invariant(self.model.dtype in INVARIANT_DTYPES):
             h = None
             if mtp:
@@ -214,6 +214,6 @@ def _logit_rows(logits: str | None, n: int, device) -> torch.Tensor | None:
     """The rows whose logits a decode returns: all (None), the last, or none."""
     if logits == "all":
         return None
-    if logits == "last":
-        return torch.tensor([n - 1], device=device)
+    if logits == "last":  # made on the device: no host-to-device copy
+        return torch.arange(n - 1, n, device=device)
     return torch.zeros(0, dtype=torch.long, device=device)

@@ -34,6 +34,7 @@ import torch
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
 from specconv.runtime.drafters import Draft, best_candidate_probability
+from specconv.runtime.step_graphs import upload
 from specconv.runtime.types import GraphType
 
 LAYOUTS = ("shifted", "llama.cpp")
@@ -105,7 +106,7 @@ class MtpChain:
         # block 0 takes id_last from the host; later blocks [id_last, d_1..d_j] on the device unless
         # p_min reads every draft anyway
         tokens, states = [int(id_last)], self.pending[0][None]
-        on_device = None if p_min > 0 else torch.tensor(tokens, device=self.zero.device)
+        on_device = None if p_min > 0 else upload(torch.tensor(tokens), self.zero.device)
         self.last_draft_logits = []
         for j in range(min(n, self.k)):
             self.ctxs[j].seq_rm(0, pos0)  # block j's rows of the previous draft
