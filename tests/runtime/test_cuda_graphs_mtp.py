@@ -197,23 +197,33 @@ def test_greedy_speculative_with_a_graphed_head_equals_eager_and_plain(trained, 
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_graphed_head_and_greedy_drafts_read_nothing_on_the_meta_device(q8_file, graphable, dtype):
-    """Every width's warm-up, capture and replays of the head, and the greedy draft loop feeding each
-    step the previous argmax, run on `meta`, where any host read raises."""
+def test_graphed_rounds_read_and_upload_nothing_on_the_meta_device(q8_file, graphable, dtype):
+    """Rounds of target verification (K + 1 rows, rolled back) and greedy MTP drafting fed each step's
+    argmax, with every width's warm-up, capture and replays, run on `meta`, where any host read
+    raises; and no blocking host-to-device copy (on CUDA a sync: ids and positions go up pinned,
+    without blocking). Only the two reads of a round are left out: the draft ids and the verification's
+    argmax."""
     model = load_model(q8_file, device="meta", dtype=dtype)
+    target = Context(model, GraphType.MAIN, n_ctx=64, n_rs_seq=K)
     drafter = MtpDrafter(model, 64, model)
-    rows = torch.zeros(64, model.hparams.input_width, dtype=model.dtype, device="meta")
-    drafter.start(list(range(5, 13)), rows[:8])
-    for j in (1, 3, 0, 2, 1, 3, 2, 0):
-        pos0 = drafter.n_committed
-        ids = greedy_on_device(drafter.ctx, 7, drafter.pending_h, range(pos0, pos0 + K))
-        assert ids.shape == (K,) and ids.device.type == "meta"
-        drafter.accept(j, list(range(20, 21 + K)), rows[:K + 1])
+    prompt = list(range(5, 13))
+    drafter.start(prompt, target.decode(prompt).hidden["post_norm"])
+    with HostReads() as reads:
+        for j in (1, 3, 0, 2, 1, 3, 2, 0):
+            pos0 = target.n_past()
+            assert drafter.n_committed == pos0
+            ids = greedy_on_device(drafter.ctx, 7, drafter.pending_h, range(pos0, pos0 + K))
+            assert ids.shape == (K,) and ids.device.type == "meta"
+            batch = list(range(20, 21 + K))
+            out = target.decode(batch)
+            assert target.seq_rm(0, pos0 + j + 1)
+            drafter.accept(j, batch, out.hidden["post_norm"])
     graphs = drafter.ctx.graphs
     widths = sorted(n for (n, _), w in graphs.widths.items() if w.graph is not None)
-    print(f"\n[meta, {dtype}] MTP widths {widths} captured ({graphs.captures}), {graphs.replays} replays: "
-          "no host read")
-    assert widths == list(range(1, K + 2)) and graphs.replays > K + 1
+    print(f"\n[meta, {dtype}] MTP widths {widths} captured ({graphs.captures}), {graphs.replays} replays; target "
+          f"{target.graphs.captures} captures: {reads.count} host reads, {reads.uploads} blocking uploads {reads.sites}")
+    assert widths == list(range(1, K + 2)) and graphs.replays > K + 1 and target.graphs.replays > 0
+    assert reads.count == 0 and reads.uploads == 0
 
 
 def _reads_per_round(monkeypatch) -> list[tuple[int, list[str], int]]:
