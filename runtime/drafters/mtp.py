@@ -16,8 +16,8 @@ rows for exactly the committed positions:
   the draft is deterministic and has no q rows; `p_min` is tested on the softmax of the top 10.
   Without `p_min` no draft is read on the host until the last: each step's token is the previous
   step's argmax left on the device (`Context.decode_drafted`; `greedy_on_device`) and the k ids are
-  read once, one host sync per draft instead of one per draft position (docs/runtime.md "CUDA
-  graphs"). With `p_min` each step's probabilities decide whether to go on: one read per draft.
+  read at once: one host sync per round instead of one per draft position (docs/runtime.md "CUDA
+  graphs"). With `p_min` each step's probabilities decide whether to go on: reads at every step.
 * `accept(j, batch, h)`: the draft rows (positions ≥ pos0) are removed first, then the catch-up
   rows (batch[i], pos0+i, h_{i-1}) with h_{-1} = pending_h are written for the committed part of
   the batch (i = 0..j), and `pending_h` = h_j, the target's hidden state at the last accepted row.

@@ -240,12 +240,19 @@ def _reads_per_round(monkeypatch) -> list[tuple[int, list[str], int]]:
     return per
 
 
+@pytest.mark.parametrize("head", ["qwen35", "step35"])
 @pytest.mark.parametrize("mode", ["on", "off"])
-def test_a_round_of_k3_mtp_drafts_reads_the_host_twice(q8_file, graphable, monkeypatch, mode):
-    """Verification + greedy MTP draft of k = 3: the draft ids read once, the verification's argmax
-    once (≤ 3, issue 33's goal), with graphs and eagerly; with p_min each draft step reads its
-    probabilities and its argmax."""
-    model = load_model(q8_file, device="cpu", dtype="bf16")
+def test_a_round_of_k3_mtp_drafts_reads_the_host_twice(q8_file, graphable, tmp_path_factory, monkeypatch, mode, head):
+    """Verification + greedy MTP draft of k = 3 (one block reused, or three chained blocks): the draft
+    ids read once, the verification's argmax once (≤ 3, issue 33's goal), with graphs and eagerly;
+    with p_min each draft step reads its probability and its argmax."""
+    if head == "qwen35":
+        path = q8_file
+    else:
+        from tests.fixtures import chained_reference
+
+        path = chained_reference.converted(head, tmp_path_factory.mktemp(f"reads-{head}"))[1]["embed"]
+    model = load_model(path, device="cpu", dtype="bf16")
     prompt = [int(t) for t in prompt_ids(9, seed=2)]
     per = _reads_per_round(monkeypatch)
     counts = {}
@@ -258,9 +265,10 @@ def test_a_round_of_k3_mtp_drafts_reads_the_host_twice(q8_file, graphable, monke
         assert full, "no round drafted k tokens"
         counts[p_min] = Counter(reads for reads, _ in full)
         if p_min == 0:
-            print(f"\n[host reads per round, graphs {mode}, k={K}] {dict(counts[p_min])} over {len(full)} "
-                  f"rounds; sites {full[0][1]}")
-            assert set(counts[p_min]) == {2} and (mode == "off" or drafter.ctx.graphs.replays > 0)
+            ctxs = drafter.chain.ctxs if drafter.chain else [drafter.ctx]
+            print(f"\n[host reads per round, {head} head ({len(ctxs)} context(s)), graphs {mode}, k={K}] "
+                  f"{dict(counts[p_min])} over {len(full)} rounds; sites {full[0][1]}")
+            assert set(counts[p_min]) == {2} and (mode == "off" or all(c.graphs.replays > 0 for c in ctxs))
     print(f"[host reads per round with p_min = 0.05] {dict(counts[0.05])}")
     assert set(counts[0.05]) == {2 * K + 1}
 
