@@ -83,7 +83,8 @@ class Context:
         self.memory.check_seq(seq)
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.long or ids.shape[0] == 0:
             raise SpecconvError("decode_drafted: token ids must be a non-empty one-dimensional int64 tensor")
-        if ids.device != torch.device(self.model.device):
+        dev = torch.device(self.model.device)  # "cuda" names the current device, an argmax's is "cuda:0"
+        if ids.device.type != dev.type or dev.index not in (None, ids.device.index):
             raise SpecconvError(f"decode_drafted: token ids on {ids.device}, the model on {self.model.device}")
         return self._evaluate(None, ids, ids.shape[0], positions, seq, ("post_norm",), (), hidden_in, logits)
 

@@ -295,3 +295,22 @@ def test_cuda_graphs_of_the_mtp_head_on_the_gpu(q8_file):
     print(f"\n[MTP head graphs on {torch.cuda.get_device_name(0)}] replays = eager; head captures "
           f"{drafter.ctx.graphs.captures}, replays {drafter.ctx.graphs.replays}")
     assert spec.tokens == plain and drafter.ctx.graphs.replays > 0
+
+
+def test_decode_drafted_refuses_ids_it_cannot_take_unread(q8_file):
+    """Device ids go in unread, so what cannot be one (a list, a matrix, floats, ids on another device,
+    nothing) is refused with a one-line error before anything is evaluated."""
+    from specconv.archs.errors import SpecconvError
+
+    model = load_model(q8_file, device="meta", dtype="f32")
+    ctx = Context(model, GraphType.MTP, n_ctx=8)
+    row = torch.zeros(1, model.hparams.input_width, device="meta")
+    for bad, why in (([3], "one-dimensional int64 tensor"), (torch.zeros(1, 1, dtype=torch.long, device="meta"),
+                     "one-dimensional"), (torch.zeros(1, device="meta"), "int64"),
+                     (torch.zeros(0, dtype=torch.long, device="meta"), "non-empty"),
+                     (torch.zeros(1, dtype=torch.long), "token ids on cpu, the model on meta")):
+        with pytest.raises(SpecconvError, match=why):
+            ctx.decode_drafted(bad, [0], hidden_in=row)
+    assert ctx.n_past() == 0 and ctx.n_decode_calls == 0
+    out = ctx.decode_drafted(torch.zeros(1, dtype=torch.long, device="meta"), [0], hidden_in=row)
+    assert out.logits.shape == (1, model.vocab_size) and ctx.n_past() == 1
