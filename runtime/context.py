@@ -62,8 +62,16 @@ class Context:
     # ---- evaluation ---------------------------------------------------------------------------
     def decode(self, tokens, positions=None, seq: int = 0, hidden: Sequence[str] = ("post_norm",),
                layers: Sequence[int] = (), hidden_in: torch.Tensor | None = None,
-               logits: str | None = "all") -> DecodeOutput:
+               logits: str | None = "all", ids_on_device: bool = False) -> DecodeOutput:
+        """`ids_on_device`: `tokens` is a one-dimensional int64 tensor on the model's device (a draft
+        step's argmax over the vocabulary, in range by construction), taken as it is: not read back to
+        be checked, which would cost a host sync per draft on a GPU. The greedy MTP drafters feed each
+        draft step the previous step's argmax this way (runtime/drafters/mtp.py); a graphed context
+        copies them into its static token slot."""
         self.memory.check_seq(seq)
+        if ids_on_device:
+            self._check_device_ids(tokens)
+            return self._evaluate(None, tokens, tokens.shape[0], positions, seq, hidden, layers, hidden_in, logits)
         # ids and positions are checked on the host and moved to the device once: nothing in a
         # decode reads a device tensor back (a host sync per call on a GPU; tests/runtime/test_backend.py)
         host = torch.as_tensor(tokens, dtype=torch.long, device="cpu").reshape(-1)
@@ -74,19 +82,13 @@ class Context:
             raise SpecconvError(f"decode: token id out of range [0, {self.model.vocab_size})")
         return self._evaluate(host, None, n, positions, seq, hidden, layers, hidden_in, logits)
 
-    def decode_drafted(self, ids: torch.Tensor, positions, seq: int = 0, hidden_in: torch.Tensor | None = None,
-                       logits: str | None = "all") -> DecodeOutput:
-        """`decode` of token ids already on the model's device: a draft step's argmax over the
-        vocabulary, in range by construction and not read back to be checked (a host sync per draft
-        on a GPU). The greedy MTP drafters feed each draft step the previous step's argmax this way
-        (runtime/drafters/mtp.py); a graphed context copies them into its static token slot."""
-        self.memory.check_seq(seq)
+    def _check_device_ids(self, ids) -> None:
+        """What ids taken unread must be (their shape, type and device are known without a read)."""
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.long or ids.shape[0] == 0:
-            raise SpecconvError("decode_drafted: token ids must be a non-empty one-dimensional int64 tensor")
+            raise SpecconvError("decode: ids on the device must be a non-empty one-dimensional int64 tensor")
         dev = torch.device(self.model.device)  # "cuda" names the current device, an argmax's is "cuda:0"
         if ids.device.type != dev.type or dev.index not in (None, ids.device.index):
-            raise SpecconvError(f"decode_drafted: token ids on {ids.device}, the model on {self.model.device}")
-        return self._evaluate(None, ids, ids.shape[0], positions, seq, ("post_norm",), (), hidden_in, logits)
+            raise SpecconvError(f"decode: token ids on {ids.device}, the model on {self.model.device}")
 
     def _evaluate(self, host: torch.Tensor | None, device_ids: torch.Tensor | None, n: int, positions, seq: int,
                   hidden: Sequence[str], layers: Sequence[int], hidden_in: torch.Tensor | None,

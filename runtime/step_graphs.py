@@ -11,7 +11,7 @@ and the catch-up of the j + 1 committed rows — and replays it every round:
   (`memory.BatchIndex`, every field 128 bytes into the buffer: the kernels' pointer alignment);
 * an MTP context's hidden rows (`hidden_in`): a static [n, input width] buffer per width, written by
   a device-to-device copy; token ids already on the device (a draft step's argmax,
-  `Context.decode_drafted`) are copied into the token slot the same way, after the host copy;
+  `Context.decode(ids_on_device=True)`) are copied into the token slot the same way, after the host copy;
 * the captured region is `forward_main` (MTP: `forward_mtp`) on a `Batch.replayable` batch, whose
   addresses are those tensors only (a forward that reads a host integer of the batch raises), and on
   the memory's fixed-size buffers (the backend's `static_kv` and `slot_states`): every shape is the

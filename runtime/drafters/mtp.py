@@ -15,7 +15,7 @@ rows for exactly the committed positions:
   the head's own normed output (`hidden["nextn"]`, what llama.cpp feeds back). Greedy (top-1), so
   the draft is deterministic and has no q rows; `p_min` is tested on the softmax of the top 10.
   Without `p_min` no draft is read on the host until the last: each step's token is the previous
-  step's argmax left on the device (`Context.decode_drafted`; `greedy_on_device`) and the k ids are
+  step's argmax left on the device (`Context.decode(ids_on_device=True)`; `greedy_on_device`) and the k ids are
   read at once: one host sync per round instead of one per draft position (docs/runtime.md "CUDA
   graphs"). With `p_min` each step's probabilities decide whether to go on: reads at every step.
 * `accept(j, batch, h)`: the draft rows (positions ≥ pos0) are removed first, then the catch-up
@@ -52,13 +52,13 @@ from specconv.runtime.types import GraphType
 
 def greedy_on_device(ctx: Context, id_last: int, hidden: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
     """The greedy drafts at `positions` as a device tensor of ids, read nothing on the host: the first
-    step's token is `id_last`, each later step's the previous step's argmax (Context.decode_drafted),
+    step's token is `id_last`, each later step's the previous step's argmax (decode with ids_on_device),
     each step's hidden row the previous step's normed output."""
     drafted = []
     for i, pos in enumerate(positions):
         row = hidden.reshape(1, -1)
-        out = (ctx.decode([id_last], positions=[pos], hidden_in=row, logits="last") if i == 0 else
-               ctx.decode_drafted(drafted[-1], positions=[pos], hidden_in=row, logits="last"))
+        ids, on_device = ([id_last], False) if i == 0 else (drafted[-1], True)
+        out = ctx.decode(ids, positions=[pos], hidden_in=row, logits="last", ids_on_device=on_device)
         drafted.append(out.logits.argmax(-1))
         hidden = out.hidden["nextn"][-1]
     return torch.cat(drafted) if drafted else torch.zeros(0, dtype=torch.long, device=hidden.device)

@@ -20,7 +20,7 @@ teacher-forced rows of the committed positions < T (T = the position of `id_last
 rows at T..T+j: tokens [id_last, d_1..d_j], states [pending[j], block j−1's outputs at T..T+j−1]
 (the rows block j−1 evaluated one step before); its last row gives d_{j+1}. Without `p_min` the
 drafts stay on the device (block j's ids are id_last and blocks 0..j−1's argmaxes,
-`Context.decode_drafted`) and are read once at the end; with it, once per block. `accept` removes every
+`Context.decode(ids_on_device=True)`) and are read once at the end; with it, once per block. `accept` removes every
 row at positions ≥ T and writes the committed rows again, block by block, each block's outputs
 feeding the next block's rows.
 """
@@ -79,10 +79,8 @@ class MtpChain:
         if skip == len(tokens):
             return None, outs
         positions = list(range(pos0 + skip, pos0 + len(tokens)))
-        ctx = self.ctxs[j]
-        out = (ctx.decode_drafted(tokens[skip:], positions, hidden_in=states[skip:], logits=logits)
-               if isinstance(tokens, torch.Tensor) else
-               ctx.decode(tokens[skip:], positions=positions, hidden_in=states[skip:], logits=logits))
+        out = self.ctxs[j].decode(tokens[skip:], positions=positions, hidden_in=states[skip:], logits=logits,
+                                  ids_on_device=isinstance(tokens, torch.Tensor))
         outs[skip:] = out.hidden[self.chain_hidden].to(outs)
         return (out.logits[-1] if logits else None), outs
 

@@ -55,8 +55,8 @@ def _head_rounds(ctx: Context, ids, rows, rounds, on_device: bool):
     out, widths = [], Counter()
 
     def run(tokens, pos, hidden_in):
-        call = ctx.decode_drafted if isinstance(tokens, torch.Tensor) else ctx.decode
-        o = call(tokens, positions=pos, hidden_in=hidden_in, logits="all")
+        o = ctx.decode(tokens, positions=pos, hidden_in=hidden_in, logits="all",
+                       ids_on_device=isinstance(tokens, torch.Tensor))
         out.extend([o.logits, o.hidden["nextn"], o.hidden["pre_norm"]])
         widths[len(pos)] += 1
         return o
@@ -297,7 +297,7 @@ def test_cuda_graphs_of_the_mtp_head_on_the_gpu(q8_file):
     assert spec.tokens == plain and drafter.ctx.graphs.replays > 0
 
 
-def test_decode_drafted_refuses_ids_it_cannot_take_unread(q8_file):
+def test_decode_refuses_device_ids_it_cannot_take_unread(q8_file):
     """Device ids go in unread, so what cannot be one (a list, a matrix, floats, ids on another device,
     nothing) is refused with a one-line error before anything is evaluated."""
     from specconv.archs.errors import SpecconvError
@@ -310,7 +310,7 @@ def test_decode_drafted_refuses_ids_it_cannot_take_unread(q8_file):
                      (torch.zeros(0, dtype=torch.long, device="meta"), "non-empty"),
                      (torch.zeros(1, dtype=torch.long), "token ids on cpu, the model on meta")):
         with pytest.raises(SpecconvError, match=why):
-            ctx.decode_drafted(bad, [0], hidden_in=row)
+            ctx.decode(bad, [0], hidden_in=row, ids_on_device=True)
     assert ctx.n_past() == 0 and ctx.n_decode_calls == 0
-    out = ctx.decode_drafted(torch.zeros(1, dtype=torch.long, device="meta"), [0], hidden_in=row)
+    out = ctx.decode(torch.zeros(1, dtype=torch.long, device="meta"), [0], hidden_in=row, ids_on_device=True)
     assert out.logits.shape == (1, model.vocab_size) and ctx.n_past() == 1
