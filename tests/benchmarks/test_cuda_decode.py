@@ -34,6 +34,7 @@ def test_cpu_run_reports_every_figure(qwen35_dir, tmp_path, capsys):
     assert rounds["rounds"] > 0 and rounds["syncs"] == 0 and rounds["sync_sites"] == {}
     mtp = row["mtp_round_profile"]
     assert mtp["rounds"] > 0 and mtp["syncs"] == 0 and mtp["drafted"] > 0 and mtp["tokens_identical"] is True
+    assert mtp["host_syncs_per_round"] == 0
     assert profile == {"kernels": 0, "syncs": 0, "graph_replays": 0}  # CUDA graphs: CUDA only
     assert 0 < len(top) <= 15 and all(t["count"] > 0 and t["cpu_us"] >= 0 for t in top)
     assert row["floor_s"] is None and row["dense_chain"]["graph_s"] is None
