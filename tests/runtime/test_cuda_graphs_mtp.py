@@ -4,16 +4,21 @@ host read per draft (runtime/step_graphs.py, runtime/drafters/mtp.py; docs/runti
 On the CPU with tests/fixtures/capture_standin.py's stand-in for the capture (a replay runs the
 recorded forward again, so a host value baked into it at capture would be stale). Checked:
 
-* an MTP context's draft steps (width 1, some fed the previous step's argmax as a device tensor)
-  and catch-up batches (widths 1..k+1) over rounds with rollbacks give the logits and both hidden
-  states of eager decoding bit for bit, float32 and bfloat16; each width is captured once;
+* an MTP context's draft steps (width 1, from the second on fed the previous step's argmax as a
+  device tensor, `decode(ids_on_device=True)`) and catch-up batches (widths 1..k+1) over rounds with
+  rollbacks give the logits and both hidden states of eager decoding (fed host ids) bit for bit,
+  float32 and bfloat16; each width is captured once; the same for every captured family's head,
+  whose replays on `meta` read nothing;
 * the chained heads (one context per block): the drafts and each block's logits equal eager ones;
-* greedy speculative decoding with the MTP head, k = 1..3, gives the tokens of eager speculative
-  decoding and of plain decoding (bfloat16);
-* on the `meta` device the head's captured forwards and the greedy draft loop read nothing;
+* greedy speculative decoding with the bundled trained head (drafts accepted: catch-ups of every
+  width), k = 1..3, gives the tokens of eager speculative decoding and of plain decoding (bfloat16);
+* on `meta`, rounds of target verification and greedy drafting read nothing on the host and make no
+  blocking host-to-device copy;
 * host reads per round (tests/fixtures/host_reads.py): target verification + MTP draft of k = 3
-  reads the host twice (the k draft ids once, the verification's argmax once), with and without
-  graphs; with `p_min` each draft is read (documented: ≤ 3 needs p_min = 0);
+  reads the host twice (the k draft ids once, the verification's argmax once), one-block and
+  chained heads, with and without graphs; with `p_min` each draft step reads twice (documented:
+  ≤ 3 needs p_min = 0);
+* ids taken unread that cannot be ids are refused with a one-line error;
 * on a GPU, the real capture: MTP replays equal eager decoding, speculative output equals plain.
 """
 
