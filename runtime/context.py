@@ -6,6 +6,8 @@ the LM head, what the MTP head consumes), "pre_norm" (the residual stream after 
 "layer:J" (the input of block J; J = n_layer gives post_norm).
 MTP: `decode(tokens, positions, seq=0, hidden_in=h)` with one target hidden row per token; returns
 logits and hidden["nextn"] (the normed output, fed back when chaining drafts) and "pre_norm".
+Either: `ids_on_device=True` takes `tokens` as an int64 tensor on the model's device (a draft step's
+argmax), unread.
 """
 
 from __future__ import annotations
