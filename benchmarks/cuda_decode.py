@@ -18,6 +18,12 @@ Q4_K_M. Per file, one process, one device:
   and whether its tokens equal plain decoding's (in the default compute dtype);
 - torch.profiler over one decode step after two warm-up steps (with CUDA graphs, the default on
   CUDA: a replay): device kernels launched and host<->device copies or syncs;
+- host<->device copies or syncs per speculative round, k = 3: the synthetic drafter's, and the MTP
+  head's (greedy drafts on the device, read once; the head's steps replayed as graphs; also the
+  blocking ones alone: stream, device or event synchronisations) for the file
+  types of --mtp-types, whose head is the checkpoint's `mtp.*` layer converted `--mtp only` into a
+  sidecar (the measured files themselves carry no head); its drafts are random, so nearly all are
+  rejected: the rounds measure syncs and tokens identical to plain, not acceptance;
 - the floor: the file read once at the bandwidth of a measured device-to-device copy;
 - the same 2-D weight matrices (the token embedding excluded: decoding reads one row of it) as
   plain bf16 `F.linear` on one input row each, eager and replayed as one CUDA graph.
@@ -41,6 +47,8 @@ if str(REPO) not in sys.path:
 PROMPT = [3 + (i * 7919) % 2000 for i in range(32)]
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
               "cudaMemcpyAsync")
+# the calls that block the host until the device catches up (a read back, a pageable upload)
+BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def parse_args(argv=None):
@@ -55,31 +63,40 @@ def parse_args(argv=None):
     p.add_argument("-n", "--n-predict", type=int, default=64)
     p.add_argument("--no-moe", action="store_true", help="skip the Qwen3.5-MoE file")
     p.add_argument("--types", default="bf16,q8_0,Q4_K_M", help="dense 1 B file types to build and measure")
+    p.add_argument("--mtp-types", default="q8_0",
+                   help="dense file types whose MTP head (a --mtp only sidecar) drafts a measured round")
+    p.add_argument("--mtp-head", type=Path, default=None,
+                   help="with --model: an MTP-head sidecar (--mtp only) of those files, drafting a measured round")
     p.add_argument("--build-only", action="store_true",
                    help="write the checkpoints and GGUF files, measure nothing (run it on the CPU while the GPU works)")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
 
-def build(args) -> dict[str, Path]:
+def build(args) -> tuple[dict[str, Path], dict[str, Path]]:
+    """({name: GGUF file}, {name: its MTP-head sidecar, for the types of --mtp-types})."""
     if args.model:
-        return {m.stem: m for m in args.model}
+        return {m.stem: m for m in args.model}, ({m.stem: args.mtp_head for m in args.model} if args.mtp_head else {})
     from benchmarks.runtime import MODELS
 
     sys.path.insert(0, str(REPO / "tools"))
     from synth_qwen35 import write_checkpoint
 
-    files = {}
+    files, heads = {}, {}
     wanted = [("dense1b", t) for t in args.types.split(",") if t] + ([] if args.no_moe else [("moe", "Q4_K_M")])
+    with_head = {("dense1b", t) for t in args.mtp_types.split(",") if t}
     for model, qtype in wanted:
         spec = dict(MODELS[model])
         src = write_checkpoint(args.workdir / f"{model}-hf", spec.pop("target_bytes"), **spec)
-        out = args.workdir / f"{model}-{qtype}.gguf"
-        if not out.is_file():
-            subprocess.run([sys.executable, "-m", "specconv", "convert", str(src), "-o", str(out), "--outtype", qtype,
-                            "--mtp", "none"], check=True, stdout=subprocess.DEVNULL)
-        files[f"{model}-{qtype}"] = out
-    return files
+        for mtp, out in [("none", args.workdir / f"{model}-{qtype}.gguf")] + (
+                [("only", args.workdir / f"{model}-{qtype}-mtp.gguf")] if (model, qtype) in with_head else []):
+            if not out.is_file():
+                subprocess.run([sys.executable, "-m", "specconv", "convert", str(src), "-o", str(out), "--outtype",
+                                qtype, "--mtp", mtp], check=True, stdout=subprocess.DEVNULL)
+        files[f"{model}-{qtype}"] = args.workdir / f"{model}-{qtype}.gguf"
+        if (model, qtype) in with_head:
+            heads[f"{model}-{qtype}"] = args.workdir / f"{model}-{qtype}-mtp.gguf"
+    return files, heads
 
 
 def synchronize(device) -> None:
@@ -151,17 +168,19 @@ def sync_sites(events) -> dict[str, int]:
     return dict(sorted(sites.items(), key=lambda kv: -kv[1]))
 
 
-def profile_rounds(model, ref: list[int], prompt: list[int], n: int) -> dict:
-    """Host<->device copies and syncs per speculative round (synthetic drafter, A = 0.8, k = 3), after a
-    warm-up run that captures every width."""
+def profile_rounds(model, ref: list[int], prompt: list[int], n: int, head: Path | None = None) -> dict:
+    """Host<->device copies and syncs per speculative round, k = 3, after a warm-up run that captures
+    every width: the synthetic drafter at A = 0.8, or with `head` the MTP head of that sidecar (also:
+    whether its tokens equal the plain greedy `ref`, and the drafts accepted)."""
     from torch.profiler import ProfilerActivity, profile
 
     from specconv.runtime.drafters.synthetic import SyntheticDrafter
-    from specconv.runtime.speculative import SpecConfig, speculative_generate
+    from specconv.runtime.speculative import SpecConfig, build_drafter, speculative_generate
 
     def run():
-        return speculative_generate(model, SyntheticDrafter(ref, model.vocab_size, 0.8, seed=0), prompt, n,
-                                    SpecConfig(draft_max=3))
+        drafter = (SyntheticDrafter(ref, model.vocab_size, 0.8, seed=0) if head is None
+                   else build_drafter("mtp", model, len(prompt) + n + 5, 3, mtp_path=head))
+        return speculative_generate(model, drafter, prompt, n, SpecConfig(draft_max=3))
 
     run()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
@@ -170,8 +189,14 @@ def profile_rounds(model, ref: list[int], prompt: list[int], n: int) -> dict:
     events = prof.events()
     rounds = len(res.stats["rounds"])
     syncs = sum(1 for e in events if e.name in SYNC_CALLS)
-    return {"rounds": rounds, "syncs": syncs, "syncs_per_round": syncs / max(1, rounds),
-            "sync_sites": sync_sites(events)}
+    blocking = sum(1 for e in events if e.name in BLOCKING_CALLS)
+    out = {"rounds": rounds, "syncs": syncs, "syncs_per_round": syncs / max(1, rounds),
+           "host_syncs_per_round": blocking / max(1, rounds), "sync_sites": sync_sites(events)}
+    if head is not None:
+        spec = res.stats["speculative"]
+        out.update(tokens_identical=res.tokens == ref[len(prompt):len(prompt) + len(res.tokens)],
+                   accepted=spec["accepted"], drafted=spec["drafted"])
+    return out
 
 
 def copy_floor(file_bytes: int, device) -> float | None:
@@ -240,7 +265,7 @@ def dense_chain(model) -> dict:
     return out
 
 
-def run_file(path: Path, args) -> dict:
+def run_file(path: Path, args, head: Path | None = None) -> dict:
     import torch
 
     from benchmarks.spec_scale import _decode_rate, _one
@@ -275,6 +300,8 @@ def run_file(path: Path, args) -> dict:
                         "acceptance": synthetic["acceptance_rate"], "tokens_per_forward": synthetic["tokens_per_forward"]}
     out["profile"] = profile_step(model)
     out["round_profile"] = profile_rounds(model, ref, prompt, min(n, 24))
+    if head is not None:
+        out["mtp_round_profile"] = profile_rounds(model, ref, prompt, min(n, 24), head)
     if device.type == "cuda":  # the model's own peak: before the copy floor and the dense chain's buffers
         out["memory_peak_gb"] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
     out["floor_s"] = copy_floor(path.stat().st_size, device)
@@ -289,16 +316,21 @@ def print_table(results: list[dict]) -> None:
         return "n/a" if x is None else f"{x * 1e3:.2f}"
 
     print("| file | dtype | t(1) ms | t(4)/t(1) | t(8)/t(1) | plain tok/s | A=0.8 k=3 | identical | "
-          "kernels | syncs | syncs/round | replayed | floor ms | bf16 chain eager / graph ms | GB after load / file / peak |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "kernels | syncs | syncs/round | MTP blocking (all) syncs/round | replayed | floor ms | bf16 chain eager / graph ms | "
+          "GB after load / file / peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         t = r["t_s"]
         ratio = [f"{t[i] / t[0]:.2f}" if len(t) > i else "n/a" for i in (3, 7)]
         mem = (f"{r['memory_after_load_gb']:.2f} / {r['file_gb']:.2f} / {r['memory_peak_gb']:.2f}"
                if "memory_after_load_gb" in r else "n/a")
+        mtp = r.get("mtp_round_profile")
+        mtp = (f"{mtp['host_syncs_per_round']:.1f} ({mtp['syncs_per_round']:.1f})"
+               + ("" if mtp["tokens_identical"] else " ≠ plain") if mtp else "n/a")
         print(f"| {r['file']} | {r['dtype']} | {ms(t[0])} | {ratio[0]} | {ratio[1]} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['synthetic']['speedup']:.2f}x | {r['synthetic']['tokens_identical']} | {r['profile']['kernels']} | "
-              f"{r['profile']['syncs']} | {r['round_profile']['syncs_per_round']:.1f} | {r['profile']['graph_replays'] > 0} | {ms(r['floor_s'])} | {ms(r['dense_chain']['eager_s'])} / "
+              f"{r['profile']['syncs']} | {r['round_profile']['syncs_per_round']:.1f} | {mtp} | "
+              f"{r['profile']['graph_replays'] > 0} | {ms(r['floor_s'])} | {ms(r['dense_chain']['eager_s'])} / "
               f"{ms(r['dense_chain']['graph_s'])} | {mem} |")
 
 
@@ -306,7 +338,7 @@ def main(argv=None) -> list[dict]:
     import torch
 
     args = parse_args(argv)
-    files = build(args)
+    files, heads = build(args)
     if args.build_only:
         print("\n".join(f"{name}: {path} ({path.stat().st_size / 1e9:.2f} GB)" for name, path in files.items()))
         return []
@@ -316,7 +348,7 @@ def main(argv=None) -> list[dict]:
     results = []
     for name, path in files.items():
         print(f"{name}: measuring", flush=True)
-        results.append(run_file(path, args))
+        results.append(run_file(path, args, heads.get(name)))
         if args.json:  # written after each file: a run cut short keeps what it measured
             args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print_table(results)

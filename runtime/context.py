@@ -6,6 +6,8 @@ the LM head, what the MTP head consumes), "pre_norm" (the residual stream after 
 "layer:J" (the input of block J; J = n_layer gives post_norm).
 MTP: `decode(tokens, positions, seq=0, hidden_in=h)` with one target hidden row per token; returns
 logits and hidden["nextn"] (the normed output, fed back when chaining drafts) and "pre_norm".
+Either: `ids_on_device=True` takes `tokens` as an int64 tensor on the model's device (a draft step's
+argmax), unread.
 """
 
 from __future__ import annotations
@@ -62,9 +64,16 @@ class Context:
     # ---- evaluation ---------------------------------------------------------------------------
     def decode(self, tokens, positions=None, seq: int = 0, hidden: Sequence[str] = ("post_norm",),
                layers: Sequence[int] = (), hidden_in: torch.Tensor | None = None,
-               logits: str | None = "all") -> DecodeOutput:
+               logits: str | None = "all", ids_on_device: bool = False) -> DecodeOutput:
+        """`ids_on_device`: `tokens` is a one-dimensional int64 tensor on the model's device (a draft
+        step's argmax over the vocabulary, in range by construction), taken as it is: not read back to
+        be checked, which would cost a host sync per draft on a GPU. The greedy MTP drafters feed each
+        draft step the previous step's argmax this way (runtime/drafters/mtp.py); a graphed context
+        copies them into its static token slot."""
         self.memory.check_seq(seq)
-        dev = self.model.device
+        if ids_on_device:
+            self._check_device_ids(tokens)
+            return self._evaluate(None, tokens, tokens.shape[0], positions, seq, hidden, layers, hidden_in, logits)
         # ids and positions are checked on the host and moved to the device once: nothing in a
         # decode reads a device tensor back (a host sync per call on a GPU; tests/runtime/test_backend.py)
         host = torch.as_tensor(tokens, dtype=torch.long, device="cpu").reshape(-1)
@@ -73,6 +82,21 @@ class Context:
             raise SpecconvError("decode: empty batch")
         if int(host.min()) < 0 or int(host.max()) >= self.model.vocab_size:
             raise SpecconvError(f"decode: token id out of range [0, {self.model.vocab_size})")
+        return self._evaluate(host, None, n, positions, seq, hidden, layers, hidden_in, logits)
+
+    def _check_device_ids(self, ids) -> None:
+        """What ids taken unread must be (their shape, type and device are known without a read)."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.long or ids.shape[0] == 0:
+            raise SpecconvError("decode: ids on the device must be a non-empty one-dimensional int64 tensor")
+        dev = torch.device(self.model.device)  # "cuda" names the current device, an argmax's is "cuda:0"
+        if ids.device.type != dev.type or dev.index not in (None, ids.device.index):
+            raise SpecconvError(f"decode: token ids on {ids.device}, the model on {self.model.device}")
+
+    def _evaluate(self, host: torch.Tensor | None, device_ids: torch.Tensor | None, n: int, positions, seq: int,
+                  hidden: Sequence[str], layers: Sequence[int], hidden_in: torch.Tensor | None,
+                  logits: str | None) -> DecodeOutput:
+        """A batch of n token ids: checked values on the host (`host`) or a device tensor (`device_ids`)."""
+        dev = self.model.device
         if positions is None:
             start = self.memory.n_past(seq)
             host_positions = list(range(start, start + n))
@@ -83,9 +107,14 @@ class Context:
                 raise SpecconvError(f"decode: {n} tokens but {given.shape[0]} positions")
             if n > 1 and bool((given[1:] <= given[:-1]).any()):
                 raise SpecconvError("decode: positions must increase within a batch")
-            host_positions, positions = given.tolist(), given.to(dev)
+            host_positions, positions = given.tolist(), step_graphs.upload(given, dev)
         if logits not in ("all", "last", None):
             raise SpecconvError("decode: logits must be 'all', 'last' or None")
+        mtp = self.graph_type == GraphType.MTP
+        if mtp and hidden_in is None:
+            raise SpecconvError("MTP decode needs hidden_in: one target hidden row per token")
+        if self.graph_type not in (GraphType.MAIN, GraphType.MTP):
+            raise SpecconvError(f"graph type {self.graph_type.value} takes feature rows: use Context.encode")
         g, hp, w = self.model.graph, self.model.hparams, self.model.weights
         if self.kv_from is not None:  # nothing of its own to store: every decode reads the target's cells
             batch = Batch(self.memory, seq, positions, 0, [], host_positions)
@@ -93,18 +122,20 @@ class Context:
             batch = self.memory.begin(seq, positions, host_positions)
         # bfloat16 / float16: every row computed as in a one-row batch (runtime/backend.py), so the
         # verification of k drafts gives each row the bits of a decode step
-        graphed = self.graph_type == GraphType.MAIN and self.graphs is not None and self.graphs.takes(n, hidden, layers)
-        tokens = None if graphed else host.to(dev)  # a graph's ids go in with its other static inputs
+        graphed = self.graphs is not None and self.graphs.takes(n, hidden, layers)
+        # a graph's host ids go in with its other static inputs (one host-to-device copy)
+        tokens = device_ids if host is None else None if graphed else step_graphs.upload(host, dev)
         with torch.inference_mode(), batch_invariant(self.model.dtype in INVARIANT_DTYPES):
-            if graphed:
-                out = self.graphs.decode(host.tolist(), batch, hidden, logits)
-            elif self.graph_type == GraphType.MAIN:
-                out = self._main(tokens, batch, hidden, layers, _logit_rows(logits, n, dev))
-            elif self.graph_type == GraphType.MTP:
-                if hidden_in is None:
-                    raise SpecconvError("MTP decode needs hidden_in: one target hidden row per token")
+            h = None
+            if mtp:
                 width = hp.input_width  # the assistant takes target-width rows
                 h = torch.as_tensor(hidden_in, device=dev).reshape(n, width).to(self.model.dtype)
+            if graphed:
+                ids = host.tolist() if host is not None else device_ids
+                out = self.graphs.decode(ids, batch, hidden, logits, hidden_in=h)
+            elif not mtp:
+                out = self._main(tokens, batch, hidden, layers, _logit_rows(logits, n, dev))
+            else:
                 if self.kv_from is not None:
                     lg, z, pre = g.forward_mtp(w, hp, tokens, h, batch, kv_from=self.kv_from)
                 else:
@@ -112,8 +143,6 @@ class Context:
                 if logits != "all":
                     lg = lg[_logit_rows(logits, n, dev)]
                 out = DecodeOutput(logits=lg, hidden={"nextn": z, "pre_norm": pre})
-            else:
-                raise SpecconvError(f"graph type {self.graph_type.value} takes feature rows: use Context.encode")
         if self.kv_from is None:
             self.memory.commit(batch)
         self.n_evaluated += n
@@ -190,6 +219,6 @@ def _logit_rows(logits: str | None, n: int, device) -> torch.Tensor | None:
     """The rows whose logits a decode returns: all (None), the last, or none."""
     if logits == "all":
         return None
-    if logits == "last":
-        return torch.tensor([n - 1], device=device)
+    if logits == "last":  # made on the device: no host-to-device copy
+        return torch.arange(n - 1, n, device=device)
     return torch.zeros(0, dtype=torch.long, device=device)

@@ -14,6 +14,10 @@ rows for exactly the committed positions:
 * `draft`: row (id_last, pos0, pending_h) → d_1, then (d_i, pos0+i, z_{i-1}) → d_{i+1}, where z is
   the head's own normed output (`hidden["nextn"]`, what llama.cpp feeds back). Greedy (top-1), so
   the draft is deterministic and has no q rows; `p_min` is tested on the softmax of the top 10.
+  Without `p_min` no draft is read on the host until the last: each step's token is the previous
+  step's argmax left on the device (`Context.decode(ids_on_device=True)`; `greedy_on_device`) and the k ids are
+  read at once: one host sync per round instead of one per draft position (docs/runtime.md "CUDA
+  graphs"). With `p_min` each step's probabilities decide whether to go on: reads at every step.
 * `accept(j, batch, h)`: the draft rows (positions ≥ pos0) are removed first, then the catch-up
   rows (batch[i], pos0+i, h_{i-1}) with h_{-1} = pending_h are written for the committed part of
   the batch (i = 0..j), and `pending_h` = h_j, the target's hidden state at the last accepted row.
@@ -44,6 +48,20 @@ from specconv.runtime.drafters.mtp_chain import MtpChain, first_row_position
 from specconv.runtime.model import Model
 from specconv.runtime.spec_stats import SpecStats, per_block
 from specconv.runtime.types import GraphType
+
+
+def greedy_on_device(ctx: Context, id_last: int, hidden: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
+    """The greedy drafts at `positions` as a device tensor of ids, read nothing on the host: the first
+    step's token is `id_last`, each later step's the previous step's argmax (decode with ids_on_device),
+    each step's hidden row the previous step's normed output."""
+    drafted = []
+    for i, pos in enumerate(positions):
+        row = hidden.reshape(1, -1)
+        ids, on_device = ([id_last], False) if i == 0 else (drafted[-1], True)
+        out = ctx.decode(ids, positions=[pos], hidden_in=row, logits="last", ids_on_device=on_device)
+        drafted.append(out.logits.argmax(-1))
+        hidden = out.hidden["nextn"][-1]
+    return torch.cat(drafted) if drafted else torch.zeros(0, dtype=torch.long, device=hidden.device)
 
 
 def block_view(head: Model, block: int) -> Model:
@@ -145,7 +163,9 @@ class MtpDrafter(Drafter):
         if self.n_committed < self.first_row:  # no target state for the first draft row yet
             return Draft([])
         positions = range(self.n_committed, self.n_committed + max(n_max, 0))
-        return chain_drafts(self.ctx, int(id_last), self.pending_h, positions, p_min, 0.0, None)
+        if p_min > 0:  # each step's probabilities decide whether to go on: read per draft
+            return chain_drafts(self.ctx, int(id_last), self.pending_h, positions, p_min, 0.0, None)
+        return Draft(greedy_on_device(self.ctx, int(id_last), self.pending_h, positions).tolist())  # one read
 
     def accept(self, n_accepted: int, batch: Sequence[int], hidden: torch.Tensor | None) -> None:
         if self.chain:

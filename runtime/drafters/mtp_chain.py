@@ -18,7 +18,9 @@ Memory. Each block has its own context (KV cache). After `start` / `accept` ever
 teacher-forced rows of the committed positions < T (T = the position of `id_last`), and
 `pending[j]` = s_j(T−1), the state its row at T will read. `draft(id_last)` runs block j on the
 rows at T..T+j: tokens [id_last, d_1..d_j], states [pending[j], block j−1's outputs at T..T+j−1]
-(the rows block j−1 evaluated one step before); its last row gives d_{j+1}. `accept` removes every
+(the rows block j−1 evaluated one step before); its last row gives d_{j+1}. Without `p_min` the
+drafts stay on the device (block j's ids are id_last and blocks 0..j−1's argmaxes,
+`Context.decode(ids_on_device=True)`) and are read once at the end; with it, once per block. `accept` removes every
 row at positions ≥ T and writes the committed rows again, block by block, each block's outputs
 feeding the next block's rows.
 """
@@ -32,6 +34,7 @@ import torch
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
 from specconv.runtime.drafters import Draft, best_candidate_probability
+from specconv.runtime.step_graphs import upload
 from specconv.runtime.types import GraphType
 
 LAYOUTS = ("shifted", "llama.cpp")
@@ -66,16 +69,18 @@ class MtpChain:
         if len(prefix):
             self._catch_up([int(t) for t in prefix], hidden)
 
-    def _run(self, j: int, tokens: list[int], states: torch.Tensor, logits: str | None):
-        """Block j on rows at positions n_committed.. (those before its first row left out):
-        (logits of its last row or None, its outputs with one row per token: zeros where left out)."""
+    def _run(self, j: int, tokens: list[int] | torch.Tensor, states: torch.Tensor, logits: str | None):
+        """Block j on rows at positions n_committed.. (those before its first row left out), token ids
+        on the host or on the device (drafted ones): (logits of its last row or None, its outputs with
+        one row per token: zeros where left out)."""
         pos0, first = self.n_committed, self.first[j]
         skip = max(0, min(first - pos0, len(tokens)))
         outs = self.zero.expand(len(tokens), -1).clone()
         if skip == len(tokens):
             return None, outs
-        out = self.ctxs[j].decode(tokens[skip:], positions=list(range(pos0 + skip, pos0 + len(tokens))),
-                                  hidden_in=states[skip:], logits=logits)
+        positions = list(range(pos0 + skip, pos0 + len(tokens)))
+        out = self.ctxs[j].decode(tokens[skip:], positions=positions, hidden_in=states[skip:], logits=logits,
+                                  ids_on_device=isinstance(tokens, torch.Tensor))
         outs[skip:] = out.hidden[self.chain_hidden].to(outs)
         return (out.logits[-1] if logits else None), outs
 
@@ -96,18 +101,24 @@ class MtpChain:
 
     def draft(self, id_last: int, n: int, p_min: float) -> Draft:
         pos0 = self.n_committed
+        # block 0 takes id_last from the host; later blocks [id_last, d_1..d_j] on the device unless
+        # p_min reads every draft anyway
         tokens, states = [int(id_last)], self.pending[0][None]
+        on_device = None if p_min > 0 else upload(torch.tensor(tokens), self.zero.device)
         self.last_draft_logits = []
         for j in range(min(n, self.k)):
             self.ctxs[j].seq_rm(0, pos0)  # block j's rows of the previous draft
-            logits, outs = self._run(j, tokens, states, "last")
+            logits, outs = self._run(j, tokens if on_device is None or j == 0 else on_device, states, "last")
             if logits is None or (p_min > 0 and best_candidate_probability(logits) < p_min):
                 break
             self.last_draft_logits.append(logits)
-            tokens.append(int(logits.argmax()))
+            if on_device is None:
+                tokens.append(int(logits.argmax()))
+            else:
+                on_device = torch.cat([on_device, logits.argmax(-1, keepdim=True)])
             if j + 1 < self.k:
                 states = torch.cat([self.pending[j + 1][None], outs])
-        return Draft(tokens[1:])
+        return Draft(tokens[1:] if on_device is None else on_device[1:].tolist())  # one read without p_min
 
     def accept(self, n_accepted: int, batch: Sequence[int], hidden: torch.Tensor | None) -> None:
         for ctx in self.ctxs:

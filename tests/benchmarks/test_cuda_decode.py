@@ -3,7 +3,7 @@ with `--device cuda`): every figure of its table present and consistent, and the
 tokens equal to plain decoding's.
 
 Evidence: t(n) has one positive time per batch size; the synthetic run drafted (acceptance > 0) and
-produced the plain tokens; the profiler saw the step (CPU-only: no device kernels, no CUDA syncs, no graph replayed);
+produced the plain tokens; the MTP head's rounds (a --mtp only sidecar) drafted and produced them too; the profiler saw the step (CPU-only: no device kernels, no CUDA syncs, no graph replayed);
 the dense chain covered every 2-D matrix but the token embedding; the JSON file holds the same rows.
 """
 
@@ -18,9 +18,10 @@ from tests.fixtures.gguf_files import convert_gguf
 
 def test_cpu_run_reports_every_figure(qwen35_dir, tmp_path, capsys):
     path = convert_gguf(qwen35_dir(), tmp_path / "tiny.gguf", outtype="q8_0", mtp="none")
+    head = convert_gguf(qwen35_dir(), tmp_path / "tiny-mtp.gguf", outtype="q8_0", mtp="only")
     out = tmp_path / "cuda_decode.json"
     [row] = cuda_decode.main(["--model", str(path), "--device", "cpu", "--batch-max", "3", "--repeats", "1",
-                              "-n", "12", "--json", str(out)])
+                              "-n", "12", "--mtp-head", str(head), "--json", str(out)])
     print(capsys.readouterr().out)
     assert len(row["t_s"]) == 3 and all(t > 0 for t in row["t_s"])
     assert row["plain_tokens_per_s"] > 0
@@ -31,6 +32,9 @@ def test_cpu_run_reports_every_figure(qwen35_dir, tmp_path, capsys):
     assert profile.pop("sync_sites") == {}  # no host<->device copies or syncs on the CPU
     rounds = row["round_profile"]
     assert rounds["rounds"] > 0 and rounds["syncs"] == 0 and rounds["sync_sites"] == {}
+    mtp = row["mtp_round_profile"]
+    assert mtp["rounds"] > 0 and mtp["syncs"] == 0 and mtp["drafted"] > 0 and mtp["tokens_identical"] is True
+    assert mtp["host_syncs_per_round"] == 0
     assert profile == {"kernels": 0, "syncs": 0, "graph_replays": 0}  # CUDA graphs: CUDA only
     assert 0 < len(top) <= 15 and all(t["count"] > 0 and t["cpu_us"] >= 0 for t in top)
     assert row["floor_s"] is None and row["dense_chain"]["graph_s"] is None

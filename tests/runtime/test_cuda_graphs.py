@@ -206,8 +206,9 @@ def test_a_failed_capture_decodes_eagerly_with_a_one_line_warning(q8_file, graph
 
 
 def test_which_contexts_use_graphs(q8_file, tmp_path_factory):
-    """auto: CUDA only; off: none; on: wherever the backend qualifies. Never for an MTP context, the
-    recurrent reference form, a backend without fixed-size K/V and ring slots, or another graph."""
+    """auto: CUDA only; off: none; on: wherever the backend qualifies, MTP contexts included
+    (tests/runtime/test_cuda_graphs_mtp.py). Never for the recurrent reference form, a backend without
+    fixed-size K/V and ring slots, or another graph."""
     model = load_model(q8_file, device="cpu", dtype="f32")
     assert Context(model).graphs is None  # auto on the CPU
     with step_graphs.cuda_graphs("on"):
@@ -223,7 +224,7 @@ def test_which_contexts_use_graphs(q8_file, tmp_path_factory):
             assert Context(model, n_rs_seq=K).graphs.max_width == K + 1
             assert Context(model, n_rs_seq=0, rollback="checkpoint").graphs.max_width == 1
             assert Context(model, gdn_mode="recurrent").graphs is None
-            assert Context(model, GraphType.MTP).graphs is None
+            assert Context(model, GraphType.MTP).graphs is not None
             f64 = load_model(q8_file, device="cpu", dtype="f64")
             assert Context(f64).graphs is None
         assert Context(model).graphs is None  # auto: not CUDA
