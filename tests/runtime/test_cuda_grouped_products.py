@@ -217,21 +217,32 @@ def test_ops_linear_group_shows_every_product_to_the_observer():
 
 # ---- a decode step ------------------------------------------------------------------------------
 
-class PerWeight(CudaBackend):
-    """The CUDA backend with `linear` per weight in linear_group (what it ran before grouping). Counts,
-    per active op counter, the calls whose weights are all stored matrices (the routed experts'
-    products by index are not), their weights and the launches inside them."""
+class PerWeightOn(CudaBackend):
+    """The CUDA backend on `device_type` with `linear` per weight in linear_group (what it ran before
+    grouping)."""
+
+    def __init__(self, device_type: str):
+        super().__init__(kt, device_types=(device_type,))
+
+    def linear_group(self, x, ws):
+        return TorchBackend.linear_group(self, x, ws)
+
+
+class PerWeight(PerWeightOn):
+    """PerWeightOn on `meta`, counting per active op counter the calls whose weights are all stored
+    matrices (the routed experts' products by index are not), their weights and the launches inside
+    them."""
 
     def __init__(self):
-        super().__init__(kt, device_types=("meta",))
+        super().__init__("meta")
         self.calls, self.weights, self.inside = Counter(), Counter(), Counter()
 
     def linear_group(self, x, ws):
         counters = cuda_op_count.active_counters()
         if not counters or not all(isinstance(w, StoredWeight) for w in ws):
-            return TorchBackend.linear_group(self, x, ws)
+            return super().linear_group(x, ws)
         with cuda_op_count.counting() as inside:
-            out = TorchBackend.linear_group(self, x, ws)
+            out = super().linear_group(x, ws)
         key = id(counters[0].tally)
         self.calls[key] += 1
         self.weights[key] += len(ws)
@@ -262,3 +273,23 @@ def test_a_decode_step_launches_one_kernel_per_group(moe, tmp_path_factory):
         assert new.total == old.total - inside + launches  # and nothing else changed
         for kind, (_, each) in cuda_op_count.block_summary(new, grouped.recurrent).items():
             assert each < cuda_op_count.block_summary(old, per_weight.recurrent)[kind][1], kind
+
+
+def test_the_forward_with_grouped_products_is_the_per_weight_forward_bit_for_bit(tmp_path_factory, monkeypatch):
+    """The tiny Qwen3.5 (q8_0, bf16) through the CUDA backend, a prompt of 8 tokens and a verification
+    batch of 4: the logits with grouped products are the bits of those with one launch per product."""
+    from specconv.runtime import Context, GraphType, backend as backend_module, load_model
+    from tests.fixtures.runtime_common import prompt_ids
+
+    path = tiny_gguf(tmp_path_factory, outtype="q8_0")[1]
+    model = load_model(path, device=DEVICE.type, dtype="bf16")
+    ids = [int(t) for t in prompt_ids(12, seed=5)]
+    logits, kernels = {}, RecordingKernels()
+    for name, backend in (("grouped", CudaBackend(kernels, device_types=(DEVICE.type,))),
+                          ("per weight", PerWeightOn(DEVICE.type))):
+        monkeypatch.setattr(backend_module, "_backend", lambda kind, backend=backend: backend)
+        ctx = Context(model, GraphType.MAIN, n_ctx=len(ids) + 2, n_rs_seq=3)
+        logits[name] = torch.cat([ctx.decode(ids[:-4]).logits, ctx.decode(ids[-4:]).logits]).float()
+    diff = float((logits["grouped"] - logits["per weight"]).abs().max())
+    print(f"\n[{WHERE}, bf16] logits with grouped products vs one launch per product: max |Δlogit| {diff:.2e}")
+    assert kernels.grouped and torch.equal(logits["grouped"], logits["per weight"])
