@@ -8,10 +8,10 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   the number of rows; more rows (prompts) by dequantized tiles and cuBLAS, or, inside
   `batch_invariant(True)`, as pieces of FUSED_MAX_ROWS rows through the one-pass kernel, so that
   every row of a prompt gets the bits of a decode step.
-* `linear_group`: the weights that are stored matrices of a KERNEL_TYPE, grouped by type and inner
-  dimension, through kernels_triton.grouped_matmul for up to FUSED_MAX_ROWS rows: one launch per
-  type (GROUP_MAX matrices) instead of one per weight, each output the bits of that weight's
-  `linear`; a weight alone in its group, other weights and longer batches through `linear`.
+* `linear_group`: the weights that are stored matrices of a KERNEL_TYPE, grouped by type, through
+  kernels_triton.grouped_matmul for up to FUSED_MAX_ROWS rows: one launch per type (per GROUP_MAX
+  matrices) instead of one per weight, each output the bits of that weight's `linear`; a weight
+  alone in its group, other weights and longer batches through `linear`.
 * attention over each layer's whole fixed-size K/V buffer, written in place (`static_kv`): the
   same shapes at every step, as CUDA-graph capture needs.
 * Gated DeltaNet states in ring slots (`slot_states`): `causal_conv_slots` and `delta_rule_slots`

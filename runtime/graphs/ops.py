@@ -7,9 +7,9 @@ elsewhere).
 
 A weight `w[name]` is a torch tensor or a `StoredWeight` (runtime/stored.py: kept in its GGUF
 type). Graphs multiply by weights only through `linear` (`linear_group` for the same rows by
-several weights) and `moe`, which hand the product to the
-backend of the activations' device (runtime/backend.py); they take embedding rows as
-`w[token_ids]` and values as `dense(w, dtype)` for anything else, so both kinds work everywhere.
+several weights) and `moe`, which hand the product to the backend of the activations' device
+(runtime/backend.py); they take embedding rows as `w[token_ids]` and values as `dense(w, dtype)`
+for anything else, so both kinds work everywhere.
 """
 
 from __future__ import annotations
