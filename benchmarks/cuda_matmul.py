@@ -1,6 +1,8 @@
 """The one-pass quantized product alone on one GPU: achieved bandwidth of kernels_triton.quant_matmul
 per weight type, matrix shape and number of activation rows, against torch's bf16 product of the same
-matrix dequantized (cuBLAS) and a device-to-device copy of the packed bytes, all in the same run.
+matrix dequantized (cuBLAS) and a device-to-device copy of the packed bytes, all in the same run; and
+kernels_triton.grouped_matmul (a block's projections of the same rows in one launch) against one
+quant_matmul per matrix.
 
     python3 benchmarks/cuda_matmul.py --json $OUT/cuda_matmul.json
 
@@ -23,6 +25,13 @@ if str(REPO) not in sys.path:
 # (n_out, n_in): a 1 B model's FFN up and down projections and its output head
 SHAPES = [(6144, 2048), (2048, 6144), (65536, 2048)]
 TYPES = ("Q8_0", "Q4_K", "Q6_K", "BF16")
+# the products of the same rows in a 1.1 B Qwen3.5-shaped block (hidden 2048, tools/synth_qwen35.py):
+# name -> (n_in, n_out of each matrix)
+GROUPS = {
+    "Gated DeltaNet qkv, gate, beta, alpha": (2048, (4096, 2048, 16, 16)),
+    "attention q (+gate), k, v": (2048, (4096, 512, 512)),
+    "SwiGLU gate, up": (2048, (6144, 6144)),
+}
 
 
 def parse_args(argv=None):
@@ -33,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="store_true",
                    help="also time the kernel's tiling settings (programs per SM, blocks per step, warps) "
                         "on the FFN down projection, one row")
+    p.add_argument("--no-grouped", action="store_true", help="skip the grouped products")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -90,11 +100,46 @@ def main(argv=None) -> list[dict]:
                       f"({row['fused_gb_s']:6.0f} GB/s)  bf16 dense {dense_s * 1e6:7.1f} us  "
                       f"copy {row['copy_gb_s']:6.0f} GB/s", flush=True)
             del packed, dense, copy
+    grouped = [] if args.no_grouped else grouped_products(args, device)
     sweep = tiling_sweep(args, device) if args.sweep else []
     if args.json:
         args.json.write_text(json.dumps({"card": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                                         "results": results, "sweep": sweep}, indent=1))
+                                         "results": results, "grouped": grouped, "sweep": sweep}, indent=1))
     return results
+
+
+def grouped_products(args, device) -> list[dict]:
+    """Each GROUPS case: grouped_matmul (one launch, plus one adding the pieces of cut matrices)
+    against one quant_matmul per matrix, per type and number of rows; the outputs checked equal."""
+    import torch
+    from gguf import GGMLQuantizationType as QType
+
+    from specconv.runtime import kernels_triton as kt
+
+    out = []
+    for name in args.types.split(","):
+        qtype = QType[name]
+        for case, (n_in, n_outs) in GROUPS.items():
+            mats = [random_packed(qtype, n_out, n_in, device) for n_out in n_outs]
+            size = sum(m.numel() for m in mats)
+            for rows in map(int, args.rows.split(",")):
+                x = torch.randn(rows, n_in, device=device, dtype=torch.bfloat16)
+
+                def separate():
+                    return [kt.quant_matmul(x, m, qtype, n_out, n_in) for m, n_out in zip(mats, n_outs)]
+
+                def grouped():
+                    return kt.grouped_matmul(x, mats, qtype, n_outs, n_in)
+
+                same = all(torch.equal(a, b) for a, b in zip(separate(), grouped()))
+                separate_s, grouped_s = timed(separate, args.repeats), timed(grouped, args.repeats)
+                row = {"type": name, "case": case, "n_in": n_in, "n_outs": list(n_outs), "rows": rows, "bytes": size,
+                       "separate_s": separate_s, "grouped_s": grouped_s, "same_bits": same,
+                       "grouped_gb_s": size / grouped_s / 1e9}
+                out.append(row)
+                print(f"{name:5} {case:38} rows {rows:2}: {len(n_outs)} products {separate_s * 1e6:7.1f} us, grouped "
+                      f"{grouped_s * 1e6:7.1f} us ({row['grouped_gb_s']:6.0f} GB/s), same bits: {same}", flush=True)
+    return out
 
 
 def tiling_sweep(args, device) -> list[dict]:

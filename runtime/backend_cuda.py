@@ -8,6 +8,10 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   the number of rows; more rows (prompts) by dequantized tiles and cuBLAS, or, inside
   `batch_invariant(True)`, as pieces of FUSED_MAX_ROWS rows through the one-pass kernel, so that
   every row of a prompt gets the bits of a decode step.
+* `linear_group`: the weights that are stored matrices of a KERNEL_TYPE, grouped by type, through
+  kernels_triton.grouped_matmul for up to FUSED_MAX_ROWS rows: one launch per type (per GROUP_MAX
+  matrices) instead of one per weight, each output the bits of that weight's `linear`; a weight
+  alone in its group, other weights and longer batches through `linear`.
 * attention over each layer's whole fixed-size K/V buffer, written in place (`static_kv`): the
   same shapes at every step, as CUDA-graph capture needs. `attention` runs kernels_triton.attention,
   one launch for all rows and heads with the output gate fused (float32 / bfloat16 / float16, head
@@ -82,11 +86,9 @@ class CudaBackend(TorchBackend):
             x = x.contiguous()
             return self.kernels.expert_matmul(x.reshape(-1, n_in), w.experts.raw, w.experts.qtype, n_out, n_in,
                                               w.pairs).reshape(*x.shape[:-1], n_out)
-        if (isinstance(w, StoredWeight) and w.ndim == 2 and self._kernel_for(w.raw, w.qtype)
-                and x.dtype in KERNEL_DTYPES and x.device == w.raw.device):
+        if self._stored_matrix(x, w):
             n_out, n_in = w.shape
-            if w.counter is not None:
-                w.counter.bytes += w.raw.numel()
+            _count(w)
             x = x.contiguous()
             step = self.kernels.FUSED_MAX_ROWS
             xs = x.reshape(-1, n_in)
@@ -96,6 +98,31 @@ class CudaBackend(TorchBackend):
                 return torch.cat(pieces).reshape(*x.shape[:-1], n_out)
             return self.kernels.quant_matmul(x, w.raw, w.qtype, n_out, n_in)
         return super().linear(x, w)
+
+    def _stored_matrix(self, x: torch.Tensor, w) -> bool:
+        """Whether the quantized-product kernels take x @ wᵀ."""
+        return (isinstance(w, StoredWeight) and w.ndim == 2 and self._kernel_for(w.raw, w.qtype)
+                and x.dtype in KERNEL_DTYPES and x.device == w.raw.device)
+
+    def linear_group(self, x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
+        out = [None] * len(ws)
+        groups: dict = {}  # qtype -> indices of the weights of that type the kernels take
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        if self.kernels is not None and 0 < rows <= self.kernels.FUSED_MAX_ROWS:
+            for i, w in enumerate(ws):
+                if self._stored_matrix(x, w) and w.shape[1] == x.shape[-1]:
+                    groups.setdefault(w.qtype, []).append(i)
+        packed_x = x.contiguous() if groups else x
+        for qtype, members in groups.items():
+            if len(members) < 2:
+                continue
+            for i in members:
+                _count(ws[i])
+            ys = self.kernels.grouped_matmul(packed_x, [ws[i].raw for i in members], qtype,
+                                             [ws[i].shape[0] for i in members], x.shape[-1])
+            for i, y in zip(members, ys):
+                out[i] = y
+        return tuple(self.linear(x, w) if y is None else y for w, y in zip(ws, out))
 
     # ---- routed experts ------------------------------------------------------------------------------
     def moe(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts) -> torch.Tensor:
@@ -236,6 +263,12 @@ class PairedExperts:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.experts.shape[1:])
+
+
+def _count(w: StoredWeight) -> None:
+    """Add a product's read of w's bytes to its counter (where one is attached)."""
+    if w.counter is not None:
+        w.counter.bytes += w.raw.numel()
 
 
 def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:

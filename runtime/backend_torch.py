@@ -87,6 +87,10 @@ class TorchBackend:
             out[..., start:start + values.shape[0]] = _product(x, values)
         return out
 
+    def linear_group(self, x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
+        """(x @ w₀ᵀ, x @ w₁ᵀ, ...): `linear` by each weight in turn."""
+        return tuple(self.linear(x, w) for w in ws)
+
     # ---- mixture of experts -----------------------------------------------------------------------
     def moe(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts) -> torch.Tensor:
         """Σ over each row's k slots of weights[row, slot] · expert chosen[row, slot](x[row]), in the

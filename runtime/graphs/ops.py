@@ -6,9 +6,10 @@ activations' device too (one Triton kernel each on CUDA, runtime/backend_cuda.py
 of runtime/backend_torch.py elsewhere).
 
 A weight `w[name]` is a torch tensor or a `StoredWeight` (runtime/stored.py: kept in its GGUF
-type). Graphs multiply by weights only through `linear` and `moe`, which hand the product to the
-backend of the activations' device (runtime/backend.py); they take embedding rows as
-`w[token_ids]` and values as `dense(w, dtype)` for anything else, so both kinds work everywhere.
+type). Graphs multiply by weights only through `linear` (`linear_group` for the same rows by
+several weights) and `moe`, which hand the product to the backend of the activations' device
+(runtime/backend.py); they take embedding rows as `w[token_ids]` and values as `dense(w, dtype)`
+for anything else, so both kinds work everywhere.
 """
 
 from __future__ import annotations
@@ -66,6 +67,16 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     if observer is not None:
         observer.product(x, w)
     return for_device(x.device).linear(x, w)
+
+
+def linear_group(x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
+    """(x @ w₀ᵀ, x @ w₁ᵀ, ...): the same rows by several weights, each output what `linear` gives; the
+    backend may run them together (one launch per weight type on CUDA, runtime/backend_cuda.py)."""
+    observer = activation_observer()
+    if observer is not None:
+        for w in ws:
+            observer.product(x, w)
+    return for_device(x.device).linear_group(x, ws)
 
 
 def moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts) -> torch.Tensor:
@@ -227,7 +238,8 @@ def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return linear(for_device(x.device).silu_mul(linear(x, gate), linear(x, up)), down)
+    g, u = linear_group(x, (gate, up))
+    return linear(for_device(x.device).silu_mul(g, u), down)
 
 
 def moe_softmax_topk(x: torch.Tensor, router: torch.Tensor, n_used: int, gate_exps: torch.Tensor,

@@ -17,8 +17,8 @@ from specconv.archs.qwen35_hparams import LINEAR, Qwen35HParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn, trunk
 from specconv.runtime.graphs.ops import (
-    acc, add_rms_norm, cached_attention, check_rope_scaling, gated_rms_norm, l2_norm, linear, moe_softmax_topk, rms_norm,
-    rope_cos_sin_scaled,
+    acc, add_rms_norm, cached_attention, check_rope_scaling, gated_rms_norm, l2_norm, linear, linear_group,
+    moe_softmax_topk, rms_norm, rope_cos_sin_scaled,
     rope_neox_partial, swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
@@ -48,10 +48,11 @@ def mtp_layout(hp: Qwen35HParams) -> MemoryLayout:
 
 def gated_attention(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
     n = a.shape[0]
-    qg = linear(a, w[f"blk.{i}.attn_q.weight"]).view(n, hp.num_attention_heads, 2 * hp.head_dim)
+    qg, k, v = linear_group(a, [w[f"blk.{i}.attn_{t}.weight"] for t in "qkv"])
+    qg = qg.view(n, hp.num_attention_heads, 2 * hp.head_dim)
     q, gate = qg[..., :hp.head_dim], qg[..., hp.head_dim:]  # q and gate interleaved per head
-    k = linear(a, w[f"blk.{i}.attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
-    v = linear(a, w[f"blk.{i}.attn_v.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
+    k = k.view(n, hp.num_key_value_heads, hp.head_dim)
+    v = v.view(n, hp.num_key_value_heads, hp.head_dim)
     q = rms_norm(q, w[f"blk.{i}.attn_q_norm.weight"], hp.rms_norm_eps)
     k = rms_norm(k, w[f"blk.{i}.attn_k_norm.weight"], hp.rms_norm_eps)
     cos, sin = rope
@@ -64,10 +65,9 @@ def gated_deltanet(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch, 
     n = a.shape[0]
     nk, nv = hp.linear_num_key_heads, hp.linear_num_value_heads
     dk, dv = hp.linear_key_head_dim, hp.linear_value_head_dim
-    m = linear(a, w[f"blk.{i}.attn_qkv.weight"])  # [n, C] = [q | k | v]
-    z = linear(a, w[f"blk.{i}.attn_gate.weight"]).view(n, nv, dv)
-    b = linear(a, w[f"blk.{i}.ssm_beta.weight"])
-    alpha = linear(a, w[f"blk.{i}.ssm_alpha.weight"])
+    m, z, b, alpha = linear_group(a, [w[f"blk.{i}.{t}.weight"] for t in ("attn_qkv", "attn_gate", "ssm_beta",
+                                                                          "ssm_alpha")])  # m [n, C] = [q | k | v]
+    z = z.view(n, nv, dv)
     rec = gdn.Recurrence(batch, i, mode)  # states in and out of the memory's ring
     c = rec.conv(m, w[f"blk.{i}.ssm_conv1d.weight"])
     q = l2_norm(c[:, :nk * dk].view(n, nk, dk), hp.rms_norm_eps, scale=dk ** -0.5)

@@ -90,34 +90,19 @@ def _decode(rows, blk, s: tl.constexpr, i, row_ok, blk_ok, n_in, QTYPE: tl.const
         return _f16(at, ok)
 
 
-@triton.jit(do_not_specialize=["n_blocks", "blocks_per_split", "total_rows"])
-def fused_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sel_ptr, n_out, n_in, n_blocks, blocks_per_split, total_rows,
-                      stride_x, stride_w, stride_e, stride_y,
-                      QTYPE: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr,
-                      ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PARTIAL: tl.constexpr,
-                      PAIRS: tl.constexpr):
-    """y[m, n] = Σ_k x[m, k] W[n, k] for ROWS activation rows. Program (p, q, r) takes BLOCK_N weight rows
-    and the q-th run of `blocks_per_split` blocks of them, NB blocks per step: each step's tile is
-    decoded once and multiplied with every activation row; with PARTIAL its float32 sums go to
-    part[q] (summed over q in order by sum_parts_kernel), else straight into y. Row m's result is the
-    same sequence of float32 operations whatever ROWS is (the same tiles, reduced the same way, added
-    to its own accumulator; the split depends on W's shape only), so a row's output does not depend
-    on the batch it is in. With PAIRS (ROWS = 1), program r multiplies activation row r by expert
-    sel[r] of a 3-D expert tensor (experts stride_e bytes apart): routed experts by index, on the
-    device, each pair the same operations as a one-row product by that expert."""
-    r = tl.program_id(2)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = n < n_out
-    rows = w_ptr + n.to(tl.int64) * stride_w
-    if PAIRS:
-        rows += tl.load(sel_ptr + r).to(tl.int64) * stride_e
-    x_ptr += r.to(tl.int64) * stride_x
+@triton.jit
+def _tile_sums(x_ptr, rows, row_ok, n_in, first, last, stride_x, QTYPE: tl.constexpr, VALUES: tl.constexpr,
+               BYTES: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+               NB: tl.constexpr):
+    """float32 [ROWS_P2, BLOCK_N]: Σ_k x[m, k] W[n, k] over blocks first..last-1 of the BLOCK_N weight
+    rows starting at `rows`, NB blocks per step: each step's tile decoded once and multiplied with
+    every activation row, row m's products summed into its own accumulator in the same order
+    whatever ROWS is. Every one-pass product (one matrix, experts by index, a group of matrices)
+    runs this, so a matrix's sums are the same operations in each."""
     i = tl.arange(0, 32)
     j = tl.arange(0, NB)
     m_index = tl.arange(0, ROWS_P2)
     acc = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
-    first = tl.program_id(1) * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, n_blocks)
     for b0 in range(first, last, NB):
         blk = b0 + j
         blk_ok = blk < last
@@ -129,6 +114,35 @@ def fused_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sel_ptr, n_out, n_in, n_blo
                 x = tl.load(x_ptr + m * stride_x + k, mask=k_ok, other=0).to(tl.float32)
                 part = tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
                 acc += tl.where(m_index[:, None] == m, part[None, :], 0.0)
+    return acc
+
+
+@triton.jit(do_not_specialize=["n_blocks", "blocks_per_split", "total_rows"])
+def fused_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sel_ptr, n_out, n_in, n_blocks, blocks_per_split, total_rows,
+                      stride_x, stride_w, stride_e, stride_y,
+                      QTYPE: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr,
+                      ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PARTIAL: tl.constexpr,
+                      PAIRS: tl.constexpr):
+    """y[m, n] = Σ_k x[m, k] W[n, k] for ROWS activation rows. Program (p, q, r) takes BLOCK_N weight rows
+    and the q-th run of `blocks_per_split` blocks of them (_tile_sums); with PARTIAL its float32 sums
+    go to part[q] (summed over q in order by sum_parts_kernel), else straight into y. Row m's result
+    is the same sequence of float32 operations whatever ROWS is (the split depends on W's shape
+    only), so a row's output does not depend on the batch it is in. With PAIRS (ROWS = 1), program r
+    multiplies activation row r by expert sel[r] of a 3-D expert tensor (experts stride_e bytes
+    apart): routed experts by index, on the device, each pair the same operations as a one-row
+    product by that expert."""
+    r = tl.program_id(2)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = n < n_out
+    rows = w_ptr + n.to(tl.int64) * stride_w
+    if PAIRS:
+        rows += tl.load(sel_ptr + r).to(tl.int64) * stride_e
+    x_ptr += r.to(tl.int64) * stride_x
+    first = tl.program_id(1) * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, n_blocks)
+    acc = _tile_sums(x_ptr, rows, row_ok, n_in, first, last, stride_x, QTYPE, VALUES, BYTES, ROWS, ROWS_P2, BLOCK_N,
+                     NB)
+    m_index = tl.arange(0, ROWS_P2)
     keep = (m_index[:, None] < ROWS) & row_ok[None, :]
     out_row = (r + m_index).to(tl.int64)[:, None]
     if PARTIAL:
@@ -140,13 +154,20 @@ def fused_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sel_ptr, n_out, n_in, n_blo
 
 
 @triton.jit
+def _parts_sum(part_ptr, idx, ok, count, splits, BLOCK: tl.constexpr):
+    """float32 [BLOCK]: part[0, idx] + part[1, idx] + ... in that order (parts `count` values apart)."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for q in range(splits):
+        acc += tl.load(part_ptr + q * count + idx, mask=ok, other=0.0)
+    return acc
+
+
+@triton.jit
 def sum_parts_kernel(part_ptr, y_ptr, rows, n_out, splits, stride_y, BLOCK: tl.constexpr):
     """y[m, n] = part[0, m, n] + part[1, m, n] + ... in that order (float32), rounded once into y."""
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < rows * n_out
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for q in range(splits):
-        acc += tl.load(part_ptr + q * rows * n_out + idx, mask=ok, other=0.0)
+    acc = _parts_sum(part_ptr, idx, ok, rows * n_out, splits, BLOCK)
     m = idx // n_out
     tl.store(y_ptr + m * stride_y + idx - m * n_out, acc.to(y_ptr.dtype.element_ty), mask=ok)
 

@@ -1,6 +1,7 @@
 """x @ Wᵀ with W kept in its GGUF type, for decode steps and verification batches in one pass.
 
     quant_matmul(x, packed, qtype, n_out, n_in, out=None) -> y [..., n_out]   (x's dtype)
+    grouped_matmul(x, [packed, ...], qtype, [n_out, ...], n_in) -> (y, ...)    (x @ Wᵢᵀ for each i)
 
 x: float32 / bfloat16 / float16 [..., n_in]; `packed`: W's bytes as runtime/stored.py keeps them
 (`StoredWeight.raw`, uint8 [n_out, row bytes]), on x's device (CUDA, or the CPU under
@@ -13,12 +14,20 @@ TRITON_INTERPRET=1); `qtype` one of dequant.KERNEL_TYPES (Q8_0, Q4_K, Q5_K, Q6_K
   batch reproduces the one-row decode step bit for bit. A matrix with few rows of tiles is also cut
   along its inner dimension (`split_plan`: a function of W's shape and the device only), so that the
   whole GPU streams it; the float32 sums of the pieces are added in order by a second small kernel.
+* Several matrices of one type and inner dimension times the same rows (`grouped_matmul`: a block's
+  projections of one normed input): up to GROUP_MAX matrices in one launch of the one-pass kernel,
+  a program id standing for (matrix, tile of weight rows, piece), each matrix with its own tiling
+  and split plan, so that each output has the bits quant_matmul gives that matrix alone; the pieces
+  of the cut ones added by one more launch.
 * More rows (prompts): W a piece at a time through dequant.dequantize_rows into x's dtype, each
   piece multiplied by torch's dense product (cuBLAS on a GPU). A 16-bit float W in x's own dtype
   is multiplied as it is stored.
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
+from typing import Sequence
 
 import torch
 from gguf import GGMLQuantizationType as QType
@@ -34,6 +43,7 @@ STEP_BLOCKS = {QType.Q8_0: 8, QType.Q4_K: 1, QType.Q5_K: 1, QType.Q6_K: 1, QType
 PROGRAMS_PER_SM = 4  # programs in flight per multiprocessor that keep the memory system busy
 FUSED_WARPS = 4
 SUM_BLOCK = 1024
+GROUP_MAX = 4  # matrices per launch of grouped_matmul (one pointer argument each)
 # values of W dequantized per piece of the prompt path (32 MB in bfloat16)
 TILE_VALUES = 1 << 24
 _FLOAT_TYPES = {QType.BF16: torch.bfloat16, QType.F16: torch.float16}
@@ -74,6 +84,81 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int
         piece = dequantize_rows(packed[start:start + step], qtype, min(step, n_out - start), n_in, x.dtype)
         ys[:, start:start + piece.shape[0]] = xs @ piece.t()
     return out
+
+
+def grouped_matmul(x: torch.Tensor, packed: Sequence[torch.Tensor], qtype: QType, n_outs: Sequence[int],
+                   n_in: int) -> tuple[torch.Tensor, ...]:
+    """(x @ W₀ᵀ, x @ W₁ᵀ, ...) for packed matrices Wᵢ [n_outs[i], n_in] of one type: each output a
+    contiguous [..., n_outs[i]] tensor in x's dtype, the outputs consecutive parts of one allocation.
+    Up to FUSED_MAX_ROWS rows: one launch per GROUP_MAX matrices (and one adding the pieces of those
+    split_plan cuts), each output the bits of quant_matmul by that matrix alone; more rows:
+    quant_matmul per matrix."""
+    op = "grouped_matmul"
+    if not packed or len(packed) != len(n_outs):
+        raise SpecconvError(f"{op}: one n_out per matrix, at least one matrix (got {len(packed)} matrices, "
+                            f"{len(n_outs)} n_out)")
+    mats = [packed_matrix(op, w, qtype, n_out, n_in) for w, n_out in zip(packed, n_outs)]
+    _common.check_float(op, "x", x)
+    if x.dim() == 0 or x.shape[-1] != n_in:
+        raise SpecconvError(f"{op}: x has shape {tuple(x.shape)}, expected [..., {n_in}]")
+    device = _common.check_device(op, x, *mats)
+    xs = x.reshape(-1, n_in)
+    _common.check_last_contiguous(op, "x", xs)
+    rows = xs.shape[0]
+    buffer = torch.empty(rows * sum(n_outs), dtype=x.dtype, device=device)
+    starts = [0, *accumulate(rows * n_out for n_out in n_outs)]
+    outs = tuple(buffer[a:a + rows * n_out].view(*x.shape[:-1], n_out) for a, n_out in zip(starts, n_outs))
+    if rows == 0:
+        return outs
+    if rows > FUSED_MAX_ROWS:
+        for w, n_out, y in zip(mats, n_outs, outs):
+            quant_matmul(x, w, qtype, n_out, n_in, out=y)
+        return outs
+    for g in range(0, len(mats), GROUP_MAX):
+        group = slice(g, g + GROUP_MAX)
+        _grouped_pass(xs, mats[group], list(n_outs[group]), buffer, starts[group], qtype, n_in, device)
+    return outs
+
+
+def _grouped_pass(xs: torch.Tensor, mats: list[torch.Tensor], n_outs: list[int], buffer: torch.Tensor,
+                  y_ats: list[int], qtype: QType, n_in: int, device: torch.device) -> None:
+    """Up to GROUP_MAX products into `buffer` (matrix g's [rows, n_outs[g]] at element y_ats[g]): one
+    launch of grouped_rows_kernel, each matrix tiled and cut as _one_pass would, and one of
+    grouped_sum_kernel where any is cut."""
+    values, size = GEOMETRY[qtype]
+    n_blocks = _common.cdiv(n_in, values)
+    rows = xs.shape[0]
+    plans = [split_plan(qtype, n_out, n_blocks, device) for n_out in n_outs]
+    ends = list(accumulate(_common.cdiv(n_out, FUSED_ROWS) * splits for n_out, (splits, _) in zip(n_outs, plans)))
+    cut = [g for g, (splits, _) in enumerate(plans) if splits > 1]
+    part_ats = [0] * len(mats)
+    for g, start in zip(cut, accumulate((plans[g][0] * rows * n_outs[g] for g in cut), initial=0)):
+        part_ats[g] = start
+    parts = (torch.empty(sum(plans[g][0] * rows * n_outs[g] for g in cut), dtype=torch.float32, device=device)
+             if cut else buffer)
+    jit = _common.jit_module("_grouped_jit")
+    jit.grouped_rows_kernel[(ends[-1],)](
+        xs, *_four(mats), buffer, parts, n_in, n_blocks, rows, xs.stride(0), *_four([w.stride(0) for w in mats]),
+        *_four(n_outs), *_four([per_split for _, per_split in plans]), *_ends(ends), *_four(y_ats), *_four(part_ats),
+        QTYPE=int(qtype), VALUES=values, BYTES=size, ROWS=rows, ROWS_P2=_common.next_power_of_2(rows),
+        BLOCK_N=FUSED_ROWS, NB=STEP_BLOCKS[qtype], num_warps=FUSED_WARPS)
+    if cut:
+        sum_ends = list(accumulate(_common.cdiv(rows * n_outs[g], SUM_BLOCK) for g in cut))
+        jit.grouped_sum_kernel[(sum_ends[-1],)](
+            parts, buffer, *_four([rows * n_outs[g] for g in cut]), *_four([plans[g][0] for g in cut]),
+            *_ends(sum_ends), *_four([y_ats[g] for g in cut]), *_four([part_ats[g] for g in cut]), BLOCK=SUM_BLOCK)
+
+
+def _four(values: list) -> list:
+    """Per-matrix arguments of the grouped kernels: unused slots repeat the first matrix's (which keeps
+    what Triton infers from the arguments, e.g. alignment, that of the matrices in the group)."""
+    return values + values[:1] * (GROUP_MAX - len(values))
+
+
+def _ends(ends: list[int]) -> list[int]:
+    """end0..end2 of the grouped kernels: programs of matrix g end before ends[g]; slots past the last
+    matrix hold the grid's size (no program reaches them)."""
+    return (ends[:-1] + [ends[-1]] * GROUP_MAX)[:GROUP_MAX - 1]
 
 
 def expert_matmul(x: torch.Tensor, experts: torch.Tensor, qtype: QType, n_out: int, n_in: int,
