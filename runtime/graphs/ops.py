@@ -14,6 +14,7 @@ for anything else, so both kinds work everywhere.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -109,10 +110,19 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float,
                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [n, rotary_dim/2] for NEOX rope with θ_i = base^(-2i/rotary_dim). The frequencies are rounded to
     float32 as HF and llama.cpp hold them; angles and cos/sin in `dtype` (float32 or float64)."""
-    exponent = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.int64).float() / rotary_dim
-    inv_freq = (1.0 / (base ** exponent)).to(dtype)
-    angles = positions.to(dtype)[:, None] * inv_freq[None, :]
+    angles = positions.to(dtype)[:, None] * rope_inv_freq(rotary_dim, float(base), positions.device, dtype)[None, :]
     return angles.cos(), angles.sin()
+
+
+@functools.lru_cache(maxsize=64)
+def rope_inv_freq(rotary_dim: int, base: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """θ_i = base^(-2i/rotary_dim) [rotary_dim/2], rounded to float32 then held in `dtype`: made once
+    per device and kept (a constant of the file; on CUDA six launches per forward fewer, and a
+    captured step reads it as one of its fixed addresses). Never an inference tensor, so forwards
+    inside and outside torch.inference_mode share it."""
+    with torch.inference_mode(False):
+        exponent = torch.arange(0, rotary_dim, 2, device=device, dtype=torch.int64).float() / rotary_dim
+        return (1.0 / (base ** exponent)).to(dtype)
 
 
 def yarn_inv_freq(rotary_dim: int, base: float, yarn: RopeScaling, device) -> tuple[torch.Tensor, float]:

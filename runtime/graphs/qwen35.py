@@ -16,8 +16,9 @@ from specconv.archs.qwen35 import QWEN35_TABLE
 from specconv.archs.qwen35_hparams import LINEAR, Qwen35HParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn, trunk
+from specconv.runtime.graphs.decoder import Residual
 from specconv.runtime.graphs.ops import (
-    acc, add_rms_norm, cached_attention, check_rope_scaling, gated_rms_norm, l2_norm, linear, linear_group,
+    acc, cached_attention, check_rope_scaling, gated_rms_norm, l2_norm, linear, linear_group,
     moe_softmax_topk, rms_norm, rope_cos_sin_scaled,
     rope_neox_partial, swiglu,
 )
@@ -95,13 +96,12 @@ def ffn(w, hp: Qwen35HParams, i: int, x: torch.Tensor) -> torch.Tensor:
 
 # ---- graphs -----------------------------------------------------------------------------------
 
-def _block(w, hp: Qwen35HParams, i: int, h: torch.Tensor, batch: Batch, rope, gdn_mode: str,
-           deltanet) -> torch.Tensor:
-    a = rms_norm(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps)
+def _block(w, hp: Qwen35HParams, i: int, h, batch: Batch, rope, gdn_mode: str, deltanet) -> Residual:
+    """A pre-norm block (trunk.pending_block: each residual add done with the norm after it, the FFN's
+    left pending for the next norm) whose mixer is Gated DeltaNet or gated attention by layer type."""
     recurrent = i < hp.num_hidden_layers and hp.layer_types[i] == LINEAR  # the MTP block (i = n_layer): attention
-    mixed = deltanet(w, hp, i, a, batch, gdn_mode) if recurrent else gated_attention(w, hp, i, a, batch, rope)
-    h, x = add_rms_norm(h, mixed, w[f"blk.{i}.post_attention_norm.weight"], hp.rms_norm_eps)  # one kernel on CUDA
-    return h + ffn(w, hp, i, x)
+    mixer = (lambda w, hp, i, a, batch, rope: deltanet(w, hp, i, a, batch, gdn_mode)) if recurrent else gated_attention
+    return trunk.pending_block(w, hp, i, h, batch, rope, mixer, ffn, ffn_norm="post_attention_norm")
 
 
 def block_with(deltanet) -> trunk.BlockOf:

@@ -37,3 +37,22 @@ def test_grouped_query_attention_equals_repeated_heads():
     got = ops.causal_attention(q, k, v, q_pos, k_pos, 0.17)
     assert got.shape == (n, nh, hd)
     assert (got.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rope_tables_are_the_formula_bit_for_bit_with_the_frequencies_made_once(dtype):
+    """cos/sin of positions · θ_i, θ_i = base^(-2i/d) rounded to float32, written out here; the
+    frequencies are one tensor per (d, base, device, dtype), made outside inference mode so a forward
+    inside torch.inference_mode and one outside it can both use it."""
+    positions = torch.tensor([0, 1, 7, 4095, 131071])
+    for d, base in [(64, 10000.0), (128, 1e6), (32, 500000)]:
+        theta = (1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))).to(dtype)
+        angles = positions.to(dtype)[:, None] * theta[None, :]
+        with torch.inference_mode():
+            cos, sin = ops.rope_cos_sin(positions, d, base, dtype)
+        assert torch.equal(cos, angles.cos()) and torch.equal(sin, angles.sin())
+        made = ops.rope_inv_freq(d, float(base), positions.device, dtype)
+        assert made is ops.rope_inv_freq(d, float(base), positions.device, dtype)
+        assert not made.is_inference()
+        cos2, _ = ops.rope_cos_sin(positions, d, base, dtype)  # outside inference mode: the same tensor serves
+        assert torch.equal(cos2, cos)
