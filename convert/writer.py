@@ -58,7 +58,14 @@ class _Writer(GGUFWriter):
 
     A 250k-token vocabulary is three arrays of 250k items; gguf-py packs them item by item (seconds
     per file). The bytes are the same: u32 item type, u64 count, then the items as gguf-py packs them.
+    The files it opens are `shard_paths` (GgufOutput's temporary names) instead of names derived from
+    one stem, so each shard's temporary sits next to its final name.
     """
+
+    shard_paths: Sequence[Path] = ()
+
+    def format_shard_names(self, path: Path) -> list[Path]:
+        return list(self.shard_paths) if self.shard_paths else super().format_shard_names(path)
 
     def _pack_val(self, val: Any, vtype: GGUFValueType, add_vtype: bool, sub_type: GGUFValueType | None = None) -> bytes:
         if vtype == GGUFValueType.ARRAY and self.endianess == GGUFEndian.LITTLE and isinstance(val, (list, tuple)) \
@@ -155,9 +162,11 @@ class GgufOutput:
     """A GGUF file to be written: its KV, its tensor list (in write order) and its shard layout."""
 
     def __init__(self, path: Path, arch: str, kv: Sequence[MetaKV], tensors: Sequence[TensorEntry],
-                 split_max_size: int = 0, shard_counts: Sequence[int] | None = None):
+                 split_max_size: int = 0, shard_counts: Sequence[int] | None = None,
+                 shard_names: Sequence[Path] | None = None):
         """`split_max_size` lets gguf-py cut shards by tensor bytes; `shard_counts` (tensors per shard,
-        in order) sets the cut exactly instead."""
+        in order) sets the cut exactly instead. `shard_names`: the final name of each shard, instead of
+        `{path stem}-0000i-of-0000N.gguf` next to `path`."""
         self.path = Path(path)
         self.arch = arch
         self.kv = list(kv)
@@ -177,11 +186,14 @@ class GgufOutput:
         if shard_counts is not None:
             self._writer.tensors = _cut(self._writer.tensors, shard_counts)
         n = len(self._writer.tensors)
-        self.final_paths = [self.path] if n == 1 else [
+        if shard_names is not None and len(shard_names) != n:
+            raise SpecconvError(f"internal: {len(shard_names)} names for {n} shards of {self.path.name}")
+        self.final_paths = [Path(p) for p in shard_names] if shard_names is not None else [self.path] if n == 1 else [
             self.path.with_name(SHARD_NAME_FORMAT.format(self.path.stem, i + 1, n)) for i in range(n)]
         self.shard_sizes = [sum(ti.nbytes for ti in shard.values()) for shard in self._writer.tensors]
-        self._temp_stem = self.path.with_name(f".{self.path.stem}.partial-{os.getpid()}.gguf")
-        self.temp_paths = self._writer.format_shard_names(self._temp_stem)
+        # Each temporary next to its final name (a rename, never a copy), hidden, and named for this process.
+        self.temp_paths = [p.with_name(f".{p.stem}.partial-{os.getpid()}.gguf") for p in self.final_paths]
+        self._writer.shard_paths = self.temp_paths
         self._places: dict[str, Place] = {}
         self._next = 0  # tensors accounted for, in order
         self._due: int | None = None  # bytes still due of the tensor being written
@@ -206,7 +218,7 @@ class GgufOutput:
 
     def _open(self) -> None:
         w = self._writer
-        w.write_header_to_file(self._temp_stem)
+        w.write_header_to_file(self.temp_paths[0])
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         self._places = {}
@@ -320,7 +332,8 @@ class AtomicOutputs:
         self._signals.__enter__()
         try:
             for o in self.outputs:
-                self._make_dir(o.path.parent)
+                for folder in dict.fromkeys(p.parent for p in o.final_paths):
+                    self._make_dir(folder)
                 o.open()
         except BaseException:
             self._discard()
