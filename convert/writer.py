@@ -6,9 +6,17 @@ other KV in shard 1). Once opened, every tensor has a fixed place in its file, s
 written with positioned writes from whichever thread encoded them, in any order; the bytes are the
 same as writing them in sequence. `AtomicOutputs` writes several outputs in one pass, so `--mtp separate` reads
 each source tensor once, and guarantees that on any error, a full disk, Ctrl-C or SIGTERM no file is left
-behind: write errors become one-line errors naming the file, SIGTERM raises like Ctrl-C while outputs are
-open, the renames run with both signals held back, and two runs writing the same names take turns
+behind and a file it would replace is untouched: write errors become one-line errors naming the file,
+SIGTERM raises like Ctrl-C while outputs are open, and two runs writing the same names take turns
 renaming (a lock on the folder), the later one refusing unless it may overwrite.
+
+Signals (`_Interrupts`): SIGINT / SIGTERM raise only in the caller's code between `__enter__` and
+`__exit__`, which Python's `with` always follows with `__exit__`. While the files are opened, renamed or
+removed a signal is recorded instead, and raised once that step is done (after the renames: the
+output is complete, the interrupt still reported). The recording is done by the Python-level handler,
+not a signal mask, so it holds whichever thread the kernel hands the signal to (progress bars and
+encoding workers are threads), and it also covers the first instruction of `__exit__`, where CPython
+runs a pending handler before any line of it.
 """
 
 from __future__ import annotations
@@ -20,11 +28,11 @@ import os
 import signal
 import struct
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from types import CodeType
+from typing import Any, Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
@@ -58,7 +66,14 @@ class _Writer(GGUFWriter):
 
     A 250k-token vocabulary is three arrays of 250k items; gguf-py packs them item by item (seconds
     per file). The bytes are the same: u32 item type, u64 count, then the items as gguf-py packs them.
+    The files it opens are `shard_paths` (GgufOutput's temporary names) instead of names derived from
+    one stem, so each shard's temporary sits next to its final name.
     """
+
+    shard_paths: Sequence[Path] = ()
+
+    def format_shard_names(self, path: Path) -> list[Path]:
+        return list(self.shard_paths) if self.shard_paths else super().format_shard_names(path)
 
     def _pack_val(self, val: Any, vtype: GGUFValueType, add_vtype: bool, sub_type: GGUFValueType | None = None) -> bytes:
         if vtype == GGUFValueType.ARRAY and self.endianess == GGUFEndian.LITTLE and isinstance(val, (list, tuple)) \
@@ -106,35 +121,47 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM while outputs are open: unwinds like Ctrl-C, so temporary files are removed."""
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated()
+def _interrupt(signum: int) -> KeyboardInterrupt:
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
-@contextmanager
-def _in_main_thread(enter: Callable[[], Any], leave: Callable[[Any], Any]):
-    """`enter()` before the block and `leave(what enter returned)` after it, in the main thread only
-    (signal handlers and masks belong to it); elsewhere the block just runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = enter()
-    try:
-        yield
-    finally:
-        leave(saved)
+class _Interrupts:
+    """SIGINT and SIGTERM for the life of one `AtomicOutputs` (main thread only; elsewhere nothing changes).
 
+    `holding`: a signal is recorded in `pending` instead of raised; so is one that lands in a frame
+    running one of `steps` (code that sets `holding` as its first statement, before which CPython may
+    already run the handler). Otherwise SIGINT raises KeyboardInterrupt and SIGTERM `Terminated`.
+    SIGINT is taken over only from Python's own handler (default_int_handler): an ignored or custom
+    SIGINT stays as it is; an ignored SIGTERM stays ignored.
+    """
 
-def interruptible():
-    """SIGTERM raises `Terminated` (not an immediate exit) inside the block; main thread only."""
-    return _in_main_thread(lambda: signal.signal(signal.SIGTERM, _on_sigterm),
-                           lambda previous: signal.signal(signal.SIGTERM, previous))
+    def __init__(self, steps: Sequence[CodeType]):
+        self.steps = frozenset(steps)
+        self.holding = False
+        self.pending: list[int] = []
+        self._previous: dict[int, Any] = {}
 
+    def install(self) -> None:
+        """Take the signals over, holding (the first step, opening, is not to be cut)."""
+        self.holding = True
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, takes_over in ((signal.SIGINT, lambda h: h is signal.default_int_handler),
+                                   (signal.SIGTERM, lambda h: h is not signal.SIG_IGN and h is not None)):
+            if takes_over(signal.getsignal(signum)):
+                self._previous[signum] = signal.signal(signum, self._on_signal)
 
-def signals_held():
-    """SIGINT and SIGTERM wait until the block is done (a set of renames is never cut in half)."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    return _in_main_thread(lambda: signal.pthread_sigmask(signal.SIG_BLOCK, held),
-                           lambda old: signal.pthread_sigmask(signal.SIG_SETMASK, old))
+    def _on_signal(self, signum, frame) -> None:
+        if self.holding or (frame is not None and frame.f_code in self.steps):
+            self.pending.append(signum)
+            return
+        raise _interrupt(signum)
+
+    def uninstall(self) -> None:
+        """Give the signals back to the handlers they had (a signal from here on goes to them)."""
+        while self._previous:
+            signum, previous = self._previous.popitem()
+            signal.signal(signum, previous)
 
 
 def write_error(path: Path, exc: OSError) -> SpecconvError:
@@ -155,9 +182,11 @@ class GgufOutput:
     """A GGUF file to be written: its KV, its tensor list (in write order) and its shard layout."""
 
     def __init__(self, path: Path, arch: str, kv: Sequence[MetaKV], tensors: Sequence[TensorEntry],
-                 split_max_size: int = 0, shard_counts: Sequence[int] | None = None):
+                 split_max_size: int = 0, shard_counts: Sequence[int] | None = None,
+                 shard_names: Sequence[Path] | None = None):
         """`split_max_size` lets gguf-py cut shards by tensor bytes; `shard_counts` (tensors per shard,
-        in order) sets the cut exactly instead."""
+        in order) sets the cut exactly instead. `shard_names`: the final name of each shard, instead of
+        `{path stem}-0000i-of-0000N.gguf` next to `path`."""
         self.path = Path(path)
         self.arch = arch
         self.kv = list(kv)
@@ -177,11 +206,14 @@ class GgufOutput:
         if shard_counts is not None:
             self._writer.tensors = _cut(self._writer.tensors, shard_counts)
         n = len(self._writer.tensors)
-        self.final_paths = [self.path] if n == 1 else [
+        if shard_names is not None and len(shard_names) != n:
+            raise SpecconvError(f"internal: {len(shard_names)} names for {n} shards of {self.path.name}")
+        self.final_paths = [Path(p) for p in shard_names] if shard_names is not None else [self.path] if n == 1 else [
             self.path.with_name(SHARD_NAME_FORMAT.format(self.path.stem, i + 1, n)) for i in range(n)]
         self.shard_sizes = [sum(ti.nbytes for ti in shard.values()) for shard in self._writer.tensors]
-        self._temp_stem = self.path.with_name(f".{self.path.stem}.partial-{os.getpid()}.gguf")
-        self.temp_paths = self._writer.format_shard_names(self._temp_stem)
+        # Each temporary next to its final name (a rename, never a copy), hidden, and named for this process.
+        self.temp_paths = [p.with_name(f".{p.stem}.partial-{os.getpid()}.gguf") for p in self.final_paths]
+        self._writer.shard_paths = self.temp_paths
         self._places: dict[str, Place] = {}
         self._next = 0  # tensors accounted for, in order
         self._due: int | None = None  # bytes still due of the tensor being written
@@ -206,7 +238,7 @@ class GgufOutput:
 
     def _open(self) -> None:
         w = self._writer
-        w.write_header_to_file(self._temp_stem)
+        w.write_header_to_file(self.temp_paths[0])
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         self._places = {}
@@ -302,7 +334,11 @@ class GgufOutput:
 
 
 class AtomicOutputs:
-    """Context manager: open every output, and on exit rename all (success) or remove all (any error)."""
+    """Context manager: open every output, and on exit rename all (success) or remove all (any error).
+
+    On SIGINT / SIGTERM the outputs are either all removed (the signal came before the renames; a file
+    that was to be replaced is untouched) or all in place (it came during them, and is raised after):
+    never a temporary file or part of a set, wherever the signal lands (`_Interrupts`)."""
 
     def __init__(self, outputs: Sequence[GgufOutput], overwrite: bool = False):
         self.outputs = list(outputs)
@@ -314,38 +350,46 @@ class AtomicOutputs:
             raise SpecconvError(f"{existing[0]} already exists (use --force to overwrite)")
         self.overwrite = overwrite
         self._made_dirs: list[Path] = []
-        self._signals = interruptible()
+        self._interrupts = _Interrupts([AtomicOutputs.__enter__.__code__, AtomicOutputs.__exit__.__code__])
 
     def __enter__(self) -> "AtomicOutputs":
-        self._signals.__enter__()
+        self._interrupts.install()  # before the first file exists; a signal while opening waits
         try:
             for o in self.outputs:
-                self._make_dir(o.path.parent)
+                for folder in dict.fromkeys(p.parent for p in o.final_paths):
+                    self._make_dir(folder)
                 o.open()
         except BaseException:
             self._discard()
-            self._signals.__exit__(None, None, None)
+            self._interrupts.uninstall()
             raise
+        if self._interrupts.pending:  # Ctrl-C while opening: nothing is written
+            self._discard()
+            self._interrupts.uninstall()
+            raise _interrupt(self._interrupts.pending[0])
+        self._interrupts.holding = False  # from here to __exit__, the caller's code: signals raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self._interrupts.holding = True  # first: a signal from here on waits until the files are settled
         try:
             if exc_type is not None:
                 self._discard()
                 return False
-            with signals_held():
-                try:
-                    for o in self.outputs:
-                        o.close()
-                        if not o.complete():
-                            raise SpecconvError(f"internal: {o.path.name} was closed before all tensors were written")
-                    self._publish()
-                except BaseException:
-                    self._discard()
-                    raise
-            return False
+            try:
+                for o in self.outputs:
+                    o.close()
+                    if not o.complete():
+                        raise SpecconvError(f"internal: {o.path.name} was closed before all tensors were written")
+                self._publish()
+            except BaseException:
+                self._discard()
+                raise
         finally:
-            self._signals.__exit__(None, None, None)
+            self._interrupts.uninstall()
+        if self._interrupts.pending:  # it came while renaming: the output is complete, the interrupt still ends the run
+            raise _interrupt(self._interrupts.pending[0])
+        return False  # (a signal during a discard: the exception on its way ends the run anyway)
 
     def _publish(self) -> None:
         """Rename every temporary file to its final name, holding the folder's lock: a concurrent run to

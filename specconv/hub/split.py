@@ -21,9 +21,7 @@ from pathlib import Path
 import gguf
 
 from specconv.runtime.gguf_reader import read_header as read_full_header
-from specconv.convert.writer import (
-    AtomicOutputs, GgufOutput, TensorEntry, interruptible, signals_held, write_error,
-)
+from specconv.convert.writer import AtomicOutputs, GgufOutput, TensorEntry
 from specconv.errors import SpecconvError
 from specconv.hub.gguf_header import GgufHeader, read_header
 from specconv.hub.gguf_info import SPLIT_KEYS
@@ -136,7 +134,9 @@ def plan_split(paths: list[Path], max_size: int) -> ShardLayout:
 
 
 def write_split(layout: ShardLayout, out_paths: list[Path]) -> None:
-    """Write the shards of `layout` to `out_paths` (temporary names, renamed when complete)."""
+    """Write the shards of `layout` to `out_paths`, replacing what is there: each under a temporary
+    name next to its own, all renamed when complete (convert/writer.py's AtomicOutputs: on an error,
+    Ctrl-C or SIGTERM nothing is left and the files it would replace are untouched)."""
     if len(out_paths) != layout.count:
         raise ValueError("one output path per shard is required")
     first = read_full_header(layout.sources[0])
@@ -146,28 +146,12 @@ def write_split(layout: ShardLayout, out_paths: list[Path]) -> None:
     kv = [entry for key, entry in first.kv.items() if key not in SPLIT_KEYS]
     refs = [ref for shard in layout.shards for ref in shard]
     entries = [TensorEntry(ref.name, ref.shape, ref.tensor_type, ref.n_bytes) for ref in refs]
-    tmp_dir = out_paths[0].parent / f".{out_paths[0].name}.partial"
-    output = GgufOutput(tmp_dir / out_paths[0].name, arch.value.decode("utf-8"), kv, entries,
-                        shard_counts=[len(shard) for shard in layout.shards])
-    made = [p for p in [tmp_dir.parent, *tmp_dir.parent.parents] if not p.exists()]  # deepest first
-    done = False
-    with interruptible():  # SIGTERM unwinds like Ctrl-C: nothing below is left behind
-        try:
-            _write_and_move(output, layout, refs, out_paths)
-            done = True
-        finally:
-            for p in output.temp_paths + output.final_paths:  # whatever did not reach its final name
-                p.unlink(missing_ok=True)
-            for d in [tmp_dir] + ([] if done else made):
-                try:
-                    d.rmdir()  # only when empty
-                except OSError:
-                    pass
-
-
-def _write_and_move(output: GgufOutput, layout: ShardLayout, refs: list[TensorRef], out_paths: list[Path]) -> None:
-    sources = [os.open(p, os.O_RDONLY) for p in layout.sources]
+    output = GgufOutput(out_paths[0], arch.value.decode("utf-8"), kv, entries,
+                        shard_counts=[len(shard) for shard in layout.shards], shard_names=out_paths)
+    sources: list[int] = []
     try:
+        for p in layout.sources:
+            sources.append(os.open(p, os.O_RDONLY))
         with AtomicOutputs([output], overwrite=True):
             for tmp, size in zip(output.temp_paths, layout.sizes):  # laid out and sized at open
                 if tmp.stat().st_size != size:
@@ -178,14 +162,3 @@ def _write_and_move(output: GgufOutput, layout: ShardLayout, refs: list[TensorRe
     finally:
         for fd in sources:
             os.close(fd)
-    moved: list[Path] = []
-    with signals_held():  # all shards reach their names, or none
-        try:
-            for written, final in zip(output.final_paths, out_paths):
-                final.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(written, final)
-                moved.append(final)
-        except OSError as exc:
-            for p in moved:
-                p.unlink(missing_ok=True)
-            raise write_error(final, exc) from None
