@@ -19,6 +19,7 @@ import torch
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.backend import INVARIANT_DTYPES, batch_invariant
 from specconv.runtime import step_graphs
+from specconv.runtime.device import upload
 from specconv.runtime.memory import Batch, Memory, SeqCheckpoint
 from specconv.runtime.model import Model
 from specconv.runtime.types import DecodeOutput, GraphType
@@ -107,7 +108,7 @@ class Context:
                 raise SpecconvError(f"decode: {n} tokens but {given.shape[0]} positions")
             if n > 1 and bool((given[1:] <= given[:-1]).any()):
                 raise SpecconvError("decode: positions must increase within a batch")
-            host_positions, positions = given.tolist(), step_graphs.upload(given, dev)
+            host_positions, positions = given.tolist(), upload(given, dev)
         if logits not in ("all", "last", None):
             raise SpecconvError("decode: logits must be 'all', 'last' or None")
         mtp = self.graph_type == GraphType.MTP
@@ -124,7 +125,7 @@ class Context:
         # verification of k drafts gives each row the bits of a decode step
         graphed = self.graphs is not None and self.graphs.takes(n, hidden, layers)
         # a graph's host ids go in with its other static inputs (one host-to-device copy)
-        tokens = device_ids if host is None else None if graphed else step_graphs.upload(host, dev)
+        tokens = device_ids if host is None else None if graphed else upload(host, dev)
         with torch.inference_mode(), batch_invariant(self.model.dtype in INVARIANT_DTYPES):
             h = None
             if mtp:

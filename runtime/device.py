@@ -54,3 +54,13 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 def available_devices() -> list[str]:
     """Devices the tests run on: CPU always, CUDA when present."""
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def upload(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor (ids, positions) on `device` without a host sync: on CUDA copied from pinned
+    memory without blocking (a pageable copy waits for the stream to drain; the caching host allocator
+    keeps the pinned block until the copy is done), elsewhere as `.to` would."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

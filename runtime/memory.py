@@ -34,6 +34,7 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.backend import for_device
+from specconv.runtime.device import upload
 from specconv.runtime.placement import active_device
 
 EMPTY = -2  # slot holds nothing valid
@@ -318,14 +319,15 @@ class Batch:
         return batch
 
     def index(self, device) -> BatchIndex:
-        """This batch's addresses on `device`, built once (one host-to-device copy for the slots)."""
+        """This batch's addresses on `device`, built once (one host-to-device copy for the slots, pinned
+        and without blocking on CUDA: an eager forward makes no host sync for them either)."""
         device = torch.device(device)
         if device not in self._index:
             positions = self._positions.get(device)
             if positions is None:
                 positions = next(iter(self._positions.values())).to(device)
             n = positions.shape[0]
-            slots = torch.tensor([self.src_slot] + self.slots, dtype=torch.long, device=device)
+            slots = upload(torch.tensor([self.src_slot] + self.slots, dtype=torch.long), device)
             self._index[device] = BatchIndex(positions, torch.arange(self.start, self.start + n, device=device),
                                              slots[:1], slots[1:])
         return self._index[device]

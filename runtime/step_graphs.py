@@ -56,16 +56,6 @@ GRAPH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _mode: ContextVar[str] = ContextVar("specconv_cuda_graphs", default="auto")
 
 
-def upload(host: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor (ids, positions) on `device` without a host sync: on CUDA copied from pinned
-    memory without blocking (a pageable copy waits for the stream to drain; the caching host allocator
-    keeps the pinned block until the copy is done), elsewhere as `.to` would."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
 @contextmanager
 def cuda_graphs(mode: str):
     """Contexts created inside use CUDA graphs as `mode` says ("auto", "on", "off")."""
@@ -163,7 +153,7 @@ class _Width:
         host = torch.tensor(values, dtype=torch.long)
         if self.buffer.device.type == "cuda":
             host = host.pin_memory()  # the caching host allocator keeps it until the copy is done
-        self.buffer.copy_(host, non_blocking=True)  # as `upload`, into the static buffer
+        self.buffer.copy_(host, non_blocking=True)  # as device.upload, into the static buffer
         if on_device:
             self.tokens.copy_(tokens)
         if self.hidden is not None:

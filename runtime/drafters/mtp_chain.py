@@ -34,7 +34,7 @@ import torch
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import Context
 from specconv.runtime.drafters import Draft, best_candidate_probability
-from specconv.runtime.step_graphs import upload
+from specconv.runtime.device import upload
 from specconv.runtime.types import GraphType
 
 LAYOUTS = ("shifted", "llama.cpp")

@@ -201,16 +201,18 @@ def test_greedy_speculative_with_a_graphed_head_equals_eager_and_plain(trained, 
     assert sum(r["accepted"] for r in rounds) > 0 and 1 in widths and graphs.replays > 0
 
 
+@pytest.mark.parametrize("graphs", ["on", "off"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_graphed_rounds_read_and_upload_nothing_on_the_meta_device(q8_file, graphable, dtype):
+def test_graphed_rounds_read_and_upload_nothing_on_the_meta_device(q8_file, graphable, dtype, graphs):
     """Rounds of target verification (K + 1 rows, rolled back) and greedy MTP drafting fed each step's
     argmax, with every width's warm-up, capture and replays, run on `meta`, where any host read
     raises; and no blocking host-to-device copy (on CUDA a sync: ids and positions go up pinned,
     without blocking). Only the two reads of a round are left out: the draft ids and the verification's
-    argmax."""
+    argmax. Eagerly ("off") the same: a batch's slot indices go up pinned, without blocking."""
     model = load_model(q8_file, device="meta", dtype=dtype)
-    target = Context(model, GraphType.MAIN, n_ctx=64, n_rs_seq=K)
-    drafter = MtpDrafter(model, 64, model)
+    with step_graphs.cuda_graphs(graphs):
+        target = Context(model, GraphType.MAIN, n_ctx=64, n_rs_seq=K)
+        drafter = MtpDrafter(model, 64, model)
     prompt = list(range(5, 13))
     drafter.start(prompt, target.decode(prompt).hidden["post_norm"])
     with HostReads() as reads:
@@ -223,12 +225,16 @@ def test_graphed_rounds_read_and_upload_nothing_on_the_meta_device(q8_file, grap
             out = target.decode(batch)
             assert target.seq_rm(0, pos0 + j + 1)
             drafter.accept(j, batch, out.hidden["post_norm"])
-    graphs = drafter.ctx.graphs
-    widths = sorted(n for (n, _), w in graphs.widths.items() if w.graph is not None)
-    print(f"\n[meta, {dtype}] MTP widths {widths} captured ({graphs.captures}), {graphs.replays} replays; target "
-          f"{target.graphs.captures} captures: {reads.count} host reads, {reads.uploads} blocking uploads {reads.sites}")
-    assert widths == list(range(1, K + 2)) and graphs.replays > K + 1 and target.graphs.replays > 0
+    print(f"\n[meta, {dtype}, graphs {graphs}] {reads.count} host reads, {reads.uploads} blocking uploads {reads.sites}")
     assert reads.count == 0 and reads.uploads == 0
+    if graphs == "off":
+        assert drafter.ctx.graphs is None and target.graphs is None
+        return
+    head = drafter.ctx.graphs
+    widths = sorted(n for (n, _), w in head.widths.items() if w.graph is not None)
+    print(f"MTP widths {widths} captured ({head.captures}), {head.replays} replays; target "
+          f"{target.graphs.captures} captures")
+    assert widths == list(range(1, K + 2)) and head.replays > K + 1 and target.graphs.replays > 0
 
 
 def _reads_per_round(monkeypatch) -> list[tuple[int, list[str], int]]:
