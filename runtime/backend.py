@@ -8,6 +8,7 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
     linear(x, w)                                x @ wᵀ, w a StoredWeight or a tensor [out, in]
     linear_group(x, [w, ...])                   (x @ w₀ᵀ, x @ w₁ᵀ, ...): the same rows by several weights
     moe(x, weights, chosen, experts)            Σ_slots weight · expert(x) over the routed experts
+    route_softmax_topk(logits, k)               a softmax router's (weights, chosen experts) [n, k]
     causal_conv(m, conv_state, weight, keep)    the Gated DeltaNet's short conv + SiLU
     delta_rule(q, k, v, g, beta, state, keep, lazy, out, exact)   the gated delta rule
     rms_norm, add_rms_norm, gated_rms_norm, l2_norm, rope, silu_mul, gdn_gates

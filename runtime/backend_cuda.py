@@ -30,6 +30,8 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   after it, `gated_rms_norm`), `l2_norm`, `rope` (NEOX and NORM pairs), `silu_mul` (SwiGLU's
   product) and `gdn_gates` (kernels_triton.norm, .rope, .activation): float32 inside, the reference
   formula's operations in its order, each row reduced by one program (batch-invariant).
+* `route_softmax_topk`: a softmax router's softmax, top-k and renormalisation in one launch
+  (kernels_triton.softmax_topk), one program per row.
 * `moe`: decode and verification batches (up to GATHER_MAX_ROWS rows) of stored experts of a
   KERNEL_TYPE pair every row with each of its k experts and run experts.ffn once over the n·k
   pairs, each product `kernels_triton.expert_matmul` (one launch: the expert index read on the
@@ -132,6 +134,14 @@ class CudaBackend(TorchBackend):
                         and w.raw.device == x.device for w in stored)):
             return self.moe_by_pairs(x, weights, chosen, experts)
         return super().moe(x, weights, chosen, experts)
+
+    def route_softmax_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One launch (kernels_triton.softmax_topk) for float32 logits of up to MAX_ROUTED_EXPERTS
+        experts: the chosen set is the reference's where no logits tie (a tie: the lowest index)."""
+        if not (self._pointwise(logits, dtypes=(torch.float32,)) and logits.dim() == 2
+                and 0 < k <= logits.shape[-1] <= self.kernels.MAX_ROUTED_EXPERTS):
+            return super().route_softmax_topk(logits, k)
+        return self.kernels.softmax_topk(logits.contiguous(), k)
 
     def moe_by_pairs(self, x, weights, chosen, experts: Experts) -> torch.Tensor:
         """Every (row, slot) pair through its expert at once: experts.ffn over the n·k pairs, each

@@ -248,7 +248,5 @@ def moe_softmax_topk(x: torch.Tensor, router: torch.Tensor, n_used: int, gate_ex
 
     router [E, H]; gate/up_exps [E, Fe, H]; down_exps [E, H, Fe].
     """
-    probs = torch.softmax(linear(acc(x), router), dim=-1)
-    weights, chosen = torch.topk(probs, n_used, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
+    weights, chosen = for_device(x.device).route_softmax_topk(linear(acc(x), router), n_used)
     return moe(x, weights, chosen, Experts(gate_exps, up_exps, down_exps, swiglu)).to(x.dtype)

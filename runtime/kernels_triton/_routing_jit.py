@@ -1,0 +1,43 @@
+"""Triton kernel of the MoE router (imported on first use; needs Triton). The wrapper is routing.py.
+
+One program per row: the row's softmax, its top k and the renormalisation are that program's
+reductions over a block sized by the number of experts only, so a row gives the same bits alone or
+in a batch of any size.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, n_experts, stride_l, K: tl.constexpr, BLOCK: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """Row r of logits [n, n_experts]: p = exp(l - max l) / Σ exp(l - max l) in float32; the k experts
+    of largest logit (softmax is monotonic; among equal logits the lowest index first), in decreasing
+    order, into idx [n, K] (int64); their p / Σ of the k chosen p (summed in that order) into w [n, K]."""
+    r = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_experts
+    x = tl.load(logits_ptr + r * stride_l + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    top = tl.max(x, axis=0)
+    e = tl.where(ok, tl.exp(x - top), 0.0)
+    p = tl.div_rn(e, tl.sum(e, axis=0))
+    slots = tl.arange(0, BLOCK_K)
+    chosen_p = tl.zeros([BLOCK_K], dtype=tl.float32)
+    chosen_i = tl.zeros([BLOCK_K], dtype=tl.int32)
+    free = ok
+    total = 0.0
+    for j in tl.static_range(K):
+        best = tl.max(tl.where(free, x, float("-inf")), axis=0)
+        i = tl.min(tl.where(free & (x == best), cols, BLOCK), axis=0)
+        pick = cols == i
+        pj = tl.sum(tl.where(pick, p, 0.0), axis=0)
+        free = free & (cols != i)
+        total = total + pj
+        chosen_p = tl.where(slots == j, pj, chosen_p)
+        chosen_i = tl.where(slots == j, i, chosen_i)
+    keep = slots < K
+    tl.store(w_ptr + r * K + slots, tl.div_rn(chosen_p, total), mask=keep)
+    tl.store(idx_ptr + r * K + slots, chosen_i.to(tl.int64), mask=keep)

@@ -1,0 +1,141 @@
+"""Fewer launches in a MoE block on the CUDA backend: the softmax router in one launch
+(runtime/kernels_triton/routing.py `softmax_topk`, CudaBackend.route_softmax_topk).
+
+* the kernel against the torch formula (softmax, topk, weights / their sum): the same chosen
+  experts on inputs without ties, weights within a stated float32 ulp bound (printed); ties: the
+  lowest index first;
+* batch invariance: a row alone has the bits of the same row in a batch of 16;
+* launches of one decode step and one verification batch of the tiny Qwen3.5 MoE (counted on the
+  `meta` device by benchmarks/cuda_op_count.py): the router's torch formula (softmax, topk, sum,
+  div) becomes one launch per MoE block, nothing else changes.
+Without a GPU the kernel runs in Triton's interpreter; with one, compiled on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first compiled (jitted)
+pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
+
+from benchmarks import cuda_op_count  # noqa: E402
+from specconv.archs.errors import SpecconvError  # noqa: E402
+from specconv.runtime import kernels_triton as kt  # noqa: E402
+from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
+from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
+from tests.fixtures.runtime_common import tiny_gguf  # noqa: E402
+
+torch.set_num_threads(1)
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+MAX_ULPS = 8  # exp, two divisions and two float32 sums in another order: a few ulps of each weight
+
+
+def ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got − want| in float32 ulps of want."""
+    want = want.abs()
+    spacing = torch.nextafter(want, torch.full_like(want, float("inf"))) - want
+    return float(((got.abs() - want).abs() / spacing).max())
+
+
+def logits(n: int, n_experts: int, seed: int) -> torch.Tensor:
+    """Distinct random logits (a router's scale): no ties, so the chosen set is defined."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, n_experts, generator=gen) * 2.0).to(DEVICE)
+
+
+@pytest.mark.parametrize("n_experts,k", [(8, 2), (60, 4), (128, 8), (512, 10), (1000, 1)])
+def test_router_kernel_matches_the_torch_formula(n_experts, k):
+    x = logits(16, n_experts, seed=n_experts + k)
+    weights, chosen = kt.softmax_topk(x, k)
+    ref_w, ref_c = TorchBackend().route_softmax_topk(x.cpu(), k)
+    assert weights.dtype == torch.float32 and chosen.dtype == torch.int64
+    assert torch.equal(chosen.cpu().sort(-1).values, ref_c.sort(-1).values)
+    # both in decreasing order of weight: slot by slot the same expert
+    assert torch.equal(chosen.cpu(), ref_c)
+    err = ulps(weights.cpu(), ref_w)
+    print(f"\n[softmax_topk {DEVICE.type}, {n_experts} experts, k={k}] chosen equal; "
+          f"max weight error {err:.1f} ulps (bound {MAX_ULPS})")
+    assert err <= MAX_ULPS
+    assert float((weights.sum(-1) - 1).abs().max()) < 1e-6
+
+
+def test_ties_take_the_lowest_index_first():
+    x = torch.zeros(3, 16, device=DEVICE)
+    x[1, [3, 9, 12]] = 1.0  # three equal largest logits, then thirteen equal ones
+    x[2, 5] = float("-inf")  # an expert that can never win is still skipped among ties
+    _, chosen = kt.softmax_topk(x, 4)
+    assert chosen.cpu().tolist() == [[0, 1, 2, 3], [3, 9, 12, 0], [0, 1, 2, 3]]
+
+
+def test_a_row_alone_has_the_bits_of_the_row_in_a_batch_of_16():
+    x = logits(16, 128, seed=7)
+    batch_w, batch_c = kt.softmax_topk(x, 8)
+    for r in (0, 5, 15):
+        w, c = kt.softmax_topk(x[r:r + 1].clone(), 8)
+        assert torch.equal(w, batch_w[r:r + 1]) and torch.equal(c, batch_c[r:r + 1])
+
+
+def test_the_backend_takes_the_kernel_for_float32_logits_only(monkeypatch):
+    backend = CudaBackend(kt, device_types=(DEVICE.type,))
+    taken = []
+    monkeypatch.setattr(kt, "softmax_topk", lambda *a: taken.append(1) or TorchBackend().route_softmax_topk(*a))
+    backend.route_softmax_topk(logits(2, 8, seed=1), 2)
+    assert taken == [1]
+    w, _ = backend.route_softmax_topk(logits(2, 8, seed=1).double(), 2)  # float64: the torch formula
+    assert taken == [1] and w.dtype == torch.float64
+
+
+def test_bad_input_one_line_errors():
+    with pytest.raises(SpecconvError, match="expected logits"):
+        kt.softmax_topk(torch.zeros(4, device=DEVICE), 1)
+    with pytest.raises(SpecconvError, match="0 < k"):
+        kt.softmax_topk(torch.zeros(2, 4, device=DEVICE), 5)
+    with pytest.raises(SpecconvError, match="float32, bfloat16 or float16"):
+        kt.softmax_topk(torch.zeros(2, 4, dtype=torch.int32, device=DEVICE), 1)
+
+
+class TorchRouter(CudaBackend):
+    """The CUDA backend with the router's torch formula (the backend before the router kernel);
+    counts the launches inside that formula per active op counter."""
+
+    def __init__(self):
+        super().__init__(kt, device_types=("meta",))
+        self.calls, self.inside = Counter(), Counter()
+
+    def route_softmax_topk(self, logits, k):
+        counters = cuda_op_count.active_counters()
+        if not counters:
+            return TorchBackend.route_softmax_topk(self, logits, k)
+        with cuda_op_count.counting() as inside:
+            out = TorchBackend.route_softmax_topk(self, logits, k)
+        self.calls[id(counters[0].tally)] += 1
+        self.inside[id(counters[0].tally)] += inside.tally.total
+        return out
+
+
+@pytest.fixture(scope="module")
+def moe_q8(tmp_path_factory):
+    return tiny_gguf(tmp_path_factory, moe=True, outtype="q8_0")[1]
+
+
+def test_the_router_is_one_launch_per_moe_block(moe_q8):
+    k = 3
+    fused = cuda_op_count.count_steps(moe_q8, "bf16", k)
+    before = TorchRouter()
+    unfused = cuda_op_count.count_steps(moe_q8, "bf16", k, backend=before)
+    n_blocks = len(fused.recurrent)
+    for name, new, old in (("step", fused.step, unfused.step), ("verification", fused.verify, unfused.verify)):
+        calls, inside = before.calls[id(old)], before.inside[id(old)]
+        launches = new.by_op["triton.softmax_topk_kernel"]
+        print(f"\n[meta, bf16, {name}] {old.total} -> {new.total} launches: {calls} routers, "
+              f"{inside} launches of their torch formula -> {launches}")
+        assert calls == launches == n_blocks  # every block of the tiny model is a MoE block
+        assert inside == 4 * calls  # softmax, topk, sum, div
+        assert new.total == old.total - inside + launches
+        assert not any(new.by_op[op] for op in ("softmax", "topk"))
