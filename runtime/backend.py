@@ -103,7 +103,8 @@ def observing(observer: ActivationObserver | None):
 class Experts:
     """The routed experts of one MoE layer: 3-D weights [E, out, in] (stored or dense) and the
     expert's feed-forward `ffn(x, gate, up, down)` given one expert's slices (SwiGLU, GeGLU, a
-    clamped SwiGLU: it reaches the slices through ops.linear). `up` may be None where `gate` holds
+    clamped SwiGLU: it reaches the slices through ops.linear, and reads x only through those products:
+    the CUDA backend hands it each row of x once for its k experts). `up` may be None where `gate` holds
     each expert's gate and up rows together ([E, 2F, H]); `ffn` then gets None for it."""
 
     gate: Any

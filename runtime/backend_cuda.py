@@ -35,9 +35,10 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
 * `moe`: decode and verification batches (up to GATHER_MAX_ROWS rows) of stored experts of a
   KERNEL_TYPE pair every row with each of its k experts and run experts.ffn once over the n·k
   pairs, each product `kernels_triton.expert_matmul` (one launch: the expert index read on the
-  device, no gathered copy of the experts' bytes); the pairs' outputs summed per row in increasing
-  expert order, as the torch reference's by-index form sums them, with the same bits. Longer batches
-  and other weights take the torch reference.
+  device, no gathered copy of the experts' bytes or of x); the pairs' outputs summed per row in
+  increasing expert order by `kernels_triton.moe_combine` (one launch), as the torch reference's
+  by-index form sums them, with the same bits. Longer batches and other weights take the torch
+  reference.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from gguf import GGML_QUANT_SIZES
 
 from specconv.runtime import dequant
 from specconv.runtime.backend import Experts, rows_alone
-from specconv.runtime.backend_torch import GATHER_MAX_ROWS, TorchBackend, _wide
+from specconv.runtime.backend_torch import GATHER_MAX_ROWS, TorchBackend
 from specconv.runtime.graphs import gdn
 from specconv.runtime.stored import StoredWeight
 
@@ -85,9 +86,9 @@ class CudaBackend(TorchBackend):
             n_out, n_in = w.shape
             if w.experts.counter is not None:
                 w.experts.counter.bytes += w.experts.raw[0].numel() * w.pairs.shape[0]
-            x = x.contiguous()
-            return self.kernels.expert_matmul(x.reshape(-1, n_in), w.experts.raw, w.experts.qtype, n_out, n_in,
-                                              w.pairs).reshape(*x.shape[:-1], n_out)
+            xs = x.contiguous().reshape(-1, n_in)
+            fanout = w.pairs.shape[0] // xs.shape[0] if xs.shape[0] else 1  # pairs per row of x
+            return self.kernels.expert_matmul(xs, w.experts.raw, w.experts.qtype, n_out, n_in, w.pairs, fanout)
         if self._stored_matrix(x, w):
             n_out, n_in = w.shape
             _count(w)
@@ -129,7 +130,7 @@ class CudaBackend(TorchBackend):
     # ---- routed experts ------------------------------------------------------------------------------
     def moe(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts) -> torch.Tensor:
         stored = [w for w in (experts.gate, experts.up, experts.down) if w is not None]
-        if (x.shape[0] <= GATHER_MAX_ROWS and x.dtype in KERNEL_DTYPES
+        if (0 < x.shape[0] <= GATHER_MAX_ROWS and x.dtype in KERNEL_DTYPES and weights.dtype in KERNEL_DTYPES
                 and all(isinstance(w, StoredWeight) and w.ndim == 3 and self._kernel_for(w.raw, w.qtype)
                         and w.raw.device == x.device for w in stored)):
             return self.moe_by_pairs(x, weights, chosen, experts)
@@ -144,19 +145,14 @@ class CudaBackend(TorchBackend):
         return self.kernels.softmax_topk(logits.contiguous(), k)
 
     def moe_by_pairs(self, x, weights, chosen, experts: Experts) -> torch.Tensor:
-        """Every (row, slot) pair through its expert at once: experts.ffn over the n·k pairs, each
-        product expert_matmul; a row's terms added in increasing expert order."""
-        order = chosen.argsort(dim=-1)
-        chosen, weights = chosen.gather(1, order), weights.gather(1, order)
-        n, k = chosen.shape
+        """Every (row, slot) pair through its expert at once: experts.ffn over the n·k pairs in row-major
+        order, each product expert_matmul (the first ones read each row of x once for its k pairs);
+        then kernels_triton.moe_combine adds a row's terms in increasing expert order, as the by-index
+        reference does. No sort, gather or repeated copy of x: one launch per product, one to combine."""
         pairs = chosen.reshape(-1)
-        y = experts.ffn(x.repeat_interleave(k, dim=0), *(None if w is None else PairedExperts(w, pairs)
-                                                         for w in (experts.gate, experts.up, experts.down)))
-        y = y.reshape(n, k, -1)
-        total = torch.zeros(n, y.shape[-1], dtype=_wide(x.dtype), device=x.device)
-        for s in range(k):
-            total = total + y[:, s].to(total.dtype) * weights[:, s:s + 1]
-        return total
+        y = experts.ffn(x, *(None if w is None else PairedExperts(w, pairs)
+                             for w in (experts.gate, experts.up, experts.down)))
+        return self.kernels.moe_combine(y.reshape(pairs.shape[0], -1), weights.contiguous(), chosen.contiguous())
 
     # ---- around the products: one kernel each ------------------------------------------------------
     def _pointwise(self, *tensors: torch.Tensor, dtypes=KERNEL_DTYPES) -> bool:
@@ -260,9 +256,10 @@ class CudaBackend(TorchBackend):
 
 
 class PairedExperts:
-    """One weight per row: row r of the activations is multiplied by expert pairs[r] of a stored 3-D
-    expert tensor [E, out, in] (what CudaBackend.moe_by_pairs hands experts.ffn in place of one
-    expert's 2-D slice). Only CudaBackend.linear takes it."""
+    """One weight per pair: pair r is multiplied by expert pairs[r] of a stored 3-D expert tensor
+    [E, out, in] (what CudaBackend.moe_by_pairs hands experts.ffn in place of one expert's 2-D
+    slice). Only CudaBackend.linear takes it, with activations of one row per pair, or of one row per
+    P / rows consecutive pairs (x itself, before the first product: [P, out] out either way)."""
 
     __slots__ = ("experts", "pairs")
     ndim = 2

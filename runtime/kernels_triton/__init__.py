@@ -11,6 +11,7 @@
     rope(x, cos, sin, style)                             NEOX / NORM rope of q or k
     silu_mul(gate, up)                                   SwiGLU's silu(gate) · up
     softmax_topk(logits, k)                              the MoE softmax router: top-k experts, weights
+    moe_combine(y, weights, chosen)                      Σ weight · routed expert output per row
     gdn_gates(b, alpha, a, dt_bias)                      the Gated DeltaNet's decay and β
     attention(q, k, v, q_pos, k_pos, scale, gate=None)   causal attention over a whole K/V buffer
     write_kv(k_cache, v_cache, cells, k, v)              a batch's K/V into those buffers, in place
@@ -29,10 +30,10 @@ from specconv.runtime.kernels_triton.gdn import MAX_TOKENS, gdn_step
 from specconv.runtime.kernels_triton.matmul import FUSED_MAX_ROWS, expert_matmul, grouped_matmul, quant_matmul
 from specconv.runtime.kernels_triton.norm import MAX_WIDTH as MAX_NORM_WIDTH, l2_norm, rms_norm
 from specconv.runtime.kernels_triton.rope import rope
-from specconv.runtime.kernels_triton.routing import MAX_EXPERTS as MAX_ROUTED_EXPERTS, softmax_topk
+from specconv.runtime.kernels_triton.routing import MAX_EXPERTS as MAX_ROUTED_EXPERTS, moe_combine, softmax_topk
 
 __all__ = ["attention", "available", "causal_conv", "dequantize_rows", "expert_matmul", "gdn_gates", "gdn_step",
-           "grouped_matmul", "l2_norm", "quant_matmul", "rms_norm", "rope", "silu_mul", "softmax_topk",
+           "grouped_matmul", "l2_norm", "moe_combine", "quant_matmul", "rms_norm", "rope", "silu_mul", "softmax_topk",
            "write_kv", "FUSED_MAX_ROWS",
            "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS",
            "MAX_TOKENS"]

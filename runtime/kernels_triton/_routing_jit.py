@@ -41,3 +41,26 @@ def softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, n_experts, stride_l, K: tl.c
     keep = slots < K
     tl.store(w_ptr + r * K + slots, tl.div_rn(chosen_p, total), mask=keep)
     tl.store(idx_ptr + r * K + slots, chosen_i.to(tl.int64), mask=keep)
+
+
+@triton.jit
+def combine_kernel(y_ptr, w_ptr, idx_ptr, out_ptr, width, stride_y, stride_w, stride_i,
+                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns of program (r, c) of out[r] = Σ_s float32(y[r·K + s]) · w[r, s] over the K slots of row
+    r, added in increasing order of chosen[r, s] (distinct experts), each product rounded to float32
+    before its sum, starting from 0: the reference's `total = total + y_s · w_s` in that order."""
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    slots = tl.arange(0, BLOCK_K)
+    done = slots >= K
+    experts = tl.load(idx_ptr + r * stride_i + slots, mask=~done, other=0).to(tl.int32)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for _ in tl.static_range(K):
+        low = tl.min(tl.where(done, 2147483647, experts), axis=0)
+        s = tl.min(tl.where(~done & (experts == low), slots, BLOCK_K), axis=0)
+        done = done | (slots == s)
+        weight = tl.load(w_ptr + r * stride_w + s).to(tl.float32)
+        y = tl.load(y_ptr + (r * K + s).to(tl.int64) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+        acc = acc + y * weight
+    tl.store(out_ptr + r.to(tl.int64) * width + cols, acc, mask=ok)

@@ -1,6 +1,7 @@
-"""The MoE softmax router in one Triton launch.
+"""The MoE softmax router and the sum of the routed experts' outputs, one Triton launch each.
 
     softmax_topk(logits, k) -> (weights float32 [n, k], chosen int64 [n, k])
+    moe_combine(y, weights, chosen) -> float32 [n, out]
 
 logits [n, E] (float32 / bfloat16 / float16, the last dimension contiguous, E ≤ MAX_EXPERTS):
 p = softmax(logits) over the experts in float32, the k experts of largest p, and their weights
@@ -10,6 +11,11 @@ and among equal logits the lowest index first: torch.topk orders no ties (on the
 a higher index of a tie before a lower one), so on inputs without ties the chosen set is torch's,
 and the weights are within a few float32 ulps of its softmax / topk / sum / divide. One program per
 row (batch-invariant).
+
+moe_combine: y [n·k, out] the outputs of each row's k (row, slot) pairs, row-major (float32 /
+bfloat16 / float16, the last dimension contiguous), weights [n, k] float, chosen [n, k] integer
+distinct experts per row: Σ over the slots of float32(y) · weight, added in increasing expert
+order from 0 in float32 (CudaBackend.moe_by_pairs: the torch reference's by-index sum, its bits).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.kernels_triton import _common
 
 MAX_EXPERTS = 1024  # a row's experts are one program's block; more take the torch reference
+COMBINE_BLOCK = 1024  # output columns per program of moe_combine
 
 
 def softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,3 +48,29 @@ def softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
                                   BLOCK=_common.next_power_of_2(n_experts), BLOCK_K=_common.next_power_of_2(k),
                                   enable_fp_fusion=False)
     return weights, chosen
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    op = "moe_combine"
+    for name, t in (("y", y), ("weights", weights)):
+        _common.check_float(op, name, t)
+    if weights.dim() != 2 or chosen.dtype not in (torch.int32, torch.int64):
+        raise SpecconvError(f"{op}: expected weights [n, k] and integer chosen experts (got weights "
+                            f"{tuple(weights.shape)}, chosen {chosen.dtype})")
+    n, k = weights.shape
+    _common.check_shape(op, "chosen", chosen, (n, k))
+    if y.dim() != 2 or y.shape[0] != n * k:
+        raise SpecconvError(f"{op}: y has shape {tuple(y.shape)}, expected [{n * k}, out]")
+    for name, t in (("y", y), ("weights", weights), ("chosen", chosen)):
+        _common.check_last_contiguous(op, name, t)
+    device = _common.check_device(op, y, weights, chosen)
+    width = y.shape[1]
+    out = torch.empty(n, width, dtype=torch.float32, device=device)
+    if out.numel() == 0 or k == 0:
+        return out.zero_()
+    block = min(COMBINE_BLOCK, _common.next_power_of_2(width))
+    jit = _common.jit_module("_routing_jit")
+    jit.combine_kernel[(n, _common.cdiv(width, block))](y, weights, chosen, out, width, y.stride(0), weights.stride(0),
+                                                        chosen.stride(0), K=k, BLOCK_K=_common.next_power_of_2(k),
+                                                        BLOCK=block, enable_fp_fusion=False)
+    return out

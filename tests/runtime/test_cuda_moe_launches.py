@@ -5,6 +5,10 @@
   experts on inputs without ties, weights within a stated float32 ulp bound (printed); ties: the
   lowest index first;
 * batch invariance: a row alone has the bits of the same row in a batch of 16;
+* the routed experts' pairs without a sort, gather or repeated x: `expert_matmul(..., fanout=k)`
+  (each row of x read for its k pairs) has the bits of the product over x repeated k times, and
+  `moe_combine` (weights · pair outputs summed per row in increasing expert order) the bits of the
+  torch formula it replaces, rows alone == in a batch of 16;
 * launches of one decode step and one verification batch of the tiny Qwen3.5 MoE (counted on the
   `meta` device by benchmarks/cuda_op_count.py): the router's torch formula (softmax, topk, sum,
   div) becomes one launch per MoE block, nothing else changes.
@@ -100,6 +104,54 @@ def test_bad_input_one_line_errors():
         kt.softmax_topk(torch.zeros(2, 4, dtype=torch.int32, device=DEVICE), 1)
 
 
+def reference_combine(y: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The torch formula: slots sorted by expert, Σ float32(y) · weight from 0 in that order."""
+    n, k = chosen.shape
+    order = chosen.argsort(dim=-1)
+    w = weights.gather(1, order)
+    y = y.reshape(n, k, -1).gather(1, order[:, :, None].expand(n, k, y.shape[-1]))
+    total = torch.zeros(n, y.shape[-1], dtype=torch.float32)
+    for s in range(k):
+        total = total + y[:, s].to(torch.float32) * w[:, s:s + 1]
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,width", [(1, 8, 64), (4, 3, 1500), (16, 2, 256)])
+def test_combine_has_the_bits_of_the_torch_formula(n, k, width, dtype):
+    gen = torch.Generator().manual_seed(n * 100 + k)
+    chosen = torch.stack([torch.randperm(40, generator=gen)[:k] for _ in range(n)])  # unsorted, distinct
+    weights = torch.rand(n, k, generator=gen)
+    weights = weights / weights.sum(-1, keepdim=True)
+    y = torch.randn(n * k, width, generator=gen).to(dtype)
+    got = kt.moe_combine(y.to(DEVICE), weights.to(DEVICE), chosen.to(DEVICE)).cpu()
+    want = reference_combine(y, weights, chosen)
+    print(f"\n[moe_combine {DEVICE.type}, n={n}, k={k}, {dtype}] equal bits to the torch formula: "
+          f"{torch.equal(got, want)}")
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    if n > 1:  # a row alone: the bits of the same row in the batch
+        alone = kt.moe_combine(y[:k].to(DEVICE), weights[:1].to(DEVICE), chosen[:1].to(DEVICE)).cpu()
+        assert torch.equal(alone, got[:1])
+
+
+def test_expert_pairs_read_each_row_once_with_the_bits_of_a_repeated_x():
+    from gguf import GGMLQuantizationType as QType
+
+    from tests.fixtures.quant_rows import sane_rows
+
+    n_expert, n_out, n_in, n, k = 6, 32, 256, 4, 3
+    raw = sane_rows(QType.Q8_0, n_expert * n_out, n_in, seed=5)
+    raw = raw.reshape(n_expert, n_out, raw.shape[-1]).to(DEVICE)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(n, n_in, generator=gen).to(torch.bfloat16).to(DEVICE)
+    pairs = torch.stack([torch.randperm(n_expert, generator=gen)[:k] for _ in range(n)]).reshape(-1).to(DEVICE)
+    shared = kt.expert_matmul(x, raw, QType.Q8_0, n_out, n_in, pairs, fanout=k)
+    repeated = kt.expert_matmul(x.repeat_interleave(k, dim=0), raw, QType.Q8_0, n_out, n_in, pairs)
+    assert shared.shape == (n * k, n_out) and torch.equal(shared, repeated)
+    with pytest.raises(SpecconvError, match="per activation row"):
+        kt.expert_matmul(x, raw, QType.Q8_0, n_out, n_in, pairs[:-1], fanout=k)
+
+
 class TorchRouter(CudaBackend):
     """The CUDA backend with the router's torch formula (the backend before the router kernel);
     counts the launches inside that formula per active op counter."""
@@ -139,3 +191,40 @@ def test_the_router_is_one_launch_per_moe_block(moe_q8):
         assert inside == 4 * calls  # softmax, topk, sum, div
         assert new.total == old.total - inside + launches
         assert not any(new.by_op[op] for op in ("softmax", "topk"))
+
+
+PAIR_LAUNCHES = {"triton.fused_rows_kernel", "triton.sum_parts_kernel", "triton.silu_mul_kernel",
+                 "triton.combine_kernel"}
+
+
+class CountedMoe(CudaBackend):
+    """The CUDA backend counting the launches inside each `moe` call (per active op counter)."""
+
+    def __init__(self):
+        super().__init__(kt, device_types=("meta",))
+        self.inside: dict[int, list[Counter]] = {}
+
+    def moe(self, x, weights, chosen, experts):
+        counters = cuda_op_count.active_counters()
+        if not counters:
+            return super().moe(x, weights, chosen, experts)
+        with cuda_op_count.counting() as inside:
+            out = super().moe(x, weights, chosen, experts)
+        self.inside.setdefault(id(counters[0].tally), []).append(inside.tally.by_op)
+        return out
+
+
+def test_routed_experts_launch_their_products_and_one_combine(moe_q8):
+    """Per MoE block: the expert products by pairs (gate, up, down), SwiGLU's product and one
+    combine; no argsort, gather, repeat_interleave, zeros or per-slot mul / add / cast."""
+    backend = CountedMoe()
+    counts = cuda_op_count.count_steps(moe_q8, "bf16", 3, backend=backend)
+    for name, tally in (("step", counts.step), ("verification", counts.verify)):
+        calls = backend.inside[id(tally)]
+        print(f"\n[meta, bf16, {name}] launches inside moe per block: {dict(calls[0])}")
+        assert len(calls) == len(counts.recurrent)
+        for ops in calls:
+            assert set(ops) <= PAIR_LAUNCHES, set(ops) - PAIR_LAUNCHES
+            assert ops["triton.combine_kernel"] == 1 and ops["triton.silu_mul_kernel"] == 1
+            assert ops["triton.fused_rows_kernel"] == 3  # gate, up, down by pairs
+        assert not any(tally.by_op[op] for op in ("argsort", "gather", "repeat_interleave", "zeros"))
