@@ -35,7 +35,8 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
 * `moe`: decode and verification batches (up to GATHER_MAX_ROWS rows) of stored experts of a
   KERNEL_TYPE pair every row with each of its k experts and run experts.ffn once over the n·k
   pairs, each product `kernels_triton.expert_matmul` (one launch: the expert index read on the
-  device, no gathered copy of the experts' bytes or of x); the pairs' outputs summed per row in
+  device, no gathered copy of the experts' bytes or of x; gate and up together,
+  `expert_matmul_pair`, where `linear_group` gets both); the pairs' outputs summed per row in
   increasing expert order by `kernels_triton.moe_combine` (one launch), as the torch reference's
   by-index form sums them, with the same bits. Longer batches and other weights take the torch
   reference.
@@ -84,10 +85,7 @@ class CudaBackend(TorchBackend):
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
         if isinstance(w, PairedExperts):
             n_out, n_in = w.shape
-            if w.experts.counter is not None:
-                w.experts.counter.bytes += w.experts.raw[0].numel() * w.pairs.shape[0]
-            xs = x.contiguous().reshape(-1, n_in)
-            fanout = w.pairs.shape[0] // xs.shape[0] if xs.shape[0] else 1  # pairs per row of x
+            xs, fanout = w.rows_of(x)
             return self.kernels.expert_matmul(xs, w.experts.raw, w.experts.qtype, n_out, n_in, w.pairs, fanout)
         if self._stored_matrix(x, w):
             n_out, n_in = w.shape
@@ -108,6 +106,11 @@ class CudaBackend(TorchBackend):
                 and x.dtype in KERNEL_DTYPES and x.device == w.raw.device)
 
     def linear_group(self, x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
+        if len(ws) == 2 and all(isinstance(w, PairedExperts) for w in ws) and ws[0].pairs_with(ws[1]):
+            xs, fanout = ws[0].rows_of(x, ws[1])  # an expert FFN's gate and up by pairs: one launch
+            n_out, n_in = ws[0].shape
+            return self.kernels.expert_matmul_pair(xs, [w.experts.raw for w in ws], ws[0].experts.qtype, n_out, n_in,
+                                                   ws[0].pairs, fanout)
         out = [None] * len(ws)
         groups: dict = {}  # qtype -> indices of the weights of that type the kernels take
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
@@ -270,6 +273,20 @@ class PairedExperts:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.experts.shape[1:])
+
+    def pairs_with(self, other: "PairedExperts") -> bool:
+        """Whether expert_matmul_pair takes both: the same pairs, expert tensors of one type and layout."""
+        a, b = self.experts, other.experts
+        return (self.pairs is other.pairs and a.qtype == b.qtype and a.shape == b.shape
+                and a.raw.shape == b.raw.shape and a.raw.stride() == b.raw.stride() and a.raw.device == b.raw.device)
+
+    def rows_of(self, x: torch.Tensor, *others: "PairedExperts") -> tuple[torch.Tensor, int]:
+        """(x as [rows, in], pairs per row), counting the read experts' bytes (where a counter is attached)."""
+        for w in (self, *others):
+            if w.experts.counter is not None:
+                w.experts.counter.bytes += w.experts.raw[0].numel() * w.pairs.shape[0]
+        xs = x.contiguous().reshape(-1, self.shape[1])
+        return xs, (self.pairs.shape[0] // xs.shape[0] if xs.shape[0] else 1)
 
 
 def _count(w: StoredWeight) -> None:

@@ -9,6 +9,8 @@
   (each row of x read for its k pairs) has the bits of the product over x repeated k times, and
   `moe_combine` (weights · pair outputs summed per row in increasing expert order) the bits of the
   torch formula it replaces, rows alone == in a batch of 16;
+* the gate and up products of the pairs in one launch (`expert_matmul_pair`), each the bits of its
+  own `expert_matmul`;
 * launches of one decode step and one verification batch of the tiny Qwen3.5 MoE (counted on the
   `meta` device by benchmarks/cuda_op_count.py): the router's torch formula (softmax, topk, sum,
   div) becomes one launch per MoE block, nothing else changes.
@@ -152,6 +154,26 @@ def test_expert_pairs_read_each_row_once_with_the_bits_of_a_repeated_x():
         kt.expert_matmul(x, raw, QType.Q8_0, n_out, n_in, pairs[:-1], fanout=k)
 
 
+@pytest.mark.parametrize("n_out,n_in", [(32, 256), (32, 2048)])  # the second cut along its inner dimension
+def test_gate_and_up_by_pairs_in_one_launch_have_the_bits_of_two(n_out, n_in):
+    from gguf import GGMLQuantizationType as QType
+
+    from tests.fixtures.quant_rows import sane_rows
+
+    n_expert, n, k = 5, 3, 2
+    gate, up = (sane_rows(QType.Q8_0, n_expert * n_out, n_in, seed=s).reshape(n_expert, n_out, -1).to(DEVICE)
+                for s in (11, 12))
+    gen = torch.Generator().manual_seed(n_out)
+    x = torch.randn(n, n_in, generator=gen).to(torch.bfloat16).to(DEVICE)
+    pairs = torch.stack([torch.randperm(n_expert, generator=gen)[:k] for _ in range(n)]).reshape(-1).to(DEVICE)
+    g, u = kt.expert_matmul_pair(x, [gate, up], QType.Q8_0, n_out, n_in, pairs, fanout=k)
+    assert torch.equal(g, kt.expert_matmul(x, gate, QType.Q8_0, n_out, n_in, pairs, fanout=k))
+    assert torch.equal(u, kt.expert_matmul(x, up, QType.Q8_0, n_out, n_in, pairs, fanout=k))
+    assert g.is_contiguous() and u.is_contiguous()
+    with pytest.raises(SpecconvError, match="one shape"):
+        kt.expert_matmul_pair(x, [gate, up[:4]], QType.Q8_0, n_out, n_in, pairs, fanout=k)
+
+
 class TorchRouter(CudaBackend):
     """The CUDA backend with the router's torch formula (the backend before the router kernel);
     counts the launches inside that formula per active op counter."""
@@ -215,8 +237,8 @@ class CountedMoe(CudaBackend):
 
 
 def test_routed_experts_launch_their_products_and_one_combine(moe_q8):
-    """Per MoE block: the expert products by pairs (gate, up, down), SwiGLU's product and one
-    combine; no argsort, gather, repeat_interleave, zeros or per-slot mul / add / cast."""
+    """Per MoE block: the expert products by pairs (gate and up in one launch, down), SwiGLU's
+    product and one combine; no argsort, gather, repeat_interleave, zeros or per-slot mul / add / cast."""
     backend = CountedMoe()
     counts = cuda_op_count.count_steps(moe_q8, "bf16", 3, backend=backend)
     for name, tally in (("step", counts.step), ("verification", counts.verify)):
@@ -226,5 +248,5 @@ def test_routed_experts_launch_their_products_and_one_combine(moe_q8):
         for ops in calls:
             assert set(ops) <= PAIR_LAUNCHES, set(ops) - PAIR_LAUNCHES
             assert ops["triton.combine_kernel"] == 1 and ops["triton.silu_mul_kernel"] == 1
-            assert ops["triton.fused_rows_kernel"] == 3  # gate, up, down by pairs
+            assert ops["triton.fused_rows_kernel"] == 2  # gate and up by pairs in one launch, down
         assert not any(tally.by_op[op] for op in ("argsort", "gather", "repeat_interleave", "zeros"))
