@@ -32,6 +32,7 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   formula's operations in its order, each row reduced by one program (batch-invariant).
 * `route_softmax_topk`: a softmax router's softmax, top-k and renormalisation in one launch
   (kernels_triton.softmax_topk), one program per row.
+* `add_gated_shared`: a MoE block's routed sum plus its sigmoid-gated shared expert, one launch.
 * `moe`: decode and verification batches (up to GATHER_MAX_ROWS rows) of stored experts of a
   KERNEL_TYPE pair every row with each of its k experts and run experts.ffn once over the n·k
   pairs, each product `kernels_triton.expert_matmul` (one launch: the expert index read on the
@@ -146,6 +147,14 @@ class CudaBackend(TorchBackend):
                 and 0 < k <= logits.shape[-1] <= self.kernels.MAX_ROUTED_EXPERTS):
             return super().route_softmax_topk(logits, k)
         return self.kernels.softmax_topk(logits.contiguous(), k)
+
+    def add_gated_shared(self, routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """One launch (kernels_triton.add_gated_shared) for float32 routed sums and gate logits."""
+        if not (self._pointwise(shared) and self._pointwise(routed, gate, dtypes=(torch.float32,))
+                and shared.dim() == 2 and routed.shape == shared.shape and gate.shape == (shared.shape[0], 1)
+                and routed.device == gate.device == shared.device):
+            return super().add_gated_shared(routed, shared, gate)
+        return self.kernels.add_gated_shared(routed.contiguous(), shared.contiguous(), gate.contiguous())
 
     def moe_by_pairs(self, x, weights, chosen, experts: Experts) -> torch.Tensor:
         """Every (row, slot) pair through its expert at once: experts.ffn over the n·k pairs in row-major

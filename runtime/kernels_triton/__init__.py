@@ -13,6 +13,7 @@
     silu_mul(gate, up)                                   SwiGLU's silu(gate) · up
     softmax_topk(logits, k)                              the MoE softmax router: top-k experts, weights
     moe_combine(y, weights, chosen)                      Σ weight · routed expert output per row
+    add_gated_shared(routed, shared, gate)               routed + shared · σ(gate), in shared's dtype
     gdn_gates(b, alpha, a, dt_bias)                      the Gated DeltaNet's decay and β
     attention(q, k, v, q_pos, k_pos, scale, gate=None)   causal attention over a whole K/V buffer
     write_kv(k_cache, v_cache, cells, k, v)              a batch's K/V into those buffers, in place
@@ -32,9 +33,10 @@ from specconv.runtime.kernels_triton.matmul import (FUSED_MAX_ROWS, expert_matmu
                                                     quant_matmul)
 from specconv.runtime.kernels_triton.norm import MAX_WIDTH as MAX_NORM_WIDTH, l2_norm, rms_norm
 from specconv.runtime.kernels_triton.rope import rope
-from specconv.runtime.kernels_triton.routing import MAX_EXPERTS as MAX_ROUTED_EXPERTS, moe_combine, softmax_topk
+from specconv.runtime.kernels_triton.routing import (MAX_EXPERTS as MAX_ROUTED_EXPERTS, add_gated_shared, moe_combine,
+                                                     softmax_topk)
 
-__all__ = ["attention", "available", "causal_conv", "dequantize_rows", "expert_matmul", "expert_matmul_pair", "gdn_gates", "gdn_step",
+__all__ = ["add_gated_shared", "attention", "available", "causal_conv", "dequantize_rows", "expert_matmul", "expert_matmul_pair", "gdn_gates", "gdn_step",
            "grouped_matmul", "l2_norm", "moe_combine", "quant_matmul", "rms_norm", "rope", "silu_mul", "softmax_topk",
            "write_kv", "FUSED_MAX_ROWS",
            "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS",

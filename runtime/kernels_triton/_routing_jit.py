@@ -64,3 +64,19 @@ def combine_kernel(y_ptr, w_ptr, idx_ptr, out_ptr, width, stride_y, stride_w, st
         y = tl.load(y_ptr + (r * K + s).to(tl.int64) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
         acc = acc + y * weight
     tl.store(out_ptr + r.to(tl.int64) * width + cols, acc, mask=ok)
+
+
+@triton.jit
+def gated_shared_kernel(routed_ptr, shared_ptr, gate_ptr, y_ptr, width, stride_r, stride_s, stride_g,
+                        BLOCK: tl.constexpr):
+    """Columns of program (r, c): y = rounded(routed) + rounded(float32(shared) · σ(gate[r])), each
+    rounding into y's dtype, σ(g) = 1 / (1 + exp(-g)) in float32."""
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    dtype = y_ptr.dtype.element_ty
+    routed = tl.load(routed_ptr + r * stride_r + cols, mask=ok, other=0.0).to(tl.float32).to(dtype).to(tl.float32)
+    shared = tl.load(shared_ptr + r * stride_s + cols, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + r * stride_g).to(tl.float32)
+    gated = (shared * tl.div_rn(1.0, 1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    tl.store(y_ptr + r.to(tl.int64) * width + cols, (routed + gated).to(dtype), mask=ok)

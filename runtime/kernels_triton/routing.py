@@ -2,6 +2,7 @@
 
     softmax_topk(logits, k) -> (weights float32 [n, k], chosen int64 [n, k])
     moe_combine(y, weights, chosen) -> float32 [n, out]
+    add_gated_shared(routed, shared, gate) -> [n, out] in shared's dtype
 
 logits [n, E] (float32 / bfloat16 / float16, the last dimension contiguous, E ≤ MAX_EXPERTS):
 p = softmax(logits) over the experts in float32, the k experts of largest p, and their weights
@@ -16,6 +17,11 @@ moe_combine: y [n·k, out] the outputs of each row's k (row, slot) pairs, row-ma
 bfloat16 / float16, the last dimension contiguous), weights [n, k] float, chosen [n, k] integer
 distinct experts per row: Σ over the slots of float32(y) · weight, added in increasing expert
 order from 0 in float32 (CudaBackend.moe_by_pairs: the torch reference's by-index sum, its bits).
+
+add_gated_shared: a MoE block's output with its sigmoid-gated shared expert (Qwen3.5): routed
+[n, out] (the float32 sum of the routed experts) rounded into shared's dtype, plus shared [n, out]
+· σ(gate[r]) in float32 rounded into that dtype (gate [n, 1] float32 logits), the sum rounded
+again: the torch formula's three roundings, its σ within a few float32 ulps.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.kernels_triton import _common
 
 MAX_EXPERTS = 1024  # a row's experts are one program's block; more take the torch reference
-COMBINE_BLOCK = 1024  # output columns per program of moe_combine
+COMBINE_BLOCK = 1024  # output columns per program of moe_combine and add_gated_shared
 
 
 def softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,3 +80,25 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) ->
                                                         chosen.stride(0), K=k, BLOCK_K=_common.next_power_of_2(k),
                                                         BLOCK=block, enable_fp_fusion=False)
     return out
+
+
+def add_gated_shared(routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    op = "add_gated_shared"
+    for name, t in (("routed", routed), ("shared", shared), ("gate", gate)):
+        _common.check_float(op, name, t)
+        _common.check_last_contiguous(op, name, t)
+    if shared.dim() != 2:
+        raise SpecconvError(f"{op}: expected shared [n, out] (got {tuple(shared.shape)})")
+    n, width = shared.shape
+    _common.check_shape(op, "routed", routed, (n, width))
+    _common.check_shape(op, "gate", gate, (n, 1))
+    device = _common.check_device(op, routed, shared, gate)
+    y = torch.empty(n, width, dtype=shared.dtype, device=device)
+    if y.numel() == 0:
+        return y
+    block = min(COMBINE_BLOCK, _common.next_power_of_2(width))
+    jit = _common.jit_module("_routing_jit")
+    jit.gated_shared_kernel[(n, _common.cdiv(width, block))](routed, shared, gate, y, width, routed.stride(0),
+                                                             shared.stride(0), gate.stride(0), BLOCK=block,
+                                                             enable_fp_fusion=False)
+    return y

@@ -11,6 +11,8 @@
   torch formula it replaces, rows alone == in a batch of 16;
 * the gate and up products of the pairs in one launch (`expert_matmul_pair`), each the bits of its
   own `expert_matmul`;
+* the routed sum plus the sigmoid-gated shared expert in one launch (`add_gated_shared`) against the
+  torch formula: float32 within a stated ulp bound, bf16 within one bf16 ulp (printed);
 * launches of one decode step and one verification batch of the tiny Qwen3.5 MoE (counted on the
   `meta` device by benchmarks/cuda_op_count.py): the router's torch formula (softmax, topk, sum,
   div) becomes one launch per MoE block, nothing else changes.
@@ -174,6 +176,32 @@ def test_gate_and_up_by_pairs_in_one_launch_have_the_bits_of_two(n_out, n_in):
         kt.expert_matmul_pair(x, [gate, up[:4]], QType.Q8_0, n_out, n_in, pairs, fanout=k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_shared_expert_add_matches_the_torch_formula(dtype):
+    gen = torch.Generator().manual_seed(21)
+    n, width = 16, 1500
+    routed = torch.randn(n, width, generator=gen)
+    shared = torch.randn(n, width, generator=gen).to(dtype)
+    gate = torch.randn(n, 1, generator=gen) * 4
+    got = kt.add_gated_shared(routed.to(DEVICE), shared.to(DEVICE), gate.to(DEVICE)).cpu()
+    want = TorchBackend().add_gated_shared(routed, shared, gate)
+    assert got.dtype == dtype
+    # errors in ulps of the terms' scale |routed| + |shared| (σ ≤ 1): where they cancel, a few ulps
+    # of a term are many ulps of the small sum
+    scale = routed.abs() + shared.float().abs()
+    ulp = (torch.nextafter(scale, torch.full_like(scale, float("inf"))) - scale) * (
+        1 if dtype == torch.float32 else 2 ** 16)  # a bfloat16 ulp is 2^16 float32 ulps
+    worst = float(((got.float() - want.float()).abs() / ulp).max())
+    # bf16: the gated term and the sum each round at most one ulp apart from the reference's (to nearest
+    # on a GPU); the interpreter truncates its three bf16 roundings (a further ulp at most)
+    bound = MAX_ULPS if dtype == torch.float32 else (2.0 if ON_GPU else 3.0)
+    print(f"\n[add_gated_shared {DEVICE.type}, {dtype}] max error {worst:.2f} ulps of the terms (bound {bound}); "
+          f"{int((got != want).sum())} of {got.numel()} values differ")
+    assert worst <= bound
+    alone = kt.add_gated_shared(routed[3:4].to(DEVICE), shared[3:4].to(DEVICE), gate[3:4].to(DEVICE)).cpu()
+    assert torch.equal(alone, got[3:4])
+
+
 class TorchRouter(CudaBackend):
     """The CUDA backend with the router's torch formula (the backend before the router kernel);
     counts the launches inside that formula per active op counter."""
@@ -234,6 +262,39 @@ class CountedMoe(CudaBackend):
             out = super().moe(x, weights, chosen, experts)
         self.inside.setdefault(id(counters[0].tally), []).append(inside.tally.by_op)
         return out
+
+
+class TorchSharedAdd(CudaBackend):
+    """The CUDA backend with add_gated_shared's torch formula; counts the launches inside it."""
+
+    def __init__(self):
+        super().__init__(kt, device_types=("meta",))
+        self.calls, self.inside = Counter(), Counter()
+
+    def add_gated_shared(self, routed, shared, gate):
+        counters = cuda_op_count.active_counters()
+        if not counters:
+            return TorchBackend.add_gated_shared(self, routed, shared, gate)
+        with cuda_op_count.counting() as inside:
+            out = TorchBackend.add_gated_shared(self, routed, shared, gate)
+        self.calls[id(counters[0].tally)] += 1
+        self.inside[id(counters[0].tally)] += inside.tally.total
+        return out
+
+
+def test_the_shared_expert_add_is_one_launch_per_moe_block(moe_q8):
+    fused = cuda_op_count.count_steps(moe_q8, "bf16", 3)
+    before = TorchSharedAdd()
+    unfused = cuda_op_count.count_steps(moe_q8, "bf16", 3, backend=before)
+    for name, new, old in (("step", fused.step, unfused.step), ("verification", fused.verify, unfused.verify)):
+        calls, inside = before.calls[id(old)], before.inside[id(old)]
+        launches = new.by_op["triton.gated_shared_kernel"]
+        print(f"\n[meta, bf16, {name}] {old.total} -> {new.total} launches: {calls} shared-expert adds, "
+              f"{inside} launches of their torch formula -> {launches}")
+        assert calls == launches == len(fused.recurrent)
+        assert inside == 6 * calls  # two roundings, the widening, sigmoid, mul, add
+        assert new.total == old.total - inside + launches
+        assert not new.by_op["sigmoid"]
 
 
 def test_routed_experts_launch_their_products_and_one_combine(moe_q8):
