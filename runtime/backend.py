@@ -8,6 +8,7 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
     linear(x, w)                                x @ wᵀ, w a StoredWeight or a tensor [out, in]
     linear_group(x, [w, ...])                   (x @ w₀ᵀ, x @ w₁ᵀ, ...): the same rows by several weights
     moe(x, weights, chosen, experts)            Σ_slots weight · expert(x) over the routed experts
+    route_softmax_topk(logits, k)               a softmax router's (weights, chosen experts) [n, k]
     causal_conv(m, conv_state, weight, keep)    the Gated DeltaNet's short conv + SiLU
     delta_rule(q, k, v, g, beta, state, keep, lazy, out, exact)   the gated delta rule
     rms_norm, add_rms_norm, gated_rms_norm, l2_norm, rope, silu_mul, gdn_gates
@@ -102,7 +103,8 @@ def observing(observer: ActivationObserver | None):
 class Experts:
     """The routed experts of one MoE layer: 3-D weights [E, out, in] (stored or dense) and the
     expert's feed-forward `ffn(x, gate, up, down)` given one expert's slices (SwiGLU, GeGLU, a
-    clamped SwiGLU: it reaches the slices through ops.linear). `up` may be None where `gate` holds
+    clamped SwiGLU: it reaches the slices through ops.linear, and reads x only through those products:
+    the CUDA backend hands it each row of x once for its k experts). `up` may be None where `gate` holds
     each expert's gate and up rows together ([E, 2F, H]); `ffn` then gets None for it."""
 
     gate: Any

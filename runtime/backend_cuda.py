@@ -30,12 +30,17 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   after it, `gated_rms_norm`), `l2_norm`, `rope` (NEOX and NORM pairs), `silu_mul` (SwiGLU's
   product) and `gdn_gates` (kernels_triton.norm, .rope, .activation): float32 inside, the reference
   formula's operations in its order, each row reduced by one program (batch-invariant).
+* `route_softmax_topk`: a softmax router's softmax, top-k and renormalisation in one launch
+  (kernels_triton.softmax_topk), one program per row.
+* `add_gated_shared`: a MoE block's routed sum plus its sigmoid-gated shared expert, one launch.
 * `moe`: decode and verification batches (up to GATHER_MAX_ROWS rows) of stored experts of a
   KERNEL_TYPE pair every row with each of its k experts and run experts.ffn once over the n·k
   pairs, each product `kernels_triton.expert_matmul` (one launch: the expert index read on the
-  device, no gathered copy of the experts' bytes); the pairs' outputs summed per row in increasing
-  expert order, as the torch reference's by-index form sums them, with the same bits. Longer batches
-  and other weights take the torch reference.
+  device, no gathered copy of the experts' bytes or of x; gate and up together,
+  `expert_matmul_pair`, where `linear_group` gets both); the pairs' outputs summed per row in
+  increasing expert order by `kernels_triton.moe_combine` (one launch), as the torch reference's
+  by-index form sums them, with the same bits. Longer batches and other weights take the torch
+  reference.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from gguf import GGML_QUANT_SIZES
 
 from specconv.runtime import dequant
 from specconv.runtime.backend import Experts, rows_alone
-from specconv.runtime.backend_torch import GATHER_MAX_ROWS, TorchBackend, _wide
+from specconv.runtime.backend_torch import GATHER_MAX_ROWS, TorchBackend
 from specconv.runtime.graphs import gdn
 from specconv.runtime.stored import StoredWeight
 
@@ -81,11 +86,8 @@ class CudaBackend(TorchBackend):
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
         if isinstance(w, PairedExperts):
             n_out, n_in = w.shape
-            if w.experts.counter is not None:
-                w.experts.counter.bytes += w.experts.raw[0].numel() * w.pairs.shape[0]
-            x = x.contiguous()
-            return self.kernels.expert_matmul(x.reshape(-1, n_in), w.experts.raw, w.experts.qtype, n_out, n_in,
-                                              w.pairs).reshape(*x.shape[:-1], n_out)
+            xs, fanout = w.rows_of(x)
+            return self.kernels.expert_matmul(xs, w.experts.raw, w.experts.qtype, n_out, n_in, w.pairs, fanout)
         if self._stored_matrix(x, w):
             n_out, n_in = w.shape
             _count(w)
@@ -105,6 +107,11 @@ class CudaBackend(TorchBackend):
                 and x.dtype in KERNEL_DTYPES and x.device == w.raw.device)
 
     def linear_group(self, x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
+        if len(ws) == 2 and all(isinstance(w, PairedExperts) for w in ws) and ws[0].pairs_with(ws[1]):
+            xs, fanout = ws[0].rows_of(x, ws[1])  # an expert FFN's gate and up by pairs: one launch
+            n_out, n_in = ws[0].shape
+            return self.kernels.expert_matmul_pair(xs, [w.experts.raw for w in ws], ws[0].experts.qtype, n_out, n_in,
+                                                   ws[0].pairs, fanout)
         out = [None] * len(ws)
         groups: dict = {}  # qtype -> indices of the weights of that type the kernels take
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
@@ -127,26 +134,37 @@ class CudaBackend(TorchBackend):
     # ---- routed experts ------------------------------------------------------------------------------
     def moe(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts) -> torch.Tensor:
         stored = [w for w in (experts.gate, experts.up, experts.down) if w is not None]
-        if (x.shape[0] <= GATHER_MAX_ROWS and x.dtype in KERNEL_DTYPES
+        if (0 < x.shape[0] <= GATHER_MAX_ROWS and x.dtype in KERNEL_DTYPES and weights.dtype in KERNEL_DTYPES
                 and all(isinstance(w, StoredWeight) and w.ndim == 3 and self._kernel_for(w.raw, w.qtype)
                         and w.raw.device == x.device for w in stored)):
             return self.moe_by_pairs(x, weights, chosen, experts)
         return super().moe(x, weights, chosen, experts)
 
+    def route_softmax_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One launch (kernels_triton.softmax_topk) for float32 logits of up to MAX_ROUTED_EXPERTS
+        experts: the chosen set is the reference's where no logits tie (a tie: the lowest index)."""
+        if not (self._pointwise(logits, dtypes=(torch.float32,)) and logits.dim() == 2
+                and 0 < k <= logits.shape[-1] <= self.kernels.MAX_ROUTED_EXPERTS):
+            return super().route_softmax_topk(logits, k)
+        return self.kernels.softmax_topk(logits.contiguous(), k)
+
+    def add_gated_shared(self, routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """One launch (kernels_triton.add_gated_shared) for float32 routed sums and gate logits."""
+        if not (self._pointwise(shared) and self._pointwise(routed, gate, dtypes=(torch.float32,))
+                and shared.dim() == 2 and routed.shape == shared.shape and gate.shape == (shared.shape[0], 1)
+                and routed.device == gate.device == shared.device):
+            return super().add_gated_shared(routed, shared, gate)
+        return self.kernels.add_gated_shared(routed.contiguous(), shared.contiguous(), gate.contiguous())
+
     def moe_by_pairs(self, x, weights, chosen, experts: Experts) -> torch.Tensor:
-        """Every (row, slot) pair through its expert at once: experts.ffn over the n·k pairs, each
-        product expert_matmul; a row's terms added in increasing expert order."""
-        order = chosen.argsort(dim=-1)
-        chosen, weights = chosen.gather(1, order), weights.gather(1, order)
-        n, k = chosen.shape
+        """Every (row, slot) pair through its expert at once: experts.ffn over the n·k pairs in row-major
+        order, each product expert_matmul (the first ones read each row of x once for its k pairs);
+        then kernels_triton.moe_combine adds a row's terms in increasing expert order, as the by-index
+        reference does. No sort, gather or repeated copy of x: one launch per product, one to combine."""
         pairs = chosen.reshape(-1)
-        y = experts.ffn(x.repeat_interleave(k, dim=0), *(None if w is None else PairedExperts(w, pairs)
-                                                         for w in (experts.gate, experts.up, experts.down)))
-        y = y.reshape(n, k, -1)
-        total = torch.zeros(n, y.shape[-1], dtype=_wide(x.dtype), device=x.device)
-        for s in range(k):
-            total = total + y[:, s].to(total.dtype) * weights[:, s:s + 1]
-        return total
+        y = experts.ffn(x, *(None if w is None else PairedExperts(w, pairs)
+                             for w in (experts.gate, experts.up, experts.down)))
+        return self.kernels.moe_combine(y.reshape(pairs.shape[0], -1), weights.contiguous(), chosen.contiguous())
 
     # ---- around the products: one kernel each ------------------------------------------------------
     def _pointwise(self, *tensors: torch.Tensor, dtypes=KERNEL_DTYPES) -> bool:
@@ -250,9 +268,10 @@ class CudaBackend(TorchBackend):
 
 
 class PairedExperts:
-    """One weight per row: row r of the activations is multiplied by expert pairs[r] of a stored 3-D
-    expert tensor [E, out, in] (what CudaBackend.moe_by_pairs hands experts.ffn in place of one
-    expert's 2-D slice). Only CudaBackend.linear takes it."""
+    """One weight per pair: pair r is multiplied by expert pairs[r] of a stored 3-D expert tensor
+    [E, out, in] (what CudaBackend.moe_by_pairs hands experts.ffn in place of one expert's 2-D
+    slice). Only CudaBackend.linear takes it, with activations of one row per pair, or of one row per
+    P / rows consecutive pairs (x itself, before the first product: [P, out] out either way)."""
 
     __slots__ = ("experts", "pairs")
     ndim = 2
@@ -263,6 +282,20 @@ class PairedExperts:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.experts.shape[1:])
+
+    def pairs_with(self, other: "PairedExperts") -> bool:
+        """Whether expert_matmul_pair takes both: the same pairs, expert tensors of one type and layout."""
+        a, b = self.experts, other.experts
+        return (self.pairs is other.pairs and a.qtype == b.qtype and a.shape == b.shape
+                and a.raw.shape == b.raw.shape and a.raw.stride() == b.raw.stride() and a.raw.device == b.raw.device)
+
+    def rows_of(self, x: torch.Tensor, *others: "PairedExperts") -> tuple[torch.Tensor, int]:
+        """(x as [rows, in], pairs per row), counting the read experts' bytes (where a counter is attached)."""
+        for w in (self, *others):
+            if w.experts.counter is not None:
+                w.experts.counter.bytes += w.experts.raw[0].numel() * w.pairs.shape[0]
+        xs = x.contiguous().reshape(-1, self.shape[1])
+        return xs, (self.pairs.shape[0] // xs.shape[0] if xs.shape[0] else 1)
 
 
 def _count(w: StoredWeight) -> None:

@@ -99,6 +99,17 @@ class TorchBackend:
             return self.moe_by_index(x, weights, chosen, experts)
         return self.moe_by_expert(x, weights, chosen, experts)
 
+    def route_softmax_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, chosen) [n, k] of a softmax router: softmax over the experts, the k largest, the
+        weights renormalised over the chosen k (docs/reference/model-math.md §3.1)."""
+        weights, chosen = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        return weights / weights.sum(-1, keepdim=True), chosen
+
+    def add_gated_shared(self, routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """A MoE block's output with a sigmoid-gated shared expert: routed [n, out] (accumulation dtype)
+        and shared [n, out] · σ(gate [n, 1]) each rounded into shared's dtype, then added."""
+        return routed.to(shared.dtype) + (shared.to(_wide(shared.dtype)) * torch.sigmoid(gate)).to(shared.dtype)
+
     def moe_by_expert(self, x, weights, chosen, experts: Experts) -> torch.Tensor:
         """One product per routed expert over the rows routed to it (the expert list read on the host)."""
         out = torch.zeros(x.shape[0], experts.down.shape[1], dtype=_wide(x.dtype), device=x.device)

@@ -254,11 +254,16 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
 
 def moe_softmax_topk(x: torch.Tensor, router: torch.Tensor, n_used: int, gate_exps: torch.Tensor,
                      up_exps: torch.Tensor, down_exps: torch.Tensor) -> torch.Tensor:
-    """Softmax router over all experts, top-k, weights renormalised over the chosen k (docs/reference/model-math.md §3.1).
+    """Softmax router over all experts, top-k, weights renormalised over the chosen k (docs/reference/model-math.md §3.1),
+    the routed experts' sum in the accumulation dtype (the caller rounds it: add_gated_shared).
 
     router [E, H]; gate/up_exps [E, Fe, H]; down_exps [E, H, Fe].
     """
-    probs = torch.softmax(linear(acc(x), router), dim=-1)
-    weights, chosen = torch.topk(probs, n_used, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
-    return moe(x, weights, chosen, Experts(gate_exps, up_exps, down_exps, swiglu)).to(x.dtype)
+    weights, chosen = for_device(x.device).route_softmax_topk(linear(acc(x), router), n_used)
+    return moe(x, weights, chosen, Experts(gate_exps, up_exps, down_exps, swiglu))
+
+
+def add_gated_shared(routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """routed.to(dtype) + (acc(shared) · σ(gate)).to(dtype), dtype shared's: a MoE block's routed sum
+    (accumulation dtype) plus its shared expert gated by σ of one logit per row (gate [n, 1])."""
+    return for_device(shared.device).add_gated_shared(routed, shared, gate)

@@ -2,6 +2,7 @@
 
     quant_matmul(x, packed, qtype, n_out, n_in)          x @ Wᵀ, W packed in its GGUF type
     expert_matmul(x, experts, qtype, n_out, n_in, chosen)   row r @ W[chosen[r]]ᵀ: routed experts by index
+    expert_matmul_pair(x, [experts, experts2], ...)      the same pairs by two expert tensors, one launch
     grouped_matmul(x, [packed, ...], qtype, [n_out, ...], n_in)   x @ Wᵢᵀ for several matrices, one launch
     dequantize_rows(packed, qtype, rows, n_in, dtype)    packed rows -> values
     gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, group=1)   the gated delta rule, 1-16 tokens
@@ -10,6 +11,9 @@
     l2_norm(x, eps, scale=None)                          x / ‖x‖ (· scale) (Gated DeltaNet's q and k)
     rope(x, cos, sin, style)                             NEOX / NORM rope of q or k
     silu_mul(gate, up)                                   SwiGLU's silu(gate) · up
+    softmax_topk(logits, k)                              the MoE softmax router: top-k experts, weights
+    moe_combine(y, weights, chosen)                      Σ weight · routed expert output per row
+    add_gated_shared(routed, shared, gate)               routed + shared · σ(gate), in shared's dtype
     gdn_gates(b, alpha, a, dt_bias)                      the Gated DeltaNet's decay and β
     attention(q, k, v, q_pos, k_pos, scale, gate=None)   causal attention over a whole K/V buffer
     write_kv(k_cache, v_cache, cells, k, v)              a batch's K/V into those buffers, in place
@@ -25,10 +29,15 @@ from specconv.runtime.kernels_triton.attention import MAX_HEAD_DIM as MAX_ATTENT
 from specconv.runtime.kernels_triton.conv import causal_conv
 from specconv.runtime.kernels_triton.dequant import KERNEL_TYPES, dequantize_rows
 from specconv.runtime.kernels_triton.gdn import MAX_TOKENS, gdn_step
-from specconv.runtime.kernels_triton.matmul import FUSED_MAX_ROWS, expert_matmul, grouped_matmul, quant_matmul
+from specconv.runtime.kernels_triton.matmul import (FUSED_MAX_ROWS, expert_matmul, expert_matmul_pair, grouped_matmul,
+                                                    quant_matmul)
 from specconv.runtime.kernels_triton.norm import MAX_WIDTH as MAX_NORM_WIDTH, l2_norm, rms_norm
 from specconv.runtime.kernels_triton.rope import rope
+from specconv.runtime.kernels_triton.routing import (MAX_EXPERTS as MAX_ROUTED_EXPERTS, add_gated_shared, moe_combine,
+                                                     softmax_topk)
 
-__all__ = ["attention", "available", "causal_conv", "dequantize_rows", "expert_matmul", "gdn_gates", "gdn_step",
-           "grouped_matmul", "l2_norm", "quant_matmul", "rms_norm", "rope", "silu_mul", "write_kv", "FUSED_MAX_ROWS",
-           "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_TOKENS"]
+__all__ = ["add_gated_shared", "attention", "available", "causal_conv", "dequantize_rows", "expert_matmul", "expert_matmul_pair", "gdn_gates", "gdn_step",
+           "grouped_matmul", "l2_norm", "moe_combine", "quant_matmul", "rms_norm", "rope", "silu_mul", "softmax_topk",
+           "write_kv", "FUSED_MAX_ROWS",
+           "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS",
+           "MAX_TOKENS"]

@@ -118,11 +118,12 @@ def _tile_sums(x_ptr, rows, row_ok, n_in, first, last, stride_x, QTYPE: tl.const
 
 
 @triton.jit(do_not_specialize=["n_blocks", "blocks_per_split", "total_rows"])
-def fused_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sel_ptr, n_out, n_in, n_blocks, blocks_per_split, total_rows,
+def fused_rows_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, sel_ptr, n_out, n_in, n_blocks, blocks_per_split,
+                      total_rows,
                       stride_x, stride_w, stride_e, stride_y,
                       QTYPE: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr,
                       ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PARTIAL: tl.constexpr,
-                      PAIRS: tl.constexpr):
+                      PAIRS: tl.constexpr, FANOUT: tl.constexpr, MATRICES: tl.constexpr):
     """y[m, n] = Σ_k x[m, k] W[n, k] for ROWS activation rows. Program (p, q, r) takes BLOCK_N weight rows
     and the q-th run of `blocks_per_split` blocks of them (_tile_sums); with PARTIAL its float32 sums
     go to part[q] (summed over q in order by sum_parts_kernel), else straight into y. Row m's result
@@ -130,14 +131,22 @@ def fused_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sel_ptr, n_out, n_in, n_blo
     only), so a row's output does not depend on the batch it is in. With PAIRS (ROWS = 1), program r
     multiplies activation row r by expert sel[r] of a 3-D expert tensor (experts stride_e bytes
     apart): routed experts by index, on the device, each pair the same operations as a one-row
-    product by that expert."""
+    product by that expert; pair r reads activation row r // FANOUT (a row's k pairs share it). With
+    MATRICES = 2 (PAIRS) the total_rows outputs are the pairs by the experts of W (first half) and of
+    W2 (second half, the same shape and layout): two expert products of the same pairs, one launch."""
     r = tl.program_id(2)
+    pair = r
+    w_base = w_ptr
+    if MATRICES == 2:
+        if r >= total_rows // 2:
+            w_base = w2_ptr
+            pair = r - total_rows // 2
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = n < n_out
-    rows = w_ptr + n.to(tl.int64) * stride_w
+    rows = w_base + n.to(tl.int64) * stride_w
     if PAIRS:
-        rows += tl.load(sel_ptr + r).to(tl.int64) * stride_e
-    x_ptr += r.to(tl.int64) * stride_x
+        rows += tl.load(sel_ptr + pair).to(tl.int64) * stride_e
+    x_ptr += (pair // FANOUT).to(tl.int64) * stride_x
     first = tl.program_id(1) * blocks_per_split
     last = tl.minimum(first + blocks_per_split, n_blocks)
     acc = _tile_sums(x_ptr, rows, row_ok, n_in, first, last, stride_x, QTYPE, VALUES, BYTES, ROWS, ROWS_P2, BLOCK_N,

@@ -162,48 +162,73 @@ def _ends(ends: list[int]) -> list[int]:
 
 
 def expert_matmul(x: torch.Tensor, experts: torch.Tensor, qtype: QType, n_out: int, n_in: int,
-                  chosen: torch.Tensor) -> torch.Tensor:
-    """y[r] = x[r] @ W[chosen[r]]ᵀ for each row r: routed experts by index in one launch (no host read
-    of `chosen`). x [P, n_in]; `experts` the packed 3-D expert tensor [E, n_out, row bytes]
-    (StoredWeight.raw); chosen [P] integer expert indices on x's device. Each row gets the bits of a
-    one-row quant_matmul by its expert."""
-    op = "expert_matmul"
-    if experts.dim() != 3:
-        raise SpecconvError(f"{op}: experts must be a 3-D packed tensor [E, n_out, row bytes] "
-                            f"(got shape {tuple(experts.shape)})")
-    packed_matrix(op, experts[0], qtype, n_out, n_in)
+                  chosen: torch.Tensor, fanout: int = 1) -> torch.Tensor:
+    """y[r] = x[r // fanout] @ W[chosen[r]]ᵀ for each pair r: routed experts by index in one launch (no
+    host read of `chosen`). x [P / fanout, n_in] (`fanout` consecutive pairs share an activation row:
+    a token's k experts, without a repeated copy of x); `experts` the packed 3-D expert tensor
+    [E, n_out, row bytes] (StoredWeight.raw); chosen [P] integer expert indices on x's device. Each
+    pair gets the bits of a one-row quant_matmul by its expert."""
+    return _expert_products("expert_matmul", x, (experts,), qtype, n_out, n_in, chosen, fanout)[0]
+
+
+def expert_matmul_pair(x: torch.Tensor, experts: Sequence[torch.Tensor], qtype: QType, n_out: int, n_in: int,
+                       chosen: torch.Tensor, fanout: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """expert_matmul by two packed expert tensors of one shape, type and layout (an expert FFN's gate
+    and up) in one launch: two [P, n_out] outputs, consecutive halves of one allocation, each the
+    bits of expert_matmul by that tensor."""
+    if len(experts) != 2:
+        raise SpecconvError(f"expert_matmul_pair: two expert tensors (got {len(experts)})")
+    return _expert_products("expert_matmul_pair", x, tuple(experts), qtype, n_out, n_in, chosen, fanout)
+
+
+def _expert_products(op: str, x: torch.Tensor, experts: tuple, qtype: QType, n_out: int, n_in: int,
+                     chosen: torch.Tensor, fanout: int) -> tuple[torch.Tensor, ...]:
+    """The checks and the launch of expert_matmul(_pair): one [P, n_out] output per expert tensor."""
+    for t in experts:
+        if t.dim() != 3 or t.shape != experts[0].shape or t.stride() != experts[0].stride():
+            raise SpecconvError(f"{op}: experts must be 3-D packed tensors [E, n_out, row bytes] of one shape "
+                                f"and layout (got shapes {[tuple(e.shape) for e in experts]})")
+    packed_matrix(op, experts[0][0], qtype, n_out, n_in)
     _common.check_float(op, "x", x)
     if chosen.dim() != 1 or chosen.dtype not in (torch.int32, torch.int64):
         raise SpecconvError(f"{op}: chosen must be a 1-D tensor of integer expert indices (got {chosen.dtype}, "
                             f"shape {tuple(chosen.shape)})")
-    _common.check_shape(op, "x", x, (chosen.shape[0], n_in))
-    device = _common.check_device(op, x, experts, chosen)
+    if fanout < 1 or chosen.shape[0] % fanout:
+        raise SpecconvError(f"{op}: {chosen.shape[0]} pairs are not {fanout} per activation row")
+    _common.check_shape(op, "x", x, (chosen.shape[0] // fanout, n_in))
+    device = _common.check_device(op, x, *experts, chosen)
     _common.check_last_contiguous(op, "x", x)
-    if experts.stride(1) != experts.shape[2]:
-        raise SpecconvError(f"{op}: each expert's rows must be contiguous (strides {experts.stride()})")
-    out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=device)
-    if x.shape[0]:
-        _one_pass(x, experts, out, qtype, n_out, n_in, device, chosen=chosen.contiguous())
-    return out
+    if experts[0].stride(1) != experts[0].shape[2]:
+        raise SpecconvError(f"{op}: each expert's rows must be contiguous (strides {experts[0].stride()})")
+    pairs = chosen.shape[0]
+    out = torch.empty(len(experts), pairs, n_out, dtype=x.dtype, device=device)
+    if pairs:
+        _one_pass(x, experts[0], out.view(-1, n_out), qtype, n_out, n_in, device, chosen=chosen.contiguous(),
+                  fanout=fanout, second=experts[1] if len(experts) > 1 else None)
+    return tuple(out.unbind(0))
 
 
 def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: QType, n_out: int, n_in: int,
-              device: torch.device, chosen: torch.Tensor | None = None) -> None:
-    """ys = xs @ Wᵀ by the one-pass kernel (every row against W; with `chosen`, row r against expert
-    chosen[r] of the 3-D `packed`), cut along the inner dimension per split_plan."""
+              device: torch.device, chosen: torch.Tensor | None = None, fanout: int = 1,
+              second: torch.Tensor | None = None) -> None:
+    """ys = xs @ Wᵀ by the one-pass kernel (every row against W; with `chosen`, row r // fanout against
+    expert chosen[r] of the 3-D `packed`, and with `second` the same pairs against its experts into
+    the second half of ys), cut along the inner dimension per split_plan."""
     values, size = GEOMETRY[qtype]
     n_blocks = _common.cdiv(n_in, values)
-    rows = xs.shape[0]
+    rows = ys.shape[0]
     splits, per_split = split_plan(qtype, n_out, n_blocks, device)
     parts = torch.empty(splits, rows, n_out, dtype=torch.float32, device=device) if splits > 1 else ys
     jit = _common.jit_module("_quant_jit")
     pairs = chosen is not None
     grid = (_common.cdiv(n_out, FUSED_ROWS), splits, rows if pairs else 1)
-    jit.fused_rows_kernel[grid](xs, packed, ys, parts, chosen if pairs else xs, n_out, n_in, n_blocks, per_split, rows,
+    jit.fused_rows_kernel[grid](xs, packed, packed if second is None else second, ys, parts, chosen if pairs else xs,
+                                n_out, n_in, n_blocks, per_split, rows,
                                 xs.stride(0), packed.stride(-2), packed.stride(0) if pairs else 0, ys.stride(0),
                                 QTYPE=int(qtype), VALUES=values, BYTES=size, ROWS=1 if pairs else rows,
                                 ROWS_P2=1 if pairs else _common.next_power_of_2(rows), BLOCK_N=FUSED_ROWS,
-                                NB=STEP_BLOCKS[qtype], PARTIAL=splits > 1, PAIRS=pairs, num_warps=FUSED_WARPS)
+                                NB=STEP_BLOCKS[qtype], PARTIAL=splits > 1, PAIRS=pairs, FANOUT=fanout,
+                                MATRICES=1 if second is None else 2, num_warps=FUSED_WARPS)
     if splits > 1:
         jit.sum_parts_kernel[(_common.cdiv(rows * n_out, SUM_BLOCK),)](parts, ys, rows, n_out, splits,
                                                                        ys.stride(0), BLOCK=SUM_BLOCK)

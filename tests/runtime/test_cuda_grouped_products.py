@@ -32,7 +32,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the `triton` packa
 from benchmarks import cuda_op_count  # noqa: E402
 from specconv.archs.errors import SpecconvError  # noqa: E402
 from specconv.runtime import kernels_triton as kt  # noqa: E402
-from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
+from specconv.runtime.backend_cuda import CudaBackend, PairedExperts  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
 from specconv.runtime.dequant import dequantize_rows as torch_dequantize  # noqa: E402
 from specconv.runtime.graphs import ops  # noqa: E402
@@ -225,6 +225,8 @@ class PerWeightOn(CudaBackend):
         super().__init__(kt, device_types=(device_type,))
 
     def linear_group(self, x, ws):
+        if any(isinstance(w, PairedExperts) for w in ws):  # routed experts by pairs: not the grouping of matrices
+            return super().linear_group(x, ws)
         return TorchBackend.linear_group(self, x, ws)
 
 

@@ -1,0 +1,104 @@
+"""The MoE softmax router and the sum of the routed experts' outputs, one Triton launch each.
+
+    softmax_topk(logits, k) -> (weights float32 [n, k], chosen int64 [n, k])
+    moe_combine(y, weights, chosen) -> float32 [n, out]
+    add_gated_shared(routed, shared, gate) -> [n, out] in shared's dtype
+
+logits [n, E] (float32 / bfloat16 / float16, the last dimension contiguous, E ≤ MAX_EXPERTS):
+p = softmax(logits) over the experts in float32, the k experts of largest p, and their weights
+p / Σ of the chosen k p (runtime/graphs/ops.py `moe_softmax_topk`, docs/reference/model-math.md
+§3.1). The experts are picked by their logits (softmax keeps their order), in decreasing order,
+and among equal logits the lowest index first: torch.topk orders no ties (on the CPU it may return
+a higher index of a tie before a lower one), so on inputs without ties the chosen set is torch's,
+and the weights are within a few float32 ulps of its softmax / topk / sum / divide. One program per
+row (batch-invariant).
+
+moe_combine: y [n·k, out] the outputs of each row's k (row, slot) pairs, row-major (float32 /
+bfloat16 / float16, the last dimension contiguous), weights [n, k] float, chosen [n, k] integer
+distinct experts per row: Σ over the slots of float32(y) · weight, added in increasing expert
+order from 0 in float32 (CudaBackend.moe_by_pairs: the torch reference's by-index sum, its bits).
+
+add_gated_shared: a MoE block's output with its sigmoid-gated shared expert (Qwen3.5): routed
+[n, out] (the float32 sum of the routed experts) rounded into shared's dtype, plus shared [n, out]
+· σ(gate[r]) in float32 rounded into that dtype (gate [n, 1] float32 logits), the sum rounded
+again: the torch formula's three roundings, its σ within a few float32 ulps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specconv.archs.errors import SpecconvError
+from specconv.runtime.kernels_triton import _common
+
+MAX_EXPERTS = 1024  # a row's experts are one program's block; more take the torch reference
+COMBINE_BLOCK = 1024  # output columns per program of moe_combine and add_gated_shared
+
+
+def softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "softmax_topk"
+    _common.check_float(op, "logits", logits)
+    if logits.dim() != 2:
+        raise SpecconvError(f"{op}: expected logits [n, experts] (got {tuple(logits.shape)})")
+    n, n_experts = logits.shape
+    if not 0 < k <= n_experts <= MAX_EXPERTS:
+        raise SpecconvError(f"{op}: need 0 < k ≤ experts ≤ {MAX_EXPERTS} (got k={k}, {n_experts} experts)")
+    _common.check_last_contiguous(op, "logits", logits)
+    device = _common.check_device(op, logits)
+    weights = torch.empty(n, k, dtype=torch.float32, device=device)
+    chosen = torch.empty(n, k, dtype=torch.int64, device=device)
+    if n == 0:
+        return weights, chosen
+    jit = _common.jit_module("_routing_jit")
+    jit.softmax_topk_kernel[(n,)](logits, weights, chosen, n_experts, logits.stride(0), K=k,
+                                  BLOCK=_common.next_power_of_2(n_experts), BLOCK_K=_common.next_power_of_2(k),
+                                  enable_fp_fusion=False)
+    return weights, chosen
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    op = "moe_combine"
+    for name, t in (("y", y), ("weights", weights)):
+        _common.check_float(op, name, t)
+    if weights.dim() != 2 or chosen.dtype not in (torch.int32, torch.int64):
+        raise SpecconvError(f"{op}: expected weights [n, k] and integer chosen experts (got weights "
+                            f"{tuple(weights.shape)}, chosen {chosen.dtype})")
+    n, k = weights.shape
+    _common.check_shape(op, "chosen", chosen, (n, k))
+    if y.dim() != 2 or y.shape[0] != n * k:
+        raise SpecconvError(f"{op}: y has shape {tuple(y.shape)}, expected [{n * k}, out]")
+    for name, t in (("y", y), ("weights", weights), ("chosen", chosen)):
+        _common.check_last_contiguous(op, name, t)
+    device = _common.check_device(op, y, weights, chosen)
+    width = y.shape[1]
+    out = torch.empty(n, width, dtype=torch.float32, device=device)
+    if out.numel() == 0 or k == 0:
+        return out.zero_()
+    block = min(COMBINE_BLOCK, _common.next_power_of_2(width))
+    jit = _common.jit_module("_routing_jit")
+    jit.combine_kernel[(n, _common.cdiv(width, block))](y, weights, chosen, out, width, y.stride(0), weights.stride(0),
+                                                        chosen.stride(0), K=k, BLOCK_K=_common.next_power_of_2(k),
+                                                        BLOCK=block, enable_fp_fusion=False)
+    return out
+
+
+def add_gated_shared(routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    op = "add_gated_shared"
+    for name, t in (("routed", routed), ("shared", shared), ("gate", gate)):
+        _common.check_float(op, name, t)
+        _common.check_last_contiguous(op, name, t)
+    if shared.dim() != 2:
+        raise SpecconvError(f"{op}: expected shared [n, out] (got {tuple(shared.shape)})")
+    n, width = shared.shape
+    _common.check_shape(op, "routed", routed, (n, width))
+    _common.check_shape(op, "gate", gate, (n, 1))
+    device = _common.check_device(op, routed, shared, gate)
+    y = torch.empty(n, width, dtype=shared.dtype, device=device)
+    if y.numel() == 0:
+        return y
+    block = min(COMBINE_BLOCK, _common.next_power_of_2(width))
+    jit = _common.jit_module("_routing_jit")
+    jit.gated_shared_kernel[(n, _common.cdiv(width, block))](routed, shared, gate, y, width, routed.stride(0),
+                                                             shared.stride(0), gate.stride(0), BLOCK=block,
+                                                             enable_fp_fusion=False)
+    return y
