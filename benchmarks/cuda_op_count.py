@@ -14,7 +14,9 @@ dimension included). Every aten operation the step dispatches is seen by a Torch
 
 * a launch: an aten operation that computes (add, mul, copy, cat, index_select, ...) or one Triton
   launch: what a GPU runs as one kernel;
-* free: views, `empty` and the like (no kernel on a GPU).
+* free: views, `empty` and the like (no kernel on a GPU);
+* uploads: copies of host tensors to the device (token ids, positions, a batch's ring slots), counted
+  apart: a GPU's copy engine does them, and a captured step takes them from its static buffer.
 
 Counts are per block, outside the blocks (embedding, rope tables, output norm and head) and per
 step, for one decode step and one verification batch of k + 1 tokens, and by operation. A block
@@ -50,6 +52,15 @@ FREE = frozenset({"empty", "empty_strided", "empty_like", "detach", "detach_", "
                   "is_same_size"})
 
 
+def is_upload(func, args, kwargs) -> bool:
+    """Whether an aten operation copies a host tensor to the device (token ids, positions, a batch's
+    slots): a copy on a GPU, not a kernel."""
+    if func is not torch.ops.aten._to_copy.default:
+        return False
+    device = kwargs.get("device")
+    return args[0].device.type == "cpu" and device is not None and torch.device(device).type != "cpu"
+
+
 def is_launch(func) -> bool:
     """Whether an aten operation runs a kernel on a GPU: not a view, not an allocation."""
     return not (func.is_view or func._schema.name.split("::")[-1] in FREE)
@@ -62,6 +73,7 @@ class Tally:
     by_label: Counter = field(default_factory=Counter)
     by_op: Counter = field(default_factory=Counter)
     free: int = 0
+    uploads: int = 0  # host-to-device copies (a copy engine's work, not a kernel; outside a captured step)
 
     @property
     def total(self) -> int:
@@ -86,7 +98,9 @@ class OpCounter(TorchDispatchMode):
         if func.is_view and func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
             with self:  # `to`, `reshape`, `contiguous`: a view or a copy; their parts say which
                 return func.decompose(*args, **kwargs)
-        if is_launch(func):
+        if is_upload(func, args, kwargs):
+            self.tally.uploads += 1
+        elif is_launch(func):
             self.tally.add(self.label, func._schema.name.split("::")[-1])
         else:
             self.tally.free += 1
@@ -273,7 +287,7 @@ def report(counts: StepCounts, k: int, top: int = 12) -> str:
         else:
             blocks = "blocks " + ", ".join(f"{n} × {each}" for n, each in block_counts(tally, len(counts.recurrent)))
         lines.append(f"{name}: {tally.total} launches ({blocks}, {OUTSIDE} {tally.by_label[OUTSIDE]}); "
-                     f"{tally.free} free ops (views, allocations)")
+                     f"{tally.free} free ops (views, allocations), {tally.uploads} host-to-device copies")
     lines.append("decode step, launches by operation: " +
                  ", ".join(f"{op} {n}" for op, n in counts.step.by_op.most_common(top)))
     return "\n".join(lines)
