@@ -10,6 +10,7 @@
     l2_norm(x, eps, scale=None)                          x / ‖x‖ (· scale) (Gated DeltaNet's q and k)
     rope(x, cos, sin, style)                             NEOX / NORM rope of q or k
     silu_mul(gate, up)                                   SwiGLU's silu(gate) · up
+    gelu_mul(gate, up)                                   GeGLU's gelu_tanh(gate) · up
     gdn_gates(b, alpha, a, dt_bias)                      the Gated DeltaNet's decay and β
     attention(q, k, v, q_pos, k_pos, scale, gate=None)   causal attention over a whole K/V buffer
     write_kv(k_cache, v_cache, cells, k, v)              a batch's K/V into those buffers, in place
@@ -20,7 +21,7 @@ installed). The kernels run on CUDA tensors, or on CPU tensors under Triton's in
 """
 
 from specconv.runtime.kernels_triton._common import available
-from specconv.runtime.kernels_triton.activation import gdn_gates, silu_mul
+from specconv.runtime.kernels_triton.activation import gdn_gates, gelu_mul, silu_mul
 from specconv.runtime.kernels_triton.attention import MAX_HEAD_DIM as MAX_ATTENTION_HEAD_DIM, attention, write_kv
 from specconv.runtime.kernels_triton.conv import causal_conv
 from specconv.runtime.kernels_triton.dequant import KERNEL_TYPES, dequantize_rows
@@ -30,5 +31,5 @@ from specconv.runtime.kernels_triton.norm import MAX_WIDTH as MAX_NORM_WIDTH, l2
 from specconv.runtime.kernels_triton.rope import rope
 
 __all__ = ["attention", "available", "causal_conv", "dequantize_rows", "expert_matmul", "gdn_gates", "gdn_step",
-           "grouped_matmul", "l2_norm", "quant_matmul", "rms_norm", "rope", "silu_mul", "write_kv", "FUSED_MAX_ROWS",
-           "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_TOKENS"]
+           "gelu_mul", "grouped_matmul", "l2_norm", "quant_matmul", "rms_norm", "rope", "silu_mul", "write_kv",
+           "FUSED_MAX_ROWS", "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_TOKENS"]
