@@ -202,3 +202,33 @@ def test_the_forward_through_the_kernels_equals_the_torch_reference(files, name,
     print(f"\n[{name}, {device}, f32] logits through the kernels vs the torch reference: max |Δlogit| {diff:.2e} "
           f"(largest |logit| {float(reference.abs().max()):.2f})")
     assert diff <= 1e-4  # the float32 noise of a few ulps per norm and rope; a wrong kernel moves logits by O(1)
+
+
+@pytest.mark.parametrize("name", ["gemma4-release", "chained-step35", "chained-mimo2"])
+def test_greedy_speculative_decoding_equals_plain_through_the_kernels_in_bf16(files, name, monkeypatch):
+    """bf16 through the CUDA backend (its kernels: the windowed attention with sinks, gelu_mul, the
+    norms and rope): verification batches of K + 1 rows give each row the bits of a one-token step,
+    so a synthetic drafter's accepted and rejected drafts leave greedy output equal to plain decoding
+    (with prompts past the sliding windows of the fixtures)."""
+    from specconv.runtime.drafters.synthetic import SyntheticDrafter
+    from specconv.runtime.generate import generate
+    from specconv.runtime.speculative import SpecConfig, speculative_generate
+
+    device = "cuda" if ON_GPU else "cpu"
+    path, prompt = files(name, "q8_0")
+    _install(monkeypatch, CudaBackend(kernels_triton, device_types=(device,)))
+    rows = Counter()  # the attention kernel's launches by query rows
+    real = kernels_triton.attention
+    monkeypatch.setattr(kernels_triton, "attention", lambda q, *a, **kw: rows.update([q.shape[0]]) or real(q, *a, **kw))
+    model = load_model(path, device=device, dtype="bf16")
+    prompt = [t % model.vocab_size for t in prompt[:16]]  # past the fixtures' windows (4 to 8 tokens)
+    plain = generate(model, prompt, 10).tokens
+    spec = speculative_generate(model, SyntheticDrafter(prompt + plain, model.vocab_size, 0.6, seed=2), prompt, 10,
+                                SpecConfig(draft_max=K))
+    stats = spec.stats["speculative"]
+    print(f"\n[{name}, {device}, bf16, kernels] prompt {len(prompt)} tokens; {stats['accepted']} of "
+          f"{stats['drafted']} drafts accepted; attention launches by rows {dict(sorted(rows.items()))}; "
+          f"speculative = plain: {spec.tokens == plain}")
+    assert rows[1] > 0 and rows[K + 1] > 0  # decode steps and verification batches took the kernel
+    assert 0 < stats["accepted"] < stats["drafted"]
+    assert spec.tokens == plain
