@@ -14,7 +14,8 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   alone in its group, other weights and longer batches through `linear`.
 * attention over each layer's whole fixed-size K/V buffer, written in place (`static_kv`): the
   same shapes at every step, as CUDA-graph capture needs. `attention` runs kernels_triton.attention,
-  one launch for all rows and heads with the output gate, a sliding window and attention sinks fused (float32 / bfloat16 / float16, head
+  one launch for all rows and heads with the output gate (per value or per head), a sliding window
+  and attention sinks fused (float32 / bfloat16 / float16, head
   dimensions up to MAX_ATTENTION_HEAD_DIM): the online softmax over fixed blocks of cells, one
   program per row and head, so batch-invariant without a per-row loop. `write_kv`: a batch's K and
   V into those buffers by cell index, one launch (kernels_triton.write_kv) where the dtypes match.
@@ -221,6 +222,7 @@ class CudaBackend(TorchBackend):
         if not (self._pointwise(*tensors) and q.dim() == k.dim() == v.dim() == 3 and k.shape[1] > 0
                 and q.shape[1] % k.shape[1] == 0 and 0 < max(q.shape[-1], v.shape[-1])
                 <= self.kernels.MAX_ATTENTION_HEAD_DIM and q_pos.device == k_pos.device == q.device
+                and (gate is None or gate.shape in (q.shape[:2] + v.shape[-1:], q.shape[:2]))
                 and (sinks is None or (sinks.device == q.device and sinks.dtype == torch.float32
                                        and sinks.shape == (q.shape[1],)))):
             return super().attention(q, k, v, q_pos, k_pos, scale, gate, window, sinks)

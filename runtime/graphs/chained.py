@@ -3,8 +3,10 @@
 Each of those graphs keeps what is its own (attention, rope; its hyperparameters are its family's
 dataclass, archs/<family>.py); the rest is written once here: the tensor lists from the family's
 table (trunk blocks, then k MTP blocks with their nextn inputs) and the checks of which FFN a block
-holds, the KV-cache layouts, which MTP block a context runs (`hp.mtp_block`), the dense-or-routed SwiGLU FFN, and the forwards and Graph through trunk.py
-(pre-norm residual blocks run by decoder.py, so multi-device placement comes with them).
+holds, the KV-cache layouts, which MTP block a context runs (`hp.mtp_block`), the dense-or-routed
+SwiGLU FFN, and the forwards and Graph through trunk.py (pre-norm residual blocks run by decoder.py,
+so multi-device placement comes with them). Their windowed attention with optional sinks is the
+backend's (ops.attend_cells).
 """
 
 from __future__ import annotations

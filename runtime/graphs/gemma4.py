@@ -25,7 +25,7 @@ from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import (
     acc, add_rms_norm, attend_cells, attended_kv, gelu_mul, linear, linear_group, moe as routed_moe, rms_norm,
-    rope_neox_partial,
+    rope_cos_sin, rope_inv_freq, rope_neox_partial,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -86,19 +86,15 @@ def mtp_layout(hp: Gemma4HParams) -> MemoryLayout:
 # ---- blocks -----------------------------------------------------------------------------------
 
 def rope_tables(w, hp: Gemma4HParams, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple]:
-    """cos/sin per layer type: sliding NEOX over sliding_rotary_dim dims; full NEOX over the head with θ / rope_freqs."""
+    """cos/sin per layer type: sliding NEOX over sliding_rotary_dim dims; full NEOX over the head with
+    θ / rope_freqs. The frequencies before rope_freqs are ops.rope_inv_freq's, made once per device."""
     out = {}
     hd_swa = hp.head_dim[hp.layer_types.index(SLIDING)] if SLIDING in hp.layer_types else 0
     if hd_swa:
-        rotary_dim = hp.sliding_rotary_dim
-        exponent = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.int64).float() / rotary_dim
-        inv = (1.0 / (hp.sliding_rope_theta ** exponent)).to(dtype)
-        ang = positions.to(dtype)[:, None] * inv[None, :]
-        out[True] = (ang.cos(), ang.sin())
+        out[True] = rope_cos_sin(positions, hp.sliding_rotary_dim, hp.sliding_rope_theta, dtype)
     if FULL in hp.layer_types:
         hd = hp.head_dim[hp.layer_types.index(FULL)]
-        exponent = torch.arange(0, hd, 2, device=positions.device, dtype=torch.int64).float() / hd
-        inv = 1.0 / (hp.rope_theta ** exponent)
+        inv = rope_inv_freq(hd, float(hp.rope_theta), positions.device, torch.float32)
         factors = w.get(ROPE_FREQS)
         if factors is not None:
             inv = inv / factors.float().to(inv.device)

@@ -252,14 +252,20 @@ def attend_cells(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
                  gate: torch.Tensor | None = None) -> torch.Tensor:
     """The backend's attention over K/V cells a graph got itself (attended_kv, another layer's or
     context's cells): `windowed_attention`'s formula with the optional output gate
-    sigmoid_gated(o, gate); one Triton launch on CUDA, each query row alone in batch-invariant mode."""
+    sigmoid_gated(o, gate) (per value or per head); one Triton launch on CUDA, each query row alone
+    in batch-invariant mode."""
     return for_device(q.device).attention(q, k, v, q_pos, k_pos, scale, gate, window=window, sinks=sinks)
 
 
 def sigmoid_gated(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-    """o · sigmoid(gate), the sigmoid rounded into o's dtype first (an attention's output gate);
-    o itself where there is no gate."""
-    return o if gate is None else o * torch.sigmoid(acc(gate)).to(o.dtype)
+    """An attention's output gate on o [n, heads, dv]: a gate per value ([n, heads, dv], Qwen3.5)
+    o · sigmoid(gate), the sigmoid rounded into o's dtype first; a gate per head ([n, heads],
+    Step-3.5) o · sigmoid(gate) in the accumulation dtype, rounded once. o itself without a gate."""
+    if gate is None:
+        return o
+    if gate.dim() == o.dim() - 1:
+        return (acc(o) * torch.sigmoid(acc(gate))[..., None]).to(o.dtype)
+    return o * torch.sigmoid(acc(gate)).to(o.dtype)
 
 
 def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -23,14 +23,17 @@ def _rounded(x, dtype: tl.constexpr):
 @triton.jit
 def attention_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, gate_ptr, sinks_ptr, o_ptr, cells, heads, group, dk,
                      dv, scale, window, stride_qn, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gn,
-                     stride_gh, HAS_GATE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+                     stride_gh, HAS_GATE: tl.constexpr, GATE_PER_HEAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     HAS_SINKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr,
+                     BLOCK_DV: tl.constexpr):
     """Row r, head h (program r · heads + h) of q [n, heads, dk] against K [cells, heads / group, dk],
     V [cells, heads / group, dv] of KV head h // group: cell c visible iff 0 ≤ qpos[r] − kpos[c]
     (and, with HAS_WINDOW, qpos[r] − kpos[c] < window); with HAS_SINKS the logit sinks[h] (float32)
     joins the softmax's max and denominator and adds no value;
     o[r, h] = Σ softmax((q·k)·scale) v, then with HAS_GATE rounded into o's dtype and multiplied by
-    sigmoid(gate[r, h]) rounded into o's dtype (the reference's o * sigmoid(gate).to(o.dtype));
+    sigmoid(gate[r, h]) rounded into o's dtype (the reference's o * sigmoid(gate).to(o.dtype)), or
+    with GATE_PER_HEAD rounded into o's dtype and multiplied by sigmoid(gate[r, h]) (one value per
+    head) in float32;
     o contiguous [n, heads, dv]."""
     p = tl.program_id(0)
     r = p // heads
@@ -72,7 +75,10 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, gate_ptr, sinks_pt
             acc = acc * alpha + tl.sum(e[:, None] * v, axis=0)
             m_run = m_new
     o = tl.div_rn(acc, l_run)
-    if HAS_GATE:
+    if HAS_GATE and GATE_PER_HEAD:
+        z = tl.load(gate_ptr + r * stride_gn + h * stride_gh).to(tl.float32)
+        o = _rounded(o, o_ptr.dtype.element_ty) * tl.div_rn(1.0, 1.0 + tl.exp(-z))
+    elif HAS_GATE:
         z = tl.load(gate_ptr + r * stride_gn + h * stride_gh + dvs, mask=dv_ok, other=0.0).to(tl.float32)
         sig = _rounded(tl.div_rn(1.0, 1.0 + tl.exp(-z)), o_ptr.dtype.element_ty)
         o = _rounded(o, o_ptr.dtype.element_ty) * sig

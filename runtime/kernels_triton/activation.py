@@ -7,11 +7,13 @@
 silu_mul: gate, up [..., F] of one float dtype, the last dimension contiguous; silu in float32,
 rounded into the dtype, times up in float32, rounded again: the reference's F.silu(gate) * up in
 that dtype (runtime/backend_torch.py). gelu_mul: the same with gelu_tanh(x) = 0.5·x·(1 +
-tanh(√(2/π)·(x + 0.044715·x³))), the reference's F.gelu(gate, approximate="tanh") * up, computed as
-x / (1 + exp(−2·√(2/π)·(x + 0.044715·x³))) (within a few float32 ulps of it). gdn_gates: b, alpha [n, heads] or [n, groups, heads / groups]
-(views of one projection, read through their strides: no copy), a, dt_bias [heads], any float dtype
-(loaded into float32, as the reference casts them first): g = a · softplus(alpha + dt_bias),
-β = σ(b) (runtime/graphs/gdn.py `gates`), float32 [n, heads] out.
+tanh(inner)), inner = √(2/π)·(x + 0.044715·x³), the reference's F.gelu(gate, approximate="tanh")
+* up, computed as x / (1 + exp(−2·inner)): the same function without the cancellation of 1 + tanh
+for negative x (within a few float32 ulps of the reference where that does not cancel).
+gdn_gates: b, alpha [n, heads] or [n, groups, heads / groups] (views of one projection, read
+through their strides: no copy), a, dt_bias [heads], any float dtype (loaded into float32, as the
+reference casts them first): g = a · softplus(alpha + dt_bias), β = σ(b) (runtime/graphs/gdn.py
+`gates`), float32 [n, heads] out.
 """
 
 from __future__ import annotations

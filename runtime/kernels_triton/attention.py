@@ -13,7 +13,8 @@ kv_heads). Cell c is visible to row r iff 0 ≤ q_pos[r] − k_pos[c], and with 
 q_pos[r] − k_pos[c] < window (sliding-window layers); o[r] = softmax((q·kᵀ)·scale) v over the
 visible cells, the formula of runtime/graphs/ops.py `causal_attention` / `windowed_attention`, in
 float32. `sinks` [heads] (float32, contiguous): one more logit per head, in the softmax's max and
-denominator, whose probability mass is dropped (attention sinks). With `gate`
+denominator, whose probability mass is dropped (attention sinks). With a per-head `gate` [n, heads]
+(Step-3.5): o rounded into q's dtype times sigmoid(gate) in float32, one rounding out. With `gate`
 [n, heads, dv]: o rounded into q's dtype, times sigmoid(gate) rounded into q's dtype (Qwen3.5's
 gated attention: o · sigmoid(gate)), one rounding out.
 
@@ -66,7 +67,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
             raise SpecconvError(f"{op}: {name} must be a contiguous int32 or int64 vector (got {t.dtype})")
     tensors = [q, k, v, q_pos, k_pos]
     if gate is not None:
-        _common.check_shape(op, "gate", gate, (n, heads, dv))
+        _common.check_shape(op, "gate", gate, (n, heads, dv)[:max(gate.dim(), 2)])
         _common.check_float(op, "gate", gate)
         _common.check_last_contiguous(op, "gate", gate)
         tensors.append(gate)
@@ -87,7 +88,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     jit.attention_kernel[(n * heads,)](q, k, v, k_pos, q_pos, z, q if sinks is None else sinks, o, cells, heads,
                                        heads // kv_heads, dk, dv, float(scale), int(window), q.stride(0), q.stride(1),
                                        k.stride(0), k.stride(1), v.stride(0), v.stride(1), z.stride(0), z.stride(1),
-                                       HAS_GATE=gate is not None, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
+                                       HAS_GATE=gate is not None, GATE_PER_HEAD=gate is not None and gate.dim() == 2,
+                                       HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
                                        BLOCK_T=block_cells(max(dk, dv)), BLOCK_DK=block_dk, BLOCK_DV=block_dv,
                                        num_warps=4 if max(block_dk, block_dv) <= 256 else 8,
                                        enable_fp_fusion=False)

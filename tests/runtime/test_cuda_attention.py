@@ -4,7 +4,9 @@ TorchBackend.write_kv's index_copy_:
 
 * float32: every output within an error bound derived from float32 rounding (`rounding_bound`),
   for GQA ratios 1/2/4/8, head dimensions 64 to 512, unwritten cells, partly filled buffers and
-  1 to 16 query rows; the output gate fused;
+  1 to 16 query rows; the output gate fused (per value, Qwen3.5; per head, Step-3.5); sliding
+  windows (1, inside a block, across blocks, wider than the context) and attention sinks against
+  ops.windowed_attention, the formula of the graphs with windows and sinks;
 * bfloat16: within the roundings into bfloat16 of each side's float32 result;
 * batch invariance: a row alone gives the bits it gets in a batch of 16;
 * write_kv: the caches afterwards equal index_copy_'s bit for bit;
@@ -132,8 +134,8 @@ def check_float32(q, k, v, q_pos, k_pos, scale, label: str, gate=None, window: i
         ref = ops.causal_attention(q, k, v, q_pos, k_pos, scale)
     bound = rounding_bound(q, k, v, q_pos, k_pos, scale, q.shape[-1], window, sinks)
     if gate is not None:  # o · σ(g): the reference's σ and product round once more each (σ ≤ 1)
-        sig = torch.sigmoid(gate)
-        ref = ref * sig
+        sig = torch.sigmoid(gate) if gate.dim() == 3 else torch.sigmoid(gate)[..., None]  # per value / head
+        ref = ops.sigmoid_gated(ref, gate)
         bound = bound * sig.double() + 4 * EPS32 * ref.abs().double()
     diff = (got.cpu().double() - ref.double()).abs()
     print(f"\n[{WHERE}, f32] {label}: max |Δ| {float(diff.max()):.2e}, at most "
@@ -206,6 +208,13 @@ def test_float32_window_sinks_and_gate_together(window):
                   sinks=sinks)
 
 
+def test_float32_per_head_gate_with_a_window():
+    """Step-3.5's head-wise gate: one sigmoid per head, the product in float32, one rounding."""
+    q, k, v, q_pos, k_pos = case(5, 6, 2, 128, cells=64, written=50, seed=99)
+    check_float32(q, k, v, q_pos, k_pos, 128 ** -0.5, "window 8 + a gate per head", gate=rand(5, 6, seed=100),
+                  window=8)
+
+
 def test_the_bound_sees_a_window_one_cell_off():
     """The bound is tight enough to tell window w from w ± 1 (one cell more or less per row)."""
     q, k, v, q_pos, k_pos = case(3, 4, 2, 64, cells=150, written=120, seed=98)
@@ -213,7 +222,8 @@ def test_the_bound_sees_a_window_one_cell_off():
     bound = rounding_bound(q, k, v, q_pos, k_pos, 0.125, 64, window=20)
     for other in (19, 21):
         diff = (ops.windowed_attention(q, k, v, q_pos, k_pos, 0.125, other).double() - ref.double()).abs()
-        print(f"\nwindow {other} for 20: max |Δ| {float(diff.max()):.2e}, {float((diff / bound).max()):.0f}× the bound")
+        print(f"\nwindow {other} for 20: max |Δ| {float(diff.max()):.2e}, "
+              f"{float((diff / bound).max()):.0f}× the bound")
         assert bool((diff > bound).any()), other
 
 
@@ -271,7 +281,8 @@ def test_bfloat16_within_rounding_of_the_float32_results(gated, window, with_sin
     bound = f32 + roundings * 2 * BF16_STEP * size * (1 + BF16_STEP) ** roundings
     diff = (got.cpu().double() - ref.double()).abs()
     changed = int((got.cpu() != ref).sum())
-    print(f"\n[{WHERE}, bf16{', gated' if gated else ''}{', window + sinks' if windowed else ''}] max |Δ| {float(diff.max()):.2e} "
+    label = ", gated" * gated + ", window + sinks" * bool(windowed)
+    print(f"\n[{WHERE}, bf16{label}] max |Δ| {float(diff.max()):.2e} "
           f"({float((diff / bound).max()):.2f} of the bound); {changed} of {ref.numel()} values differ")
     assert got.dtype == torch.bfloat16 and bool((diff <= bound).all())
 
@@ -282,7 +293,7 @@ def test_bfloat16_within_rounding_of_the_float32_results(gated, window, with_sin
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_a_row_alone_gives_its_bits_in_a_batch_of_16(dtype, window, with_sinks):
     q, k, v, q_pos, k_pos = case(16, 8, 2, 128, cells=96, written=70, seed=31, scattered=True)
-    gate = rand(16, 8, 128, seed=32)
+    gate = rand(16, 8, 128, seed=32) if not with_sinks else rand(16, 8, seed=32)  # per value / per head
     sinks = rand(8, seed=33).to(DEVICE) if with_sinks else None
     q, k, v, gate = (t.to(dtype).to(DEVICE) for t in (q, k, v, gate))
     q_pos, k_pos = q_pos.to(DEVICE), k_pos.to(DEVICE)
@@ -291,8 +302,8 @@ def test_a_row_alone_gives_its_bits_in_a_batch_of_16(dtype, window, with_sinks):
         alone = kt.attention(q[i:i + 1].clone(), k, v, q_pos[i:i + 1].clone(), k_pos, 0.09,
                              gate=gate[i:i + 1].clone(), window=window, sinks=sinks)
         assert torch.equal(alone, batch[i:i + 1]), f"row {i}"
-    print(f"\n[{WHERE}, {dtype}, window {window}, sinks {with_sinks}] rows 0, 7, 15 alone: the bits of the "
-          f"batch of 16")
+    print(f"\n[{WHERE}, {dtype}, window {window}, sinks {with_sinks}, gate {tuple(gate.shape[1:])}] rows 0, 7, "
+          f"15 alone: the bits of the batch of 16")
 
 
 # ---- bad input --------------------------------------------------------------------------------------
@@ -443,10 +454,11 @@ def test_the_backend_falls_back_to_the_formula_where_the_kernel_does_not_apply()
                                  for t in case(2, 2, 1, hd, cells=8, written=6, seed=hd))
         got = backend.attention(*on_device(q, k, v, q_pos, k_pos), 0.1)
         assert torch.equal(got.cpu(), TorchBackend().attention(q, k, v, q_pos, k_pos, 0.1)), (dtype, hd)
-        sinks = rand(2, seed=hd)
-        got = backend.attention(*on_device(q, k, v, q_pos, k_pos), 0.1, window=3, sinks=sinks.to(DEVICE))
-        ref = TorchBackend().attention(q, k, v, q_pos, k_pos, 0.1, window=3, sinks=sinks)
-        assert torch.equal(got.cpu(), ref), (dtype, hd, "window, sinks")
+        sinks, gate = rand(2, seed=hd), rand(2, 2, seed=hd + 1).to(dtype)  # a gate per head
+        got = backend.attention(*on_device(q, k, v, q_pos, k_pos), 0.1, gate.to(DEVICE), window=3,
+                                sinks=sinks.to(DEVICE))
+        ref = TorchBackend().attention(q, k, v, q_pos, k_pos, 0.1, gate, window=3, sinks=sinks)
+        assert torch.equal(got.cpu(), ref), (dtype, hd, "window, sinks, gate per head")
 
 
 def test_greedy_speculative_decoding_equals_plain_with_the_attention_kernel_in_bf16(q8_file, monkeypatch):

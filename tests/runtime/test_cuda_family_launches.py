@@ -14,8 +14,8 @@ counted on the `meta` device by benchmarks/cuda_op_count.py, and the forward thr
   batch of k + 1 tokens).
 * No family's decode step launches more than its ceiling (STEP_LAUNCHES: the counts with these
   fusions; step35 also runs its unclamped SwiGLUs through ops.swiglu; Gemma 4, Step-3.5 and MiMo-V2
-  their attention through the one-launch kernel with windows and sinks, Gemma 4 its GeGLU product
-  through gelu_mul).
+  their attention through the one-launch kernel with windows, sinks and Step-3.5's head-wise gate,
+  Gemma 4 its GeGLU product through gelu_mul and its rope frequencies made once, ops.rope_inv_freq).
 * Those attentions and GeGLU products are one launch per call, against the torch formulas they
   were (OWN_ATTENTION).
 * The forward through the kernels (Triton's interpreter on the CPU, compiled kernels on a GPU) gives
@@ -53,8 +53,8 @@ K = 3
 STEP_LAUNCHES = {
     "llama-release": (303, 183), "qwen3-release": (146, 138), "qwen3moe-release": (226, 218),
     "glm4moe-release": (228, 222), "deepseek2-shapes": (296, 242), "dsa-glm-dsa": (385, 283),
-    "dsa-deepseek32": (401, 299), "chained-hy_v3": (176, 170), "chained-step35": (223, 154),
-    "chained-mimo2": (208, 141), "gemma4-release": (314, 206), "gemma4-moe-shapes": (487, 371),
+    "dsa-deepseek32": (401, 299), "chained-hy_v3": (176, 170), "chained-step35": (223, 139),
+    "chained-mimo2": (208, 141), "gemma4-release": (314, 194), "gemma4-moe-shapes": (487, 359),
 }
 # the families whose graphs attend their own cells (ops.attend_cells: sliding windows, sinks) and
 # Gemma 4's GeGLU (ops.gelu_mul), whose attention and GeGLU product are one launch per call
