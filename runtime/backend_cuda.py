@@ -15,9 +15,9 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
 * attention over each layer's whole fixed-size K/V buffer, written in place (`static_kv`): the
   same shapes at every step, as CUDA-graph capture needs. `attention` runs kernels_triton.attention,
   one launch for all rows and heads with the output gate (per value or per head), a sliding window
-  and attention sinks fused (float32 / bfloat16 / float16, head
-  dimensions up to MAX_ATTENTION_HEAD_DIM): the online softmax over fixed blocks of cells, one
-  program per row and head, so batch-invariant without a per-row loop. `write_kv`: a batch's K and
+  and attention sinks fused (float32 / bfloat16 / float16, head dimensions up to
+  MAX_ATTENTION_HEAD_DIM): the online softmax over fixed blocks of cells, one program per row and
+  head, so batch-invariant without a per-row loop. `write_kv`: a batch's K and
   V into those buffers by cell index, one launch (kernels_triton.write_kv) where the dtypes match.
 * Gated DeltaNet states in ring slots (`slot_states`): `causal_conv_slots` and `delta_rule_slots`
   run kernels_triton.causal_conv / gdn_step, one launch each for up to MAX_TOKENS tokens, reading

@@ -14,8 +14,8 @@ checked for host reads: tests/runtime/test_backend.py).
   expert list on the host. Both sum a row's experts in increasing expert order.
 * `attention`: ops.causal_attention, or with a window or sinks ops.windowed_attention (einsums, a
   mask and torch's softmax; in batch-invariant mode each query row alone), then an optional sigmoid
-  output gate. `write_kv`: a batch's K/V into a
-  layer's fixed-size buffers by cell index (index_copy_).
+  output gate. `write_kv`: a batch's K/V into a layer's fixed-size buffers by cell index
+  (index_copy_).
 * `causal_conv`, `delta_rule`: the torch forms of runtime/graphs/gdn.py; in batch-invariant mode
   the delta rule runs token by token, each token as a batch of one would (`exact`).
   `causal_conv_slots`, `delta_rule_slots`: the same forms reading and writing the memory's ring of

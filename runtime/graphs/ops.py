@@ -1,9 +1,9 @@
 """Building blocks shared by the graphs (docs/reference/model-math.md §1): norms, rope, attention, FFNs.
 
 Reductions run in float32 whatever the compute dtype; results come back in the input dtype. The norms,
-rope, SwiGLU's and GeGLU's products and the attention over the cache are computed by the backend of the
-activations' device too (one Triton kernel each on CUDA, runtime/backend_cuda.py; the torch formulas
-of runtime/backend_torch.py elsewhere).
+rope, SwiGLU's and GeGLU's products and the attention over the cache are computed by the backend of
+the activations' device too (one Triton kernel each on CUDA, runtime/backend_cuda.py; the torch
+formulas of runtime/backend_torch.py elsewhere).
 
 A weight `w[name]` is a torch tensor or a `StoredWeight` (runtime/stored.py: kept in its GGUF
 type). Graphs multiply by weights only through `linear` (`linear_group` for the same rows by

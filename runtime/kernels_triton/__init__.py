@@ -12,7 +12,9 @@
     silu_mul(gate, up)                                   SwiGLU's silu(gate) · up
     gelu_mul(gate, up)                                   GeGLU's gelu_tanh(gate) · up
     gdn_gates(b, alpha, a, dt_bias)                      the Gated DeltaNet's decay and β
-    attention(q, k, v, q_pos, k_pos, scale, gate=None)   causal attention over a whole K/V buffer
+    attention(q, k, v, q_pos, k_pos, scale, gate=None, window=0, sinks=None)
+                                                         causal attention over a whole K/V buffer
+                                                         (sliding window, sinks, output gate)
     write_kv(k_cache, v_cache, cells, k, v)              a batch's K/V into those buffers, in place
 
 Importing this package does not import Triton; the first call does (a SpecconvError if it is not

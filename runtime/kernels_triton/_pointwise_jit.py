@@ -1,5 +1,6 @@
-"""Triton kernels around the products: norms, rope, SwiGLU's and GeGLU's products and the Gated DeltaNet's gates
-(imported on first use; needs Triton). The wrappers are norm.py, rope.py and activation.py.
+"""Triton kernels around the products: norms, rope, SwiGLU's and GeGLU's products and the Gated
+DeltaNet's gates (imported on first use; needs Triton). The wrappers are norm.py, rope.py and
+activation.py.
 
 Every kernel computes in float32 and rounds once into the output dtype, with the operations of the
 torch reference formula in its order (runtime/backend_torch.py): where the reference rounds an
