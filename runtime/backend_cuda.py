@@ -14,9 +14,10 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   alone in its group, other weights and longer batches through `linear`.
 * attention over each layer's whole fixed-size K/V buffer, written in place (`static_kv`): the
   same shapes at every step, as CUDA-graph capture needs. `attention` runs kernels_triton.attention,
-  one launch for all rows and heads with the output gate fused (float32 / bfloat16 / float16, head
-  dimensions up to MAX_ATTENTION_HEAD_DIM): the online softmax over fixed blocks of cells, one
-  program per row and head, so batch-invariant without a per-row loop. `write_kv`: a batch's K and
+  one launch for all rows and heads with the output gate (per value or per head), a sliding window
+  and attention sinks fused (float32 / bfloat16 / float16, head dimensions up to
+  MAX_ATTENTION_HEAD_DIM): the online softmax over fixed blocks of cells, one program per row and
+  head, so batch-invariant without a per-row loop. `write_kv`: a batch's K and
   V into those buffers by cell index, one launch (kernels_triton.write_kv) where the dtypes match.
 * Gated DeltaNet states in ring slots (`slot_states`): `causal_conv_slots` and `delta_rule_slots`
   run kernels_triton.causal_conv / gdn_step, one launch each for up to MAX_TOKENS tokens, reading
@@ -28,8 +29,9 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
 * around the products, one launch each where the tensors are float32 / bfloat16 / float16 on the
   kernels' device: `rms_norm` (also with the residual add before it, `add_rms_norm`, or a SiLU gate
   after it, `gated_rms_norm`), `l2_norm`, `rope` (NEOX and NORM pairs), `silu_mul` (SwiGLU's
-  product) and `gdn_gates` (kernels_triton.norm, .rope, .activation): float32 inside, the reference
-  formula's operations in its order, each row reduced by one program (batch-invariant).
+  product), `gelu_mul` (GeGLU's) and `gdn_gates` (kernels_triton.norm, .rope, .activation): float32
+  inside, the reference formula's operations in its order, each row reduced by one program
+  (batch-invariant).
 * `route_softmax_topk`: a softmax router's softmax, top-k and renormalisation in one launch
   (kernels_triton.softmax_topk), one program per row.
 * `add_gated_shared`: a MoE block's routed sum plus its sigmoid-gated shared expert, one launch.
@@ -218,6 +220,11 @@ class CudaBackend(TorchBackend):
             return super().silu_mul(gate, up)
         return self.kernels.silu_mul(gate, up)
 
+    def gelu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if not (self._pointwise(gate, up) and gate.dtype == up.dtype and gate.shape == up.shape and gate.dim()):
+            return super().gelu_mul(gate, up)
+        return self.kernels.gelu_mul(gate, up)
+
     def gdn_gates(self, b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor):
         """The kernel reads b and alpha in the compute dtype, as the projections left them (a
         [n, groups, r] view included): no cast or copy before it."""
@@ -228,13 +235,17 @@ class CudaBackend(TorchBackend):
         return self.kernels.gdn_gates(b, alpha, a, dt_bias)
 
     # ---- attention ---------------------------------------------------------------------------------
-    def attention(self, q, k, v, q_pos, k_pos, scale, gate=None):
+    def attention(self, q, k, v, q_pos, k_pos, scale, gate=None, window=None, sinks=None):
         tensors = (q, k, v) if gate is None else (q, k, v, gate)
         if not (self._pointwise(*tensors) and q.dim() == k.dim() == v.dim() == 3 and k.shape[1] > 0
                 and q.shape[1] % k.shape[1] == 0 and 0 < max(q.shape[-1], v.shape[-1])
-                <= self.kernels.MAX_ATTENTION_HEAD_DIM and q_pos.device == k_pos.device == q.device):
-            return super().attention(q, k, v, q_pos, k_pos, scale, gate)
-        return self.kernels.attention(q, k, v, q_pos, k_pos, scale, gate)
+                <= self.kernels.MAX_ATTENTION_HEAD_DIM and q_pos.device == k_pos.device == q.device
+                and (gate is None or gate.shape in (q.shape[:2] + v.shape[-1:], q.shape[:2]))
+                and (sinks is None or (sinks.device == q.device and sinks.dtype == torch.float32
+                                       and sinks.shape == (q.shape[1],)))):
+            return super().attention(q, k, v, q_pos, k_pos, scale, gate, window, sinks)
+        return self.kernels.attention(q, k, v, q_pos, k_pos, scale, gate, window or 0,
+                                      None if sinks is None else sinks.contiguous())
 
     def write_kv(self, k_cache, v_cache, cells, k, v):
         if not (self._pointwise(k_cache, v_cache, k, v) and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype

@@ -12,9 +12,10 @@ checked for host reads: tests/runtime/test_backend.py).
   experts by index (`StoredWeight.take`: no host read, only the routed experts' bytes); longer
   batches (prompts) group the rows by expert, one product per routed expert, which reads the
   expert list on the host. Both sum a row's experts in increasing expert order.
-* `attention`: ops.causal_attention (einsums, a mask and torch's softmax; in batch-invariant mode
-  each query row alone), then an optional sigmoid output gate. `write_kv`: a batch's K/V into a
-  layer's fixed-size buffers by cell index (index_copy_).
+* `attention`: ops.causal_attention, or with a window or sinks ops.windowed_attention (einsums, a
+  mask and torch's softmax; in batch-invariant mode each query row alone), then an optional sigmoid
+  output gate. `write_kv`: a batch's K/V into a layer's fixed-size buffers by cell index
+  (index_copy_).
 * `causal_conv`, `delta_rule`: the torch forms of runtime/graphs/gdn.py; in batch-invariant mode
   the delta rule runs token by token, each token as a batch of one would (`exact`).
   `causal_conv_slots`, `delta_rule_slots`: the same forms reading and writing the memory's ring of
@@ -186,18 +187,30 @@ class TorchBackend:
         """silu(gate) · up (SwiGLU's product before its down projection)."""
         return F.silu(gate) * up
 
+    def gelu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) · up (GeGLU's product before its down projection)."""
+        return F.gelu(gate, approximate="tanh") * up
+
     # ---- attention ---------------------------------------------------------------------------------
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                  scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
-        """softmax(q·kᵀ·scale) v over the cells with k_pos ≤ q_pos (ops.causal_attention; q [n, nh, dk],
-        k, v [cells, nkv, d]), then the output gate ops.sigmoid_gated(o, gate) where given. In
-        batch-invariant mode each query row alone (K and V widened once for all rows)."""
-        if not rows_alone() or q.shape[0] <= 1:
-            o = ops.causal_attention(q, k, v, q_pos, k_pos, scale)
+                  scale: float, gate: torch.Tensor | None = None, window: int | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(q·kᵀ·scale) v over the cells with k_pos ≤ q_pos (q [n, nh, dk], k, v [cells, nkv, d]),
+        then the output gate ops.sigmoid_gated(o, gate) where given. Without `window` and `sinks`
+        ops.causal_attention; with them (window 0 = no limit) ops.windowed_attention, the formula of
+        the graphs that attend their own cells (ops.attend_cells). In batch-invariant mode each query
+        row alone."""
+        if window is None and sinks is None:
+            def formula(qr, kk, vv, qp):
+                return ops.causal_attention(qr, kk, vv, qp, k_pos, scale)
         else:
-            k, v = ops.acc(k), ops.acc(v)
-            o = torch.cat([ops.causal_attention(q[i:i + 1], k, v, q_pos[i:i + 1], k_pos, scale)
-                           for i in range(q.shape[0])])
+            def formula(qr, kk, vv, qp):
+                return ops.windowed_attention(qr, kk, vv, qp, k_pos, scale, window or 0, sinks)
+        if not rows_alone() or q.shape[0] <= 1:
+            o = formula(q, k, v, q_pos)
+        else:
+            k, v = ops.acc(k), ops.acc(v)  # widened once for all rows
+            o = torch.cat([formula(q[i:i + 1], k, v, q_pos[i:i + 1]) for i in range(q.shape[0])])
         return ops.sigmoid_gated(o, gate)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor, k: torch.Tensor,

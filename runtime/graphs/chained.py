@@ -3,9 +3,10 @@
 Each of those graphs keeps what is its own (attention, rope; its hyperparameters are its family's
 dataclass, archs/<family>.py); the rest is written once here: the tensor lists from the family's
 table (trunk blocks, then k MTP blocks with their nextn inputs) and the checks of which FFN a block
-holds, the KV-cache layouts, which MTP block a context runs (`hp.mtp_block`), a windowed attention
-with optional sinks, the dense-or-routed SwiGLU FFN, and the forwards and Graph through trunk.py
-(pre-norm residual blocks run by decoder.py, so multi-device placement comes with them).
+holds, the KV-cache layouts, which MTP block a context runs (`hp.mtp_block`), the dense-or-routed
+SwiGLU FFN, and the forwards and Graph through trunk.py (pre-norm residual blocks run by decoder.py,
+so multi-device placement comes with them). Their windowed attention with optional sinks is the
+backend's (ops.attend_cells).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from specconv.runtime.backend import Experts
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.contract import Graph
-from specconv.runtime.graphs.ops import acc, by_rows, moe, swiglu
+from specconv.runtime.graphs.ops import acc, moe, swiglu
 
 
 # ---- tensors and caches -------------------------------------------------------------------------------------
@@ -82,29 +83,6 @@ def layouts(width: Callable[[Any], int]) -> trunk.Layouts:
 
 
 # ---- compute ------------------------------------------------------------------------------------------------
-
-def attend(q, k, v, q_pos, k_pos, scale: float, window: int, sinks=None) -> torch.Tensor:
-    """softmax(q·kᵀ·scale) v with GQA; a key is visible iff 0 ≤ q_pos - k_pos (< window when window > 0).
-    `sinks` [heads]: one more logit per head whose probability mass is dropped (attention sinks).
-    In batch-invariant mode each query row alone (k, v: the whole buffer of ops.attended_kv)."""
-    return by_rows(q.shape[0], lambda r: _attend(q[r], k, v, q_pos[r], k_pos, scale, window, sinks))
-
-
-def _attend(q, k, v, q_pos, k_pos, scale: float, window: int, sinks) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,thd->hnt", acc(q), acc(k)) * scale
-    dist = q_pos[:, None] - k_pos[None, :]
-    visible = (dist >= 0) & (dist < window) if window > 0 else dist >= 0
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    if sinks is not None:
-        sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hnt,thd->nhd", probs, acc(v)).to(q.dtype)
-
 
 def ffn(w, hp, i: int, x: torch.Tensor, bias: str, dense=swiglu, expert=swiglu, shared: bool = True) -> torch.Tensor:
     """A dense SwiGLU (blocks without `ffn_gate_inp`) or the routed experts (ms.route, selection bias

@@ -16,7 +16,6 @@ import math
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 
 from specconv.archs.errors import SpecconvError
 from specconv.archs.gemma4 import GEMMA4_TABLE, ROPE_FREQS
@@ -25,7 +24,8 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import (
-    acc, add_rms_norm, attended_kv, by_rows, linear, moe as routed_moe, rms_norm, rope_neox_partial,
+    acc, add_rms_norm, attend_cells, attended_kv, gelu_mul, linear, linear_group, moe as routed_moe, rms_norm,
+    rope_cos_sin, rope_inv_freq, rope_neox_partial,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -86,19 +86,15 @@ def mtp_layout(hp: Gemma4HParams) -> MemoryLayout:
 # ---- blocks -----------------------------------------------------------------------------------
 
 def rope_tables(w, hp: Gemma4HParams, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple]:
-    """cos/sin per layer type: sliding NEOX over sliding_rotary_dim dims; full NEOX over the head with θ / rope_freqs."""
+    """cos/sin per layer type: sliding NEOX over sliding_rotary_dim dims; full NEOX over the head with
+    θ / rope_freqs. The frequencies before rope_freqs are ops.rope_inv_freq's, made once per device."""
     out = {}
     hd_swa = hp.head_dim[hp.layer_types.index(SLIDING)] if SLIDING in hp.layer_types else 0
     if hd_swa:
-        rotary_dim = hp.sliding_rotary_dim
-        exponent = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.int64).float() / rotary_dim
-        inv = (1.0 / (hp.sliding_rope_theta ** exponent)).to(dtype)
-        ang = positions.to(dtype)[:, None] * inv[None, :]
-        out[True] = (ang.cos(), ang.sin())
+        out[True] = rope_cos_sin(positions, hp.sliding_rotary_dim, hp.sliding_rope_theta, dtype)
     if FULL in hp.layer_types:
         hd = hp.head_dim[hp.layer_types.index(FULL)]
-        exponent = torch.arange(0, hd, 2, device=positions.device, dtype=torch.int64).float() / hd
-        inv = 1.0 / (hp.rope_theta ** exponent)
+        inv = rope_inv_freq(hd, float(hp.rope_theta), positions.device, torch.float32)
         factors = w.get(ROPE_FREQS)
         if factors is not None:
             inv = inv / factors.float().to(inv.device)
@@ -107,41 +103,25 @@ def rope_tables(w, hp: Gemma4HParams, positions: torch.Tensor, dtype: torch.dtyp
     return out
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
 def geglu(x, gate, up, down):
-    return linear(gelu_tanh(linear(x, gate)) * linear(x, up), down)
+    """down · (gelu_tanh(gate · x) ⊙ up · x): both products in one group, the product between them
+    ops.gelu_mul (one launch each on CUDA)."""
+    g, u = linear_group(x, (gate, up))
+    return linear(gelu_mul(g, u), down)
 
 
 def geglu_fused(x, gate_up, _up, down):
     """GeGLU of one expert whose gate and up rows are one matrix [2F, H], gate rows first."""
     both = linear(x, gate_up)
     half = both.shape[-1] // 2
-    return linear(gelu_tanh(both[..., :half]) * both[..., half:], down)
+    return linear(gelu_mul(both[..., :half], both[..., half:]), down)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-           window: int | None) -> torch.Tensor:
-    """softmax(q·kᵀ) v (scale 1.0), key visible iff 0 ≤ t − s (< window on sliding layers); GQA heads.
-    In batch-invariant mode each query row alone (k, v: the whole buffer of ops.attended_kv)."""
-    return by_rows(q.shape[0], lambda r: _attend(q[r], k, v, q_pos[r], k_pos, window))
-
-
-def _attend(q, k, v, q_pos, k_pos, window: int | None) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,thd->hnt", acc(q), acc(k))
-    dist = q_pos[:, None] - k_pos[None, :]
-    visible = dist >= 0
-    if window is not None:
-        visible = visible & (dist < window)
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hnt,thd->nhd", probs, acc(v)).to(q.dtype)
+           window: int) -> torch.Tensor:
+    """softmax(q·kᵀ) v (scale 1.0), key visible iff 0 ≤ t − s (< window on sliding layers, 0 on full
+    ones); GQA heads: the backend's attention (ops.attend_cells; k, v: the cells of ops.attended_kv)."""
+    return attend_cells(q, k, v, q_pos, k_pos, 1.0, window=window)
 
 
 def query(w, hp: Gemma4HParams, i: int, a: torch.Tensor, rope) -> torch.Tensor:
@@ -228,10 +208,10 @@ def _block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, batch: Batch, rope, kv
         k, v = keys_values(w, hp, i, a, rope)
         kv_of[i] = attended_kv(batch, i, k, v)
     k_all, v_all, k_pos = kv_of[hp.kv_layer(i)]
-    o = attend(q, k_all, v_all, batch.positions, k_pos, hp.sliding_window if hp.is_sliding(i) else None)
+    o = attend(q, k_all, v_all, batch.positions, k_pos, hp.sliding_window if hp.is_sliding(i) else 0)
     h = ffn_block(w, hp, i, h, attention_out(w, hp, i, o))
     if ple is not None:
-        g = gelu_tanh(linear(h, w[_blk(i, "inp_gate")])) * ple[:, i].to(h.dtype)
+        g = gelu_mul(linear(h, w[_blk(i, "inp_gate")]), ple[:, i].to(h.dtype))
         h = h + rms_norm(linear(g, w[_blk(i, "proj")]), w[_blk(i, "post_norm")], hp.rms_norm_eps)
     return (acc(h) * w[_blk(i, "layer_output_scale")].to(acc(h).dtype)).to(h.dtype)
 

@@ -24,7 +24,7 @@ from specconv.archs.mimo2 import MIMO2_TABLE
 from specconv.archs.mimo2_hparams import Mimo2HParams
 from specconv.runtime.graphs import chained, trunk
 from specconv.runtime.graphs.decoder import nextn_input, normed, output_head
-from specconv.runtime.graphs.ops import acc, attended_kv, linear, rope_cos_sin, rope_neox_partial
+from specconv.runtime.graphs.ops import acc, attend_cells, attended_kv, linear, rope_cos_sin, rope_neox_partial
 from specconv.runtime.memory import Batch
 from specconv.runtime.placement import on_layer_device
 from specconv.runtime.validate import check_rope_width
@@ -71,8 +71,8 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     k_all, v_all, k_pos = attended_kv(batch, i, _pad(k, W), _pad(v, W))
     sinks = w.get(p + "attn_sinks.weight")
     window = hp.sliding_window if hp.is_sliding(i) else 0
-    o = chained.attend(q, k_all[..., :hp.head_dim], v_all[..., :hp.v_head_dim], batch.positions, k_pos,
-                       hp.head_dim ** -0.5, window, None if sinks is None else acc(sinks))
+    o = attend_cells(q, k_all[..., :hp.head_dim], v_all[..., :hp.v_head_dim], batch.positions, k_pos,
+                     hp.head_dim ** -0.5, window=window, sinks=None if sinks is None else acc(sinks))
     out = linear(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])
     scale = hp.attention_value_scale
     return out if scale is None or scale == 1.0 else (acc(out) * scale).to(out.dtype)

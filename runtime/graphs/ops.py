@@ -1,9 +1,9 @@
 """Building blocks shared by the graphs (docs/reference/model-math.md §1): norms, rope, attention, FFNs.
 
 Reductions run in float32 whatever the compute dtype; results come back in the input dtype. The norms,
-rope, SwiGLU's product and the attention over the cache are computed by the backend of the
-activations' device too (one Triton kernel each on CUDA, runtime/backend_cuda.py; the torch formulas
-of runtime/backend_torch.py elsewhere).
+rope, SwiGLU's and GeGLU's products and the attention over the cache are computed by the backend of
+the activations' device too (one Triton kernel each on CUDA, runtime/backend_cuda.py; the torch
+formulas of runtime/backend_torch.py elsewhere).
 
 A weight `w[name]` is a torch tensor or a `StoredWeight` (runtime/stored.py: kept in its GGUF
 type). Graphs multiply by weights only through `linear` (`linear_group` for the same rows by
@@ -209,6 +209,27 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     return torch.einsum("kgnt,tkd->nkgd", probs, acc(v)).reshape(n, nh, v.shape[-1]).to(q.dtype)
 
 
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                       scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q·kᵀ·scale) v with key visible iff 0 ≤ q_pos − k_pos (< window when window > 0); `sinks`
+    [nh]: one more logit per head whose probability mass is dropped (attention sinks). The formula of
+    the sliding-window graphs (Gemma 4, Step-3.5, MiMo-V2): each KV head repeated for its query heads,
+    so their sums run in the order they always have (causal_attention groups the heads instead)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,thd->hnt", acc(q), acc(k)) * scale
+    dist = q_pos[:, None] - k_pos[None, :]
+    visible = (dist >= 0) & (dist < window) if window > 0 else dist >= 0
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hnt,thd->nhd", probs, acc(v)).to(q.dtype)
+
+
 def by_rows(n: int, f) -> torch.Tensor:
     """f(slice(None)): rows first, for the n rows of a batch; in batch-invariant mode (runtime/backend.py
     `rows_alone`) f(slice(i, i + 1)) for each row alone, concatenated, because torch's batched products
@@ -219,16 +240,32 @@ def by_rows(n: int, f) -> torch.Tensor:
 
 
 def attended_kv(batch, layer: int, k: torch.Tensor, v: torch.Tensor):
-    """`batch.attend_kv` for a graph's own attention: in batch-invariant mode the layer's whole
-    fixed-size buffer (cells not written at memory.UNWRITTEN, masked by any causal mask), so each
-    query row's sums run over the same cells wherever the sequence ends (see cached_attention)."""
-    return batch.attend_kv(layer, k, v, whole=rows_alone())
+    """`batch.attend_kv` for a graph that attends itself (attend_cells): in batch-invariant mode, and
+    on a backend with `static_kv`, the layer's whole fixed-size buffer (cells not written at
+    memory.UNWRITTEN, masked by any causal mask), so each query row's sums run over the same cells
+    wherever the sequence ends and the shapes stay fixed (see cached_attention)."""
+    return batch.attend_kv(layer, k, v, whole=rows_alone() or for_device(k.device).static_kv)
+
+
+def attend_cells(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                 scale: float, window: int = 0, sinks: torch.Tensor | None = None,
+                 gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The backend's attention over K/V cells a graph got itself (attended_kv, another layer's or
+    context's cells): `windowed_attention`'s formula with the optional output gate
+    sigmoid_gated(o, gate) (per value or per head); one Triton launch on CUDA, each query row alone
+    in batch-invariant mode."""
+    return for_device(q.device).attention(q, k, v, q_pos, k_pos, scale, gate, window=window, sinks=sinks)
 
 
 def sigmoid_gated(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-    """o · sigmoid(gate), the sigmoid rounded into o's dtype first (an attention's output gate);
-    o itself where there is no gate."""
-    return o if gate is None else o * torch.sigmoid(acc(gate)).to(o.dtype)
+    """An attention's output gate on o [n, heads, dv]: a gate per value ([n, heads, dv], Qwen3.5)
+    o · sigmoid(gate), the sigmoid rounded into o's dtype first; a gate per head ([n, heads],
+    Step-3.5) o · sigmoid(gate) in the accumulation dtype, rounded once. o itself without a gate."""
+    if gate is None:
+        return o
+    if gate.dim() == o.dim() - 1:
+        return (acc(o) * torch.sigmoid(acc(gate))[..., None]).to(o.dtype)
+    return o * torch.sigmoid(acc(gate)).to(o.dtype)
 
 
 def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -250,6 +287,12 @@ def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     g, u = linear_group(x, (gate, up))
     return linear(for_device(x.device).silu_mul(g, u), down)
+
+
+def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) · up in gate's dtype (GeGLU's product before its down projection; one launch on
+    CUDA)."""
+    return for_device(gate.device).gelu_mul(gate, up)
 
 
 def moe_softmax_topk(x: torch.Tensor, router: torch.Tensor, n_used: int, gate_exps: torch.Tensor,

@@ -25,7 +25,7 @@ from specconv.archs.step35 import STEP35_TABLE
 from specconv.archs.step35_hparams import Step35HParams
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs.ops import (
-    acc, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
+    attend_cells, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
 )
 from specconv.runtime.memory import Batch
 from specconv.runtime.validate import check_rope_width
@@ -61,9 +61,9 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     cos, sin = rope[1] if hp.is_sliding(i) else rope[0]
     q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
     k_all, v_all, k_pos = attended_kv(batch, i, k, v)
-    o = chained.attend(q, k_all, v_all, batch.positions, k_pos, hd ** -0.5, hp.sliding_window if hp.is_sliding(i) else 0)
-    if p + "attn_gate.weight" in w:  # head-wise gate on each head's output
-        o = (acc(o) * torch.sigmoid(acc(linear(a, w[p + "attn_gate.weight"])))[..., None]).to(o.dtype)
+    gate = linear(a, w[p + "attn_gate.weight"]) if p + "attn_gate.weight" in w else None  # one per head
+    o = attend_cells(q, k_all, v_all, batch.positions, k_pos, hd ** -0.5,
+                     window=hp.sliding_window if hp.is_sliding(i) else 0, gate=gate)
     return linear(o.reshape(n, nh * hd), w[p + "attn_output.weight"])
 
 

@@ -14,8 +14,11 @@
     softmax_topk(logits, k)                              the MoE softmax router: top-k experts, weights
     moe_combine(y, weights, chosen)                      Σ weight · routed expert output per row
     add_gated_shared(routed, shared, gate)               routed + shared · σ(gate), in shared's dtype
+    gelu_mul(gate, up)                                   GeGLU's gelu_tanh(gate) · up
     gdn_gates(b, alpha, a, dt_bias)                      the Gated DeltaNet's decay and β
-    attention(q, k, v, q_pos, k_pos, scale, gate=None)   causal attention over a whole K/V buffer
+    attention(q, k, v, q_pos, k_pos, scale, gate=None, window=0, sinks=None)
+                                                         causal attention over a whole K/V buffer
+                                                         (sliding window, sinks, output gate)
     write_kv(k_cache, v_cache, cells, k, v)              a batch's K/V into those buffers, in place
 
 Importing this package does not import Triton; the first call does (a SpecconvError if it is not
@@ -24,7 +27,7 @@ installed). The kernels run on CUDA tensors, or on CPU tensors under Triton's in
 """
 
 from specconv.runtime.kernels_triton._common import available
-from specconv.runtime.kernels_triton.activation import gdn_gates, silu_mul
+from specconv.runtime.kernels_triton.activation import gdn_gates, gelu_mul, silu_mul
 from specconv.runtime.kernels_triton.attention import MAX_HEAD_DIM as MAX_ATTENTION_HEAD_DIM, attention, write_kv
 from specconv.runtime.kernels_triton.conv import causal_conv
 from specconv.runtime.kernels_triton.dequant import KERNEL_TYPES, dequantize_rows
@@ -36,8 +39,7 @@ from specconv.runtime.kernels_triton.rope import rope
 from specconv.runtime.kernels_triton.routing import (MAX_EXPERTS as MAX_ROUTED_EXPERTS, add_gated_shared, moe_combine,
                                                      softmax_topk)
 
-__all__ = ["add_gated_shared", "attention", "available", "causal_conv", "dequantize_rows", "expert_matmul", "expert_matmul_pair", "gdn_gates", "gdn_step",
-           "grouped_matmul", "l2_norm", "moe_combine", "quant_matmul", "rms_norm", "rope", "silu_mul", "softmax_topk",
-           "write_kv", "FUSED_MAX_ROWS",
-           "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS",
-           "MAX_TOKENS"]
+__all__ = ["add_gated_shared", "attention", "available", "causal_conv", "dequantize_rows", "expert_matmul",
+           "expert_matmul_pair", "gdn_gates", "gdn_step", "gelu_mul", "grouped_matmul", "l2_norm", "moe_combine",
+           "quant_matmul", "rms_norm", "rope", "silu_mul", "softmax_topk", "write_kv", "FUSED_MAX_ROWS", "KERNEL_TYPES",
+           "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS", "MAX_TOKENS"]

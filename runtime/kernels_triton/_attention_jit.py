@@ -4,7 +4,8 @@ One program per (query row, query head): the online softmax over the layer's K/V
 BLOCK_T cells, in increasing cell order, float32 throughout; the block size depends on the head
 dimension only, so a row's sums run in the same order whatever the number of rows. A block whose
 cells are all invisible to the row is skipped: it would multiply the running sums by exp(0) = 1 and
-add zeros, so skipping it changes no bit.
+add zeros, so skipping it changes no bit. An attention sink is the softmax's starting point: the
+running max starts at the sink's logit and the denominator at exp(0) = 1, with no value added.
 """
 
 from __future__ import annotations
@@ -20,14 +21,19 @@ def _rounded(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def attention_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, gate_ptr, o_ptr, cells, heads, group, dk, dv, scale,
-                     stride_qn, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gn, stride_gh,
-                     HAS_GATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr,
+def attention_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, gate_ptr, sinks_ptr, o_ptr, cells, heads, group, dk,
+                     dv, scale, window, stride_qn, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gn,
+                     stride_gh, HAS_GATE: tl.constexpr, GATE_PER_HEAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     HAS_SINKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr,
                      BLOCK_DV: tl.constexpr):
     """Row r, head h (program r · heads + h) of q [n, heads, dk] against K [cells, heads / group, dk],
-    V [cells, heads / group, dv] of KV head h // group: cell c visible iff kpos[c] ≤ qpos[r];
+    V [cells, heads / group, dv] of KV head h // group: cell c visible iff 0 ≤ qpos[r] − kpos[c]
+    (and, with HAS_WINDOW, qpos[r] − kpos[c] < window); with HAS_SINKS the logit sinks[h] (float32)
+    joins the softmax's max and denominator and adds no value;
     o[r, h] = Σ softmax((q·k)·scale) v, then with HAS_GATE rounded into o's dtype and multiplied by
-    sigmoid(gate[r, h]) rounded into o's dtype (the reference's o * sigmoid(gate).to(o.dtype));
+    sigmoid(gate[r, h]) rounded into o's dtype (the reference's o * sigmoid(gate).to(o.dtype)), or
+    with GATE_PER_HEAD rounded into o's dtype and multiplied by sigmoid(gate[r, h]) (one value per
+    head) in float32;
     o contiguous [n, heads, dv]."""
     p = tl.program_id(0)
     r = p // heads
@@ -41,21 +47,27 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, gate_ptr, o_ptr, c
     q_pos = tl.load(qpos_ptr + r).to(tl.int64)
     k_head = k_ptr + kv * stride_kh
     v_head = v_ptr + kv * stride_vh
-    m_run = tl.full((), float("-inf"), tl.float32)  # the largest visible score so far
-    l_run = tl.zeros((), tl.float32)  # Σ exp(score - m_run)
+    if HAS_SINKS:  # the sink's logit: the first score, exp(sink - sink) = 1 in the denominator
+        m_run = tl.load(sinks_ptr + h).to(tl.float32)
+        l_run = tl.full((), 1.0, tl.float32)
+    else:
+        m_run = tl.full((), float("-inf"), tl.float32)  # the largest visible score so far
+        l_run = tl.zeros((), tl.float32)  # Σ exp(score - m_run)
     acc = tl.zeros((BLOCK_DV,), tl.float32)  # Σ exp(score - m_run) · v
     for start in range(0, cells, BLOCK_T):
         ts = start + tl.arange(0, BLOCK_T)
         t_ok = ts < cells
         k_pos = tl.load(kpos_ptr + ts, mask=t_ok, other=0).to(tl.int64)
         visible = t_ok & (k_pos <= q_pos)
+        if HAS_WINDOW:
+            visible = visible & (q_pos - k_pos < window)
         if tl.max(visible.to(tl.int32), axis=0) > 0:
             k = tl.load(k_head + ts[:, None] * stride_kt + dks[None, :], mask=visible[:, None] & dk_ok[None, :],
                         other=0.0).to(tl.float32)
             s = tl.sum(k * q[None, :], axis=1) * scale
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_run, tl.max(s, axis=0))
-            alpha = tl.exp(m_run - m_new)  # 0 while nothing was visible (m_run = -inf)
+            alpha = tl.exp(m_run - m_new)  # 0 while nothing was visible and no sink (m_run = -inf)
             e = tl.exp(s - m_new)
             v = tl.load(v_head + ts[:, None] * stride_vt + dvs[None, :], mask=visible[:, None] & dv_ok[None, :],
                         other=0.0).to(tl.float32)
@@ -63,7 +75,10 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, gate_ptr, o_ptr, c
             acc = acc * alpha + tl.sum(e[:, None] * v, axis=0)
             m_run = m_new
     o = tl.div_rn(acc, l_run)
-    if HAS_GATE:
+    if HAS_GATE and GATE_PER_HEAD:
+        z = tl.load(gate_ptr + r * stride_gn + h * stride_gh).to(tl.float32)
+        o = _rounded(o, o_ptr.dtype.element_ty) * tl.div_rn(1.0, 1.0 + tl.exp(-z))
+    elif HAS_GATE:
         z = tl.load(gate_ptr + r * stride_gn + h * stride_gh + dvs, mask=dv_ok, other=0.0).to(tl.float32)
         sig = _rounded(tl.div_rn(1.0, 1.0 + tl.exp(-z)), o_ptr.dtype.element_ty)
         o = _rounded(o, o_ptr.dtype.element_ty) * sig

@@ -1,5 +1,6 @@
-"""Triton kernels around the products: norms, rope, SwiGLU's product and the Gated DeltaNet's gates
-(imported on first use; needs Triton). The wrappers are norm.py, rope.py and activation.py.
+"""Triton kernels around the products: norms, rope, SwiGLU's and GeGLU's products and the Gated
+DeltaNet's gates (imported on first use; needs Triton). The wrappers are norm.py, rope.py and
+activation.py.
 
 Every kernel computes in float32 and rounds once into the output dtype, with the operations of the
 torch reference formula in its order (runtime/backend_torch.py): where the reference rounds an
@@ -101,6 +102,31 @@ def silu_mul_kernel(g_ptr, u_ptr, y_ptr, width, stride_g, stride_u, BLOCK: tl.co
     g = tl.load(g_ptr + r * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + r * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
     s = _rounded(_silu(g), y_ptr.dtype.element_ty)
+    tl.store(y_ptr + r * width + cols, (s * u).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+GELU_BETA = tl.constexpr(0.7978845608028654)  # √(2/π)
+GELU_KAPPA = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _gelu_tanh(x):
+    """0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) as x / (1 + exp(−2·inner)): the same value, with no
+    cancellation in 1 + tanh where x is negative."""
+    inner = GELU_BETA * (x + GELU_KAPPA * (x * x * x))
+    return tl.div_rn(x, 1.0 + tl.exp(-2.0 * inner))
+
+
+@triton.jit
+def gelu_mul_kernel(g_ptr, u_ptr, y_ptr, width, stride_g, stride_u, BLOCK: tl.constexpr):
+    """y = gelu_tanh(g) · u for row program_id(0), columns of block program_id(1); gelu_tanh(g)
+    rounded into y's dtype first (the reference's F.gelu(g, approximate="tanh") * u in that dtype)."""
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    g = tl.load(g_ptr + r * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + r * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+    s = _rounded(_gelu_tanh(g), y_ptr.dtype.element_ty)
     tl.store(y_ptr + r * width + cols, (s * u).to(y_ptr.dtype.element_ty), mask=ok)
 
 

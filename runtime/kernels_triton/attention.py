@@ -1,7 +1,7 @@
 """Causal attention over a layer's whole fixed-size K/V buffer, and the write of a batch's K/V into it,
 in one Triton launch each.
 
-    attention(q, k, v, q_pos, k_pos, scale, gate=None) -> o [n, heads, dv] in q's dtype
+    attention(q, k, v, q_pos, k_pos, scale, gate=None, window=0, sinks=None) -> o [n, heads, dv] in q's dtype
     write_kv(k_cache, v_cache, cells, k, v)   k_cache[cells] = k, v_cache[cells] = v, in place
 
 q [n, heads, dk]; k [cells, kv_heads, dk], v [cells, kv_heads, dv]: the layer's buffers
@@ -9,8 +9,12 @@ q [n, heads, dk]; k [cells, kv_heads, dk], v [cells, kv_heads, dv]: the layer's 
 dimension contiguous, the others read through their strides; k_pos [cells] the position of every
 cell (memory.UNWRITTEN where none was written), q_pos [n] the query rows' positions (integer
 tensors on the same device, never read on the host). Query head j reads KV head j // (heads /
-kv_heads). Cell c is visible to row r iff k_pos[c] ≤ q_pos[r]; o[r] = softmax((q·kᵀ)·scale) v over
-the visible cells, the formula of runtime/graphs/ops.py `causal_attention`, in float32. With `gate`
+kv_heads). Cell c is visible to row r iff 0 ≤ q_pos[r] − k_pos[c], and with a `window` > 0 also
+q_pos[r] − k_pos[c] < window (sliding-window layers); o[r] = softmax((q·kᵀ)·scale) v over the
+visible cells, the formula of runtime/graphs/ops.py `causal_attention` / `windowed_attention`, in
+float32. `sinks` [heads] (float32, contiguous): one more logit per head, in the softmax's max and
+denominator, whose probability mass is dropped (attention sinks). With a per-head `gate` [n, heads]
+(Step-3.5): o rounded into q's dtype times sigmoid(gate) in float32, one rounding out. With `gate`
 [n, heads, dv]: o rounded into q's dtype, times sigmoid(gate) rounded into q's dtype (Qwen3.5's
 gated attention: o · sigmoid(gate)), one rounding out.
 
@@ -40,7 +44,8 @@ def block_cells(head_dim: int) -> int:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-              scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+              scale: float, gate: torch.Tensor | None = None, window: int = 0,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     op = "attention"
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise SpecconvError(f"{op}: expected q [n, heads, dk], k [cells, kv_heads, dk], v [cells, kv_heads, dv] "
@@ -62,10 +67,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
             raise SpecconvError(f"{op}: {name} must be a contiguous int32 or int64 vector (got {t.dtype})")
     tensors = [q, k, v, q_pos, k_pos]
     if gate is not None:
-        _common.check_shape(op, "gate", gate, (n, heads, dv))
+        _common.check_shape(op, "gate", gate, (n, heads, dv)[:max(gate.dim(), 2)])
         _common.check_float(op, "gate", gate)
         _common.check_last_contiguous(op, "gate", gate)
         tensors.append(gate)
+    if window < 0:
+        raise SpecconvError(f"{op}: window must be 0 (none) or positive (got {window})")
+    if sinks is not None:
+        _common.check_shape(op, "sinks", sinks, (heads,))
+        if sinks.dtype != torch.float32 or (heads > 1 and sinks.stride(0) != 1):
+            raise SpecconvError(f"{op}: sinks must be a contiguous float32 vector (got {sinks.dtype})")
+        tensors.append(sinks)
     device = _common.check_device(op, *tensors)
     o = torch.empty(n, heads, dv, dtype=q.dtype, device=device)
     if n * heads == 0:
@@ -73,9 +85,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     z = q if gate is None else gate
     jit = _common.jit_module("_attention_jit")
     block_dk, block_dv = _common.next_power_of_2(dk), _common.next_power_of_2(dv)
-    jit.attention_kernel[(n * heads,)](q, k, v, k_pos, q_pos, z, o, cells, heads, heads // kv_heads, dk, dv,
-                                       float(scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-                                       v.stride(1), z.stride(0), z.stride(1), HAS_GATE=gate is not None,
+    jit.attention_kernel[(n * heads,)](q, k, v, k_pos, q_pos, z, q if sinks is None else sinks, o, cells, heads,
+                                       heads // kv_heads, dk, dv, float(scale), int(window), q.stride(0), q.stride(1),
+                                       k.stride(0), k.stride(1), v.stride(0), v.stride(1), z.stride(0), z.stride(1),
+                                       HAS_GATE=gate is not None, GATE_PER_HEAD=gate is not None and gate.dim() == 2,
+                                       HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
                                        BLOCK_T=block_cells(max(dk, dv)), BLOCK_DK=block_dk, BLOCK_DV=block_dv,
                                        num_warps=4 if max(block_dk, block_dv) <= 256 else 8,
                                        enable_fp_fusion=False)

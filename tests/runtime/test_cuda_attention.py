@@ -4,7 +4,9 @@ TorchBackend.write_kv's index_copy_:
 
 * float32: every output within an error bound derived from float32 rounding (`rounding_bound`),
   for GQA ratios 1/2/4/8, head dimensions 64 to 512, unwritten cells, partly filled buffers and
-  1 to 16 query rows; the output gate fused;
+  1 to 16 query rows; the output gate fused (per value, Qwen3.5; per head, Step-3.5); sliding
+  windows (1, inside a block, across blocks, wider than the context) and attention sinks against
+  ops.windowed_attention, the formula of the graphs with windows and sinks;
 * bfloat16: within the roundings into bfloat16 of each side's float32 result;
 * batch invariance: a row alone gives the bits it gets in a batch of 16;
 * write_kv: the caches afterwards equal index_copy_'s bit for bit;
@@ -77,7 +79,8 @@ def on_device(*tensors):
     return [t.to(DEVICE) for t in tensors]
 
 
-def rounding_bound(q, k, v, q_pos, k_pos, scale: float, head_dim: int) -> torch.Tensor:
+def rounding_bound(q, k, v, q_pos, k_pos, scale: float, head_dim: int, window: int = 0,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A bound on |kernel - reference| per output [n, heads, dv] for float32 inputs (first order in ε).
 
     Both sides compute o = Σ_t p_t v_t with p = softmax(s), s_t = (q·k_t)·scale over the visible
@@ -91,36 +94,48 @@ def rounding_bound(q, k, v, q_pos, k_pos, scale: float, head_dim: int) -> torch.
       the running sum and output alike, so only their product over the blocks counts): 2·(1 + blocks)·X;
     * the sums of T visible terms (Σ p, Σ p·v: (T − 1)·ε each, in any order) and the final division
       or the softmax's: 2·T + 2 per side.
-    The two sides' bounds add (triangle inequality)."""
+    The two sides' bounds add (triangle inequality). A `window` hides the cells it hides on both
+    sides; `sinks` [heads] (one more logit per head, exact, with no value) count as one more score
+    in m, the spread and T, and shrink every p_t by the sink's share."""
     qd, kd, vd = q.double(), k.double(), v.double()
     n, heads, _ = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
     kh = kd.repeat_interleave(group, dim=1)  # [cells, heads, hd]
     vh = vd.repeat_interleave(group, dim=1)
-    visible = (k_pos[None, :] <= q_pos[:, None])  # [n, cells]
+    dist = q_pos[:, None] - k_pos[None, :]
+    visible = (dist >= 0) & (dist < window) if window > 0 else dist >= 0  # [n, cells]
     s = torch.einsum("nhd,thd->nht", qd, kh) * scale
     s = s.masked_fill(~visible[:, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    sink = None if sinks is None else sinks.double()[None, :, None].expand(n, heads, 1)
+    p = torch.softmax(s if sink is None else torch.cat([s, sink], -1), dim=-1)[..., :s.shape[-1]]
     mag = torch.einsum("nhd,thd->nht", qd.abs(), kh.abs()) * scale
     shift = (head_dim * mag + s.abs()).masked_fill(~visible[:, None, :], 0).amax(-1)  # S per row, head
-    m = s.amax(-1, keepdim=True)
+    m = s.amax(-1, keepdim=True) if sink is None else torch.maximum(s.amax(-1, keepdim=True), sink)
     spread = (m - s).masked_fill(~visible[:, None, :], 0).amax(-1)
+    if sink is not None:
+        spread = torch.maximum(spread, (m - sink)[..., 0])
     x = 2 + 2 * spread
-    cells_seen = visible.sum(-1).double()[:, None]  # T per row
+    cells_seen = visible.sum(-1).double()[:, None] + (sinks is not None)  # T per row
     blocks = math.ceil(k.shape[0] / block_cells(max(k.shape[-1], v.shape[-1])))
     e = 2 * (2 * shift) + 2 * x + 2 * (1 + blocks) * x + 2 * (2 * cells_seen + 2)
     weight = torch.einsum("nht,thd->nhd", p, vh.abs())  # Σ_t p_t |v_t|
     return e[..., None] * EPS32 * weight
 
 
-def check_float32(q, k, v, q_pos, k_pos, scale, label: str, gate=None):
-    got = kt.attention(*on_device(q, k, v, q_pos, k_pos), scale, gate=None if gate is None else gate.to(DEVICE))
-    ref = ops.causal_attention(q, k, v, q_pos, k_pos, scale)
-    bound = rounding_bound(q, k, v, q_pos, k_pos, scale, q.shape[-1])
+def check_float32(q, k, v, q_pos, k_pos, scale, label: str, gate=None, window: int = 0, sinks=None):
+    """The kernel against the torch formula the CPU runs: ops.causal_attention, or with a window or
+    sinks ops.windowed_attention (the sliding-window graphs')."""
+    got = kt.attention(*on_device(q, k, v, q_pos, k_pos), scale, gate=None if gate is None else gate.to(DEVICE),
+                       window=window, sinks=None if sinks is None else sinks.to(DEVICE))
+    if window or sinks is not None:
+        ref = ops.windowed_attention(q, k, v, q_pos, k_pos, scale, window, sinks)
+    else:
+        ref = ops.causal_attention(q, k, v, q_pos, k_pos, scale)
+    bound = rounding_bound(q, k, v, q_pos, k_pos, scale, q.shape[-1], window, sinks)
     if gate is not None:  # o · σ(g): the reference's σ and product round once more each (σ ≤ 1)
-        sig = torch.sigmoid(gate)
-        ref = ref * sig
+        sig = torch.sigmoid(gate) if gate.dim() == 3 else torch.sigmoid(gate)[..., None]  # per value / head
+        ref = ops.sigmoid_gated(ref, gate)
         bound = bound * sig.double() + 4 * EPS32 * ref.abs().double()
     diff = (got.cpu().double() - ref.double()).abs()
     print(f"\n[{WHERE}, f32] {label}: max |Δ| {float(diff.max()):.2e}, at most "
@@ -159,6 +174,59 @@ def test_float32_partly_filled_buffer_with_n_rows_and_the_gate(n):
     check_float32(q, k, v, q_pos, k_pos, 0.125, f"n = {n}, gated", gate=gate)
 
 
+# ---- sliding windows and attention sinks --------------------------------------------------------------
+
+@pytest.mark.parametrize("window", [1, 7, 64, 1000], ids=["w1", "w7", "w64", "w-over-context"])
+def test_float32_sliding_window(window):
+    """Keys with 0 ≤ q_pos − k_pos < window, in scattered cells: window 1 (each row its own cell), a
+    window inside a block, one over several blocks, and one wider than the context (= no window)."""
+    q, k, v, q_pos, k_pos = case(5, 4, 2, 64, cells=150, written=120, seed=80 + window, scattered=True)
+    got = check_float32(q, k, v, q_pos, k_pos, 0.125, f"window {window}", window=window)
+    if window == 1:  # one visible cell: softmax 1, the output that cell's value
+        mine = k_pos[None, :] == q_pos[:, None]
+        own = torch.stack([v[mine[r].nonzero()[0, 0]].repeat_interleave(2, dim=0) for r in range(5)])
+        assert torch.equal(got.cpu(), own)
+    if window == 1000:
+        assert torch.equal(got, kt.attention(*on_device(q, k, v, q_pos, k_pos), 0.125))
+
+
+@pytest.mark.parametrize("sink_scale", [0.5, 4.0], ids=["small-sinks", "dominant-sinks"])
+def test_float32_attention_sinks(sink_scale):
+    """One more logit per head (MiMo-V2's attn_sinks) in the softmax's max and denominator, its mass
+    dropped; large sinks take most of the mass."""
+    q, k, v, q_pos, k_pos = case(4, 8, 2, 128, cells=100, written=70, seed=90)
+    sinks = rand(8, seed=91, scale=sink_scale) + sink_scale
+    check_float32(q, k, v, q_pos, k_pos, 128 ** -0.5, f"sinks ~{sink_scale}", sinks=sinks)
+
+
+@pytest.mark.parametrize("window", [1, 16], ids=["w1", "w16"])
+def test_float32_window_sinks_and_gate_together(window):
+    q, k, v, q_pos, k_pos = case(6, 4, 1, 96, cells=120, written=90, seed=95 + window, scattered=True, dv=64)
+    sinks = rand(4, seed=96)
+    gate = rand(6, 4, 64, seed=97)
+    check_float32(q, k, v, q_pos, k_pos, 96 ** -0.5, f"window {window} + sinks + gate", gate=gate, window=window,
+                  sinks=sinks)
+
+
+def test_float32_per_head_gate_with_a_window():
+    """Step-3.5's head-wise gate: one sigmoid per head, the product in float32, one rounding."""
+    q, k, v, q_pos, k_pos = case(5, 6, 2, 128, cells=64, written=50, seed=99)
+    check_float32(q, k, v, q_pos, k_pos, 128 ** -0.5, "window 8 + a gate per head", gate=rand(5, 6, seed=100),
+                  window=8)
+
+
+def test_the_bound_sees_a_window_one_cell_off():
+    """The bound is tight enough to tell window w from w ± 1 (one cell more or less per row)."""
+    q, k, v, q_pos, k_pos = case(3, 4, 2, 64, cells=150, written=120, seed=98)
+    ref = ops.windowed_attention(q, k, v, q_pos, k_pos, 0.125, 20)
+    bound = rounding_bound(q, k, v, q_pos, k_pos, 0.125, 64, window=20)
+    for other in (19, 21):
+        diff = (ops.windowed_attention(q, k, v, q_pos, k_pos, 0.125, other).double() - ref.double()).abs()
+        print(f"\nwindow {other} for 20: max |Δ| {float(diff.max()):.2e}, "
+              f"{float((diff / bound).max()):.0f}× the bound")
+        assert bool((diff > bound).any()), other
+
+
 def test_the_bound_catches_one_lost_cell():
     """The derived bound is tight enough to see a kernel that drops one visible cell of 120 (or
     reads one cell too many): the reference without it differs by more than the bound allows."""
@@ -188,19 +256,23 @@ def test_unwritten_cells_are_masked_like_absent_ones():
 
 # ---- bfloat16 ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_bfloat16_within_rounding_of_the_float32_results(gated):
+@pytest.mark.parametrize("gated, window, with_sinks", [(False, 0, False), (True, 0, False), (False, 20, True)],
+                         ids=["plain", "gated", "window-sinks"])
+def test_bfloat16_within_rounding_of_the_float32_results(gated, window, with_sinks):
     """Both sides compute in float32 from the same bfloat16 values and round the result (with the
     gate: o, σ and their product) into bfloat16: they differ by the float32 difference (bounded
     above) plus one rounding of each side per rounded value."""
     q, k, v, q_pos, k_pos = (t.bfloat16() if t.is_floating_point() else t
                              for t in case(6, 8, 2, 128, cells=80, written=60, seed=21))
     gate = rand(6, 8, 128, seed=22).bfloat16() if gated else None
-    got = kt.attention(*on_device(q, k, v, q_pos, k_pos), 128 ** -0.5, gate=None if gate is None else gate.to(DEVICE))
-    ref = TorchBackend().attention(q, k, v, q_pos, k_pos, 128 ** -0.5, gate)
+    sinks = rand(8, seed=23) if with_sinks else None
+    windowed = dict(window=window, sinks=sinks) if window or with_sinks else {}
+    got = kt.attention(*on_device(q, k, v, q_pos, k_pos), 128 ** -0.5, gate=None if gate is None else gate.to(DEVICE),
+                       window=window, sinks=None if sinks is None else sinks.to(DEVICE))
+    ref = TorchBackend().attention(q, k, v, q_pos, k_pos, 128 ** -0.5, gate, **windowed)
     wide = [t.float() for t in (q, k, v)]
-    o32 = ops.causal_attention(*wide, q_pos, k_pos, 128 ** -0.5)
-    f32 = rounding_bound(*wide, q_pos, k_pos, 128 ** -0.5, 128)
+    o32 = ops.windowed_attention(*wide, q_pos, k_pos, 128 ** -0.5, window, sinks)
+    f32 = rounding_bound(*wide, q_pos, k_pos, 128 ** -0.5, 128, window, sinks)
     size = o32.abs().double()
     if gated:
         sig = torch.sigmoid(gate.float()).double()
@@ -209,25 +281,29 @@ def test_bfloat16_within_rounding_of_the_float32_results(gated):
     bound = f32 + roundings * 2 * BF16_STEP * size * (1 + BF16_STEP) ** roundings
     diff = (got.cpu().double() - ref.double()).abs()
     changed = int((got.cpu() != ref).sum())
-    print(f"\n[{WHERE}, bf16{', gated' if gated else ''}] max |Δ| {float(diff.max()):.2e} "
+    label = ", gated" * gated + ", window + sinks" * bool(windowed)
+    print(f"\n[{WHERE}, bf16{label}] max |Δ| {float(diff.max()):.2e} "
           f"({float((diff / bound).max()):.2f} of the bound); {changed} of {ref.numel()} values differ")
     assert got.dtype == torch.bfloat16 and bool((diff <= bound).all())
 
 
 # ---- batch invariance -------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("window, with_sinks", [(0, False), (9, True)], ids=["causal", "window-sinks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_a_row_alone_gives_its_bits_in_a_batch_of_16(dtype):
+def test_a_row_alone_gives_its_bits_in_a_batch_of_16(dtype, window, with_sinks):
     q, k, v, q_pos, k_pos = case(16, 8, 2, 128, cells=96, written=70, seed=31, scattered=True)
-    gate = rand(16, 8, 128, seed=32)
+    gate = rand(16, 8, 128, seed=32) if not with_sinks else rand(16, 8, seed=32)  # per value / per head
+    sinks = rand(8, seed=33).to(DEVICE) if with_sinks else None
     q, k, v, gate = (t.to(dtype).to(DEVICE) for t in (q, k, v, gate))
     q_pos, k_pos = q_pos.to(DEVICE), k_pos.to(DEVICE)
-    batch = kt.attention(q, k, v, q_pos, k_pos, 0.09, gate=gate)
+    batch = kt.attention(q, k, v, q_pos, k_pos, 0.09, gate=gate, window=window, sinks=sinks)
     for i in (0, 7, 15):
         alone = kt.attention(q[i:i + 1].clone(), k, v, q_pos[i:i + 1].clone(), k_pos, 0.09,
-                             gate=gate[i:i + 1].clone())
+                             gate=gate[i:i + 1].clone(), window=window, sinks=sinks)
         assert torch.equal(alone, batch[i:i + 1]), f"row {i}"
-    print(f"\n[{WHERE}, {dtype}] rows 0, 7, 15 alone: the bits of the batch of 16")
+    print(f"\n[{WHERE}, {dtype}, window {window}, sinks {with_sinks}, gate {tuple(gate.shape[1:])}] rows 0, 7, "
+          f"15 alone: the bits of the batch of 16")
 
 
 # ---- bad input --------------------------------------------------------------------------------------
@@ -243,6 +319,12 @@ def test_bad_input_is_a_one_line_error():
         kt.attention(q, k, v, q_pos.float(), k_pos, 0.1)
     with pytest.raises(SpecconvError, match="gate"):
         kt.attention(q, k, v, q_pos, k_pos, 0.1, gate=q[:, :, :32])
+    with pytest.raises(SpecconvError, match="window"):
+        kt.attention(q, k, v, q_pos, k_pos, 0.1, window=-1)
+    with pytest.raises(SpecconvError, match="sinks"):
+        kt.attention(q, k, v, q_pos, k_pos, 0.1, sinks=torch.zeros(3, device=DEVICE))
+    with pytest.raises(SpecconvError, match="float32"):
+        kt.attention(q, k, v, q_pos, k_pos, 0.1, sinks=torch.zeros(4, dtype=torch.bfloat16, device=DEVICE))
     wide = on_device(*case(1, 2, 1, 600, cells=4, written=2, seed=1))
     with pytest.raises(SpecconvError, match="head dimensions"):
         kt.attention(*wide, 0.1)
@@ -372,6 +454,11 @@ def test_the_backend_falls_back_to_the_formula_where_the_kernel_does_not_apply()
                                  for t in case(2, 2, 1, hd, cells=8, written=6, seed=hd))
         got = backend.attention(*on_device(q, k, v, q_pos, k_pos), 0.1)
         assert torch.equal(got.cpu(), TorchBackend().attention(q, k, v, q_pos, k_pos, 0.1)), (dtype, hd)
+        sinks, gate = rand(2, seed=hd), rand(2, 2, seed=hd + 1).to(dtype)  # a gate per head
+        got = backend.attention(*on_device(q, k, v, q_pos, k_pos), 0.1, gate.to(DEVICE), window=3,
+                                sinks=sinks.to(DEVICE))
+        ref = TorchBackend().attention(q, k, v, q_pos, k_pos, 0.1, gate, window=3, sinks=sinks)
+        assert torch.equal(got.cpu(), ref), (dtype, hd, "window, sinks, gate per head")
 
 
 def test_greedy_speculative_decoding_equals_plain_with_the_attention_kernel_in_bf16(q8_file, monkeypatch):

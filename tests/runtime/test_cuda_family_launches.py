@@ -13,7 +13,11 @@ counted on the `meta` device by benchmarks/cuda_op_count.py, and the forward thr
   exactly the separate form's launches minus one per call (one decode step and one verification
   batch of k + 1 tokens).
 * No family's decode step launches more than its ceiling (STEP_LAUNCHES: the counts with these
-  fusions; step35 also runs its unclamped SwiGLUs through ops.swiglu).
+  fusions; step35 also runs its unclamped SwiGLUs through ops.swiglu; Gemma 4, Step-3.5 and MiMo-V2
+  their attention through the one-launch kernel with windows, sinks and Step-3.5's head-wise gate,
+  Gemma 4 its GeGLU product through gelu_mul and its rope frequencies made once, ops.rope_inv_freq).
+* Those attentions and GeGLU products are one launch per call, against the torch formulas they
+  were (OWN_ATTENTION).
 * The forward through the kernels (Triton's interpreter on the CPU, compiled kernels on a GPU) gives
   the float32 logits of the torch reference within float32 noise (the fused calls include rope on
   strided head slices: DeepSeek-V3's q[..., dn:], the latent's rope part).
@@ -49,9 +53,13 @@ K = 3
 STEP_LAUNCHES = {
     "llama-release": (303, 183), "qwen3-release": (146, 138), "qwen3moe-release": (226, 218),
     "glm4moe-release": (228, 222), "deepseek2-shapes": (296, 242), "dsa-glm-dsa": (385, 283),
-    "dsa-deepseek32": (401, 299), "chained-hy_v3": (176, 170), "chained-step35": (223, 214),
-    "chained-mimo2": (208, 202), "gemma4-release": (314, 308), "gemma4-moe-shapes": (487, 475),
+    "dsa-deepseek32": (401, 299), "chained-hy_v3": (176, 170), "chained-step35": (223, 139),
+    "chained-mimo2": (208, 141), "gemma4-release": (314, 194), "gemma4-moe-shapes": (487, 359),
 }
+# the families whose graphs attend their own cells (ops.attend_cells: sliding windows, sinks) and
+# Gemma 4's GeGLU (ops.gelu_mul), whose attention and GeGLU product are one launch per call
+# (test_sliding_window_attention_and_gelu_mul_are_one_launch_each)
+OWN_ATTENTION = ("gemma4-release", "gemma4-moe-shapes", "chained-step35", "chained-mimo2")
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +138,44 @@ def test_each_fused_call_is_one_launch_and_no_family_count_rises(files, name):
     assert fused.step.total <= ceiling
 
 
+class CountedAttention(CountedFusions):
+    """The CUDA backend (launches recorded on `meta`) counting, per active op counter, the calls of
+    `attention` and `gelu_mul` and the launches inside them; with `separate`, running them as the
+    torch formulas the graphs ran before (TorchBackend's, which are those formulas)."""
+
+    def add_rms_norm(self, h, delta, weight, eps):
+        return CudaBackend.add_rms_norm(self, h, delta, weight, eps)
+
+    def rope(self, x, cos, sin, style):
+        return CudaBackend.rope(self, x, cos, sin, style)
+
+    def attention(self, *args, **kwargs):
+        form = TorchBackend.attention if self.separate else CudaBackend.attention
+        return self._counted(lambda: form(self, *args, **kwargs))
+
+    def gelu_mul(self, gate, up):
+        form = TorchBackend.gelu_mul if self.separate else CudaBackend.gelu_mul
+        return self._counted(lambda: form(self, gate, up))
+
+
+@pytest.mark.parametrize("name", OWN_ATTENTION)
+def test_sliding_window_attention_and_gelu_mul_are_one_launch_each(files, name):
+    """Gemma 4, Step-3.5 and MiMo-V2 attend (sliding windows, sinks) through the backend's one-launch
+    attention, and Gemma 4's GeGLU product is one gelu_mul launch: against the same backend running
+    those calls as the torch formulas, each call is one launch where it was several, nothing else in
+    the step changed, and the step and the verification batch launch fewer kernels."""
+    path, _ = files(name, "q8_0")
+    fused_backend, separate_backend = CountedAttention(separate=False), CountedAttention(separate=True)
+    fused = cuda_op_count.count_steps(path, "bf16", K, backend=fused_backend)
+    separate = cuda_op_count.count_steps(path, "bf16", K, backend=separate_backend)
+    for what, new, old in (("step", fused.step, separate.step), ("verification", fused.verify, separate.verify)):
+        calls, inside = separate_backend.calls[id(old)], separate_backend.inside[id(old)]
+        print(f"\n[{name}, meta, bf16] {what}: {old.total} -> {new.total} launches: {calls} attention / gelu_mul "
+              f"calls, {inside} launches as torch formulas -> {fused_backend.inside[id(new)]}")
+        assert calls > 0 and fused_backend.calls[id(new)] == calls and fused_backend.inside[id(new)] == calls
+        assert new.total == old.total - inside + calls < old.total
+
+
 def _install(monkeypatch, backend):
     monkeypatch.setattr(backend_module, "_backend", lambda kind: backend)
 
@@ -156,3 +202,33 @@ def test_the_forward_through_the_kernels_equals_the_torch_reference(files, name,
     print(f"\n[{name}, {device}, f32] logits through the kernels vs the torch reference: max |Δlogit| {diff:.2e} "
           f"(largest |logit| {float(reference.abs().max()):.2f})")
     assert diff <= 1e-4  # the float32 noise of a few ulps per norm and rope; a wrong kernel moves logits by O(1)
+
+
+@pytest.mark.parametrize("name", ["gemma4-release", "chained-mimo2"])  # windows; windows with sinks
+def test_greedy_speculative_decoding_equals_plain_through_the_kernels_in_bf16(files, name, monkeypatch):
+    """bf16 through the CUDA backend (its kernels: the windowed attention with sinks, gelu_mul, the
+    norms and rope): verification batches of K + 1 rows give each row the bits of a one-token step,
+    so a synthetic drafter's accepted and rejected drafts leave greedy output equal to plain decoding
+    (with prompts past the sliding windows of the fixtures)."""
+    from specconv.runtime.drafters.synthetic import SyntheticDrafter
+    from specconv.runtime.generate import generate
+    from specconv.runtime.speculative import SpecConfig, speculative_generate
+
+    device = "cuda" if ON_GPU else "cpu"
+    path, prompt = files(name, "q8_0")
+    _install(monkeypatch, CudaBackend(kernels_triton, device_types=(device,)))
+    rows = Counter()  # the attention kernel's launches by query rows
+    real = kernels_triton.attention
+    monkeypatch.setattr(kernels_triton, "attention", lambda q, *a, **kw: rows.update([q.shape[0]]) or real(q, *a, **kw))
+    model = load_model(path, device=device, dtype="bf16")
+    prompt = [t % model.vocab_size for t in prompt[:16]]  # past the fixtures' windows (4 to 8 tokens)
+    plain = generate(model, prompt, 10).tokens
+    spec = speculative_generate(model, SyntheticDrafter(prompt + plain, model.vocab_size, 0.6, seed=2), prompt, 10,
+                                SpecConfig(draft_max=K))
+    stats = spec.stats["speculative"]
+    print(f"\n[{name}, {device}, bf16, kernels] prompt {len(prompt)} tokens; {stats['accepted']} of "
+          f"{stats['drafted']} drafts accepted; attention launches by rows {dict(sorted(rows.items()))}; "
+          f"speculative = plain: {spec.tokens == plain}")
+    assert rows[1] > 0 and rows[K + 1] > 0  # decode steps and verification batches took the kernel
+    assert 0 < stats["accepted"] < stats["drafted"]
+    assert spec.tokens == plain

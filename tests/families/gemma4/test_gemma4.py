@@ -154,12 +154,12 @@ def test_llama_cpp_loads_and_agrees_within_gelu_tolerance(converted):
     import specconv.runtime.graphs.gemma4 as graph
 
     model = load_model(path, device="cpu")
-    saved = graph.gelu_tanh
-    graph.gelu_tanh = lambda x: F.gelu(x.half().float(), approximate="tanh").half().to(x.dtype)
+    saved = graph.gelu_mul
+    graph.gelu_mul = lambda x, up: F.gelu(x.half().float(), approximate="tanh").half().to(x.dtype) * up
     try:
         ours = Context(model, GraphType.MAIN, n_ctx=64).decode(IDS).logits.numpy()
     finally:
-        graph.gelu_tanh = saved
+        graph.gelu_mul = saved
     emulated = np.abs(theirs - ours).max(-1)
     print(f"llama.cpp vs ours with an fp16 GELU table: max {emulated.max():.2e}, rows within 1e-4: "
           f"{int((emulated < 1e-4).sum())}/{len(IDS)}")
@@ -174,12 +174,12 @@ def _fp16_gelu_logits(path, ids):
     import specconv.runtime.graphs.gemma4 as graph
 
     model = load_model(path, device="cpu")
-    saved = graph.gelu_tanh
-    graph.gelu_tanh = lambda x: F.gelu(x.half().float(), approximate="tanh").half().to(x.dtype)
+    saved = graph.gelu_mul
+    graph.gelu_mul = lambda x, up: F.gelu(x.half().float(), approximate="tanh").half().to(x.dtype) * up
     try:
         return Context(model, GraphType.MAIN, n_ctx=64).decode(ids).logits.numpy()
     finally:
-        graph.gelu_tanh = saved
+        graph.gelu_mul = saved
 
 
 def test_moe_variant(tmp_path):
