@@ -15,22 +15,19 @@ TorchBackend.write_kv's index_copy_:
   benchmarks/cuda_op_count.py), falls back to the formula where the kernel does not apply, and
   greedy speculative decoding in bfloat16 equals plain decoding with the kernel.
 
-Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before Triton
-is imported); with one (and TRITON_INTERPRET unset) the same tests run the compiled kernel on CUDA.
+Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set by
+tests/fixtures/triton_mode.py before Triton compiles a kernel); with one (and TRITON_INTERPRET unset) the same tests run the compiled kernel on CUDA.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections import Counter
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first compiled (jitted)
+from tests.fixtures.triton_mode import DEVICE, WHERE  # noqa: E402 (no GPU: the interpreter)
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from benchmarks import cuda_op_count  # noqa: E402
@@ -43,8 +40,6 @@ from specconv.runtime.kernels_triton.attention import block_cells  # noqa: E402
 from specconv.runtime.memory import UNWRITTEN  # noqa: E402
 from tests.fixtures.runtime_common import prompt_ids, tiny_gguf  # noqa: E402
 
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-WHERE = "CUDA" if ON_GPU else "interpreter"
 EPS32 = 2.0 ** -24  # float32's unit roundoff
 BF16_STEP = 2.0 ** -7  # a rounding into bfloat16 moves x by at most this · |x| (truncation: the interpreter)
 

@@ -28,15 +28,12 @@ of the fused operations are the operations the graphs ran before, in the same or
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first compiled (jitted)
+from tests.fixtures.triton_mode import ON_GPU  # noqa: E402 (no GPU: the interpreter)
 
 from benchmarks import cuda_op_count  # noqa: E402
 from specconv.runtime import Context, GraphType, backend as backend_module, kernels_triton, load_model  # noqa: E402

@@ -8,20 +8,16 @@ against the torch reference formulas of runtime/backend_torch.py, which the CPU 
 * the CUDA backend reaches each kernel through the seam (runtime/graphs/ops.py, gdn.gates) and
   keeps the torch formula where a kernel does not apply (float64).
 
-Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before Triton
-is imported); with one (and TRITON_INTERPRET unset) the same tests run the compiled kernels on CUDA.
+Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set by
+tests/fixtures/triton_mode.py before Triton compiles a kernel); with one (and TRITON_INTERPRET unset) the same tests run the compiled kernels on CUDA.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first compiled (jitted)
+from tests.fixtures.triton_mode import DEVICE, WHERE  # noqa: E402 (no GPU: the interpreter)
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from specconv.archs.errors import SpecconvError  # noqa: E402
@@ -29,8 +25,6 @@ from specconv.runtime import kernels_triton as kt  # noqa: E402
 from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
 
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-WHERE = "CUDA" if ON_GPU else "interpreter"
 REF = TorchBackend()
 EPS = 1e-6
 # float32 outputs: within ULPS units in the last place of the reference value. An RMSNorm output

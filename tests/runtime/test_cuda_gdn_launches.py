@@ -19,16 +19,13 @@ is copied, cast or tiled between them, and the CPU keeps the bits of the casts a
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first compiled (jitted)
+from tests.fixtures.triton_mode import DEVICE, ON_GPU, WHERE  # noqa: E402 (no GPU: the interpreter)
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from benchmarks import cuda_op_count  # noqa: E402
@@ -39,8 +36,6 @@ from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
 from specconv.runtime.graphs import gdn, qwen35, qwen3next  # noqa: E402
 from tests.fixtures.runtime_common import tiny_gguf  # noqa: E402
 
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-WHERE = "CUDA" if ON_GPU else "interpreter"
 REF = TorchBackend()
 EPS = 1e-6
 ULPS = 8  # float32 kernel vs torch formula, as tests/runtime/test_cuda_fused_kernels.py (measured: printed)

@@ -20,15 +20,12 @@ position) would be stale at the next replay and show as wrong logits. Checked:
 from __future__ import annotations
 
 import gc
-import os
 import weakref
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first compiled (jitted)
+from tests.fixtures.triton_mode import ON_GPU  # noqa: E402 (no GPU: the interpreter)
 
 from specconv.archs.errors import SpecconvError  # noqa: E402
 from specconv.runtime import Context, GraphType, backend as backend_module, load_model, step_graphs  # noqa: E402

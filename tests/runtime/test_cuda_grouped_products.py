@@ -11,22 +11,19 @@ CudaBackend.linear_group, ops.linear_group):
 * a decode step of the tiny Qwen3.5 launches fewer kernels: each grouped call's per-weight
   launches become one (benchmarks/cuda_op_count.py, on the `meta` device).
 
-Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before Triton
-is imported); with one (and TRITON_INTERPRET unset) the same tests run the compiled kernels on CUDA.
+Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set by
+tests/fixtures/triton_mode.py before Triton compiles a kernel); with one (and TRITON_INTERPRET unset) the same tests run the compiled kernels on CUDA.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first compiled (jitted)
+from tests.fixtures.triton_mode import DEVICE, ON_GPU, WHERE  # noqa: E402 (no GPU: the interpreter)
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from benchmarks import cuda_op_count  # noqa: E402
@@ -42,8 +39,6 @@ from tests.fixtures.quant_rows import sane_rows  # noqa: E402
 from tests.fixtures.runtime_common import tiny_gguf  # noqa: E402
 from tests.runtime.test_triton_kernels import FUSED_BOUND, OUTPUT_ULP, EPS, exact_product  # noqa: E402
 
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-WHERE = "CUDA" if ON_GPU else "interpreter"
 # (type, inner dimension, numbers of rows of the group's matrices, activation dtype): odd sizes, a
 # matrix of many tiles (not cut) next to matrices of few (cut along the inner dimension); 16-bit
 # float rows end part-way through a 32-value step

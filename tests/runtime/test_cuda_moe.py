@@ -10,16 +10,12 @@ Without a GPU the kernels run in Triton's interpreter; with one, compiled on CUD
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first compiled (jitted)
+from tests.fixtures.triton_mode import DEVICE  # noqa: E402 (no GPU: the interpreter)
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from specconv.archs.errors import SpecconvError  # noqa: E402
@@ -33,7 +29,6 @@ from specconv.runtime.stored import StoredWeight  # noqa: E402
 from tests.fixtures.quant_rows import sane_rows  # noqa: E402
 
 torch.set_num_threads(1)
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 N_EXPERT, HIDDEN, FFN = 5, 256, 64  # whole blocks: Q4_K rows of 256, Q8_0 rows of 64
 
 

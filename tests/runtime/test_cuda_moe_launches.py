@@ -21,15 +21,12 @@ Without a GPU the kernel runs in Triton's interpreter; with one, compiled on CUD
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first compiled (jitted)
+from tests.fixtures.triton_mode import DEVICE, ON_GPU  # noqa: E402 (no GPU: the interpreter)
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from benchmarks import cuda_op_count  # noqa: E402
@@ -40,7 +37,6 @@ from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
 from tests.fixtures.runtime_common import tiny_gguf  # noqa: E402
 
 torch.set_num_threads(1)
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 MAX_ULPS = 8  # exp, two divisions and two float32 sums in another order: a few ulps of each weight
 
 

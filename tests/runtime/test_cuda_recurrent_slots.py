@@ -10,21 +10,18 @@ the CUDA backend's code path against the torch reference backend, and against it
   bits of plain one-token decoding, logits and states; prompts longer than a kernel launch take
   the kernels in pieces whose bits are those of one-token launches.
 
-Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before Triton
-is imported) on CPU tensors; with one, the same tests run the compiled kernels on CUDA.
+Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set by
+tests/fixtures/triton_mode.py before Triton compiles a kernel) on CPU tensors; with one, the same tests run the compiled kernels on CUDA.
 """
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first compiled (jitted)
+from tests.fixtures.triton_mode import ON_GPU  # noqa: E402 (no GPU: the interpreter)
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from specconv.runtime import (  # noqa: E402
