@@ -92,12 +92,24 @@ class CudaBackend(TorchBackend):
             n_out, n_in = w.shape
             xs, fanout = w.rows_of(x)
             return self.kernels.expert_matmul(xs, w.experts.raw, w.experts.qtype, n_out, n_in, w.pairs, fanout)
-        if self._stored_matrix(x, w):
+        if self._stored_matrix(x, w, x.dtype) or self._dense_float32(x, w, x.dtype):
+            return self._kernel_product(x, w)
+        return super().linear(x, w)
+
+    def linear_wide(self, x: torch.Tensor, w) -> torch.Tensor:
+        """By an F32 weight the product kernel reads 16-bit rows as they are and widens them inside
+        (the bits of acc(x)): no cast launch first."""
+        if x.dtype in (torch.bfloat16, torch.float16) and (self._stored_matrix(x, w, torch.float32)
+                                                           or self._dense_float32(x, w, torch.float32)):
+            return self._kernel_product(x, w)
+        return super().linear_wide(x, w)
+
+    def _kernel_product(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x @ wᵀ by the product kernel: a stored matrix's bytes, or a dense float32 one's as F32."""
+        if isinstance(w, StoredWeight):
             _count(w)
             return self._packed_product(x, w.raw, w.qtype)
-        if self._dense_float32(x, w):
-            return self._packed_product(x, w.view(torch.uint8), QType.F32)
-        return super().linear(x, w)
+        return self._packed_product(x, w.view(torch.uint8), QType.F32)
 
     def _packed_product(self, x: torch.Tensor, raw: torch.Tensor, qtype) -> torch.Tensor:
         """x @ Wᵀ by kernels_triton.quant_matmul, W's bytes `raw` [n_out, row bytes]; in batch-invariant
@@ -112,20 +124,23 @@ class CudaBackend(TorchBackend):
             return torch.cat(pieces).reshape(*x.shape[:-1], n_out)
         return self.kernels.quant_matmul(x, raw, qtype, n_out, n_in)
 
-    def _stored_matrix(self, x: torch.Tensor, w) -> bool:
-        """Whether the quantized-product kernels take x @ wᵀ with the torch reference's result dtype."""
+    def _stored_matrix(self, x: torch.Tensor, w, dtype: torch.dtype) -> bool:
+        """Whether the quantized-product kernels take x @ wᵀ with a result in `dtype` (the torch
+        reference's: x's for `linear`, float32 for `linear_wide`)."""
         return (isinstance(w, StoredWeight) and w.ndim == 2 and self._kernel_for(w.raw, w.qtype)
                 and x.dtype in KERNEL_DTYPES and x.device == w.raw.device
-                and self.kernels.result_dtype(w.qtype, x.dtype) == x.dtype)
+                and self.kernels.result_dtype(w.qtype, x.dtype) == dtype)
 
-    def _dense_float32(self, x: torch.Tensor, w) -> bool:
-        """Whether the product kernel takes x @ wᵀ for a dense float32 matrix (its bytes read as F32):
-        float32 rows (the reference multiplies w in x's dtype), up to FUSED_MAX_ROWS of them (or any
-        number in batch-invariant mode); cuBLAS through torch otherwise."""
+    def _dense_float32(self, x: torch.Tensor, w, dtype: torch.dtype) -> bool:
+        """Whether the product kernel takes x @ wᵀ for a dense float32 matrix (its bytes read as F32)
+        with a float32 result `dtype` (the reference multiplies w in x's dtype: float32 rows for
+        `linear`), up to FUSED_MAX_ROWS rows (or any number in batch-invariant mode); cuBLAS through
+        torch otherwise."""
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         return (self.kernels is not None and isinstance(w, torch.Tensor) and w.dtype == torch.float32
-                and w.dim() == 2 and w.numel() > 0 and w.stride(-1) == 1 and x.dtype == torch.float32
-                and x.shape[-1] == w.shape[1] and w.device == x.device and w.device.type in self.device_types
+                and w.dim() == 2 and w.numel() > 0 and w.stride(-1) == 1 and dtype == torch.float32
+                and x.dtype in KERNEL_DTYPES and x.shape[-1] == w.shape[1] and w.device == x.device
+                and w.device.type in self.device_types
                 and (0 < rows <= self.kernels.FUSED_MAX_ROWS or (rows > 0 and rows_alone())))
 
     def linear_group(self, x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
@@ -139,7 +154,7 @@ class CudaBackend(TorchBackend):
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         if self.kernels is not None and 0 < rows <= self.kernels.FUSED_MAX_ROWS:
             for i, w in enumerate(ws):
-                if self._stored_matrix(x, w) and w.shape[1] == x.shape[-1]:
+                if self._stored_matrix(x, w, x.dtype) and w.shape[1] == x.shape[-1]:
                     groups.setdefault(w.qtype, []).append(i)
         packed_x = x.contiguous() if groups else x
         for qtype, members in groups.items():

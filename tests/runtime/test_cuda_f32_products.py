@@ -10,10 +10,12 @@ _quant_jit.py), and the CUDA backend taking them there:
   float32 product; a group of F32 matrices each the bits of its own product;
 * CudaBackend.linear: a dense float32 matrix (viewed as bytes, no copy) or a stored F32 one times
   float32 rows through the kernel; rows in another dtype, where the torch reference multiplies in
-  that dtype, through the reference (its bits);
+  that dtype, through the reference (its bits). CudaBackend.linear_wide (acc(x) @ wᵀ, what the
+  graphs ask of a router or a gate): bfloat16 rows by an F32 weight straight into the kernel, the
+  bits of the widened rows' product; by a weight of another type, the widened rows through `linear`;
 * launches of the tiny Qwen3.5 MoE (counted on `meta` by benchmarks/cuda_op_count.py): each F32
   product one launch, the same in a decode step and in a 4-row verification, where the reference
-  took a cast and a product per row and a concatenation.
+  took the widening cast, a cast and a product per row and a concatenation.
 Without a GPU the kernels run in Triton's interpreter; with one, compiled on CUDA.
 """
 
@@ -189,6 +191,34 @@ def test_other_rows_keep_the_torch_reference(form, kernel_calls):
     assert torch.equal(y[16:], product(x[16:], w)) and torch.equal(y[:1], product(x[:1], w))
 
 
+@pytest.mark.parametrize("form", ["dense", "stored"])
+def test_wide_products_read_16bit_rows_as_they_are(form, kernel_calls):
+    backend = CudaBackend(kt, device_types=(DEVICE.type,))
+    n_out, n_in = 7, 352
+    w = matrix(n_out, n_in, seed=15)
+    weight = w.to(DEVICE) if form == "dense" else stored(w)
+    for n in (1, 4):
+        x = rows_of(n, n_in, seed=16 + n).bfloat16()
+        before = kernel_calls[QType.F32]
+        y = backend.linear_wide(x.to(DEVICE), weight).cpu()
+        assert kernel_calls[QType.F32] == before + 1
+        assert y.dtype == torch.float32 and torch.equal(y, product(x.float(), w))
+        assert torch.equal(TorchBackend().linear_wide(x, w), TorchBackend().linear(x.float(), w))
+
+
+def test_wide_products_by_other_types_widen_the_rows_first(kernel_calls):
+    """A router stored as BF16 (kept float32 when used): bfloat16 rows widened, then the BF16 kernel
+    with a float32 result, as `linear` of the widened rows gives."""
+    backend = CudaBackend(kt, device_types=(DEVICE.type,))
+    n_out, n_in = 7, 352
+    w = matrix(n_out, n_in, seed=17).bfloat16()
+    weight = StoredWeight(w.to(DEVICE).view(torch.uint8), QType.BF16, (n_out, n_in), torch.float32, DEVICE)
+    x = rows_of(3, n_in, seed=18).bfloat16().to(DEVICE)
+    y = backend.linear_wide(x, weight)
+    assert y.dtype == torch.float32 and torch.equal(y, backend.linear(x.float(), weight))
+    assert kernel_calls[QType.BF16] == 2 and not kernel_calls[QType.F32]
+
+
 # ---- launches -------------------------------------------------------------------------------------------
 
 def _is_f32(w) -> bool:
@@ -198,19 +228,34 @@ def _is_f32(w) -> bool:
 
 class CountedF32(CudaBackend):
     """The CUDA backend (or with `reference`, its products by float32 weights through the torch
-    reference, as before the F32 kernel), counting those products and the launches inside them."""
+    reference, as before the F32 kernel), counting those products (`linear`, `linear_wide`) and the
+    launches inside them (the widening of `linear_wide` included)."""
 
     def __init__(self, reference: bool):
         super().__init__(kt, device_types=("meta",))
         self.reference = reference
         self.calls, self.inside = Counter(), Counter()
+        self._depth = 0
 
     def linear(self, x, w):
+        return self._counted(x, w, CudaBackend.linear, TorchBackend.linear)
+
+    def linear_wide(self, x, w):
+        return self._counted(x, w, CudaBackend.linear_wide, TorchBackend.linear_wide)
+
+    def _counted(self, x, w, kernel_form, torch_form):
         counters = cuda_op_count.active_counters()
         if not (counters and _is_f32(w)):
-            return super().linear(x, w)
-        with cuda_op_count.counting() as inside:
-            out = TorchBackend.linear(self, x, w) if self.reference else super().linear(x, w)
+            return kernel_form(self, x, w)
+        method = torch_form if self.reference else kernel_form
+        if self._depth:  # linear_wide's own `linear`: counted with it
+            return method(self, x, w)
+        self._depth += 1
+        try:
+            with cuda_op_count.counting() as inside:
+                out = method(self, x, w)
+        finally:
+            self._depth -= 1
         self.calls[id(counters[0].tally)] += 1
         self.inside[id(counters[0].tally)] += inside.tally.total
         return out
@@ -235,6 +280,7 @@ def test_an_f32_product_is_one_launch_in_a_step_and_a_verification(moe_q8):
         assert calls == old_calls == 2 * n_blocks
         assert inside == calls  # one launch each (these matrices are not cut)
         assert fresh.total == before.total - old_inside + inside
-    rows = k + 1  # the reference: a cast and a product per row, a concatenation
-    assert old_backend.inside[id(old.verify)] - old_backend.inside[id(old.step)] == 2 * (rows - 1) * 2 * n_blocks
+    rows = k + 1  # the reference: the widening, a cast and a product per row, a concatenation
+    assert old_backend.inside[id(old.step)] == (2 + 2) * 2 * n_blocks
+    assert old_backend.inside[id(old.verify)] == (2 + 2 * rows) * 2 * n_blocks
     assert new_backend.inside[id(new.verify)] == new_backend.inside[id(new.step)]
