@@ -108,13 +108,12 @@ class CudaBackend(TorchBackend):
         """x @ wᵀ by the product kernel: a stored matrix's bytes, or a dense float32 one's as F32."""
         if isinstance(w, StoredWeight):
             _count(w)
-            return self._packed_product(x, w.raw, w.qtype)
-        return self._packed_product(x, w.view(torch.uint8), QType.F32)
+            return self._packed_product(x, w.raw, w.qtype, *w.shape)
+        return self._packed_product(x, w.view(torch.uint8), QType.F32, *w.shape)
 
-    def _packed_product(self, x: torch.Tensor, raw: torch.Tensor, qtype) -> torch.Tensor:
+    def _packed_product(self, x: torch.Tensor, raw: torch.Tensor, qtype, n_out: int, n_in: int) -> torch.Tensor:
         """x @ Wᵀ by kernels_triton.quant_matmul, W's bytes `raw` [n_out, row bytes]; in batch-invariant
         mode a longer batch in pieces of FUSED_MAX_ROWS rows, every row as in a decode step."""
-        n_out, n_in = raw.shape[0], x.shape[-1]
         x = x.contiguous()
         step = self.kernels.FUSED_MAX_ROWS
         xs = x.reshape(-1, n_in)
@@ -132,10 +131,10 @@ class CudaBackend(TorchBackend):
                 and self.kernels.result_dtype(w.qtype, x.dtype) == dtype)
 
     def _dense_float32(self, x: torch.Tensor, w, dtype: torch.dtype) -> bool:
-        """Whether the product kernel takes x @ wᵀ for a dense float32 matrix (its bytes read as F32)
-        with a float32 result `dtype` (the reference multiplies w in x's dtype: float32 rows for
-        `linear`), up to FUSED_MAX_ROWS rows (or any number in batch-invariant mode); cuBLAS through
-        torch otherwise."""
+        """Whether the product kernel takes x @ wᵀ for a dense float32 matrix (its bytes read as F32):
+        where the reference's result `dtype` is float32 (`linear` multiplies w in x's dtype: float32
+        rows only; `linear_wide` any), up to FUSED_MAX_ROWS rows (or any number in batch-invariant
+        mode); cuBLAS through torch otherwise."""
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         return (self.kernels is not None and isinstance(w, torch.Tensor) and w.dtype == torch.float32
                 and w.dim() == 2 and w.numel() > 0 and w.stride(-1) == 1 and dtype == torch.float32

@@ -127,6 +127,14 @@ def test_a_group_of_f32_matrices_gives_each_its_own_bits():
         assert y.dtype == torch.float32 and torch.equal(y.cpu(), product(x, w))
 
 
+def test_f32_rows_dequantized():
+    """The tile source of the prompt path: float32 values as stored, float16 as torch rounds them."""
+    w = matrix(37, 100, seed=19)
+    packed = w.to(DEVICE).view(torch.uint8)
+    assert torch.equal(kt.dequantize_rows(packed, QType.F32, 37, 100, torch.float32).cpu(), w)
+    assert torch.equal(kt.dequantize_rows(packed, QType.F32, 37, 100, torch.float16).cpu(), w.half())
+
+
 # ---- the CUDA backend ---------------------------------------------------------------------------------
 
 def stored(w: torch.Tensor) -> StoredWeight:
