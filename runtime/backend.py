@@ -6,6 +6,7 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
 
     dequantize_rows(raw, qtype, dtype)          packed rows -> values (runtime/dequant.py's values)
     linear(x, w)                                x @ wᵀ, w a StoredWeight or a tensor [out, in]
+    linear_wide(x, w)                           acc(x) @ wᵀ (a weight kept float32: x read as it is)
     linear_group(x, [w, ...])                   (x @ w₀ᵀ, x @ w₁ᵀ, ...): the same rows by several weights
     moe(x, weights, chosen, experts)            Σ_slots weight · expert(x) over the routed experts
     route_softmax_topk(logits, k)               a softmax router's (weights, chosen experts) [n, k]

@@ -3,7 +3,9 @@ installed and the call fits, the torch reference it inherits otherwise (float64,
 still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 types).
 
 * `dequantize_rows`: kernels_triton.dequantize_rows for KERNEL_TYPES (runtime/dequant.py's values).
-* `linear`: kernels_triton.quant_matmul for a stored matrix of a KERNEL_TYPE — up to
+* `linear`: kernels_triton.quant_matmul for a stored matrix of a KERNEL_TYPE, or a dense float32
+  matrix (read as F32 bytes, no copy: the weights a graph keeps float32, MoE routers and gates, in
+  `--weights dense`), where its result has the torch reference's dtype (x's) — up to
   FUSED_MAX_ROWS rows in one pass over the packed weights whose per-row result does not depend on
   the number of rows; more rows (prompts) by dequantized tiles and cuBLAS, or, inside
   `batch_invariant(True)`, as pieces of FUSED_MAX_ROWS rows through the one-pass kernel, so that
@@ -48,7 +50,7 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
 from __future__ import annotations
 
 import torch
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 from specconv.runtime import dequant
 from specconv.runtime.backend import Experts, rows_alone
@@ -76,7 +78,9 @@ class CudaBackend(TorchBackend):
                 and raw.device.type in self.device_types and raw.numel() > 0)
 
     def dequantize_rows(self, raw: torch.Tensor, qtype, dtype: torch.dtype) -> torch.Tensor:
-        if self._kernel_for(raw, qtype) and dtype in KERNEL_DTYPES and not dequant.is_view(qtype, dtype):
+        # F32 rows into another dtype: torch's one cast launch, rounded as the reference rounds
+        if (self._kernel_for(raw, qtype) and dtype in KERNEL_DTYPES and not dequant.is_view(qtype, dtype)
+                and qtype != QType.F32):
             dequant.check_rows(raw, qtype, dtype)
             block, size = GGML_QUANT_SIZES[qtype]
             row_bytes = raw.shape[-1]
@@ -90,23 +94,55 @@ class CudaBackend(TorchBackend):
             n_out, n_in = w.shape
             xs, fanout = w.rows_of(x)
             return self.kernels.expert_matmul(xs, w.experts.raw, w.experts.qtype, n_out, n_in, w.pairs, fanout)
-        if self._stored_matrix(x, w):
-            n_out, n_in = w.shape
-            _count(w)
-            x = x.contiguous()
-            step = self.kernels.FUSED_MAX_ROWS
-            xs = x.reshape(-1, n_in)
-            if rows_alone() and xs.shape[0] > step:  # every row through the one-pass kernel, as in decode
-                pieces = [self.kernels.quant_matmul(xs[i:i + step], w.raw, w.qtype, n_out, n_in)
-                          for i in range(0, xs.shape[0], step)]
-                return torch.cat(pieces).reshape(*x.shape[:-1], n_out)
-            return self.kernels.quant_matmul(x, w.raw, w.qtype, n_out, n_in)
+        if self._stored_matrix(x, w, x.dtype) or self._dense_float32(x, w, x.dtype):
+            return self._kernel_product(x, w)
         return super().linear(x, w)
 
-    def _stored_matrix(self, x: torch.Tensor, w) -> bool:
-        """Whether the quantized-product kernels take x @ wᵀ."""
+    def linear_wide(self, x: torch.Tensor, w) -> torch.Tensor:
+        """By an F32 weight the product kernel reads 16-bit rows as they are and widens them inside
+        (the bits of acc(x)): no cast launch first."""
+        if x.dtype in (torch.bfloat16, torch.float16) and (self._stored_matrix(x, w, torch.float32)
+                                                           or self._dense_float32(x, w, torch.float32)):
+            return self._kernel_product(x, w)
+        return super().linear_wide(x, w)
+
+    def _kernel_product(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x @ wᵀ by the product kernel: a stored matrix's bytes, or a dense float32 one's as F32."""
+        if isinstance(w, StoredWeight):
+            _count(w)
+            return self._packed_product(x, w.raw, w.qtype, *w.shape)
+        return self._packed_product(x, w.view(torch.uint8), QType.F32, *w.shape)
+
+    def _packed_product(self, x: torch.Tensor, raw: torch.Tensor, qtype, n_out: int, n_in: int) -> torch.Tensor:
+        """x @ Wᵀ by kernels_triton.quant_matmul, W's bytes `raw` [n_out, row bytes]; in batch-invariant
+        mode a longer batch in pieces of FUSED_MAX_ROWS rows, every row as in a decode step."""
+        x = x.contiguous()
+        step = self.kernels.FUSED_MAX_ROWS
+        xs = x.reshape(-1, n_in)
+        if rows_alone() and xs.shape[0] > step:  # every row through the one-pass kernel, as in decode
+            pieces = [self.kernels.quant_matmul(xs[i:i + step], raw, qtype, n_out, n_in)
+                      for i in range(0, xs.shape[0], step)]
+            return torch.cat(pieces).reshape(*x.shape[:-1], n_out)
+        return self.kernels.quant_matmul(x, raw, qtype, n_out, n_in)
+
+    def _stored_matrix(self, x: torch.Tensor, w, dtype: torch.dtype) -> bool:
+        """Whether the quantized-product kernels take x @ wᵀ with a result in `dtype` (the torch
+        reference's: x's for `linear`, float32 for `linear_wide`)."""
         return (isinstance(w, StoredWeight) and w.ndim == 2 and self._kernel_for(w.raw, w.qtype)
-                and x.dtype in KERNEL_DTYPES and x.device == w.raw.device)
+                and x.dtype in KERNEL_DTYPES and x.device == w.raw.device
+                and self.kernels.result_dtype(w.qtype, x.dtype) == dtype)
+
+    def _dense_float32(self, x: torch.Tensor, w, dtype: torch.dtype) -> bool:
+        """Whether the product kernel takes x @ wᵀ for a dense float32 matrix (its bytes read as F32):
+        where the reference's result `dtype` is float32 (`linear` multiplies w in x's dtype: float32
+        rows only; `linear_wide` any), up to FUSED_MAX_ROWS rows (or any number in batch-invariant
+        mode); cuBLAS through torch otherwise."""
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        return (self.kernels is not None and isinstance(w, torch.Tensor) and w.dtype == torch.float32
+                and w.dim() == 2 and w.numel() > 0 and w.stride(-1) == 1 and dtype == torch.float32
+                and x.dtype in KERNEL_DTYPES and x.shape[-1] == w.shape[1] and w.device == x.device
+                and w.device.type in self.device_types
+                and (0 < rows <= self.kernels.FUSED_MAX_ROWS or (rows > 0 and rows_alone())))
 
     def linear_group(self, x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
         if len(ws) == 2 and all(isinstance(w, PairedExperts) for w in ws) and ws[0].pairs_with(ws[1]):
@@ -119,7 +155,7 @@ class CudaBackend(TorchBackend):
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         if self.kernels is not None and 0 < rows <= self.kernels.FUSED_MAX_ROWS:
             for i, w in enumerate(ws):
-                if self._stored_matrix(x, w) and w.shape[1] == x.shape[-1]:
+                if self._stored_matrix(x, w, x.dtype) and w.shape[1] == x.shape[-1]:
                     groups.setdefault(w.qtype, []).append(i)
         packed_x = x.contiguous() if groups else x
         for qtype, members in groups.items():
@@ -138,7 +174,8 @@ class CudaBackend(TorchBackend):
         stored = [w for w in (experts.gate, experts.up, experts.down) if w is not None]
         if (0 < x.shape[0] <= GATHER_MAX_ROWS and x.dtype in KERNEL_DTYPES and weights.dtype in KERNEL_DTYPES
                 and all(isinstance(w, StoredWeight) and w.ndim == 3 and self._kernel_for(w.raw, w.qtype)
-                        and w.raw.device == x.device for w in stored)):
+                        and w.raw.device == x.device and self.kernels.result_dtype(w.qtype, x.dtype) == x.dtype
+                        for w in stored)):
             return self.moe_by_pairs(x, weights, chosen, experts)
         return super().moe(x, weights, chosen, experts)
 

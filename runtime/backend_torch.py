@@ -88,6 +88,10 @@ class TorchBackend:
             out[..., start:start + values.shape[0]] = _product(x, values)
         return out
 
+    def linear_wide(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x in the accumulation dtype, then `linear`."""
+        return self.linear(ops.acc(x), w)
+
     def linear_group(self, x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
         """(x @ w₀ᵀ, x @ w₁ᵀ, ...): `linear` by each weight in turn."""
         return tuple(self.linear(x, w) for w in ws)

@@ -70,6 +70,15 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     return for_device(x.device).linear(x, w)
 
 
+def linear_wide(x: torch.Tensor, w) -> torch.Tensor:
+    """acc(x) @ wᵀ for a weight the graph keeps float32 (a router, a gate), by the backend: it may
+    read x in its own dtype (CUDA: widened inside the product kernel, no cast launch first)."""
+    observer = activation_observer()
+    if observer is not None:
+        observer.product(x, w)
+    return for_device(x.device).linear_wide(x, w)
+
+
 def linear_group(x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
     """(x @ w₀ᵀ, x @ w₁ᵀ, ...): the same rows by several weights, each output what `linear` gives; the
     backend may run them together (one launch per weight type on CUDA, runtime/backend_cuda.py)."""
@@ -302,7 +311,7 @@ def moe_softmax_topk(x: torch.Tensor, router: torch.Tensor, n_used: int, gate_ex
 
     router [E, H]; gate/up_exps [E, Fe, H]; down_exps [E, H, Fe].
     """
-    weights, chosen = for_device(x.device).route_softmax_topk(linear(acc(x), router), n_used)
+    weights, chosen = for_device(x.device).route_softmax_topk(linear_wide(x, router), n_used)
     return moe(x, weights, chosen, Experts(gate_exps, up_exps, down_exps, swiglu))
 
 

@@ -18,8 +18,8 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn, trunk
 from specconv.runtime.graphs.decoder import Residual
 from specconv.runtime.graphs.ops import (
-    acc, add_gated_shared, cached_attention, check_rope_scaling, gated_rms_norm, l2_norm, linear,
-    linear_group, moe_softmax_topk, rms_norm, rope_cos_sin_scaled, rope_neox_partial, swiglu,
+    add_gated_shared, cached_attention, check_rope_scaling, gated_rms_norm, l2_norm, linear, linear_group,
+    linear_wide, moe_softmax_topk, rms_norm, rope_cos_sin_scaled, rope_neox_partial, swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -89,7 +89,7 @@ def ffn(w, hp: Qwen35HParams, i: int, x: torch.Tensor) -> torch.Tensor:
                               w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"])
     shared = swiglu(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
     gate_w = w[p + "ffn_gate_inp_shexp.weight"]  # [1, H]; [H] as llama.cpp's converter writes it
-    gate = linear(acc(x), gate_w if gate_w.ndim == 2 else gate_w.reshape(1, -1))  # σ applied in add_gated_shared
+    gate = linear_wide(x, gate_w if gate_w.ndim == 2 else gate_w.reshape(1, -1))  # σ applied in add_gated_shared
     return add_gated_shared(routed, shared, gate)
 
 

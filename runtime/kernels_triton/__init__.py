@@ -1,6 +1,6 @@
 """CUDA kernels in Triton for the runtime's hot operations (docs/runtime.md, "CUDA kernels (Triton)").
 
-    quant_matmul(x, packed, qtype, n_out, n_in)          x @ Wᵀ, W packed in its GGUF type
+    quant_matmul(x, packed, qtype, n_out, n_in)          x @ Wᵀ, W packed in its GGUF type (result_dtype)
     expert_matmul(x, experts, qtype, n_out, n_in, chosen)   row r @ W[chosen[r]]ᵀ: routed experts by index
     expert_matmul_pair(x, [experts, experts2], ...)      the same pairs by two expert tensors, one launch
     grouped_matmul(x, [packed, ...], qtype, [n_out, ...], n_in)   x @ Wᵢᵀ for several matrices, one launch
@@ -33,7 +33,7 @@ from specconv.runtime.kernels_triton.conv import causal_conv
 from specconv.runtime.kernels_triton.dequant import KERNEL_TYPES, dequantize_rows
 from specconv.runtime.kernels_triton.gdn import MAX_TOKENS, gdn_step
 from specconv.runtime.kernels_triton.matmul import (FUSED_MAX_ROWS, expert_matmul, expert_matmul_pair, grouped_matmul,
-                                                    quant_matmul)
+                                                    quant_matmul, result_dtype)
 from specconv.runtime.kernels_triton.norm import MAX_WIDTH as MAX_NORM_WIDTH, l2_norm, rms_norm
 from specconv.runtime.kernels_triton.rope import rope
 from specconv.runtime.kernels_triton.routing import (MAX_EXPERTS as MAX_ROUTED_EXPERTS, add_gated_shared, moe_combine,
@@ -41,5 +41,5 @@ from specconv.runtime.kernels_triton.routing import (MAX_EXPERTS as MAX_ROUTED_E
 
 __all__ = ["add_gated_shared", "attention", "available", "causal_conv", "dequantize_rows", "expert_matmul",
            "expert_matmul_pair", "gdn_gates", "gdn_step", "gelu_mul", "grouped_matmul", "l2_norm", "moe_combine",
-           "quant_matmul", "rms_norm", "rope", "silu_mul", "softmax_topk", "write_kv", "FUSED_MAX_ROWS", "KERNEL_TYPES",
-           "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS", "MAX_TOKENS"]
+           "quant_matmul", "result_dtype", "rms_norm", "rope", "silu_mul", "softmax_topk", "write_kv", "FUSED_MAX_ROWS",
+           "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS", "MAX_TOKENS"]

@@ -2,7 +2,7 @@
 
 A weight is a uint8 matrix [n_out, row bytes] (runtime/stored.py `StoredWeight.raw`). Every kernel
 walks a row in steps of 32 consecutive values: one Q8_0 block, one 32-value sub-block of a Q4_K /
-Q5_K super-block, two 16-value sub-blocks of a Q6_K one, or 32 BF16 / F16 values. `_decode` turns
+Q5_K super-block, two 16-value sub-blocks of a Q6_K one, or 32 BF16 / F16 / F32 values. `_decode` turns
 step `s` of block `blk` of BLOCK_N rows into float32 [BLOCK_N, 32], with the formulas and the order
 of float32 operations of runtime/dequant.py (bit-identical where the compiler does not contract a
 product and a difference into one FMA: the dequantizing launch asks it not to). Multi-byte fields are
@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 # ggml type numbers (gguf.GGMLQuantizationType), as compile-time constants
+F32 = tl.constexpr(0)
 F16 = tl.constexpr(1)
 Q8_0 = tl.constexpr(8)
 Q4_K = tl.constexpr(12)
@@ -56,7 +57,7 @@ def _k_scale_min(ptr, s: tl.constexpr, mask):
 def _decode(rows, blk, s: tl.constexpr, i, row_ok, blk_ok, n_in, QTYPE: tl.constexpr, BYTES: tl.constexpr):
     """float32 [BLOCK_N, NB, 32]: values 32 s + i of blocks `blk` [NB] (each BYTES long) of the rows
     starting at `rows` [BLOCK_N] (uint8 pointers). `blk_ok` [NB] masks blocks past the row's end, and
-    for 16-bit floats values past n_in (a row may end part-way through a 32-value step)."""
+    for 16/32-bit floats values past n_in (a row may end part-way through a 32-value step)."""
     ok2 = row_ok[:, None] & blk_ok[None, :]
     base = rows[:, None] + blk.to(tl.int64)[None, :] * BYTES  # [BLOCK_N, NB]
     at = base[:, :, None] + i[None, None, :]                   # [BLOCK_N, NB, 32]: byte i after each block start
@@ -81,9 +82,13 @@ def _decode(rows, blk, s: tl.constexpr, i, row_ok, blk_ok, n_in, QTYPE: tl.const
         scale = tl.load(base[:, :, None] + 192 + 2 * s + i[None, None, :] // 16, mask=ok, other=0)
         step = _f16(base + 208, ok2)[:, :, None] * scale.to(tl.int8, bitcast=True).to(tl.float32)
         return ((low | (high << 4)) - 32).to(tl.float32) * step
-    else:  # BF16 / F16: 32 values of 2 bytes per step
+    else:  # BF16 / F16 / F32: 32 values of BYTES // 32 bytes per step
         ok = ok & (blk[None, :, None] * 32 + i[None, None, :] < n_in)
-        at = base[:, :, None] + 2 * i[None, None, :]
+        at = base[:, :, None] + (BYTES // 32) * i[None, None, :]
+        if QTYPE == F32:  # the four little-endian bytes of a float32
+            bits = _byte(at, ok).to(tl.uint32) | (_byte(at + 1, ok).to(tl.uint32) << 8)
+            bits = bits | (_byte(at + 2, ok).to(tl.uint32) << 16) | (_byte(at + 3, ok).to(tl.uint32) << 24)
+            return bits.to(tl.float32, bitcast=True)
         if QTYPE == BF16:  # the top half of a float32
             bits = _byte(at, ok).to(tl.uint32) | (_byte(at + 1, ok).to(tl.uint32) << 8)
             return (bits << 16).to(tl.float32, bitcast=True)

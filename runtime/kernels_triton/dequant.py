@@ -5,7 +5,7 @@
 `packed`: uint8 [rows, row bytes] (or [..., row bytes] whose leading dims hold `rows` rows) exactly as
 runtime/stored.py keeps a weight (`StoredWeight.raw`), on a CUDA device (or the CPU under
 TRITON_INTERPRET=1); rows may be a strided view as long as each row is contiguous. `qtype` one of
-KERNEL_TYPES (Q8_0, Q4_K, Q5_K, Q6_K, BF16, F16). Values are decoded in float32 with
+KERNEL_TYPES (Q8_0, Q4_K, Q5_K, Q6_K, BF16, F16, F32). Values are decoded in float32 with
 runtime/dequant.py's formulas and operation order (bit-identical to it and to gguf.quants in
 float32) and cast to `dtype` once. This is the tile source of the prompt path of
 kernels_triton.quant_matmul (dequantize a piece of W, then one dense product).
@@ -21,11 +21,11 @@ from specconv.runtime.dequant import row_bytes
 from specconv.runtime.kernels_triton import _common
 
 # type -> (values, bytes) of the unit a kernel step walks: the GGUF block, or 32 values of a
-# 16-bit float row (whose rows may end part-way through one)
+# 16/32-bit float row (whose rows may end part-way through one)
 GEOMETRY = {
     QType.Q8_0: GGML_QUANT_SIZES[QType.Q8_0], QType.Q4_K: GGML_QUANT_SIZES[QType.Q4_K],
     QType.Q5_K: GGML_QUANT_SIZES[QType.Q5_K], QType.Q6_K: GGML_QUANT_SIZES[QType.Q6_K],
-    QType.BF16: (32, 64), QType.F16: (32, 64),
+    QType.BF16: (32, 64), QType.F16: (32, 64), QType.F32: (32, 128),
 }
 KERNEL_TYPES = frozenset(GEOMETRY)
 BLOCK_N = 32  # weight rows per program

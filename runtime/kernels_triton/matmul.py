@@ -1,15 +1,18 @@
 """x @ Wᵀ with W kept in its GGUF type, for decode steps and verification batches in one pass.
 
-    quant_matmul(x, packed, qtype, n_out, n_in, out=None) -> y [..., n_out]   (x's dtype)
+    quant_matmul(x, packed, qtype, n_out, n_in, out=None) -> y [..., n_out]   (result_dtype)
     grouped_matmul(x, [packed, ...], qtype, [n_out, ...], n_in) -> (y, ...)    (x @ Wᵢᵀ for each i)
 
 x: float32 / bfloat16 / float16 [..., n_in]; `packed`: W's bytes as runtime/stored.py keeps them
 (`StoredWeight.raw`, uint8 [n_out, row bytes]), on x's device (CUDA, or the CPU under
-TRITON_INTERPRET=1); `qtype` one of dequant.KERNEL_TYPES (Q8_0, Q4_K, Q5_K, Q6_K, BF16, F16).
+TRITON_INTERPRET=1); `qtype` one of dequant.KERNEL_TYPES (Q8_0, Q4_K, Q5_K, Q6_K, BF16, F16, F32).
+The result is in x's dtype, except by an F32 W (the small matrices a graph keeps float32 whatever
+the compute dtype: MoE routers, gates): float32, x read in its own dtype and widened inside, so a
+bfloat16 x gives the bits of x.float() and the caller needs no cast launch of its own.
 
 * Up to FUSED_MAX_ROWS activation rows (a decode step, the check of k drafts): one kernel that walks
   W once, decoding each block in registers and multiplying it with every row; float32 products and
-  sums, one rounding into x's dtype at the end. A row's result does not depend on how many rows
+  sums, one rounding into the result's dtype at the end. A row's result does not depend on how many rows
   the call holds (each row's sum runs the same operations in the same order), so a verification
   batch reproduces the one-row decode step bit for bit. A matrix with few rows of tiles is also cut
   along its inner dimension (`split_plan`: a function of W's shape and the device only), so that the
@@ -19,9 +22,9 @@ TRITON_INTERPRET=1); `qtype` one of dequant.KERNEL_TYPES (Q8_0, Q4_K, Q5_K, Q6_K
   a program id standing for (matrix, tile of weight rows, piece), each matrix with its own tiling
   and split plan, so that each output has the bits quant_matmul gives that matrix alone; the pieces
   of the cut ones added by one more launch.
-* More rows (prompts): W a piece at a time through dequant.dequantize_rows into x's dtype, each
-  piece multiplied by torch's dense product (cuBLAS on a GPU). A 16-bit float W in x's own dtype
-  is multiplied as it is stored.
+* More rows (prompts): W a piece at a time through dequant.dequantize_rows into the result's dtype, each
+  piece multiplied by torch's dense product (cuBLAS on a GPU). A float W in the result's dtype (a
+  16-bit one in x's, an F32 one) is multiplied as it is stored.
 """
 
 from __future__ import annotations
@@ -39,19 +42,26 @@ from specconv.runtime.kernels_triton.dequant import GEOMETRY, dequantize_rows, p
 FUSED_MAX_ROWS = 16
 FUSED_ROWS = 16  # weight rows per program of the one-pass kernel
 # blocks per step of the one-pass kernel: a [16, 256]-value tile (4096 values decoded per step)
-STEP_BLOCKS = {QType.Q8_0: 8, QType.Q4_K: 1, QType.Q5_K: 1, QType.Q6_K: 1, QType.BF16: 8, QType.F16: 8}
+STEP_BLOCKS = {QType.Q8_0: 8, QType.Q4_K: 1, QType.Q5_K: 1, QType.Q6_K: 1, QType.BF16: 8, QType.F16: 8,
+               QType.F32: 8}
 PROGRAMS_PER_SM = 4  # programs in flight per multiprocessor that keep the memory system busy
 FUSED_WARPS = 4
 SUM_BLOCK = 1024
 GROUP_MAX = 4  # matrices per launch of grouped_matmul (one pointer argument each)
 # values of W dequantized per piece of the prompt path (32 MB in bfloat16)
 TILE_VALUES = 1 << 24
-_FLOAT_TYPES = {QType.BF16: torch.bfloat16, QType.F16: torch.float16}
+_FLOAT_TYPES = {QType.BF16: torch.bfloat16, QType.F16: torch.float16, QType.F32: torch.float32}
+
+
+def result_dtype(qtype: QType, x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of x @ Wᵀ: float32 for an F32 W (a matrix kept float32 keeps its product float32,
+    as x.float() @ W does), x's dtype otherwise."""
+    return torch.float32 if qtype == QType.F32 else x_dtype
 
 
 def quant_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int, n_in: int,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ Wᵀ for a packed [n_out, n_in] matrix W, in x's dtype (written into `out` when given:
+    """y = x @ Wᵀ for a packed [n_out, n_in] matrix W, in result_dtype (written into `out` when given:
     a contiguous tensor [..., n_out])."""
     op = "quant_matmul"
     packed = packed_matrix(op, packed, qtype, n_out, n_in)
@@ -62,13 +72,14 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int
     xs = x.reshape(-1, n_in)
     _common.check_last_contiguous(op, "x", xs)
     rows = xs.shape[0]
+    dtype = result_dtype(qtype, x.dtype)
     if out is None:
-        out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=device)
+        out = torch.empty(*x.shape[:-1], n_out, dtype=dtype, device=device)
     else:
         _common.check_shape(op, "out", out, (*x.shape[:-1], n_out))
         _common.check_device(op, x, out)
-        if out.dtype != x.dtype or not out.is_contiguous():
-            raise SpecconvError(f"{op}: out must be a contiguous {x.dtype} tensor (got {out.dtype}, "
+        if out.dtype != dtype or not out.is_contiguous():
+            raise SpecconvError(f"{op}: out must be a contiguous {dtype} tensor (got {out.dtype}, "
                                 f"strides {out.stride()})")
     ys = out.view(rows, n_out)
     if rows == 0:
@@ -76,12 +87,14 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int
     if rows <= FUSED_MAX_ROWS:
         _one_pass(xs, packed, ys, qtype, n_out, n_in, device)
         return out
-    if _FLOAT_TYPES.get(qtype) == x.dtype and packed.data_ptr() % 2 == 0 and packed.stride(0) % 2 == 0:
-        torch.mm(xs, packed.view(x.dtype).t(), out=ys)
+    xs = xs.to(dtype)
+    if (_FLOAT_TYPES.get(qtype) == dtype and packed.data_ptr() % dtype.itemsize == 0
+            and packed.stride(0) % dtype.itemsize == 0):
+        torch.mm(xs, packed.view(dtype).t(), out=ys)
         return out
     step = max(1, TILE_VALUES // n_in)
     for start in range(0, n_out, step):
-        piece = dequantize_rows(packed[start:start + step], qtype, min(step, n_out - start), n_in, x.dtype)
+        piece = dequantize_rows(packed[start:start + step], qtype, min(step, n_out - start), n_in, dtype)
         ys[:, start:start + piece.shape[0]] = xs @ piece.t()
     return out
 
@@ -89,7 +102,7 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int
 def grouped_matmul(x: torch.Tensor, packed: Sequence[torch.Tensor], qtype: QType, n_outs: Sequence[int],
                    n_in: int) -> tuple[torch.Tensor, ...]:
     """(x @ W₀ᵀ, x @ W₁ᵀ, ...) for packed matrices Wᵢ [n_outs[i], n_in] of one type: each output a
-    contiguous [..., n_outs[i]] tensor in x's dtype, the outputs consecutive parts of one allocation.
+    contiguous [..., n_outs[i]] tensor in result_dtype, the outputs consecutive parts of one allocation.
     Up to FUSED_MAX_ROWS rows: one launch per GROUP_MAX matrices (and one adding the pieces of those
     split_plan cuts), each output the bits of quant_matmul by that matrix alone; more rows:
     quant_matmul per matrix."""
@@ -105,7 +118,7 @@ def grouped_matmul(x: torch.Tensor, packed: Sequence[torch.Tensor], qtype: QType
     xs = x.reshape(-1, n_in)
     _common.check_last_contiguous(op, "x", xs)
     rows = xs.shape[0]
-    buffer = torch.empty(rows * sum(n_outs), dtype=x.dtype, device=device)
+    buffer = torch.empty(rows * sum(n_outs), dtype=result_dtype(qtype, x.dtype), device=device)
     starts = [0, *accumulate(rows * n_out for n_out in n_outs)]
     outs = tuple(buffer[a:a + rows * n_out].view(*x.shape[:-1], n_out) for a, n_out in zip(starts, n_outs))
     if rows == 0:
@@ -201,7 +214,7 @@ def _expert_products(op: str, x: torch.Tensor, experts: tuple, qtype: QType, n_o
     if experts[0].stride(1) != experts[0].shape[2]:
         raise SpecconvError(f"{op}: each expert's rows must be contiguous (strides {experts[0].stride()})")
     pairs = chosen.shape[0]
-    out = torch.empty(len(experts), pairs, n_out, dtype=x.dtype, device=device)
+    out = torch.empty(len(experts), pairs, n_out, dtype=result_dtype(qtype, x.dtype), device=device)
     if pairs:
         _one_pass(x, experts[0], out.view(-1, n_out), qtype, n_out, n_in, device, chosen=chosen.contiguous(),
                   fanout=fanout, second=experts[1] if len(experts) > 1 else None)
