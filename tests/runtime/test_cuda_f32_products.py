@@ -27,8 +27,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-# first: sets TRITON_INTERPRET=1 without a GPU (skips where Triton is missing)
-from tests.runtime.test_triton_kernels import DEVICE, FUSED_BOUND, ON_GPU, exact_product, noise
+from tests.fixtures.triton_mode import DEVICE, ON_GPU  # first: the interpreter without a GPU
+from tests.runtime.test_triton_kernels import FUSED_BOUND, exact_product, noise  # skips where Triton is missing
 from benchmarks import cuda_op_count
 from specconv.runtime import kernels_triton as kt
 from specconv.runtime.backend import batch_invariant

@@ -5,8 +5,9 @@ blocks with finite scales (every bit pattern of the codes, scales and mins); the
 and the causal conv against runtime/graphs/gdn.py's recurrence and conv (evaluated in float64 as the
 exact reference, in float32 for comparison), per-token state slots included.
 
-Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before Triton
-is imported); with one (and TRITON_INTERPRET unset) the same tests run the compiled kernels on CUDA.
+Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set by
+tests/fixtures/triton_mode.py before Triton compiles a kernel); with one (and TRITON_INTERPRET
+unset) the same tests run the compiled kernels on CUDA.
 Skipped, with the reason, where Triton is not installed. Shapes are small: the interpreter executes
 each kernel operation in numpy.
 """
@@ -24,9 +25,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 from gguf import quants as gguf_quants
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first compiled (jitted)
+from tests.fixtures.triton_mode import DEVICE, ON_GPU  # noqa: E402 (no GPU: the interpreter)
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from specconv.archs.errors import SpecconvError  # noqa: E402
@@ -37,7 +36,6 @@ from specconv.runtime.graphs import gdn  # noqa: E402
 from specconv.runtime.kernels_triton import matmul as qm  # noqa: E402
 from tests.fixtures.quant_rows import sane_rows  # noqa: E402
 
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 EPS = float(torch.finfo(torch.float32).eps)
 TYPES = [QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.BF16, QType.F16]
 # row lengths: whole blocks, not a power of two; 16-bit floats end part-way through a 32-value step
