@@ -38,6 +38,7 @@ from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
 from specconv.runtime.graphs import ops  # noqa: E402
 from specconv.runtime.kernels_triton.attention import block_cells  # noqa: E402
 from specconv.runtime.memory import UNWRITTEN  # noqa: E402
+from tests.fixtures.counted_calls import CountedCalls  # noqa: E402
 from tests.fixtures.runtime_common import prompt_ids, tiny_gguf  # noqa: E402
 
 EPS32 = 2.0 ** -24  # float32's unit roundoff
@@ -386,25 +387,18 @@ def test_memory_writes_a_batch_through_the_backend(monkeypatch):
 SEAM = {"attention": "triton.attention_kernel", "write_kv": "triton.write_kv_kernel"}  # method: its launch
 
 
-class TorchAttention(CudaBackend):
+class TorchAttention(CudaBackend, CountedCalls):
     """The CUDA backend with the torch formulas for attention and the K/V write (what it computed
     before these kernels). Counts, per active op counter, the calls and the launches inside them."""
 
     def __init__(self, device_type: str):
         super().__init__(kt, device_types=(device_type,))
-        self.calls, self.inside = Counter(), Counter()
+        self.init_counts()
 
 
 def _formula(name: str):
     def method(self, *args):
-        counters = cuda_op_count.active_counters()
-        if not counters:
-            return getattr(TorchBackend, name)(self, *args)
-        with cuda_op_count.counting() as inside:
-            out = getattr(TorchBackend, name)(self, *args)
-        self.calls[id(counters[0].tally), name] += 1
-        self.inside[id(counters[0].tally)] += inside.tally.total
-        return out
+        return self.counted(lambda: getattr(TorchBackend, name)(self, *args), label=name)
     return method
 
 

@@ -36,6 +36,7 @@ from specconv.runtime.backend_cuda import CudaBackend
 from specconv.runtime.backend_torch import TorchBackend
 from specconv.runtime.kernels_triton import matmul as qm
 from specconv.runtime.stored import StoredWeight
+from tests.fixtures.counted_calls import CountedCalls
 from tests.fixtures.runtime_common import tiny_gguf
 
 torch.set_num_threads(1)
@@ -234,7 +235,7 @@ def _is_f32(w) -> bool:
                                                                        and w.dtype == torch.float32)
 
 
-class CountedF32(CudaBackend):
+class CountedF32(CudaBackend, CountedCalls):
     """The CUDA backend (or with `reference`, its products by float32 weights through the torch
     reference, as before the F32 kernel), counting those products (`linear`, `linear_wide`) and the
     launches inside them (the widening of `linear_wide` included)."""
@@ -242,8 +243,7 @@ class CountedF32(CudaBackend):
     def __init__(self, reference: bool):
         super().__init__(kt, device_types=("meta",))
         self.reference = reference
-        self.calls, self.inside = Counter(), Counter()
-        self._depth = 0
+        self.init_counts()
 
     def linear(self, x, w):
         return self._counted(x, w, CudaBackend.linear, TorchBackend.linear)
@@ -256,17 +256,7 @@ class CountedF32(CudaBackend):
         if not (counters and _is_f32(w)):
             return kernel_form(self, x, w)
         method = torch_form if self.reference else kernel_form
-        if self._depth:  # linear_wide's own `linear`: counted with it
-            return method(self, x, w)
-        self._depth += 1
-        try:
-            with cuda_op_count.counting() as inside:
-                out = method(self, x, w)
-        finally:
-            self._depth -= 1
-        self.calls[id(counters[0].tally)] += 1
-        self.inside[id(counters[0].tally)] += inside.tally.total
-        return out
+        return self.counted(lambda: method(self, x, w))  # linear_wide's own `linear`: counted with it
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,7 @@ from benchmarks import cuda_op_count  # noqa: E402
 from specconv.runtime import Context, GraphType, backend as backend_module, kernels_triton, load_model  # noqa: E402
 from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
+from tests.fixtures.counted_calls import CountedCalls  # noqa: E402
 from tests.fixtures.gguf_files import convert_gguf  # noqa: E402
 from tools import family_snapshot  # noqa: E402
 
@@ -77,7 +78,7 @@ def files(tmp_path_factory):
     return get
 
 
-class CountedFusions(CudaBackend):
+class CountedFusions(CudaBackend, CountedCalls):
     """The CUDA backend (its launches recorded on `meta`) that counts, per active op counter, the
     calls of the fused operations and the launches inside them. With `separate`, it runs them as the
     graphs did before: the residual add, then the norm kernel; NORM rope as its torch formula."""
@@ -85,31 +86,20 @@ class CountedFusions(CudaBackend):
     def __init__(self, separate: bool):
         super().__init__(kernels_triton, device_types=("meta",))
         self.separate = separate
-        self.calls, self.inside = Counter(), Counter()
-
-    def _counted(self, run):
-        counters = cuda_op_count.active_counters()
-        if not counters:
-            return run()
-        with cuda_op_count.counting() as inside:
-            out = run()
-        key = id(counters[0].tally)
-        self.calls[key] += 1
-        self.inside[key] += inside.tally.total
-        return out
+        self.init_counts()
 
     def add_rms_norm(self, h, delta, weight, eps):
         def separate():
             total = h + delta
             return total, self.rms_norm(total, weight, eps)
-        return self._counted(separate if self.separate else lambda: super(CountedFusions, self).add_rms_norm(
+        return self.counted(separate if self.separate else lambda: super(CountedFusions, self).add_rms_norm(
             h, delta, weight, eps))
 
     def rope(self, x, cos, sin, style):
         if style != "norm":  # NEOX rope was one launch already (ops.rope_neox_partial)
             return super().rope(x, cos, sin, style)
         form = TorchBackend.rope if self.separate else CudaBackend.rope
-        return self._counted(lambda: form(self, x, cos, sin, style))
+        return self.counted(lambda: form(self, x, cos, sin, style))
 
 
 @pytest.mark.parametrize("name", sorted(STEP_LAUNCHES))
@@ -148,11 +138,11 @@ class CountedAttention(CountedFusions):
 
     def attention(self, *args, **kwargs):
         form = TorchBackend.attention if self.separate else CudaBackend.attention
-        return self._counted(lambda: form(self, *args, **kwargs))
+        return self.counted(lambda: form(self, *args, **kwargs))
 
     def gelu_mul(self, gate, up):
         form = TorchBackend.gelu_mul if self.separate else CudaBackend.gelu_mul
-        return self._counted(lambda: form(self, gate, up))
+        return self.counted(lambda: form(self, gate, up))
 
 
 @pytest.mark.parametrize("name", OWN_ATTENTION)

@@ -14,8 +14,6 @@ change in a decode step with the CUDA backend's choices, checked on the CPU:
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -25,6 +23,7 @@ from benchmarks import cuda_op_count  # noqa: E402
 from specconv.runtime import Context, GraphType, backend as backend_module, kernels_triton, load_model  # noqa: E402
 from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
+from tests.fixtures.counted_calls import CountedCalls  # noqa: E402
 from tests.fixtures.runtime_common import prompt_ids, tiny_gguf  # noqa: E402
 
 torch.set_num_threads(1)
@@ -33,31 +32,18 @@ SEAM = ("rms_norm", "add_rms_norm", "gated_rms_norm", "l2_norm", "rope", "silu_m
 FUSED = ("triton.norm_kernel", "triton.rope_kernel", "triton.silu_mul_kernel", "triton.gdn_gates_kernel")
 
 
-class TorchAroundProducts(CudaBackend):
+class TorchAroundProducts(CudaBackend, CountedCalls):
     """The CUDA backend with the torch formulas around the products (what it computed before the
     one-launch kernels). Counts, per active op counter, the seam calls and the launches inside them."""
 
     def __init__(self, device_type: str):
         super().__init__(kernels_triton, device_types=(device_type,))
-        self.calls, self.inside = Counter(), Counter()
-        self._depth = 0
+        self.init_counts()
 
 
 def _formula(name: str):
     def method(self, *args):
-        counters = cuda_op_count.active_counters()
-        if self._depth or not counters:
-            return getattr(TorchBackend, name)(self, *args)
-        self._depth += 1
-        try:
-            with cuda_op_count.counting() as inside:
-                out = getattr(TorchBackend, name)(self, *args)
-        finally:
-            self._depth -= 1
-        key = id(counters[0].tally)
-        self.calls[key] += 1
-        self.inside[key] += inside.tally.total
-        return out
+        return self.counted(lambda: getattr(TorchBackend, name)(self, *args))
     return method
 
 

@@ -21,8 +21,6 @@ Without a GPU the kernel runs in Triton's interpreter; with one, compiled on CUD
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -34,6 +32,7 @@ from specconv.archs.errors import SpecconvError  # noqa: E402
 from specconv.runtime import kernels_triton as kt  # noqa: E402
 from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
+from tests.fixtures.counted_calls import CountedCalls  # noqa: E402
 from tests.fixtures.runtime_common import tiny_gguf  # noqa: E402
 
 torch.set_num_threads(1)
@@ -198,23 +197,16 @@ def test_gated_shared_expert_add_matches_the_torch_formula(dtype):
     assert torch.equal(alone, got[3:4])
 
 
-class TorchRouter(CudaBackend):
+class TorchRouter(CudaBackend, CountedCalls):
     """The CUDA backend with the router's torch formula (the backend before the router kernel);
     counts the launches inside that formula per active op counter."""
 
     def __init__(self):
         super().__init__(kt, device_types=("meta",))
-        self.calls, self.inside = Counter(), Counter()
+        self.init_counts()
 
     def route_softmax_topk(self, logits, k):
-        counters = cuda_op_count.active_counters()
-        if not counters:
-            return TorchBackend.route_softmax_topk(self, logits, k)
-        with cuda_op_count.counting() as inside:
-            out = TorchBackend.route_softmax_topk(self, logits, k)
-        self.calls[id(counters[0].tally)] += 1
-        self.inside[id(counters[0].tally)] += inside.tally.total
-        return out
+        return self.counted(lambda: TorchBackend.route_softmax_topk(self, logits, k))
 
 
 @pytest.fixture(scope="module")
@@ -243,39 +235,26 @@ PAIR_LAUNCHES = {"triton.fused_rows_kernel", "triton.sum_parts_kernel", "triton.
                  "triton.combine_kernel"}
 
 
-class CountedMoe(CudaBackend):
+class CountedMoe(CudaBackend, CountedCalls):
     """The CUDA backend counting the launches inside each `moe` call (per active op counter)."""
 
     def __init__(self):
         super().__init__(kt, device_types=("meta",))
-        self.inside: dict[int, list[Counter]] = {}
+        self.init_counts()
 
     def moe(self, x, weights, chosen, experts):
-        counters = cuda_op_count.active_counters()
-        if not counters:
-            return super().moe(x, weights, chosen, experts)
-        with cuda_op_count.counting() as inside:
-            out = super().moe(x, weights, chosen, experts)
-        self.inside.setdefault(id(counters[0].tally), []).append(inside.tally.by_op)
-        return out
+        return self.counted(lambda: super(CountedMoe, self).moe(x, weights, chosen, experts))
 
 
-class TorchSharedAdd(CudaBackend):
+class TorchSharedAdd(CudaBackend, CountedCalls):
     """The CUDA backend with add_gated_shared's torch formula; counts the launches inside it."""
 
     def __init__(self):
         super().__init__(kt, device_types=("meta",))
-        self.calls, self.inside = Counter(), Counter()
+        self.init_counts()
 
     def add_gated_shared(self, routed, shared, gate):
-        counters = cuda_op_count.active_counters()
-        if not counters:
-            return TorchBackend.add_gated_shared(self, routed, shared, gate)
-        with cuda_op_count.counting() as inside:
-            out = TorchBackend.add_gated_shared(self, routed, shared, gate)
-        self.calls[id(counters[0].tally)] += 1
-        self.inside[id(counters[0].tally)] += inside.tally.total
-        return out
+        return self.counted(lambda: TorchBackend.add_gated_shared(self, routed, shared, gate))
 
 
 def test_the_shared_expert_add_is_one_launch_per_moe_block(moe_q8):
@@ -299,7 +278,7 @@ def test_routed_experts_launch_their_products_and_one_combine(moe_q8):
     backend = CountedMoe()
     counts = cuda_op_count.count_steps(moe_q8, "bf16", 3, backend=backend)
     for name, tally in (("step", counts.step), ("verification", counts.verify)):
-        calls = backend.inside[id(tally)]
+        calls = backend.ops[id(tally)]
         print(f"\n[meta, bf16, {name}] launches inside moe per block: {dict(calls[0])}")
         assert len(calls) == len(counts.recurrent)
         for ops in calls:
