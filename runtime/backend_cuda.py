@@ -29,8 +29,8 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   pieces of MAX_TOKENS tokens, so that every token of a prompt gets the bits of a decode step.
   float64 states take the torch forms.
 * around the products, one launch each where the tensors are float32 / bfloat16 / float16 on the
-  kernels' device: `rms_norm` (also with the residual add before it, `add_rms_norm`, or a SiLU gate
-  after it, `gated_rms_norm`), `l2_norm`, `rope` (NEOX and NORM pairs), `silu_mul` (SwiGLU's
+  kernels' device: `rms_norm` (also with the residual add before it, `add_rms_norm`, a SiLU gate
+  after it, `gated_rms_norm`, or its output added to the residual stream and scaled, `add_normed`), `l2_norm`, `rope` (NEOX and NORM pairs), `silu_mul` (SwiGLU's
   product), `gelu_mul` (GeGLU's) and `gdn_gates` (kernels_triton.norm, .rope, .activation): float32
   inside, the reference formula's operations in its order, each row reduced by one program
   (batch-invariant).
@@ -233,6 +233,14 @@ class CudaBackend(TorchBackend):
         if values is False or delta.dtype != h.dtype or delta.shape != h.shape:
             return super().add_rms_norm(h, delta, weight, eps)
         return self.kernels.rms_norm(h, values, eps, residual=delta)
+
+    def add_normed(self, h: torch.Tensor, x: torch.Tensor, weight, eps: float, scale=None) -> torch.Tensor:
+        values = self._norm_weight(weight, x) if self._norm_fits(x) and self._pointwise(x, h) else False
+        s = scale.dense(torch.float32) if isinstance(scale, StoredWeight) else scale
+        if (values is False or h.dtype != x.dtype or h.shape != x.shape
+                or (s is not None and (s.numel() != 1 or s.dtype != torch.float32 or s.device != x.device))):
+            return super().add_normed(h, x, weight, eps, scale)
+        return self.kernels.rms_norm(x, values, eps, add_to=h, out_scale=s)
 
     def gated_rms_norm(self, x: torch.Tensor, weight, gate: torch.Tensor, eps: float,
                        out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -154,6 +154,16 @@ class TorchBackend:
         total = h + delta
         return total, self.rms_norm(total, weight, eps)
 
+    def add_normed(self, h: torch.Tensor, x: torch.Tensor, weight, eps: float, scale=None) -> torch.Tensor:
+        """h + rms_norm(x) (a sandwich norm's output joining the residual stream), times a one-value
+        `scale` in the accumulation dtype when given, rounded into h's dtype (Gemma 4's layer output
+        scale)."""
+        out = h + self.rms_norm(x, weight, eps)
+        if scale is None:
+            return out
+        wide = _wide(out.dtype)
+        return (out.to(wide) * scale.to(wide)).to(out.dtype)
+
     def gated_rms_norm(self, x: torch.Tensor, weight, gate: torch.Tensor, eps: float,
                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """rms_norm(x) · silu(gate) in the accumulation dtype (Gated DeltaNet's output norm), rounded

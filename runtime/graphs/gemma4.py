@@ -24,7 +24,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import (
-    acc, add_rms_norm, attend_cells, attended_kv, gelu_mul, linear, linear_group, moe as routed_moe, rms_norm,
+    acc, add_normed, add_rms_norm, attend_cells, attended_kv, gelu_mul, linear, linear_group, moe as routed_moe, rms_norm,
     rope_cos_sin, rope_inv_freq, rope_neox_partial,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
@@ -147,19 +147,17 @@ def attention_out(w, hp: Gemma4HParams, i: int, o: torch.Tensor) -> torch.Tensor
     return rms_norm(y, w[_blk(i, "post_attention_norm")], hp.rms_norm_eps)
 
 
-def ffn_block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """h' + post_ffw_norm(dense GeGLU [+ MoE branch]) of h' = h + attn (attention_out). Each add
-    followed by a norm (h + attn and ffn_norm; the two branches and post_ffw_norm) is one
-    ops.add_rms_norm (one launch on CUDA)."""
+def ffn_block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, attn: torch.Tensor, scale=None) -> torch.Tensor:
+    """h' + post_ffw_norm(dense GeGLU [+ MoE branch]) of h' = h + attn (attention_out), times the
+    layer output `scale` when given (the block's last step). h + attn and ffn_norm are one
+    ops.add_rms_norm, post_ffw_norm with the add to h' (and the scale) one ops.add_normed: one launch
+    each on CUDA."""
     h, x = add_rms_norm(h, attn, w[_blk(i, "ffn_norm")], hp.rms_norm_eps)
     f = geglu(x, w[_blk(i, "ffn_gate")], w[_blk(i, "ffn_up")], w[_blk(i, "ffn_down")])
     if hp.num_experts and i < hp.num_hidden_layers:
         f1 = rms_norm(f, w[_blk(i, "post_ffw_norm_1")], hp.rms_norm_eps)
-        f2 = rms_norm(moe(w, hp, i, h), w[_blk(i, "post_ffw_norm_2")], hp.rms_norm_eps)
-        normed = add_rms_norm(f1, f2, w[_blk(i, "post_ffw_norm")], hp.rms_norm_eps)[1]
-    else:
-        normed = rms_norm(f, w[_blk(i, "post_ffw_norm")], hp.rms_norm_eps)
-    return h + normed
+        f = f1 + rms_norm(moe(w, hp, i, h), w[_blk(i, "post_ffw_norm_2")], hp.rms_norm_eps)
+    return add_normed(h, f, w[_blk(i, "post_ffw_norm")], hp.rms_norm_eps, scale)
 
 
 def moe(w, hp: Gemma4HParams, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -209,11 +207,12 @@ def _block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, batch: Batch, rope, kv
         kv_of[i] = attended_kv(batch, i, k, v)
     k_all, v_all, k_pos = kv_of[hp.kv_layer(i)]
     o = attend(q, k_all, v_all, batch.positions, k_pos, hp.sliding_window if hp.is_sliding(i) else 0)
-    h = ffn_block(w, hp, i, h, attention_out(w, hp, i, o))
+    scale = w[_blk(i, "layer_output_scale")]
+    h = ffn_block(w, hp, i, h, attention_out(w, hp, i, o), None if ple is not None else scale)
     if ple is not None:
         g = gelu_mul(linear(h, w[_blk(i, "inp_gate")]), ple[:, i].to(h.dtype))
-        h = h + rms_norm(linear(g, w[_blk(i, "proj")]), w[_blk(i, "post_norm")], hp.rms_norm_eps)
-    return (acc(h) * w[_blk(i, "layer_output_scale")].to(acc(h).dtype)).to(h.dtype)
+        h = add_normed(h, linear(g, w[_blk(i, "proj")]), w[_blk(i, "post_norm")], hp.rms_norm_eps, scale)
+    return h
 
 
 # ---- graph ------------------------------------------------------------------------------------

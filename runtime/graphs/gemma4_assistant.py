@@ -76,8 +76,7 @@ def forward_mtp(w, hp, tokens: torch.Tensor, h: torch.Tensor, batch: Batch, kv_f
         k, v, k_pos = memory.cells(batch.seq, target_layer_for(target_hp, hp.is_sliding(i)))
         o = gemma4.attend(q, k.to(q.dtype), v.to(q.dtype), batch.positions, k_pos,
                           hp.sliding_window if hp.is_sliding(i) else 0)
-        x = gemma4.ffn_block(w, hp, i, x, gemma4.attention_out(w, hp, i, o))
-        x = (acc(x) * w[gemma4._blk(i, "layer_output_scale")].to(acc(x).dtype)).to(x.dtype)
+        x = gemma4.ffn_block(w, hp, i, x, gemma4.attention_out(w, hp, i, o), w[gemma4._blk(i, "layer_output_scale")])
     y = rms_norm(x, w[names.OUTPUT_NORM], hp.rms_norm_eps)
     logits = acc(linear(y, w[names.TOKEN_EMBD]))
     return logits, linear(y, w[names.NEXTN_POST_PROJECTION]), y

@@ -42,6 +42,12 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight, eps: float) -> tu
     return for_device(h.device).add_rms_norm(h, delta, weight, eps)
 
 
+def add_normed(h: torch.Tensor, x: torch.Tensor, weight, eps: float, scale=None) -> torch.Tensor:
+    """h + rms_norm(x, weight), times the one-value `scale` (in the accumulation dtype) when given:
+    a sandwich norm's output joining the residual stream (Gemma), one kernel on CUDA."""
+    return for_device(h.device).add_normed(h, x, weight, eps, scale)
+
+
 def gated_rms_norm(x: torch.Tensor, weight, gate: torch.Tensor, eps: float,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """rms_norm(x, weight) · silu(gate), in the accumulation dtype (Gated DeltaNet's output norm), or

@@ -32,13 +32,17 @@ def _silu(x):
 
 
 @triton.jit
-def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, y_ptr, inner, width, count, stride_xa, stride_xb,
-                stride_ra, stride_rb, stride_za, stride_zb, eps, scale, MEAN: tl.constexpr, HAS_W: tl.constexpr,
-                HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, h_ptr, s_ptr, y_ptr, inner, width, count, stride_xa,
+                stride_xb, stride_ra, stride_rb, stride_za, stride_zb, eps, scale, MEAN: tl.constexpr,
+                HAS_W: tl.constexpr, HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                ADD_TO: tl.constexpr, OUT_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     """Row r (= a · inner + b) of x [A, inner, width]: s = x (+ res, rounded into sum's dtype and
     written to sum), y = s · (Σ s² (/ width with MEAN) + eps)^(-1/2) (· scale, rounded after the
     norm) (· w), with a gate rounded into x's dtype first and multiplied by silu(z); y, sum
-    contiguous [A · inner, width]. `count`: width as a float (the mean's divisor)."""
+    contiguous [A · inner, width]. `count`: width as a float (the mean's divisor). With ADD_TO, y is
+    rounded into y's dtype and added to row r of h (contiguous, y's dtype): a sandwich norm's output
+    joining the residual stream; with OUT_SCALE that sum, rounded, times the float32 scalar at s_ptr
+    (a layer's output scale)."""
     r = tl.program_id(0)
     a = r // inner
     b = r % inner
@@ -60,6 +64,11 @@ def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, y_ptr, inner, width, coun
     if HAS_GATE:
         z = tl.load(z_ptr + a * stride_za + b * stride_zb + cols, mask=ok, other=0.0).to(tl.float32)
         y = _rounded(y, x_ptr.dtype.element_ty) * _silu(z)
+    if ADD_TO:
+        h = tl.load(h_ptr + r * width + cols, mask=ok, other=0.0).to(tl.float32)
+        y = h + _rounded(y, y_ptr.dtype.element_ty)
+        if OUT_SCALE:
+            y = _rounded(y, y_ptr.dtype.element_ty) * tl.load(s_ptr).to(tl.float32)
     tl.store(y_ptr + r * width + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
