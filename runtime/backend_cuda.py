@@ -30,7 +30,7 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   float64 states take the torch forms.
 * around the products, one launch each where the tensors are float32 / bfloat16 / float16 on the
   kernels' device: `rms_norm` (also with the residual add before it, `add_rms_norm`, a SiLU gate
-  after it, `gated_rms_norm`, or its output added to the residual stream and scaled, `add_normed`), `l2_norm`, `rope` (NEOX and NORM pairs), `silu_mul` (SwiGLU's
+  after it, `gated_rms_norm`, or its output added to the residual stream and scaled, `add_normed`), `l2_norm`, `rope` (NEOX and NORM pairs; `normed_rope`: a per-head RMS norm first), `silu_mul` (SwiGLU's
   product), `gelu_mul` (GeGLU's) and `gdn_gates` (kernels_triton.norm, .rope, .activation): float32
   inside, the reference formula's operations in its order, each row reduced by one program
   (batch-invariant).
@@ -254,11 +254,21 @@ class CudaBackend(TorchBackend):
             return super().l2_norm(x, eps, scale)
         return self.kernels.l2_norm(x, eps, scale=scale)
 
+    def _rope_fits(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        return (x.dim() == 3 and cos.dim() == 2 and self._pointwise(x) and cos.device == x.device
+                and self._pointwise(cos, sin, dtypes=(torch.float32,)) and x.shape[-1] >= 2 * cos.shape[-1] >= 2)
+
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
-        if not (x.dim() == 3 and cos.dim() == 2 and self._pointwise(x) and cos.device == x.device
-                and self._pointwise(cos, sin, dtypes=(torch.float32,)) and x.shape[-1] >= 2 * cos.shape[-1] >= 2):
+        if not self._rope_fits(x, cos, sin):
             return super().rope(x, cos, sin, style)
         return self.kernels.rope(x, cos, sin, style)
+
+    def normed_rope(self, x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                    style: str) -> torch.Tensor:
+        values = self._norm_weight(weight, x) if self._rope_fits(x, cos, sin) else False
+        if values is None or values is False:  # no norm (the rotation alone), or no kernel for it
+            return super().normed_rope(x, weight, eps, cos, sin, style)
+        return self.kernels.rope(x, cos, sin, style, norm_weight=values, eps=eps)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if not (self._pointwise(gate, up) and gate.dtype == up.dtype and gate.shape == up.shape and gate.dim()):

@@ -197,6 +197,12 @@ class TorchBackend:
         rotated = rotated.to(x.dtype)
         return rotated if d == x.shape[-1] else torch.cat([rotated, x[..., d:]], dim=-1)
 
+    def normed_rope(self, x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                    style: str) -> torch.Tensor:
+        """rope(rms_norm(x, weight) over each head): a per-head q or k norm and the rotation after it;
+        without a weight (a family whose q or k has no norm) the rotation alone."""
+        return self.rope(x if weight is None else self.rms_norm(x, weight, eps), cos, sin, style)
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) · up (SwiGLU's product before its down projection)."""
         return F.silu(gate) * up

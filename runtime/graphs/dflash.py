@@ -27,7 +27,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import draft_head
 from specconv.runtime.graphs.contract import no_tensors
 from specconv.runtime.graphs.ops import (
-    acc, add_rms_norm, by_rows, dense, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
+    acc, add_rms_norm, by_rows, dense, linear, normed_rope_neox, rms_norm, rope_cos_sin, swiglu,
 )
 from specconv.runtime.memory import Batch, Memory, MemoryLayout
 from specconv.runtime.types import GraphType
@@ -92,9 +92,9 @@ def _rope(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
 def _context_kv(w, hp: HParams, i: int, g: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
     """K (normed, roped) and V of context rows g in layer i; no attn_norm on g (it is normed once)."""
     n, p = g.shape[0], f"blk.{i}."
-    k = rms_norm(linear(g, w[p + "attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim), w[p + "attn_k_norm.weight"], hp.rms_norm_eps)
+    k = linear(g, w[p + "attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
     v = linear(g, w[p + "attn_v.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
-    return rope_neox_partial(k, *rope), v
+    return normed_rope_neox(k, w[p + "attn_k_norm.weight"], hp.rms_norm_eps, *rope), v
 
 
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
@@ -164,8 +164,8 @@ def forward_block(w, hp: HParams, tokens: torch.Tensor, positions: torch.Tensor,
         if hp.v2:
             dyn = linear(a, w[p + "attn_conv_proj.weight"])
             a = _conv(hp, a, dyn, w[p + "attn_conv_base"], 0)
-        q = rms_norm(linear(a, w[p + "attn_q.weight"]).view(n, hp.num_attention_heads, hp.head_dim), w[p + "attn_q_norm.weight"], hp.rms_norm_eps)
-        q = rope_neox_partial(q, *rope)
+        q = linear(a, w[p + "attn_q.weight"]).view(n, hp.num_attention_heads, hp.head_dim)
+        q = normed_rope_neox(q, w[p + "attn_q_norm.weight"], hp.rms_norm_eps, *rope)
         k, v = _context_kv(w, hp, i, a, rope)  # the block rows' own K/V: same projections, on attn_norm(x)
         k_ctx, v_ctx, pos_ctx = memory.cells(seq, i)
         window = hp.sliding_window if hp.sliding_window_pattern and hp.sliding_window_pattern[i] else 0

@@ -25,7 +25,7 @@ from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import (
     acc, add_normed, add_rms_norm, attend_cells, attended_kv, gelu_mul, linear, linear_group, moe as routed_moe, rms_norm,
-    rope_cos_sin, rope_inv_freq, rope_neox_partial,
+    normed_rope_neox, rope_cos_sin, rope_inv_freq,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -126,9 +126,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
 
 def query(w, hp: Gemma4HParams, i: int, a: torch.Tensor, rope) -> torch.Tensor:
     n, hd = a.shape[0], hp.head_dim[i]
-    q = rms_norm(linear(a, w[_blk(i, "attn_q")]).view(n, hp.num_attention_heads, hd), w[_blk(i, "attn_q_norm")], hp.rms_norm_eps)
-    cos, sin = rope[hp.is_sliding(i)]
-    return rope_neox_partial(q, cos, sin)
+    q = linear(a, w[_blk(i, "attn_q")]).view(n, hp.num_attention_heads, hd)
+    return normed_rope_neox(q, w[_blk(i, "attn_q_norm")], hp.rms_norm_eps, *rope[hp.is_sliding(i)])
 
 
 def keys_values(w, hp: Gemma4HParams, i: int, a: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,9 +135,8 @@ def keys_values(w, hp: Gemma4HParams, i: int, a: torch.Tensor, rope) -> tuple[to
     k_raw = linear(a, w[_blk(i, "attn_k")]).view(n, nkv, hd)
     v_w = w.get(_blk(i, "attn_v"))
     v = k_raw if v_w is None else linear(a, v_w).view(n, nkv, hd)  # attention_k_eq_v: V is the raw K
-    k = rms_norm(k_raw, w[_blk(i, "attn_k_norm")], hp.rms_norm_eps)
-    cos, sin = rope[hp.is_sliding(i)]
-    return rope_neox_partial(k, cos, sin), rms_norm(v, None, hp.rms_norm_eps)
+    k = normed_rope_neox(k_raw, w[_blk(i, "attn_k_norm")], hp.rms_norm_eps, *rope[hp.is_sliding(i)])
+    return k, rms_norm(v, None, hp.rms_norm_eps)
 
 
 def attention_out(w, hp: Gemma4HParams, i: int, o: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    acc, cached_attention, check_rope_scaling, linear, rms_norm, rope_cos_sin_scaled, rope_neox_partial,
+    acc, cached_attention, check_rope_scaling, linear, normed_rope_neox, rope_cos_sin_scaled,
 )
 from specconv.runtime.memory import Batch
 
@@ -44,12 +44,8 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     q = _proj(w, p, a, "attn_q").view(n, hp.num_attention_heads, hp.head_dim)
     k = _proj(w, p, a, "attn_k").view(n, hp.num_key_value_heads, hp.head_dim)
     v = _proj(w, p, a, "attn_v").view(n, hp.num_key_value_heads, hp.head_dim)
-    if p + "attn_q_norm.weight" in w:
-        q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.rms_norm_eps)
-    if p + "attn_k_norm.weight" in w:
-        k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.rms_norm_eps)
-    cos, sin = rope
-    q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
+    q = normed_rope_neox(q, w.get(p + "attn_q_norm.weight"), hp.rms_norm_eps, *rope)  # q / k norms optional
+    k = normed_rope_neox(k, w.get(p + "attn_k_norm.weight"), hp.rms_norm_eps, *rope)
     o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
     return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[p + "attn_output.weight"])
 

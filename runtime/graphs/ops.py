@@ -200,6 +200,12 @@ def rope_neox_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return for_device(x.device).rope(x, cos, sin, "neox")
 
 
+def normed_rope_neox(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rope_neox_partial(rms_norm(x, weight)) over each head of x [n, heads, hd]: a per-head q or k
+    norm and the rotation after it, one kernel on CUDA; weight None: the rotation alone."""
+    return for_device(x.device).normed_rope(x, weight, eps, cos, sin, "neox")
+
+
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """NORM rope: rotate adjacent pairs (2i, 2i + 1) of the first d = 2·cos.shape[-1] dims of every
     head; x: [n, heads, hd]."""

@@ -18,7 +18,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    acc, cached_attention, linear, moe as routed_moe, rms_norm, rope_cos_sin_scaled, rope_neox_partial, swiglu,
+    acc, cached_attention, linear, moe as routed_moe, normed_rope_neox, rope_cos_sin_scaled, swiglu,
 )
 from specconv.runtime.memory import Batch
 
@@ -47,10 +47,8 @@ def attention(w, hp, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tenso
     q = linear(a, w[p + "attn_q.weight"]).view(n, hp.num_attention_heads, hp.head_dim)
     k = linear(a, w[p + "attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
     v = linear(a, w[p + "attn_v.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
-    q = rms_norm(q, w[p + "attn_q_norm.weight"], eps)
-    k = rms_norm(k, w[p + "attn_k_norm.weight"], eps)
-    cos, sin = rope
-    q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
+    q = normed_rope_neox(q, w[p + "attn_q_norm.weight"], eps, *rope)  # one kernel each on CUDA
+    k = normed_rope_neox(k, w[p + "attn_k_norm.weight"], eps, *rope)
     o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
     return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[p + "attn_output.weight"])
 

@@ -25,7 +25,7 @@ from specconv.archs.step35 import STEP35_TABLE
 from specconv.archs.step35_hparams import Step35HParams
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs.ops import (
-    attend_cells, attended_kv, linear, rms_norm, rope_cos_sin, rope_neox_partial, swiglu,
+    attend_cells, attended_kv, linear, normed_rope_neox, rope_cos_sin, swiglu,
 )
 from specconv.runtime.memory import Batch
 from specconv.runtime.validate import check_rope_width
@@ -54,12 +54,9 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     q = linear(a, w[p + "attn_q.weight"]).view(n, nh, hd)
     k = linear(a, w[p + "attn_k.weight"]).view(n, nkv, hd)
     v = linear(a, w[p + "attn_v.weight"]).view(n, nkv, hd)
-    if p + "attn_q_norm.weight" in w:
-        q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.rms_norm_eps)
-    if p + "attn_k_norm.weight" in w:
-        k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.rms_norm_eps)
-    cos, sin = rope[1] if hp.is_sliding(i) else rope[0]
-    q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
+    rope_i = rope[1] if hp.is_sliding(i) else rope[0]
+    q = normed_rope_neox(q, w.get(p + "attn_q_norm.weight"), hp.rms_norm_eps, *rope_i)  # q / k norms optional
+    k = normed_rope_neox(k, w.get(p + "attn_k_norm.weight"), hp.rms_norm_eps, *rope_i)
     k_all, v_all, k_pos = attended_kv(batch, i, k, v)
     gate = linear(a, w[p + "attn_gate.weight"]) if p + "attn_gate.weight" in w else None  # one per head
     o = attend_cells(q, k_all, v_all, batch.positions, k_pos, hd ** -0.5,

@@ -73,11 +73,14 @@ def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, h_ptr, s_ptr, y_ptr, inne
 
 
 @triton.jit
-def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, heads, half, head_dim, stride_xn, stride_xh, stride_cn, stride_sn,
-                STYLE: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+def rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, heads, half, head_dim, count, eps, stride_xn, stride_xh,
+                stride_cn, stride_sn, STYLE: tl.constexpr, NORMED: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                BLOCK_REST: tl.constexpr):
     """Head h of token t (program t · heads + h) of x [n, heads, head_dim]: its first 2·half values
     rotated pairwise by the angles of row t of cos / sin [n, half] (NEOX or NORM pairs), the rest
-    copied; y contiguous [n, heads, head_dim]."""
+    copied; y contiguous [n, heads, head_dim]. With NORMED the head is RMS-normed first
+    (x · (Σ x² / count + eps)^(-1/2) ⊙ w over head_dim, rounded into x's dtype: a per-head q or k
+    norm), then rotated."""
     p = tl.program_id(0)
     t = p // heads
     h = p % heads
@@ -91,14 +94,25 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, heads, half, head_dim, stride_xn
         first, second = 2 * i, 2 * i + 1
     x1 = tl.load(src + first, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + second, mask=ok, other=0.0).to(tl.float32)
+    if BLOCK_REST > 0:
+        j = 2 * half + tl.arange(0, BLOCK_REST)
+        rest = j < head_dim
+        xr = tl.load(src + j, mask=rest, other=0.0).to(tl.float32)
+    if NORMED:
+        total = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)
+        if BLOCK_REST > 0:
+            total += tl.sum(xr * xr, axis=0)
+        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(total, count) + eps))
+        x1 = _rounded(x1 * inv * tl.load(w_ptr + first, mask=ok, other=0.0).to(tl.float32), x_ptr.dtype.element_ty)
+        x2 = _rounded(x2 * inv * tl.load(w_ptr + second, mask=ok, other=0.0).to(tl.float32), x_ptr.dtype.element_ty)
+        if BLOCK_REST > 0:
+            xr = xr * inv * tl.load(w_ptr + j, mask=rest, other=0.0).to(tl.float32)
     c = tl.load(cos_ptr + t * stride_cn + i, mask=ok, other=0.0)
     s = tl.load(sin_ptr + t * stride_sn + i, mask=ok, other=0.0)
     tl.store(dst + first, (x1 * c - x2 * s).to(y_ptr.dtype.element_ty), mask=ok)
     tl.store(dst + second, (x2 * c + x1 * s).to(y_ptr.dtype.element_ty), mask=ok)
     if BLOCK_REST > 0:
-        j = 2 * half + tl.arange(0, BLOCK_REST)
-        rest = j < head_dim
-        tl.store(dst + j, tl.load(src + j, mask=rest, other=0.0).to(y_ptr.dtype.element_ty), mask=rest)
+        tl.store(dst + j, xr.to(y_ptr.dtype.element_ty), mask=rest)
 
 
 @triton.jit

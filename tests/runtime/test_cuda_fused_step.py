@@ -28,7 +28,8 @@ from tests.fixtures.runtime_common import prompt_ids, tiny_gguf  # noqa: E402
 
 torch.set_num_threads(1)
 
-SEAM = ("rms_norm", "add_rms_norm", "gated_rms_norm", "l2_norm", "rope", "silu_mul", "gdn_gates")
+SEAM = ("rms_norm", "add_rms_norm", "add_normed", "gated_rms_norm", "l2_norm", "rope", "normed_rope", "silu_mul",
+        "gdn_gates")
 FUSED = ("triton.norm_kernel", "triton.rope_kernel", "triton.silu_mul_kernel", "triton.gdn_gates_kernel")
 
 
