@@ -36,7 +36,9 @@ Batch invariance (`rows_alone`): inside `batch_invariant(True)` — what a Conte
 computing in bfloat16 / float16 — every backend computes each row of a batch with the operations,
 in the order, of a one-row batch, so a verification forward of k+1 rows gives each row the bits of
 the one-row forward and greedy speculative decoding equals plain decoding exactly
-(docs/runtime.md, "Backends").
+(docs/runtime.md, "Backends"). One batch is exempt (`prompt_prefix`): a prompt's prefix, which
+plain and speculative decoding both evaluate alike, may be computed in another order, one that
+depends on nothing but the batch's inputs.
 
 Activation observer (`observing`): an optional object that ops.linear hands the input rows of every
 product by a weight, and ops.moe the rows routed to each expert (it announces each expert's slices
@@ -73,6 +75,30 @@ def batch_invariant(enabled: bool):
         yield
     finally:
         _rows_alone.reset(token)
+
+
+# A prompt's prefix (all but its last token) is the one batch that plain and speculative decoding
+# both evaluate, with the same inputs and from the same state (runtime/generate.py, spec_link.py
+# `start_prompt`): its rows need the same bits in both, not a one-row forward's.
+_prompt_prefix: ContextVar[bool] = ContextVar("specconv_prompt_prefix", default=False)
+
+
+def prompt_prefix() -> bool:
+    """Whether the batch being evaluated is a prompt's prefix (`evaluating_prompt_prefix`)."""
+    return _prompt_prefix.get()
+
+
+@contextmanager
+def evaluating_prompt_prefix():
+    """Around the evaluation of a prompt's prefix: inside, a backend may compute the batch in an order
+    other than a one-row forward's even in batch-invariant mode (the CUDA backend's chunked delta
+    rule), provided the order depends only on the batch's inputs: not on how many states the
+    context keeps (a speculative context's ring holds more than a plain one's)."""
+    token = _prompt_prefix.set(True)
+    try:
+        yield
+    finally:
+        _prompt_prefix.reset(token)
 
 
 class ActivationObserver(Protocol):

@@ -25,9 +25,10 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   run kernels_triton.causal_conv / gdn_step, one launch each for up to MAX_TOKENS tokens, reading
   the state before the batch from its slot and writing each kept token's state into its own slot
   (slot indices as device tensors: nothing read on the host, a rollback picks a slot). Longer
-  inputs (prompts) take the torch forms, or, inside `batch_invariant(True)`, the kernels in
-  pieces of MAX_TOKENS tokens, so that every token of a prompt gets the bits of a decode step.
-  float64 states take the torch forms.
+  inputs take kernels_triton.gdn_chunked for the delta rule (chunks of 64 tokens, one launch) and
+  the torch conv; inside `batch_invariant(True)` only a prompt's prefix does (`prompt_prefix`),
+  other long batches take the kernels in pieces of MAX_TOKENS tokens, so that each of their tokens
+  gets the bits of a decode step. float64 states take the torch forms.
 * around the products, one launch each where the tensors are float32 / bfloat16 / float16 on the
   kernels' device: `rms_norm` (also with the residual add before it, `add_rms_norm`, a SiLU gate
   after it, `gated_rms_norm`, or its output added to the residual stream and scaled, `add_normed`), `l2_norm`, `rope` (NEOX and NORM pairs; `normed_rope`: a per-head RMS norm first), `silu_mul` (SwiGLU's
@@ -53,7 +54,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 from specconv.runtime import dequant
-from specconv.runtime.backend import Experts, rows_alone
+from specconv.runtime.backend import Experts, prompt_prefix, rows_alone
 from specconv.runtime.backend_torch import GATHER_MAX_ROWS, TorchBackend
 from specconv.runtime.graphs import gdn
 from specconv.runtime.stored import StoredWeight
@@ -309,10 +310,24 @@ class CudaBackend(TorchBackend):
         self.kernels.write_kv(k_cache, v_cache, cells, k, v)
 
     # ---- Gated DeltaNet, states in ring slots ------------------------------------------------------
+    def _recurrent_kernels(self, ring: torch.Tensor, *tensors: torch.Tensor) -> bool:
+        """Whether the Triton recurrent kernels take a float32 ring and these inputs."""
+        return (self.kernels is not None and ring.device.type in self.device_types and ring.dtype == torch.float32
+                and all(t.dtype in KERNEL_DTYPES for t in tensors))
+
     def _recurrent_pieces(self, n: int, ring: torch.Tensor, *tensors: torch.Tensor) -> bool:
         """Whether the Triton recurrent kernels take these n tokens (in pieces where n > MAX_TOKENS)."""
-        return (self.kernels is not None and ring.device.type in self.device_types and ring.dtype == torch.float32
-                and all(t.dtype in KERNEL_DTYPES for t in tensors) and (n <= self.kernels.MAX_TOKENS or rows_alone()))
+        return self._recurrent_kernels(ring, *tensors) and (n <= self.kernels.MAX_TOKENS or rows_alone())
+
+    def _chunked(self, n: int, ring: torch.Tensor, *tensors: torch.Tensor) -> bool:
+        """Whether n tokens take the chunked kernel (kernels_triton.gdn_chunked, one launch): more than a
+        gdn_step launch holds, outside batch-invariant mode or in a prompt's prefix
+        (backend.prompt_prefix, evaluated alike by plain and speculative decoding). Other long batches
+        in batch-invariant mode — a verification of more than MAX_TOKENS - 1 drafts, its re-evaluation
+        after a checkpoint rollback — keep gdn_step's per-token bits, as the decode steps they must
+        equal."""
+        return (self._recurrent_kernels(ring, *tensors) and n > self.kernels.MAX_TOKENS
+                and (not rows_alone() or prompt_prefix()))
 
     def causal_conv_slots(self, m, ring, weight, src_slot, dst_slots):
         n = m.shape[0]
@@ -326,9 +341,11 @@ class CudaBackend(TorchBackend):
         """The kernel reads each value head's key head (`key_heads` layout) and every input in its
         dtype: q, k with the key heads only and v in the compute dtype need no copy first."""
         n = q.shape[0]
+        group = v.shape[1] // q.shape[1] if key_heads == gdn.GROUPED else 1  # value heads per key head, in order
+        if self._chunked(n, ring, q, k, v, g, beta):
+            return self.kernels.gdn_chunked(q, k, v, g, beta, ring, src_slot, dst_slots, group=group)
         if not self._recurrent_pieces(n, ring, q, k, v, g, beta):
             return super().delta_rule_slots(q, k, v, g, beta, ring, src_slot, dst_slots, key_heads)
-        group = v.shape[1] // q.shape[1] if key_heads == gdn.GROUPED else 1  # value heads per key head, in order
         return _joined([self.kernels.gdn_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ring, src, dst, group=group)
                         for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime.backend import evaluating_prompt_prefix
 from specconv.runtime.context import Context
 from specconv.runtime.model import Model
 from specconv.runtime.sampling import make_generator, sample
@@ -77,7 +78,8 @@ def generate(model: Model, prompt_tokens: Sequence[int], n_predict: int, tempera
         # then that one alone, so that the two compute every position in batches of the same rows
         # (8-bit activation products turn a last-bit difference into another code: dq_dot_i8.inc)
         if len(prompt) > 1:
-            ctx.decode(prompt[:-1], hidden=(), logits=None)
+            with evaluating_prompt_prefix():
+                ctx.decode(prompt[:-1], hidden=(), logits=None)
         logits = ctx.decode(prompt[-1:], hidden=(), logits="last").logits[-1]
         prompt_seconds = time.perf_counter() - start
         while True:

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from specconv.runtime.backend import evaluating_prompt_prefix
 from specconv.runtime.drafters import Draft, Drafter
 
 
@@ -40,7 +41,10 @@ def start_prompt(ctx, drafter: Drafter, prompt: Sequence[int]) -> int:
     them (after handing it `ctx`); returns the last token, the first round's id_last."""
     drafter.attach(ctx)
     prefix, want = list(prompt[:-1]), hidden_request(drafter)
-    hidden = drafter_rows(ctx.decode(prefix, hidden=want, logits=None).hidden, want) if prefix else None
+    hidden = None
+    if prefix:
+        with evaluating_prompt_prefix():  # evaluated as plain decoding evaluates it (runtime/generate.py)
+            hidden = drafter_rows(ctx.decode(prefix, hidden=want, logits=None).hidden, want)
     drafter.start(prefix, hidden)
     return int(prompt[-1])
 

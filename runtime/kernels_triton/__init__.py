@@ -20,6 +20,8 @@
                                                          causal attention over a whole K/V buffer
                                                          (sliding window, sinks, output gate)
     write_kv(k_cache, v_cache, cells, k, v)              a batch's K/V into those buffers, in place
+    gdn_chunked(q, k, v, g, beta, states, src_slot, dst_slots, group=1)   the gated delta rule for
+                                                         prompts: chunks of 64 tokens, one launch
 
 Importing this package does not import Triton; the first call does (a SpecconvError if it is not
 installed). The kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter
@@ -38,8 +40,10 @@ from specconv.runtime.kernels_triton.norm import MAX_WIDTH as MAX_NORM_WIDTH, l2
 from specconv.runtime.kernels_triton.rope import rope
 from specconv.runtime.kernels_triton.routing import (MAX_EXPERTS as MAX_ROUTED_EXPERTS, add_gated_shared, moe_combine,
                                                      softmax_topk)
+from specconv.runtime.kernels_triton.gdn_chunked import gdn_chunked
 
 __all__ = ["add_gated_shared", "attention", "available", "causal_conv", "dequantize_rows", "expert_matmul",
            "expert_matmul_pair", "gdn_gates", "gdn_step", "gelu_mul", "grouped_matmul", "l2_norm", "moe_combine",
            "quant_matmul", "result_dtype", "rms_norm", "rope", "silu_mul", "softmax_topk", "write_kv", "FUSED_MAX_ROWS",
-           "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS", "MAX_TOKENS"]
+           "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS", "MAX_TOKENS",
+           "gdn_chunked"]
