@@ -36,10 +36,9 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
 * around the products, one launch each where the tensors are float32 / bfloat16 / float16 on the
   kernels' device: `rms_norm` (also with the residual add before it, `add_rms_norm`, or a SiLU gate
   after it, `gated_rms_norm`), `l2_norm`, `rope` (NEOX and NORM pairs), `silu_mul` (SwiGLU's
-  product), `gelu_mul` (GeGLU's; both kernels_triton.glu) and `gdn_gates` (kernels_triton.norm, .rope,
-  .activation): float32
-  inside, the reference formula's operations in its order, each row reduced by one program
-  (batch-invariant).
+  product), `gelu_mul` (GeGLU's; both kernels_triton.glu) and `gdn_gates` (kernels_triton.norm,
+  .rope, .activation): float32 inside, the reference formula's operations in its order, each row
+  reduced by one program (batch-invariant).
 * `route_softmax_topk`: a softmax router's softmax, top-k and renormalisation in one launch
   (kernels_triton.softmax_topk), one program per row.
 * `add_gated_shared`: a MoE block's routed sum plus its sigmoid-gated shared expert, one launch.
@@ -373,7 +372,7 @@ class PairedExperts:
         for w in (self, *others):
             if w.experts.counter is not None:
                 w.experts.counter.bytes += w.experts.raw[0].numel() * w.pairs.shape[0]
-        xs = (x if x.dim() and x.stride(-1) == 1 else x.contiguous()).reshape(-1, self.shape[1])
+        xs = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, self.shape[1])  # row strides kept
         return xs, (self.pairs.shape[0] // xs.shape[0] if xs.shape[0] else 1)
 
 
