@@ -308,12 +308,6 @@ def glu_linear(gate: torch.Tensor, up: torch.Tensor, w, act: str) -> torch.Tenso
     return backend.linear_glu(gate, up, w, act)
 
 
-def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) · up in gate's dtype (GeGLU's product before its down projection; one launch on
-    CUDA)."""
-    return for_device(gate.device).gelu_mul(gate, up)
-
-
 def moe_softmax_topk(x: torch.Tensor, router: torch.Tensor, n_used: int, gate_exps: torch.Tensor,
                      up_exps: torch.Tensor, down_exps: torch.Tensor) -> torch.Tensor:
     """Softmax router over all experts, top-k, weights renormalised over the chosen k (docs/reference/model-math.md §3.1),

@@ -6,8 +6,8 @@ reference TorchBackend.gelu_mul, F.gelu(gate, approximate="tanh") · up, which t
   value x · σ(2·inner) computed in float64 (the same function without the cancellation);
 * bfloat16 in and out: within the two roundings into bfloat16 of each side (gelu, then the product);
 * batch invariance: a row alone gives the bits it gets in a batch of 16;
-* the seam: ops.gelu_mul reaches the kernel through CudaBackend.gelu_mul (float64 keeps the torch
-  formula); Gemma 4's GeGLU launches none, its down product computing gelu_tanh(gate) · up itself
+* the seam: CudaBackend.gelu_mul (and glu) reach the kernel (float64 keeps the torch formula);
+  Gemma 4's GeGLU launches none, its down product computing gelu_tanh(gate) · up itself
   (tests/runtime/test_cuda_glu_product.py).
 
 Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set before Triton is
@@ -82,11 +82,11 @@ def test_gelu_mul_rows_alone_equal_a_batch_of_16():
 
 
 def test_the_backend_reaches_the_kernel_and_gemma4s_geglu_its_product(monkeypatch):
-    """ops.gelu_mul (the halves of a fused gate/up product: strided views) launches the kernel once on
-    the CUDA backend, gemma4.geglu not at all (its down product reads the GLU); float64 keeps the
+    """CudaBackend.glu (the halves of a fused gate/up product: strided views) launches the kernel once,
+    gemma4.geglu not at all (its down product reads the GLU); float64 keeps the
     torch formula, with its bits."""
     from specconv.runtime import backend as backend_module
-    from specconv.runtime.graphs import gemma4, ops
+    from specconv.runtime.graphs import gemma4
 
     cuda = CudaBackend(kt, device_types=(DEVICE.type,))
     monkeypatch.setattr(backend_module, "_backend", lambda kind: cuda)
@@ -94,7 +94,7 @@ def test_the_backend_reaches_the_kernel_and_gemma4s_geglu_its_product(monkeypatc
     real = kt.gelu_mul
     monkeypatch.setattr(kt, "gelu_mul", lambda g, u: launches.append(g.shape) or real(g, u))
     both = rand(5, 2 * 96, seed=46, scale=2)
-    y = ops.gelu_mul(both[:, :96], both[:, 96:])
+    y = cuda.glu(both[:, :96], both[:, 96:], "gelu_tanh")
     assert launches == [(5, 96)] and torch.equal(y, real(both[:, :96].contiguous(), both[:, 96:].contiguous()))
     x, gate, up, down = rand(3, 32, seed=47), rand(64, 32, seed=48), rand(64, 32, seed=49), rand(32, 64, seed=50)
     out = gemma4.geglu(x, gate, up, down)
@@ -103,5 +103,5 @@ def test_the_backend_reaches_the_kernel_and_gemma4s_geglu_its_product(monkeypatc
     print(f"\n[{WHERE}] gemma4.geglu through the CUDA backend: max |Δ| {float((out - want).abs().max()):.2e}")
     assert float((out - want).abs().max()) < 1e-4
     wide = both.double()
-    got = ops.gelu_mul(wide[:, :96], wide[:, 96:])
+    got = cuda.glu(wide[:, :96], wide[:, 96:], "gelu_tanh")
     assert len(launches) == 1 and torch.equal(got, REF.gelu_mul(wide[:, :96], wide[:, 96:]))
