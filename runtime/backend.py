@@ -8,11 +8,14 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
     linear(x, w)                                x @ wᵀ, w a StoredWeight or a tensor [out, in]
     linear_wide(x, w)                           acc(x) @ wᵀ (a weight kept float32: x read as it is)
     linear_group(x, [w, ...])                   (x @ w₀ᵀ, x @ w₁ᵀ, ...): the same rows by several weights
+    linear_glu(gate, up, w, act)                (act(gate) · up) @ wᵀ: a GLU's down product (act "silu",
+                                                "gelu_tanh"; glu(gate, up, act) is its input alone)
     moe(x, weights, chosen, experts)            Σ_slots weight · expert(x) over the routed experts
     route_softmax_topk(logits, k)               a softmax router's (weights, chosen experts) [n, k]
     causal_conv(m, conv_state, weight, keep)    the Gated DeltaNet's short conv + SiLU
     delta_rule(q, k, v, g, beta, state, keep, lazy, out, exact)   the gated delta rule
-    rms_norm, add_rms_norm, add_normed, gated_rms_norm, l2_norm, rope, normed_rope, silu_mul, gelu_mul, gdn_gates
+    rms_norm, add_rms_norm, add_normed, gated_rms_norm, l2_norm, rope, normed_rope, silu_mul, gelu_mul, glu,
+    gdn_gates
                                                 the small operations around the products (ops.py's
                                                 helpers and gdn.gates reach them)
     attention(q, k, v, q_pos, k_pos, scale, gate, window, sinks)   causal attention over a layer's K/V

@@ -10,6 +10,11 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   the number of rows; more rows (prompts) by dequantized tiles and cuBLAS, or, inside
   `batch_invariant(True)`, as pieces of FUSED_MAX_ROWS rows through the one-pass kernel, so that
   every row of a prompt gets the bits of a decode step.
+* `linear_glu`: a GLU's down product (SwiGLU, GeGLU; routed experts' `PairedExperts` too) as one
+  launch of the same product kernel reading act(gate) · up as its input rows (kernels_triton
+  quant_matmul / expert_matmul with `up`): the bits of `glu` then `linear`, no launch for the GLU
+  up to FUSED_MAX_ROWS rows (and in batch-invariant mode in pieces of that many); longer batches
+  run glu's kernel, then the prompt path.
 * `linear_group`: the weights that are stored matrices of a KERNEL_TYPE, grouped by type, through
   kernels_triton.grouped_matmul for up to FUSED_MAX_ROWS rows: one launch per type (per GROUP_MAX
   matrices) instead of one per weight, each output the bits of that weight's `linear`; a weight
@@ -31,10 +36,11 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   gets the bits of a decode step. float64 states take the torch forms.
 * around the products, one launch each where the tensors are float32 / bfloat16 / float16 on the
   kernels' device: `rms_norm` (also with the residual add before it, `add_rms_norm`, a SiLU gate
-  after it, `gated_rms_norm`, or its output added to the residual stream and scaled, `add_normed`), `l2_norm`, `rope` (NEOX and NORM pairs; `normed_rope`: a per-head RMS norm first), `silu_mul` (SwiGLU's
-  product), `gelu_mul` (GeGLU's) and `gdn_gates` (kernels_triton.norm, .rope, .activation): float32
-  inside, the reference formula's operations in its order, each row reduced by one program
-  (batch-invariant).
+  after it, `gated_rms_norm`, or its output added to the residual stream and scaled, `add_normed`),
+  `l2_norm`, `rope` (NEOX and NORM pairs; `normed_rope`: a per-head RMS norm first), `silu_mul`
+  (SwiGLU's product), `gelu_mul` (GeGLU's; both kernels_triton.glu) and `gdn_gates`
+  (kernels_triton.norm, .rope, .activation): float32 inside, the reference formula's operations in
+  its order, each row reduced by one program (batch-invariant).
 * `route_softmax_topk`: a softmax router's softmax, top-k and renormalisation in one launch
   (kernels_triton.softmax_topk), one program per row.
 * `add_gated_shared`: a MoE block's routed sum plus its sigmoid-gated shared expert, one launch.
@@ -107,24 +113,49 @@ class CudaBackend(TorchBackend):
             return self._kernel_product(x, w)
         return super().linear_wide(x, w)
 
-    def _kernel_product(self, x: torch.Tensor, w) -> torch.Tensor:
-        """x @ wᵀ by the product kernel: a stored matrix's bytes, or a dense float32 one's as F32."""
+    def linear_glu(self, gate: torch.Tensor, up: torch.Tensor, w, act: str) -> torch.Tensor:
+        """The product kernel computes act(gate) · up where it reads its input rows (the bits of glu
+        then linear), for the weights `linear` gives the kernel; glu then linear otherwise."""
+        if self._glu_input(gate, up):
+            if isinstance(w, PairedExperts):
+                n_out, n_in = w.shape
+                xs, fanout = w.rows_of(gate)
+                return self.kernels.expert_matmul(xs, w.experts.raw, w.experts.qtype, n_out, n_in, w.pairs, fanout,
+                                                  up=up.reshape(xs.shape), act=act)
+            if self._stored_matrix(gate, w, gate.dtype) or self._dense_float32(gate, w, gate.dtype):
+                return self._kernel_product(gate, w, up, act)
+        return super().linear_glu(gate, up, w, act)
+
+    def _glu_input(self, gate: torch.Tensor, up: torch.Tensor) -> bool:
+        """Whether the product kernel reads act(gate) · up itself: one kernel dtype, device and shape,
+        contiguous last dimensions (the halves of a fused gate/up product are read in place)."""
+        return (self._pointwise(gate, up) and gate.dtype == up.dtype and gate.shape == up.shape and gate.dim() > 0
+                and gate.stride(-1) == 1 and up.stride(-1) == 1)
+
+    def _kernel_product(self, x: torch.Tensor, w, up: torch.Tensor | None = None, act: str | None = None):
+        """x @ wᵀ by the product kernel: a stored matrix's bytes, or a dense float32 one's as F32 (with
+        `up`, (act(x) · up) @ wᵀ)."""
         if isinstance(w, StoredWeight):
             _count(w)
-            return self._packed_product(x, w.raw, w.qtype, *w.shape)
-        return self._packed_product(x, w.view(torch.uint8), QType.F32, *w.shape)
+            return self._packed_product(x, w.raw, w.qtype, *w.shape, up, act)
+        return self._packed_product(x, w.view(torch.uint8), QType.F32, *w.shape, up, act)
 
-    def _packed_product(self, x: torch.Tensor, raw: torch.Tensor, qtype, n_out: int, n_in: int) -> torch.Tensor:
-        """x @ Wᵀ by kernels_triton.quant_matmul, W's bytes `raw` [n_out, row bytes]; in batch-invariant
-        mode a longer batch in pieces of FUSED_MAX_ROWS rows, every row as in a decode step."""
-        x = x.contiguous()
+    def _packed_product(self, x: torch.Tensor, raw: torch.Tensor, qtype, n_out: int, n_in: int,
+                        up: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
+        """x @ Wᵀ (with `up`, (act(x) · up) @ Wᵀ) by kernels_triton.quant_matmul, W's bytes `raw`
+        [n_out, row bytes]; in batch-invariant mode a longer batch in pieces of FUSED_MAX_ROWS rows,
+        every row as in a decode step."""
+        if up is None:
+            x = x.contiguous()
         step = self.kernels.FUSED_MAX_ROWS
         xs = x.reshape(-1, n_in)
+        us = None if up is None else up.reshape(-1, n_in)
         if rows_alone() and xs.shape[0] > step:  # every row through the one-pass kernel, as in decode
-            pieces = [self.kernels.quant_matmul(xs[i:i + step], raw, qtype, n_out, n_in)
+            pieces = [self.kernels.quant_matmul(xs[i:i + step], raw, qtype, n_out, n_in,
+                                                up=None if us is None else us[i:i + step], act=act)
                       for i in range(0, xs.shape[0], step)]
             return torch.cat(pieces).reshape(*x.shape[:-1], n_out)
-        return self.kernels.quant_matmul(x, raw, qtype, n_out, n_in)
+        return self.kernels.quant_matmul(x, raw, qtype, n_out, n_in, up=up, act=act)
 
     def _stored_matrix(self, x: torch.Tensor, w, dtype: torch.dtype) -> bool:
         """Whether the quantized-product kernels take x @ wᵀ with a result in `dtype` (the torch
@@ -377,7 +408,7 @@ class PairedExperts:
         for w in (self, *others):
             if w.experts.counter is not None:
                 w.experts.counter.bytes += w.experts.raw[0].numel() * w.pairs.shape[0]
-        xs = x.contiguous().reshape(-1, self.shape[1])
+        xs = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, self.shape[1])  # row strides kept
         return xs, (self.pairs.shape[0] // xs.shape[0] if xs.shape[0] else 1)
 
 

@@ -211,6 +211,18 @@ class TorchBackend:
         """gelu_tanh(gate) · up (GeGLU's product before its down projection)."""
         return F.gelu(gate, approximate="tanh") * up
 
+    def glu(self, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+        """act(gate) · up for a GLU activation: "silu" (silu_mul) or "gelu_tanh" (gelu_mul)."""
+        if act == "silu":
+            return self.silu_mul(gate, up)
+        if act == "gelu_tanh":
+            return self.gelu_mul(gate, up)
+        raise ValueError(f"GLU activation must be 'silu' or 'gelu_tanh', not {act!r}")
+
+    def linear_glu(self, gate: torch.Tensor, up: torch.Tensor, w, act: str) -> torch.Tensor:
+        """(act(gate) · up) @ wᵀ: a GLU feed-forward's down product, `glu` then `linear`."""
+        return self.linear(self.glu(gate, up, act), w)
+
     # ---- attention ---------------------------------------------------------------------------------
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                   scale: float, gate: torch.Tensor | None = None, window: int | None = None,

@@ -24,8 +24,8 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import (
-    acc, add_normed, add_rms_norm, attend_cells, attended_kv, gelu_mul, linear, linear_group, moe as routed_moe, rms_norm,
-    normed_rope_neox, rope_cos_sin, rope_inv_freq,
+    acc, add_normed, add_rms_norm, attend_cells, attended_kv, glu_linear, linear, linear_group, moe as routed_moe,
+    normed_rope_neox, rms_norm, rope_cos_sin, rope_inv_freq,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -104,17 +104,17 @@ def rope_tables(w, hp: Gemma4HParams, positions: torch.Tensor, dtype: torch.dtyp
 
 
 def geglu(x, gate, up, down):
-    """down · (gelu_tanh(gate · x) ⊙ up · x): both products in one group, the product between them
-    ops.gelu_mul (one launch each on CUDA)."""
+    """down · (gelu_tanh(gate · x) ⊙ up · x): gate and up in one group, down by ops.glu_linear (one
+    launch each on CUDA)."""
     g, u = linear_group(x, (gate, up))
-    return linear(gelu_mul(g, u), down)
+    return glu_linear(g, u, down, "gelu_tanh")
 
 
 def geglu_fused(x, gate_up, _up, down):
     """GeGLU of one expert whose gate and up rows are one matrix [2F, H], gate rows first."""
     both = linear(x, gate_up)
     half = both.shape[-1] // 2
-    return linear(gelu_mul(both[..., :half], both[..., half:]), down)
+    return glu_linear(both[..., :half], both[..., half:], down, "gelu_tanh")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -208,8 +208,8 @@ def _block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, batch: Batch, rope, kv
     scale = w[_blk(i, "layer_output_scale")]
     h = ffn_block(w, hp, i, h, attention_out(w, hp, i, o), None if ple is not None else scale)
     if ple is not None:
-        g = gelu_mul(linear(h, w[_blk(i, "inp_gate")]), ple[:, i].to(h.dtype))
-        h = add_normed(h, linear(g, w[_blk(i, "proj")]), w[_blk(i, "post_norm")], hp.rms_norm_eps, scale)
+        g = glu_linear(linear(h, w[_blk(i, "inp_gate")]), ple[:, i].to(h.dtype), w[_blk(i, "proj")], "gelu_tanh")
+        h = add_normed(h, g, w[_blk(i, "post_norm")], hp.rms_norm_eps, scale)
     return h
 
 

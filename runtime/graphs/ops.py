@@ -307,13 +307,17 @@ def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     g, u = linear_group(x, (gate, up))
-    return linear(for_device(x.device).silu_mul(g, u), down)
+    return glu_linear(g, u, down, "silu")
 
 
-def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) · up in gate's dtype (GeGLU's product before its down projection; one launch on
-    CUDA)."""
-    return for_device(gate.device).gelu_mul(gate, up)
+def glu_linear(gate: torch.Tensor, up: torch.Tensor, w, act: str) -> torch.Tensor:
+    """(act(gate) · up) @ wᵀ, act "silu" (SwiGLU) or "gelu_tanh" (GeGLU), act(gate) · up rounded into
+    gate's dtype first: a GLU's down product, by the backend (on CUDA the product kernel computes
+    the GLU as it reads its input: one launch; elsewhere silu_mul / gelu_mul, then `linear`)."""
+    backend = for_device(gate.device)
+    if activation_observer() is not None:  # the observer sees the product's input rows
+        return linear(backend.glu(gate, up, act), w)
+    return backend.linear_glu(gate, up, w, act)
 
 
 def moe_softmax_topk(x: torch.Tensor, router: torch.Tensor, n_used: int, gate_exps: torch.Tensor,

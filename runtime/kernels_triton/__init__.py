@@ -1,6 +1,7 @@
 """CUDA kernels in Triton for the runtime's hot operations (docs/runtime.md, "CUDA kernels (Triton)").
 
     quant_matmul(x, packed, qtype, n_out, n_in)          x @ Wᵀ, W packed in its GGUF type (result_dtype)
+    quant_matmul(gate, ..., up=up, act=act)              (act(gate) · up) @ Wᵀ: a GLU's down product
     expert_matmul(x, experts, qtype, n_out, n_in, chosen)   row r @ W[chosen[r]]ᵀ: routed experts by index
     expert_matmul_pair(x, [experts, experts2], ...)      the same pairs by two expert tensors, one launch
     grouped_matmul(x, [packed, ...], qtype, [n_out, ...], n_in)   x @ Wᵢᵀ for several matrices, one launch
@@ -10,6 +11,7 @@
     rms_norm(x, weight, eps, residual=None, gate=None)   RMSNorm (+ the residual add, or a SiLU gate)
     l2_norm(x, eps, scale=None)                          x / ‖x‖ (· scale) (Gated DeltaNet's q and k)
     rope(x, cos, sin, style)                             NEOX / NORM rope of q or k
+    glu(gate, up, act)                                   a GLU's act(gate) · up (act "silu", "gelu_tanh")
     silu_mul(gate, up)                                   SwiGLU's silu(gate) · up
     softmax_topk(logits, k)                              the MoE softmax router: top-k experts, weights
     moe_combine(y, weights, chosen)                      Σ weight · routed expert output per row
@@ -29,7 +31,7 @@ installed). The kernels run on CUDA tensors, or on CPU tensors under Triton's in
 """
 
 from specconv.runtime.kernels_triton._common import available
-from specconv.runtime.kernels_triton.activation import gdn_gates, gelu_mul, silu_mul
+from specconv.runtime.kernels_triton.activation import gdn_gates, gelu_mul, glu, silu_mul
 from specconv.runtime.kernels_triton.attention import MAX_HEAD_DIM as MAX_ATTENTION_HEAD_DIM, attention, write_kv
 from specconv.runtime.kernels_triton.conv import causal_conv
 from specconv.runtime.kernels_triton.dequant import KERNEL_TYPES, dequantize_rows
@@ -43,7 +45,7 @@ from specconv.runtime.kernels_triton.routing import (MAX_EXPERTS as MAX_ROUTED_E
 from specconv.runtime.kernels_triton.gdn_chunked import gdn_chunked
 
 __all__ = ["add_gated_shared", "attention", "available", "causal_conv", "dequantize_rows", "expert_matmul",
-           "expert_matmul_pair", "gdn_gates", "gdn_step", "gelu_mul", "grouped_matmul", "l2_norm", "moe_combine",
+           "expert_matmul_pair", "gdn_gates", "gdn_step", "gelu_mul", "glu", "grouped_matmul", "l2_norm", "moe_combine",
            "quant_matmul", "result_dtype", "rms_norm", "rope", "silu_mul", "softmax_topk", "write_kv", "FUSED_MAX_ROWS",
            "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS", "MAX_TOKENS",
            "gdn_chunked"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specconv.runtime.kernels_triton._pointwise_jit import NO_ACTIVATION
 from specconv.runtime.kernels_triton._quant_jit import _parts_sum, _tile_sums
 
 
@@ -61,8 +62,8 @@ def grouped_rows_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, y_ptr, part_ptr, 
     rows = w_ptr + n.to(tl.int64) * stride_w
     first = piece * per_split
     last = tl.minimum(first + per_split, n_blocks)
-    acc = _tile_sums(x_ptr, rows, row_ok, n_in, first, last, stride_x, QTYPE, VALUES, BYTES, ROWS, ROWS_P2, BLOCK_N,
-                     NB)
+    acc = _tile_sums(x_ptr, x_ptr, rows, row_ok, n_in, first, last, stride_x, 0, QTYPE, VALUES, BYTES, ROWS, ROWS_P2,
+                     BLOCK_N, NB, NO_ACTIVATION)
     m_index = tl.arange(0, ROWS_P2)
     keep = (m_index[:, None] < ROWS) & row_ok[None, :]
     out_row = m_index.to(tl.int64)[:, None]

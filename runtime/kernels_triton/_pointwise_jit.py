@@ -1,5 +1,5 @@
-"""Triton kernels around the products: norms, rope, SwiGLU's and GeGLU's products and the Gated
-DeltaNet's gates (imported on first use; needs Triton). The wrappers are norm.py, rope.py and
+"""Triton kernels around the products: norms, rope, the GLU products (SwiGLU's, GeGLU's) and the
+Gated DeltaNet's gates (imported on first use; needs Triton). The wrappers are norm.py, rope.py and
 activation.py.
 
 Every kernel computes in float32 and rounds once into the output dtype, with the operations of the
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from specconv.runtime.kernels_triton import activation
 
 NEOX = tl.constexpr(0)  # rotate pairs (i, i + d/2)
 NORM = tl.constexpr(1)  # rotate pairs (2i, 2i + 1)
@@ -115,42 +117,47 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, heads, half, head_dim, co
         tl.store(dst + j, xr.to(y_ptr.dtype.element_ty), mask=rest)
 
 
-@triton.jit
-def silu_mul_kernel(g_ptr, u_ptr, y_ptr, width, stride_g, stride_u, BLOCK: tl.constexpr):
-    """y = silu(g) · u for row program_id(0), columns of block program_id(1); silu(g) rounded into
-    y's dtype first (the reference's F.silu(g) * u in that dtype)."""
-    r = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < width
-    g = tl.load(g_ptr + r * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + r * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
-    s = _rounded(_silu(g), y_ptr.dtype.element_ty)
-    tl.store(y_ptr + r * width + cols, (s * u).to(y_ptr.dtype.element_ty), mask=ok)
-
-
 GELU_BETA = tl.constexpr(0.7978845608028654)  # √(2/π)
 GELU_KAPPA = tl.constexpr(0.044715)
+# the activation of a GLU (activation.GLU's numbers; NO_ACTIVATION: the input read as it is)
+NO_ACTIVATION = tl.constexpr(activation.NO_ACTIVATION)
+SILU = tl.constexpr(activation.GLU["silu"])
+GELU_TANH = tl.constexpr(activation.GLU["gelu_tanh"])
 
 
 @triton.jit
 def _gelu_tanh(x):
     """0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) as x / (1 + exp(−2·inner)): the same value, with no
-    cancellation in 1 + tanh where x is negative."""
-    inner = GELU_BETA * (x + GELU_KAPPA * (x * x * x))
+    cancellation in 1 + tanh where x is negative. x + 0.044715·x³ is one fused multiply-add (one
+    rounding), so the value is the same whether or not a launch lets the compiler contract."""
+    inner = GELU_BETA * tl.fma(GELU_KAPPA, x * x * x, x)
     return tl.div_rn(x, 1.0 + tl.exp(-2.0 * inner))
 
 
 @triton.jit
-def gelu_mul_kernel(g_ptr, u_ptr, y_ptr, width, stride_g, stride_u, BLOCK: tl.constexpr):
-    """y = gelu_tanh(g) · u for row program_id(0), columns of block program_id(1); gelu_tanh(g)
-    rounded into y's dtype first (the reference's F.gelu(g, approximate="tanh") * u in that dtype)."""
+def _glu(g, u, ACT: tl.constexpr, dtype: tl.constexpr):
+    """act(g) · u (float32 in) as the reference computes it in `dtype`: act(g) rounded into dtype, times
+    u, rounded again, widened back to float32. No step is a product feeding a sum, so the bits do not
+    depend on FMA contraction: the product kernel (_quant_jit), which allows it, reads its activation
+    rows through this and gets the values glu_kernel writes."""
+    if ACT == SILU:
+        a = _silu(g)
+    else:
+        a = _gelu_tanh(g)
+    return _rounded(_rounded(a, dtype) * u, dtype)
+
+
+@triton.jit
+def glu_kernel(g_ptr, u_ptr, y_ptr, width, stride_g, stride_u, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """y = act(g) · u (_glu: SILU or GELU_TANH) for row program_id(0), columns of block program_id(1),
+    in y's dtype (the reference's F.silu(g) * u, F.gelu(g, approximate="tanh") * u)."""
     r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
     g = tl.load(g_ptr + r * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + r * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
-    s = _rounded(_gelu_tanh(g), y_ptr.dtype.element_ty)
-    tl.store(y_ptr + r * width + cols, (s * u).to(y_ptr.dtype.element_ty), mask=ok)
+    y = _glu(g, u, ACT, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + r * width + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

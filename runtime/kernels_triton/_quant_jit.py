@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specconv.runtime.kernels_triton._pointwise_jit import NO_ACTIVATION, _glu
+
 # ggml type numbers (gguf.GGMLQuantizationType), as compile-time constants
 F32 = tl.constexpr(0)
 F16 = tl.constexpr(1)
@@ -96,14 +98,27 @@ def _decode(rows, blk, s: tl.constexpr, i, row_ok, blk_ok, n_in, QTYPE: tl.const
 
 
 @triton.jit
-def _tile_sums(x_ptr, rows, row_ok, n_in, first, last, stride_x, QTYPE: tl.constexpr, VALUES: tl.constexpr,
-               BYTES: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-               NB: tl.constexpr):
+def _input(x_ptr, u_ptr, at_x, at_u, ok, ACT: tl.constexpr):
+    """float32 values of the activation rows at element offsets at_x: x itself, or with a GLU
+    activation ACT the values act(x) · u (u at offsets at_u) that _pointwise_jit.glu_kernel writes in
+    x's dtype, computed here instead of read back (masked values are 0: act(0) · 0)."""
+    x = tl.load(x_ptr + at_x, mask=ok, other=0).to(tl.float32)
+    if ACT != NO_ACTIVATION:
+        u = tl.load(u_ptr + at_u, mask=ok, other=0).to(tl.float32)
+        x = _glu(x, u, ACT, x_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _tile_sums(x_ptr, u_ptr, rows, row_ok, n_in, first, last, stride_x, stride_u, QTYPE: tl.constexpr,
+               VALUES: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
+               BLOCK_N: tl.constexpr, NB: tl.constexpr, ACT: tl.constexpr):
     """float32 [ROWS_P2, BLOCK_N]: Σ_k x[m, k] W[n, k] over blocks first..last-1 of the BLOCK_N weight
     rows starting at `rows`, NB blocks per step: each step's tile decoded once and multiplied with
     every activation row, row m's products summed into its own accumulator in the same order
     whatever ROWS is. Every one-pass product (one matrix, experts by index, a group of matrices)
-    runs this, so a matrix's sums are the same operations in each."""
+    runs this, so a matrix's sums are the same operations in each. With a GLU activation ACT, x[m, k]
+    is act(gate) · up of rows m of x (the gate) and u (_input)."""
     i = tl.arange(0, 32)
     j = tl.arange(0, NB)
     m_index = tl.arange(0, ROWS_P2)
@@ -116,20 +131,21 @@ def _tile_sums(x_ptr, rows, row_ok, n_in, first, last, stride_x, QTYPE: tl.const
             k = blk[:, None] * VALUES + 32 * s + i[None, :]  # [NB, 32]
             k_ok = blk_ok[:, None] & (k < n_in)
             for m in tl.static_range(ROWS):
-                x = tl.load(x_ptr + m * stride_x + k, mask=k_ok, other=0).to(tl.float32)
+                x = _input(x_ptr, u_ptr, m * stride_x + k, m * stride_u + k, k_ok, ACT)
                 part = tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
                 acc += tl.where(m_index[:, None] == m, part[None, :], 0.0)
     return acc
 
 
 @triton.jit(do_not_specialize=["n_blocks", "blocks_per_split", "total_rows"])
-def fused_rows_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, sel_ptr, n_out, n_in, n_blocks, blocks_per_split,
-                      total_rows,
-                      stride_x, stride_w, stride_e, stride_y,
+def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, sel_ptr, n_out, n_in, n_blocks,
+                      blocks_per_split, total_rows,
+                      stride_x, stride_u, stride_w, stride_e, stride_y,
                       QTYPE: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr,
                       ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PARTIAL: tl.constexpr,
-                      PAIRS: tl.constexpr, FANOUT: tl.constexpr, MATRICES: tl.constexpr):
-    """y[m, n] = Σ_k x[m, k] W[n, k] for ROWS activation rows. Program (p, q, r) takes BLOCK_N weight rows
+                      PAIRS: tl.constexpr, FANOUT: tl.constexpr, MATRICES: tl.constexpr, ACT: tl.constexpr):
+    """y[m, n] = Σ_k x[m, k] W[n, k] for ROWS activation rows (with a GLU activation ACT, x[m, k] =
+    act(gate) · up of the rows of x and u: _tile_sums). Program (p, q, r) takes BLOCK_N weight rows
     and the q-th run of `blocks_per_split` blocks of them (_tile_sums); with PARTIAL its float32 sums
     go to part[q] (summed over q in order by sum_parts_kernel), else straight into y. Row m's result
     is the same sequence of float32 operations whatever ROWS is (the split depends on W's shape
@@ -152,10 +168,11 @@ def fused_rows_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, sel_ptr, n_out, n_i
     if PAIRS:
         rows += tl.load(sel_ptr + pair).to(tl.int64) * stride_e
     x_ptr += (pair // FANOUT).to(tl.int64) * stride_x
+    u_ptr += (pair // FANOUT).to(tl.int64) * stride_u
     first = tl.program_id(1) * blocks_per_split
     last = tl.minimum(first + blocks_per_split, n_blocks)
-    acc = _tile_sums(x_ptr, rows, row_ok, n_in, first, last, stride_x, QTYPE, VALUES, BYTES, ROWS, ROWS_P2, BLOCK_N,
-                     NB)
+    acc = _tile_sums(x_ptr, u_ptr, rows, row_ok, n_in, first, last, stride_x, stride_u, QTYPE, VALUES, BYTES, ROWS,
+                     ROWS_P2, BLOCK_N, NB, ACT)
     m_index = tl.arange(0, ROWS_P2)
     keep = (m_index[:, None] < ROWS) & row_ok[None, :]
     out_row = (r + m_index).to(tl.int64)[:, None]

@@ -1,6 +1,6 @@
 """x @ Wᵀ with W kept in its GGUF type, for decode steps and verification batches in one pass.
 
-    quant_matmul(x, packed, qtype, n_out, n_in, out=None) -> y [..., n_out]   (result_dtype)
+    quant_matmul(x, packed, qtype, n_out, n_in, out=None, up=None, act=None) -> y [..., n_out]   (result_dtype)
     grouped_matmul(x, [packed, ...], qtype, [n_out, ...], n_in) -> (y, ...)    (x @ Wᵢᵀ for each i)
 
 x: float32 / bfloat16 / float16 [..., n_in]; `packed`: W's bytes as runtime/stored.py keeps them
@@ -9,6 +9,12 @@ TRITON_INTERPRET=1); `qtype` one of dequant.KERNEL_TYPES (Q8_0, Q4_K, Q5_K, Q6_K
 The result is in x's dtype, except by an F32 W (the small matrices a graph keeps float32 whatever
 the compute dtype: MoE routers, gates): float32, x read in its own dtype and widened inside, so a
 bfloat16 x gives the bits of x.float() and the caller needs no cast launch of its own.
+
+With `up` (x's shape and dtype) and a GLU activation `act` (activation.GLU: "silu", "gelu_tanh"),
+the rows multiplied are act(x) · up, x the gate: a GLU feed-forward's down product. The one-pass
+kernel computes each value where it reads its input, rounded into x's dtype as activation.glu
+rounds it, so the result has the bits of glu followed by the product, with no launch for the GLU
+and no [rows, F] tensor in between; more rows run glu, then the prompt path.
 
 * Up to FUSED_MAX_ROWS activation rows (a decode step, the check of k drafts): one kernel that walks
   W once, decoding each block in registers and multiplying it with every row; float32 products and
@@ -36,7 +42,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.kernels_triton import _common
+from specconv.runtime.kernels_triton import _common, activation
 from specconv.runtime.kernels_triton.dequant import GEOMETRY, dequantize_rows, packed_matrix
 
 FUSED_MAX_ROWS = 16
@@ -60,17 +66,17 @@ def result_dtype(qtype: QType, x_dtype: torch.dtype) -> torch.dtype:
 
 
 def quant_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int, n_in: int,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, up: torch.Tensor | None = None,
+                 act: str | None = None) -> torch.Tensor:
     """y = x @ Wᵀ for a packed [n_out, n_in] matrix W, in result_dtype (written into `out` when given:
-    a contiguous tensor [..., n_out])."""
+    a contiguous tensor [..., n_out]); with `up` and `act`, y = (act(x) · up) @ Wᵀ (the module doc)."""
     op = "quant_matmul"
     packed = packed_matrix(op, packed, qtype, n_out, n_in)
     _common.check_float(op, "x", x)
     if x.dim() == 0 or x.shape[-1] != n_in:
         raise SpecconvError(f"{op}: x has shape {tuple(x.shape)}, expected [..., {n_in}]")
     device = _common.check_device(op, x, packed)
-    xs = x.reshape(-1, n_in)
-    _common.check_last_contiguous(op, "x", xs)
+    xs, us = _input_rows(op, x, up, act, n_in)
     rows = xs.shape[0]
     dtype = result_dtype(qtype, x.dtype)
     if out is None:
@@ -85,8 +91,10 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int
     if rows == 0:
         return out
     if rows <= FUSED_MAX_ROWS:
-        _one_pass(xs, packed, ys, qtype, n_out, n_in, device)
+        _one_pass(xs, packed, ys, qtype, n_out, n_in, device, up=us, act=act)
         return out
+    if us is not None:  # a prompt: the GLU's launch, then the dense product
+        xs = activation.glu(xs, us, act)
     xs = xs.to(dtype)
     if (_FLOAT_TYPES.get(qtype) == dtype and packed.data_ptr() % dtype.itemsize == 0
             and packed.stride(0) % dtype.itemsize == 0):
@@ -175,13 +183,15 @@ def _ends(ends: list[int]) -> list[int]:
 
 
 def expert_matmul(x: torch.Tensor, experts: torch.Tensor, qtype: QType, n_out: int, n_in: int,
-                  chosen: torch.Tensor, fanout: int = 1) -> torch.Tensor:
+                  chosen: torch.Tensor, fanout: int = 1, up: torch.Tensor | None = None,
+                  act: str | None = None) -> torch.Tensor:
     """y[r] = x[r // fanout] @ W[chosen[r]]ᵀ for each pair r: routed experts by index in one launch (no
     host read of `chosen`). x [P / fanout, n_in] (`fanout` consecutive pairs share an activation row:
     a token's k experts, without a repeated copy of x); `experts` the packed 3-D expert tensor
     [E, n_out, row bytes] (StoredWeight.raw); chosen [P] integer expert indices on x's device. Each
-    pair gets the bits of a one-row quant_matmul by its expert."""
-    return _expert_products("expert_matmul", x, (experts,), qtype, n_out, n_in, chosen, fanout)[0]
+    pair gets the bits of a one-row quant_matmul by its expert. With `up` and `act`, the rows are
+    act(x) · up (an expert FFN's down product: quant_matmul's GLU input)."""
+    return _expert_products("expert_matmul", x, (experts,), qtype, n_out, n_in, chosen, fanout, up, act)[0]
 
 
 def expert_matmul_pair(x: torch.Tensor, experts: Sequence[torch.Tensor], qtype: QType, n_out: int, n_in: int,
@@ -195,7 +205,8 @@ def expert_matmul_pair(x: torch.Tensor, experts: Sequence[torch.Tensor], qtype: 
 
 
 def _expert_products(op: str, x: torch.Tensor, experts: tuple, qtype: QType, n_out: int, n_in: int,
-                     chosen: torch.Tensor, fanout: int) -> tuple[torch.Tensor, ...]:
+                     chosen: torch.Tensor, fanout: int, up: torch.Tensor | None = None,
+                     act: str | None = None) -> tuple[torch.Tensor, ...]:
     """The checks and the launch of expert_matmul(_pair): one [P, n_out] output per expert tensor."""
     for t in experts:
         if t.dim() != 3 or t.shape != experts[0].shape or t.stride() != experts[0].stride():
@@ -210,23 +221,36 @@ def _expert_products(op: str, x: torch.Tensor, experts: tuple, qtype: QType, n_o
         raise SpecconvError(f"{op}: {chosen.shape[0]} pairs are not {fanout} per activation row")
     _common.check_shape(op, "x", x, (chosen.shape[0] // fanout, n_in))
     device = _common.check_device(op, x, *experts, chosen)
-    _common.check_last_contiguous(op, "x", x)
+    x, us = _input_rows(op, x, up, act, n_in)
     if experts[0].stride(1) != experts[0].shape[2]:
         raise SpecconvError(f"{op}: each expert's rows must be contiguous (strides {experts[0].stride()})")
     pairs = chosen.shape[0]
     out = torch.empty(len(experts), pairs, n_out, dtype=result_dtype(qtype, x.dtype), device=device)
     if pairs:
         _one_pass(x, experts[0], out.view(-1, n_out), qtype, n_out, n_in, device, chosen=chosen.contiguous(),
-                  fanout=fanout, second=experts[1] if len(experts) > 1 else None)
+                  fanout=fanout, second=experts[1] if len(experts) > 1 else None, up=us, act=act)
     return tuple(out.unbind(0))
+
+
+def _input_rows(op: str, x: torch.Tensor, up: torch.Tensor | None, act: str | None,
+                n_in: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x as [rows, n_in], up likewise or None), checked: `up` and `act` come together (a GLU input)."""
+    if (up is None) != (act is None):
+        raise SpecconvError(f"{op}: a GLU input needs both up and act (got up={up is not None}, act={act!r})")
+    if up is not None:
+        return activation.glu_rows(op, x, up, act)
+    xs = x.reshape(-1, n_in)
+    _common.check_last_contiguous(op, "x", xs)
+    return xs, None
 
 
 def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: QType, n_out: int, n_in: int,
               device: torch.device, chosen: torch.Tensor | None = None, fanout: int = 1,
-              second: torch.Tensor | None = None) -> None:
+              second: torch.Tensor | None = None, up: torch.Tensor | None = None, act: str | None = None) -> None:
     """ys = xs @ Wᵀ by the one-pass kernel (every row against W; with `chosen`, row r // fanout against
     expert chosen[r] of the 3-D `packed`, and with `second` the same pairs against its experts into
-    the second half of ys), cut along the inner dimension per split_plan."""
+    the second half of ys), cut along the inner dimension per split_plan. With `up` (rows like xs'),
+    the rows are act(xs) · up, computed by the kernel as it reads them."""
     values, size = GEOMETRY[qtype]
     n_blocks = _common.cdiv(n_in, values)
     rows = ys.shape[0]
@@ -235,13 +259,16 @@ def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: Q
     jit = _common.jit_module("_quant_jit")
     pairs = chosen is not None
     grid = (_common.cdiv(n_out, FUSED_ROWS), splits, rows if pairs else 1)
-    jit.fused_rows_kernel[grid](xs, packed, packed if second is None else second, ys, parts, chosen if pairs else xs,
-                                n_out, n_in, n_blocks, per_split, rows,
-                                xs.stride(0), packed.stride(-2), packed.stride(0) if pairs else 0, ys.stride(0),
+    glu = up is not None
+    jit.fused_rows_kernel[grid](xs, up if glu else xs, packed, packed if second is None else second, ys, parts,
+                                chosen if pairs else xs, n_out, n_in, n_blocks, per_split, rows,
+                                xs.stride(0), up.stride(0) if glu else 0, packed.stride(-2),
+                                packed.stride(0) if pairs else 0, ys.stride(0),
                                 QTYPE=int(qtype), VALUES=values, BYTES=size, ROWS=1 if pairs else rows,
                                 ROWS_P2=1 if pairs else _common.next_power_of_2(rows), BLOCK_N=FUSED_ROWS,
                                 NB=STEP_BLOCKS[qtype], PARTIAL=splits > 1, PAIRS=pairs, FANOUT=fanout,
-                                MATRICES=1 if second is None else 2, num_warps=FUSED_WARPS)
+                                MATRICES=1 if second is None else 2,
+                                ACT=activation.GLU[act] if glu else activation.NO_ACTIVATION, num_warps=FUSED_WARPS)
     if splits > 1:
         jit.sum_parts_kernel[(_common.cdiv(rows * n_out, SUM_BLOCK),)](parts, ys, rows, n_out, splits,
                                                                        ys.stride(0), BLOCK=SUM_BLOCK)

@@ -15,9 +15,11 @@ counted on the `meta` device by benchmarks/cuda_op_count.py, and the forward thr
 * No family's decode step launches more than its ceiling (STEP_LAUNCHES: the counts with these
   fusions; step35 also runs its unclamped SwiGLUs through ops.swiglu; Gemma 4, Step-3.5 and MiMo-V2
   their attention through the one-launch kernel with windows, sinks and Step-3.5's head-wise gate,
-  Gemma 4 its GeGLU product through gelu_mul and its rope frequencies made once, ops.rope_inv_freq).
-* Those attentions and GeGLU products are one launch per call, against the torch formulas they
-  were (OWN_ATTENTION).
+  Gemma 4 its rope frequencies made once, ops.rope_inv_freq).
+* Those attentions are one launch per call, against the torch formulas they were (OWN_ATTENTION).
+* Every GLU feed-forward's down product (SwiGLU, GeGLU, Gemma 4's per-layer input gate, routed
+  experts') reads act(gate) · up itself (ops.glu_linear, CudaBackend.linear_glu): against the same
+  backend running the GLU kernel first, each call launches one kernel less and nothing else changed.
 * The forward through the kernels (Triton's interpreter on the CPU, compiled kernels on a GPU) gives
   the float32 logits of the torch reference within float32 noise (the fused calls include rope on
   strided head slices: DeepSeek-V3's q[..., dn:], the latent's rope part).
@@ -54,9 +56,8 @@ STEP_LAUNCHES = {
     "dsa-deepseek32": (401, 299), "chained-hy_v3": (176, 92), "chained-step35": (223, 107),
     "chained-mimo2": (208, 141), "gemma4-release": (314, 147), "gemma4-moe-shapes": (487, 250),
 }
-# the families whose graphs attend their own cells (ops.attend_cells: sliding windows, sinks) and
-# Gemma 4's GeGLU (ops.gelu_mul), whose attention and GeGLU product are one launch per call
-# (test_sliding_window_attention_and_gelu_mul_are_one_launch_each)
+# the families whose graphs attend their own cells (ops.attend_cells: sliding windows, sinks), one
+# launch per call (test_sliding_window_attention_is_one_launch_per_call)
 OWN_ATTENTION = ("gemma4-release", "gemma4-moe-shapes", "chained-step35", "chained-mimo2")
 
 
@@ -127,8 +128,8 @@ def test_each_fused_call_is_one_launch_and_no_family_count_rises(files, name):
 
 class CountedAttention(CountedFusions):
     """The CUDA backend (launches recorded on `meta`) counting, per active op counter, the calls of
-    `attention` and `gelu_mul` and the launches inside them; with `separate`, running them as the
-    torch formulas the graphs ran before (TorchBackend's, which are those formulas)."""
+    `attention` and the launches inside them; with `separate`, running them as the torch formulas the
+    graphs ran before (TorchBackend's, which are those formulas)."""
 
     def add_rms_norm(self, h, delta, weight, eps):
         return CudaBackend.add_rms_norm(self, h, delta, weight, eps)
@@ -140,27 +141,55 @@ class CountedAttention(CountedFusions):
         form = TorchBackend.attention if self.separate else CudaBackend.attention
         return self.counted(lambda: form(self, *args, **kwargs))
 
-    def gelu_mul(self, gate, up):
-        form = TorchBackend.gelu_mul if self.separate else CudaBackend.gelu_mul
-        return self.counted(lambda: form(self, gate, up))
-
 
 @pytest.mark.parametrize("name", OWN_ATTENTION)
-def test_sliding_window_attention_and_gelu_mul_are_one_launch_each(files, name):
+def test_sliding_window_attention_is_one_launch_per_call(files, name):
     """Gemma 4, Step-3.5 and MiMo-V2 attend (sliding windows, sinks) through the backend's one-launch
-    attention, and Gemma 4's GeGLU product is one gelu_mul launch: against the same backend running
-    those calls as the torch formulas, each call is one launch where it was several, nothing else in
-    the step changed, and the step and the verification batch launch fewer kernels."""
+    attention: against the same backend running those calls as the torch formulas, each call is one
+    launch where it was several, nothing else in the step changed, and the step and the verification
+    batch launch fewer kernels."""
     path, _ = files(name, "q8_0")
     fused_backend, separate_backend = CountedAttention(separate=False), CountedAttention(separate=True)
     fused = cuda_op_count.count_steps(path, "bf16", K, backend=fused_backend)
     separate = cuda_op_count.count_steps(path, "bf16", K, backend=separate_backend)
     for what, new, old in (("step", fused.step, separate.step), ("verification", fused.verify, separate.verify)):
         calls, inside = separate_backend.calls[id(old)], separate_backend.inside[id(old)]
-        print(f"\n[{name}, meta, bf16] {what}: {old.total} -> {new.total} launches: {calls} attention / gelu_mul "
+        print(f"\n[{name}, meta, bf16] {what}: {old.total} -> {new.total} launches: {calls} attention "
               f"calls, {inside} launches as torch formulas -> {fused_backend.inside[id(new)]}")
         assert calls > 0 and fused_backend.calls[id(new)] == calls and fused_backend.inside[id(new)] == calls
         assert new.total == old.total - inside + calls < old.total
+
+
+class CountedGlu(CountedAttention):
+    """The CUDA backend (launches recorded on `meta`) counting, per active op counter, the calls of
+    `linear_glu` (a GLU's down product) and the launches inside them; with `separate`, running each as
+    the GLU kernel and then the product (what the graphs launched before the product read the GLU)."""
+
+    def attention(self, *args, **kwargs):
+        return CudaBackend.attention(self, *args, **kwargs)
+
+    def linear_glu(self, gate, up, w, act):
+        if self.separate:
+            return self.counted(lambda: self.linear(self.glu(gate, up, act), w))
+        return self.counted(lambda: CudaBackend.linear_glu(self, gate, up, w, act))
+
+
+@pytest.mark.parametrize("name", sorted(STEP_LAUNCHES))
+def test_glu_down_products_launch_no_glu_kernel(files, name):
+    """Every family's GLU down products (dense, shared and routed experts, Gemma 4's GeGLUs and its
+    per-layer input gate) read act(gate) · up inside the product kernel: one launch fewer per call
+    than the GLU kernel and the product, nothing else changed, and no GLU kernel left in the step."""
+    path, _ = files(name, "q8_0")
+    fused_backend, separate_backend = CountedGlu(separate=False), CountedGlu(separate=True)
+    fused = cuda_op_count.count_steps(path, "bf16", K, backend=fused_backend)
+    separate = cuda_op_count.count_steps(path, "bf16", K, backend=separate_backend)
+    for what, new, old in (("step", fused.step, separate.step), ("verification", fused.verify, separate.verify)):
+        calls, inside = separate_backend.calls[id(old)], separate_backend.inside[id(old)]
+        print(f"\n[{name}, meta, bf16] {what}: {old.total} -> {new.total} launches: {calls} GLU down products, "
+              f"{inside} launches as GLU kernel + product -> {fused_backend.inside[id(new)]}")
+        assert calls > 0 and fused_backend.calls[id(new)] == calls
+        assert old.by_op["triton.glu_kernel"] == calls and not new.by_op["triton.glu_kernel"]
+        assert fused_backend.inside[id(new)] == inside - calls and new.total == old.total - calls
 
 
 def _install(monkeypatch, backend):

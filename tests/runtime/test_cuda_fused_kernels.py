@@ -208,7 +208,7 @@ def test_the_cuda_backend_reaches_the_kernels_through_the_seam(monkeypatch):
         (cuda.silu_mul(x, x), REF.silu_mul(x, x)),
         (gdn.gates(b, alpha, a, dt_bias)[0], REF.gdn_gates(b, alpha, a, dt_bias)[0]),
     ]
-    assert launched == ["norm_kernel"] * 4 + ["rope_kernel"] * 2 + ["silu_mul_kernel", "gdn_gates_kernel"]
+    assert launched == ["norm_kernel"] * 4 + ["rope_kernel"] * 2 + ["glu_kernel", "gdn_gates_kernel"]
     worst = max(ulps(y, ref) for y, ref in calls)
     print(f"\n[{WHERE}] through the seam: {len(launched)} launches, worst {worst:.1f} ulps from the torch backend")
     assert worst <= ULPS

@@ -4,7 +4,7 @@ change in a decode step with the CUDA backend's choices, checked on the CPU:
 * launches per step: counted on the `meta` device by benchmarks/cuda_op_count.py (aten operations
   and recorded Triton launches) for the CUDA backend, and for the same backend with the torch
   formulas around the products (the backend before these kernels). Every call of a seam operation
-  (rms_norm, l2_norm, rope, silu_mul, gdn_gates, ...) becomes exactly one launch, the rest of the
+  (rms_norm, l2_norm, rope, gdn_gates, ...) becomes exactly one launch, the rest of the
   step is unchanged: the new count is the old one minus the seam formulas' operations plus one per
   call, per step and per verification batch;
 * the forward: the tiny Qwen3.5 through the CUDA backend (Triton's interpreter on the CPU, compiled
@@ -28,9 +28,9 @@ from tests.fixtures.runtime_common import prompt_ids, tiny_gguf  # noqa: E402
 
 torch.set_num_threads(1)
 
-SEAM = ("rms_norm", "add_rms_norm", "add_normed", "gated_rms_norm", "l2_norm", "rope", "normed_rope", "silu_mul",
-        "gdn_gates")
-FUSED = ("triton.norm_kernel", "triton.rope_kernel", "triton.silu_mul_kernel", "triton.gdn_gates_kernel")
+# SwiGLU's product is read by the down product's kernel (tests/runtime/test_cuda_glu_product.py)
+SEAM = ("rms_norm", "add_rms_norm", "add_normed", "gated_rms_norm", "l2_norm", "rope", "normed_rope", "gdn_gates")
+FUSED = ("triton.norm_kernel", "triton.rope_kernel", "triton.gdn_gates_kernel")
 
 
 class TorchAroundProducts(CudaBackend, CountedCalls):

@@ -6,8 +6,9 @@ reference TorchBackend.gelu_mul, F.gelu(gate, approximate="tanh") · up, which t
   value x · σ(2·inner) computed in float64 (the same function without the cancellation);
 * bfloat16 in and out: within the two roundings into bfloat16 of each side (gelu, then the product);
 * batch invariance: a row alone gives the bits it gets in a batch of 16;
-* the seam: ops.gelu_mul and Gemma 4's GeGLU reach the kernel through CudaBackend.gelu_mul (float64
-  keeps the torch formula).
+* the seam: CudaBackend.gelu_mul (and glu) reach the kernel (float64 keeps the torch formula);
+  Gemma 4's GeGLU launches none, its down product computing gelu_tanh(gate) · up itself
+  (tests/runtime/test_cuda_glu_product.py).
 
 Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set before Triton is
 imported by the module below); with one the same tests run the compiled kernel on CUDA.
@@ -80,11 +81,12 @@ def test_gelu_mul_rows_alone_equal_a_batch_of_16():
     print(f"\n[{WHERE}] gelu_mul: rows 0, 9, 15 alone = in a batch of 16, bit for bit (f32, bf16)")
 
 
-def test_the_backend_and_gemma4s_geglu_reach_the_kernel(monkeypatch):
-    """ops.gelu_mul (the halves of a fused gate/up product: strided views) and gemma4.geglu launch the
-    kernel once each on the CUDA backend; float64 keeps the torch formula, with its bits."""
+def test_the_backend_reaches_the_kernel_and_gemma4s_geglu_its_product(monkeypatch):
+    """CudaBackend.glu (the halves of a fused gate/up product: strided views) launches the kernel once,
+    gemma4.geglu not at all (its down product reads the GLU); float64 keeps the
+    torch formula, with its bits."""
     from specconv.runtime import backend as backend_module
-    from specconv.runtime.graphs import gemma4, ops
+    from specconv.runtime.graphs import gemma4
 
     cuda = CudaBackend(kt, device_types=(DEVICE.type,))
     monkeypatch.setattr(backend_module, "_backend", lambda kind: cuda)
@@ -92,14 +94,14 @@ def test_the_backend_and_gemma4s_geglu_reach_the_kernel(monkeypatch):
     real = kt.gelu_mul
     monkeypatch.setattr(kt, "gelu_mul", lambda g, u: launches.append(g.shape) or real(g, u))
     both = rand(5, 2 * 96, seed=46, scale=2)
-    y = ops.gelu_mul(both[:, :96], both[:, 96:])
+    y = cuda.glu(both[:, :96], both[:, 96:], "gelu_tanh")
     assert launches == [(5, 96)] and torch.equal(y, real(both[:, :96].contiguous(), both[:, 96:].contiguous()))
     x, gate, up, down = rand(3, 32, seed=47), rand(64, 32, seed=48), rand(64, 32, seed=49), rand(32, 64, seed=50)
     out = gemma4.geglu(x, gate, up, down)
-    assert len(launches) == 2
+    assert len(launches) == 1
     want = REF.linear(REF.gelu_mul(REF.linear(x, gate), REF.linear(x, up)), down)
     print(f"\n[{WHERE}] gemma4.geglu through the CUDA backend: max |Δ| {float((out - want).abs().max()):.2e}")
     assert float((out - want).abs().max()) < 1e-4
     wide = both.double()
-    got = ops.gelu_mul(wide[:, :96], wide[:, 96:])
-    assert len(launches) == 2 and torch.equal(got, REF.gelu_mul(wide[:, :96], wide[:, 96:]))
+    got = cuda.glu(wide[:, :96], wide[:, 96:], "gelu_tanh")
+    assert len(launches) == 1 and torch.equal(got, REF.gelu_mul(wide[:, :96], wide[:, 96:]))

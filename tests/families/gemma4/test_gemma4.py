@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from gguf import GGUFReader
 
 from specconv.runtime import Context, GraphType, load_model
 from tests.fixtures import tiny_gemma4 as g
+from tests.fixtures.family_runner import llama_cpp_gelu
 from tests.fixtures.gguf_files import convert_gguf
 from tests.fixtures.gguf_files import field_value
 
@@ -151,15 +151,9 @@ def test_llama_cpp_loads_and_agrees_within_gelu_tolerance(converted):
     per_row = np.abs(theirs - ref).max(-1)
     print(f"llama.cpp vs transformers: position 0 {per_row[0]:.2e}, all {per_row.max():.2e}")
     assert per_row[0] < 5e-3
-    import specconv.runtime.graphs.gemma4 as graph
-
     model = load_model(path, device="cpu")
-    saved = graph.gelu_mul
-    graph.gelu_mul = lambda x, up: F.gelu(x.half().float(), approximate="tanh").half().to(x.dtype) * up
-    try:
+    with llama_cpp_gelu():
         ours = Context(model, GraphType.MAIN, n_ctx=64).decode(IDS).logits.numpy()
-    finally:
-        graph.gelu_mul = saved
     emulated = np.abs(theirs - ours).max(-1)
     print(f"llama.cpp vs ours with an fp16 GELU table: max {emulated.max():.2e}, rows within 1e-4: "
           f"{int((emulated < 1e-4).sum())}/{len(IDS)}")
@@ -171,15 +165,9 @@ MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermedia
 
 
 def _fp16_gelu_logits(path, ids):
-    import specconv.runtime.graphs.gemma4 as graph
-
     model = load_model(path, device="cpu")
-    saved = graph.gelu_mul
-    graph.gelu_mul = lambda x, up: F.gelu(x.half().float(), approximate="tanh").half().to(x.dtype) * up
-    try:
+    with llama_cpp_gelu():
         return Context(model, GraphType.MAIN, n_ctx=64).decode(ids).logits.numpy()
-    finally:
-        graph.gelu_mul = saved
 
 
 def test_moe_variant(tmp_path):
