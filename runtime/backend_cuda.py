@@ -27,7 +27,9 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   (slot indices as device tensors: nothing read on the host, a rollback picks a slot). Longer
   inputs (prompts) take the torch forms, or, inside `batch_invariant(True)`, the kernels in
   pieces of MAX_TOKENS tokens, so that every token of a prompt gets the bits of a decode step.
-  float64 states take the torch forms.
+  float64 states take the torch forms. `delta_rule_from_conv_slots` hands gdn_step the conv's q, k
+  and the gates' projections as they are: the L2 norms and the gates are computed in its launch
+  (the bits of the separate kernels under the interpreter).
 * around the products, one launch each where the tensors are float32 / bfloat16 / float16 on the
   kernels' device: `rms_norm` (also with the residual add before it, `add_rms_norm`, or a SiLU gate
   after it, `gated_rms_norm`), `l2_norm`, `rope` (NEOX and NORM pairs), `silu_mul` (SwiGLU's
@@ -56,6 +58,7 @@ from specconv.runtime import dequant
 from specconv.runtime.backend import Experts, rows_alone
 from specconv.runtime.backend_torch import GATHER_MAX_ROWS, TorchBackend
 from specconv.runtime.graphs import gdn
+from specconv.runtime.graphs.ops import dense
 from specconv.runtime.stored import StoredWeight
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -313,6 +316,24 @@ class CudaBackend(TorchBackend):
         group = v.shape[1] // q.shape[1] if key_heads == gdn.GROUPED else 1  # value heads per key head, in order
         return _joined([self.kernels.gdn_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ring, src, dst, group=group)
                         for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
+
+
+    def delta_rule_from_conv_slots(self, q, k, v, b, alpha, a, dt_bias, eps: float, scale: float, ring,
+                                   src_slot, dst_slots, key_heads: str = gdn.TILED):
+        """One gdn_step launch (per piece of MAX_TOKENS) with q and k's norms and the gates in it; b,
+        alpha [n, nv] or Qwen3-Next's [n, nk, r] views read through their strides."""
+        n = q.shape[0]
+        weights = tuple(dense(w, torch.float32) for w in (a, dt_bias))
+        if not (self._recurrent_pieces(n, ring, q, k, v, b, alpha) and b.dim() in (2, 3) and b.shape == alpha.shape
+                and all(w.device == q.device for w in weights)
+                and all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (q, k, b, alpha))):
+            return super().delta_rule_from_conv_slots(q, k, v, b, alpha, a, dt_bias, eps, scale, ring, src_slot,
+                                                      dst_slots, key_heads)
+        group = v.shape[1] // q.shape[1] if key_heads == gdn.GROUPED else 1
+        return _joined([self.kernels.gdn_step(q[start:end], k[start:end], v[start:end], alpha[start:end],
+                                              b[start:end], ring, src, dst, group=group, eps=eps, scale=scale,
+                                              gate_weights=weights)
+                        for start, end, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
 
 
 class PairedExperts:

@@ -14,19 +14,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specconv.runtime.kernels_triton._pointwise_jit import gdn_gate_values, inverse_root
+
 
 @triton.jit
-def gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, src_slot_ptr, dst_slots_ptr, o_ptr,
-                    n, keep, n_key_heads, group, dk, dv,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
-                    stride_slot, stride_sh, stride_sk, stride_ot, stride_oh,
-                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+def gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, bias_ptr, states_ptr, src_slot_ptr, dst_slots_ptr,
+                    o_ptr, n, keep, n_key_heads, group, dk, dv, per_group, eps, scale,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gg,
+                    stride_bt, stride_bg, stride_slot, stride_sh, stride_sk, stride_ot, stride_oh,
+                    NORM_QK: tl.constexpr, GATES: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """One program per (value head h, BLOCK_V columns of its state [dk, dv]): a column of the state
     needs only itself through the tokens, so the program keeps its [dk, BLOCK_V] block in registers
     for all n tokens, reading the state once and writing each kept token's state once. Per token
     (the recurrent form of runtime/graphs/gdn.py): S ← e^g S; δ = β (v − Sᵀk); S ← S + k δᵀ; o = Sᵀq.
     Value head h reads key head (h // group) mod n_key_heads: h mod n_key_heads for GGUF's tiled
-    value heads (group 1), h // group for grouped ones (group = value heads per key head)."""
+    value heads (group 1), h // group for grouped ones (group = value heads per key head).
+
+    NORM_QK: q and k are the conv's outputs, L2-normed here (q then · scale) with norm_kernel's
+    operations (a head's sum over a block of BLOCK_K = its width rounded up, as norm_kernel's).
+    GATES: g_ptr and beta_ptr hold the projections alpha and b, a_ptr and bias_ptr the per-head a
+    and dt_bias, and the gates are gdn_gate_values (gdn_gates_kernel's formula). Head h of g / beta
+    (or alpha / b) is read at (h // per_group) · stride_gg + h mod per_group of a token's row."""
     h = tl.program_id(0)
     key_head = (h // group) % n_key_heads
     rows = tl.arange(0, BLOCK_K)
@@ -36,13 +44,21 @@ def gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, src_slot_p
     block = h * stride_sh + rows[:, None] * stride_sk + cols[None, :]
     src = tl.load(src_slot_ptr).to(tl.int64)
     s = tl.load(states_ptr + src * stride_slot + block, mask=block_ok, other=0.0).to(tl.float32)
+    head_g = (h // per_group) * stride_gg + h % per_group
+    head_b = (h // per_group) * stride_bg + h % per_group
     first = n - keep
     for t in range(n):
         k = tl.load(k_ptr + t * stride_kt + key_head * stride_kh + rows, mask=row_ok, other=0.0).to(tl.float32)
         q = tl.load(q_ptr + t * stride_qt + key_head * stride_qh + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if NORM_QK:
+            k = k * inverse_root(tl.sum(k * k, axis=0), eps)
+            q = q * inverse_root(tl.sum(q * q, axis=0), eps) * scale
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + cols, mask=col_ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + t * stride_gt + h).to(tl.float32)
-        beta = tl.load(beta_ptr + t * stride_bt + h).to(tl.float32)
+        g = tl.load(g_ptr + t * stride_gt + head_g)
+        beta = tl.load(beta_ptr + t * stride_bt + head_b)
+        if GATES:
+            g, beta = gdn_gate_values(g, tl.load(bias_ptr + h), tl.load(a_ptr + h), beta)
+        g, beta = g.to(tl.float32), beta.to(tl.float32)
         s = s * tl.exp(g)
         delta = beta * (v - tl.sum(s * k[:, None], axis=0))
         s = s + k[:, None] * delta[None, :]

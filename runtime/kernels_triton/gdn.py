@@ -1,6 +1,7 @@
 """The gated delta rule for 1-16 tokens in one Triton launch, each kept token's state in its own slot.
 
-    gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, out=None, group=1) -> o [n, nv, dv]
+    gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, out=None, group=1,
+             eps=None, scale=None, gate_weights=None) -> o [n, nv, dv]
 
 Shapes (one sequence, docs/reference/model-math.md §2.2): q, k [n, nk, dk] (L2-normed, q scaled;
 value head h reads key head (h // group) mod nk: group 1 reads h mod nk, GGUF's tiled Qwen3.5
@@ -15,6 +16,15 @@ reads) or Python ints (checked, then copied there). Each program keeps its block
 registers, so any slot may be the source as well (a ring of one). o is float32 (the states' dtype),
 written into `out` when given. The per-token math is runtime/graphs/gdn.py's recurrent form, the
 oracle of the tests.
+
+What the Gated DeltaNet computes between its conv and the rule, folded in (each program works out
+the key head and the gates it reads: a dk-wide sum per token, a few scalars):
+* `eps` given: q and k are the conv's outputs, L2-normed in the kernel, q then · `scale`: the bits of
+  norm.l2_norm(q, eps, scale) and l2_norm(k, eps) under Triton's interpreter (on a GPU the sum's
+  order follows the kernel's layout: a few ulps apart).
+* `gate_weights=(a, dt_bias)` [nv] given: g and beta are the projections alpha and b, [n, nv] or
+  [n, groups, nv / groups] views (read through their strides), and the gates are computed in the
+  kernel with activation.gdn_gates's operations (the same bits).
 """
 
 from __future__ import annotations
@@ -49,7 +59,8 @@ def slot_index(op: str, name: str, slots, n_slots: int, device: torch.device, le
 
 def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              states: torch.Tensor, src_slot, dst_slots, out: torch.Tensor | None = None,
-             group: int = 1) -> torch.Tensor:
+             group: int = 1, eps: float | None = None, scale: float | None = None,
+             gate_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     op = "gdn_step"
     if q.dim() != 3 or v.dim() != 3 or states.dim() != 4:
         raise SpecconvError(f"{op}: expected q, k [n, nk, dk], v [n, nv, dv], states [slots, nv, dk, dv] "
@@ -58,8 +69,7 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     nv, dv = v.shape[1], v.shape[2]
     _common.check_shape(op, "k", k, (n, nk, dk))
     _common.check_shape(op, "v", v, (n, nv, dv))
-    _common.check_shape(op, "g", g, (n, nv))
-    _common.check_shape(op, "beta", beta, (n, nv))
+    gate_rows = _gate_rows(op, g, beta, n, nv, gate_weights is not None)
     _common.check_shape(op, "states", states, (states.shape[0], nv, dk, dv))
     if not 1 <= n <= MAX_TOKENS or nk == 0 or nv % nk:
         raise SpecconvError(f"{op}: {n} tokens (1..{MAX_TOKENS}) and {nv} value heads over {nk} key heads")
@@ -67,11 +77,20 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         raise SpecconvError(f"{op}: group must be 1 (tiled heads) or {nv // nk} (grouped heads), got {group}")
     if states.dtype != torch.float32:
         raise SpecconvError(f"{op}: states must be float32 (got {states.dtype})")
+    if scale is not None and eps is None:
+        raise SpecconvError(f"{op}: scale multiplies the in-kernel norm of q: give eps with it")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _common.check_float(op, name, t)
         _common.check_last_contiguous(op, name, t)
     _common.check_last_contiguous(op, "states", states)
     device = _common.check_device(op, q, k, v, g, beta, states)
+    a, dt_bias = (g, g) if gate_weights is None else gate_weights
+    if gate_weights is not None:
+        for name, t in (("a", a), ("dt_bias", dt_bias)):
+            _common.check_shape(op, name, t, (nv,))
+            _common.check_float(op, name, t)
+            _common.check_last_contiguous(op, name, t)
+        _common.check_device(op, q, a, dt_bias)
     src = slot_index(op, "src_slot", src_slot, states.shape[0], device, length=1)
     dst = slot_index(op, "dst_slots", dst_slots, states.shape[0], device)
     keep = dst.shape[0]
@@ -84,9 +103,28 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     _common.check_last_contiguous(op, "out", out)
     jit = _common.jit_module("_recurrent_jit")
     grid = (nv, _common.cdiv(dv, BLOCK_V))
-    jit.gdn_step_kernel[grid](q, k, v, g, beta, states, src, dst, out, n, keep, nk, group, dk, dv,
+    per_group, stride_gg, stride_bg = gate_rows
+    jit.gdn_step_kernel[grid](q, k, v, g, beta, a, dt_bias, states, src, dst, out, n, keep, nk, group, dk, dv,
+                              per_group, 0.0 if eps is None else float(eps), 1.0 if scale is None else float(scale),
                               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                              g.stride(0), beta.stride(0), states.stride(0), states.stride(1), states.stride(2),
-                              out.stride(0), out.stride(1),
+                              g.stride(0), stride_gg, beta.stride(0), stride_bg,
+                              states.stride(0), states.stride(1), states.stride(2), out.stride(0), out.stride(1),
+                              NORM_QK=eps is not None, GATES=gate_weights is not None,
                               BLOCK_K=_common.next_power_of_2(dk), BLOCK_V=BLOCK_V)
     return out
+
+
+def _gate_rows(op: str, g: torch.Tensor, beta: torch.Tensor, n: int, nv: int, projections: bool):
+    """(heads per group, g's and beta's group strides): how the kernel finds head h in a token's row
+    of g and beta, [n, nv] (one group of all heads) or, for the projections alpha and b,
+    [n, groups, nv / groups] views too."""
+    if projections and g.dim() == 3:
+        groups, per_group = g.shape[1], g.shape[2]
+        if groups * per_group != nv:
+            raise SpecconvError(f"{op}: alpha has shape {tuple(g.shape)}, expected [{n}, groups, {nv} / groups]")
+        _common.check_shape(op, "alpha", g, (n, groups, per_group))
+        _common.check_shape(op, "b", beta, (n, groups, per_group))
+        return per_group, g.stride(1), beta.stride(1)
+    _common.check_shape(op, "alpha" if projections else "g", g, (n, nv))
+    _common.check_shape(op, "b" if projections else "beta", beta, (n, nv))
+    return max(nv, 1), 0, 0
