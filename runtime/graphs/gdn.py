@@ -46,6 +46,15 @@ def rule_from_conv(q, k, b, alpha, a, dt_bias, eps: float, scale: float):
     return (l2_norm(q, eps, scale=scale), l2_norm(k, eps)) + tuple(gates(b, alpha, a, dt_bias))
 
 
+def qkv_heads(c: torch.Tensor, heads: tuple[int, int, int, int]):
+    """The q, k [n, nk, dk] and v [n, nv, dv] head views of conv rows c [n, C] = [q | k | v], for
+    heads = (nk, dk, nv, dv)."""
+    nk, dk, nv, dv = heads
+    n = c.shape[0]
+    return (c[:, :nk * dk].view(n, nk, dk), c[:, nk * dk:2 * nk * dk].view(n, nk, dk),
+            c[:, 2 * nk * dk:].view(n, nv, dv))
+
+
 def value_heads(x: torch.Tensor, nv: int, key_heads: str) -> torch.Tensor:
     """x [n, nk, d] with one head per value head [n, nv, d] (x itself where nk = nv), in `key_heads`'
     layout (TILED or GROUPED)."""
@@ -293,3 +302,19 @@ class Recurrence:
                 index.src_slot, index.dst_slots, key_heads=key_heads)
         q, k, g, beta = rule_from_conv(q, k, b, alpha, a, dt_bias, eps, scale)
         return self.delta_rule(q, k, v, g, beta, key_heads=key_heads)
+
+    def conv_delta_rule(self, m, conv_weight, heads: tuple[int, int, int, int], b, alpha, a, dt_bias, eps: float,
+                        scale: float, key_heads: str = TILED) -> torch.Tensor:
+        """o [n, nv, dv]: `conv` of the pre-conv rows m [n, C] = [q | k | v], its `qkv_heads` (heads =
+        (nk, dk, nv, dv)), then `delta_rule_from_conv`. A backend with `slot_states` takes it all in
+        one call where the memory keeps a spare slot, so that the batch never writes the slot it
+        reads (the CUDA backend: one kernel, whose programs share the key heads' windows)."""
+        memory = self.batch.memory
+        if self.slots and memory.slots > memory.ring:
+            batch = self.batch
+            index = batch.index(m.device)
+            return for_device(m.device).conv_delta_rule_slots(
+                m, memory.conv[self.layer][batch.seq], conv_weight, heads, b, alpha, a, dt_bias, eps, scale,
+                memory.ssm[self.layer][batch.seq], index.src_slot, index.dst_slots, key_heads=key_heads)
+        q, k, v = qkv_heads(self.conv(m, conv_weight), heads)
+        return self.delta_rule_from_conv(q, k, v, b, alpha, a, dt_bias, eps, scale, key_heads=key_heads)

@@ -69,14 +69,11 @@ def gated_deltanet(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch, 
                                                                           "ssm_alpha")])  # m [n, C] = [q | k | v]
     z = z.view(n, nv, dv)
     rec = gdn.Recurrence(batch, i, mode)  # states in and out of the memory's ring
-    c = rec.conv(m, w[f"blk.{i}.ssm_conv1d.weight"])
-    v = c[:, 2 * nk * dk:].view(n, nv, dv)
-    # GGUF value heads are tiled: value head h reads key head h mod nk. q, k L2-normed (q · dk^-1/2) and
-    # the gates (accumulation dtype) before the rule, which takes the key heads and v in the compute
-    # dtype as they are (the CUDA backend: norms, gates and rule in one kernel)
-    o = rec.delta_rule_from_conv(c[:, :nk * dk].view(n, nk, dk), c[:, nk * dk:2 * nk * dk].view(n, nk, dk), v, b,
-                                 alpha, w[f"blk.{i}.ssm_a"], w[f"blk.{i}.ssm_dt.bias"], hp.rms_norm_eps, dk ** -0.5,
-                                 key_heads=gdn.TILED)
+    # GGUF value heads are tiled: value head h reads key head h mod nk. The conv, q and k L2-normed
+    # (q · dk^-1/2) and the gates (accumulation dtype) before the rule, which takes the key heads and v
+    # in the compute dtype as they are (the CUDA backend: conv, norms, gates and rule in one kernel)
+    o = rec.conv_delta_rule(m, w[f"blk.{i}.ssm_conv1d.weight"], (nk, dk, nv, dv), b, alpha, w[f"blk.{i}.ssm_a"],
+                            w[f"blk.{i}.ssm_dt.bias"], hp.rms_norm_eps, dk ** -0.5, key_heads=gdn.TILED)
     y = gated_rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], z, hp.rms_norm_eps, out_dtype=a.dtype)  # one kernel on CUDA
     return linear(y.reshape(n, nv * dv), w[f"blk.{i}.ssm_out.weight"])
 
