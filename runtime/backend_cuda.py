@@ -34,6 +34,12 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   the torch conv; inside `batch_invariant(True)` only a prompt's prefix does (`prompt_prefix`),
   other long batches take the kernels in pieces of MAX_TOKENS tokens, so that each of their tokens
   gets the bits of a decode step. float64 states take the torch forms.
+  `delta_rule_from_conv_slots` hands gdn_step the conv's q, k
+  and the gates' projections as they are: the L2 norms and the gates are computed in its launch
+  (the bits of the separate kernels under the interpreter). `conv_delta_rule_slots` folds the
+  conv in as well (gdn_step's `conv=`) for a batch of up to MAX_TOKENS whose source slot is not a
+  destination (gdn.Recurrence: the memory's spare slot): the mixer is one launch between its
+  products.
 * around the products, one launch each where the tensors are float32 / bfloat16 / float16 on the
   kernels' device: `rms_norm` (also with the residual add before it, `add_rms_norm`, a SiLU gate
   after it, `gated_rms_norm`, or its output added to the residual stream and scaled, `add_normed`),
@@ -63,6 +69,7 @@ from specconv.runtime import dequant
 from specconv.runtime.backend import Experts, prompt_prefix, rows_alone
 from specconv.runtime.backend_torch import GATHER_MAX_ROWS, TorchBackend
 from specconv.runtime.graphs import gdn
+from specconv.runtime.graphs.ops import dense
 from specconv.runtime.stored import StoredWeight
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -379,6 +386,46 @@ class CudaBackend(TorchBackend):
             return super().delta_rule_slots(q, k, v, g, beta, ring, src_slot, dst_slots, key_heads)
         return _joined([self.kernels.gdn_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ring, src, dst, group=group)
                         for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
+
+
+    def delta_rule_from_conv_slots(self, q, k, v, b, alpha, a, dt_bias, eps: float, scale: float, ring,
+                                   src_slot, dst_slots, key_heads: str = gdn.TILED):
+        """One gdn_step launch (per piece of MAX_TOKENS) with q and k's norms and the gates in it; b,
+        alpha [n, nv] or Qwen3-Next's [n, nk, r] views read through their strides."""
+        n = q.shape[0]
+        weights = tuple(dense(w, torch.float32) for w in (a, dt_bias))
+        # a long batch the chunked kernel takes: the norms and gates first (their kernels), then it
+        if self._chunked(n, ring, q, k, v, b, alpha) or not (
+                self._recurrent_pieces(n, ring, q, k, v, b, alpha) and b.dim() in (2, 3) and b.shape == alpha.shape
+                and all(w.device == q.device for w in weights)
+                and all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (q, k, b, alpha))):
+            return super().delta_rule_from_conv_slots(q, k, v, b, alpha, a, dt_bias, eps, scale, ring, src_slot,
+                                                      dst_slots, key_heads)
+        group = v.shape[1] // q.shape[1] if key_heads == gdn.GROUPED else 1
+        return _joined([self.kernels.gdn_step(q[start:end], k[start:end], v[start:end], alpha[start:end],
+                                              b[start:end], ring, src, dst, group=group, eps=eps, scale=scale,
+                                              gate_weights=weights)
+                        for start, end, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
+
+    def conv_delta_rule_slots(self, m, windows, conv_weight, heads, b, alpha, a, dt_bias, eps: float, scale: float,
+                              ring, src_slot, dst_slots, key_heads: str = gdn.TILED):
+        """The conv folded into gdn_step's launch too (`conv=`: one launch for the mixer between its
+        products), for a batch of one launch (MAX_TOKENS: a longer one reads ring_pieces' scratch slot
+        it writes)."""
+        n = m.shape[0]
+        q, k, v = gdn.qkv_heads(m, heads)
+        values = dense(conv_weight, torch.float32)
+        weights = tuple(dense(w, torch.float32) for w in (a, dt_bias))
+        if not (n <= self.kernels.MAX_TOKENS and self._recurrent_pieces(n, ring, m, b, alpha)
+                and windows.dtype == torch.float32 and windows.device == ring.device and windows.shape[1] >= 1
+                and m.stride(-1) == 1 and b.dim() in (2, 3) and b.shape == alpha.shape
+                and all(w.device == m.device for w in (values,) + weights)
+                and all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (b, alpha))):
+            return super().conv_delta_rule_slots(m, windows, conv_weight, heads, b, alpha, a, dt_bias, eps, scale, ring,
+                                                 src_slot, dst_slots, key_heads)
+        group = heads[2] // heads[0] if key_heads == gdn.GROUPED else 1
+        return self.kernels.gdn_step(q, k, v, alpha, b, ring, src_slot, dst_slots, group=group, eps=eps, scale=scale,
+                                     gate_weights=weights, conv=(windows, values))
 
 
 class PairedExperts:

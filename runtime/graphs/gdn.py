@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from specconv.runtime.backend import for_device, rows_alone
-from specconv.runtime.graphs.ops import dense
+from specconv.runtime.graphs.ops import dense, l2_norm
 
 CHUNK = 64  # as HF torch_chunk_gated_delta_rule and llama.cpp's prefill path
 MAX_ALONE_ROWS = 16  # batches up to this many tokens compute their gates a token at a time (gates)
@@ -38,6 +38,21 @@ def gates(b: torch.Tensor, alpha: torch.Tensor, a, dt_bias):
     they are)."""
     wide = torch.float64 if b.dtype == torch.float64 else torch.float32  # ops.acc's rule
     return for_device(b.device).gdn_gates(b, alpha, dense(a, wide), dense(dt_bias, wide))
+
+
+def rule_from_conv(q, k, b, alpha, a, dt_bias, eps: float, scale: float):
+    """(q, k, g, β) of the delta rule from the conv's q, k [n, nk, dk] and the projections b, alpha:
+    q, k L2-normed (q then · scale: the reference's two float32 roundings) and the gates (`gates`)."""
+    return (l2_norm(q, eps, scale=scale), l2_norm(k, eps)) + tuple(gates(b, alpha, a, dt_bias))
+
+
+def qkv_heads(c: torch.Tensor, heads: tuple[int, int, int, int]):
+    """The q, k [n, nk, dk] and v [n, nv, dv] head views of conv rows c [n, C] = [q | k | v], for
+    heads = (nk, dk, nv, dv)."""
+    nk, dk, nv, dv = heads
+    n = c.shape[0]
+    return (c[:, :nk * dk].view(n, nk, dk), c[:, nk * dk:2 * nk * dk].view(n, nk, dk),
+            c[:, 2 * nk * dk:].view(n, nv, dv))
 
 
 def value_heads(x: torch.Tensor, nv: int, key_heads: str) -> torch.Tensor:
@@ -272,3 +287,34 @@ class Recurrence:
                                out=b.state_out(self.layer), key_heads=key_heads)
         b.recurrent_out(self.layer, self._conv_states, states)
         return o
+
+    def delta_rule_from_conv(self, q, k, v, b, alpha, a, dt_bias, eps: float, scale: float,
+                             key_heads: str = TILED) -> torch.Tensor:
+        """o [n, nv, dv] as `delta_rule` from what the conv and the projections leave: q, k
+        [n, nk, dk] not yet normed, v, the projections b, alpha and the per-head weights a, dt_bias
+        (`rule_from_conv`). A backend with `slot_states` takes them in one call (the CUDA backend
+        folds the norms and the gates into the rule's kernel)."""
+        if self.slots:
+            batch = self.batch
+            index = batch.index(q.device)
+            return for_device(q.device).delta_rule_from_conv_slots(
+                q, k, v, b, alpha, a, dt_bias, eps, scale, batch.memory.ssm[self.layer][batch.seq],
+                index.src_slot, index.dst_slots, key_heads=key_heads)
+        q, k, g, beta = rule_from_conv(q, k, b, alpha, a, dt_bias, eps, scale)
+        return self.delta_rule(q, k, v, g, beta, key_heads=key_heads)
+
+    def conv_delta_rule(self, m, conv_weight, heads: tuple[int, int, int, int], b, alpha, a, dt_bias, eps: float,
+                        scale: float, key_heads: str = TILED) -> torch.Tensor:
+        """o [n, nv, dv]: `conv` of the pre-conv rows m [n, C] = [q | k | v], its `qkv_heads` (heads =
+        (nk, dk, nv, dv)), then `delta_rule_from_conv`. A backend with `slot_states` takes it all in
+        one call where the memory keeps a spare slot, so that the batch never writes the slot it
+        reads (the CUDA backend: one kernel, whose programs share the key heads' windows)."""
+        memory = self.batch.memory
+        if self.slots and memory.slots > memory.ring:
+            batch = self.batch
+            index = batch.index(m.device)
+            return for_device(m.device).conv_delta_rule_slots(
+                m, memory.conv[self.layer][batch.seq], conv_weight, heads, b, alpha, a, dt_bias, eps, scale,
+                memory.ssm[self.layer][batch.seq], index.src_slot, index.dst_slots, key_heads=key_heads)
+        q, k, v = qkv_heads(self.conv(m, conv_weight), heads)
+        return self.delta_rule_from_conv(q, k, v, b, alpha, a, dt_bias, eps, scale, key_heads=key_heads)

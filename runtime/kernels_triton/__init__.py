@@ -7,6 +7,7 @@
     grouped_matmul(x, [packed, ...], qtype, [n_out, ...], n_in)   x @ Wᵢᵀ for several matrices, one launch
     dequantize_rows(packed, qtype, rows, n_in, dtype)    packed rows -> values
     gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, group=1)   the gated delta rule, 1-16 tokens
+             (eps=, scale=, gate_weights=, conv=)        with q, k's norms, the gates and the conv in it
     causal_conv(m, states, weight, src_slot, dst_slots)       the short causal conv + SiLU
     rms_norm(x, weight, eps, residual=None, gate=None)   RMSNorm (+ the residual add, or a SiLU gate)
     l2_norm(x, eps, scale=None)                          x / ‖x‖ (· scale) (Gated DeltaNet's q and k)

@@ -34,6 +34,12 @@ def _silu(x):
 
 
 @triton.jit
+def inverse_root(total, eps):
+    """(total + eps)^(-1/2) as a norm scales by it: correctly rounded root, then reciprocal."""
+    return tl.div_rn(1.0, tl.sqrt_rn(total + eps))
+
+
+@triton.jit
 def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, h_ptr, s_ptr, y_ptr, inner, width, count, stride_xa,
                 stride_xb, stride_ra, stride_rb, stride_za, stride_zb, eps, scale, MEAN: tl.constexpr,
                 HAS_W: tl.constexpr, HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -58,7 +64,7 @@ def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, h_ptr, s_ptr, y_ptr, inne
     total = tl.sum(x * x, axis=0)
     if MEAN:
         total = tl.div_rn(total, count)
-    y = x * tl.div_rn(1.0, tl.sqrt_rn(total + eps))
+    y = x * inverse_root(total, eps)
     if HAS_SCALE:
         y = y * scale
     if HAS_W:
@@ -104,7 +110,7 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, heads, half, head_dim, co
         total = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)
         if BLOCK_REST > 0:
             total += tl.sum(xr * xr, axis=0)
-        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(total, count) + eps))
+        inv = inverse_root(tl.div_rn(total, count), eps)
         x1 = _rounded(x1 * inv * tl.load(w_ptr + first, mask=ok, other=0.0).to(tl.float32), x_ptr.dtype.element_ty)
         x2 = _rounded(x2 * inv * tl.load(w_ptr + second, mask=ok, other=0.0).to(tl.float32), x_ptr.dtype.element_ty)
         if BLOCK_REST > 0:
@@ -161,26 +167,33 @@ def glu_kernel(g_ptr, u_ptr, y_ptr, width, stride_g, stride_u, ACT: tl.constexpr
 
 
 @triton.jit
-def gdn_gates_kernel(b_ptr, alpha_ptr, a_ptr, bias_ptr, g_ptr, beta_ptr, heads, per_group, stride_b, stride_bg,
-                     stride_alpha, stride_ag, BLOCK: tl.constexpr):
-    """Token program_id(0): g = a · softplus(alpha + dt_bias), β = σ(b) over its heads (float32). b and
-    alpha are read as [n, heads / per_group, per_group] through their strides (head h at group
-    h // per_group, element h mod per_group), in their dtype.
+def gdn_gate_values(alpha, bias, a, b):
+    """(g, β) = (a · softplus(alpha + bias), σ(b)) in float32 from values of any float dtype: the
+    formula of gdn_gates_kernel, which gdn_step_kernel runs too (the same operations: the same bits).
     softplus as torch's (threshold 20) with log1p(e) = log(1 + e) · e / ((1 + e) − 1), exact to a few
     ulps where 1 + e rounds away e's low bits."""
-    t = tl.program_id(0)
-    h = tl.arange(0, BLOCK)
-    ok = h < heads
-    x = tl.load(alpha_ptr + t * stride_alpha + (h // per_group) * stride_ag + h % per_group, mask=ok,
-                other=0.0).to(tl.float32)
-    x = x + tl.load(bias_ptr + h, mask=ok, other=0.0).to(tl.float32)
+    x = alpha.to(tl.float32) + bias.to(tl.float32)
     e = tl.exp(x)
     u = 1.0 + e
     log1p = tl.where(u == 1.0, e, tl.log(u) * tl.div_rn(e, tl.where(u == 1.0, 1.0, u - 1.0)))
     softplus = tl.where(x > 20.0, x, log1p)
-    g = tl.load(a_ptr + h, mask=ok, other=0.0).to(tl.float32) * softplus
-    bb = tl.load(b_ptr + t * stride_b + (h // per_group) * stride_bg + h % per_group, mask=ok,
-                 other=0.0).to(tl.float32)
-    beta = tl.div_rn(1.0, 1.0 + tl.exp(-bb))
+    return a.to(tl.float32) * softplus, tl.div_rn(1.0, 1.0 + tl.exp(-b.to(tl.float32)))
+
+
+@triton.jit
+def gdn_gates_kernel(b_ptr, alpha_ptr, a_ptr, bias_ptr, g_ptr, beta_ptr, heads, per_group, stride_b, stride_bg,
+                     stride_alpha, stride_ag, BLOCK: tl.constexpr):
+    """Token program_id(0): g = a · softplus(alpha + dt_bias), β = σ(b) over its heads (float32). b and
+    alpha are read as [n, heads / per_group, per_group] through their strides (head h at group
+    h // per_group, element h mod per_group), in their dtype (`gdn_gate_values`)."""
+    t = tl.program_id(0)
+    h = tl.arange(0, BLOCK)
+    ok = h < heads
+    alpha = tl.load(alpha_ptr + t * stride_alpha + (h // per_group) * stride_ag + h % per_group, mask=ok,
+                    other=0.0)
+    bias = tl.load(bias_ptr + h, mask=ok, other=0.0)
+    a = tl.load(a_ptr + h, mask=ok, other=0.0)
+    b = tl.load(b_ptr + t * stride_b + (h // per_group) * stride_bg + h % per_group, mask=ok, other=0.0)
+    g, beta = gdn_gate_values(alpha, bias, a, b)
     tl.store(g_ptr + t * heads + h, g, mask=ok)
     tl.store(beta_ptr + t * heads + h, beta, mask=ok)

@@ -57,5 +57,6 @@ def causal_conv(m: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, src
     jit = _common.jit_module("_recurrent_jit")
     jit.causal_conv_kernel[(_common.cdiv(channels, BLOCK_C),)](
         m, states, weight, src, dst, out, n, keep, channels, m.stride(0), states.stride(0), states.stride(1),
-        weight.stride(0), out.stride(0), K=k_size, BLOCK_C=BLOCK_C)
+        weight.stride(0), out.stride(0), K=k_size, BLOCK_C=BLOCK_C,
+        enable_fp_fusion=False)  # no FMA: the bits of gdn_step's folded conv (kernels_triton.gdn `conv=`)
     return out

@@ -1,6 +1,7 @@
 """The gated delta rule for 1-16 tokens in one Triton launch, each kept token's state in its own slot.
 
-    gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, out=None, group=1) -> o [n, nv, dv]
+    gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, out=None, group=1,
+             eps=None, scale=None, gate_weights=None, conv=None) -> o [n, nv, dv]
 
 Shapes (one sequence, docs/reference/model-math.md §2.2): q, k [n, nk, dk] (L2-normed, q scaled;
 value head h reads key head (h // group) mod nk: group 1 reads h mod nk, GGUF's tiled Qwen3.5
@@ -15,6 +16,25 @@ reads) or Python ints (checked, then copied there). Each program keeps its block
 registers, so any slot may be the source as well (a ring of one). o is float32 (the states' dtype),
 written into `out` when given. The per-token math is runtime/graphs/gdn.py's recurrent form, the
 oracle of the tests.
+
+What the Gated DeltaNet computes around the rule, folded in (each program works out the key head
+and the gates it reads: a dk-wide sum per token, a few scalars). The launch forbids FMA
+contraction, as the launches of the kernels it folds in do, so that their operations give their
+bits on a GPU too:
+* `eps` given: q and k are the conv's outputs, L2-normed in the kernel, q then · `scale`: the bits of
+  norm.l2_norm(q, eps, scale) and l2_norm(k, eps) under Triton's interpreter (on a GPU the sum's
+  order follows the kernel's layout: a few ulps apart).
+* `gate_weights=(a, dt_bias)` [nv] given: g and beta are the projections alpha and b, [n, nv] or
+  [n, groups, nv / groups] views (read through their strides), and the gates are computed in the
+  kernel with activation.gdn_gates's operations (the same bits).
+* `conv=(windows, weight)` given: q, k, v are the views of the pre-conv rows m [n, C] = [q | k | v]
+  (the graphs' slices of the conv's output, here of its input), convolved in the kernel with
+  conv.causal_conv's operations (its output rounded into m's dtype: the same bits), windows
+  [slots, K-1, C] the conv's ring (same slots as `states`), weight [C, K]. The windows after the
+  kept tokens are written to the destination slots, each channel's by one program; the others read
+  the window before the batch meanwhile, so the source slot must not be a destination (the
+  memory's rings hold a spare slot; a ring of one, or ring_pieces' scratch slot, take the separate
+  conv). Checked where the slots are ints.
 """
 
 from __future__ import annotations
@@ -49,7 +69,9 @@ def slot_index(op: str, name: str, slots, n_slots: int, device: torch.device, le
 
 def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              states: torch.Tensor, src_slot, dst_slots, out: torch.Tensor | None = None,
-             group: int = 1) -> torch.Tensor:
+             group: int = 1, eps: float | None = None, scale: float | None = None,
+             gate_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+             conv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     op = "gdn_step"
     if q.dim() != 3 or v.dim() != 3 or states.dim() != 4:
         raise SpecconvError(f"{op}: expected q, k [n, nk, dk], v [n, nv, dv], states [slots, nv, dk, dv] "
@@ -58,8 +80,7 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     nv, dv = v.shape[1], v.shape[2]
     _common.check_shape(op, "k", k, (n, nk, dk))
     _common.check_shape(op, "v", v, (n, nv, dv))
-    _common.check_shape(op, "g", g, (n, nv))
-    _common.check_shape(op, "beta", beta, (n, nv))
+    gate_rows = _gate_rows(op, g, beta, n, nv, gate_weights is not None)
     _common.check_shape(op, "states", states, (states.shape[0], nv, dk, dv))
     if not 1 <= n <= MAX_TOKENS or nk == 0 or nv % nk:
         raise SpecconvError(f"{op}: {n} tokens (1..{MAX_TOKENS}) and {nv} value heads over {nk} key heads")
@@ -67,16 +88,30 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         raise SpecconvError(f"{op}: group must be 1 (tiled heads) or {nv // nk} (grouped heads), got {group}")
     if states.dtype != torch.float32:
         raise SpecconvError(f"{op}: states must be float32 (got {states.dtype})")
+    if scale is not None and eps is None:
+        raise SpecconvError(f"{op}: scale multiplies the in-kernel norm of q: give eps with it")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _common.check_float(op, name, t)
         _common.check_last_contiguous(op, name, t)
     _common.check_last_contiguous(op, "states", states)
     device = _common.check_device(op, q, k, v, g, beta, states)
+    a, dt_bias = (g, g) if gate_weights is None else gate_weights
+    if gate_weights is not None:
+        for name, t in (("a", a), ("dt_bias", dt_bias)):
+            _common.check_shape(op, name, t, (nv,))
+            _common.check_float(op, name, t)
+            _common.check_last_contiguous(op, name, t)
+        _common.check_device(op, q, a, dt_bias)
+    windows, conv_weight = (states, states) if conv is None else _conv_inputs(op, q, k, v, states, conv)
     src = slot_index(op, "src_slot", src_slot, states.shape[0], device, length=1)
     dst = slot_index(op, "dst_slots", dst_slots, states.shape[0], device)
     keep = dst.shape[0]
     if keep > n:
         raise SpecconvError(f"{op}: {keep} destination slots for {n} tokens")
+    if conv is not None and not isinstance(src_slot, torch.Tensor) and not isinstance(dst_slots, torch.Tensor):
+        source = src_slot if isinstance(src_slot, int) else list(src_slot)[0]  # values known here
+        if source in ([dst_slots] if isinstance(dst_slots, int) else list(dst_slots)):
+            raise SpecconvError(f"{op}: with the conv folded in, the source slot may not be a destination")
     if out is None:
         out = torch.empty(n, nv, dv, dtype=torch.float32, device=device)
     _common.check_shape(op, "out", out, (n, nv, dv))
@@ -84,9 +119,58 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     _common.check_last_contiguous(op, "out", out)
     jit = _common.jit_module("_recurrent_jit")
     grid = (nv, _common.cdiv(dv, BLOCK_V))
-    jit.gdn_step_kernel[grid](q, k, v, g, beta, states, src, dst, out, n, keep, nk, group, dk, dv,
+    per_group, stride_gg, stride_bg = gate_rows
+    jit.gdn_step_kernel[grid](q, k, v, g, beta, a, dt_bias, q, windows, conv_weight, states, src, dst, out, n, keep,
+                              nk, group, dk, dv, per_group, 0.0 if eps is None else float(eps),
+                              1.0 if scale is None else float(scale),
                               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                              g.stride(0), beta.stride(0), states.stride(0), states.stride(1), states.stride(2),
-                              out.stride(0), out.stride(1),
-                              BLOCK_K=_common.next_power_of_2(dk), BLOCK_V=BLOCK_V)
+                              g.stride(0), stride_gg, beta.stride(0), stride_bg,
+                              q.stride(0), windows.stride(0), windows.stride(1), conv_weight.stride(0),
+                              states.stride(0), states.stride(1), states.stride(2), out.stride(0), out.stride(1),
+                              NORM_QK=eps is not None, GATES=gate_weights is not None, CONV=conv is not None,
+                              K=conv_weight.shape[1] if conv is not None else 2,
+                              BLOCK_K=_common.next_power_of_2(dk), BLOCK_V=BLOCK_V, enable_fp_fusion=False)
     return out
+
+
+def _gate_rows(op: str, g: torch.Tensor, beta: torch.Tensor, n: int, nv: int, projections: bool):
+    """(heads per group, g's and beta's group strides): how the kernel finds head h in a token's row
+    of g and beta, [n, nv] (one group of all heads) or, for the projections alpha and b,
+    [n, groups, nv / groups] views too."""
+    if projections and g.dim() == 3:
+        groups, per_group = g.shape[1], g.shape[2]
+        if groups * per_group != nv:
+            raise SpecconvError(f"{op}: alpha has shape {tuple(g.shape)}, expected [{n}, groups, {nv} / groups]")
+        _common.check_shape(op, "alpha", g, (n, groups, per_group))
+        _common.check_shape(op, "b", beta, (n, groups, per_group))
+        return per_group, g.stride(1), beta.stride(1)
+    _common.check_shape(op, "alpha" if projections else "g", g, (n, nv))
+    _common.check_shape(op, "b" if projections else "beta", beta, (n, nv))
+    return max(nv, 1), 0, 0
+
+
+def _conv_inputs(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: torch.Tensor, conv):
+    """(windows, weight) of `conv=`, checked: q, k, v the head views of one pre-conv row block
+    [n, C] = [q | k | v] (q at its start), windows [slots of states, K-1, C] float32, weight [C, K]."""
+    windows, weight = conv
+    n, nk, dk = q.shape
+    nv, dv = v.shape[1], v.shape[2]
+    channels = 2 * nk * dk + nv * dv
+    size = q.element_size()
+    laid_out = (k.dtype == v.dtype == q.dtype and q.stride(1) == k.stride(1) == dk and v.stride(1) == dv
+                and (n == 1 or q.stride(0) == k.stride(0) == v.stride(0) >= channels)  # one row: any stride
+                and k.data_ptr() == q.data_ptr() + nk * dk * size and v.data_ptr() == q.data_ptr() + 2 * nk * dk * size)
+    if not laid_out:
+        raise SpecconvError(f"{op}: with conv=, q, k, v must be the [q | k | v] head views of one pre-conv row block")
+    if windows.dim() != 3 or weight.dim() != 2 or weight.shape[1] < 2:
+        raise SpecconvError(f"{op}: conv= takes windows [slots, K-1, C] and weight [C, K] with K ≥ 2 (got "
+                            f"{tuple(windows.shape)}, {tuple(weight.shape)})")
+    _common.check_shape(op, "conv weight", weight, (channels, weight.shape[1]))
+    _common.check_shape(op, "conv windows", windows, (states.shape[0], weight.shape[1] - 1, channels))
+    if windows.dtype != torch.float32:
+        raise SpecconvError(f"{op}: conv windows must be float32 (got {windows.dtype})")
+    _common.check_float(op, "conv weight", weight)
+    for name, t in (("conv windows", windows), ("conv weight", weight)):
+        _common.check_last_contiguous(op, name, t)
+    _common.check_device(op, q, windows, weight)
+    return windows, weight

@@ -12,9 +12,11 @@ is copied, cast or tiled between them, and the CPU keeps the bits of the casts a
   former expansion (q.repeat / repeat_interleave) and casts, float32 and float64 states, modes
   "recurrent" and "auto", the ring form included;
 * launches (the `meta` device, benchmarks/cuda_op_count.py): one mixer call, decode step and
-  verification batch, launches its products and exactly six kernels (conv, two l2 norms, gates,
-  step, gated norm), nothing else; a decode step's Gated DeltaNet blocks launch no aten operation
-  beside their kernels but the residual add (and the batch's cell index, once, in the first block).
+  verification batch, launches its products and exactly two kernels (the step with the conv, q
+  and k's L2 norms and the gates folded in, tests/runtime/test_cuda_gdn_step_fused.py; the gated
+  norm), nothing else; a decode step's Gated DeltaNet blocks launch no aten operation beside their
+  kernels but the residual add (and the batch's cell index, once, in the first block), and
+  GDN_BLOCK_LAUNCHES launches in all.
 """
 
 from __future__ import annotations
@@ -188,8 +190,12 @@ def test_the_torch_forms_expand_and_cast_as_the_graph_did(key_heads, state_dtype
 
 # ---- launches ------------------------------------------------------------------------------------
 
-MIXER_KERNELS = Counter({"triton.causal_conv_kernel": 1, "triton.norm_kernel": 3, "triton.gdn_gates_kernel": 1,
-                         "triton.gdn_step_kernel": 1})  # conv; l2 norms of q and k, the gated norm; gates; step
+MIXER_KERNELS = Counter({"triton.gdn_step_kernel": 1, "triton.norm_kernel": 1})  # step (conv, q, k norms and
+#                                                                                  gates inside); gated norm
+# the kernels of a Gated DeltaNet block of the tiny Qwen3.5 in a decode step: input norm, the grouped
+# input product, the two mixer kernels, the output product, post norm, grouped gate/up, silu_mul,
+# down (were 13: the conv, the two l2 norms and the gates launched apart)
+GDN_BLOCK_LAUNCHES = 9
 
 
 @pytest.fixture(scope="module")
@@ -203,10 +209,10 @@ def q8_files(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["qwen35", "qwen3next"])
-def test_a_mixer_call_launches_its_products_and_six_kernels(arch, q8_files):
+def test_a_mixer_call_launches_its_products_and_two_kernels(arch, q8_files):
     """One Gated DeltaNet mixer call on the meta device with the CUDA backend's choices (bf16, a decode
     step of 1 token and a verification batch of 4): the launches outside its products are exactly
-    the conv, the two l2 norms, the gates, the step and the gated norm: no copy, cast or tiling."""
+    the step (conv, norms and gates inside) and the gated norm: no copy, cast or tiling."""
     mixer = {"qwen35": qwen35.gated_deltanet, "qwen3next": qwen3next.gated_deltanet}[arch]
     with cuda_op_count.meta_launches(), cuda_op_count.cuda_backend_on_meta() as backend:
         model = load_model(q8_files[arch], device="meta", dtype="bf16")
@@ -247,7 +253,8 @@ def test_a_decode_steps_recurrent_blocks_launch_only_kernels(q8_files, monkeypat
     """benchmarks/cuda_op_count.py's decode step and verification batch of the tiny Qwen3.5 (q8_0,
     bf16): in each Gated DeltaNet block every launch is a Triton kernel (the residual add after the
     FFN is done by the next norm's kernel) but, in the first block only, the batch's cell index
-    (memory.BatchIndex, built once per batch; a captured step reads its static index instead)."""
+    (memory.BatchIndex, built once per batch; a captured step reads its static index instead), and
+    there are GDN_BLOCK_LAUNCHES kernels in each."""
     per_block: dict[int, Counter] = {}
     real_add = cuda_op_count.Tally.add
 
@@ -266,3 +273,6 @@ def test_a_decode_steps_recurrent_blocks_launch_only_kernels(q8_files, monkeypat
                             and not op.startswith("triton.")})
             expected = Counter({"arange": 1} if i == recurrent[0] else {})
             assert aten == expected, (name, i, dict(aten))
+            kernels = sum(c for (label, op), c in ops.items() if label == f"block {i}" and op.startswith("triton."))
+            assert kernels == GDN_BLOCK_LAUNCHES, (name, i, kernels)
+        print(f"{name}: {GDN_BLOCK_LAUNCHES} kernel launches in each of the {len(recurrent)} Gated DeltaNet blocks")
