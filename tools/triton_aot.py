@@ -42,6 +42,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -77,8 +78,9 @@ _LOC = re.compile(r"\s*loc\(.*$")
 _ELEMENT = re.compile(r"(?:x|\b)(f64|f32|bf16|f16|i64|i32|i16|i8|i1)\b(?=[,>\s]|$)")
 
 
-def resolve_aliases(ttgir: str) -> tuple[str, dict[str, str]]:
-    """The module text without its `#name = attribute` lines, and the aliases (each resolved in full)."""
+def resolve_aliases(ttgir: str) -> tuple[str, Callable[[str], str]]:
+    """The module text without its `#name = attribute` lines, and a function that writes every alias
+    in a text out in full (aliases name aliases: a slice of a blocked layout)."""
     aliases, body = {}, []
     for line in ttgir.splitlines():
         m = re.match(r"^(#[\w.]+)\s*=\s*(.*)$", line)
@@ -86,17 +88,17 @@ def resolve_aliases(ttgir: str) -> tuple[str, dict[str, str]]:
             aliases[m.group(1)] = m.group(2)
         else:
             body.append(line)
-    pattern = re.compile("|".join(re.escape(a) for a in sorted(aliases, key=len, reverse=True)) + r"(?![\w.])") \
-        if aliases else None
+    if not aliases:
+        return "\n".join(body), lambda text: text
+    pattern = re.compile("|".join(re.escape(a) for a in sorted(aliases, key=len, reverse=True)) + r"(?![\w.])")
 
     def expand(text: str) -> str:
-        for _ in range(8):  # aliases name aliases (a slice of a blocked layout)
-            new = pattern.sub(lambda m: aliases[m.group(0)], text) if pattern else text
+        while True:
+            new = pattern.sub(lambda m: aliases[m.group(0)], text)
             if new == text:
                 return new
             text = new
-        return text
-    return "\n".join(body), {a: expand(v) for a, v in aliases.items()}
+    return "\n".join(body), expand
 
 
 def _result_type(rest: str) -> str:
@@ -122,9 +124,7 @@ class _Op:
 
 def parse_ops(ttgir: str) -> tuple[dict[str, _Op], list[_Op]]:
     """(defining op of each SSA value, the tt.reduce ops in program order) of a TTGIR module."""
-    text, aliases = resolve_aliases(ttgir)
-    pattern = re.compile("|".join(re.escape(a) for a in sorted(aliases, key=len, reverse=True)) + r"(?![\w.])") \
-        if aliases else None
+    text, expand = resolve_aliases(ttgir)
     lines = text.splitlines()
     defs, reduces, i = {}, [], 0
     while i < len(lines):
@@ -144,7 +144,7 @@ def parse_ops(ttgir: str) -> tuple[dict[str, _Op], list[_Op]]:
             tail = _LOC.sub("", lines[i]) if i < len(lines) else ""
             i += 1
             operand_type = tail.split("(", 1)[1].rsplit(") ->", 1)[0] if "(" in tail else ""
-            operand_type = pattern.sub(lambda a: aliases[a.group(0)], operand_type) if pattern else operand_type
+            operand_type = expand(operand_type)
             detail = f"axis={axis.group(1) if axis else '?'} operand={operand_type} body={','.join(body)}"
             op = _Op(name, _VALUE.findall(rest.split(")", 1)[0]), _element(tail.rsplit("->", 1)[-1]), detail)
             reduces.append(op)
@@ -160,19 +160,21 @@ def parse_ops(ttgir: str) -> tuple[dict[str, _Op], list[_Op]]:
 
 
 def reduce_form(op: _Op, defs: dict[str, _Op]) -> str:
-    """The float operations a reduction computes and is fed by, in post-order (see the module doc)."""
+    """The float operations a reduction computes and is fed by, in post-order over its operands (see
+    the module doc); loads are leaves (their `other` for masked lanes is the source's constant)."""
     seen, out = set(), []
-
-    def visit(o: _Op) -> None:
-        if o.name == "tt.load":  # a leaf (its `other` for masked lanes is the source's constant)
-            return
-        for v in o.operands:
+    stack = [(op, False)]
+    while stack:  # iterative: a chain may be deeper than Python's recursion limit
+        o, done = stack.pop()
+        if done or o.name == "tt.load":
+            if o.element in FLOAT_TYPES and o.name not in ("ttg.convert_layout", "tt.load"):
+                out.append(f"{o.name}:{o.element}{'[' + o.detail + ']' if o.detail else ''}")
+            continue
+        stack.append((o, True))
+        for v in reversed(o.operands):
             if v in defs and v not in seen:
                 seen.add(v)
-                visit(defs[v])
-        if o.element in FLOAT_TYPES and o.name != "ttg.convert_layout":
-            out.append(f"{o.name}:{o.element}{'[' + o.detail + ']' if o.detail else ''}")
-    visit(op)
+                stack.append((defs[v], False))
     return "\n".join(out)
 
 
@@ -334,7 +336,7 @@ def launch_sites(recorder) -> dict[tuple, list]:
     return sites
 
 
-def _rows(spec) -> int:
+def rows_per_program(spec) -> int:
     """Activation rows one program sums (the constexpr ROWS where the kernel takes it, else one)."""
     return dict(spec.constexprs).get("ROWS", 1)
 
@@ -354,24 +356,24 @@ def invariance_problems(recorder, compiled: dict) -> tuple[list[str], Counter]:
         if len(distinct) < 2 or not all(r.ok for r in results):
             continue  # nothing depends on the width, or a failure reported by `failures`
         checked[site[2]] += 1
-        first, rows0 = results[0], _rows(distinct[0])
+        first, rows0 = results[0], rows_per_program(distinct[0])
         one_row = {d: n / rows0 for d, n in first.reduce_forms.items()}
         for spec, r in zip(distinct[1:], results[1:]):
             what = f"{' '.join(map(str, site))}: {spec.describe()} against {distinct[0].describe()}"
             if r.reduce_layouts != first.reduce_layouts:
                 problems.append(f"{what}: the reductions' layouts differ")
-            elif {d: n / _rows(spec) for d, n in r.reduce_forms.items()} != one_row:
+            elif {d: n / rows_per_program(spec) for d, n in r.reduce_forms.items()} != one_row:
                 problems.append(f"{what}: a row's reductions or the float operations feeding them differ")
         contracted = {}  # ROWS -> the distinct (FFMA, FMUL) counts of the specializations with ROWS rows
         for s, r in zip(distinct, results):
             if r.fp_fusion:
-                contracted.setdefault(_rows(s), set()).add((r.sass.get("FFMA", 0), r.sass.get("FMUL", 0)))
+                contracted.setdefault(rows_per_program(s), set()).add((r.sass.get("FFMA", 0), r.sass.get("FMUL", 0)))
         for rows, counts in contracted.items():  # a loop unrolled at some widths repeats its body: the
             (f0, m0) = min(counts)                # counts scale, their ratio stays unless contraction differs
             if any(f * m0 != f0 * m for f, m in counts):
                 problems.append(f"{' '.join(map(str, site))}: (FFMA, FMUL) counts {sorted(counts)} at ROWS={rows} "
                                 f"are not in one ratio: contraction depends on the width")
-        fused = sorted({_rows(s): r for s, r in zip(distinct, results) if r.fp_fusion}.items())
+        fused = sorted({rows_per_program(s): r for s, r in zip(distinct, results) if r.fp_fusion}.items())
         if len(fused) >= 3:
             (r1, c1), (r2, c2) = fused[:2]
             for opcode in ("FFMA", "FMUL"):

@@ -128,7 +128,7 @@ def test_the_invariance_check_sees_a_layout_or_an_operation_change():
         compiled[victim] = triton_aot.Compiled(**{**original.__dict__, "reduce_layouts": ["axis=2 operand=other"]})
         assert any("layouts differ" in p for p in triton_aot.invariance_problems(recorder, compiled)[0])
         forms = dict(original.reduce_forms)
-        forms["0" * 16] = triton_aot._rows(victim)  # one more chain per row
+        forms["0" * 16] = triton_aot.rows_per_program(victim)  # one more chain per row
         compiled[victim] = triton_aot.Compiled(**{**original.__dict__, "reduce_forms": forms})
         assert any("reductions or the float" in p for p in triton_aot.invariance_problems(recorder, compiled)[0])
         sass = {**original.sass, "FFMA": original.sass.get("FFMA", 0) + 1}
