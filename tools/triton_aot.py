@@ -1,8 +1,8 @@
 """Every Triton kernel specialization the CUDA backend launches, compiled for the GPU on the CPU.
 
     python3 tools/triton_aot.py                 # record, compile for sm_90 and sm_80, report failures
-    python3 tools/triton_aot.py --quick --json  # the tiny Qwen3.5 only; one JSON object on stdout
-    python3 tools/triton_aot.py --arch 90 --jobs 2 --cost
+    python3 tools/triton_aot.py --check --cost  # and the tests' checks on everything; the cost report
+    python3 tools/triton_aot.py --quick --widths 4 --arch 90 --json   # a small run, one JSON object
 
 The specializations come from benchmarks/triton_launches.py (forwards on the `meta` device with the
 CUDA backend; each launch turned into what Triton's JIT would compile). Each distinct one is
