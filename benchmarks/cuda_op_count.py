@@ -119,6 +119,9 @@ class OpCounter(TorchDispatchMode):
 
 
 _active: list[OpCounter] = []
+# callables observe(module, kernel, grid, args, kwargs) told of every launch `meta_launches` records
+# (benchmarks/triton_launches.py: the specialization each launch compiles)
+launch_observers: list = []
 
 
 def active_counters() -> list[OpCounter]:
@@ -127,21 +130,27 @@ def active_counters() -> list[OpCounter]:
 
 
 class _Launcher:
-    """`jit.<kernel>[grid](...)`: records one launch with the active counter, runs nothing."""
+    """`jit.<kernel>[grid](...)`: records one launch with the active counter and the observers, runs
+    nothing."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             for counter in _active:
                 counter.launch(self.name)
+            for observe in launch_observers:
+                observe(self.module, self.name, grid, args, kwargs)
         return launch
 
 
 class _JitModule:
+    def __init__(self, name: str):
+        self.name = name  # the kernel module's name in runtime/kernels_triton
+
     def __getattr__(self, name: str) -> _Launcher:
-        return _Launcher(name)
+        return _Launcher(self.name, name)
 
 
 @contextlib.contextmanager
@@ -161,7 +170,7 @@ def meta_launches(sms: int = H200_SMS) -> Iterator[None]:
         return real_check(op, *tensors)
 
     _common.check_device = check_device
-    _common.jit_module = lambda name: _JitModule()
+    _common.jit_module = _JitModule
     _common.multiprocessors = lambda device: sms
     try:
         yield
