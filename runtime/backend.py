@@ -10,6 +10,11 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
     linear_group(x, [w, ...])                   (x @ w₀ᵀ, x @ w₁ᵀ, ...): the same rows by several weights
     moe(x, weights, chosen, experts)            Σ_slots weight · expert(x) over the routed experts
     route_softmax_topk(logits, k)               a softmax router's (weights, chosen experts) [n, k]
+    route_grouped(logits, k, gating, bias, groups, groups_used, renormalise, scale, expert_scale)
+                                                a sigmoid / softmax router with a selection bias, expert
+                                                groups and scales (DeepSeek-V3, GLM-4.5, Gemma 4 ...)
+    add_shared(routed, shared), add_gated_shared(routed, shared, gate)
+                                                a MoE block's routed sum plus its shared expert
     causal_conv(m, conv_state, weight, keep)    the Gated DeltaNet's short conv + SiLU
     delta_rule(q, k, v, g, beta, state, keep, lazy, out, exact)   the gated delta rule
     rms_norm, add_rms_norm, gated_rms_norm, l2_norm, rope, silu_mul, gelu_mul, gdn_gates

@@ -36,7 +36,11 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   (batch-invariant).
 * `route_softmax_topk`: a softmax router's softmax, top-k and renormalisation in one launch
   (kernels_triton.softmax_topk), one program per row.
-* `add_gated_shared`: a MoE block's routed sum plus its sigmoid-gated shared expert, one launch.
+* `route_grouped`: a router with a selection bias, expert groups and scales (sigmoid or softmax
+  scores: DeepSeek-V3, GLM-4.5, Gemma 4, Qwen3-MoE without renormalisation) in one launch
+  (kernels_triton.grouped_topk), one program per row.
+* `add_gated_shared`, `add_shared`: a MoE block's routed sum plus its (sigmoid-gated) shared
+  expert, one launch.
 * `moe`: decode and verification batches (up to GATHER_MAX_ROWS rows) of stored experts of a
   KERNEL_TYPE pair every row with each of its k experts and run experts.ffn once over the n·k
   pairs, each product `kernels_triton.expert_matmul` (one launch: the expert index read on the
@@ -52,6 +56,7 @@ from __future__ import annotations
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
+from specconv.archs import names
 from specconv.runtime import dequant
 from specconv.runtime.backend import Experts, rows_alone
 from specconv.runtime.backend_torch import GATHER_MAX_ROWS, TorchBackend
@@ -186,6 +191,32 @@ class CudaBackend(TorchBackend):
                 and 0 < k <= logits.shape[-1] <= self.kernels.MAX_ROUTED_EXPERTS):
             return super().route_softmax_topk(logits, k)
         return self.kernels.softmax_topk(logits.contiguous(), k)
+
+    def route_grouped(self, logits, k, gating, bias=None, groups=1, groups_used=1, renormalise=True, scale=1.0,
+                      expert_scale=None):
+        """One launch (kernels_triton.grouped_topk) for float32 logits of up to MAX_ROUTED_EXPERTS experts
+        and float32 bias / expert scale vectors on their device: the reference's chosen experts
+        (equal choices: the lowest index) wherever the kernel's scores have its bits."""
+        n_experts = logits.shape[-1] if logits.dim() == 2 else 0
+        vectors = [t for t in (bias, expert_scale) if t is not None]
+        grouped = groups is not None and 1 < groups_used < groups
+        if not (self._pointwise(logits, *vectors, dtypes=(torch.float32,)) and 0 < k <= n_experts
+                and n_experts <= self.kernels.MAX_ROUTED_EXPERTS and all(t.shape == (n_experts,) for t in vectors)
+                and gating in (names.EXPERT_GATING_SIGMOID, names.EXPERT_GATING_SOFTMAX)
+                and (not grouped or (n_experts % groups == 0 and n_experts // groups >= 2
+                                     and k <= groups_used * (n_experts // groups)))):
+            return super().route_grouped(logits, k, gating, bias, groups, groups_used, renormalise, scale, expert_scale)
+        bias, expert_scale = (None if t is None else t.contiguous() for t in (bias, expert_scale))
+        return self.kernels.grouped_topk(logits.contiguous(), k, gating == names.EXPERT_GATING_SIGMOID, bias,
+                                         groups=groups if grouped else 1, groups_used=groups_used if grouped else 1,
+                                         renormalise=renormalise, scale=scale, expert_scale=expert_scale)
+
+    def add_shared(self, routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """One launch (kernels_triton.add_shared) for a float32 routed sum."""
+        if not (self._pointwise(shared) and self._pointwise(routed, dtypes=(torch.float32,)) and shared.dim() == 2
+                and routed.shape == shared.shape and routed.device == shared.device):
+            return super().add_shared(routed, shared)
+        return self.kernels.add_shared(routed.contiguous(), shared.contiguous())
 
     def add_gated_shared(self, routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """One launch (kernels_triton.add_gated_shared) for float32 routed sums and gate logits."""

@@ -319,3 +319,9 @@ def add_gated_shared(routed: torch.Tensor, shared: torch.Tensor, gate: torch.Ten
     """routed.to(dtype) + (acc(shared) · σ(gate)).to(dtype), dtype shared's: a MoE block's routed sum
     (accumulation dtype) plus its shared expert gated by σ of one logit per row (gate [n, 1])."""
     return for_device(shared.device).add_gated_shared(routed, shared, gate)
+
+
+def add_shared(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """(routed + acc(shared)).to(dtype), dtype shared's: a MoE block's routed sum (accumulation dtype)
+    plus its un-gated shared experts (one launch on CUDA)."""
+    return for_device(shared.device).add_shared(routed, shared)
