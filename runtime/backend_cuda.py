@@ -199,12 +199,12 @@ class CudaBackend(TorchBackend):
         (equal choices: the lowest index) wherever the kernel's scores have its bits."""
         n_experts = logits.shape[-1] if logits.dim() == 2 else 0
         vectors = [t for t in (bias, expert_scale) if t is not None]
-        grouped = groups is not None and 1 < groups_used < groups
+        grouped = groups is not None and groups > 1 and groups_used != groups
         if not (self._pointwise(logits, *vectors, dtypes=(torch.float32,)) and 0 < k <= n_experts
                 and n_experts <= self.kernels.MAX_ROUTED_EXPERTS and all(t.shape == (n_experts,) for t in vectors)
                 and gating in (names.EXPERT_GATING_SIGMOID, names.EXPERT_GATING_SOFTMAX)
                 and (not grouped or (n_experts % groups == 0 and n_experts // groups >= 2
-                                     and k <= groups_used * (n_experts // groups)))):
+                                     and 0 < groups_used < groups and k <= groups_used * (n_experts // groups)))):
             return super().route_grouped(logits, k, gating, bias, groups, groups_used, renormalise, scale, expert_scale)
         bias, expert_scale = (None if t is None else t.contiguous() for t in (bias, expert_scale))
         return self.kernels.grouped_topk(logits.contiguous(), k, gating == names.EXPERT_GATING_SIGMOID, bias,

@@ -166,7 +166,8 @@ def ffn_block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, attn: torch.Tensor)
 def moe(w, hp: Gemma4HParams, i: int, h: torch.Tensor) -> torch.Tensor:
     """docs/reference/model-math.md §6.3: router on the residual stream, experts on pre_ffw_norm_2(h)."""
     p = f"blk.{i}."
-    t = acc(rms_norm(h, None, hp.rms_norm_eps)) * w[p + "ffn_gate_inp.scale"].to(acc(h).dtype) * hp.hidden_size ** -0.5
+    normed = acc(rms_norm(h, None, hp.rms_norm_eps))  # its dtype is acc(h)'s: no second cast to read it
+    t = normed * w[p + "ffn_gate_inp.scale"].to(normed.dtype) * hp.hidden_size ** -0.5
     # softmax, top-k, renormalised, times the chosen experts' scales: one launch on CUDA (the +1e-20 of
     # route_grouped's renormalisation changes no bit here: the k largest of a softmax sum to ≥ 1/E)
     weights, chosen = for_device(h.device).route_grouped(linear(t, w[p + "ffn_gate_inp.weight"]),

@@ -19,7 +19,7 @@ row (batch-invariant).
 grouped_topk: the router of DeepSeek-V3 / GLM-4.5 and of the families that share its formula
 (runtime/backend_torch.py `route_grouped`, docs/reference/model-math.md §3.2): float32 logits
 [n, E] (E ≤ MAX_EXPERTS), scores s = σ(logits) (`sigmoid`) or softmax(logits) in float32, the
-choice c = s + bias (bias float32 [E], selection only); with 1 < groups_used < groups (groups
+choice c = s + bias (bias float32 [E], selection only); with groups_used < groups (groups
 dividing E, at least two experts each) every group of E / groups consecutive experts scores the
 sum of its two largest c and only the groups_used best stay eligible; the k experts of largest c
 in decreasing order, among equal c the lowest index first (the reference's rule: a stable sort,
@@ -87,8 +87,9 @@ def grouped_topk(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tensor
     n, n_experts = logits.shape
     if not 0 < k <= n_experts <= MAX_EXPERTS:
         raise SpecconvError(f"{op}: need 0 < k ≤ experts ≤ {MAX_EXPERTS} (got k={k}, {n_experts} experts)")
-    grouped = 1 < groups_used < groups
-    if groups < 1 or n_experts % groups or (grouped and (n_experts // groups < 2 or k > groups_used * n_experts // groups)):
+    grouped = groups_used < groups  # all groups kept: no group limit
+    if (groups < 1 or not 0 < groups_used <= groups or n_experts % groups
+            or (grouped and (n_experts // groups < 2 or k > groups_used * n_experts // groups))):
         raise SpecconvError(f"{op}: {n_experts} experts do not split into {groups} groups of at least two with "
                             f"{k} experts among the {groups_used} kept")
     vectors = [(name, t) for name, t in (("bias", bias), ("expert_scale", expert_scale)) if t is not None]
