@@ -35,11 +35,13 @@ pytest.importorskip("triton", reason="the Triton kernels need the `triton` packa
 from benchmarks import cuda_op_count  # noqa: E402
 from specconv.archs import names  # noqa: E402
 from specconv.archs.errors import SpecconvError  # noqa: E402
-from specconv.runtime import kernels_triton as kt  # noqa: E402
+from specconv.runtime import kernels_triton as kt, load_model  # noqa: E402
 from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
 from tests.fixtures.counted_calls import CountedCalls  # noqa: E402
 from tests.fixtures.gguf_files import convert_gguf  # noqa: E402
+from tests.fixtures.tiny_qwen3 import build_qwen3  # noqa: E402
+from tests.runtime.test_cuda_family_launches import _install, _prompt_and_verification  # noqa: E402
 from tools import family_snapshot  # noqa: E402
 
 torch.set_num_threads(1)
@@ -224,6 +226,7 @@ def test_add_shared_has_the_bits_of_the_torch_formula(n, width, dtype):
 # ---- launches -------------------------------------------------------------------------------------
 
 K = 3
+QWEN3MOE_UNNORMALISED = "qwen3moe-unnormalised"
 # family fixture -> launches of one bf16 decode step of its q8_0 file (benchmarks/cuda_op_count.py's
 # defaults): (with the routers' and shared adds' torch formulas, with their kernels = the ceiling)
 STEP_LAUNCHES = {
@@ -254,17 +257,23 @@ class CountedRouting(CudaBackend, CountedCalls):
 
 @pytest.fixture(scope="module")
 def family_file(tmp_path_factory):
+    """(family fixture or QWEN3MOE_UNNORMALISED, outtype) -> (its converted file, its prompt)."""
     by_name = {f.name: f for f in family_snapshot.families()}
 
-    def get(name: str):
+    def get(name: str, outtype: str = "q8_0"):
         root = tmp_path_factory.mktemp(name)
-        return convert_gguf(by_name[name].build(root / "build").src, root / "model.gguf", outtype="q8_0")
+        if name == QWEN3MOE_UNNORMALISED:  # the softmax router without renormalisation: route_grouped
+            src, prompt = build_qwen3(root / "hf", moe=True, norm_topk_prob=False, experts=(8, 3)), list(range(3, 40, 3))
+        else:
+            source = by_name[name].build(root / "build")
+            src, prompt = source.src, list(source.prompt)
+        return convert_gguf(src, root / f"model.{outtype}.gguf", outtype=outtype), prompt
     return get
 
 
 @pytest.mark.parametrize("name", sorted(STEP_LAUNCHES))
 def test_each_router_is_one_launch_and_the_step_within_its_ceiling(family_file, name):
-    path = family_file(name)
+    path, _ = family_file(name)
     fused_backend, separate_backend = CountedRouting(separate=False), CountedRouting(separate=True)
     fused = cuda_op_count.count_steps(path, "bf16", K, backend=fused_backend)
     separate = cuda_op_count.count_steps(path, "bf16", K, backend=separate_backend)
@@ -284,3 +293,55 @@ def test_each_router_is_one_launch_and_the_step_within_its_ceiling(family_file, 
     before, ceiling = STEP_LAUNCHES[name]
     print(f"decode step: {before} launches before these kernels -> {fused.step.total} (ceiling {ceiling})")
     assert fused.step.total <= ceiling < before
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-release", QWEN3MOE_UNNORMALISED, "glm4moe-release", "chained-hy_v3",
+                                  "chained-step35", "chained-mimo2"])
+def test_the_forward_through_the_router_kernels_equals_the_torch_reference(family_file, name, monkeypatch):
+    """float32 files, a prompt then a verification batch: the routers and shared adds through their
+    kernels (and the other kernels around the products) give the torch reference's logits within
+    float32 noise; a different chosen expert moves them by O(1)."""
+    device = "cuda" if ON_GPU else "cpu"
+    path, prompt = family_file(name, "f32")
+    model = load_model(path, device=device, dtype="f32")
+    taken = Counter()
+    for kernel in ("grouped_topk", "softmax_topk", "add_shared"):
+        real = getattr(kt, kernel)
+        monkeypatch.setattr(kt, kernel, lambda *a, _real=real, _name=kernel, **kw: taken.update([_name]) or _real(*a, **kw))
+    _install(monkeypatch, CudaBackend(kt, device_types=(device,)))
+    kernels = _prompt_and_verification(model, prompt[:12])
+    _install(monkeypatch, TorchBackend())
+    reference = _prompt_and_verification(model, prompt[:12])
+    diff = float((kernels - reference).abs().max())
+    print(f"\n[{name}, {device}, f32] logits through the router kernels {dict(taken)} vs the torch reference: "
+          f"max |Δlogit| {diff:.2e} (largest |logit| {float(reference.abs().max()):.2f})")
+    assert taken["grouped_topk"] + taken["softmax_topk"] > 0
+    assert diff <= 1e-4
+
+
+def test_greedy_speculative_decoding_equals_plain_through_the_router_kernels_in_bf16(family_file, monkeypatch):
+    """bf16 GLM-4.5 through the CUDA backend: the router and shared-add kernels in decode steps and in
+    verification batches of K + 1 rows give each row the bits of a one-token step, so greedy
+    speculative output equals plain decoding."""
+    from specconv.runtime.drafters.synthetic import SyntheticDrafter
+    from specconv.runtime.generate import generate
+    from specconv.runtime.speculative import SpecConfig, speculative_generate
+
+    device = "cuda" if ON_GPU else "cpu"
+    path, prompt = family_file("glm4moe-release")
+    _install(monkeypatch, CudaBackend(kt, device_types=(device,)))
+    rows = Counter()  # the router kernel's launches by rows
+    real = kt.grouped_topk
+    monkeypatch.setattr(kt, "grouped_topk", lambda logits, *a, **kw: rows.update([logits.shape[0]]) or real(logits, *a,
+                                                                                                           **kw))
+    model = load_model(path, device=device, dtype="bf16")
+    prompt = [t % model.vocab_size for t in prompt[:8]]
+    plain = generate(model, prompt, 10).tokens
+    spec = speculative_generate(model, SyntheticDrafter(prompt + plain, model.vocab_size, 0.6, seed=2), prompt, 10,
+                                SpecConfig(draft_max=K))
+    stats = spec.stats["speculative"]
+    print(f"\n[glm4moe-release, {device}, bf16, kernels] {stats['accepted']} of {stats['drafted']} drafts accepted; "
+          f"router launches by rows {dict(sorted(rows.items()))}; speculative = plain: {spec.tokens == plain}")
+    assert rows[1] > 0 and rows[K + 1] > 0  # decode steps and verification batches took the kernel
+    assert 0 < stats["accepted"] < stats["drafted"]
+    assert spec.tokens == plain
