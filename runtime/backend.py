@@ -9,6 +9,7 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
     linear_wide(x, w)                           acc(x) @ wᵀ (a weight kept float32: x read as it is)
     linear_group(x, [w, ...])                   (x @ w₀ᵀ, x @ w₁ᵀ, ...): the same rows by several weights
     moe(x, weights, chosen, experts)            Σ_slots weight · expert(x) over the routed experts
+    moe_out(x, weights, chosen, experts, shared)   the same plus un-gated shared experts, in x's dtype
     route_softmax_topk(logits, k)               a softmax router's (weights, chosen experts) [n, k]
     route_grouped(logits, k, gating, bias, groups, groups_used, renormalise, scale, expert_scale)
                                                 a sigmoid / softmax router with a selection bias, expert

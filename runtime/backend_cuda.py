@@ -40,7 +40,8 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   scores: DeepSeek-V3, GLM-4.5, Gemma 4, Qwen3-MoE without renormalisation) in one launch
   (kernels_triton.grouped_topk), one program per row.
 * `add_gated_shared`, `add_shared`: a MoE block's routed sum plus its (sigmoid-gated) shared
-  expert, one launch.
+  expert, one launch. `moe_out`: by pairs, the un-gated shared experts' add and the rounding into
+  the compute dtype inside the combine launch (no launch of their own).
 * `moe`: decode and verification batches (up to GATHER_MAX_ROWS rows) of stored experts of a
   KERNEL_TYPE pair every row with each of its k experts and run experts.ffn once over the n·k
   pairs, each product `kernels_triton.expert_matmul` (one launch: the expert index read on the
@@ -176,13 +177,26 @@ class CudaBackend(TorchBackend):
 
     # ---- routed experts ------------------------------------------------------------------------------
     def moe(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts) -> torch.Tensor:
-        stored = [w for w in (experts.gate, experts.up, experts.down) if w is not None]
-        if (0 < x.shape[0] <= GATHER_MAX_ROWS and x.dtype in KERNEL_DTYPES and weights.dtype in KERNEL_DTYPES
-                and all(isinstance(w, StoredWeight) and w.ndim == 3 and self._kernel_for(w.raw, w.qtype)
-                        and w.raw.device == x.device and self.kernels.result_dtype(w.qtype, x.dtype) == x.dtype
-                        for w in stored)):
+        if self._pairs_fit(x, weights, experts):
             return self.moe_by_pairs(x, weights, chosen, experts)
         return super().moe(x, weights, chosen, experts)
+
+    def moe_out(self, x, weights, chosen, experts: Experts, shared=None) -> torch.Tensor:
+        """By pairs, the shared experts' add and the rounding into x's dtype inside the combine launch
+        (shared: x's dtype and shape [n, out], on x's device)."""
+        width = experts.down.shape[1]
+        if self._pairs_fit(x, weights, experts) and (shared is None or (
+                shared.dtype == x.dtype and shared.device == x.device and shared.shape == (x.shape[0], width))):
+            return self.moe_by_pairs(x, weights, chosen, experts, shared, x.dtype)
+        return super().moe_out(x, weights, chosen, experts, shared)
+
+    def _pairs_fit(self, x: torch.Tensor, weights: torch.Tensor, experts: Experts) -> bool:
+        """Whether moe_by_pairs takes the batch: decode / verification rows, stored experts of a kernel type."""
+        stored = [w for w in (experts.gate, experts.up, experts.down) if w is not None]
+        return (0 < x.shape[0] <= GATHER_MAX_ROWS and x.dtype in KERNEL_DTYPES and weights.dtype in KERNEL_DTYPES
+                and all(isinstance(w, StoredWeight) and w.ndim == 3 and self._kernel_for(w.raw, w.qtype)
+                        and w.raw.device == x.device and self.kernels.result_dtype(w.qtype, x.dtype) == x.dtype
+                        for w in stored))
 
     def route_softmax_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One launch (kernels_triton.softmax_topk) for float32 logits of up to MAX_ROUTED_EXPERTS
@@ -226,15 +240,18 @@ class CudaBackend(TorchBackend):
             return super().add_gated_shared(routed, shared, gate)
         return self.kernels.add_gated_shared(routed.contiguous(), shared.contiguous(), gate.contiguous())
 
-    def moe_by_pairs(self, x, weights, chosen, experts: Experts) -> torch.Tensor:
+    def moe_by_pairs(self, x, weights, chosen, experts: Experts, shared=None,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Every (row, slot) pair through its expert at once: experts.ffn over the n·k pairs in row-major
         order, each product expert_matmul (the first ones read each row of x once for its k pairs);
         then kernels_triton.moe_combine adds a row's terms in increasing expert order, as the by-index
-        reference does. No sort, gather or repeated copy of x: one launch per product, one to combine."""
+        reference does (then `shared`, rounded into out_dtype: moe_out). No sort, gather or repeated
+        copy of x: one launch per product, one to combine."""
         pairs = chosen.reshape(-1)
         y = experts.ffn(x, *(None if w is None else PairedExperts(w, pairs)
                              for w in (experts.gate, experts.up, experts.down)))
-        return self.kernels.moe_combine(y.reshape(pairs.shape[0], -1), weights.contiguous(), chosen.contiguous())
+        return self.kernels.moe_combine(y.reshape(pairs.shape[0], -1), weights.contiguous(), chosen.contiguous(),
+                                        None if shared is None else shared.contiguous(), out_dtype)
 
     # ---- around the products: one kernel each ------------------------------------------------------
     def _pointwise(self, *tensors: torch.Tensor, dtypes=KERNEL_DTYPES) -> bool:

@@ -111,6 +111,13 @@ class TorchBackend:
             return self.moe_by_index(x, weights, chosen, experts)
         return self.moe_by_expert(x, weights, chosen, experts)
 
+    def moe_out(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts,
+                shared: torch.Tensor | None = None) -> torch.Tensor:
+        """A MoE block's output in x's dtype: `moe`'s sum (accumulation dtype) rounded, or with
+        un-gated shared experts' output shared [n, out] (x's dtype) `add_shared`'s sum."""
+        out = self.moe(x, weights, chosen, experts)
+        return out.to(x.dtype) if shared is None else self.add_shared(out, shared)
+
     def route_softmax_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, chosen) [n, k] of a softmax router: softmax over the experts, the k largest, the
         weights renormalised over the chosen k (docs/reference/model-math.md §3.1)."""
@@ -119,7 +126,8 @@ class TorchBackend:
 
     def route_grouped(self, logits: torch.Tensor, k: int, gating: int, bias: torch.Tensor | None = None,
                       groups: int | None = 1, groups_used: int | None = 1, renormalise: bool = True,
-                      scale: float = 1.0, expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float = 1.0,
+                      expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, chosen) [n, k] of a router with a selection bias and expert groups
         (docs/reference/model-math.md §3.2): scores σ(logits) (gating names.EXPERT_GATING_SIGMOID) or
         softmax(logits); the choice scores + bias (selection only); with more than one group, each

@@ -25,7 +25,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts, for_device
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import (
-    acc, add_rms_norm, attend_cells, attended_kv, gelu_mul, linear, linear_group, moe as routed_moe, rms_norm,
+    acc, add_rms_norm, attend_cells, attended_kv, gelu_mul, linear, linear_group, moe_out, rms_norm,
     rope_cos_sin, rope_inv_freq, rope_neox_partial,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
@@ -180,7 +180,7 @@ def moe(w, hp: Gemma4HParams, i: int, h: torch.Tensor) -> torch.Tensor:
     else:
         experts = Experts(w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"],
                           geglu)
-    return routed_moe(u, weights, chosen, experts).to(h.dtype)
+    return moe_out(u, weights, chosen, experts)  # in u's dtype, h's
 
 
 def per_layer_inputs(w, hp: Gemma4HParams, tokens: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

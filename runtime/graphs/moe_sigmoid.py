@@ -5,7 +5,7 @@ hyperparameters are archs/nextn_moe_hparams.py `NextnMoeHParams`, their tensor l
   un-biased weights (optionally renormalised) times the routed scale (the backend's
   `route_grouped`), with the settings of these graphs' hparams and the chained-MTP graphs'
   (runtime/graphs/chained.py).
-* `sigmoid_group_moe`: the routed experts plus un-gated shared experts (ops.add_shared).
+* `sigmoid_group_moe`: the routed experts plus un-gated shared experts (ops.moe_out).
 * `ffn`: dense SwiGLU for the leading dense blocks, that MoE otherwise.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from specconv.archs.nextn_moe_hparams import NextnMoeHParams
 from specconv.runtime.backend import Experts, for_device
-from specconv.runtime.graphs.ops import add_shared, linear_wide, moe, swiglu
+from specconv.runtime.graphs.ops import linear_wide, moe_out, swiglu
 
 
 def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, hp) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,11 +33,9 @@ def sigmoid_group_moe(w, hp: NextnMoeHParams, i: int, x: torch.Tensor) -> torch.
     p = f"blk.{i}."
     weights, chosen = route(x, w[p + "ffn_gate_inp.weight"], w[p + "exp_probs_b.bias"], hp)
     experts = Experts(*(w[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down")), swiglu)
-    out = moe(x, weights, chosen, experts)
-    if not hp.n_shared_experts:
-        return out.to(x.dtype)
-    return add_shared(out, swiglu(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
-                                  w[p + "ffn_down_shexp.weight"]))
+    shared = (swiglu(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
+              if hp.n_shared_experts else None)
+    return moe_out(x, weights, chosen, experts, shared)
 
 
 def ffn(w, hp: NextnMoeHParams, i: int, x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts, for_device
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    cached_attention, linear, linear_wide, moe as routed_moe, rms_norm, rope_cos_sin_scaled, rope_neox_partial, swiglu,
+    cached_attention, linear, linear_wide, moe_out, rms_norm, rope_cos_sin_scaled, rope_neox_partial, swiglu,
 )
 from specconv.runtime.memory import Batch
 
@@ -69,7 +69,7 @@ def moe(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
                                                 renormalise=False)
     experts = Experts(w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"],
                       swiglu)
-    return routed_moe(x, weights, chosen, experts).to(x.dtype)
+    return moe_out(x, weights, chosen, experts)
 
 
 def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:

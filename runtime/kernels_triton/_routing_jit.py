@@ -44,11 +44,12 @@ def softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, n_experts, stride_l, K: tl.c
 
 
 @triton.jit
-def combine_kernel(y_ptr, w_ptr, idx_ptr, out_ptr, width, stride_y, stride_w, stride_i,
-                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
+def combine_kernel(y_ptr, w_ptr, idx_ptr, out_ptr, shared_ptr, width, stride_y, stride_w, stride_i, stride_s,
+                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, HAS_SHARED: tl.constexpr):
     """Columns of program (r, c) of out[r] = Σ_s float32(y[r·K + s]) · w[r, s] over the K slots of row
     r, added in increasing order of chosen[r, s] (distinct experts), each product rounded to float32
-    before its sum, starting from 0: the reference's `total = total + y_s · w_s` in that order."""
+    before its sum, starting from 0: the reference's `total = total + y_s · w_s` in that order. With
+    HAS_SHARED, + float32(shared[r]) last; the float32 result rounded once into out's dtype."""
     r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
@@ -63,7 +64,9 @@ def combine_kernel(y_ptr, w_ptr, idx_ptr, out_ptr, width, stride_y, stride_w, st
         weight = tl.load(w_ptr + r * stride_w + s).to(tl.float32)
         y = tl.load(y_ptr + (r * K + s).to(tl.int64) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
         acc = acc + y * weight
-    tl.store(out_ptr + r.to(tl.int64) * width + cols, acc, mask=ok)
+    if HAS_SHARED:
+        acc = acc + tl.load(shared_ptr + r * stride_s + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r.to(tl.int64) * width + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -13,12 +13,16 @@ shared expert's add in one (`add_shared`).
 * the backend takes the kernel where it fits and the torch formula elsewhere (float64, a group
   split the kernel does not take), and the one-line errors of bad input;
 * add_shared: the bits of the torch formula (one float32 add, one rounding), float32 and bf16 (bf16 in
-  the interpreter, which truncates: one of the float32 sum's two bf16 neighbours);
+  the interpreter, which truncates: one of the float32 sum's two bf16 neighbours); moe_combine with
+  the shared experts' output and the compute dtype (CudaBackend.moe_out: no launch of their own): the
+  torch formula's bits the same way, a row alone == the row in a batch;
 * launches of one decode step and one verification batch (counted on the `meta` device by
   benchmarks/cuda_op_count.py) of every family whose graph routes through route_grouped /
   route_softmax_topk (Qwen3-MoE, GLM-4.5, DeepSeek-V3, the DSA and chained-MTP families, Gemma 4's
-  MoE): each router and shared add is one launch, the MoE block has no sort, topk, softmax or
-  sigmoid launch left, and each family's step is at most its ceiling.
+  MoE): each router is one launch, the MoE output's rounding and shared add launch nothing of their
+  own, nothing else changes, and each family's step is at most its ceiling;
+* the forward of those families through the kernels: the torch reference's float32 logits within
+  float32 noise (printed), and in bf16 greedy speculative output equal to plain decoding (GLM-4.5).
 Without a GPU the kernels run in Triton's interpreter; with one, compiled on CUDA.
 """
 
@@ -42,6 +46,7 @@ from tests.fixtures.counted_calls import CountedCalls  # noqa: E402
 from tests.fixtures.gguf_files import convert_gguf  # noqa: E402
 from tests.fixtures.tiny_qwen3 import build_qwen3  # noqa: E402
 from tests.runtime.test_cuda_family_launches import _install, _prompt_and_verification  # noqa: E402
+from tests.runtime.test_cuda_moe_launches import reference_combine  # noqa: E402
 from tools import family_snapshot  # noqa: E402
 
 torch.set_num_threads(1)
@@ -223,6 +228,34 @@ def test_add_shared_has_the_bits_of_the_torch_formula(n, width, dtype):
     assert torch.equal(alone, got[-1:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,width", [(1, 8, 64), (4, 3, 1500), (16, 2, 256)])
+def test_combine_with_the_shared_experts_rounds_once_as_the_torch_formula(n, k, width, dtype):
+    """moe_combine(..., shared, out_dtype): the routed sum (the bits of the by-index reference), plus
+    float32(shared), rounded once into the compute dtype: TorchBackend.moe_out's add_shared."""
+    gen = torch.Generator().manual_seed(n * k + width)
+    y = torch.randn(n * k, width, generator=gen).to(dtype)
+    weights = torch.rand(n, k, generator=gen)
+    chosen = torch.stack([torch.randperm(32, generator=gen)[:k] for _ in range(n)])
+    shared = torch.randn(n, width, generator=gen).to(dtype)
+    total = reference_combine(y, weights, chosen) + shared.float()
+    for with_shared in (shared, None):
+        got = kt.moe_combine(*on_device(y, weights, chosen, with_shared), out_dtype=dtype).cpu()
+        want_f32 = total if with_shared is not None else reference_combine(y, weights, chosen)
+        assert got.dtype == dtype
+        if dtype == torch.float32 or ON_GPU:
+            assert torch.equal(got, want_f32.to(dtype))
+        else:  # the interpreter truncates into bfloat16: one of the float32 result's two neighbours
+            truncated = (want_f32.view(torch.int32) & ~0xFFFF).view(torch.float32).bfloat16()
+            above = (truncated.view(torch.int16) + 1).view(torch.bfloat16)
+            assert bool(((got == truncated) | (got == above)).all())
+        alone = kt.moe_combine(*on_device(y[-k:].clone(), weights[-1:].clone(), chosen[-1:].clone(),
+                                          None if with_shared is None else with_shared[-1:].clone()),
+                               out_dtype=dtype).cpu()
+        assert torch.equal(alone, got[-1:])
+    assert torch.equal(TorchBackend().add_shared(reference_combine(y, weights, chosen), shared), total.to(dtype))
+
+
 # ---- launches -------------------------------------------------------------------------------------
 
 K = 3
@@ -230,29 +263,47 @@ QWEN3MOE_UNNORMALISED = "qwen3moe-unnormalised"
 # family fixture -> launches of one bf16 decode step of its q8_0 file (benchmarks/cuda_op_count.py's
 # defaults): (with the routers' and shared adds' torch formulas, with their kernels = the ceiling)
 STEP_LAUNCHES = {
-    "qwen3moe-release": (111, 95), "glm4moe-release": (150, 114), "deepseek2-shapes": (170, 134),
-    "dsa-glm-dsa": (244, 224), "dsa-deepseek32": (260, 224), "chained-hy_v3": (98, 78),
-    "chained-step35": (113, 93), "chained-mimo2": (114, 82), "gemma4-moe-shapes": (286, 250),
+    "qwen3moe-release": (111, 91), "glm4moe-release": (150, 112), "deepseek2-shapes": (170, 132),
+    "dsa-glm-dsa": (244, 222), "dsa-deepseek32": (260, 222), "chained-hy_v3": (98, 76),
+    "chained-step35": (113, 91), "chained-mimo2": (114, 80), "gemma4-moe-shapes": (286, 244),
 }
 
 
 class CountedRouting(CudaBackend, CountedCalls):
-    """The CUDA backend (launches recorded on `meta`) counting the router and shared-add calls and the
-    launches inside them; with `separate`, running them as their torch formulas."""
+    """The CUDA backend (launches recorded on `meta`) counting the routers' and the MoE outputs'
+    (`moe_out`) calls and the launches inside each; with `separate`, running them as their torch
+    formulas (the MoE output: the routed sum by the kernels, then its rounding or shared add apart)."""
 
     def __init__(self, separate: bool):
         super().__init__(kt, device_types=("meta",))
         self.form = TorchBackend if separate else CudaBackend
         self.init_counts()
+        self.labels: dict[int, list[str]] = {}  # tally id -> the label of each counted call, in order
+
+    def _counted(self, label: str, run):
+        made = {key: len(ops) for key, ops in self.ops.items()}
+        out = self.counted(run, label)
+        for key, ops in self.ops.items():
+            if len(ops) > made.get(key, 0):
+                self.labels.setdefault(key, []).append(label)
+        return out
+
+    def launches(self, tally, label: str) -> Counter:
+        """Launches by operation inside the calls `label` of one counted step."""
+        return sum((ops for ops, lab in zip(self.ops.get(id(tally), []), self.labels.get(id(tally), []))
+                    if lab == label), Counter())
 
     def route_grouped(self, *args, **kwargs):
-        return self.counted(lambda: self.form.route_grouped(self, *args, **kwargs), "route")
+        return self._counted("route", lambda: self.form.route_grouped(self, *args, **kwargs))
 
     def route_softmax_topk(self, logits, k):
-        return self.counted(lambda: self.form.route_softmax_topk(self, logits, k), "route")
+        return self._counted("route", lambda: self.form.route_softmax_topk(self, logits, k))
 
-    def add_shared(self, routed, shared):
-        return self.counted(lambda: self.form.add_shared(self, routed, shared), "shared")
+    def moe_out(self, *args, **kwargs):
+        return self._counted("out", lambda: self.form.moe_out(self, *args, **kwargs))
+
+    def add_shared(self, routed, shared):  # inside moe_out only
+        return self.form.add_shared(self, routed, shared)
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +314,8 @@ def family_file(tmp_path_factory):
     def get(name: str, outtype: str = "q8_0"):
         root = tmp_path_factory.mktemp(name)
         if name == QWEN3MOE_UNNORMALISED:  # the softmax router without renormalisation: route_grouped
-            src, prompt = build_qwen3(root / "hf", moe=True, norm_topk_prob=False, experts=(8, 3)), list(range(3, 40, 3))
+            src = build_qwen3(root / "hf", moe=True, norm_topk_prob=False, experts=(8, 3))
+            prompt = list(range(3, 40, 3))
         else:
             source = by_name[name].build(root / "build")
             src, prompt = source.src, list(source.prompt)
@@ -279,17 +331,21 @@ def test_each_router_is_one_launch_and_the_step_within_its_ceiling(family_file, 
     separate = cuda_op_count.count_steps(path, "bf16", K, backend=separate_backend)
     print(f"\n[{name}, meta, bf16]\n{cuda_op_count.report(fused, K)}")
     for what, new, old in (("step", fused.step, separate.step), ("verification", fused.verify, separate.verify)):
-        routers, shared = fused_backend.calls[id(new), "route"], fused_backend.calls[id(new), "shared"]
-        calls, inside = routers + shared, separate_backend.inside[id(old)]
-        replaced = sum(separate_backend.ops[id(old)], Counter())
-        print(f"{what}: {routers} routers, {shared} shared adds; {old.total} launches with their torch formulas "
-              f"({inside} inside them: {dict(replaced)}) -> {new.total}")
-        assert routers >= 1 and (separate_backend.calls[id(old), "route"], separate_backend.calls[id(old), "shared"]) \
-            == (routers, shared)
-        assert fused_backend.inside[id(new)] == calls  # one launch each
-        assert set(sum(fused_backend.ops[id(new)], Counter())) <= {
-            "triton.grouped_topk_kernel", "triton.softmax_topk_kernel", "triton.shared_add_kernel"}
-        assert new.total == old.total - inside + calls  # and nothing else changed
+        routers, outs = fused_backend.calls[id(new), "route"], fused_backend.calls[id(new), "out"]
+        assert routers >= 1 and outs == routers
+        assert (separate_backend.calls[id(old), "route"], separate_backend.calls[id(old), "out"]) == (routers, outs)
+        route_new, route_old = fused_backend.launches(new, "route"), separate_backend.launches(old, "route")
+        out_new, out_old = fused_backend.launches(new, "out"), separate_backend.launches(old, "out")
+        print(f"{what}: {old.total} launches with the torch formulas -> {new.total}; {routers} routers: "
+              f"{dict(route_old)} -> {dict(route_new)}; {outs} MoE outputs: "
+              f"{dict(out_old - out_new)} more launches as torch formulas")
+        assert sum(route_new.values()) == routers  # one launch each
+        assert set(route_new) <= {"triton.grouped_topk_kernel", "triton.softmax_topk_kernel"}
+        # the MoE outputs: the rounding (and shared add) inside the combine launch, the rest unchanged
+        assert out_new["_to_copy"] == out_new["add"] == 0 and out_new <= out_old
+        assert set(out_old - out_new) <= {"_to_copy", "add"} and sum((out_old - out_new).values()) >= outs
+        assert new.total == old.total - sum(route_old.values()) - sum(out_old.values()) + routers + sum(
+            out_new.values())  # and nothing else changed
     before, ceiling = STEP_LAUNCHES[name]
     print(f"decode step: {before} launches before these kernels -> {fused.step.total} (ceiling {ceiling})")
     assert fused.step.total <= ceiling < before
@@ -307,7 +363,8 @@ def test_the_forward_through_the_router_kernels_equals_the_torch_reference(famil
     taken = Counter()
     for kernel in ("grouped_topk", "softmax_topk", "add_shared"):
         real = getattr(kt, kernel)
-        monkeypatch.setattr(kt, kernel, lambda *a, _real=real, _name=kernel, **kw: taken.update([_name]) or _real(*a, **kw))
+        monkeypatch.setattr(kt, kernel,
+                            lambda *a, _real=real, _name=kernel, **kw: taken.update([_name]) or _real(*a, **kw))
     _install(monkeypatch, CudaBackend(kt, device_types=(device,)))
     kernels = _prompt_and_verification(model, prompt[:12])
     _install(monkeypatch, TorchBackend())
