@@ -12,7 +12,7 @@
     rope(x, cos, sin, style)                             NEOX / NORM rope of q or k
     silu_mul(gate, up)                                   SwiGLU's silu(gate) · up
     softmax_topk(logits, k)                              the MoE softmax router: top-k experts, weights
-    moe_combine(y, weights, chosen)                      Σ weight · routed expert output per row
+    moe_combine(y, weights, chosen, shared, out_dtype)   Σ weight · routed expert output per row (+ shared)
     add_gated_shared(routed, shared, gate)               routed + shared · σ(gate), in shared's dtype
     add_shared(routed, shared)                           routed + shared, in shared's dtype
     grouped_topk(logits, k, sigmoid, bias, groups, ...)  the MoE router with a selection bias and groups
