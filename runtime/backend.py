@@ -11,7 +11,13 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
     linear_glu(gate, up, w, act)                (act(gate) · up) @ wᵀ: a GLU's down product (act "silu",
                                                 "gelu_tanh"; glu(gate, up, act) is its input alone)
     moe(x, weights, chosen, experts)            Σ_slots weight · expert(x) over the routed experts
+    moe_out(x, weights, chosen, experts, shared)   the same plus un-gated shared experts, in x's dtype
     route_softmax_topk(logits, k)               a softmax router's (weights, chosen experts) [n, k]
+    route_grouped(logits, k, gating, bias, groups, groups_used, renormalise, scale, expert_scale)
+                                                a sigmoid / softmax router with a selection bias, expert
+                                                groups and scales (DeepSeek-V3, GLM-4.5, Gemma 4 ...)
+    add_shared(routed, shared), add_gated_shared(routed, shared, gate)
+                                                a MoE block's routed sum plus its shared expert
     causal_conv(m, conv_state, weight, keep)    the Gated DeltaNet's short conv + SiLU
     delta_rule(q, k, v, g, beta, state, keep, lazy, out, exact)   the gated delta rule
     rms_norm, add_rms_norm, add_normed, gated_rms_norm, l2_norm, rope, normed_rope, silu_mul, gelu_mul, glu,

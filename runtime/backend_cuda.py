@@ -49,7 +49,12 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   its order, each row reduced by one program (batch-invariant).
 * `route_softmax_topk`: a softmax router's softmax, top-k and renormalisation in one launch
   (kernels_triton.softmax_topk), one program per row.
-* `add_gated_shared`: a MoE block's routed sum plus its sigmoid-gated shared expert, one launch.
+* `route_grouped`: a router with a selection bias, expert groups and scales (sigmoid or softmax
+  scores: DeepSeek-V3, GLM-4.5, Gemma 4, Qwen3-MoE without renormalisation) in one launch
+  (kernels_triton.grouped_topk), one program per row.
+* `add_gated_shared`, `add_shared`: a MoE block's routed sum plus its (sigmoid-gated) shared
+  expert, one launch. `moe_out`: by pairs, the un-gated shared experts' add and the rounding into
+  the compute dtype inside the combine launch (no launch of their own).
 * `moe`: decode and verification batches (up to GATHER_MAX_ROWS rows) of stored experts of a
   KERNEL_TYPE pair every row with each of its k experts and run experts.ffn once over the n·k
   pairs, each product `kernels_triton.expert_matmul` (one launch: the expert index read on the
@@ -65,6 +70,7 @@ from __future__ import annotations
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
+from specconv.archs import names
 from specconv.runtime import dequant
 from specconv.runtime.backend import Experts, prompt_prefix, rows_alone
 from specconv.runtime.backend_torch import GATHER_MAX_ROWS, TorchBackend
@@ -210,13 +216,26 @@ class CudaBackend(TorchBackend):
 
     # ---- routed experts ------------------------------------------------------------------------------
     def moe(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts) -> torch.Tensor:
-        stored = [w for w in (experts.gate, experts.up, experts.down) if w is not None]
-        if (0 < x.shape[0] <= GATHER_MAX_ROWS and x.dtype in KERNEL_DTYPES and weights.dtype in KERNEL_DTYPES
-                and all(isinstance(w, StoredWeight) and w.ndim == 3 and self._kernel_for(w.raw, w.qtype)
-                        and w.raw.device == x.device and self.kernels.result_dtype(w.qtype, x.dtype) == x.dtype
-                        for w in stored)):
+        if self._pairs_fit(x, weights, experts):
             return self.moe_by_pairs(x, weights, chosen, experts)
         return super().moe(x, weights, chosen, experts)
+
+    def moe_out(self, x, weights, chosen, experts: Experts, shared=None) -> torch.Tensor:
+        """By pairs, the shared experts' add and the rounding into x's dtype inside the combine launch
+        (shared: x's dtype and shape [n, out], on x's device)."""
+        width = experts.down.shape[1]
+        if self._pairs_fit(x, weights, experts) and (shared is None or (
+                shared.dtype == x.dtype and shared.device == x.device and shared.shape == (x.shape[0], width))):
+            return self.moe_by_pairs(x, weights, chosen, experts, shared, x.dtype)
+        return super().moe_out(x, weights, chosen, experts, shared)
+
+    def _pairs_fit(self, x: torch.Tensor, weights: torch.Tensor, experts: Experts) -> bool:
+        """Whether moe_by_pairs takes the batch: decode / verification rows, stored experts of a kernel type."""
+        stored = [w for w in (experts.gate, experts.up, experts.down) if w is not None]
+        return (0 < x.shape[0] <= GATHER_MAX_ROWS and x.dtype in KERNEL_DTYPES and weights.dtype in KERNEL_DTYPES
+                and all(isinstance(w, StoredWeight) and w.ndim == 3 and self._kernel_for(w.raw, w.qtype)
+                        and w.raw.device == x.device and self.kernels.result_dtype(w.qtype, x.dtype) == x.dtype
+                        for w in stored))
 
     def route_softmax_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One launch (kernels_triton.softmax_topk) for float32 logits of up to MAX_ROUTED_EXPERTS
@@ -226,6 +245,32 @@ class CudaBackend(TorchBackend):
             return super().route_softmax_topk(logits, k)
         return self.kernels.softmax_topk(logits.contiguous(), k)
 
+    def route_grouped(self, logits, k, gating, bias=None, groups=1, groups_used=1, renormalise=True, scale=1.0,
+                      expert_scale=None):
+        """One launch (kernels_triton.grouped_topk) for float32 logits of up to MAX_ROUTED_EXPERTS experts
+        and float32 bias / expert scale vectors on their device: the reference's chosen experts
+        (equal choices: the lowest index) wherever the kernel's scores have its bits."""
+        n_experts = logits.shape[-1] if logits.dim() == 2 else 0
+        vectors = [t for t in (bias, expert_scale) if t is not None]
+        grouped = groups is not None and groups > 1 and groups_used != groups
+        if not (self._pointwise(logits, *vectors, dtypes=(torch.float32,)) and 0 < k <= n_experts
+                and n_experts <= self.kernels.MAX_ROUTED_EXPERTS and all(t.shape == (n_experts,) for t in vectors)
+                and gating in (names.EXPERT_GATING_SIGMOID, names.EXPERT_GATING_SOFTMAX)
+                and (not grouped or (n_experts % groups == 0 and n_experts // groups >= 2
+                                     and 0 < groups_used < groups and k <= groups_used * (n_experts // groups)))):
+            return super().route_grouped(logits, k, gating, bias, groups, groups_used, renormalise, scale, expert_scale)
+        bias, expert_scale = (None if t is None else t.contiguous() for t in (bias, expert_scale))
+        return self.kernels.grouped_topk(logits.contiguous(), k, gating == names.EXPERT_GATING_SIGMOID, bias,
+                                         groups=groups if grouped else 1, groups_used=groups_used if grouped else 1,
+                                         renormalise=renormalise, scale=scale, expert_scale=expert_scale)
+
+    def add_shared(self, routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """One launch (kernels_triton.add_shared) for a float32 routed sum."""
+        if not (self._pointwise(shared) and self._pointwise(routed, dtypes=(torch.float32,)) and shared.dim() == 2
+                and routed.shape == shared.shape and routed.device == shared.device):
+            return super().add_shared(routed, shared)
+        return self.kernels.add_shared(routed.contiguous(), shared.contiguous())
+
     def add_gated_shared(self, routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """One launch (kernels_triton.add_gated_shared) for float32 routed sums and gate logits."""
         if not (self._pointwise(shared) and self._pointwise(routed, gate, dtypes=(torch.float32,))
@@ -234,15 +279,18 @@ class CudaBackend(TorchBackend):
             return super().add_gated_shared(routed, shared, gate)
         return self.kernels.add_gated_shared(routed.contiguous(), shared.contiguous(), gate.contiguous())
 
-    def moe_by_pairs(self, x, weights, chosen, experts: Experts) -> torch.Tensor:
+    def moe_by_pairs(self, x, weights, chosen, experts: Experts, shared=None,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Every (row, slot) pair through its expert at once: experts.ffn over the n·k pairs in row-major
         order, each product expert_matmul (the first ones read each row of x once for its k pairs);
         then kernels_triton.moe_combine adds a row's terms in increasing expert order, as the by-index
-        reference does. No sort, gather or repeated copy of x: one launch per product, one to combine."""
+        reference does (then `shared`, rounded into out_dtype: moe_out). No sort, gather or repeated
+        copy of x: one launch per product, one to combine."""
         pairs = chosen.reshape(-1)
         y = experts.ffn(x, *(None if w is None else PairedExperts(w, pairs)
                              for w in (experts.gate, experts.up, experts.down)))
-        return self.kernels.moe_combine(y.reshape(pairs.shape[0], -1), weights.contiguous(), chosen.contiguous())
+        return self.kernels.moe_combine(y.reshape(pairs.shape[0], -1), weights.contiguous(), chosen.contiguous(),
+                                        None if shared is None else shared.contiguous(), out_dtype)
 
     # ---- around the products: one kernel each ------------------------------------------------------
     def _pointwise(self, *tensors: torch.Tensor, dtypes=KERNEL_DTYPES) -> bool:

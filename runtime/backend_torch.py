@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specconv.archs import names
 from specconv.runtime import dequant, stored
 from specconv.runtime.backend import Experts, rows_alone
 from specconv.runtime.graphs import gdn, ops
@@ -59,6 +60,12 @@ def _take(w, index: torch.Tensor):
     if w is None:
         return None
     return w.take(index) if isinstance(w, StoredWeight) else w.index_select(0, index.to(w.device))
+
+
+def _largest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest of each row, in decreasing order, equal values by lowest index
+    (contiguous, as topk's: the routed-expert code reshapes them)."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
 
 
 class TorchBackend:
@@ -105,11 +112,52 @@ class TorchBackend:
             return self.moe_by_index(x, weights, chosen, experts)
         return self.moe_by_expert(x, weights, chosen, experts)
 
+    def moe_out(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts,
+                shared: torch.Tensor | None = None) -> torch.Tensor:
+        """A MoE block's output in x's dtype: `moe`'s sum (accumulation dtype) rounded, or with
+        un-gated shared experts' output shared [n, out] (x's dtype) `add_shared`'s sum."""
+        out = self.moe(x, weights, chosen, experts)
+        return out.to(x.dtype) if shared is None else self.add_shared(out, shared)
+
     def route_softmax_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, chosen) [n, k] of a softmax router: softmax over the experts, the k largest, the
         weights renormalised over the chosen k (docs/reference/model-math.md §3.1)."""
         weights, chosen = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
         return weights / weights.sum(-1, keepdim=True), chosen
+
+    def route_grouped(self, logits: torch.Tensor, k: int, gating: int, bias: torch.Tensor | None = None,
+                      groups: int | None = 1, groups_used: int | None = 1, renormalise: bool = True,
+                      scale: float = 1.0,
+                      expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, chosen) [n, k] of a router with a selection bias and expert groups
+        (docs/reference/model-math.md §3.2): scores σ(logits) (gating names.EXPERT_GATING_SIGMOID) or
+        softmax(logits); the choice scores + bias (selection only); with more than one group, each
+        group of consecutive experts scored by its two best choices and only the `groups_used` best
+        kept; the k best choices, in decreasing order, equal ones by lowest index (a stable sort:
+        torch.topk's order of ties is the C++ library's on the CPU); weights the un-biased scores,
+        over (their sum + 1e-20) when `renormalise`, times expert_scale[expert] (a per-expert
+        scale, Gemma 4's) where given, times `scale` (where not 1)."""
+        scores = torch.sigmoid(logits) if gating == names.EXPERT_GATING_SIGMOID else torch.softmax(logits, dim=-1)
+        choice = scores if bias is None else scores + bias.to(scores.dtype)
+        if groups is not None and groups > 1:
+            n, n_experts = choice.shape
+            grouped = choice.view(n, groups, n_experts // groups)
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)  # each group's two best: their order does not matter
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, _largest(group_score, groups_used), True)
+            choice = choice.masked_fill(~keep.repeat_interleave(n_experts // groups, dim=1), float("-inf"))
+        chosen = _largest(choice, k)
+        weights = scores.gather(1, chosen)
+        if renormalise:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if expert_scale is not None:
+            weights = weights * expert_scale.to(weights.dtype)[chosen]
+        return (weights if scale == 1.0 else weights * scale), chosen
+
+    def add_shared(self, routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """A MoE block's output with an un-gated shared expert: routed [n, out] (accumulation dtype)
+        plus shared [n, out] widened to it, the sum rounded into shared's dtype."""
+        return (routed + shared.to(routed.dtype)).to(shared.dtype)
 
     def add_gated_shared(self, routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """A MoE block's output with a sigmoid-gated shared expert: routed [n, out] (accumulation dtype)

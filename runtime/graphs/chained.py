@@ -21,7 +21,7 @@ from specconv.runtime.backend import Experts
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.contract import Graph
-from specconv.runtime.graphs.ops import acc, moe, swiglu
+from specconv.runtime.graphs.ops import moe_out, swiglu
 
 
 # ---- tensors and caches -------------------------------------------------------------------------------------
@@ -94,11 +94,10 @@ def ffn(w, hp, i: int, x: torch.Tensor, bias: str, dense=swiglu, expert=swiglu, 
             raise SpecconvError(f"{hp.arch}: block {i} has neither a router (ffn_gate_inp) nor a dense FFN (ffn_gate)")
         return dense(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
     weights, chosen = ms.route(x, w[p + "ffn_gate_inp.weight"], w[p + bias], hp)
-    out = moe(x, weights, chosen, Experts(*(w[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down")), expert))
-    if shared:
-        out = out + acc(dense(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
-                              w[p + "ffn_down_shexp.weight"]))
-    return out.to(x.dtype)
+    experts = Experts(*(w[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down")), expert)
+    always_on = dense(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+                      w[p + "ffn_down_shexp.weight"]) if shared else None
+    return moe_out(x, weights, chosen, experts, always_on)
 
 
 def forwards(rope: trunk.RopeOf, attention: trunk.Attention, ffn_: trunk.Ffn) -> trunk.Trunk:

@@ -17,14 +17,15 @@ from typing import Any, Mapping
 
 import torch
 
+from specconv.archs import names
 from specconv.archs.errors import SpecconvError
 from specconv.archs.gemma4 import GEMMA4_TABLE, ROPE_FREQS
 from specconv.archs.gemma4_hparams import FULL, SLIDING, Gemma4HParams
 from specconv.archs.tensor_table import GraphTensors
-from specconv.runtime.backend import Experts
+from specconv.runtime.backend import Experts, for_device
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import (
-    acc, add_normed, add_rms_norm, attend_cells, attended_kv, glu_linear, linear, linear_group, moe as routed_moe,
+    acc, add_normed, add_rms_norm, attend_cells, attended_kv, glu_linear, linear, linear_group, moe_out,
     normed_rope_neox, rms_norm, rope_cos_sin, rope_inv_freq,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
@@ -161,11 +162,13 @@ def ffn_block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, attn: torch.Tensor,
 def moe(w, hp: Gemma4HParams, i: int, h: torch.Tensor) -> torch.Tensor:
     """docs/reference/model-math.md §6.3: router on the residual stream, experts on pre_ffw_norm_2(h)."""
     p = f"blk.{i}."
-    t = acc(rms_norm(h, None, hp.rms_norm_eps)) * w[p + "ffn_gate_inp.scale"].to(acc(h).dtype) * hp.hidden_size ** -0.5
-    probs = torch.softmax(linear(t, w[p + "ffn_gate_inp.weight"]), dim=-1)
-    weights, chosen = torch.topk(probs, hp.num_experts_per_tok, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
-    weights = weights * w[p + "ffn_down_exps.scale"].to(weights.dtype)[chosen]
+    normed = acc(rms_norm(h, None, hp.rms_norm_eps))  # its dtype is acc(h)'s: no second cast to read it
+    t = normed * w[p + "ffn_gate_inp.scale"].to(normed.dtype) * hp.hidden_size ** -0.5
+    # softmax, top-k, renormalised, times the chosen experts' scales: one launch on CUDA (the +1e-20 of
+    # route_grouped's renormalisation changes no bit here: the k largest of a softmax sum to ≥ 1/E)
+    weights, chosen = for_device(h.device).route_grouped(linear(t, w[p + "ffn_gate_inp.weight"]),
+                                                         hp.num_experts_per_tok, names.EXPERT_GATING_SOFTMAX,
+                                                         expert_scale=w[p + "ffn_down_exps.scale"])
     u = rms_norm(h, w[p + "pre_ffw_norm_2.weight"], hp.rms_norm_eps)
     fused = w.get(p + "ffn_gate_up_exps.weight")
     if fused is not None:  # [E, 2Fe, H], gate rows first: one product gives both halves
@@ -173,7 +176,7 @@ def moe(w, hp: Gemma4HParams, i: int, h: torch.Tensor) -> torch.Tensor:
     else:
         experts = Experts(w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"],
                           geglu)
-    return routed_moe(u, weights, chosen, experts).to(h.dtype)
+    return moe_out(u, weights, chosen, experts)  # in u's dtype, h's
 
 
 def per_layer_inputs(w, hp: Gemma4HParams, tokens: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

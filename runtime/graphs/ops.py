@@ -105,6 +105,18 @@ def moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: E
     return for_device(x.device).moe(x, weights, chosen, experts)
 
 
+def moe_out(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts,
+            shared: torch.Tensor | None = None) -> torch.Tensor:
+    """A MoE block's output in x's dtype: `moe`'s sum rounded, or (routed + acc(shared)).to(dtype)
+    with un-gated shared experts' output `shared` (add_shared). On CUDA the rounding and the shared
+    add happen inside the launch that sums the routed experts."""
+    observer = activation_observer()
+    if observer is not None:
+        out = _observed_moe(x, weights, chosen, experts, observer)
+        return out.to(x.dtype) if shared is None else add_shared(out, shared)
+    return for_device(x.device).moe_out(x, weights, chosen, experts, shared)
+
+
 def _observed_moe(x, weights, chosen, experts: Experts, observer) -> torch.Tensor:
     """`moe` under an activation observer (runtime/backend.py): one routed expert at a time over the
     rows routed to it, its slices announced so that the products inside experts.ffn count for that
@@ -335,3 +347,9 @@ def add_gated_shared(routed: torch.Tensor, shared: torch.Tensor, gate: torch.Ten
     """routed.to(dtype) + (acc(shared) · σ(gate)).to(dtype), dtype shared's: a MoE block's routed sum
     (accumulation dtype) plus its shared expert gated by σ of one logit per row (gate [n, 1])."""
     return for_device(shared.device).add_gated_shared(routed, shared, gate)
+
+
+def add_shared(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """(routed + acc(shared)).to(dtype), dtype shared's: a MoE block's routed sum (accumulation dtype)
+    plus its un-gated shared experts (one launch on CUDA)."""
+    return for_device(shared.device).add_shared(routed, shared)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from specconv.archs import names
 from specconv.archs.qwen3 import QWEN3_TABLE, Qwen3HParams
 from specconv.archs.tensor_table import GraphTensors
-from specconv.runtime.backend import Experts
+from specconv.runtime.backend import Experts, for_device
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    acc, cached_attention, linear, moe as routed_moe, normed_rope_neox, rope_cos_sin_scaled, swiglu,
+    cached_attention, linear, linear_wide, moe_out, normed_rope_neox, rope_cos_sin_scaled, swiglu,
 )
 from specconv.runtime.memory import Batch
 
@@ -54,16 +55,19 @@ def attention(w, hp, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tenso
 
 
 def moe(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
-    """softmax(router·x) over all experts, top-k, weights renormalised over the k when norm_topk_prob;
-    only the experts some row chose are evaluated (`W[e]` keeps stored experts packed)."""
+    """softmax(router·x) over all experts, top-k, weights renormalised over the k when norm_topk_prob
+    (the backend's route_softmax_topk, else its route_grouped: one launch on CUDA); only the experts
+    some row chose are evaluated (`W[e]` keeps stored experts packed)."""
     p = f"blk.{i}."
-    probs = torch.softmax(acc(linear(acc(x), w[p + "ffn_gate_inp.weight"])), dim=-1)
-    weights, chosen = torch.topk(probs, hp.num_experts_per_tok, dim=-1)
+    logits, backend = linear_wide(x, w[p + "ffn_gate_inp.weight"]), for_device(x.device)
     if hp.norm_topk_prob:
-        weights = weights / weights.sum(-1, keepdim=True)
+        weights, chosen = backend.route_softmax_topk(logits, hp.num_experts_per_tok)
+    else:
+        weights, chosen = backend.route_grouped(logits, hp.num_experts_per_tok, names.EXPERT_GATING_SOFTMAX,
+                                                renormalise=False)
     experts = Experts(w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"],
                       swiglu)
-    return routed_moe(x, weights, chosen, experts).to(x.dtype)
+    return moe_out(x, weights, chosen, experts)
 
 
 def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:

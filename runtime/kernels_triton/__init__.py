@@ -15,8 +15,10 @@
     glu(gate, up, act)                                   a GLU's act(gate) · up (act "silu", "gelu_tanh")
     silu_mul(gate, up)                                   SwiGLU's silu(gate) · up
     softmax_topk(logits, k)                              the MoE softmax router: top-k experts, weights
-    moe_combine(y, weights, chosen)                      Σ weight · routed expert output per row
+    moe_combine(y, weights, chosen, shared, out_dtype)   Σ weight · routed expert output per row (+ shared)
     add_gated_shared(routed, shared, gate)               routed + shared · σ(gate), in shared's dtype
+    add_shared(routed, shared)                           routed + shared, in shared's dtype
+    grouped_topk(logits, k, sigmoid, bias, groups, ...)  the MoE router with a selection bias and groups
     gelu_mul(gate, up)                                   GeGLU's gelu_tanh(gate) · up
     gdn_gates(b, alpha, a, dt_bias)                      the Gated DeltaNet's decay and β
     attention(q, k, v, q_pos, k_pos, scale, gate=None, window=0, sinks=None)
@@ -41,12 +43,12 @@ from specconv.runtime.kernels_triton.matmul import (FUSED_MAX_ROWS, expert_matmu
                                                     quant_matmul, result_dtype)
 from specconv.runtime.kernels_triton.norm import MAX_WIDTH as MAX_NORM_WIDTH, l2_norm, rms_norm
 from specconv.runtime.kernels_triton.rope import rope
-from specconv.runtime.kernels_triton.routing import (MAX_EXPERTS as MAX_ROUTED_EXPERTS, add_gated_shared, moe_combine,
-                                                     softmax_topk)
+from specconv.runtime.kernels_triton.routing import (MAX_EXPERTS as MAX_ROUTED_EXPERTS, add_gated_shared, add_shared,
+                                                     grouped_topk, moe_combine, softmax_topk)
 from specconv.runtime.kernels_triton.gdn_chunked import gdn_chunked
 
 __all__ = ["add_gated_shared", "attention", "available", "causal_conv", "dequantize_rows", "expert_matmul",
            "expert_matmul_pair", "gdn_gates", "gdn_step", "gelu_mul", "glu", "grouped_matmul", "l2_norm", "moe_combine",
            "quant_matmul", "result_dtype", "rms_norm", "rope", "silu_mul", "softmax_topk", "write_kv", "FUSED_MAX_ROWS",
            "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS", "MAX_TOKENS",
-           "gdn_chunked"]
+           "gdn_chunked", "add_shared", "grouped_topk"]

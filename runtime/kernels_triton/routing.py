@@ -1,8 +1,11 @@
-"""The MoE softmax router and the sum of the routed experts' outputs, one Triton launch each.
+"""The MoE routers and the sum of the routed experts' outputs, one Triton launch each.
 
     softmax_topk(logits, k) -> (weights float32 [n, k], chosen int64 [n, k])
-    moe_combine(y, weights, chosen) -> float32 [n, out]
+    grouped_topk(logits, k, sigmoid, bias=None, groups=1, groups_used=1, renormalise=True, scale=1.0,
+                 expert_scale=None) -> (weights float32 [n, k], chosen int64 [n, k])
+    moe_combine(y, weights, chosen, shared=None, out_dtype=float32) -> [n, out] in out_dtype
     add_gated_shared(routed, shared, gate) -> [n, out] in shared's dtype
+    add_shared(routed, shared) -> [n, out] in shared's dtype
 
 logits [n, E] (float32 / bfloat16 / float16, the last dimension contiguous, E ≤ MAX_EXPERTS):
 p = softmax(logits) over the experts in float32, the k experts of largest p, and their weights
@@ -13,15 +16,36 @@ a higher index of a tie before a lower one), so on inputs without ties the chose
 and the weights are within a few float32 ulps of its softmax / topk / sum / divide. One program per
 row (batch-invariant).
 
+grouped_topk: the router of DeepSeek-V3 / GLM-4.5 and of the families that share its formula
+(runtime/backend_torch.py `route_grouped`, docs/reference/model-math.md §3.2): float32 logits
+[n, E] (E ≤ MAX_EXPERTS), scores s = σ(logits) (`sigmoid`) or softmax(logits) in float32, the
+choice c = s + bias (bias float32 [E], selection only); with groups_used < groups (groups
+dividing E, at least two experts each) every group of E / groups consecutive experts scores the
+sum of its two largest c and only the groups_used best stay eligible; the k experts of largest c
+in decreasing order, among equal c the lowest index first (the reference's rule: a stable sort,
+not torch.topk, whose order of ties on the CPU is the C++ library's); weights: their s,
+renormalised by (Σ s + 1e-20) when asked, times expert_scale[expert] (float32 [E], Gemma 4's
+per-expert scale) where given, times `scale`. One program per row (batch-invariant). The chosen
+experts are the reference's where the kernel's σ / softmax give the same float32 scores (equal
+logits: equal scores, so ties are reproduced); a score one ulp away can reorder two experts whose
+choices differ by less than that ulp. Weights: within a few float32 ulps (exp and the sums of the
+softmax and of the renormalisation in another order).
+
 moe_combine: y [n·k, out] the outputs of each row's k (row, slot) pairs, row-major (float32 /
 bfloat16 / float16, the last dimension contiguous), weights [n, k] float, chosen [n, k] integer
 distinct experts per row: Σ over the slots of float32(y) · weight, added in increasing expert
-order from 0 in float32 (CudaBackend.moe_by_pairs: the torch reference's by-index sum, its bits).
+order from 0 in float32 (CudaBackend.moe_by_pairs: the torch reference's by-index sum, its bits);
+then float32(shared) [n, out] added where given (un-gated shared experts), the float32 result
+rounded once into out_dtype (the torch formula's `(routed + acc(shared)).to(dtype)`).
 
 add_gated_shared: a MoE block's output with its sigmoid-gated shared expert (Qwen3.5): routed
 [n, out] (the float32 sum of the routed experts) rounded into shared's dtype, plus shared [n, out]
 · σ(gate[r]) in float32 rounded into that dtype (gate [n, 1] float32 logits), the sum rounded
 again: the torch formula's three roundings, its σ within a few float32 ulps.
+
+add_shared: a MoE block's output with its un-gated shared experts (DeepSeek, GLM): routed [n, out]
+float32 plus shared [n, out] widened to float32, the sum rounded once into shared's dtype (the torch
+formula's bits).
 """
 
 from __future__ import annotations
@@ -56,9 +80,52 @@ def softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return weights, chosen
 
 
-def moe_combine(y: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+def grouped_topk(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tensor | None = None, groups: int = 1,
+                 groups_used: int = 1, renormalise: bool = True, scale: float = 1.0,
+                 expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "grouped_topk"
+    if logits.dtype != torch.float32 or logits.dim() != 2:
+        raise SpecconvError(f"{op}: expected float32 logits [n, experts] (got {logits.dtype} {tuple(logits.shape)})")
+    n, n_experts = logits.shape
+    if not 0 < k <= n_experts <= MAX_EXPERTS:
+        raise SpecconvError(f"{op}: need 0 < k ≤ experts ≤ {MAX_EXPERTS} (got k={k}, {n_experts} experts)")
+    grouped = groups_used < groups  # all groups kept: no group limit
+    if (groups < 1 or not 0 < groups_used <= groups or n_experts % groups
+            or (grouped and (n_experts // groups < 2 or k > groups_used * n_experts // groups))):
+        raise SpecconvError(f"{op}: {n_experts} experts do not split into {groups} groups of at least two with "
+                            f"{k} experts among the {groups_used} kept")
+    vectors = [(name, t) for name, t in (("bias", bias), ("expert_scale", expert_scale)) if t is not None]
+    for name, t in vectors:
+        if t.dtype != torch.float32:
+            raise SpecconvError(f"{op}: {name} must be float32 (got {t.dtype})")
+        _common.check_shape(op, name, t, (n_experts,))
+        _common.check_last_contiguous(op, name, t)
+    _common.check_last_contiguous(op, "logits", logits)
+    device = _common.check_device(op, logits, *(t for _, t in vectors))
+    weights = torch.empty(n, k, dtype=torch.float32, device=device)
+    chosen = torch.empty(n, k, dtype=torch.int64, device=device)
+    if n == 0:
+        return weights, chosen
+    n_groups = groups if grouped else 1
+    group_size = n_experts // n_groups
+    jit = _common.jit_module("_routing_jit")
+    jit.grouped_topk_kernel[(n,)](logits, logits if bias is None else bias,
+                                  logits if expert_scale is None else expert_scale, weights, chosen, n_groups,
+                                  group_size, logits.stride(0), float(scale), K=k,
+                                  GROUPS_USED=groups_used if grouped else 0, SIGMOID=bool(sigmoid),
+                                  HAS_BIAS=bias is not None, HAS_ESCALE=expert_scale is not None,
+                                  RENORMALISE=bool(renormalise), BLOCK_G=_common.next_power_of_2(n_groups),
+                                  BLOCK_S=_common.next_power_of_2(group_size), BLOCK_K=_common.next_power_of_2(k),
+                                  enable_fp_fusion=False)
+    return weights, chosen
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, shared: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     op = "moe_combine"
-    for name, t in (("y", y), ("weights", weights)):
+    if out_dtype not in _common.FLOAT_DTYPES:
+        raise SpecconvError(f"{op}: out_dtype must be float32, bfloat16 or float16 (got {out_dtype})")
+    for name, t in (("y", y), ("weights", weights)) + ((("shared", shared),) if shared is not None else ()):
         _common.check_float(op, name, t)
     if weights.dim() != 2 or chosen.dtype not in (torch.int32, torch.int64):
         raise SpecconvError(f"{op}: expected weights [n, k] and integer chosen experts (got weights "
@@ -69,16 +136,21 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) ->
         raise SpecconvError(f"{op}: y has shape {tuple(y.shape)}, expected [{n * k}, out]")
     for name, t in (("y", y), ("weights", weights), ("chosen", chosen)):
         _common.check_last_contiguous(op, name, t)
-    device = _common.check_device(op, y, weights, chosen)
     width = y.shape[1]
-    out = torch.empty(n, width, dtype=torch.float32, device=device)
-    if out.numel() == 0 or k == 0:
-        return out.zero_()
+    if shared is not None:
+        _common.check_shape(op, "shared", shared, (n, width))
+        _common.check_last_contiguous(op, "shared", shared)
+    device = _common.check_device(op, y, weights, chosen, *(() if shared is None else (shared,)))
+    out = torch.empty(n, width, dtype=out_dtype, device=device)
+    if out.numel() == 0:
+        return out
     block = min(COMBINE_BLOCK, _common.next_power_of_2(width))
     jit = _common.jit_module("_routing_jit")
-    jit.combine_kernel[(n, _common.cdiv(width, block))](y, weights, chosen, out, width, y.stride(0), weights.stride(0),
-                                                        chosen.stride(0), K=k, BLOCK_K=_common.next_power_of_2(k),
-                                                        BLOCK=block, enable_fp_fusion=False)
+    jit.combine_kernel[(n, _common.cdiv(width, block))](y, weights, chosen, out, y if shared is None else shared, width,
+                                                        y.stride(0), weights.stride(0), chosen.stride(0),
+                                                        0 if shared is None else shared.stride(0), K=k,
+                                                        BLOCK_K=_common.next_power_of_2(max(k, 1)), BLOCK=block,
+                                                        HAS_SHARED=shared is not None, enable_fp_fusion=False)
     return out
 
 
@@ -101,4 +173,25 @@ def add_gated_shared(routed: torch.Tensor, shared: torch.Tensor, gate: torch.Ten
     jit.gated_shared_kernel[(n, _common.cdiv(width, block))](routed, shared, gate, y, width, routed.stride(0),
                                                              shared.stride(0), gate.stride(0), BLOCK=block,
                                                              enable_fp_fusion=False)
+    return y
+
+
+def add_shared(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    op = "add_shared"
+    for name, t in (("routed", routed), ("shared", shared)):
+        _common.check_float(op, name, t)
+        _common.check_last_contiguous(op, name, t)
+    if routed.dtype != torch.float32 or shared.dim() != 2:
+        raise SpecconvError(f"{op}: expected float32 routed and shared [n, out] (got {routed.dtype}, "
+                            f"{tuple(shared.shape)})")
+    n, width = shared.shape
+    _common.check_shape(op, "routed", routed, (n, width))
+    device = _common.check_device(op, routed, shared)
+    y = torch.empty(n, width, dtype=shared.dtype, device=device)
+    if y.numel() == 0:
+        return y
+    block = min(COMBINE_BLOCK, _common.next_power_of_2(width))
+    jit = _common.jit_module("_routing_jit")
+    jit.shared_add_kernel[(n, _common.cdiv(width, block))](routed, shared, y, width, routed.stride(0), shared.stride(0),
+                                                           BLOCK=block, enable_fp_fusion=False)
     return y
