@@ -92,6 +92,13 @@ class TorchBackend:
         """x in the accumulation dtype, then `linear`."""
         return self.linear(ops.acc(x), w)
 
+    def linear_per_head(self, x: torch.Tensor, w) -> torch.Tensor:
+        """y[:, h] = x[:, h] @ w[h]ᵀ for x [n, heads, in] and a 3-D weight [heads, out, in] (stored or
+        dense; multi-head latent attention's attn_k_b / attn_v_b): float32 products of w's values,
+        rounded into x's dtype [n, heads, out]; each row alone in batch-invariant mode (ops.by_rows)."""
+        values = ops.dense(w, _wide(x.dtype))
+        return ops.by_rows(x.shape[0], lambda r: torch.einsum("nhi,hoi->nho", ops.acc(x[r]), values)).to(x.dtype)
+
     def linear_group(self, x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
         """(x @ w₀ᵀ, x @ w₁ᵀ, ...): `linear` by each weight in turn."""
         return tuple(self.linear(x, w) for w in ws)
@@ -216,6 +223,15 @@ class TorchBackend:
             k, v = ops.acc(k), ops.acc(v)  # widened once for all rows
             o = torch.cat([formula(q[i:i + 1], k, v, q_pos[i:i + 1]) for i in range(q.shape[0])])
         return ops.sigmoid_gated(o, gate)
+
+    def latent_attention(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, q_pos: torch.Tensor,
+                         k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+        """Multi-head latent attention over latent cells kv [cells, 1, kv_lora + dr] = [c | rope(k_pe)]:
+        scores (q_lat·c + q_pe·k_pe)·scale (q_lat [n, heads, kv_lora], q_pe [n, heads, dr]), values c:
+        o [n, heads, kv_lora] in q_lat's dtype. `attention` of the joined query over kv as both K and
+        V, then o's first kv_lora entries (the formula the graph ran with the latent stored twice)."""
+        o = self.attention(torch.cat([q_lat, q_pe], dim=-1), kv, kv, q_pos, k_pos, scale)
+        return o[..., :q_lat.shape[-1]]
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> None:
