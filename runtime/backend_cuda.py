@@ -312,16 +312,28 @@ class CudaBackend(TorchBackend):
         return self.kernels.attention(q, k, v, q_pos, k_pos, scale, gate, window or 0,
                                       None if sinks is None else sinks.contiguous())
 
-    def latent_attention(self, q_lat, q_pe, kv, q_pos, k_pos, scale):
-        """kernels_triton.attention with V the view of kv's first kv_lora entries and the query in its
-        two pieces: one launch, each latent cell read once, no concatenation of the query."""
+    def latent_attention(self, q_lat, q_pe, kv, q_pos, k_pos, scale, chosen=None):
+        """kernels_triton.attention with V the view of kv's first kv_lora entries, the query in its two
+        pieces (q_pe read in its own dtype) and `chosen` as the key mask: one launch, each latent cell
+        read once, no concatenation of the query."""
         kvl = q_lat.shape[-1]
         if not (self._pointwise(q_lat, q_pe, kv) and q_lat.dim() == q_pe.dim() == kv.dim() == 3 and kv.shape[1] == 1
-                and q_lat.dtype == q_pe.dtype and kv.shape[-1] == kvl + q_pe.shape[-1]
-                and max(kvl, q_pe.shape[-1]) <= self.kernels.MAX_ATTENTION_HEAD_DIM
-                and q_pos.device == k_pos.device == q_lat.device and q_pe.stride(-1) == 1 and q_lat.stride(-1) == 1):
-            return super().latent_attention(q_lat, q_pe, kv, q_pos, k_pos, scale)
-        return self.kernels.attention(q_lat, kv, kv[..., :kvl], q_pos, k_pos, scale, q_rest=q_pe)
+                and kv.shape[-1] == kvl + q_pe.shape[-1] and max(kvl, q_pe.shape[-1]) <= self.kernels.MAX_ATTENTION_HEAD_DIM
+                and q_pos.device == k_pos.device == q_lat.device and q_pe.stride(-1) == 1 and q_lat.stride(-1) == 1
+                and kv.stride(-1) == 1 and (chosen is None or (chosen.device == q_lat.device and chosen.dim() == 2
+                                                               and chosen.stride(-1) == 1))):
+            return super().latent_attention(q_lat, q_pe, kv, q_pos, k_pos, scale, chosen)
+        return self.kernels.attention(q_lat, kv, kv[..., :kvl], q_pos, k_pos, scale, keep=chosen, q_rest=q_pe)
+
+    def index_scores(self, q, weights, keys, scale):
+        """kernels_triton.index_scores for float32 weights (one launch: each row's keys read once per
+        block of cells, every head against them)."""
+        if not (self._pointwise(q, keys) and self._pointwise(weights, dtypes=(torch.float32,))
+                and q.device == weights.device == keys.device and q.dim() == 3 and keys.dim() == 2
+                and weights.shape == q.shape[:2] and keys.shape[-1] == q.shape[-1]
+                and 0 < q.shape[-1] <= self.kernels.MAX_INDEX_DIM and q.stride(-1) == 1 and keys.stride(-1) == 1):
+            return super().index_scores(q, weights, keys, scale)
+        return self.kernels.index_scores(q, weights.contiguous(), keys, scale)
 
     def write_kv(self, k_cache, v_cache, cells, k, v):
         if not (self._pointwise(k_cache, v_cache, k, v) and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype

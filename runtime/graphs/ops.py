@@ -306,6 +306,20 @@ def cached_latent_attention(batch, layer: int, q_lat: torch.Tensor, q_pe: torch.
     return backend.latent_attention(q_lat, q_pe, k_all, batch.positions, k_pos, scale)
 
 
+def attend_latent_cells(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, q_pos: torch.Tensor,
+                        k_pos: torch.Tensor, scale: float, chosen: torch.Tensor) -> torch.Tensor:
+    """Multi-head latent attention over latent cells a graph got itself (attended_kv; kv [cells, 1,
+    kv_lora + dr]) restricted to the cells `chosen` [n, cells] per query row (DeepSeek Sparse
+    Attention), by the backend (`latent_attention`: one Triton launch on CUDA, the mask its key mask)."""
+    return for_device(q_lat.device).latent_attention(q_lat, q_pe, kv, q_pos, k_pos, scale, chosen)
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """DeepSeek Sparse Attention's lightning-indexer scores [n, cells] (runtime/graphs/dsa.py):
+    Σ_j weights[:, j] · ReLU((q[:, j] · keys) · scale), by the backend (one launch on CUDA)."""
+    return for_device(q.device).index_scores(q, weights, keys, scale)
+
+
 def linear_per_head(x: torch.Tensor, w) -> torch.Tensor:
     """y[:, h] = x[:, h] @ w[h]ᵀ for x [n, heads, in] and a 3-D weight [heads, out, in] (MLA's attn_k_b,
     attn_v_b), in x's dtype, by the backend (one launch on CUDA: each (row, head) a one-row product by

@@ -26,7 +26,8 @@ latent c of each cell `[c | rope(k_pe)]`, one buffer) is recognised (same storag
 strides, dv < dk) and each cell is read once: its first dv entries give the score's first part and
 the value, the other dk − dv (up to MAX_HEAD_DIM each: 512 + 64 in DeepSeek-V3, Kimi K2, GLM-5) the
 score's second part. `q_rest` [n, heads, dk − dv]: the query's last dk − dv entries as a tensor of
-their own (the roped q_pe), q then holding its first dv (q_lat): no concatenation first.
+their own (the roped q_pe, in any float dtype: widened as it is read), q then holding its first dv
+(q_lat): no concatenation first.
 
 Every row is one program per head (_attention_jit.py): its sums run over the whole buffer in blocks
 of a size fixed by the head dimension, in cell order, so a row gives the same bits alone or in a
@@ -83,8 +84,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     for name, t in named:
         _common.check_float(op, name, t)
         _common.check_last_contiguous(op, name, t)
-    if v_in_k and q_rest.dtype != q.dtype:
-        raise SpecconvError(f"{op}: q_rest is {q_rest.dtype}, q {q.dtype}")
     _common.check_shape(op, "q_pos", q_pos, (n,))
     _common.check_shape(op, "k_pos", k_pos, (cells,))
     for name, t in (("q_pos", q_pos), ("k_pos", k_pos)):
