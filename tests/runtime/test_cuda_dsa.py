@@ -107,7 +107,7 @@ def test_attention_over_chosen_keys_within_float32_rounding(cuda_backend):
                                         hidden[r], SCALE, KV_LORA + ROPE)[0] for r in range(n)])
     diff = (got.cpu().double() - ref.double()).abs()
     print(f"\n[{WHERE}, f32] attention over chosen keys: max |Δ| {float(diff.max()):.2e}, at most "
-          f"{float((diff / bound).max()):.3f} of the derived bound")
+          f"{float((diff / bound).max()):.2e} of the derived bound")
     assert got.shape == (n, HEADS, KV_LORA) and bool((diff <= bound).all())
 
 
@@ -131,7 +131,8 @@ def dsa_files(tmp_path_factory):
 def test_decode_step_and_verification_launch_the_same_kernels(dsa_files, name):
     """No per-row loop (by_rows) and no dequantized absorption weights: the 4-row verification
     launches what the decode step launches, the indexer scores and the attention one kernel each per
-    full layer; the selection keeps torch.topk (its tie rule, `select`)."""
+    full layer; the selection keeps torch.topk (its tie rule, `select`). Before: glm-dsa 244 per
+    step and 394 per verification, deepseek32 260 and 410."""
     counts = cuda_op_count.count_steps(dsa_files(name), "bf16", 3)
     print(f"\n[{name}, meta, bf16]\n{cuda_op_count.report(counts, 3)}")
     assert counts.step.total == counts.verify.total <= STEP_LAUNCHES[name]
@@ -140,7 +141,8 @@ def test_decode_step_and_verification_launch_the_same_kernels(dsa_files, name):
     for tally in (counts.step, counts.verify):
         assert tally.by_op["triton.attention_kernel"] == blocks
         assert 0 < tally.by_op["triton.index_scores_kernel"] <= blocks  # the full indexer layers
-        for op in ("triton.dequantize_kernel", "einsum", "bmm"):
+        assert tally.by_op["triton.dequantize_kernel"] <= 1  # the token's embedding row, outside the blocks
+        for op in ("einsum", "bmm"):
             assert tally.by_op[op] == 0, op
 
 
