@@ -21,6 +21,12 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   MAX_ATTENTION_HEAD_DIM): the online softmax over fixed blocks of cells, one program per row and
   head, so batch-invariant without a per-row loop. `write_kv`: a batch's K and
   V into those buffers by cell index, one launch (kernels_triton.write_kv) where the dtypes match.
+* multi-head latent attention (DeepSeek-V3, DSA): `linear_per_head` (the absorption products by
+  attn_k_b / attn_v_b) runs kernels_triton.expert_matmul with each (row, head) pair's head as its
+  expert, the weights read packed; `latent_attention` runs kernels_triton.attention over the
+  latent cells with V the view of their first kv_lora entries (each cell read once), the query in
+  its two pieces and DSA's chosen keys as the key mask; `index_scores` (DSA's lightning indexer)
+  runs kernels_triton.index_scores. One launch each, one program per row (batch-invariant).
 * Gated DeltaNet states in ring slots (`slot_states`): `causal_conv_slots` and `delta_rule_slots`
   run kernels_triton.causal_conv / gdn_step, one launch each for up to MAX_TOKENS tokens, reading
   the state before the batch from its slot and writing each kept token's state into its own slot
