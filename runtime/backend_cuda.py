@@ -331,15 +331,15 @@ class CudaBackend(TorchBackend):
             return super().latent_attention(q_lat, q_pe, kv, q_pos, k_pos, scale, chosen)
         return self.kernels.attention(q_lat, kv, kv[..., :kvl], q_pos, k_pos, scale, keep=chosen, q_rest=q_pe)
 
-    def index_scores(self, q, weights, keys, scale):
+    def index_scores(self, q, weights, keys, scale, weight_scale=1.0):
         """kernels_triton.index_scores for float32 weights (one launch: each row's keys read once per
-        block of cells, every head against them)."""
+        block of cells, every head against them; the weights scaled inside)."""
         if not (self._pointwise(q, keys) and self._pointwise(weights, dtypes=(torch.float32,))
                 and q.device == weights.device == keys.device and q.dim() == 3 and keys.dim() == 2
                 and weights.shape == q.shape[:2] and keys.shape[-1] == q.shape[-1]
                 and 0 < q.shape[-1] <= self.kernels.MAX_INDEX_DIM and q.stride(-1) == 1 and keys.stride(-1) == 1):
-            return super().index_scores(q, weights, keys, scale)
-        return self.kernels.index_scores(q, weights.contiguous(), keys, scale)
+            return super().index_scores(q, weights, keys, scale, weight_scale)
+        return self.kernels.index_scores(q, weights.contiguous(), keys, scale, weight_scale)
 
     def write_kv(self, k_cache, v_cache, cells, k, v):
         if not (self._pointwise(k_cache, v_cache, k, v) and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype

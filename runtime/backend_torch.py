@@ -248,11 +248,13 @@ class TorchBackend:
 
         return ops.by_rows(q_lat.shape[0], attend).to(q_lat.dtype)
 
-    def index_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-        """DeepSeek Sparse Attention's indexer scores [n, cells]: Σ_j weights[:, j] · ReLU((q[:, j] · keys)
-        · scale) (q [n, heads, D], weights [n, heads] and the result in the accumulation dtype, keys
-        [cells, D]); each row alone in batch-invariant mode."""
+    def index_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float,
+                     weight_scale: float = 1.0) -> torch.Tensor:
+        """DeepSeek Sparse Attention's indexer scores [n, cells]: Σ_j w_j · ReLU((q[:, j] · keys) · scale),
+        w = weights · weight_scale (q [n, heads, D], weights [n, heads] and the result in the
+        accumulation dtype, keys [cells, D]); each row alone in batch-invariant mode."""
         keys = ops.acc(keys)
+        weights = weights * weight_scale
 
         def scores(r):
             qk = torch.einsum("nhd,td->nht", ops.acc(q[r]), keys) * scale

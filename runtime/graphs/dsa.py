@@ -81,8 +81,8 @@ def index_scores(w, hp: HParams, i: int, a: torch.Tensor, q: torch.Tensor, keys:
     the indexer's query product q = indexer.attn_q_b · c_q [n, H·D] (ops.index_scores: one launch on CUDA)."""
     p, n = f"blk.{i}.indexer.", a.shape[0]
     q = _rope_front(hp, q.view(n, hp.index_n_heads, hp.index_head_dim), rope)
-    weights = acc(linear_wide(a, w[p + "proj.weight"])) * hp.index_n_heads ** -0.5
-    return ops_index_scores(q, weights, keys, hp.index_head_dim ** -0.5)
+    weights = acc(linear_wide(a, w[p + "proj.weight"]))
+    return ops_index_scores(q, weights, keys, hp.index_head_dim ** -0.5, hp.index_n_heads ** -0.5)
 
 
 def select(hp: HParams, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -314,10 +314,12 @@ def attend_latent_cells(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tenso
     return for_device(q_lat.device).latent_attention(q_lat, q_pe, kv, q_pos, k_pos, scale, chosen)
 
 
-def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float,
+                 weight_scale: float = 1.0) -> torch.Tensor:
     """DeepSeek Sparse Attention's lightning-indexer scores [n, cells] (runtime/graphs/dsa.py):
-    Σ_j weights[:, j] · ReLU((q[:, j] · keys) · scale), by the backend (one launch on CUDA)."""
-    return for_device(q.device).index_scores(q, weights, keys, scale)
+    Σ_j (weights[:, j] · weight_scale) · ReLU((q[:, j] · keys) · scale), by the backend (one launch
+    on CUDA, the weights scaled inside)."""
+    return for_device(q.device).index_scores(q, weights, keys, scale, weight_scale)
 
 
 def linear_per_head(x: torch.Tensor, w) -> torch.Tensor:

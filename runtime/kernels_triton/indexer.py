@@ -1,12 +1,13 @@
 """The lightning indexer's scores of DeepSeek Sparse Attention (runtime/graphs/dsa.py) in one Triton launch.
 
-    index_scores(q, weights, keys, scale) -> [n, cells] float32
+    index_scores(q, weights, keys, scale, weight_scale=1.0) -> [n, cells] float32
 
 q [n, heads, D] (float32 / bfloat16 / float16, the last dimension contiguous): each query row's
-indexer heads, roped; weights [n, heads] float32 (the heads' weights w_j(t), already scaled);
-keys [cells, D] (the indexer keys of a layer's whole cache buffer, read through their row stride:
-a slice of the cache rows). scores[t, s] = Σ_j weights[t, j] · ReLU((q[t, j] · keys[s]) · scale),
-float32, the heads added in increasing order — docs/dsa.md's I(t, s).
+indexer heads, roped; weights [n, heads] float32 (the heads' weights, w_j(t) = weights[t, j] ·
+weight_scale rounded to float32, as the product of a float32 tensor and a number is); keys
+[cells, D] (the indexer keys of a layer's whole cache buffer, read through their row stride: a
+slice of the cache rows). scores[t, s] = Σ_j w_j(t) · ReLU((q[t, j] · keys[s]) · scale), float32,
+the heads added in increasing order — docs/dsa.md's I(t, s).
 
 One program per (query row, block of cells): the block's keys are read once and multiplied with
 every head of the row, so a row's scores are the same bits alone or in a batch of any width, and
@@ -25,7 +26,8 @@ MAX_INDEX_DIM = 512  # one program holds a block of keys this wide
 TILE = 8192  # values of one block of keys: BLOCK_T · the padded width
 
 
-def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float,
+                 weight_scale: float = 1.0) -> torch.Tensor:
     op = "index_scores"
     if q.dim() != 3 or weights.dim() != 2 or keys.dim() != 2:
         raise SpecconvError(f"{op}: expected q [n, heads, D], weights [n, heads], keys [cells, D] "
@@ -49,6 +51,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sca
     block_t = max(16, min(128, TILE // block_d))
     jit = _common.jit_module("_indexer_jit")
     jit.index_scores_kernel[(n, _common.cdiv(cells, block_t))](
-        q, weights, keys, out, cells, heads, d, float(scale), q.stride(0), q.stride(1), weights.stride(0),
+        q, weights, keys, out, cells, heads, d, float(scale), float(weight_scale), q.stride(0), q.stride(1),
+        weights.stride(0),
         keys.stride(0), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False)
     return out

@@ -34,6 +34,7 @@ from tests.runtime.test_cuda_mla import HEADS, KV_LORA, ROPE, SCALE, latent_case
 torch.set_num_threads(1)
 
 INDEX_DIM, INDEX_HEADS = 128, 8  # GLM-5 / DeepSeek-V3.2: 128 wide, 32 / 64 heads
+WEIGHT_SCALE = INDEX_HEADS ** -0.5  # the graph's H^(-1/2), applied inside the kernel
 EPS = float(torch.finfo(torch.float32).eps)
 
 
@@ -45,9 +46,10 @@ def cuda_backend(monkeypatch):
 
 
 def indexer_case(n: int, cells: int, seed: int, dtype=torch.float32):
-    """(q [n, H, D], weights [n, H] float32, keys [cells, D] as a slice of wider cache rows)."""
+    """(q [n, H, D], weights [n, H] float32 (to be scaled by WEIGHT_SCALE), keys [cells, D] as a slice
+    of wider cache rows)."""
     q = rand(n, INDEX_HEADS, INDEX_DIM, seed=seed).to(dtype)
-    weights = rand(n, INDEX_HEADS, seed=seed + 1) * INDEX_HEADS ** -0.5
+    weights = rand(n, INDEX_HEADS, seed=seed + 1)
     rows = rand(cells, 1, KV_LORA + ROPE + INDEX_DIM, seed=seed + 2).to(dtype)
     return q, weights, rows[:, 0, KV_LORA + ROPE:]
 
@@ -55,12 +57,13 @@ def indexer_case(n: int, cells: int, seed: int, dtype=torch.float32):
 @pytest.mark.parametrize("n, cells", [(1, 37), (4, 200), (16, 64)])
 def test_index_scores_within_float32_rounding(cuda_backend, n, cells):
     """One launch against the torch formula: each score Σ_j w_j · ReLU(s_j) within both sides' float32
-    rounding (the dot products of D terms, the scale, the sum over the heads)."""
+    rounding (the dot products of D terms, the scale, the sum over the heads); the weights' scale
+    applied inside rounds as the formula's product does."""
     q, weights, keys = indexer_case(n, cells, seed=1)
     scale = INDEX_DIM ** -0.5
-    got = cuda_backend.index_scores(q.to(DEVICE), weights.to(DEVICE), keys.to(DEVICE), scale)
-    ref = TorchBackend().index_scores(q, weights, keys, scale)
-    qd, kd, wd = q.double(), keys.double(), weights.double()
+    got = cuda_backend.index_scores(q.to(DEVICE), weights.to(DEVICE), keys.to(DEVICE), scale, WEIGHT_SCALE)
+    ref = TorchBackend().index_scores(q, weights, keys, scale, WEIGHT_SCALE)
+    qd, kd, wd = q.double(), keys.double(), (weights * WEIGHT_SCALE).double()
     s = torch.einsum("nhd,td->nht", qd, kd) * scale
     magnitude = torch.einsum("nhd,td->nht", qd.abs(), kd.abs()) * scale
     terms = wd.abs()[..., None] * ((INDEX_DIM + 2) * magnitude + (INDEX_HEADS + 1) * s.clamp(min=0))
@@ -75,10 +78,10 @@ def test_index_scores_within_float32_rounding(cuda_backend, n, cells):
 def test_index_scores_are_batch_invariant(cuda_backend):
     """bfloat16 queries and keys: a row alone gives the bits it gets in a batch of 16."""
     q, weights, keys = (t.to(DEVICE) for t in indexer_case(16, 150, seed=2, dtype=torch.bfloat16))
-    batch = cuda_backend.index_scores(q, weights, keys, INDEX_DIM ** -0.5)
+    batch = cuda_backend.index_scores(q, weights, keys, INDEX_DIM ** -0.5, WEIGHT_SCALE)
     for i in range(16):
-        assert torch.equal(cuda_backend.index_scores(q[i:i + 1], weights[i:i + 1], keys, INDEX_DIM ** -0.5),
-                           batch[i:i + 1]), i
+        assert torch.equal(cuda_backend.index_scores(q[i:i + 1], weights[i:i + 1], keys, INDEX_DIM ** -0.5,
+                                                     WEIGHT_SCALE), batch[i:i + 1]), i
 
 
 def test_index_scores_bad_input():
@@ -113,7 +116,7 @@ def test_attention_over_chosen_keys_within_float32_rounding(cuda_backend):
 
 # ---- the graph --------------------------------------------------------------------------------------
 
-STEP_LAUNCHES = {"dsa-glm-dsa": 181, "dsa-deepseek32": 197}  # q8_0, bf16: a decode step = a 4-row verification
+STEP_LAUNCHES = {"dsa-glm-dsa": 178, "dsa-deepseek32": 194}  # q8_0, bf16: a decode step = a 4-row verification
 
 
 @pytest.fixture(scope="module")
