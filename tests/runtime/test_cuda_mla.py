@@ -143,7 +143,7 @@ def test_latent_attention_within_float32_rounding(cuda_backend, n, cells, writte
     bound = rounding_bound(q, kv, kv[..., :KV_LORA], q_pos, k_pos, SCALE, KV_LORA + ROPE)
     diff = (got.cpu().double() - ref.double()).abs()
     print(f"\n[{WHERE}, f32] latent attention n={n}, {written}/{cells} cells: max |Δ| {float(diff.max()):.2e}, "
-          f"at most {float((diff / bound).max()):.3f} of the derived bound")
+          f"at most {float((diff / bound).max()):.2e} of the derived bound")
     assert got.shape == (n, HEADS, KV_LORA) and bool((diff <= bound).all())
     kv_d = kv.to(DEVICE)
     joined = kt.attention(q.to(DEVICE), kv_d, kv_d[..., :KV_LORA], q_pos.to(DEVICE), k_pos.to(DEVICE), SCALE)
