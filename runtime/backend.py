@@ -10,6 +10,7 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
     linear_group(x, [w, ...])                   (x @ w₀ᵀ, x @ w₁ᵀ, ...): the same rows by several weights
     linear_glu(gate, up, w, act)                (act(gate) · up) @ wᵀ: a GLU's down product (act "silu",
                                                 "gelu_tanh"; glu(gate, up, act) is its input alone)
+    linear_per_head(x, w)                       x[:, h] @ w[h]ᵀ: each head by its own matrix of a 3-D weight
     moe(x, weights, chosen, experts)            Σ_slots weight · expert(x) over the routed experts
     moe_out(x, weights, chosen, experts, shared)   the same plus un-gated shared experts, in x's dtype
     route_softmax_topk(logits, k)               a softmax router's (weights, chosen experts) [n, k]
@@ -28,6 +29,9 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
                                                 cells, with an optional sigmoid output gate, sliding
                                                 window and attention sinks (ops.cached_attention,
                                                 ops.attend_cells)
+    latent_attention(q_lat, q_pe, kv, q_pos, k_pos, scale, chosen)   multi-head latent attention over
+                                                latent cells [c | k_pe], V = c (ops.latent_attention),
+                                                with DeepSeek Sparse Attention's chosen keys where given
     write_kv(k_cache, v_cache, cells, k, v)     a batch's K/V into a layer's fixed-size buffers, in
                                                 place by cell index (runtime/memory.py `Batch.attend_kv`)
 

@@ -26,6 +26,12 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   MAX_ATTENTION_HEAD_DIM): the online softmax over fixed blocks of cells, one program per row and
   head, so batch-invariant without a per-row loop. `write_kv`: a batch's K and
   V into those buffers by cell index, one launch (kernels_triton.write_kv) where the dtypes match.
+* multi-head latent attention (DeepSeek-V3, DSA): `linear_per_head` (the absorption products by
+  attn_k_b / attn_v_b) runs kernels_triton.expert_matmul with each (row, head) pair's head as its
+  expert, the weights read packed; `latent_attention` runs kernels_triton.attention over the
+  latent cells with V the view of their first kv_lora entries (each cell read once), the query in
+  its two pieces and DSA's chosen keys as the key mask; `index_scores` (DSA's lightning indexer)
+  runs kernels_triton.index_scores. One launch each, one program per row (batch-invariant).
 * Gated DeltaNet states in ring slots (`slot_states`): `causal_conv_slots` and `delta_rule_slots`
   run kernels_triton.causal_conv / gdn_step, one launch each for up to MAX_TOKENS tokens, reading
   the state before the batch from its slot and writing each kept token's state into its own slot
@@ -92,6 +98,7 @@ class CudaBackend(TorchBackend):
         how the tests run this backend without a GPU)."""
         self.kernels = _triton_kernels() if kernels is None else kernels
         self.device_types = device_types
+        self._head_indices: dict = {}  # (heads, device) -> linear_per_head's pair -> head index
 
     def _kernel_for(self, raw: torch.Tensor, qtype) -> bool:
         return (self.kernels is not None and qtype in self.kernels.KERNEL_TYPES
@@ -213,6 +220,33 @@ class CudaBackend(TorchBackend):
             for i, y in zip(members, ys):
                 out[i] = y
         return tuple(self.linear(x, w) if y is None else y for w, y in zip(ws, out))
+
+    def linear_per_head(self, x: torch.Tensor, w) -> torch.Tensor:
+        """Decode and verification batches (up to GATHER_MAX_ROWS rows; any number in batch-invariant
+        mode, in pieces of that many) by a stored 3-D weight of a KERNEL_TYPE: kernels_triton.expert_matmul
+        with the head as the expert of each (row, head) pair, x read in place (a strided q[..., :dn]
+        too), one launch per piece; each pair the bits of a one-row product by its head's matrix."""
+        n, heads, n_in = x.shape
+        if not (isinstance(w, StoredWeight) and w.ndim == 3 and w.shape[0] == heads and w.shape[2] == n_in
+                and self._kernel_for(w.raw, w.qtype) and x.dtype in KERNEL_DTYPES and x.device == w.raw.device
+                and self.kernels.result_dtype(w.qtype, x.dtype) == x.dtype and (n <= GATHER_MAX_ROWS or rows_alone())
+                and x.stride(-1) == 1 and x.stride(0) == heads * x.stride(1)):
+            return super().linear_per_head(x, w)
+        index = self._head_index(heads, x.device)
+        if w.counter is not None:
+            w.counter.bytes += w.raw.numel() * n  # each (row, head) pair reads its head's matrix
+        pieces = [self.kernels.expert_matmul(x[a:a + GATHER_MAX_ROWS].reshape(-1, n_in), w.raw, w.qtype, w.shape[1],
+                                             n_in, index[:min(GATHER_MAX_ROWS, n - a) * heads])
+                  for a in range(0, n, GATHER_MAX_ROWS)]
+        return _joined(pieces).view(n, heads, w.shape[1])
+
+    def _head_index(self, heads: int, device: torch.device) -> torch.Tensor:
+        """[GATHER_MAX_ROWS · heads] int32: pair r's head r % heads, made on the device once (its first
+        call is an eager forward: a CUDA graph's warm-up precedes its capture) and sliced per batch."""
+        key = (heads, device)
+        if key not in self._head_indices:
+            self._head_indices[key] = torch.arange(GATHER_MAX_ROWS * heads, dtype=torch.int32, device=device) % heads
+        return self._head_indices[key]
 
     # ---- routed experts ------------------------------------------------------------------------------
     def moe(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts) -> torch.Tensor:
@@ -388,6 +422,29 @@ class CudaBackend(TorchBackend):
             return super().attention(q, k, v, q_pos, k_pos, scale, gate, window, sinks)
         return self.kernels.attention(q, k, v, q_pos, k_pos, scale, gate, window or 0,
                                       None if sinks is None else sinks.contiguous())
+
+    def latent_attention(self, q_lat, q_pe, kv, q_pos, k_pos, scale, chosen=None):
+        """kernels_triton.attention with V the view of kv's first kv_lora entries, the query in its two
+        pieces (q_pe read in its own dtype) and `chosen` as the key mask: one launch, each latent cell
+        read once, no concatenation of the query."""
+        kvl = q_lat.shape[-1]
+        if not (self._pointwise(q_lat, q_pe, kv) and q_lat.dim() == q_pe.dim() == kv.dim() == 3 and kv.shape[1] == 1
+                and kv.shape[-1] == kvl + q_pe.shape[-1] and max(kvl, q_pe.shape[-1]) <= self.kernels.MAX_ATTENTION_HEAD_DIM
+                and q_pos.device == k_pos.device == q_lat.device and q_pe.stride(-1) == 1 and q_lat.stride(-1) == 1
+                and kv.stride(-1) == 1 and (chosen is None or (chosen.device == q_lat.device and chosen.dim() == 2
+                                                               and chosen.stride(-1) == 1))):
+            return super().latent_attention(q_lat, q_pe, kv, q_pos, k_pos, scale, chosen)
+        return self.kernels.attention(q_lat, kv, kv[..., :kvl], q_pos, k_pos, scale, keep=chosen, q_rest=q_pe)
+
+    def index_scores(self, q, weights, keys, scale, weight_scale=1.0):
+        """kernels_triton.index_scores for float32 weights (one launch: each row's keys read once per
+        block of cells, every head against them; the weights scaled inside)."""
+        if not (self._pointwise(q, keys) and self._pointwise(weights, dtypes=(torch.float32,))
+                and q.device == weights.device == keys.device and q.dim() == 3 and keys.dim() == 2
+                and weights.shape == q.shape[:2] and keys.shape[-1] == q.shape[-1]
+                and 0 < q.shape[-1] <= self.kernels.MAX_INDEX_DIM and q.stride(-1) == 1 and keys.stride(-1) == 1):
+            return super().index_scores(q, weights, keys, scale, weight_scale)
+        return self.kernels.index_scores(q, weights.contiguous(), keys, scale, weight_scale)
 
     def write_kv(self, k_cache, v_cache, cells, k, v):
         if not (self._pointwise(k_cache, v_cache, k, v) and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype

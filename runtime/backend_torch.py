@@ -100,6 +100,13 @@ class TorchBackend:
         """x in the accumulation dtype, then `linear`."""
         return self.linear(ops.acc(x), w)
 
+    def linear_per_head(self, x: torch.Tensor, w) -> torch.Tensor:
+        """y[:, h] = x[:, h] @ w[h]ᵀ for x [n, heads, in] and a 3-D weight [heads, out, in] (stored or
+        dense; multi-head latent attention's attn_k_b / attn_v_b): float32 products of w's values,
+        rounded into x's dtype [n, heads, out]; each row alone in batch-invariant mode (ops.by_rows)."""
+        values = ops.dense(w, _wide(x.dtype))
+        return ops.by_rows(x.shape[0], lambda r: torch.einsum("nhi,hoi->nho", ops.acc(x[r]), values)).to(x.dtype)
+
     def linear_group(self, x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
         """(x @ w₀ᵀ, x @ w₁ᵀ, ...): `linear` by each weight in turn."""
         return tuple(self.linear(x, w) for w in ws)
@@ -293,6 +300,44 @@ class TorchBackend:
             k, v = ops.acc(k), ops.acc(v)  # widened once for all rows
             o = torch.cat([formula(q[i:i + 1], k, v, q_pos[i:i + 1]) for i in range(q.shape[0])])
         return ops.sigmoid_gated(o, gate)
+
+    def latent_attention(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, q_pos: torch.Tensor,
+                         k_pos: torch.Tensor, scale: float, chosen: torch.Tensor | None = None) -> torch.Tensor:
+        """Multi-head latent attention over latent cells kv [cells, 1, kv_lora + dr] = [c | rope(k_pe)]:
+        scores (q_lat·c + q_pe·k_pe)·scale (q_lat [n, heads, kv_lora], q_pe [n, heads, dr]), values c:
+        o [n, heads, kv_lora] in q_lat's dtype.
+
+        Over every cell visible by position: `attention` of the joined query over kv as both K and V,
+        then o's first kv_lora entries (runtime/graphs/deepseek2.py). Over the cells `chosen` [n, cells]
+        (bool: DeepSeek Sparse Attention's selection, runtime/graphs/dsa.py, a subset of the visible
+        ones): the masked softmax in the accumulation dtype, q_pe widened; each row alone in
+        batch-invariant mode."""
+        if chosen is None:
+            o = self.attention(torch.cat([q_lat, q_pe], dim=-1), kv, kv, q_pos, k_pos, scale)
+            return o[..., :q_lat.shape[-1]]
+        lat = ops.acc(kv[:, 0])
+        kvl = q_lat.shape[-1]
+
+        def attend(r):
+            scores = torch.einsum("nhl,tl->hnt", torch.cat([q_lat[r], ops.acc(q_pe[r])], dim=-1), lat) * scale
+            probs = torch.softmax(scores.masked_fill(~chosen[None, r], float("-inf")), dim=-1)
+            return torch.einsum("hnt,tl->nhl", probs, lat[:, :kvl])
+
+        return ops.by_rows(q_lat.shape[0], attend).to(q_lat.dtype)
+
+    def index_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float,
+                     weight_scale: float = 1.0) -> torch.Tensor:
+        """DeepSeek Sparse Attention's indexer scores [n, cells]: Σ_j w_j · ReLU((q[:, j] · keys) · scale),
+        w = weights · weight_scale (q [n, heads, D], weights [n, heads] and the result in the
+        accumulation dtype, keys [cells, D]); each row alone in batch-invariant mode."""
+        keys = ops.acc(keys)
+        weights = weights * weight_scale
+
+        def scores(r):
+            qk = torch.einsum("nhd,td->nht", ops.acc(q[r]), keys) * scale
+            return torch.einsum("nh,nht->nt", weights[r], F.relu(qk))
+
+        return ops.by_rows(q.shape[0], scores)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> None:

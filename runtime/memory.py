@@ -60,6 +60,10 @@ class MemoryLayout:
     state_dtype: torch.dtype = torch.float32  # of the SSM state and the delta-rule arithmetic
     # per-layer (n_head_kv, head_dim) where layers differ (Gemma 4: sliding vs full layers)
     layer_shapes: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # > 0: a layer's V cells are the first value_width entries of its K cells (multi-head latent
+    # attention's latent row [c | k_pe], whose c is the value): views, no buffer, each entry written
+    # once (Batch.attend_kv)
+    value_width: int = 0
 
 
 @dataclass
@@ -88,7 +92,8 @@ class Memory:
             return (n_seq, n_ctx) + tuple(layout.layer_shapes.get(l, (layout.num_key_value_heads, layout.head_dim)))
 
         self.k = {l: torch.zeros(shape(l), dtype=dtype, device=where(l)) for l in layout.attn_layers}
-        self.v = {l: torch.zeros(shape(l), dtype=dtype, device=where(l)) for l in layout.attn_layers}
+        self.v = {l: self.k[l][..., :layout.value_width] if layout.value_width
+                  else torch.zeros(shape(l), dtype=dtype, device=where(l)) for l in layout.attn_layers}
         self.cell_pos = torch.full((n_seq, n_ctx), -1, dtype=torch.long, device=device)
         # the same positions on the host: bookkeeping never reads the device tensor back
         self.cell_pos_host: list[list[int]] = [[] for _ in range(n_seq)]
@@ -351,11 +356,17 @@ class Batch:
 
         `whole`: the layer's whole fixed-size buffers [n_ctx, ...] instead, written in place, with
         the position of every cell (UNWRITTEN where no cell is: masked out by any causal mask), so
-        the shapes an attention sees do not change from one step to the next."""
+        the shapes an attention sees do not change from one step to the next. With the layout's
+        `value_width` a K cell is [v | k] (the value, then the rest of the key: MLA's [c | rope(k_pe)])
+        and V views its first value_width entries: v and k are written side by side, once."""
         m, s, n = self.memory, self.seq, k.shape[0]
         if whole:  # written by a cell index tensor: what a captured graph replays with new cells
             cells = self.index(k.device).cells
-            for_device(k.device).write_kv(m.k[layer][s], m.v[layer][s], cells, k, v)  # one launch on CUDA
+            if m.layout.value_width:  # the K cell is [v | k]: both pieces in one launch, no joined copy
+                w = m.layout.value_width
+                for_device(k.device).write_kv(m.k[layer][s][..., :w], m.k[layer][s][..., w:], cells, v, k)
+            else:
+                for_device(k.device).write_kv(m.k[layer][s], m.v[layer][s], cells, k, v)  # one launch on CUDA
 
             def whole_positions(dev):
                 pos = m.cell_pos[s].to(dev, copy=True).index_copy_(0, cells, self.positions.to(dev))
@@ -363,8 +374,12 @@ class Batch:
 
             return m.k[layer][s], m.v[layer][s], self._on(k.device, "whole", whole_positions)
         end = self.start + n
-        m.k[layer][s, self.start:end] = k.to(m.dtype)
-        m.v[layer][s, self.start:end] = v.to(m.dtype)
+        if m.layout.value_width:
+            m.k[layer][s, self.start:end, ..., :m.layout.value_width] = v.to(m.dtype)
+            m.k[layer][s, self.start:end, ..., m.layout.value_width:] = k.to(m.dtype)
+        else:
+            m.k[layer][s, self.start:end] = k.to(m.dtype)
+            m.v[layer][s, self.start:end] = v.to(m.dtype)
         pos = self._visible.get(k.device)
         if pos is None:  # built once per batch, not once per attention layer
             pos = self._visible[k.device] = torch.cat([m.cell_pos[s, :self.start].to(k.device),

@@ -5,8 +5,10 @@ holds one latent row per token, `[c (kv_lora) | rope(k_pe) (dr)]`; each head's n
 mapped into the latent space with `attn_k_b` (q_lat = W_kbᵀ·q_nope), scores are
 `q_lat·c + q_pe·k_pe`, the softmax-weighted latent is mapped back per head with `attn_v_b`. It
 equals HF's expanded form up to rounding and keeps the cache at kv_lora + dr numbers per token
-instead of nh·(dn+dr+dv). (The runtime's KV cache has one width for K and V, so the latent row is
-stored as both; V reads its first kv_lora entries.)
+instead of nh·(dn+dr+dv). The latent row is stored once: V is a view of each K cell's first kv_lora
+entries (the layout's value_width), and the attention reads each cell once (ops.cached_latent_attention).
+The per-head products by attn_k_b and attn_v_b run by index (ops.linear_per_head: one launch each on
+CUDA, the weights read packed).
 
 Rope is llama.cpp's NORM kind (adjacent pairs) on the dr rope dims, with YaRN frequencies, cos/sin
 factor and the mscale² softmax factor computed as transformers does (docs/reference/model-math.md §1.3, §5).
@@ -16,6 +18,7 @@ The FFN is dense SwiGLU for the leading dense blocks and the sigmoid group-limit
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -24,7 +27,9 @@ from specconv.archs.rope_scaling import RopeScaling
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
-from specconv.runtime.graphs.ops import acc, by_rows, cached_attention, dense, linear, rms_norm, rope_pairs
+from specconv.runtime.graphs.ops import (
+    cached_latent_attention, linear, linear_group, linear_per_head, rms_norm, rope_pairs,
+)
 from specconv.runtime.memory import Batch
 
 HParams = Deepseek2HParams  # from GGUF metadata by from_kv (archs/deepseek2.py)
@@ -34,8 +39,21 @@ TABLE = DEEPSEEK2_TABLE
 _tensors = GraphTensors(TABLE, lambda hp: hp)
 
 
-# one latent row per token and block (stored as both K and V), the nextn block's too
 _layouts = trunk.Layouts(lambda hp: hp.latent_width, trunk.nextn_block, heads=lambda hp: 1)
+
+
+def latent_layouts(layouts: trunk.Layouts) -> tuple:
+    """(main, MTP) layout functions of `layouts` whose V cells are each K cell's first kv_lora entries:
+    one latent row per token and block (the nextn block's too), kept once."""
+    def main(hp, *args):
+        return replace(layouts.main_layout(hp, *args), value_width=hp.kv_lora_rank)
+
+    def mtp(hp):
+        return replace(layouts.mtp_layout(hp), value_width=hp.kv_lora_rank)
+    return main, mtp
+
+
+main_layout, mtp_layout = latent_layouts(_layouts)
 
 
 # ---- rope ---------------------------------------------------------------------------------------
@@ -95,24 +113,20 @@ def rope_cos_sin(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
 def mla(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
     n, p = a.shape[0], f"blk.{i}."
     nh, dn, dr, kvl = hp.num_attention_heads, hp.qk_nope_head_dim, hp.qk_rope_head_dim, hp.kv_lora_rank
+    # the query's first product and the latent's read the same rows: one launch on CUDA
+    q, kv = linear_group(a, (w[p + ("attn_q_a.weight" if hp.q_lora_rank else "attn_q.weight")],
+                             w[p + "attn_kv_a_mqa.weight"]))
     if hp.q_lora_rank:
-        cq = rms_norm(linear(a, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"], hp.rms_norm_eps)
-        q = linear(cq, w[p + "attn_q_b.weight"])
-    else:
-        q = linear(a, w[p + "attn_q.weight"])
+        q = linear(rms_norm(q, w[p + "attn_q_a_norm.weight"], hp.rms_norm_eps), w[p + "attn_q_b.weight"])
     q = q.view(n, nh, dn + dr)
-    kv = linear(a, w[p + "attn_kv_a_mqa.weight"])
     c = rms_norm(kv[:, :kvl], w[p + "attn_kv_a_norm.weight"], hp.rms_norm_eps)
     cos, sin = rope
     q_pe = rope_pairs(q[..., dn:], cos, sin)  # llama.cpp's NORM rope (adjacent pairs): one kernel each on CUDA
     k_pe = rope_pairs(kv[:, None, kvl:], cos, sin)
     # absorb W_kb into the query: q_lat[h] = W_kb[h]ᵀ q_nope[h]; attn_k_b[h] is [kv_lora, dn]
-    k_b = dense(w[p + "attn_k_b.weight"], acc(q).dtype)
-    q_lat = by_rows(n, lambda r: torch.einsum("nhd,hld->nhl", acc(q[r, :, :dn]), k_b)).to(q.dtype)
-    latent = torch.cat([c[:, None, :], k_pe], dim=-1)  # [n, 1, kv_lora + dr]
-    o = cached_attention(batch, i, torch.cat([q_lat, q_pe], dim=-1), latent, latent, softmax_scale(hp))
-    v_b = dense(w[p + "attn_v_b.weight"], acc(o).dtype)
-    o = by_rows(n, lambda r: torch.einsum("nhl,hvl->nhv", acc(o[r, :, :kvl]), v_b)).to(a.dtype)
+    q_lat = linear_per_head(q[..., :dn], w[p + "attn_k_b.weight"])
+    o = cached_latent_attention(batch, i, q_lat, q_pe, c[:, None, :], k_pe, softmax_scale(hp))  # [n, nh, kv_lora]
+    o = linear_per_head(o, w[p + "attn_v_b.weight"])  # attn_v_b[h] is [dv, kv_lora]
     return linear(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])
 
 
@@ -121,7 +135,7 @@ def _rope(w, hp: HParams, batch: Batch):
 
 
 GRAPH = trunk.graph(
-    "deepseek2", HParams, _tensors, _layouts.main_layout, _layouts.mtp_layout,
+    "deepseek2", HParams, _tensors, main_layout, mtp_layout,
     trunk.Trunk(_rope, trunk.prenorm(mla, ms.ffn), mtp_block=trunk.nextn_block),
     archs=("deepseek2",),  # the GGUF arches this graph runs (graph_for finds it by them)
 )

@@ -15,7 +15,11 @@ A GLM "shared" layer reuses the selection of the previous full layer.
 
 The indexer key of every token is kept in the cache next to its MLA latent: the cache row is
 `[c (kv_lora) | rope(k_pe) (dr) | indexer k (D)]` (zeros for shared layers), so decoding token by
-token, rollback and sequence copies treat both alike and the cached run equals the batch.
+token, rollback and sequence copies treat both alike and the cached run equals the batch; V is a
+view of each row's c (the layout's value_width), kept once. The attention over the chosen keys is
+the backend's `latent_attention` with the selection as its key mask (one launch on CUDA, each
+chosen cell read once), between the per-head products by attn_k_b and attn_v_b
+(ops.linear_per_head), all in the accumulation dtype as the torch formula computes them.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from specconv.runtime.graphs import deepseek2 as ds
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    acc, attended_kv, by_rows, dense, linear, rms_norm, rope_neox_partial, rope_pairs,
+    acc, attend_latent_cells, attended_kv, index_scores as ops_index_scores, linear, linear_group, linear_per_head,
+    linear_wide, rms_norm, rope_neox_partial, rope_pairs,
 )
 from specconv.runtime.memory import Batch
 
@@ -50,6 +55,7 @@ def _row_width(hp: HParams) -> int:
 
 
 _layouts = trunk.Layouts(_row_width, trunk.nextn_block, heads=lambda hp: 1)
+main_layout, mtp_layout = ds.latent_layouts(_layouts)  # V: each row's c, a view
 
 
 # ---- the lightning indexer ------------------------------------------------------------------------
@@ -60,27 +66,23 @@ def _rope_front(hp: HParams, x: torch.Tensor, rope) -> torch.Tensor:
     return (rope_neox_partial if hp.index_rope_halves else rope_pairs)(x, *rope)
 
 
-def indexer_key(w, hp: HParams, i: int, a: torch.Tensor, rope) -> torch.Tensor:
-    """k = rope(LayerNorm(attn_k · x)), [n, D]."""
+def indexer_key(w, hp: HParams, i: int, k: torch.Tensor, rope) -> torch.Tensor:
+    """k = rope(LayerNorm(attn_k · x)) [n, D] from the product k = attn_k · x, in x's dtype."""
     p = f"blk.{i}.indexer."
-    k = acc(linear(a, w[p + "attn_k.weight"]))
+    dtype = k.dtype
+    k = acc(k)
     k = F.layer_norm(k, (hp.index_head_dim,), w[p + "k_norm.weight"].to(k.dtype), w[p + "k_norm.bias"].to(k.dtype),
                      LAYERNORM_EPS)
-    return _rope_front(hp, k[:, None, :], rope)[:, 0].to(a.dtype)
+    return _rope_front(hp, k[:, None, :], rope)[:, 0].to(dtype)
 
 
-def index_scores(w, hp: HParams, i: int, a: torch.Tensor, cq: torch.Tensor, keys: torch.Tensor, rope) -> torch.Tensor:
-    """I(t, s) for this batch's queries t over every cached key s: [n, T] (float32 or float64)."""
+def index_scores(w, hp: HParams, i: int, a: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, rope) -> torch.Tensor:
+    """I(t, s) for this batch's queries t over every cached key s: [n, T] (float32 or float64), from
+    the indexer's query product q = indexer.attn_q_b · c_q [n, H·D] (ops.index_scores: one launch on CUDA)."""
     p, n = f"blk.{i}.indexer.", a.shape[0]
-    q = _rope_front(hp, linear(cq, w[p + "attn_q_b.weight"]).view(n, hp.index_n_heads, hp.index_head_dim), rope)
-    weights = acc(linear(acc(a), w[p + "proj.weight"])) * hp.index_n_heads ** -0.5
-    keys = acc(keys)
-
-    def scores(r):
-        qk = torch.einsum("nhd,td->nht", acc(q[r]), keys) * hp.index_head_dim ** -0.5
-        return torch.einsum("nh,nht->nt", weights[r], F.relu(qk))
-
-    return by_rows(n, scores)
+    q = _rope_front(hp, q.view(n, hp.index_n_heads, hp.index_head_dim), rope)
+    weights = acc(linear_wide(a, w[p + "proj.weight"]))
+    return ops_index_scores(q, weights, keys, hp.index_head_dim ** -0.5, hp.index_n_heads ** -0.5)
 
 
 def select(hp: HParams, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -106,36 +108,34 @@ def mla_dsa(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope, state: 
     """Absorbed MLA (runtime/graphs/deepseek2.py `mla`) restricted to the indexer's keys."""
     n, p = a.shape[0], f"blk.{i}."
     nh, dn, dr, kvl = hp.num_attention_heads, hp.qk_nope_head_dim, hp.qk_rope_head_dim, hp.kv_lora_rank
-    cq = rms_norm(linear(a, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"], hp.rms_norm_eps)
-    q = linear(cq, w[p + "attn_q_b.weight"]).view(n, nh, dn + dr)
-    kv = linear(a, w[p + "attn_kv_a_mqa.weight"])
+    full = hp.runs_indexer(i)
+    indexer = (w[p + "indexer.attn_k.weight"],) if full else ()
+    # the products of the block's input, then those of c_q, together (one launch each on CUDA)
+    cq, kv, *ik = linear_group(a, (w[p + "attn_q_a.weight"], w[p + "attn_kv_a_mqa.weight"], *indexer))
+    cq = rms_norm(cq, w[p + "attn_q_a_norm.weight"], hp.rms_norm_eps)
+    indexer = (w[p + "indexer.attn_q_b.weight"],) if full else ()
+    q, *iq = linear_group(cq, (w[p + "attn_q_b.weight"], *indexer))
+    q = q.view(n, nh, dn + dr)
     c = rms_norm(kv[:, :kvl], w[p + "attn_kv_a_norm.weight"], hp.rms_norm_eps)
     q_pe = rope_pairs(q[..., dn:], *rope)
     k_pe = rope_pairs(kv[:, None, kvl:], *rope)[:, 0]
-    full = hp.runs_indexer(i)
-    ik = indexer_key(w, hp, i, a, rope) if full else a.new_zeros(n, hp.index_head_dim)
-    row = torch.cat([c, k_pe.to(c.dtype), ik.to(c.dtype)], dim=-1)[:, None, :]
-    k_all, _, k_pos = attended_kv(batch, i, row, row)
+    ik = indexer_key(w, hp, i, ik[0], rope) if full else a.new_zeros(n, hp.index_head_dim)
+    rest = torch.cat([k_pe.to(c.dtype), ik.to(c.dtype)], dim=-1)[:, None, :]  # the row after c
+    k_all, _, k_pos = attended_kv(batch, i, rest, c[:, None, :])  # the row [c | rest], V its c
     visible = k_pos[None, :].to(batch.positions.device) <= batch.positions[:, None]
     visible = visible.to(a.device)
     if full:
-        chosen = select(hp, index_scores(w, hp, i, a, cq, k_all[:, 0, kvl + dr:], rope), visible)
+        chosen = select(hp, index_scores(w, hp, i, a, iq[0], k_all[:, 0, kvl + dr:], rope), visible)
         state["chosen"] = chosen
     else:
         chosen = state.get("chosen")
         if chosen is None or chosen.shape != visible.shape:
             raise SpecconvError(f"{hp.arch}: shared indexer layer {i} has no earlier full layer's selection")
         chosen = chosen.to(a.device)
-    k_b, v_b = (dense(w[p + f"attn_{x}_b.weight"], acc(q).dtype) for x in "kv")
-    lat = acc(k_all[:, 0, :kvl + dr])
-
-    def attend(r):  # the query rows r over the keys their indexer chose
-        q_lat = torch.einsum("nhd,hld->nhl", acc(q[r, :, :dn]), k_b)
-        scores = torch.einsum("nhl,tl->hnt", torch.cat([q_lat, acc(q_pe[r])], dim=-1), lat) * ds.softmax_scale(hp)
-        probs = torch.softmax(scores.masked_fill(~chosen[None, r], float("-inf")), dim=-1)
-        return torch.einsum("nhl,hvl->nhv", torch.einsum("hnt,tl->nhl", probs, lat[:, :kvl]), v_b)
-
-    o = by_rows(n, attend).to(a.dtype)
+    # the query rows over the keys their indexer chose, in the accumulation dtype throughout
+    q_lat = linear_per_head(acc(q[..., :dn]), w[p + "attn_k_b.weight"])
+    o = attend_latent_cells(q_lat, q_pe, k_all[..., :kvl + dr], batch.positions, k_pos, ds.softmax_scale(hp), chosen)
+    o = linear_per_head(o, w[p + "attn_v_b.weight"]).to(a.dtype)
     return linear(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])
 
 
@@ -149,7 +149,7 @@ def _rope(w, hp: HParams, batch: Batch):
 
 
 GRAPH = trunk.graph(
-    "dsa", HParams, _tensors, _layouts.main_layout, _layouts.mtp_layout,
+    "dsa", HParams, _tensors, main_layout, mtp_layout,
     trunk.Trunk(_rope, _block, mtp_block=trunk.nextn_block),
     archs=("glm-dsa", "deepseek32"),  # the GGUF arches this graph runs (graph_for finds it by them)
 )

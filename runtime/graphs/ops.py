@@ -317,6 +317,42 @@ def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
     return backend.attention(q, k_all, v_all, batch.positions, k_pos, scale, gate)
 
 
+def cached_latent_attention(batch, layer: int, q_lat: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor,
+                            k_pe: torch.Tensor, scale: float) -> torch.Tensor:
+    """Multi-head latent attention over layer `layer`'s cache: store this batch's latent rows
+    [c | rope(k_pe)] (c [n, 1, kv_lora], k_pe [n, 1, dr], written side by side in a layout with
+    value_width = kv_lora: V is each K cell's c, kept once) and attend with q_lat [n, heads, kv_lora],
+    q_pe [n, heads, dr] to every cell visible by position, by the backend (`latent_attention`: one
+    Triton launch on CUDA, each cell read once); o [n, heads, kv_lora]. Whole buffers as in
+    cached_attention."""
+    backend = for_device(q_lat.device)
+    k_all, _, k_pos = batch.attend_kv(layer, k_pe, c, whole=rows_alone() or backend.static_kv)
+    return backend.latent_attention(q_lat, q_pe, k_all, batch.positions, k_pos, scale)
+
+
+def attend_latent_cells(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, q_pos: torch.Tensor,
+                        k_pos: torch.Tensor, scale: float, chosen: torch.Tensor) -> torch.Tensor:
+    """Multi-head latent attention over latent cells a graph got itself (attended_kv; kv [cells, 1,
+    kv_lora + dr]) restricted to the cells `chosen` [n, cells] per query row (DeepSeek Sparse
+    Attention), by the backend (`latent_attention`: one Triton launch on CUDA, the mask its key mask)."""
+    return for_device(q_lat.device).latent_attention(q_lat, q_pe, kv, q_pos, k_pos, scale, chosen)
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float,
+                 weight_scale: float = 1.0) -> torch.Tensor:
+    """DeepSeek Sparse Attention's lightning-indexer scores [n, cells] (runtime/graphs/dsa.py):
+    Σ_j (weights[:, j] · weight_scale) · ReLU((q[:, j] · keys) · scale), by the backend (one launch
+    on CUDA, the weights scaled inside)."""
+    return for_device(q.device).index_scores(q, weights, keys, scale, weight_scale)
+
+
+def linear_per_head(x: torch.Tensor, w) -> torch.Tensor:
+    """y[:, h] = x[:, h] @ w[h]ᵀ for x [n, heads, in] and a 3-D weight [heads, out, in] (MLA's attn_k_b,
+    attn_v_b), in x's dtype, by the backend (one launch on CUDA: each (row, head) a one-row product by
+    its head's matrix, read packed)."""
+    return for_device(x.device).linear_per_head(x, w)
+
+
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     g, u = linear_group(x, (gate, up))
     return glu_linear(g, u, down, "silu")

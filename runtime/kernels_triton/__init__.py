@@ -21,12 +21,14 @@
     grouped_topk(logits, k, sigmoid, bias, groups, ...)  the MoE router with a selection bias and groups
     gelu_mul(gate, up)                                   GeGLU's gelu_tanh(gate) · up
     gdn_gates(b, alpha, a, dt_bias)                      the Gated DeltaNet's decay and β
-    attention(q, k, v, q_pos, k_pos, scale, gate=None, window=0, sinks=None)
+    attention(q, k, v, q_pos, k_pos, scale, gate=None, window=0, sinks=None, keep=None, q_rest=None)
                                                          causal attention over a whole K/V buffer
-                                                         (sliding window, sinks, output gate)
+                                                         (sliding window, sinks, output gate, a key
+                                                         mask, MLA's latent cells with V in K)
     write_kv(k_cache, v_cache, cells, k, v)              a batch's K/V into those buffers, in place
     gdn_chunked(q, k, v, g, beta, states, src_slot, dst_slots, group=1)   the gated delta rule for
                                                          prompts: chunks of 64 tokens, one launch
+    index_scores(q, weights, keys, scale)                DeepSeek Sparse Attention's indexer scores [n, cells]
 
 Importing this package does not import Triton; the first call does (a SpecconvError if it is not
 installed). The kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter
@@ -39,6 +41,7 @@ from specconv.runtime.kernels_triton.attention import MAX_HEAD_DIM as MAX_ATTENT
 from specconv.runtime.kernels_triton.conv import causal_conv
 from specconv.runtime.kernels_triton.dequant import KERNEL_TYPES, dequantize_rows
 from specconv.runtime.kernels_triton.gdn import MAX_TOKENS, gdn_step
+from specconv.runtime.kernels_triton.indexer import MAX_INDEX_DIM, index_scores
 from specconv.runtime.kernels_triton.matmul import (FUSED_MAX_ROWS, expert_matmul, expert_matmul_pair, grouped_matmul,
                                                     quant_matmul, result_dtype)
 from specconv.runtime.kernels_triton.norm import MAX_WIDTH as MAX_NORM_WIDTH, l2_norm, rms_norm
@@ -51,4 +54,4 @@ __all__ = ["add_gated_shared", "attention", "available", "causal_conv", "dequant
            "expert_matmul_pair", "gdn_gates", "gdn_step", "gelu_mul", "glu", "grouped_matmul", "l2_norm", "moe_combine",
            "quant_matmul", "result_dtype", "rms_norm", "rope", "silu_mul", "softmax_topk", "write_kv", "FUSED_MAX_ROWS",
            "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS", "MAX_TOKENS",
-           "gdn_chunked", "add_shared", "grouped_topk"]
+           "gdn_chunked", "add_shared", "grouped_topk", "index_scores", "MAX_INDEX_DIM"]

@@ -21,11 +21,12 @@ def _rounded(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def attention_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, gate_ptr, sinks_ptr, o_ptr, cells, heads, group, dk,
-                     dv, scale, window, stride_qn, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gn,
-                     stride_gh, HAS_GATE: tl.constexpr, GATE_PER_HEAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                     HAS_SINKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr,
-                     BLOCK_DV: tl.constexpr):
+def attention_kernel(q_ptr, qr_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, keep_ptr, gate_ptr, sinks_ptr, o_ptr, cells,
+                     heads, group, dk, dv, scale, window, stride_qn, stride_qh, stride_qrn, stride_qrh, stride_kt,
+                     stride_kh, stride_vt, stride_vh, stride_keep, stride_gn, stride_gh, HAS_GATE: tl.constexpr,
+                     GATE_PER_HEAD: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+                     HAS_KEEP: tl.constexpr, V_IN_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr,
+                     BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
     """Row r, head h (program r · heads + h) of q [n, heads, dk] against K [cells, heads / group, dk],
     V [cells, heads / group, dv] of KV head h // group: cell c visible iff 0 ≤ qpos[r] − kpos[c]
     (and, with HAS_WINDOW, qpos[r] − kpos[c] < window); with HAS_SINKS the logit sinks[h] (float32)
@@ -34,16 +35,28 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, gate_ptr, sinks_pt
     sigmoid(gate[r, h]) rounded into o's dtype (the reference's o * sigmoid(gate).to(o.dtype)), or
     with GATE_PER_HEAD rounded into o's dtype and multiplied by sigmoid(gate[r, h]) (one value per
     head) in float32;
-    o contiguous [n, heads, dv]."""
+    o contiguous [n, heads, dv].
+    With HAS_KEEP a cell is visible only where keep[r, c] (row stride stride_keep) is nonzero too.
+    With V_IN_K (multi-head latent attention) V is each K cell's first dv entries: a cell is read once,
+    as a piece of dv entries (the score's first part, then the value) and one of the dk − dv after it
+    (BLOCK_DR wide: the score's second part), against q's first dv entries (q_ptr) and its other
+    dk − dv (qr_ptr, with strides of its own: the roped part may be a tensor of its own); BLOCK_DK
+    is unused."""
     p = tl.program_id(0)
     r = p // heads
     h = p % heads
     kv = h // group
-    dks = tl.arange(0, BLOCK_DK)
     dvs = tl.arange(0, BLOCK_DV)
-    dk_ok = dks < dk
     dv_ok = dvs < dv
-    q = tl.load(q_ptr + r * stride_qn + h * stride_qh + dks, mask=dk_ok, other=0.0).to(tl.float32)
+    if V_IN_K:
+        drs = tl.arange(0, BLOCK_DR)
+        dr_ok = drs < dk - dv
+        q = tl.load(q_ptr + r * stride_qn + h * stride_qh + dvs, mask=dv_ok, other=0.0).to(tl.float32)
+        q_rest = tl.load(qr_ptr + r * stride_qrn + h * stride_qrh + drs, mask=dr_ok, other=0.0).to(tl.float32)
+    else:
+        dks = tl.arange(0, BLOCK_DK)
+        dk_ok = dks < dk
+        q = tl.load(q_ptr + r * stride_qn + h * stride_qh + dks, mask=dk_ok, other=0.0).to(tl.float32)
     q_pos = tl.load(qpos_ptr + r).to(tl.int64)
     k_head = k_ptr + kv * stride_kh
     v_head = v_ptr + kv * stride_vh
@@ -61,16 +74,26 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, gate_ptr, sinks_pt
         visible = t_ok & (k_pos <= q_pos)
         if HAS_WINDOW:
             visible = visible & (q_pos - k_pos < window)
+        if HAS_KEEP:
+            visible = visible & (tl.load(keep_ptr + r * stride_keep + ts, mask=t_ok, other=0) != 0)
         if tl.max(visible.to(tl.int32), axis=0) > 0:
-            k = tl.load(k_head + ts[:, None] * stride_kt + dks[None, :], mask=visible[:, None] & dk_ok[None, :],
-                        other=0.0).to(tl.float32)
-            s = tl.sum(k * q[None, :], axis=1) * scale
+            if V_IN_K:  # the first dv entries of the cell are its value too: read once
+                v = tl.load(k_head + ts[:, None] * stride_kt + dvs[None, :], mask=visible[:, None] & dv_ok[None, :],
+                            other=0.0).to(tl.float32)
+                k_rest = tl.load(k_head + ts[:, None] * stride_kt + dv + drs[None, :],
+                                 mask=visible[:, None] & dr_ok[None, :], other=0.0).to(tl.float32)
+                s = (tl.sum(v * q[None, :], axis=1) + tl.sum(k_rest * q_rest[None, :], axis=1)) * scale
+            else:
+                k = tl.load(k_head + ts[:, None] * stride_kt + dks[None, :], mask=visible[:, None] & dk_ok[None, :],
+                            other=0.0).to(tl.float32)
+                s = tl.sum(k * q[None, :], axis=1) * scale
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_run, tl.max(s, axis=0))
             alpha = tl.exp(m_run - m_new)  # 0 while nothing was visible and no sink (m_run = -inf)
             e = tl.exp(s - m_new)
-            v = tl.load(v_head + ts[:, None] * stride_vt + dvs[None, :], mask=visible[:, None] & dv_ok[None, :],
-                        other=0.0).to(tl.float32)
+            if not V_IN_K:
+                v = tl.load(v_head + ts[:, None] * stride_vt + dvs[None, :], mask=visible[:, None] & dv_ok[None, :],
+                            other=0.0).to(tl.float32)
             l_run = l_run * alpha + tl.sum(e, axis=0)
             acc = acc * alpha + tl.sum(e[:, None] * v, axis=0)
             m_run = m_new

@@ -1,7 +1,8 @@
 """Causal attention over a layer's whole fixed-size K/V buffer, and the write of a batch's K/V into it,
 in one Triton launch each.
 
-    attention(q, k, v, q_pos, k_pos, scale, gate=None, window=0, sinks=None) -> o [n, heads, dv] in q's dtype
+    attention(q, k, v, q_pos, k_pos, scale, gate=None, window=0, sinks=None, keep=None, q_rest=None)
+                                              -> o [n, heads, dv] in q's dtype
     write_kv(k_cache, v_cache, cells, k, v)   k_cache[cells] = k, v_cache[cells] = v, in place
 
 q [n, heads, dk]; k [cells, kv_heads, dk], v [cells, kv_heads, dv]: the layer's buffers
@@ -16,7 +17,17 @@ float32. `sinks` [heads] (float32, contiguous): one more logit per head, in the 
 denominator, whose probability mass is dropped (attention sinks). With a per-head `gate` [n, heads]
 (Step-3.5): o rounded into q's dtype times sigmoid(gate) in float32, one rounding out. With `gate`
 [n, heads, dv]: o rounded into q's dtype, times sigmoid(gate) rounded into q's dtype (Qwen3.5's
-gated attention: o · sigmoid(gate)), one rounding out.
+gated attention: o · sigmoid(gate)), one rounding out. `keep` [n, cells] (bool or uint8, the last
+dimension contiguous): cell c is visible to row r only where keep[r, c] too (DeepSeek Sparse
+Attention's chosen keys).
+
+Multi-head latent attention (runtime/graphs/deepseek2.py): V a view of K's first dv entries (the
+latent c of each cell `[c | rope(k_pe)]`, one buffer) is recognised (same storage, offset and
+strides, dv < dk) and each cell is read once: its first dv entries give the score's first part and
+the value, the other dk − dv (up to MAX_HEAD_DIM each: 512 + 64 in DeepSeek-V3, Kimi K2, GLM-5) the
+score's second part. `q_rest` [n, heads, dk − dv]: the query's last dk − dv entries as a tensor of
+their own (the roped q_pe, in any float dtype: widened as it is read), q then holding its first dv
+(q_lat): no concatenation first.
 
 Every row is one program per head (_attention_jit.py): its sums run over the whole buffer in blocks
 of a size fixed by the head dimension, in cell order, so a row gives the same bits alone or in a
@@ -35,6 +46,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.kernels_triton import _common
 
 MAX_HEAD_DIM = 512  # one program holds a head's query and output; wider heads take the torch reference
+# (a latent K cell, V in K, is two pieces of up to MAX_HEAD_DIM: the value and the rest)
 TILE = 8192  # values of one block of K (or V) cells a program holds: BLOCK_T · the padded head width
 
 
@@ -45,19 +57,31 @@ def block_cells(head_dim: int) -> int:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
               scale: float, gate: torch.Tensor | None = None, window: int = 0,
-              sinks: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, keep: torch.Tensor | None = None,
+              q_rest: torch.Tensor | None = None) -> torch.Tensor:
     op = "attention"
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise SpecconvError(f"{op}: expected q [n, heads, dk], k [cells, kv_heads, dk], v [cells, kv_heads, dv] "
                             f"(got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)})")
-    n, heads, dk = q.shape
+    n, heads = q.shape[:2]
     cells, kv_heads, dv = v.shape
+    dk = k.shape[-1]
+    v_in_k = values_in_keys(k, v)
+    if q_rest is not None:
+        if not v_in_k:
+            raise SpecconvError(f"{op}: q_rest (the query in two pieces) needs V as the first entries of K")
+        _common.check_shape(op, "q_rest", q_rest, (n, heads, dk - dv))
+    _common.check_shape(op, "q", q, (n, heads, dk if q_rest is None else dv))
     _common.check_shape(op, "k", k, (cells, kv_heads, dk))
     if kv_heads == 0 or heads % kv_heads:
         raise SpecconvError(f"{op}: {heads} query heads do not share {kv_heads} KV heads evenly")
-    if max(dk, dv) > MAX_HEAD_DIM or min(dk, dv) == 0:
-        raise SpecconvError(f"{op}: head dimensions {dk}, {dv} (1 to {MAX_HEAD_DIM})")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    widths = (dv, dk - dv) if v_in_k else (dk, dv)
+    if max(widths) > MAX_HEAD_DIM or min(dk, dv) == 0:
+        raise SpecconvError(f"{op}: head dimensions {dk}, {dv} (1 to {MAX_HEAD_DIM}"
+                            + (f"; V in K: {MAX_HEAD_DIM} + {MAX_HEAD_DIM})" if v_in_k else ")"))
+    q_rest = q[..., dv:] if v_in_k and q_rest is None else q_rest
+    named = [("q", q), ("k", k), ("v", v)] + ([("q_rest", q_rest)] if v_in_k else [])
+    for name, t in named:
         _common.check_float(op, name, t)
         _common.check_last_contiguous(op, name, t)
     _common.check_shape(op, "q_pos", q_pos, (n,))
@@ -78,22 +102,44 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         if sinks.dtype != torch.float32 or (heads > 1 and sinks.stride(0) != 1):
             raise SpecconvError(f"{op}: sinks must be a contiguous float32 vector (got {sinks.dtype})")
         tensors.append(sinks)
+    if keep is not None:
+        _common.check_shape(op, "keep", keep, (n, cells))
+        if keep.dtype not in (torch.bool, torch.uint8) or (cells > 1 and keep.stride(1) != 1):
+            raise SpecconvError(f"{op}: keep must be a bool or uint8 [n, cells] mask, its rows contiguous "
+                                f"(got {keep.dtype})")
+        tensors.append(keep)
+    if q_rest is not None:
+        tensors.append(q_rest)
     device = _common.check_device(op, *tensors)
     o = torch.empty(n, heads, dv, dtype=q.dtype, device=device)
     if n * heads == 0:
         return o
     z = q if gate is None else gate
+    qr = q if q_rest is None else q_rest
+    mask = q_pos if keep is None else (keep.view(torch.uint8) if keep.dtype == torch.bool else keep)
     jit = _common.jit_module("_attention_jit")
     block_dk, block_dv = _common.next_power_of_2(dk), _common.next_power_of_2(dv)
-    jit.attention_kernel[(n * heads,)](q, k, v, k_pos, q_pos, z, q if sinks is None else sinks, o, cells, heads,
-                                       heads // kv_heads, dk, dv, float(scale), int(window), q.stride(0), q.stride(1),
-                                       k.stride(0), k.stride(1), v.stride(0), v.stride(1), z.stride(0), z.stride(1),
+    block_dr = _common.next_power_of_2(dk - dv) if v_in_k else 1
+    widest = max(block_dv, block_dr) if v_in_k else max(block_dk, block_dv)
+    jit.attention_kernel[(n * heads,)](q, qr, k, v, k_pos, q_pos, mask, z, q if sinks is None else sinks, o, cells,
+                                       heads, heads // kv_heads, dk, dv, float(scale), int(window), q.stride(0),
+                                       q.stride(1), qr.stride(0), qr.stride(1), k.stride(0), k.stride(1),
+                                       v.stride(0), v.stride(1), mask.stride(0), z.stride(0), z.stride(1),
                                        HAS_GATE=gate is not None, GATE_PER_HEAD=gate is not None and gate.dim() == 2,
-                                       HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
-                                       BLOCK_T=block_cells(max(dk, dv)), BLOCK_DK=block_dk, BLOCK_DV=block_dv,
-                                       num_warps=4 if max(block_dk, block_dv) <= 256 else 8,
-                                       enable_fp_fusion=False)
+                                       HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, HAS_KEEP=keep is not None,
+                                       V_IN_K=v_in_k, BLOCK_T=block_cells(max(dk, dv)), BLOCK_DK=block_dk,
+                                       BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+                                       num_warps=4 if widest <= 256 else 8, enable_fp_fusion=False)
     return o
+
+
+def values_in_keys(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether V is a view of K's first v.shape[-1] entries (multi-head latent attention's one buffer)."""
+    def root(t):  # the tensor whose memory a view reads (identity: meta tensors have no addresses)
+        return t._base if t._base is not None else t
+
+    return (v.shape[-1] < k.shape[-1] and v.shape[:-1] == k.shape[:-1] and v.dtype == k.dtype
+            and v.stride() == k.stride() and v.storage_offset() == k.storage_offset() and root(v) is root(k))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor, k: torch.Tensor,
