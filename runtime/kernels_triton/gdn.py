@@ -48,6 +48,22 @@ MAX_TOKENS = 16  # longer inputs (prompts) take runtime/graphs/gdn.py's chunked 
 BLOCK_V = 32  # state columns per program
 
 
+def slots_and_out(op: str, src_slot, dst_slots, states: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None,
+                  n: int, nv: int, dv: int):
+    """(source slot, destination slots as device tensors, the float32 output [n, nv, dv]) of a delta
+    rule kernel over n tokens: at most one kept state per token; `out` checked, or made."""
+    src = slot_index(op, "src_slot", src_slot, states.shape[0], states.device, length=1)
+    dst = slot_index(op, "dst_slots", dst_slots, states.shape[0], states.device)
+    if dst.shape[0] > n:
+        raise SpecconvError(f"{op}: {dst.shape[0]} destination slots for {n} tokens")
+    if out is None:
+        out = torch.empty(n, nv, dv, dtype=torch.float32, device=states.device)
+    _common.check_shape(op, "out", out, (n, nv, dv))
+    _common.check_device(op, q, out)
+    _common.check_last_contiguous(op, "out", out)
+    return src, dst, out
+
+
 def slot_index(op: str, name: str, slots, n_slots: int, device: torch.device, length: int | None = None):
     """`slots` as an int64 tensor on `device`: a tensor as given (its values are not read: no sync),
     or ints checked against the ring size and copied there."""
@@ -94,7 +110,7 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         _common.check_float(op, name, t)
         _common.check_last_contiguous(op, name, t)
     _common.check_last_contiguous(op, "states", states)
-    device = _common.check_device(op, q, k, v, g, beta, states)
+    _common.check_device(op, q, k, v, g, beta, states)
     a, dt_bias = (g, g) if gate_weights is None else gate_weights
     if gate_weights is not None:
         for name, t in (("a", a), ("dt_bias", dt_bias)):
@@ -103,20 +119,12 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             _common.check_last_contiguous(op, name, t)
         _common.check_device(op, q, a, dt_bias)
     windows, conv_weight = (states, states) if conv is None else _conv_inputs(op, q, k, v, states, conv)
-    src = slot_index(op, "src_slot", src_slot, states.shape[0], device, length=1)
-    dst = slot_index(op, "dst_slots", dst_slots, states.shape[0], device)
+    src, dst, out = slots_and_out(op, src_slot, dst_slots, states, q, out, n, nv, dv)
     keep = dst.shape[0]
-    if keep > n:
-        raise SpecconvError(f"{op}: {keep} destination slots for {n} tokens")
     if conv is not None and not isinstance(src_slot, torch.Tensor) and not isinstance(dst_slots, torch.Tensor):
         source = src_slot if isinstance(src_slot, int) else list(src_slot)[0]  # values known here
         if source in ([dst_slots] if isinstance(dst_slots, int) else list(dst_slots)):
             raise SpecconvError(f"{op}: with the conv folded in, the source slot may not be a destination")
-    if out is None:
-        out = torch.empty(n, nv, dv, dtype=torch.float32, device=device)
-    _common.check_shape(op, "out", out, (n, nv, dv))
-    _common.check_device(op, q, out)
-    _common.check_last_contiguous(op, "out", out)
     jit = _common.jit_module("_recurrent_jit")
     grid = (nv, _common.cdiv(dv, BLOCK_V))
     per_group, stride_gg, stride_bg = gate_rows

@@ -22,7 +22,7 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.kernels_triton import _common
-from specconv.runtime.kernels_triton.gdn import slot_index
+from specconv.runtime.kernels_triton.gdn import slots_and_out
 
 CHUNK = 64  # tokens per chunk, as runtime/graphs/gdn.py CHUNK
 BLOCK_V = 32  # state columns per program
@@ -53,17 +53,9 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         _common.check_float(op, name, t)
         _common.check_last_contiguous(op, name, t)
     _common.check_last_contiguous(op, "states", states)
-    device = _common.check_device(op, q, k, v, g, beta, states)
-    src = slot_index(op, "src_slot", src_slot, states.shape[0], device, length=1)
-    dst = slot_index(op, "dst_slots", dst_slots, states.shape[0], device)
+    _common.check_device(op, q, k, v, g, beta, states)
+    src, dst, out = slots_and_out(op, src_slot, dst_slots, states, q, out, n, nv, dv)
     keep = dst.shape[0]
-    if keep > n:
-        raise SpecconvError(f"{op}: {keep} destination slots for {n} tokens")
-    if out is None:
-        out = torch.empty(n, nv, dv, dtype=torch.float32, device=device)
-    _common.check_shape(op, "out", out, (n, nv, dv))
-    _common.check_device(op, q, out)
-    _common.check_last_contiguous(op, "out", out)
     jit = _common.jit_module("_chunked_jit")
     grid = (nv, _common.cdiv(dv, BLOCK_V))
     jit.gdn_chunked_kernel[grid](q, k, v, g, beta, states, src, dst, out, n, keep, nk, group, dk, dv,

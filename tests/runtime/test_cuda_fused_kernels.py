@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fixtures.triton_mode import DEVICE, WHERE  # noqa: E402 (no GPU: the interpreter)
+from tests.fixtures.triton_mode import DEVICE, WHERE, record_launches  # noqa: E402 (no GPU: the interpreter)
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from specconv.archs.errors import SpecconvError  # noqa: E402
@@ -179,22 +179,10 @@ def test_the_cuda_backend_reaches_the_kernels_through_the_seam(monkeypatch):
     keeps the torch formula (no launch)."""
     from specconv.runtime import backend as backend_module
     from specconv.runtime.graphs import gdn, ops
-    from specconv.runtime.kernels_triton import _common
 
     cuda = CudaBackend(kt, device_types=(DEVICE.type,))
     monkeypatch.setattr(backend_module, "_backend", lambda kind: cuda)
-    launched = []
-    real_jit = _common.jit_module
-
-    class Counting:
-        def __init__(self, module):
-            self.module = module
-
-        def __getattr__(self, name):
-            launched.append(name)
-            return getattr(self.module, name)
-
-    monkeypatch.setattr(_common, "jit_module", lambda name: Counting(real_jit(name)))
+    launched = record_launches(monkeypatch)
     x, w = rand(2, 3, 32, seed=33), rand(32, seed=34)
     cos, sin = rand(2, 4, seed=35), rand(2, 4, seed=36)
     b, alpha, a, dt_bias = rand(2, 3, seed=37), rand(2, 3, seed=38), -rand(3, seed=39).abs(), rand(3, seed=40)

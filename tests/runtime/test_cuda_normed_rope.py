@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fixtures.triton_mode import DEVICE, WHERE  # noqa: E402 (no GPU: the interpreter)
+from tests.fixtures.triton_mode import DEVICE, WHERE, record_launches  # noqa: E402 (no GPU: the interpreter)
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from specconv.archs.errors import SpecconvError  # noqa: E402
@@ -103,19 +103,7 @@ def test_bad_input_is_a_one_line_error():
 
 
 def test_the_seam_launches_once_rotates_alone_without_a_weight_and_keeps_float64(monkeypatch):
-    from specconv.runtime.kernels_triton import _common
-    launched = []
-    real_jit = _common.jit_module
-
-    class Counting:
-        def __init__(self, module):
-            self.module = module
-
-        def __getattr__(self, name):
-            launched.append(name)
-            return getattr(self.module, name)
-
-    monkeypatch.setattr(_common, "jit_module", lambda name: Counting(real_jit(name)))
+    launched = record_launches(monkeypatch)
     cuda = CudaBackend(kt, device_types=(DEVICE.type,))
     x, w = rand(2, 3, 16, seed=16), rand(16, seed=17)
     cos, sin = rand(2, 4, seed=18), rand(2, 4, seed=19)

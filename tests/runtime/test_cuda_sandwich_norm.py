@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fixtures.triton_mode import DEVICE, WHERE  # noqa: E402 (no GPU: the interpreter)
+from tests.fixtures.triton_mode import DEVICE, WHERE, record_launches  # noqa: E402 (no GPU: the interpreter)
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from specconv.archs.errors import SpecconvError  # noqa: E402
@@ -84,19 +84,7 @@ def test_bad_input_is_a_one_line_error():
 
 
 def test_the_seam_launches_once_and_keeps_the_torch_formula_for_float64(monkeypatch):
-    from specconv.runtime.kernels_triton import _common
-    launched = []
-    real_jit = _common.jit_module
-
-    class Counting:
-        def __init__(self, module):
-            self.module = module
-
-        def __getattr__(self, name):
-            launched.append(name)
-            return getattr(self.module, name)
-
-    monkeypatch.setattr(_common, "jit_module", lambda name: Counting(real_jit(name)))
+    launched = record_launches(monkeypatch)
     cuda = CudaBackend(kt, device_types=(DEVICE.type,))
     x, h, w, s = rand(3, 64, seed=13), rand(3, 64, seed=14), rand(64, seed=15), torch.tensor([0.5], device=DEVICE)
     y = cuda.add_normed(h, x, w, EPS, s)
