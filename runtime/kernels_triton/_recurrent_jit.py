@@ -17,7 +17,9 @@ import triton.language as tl
 from specconv.runtime.kernels_triton._pointwise_jit import gdn_gate_values, inverse_root
 
 
-@triton.jit
+# n and keep are never specialized as constants (Triton makes an argument equal to 1 one): a one-token
+# step then runs the code of a verification batch, so its rows cannot differ by compilation
+@triton.jit(do_not_specialize=["n", "keep"])
 def gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, bias_ptr, m_ptr, windows_ptr, conv_w_ptr,
                     states_ptr, src_slot_ptr, dst_slots_ptr,
                     o_ptr, n, keep, n_key_heads, group, dk, dv, per_group, eps, scale,
@@ -138,7 +140,7 @@ def _input_row(m_ptr, states_ptr, src, r, channels, channel_ok, stride_mt, strid
     return tl.where(from_state, old.to(tl.float32), new.to(tl.float32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "keep"])  # as gdn_step_kernel: one compiled code for every width
 def causal_conv_kernel(m_ptr, states_ptr, weight_ptr, src_slot_ptr, dst_slots_ptr, out_ptr,
                        n, keep, n_channels, stride_mt, stride_slot, stride_row, stride_wc, stride_ot,
                        K: tl.constexpr, BLOCK_C: tl.constexpr):
