@@ -115,14 +115,15 @@ def _tile_sums(x_ptr, u_ptr, rows, row_ok, n_in, first, last, stride_x, stride_u
                BLOCK_N: tl.constexpr, NB: tl.constexpr, ACT: tl.constexpr):
     """float32 [ROWS_P2, BLOCK_N]: Σ_k x[m, k] W[n, k] over blocks first..last-1 of the BLOCK_N weight
     rows starting at `rows`, NB blocks per step: each step's tile decoded once and multiplied with
-    every activation row, row m's products summed into its own accumulator in the same order
-    whatever ROWS is. Every one-pass product (one matrix, experts by index, a group of matrices)
-    runs this, so a matrix's sums are the same operations in each. With a GLU activation ACT, x[m, k]
-    is act(gate) · up of rows m of x (the gate) and u (_input)."""
+    every activation row. Row m's products are added value by value into its own float32 tile
+    (sums[m], one per row: a tuple), whose values are summed once after the loop, so the loop has
+    no cross-lane reduction and row m's operations are the same whatever ROWS is. Every one-pass
+    product (one matrix, experts by index, a group of matrices) runs this, so a matrix's sums are
+    the same operations in each. With a GLU activation ACT, x[m, k] is act(gate) · up of rows m of
+    x (the gate) and u (_input)."""
     i = tl.arange(0, 32)
     j = tl.arange(0, NB)
-    m_index = tl.arange(0, ROWS_P2)
-    acc = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
+    sums = (tl.zeros([BLOCK_N, NB, 32], dtype=tl.float32),) * ROWS
     for b0 in range(first, last, NB):
         blk = b0 + j
         blk_ok = blk < last
@@ -130,10 +131,16 @@ def _tile_sums(x_ptr, u_ptr, rows, row_ok, n_in, first, last, stride_x, stride_u
             w = _decode(rows, blk, s, i, row_ok, blk_ok, n_in, QTYPE, BYTES)
             k = blk[:, None] * VALUES + 32 * s + i[None, :]  # [NB, 32]
             k_ok = blk_ok[:, None] & (k < n_in)
+            updated = ()
             for m in tl.static_range(ROWS):
                 x = _input(x_ptr, u_ptr, m * stride_x + k, m * stride_u + k, k_ok, ACT)
-                part = tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
-                acc += tl.where(m_index[:, None] == m, part[None, :], 0.0)
+                updated = updated + (sums[m] + w * x[None, :, :],)
+            sums = updated
+    m_index = tl.arange(0, ROWS_P2)
+    acc = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
+    for m in tl.static_range(ROWS):
+        total = tl.sum(tl.sum(sums[m], axis=2), axis=1)
+        acc = tl.where(m_index[:, None] == m, total[None, :], acc)
     return acc
 
 

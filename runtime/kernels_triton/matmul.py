@@ -47,9 +47,11 @@ from specconv.runtime.kernels_triton.dequant import GEOMETRY, dequantize_rows, p
 
 FUSED_MAX_ROWS = 16
 FUSED_ROWS = 16  # weight rows per program of the one-pass kernel
-# blocks per step of the one-pass kernel: a [16, 256]-value tile (4096 values decoded per step)
-STEP_BLOCKS = {QType.Q8_0: 8, QType.Q4_K: 1, QType.Q5_K: 1, QType.Q6_K: 1, QType.BF16: 8, QType.F16: 8,
-               QType.F32: 8}
+# blocks per step of the one-pass kernel: the decoded tile [16, NB·32] is also each activation row's
+# elementwise accumulator, so its size is registers per row (Q8_0's 8 blocks serve one to four rows
+# best and spill past eight; 16-bit floats stay unspilled to 8 rows at 4)
+STEP_BLOCKS = {QType.Q8_0: 8, QType.Q4_K: 1, QType.Q5_K: 1, QType.Q6_K: 1, QType.BF16: 4, QType.F16: 4,
+               QType.F32: 4}
 PROGRAMS_PER_SM = 4  # programs in flight per multiprocessor that keep the memory system busy
 FUSED_WARPS = 4
 SUM_BLOCK = 1024

@@ -17,7 +17,7 @@ per session, and checked:
   the compiler keeps the order of float operations the source writes;
 * batch invariance of the compiled code. The same launch site (a workload's k-th launch of a
   kernel) compiles to a different specialization at each batch width: the product kernels take the
-  row count as constexprs ROWS / ROWS_P2 (the accumulator is [ROWS_P2, BLOCK_N]), and integer
+  row count as constexprs ROWS / ROWS_P2 (one float32 tile per row; the result [ROWS_P2, BLOCK_N]), and integer
   arguments that depend on the width (a row count of 1, a multiple of 16) specialize any kernel.
   A row's bits are decided by (1) the float operations that produce each value it sums, (2) how
   each reduction (`tl.sum`) is lowered, which follows from its axis, its operand's shape and layout
@@ -29,9 +29,8 @@ per session, and checked:
   A kernel whose program handles ROWS rows runs one reduction chain per row, so its digests at
   ROWS = r must be r times those at ROWS = 1: the same multiset per row. The check asserts this for
   every launch site across the widths: a layout chosen differently for some width, or a float
-  operation added or reordered, changes a digest. The accumulation `acc += where(m == row, part, 0)`
-  adds +0.0 to the other rows, which leaves them unchanged (a float32 sum that starts at +0.0 is
-  never −0.0 under round to nearest), and (no reassociation, above) is not reordered. For (3), where a launch leaves FMA contraction on (enable_fp_fusion not False), the
+  operation added or reordered, changes a digest. Each row's tile is reduced once after the loop
+  and placed in the result by `where(m == row, total, acc)`, a selection that moves no bits. For (3), where a launch leaves FMA contraction on (enable_fp_fusion not False), the
   SASS counts of FFMA and FMUL must be in one ratio at equal ROWS (a loop over tokens, absent at
   width 1, may be unrolled, which scales both) and a + b·r at ROWS = r (a: the shared
   dequantization, b: one row's products), fitted on the two smallest: a product contracted for
