@@ -54,6 +54,10 @@ STEP_BLOCKS = {QType.Q8_0: 8, QType.Q4_K: 1, QType.Q5_K: 1, QType.Q6_K: 1, QType
                QType.F32: 4}
 PROGRAMS_PER_SM = 4  # programs in flight per multiprocessor that keep the memory system busy
 FUSED_WARPS = 4
+# the products' multiply-adds as FMAs, said explicitly (Triton's default changes between versions):
+# half the instructions of the loop, and every row's sums the same operations at every width
+# (tests/runtime/test_triton_compile.py checks the compiled code)
+FUSED_FMA = True
 SUM_BLOCK = 1024
 GROUP_MAX = 4  # matrices per launch of grouped_matmul (one pointer argument each)
 # values of W dequantized per piece of the prompt path (32 MB in bfloat16)
@@ -164,7 +168,7 @@ def _grouped_pass(xs: torch.Tensor, mats: list[torch.Tensor], n_outs: list[int],
         xs, *_four(mats), buffer, parts, n_in, n_blocks, rows, xs.stride(0), *_four([w.stride(0) for w in mats]),
         *_four(n_outs), *_four([per_split for _, per_split in plans]), *_ends(ends), *_four(y_ats), *_four(part_ats),
         QTYPE=int(qtype), VALUES=values, BYTES=size, ROWS=rows, ROWS_P2=_common.next_power_of_2(rows),
-        BLOCK_N=FUSED_ROWS, NB=STEP_BLOCKS[qtype], num_warps=FUSED_WARPS)
+        BLOCK_N=FUSED_ROWS, NB=STEP_BLOCKS[qtype], num_warps=FUSED_WARPS, enable_fp_fusion=FUSED_FMA)
     if cut:
         sum_ends = list(accumulate(_common.cdiv(rows * n_outs[g], SUM_BLOCK) for g in cut))
         jit.grouped_sum_kernel[(sum_ends[-1],)](
@@ -270,7 +274,8 @@ def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: Q
                                 ROWS_P2=1 if pairs else _common.next_power_of_2(rows), BLOCK_N=FUSED_ROWS,
                                 NB=STEP_BLOCKS[qtype], PARTIAL=splits > 1, PAIRS=pairs, FANOUT=fanout,
                                 MATRICES=1 if second is None else 2,
-                                ACT=activation.GLU[act] if glu else activation.NO_ACTIVATION, num_warps=FUSED_WARPS)
+                                ACT=activation.GLU[act] if glu else activation.NO_ACTIVATION, num_warps=FUSED_WARPS,
+                                enable_fp_fusion=FUSED_FMA)
     if splits > 1:
         jit.sum_parts_kernel[(_common.cdiv(rows * n_out, SUM_BLOCK),)](parts, ys, rows, n_out, splits,
                                                                        ys.stride(0), BLOCK=SUM_BLOCK)
