@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.fixtures.triton_mode import DEVICE, ON_GPU  # noqa: E402 (no GPU: the interpreter)
+from tests.fixtures.triton_mode import DEVICE, ON_GPU, count_calls  # noqa: E402 (no GPU: the interpreter)
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from specconv.archs.errors import SpecconvError  # noqa: E402
@@ -187,16 +187,7 @@ def test_bad_input_one_line_errors():
 @pytest.fixture
 def launches(monkeypatch):
     """Counts of the delta rule kernels' launches through the package (what the backend calls)."""
-    counts = {"gdn_step": 0, "gdn_chunked": 0}
-    for name in counts:
-        real = getattr(kt, name)
-
-        def counted(*args, _real=real, _name=name, **kwargs):
-            counts[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(kt, name, counted)
-    return counts
+    return count_calls(monkeypatch, kt, ("gdn_step", "gdn_chunked"))
 
 
 CUDA = CudaBackend(kt, device_types=(DEVICE.type,))

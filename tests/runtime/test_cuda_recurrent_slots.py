@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from tests.fixtures.triton_mode import ON_GPU  # noqa: E402 (no GPU: the interpreter)
+from tests.fixtures.triton_mode import ON_GPU, count_calls  # noqa: E402 (no GPU: the interpreter)
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from specconv.runtime import (  # noqa: E402
@@ -60,16 +60,7 @@ def on(kind: str):
 @pytest.fixture
 def launches(monkeypatch):
     """Counts of the recurrent kernels' launches (they must be what runs)."""
-    counts = {"gdn_step": 0, "causal_conv": 0}
-    for name in counts:
-        real = getattr(kernels_triton, name)
-
-        def counted(*args, _real=real, _name=name, **kwargs):
-            counts[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(kernels_triton, name, counted)
-    return counts
+    return count_calls(monkeypatch, kernels_triton, ("gdn_step", "causal_conv"))
 
 
 def _states(ctx: Context):
