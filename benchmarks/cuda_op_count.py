@@ -16,7 +16,8 @@ dimension included). Every aten operation the step dispatches is seen by a Torch
   launch: what a GPU runs as one kernel;
 * free: views, `empty` and the like (no kernel on a GPU);
 * uploads: copies of host tensors to the device (token ids, positions, a batch's ring slots), counted
-  apart: a GPU's copy engine does them, and a captured step takes them from its static buffer.
+  apart: a GPU's copy engine does them, and a captured step takes them from its static buffer;
+* host: operations on host tensors only (the token ids' range check): the CPU's work, counted apart.
 
 Counts are per block, outside the blocks (embedding, rope tables, output norm and head) and per
 step, for one decode step and one verification batch of k + 1 tokens, and by operation. A block
@@ -61,6 +62,13 @@ def is_upload(func, args, kwargs) -> bool:
     return args[0].device.type == "cpu" and device is not None and torch.device(device).type != "cpu"
 
 
+def on_host(args, kwargs) -> bool:
+    """Whether an aten operation reads only host tensors (the token ids' range check, a batch's
+    slots built on the CPU): the host's work, no kernel on the device."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+
+
 def is_launch(func) -> bool:
     """Whether an aten operation runs a kernel on a GPU: not a view, not an allocation."""
     return not (func.is_view or func._schema.name.split("::")[-1] in FREE)
@@ -74,6 +82,7 @@ class Tally:
     by_op: Counter = field(default_factory=Counter)
     free: int = 0
     uploads: int = 0  # host-to-device copies (a copy engine's work, not a kernel; outside a captured step)
+    host: int = 0  # operations on host tensors only (no device work)
 
     @property
     def total(self) -> int:
@@ -100,6 +109,8 @@ class OpCounter(TorchDispatchMode):
                 return func.decompose(*args, **kwargs)
         if is_upload(func, args, kwargs):
             self.tally.uploads += 1
+        elif on_host(args, kwargs):
+            self.tally.host += 1
         elif is_launch(func):
             self.tally.add(self.label, func._schema.name.split("::")[-1])
         else:
@@ -296,7 +307,8 @@ def report(counts: StepCounts, k: int, top: int = 12) -> str:
         else:
             blocks = "blocks " + ", ".join(f"{n} × {each}" for n, each in block_counts(tally, len(counts.recurrent)))
         lines.append(f"{name}: {tally.total} launches ({blocks}, {OUTSIDE} {tally.by_label[OUTSIDE]}); "
-                     f"{tally.free} free ops (views, allocations), {tally.uploads} host-to-device copies")
+                     f"{tally.free} free ops (views, allocations), {tally.uploads} host-to-device copies, "
+                     f"{tally.host} host operations")
     lines.append("decode step, launches by operation: " +
                  ", ".join(f"{op} {n}" for op, n in counts.step.by_op.most_common(top)))
     return "\n".join(lines)
