@@ -28,6 +28,7 @@ from specconv.archs.errors import SpecconvError  # noqa: E402
 from specconv.runtime import backend as backend_module, kernels_triton as kt  # noqa: E402
 from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
+from tests.fixtures.launch_ceilings import STEP_LAUNCHES  # noqa: E402
 from tests.runtime.test_cuda_attention import rand, rounding_bound  # noqa: E402
 from tests.runtime.test_cuda_mla import HEADS, KV_LORA, ROPE, SCALE, latent_case  # noqa: E402
 
@@ -36,13 +37,6 @@ torch.set_num_threads(1)
 INDEX_DIM, INDEX_HEADS = 128, 8  # GLM-5 / DeepSeek-V3.2: 128 wide, 32 / 64 heads
 WEIGHT_SCALE = INDEX_HEADS ** -0.5  # the graph's H^(-1/2), applied inside the kernel
 EPS = float(torch.finfo(torch.float32).eps)
-
-
-@pytest.fixture
-def cuda_backend(monkeypatch):
-    backend = CudaBackend(kt, device_types=(DEVICE.type,))
-    monkeypatch.setattr(backend_module, "_backend", lambda kind: backend)
-    return backend
 
 
 def indexer_case(n: int, cells: int, seed: int, dtype=torch.float32):
@@ -116,7 +110,7 @@ def test_attention_over_chosen_keys_within_float32_rounding(cuda_backend):
 
 # ---- the graph --------------------------------------------------------------------------------------
 
-STEP_LAUNCHES = {"dsa-glm-dsa": 151, "dsa-deepseek32": 151}  # q8_0, bf16: a decode step = a 4-row verification
+DSA_FIXTURES = ["dsa-glm-dsa", "dsa-deepseek32"]  # a decode step = a 4-row verification, within its ceiling
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +124,7 @@ def dsa_files(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", sorted(STEP_LAUNCHES))
+@pytest.mark.parametrize("name", DSA_FIXTURES)
 def test_decode_step_and_verification_launch_the_same_kernels(dsa_files, name):
     """No per-row loop (by_rows) and no dequantized absorption weights: the 4-row verification
     launches what the decode step launches, the indexer scores and the attention one kernel each per

@@ -12,7 +12,7 @@ counted on the `meta` device by benchmarks/cuda_op_count.py, and the forward thr
   several, and nothing else in the step changed: every block's count drops, and the step's by
   exactly the separate form's launches minus one per call (one decode step and one verification
   batch of k + 1 tokens).
-* No family's decode step launches more than its ceiling (STEP_LAUNCHES: the counts with these
+* No family's decode step launches more than its ceiling (tests/fixtures/launch_ceilings.py: the counts with these
   fusions; step35 also runs its unclamped SwiGLUs through ops.swiglu; Gemma 4, Step-3.5 and MiMo-V2
   their attention through the one-launch kernel with windows, sinks and Step-3.5's head-wise gate,
   Gemma 4 its rope frequencies made once, ops.rope_inv_freq).
@@ -43,19 +43,12 @@ from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
 from tests.fixtures.counted_calls import CountedCalls  # noqa: E402
 from tests.fixtures.gguf_files import convert_gguf  # noqa: E402
+from tests.fixtures.launch_ceilings import STEP_LAUNCHES  # noqa: E402
 from tools import family_snapshot  # noqa: E402
 
 torch.set_num_threads(1)
 
 K = 3
-# family snapshot fixture -> launches of one bf16 decode step of its q8_0 file (the tiny checkpoints of
-# tests/fixtures/tiny_*.py): (before these fusions, with them = the ceiling no later change may exceed)
-STEP_LAUNCHES = {
-    "llama-release": (303, 98), "qwen3-release": (146, 67), "qwen3moe-release": (226, 79),
-    "glm4moe-release": (228, 101), "deepseek2-shapes": (296, 94), "dsa-glm-dsa": (385, 151),
-    "dsa-deepseek32": (401, 151), "chained-hy_v3": (176, 65), "chained-step35": (223, 82),
-    "chained-mimo2": (208, 77), "gemma4-release": (314, 135), "gemma4-moe-shapes": (487, 196),
-}
 # the families whose graphs attend their own cells (ops.attend_cells: sliding windows, sinks), one
 # launch per call (test_sliding_window_attention_is_one_launch_per_call)
 OWN_ATTENTION = ("gemma4-release", "gemma4-moe-shapes", "chained-step35", "chained-mimo2")
@@ -121,8 +114,9 @@ def test_each_fused_call_is_one_launch_and_no_family_count_rises(files, name):
         assert new.total == old.total - inside + calls  # and nothing else changed
         for i in range(blocks):
             assert new.by_label[f"block {i}"] < old.by_label[f"block {i}"], (what, i)
-    before, ceiling = STEP_LAUNCHES[name]
-    print(f"decode step: {fused.step.total} launches (before these fusions {before}, ceiling {ceiling})")
+    ceiling = STEP_LAUNCHES[name]
+    print(f"decode step: {fused.step.total} launches (as separate operations {separate.step.total}, "
+          f"ceiling {ceiling})")
     assert fused.step.total <= ceiling
 
 

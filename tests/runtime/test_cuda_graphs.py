@@ -35,7 +35,7 @@ from specconv.runtime.drafters.synthetic import SyntheticDrafter  # noqa: E402
 from specconv.runtime.generate import generate  # noqa: E402
 from specconv.runtime.speculative import SpecConfig, speculative_generate  # noqa: E402
 from tests.fixtures.capture_standin import (  # noqa: E402
-    K, PROMPT, ROUNDS, Graphable, RecordingCapture, graphable, rounds as _rounds, steps as _steps,  # noqa: F401
+    K, PROMPT, ROUNDS, Graphable, RecordingCapture, rounds as _rounds, steps as _steps,
 )
 from tests.fixtures.runtime_common import prompt_ids, tiny_gguf  # noqa: E402
 

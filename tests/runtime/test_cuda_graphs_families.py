@@ -19,7 +19,7 @@ import torch
 
 from specconv.runtime import Context, GraphType, load_model, step_graphs
 from specconv.runtime.graphs import graph_for, supported_archs
-from tests.fixtures.capture_standin import K, PROMPT, ROUNDS, graphable, rounds as _rounds, steps as _steps  # noqa: F401
+from tests.fixtures.capture_standin import K, PROMPT, ROUNDS, rounds as _rounds, steps as _steps
 from tests.fixtures.paths import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))

@@ -37,7 +37,7 @@ from specconv.runtime.drafters import MtpDrafter  # noqa: E402
 from specconv.runtime.drafters.mtp import greedy_on_device  # noqa: E402
 from specconv.runtime.generate import generate  # noqa: E402
 from specconv.runtime.speculative import SpecConfig, speculative_generate  # noqa: E402
-from tests.fixtures.capture_standin import K, graphable  # noqa: E402, F401
+from tests.fixtures.capture_standin import K  # noqa: E402
 from tests.fixtures.host_reads import HostReads  # noqa: E402
 from tests.fixtures.runtime_common import prompt_ids, tiny_gguf  # noqa: E402
 from tests.runtime.test_cuda_graphs_families import FAMILIES, files  # noqa: E402, F401

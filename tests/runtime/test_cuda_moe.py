@@ -10,7 +10,6 @@ Without a GPU the kernels run in Triton's interpreter; with one, compiled on CUD
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
@@ -19,9 +18,8 @@ from tests.fixtures.triton_mode import DEVICE  # noqa: E402 (no GPU: the interpr
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from specconv.archs.errors import SpecconvError  # noqa: E402
-from specconv.runtime import backend as backend_module, kernels_triton as kt  # noqa: E402
+from specconv.runtime import kernels_triton as kt  # noqa: E402
 from specconv.runtime.backend import Experts  # noqa: E402
-from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
 from specconv.runtime.dequant import dequantize_rows  # noqa: E402
 from specconv.runtime.graphs.ops import swiglu  # noqa: E402
@@ -61,14 +59,6 @@ def test_each_pair_has_the_bits_of_a_one_row_product_by_its_expert(qtype):
     worst = float(((y.cpu().double() - exact).abs() / (torch.finfo(torch.float32).eps * scale)).max())
     print(f"\n[expert_matmul {qtype.name}] max |Δ| = {worst:.2f} eps·Σ|x·w| against float64")
     assert worst <= 4
-
-
-@pytest.fixture
-def cuda_backend(monkeypatch):
-    """The CUDA backend's code (its Triton kernels; the interpreter on the CPU) as the device's backend."""
-    backend = CudaBackend(kt, device_types=(DEVICE.type,))
-    monkeypatch.setattr(backend_module, "_backend", lambda kind: backend)
-    return backend
 
 
 @pytest.mark.parametrize("n", [1, 3])
