@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from specconv.runtime.graphs.ops import acc, add_rms_norm, linear, rms_norm
+from specconv.runtime.graphs.ops import acc, acc_dtype, add_rms_norm, linear, rms_norm
 from specconv.runtime.placement import move, on_layer_device, running_on
 
 
@@ -51,7 +51,7 @@ def forward_trunk(w, num_hidden_layers: int, eps: float, tokens: torch.Tensor, w
     multi = placement.multi
     h = w["token_embd.weight"][tokens]
     main = h.device
-    rope = make_rope(acc(h).dtype)
+    rope = make_rope(acc_dtype(h.dtype))
     layer_inputs = {}
     for i in range(num_hidden_layers):
         if i in want_layers:
@@ -96,7 +96,7 @@ def forward_nextn(w, num_hidden_layers: int, eps: float, tokens: torch.Tensor, h
     z = shared_head_norm(y); returns (logits, z = normed output fed back when chaining, y = pre-norm output)."""
     def run(tokens, hidden_in):
         h = nextn_input(w, num_hidden_layers, eps, tokens, hidden_in)
-        y = block(num_hidden_layers, h, make_rope(acc(h).dtype))
+        y = block(num_hidden_layers, h, make_rope(acc_dtype(h.dtype)))
         return nextn_output(w, num_hidden_layers, eps, y)
 
     return on_layer_device(w, num_hidden_layers, run, tokens, hidden_in)  # the MTP block sits on the last device

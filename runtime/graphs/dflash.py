@@ -27,7 +27,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import draft_head
 from specconv.runtime.graphs.contract import no_tensors
 from specconv.runtime.graphs.ops import (
-    acc, add_rms_norm, by_rows, dense, linear, normed_rope_neox, rms_norm, rope_cos_sin, swiglu,
+    acc, acc_dtype, add_rms_norm, by_rows, dense, linear, normed_rope_neox, rms_norm, rope_cos_sin, swiglu,
 )
 from specconv.runtime.memory import Batch, Memory, MemoryLayout
 from specconv.runtime.types import GraphType
@@ -101,7 +101,7 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, b
     """Context injection: rows of target features at `batch.positions` -> K/V of every layer in the
     cache. Returns (empty logits [n, 0], g, g): these rows predict nothing."""
     g = rms_norm(linear(hidden_in, w[names.EAGLE3_FC]), w[names.ENC_OUTPUT_NORM], hp.rms_norm_eps)
-    rope = _rope(hp, batch.positions, acc(g).dtype)
+    rope = _rope(hp, batch.positions, acc_dtype(g.dtype))
     for i in range(hp.num_hidden_layers):
         batch.attend_kv(i, *_context_kv(w, hp, i, g, rope))
     return g.new_zeros(g.shape[0], 0), g, g
@@ -156,7 +156,7 @@ def forward_block(w, hp: HParams, tokens: torch.Tensor, positions: torch.Tensor,
     x = w[names.TOKEN_EMBD][tokens]
     if hp.input_embedding_scale:
         x = x * hp.input_embedding_scale
-    rope = _rope(hp, positions, acc(x).dtype)
+    rope = _rope(hp, positions, acc_dtype(x.dtype))
     f = None  # the last layer's FFN output, added to x together with the next norm
     for i in range(hp.num_hidden_layers):
         p = f"blk.{i}."

@@ -25,7 +25,7 @@ from specconv.archs.eagle3 import EAGLE3_TABLE
 from specconv.archs.eagle3_hparams import Eagle3HParams
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import draft_head, llama
-from specconv.runtime.graphs.ops import acc, add_rms_norm, dense, linear, rms_norm
+from specconv.runtime.graphs.ops import acc, acc_dtype, add_rms_norm, dense, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 from specconv.runtime.types import GraphType
 from specconv.runtime.validate import check_shape
@@ -113,7 +113,7 @@ def forward_mtp(w, hp: HParams, tokens: torch.Tensor, g: torch.Tensor, batch: Ba
     e = rms_norm(_needed(w, names.TOKEN_EMBD)[tokens], w["blk.0.attn_norm.weight"], hp.rms_norm_eps)
     g = g.to(e.dtype)
     g_norm = rms_norm(g, w["blk.0.attn_norm_2.weight"], hp.rms_norm_eps)
-    rope = llama.rope_for(w, hp, batch.positions, acc(e).dtype)
+    rope = llama.rope_for(w, hp, batch.positions, acc_dtype(e.dtype))
     residual = g_norm if hp.norm_before_residual else g
     # each residual add with the norm after it: one ops.add_rms_norm (one launch on CUDA)
     r, x = add_rms_norm(residual, llama.attention(w, hp, 0, torch.cat([e, g_norm], dim=-1), batch, rope),

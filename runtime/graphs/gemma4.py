@@ -25,7 +25,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts, for_device
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import (
-    acc, add_normed, add_rms_norm, attend_cells, attended_kv, glu_linear, linear, linear_group, moe_out,
+    acc, acc_dtype, add_normed, add_rms_norm, attend_cells, attended_kv, glu_linear, linear, linear_group, moe_out,
     normed_rope_neox, rms_norm, rope_cos_sin, rope_inv_freq,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
@@ -224,7 +224,7 @@ def forward_main(w, hp: Gemma4HParams, tokens: torch.Tensor, batch: Batch, want_
     emb = w["token_embd.weight"][tokens]
     h = (acc(emb) * math.sqrt(hp.hidden_size)).to(emb.dtype)
     ple = per_layer_inputs(w, hp, tokens, h) if hp.hidden_size_per_layer_input else None
-    rope = rope_tables(w, hp, batch.positions, acc(h).dtype)
+    rope = rope_tables(w, hp, batch.positions, acc_dtype(h.dtype))
     kv_of: dict[int, tuple] = {}
     layer_inputs = {}
     for i in range(hp.num_hidden_layers):

@@ -24,7 +24,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.gemma4 import ASSISTANT_TABLE
 from specconv.archs.gemma4_hparams import Gemma4AssistantHParams
 from specconv.runtime.graphs import draft_head, gemma4
-from specconv.runtime.graphs.ops import acc, linear, rms_norm
+from specconv.runtime.graphs.ops import acc, acc_dtype, linear, rms_norm
 from specconv.runtime.memory import Batch, MemoryLayout
 
 TARGET_EMBD = "target.token_embd.weight"  # the target's input embedding, taken at load time
@@ -68,7 +68,7 @@ def forward_mtp(w, hp, tokens: torch.Tensor, h: torch.Tensor, batch: Batch, kv_f
     emb = w[TARGET_EMBD][tokens]
     e = (acc(emb) * math.sqrt(hp.backbone_hidden_size)).to(emb.dtype)
     x = linear(torch.cat([e, h.to(e.dtype)], dim=-1), w[names.NEXTN_PRE_PROJECTION])
-    rope = gemma4.rope_tables(w, hp, batch.positions, acc(x).dtype)
+    rope = gemma4.rope_tables(w, hp, batch.positions, acc_dtype(x.dtype))
     target_hp, memory = kv_from.model.hparams, kv_from.memory
     for i in range(hp.num_nextn_predict_layers):
         a = rms_norm(x, w[gemma4._blk(i, "attn_norm")], hp.rms_norm_eps)

@@ -18,7 +18,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    acc, cached_attention, check_rope_scaling, linear, normed_rope_neox, rope_cos_sin_scaled,
+    acc, acc_dtype, cached_attention, check_rope_scaling, linear, normed_rope_neox, rope_cos_sin_scaled,
 )
 from specconv.runtime.memory import Batch
 
@@ -36,7 +36,7 @@ _layouts = trunk.Layouts(lambda hp: hp.head_dim, trunk.nextn_block)  # the nextn
 def _proj(w, p: str, a: torch.Tensor, part: str) -> torch.Tensor:
     y = linear(a, w[p + part + ".weight"])
     bias = w.get(p + part + ".bias")
-    return y if bias is None else (acc(y) + bias.to(acc(y).dtype)).to(y.dtype)
+    return y if bias is None else (acc(y) + bias.to(acc_dtype(y.dtype))).to(y.dtype)
 
 
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:

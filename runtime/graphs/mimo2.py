@@ -24,7 +24,9 @@ from specconv.archs.mimo2 import MIMO2_TABLE
 from specconv.archs.mimo2_hparams import Mimo2HParams
 from specconv.runtime.graphs import chained, trunk
 from specconv.runtime.graphs.decoder import nextn_input, normed, output_head
-from specconv.runtime.graphs.ops import acc, attend_cells, attended_kv, linear, rope_cos_sin, rope_neox_partial
+from specconv.runtime.graphs.ops import (
+    acc, acc_dtype, attend_cells, attended_kv, linear, rope_cos_sin, rope_neox_partial,
+)
 from specconv.runtime.memory import Batch
 from specconv.runtime.placement import on_layer_device
 from specconv.runtime.validate import check_rope_width
@@ -92,7 +94,7 @@ _forwards = chained.forwards(_rope, attention, ffn)  # its MTP head ends differe
 
 def _mtp(w, hp: HParams, i: int, tokens, hidden_in, batch: Batch):
     x = nextn_input(w, i, hp.rms_norm_eps, tokens, hidden_in)
-    y = trunk.pending_block(w, hp, i, x, batch, _rope(w, hp, batch)(acc(x).dtype), attention, ffn)
+    y = trunk.pending_block(w, hp, i, x, batch, _rope(w, hp, batch)(acc_dtype(x.dtype)), attention, ffn)
     p = f"blk.{i}."
     norm = w.get(p + "nextn.shared_head_norm.weight", w.get(p + "layer_output_norm.weight", w["output_norm.weight"]))
     y, z = normed(y, norm, hp.rms_norm_eps)  # the block's last residual add and this norm: one launch on CUDA

@@ -30,6 +30,12 @@ def acc(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of activations in `dtype` (acc's), without converting any tensor: on a
+    GPU each conversion is a launch."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x · (mean(x²) + ε)^(-1/2) ⊙ w over the last axis, in x's dtype (the GGUF weight already holds
     any +1)."""
