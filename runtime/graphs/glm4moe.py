@@ -18,7 +18,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    acc, acc_dtype, cached_attention, check_rope_scaling, linear, normed_rope_neox, rope_cos_sin_scaled,
+    add_bias, cached_attention, check_rope_scaling, linear, linear_group, normed_rope_neox, rope_cos_sin_scaled,
 )
 from specconv.runtime.memory import Batch
 
@@ -33,17 +33,14 @@ _tensors = GraphTensors(TABLE, lambda hp: hp)
 _layouts = trunk.Layouts(lambda hp: hp.head_dim, trunk.nextn_block)  # the nextn block has its own KV
 
 
-def _proj(w, p: str, a: torch.Tensor, part: str) -> torch.Tensor:
-    y = linear(a, w[p + part + ".weight"])
-    bias = w.get(p + part + ".bias")
-    return y if bias is None else (acc(y) + bias.to(acc_dtype(y.dtype))).to(y.dtype)
-
-
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
     n, p = a.shape[0], f"blk.{i}."
-    q = _proj(w, p, a, "attn_q").view(n, hp.num_attention_heads, hp.head_dim)
-    k = _proj(w, p, a, "attn_k").view(n, hp.num_key_value_heads, hp.head_dim)
-    v = _proj(w, p, a, "attn_v").view(n, hp.num_key_value_heads, hp.head_dim)
+    parts = ("attn_q", "attn_k", "attn_v")  # one normed input: one grouped product, then the optional biases
+    q, k, v = (add_bias(y, w.get(p + part + ".bias"))
+               for y, part in zip(linear_group(a, [w[p + part + ".weight"] for part in parts]), parts))
+    q = q.view(n, hp.num_attention_heads, hp.head_dim)
+    k = k.view(n, hp.num_key_value_heads, hp.head_dim)
+    v = v.view(n, hp.num_key_value_heads, hp.head_dim)
     q = normed_rope_neox(q, w.get(p + "attn_q_norm.weight"), hp.rms_norm_eps, *rope)  # q / k norms optional
     k = normed_rope_neox(k, w.get(p + "attn_k_norm.weight"), hp.rms_norm_eps, *rope)
     o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)

@@ -91,6 +91,13 @@ def linear_wide(x: torch.Tensor, w) -> torch.Tensor:
     return for_device(x.device).linear_wide(x, w)
 
 
+def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y + bias (a product's bias, any float dtype) in y's dtype, the sum in the accumulation dtype and
+    rounded once: (acc(y) + bias).to(y.dtype)'s bits, written into y (torch computes a mixed-dtype
+    add in the wider dtype and rounds into y's: one launch on a GPU where the formula takes three)."""
+    return y if bias is None else y.add_(bias)
+
+
 def linear_group(x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
     """(x @ w₀ᵀ, x @ w₁ᵀ, ...): the same rows by several weights, each output what `linear` gives; the
     backend may run them together (one launch per weight type on CUDA, runtime/backend_cuda.py)."""
