@@ -27,7 +27,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import draft_head
 from specconv.runtime.graphs.contract import no_tensors
 from specconv.runtime.graphs.ops import (
-    acc, acc_dtype, add_rms_norm, by_rows, dense, linear, normed_rope_neox, rms_norm, rope_cos_sin, swiglu,
+    acc, acc_dtype, add_rms_norm, by_rows, dense, head_projections, linear, normed_rope_neox, rms_norm, rope_cos_sin, swiglu,
 )
 from specconv.runtime.memory import Batch, Memory, MemoryLayout
 from specconv.runtime.types import GraphType
@@ -91,9 +91,9 @@ def _rope(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
 
 def _context_kv(w, hp: HParams, i: int, g: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
     """K (normed, roped) and V of context rows g in layer i; no attn_norm on g (it is normed once)."""
-    n, p = g.shape[0], f"blk.{i}."
-    k = linear(g, w[p + "attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
-    v = linear(g, w[p + "attn_v.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
+    p = f"blk.{i}."
+    k, v = head_projections(g, [w[p + "attn_k.weight"], w[p + "attn_v.weight"]], (hp.num_key_value_heads,) * 2,
+                            hp.head_dim)
     return normed_rope_neox(k, w[p + "attn_k_norm.weight"], hp.rms_norm_eps, *rope), v
 
 

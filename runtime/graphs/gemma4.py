@@ -222,7 +222,9 @@ def forward_main(w, hp: Gemma4HParams, tokens: torch.Tensor, batch: Batch, want_
                  want_logits: torch.Tensor | None):
     """Returns (logits rows, post_norm, pre_norm, {layer J: input of block J; J = num_hidden_layers: post_norm})."""
     emb = w["token_embd.weight"][tokens]
-    h = (acc(emb) * math.sqrt(hp.hidden_size)).to(emb.dtype)
+    # one launch: torch multiplies a 16-bit tensor by a scalar in float32 and rounds once, the bits of
+    # (acc(emb) * s).to(emb.dtype)
+    h = emb * math.sqrt(hp.hidden_size)
     ple = per_layer_inputs(w, hp, tokens, h) if hp.hidden_size_per_layer_input else None
     rope = rope_tables(w, hp, batch.positions, acc_dtype(h.dtype))
     kv_of: dict[int, tuple] = {}

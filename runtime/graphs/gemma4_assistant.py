@@ -66,7 +66,7 @@ def forward_mtp(w, hp, tokens: torch.Tensor, h: torch.Tensor, batch: Batch, kv_f
     if kv_from is None:
         raise SpecconvError("the Gemma 4 assistant reads its target's K/V: create its context with kv_from=")
     emb = w[TARGET_EMBD][tokens]
-    e = (acc(emb) * math.sqrt(hp.backbone_hidden_size)).to(emb.dtype)
+    e = emb * math.sqrt(hp.backbone_hidden_size)  # (acc(emb) * s).to(emb.dtype)'s bits in one launch (gemma4.py)
     x = linear(torch.cat([e, h.to(e.dtype)], dim=-1), w[names.NEXTN_PRE_PROJECTION])
     rope = gemma4.rope_tables(w, hp, batch.positions, acc_dtype(x.dtype))
     target_hp, memory = kv_from.model.hparams, kv_from.memory

@@ -16,7 +16,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.llama import LLAMA_TABLE, ROPE_FREQS, LlamaHParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import trunk
-from specconv.runtime.graphs.ops import cached_attention, linear, rope_pairs, swiglu
+from specconv.runtime.graphs.ops import cached_attention, head_projections, linear, rope_pairs, swiglu
 from specconv.runtime.memory import Batch
 
 HParams = LlamaHParams  # read from GGUF metadata by LlamaHParams.from_kv (archs/llama.py)
@@ -51,9 +51,8 @@ def rope_norm(positions: torch.Tensor, rotary_dim: int, base: float, dtype: torc
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
     """Plain GQA attention of block i on input rows `a` (any width the q/k/v matrices take)."""
     n = a.shape[0]
-    q = linear(a, w[f"blk.{i}.attn_q.weight"]).view(n, hp.num_attention_heads, hp.head_dim)
-    k = linear(a, w[f"blk.{i}.attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
-    v = linear(a, w[f"blk.{i}.attn_v.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
+    q, k, v = head_projections(a, [w[f"blk.{i}.attn_{x}.weight"] for x in "qkv"],
+                               (hp.num_attention_heads, hp.num_key_value_heads, hp.num_key_value_heads), hp.head_dim)
     cos, sin = rope
     q, k = rope_pairs(q, cos, sin), rope_pairs(k, cos, sin)  # NORM rope: one kernel each on CUDA
     o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)

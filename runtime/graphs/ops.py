@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Sequence
 
 import torch
 
@@ -89,6 +90,13 @@ def linear_wide(x: torch.Tensor, w) -> torch.Tensor:
     if observer is not None:
         observer.product(x, w)
     return for_device(x.device).linear_wide(x, w)
+
+
+def head_projections(x: torch.Tensor, ws, heads: Sequence[int], head_dim: int) -> tuple[torch.Tensor, ...]:
+    """x @ wᵢᵀ for each weight (attention's q / k / v of one normed input), each viewed as [n, heads[i],
+    head_dim]: one grouped product (linear_group), each output the bits `linear` gives it."""
+    n = x.shape[0]
+    return tuple(y.view(n, h, head_dim) for y, h in zip(linear_group(x, ws), heads))
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

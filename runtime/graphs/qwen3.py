@@ -19,7 +19,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts, for_device
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    cached_attention, linear, linear_wide, moe_out, normed_rope_neox, rope_cos_sin_scaled, swiglu,
+    cached_attention, head_projections, linear, linear_wide, moe_out, normed_rope_neox, rope_cos_sin_scaled, swiglu,
 )
 from specconv.runtime.memory import Batch
 
@@ -45,9 +45,8 @@ def attention(w, hp, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tenso
     """GQA with per-head RMS-normed q and k, NEOX rope on the first rotary_dim dims (Qwen3's block,
     and Hy3's: runtime/graphs/hy_v3.py)."""
     n, p, eps = a.shape[0], f"blk.{i}.", hp.rms_norm_eps
-    q = linear(a, w[p + "attn_q.weight"]).view(n, hp.num_attention_heads, hp.head_dim)
-    k = linear(a, w[p + "attn_k.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
-    v = linear(a, w[p + "attn_v.weight"]).view(n, hp.num_key_value_heads, hp.head_dim)
+    q, k, v = head_projections(a, [w[p + f"attn_{x}.weight"] for x in "qkv"],
+                               (hp.num_attention_heads, hp.num_key_value_heads, hp.num_key_value_heads), hp.head_dim)
     q = normed_rope_neox(q, w[p + "attn_q_norm.weight"], eps, *rope)  # one kernel each on CUDA
     k = normed_rope_neox(k, w[p + "attn_k_norm.weight"], eps, *rope)
     o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)

@@ -25,7 +25,7 @@ from specconv.archs.step35 import STEP35_TABLE
 from specconv.archs.step35_hparams import Step35HParams
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs.ops import (
-    attend_cells, attended_kv, linear, normed_rope_neox, rope_cos_sin, swiglu,
+    attend_cells, attended_kv, head_projections, linear, normed_rope_neox, rope_cos_sin, swiglu,
 )
 from specconv.runtime.memory import Batch
 from specconv.runtime.validate import check_rope_width
@@ -51,9 +51,7 @@ _layouts = chained.layouts(lambda hp: hp.head_dim)
 def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
     n, p, hd = a.shape[0], f"blk.{i}.", hp.head_dim
     nh, nkv = hp.num_attention_heads[i], hp.num_key_value_heads[i]
-    q = linear(a, w[p + "attn_q.weight"]).view(n, nh, hd)
-    k = linear(a, w[p + "attn_k.weight"]).view(n, nkv, hd)
-    v = linear(a, w[p + "attn_v.weight"]).view(n, nkv, hd)
+    q, k, v = head_projections(a, [w[p + f"attn_{x}.weight"] for x in "qkv"], (nh, nkv, nkv), hd)
     rope_i = rope[1] if hp.is_sliding(i) else rope[0]
     q = normed_rope_neox(q, w.get(p + "attn_q_norm.weight"), hp.rms_norm_eps, *rope_i)  # q / k norms optional
     k = normed_rope_neox(k, w.get(p + "attn_k_norm.weight"), hp.rms_norm_eps, *rope_i)
