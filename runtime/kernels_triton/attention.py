@@ -193,8 +193,9 @@ _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 def piece_counters(device: torch.device, count: int) -> torch.Tensor:
     """`count` int32 zeros on `device`, which each launch with several pieces leaves zero again: one
-    buffer per device, made (or grown) outside CUDA-graph capture (a graph's warm-up call), the
-    smaller ones kept alive (a captured graph holds their addresses)."""
+    buffer per device (the launches of a device run one after the other, on one stream), made (or
+    grown) outside CUDA-graph capture (a graph's warm-up call), the smaller ones kept alive (a
+    captured graph holds their addresses)."""
     made = _COUNTERS.setdefault(device, [])
     if not made or made[-1].numel() < count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
