@@ -153,11 +153,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
             counts = piece_counters(device, (last - first) * kv_heads * tiles)
         else:
             part_m = part_l = part_acc = counts = o  # unused
+        per_row = (t[first:] if first else t for t in (q, qr, q_pos, mask, z, o))  # this launch's rows
+        row_q, row_qr, row_qpos, row_mask, row_z, row_o = per_row
         jit.attention_kernel[(last - first, pieces, kv_heads * tiles)](
-            q[first:], qr[first:], k, v, k_pos, q_pos[first:], mask[first:], z[first:],
-            q if sinks is None else sinks, o[first:], part_m, part_l, part_acc, counts, cells, piece_cells, heads,
-            group, dk, dv, float(scale), int(window), q.stride(0), q.stride(1), qr.stride(0), qr.stride(1),
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0), z.stride(0), z.stride(1),
+            row_q, row_qr, k, v, k_pos, row_qpos, row_mask, row_z, q if sinks is None else sinks, row_o, part_m, part_l,
+            part_acc, counts, cells, piece_cells, heads, group, dk, dv, float(scale), int(window), q.stride(0),
+            q.stride(1), qr.stride(0), qr.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            mask.stride(0), z.stride(0), z.stride(1),
             HAS_GATE=gate is not None, GATE_PER_HEAD=gate is not None and gate.dim() == 2, HAS_WINDOW=window > 0,
             HAS_SINKS=sinks is not None, HAS_KEEP=keep is not None, V_IN_K=v_in_k, SPLIT=split, BLOCK_T=block,
             BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_DR=block_dr, HEAD_TILE=tile,
