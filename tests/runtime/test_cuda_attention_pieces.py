@@ -6,6 +6,9 @@ order by the program that finishes last.
   launch observers): rows × pieces × KV heads × head tiles, never rows × query heads, so each K/V
   cell is read once per (row, KV head) (per head tile of 16 for multi-head latent attention); the
   pieces a whole number of blocks covering the buffer, their count the same at every width;
+* the kernel Triton compiles is the same specialization at widths 1, 4 and 16 (one piece and
+  several; three layers' features), and each compiles for sm_90 (tools/triton_aot.py) with
+  narrowing to nearest even and no reassociation;
 * the piece rule (`cell_pieces`): whole blocks, at least MIN_PIECE_CELLS cells each, no more than
   the device's multiprocessors hold at one program each;
 * with several pieces (the rule's parameters scaled down, so that the interpreter sees many at
@@ -13,7 +16,7 @@ order by the program that finishes last.
   tests/runtime/test_cuda_attention.py (`rounding_bound`) against the torch formulas, with gates,
   windows, sinks, unwritten and scattered cells, pieces with no visible cell, a partial last piece;
   multi-head latent attention (V in K, the query in two pieces, a key mask, two head tiles) against
-  the masked float64 softmax;
+  the masked float64 softmax; Qwen3.5-27B's layer over 2048 cells in the rule's own 8 pieces;
 * batch invariance bit for bit: a row alone = the same row in a batch of 16 and of 4 (a
   verification of 3 drafts), at 1 piece, several, and a partial last one, with each feature;
 * the counters are zero again after each launch; a prompt too long for one launch's partial sums
@@ -79,32 +82,80 @@ def meta(*shape, dtype=torch.bfloat16):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
+META_LAYERS = {  # (heads, kv_heads, dk, dv, call(n, cells)) of layers whose kernel specializations differ
+    "qwen35-27b": (24, 4, 256, 256, lambda n, cells: kt.attention(
+        meta(n, 24, 256), meta(cells, 4, 256), meta(cells, 4, 256), meta(n, dtype=torch.long),
+        meta(cells, dtype=torch.long), 0.0625, gate=meta(n, 24, 256))),
+    "mha-window-sinks": (4, 4, 128, 128, lambda n, cells: kt.attention(
+        meta(n, 4, 128), meta(cells, 4, 128), meta(cells, 4, 128), meta(n, dtype=torch.long),
+        meta(cells, dtype=torch.long), 0.09, gate=meta(n, 4), window=16, sinks=meta(4, dtype=torch.float32))),
+    "mla-128-keep": (128, 1, 576, 512, lambda n, cells: (lambda kv: kt.attention(
+        meta(n, 128, 512), kv, kv[..., :512], meta(n, dtype=torch.long), meta(cells, dtype=torch.long), 0.07,
+        keep=meta(n, cells, dtype=torch.bool), q_rest=meta(n, 128, 64)))(meta(cells, 1, 576))),
+}
+
+
+def test_the_split_kernel_compiles_for_sm90_to_one_specialization_at_every_width(monkeypatch):
+    """The specializations Triton's JIT would compile for three layers (Qwen3.5-27B's, a head-gated
+    MHA with a window and sinks, DeepSeek-V3's latent attention with a key mask) at 64 cells (one
+    piece) and 8192 (several), on `meta`: the same at widths 1, 4 and 16 (one compiled kernel for a
+    row alone and a batch), and each compiles for sm_90 (tools/triton_aot.py: Triton's bundled ptxas)
+    with narrowing to nearest even and no reassociation."""
+    triton_jit = pytest.importorskip("triton.runtime.jit")
+    if not hasattr(triton_jit, "create_function_from_signature"):
+        pytest.skip("this Triton's JIT has no binder to record specializations with")
+    from benchmarks.triton_launches import specialize
+    from tools import triton_aot
+
+    by_width: dict = {}
+
+    def observe(module, kernel, grid, args, kwargs):
+        if kernel == "attention_kernel":
+            by_width.setdefault(key, []).append(specialize(module, kernel, args, kwargs))
+    monkeypatch.setattr(cuda_op_count, "launch_observers", [observe])
+    with cuda_op_count.meta_launches(H100_SMS):
+        for layer, (*_, call) in META_LAYERS.items():
+            for cells in (64, 8192):
+                for n in (1, 4, 16):
+                    key = (layer, cells, n)
+                    call(n, cells)
+    specs = set()
+    for layer in META_LAYERS:
+        for cells in (64, 8192):
+            widths = {tuple(by_width[layer, cells, n]) for n in (1, 4, 16)}
+            assert len(widths) == 1, (layer, cells)
+            specs |= set(widths.pop())
+    assert {dict(s.constexprs)["SPLIT"] for s in specs} == {False, True}
+    results = triton_aot.compile_all([s.to_json() for s in specs], archs=(90,), jobs=1, sass=False)
+    failed = triton_aot.failures(results)
+    assert not failed, "\n".join(failed)
+    problems, found = triton_aot.rounding_problems({triton_launches_spec(r): r for r in results})
+    print(f"\n{len(specs)} attention specializations compiled for sm_90 "
+          f"({sum(r.seconds for r in results):.0f} s); conversions {dict(found)}")
+    assert not problems, "\n".join(problems)
+
+
+def triton_launches_spec(result):
+    from benchmarks.triton_launches import Specialization
+
+    return Specialization.from_json(result.spec)
+
+
 @pytest.mark.parametrize("cells", [64, 8192, 32768])
-@pytest.mark.parametrize("layer", ["qwen35-27b", "mla-128"])
-def test_the_grid_is_rows_by_pieces_by_kv_heads_not_rows_by_heads(monkeypatch, layer, cells):
-    """Qwen3.5-27B's attention (24 query heads on 4 KV heads, 256 wide) and DeepSeek-V3's latent
-    attention (128 heads on one 576-wide latent cell): at widths 1, 4 and 16 the grid is
-    (rows, pieces, KV heads · head tiles) with the group's heads in one tile (16 for MLA), so each K
-    cell is loaded once per (row, KV head, head tile); the pieces are whole blocks covering the
-    buffer, the same at every width."""
+@pytest.mark.parametrize("layer, tile, tiles", [("qwen35-27b", 8, 1), ("mla-128-keep", 16, 8)],
+                         ids=["qwen35-27b", "mla-128"])
+def test_the_grid_is_rows_by_pieces_by_kv_heads_not_rows_by_heads(monkeypatch, layer, tile, tiles, cells):
+    """Qwen3.5-27B's attention (24 query heads on 4 KV heads, 256 wide: one tile of 8) and
+    DeepSeek-V3's latent attention (128 heads on one 576-wide latent cell: 8 tiles of 16): at widths
+    1, 4 and 16 the grid is (rows, pieces, KV heads · head tiles), so each K cell is loaded once per
+    (row, KV head, head tile); the pieces are whole blocks covering the buffer, the same at every
+    width."""
     monkeypatch.setattr(_common, "multiprocessors", lambda device: H100_SMS)  # for cell_pieces here too
+    heads, kv_heads, _, _, call = META_LAYERS[layer]
     grids = {}
     for n in (1, 4, 16):
-        if layer == "qwen35-27b":
-            heads, kv_heads, dk, dv = 24, 4, 256, 256
-            k = meta(cells, kv_heads, dk)
-            call = lambda: kt.attention(meta(n, heads, dk), k, meta(cells, kv_heads, dv), meta(n, dtype=torch.long),
-                                        meta(cells, dtype=torch.long), 0.0625, gate=meta(n, heads, dv))
-        else:
-            heads, kv_heads, dk, dv = 128, 1, 576, 512
-            k = meta(cells, 1, dk)
-            call = lambda: kt.attention(meta(n, heads, dv), k, k[..., :dv], meta(n, dtype=torch.long),
-                                        meta(cells, dtype=torch.long), 0.07, keep=meta(n, cells, dtype=torch.bool),
-                                        q_rest=meta(n, heads, dk - dv))
-        (grid, const), = launches_on_meta(monkeypatch, call)
-        tile = const["HEAD_TILE"]
-        want_tile, tiles = {"qwen35-27b": (8, 1), "mla-128": (16, 8)}[layer]  # 6 heads padded to 8; 128 = 8 · 16
-        assert tile == want_tile and grid[0] == n and grid[2] == kv_heads * tiles
+        (grid, const), = launches_on_meta(monkeypatch, lambda: call(n, cells))
+        assert const["HEAD_TILE"] == tile and grid[0] == n and grid[2] == kv_heads * tiles
         pieces, piece_cells = attention_module.cell_pieces(cells, const["BLOCK_T"], grid[2], torch.device("meta"))
         assert grid[1] == pieces and const["SPLIT"] == (pieces > 1) and piece_cells % const["BLOCK_T"] == 0
         assert (pieces - 1) * piece_cells < cells <= pieces * piece_cells
@@ -275,3 +326,25 @@ def test_unwritten_cells_in_pieces_are_never_read_into_the_sums(small_pieces):
     assert bool((k_pos == UNWRITTEN).any())
     got = check_float32(q, k, v, q_pos, k_pos, 0.125, "50 of 256 cells written, scattered, in pieces")
     assert bool(torch.isfinite(got).all())
+
+
+def test_a_qwen35_27b_layer_at_2k_cells_in_the_rules_own_pieces(small_pieces):
+    """Qwen3.5-27B's attention shape (24 query heads on 4 KV heads, 256 wide, the output gate) over
+    2048 cells at the rule's own MIN_PIECE_CELLS on a 132-SM device (8 pieces of 256 cells): float32
+    within the derived bound; bf16 rows alone and a batch of 4 = rows of the batch, launch after
+    launch (on a GPU the pieces race for the last place: the bits must not care)."""
+    small_pieces(attention_module.MIN_PIECE_CELLS)
+    q, k, v, q_pos, k_pos = case(4, 24, 4, 256, cells=2048, written=2000, seed=90, scattered=True)
+    gate = rand(4, 24, 256, seed=91)
+    pieces, piece_cells = pieces_of(24, 4, 256, 2048)
+    assert (pieces, piece_cells) == (8, 256)
+    check_float32(q, k, v, q_pos, k_pos, 256 ** -0.5, f"24 / 4 heads, 2000 of 2048 cells, {pieces} pieces", gate=gate)
+    q, k, v, gate = (t.bfloat16().to(DEVICE) for t in (q, k, v, gate))
+    q_pos, k_pos = q_pos.to(DEVICE), k_pos.to(DEVICE)
+    batch = kt.attention(q, k, v, q_pos, k_pos, 256 ** -0.5, gate=gate)
+    for _ in range(2):
+        assert torch.equal(kt.attention(q, k, v, q_pos, k_pos, 256 ** -0.5, gate=gate), batch)
+    for i in range(4):
+        alone = kt.attention(q[i:i + 1].clone(), k, v, q_pos[i:i + 1].clone(), k_pos, 256 ** -0.5,
+                             gate=gate[i:i + 1].clone())
+        assert torch.equal(alone, batch[i:i + 1]), i
