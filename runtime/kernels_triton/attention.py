@@ -1,5 +1,5 @@
 """Causal attention over a layer's whole fixed-size K/V buffer, and the write of a batch's K/V into it,
-in one Triton launch each.
+in one Triton launch each (a prompt of many rows over a long buffer: a few, below).
 
     attention(q, k, v, q_pos, k_pos, scale, gate=None, window=0, sinks=None, keep=None, q_rest=None)
                                               -> o [n, heads, dv] in q's dtype
