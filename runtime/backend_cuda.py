@@ -23,8 +23,9 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   same shapes at every step, as CUDA-graph capture needs. `attention` runs kernels_triton.attention,
   one launch for all rows and heads with the output gate (per value or per head), a sliding window
   and attention sinks fused (float32 / bfloat16 / float16, head dimensions up to
-  MAX_ATTENTION_HEAD_DIM): the online softmax over fixed blocks of cells, one program per row and
-  head, so batch-invariant without a per-row loop. `write_kv`: a batch's K and
+  MAX_ATTENTION_HEAD_DIM): the online softmax over fixed blocks and pieces of cells, one program per
+  row, piece and KV head (its query heads as one tile), the pieces combined in a fixed order, so
+  batch-invariant without a per-row loop. `write_kv`: a batch's K and
   V into those buffers by cell index, one launch (kernels_triton.write_kv) where the dtypes match.
 * multi-head latent attention (DeepSeek-V3, DSA): `linear_per_head` (the absorption products by
   attn_k_b / attn_v_b) runs kernels_triton.expert_matmul with each (row, head) pair's head as its

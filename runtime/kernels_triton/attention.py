@@ -1,5 +1,5 @@
 """Causal attention over a layer's whole fixed-size K/V buffer, and the write of a batch's K/V into it,
-in one Triton launch each.
+in one Triton launch each (a prompt of many rows over a long buffer: a few, below).
 
     attention(q, k, v, q_pos, k_pos, scale, gate=None, window=0, sinks=None, keep=None, q_rest=None)
                                               -> o [n, heads, dv] in q's dtype
@@ -29,9 +29,22 @@ score's second part. `q_rest` [n, heads, dk − dv]: the query's last dk − dv 
 their own (the roped q_pe, in any float dtype: widened as it is read), q then holding its first dv
 (q_lat): no concatenation first.
 
-Every row is one program per head (_attention_jit.py): its sums run over the whole buffer in blocks
-of a size fixed by the head dimension, in cell order, so a row gives the same bits alone or in a
-batch of any width, and the launch has the same shape at every step (CUDA-graph capture).
+The grid (_attention_jit.py) is (rows, pieces, KV heads · head tiles): one program per query row,
+piece of the cells, and KV head with a tile of the query heads sharing it (the `group` = heads /
+kv_heads heads padded to a power of two, at most MAX_HEAD_TILE: Qwen3.5-27B's 6 in one tile of 8,
+MLA's 128 in 8 tiles of 16). Each block of BLOCK_T cells (a size fixed by the head dimension,
+`block_cells`) is loaded once for the whole tile, so a K/V cell is read once per (row, KV head,
+head tile), not once per query head. The piece rule (`cell_pieces`): a buffer of `cells` cells
+(blocks = ⌈cells / BLOCK_T⌉) is cut into P = min(multiprocessors // (KV heads · tiles),
+cells // MIN_PIECE_CELLS), at least 1, pieces of ⌈blocks / P⌉ whole blocks each (the last one the
+rest) — a function of the buffer's size, the layer's shape and the device, never of the number of
+rows, and the same at every step of a context (one shape for a CUDA-graph capture). With one piece
+a program writes its rows' output; with several each writes its running max, denominator and
+float32 value sums, and the program that finishes last (a counter per row and tile) combines them in
+piece order 0, 1, 2, ... in the same launch. Every row's sums thus run in the same order whatever the
+batch: a row gives the same bits alone or in a batch of any width. Nothing is read on the host.
+Several pieces need float32 partial sums (heads · pieces · dv a row): a prompt beyond
+WORKSPACE_VALUES of them takes several launches of whole rows, with the same bits.
 
 write_kv: k, v [n, kv_heads, d] into the caches [cells, kv_heads, d] of the same dtype at the cells
 `cells` [n] (an int64 tensor on the device, never read on the host; the caller's cells are in
@@ -48,6 +61,9 @@ from specconv.runtime.kernels_triton import _common
 MAX_HEAD_DIM = 512  # one program holds a head's query and output; wider heads take the torch reference
 # (a latent K cell, V in K, is two pieces of up to MAX_HEAD_DIM: the value and the rest)
 TILE = 8192  # values of one block of K (or V) cells a program holds: BLOCK_T · the padded head width
+MAX_HEAD_TILE = 16  # query heads a program holds: [16, 512] float32 value sums are 32 registers a thread at 8 warps
+MIN_PIECE_CELLS = 256  # a piece of the cells reads at least this many (its partial sums are small beside them)
+WORKSPACE_VALUES = 1 << 24  # float32 partial sums one launch may write (64 MiB)
 
 
 def block_cells(head_dim: int) -> int:
@@ -118,19 +134,77 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     qr = q if q_rest is None else q_rest
     mask = q_pos if keep is None else (keep.view(torch.uint8) if keep.dtype == torch.bool else keep)
     jit = _common.jit_module("_attention_jit")
+    group = heads // kv_heads
     block_dk, block_dv = _common.next_power_of_2(dk), _common.next_power_of_2(dv)
     block_dr = _common.next_power_of_2(dk - dv) if v_in_k else 1
     widest = max(block_dv, block_dr) if v_in_k else max(block_dk, block_dv)
-    jit.attention_kernel[(n * heads,)](q, qr, k, v, k_pos, q_pos, mask, z, q if sinks is None else sinks, o, cells,
-                                       heads, heads // kv_heads, dk, dv, float(scale), int(window), q.stride(0),
-                                       q.stride(1), qr.stride(0), qr.stride(1), k.stride(0), k.stride(1),
-                                       v.stride(0), v.stride(1), mask.stride(0), z.stride(0), z.stride(1),
-                                       HAS_GATE=gate is not None, GATE_PER_HEAD=gate is not None and gate.dim() == 2,
-                                       HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, HAS_KEEP=keep is not None,
-                                       V_IN_K=v_in_k, BLOCK_T=block_cells(max(dk, dv)), BLOCK_DK=block_dk,
-                                       BLOCK_DV=block_dv, BLOCK_DR=block_dr,
-                                       num_warps=4 if widest <= 256 else 8, enable_fp_fusion=False)
+    tile = head_tile(group)
+    tiles = _common.cdiv(group, tile)
+    block = block_cells(max(dk, dv))
+    pieces, piece_cells = cell_pieces(cells, block, kv_heads * tiles, device)
+    split = pieces > 1
+    rows = rows_per_launch(heads, pieces, dv) if split else n
+    for first in range(0, n, rows):  # rows run alone: launches of `rows` rows give each row its bits
+        last = min(n, first + rows)
+        if split:
+            part_m, part_l = (torch.empty((last - first) * heads * pieces, dtype=torch.float32, device=device)
+                              for _ in range(2))
+            part_acc = torch.empty((last - first) * heads * pieces, dv, dtype=torch.float32, device=device)
+            counts = piece_counters(device, (last - first) * kv_heads * tiles)
+        else:
+            part_m = part_l = part_acc = counts = o  # unused
+        per_row = (t[first:] if first else t for t in (q, qr, q_pos, mask, z, o))  # this launch's rows
+        row_q, row_qr, row_qpos, row_mask, row_z, row_o = per_row
+        jit.attention_kernel[(last - first, pieces, kv_heads * tiles)](
+            row_q, row_qr, k, v, k_pos, row_qpos, row_mask, row_z, q if sinks is None else sinks, row_o, part_m, part_l,
+            part_acc, counts, cells, piece_cells, heads, group, dk, dv, float(scale), int(window), q.stride(0),
+            q.stride(1), qr.stride(0), qr.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            mask.stride(0), z.stride(0), z.stride(1),
+            HAS_GATE=gate is not None, GATE_PER_HEAD=gate is not None and gate.dim() == 2, HAS_WINDOW=window > 0,
+            HAS_SINKS=sinks is not None, HAS_KEEP=keep is not None, V_IN_K=v_in_k, SPLIT=split, BLOCK_T=block,
+            BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_DR=block_dr, HEAD_TILE=tile,
+            num_warps=4 if tile * widest <= 2048 else 8, enable_fp_fusion=False)
     return o
+
+
+def head_tile(group: int) -> int:
+    """Query heads per program: the `group` heads sharing a KV head, padded to a power of two, at most
+    MAX_HEAD_TILE (MLA's 128 heads of one latent cell: tiles of 16)."""
+    return min(_common.next_power_of_2(group), MAX_HEAD_TILE)
+
+
+def cell_pieces(cells: int, block: int, programs_per_piece: int, device: torch.device) -> tuple[int, int]:
+    """(pieces, cells per piece) of a buffer of `cells` cells in blocks of `block`: as many pieces as
+    fill the device's multiprocessors with the row's programs (`programs_per_piece`: KV heads ·
+    head tiles), each of at least MIN_PIECE_CELLS cells, each a whole number of blocks (the last one
+    the rest). Never a function of the number of rows, and fixed for a buffer."""
+    blocks = max(1, _common.cdiv(cells, block))
+    want = max(1, min(_common.multiprocessors(device) // programs_per_piece, cells // MIN_PIECE_CELLS))
+    per = _common.cdiv(blocks, want)
+    return _common.cdiv(blocks, per), per * block
+
+
+def rows_per_launch(heads: int, pieces: int, dv: int) -> int:
+    """Rows per launch with several pieces: their partial sums (float32, heads · pieces · dv a row) at
+    most WORKSPACE_VALUES (a prompt of thousands of rows takes several launches)."""
+    return max(1, WORKSPACE_VALUES // (heads * pieces * dv))
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def piece_counters(device: torch.device, count: int) -> torch.Tensor:
+    """`count` int32 zeros on `device`, which each launch with several pieces leaves zero again: one
+    buffer per device (the launches of a device run one after the other, on one stream), made (or
+    grown) outside CUDA-graph capture (a graph's warm-up call), the smaller ones kept alive (a
+    captured graph holds their addresses)."""
+    made = _COUNTERS.setdefault(device, [])
+    if not made or made[-1].numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise SpecconvError(f"attention: {count} piece counters needed inside a CUDA-graph capture; "
+                                f"run the forward once before capturing it")
+        made.append(torch.zeros(max(1024, _common.next_power_of_2(count)), dtype=torch.int32, device=device))
+    return made[-1]
 
 
 def values_in_keys(k: torch.Tensor, v: torch.Tensor) -> bool:

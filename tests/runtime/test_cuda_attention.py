@@ -87,7 +87,9 @@ def rounding_bound(q, k, v, q_pos, k_pos, scale: float, head_dim: int, window: i
     * exp: at most 2 ulps, plus the argument's rounding when exp goes through 2^x (a GPU): ·|s_t − m|,
       so X = 2 + 2·max |s_t − m|; the reference's one exp per cell: 2·X; the kernel's, with the
       rescaling factors of its online softmax (exp(m_old − m_new), at most one per block, applied to
-      the running sum and output alike, so only their product over the blocks counts): 2·(1 + blocks)·X;
+      the running sum and output alike, so only their product over the blocks counts; with several
+      pieces one per later block of the cell's piece and the combine's one: still at most one per
+      block): 2·(1 + blocks)·X;
     * the sums of T visible terms (Σ p, Σ p·v: (T − 1)·ε each, in any order) and the final division
       or the softmax's: 2·T + 2 per side.
     The two sides' bounds add (triangle inequality). A `window` hides the cells it hides on both

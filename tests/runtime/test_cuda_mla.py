@@ -144,8 +144,8 @@ def test_latent_attention_within_float32_rounding(cuda_backend, n, cells, writte
 
 
 def test_latent_attention_is_batch_invariant_in_bf16(cuda_backend):
-    """bfloat16: each row alone gives the bits it gets in a batch of 16 (one program per row and head,
-    the cells in fixed blocks)."""
+    """bfloat16: each row alone gives the bits it gets in a batch of 16 (one program per row, piece and
+    head tile, the cells in fixed blocks and pieces)."""
     q_lat, q_pe, kv, q_pos, k_pos = (t.to(DEVICE) for t in latent_case(16, 48, 40, seed=6, dtype=torch.bfloat16))
     batch = cuda_backend.latent_attention(q_lat, q_pe, kv, q_pos, k_pos, SCALE)
     for i in range(16):
