@@ -98,15 +98,147 @@ def _decode(rows, blk, s: tl.constexpr, i, row_ok, blk_ok, n_in, QTYPE: tl.const
 
 
 @triton.jit
+def _widened(v):
+    """float32 of loaded activation values: a bfloat16 is the top half of its float32 (one shift or mask
+    of the packed pair, where the compiler's widening extracts each half first), else a cast."""
+    if v.dtype == tl.bfloat16:
+        return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return v.to(tl.float32)
+
+
+@triton.jit
 def _input(x_ptr, u_ptr, at_x, at_u, ok, ACT: tl.constexpr):
     """float32 values of the activation rows at element offsets at_x: x itself, or with a GLU
     activation ACT the values act(x) · u (u at offsets at_u) that _pointwise_jit.glu_kernel writes in
-    x's dtype, computed here instead of read back (masked values are 0: act(0) · 0)."""
-    x = tl.load(x_ptr + at_x, mask=ok, other=0).to(tl.float32)
+    x's dtype, computed here instead of read back (masked values are 0: act(0) · 0; `ok` None: every
+    offset inside the rows, read unmasked)."""
+    if ok is None:
+        x = _widened(tl.load(x_ptr + at_x))
+    else:
+        x = _widened(tl.load(x_ptr + at_x, mask=ok, other=0))
     if ACT != NO_ACTIVATION:
-        u = tl.load(u_ptr + at_u, mask=ok, other=0).to(tl.float32)
+        if ok is None:
+            u = _widened(tl.load(u_ptr + at_u))
+        else:
+            u = _widened(tl.load(u_ptr + at_u, mask=ok, other=0))
         x = _glu(x, u, ACT, x_ptr.dtype.element_ty)
     return x
+
+
+@triton.jit
+def _k_weights(base, s: tl.constexpr, low, high, ok, QTYPE: tl.constexpr):
+    """float32 [BLOCK_N, NB, 2, 16]: values 32 s + v of the K-quant blocks at `base` [BLOCK_N, NB, 1, 1],
+    for the product, from the uint8 bytes `low` (the 32 quant bytes of step s: Q4_K / Q5_K's
+    nibbles, Q6_K's low nibbles) and `high` (Q5_K's fifth bits, Q6_K's 2-bit fields). A Q4_K / Q5_K
+    high nibble stays in place (16 q, the fifth bit 256) and its step is divided by 16: a power of
+    two, exact, and the FMA rounds the same exact value once. Q6_K's (q - 32) · step is
+    q · step - 32 · step in one FMA, likewise. The scales and mins are decoded per (row, block)."""
+    if QTYPE == Q6_K:
+        r = s % 4
+        if r < 2:  # low nibbles of ql; 2-bit field r of qh in bits 4-5
+            q = (low & 15) | ((high << (4 - 2 * r)) & 48)
+        else:
+            q = (low >> 4) | ((high >> (2 * r - 4)) & 48)
+        scale = tl.load(base + 192 + 2 * s + tl.arange(0, 2)[None, None, :, None], mask=ok).to(tl.int8, bitcast=True)
+        step = _f16(base + 208, ok) * scale.to(tl.float32)
+        return q.to(tl.int32).to(tl.float32) * step - 32.0 * step
+    scale, low_min = _k_scale_min(base + 4, s, ok)
+    step = _f16(base, ok) * scale.to(tl.float32)
+    offset = _f16(base + 2, ok) * low_min.to(tl.float32)
+    place = 4 + 4 * (s % 2)  # a low nibble as it is, a high one in place (16 q)
+    q = low.to(tl.int32) & (15 << (4 * (s % 2)))
+    if QTYPE == Q5_K:  # the fifth bit of value 32 s + v: bit s of byte 16 + v, moved to bit `place`
+        if s <= place:
+            q = q | ((high.to(tl.int32) << (place - s)) & (1 << place))
+        else:
+            q = q | ((high.to(tl.int32) >> (s - place)) & (1 << place))
+    if s % 2 == 0:
+        return q.to(tl.float32) * step - offset
+    return q.to(tl.float32) * (step * 0.0625) - offset
+
+
+@triton.jit
+def _eighths(t):
+    """The 8 tensors t[..., a, b, c] (a, b, c in 0..1) of t [..., 2, 2, 2], in a fixed order."""
+    a0, a1 = tl.split(t)
+    b0, b1 = tl.split(a0)
+    b2, b3 = tl.split(a1)
+    c0, c1 = tl.split(b0)
+    c2, c3 = tl.split(b1)
+    c4, c5 = tl.split(b2)
+    c6, c7 = tl.split(b3)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _k_step(x_ptr, u_ptr, rows, row_ok, b0, last, n_in, stride_x, stride_u, sums, QTYPE: tl.constexpr,
+            BYTES: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr):
+    """`sums` after the NB K-quant blocks from b0 (_k_sums); with MASKED, blocks from `last` on are
+    left out (a piece's last, partial step), else all NB are inside it."""
+    blk = b0 + tl.arange(0, NB)
+    v = 16 * tl.arange(0, 2)[:, None] + tl.arange(0, 16)[None, :]  # [2, 16]: value v of a 32-value step
+    base = rows[:, None, None, None] + (blk.to(tl.int64) * BYTES)[None, :, None, None]
+    at = base + v[None, None, :, :]
+    ok = row_ok[:, None, None, None]
+    k = tl.arange(0, NB)[:, None, None] * 256 + v[None, :, :]  # [NB, 2, 16]: offsets from block b0's first value
+    k_ok = None
+    if MASKED:
+        ok = ok & (blk < last)[None, :, None, None]
+        k_ok = (blk < last)[:, None, None] & (b0 * 256 + k < n_in)
+    for s in tl.static_range(8):  # a run of bytes read by two steps is loaded once (the compiler merges the loads)
+        if QTYPE == Q6_K:  # low nibbles of steps 4h + r, r = 0, 1 (high nibbles: r = 2, 3); 2-bit fields
+            low = tl.load(at + 64 * (s // 4) + 32 * (s % 2), mask=ok, other=0)
+            high = tl.load(at + 128 + 32 * (s // 4), mask=ok, other=0)
+        else:  # the 32 bytes of steps 2g (low nibbles) and 2g + 1 (high); Q5_K's fifth bits
+            low = tl.load(at + BYTES - 128 + 32 * (s // 2), mask=ok, other=0)
+            high = tl.load(at + 16, mask=ok, other=0) if QTYPE == Q5_K else low
+        w = _k_weights(base, s, low, high, ok, QTYPE)
+        if QTYPE != Q6_K:
+            ws = _eighths(tl.reshape(w, [w.shape[0], NB, 2, 2, 2, 2, 2]))
+        updated = ()
+        for m in tl.static_range(ROWS):
+            x = _input(x_ptr + (m * stride_x + b0 * 256), u_ptr + (m * stride_u + b0 * 256), 32 * s + k, 32 * s + k,
+                       k_ok, ACT)
+            if QTYPE == Q6_K:
+                updated = updated + (sums[m] + w * x[None, :, :, :],)
+            else:
+                xs = _eighths(tl.reshape(x, [NB, 2, 2, 2, 2, 2]))
+                total = sums[m]
+                for e in tl.static_range(8):
+                    total = total + ws[e] * xs[e][None, :, :, :]
+                updated = updated + (total,)
+        sums = updated
+    return sums
+
+
+@triton.jit
+def _k_sums(x_ptr, u_ptr, rows, row_ok, n_in, first, last, stride_x, stride_u, QTYPE: tl.constexpr,
+            BYTES: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+            ACT: tl.constexpr):
+    """_tile_sums of a K-quant (Q4_K, Q5_K, Q6_K) matrix: each 32-value step a [BLOCK_N, NB, 2, 16] tile
+    (two 16-value halves: a Q6_K scale's span), the bytes each step needs loaded once per block and
+    shared by the steps that read them; whole steps in the loop without masks on the activations,
+    the piece's last partial step after it. Q4_K / Q5_K rows keep one float32 per lane: the 8
+    consecutive values a lane holds (NB = 2: its tile is 8 values wide) are added to it one by one
+    in a fixed order (_eighths), so 16 rows fit in registers."""
+    if QTYPE == Q6_K:
+        sums = (tl.zeros([BLOCK_N, NB, 2, 16], dtype=tl.float32),) * ROWS
+    else:
+        sums = (tl.zeros([BLOCK_N, NB, 2, 2], dtype=tl.float32),) * ROWS
+    whole = last - (last - first) % NB
+    for b0 in range(first, whole, NB):
+        sums = _k_step(x_ptr, u_ptr, rows, row_ok, b0, last, n_in, stride_x, stride_u, sums, QTYPE, BYTES, ROWS, NB,
+                       ACT, False)
+    if NB > 1:
+        if whole < last:
+            sums = _k_step(x_ptr, u_ptr, rows, row_ok, whole, last, n_in, stride_x, stride_u, sums, QTYPE, BYTES,
+                           ROWS, NB, ACT, True)
+    m_index = tl.arange(0, ROWS_P2)
+    acc = tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32)
+    for m in tl.static_range(ROWS):
+        total = tl.sum(tl.sum(tl.sum(sums[m], axis=3), axis=2), axis=1)
+        acc = tl.where(m_index[:, None] == m, total[None, :], acc)
+    return acc
 
 
 @triton.jit
@@ -120,7 +252,10 @@ def _tile_sums(x_ptr, u_ptr, rows, row_ok, n_in, first, last, stride_x, stride_u
     no cross-lane reduction and row m's operations are the same whatever ROWS is. Every one-pass
     product (one matrix, experts by index, a group of matrices) runs this, so a matrix's sums are
     the same operations in each. With a GLU activation ACT, x[m, k] is act(gate) · up of rows m of
-    x (the gate) and u (_input)."""
+    x (the gate) and u (_input). K-quants take _k_sums (the same contract)."""
+    if QTYPE == Q4_K or QTYPE == Q5_K or QTYPE == Q6_K:
+        return _k_sums(x_ptr, u_ptr, rows, row_ok, n_in, first, last, stride_x, stride_u, QTYPE, BYTES, ROWS, ROWS_P2,
+                       BLOCK_N, NB, ACT)
     i = tl.arange(0, 32)
     j = tl.arange(0, NB)
     sums = (tl.zeros([BLOCK_N, NB, 32], dtype=tl.float32),) * ROWS

@@ -50,7 +50,7 @@ FUSED_ROWS = 16  # weight rows per program of the one-pass kernel
 # blocks per step of the one-pass kernel: the decoded tile [16, NB·32] is also each activation row's
 # elementwise accumulator, so its size is registers per row (Q8_0's 8 blocks serve one to four rows
 # best and spill past eight; 16-bit floats stay unspilled to 8 rows at 4)
-STEP_BLOCKS = {QType.Q8_0: 8, QType.Q4_K: 1, QType.Q5_K: 1, QType.Q6_K: 1, QType.BF16: 4, QType.F16: 4,
+STEP_BLOCKS = {QType.Q8_0: 8, QType.Q4_K: 2, QType.Q5_K: 2, QType.Q6_K: 1, QType.BF16: 4, QType.F16: 4,
                QType.F32: 4}
 PROGRAMS_PER_SM = 4  # programs in flight per multiprocessor that keep the memory system busy
 FUSED_WARPS = 4

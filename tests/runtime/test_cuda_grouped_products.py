@@ -41,10 +41,12 @@ from tests.runtime.test_triton_kernels import FUSED_BOUND, OUTPUT_ULP, EPS, exac
 
 # (type, inner dimension, numbers of rows of the group's matrices, activation dtype): odd sizes, a
 # matrix of many tiles (not cut) next to matrices of few (cut along the inner dimension); 16-bit
-# float rows end part-way through a 32-value step
+# float rows end part-way through a 32-value step; Q4_K / Q5_K rows of an odd number of blocks (two a
+# kernel step: a piece's last step partial)
 GROUPS = [
     (QType.Q8_0, 512, (40, 17, 200, 33), torch.bfloat16),
-    (QType.Q4_K, 512, (17, 130, 5), torch.float32),
+    (QType.Q4_K, 1280, (17, 130, 5), torch.float32),
+    (QType.Q5_K, 768, (9, 130, 40), torch.bfloat16),
     (QType.Q6_K, 512, (200, 9), torch.bfloat16),
     (QType.BF16, 520, (33, 16, 130, 7), torch.bfloat16),
     (QType.F16, 520, (24, 129, 3), torch.float16),

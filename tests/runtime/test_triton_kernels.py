@@ -38,8 +38,9 @@ from tests.fixtures.quant_rows import sane_rows  # noqa: E402
 
 EPS = float(torch.finfo(torch.float32).eps)
 TYPES = [QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.BF16, QType.F16]
-# row lengths: whole blocks, not a power of two; 16-bit floats end part-way through a 32-value step
-N_IN = {QType.Q8_0: 352, QType.Q4_K: 512, QType.Q5_K: 512, QType.Q6_K: 512, QType.BF16: 100, QType.F16: 77}
+# row lengths: whole blocks, not a power of two; 16-bit floats end part-way through a 32-value step;
+# Q4_K / Q5_K an odd number of blocks (the product kernel takes them two a step: a last partial step)
+N_IN = {QType.Q8_0: 352, QType.Q4_K: 1280, QType.Q5_K: 768, QType.Q6_K: 512, QType.BF16: 100, QType.F16: 77}
 N_OUT = 37  # not a multiple of the kernels' 32-row tile
 
 
@@ -166,7 +167,7 @@ def test_fused_rows_independent_of_batch(qtype):
         assert torch.equal(kt.quant_matmul(x[m:m + 1], packed, qtype, N_OUT, n_in), full[m:m + 1])
 
 
-@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K, QType.Q6_K], ids=lambda t: t.name)
 def test_fused_product_cut_along_the_inner_dimension(qtype, monkeypatch):
     """A matrix with few rows of tiles is cut into pieces along its inner dimension (more programs on
     the GPU), the float32 sums of the pieces added in order: within the same summation noise as one
@@ -361,7 +362,7 @@ def test_causal_conv_keep_ring_of_one_and_16bit_inputs():
 # ---- bad input and a missing Triton -----------------------------------------------------------------
 
 def test_bad_input_one_line_errors():
-    packed = weights(QType.Q4_K, seed=8).to(DEVICE)
+    packed = encoded(QType.Q4_K, N_OUT, 512, seed=8).to(DEVICE)
     x = torch.randn(2, 512, device=DEVICE)
 
     def gdn_on_device(n: int, ring: torch.Tensor) -> list[torch.Tensor]:
