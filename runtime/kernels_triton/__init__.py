@@ -54,6 +54,7 @@ from specconv.runtime.kernels_triton.gdn_chunked import gdn_chunked
 
 __all__ = ["add_gated_shared", "attention", "available", "causal_conv", "dequantize_rows", "expert_matmul",
            "expert_matmul_pair", "gdn_gates", "gdn_step", "gelu_mul", "glu", "grouped_matmul", "l2_norm", "moe_combine",
-           "quant_matmul", "result_dtype", "rms_norm", "rope", "rope_qk", "rope_qk_store", "silu_mul", "softmax_topk", "write_kv", "FUSED_MAX_ROWS",
+           "quant_matmul", "result_dtype", "rms_norm", "rope", "rope_qk", "rope_qk_store", "silu_mul", "softmax_topk",
+           "write_kv", "FUSED_MAX_ROWS",
            "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS", "MAX_TOKENS",
            "gdn_chunked", "add_shared", "grouped_topk", "index_scores", "MAX_INDEX_DIM"]
