@@ -239,6 +239,13 @@ def normed_rope_neox(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin
     return for_device(x.device).normed_rope(x, weight, eps, cos, sin, "neox")
 
 
+def normed_rope_qk(q: torch.Tensor, k: torch.Tensor, q_weight, k_weight, eps: float, cos: torch.Tensor,
+                   sin: torch.Tensor, style: str = "neox") -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed_rope_neox(q, q_weight), normed_rope_neox(k, k_weight)) of one layer (either weight
+    None: the rotation alone; `style` "norm": NORM pairs, rope_pairs): one launch on CUDA."""
+    return for_device(q.device).normed_rope_qk(q, k, q_weight, k_weight, eps, cos, sin, style)
+
+
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """NORM rope: rotate adjacent pairs (2i, 2i + 1) of the first d = 2·cos.shape[-1] dims of every
     head; x: [n, heads, hd]."""
@@ -299,6 +306,31 @@ def attended_kv(batch, layer: int, k: torch.Tensor, v: torch.Tensor):
     memory.UNWRITTEN, masked by any causal mask), so each query row's sums run over the same cells
     wherever the sequence ends and the shapes stay fixed (see cached_attention)."""
     return batch.attend_kv(layer, k, v, whole=rows_alone() or for_device(k.device).static_kv)
+
+
+def roped_attended_kv(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight, k_weight,
+                      eps: float, cos: torch.Tensor, sin: torch.Tensor, style: str = "neox"):
+    """(q', K, V, positions): normed_rope_qk of q and k, then attended_kv of k' and v. Where
+    attended_kv writes the layer's whole buffers in a plain layout (memory.py `Batch.kv_cells`), the
+    backend's normed_rope_store writes k' and v itself: the norms, the rope and the K/V store in one
+    launch on CUDA; the same operations, in the same order, on the torch backend."""
+    backend = for_device(q.device)
+    whole = rows_alone() or backend.static_kv
+    target = batch.kv_cells(layer, q.device) if whole else None
+    if target is None:
+        q, k = normed_rope_qk(q, k, q_weight, k_weight, eps, cos, sin, style)
+        return (q, *batch.attend_kv(layer, k, v, whole=whole))
+    q = backend.normed_rope_store(q, k, v, q_weight, k_weight, eps, cos, sin, style, *target)
+    return (q, *batch.attend_written(layer, q.device))
+
+
+def normed_rope_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight, k_weight,
+                          eps: float, rope: tuple[torch.Tensor, torch.Tensor], scale: float,
+                          gate: torch.Tensor | None = None, style: str = "neox") -> torch.Tensor:
+    """cached_attention of q and k normed and roped by the angles `rope` = (cos, sin)
+    (roped_attended_kv: on CUDA one launch for the norms, the rope and the K/V store)."""
+    q, k_all, v_all, k_pos = roped_attended_kv(batch, layer, q, k, v, q_weight, k_weight, eps, *rope, style=style)
+    return for_device(q.device).attention(q, k_all, v_all, batch.positions, k_pos, scale, gate)
 
 
 def attend_cells(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
