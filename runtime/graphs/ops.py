@@ -324,15 +324,6 @@ def roped_attended_kv(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: to
     return (q, *batch.attend_written(layer, q.device))
 
 
-def normed_rope_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight, k_weight,
-                          eps: float, rope: tuple[torch.Tensor, torch.Tensor], scale: float,
-                          gate: torch.Tensor | None = None, style: str = "neox") -> torch.Tensor:
-    """cached_attention of q and k normed and roped by the angles `rope` = (cos, sin)
-    (roped_attended_kv: on CUDA one launch for the norms, the rope and the K/V store)."""
-    q, k_all, v_all, k_pos = roped_attended_kv(batch, layer, q, k, v, q_weight, k_weight, eps, *rope, style=style)
-    return for_device(q.device).attention(q, k_all, v_all, batch.positions, k_pos, scale, gate)
-
-
 def attend_cells(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                  scale: float, window: int = 0, sinks: torch.Tensor | None = None,
                  gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -354,10 +345,13 @@ def sigmoid_gated(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
     return o * torch.sigmoid(acc(gate)).to(o.dtype)
 
 
-def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Store this batch's K/V in layer `layer`'s cache (runtime/memory.py `Batch`) and attend to every
-    cell visible by position: `causal_attention` over the cache, by the backend (`attention`: one
+def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight, k_weight,
+                     eps: float, rope: tuple[torch.Tensor, torch.Tensor], scale: float,
+                     gate: torch.Tensor | None = None, style: str = "neox") -> torch.Tensor:
+    """Norm (q_weight, k_weight: per-head norms, either None) and rope q and k by the angles `rope` =
+    (cos, sin), store this batch's K/V in layer `layer`'s cache (runtime/memory.py `Batch`) and attend
+    to every cell visible by position: roped_attended_kv (on CUDA one launch for the norms, the rope
+    and the K/V store), then `causal_attention` over the cache, by the backend (`attention`: one
     Triton launch on CUDA), with the output gate `sigmoid_gated(o, gate)` where given.
 
     A backend with `static_kv` (CUDA) attends over the layer's whole fixed-size buffer, cells not
@@ -365,9 +359,8 @@ def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
     (runtime/backend.py `rows_alone`), in which each query row attends alone over that whole buffer,
     so its sums run over the same cells in the same order whatever the batch's width and wherever
     the sequence ends."""
-    backend = for_device(q.device)
-    k_all, v_all, k_pos = batch.attend_kv(layer, k, v, whole=rows_alone() or backend.static_kv)
-    return backend.attention(q, k_all, v_all, batch.positions, k_pos, scale, gate)
+    q, k_all, v_all, k_pos = roped_attended_kv(batch, layer, q, k, v, q_weight, k_weight, eps, *rope, style=style)
+    return for_device(q.device).attention(q, k_all, v_all, batch.positions, k_pos, scale, gate)
 
 
 def cached_latent_attention(batch, layer: int, q_lat: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor,

@@ -18,8 +18,8 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn, trunk
 from specconv.runtime.graphs.decoder import Residual
 from specconv.runtime.graphs.ops import (
-    add_gated_shared, check_rope_scaling, gated_rms_norm, linear, linear_group,
-    linear_wide, moe_softmax_topk, normed_rope_attention, rope_cos_sin_scaled, swiglu,
+    add_gated_shared, cached_attention, check_rope_scaling, gated_rms_norm, linear, linear_group,
+    linear_wide, moe_softmax_topk, rope_cos_sin_scaled, swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -54,8 +54,8 @@ def gated_attention(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch,
     k = k.view(n, hp.num_key_value_heads, hp.head_dim)
     v = v.view(n, hp.num_key_value_heads, hp.head_dim)
     # q and k normed and roped, K/V stored: one kernel on CUDA; attention and o · sigmoid(gate): another
-    o = normed_rope_attention(batch, i, q, k, v, w[f"blk.{i}.attn_q_norm.weight"], w[f"blk.{i}.attn_k_norm.weight"],
-                              hp.rms_norm_eps, rope, hp.head_dim ** -0.5, gate)
+    o = cached_attention(batch, i, q, k, v, w[f"blk.{i}.attn_q_norm.weight"], w[f"blk.{i}.attn_k_norm.weight"],
+                         hp.rms_norm_eps, rope, hp.head_dim ** -0.5, gate)
     return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
 
 
