@@ -11,8 +11,8 @@ TorchBackend.write_kv's index_copy_:
 * batch invariance: a row alone gives the bits it gets in a batch of 16;
 * write_kv: the caches afterwards equal index_copy_'s bit for bit;
 * the seam: ops.cached_attention reaches the kernels through CudaBackend.attention and .write_kv
-  (one launch each per layer instead of the formulas' operations: counted on the `meta` device by
-  benchmarks/cuda_op_count.py), falls back to the formula where the kernel does not apply, and
+  (one launch each per layer instead of the formulas' operations, with the K/V store apart from
+  the rope: counted on the `meta` device by benchmarks/cuda_op_count.py), falls back to the formula where the kernel does not apply, and
   greedy speculative decoding in bfloat16 equals plain decoding with the kernel.
 
 Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set by
