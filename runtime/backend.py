@@ -34,6 +34,11 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
                                                 with DeepSeek Sparse Attention's chosen keys where given
     write_kv(k_cache, v_cache, cells, k, v)     a batch's K/V into a layer's fixed-size buffers, in
                                                 place by cell index (runtime/memory.py `Batch.attend_kv`)
+    normed_rope_qk(q, k, q_weight, k_weight, eps, cos, sin, style)   normed_rope of a layer's q, then
+                                                of its k (ops.normed_rope_qk)
+    normed_rope_store(q, k, v, q_weight, k_weight, eps, cos, sin, style, k_cache, v_cache, cells)
+                                                normed_rope_qk, then write_kv of k and v: q roped
+                                                (ops.roped_attended_kv; one launch on CUDA)
 
 * "torch" (runtime/backend_torch.py): torch operations only, on any device (CPU, CUDA, meta): the
   reference the others are tested against, and what runs where nothing faster applies.

@@ -53,7 +53,10 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   `l2_norm`, `rope` (NEOX and NORM pairs; `normed_rope`: a per-head RMS norm first), `silu_mul`
   (SwiGLU's product), `gelu_mul` (GeGLU's; both kernels_triton.glu) and `gdn_gates`
   (kernels_triton.norm, .rope, .activation): float32 inside, the reference formula's operations in
-  its order, each row reduced by one program (batch-invariant).
+  its order, each row reduced by one program (batch-invariant). `normed_rope_qk`: a layer's q and
+  k in one launch (kernels_triton.rope_qk, each head the bits of its own `normed_rope`);
+  `normed_rope_store`: that launch also writes k and v into the layer's buffers (rope_qk_store), so
+  an attention layer's norms, rope and K/V store are one launch.
 * `route_softmax_topk`: a softmax router's softmax, top-k and renormalisation in one launch
   (kernels_triton.softmax_topk), one program per row.
 * `route_grouped`: a router with a selection bias, expert groups and scales (sigmoid or softmax
@@ -391,6 +394,32 @@ class CudaBackend(TorchBackend):
         if values is None or values is False:  # no norm (the rotation alone), or no kernel for it
             return super().normed_rope(x, weight, eps, cos, sin, style)
         return self.kernels.rope(x, cos, sin, style, norm_weight=values, eps=eps)
+
+    def _qk_weights(self, q, k, q_weight, k_weight, cos, sin):
+        """(q's, k's norm weight) as rope_qk reads them (None: no norm), or None where it cannot take q
+        and k together (then each goes its own way)."""
+        if not (self._rope_fits(q, cos, sin) and self._rope_fits(k, cos, sin) and q.dtype == k.dtype
+                and q.shape[0] == k.shape[0] and q.shape[-1] == k.shape[-1]):
+            return None
+        weights = self._norm_weight(q_weight, q), self._norm_weight(k_weight, k)
+        return None if any(w is False for w in weights) else weights
+
+    def normed_rope_qk(self, q, k, q_weight, k_weight, eps, cos, sin, style):
+        weights = self._qk_weights(q, k, q_weight, k_weight, cos, sin)
+        if weights is None:
+            return super().normed_rope_qk(q, k, q_weight, k_weight, eps, cos, sin, style)
+        return self.kernels.rope_qk(q, k, cos, sin, style, *weights, eps=eps)
+
+    def normed_rope_store(self, q, k, v, q_weight, k_weight, eps, cos, sin, style, k_cache, v_cache, cells):
+        """One launch: q's and k's norms and rope, k and v into the caches (kernels_triton.rope_qk_store),
+        where write_kv's kernel would take k and v."""
+        weights = self._qk_weights(q, k, q_weight, k_weight, cos, sin)
+        if not (weights is not None and self._pointwise(k_cache, v_cache, v) and k_cache.device == q.device
+                and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype and cells.device == q.device
+                and cells.dtype == torch.int64 and cells.dim() == 1):
+            return super().normed_rope_store(q, k, v, q_weight, k_weight, eps, cos, sin, style, k_cache, v_cache,
+                                             cells)
+        return self.kernels.rope_qk_store(q, k, v, cos, sin, style, k_cache, v_cache, cells, *weights, eps=eps)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if not (self._pointwise(gate, up) and gate.dtype == up.dtype and gate.shape == up.shape and gate.dim()):

@@ -15,7 +15,7 @@ checked for host reads: tests/runtime/test_backend.py).
 * `attention`: ops.causal_attention, or with a window or sinks ops.windowed_attention (einsums, a
   mask and torch's softmax; in batch-invariant mode each query row alone), then an optional sigmoid
   output gate. `write_kv`: a batch's K/V into a layer's fixed-size buffers by cell index
-  (index_copy_).
+  (index_copy_); `normed_rope_store`: `normed_rope` of q, of k, then `write_kv`, in that order.
 * `causal_conv`, `delta_rule`: the torch forms of runtime/graphs/gdn.py; in batch-invariant mode
   the delta rule runs token by token, each token as a batch of one would (`exact`).
   `causal_conv_slots`, `delta_rule_slots`: the same forms reading and writing the memory's ring of
@@ -258,6 +258,22 @@ class TorchBackend:
         """rope(rms_norm(x, weight) over each head): a per-head q or k norm and the rotation after it;
         without a weight (a family whose q or k has no norm) the rotation alone."""
         return self.rope(x if weight is None else self.rms_norm(x, weight, eps), cos, sin, style)
+
+    def normed_rope_qk(self, q: torch.Tensor, k: torch.Tensor, q_weight, k_weight, eps: float, cos: torch.Tensor,
+                       sin: torch.Tensor, style: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed_rope(q, q_weight), normed_rope(k, k_weight)): an attention layer's q and k, in that
+        order, with the same angles."""
+        return (self.normed_rope(q, q_weight, eps, cos, sin, style),
+                self.normed_rope(k, k_weight, eps, cos, sin, style))
+
+    def normed_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight, k_weight, eps: float,
+                          cos: torch.Tensor, sin: torch.Tensor, style: str, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+        """normed_rope_qk, then write_kv of the roped k and of v at `cells` (a layer's whole buffers):
+        the roped q."""
+        q, k = self.normed_rope_qk(q, k, q_weight, k_weight, eps, cos, sin, style)
+        self.write_kv(k_cache, v_cache, cells, k, v)
+        return q
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) · up (SwiGLU's product before its down projection)."""

@@ -361,18 +361,12 @@ class Batch:
         and V views its first value_width entries: v and k are written side by side, once."""
         m, s, n = self.memory, self.seq, k.shape[0]
         if whole:  # written by a cell index tensor: what a captured graph replays with new cells
-            cells = self.index(k.device).cells
             if m.layout.value_width:  # the K cell is [v | k]: both pieces in one launch, no joined copy
-                w = m.layout.value_width
+                w, cells = m.layout.value_width, self.index(k.device).cells
                 for_device(k.device).write_kv(m.k[layer][s][..., :w], m.k[layer][s][..., w:], cells, v, k)
             else:
-                for_device(k.device).write_kv(m.k[layer][s], m.v[layer][s], cells, k, v)  # one launch on CUDA
-
-            def whole_positions(dev):
-                pos = m.cell_pos[s].to(dev, copy=True).index_copy_(0, cells, self.positions.to(dev))
-                return pos.masked_fill_(pos < 0, UNWRITTEN)
-
-            return m.k[layer][s], m.v[layer][s], self._on(k.device, "whole", whole_positions)
+                for_device(k.device).write_kv(*self.kv_cells(layer, k.device), k, v)  # one launch on CUDA
+            return self.attend_written(layer, k.device)
         end = self.start + n
         if m.layout.value_width:
             m.k[layer][s, self.start:end, ..., :m.layout.value_width] = v.to(m.dtype)
@@ -385,6 +379,26 @@ class Batch:
             pos = self._visible[k.device] = torch.cat([m.cell_pos[s, :self.start].to(k.device),
                                                        self.positions.to(k.device)])
         return m.k[layer][s, :end], m.v[layer][s, :end], pos
+
+    def kv_cells(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(K buffer, V buffer, cells): where attend_kv(whole=True) writes this batch's K/V in layer
+        `layer` (cells an index tensor on `device`), for a caller that writes them itself and then
+        reads them with attend_written; None in a layout whose V is part of K (value_width)."""
+        m = self.memory
+        if m.layout.value_width:
+            return None
+        return m.k[layer][self.seq], m.v[layer][self.seq], self.index(device).cells
+
+    def attend_written(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K, V, positions) of attend_kv(whole=True), this batch's K/V already written at kv_cells."""
+        m, s = self.memory, self.seq
+        cells = self.index(device).cells
+
+        def whole_positions(dev):
+            pos = m.cell_pos[s].to(dev, copy=True).index_copy_(0, cells, self.positions.to(dev))
+            return pos.masked_fill_(pos < 0, UNWRITTEN)
+
+        return m.k[layer][s], m.v[layer][s], self._on(device, "whole", whole_positions)
 
     def _on(self, device, what: str, build) -> torch.Tensor:
         """`build(device)`, made once per batch and device (the same for every layer)."""

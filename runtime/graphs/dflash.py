@@ -27,7 +27,8 @@ from specconv.archs.errors import SpecconvError
 from specconv.runtime.graphs import draft_head
 from specconv.runtime.graphs.contract import no_tensors
 from specconv.runtime.graphs.ops import (
-    acc, acc_dtype, add_rms_norm, by_rows, dense, head_projections, linear, normed_rope_neox, rms_norm, rope_cos_sin, swiglu,
+    acc, acc_dtype, add_rms_norm, by_rows, dense, head_projections, linear, normed_rope_neox, normed_rope_qk, rms_norm,
+    rope_cos_sin, swiglu,
 )
 from specconv.runtime.memory import Batch, Memory, MemoryLayout
 from specconv.runtime.types import GraphType
@@ -89,12 +90,17 @@ def _rope(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
     return rope_cos_sin(positions, hp.rotary_dim, hp.rope_freq_base, dtype)
 
 
+def _projected_kv(w, hp: HParams, i: int, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K (before its norm and rope) and V of rows g in layer i."""
+    p = f"blk.{i}."
+    return head_projections(g, [w[p + "attn_k.weight"], w[p + "attn_v.weight"]], (hp.num_key_value_heads,) * 2,
+                            hp.head_dim)
+
+
 def _context_kv(w, hp: HParams, i: int, g: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
     """K (normed, roped) and V of context rows g in layer i; no attn_norm on g (it is normed once)."""
-    p = f"blk.{i}."
-    k, v = head_projections(g, [w[p + "attn_k.weight"], w[p + "attn_v.weight"]], (hp.num_key_value_heads,) * 2,
-                            hp.head_dim)
-    return normed_rope_neox(k, w[p + "attn_k_norm.weight"], hp.rms_norm_eps, *rope), v
+    k, v = _projected_kv(w, hp, i, g)
+    return normed_rope_neox(k, w[f"blk.{i}.attn_k_norm.weight"], hp.rms_norm_eps, *rope), v
 
 
 def forward_mtp(w, hp: HParams, tokens: torch.Tensor, hidden_in: torch.Tensor, batch: Batch):
@@ -165,8 +171,9 @@ def forward_block(w, hp: HParams, tokens: torch.Tensor, positions: torch.Tensor,
             dyn = linear(a, w[p + "attn_conv_proj.weight"])
             a = _conv(hp, a, dyn, w[p + "attn_conv_base"], 0)
         q = linear(a, w[p + "attn_q.weight"]).view(n, hp.num_attention_heads, hp.head_dim)
-        q = normed_rope_neox(q, w[p + "attn_q_norm.weight"], hp.rms_norm_eps, *rope)
-        k, v = _context_kv(w, hp, i, a, rope)  # the block rows' own K/V: same projections, on attn_norm(x)
+        k, v = _projected_kv(w, hp, i, a)  # the block rows' own K/V: the context's projections, on attn_norm(x)
+        q, k = normed_rope_qk(q, k, w[p + "attn_q_norm.weight"], w[p + "attn_k_norm.weight"], hp.rms_norm_eps,
+                              *rope)  # one launch on CUDA
         k_ctx, v_ctx, pos_ctx = memory.cells(seq, i)
         window = hp.sliding_window if hp.sliding_window_pattern and hp.sliding_window_pattern[i] else 0
         o = _attention(q, torch.cat([k_ctx.to(k.dtype), k]), torch.cat([v_ctx.to(v.dtype), v]), positions,

@@ -25,8 +25,8 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts, for_device
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import (
-    acc, acc_dtype, add_normed, add_rms_norm, attend_cells, attended_kv, glu_linear, linear, linear_group, moe_out,
-    normed_rope_neox, rms_norm, rope_cos_sin, rope_inv_freq,
+    acc, acc_dtype, add_normed, add_rms_norm, attend_cells, glu_linear, linear, linear_group, moe_out,
+    normed_rope_neox, rms_norm, rope_cos_sin, rope_inv_freq, roped_attended_kv,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -125,19 +125,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     return attend_cells(q, k, v, q_pos, k_pos, 1.0, window=window)
 
 
+def _projected_q(w, hp: Gemma4HParams, i: int, a: torch.Tensor) -> torch.Tensor:
+    return linear(a, w[_blk(i, "attn_q")]).view(a.shape[0], hp.num_attention_heads, hp.head_dim[i])
+
+
 def query(w, hp: Gemma4HParams, i: int, a: torch.Tensor, rope) -> torch.Tensor:
-    n, hd = a.shape[0], hp.head_dim[i]
-    q = linear(a, w[_blk(i, "attn_q")]).view(n, hp.num_attention_heads, hd)
-    return normed_rope_neox(q, w[_blk(i, "attn_q_norm")], hp.rms_norm_eps, *rope[hp.is_sliding(i)])
+    """q normed and roped, for a layer that reads another layer's K/V."""
+    return normed_rope_neox(_projected_q(w, hp, i, a), w[_blk(i, "attn_q_norm")], hp.rms_norm_eps,
+                            *rope[hp.is_sliding(i)])
 
 
-def keys_values(w, hp: Gemma4HParams, i: int, a: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+def query_own_kv(w, hp: Gemma4HParams, i: int, a: torch.Tensor, batch: Batch, rope):
+    """(q, K, V, positions) of a layer with K/V of its own: q, k and v projected, v RMS-normed without
+    a weight, q and k normed and roped and k, v stored (ops.roped_attended_kv: one launch on CUDA)."""
     n, hd, nkv = a.shape[0], hp.head_dim[i], hp.num_key_value_heads[i]
+    q = _projected_q(w, hp, i, a)
     k_raw = linear(a, w[_blk(i, "attn_k")]).view(n, nkv, hd)
     v_w = w.get(_blk(i, "attn_v"))
     v = k_raw if v_w is None else linear(a, v_w).view(n, nkv, hd)  # attention_k_eq_v: V is the raw K
-    k = normed_rope_neox(k_raw, w[_blk(i, "attn_k_norm")], hp.rms_norm_eps, *rope[hp.is_sliding(i)])
-    return k, rms_norm(v, None, hp.rms_norm_eps)
+    return roped_attended_kv(batch, i, q, k_raw, rms_norm(v, None, hp.rms_norm_eps), w[_blk(i, "attn_q_norm")],
+                             w[_blk(i, "attn_k_norm")], hp.rms_norm_eps, *rope[hp.is_sliding(i)])
 
 
 def attention_out(w, hp: Gemma4HParams, i: int, o: torch.Tensor) -> torch.Tensor:
@@ -202,10 +209,11 @@ def _block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, batch: Batch, rope, kv
     (`kv_of`: the K/V of the blocks run so far), the FFN with its sandwich norms, the per-layer input
     (PLE rows [n, N, P], or None), times the layer output scale."""
     a = rms_norm(h, w[_blk(i, "attn_norm")], hp.rms_norm_eps)
-    q = query(w, hp, i, a, rope)
     if hp.owns_kv(i):
-        k, v = keys_values(w, hp, i, a, rope)
-        kv_of[i] = attended_kv(batch, i, k, v)
+        q, k_all, v_all, k_pos = query_own_kv(w, hp, i, a, batch, rope)
+        kv_of[i] = k_all, v_all, k_pos
+    else:
+        q = query(w, hp, i, a, rope)
     k_all, v_all, k_pos = kv_of[hp.kv_layer(i)]
     o = attend(q, k_all, v_all, batch.positions, k_pos, hp.sliding_window if hp.is_sliding(i) else 0)
     scale = w[_blk(i, "layer_output_scale")]

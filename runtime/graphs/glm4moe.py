@@ -18,7 +18,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    add_bias, cached_attention, check_rope_scaling, linear, linear_group, normed_rope_neox, rope_cos_sin_scaled,
+    add_bias, cached_attention, check_rope_scaling, linear, linear_group, rope_cos_sin_scaled,
 )
 from specconv.runtime.memory import Batch
 
@@ -41,9 +41,8 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     q = q.view(n, hp.num_attention_heads, hp.head_dim)
     k = k.view(n, hp.num_key_value_heads, hp.head_dim)
     v = v.view(n, hp.num_key_value_heads, hp.head_dim)
-    q = normed_rope_neox(q, w.get(p + "attn_q_norm.weight"), hp.rms_norm_eps, *rope)  # q / k norms optional
-    k = normed_rope_neox(k, w.get(p + "attn_k_norm.weight"), hp.rms_norm_eps, *rope)
-    o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
+    o = cached_attention(batch, i, q, k, v, w.get(p + "attn_q_norm.weight"), w.get(p + "attn_k_norm.weight"),
+                         hp.rms_norm_eps, rope, hp.head_dim ** -0.5)  # q / k norms optional
     return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[p + "attn_output.weight"])
 
 

@@ -16,7 +16,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.llama import LLAMA_TABLE, ROPE_FREQS, LlamaHParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import trunk
-from specconv.runtime.graphs.ops import cached_attention, head_projections, linear, rope_pairs, swiglu
+from specconv.runtime.graphs.ops import cached_attention, head_projections, linear, swiglu
 from specconv.runtime.memory import Batch
 
 HParams = LlamaHParams  # read from GGUF metadata by LlamaHParams.from_kv (archs/llama.py)
@@ -53,9 +53,8 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     n = a.shape[0]
     q, k, v = head_projections(a, [w[f"blk.{i}.attn_{x}.weight"] for x in "qkv"],
                                (hp.num_attention_heads, hp.num_key_value_heads, hp.num_key_value_heads), hp.head_dim)
-    cos, sin = rope
-    q, k = rope_pairs(q, cos, sin), rope_pairs(k, cos, sin)  # NORM rope: one kernel each on CUDA
-    o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
+    # NORM rope of q and k (no norms), K/V stored: one kernel on CUDA
+    o = cached_attention(batch, i, q, k, v, None, None, 0.0, rope, hp.head_dim ** -0.5, style="norm")
     return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
 
 

@@ -25,7 +25,7 @@ from specconv.archs.mimo2_hparams import Mimo2HParams
 from specconv.runtime.graphs import chained, trunk
 from specconv.runtime.graphs.decoder import nextn_input, normed, output_head
 from specconv.runtime.graphs.ops import (
-    acc, acc_dtype, attend_cells, attended_kv, linear, rope_cos_sin, rope_neox_partial,
+    acc, acc_dtype, attend_cells, attended_kv, linear, normed_rope_qk, rope_cos_sin,
 )
 from specconv.runtime.memory import Batch
 from specconv.runtime.placement import on_layer_device
@@ -68,7 +68,7 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
         q, k, v = (linear(a, w[p + f"attn_{x}.weight"]) for x in "qkv")
     q, k, v = q.reshape(n, nh, hp.head_dim), k.reshape(n, nkv, hp.head_dim), v.reshape(n, nkv, hp.v_head_dim)
     cos, sin = rope[1] if hp.is_sliding(i) else rope[0]
-    q, k = rope_neox_partial(q, cos, sin), rope_neox_partial(k, cos, sin)
+    q, k = normed_rope_qk(q, k, None, None, 0.0, cos, sin)  # NEOX rope of q and k (no norms): one launch on CUDA
     W = hp.cell_width
     k_all, v_all, k_pos = attended_kv(batch, i, _pad(k, W), _pad(v, W))
     sinks = w.get(p + "attn_sinks.weight")

@@ -239,6 +239,13 @@ def normed_rope_neox(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin
     return for_device(x.device).normed_rope(x, weight, eps, cos, sin, "neox")
 
 
+def normed_rope_qk(q: torch.Tensor, k: torch.Tensor, q_weight, k_weight, eps: float, cos: torch.Tensor,
+                   sin: torch.Tensor, style: str = "neox") -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed_rope_neox(q, q_weight), normed_rope_neox(k, k_weight)) of one layer (either weight
+    None: the rotation alone; `style` "norm": NORM pairs, rope_pairs): one launch on CUDA."""
+    return for_device(q.device).normed_rope_qk(q, k, q_weight, k_weight, eps, cos, sin, style)
+
+
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """NORM rope: rotate adjacent pairs (2i, 2i + 1) of the first d = 2·cos.shape[-1] dims of every
     head; x: [n, heads, hd]."""
@@ -301,6 +308,22 @@ def attended_kv(batch, layer: int, k: torch.Tensor, v: torch.Tensor):
     return batch.attend_kv(layer, k, v, whole=rows_alone() or for_device(k.device).static_kv)
 
 
+def roped_attended_kv(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight, k_weight,
+                      eps: float, cos: torch.Tensor, sin: torch.Tensor, style: str = "neox"):
+    """(q', K, V, positions): normed_rope_qk of q and k, then attended_kv of k' and v. Where
+    attended_kv writes the layer's whole buffers in a plain layout (memory.py `Batch.kv_cells`), the
+    backend's normed_rope_store writes k' and v itself: the norms, the rope and the K/V store in one
+    launch on CUDA; the same operations, in the same order, on the torch backend."""
+    backend = for_device(q.device)
+    whole = rows_alone() or backend.static_kv
+    target = batch.kv_cells(layer, q.device) if whole else None
+    if target is None:
+        q, k = normed_rope_qk(q, k, q_weight, k_weight, eps, cos, sin, style)
+        return (q, *batch.attend_kv(layer, k, v, whole=whole))
+    q = backend.normed_rope_store(q, k, v, q_weight, k_weight, eps, cos, sin, style, *target)
+    return (q, *batch.attend_written(layer, q.device))
+
+
 def attend_cells(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                  scale: float, window: int = 0, sinks: torch.Tensor | None = None,
                  gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -322,10 +345,13 @@ def sigmoid_gated(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
     return o * torch.sigmoid(acc(gate)).to(o.dtype)
 
 
-def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Store this batch's K/V in layer `layer`'s cache (runtime/memory.py `Batch`) and attend to every
-    cell visible by position: `causal_attention` over the cache, by the backend (`attention`: one
+def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight, k_weight,
+                     eps: float, rope: tuple[torch.Tensor, torch.Tensor], scale: float,
+                     gate: torch.Tensor | None = None, style: str = "neox") -> torch.Tensor:
+    """Norm (q_weight, k_weight: per-head norms, either None) and rope q and k by the angles `rope` =
+    (cos, sin), store this batch's K/V in layer `layer`'s cache (runtime/memory.py `Batch`) and attend
+    to every cell visible by position: roped_attended_kv (on CUDA one launch for the norms, the rope
+    and the K/V store), then `causal_attention` over the cache, by the backend (`attention`: one
     Triton launch on CUDA), with the output gate `sigmoid_gated(o, gate)` where given.
 
     A backend with `static_kv` (CUDA) attends over the layer's whole fixed-size buffer, cells not
@@ -333,9 +359,8 @@ def cached_attention(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
     (runtime/backend.py `rows_alone`), in which each query row attends alone over that whole buffer,
     so its sums run over the same cells in the same order whatever the batch's width and wherever
     the sequence ends."""
-    backend = for_device(q.device)
-    k_all, v_all, k_pos = batch.attend_kv(layer, k, v, whole=rows_alone() or backend.static_kv)
-    return backend.attention(q, k_all, v_all, batch.positions, k_pos, scale, gate)
+    q, k_all, v_all, k_pos = roped_attended_kv(batch, layer, q, k, v, q_weight, k_weight, eps, *rope, style=style)
+    return for_device(q.device).attention(q, k_all, v_all, batch.positions, k_pos, scale, gate)
 
 
 def cached_latent_attention(batch, layer: int, q_lat: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor,

@@ -19,7 +19,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts, for_device
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    cached_attention, head_projections, linear, linear_wide, moe_out, normed_rope_neox, rope_cos_sin_scaled, swiglu,
+    cached_attention, head_projections, linear, linear_wide, moe_out, rope_cos_sin_scaled, swiglu,
 )
 from specconv.runtime.memory import Batch
 
@@ -47,9 +47,9 @@ def attention(w, hp, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tenso
     n, p, eps = a.shape[0], f"blk.{i}.", hp.rms_norm_eps
     q, k, v = head_projections(a, [w[p + f"attn_{x}.weight"] for x in "qkv"],
                                (hp.num_attention_heads, hp.num_key_value_heads, hp.num_key_value_heads), hp.head_dim)
-    q = normed_rope_neox(q, w[p + "attn_q_norm.weight"], eps, *rope)  # one kernel each on CUDA
-    k = normed_rope_neox(k, w[p + "attn_k_norm.weight"], eps, *rope)
-    o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5)
+    # q and k normed and roped, K/V stored: one kernel on CUDA
+    o = cached_attention(batch, i, q, k, v, w[p + "attn_q_norm.weight"], w[p + "attn_k_norm.weight"], eps, rope,
+                         hp.head_dim ** -0.5)
     return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[p + "attn_output.weight"])
 
 

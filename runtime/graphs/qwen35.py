@@ -19,7 +19,7 @@ from specconv.runtime.graphs import gdn, trunk
 from specconv.runtime.graphs.decoder import Residual
 from specconv.runtime.graphs.ops import (
     add_gated_shared, cached_attention, check_rope_scaling, gated_rms_norm, linear, linear_group,
-    linear_wide, moe_softmax_topk, normed_rope_neox, rope_cos_sin_scaled, swiglu,
+    linear_wide, moe_softmax_topk, rope_cos_sin_scaled, swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -53,9 +53,9 @@ def gated_attention(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch,
     q, gate = qg[..., :hp.head_dim], qg[..., hp.head_dim:]  # q and gate interleaved per head
     k = k.view(n, hp.num_key_value_heads, hp.head_dim)
     v = v.view(n, hp.num_key_value_heads, hp.head_dim)
-    q = normed_rope_neox(q, w[f"blk.{i}.attn_q_norm.weight"], hp.rms_norm_eps, *rope)  # one kernel each on CUDA
-    k = normed_rope_neox(k, w[f"blk.{i}.attn_k_norm.weight"], hp.rms_norm_eps, *rope)
-    o = cached_attention(batch, i, q, k, v, hp.head_dim ** -0.5, gate)  # o · sigmoid(gate): one kernel on CUDA
+    # q and k normed and roped, K/V stored: one kernel on CUDA; attention and o · sigmoid(gate): another
+    o = cached_attention(batch, i, q, k, v, w[f"blk.{i}.attn_q_norm.weight"], w[f"blk.{i}.attn_k_norm.weight"],
+                         hp.rms_norm_eps, rope, hp.head_dim ** -0.5, gate)
     return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
 
 

@@ -25,7 +25,7 @@ from specconv.archs.step35 import STEP35_TABLE
 from specconv.archs.step35_hparams import Step35HParams
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs.ops import (
-    attend_cells, attended_kv, head_projections, linear, normed_rope_neox, rope_cos_sin, swiglu,
+    attend_cells, head_projections, linear, rope_cos_sin, roped_attended_kv, swiglu,
 )
 from specconv.runtime.memory import Batch
 from specconv.runtime.validate import check_rope_width
@@ -53,9 +53,8 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     nh, nkv = hp.num_attention_heads[i], hp.num_key_value_heads[i]
     q, k, v = head_projections(a, [w[p + f"attn_{x}.weight"] for x in "qkv"], (nh, nkv, nkv), hd)
     rope_i = rope[1] if hp.is_sliding(i) else rope[0]
-    q = normed_rope_neox(q, w.get(p + "attn_q_norm.weight"), hp.rms_norm_eps, *rope_i)  # q / k norms optional
-    k = normed_rope_neox(k, w.get(p + "attn_k_norm.weight"), hp.rms_norm_eps, *rope_i)
-    k_all, v_all, k_pos = attended_kv(batch, i, k, v)
+    q, k_all, v_all, k_pos = roped_attended_kv(batch, i, q, k, v, w.get(p + "attn_q_norm.weight"),  # norms optional
+                                               w.get(p + "attn_k_norm.weight"), hp.rms_norm_eps, *rope_i)
     gate = linear(a, w[p + "attn_gate.weight"]) if p + "attn_gate.weight" in w else None  # one per head
     o = attend_cells(q, k_all, v_all, batch.positions, k_pos, hd ** -0.5,
                      window=hp.sliding_window if hp.is_sliding(i) else 0, gate=gate)

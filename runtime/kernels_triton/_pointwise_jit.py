@@ -81,19 +81,12 @@ def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, h_ptr, s_ptr, y_ptr, inne
 
 
 @triton.jit
-def rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, heads, half, head_dim, count, eps, stride_xn, stride_xh,
-                stride_cn, stride_sn, STYLE: tl.constexpr, NORMED: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                BLOCK_REST: tl.constexpr):
-    """Head h of token t (program t · heads + h) of x [n, heads, head_dim]: its first 2·half values
-    rotated pairwise by the angles of row t of cos / sin [n, half] (NEOX or NORM pairs), the rest
-    copied; y contiguous [n, heads, head_dim]. With NORMED the head is RMS-normed first
-    (x · (Σ x² / count + eps)^(-1/2) ⊙ w over head_dim, rounded into x's dtype: a per-head q or k
-    norm), then rotated."""
-    p = tl.program_id(0)
-    t = p // heads
-    h = p % heads
-    src = x_ptr + t * stride_xn + h * stride_xh
-    dst = y_ptr + p * head_dim
+def _rope_head(src, dst, cos_row, sin_row, w_ptr, half, head_dim, count, eps, STYLE: tl.constexpr,
+               NORMED: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """One head at src (head_dim values, contiguous): its first 2·half values rotated pairwise by the
+    angles at cos_row / sin_row (NEOX or NORM pairs), the rest copied, into dst. With NORMED the head
+    is RMS-normed first (x · (Σ x² / count + eps)^(-1/2) ⊙ w over head_dim, rounded into src's dtype:
+    a per-head q or k norm), then rotated."""
     i = tl.arange(0, BLOCK_HALF)
     ok = i < half
     if STYLE == NEOX:
@@ -111,16 +104,65 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, heads, half, head_dim, co
         if BLOCK_REST > 0:
             total += tl.sum(xr * xr, axis=0)
         inv = inverse_root(tl.div_rn(total, count), eps)
-        x1 = _rounded(x1 * inv * tl.load(w_ptr + first, mask=ok, other=0.0).to(tl.float32), x_ptr.dtype.element_ty)
-        x2 = _rounded(x2 * inv * tl.load(w_ptr + second, mask=ok, other=0.0).to(tl.float32), x_ptr.dtype.element_ty)
+        x1 = _rounded(x1 * inv * tl.load(w_ptr + first, mask=ok, other=0.0).to(tl.float32), src.dtype.element_ty)
+        x2 = _rounded(x2 * inv * tl.load(w_ptr + second, mask=ok, other=0.0).to(tl.float32), src.dtype.element_ty)
         if BLOCK_REST > 0:
             xr = xr * inv * tl.load(w_ptr + j, mask=rest, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + t * stride_cn + i, mask=ok, other=0.0)
-    s = tl.load(sin_ptr + t * stride_sn + i, mask=ok, other=0.0)
-    tl.store(dst + first, (x1 * c - x2 * s).to(y_ptr.dtype.element_ty), mask=ok)
-    tl.store(dst + second, (x2 * c + x1 * s).to(y_ptr.dtype.element_ty), mask=ok)
+    c = tl.load(cos_row + i, mask=ok, other=0.0)
+    s = tl.load(sin_row + i, mask=ok, other=0.0)
+    tl.store(dst + first, (x1 * c - x2 * s).to(dst.dtype.element_ty), mask=ok)
+    tl.store(dst + second, (x2 * c + x1 * s).to(dst.dtype.element_ty), mask=ok)
     if BLOCK_REST > 0:
-        tl.store(dst + j, xr.to(y_ptr.dtype.element_ty), mask=rest)
+        tl.store(dst + j, xr.to(dst.dtype.element_ty), mask=rest)
+
+
+@triton.jit
+def rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, heads, half, head_dim, count, eps, stride_xn, stride_xh,
+                stride_cn, stride_sn, STYLE: tl.constexpr, NORMED: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                BLOCK_REST: tl.constexpr):
+    """Head h of token t (program t · heads + h) of x [n, heads, head_dim] by _rope_head with the
+    angles of row t of cos / sin [n, half]; y contiguous [n, heads, head_dim]."""
+    p = tl.program_id(0)
+    t = p // heads
+    h = p % heads
+    _rope_head(x_ptr + t * stride_xn + h * stride_xh, y_ptr + p * head_dim, cos_ptr + t * stride_cn,
+               sin_ptr + t * stride_sn, w_ptr, half, head_dim, count, eps, STYLE, NORMED, BLOCK_HALF, BLOCK_REST)
+
+
+@triton.jit
+def qk_rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qy_ptr, ky_ptr, vy_ptr, cells_ptr,
+                   q_heads, k_heads, half, head_dim, dv, count, eps, stride_qn, stride_qh, stride_kn, stride_kh,
+                   stride_vn, stride_vh, stride_cn, stride_sn, stride_kyt, stride_kyh, stride_vyt, stride_vyh,
+                   STYLE: tl.constexpr, Q_NORMED: tl.constexpr, K_NORMED: tl.constexpr, STORE: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """q [n, q_heads, head_dim] and k [n, k_heads, head_dim] of one layer, each head by _rope_head
+    with the angles of its token's row (program t · (q_heads + k_heads) + h: a q head for h <
+    q_heads, else k head h - q_heads), each with its own norm weight when Q_NORMED / K_NORMED: the
+    operations rope_kernel makes for it. q's heads go to qy contiguous [n, q_heads, head_dim]; k's
+    to row t of ky (strides stride_kyt, stride_kyh), or with STORE to row cells[t] of the K cache
+    ky, where the k head's program also copies v[t, h] into row cells[t] of the V cache vy, bits
+    unchanged (write_kv_kernel's copy)."""
+    p = tl.program_id(0)
+    heads = q_heads + k_heads
+    t = p // heads
+    h = p % heads
+    cos_row = cos_ptr + t * stride_cn
+    sin_row = sin_ptr + t * stride_sn
+    if h < q_heads:
+        _rope_head(q_ptr + t * stride_qn + h * stride_qh, qy_ptr + (t * q_heads + h) * head_dim, cos_row, sin_row,
+                   qw_ptr, half, head_dim, count, eps, STYLE, Q_NORMED, BLOCK_HALF, BLOCK_REST)
+    else:
+        hk = h - q_heads
+        if STORE:
+            row = tl.load(cells_ptr + t).to(tl.int64)
+        else:
+            row = t.to(tl.int64)
+        _rope_head(k_ptr + t * stride_kn + hk * stride_kh, ky_ptr + row * stride_kyt + hk * stride_kyh, cos_row,
+                   sin_row, kw_ptr, half, head_dim, count, eps, STYLE, K_NORMED, BLOCK_HALF, BLOCK_REST)
+        if STORE:
+            d = tl.arange(0, BLOCK_DV)
+            values = tl.load(v_ptr + t * stride_vn + hk * stride_vh + d, mask=d < dv)
+            tl.store(vy_ptr + row * stride_vyt + hk * stride_vyh + d, values, mask=d < dv)
 
 
 GELU_BETA = tl.constexpr(0.7978845608028654)  # √(2/π)

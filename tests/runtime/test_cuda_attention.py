@@ -11,8 +11,8 @@ TorchBackend.write_kv's index_copy_:
 * batch invariance: a row alone gives the bits it gets in a batch of 16;
 * write_kv: the caches afterwards equal index_copy_'s bit for bit;
 * the seam: ops.cached_attention reaches the kernels through CudaBackend.attention and .write_kv
-  (one launch each per layer instead of the formulas' operations: counted on the `meta` device by
-  benchmarks/cuda_op_count.py), falls back to the formula where the kernel does not apply, and
+  (one launch each per layer instead of the formulas' operations, with the K/V store apart from
+  the rope: counted on the `meta` device by benchmarks/cuda_op_count.py), falls back to the formula where the kernel does not apply, and
   greedy speculative decoding in bfloat16 equals plain decoding with the kernel.
 
 Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set by
@@ -389,7 +389,14 @@ def test_memory_writes_a_batch_through_the_backend(monkeypatch):
 SEAM = {"attention": "triton.attention_kernel", "write_kv": "triton.write_kv_kernel"}  # method: its launch
 
 
-class TorchAttention(CudaBackend, CountedCalls):
+class StoreApart(CudaBackend):
+    """The CUDA backend writing a layer's K/V by write_kv, apart from q's and k's rope (normed_rope_store's
+    torch form; its one launch with the rope: tests/runtime/test_cuda_normed_rope.py)."""
+
+    normed_rope_store = TorchBackend.normed_rope_store
+
+
+class TorchAttention(StoreApart, CountedCalls):
     """The CUDA backend with the torch formulas for attention and the K/V write (what it computed
     before these kernels). Counts, per active op counter, the calls and the launches inside them."""
 
@@ -418,7 +425,7 @@ def test_each_attention_and_kv_write_becomes_one_launch(q8_file):
     attention layer's einsums, mask, softmax, casts, per-row loop and output gate become one launch,
     its two index_copy_ of K and V another, and nothing else in the step changes."""
     k = 3
-    fused = cuda_op_count.count_steps(q8_file, "bf16", k)
+    fused = cuda_op_count.count_steps(q8_file, "bf16", k, backend=StoreApart(kt, device_types=("meta",)))
     before = TorchAttention("meta")
     unfused = cuda_op_count.count_steps(q8_file, "bf16", k, backend=before)
     for name, new, old in (("step", fused.step, unfused.step), ("verification", fused.verify, unfused.verify)):

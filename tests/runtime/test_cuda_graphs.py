@@ -175,6 +175,7 @@ def test_a_forward_that_reads_a_host_address_is_not_captured(q8_file, graphable,
         return real(self, layer, k, v, whole=False)  # the slice of written cells: reads batch.start
 
     monkeypatch.setattr(memory.Batch, "attend_kv", sliced)
+    monkeypatch.setattr(memory.Batch, "kv_cells", lambda self, layer, device: None)  # K/V through attend_kv
     ctx = Context(model, GraphType.MAIN, n_ctx=16, n_rs_seq=K)
     ctx.decode([1, 2, 3, 4, 5])  # eager: fine
     with pytest.raises(SpecconvError, match="replayable batch"):

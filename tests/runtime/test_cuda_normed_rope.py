@@ -7,9 +7,17 @@
 * a row alone gets the bits it gets in a batch of 16;
 * through the seam: one launch; without a weight the rotation alone (the families whose q or k has no
   norm); float64 keeps the torch formula;
-* every family with q / k norms (Qwen3, Qwen3.5, GLM-4.5's optional ones, Gemma 4, Step-3.5, Hy3)
-  makes one launch per such call where the norm and the rope made two, and nothing else in its
-  step changes.
+* q's and k's heads of one layer in one launch (kernels_triton.rope_qk): the bits of two `rope`
+  calls, bf16 and float32, with and without norms, partial rotation, different head counts, strided
+  views; with the K/V store (rope_qk_store): q's bits returned, k's and v's bits in the caches at
+  the batch's cells and nothing else written; a row alone = the same row in a batch of 16;
+* through the seam (normed_rope_qk, normed_rope_store): one launch, the torch formulas' order where
+  the kernel does not fit (another cache dtype, float64);
+* every family whose attention norms and ropes q and k (Qwen3, Qwen3.5, GLM-4.5, Gemma 4, Step-3.5,
+  Hy3, llama's NORM rope) makes one launch per layer where the two ropes and the K/V store made
+  three (MiMo-V2, which pads its K/V before the store: two ropes, one launch), nothing else in its
+  step changes, and its float32 forward through the kernels equals the torch reference's logits; a
+  bf16 forward has the bits of the separate launches.
 
 Without a GPU the kernel runs in Triton's interpreter (tests/fixtures/triton_mode.py).
 """
@@ -120,28 +128,208 @@ def test_the_seam_launches_once_rotates_alone_without_a_weight_and_keeps_float64
     assert launched == []
 
 
-class CountedNormedRope(CudaBackend, CountedCalls):
-    """The CUDA backend (launches recorded on `meta`) counting the calls of normed_rope that norm
-    (with a weight) and the launches inside them; with `separate`, running them as the torch formula
-    (the norm kernel, then the rope kernel) the graphs ran before."""
+def qk_inputs(n: int, dtype, seed: int, q_heads: int = 4, k_heads: int = 2, head_dim: int = 32, rotated: int = 32):
+    """q a strided view (the q half of an interleaved q|gate projection), k a view of a contiguous
+    [n, k_heads · head_dim] product, v [n, k_heads, head_dim]; cos, sin for `rotated` values."""
+    q = rand(n, q_heads, 2 * head_dim, seed=seed, scale=2, dtype=dtype)[..., :head_dim]
+    k = rand(n, k_heads * head_dim, seed=seed + 1, scale=2, dtype=dtype).view(n, k_heads, head_dim)
+    v = rand(n, k_heads, head_dim, seed=seed + 2, dtype=dtype)
+    cos, sin = rand(n, rotated // 2, seed=seed + 3), rand(n, rotated // 2, seed=seed + 4)
+    return q, k, v, cos, sin
+
+
+NORMS = {"both": (True, True), "none": (False, False), "k only": (False, True)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("norms", sorted(NORMS))
+@pytest.mark.parametrize("style,rotated", [("neox", 32), ("neox", 8), ("norm", 16)])
+def test_q_and_k_in_one_launch_have_the_bits_of_two_rope_calls(dtype, norms, style, rotated):
+    q, k, v, cos, sin = qk_inputs(3, dtype, seed=20, rotated=rotated)
+    wq, wk = (rand(32, seed=s, scale=0.5) + 1 if on else None for s, on in zip((25, 26), NORMS[norms]))
+    yq, yk = kt.rope_qk(q, k, cos, sin, style, wq, wk, eps=EPS)
+    rq = kt.rope(q, cos, sin, style, norm_weight=wq, eps=EPS)
+    rk = kt.rope(k, cos, sin, style, norm_weight=wk, eps=EPS)
+    assert torch.equal(yq, rq) and torch.equal(yk, rk)
+    k_cache, v_cache = (torch.full((9, 2, 32), 7.0, dtype=dtype, device=DEVICE) for _ in range(2))
+    cells = torch.tensor([6, 1, 4], device=DEVICE)
+    stored_q = kt.rope_qk_store(q, k, v, cos, sin, style, k_cache, v_cache, cells, wq, wk, eps=EPS)
+    assert torch.equal(stored_q, rq)
+    assert torch.equal(k_cache[cells], rk) and torch.equal(v_cache[cells], v)
+    others = torch.tensor([c for c in range(9) if c not in (6, 1, 4)], device=DEVICE)
+    assert bool((k_cache[others] == 7).all()) and bool((v_cache[others] == 7).all())  # nothing else written
+    print(f"\n[{WHERE}] {dtype}, norms {norms}, {style} {rotated} of 32: rope_qk and rope_qk_store = two rope "
+          f"calls (+ the K/V store), bit for bit")
+
+
+def test_heads_of_other_sizes_and_counts_and_a_value_width_of_its_own():
+    """q of 6 heads, k of 1, heads of 24 (a rest of 8 copied), v heads of 16."""
+    q, k, _, cos, sin = qk_inputs(2, torch.bfloat16, seed=30, q_heads=6, k_heads=1, head_dim=24, rotated=16)
+    v = rand(2, 1, 16, seed=35, dtype=torch.bfloat16)
+    w = rand(24, seed=36)
+    k_cache = torch.zeros(4, 1, 24, dtype=torch.bfloat16, device=DEVICE)
+    v_cache = torch.zeros(4, 1, 16, dtype=torch.bfloat16, device=DEVICE)
+    cells = torch.tensor([3, 0], device=DEVICE)
+    yq = kt.rope_qk_store(q, k, v, cos, sin, "neox", k_cache, v_cache, cells, w, w, eps=EPS)
+    assert torch.equal(yq, kt.rope(q, cos, sin, "neox", norm_weight=w, eps=EPS))
+    assert torch.equal(k_cache[cells], kt.rope(k, cos, sin, "neox", norm_weight=w, eps=EPS))
+    assert torch.equal(v_cache[cells], v)
+
+
+def test_a_row_alone_gets_the_bits_it_gets_in_a_batch_of_16_with_the_store():
+    q, k, v, cos, sin = qk_inputs(16, torch.bfloat16, seed=40, rotated=16)
+    wq, wk = rand(32, seed=45), rand(32, seed=46)
+    caches = [torch.zeros(16, 2, 32, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    cells = torch.arange(16, device=DEVICE)
+    together = kt.rope_qk_store(q, k, v, cos, sin, "neox", *caches, cells, wq, wk, eps=EPS)
+    for i in (0, 5, 15):
+        alone = [torch.zeros(1, 2, 32, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+        r = slice(i, i + 1)
+        yq = kt.rope_qk_store(q[r], k[r], v[r], cos[r], sin[r], "neox", *alone, cells[:1], wq, wk, eps=EPS)
+        assert torch.equal(yq, together[r]) and torch.equal(alone[0], caches[0][r]), i
+    print(f"\n[{WHERE}] rope_qk_store: rows 0, 5, 15 alone = in a batch of 16, bit for bit")
+
+
+def test_bad_q_k_or_cache_input_is_a_one_line_error():
+    q, k, v, cos, sin = qk_inputs(2, torch.float32, seed=50)
+    caches = [torch.zeros(4, 2, 32, device=DEVICE) for _ in range(2)]
+    cells = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(SpecconvError, match="rope_qk: q is torch.float32, k torch.bfloat16"):
+        kt.rope_qk(q, k.bfloat16(), cos, sin)
+    with pytest.raises(SpecconvError, match=r"rope_qk: expected q \[n, q_heads, head_dim\]"):
+        kt.rope_qk(q, k[..., :16], cos, sin)
+    with pytest.raises(SpecconvError, match="rope_qk_store: k is torch.float32, its cache torch.bfloat16"):
+        kt.rope_qk_store(q, k, v, cos, sin, "neox", caches[0].bfloat16(), caches[1], cells)
+    with pytest.raises(SpecconvError, match="rope_qk_store: cells must be a contiguous int64 vector of 2"):
+        kt.rope_qk_store(q, k, v, cos, sin, "neox", *caches, cells.int())
+
+
+def test_the_seam_takes_q_and_k_in_one_launch_and_keeps_the_formulas_elsewhere(monkeypatch):
+    launched = record_launches(monkeypatch)
+    cuda = CudaBackend(kt, device_types=(DEVICE.type,))
+    q, k, v, cos, sin = qk_inputs(2, torch.bfloat16, seed=60, rotated=16)
+    wq, wk = rand(32, seed=65), rand(32, seed=66)
+    yq, yk = cuda.normed_rope_qk(q, k, wq, wk, EPS, cos, sin, "neox")
+    assert launched == ["qk_rope_kernel"]
+    assert torch.equal(yq, kt.rope(q, cos, sin, "neox", norm_weight=wq, eps=EPS))
+    assert torch.equal(yk, kt.rope(k, cos, sin, "neox", norm_weight=wk, eps=EPS))
+    caches = [torch.zeros(4, 2, 32, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    cells = torch.tensor([2, 0], device=DEVICE)
+    launched.clear()
+    assert torch.equal(cuda.normed_rope_store(q, k, v, wq, wk, EPS, cos, sin, "neox", *caches, cells), yq)
+    assert launched == ["qk_rope_kernel"] and torch.equal(caches[0][cells], yk) and torch.equal(caches[1][cells], v)
+    launched.clear()  # a float32 cache for bf16 K/V: the rope in one launch, the store converts (torch)
+    wide = [torch.zeros(4, 2, 32, device=DEVICE) for _ in range(2)]
+    assert torch.equal(cuda.normed_rope_store(q, k, v, wq, wk, EPS, cos, sin, "neox", *wide, cells), yq)
+    assert launched == ["qk_rope_kernel"] and torch.equal(wide[0][cells], yk.float())
+    launched.clear()  # float64: the torch formulas, q then k, then the store
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    c64 = [torch.zeros(4, 2, 32, dtype=torch.float64, device=DEVICE) for _ in range(2)]
+    got = cuda.normed_rope_store(q64, k64, v64, wq, wk, EPS, cos, sin, "neox", *c64, cells)
+    assert launched == []
+    assert torch.equal(got, REF.normed_rope(q64, wq, EPS, cos, sin, "neox"))
+    assert torch.equal(c64[0][cells], REF.normed_rope(k64, wk, EPS, cos, sin, "neox"))
+
+
+class CountedQKRope(CudaBackend, CountedCalls):
+    """The CUDA backend (launches recorded on `meta`) counting the calls of normed_rope_qk and
+    normed_rope_store and the launches inside them; with `separate`, running them as the graphs did
+    before: one normed_rope for q, one for k (a kernel each), then write_kv's kernel."""
 
     def __init__(self, separate: bool):
         super().__init__(kt, device_types=("meta",))
         self.separate = separate
         self.init_counts()
 
-    def normed_rope(self, x, weight, eps, cos, sin, style):
-        form = TorchBackend.normed_rope if self.separate else CudaBackend.normed_rope
-        if weight is None:
-            return form(self, x, weight, eps, cos, sin, style)
-        return self.counted(lambda: form(self, x, weight, eps, cos, sin, style))
+    def normed_rope_qk(self, q, k, q_weight, k_weight, eps, cos, sin, style):
+        form = TorchBackend.normed_rope_qk if self.separate else CudaBackend.normed_rope_qk
+        return self.counted(lambda: form(self, q, k, q_weight, k_weight, eps, cos, sin, style))
+
+    def normed_rope_store(self, *args):
+        form = TorchBackend.normed_rope_store if self.separate else CudaBackend.normed_rope_store
+        return self.counted(lambda: form(self, *args))
 
 
-@pytest.mark.parametrize("name", ["qwen3-release", "glm4moe-release", "gemma4-release", "chained-step35",
-                                  "chained-hy_v3"])
-def test_families_norm_and_rotate_q_and_k_in_one_launch_each(tmp_path, name):
-    blocks, counts = fused_against_separate(family_q8_0(tmp_path, name), CountedNormedRope)
+# the families whose attention norms (or not: GLM-4.5's optional norms, llama, MiMo-V2) and ropes q
+# and k, and the launches each call replaces: q's rope, k's rope and write_kv (normed_rope_store), or
+# the two ropes (normed_rope_qk: MiMo-V2 pads its K/V before the store)
+QK_FAMILIES = {"qwen3-release": 3, "qwen35-release": 3, "glm4moe-release": 3, "gemma4-release": 3,
+               "chained-step35": 3, "chained-hy_v3": 3, "llama-release": 3, "chained-mimo2": 2}
+
+
+@pytest.mark.parametrize("name", sorted(QK_FAMILIES))
+def test_families_norm_rope_and_store_q_k_v_in_one_launch_per_layer(tmp_path, name):
+    """Each attention layer: one launch where q's rope, k's rope (and write_kv) made three (two)."""
+    _, counts = fused_against_separate(family_q8_0(tmp_path, name), CountedQKRope)
+    replaced = QK_FAMILIES[name]
     for what, calls, inside, new, old in counts:
-        print(f"\n[{name}, meta, bf16] {what}: {old.total} -> {new.total} launches; {calls} normed ropes, "
-              f"{inside} launches as separate operations")
-        assert calls >= 1 and inside == 2 * calls
+        print(f"\n[{name}, meta, bf16] {what}: {old.total} -> {new.total} launches; {calls} q/k ropes "
+              f"{'with the K/V store ' if replaced == 3 else ''}({inside} launches as separate operations)")
+        assert calls >= 1 and inside == replaced * calls
+        if replaced == 3:
+            assert old.by_op["triton.write_kv_kernel"] == calls and not new.by_op["triton.write_kv_kernel"]
+
+
+def _family_file(tmp_path, name: str, outtype: str):
+    """The GGUF of family snapshot fixture `name` in `outtype`, and its prompt."""
+    from tests.fixtures.gguf_files import convert_gguf
+    from tools import family_snapshot
+
+    source = {f.name: f for f in family_snapshot.families()}[name].build(tmp_path / "build")
+    return convert_gguf(source.src, tmp_path / f"model.{outtype}.gguf", outtype=outtype), list(source.prompt)
+
+
+def _logits(monkeypatch, backend, model, ids, k: int = 3):
+    """A prompt's logits and a verification batch's of k + 1 tokens, with `backend` for every device."""
+    from specconv.runtime import Context, GraphType, backend as backend_module
+
+    monkeypatch.setattr(backend_module, "_backend", lambda kind: backend)
+    ctx = Context(model, GraphType.MAIN, n_ctx=len(ids) + 2, n_rs_seq=k)
+    head = ctx.decode(ids[:-k - 1]).logits
+    return torch.cat([head, ctx.decode(ids[-k - 1:]).logits])
+
+
+@pytest.mark.parametrize("name", ["qwen35-release", "glm4moe-release", "gemma4-release", "chained-step35",
+                                  "chained-mimo2"])
+def test_the_forward_through_the_kernels_equals_the_torch_reference(tmp_path, monkeypatch, name):
+    """float32 files: the products take torch's path on both sides, so only the kernels around them
+    differ (a few ulps per norm and rope), amplified through the tiny random model."""
+    from specconv.runtime import load_model
+
+    path, prompt = _family_file(tmp_path, name, "f32")
+    model = load_model(path, device=DEVICE.type, dtype="f32")
+    ids = prompt[:12]
+    kernels = _logits(monkeypatch, CudaBackend(kt, device_types=(DEVICE.type,)), model, ids)
+    reference = _logits(monkeypatch, TorchBackend(), model, ids)
+    diff = float((kernels - reference).abs().max())
+    print(f"\n[{name}, {WHERE}, f32] logits through the kernels vs the torch reference: max |Δlogit| {diff:.2e} "
+          f"(largest |logit| {float(reference.abs().max()):.2f})")
+    assert diff <= 1e-4  # the float32 noise of a few ulps per norm and rope; a wrong kernel moves logits by O(1)
+
+
+class SeparateQKRope(CudaBackend):
+    """The CUDA backend running normed_rope_qk and normed_rope_store as the graphs did before: a rope
+    kernel for q, one for k, then write_kv's kernel."""
+
+    normed_rope_qk = TorchBackend.normed_rope_qk
+    normed_rope_store = TorchBackend.normed_rope_store
+
+
+def test_a_bf16_forward_has_the_bits_of_the_separate_launches(tmp_path, monkeypatch):
+    """Qwen3's q8_0 file in bf16 (its products through the kernels as well): the prompt's and the
+    verification batch's logits with the one-launch rope and store equal, bit for bit, those with the
+    separate rope and write_kv kernels."""
+    from specconv.runtime import load_model
+
+    path, prompt = _family_file(tmp_path, "qwen3-release", "q8_0")
+    model = load_model(path, device=DEVICE.type, dtype="bf16")
+    ids = prompt[:8]
+    launched = record_launches(monkeypatch)
+    fused = _logits(monkeypatch, CudaBackend(kt, device_types=(DEVICE.type,)), model, ids)
+    assert "qk_rope_kernel" in launched and "write_kv_kernel" not in launched and "rope_kernel" not in launched
+    launched.clear()
+    separate = _logits(monkeypatch, SeparateQKRope(kt, device_types=(DEVICE.type,)), model, ids)
+    assert "qk_rope_kernel" not in launched and "write_kv_kernel" in launched and "rope_kernel" in launched
+    print(f"\n[qwen3-release, {WHERE}, bf16] one launch vs separate launches: max |Δlogit| "
+          f"{float((fused - separate).abs().max()):.2e}")
+    assert torch.equal(fused, separate)
