@@ -22,12 +22,14 @@ and no [rows, F] tensor in between; more rows run glu, then the prompt path.
   the call holds (each row's sum runs the same operations in the same order), so a verification
   batch reproduces the one-row decode step bit for bit. A matrix with few rows of tiles is also cut
   along its inner dimension (`split_plan`: a function of W's shape and the device only), so that the
-  whole GPU streams it; the float32 sums of the pieces are added in order by a second small kernel.
+  whole GPU streams it; the float32 sums of the pieces are added in order (part 0 + part 1 + ...)
+  by the last program of each tile to finish, in the same launch (a per-tile arrival counter,
+  _common.tile_counters; a second small kernel where none can be had: during a CUDA graph capture).
 * Several matrices of one type and inner dimension times the same rows (`grouped_matmul`: a block's
   projections of one normed input): up to GROUP_MAX matrices in one launch of the one-pass kernel,
   a program id standing for (matrix, tile of weight rows, piece), each matrix with its own tiling
-  and split plan, so that each output has the bits quant_matmul gives that matrix alone; the pieces
-  of the cut ones added by one more launch.
+  and split plan, so that each output has the bits quant_matmul gives that matrix alone, the pieces
+  of the cut ones added as quant_matmul adds them.
 * More rows (prompts): W a piece at a time through dequant.dequantize_rows into the result's dtype, each
   piece multiplied by torch's dense product (cuBLAS on a GPU). A float W in the result's dtype (a
   16-bit one in x's, an F32 one) is multiplied as it is stored.
@@ -117,9 +119,8 @@ def grouped_matmul(x: torch.Tensor, packed: Sequence[torch.Tensor], qtype: QType
                    n_in: int) -> tuple[torch.Tensor, ...]:
     """(x @ W₀ᵀ, x @ W₁ᵀ, ...) for packed matrices Wᵢ [n_outs[i], n_in] of one type: each output a
     contiguous [..., n_outs[i]] tensor in result_dtype, the outputs consecutive parts of one allocation.
-    Up to FUSED_MAX_ROWS rows: one launch per GROUP_MAX matrices (and one adding the pieces of those
-    split_plan cuts), each output the bits of quant_matmul by that matrix alone; more rows:
-    quant_matmul per matrix."""
+    Up to FUSED_MAX_ROWS rows: one launch per GROUP_MAX matrices, each output the bits of quant_matmul
+    by that matrix alone; more rows: quant_matmul per matrix."""
     op = "grouped_matmul"
     if not packed or len(packed) != len(n_outs):
         raise SpecconvError(f"{op}: one n_out per matrix, at least one matrix (got {len(packed)} matrices, "
