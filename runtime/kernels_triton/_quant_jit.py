@@ -187,13 +187,13 @@ def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, count_ptr, s
     keep = (m_index[:, None] < ROWS) & row_ok[None, :]
     out_row = (r + m_index).to(tl.int64)[:, None]
     if PARTIAL:
-        piece = out_row * n_out + n[None, :]  # this tile's values in each part [total_rows, n_out]
-        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * total_rows * n_out + piece, acc, mask=keep)
+        in_part = out_row * n_out + n[None, :]  # this tile's values in each part [total_rows, n_out]
+        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * total_rows * n_out + in_part, acc, mask=keep)
         if LAST_ADDS:
             counter = count_ptr + r * tl.num_programs(0) + tl.program_id(0)
             splits = tl.num_programs(1)
             if _last_arrival(counter, splits):
-                total = _parts_sum(part_ptr, piece, keep, total_rows * n_out, splits)
+                total = _parts_sum(part_ptr, in_part, keep, total_rows * n_out, splits)
                 tl.store(y_ptr + out_row * stride_y + n[None, :], total.to(y_ptr.dtype.element_ty), mask=keep)
                 tl.store(counter, 0)  # every other piece has counted: zero again for the next launch
     else:
