@@ -242,8 +242,9 @@ def _worker_init() -> None:
     warnings.simplefilter("ignore")
 
 
-def compile_spec(spec_json: dict, arch: int, sass: bool = True) -> Compiled:
-    """Compile one specialization for sm_`arch` (in a process without TRITON_INTERPRET) and summarise it."""
+def compile_kernel(spec_json: dict, arch: int):
+    """(Triton's compiled kernel, its options): one specialization compiled for sm_`arch` (in a process
+    without TRITON_INTERPRET); raises Triton's error."""
     import importlib
 
     import triton
@@ -256,15 +257,25 @@ def compile_spec(spec_json: dict, arch: int, sass: bool = True) -> Compiled:
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     names = [p for p, _ in spec.signature]
+    fn = getattr(importlib.import_module(f"{KERNELS}.{spec.module}"), spec.kernel)
+    if not isinstance(fn, triton.runtime.JITFunction):
+        raise RuntimeError(f"{spec.name} is a {type(fn).__name__}, not a JITFunction (TRITON_INTERPRET set?)")
+    options = backend.parse_options({"debug": fn.debug or False, **dict(spec.options)})
+    src = ASTSource(fn, dict(spec.signature), {(names.index(k),): v for k, v in spec.constexprs},
+                    {(names.index(k),): [["tt.divisibility", 16]] for k in spec.divisible})
+    return triton.compile(src, target=target, options=options.__dict__), options
+
+
+def ptx(spec_json: dict, arch: int) -> str:
+    """The PTX of one specialization compiled for sm_`arch` (in a worker of `_worker_init`)."""
+    return compile_kernel(spec_json, arch)[0].asm["ptx"]
+
+
+def compile_spec(spec_json: dict, arch: int, sass: bool = True) -> Compiled:
+    """Compile one specialization for sm_`arch` (in a process without TRITON_INTERPRET) and summarise it."""
     start = time.perf_counter()
     try:
-        fn = getattr(importlib.import_module(f"{KERNELS}.{spec.module}"), spec.kernel)
-        if not isinstance(fn, triton.runtime.JITFunction):
-            raise RuntimeError(f"{spec.name} is a {type(fn).__name__}, not a JITFunction (TRITON_INTERPRET set?)")
-        options = backend.parse_options({"debug": fn.debug or False, **dict(spec.options)})
-        src = ASTSource(fn, dict(spec.signature), {(names.index(k),): v for k, v in spec.constexprs},
-                        {(names.index(k),): [["tt.divisibility", 16]] for k in spec.divisible})
-        kernel = triton.compile(src, target=target, options=options.__dict__)
+        kernel, options = compile_kernel(spec_json, arch)
     except Exception as e:  # Triton's message is the report
         message = " ".join(str(e).split())
         return Compiled(spec_json, arch, False, f"{type(e).__name__}: {message[:2000]}", time.perf_counter() - start)

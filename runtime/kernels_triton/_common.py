@@ -87,3 +87,32 @@ def multiprocessors(device: torch.device) -> int:
     if index not in _MULTIPROCESSORS:
         _MULTIPROCESSORS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _MULTIPROCESSORS[index]
+
+
+# Per-tile arrival counters of the products cut along their inner dimension (matmul.py: the last
+# piece of a tile to finish adds the pieces). Zero at rest: the last piece resets its tile's counter.
+COUNTERS_MIN = 1 << 14  # int32 slots (64 KiB): every cut product of the planned models fits at once
+_counters: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream is recording a CUDA graph (launches recorded, not run)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def tile_counters(device: torch.device, count: int) -> torch.Tensor | None:
+    """An int32 tensor of at least `count` zeros on `device`, shared by every launch (launches on one
+    stream run one after another, and each leaves its counters at zero), or None when none that
+    large exists and none may be made now: while a CUDA graph is being captured (an allocation there
+    would belong to the graph's pool and its zeroing to the graph); the caller then adds the pieces
+    by a second launch. A larger buffer is made outside a capture; the smaller ones are kept, since a
+    captured graph holds their addresses."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    held = _counters.setdefault(device, [])
+    if held and held[-1].numel() >= count:
+        return held[-1]
+    if capturing(device):
+        return None
+    held.append(torch.zeros(max(COUNTERS_MIN, next_power_of_2(count)), dtype=torch.int32, device=device))
+    return held[-1]

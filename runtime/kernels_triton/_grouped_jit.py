@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from specconv.runtime.kernels_triton._pointwise_jit import NO_ACTIVATION
-from specconv.runtime.kernels_triton._quant_jit import _parts_sum, _tile_sums
+from specconv.runtime.kernels_triton._quant_jit import _last_arrival, _parts_sum, _tile_sums
 
 
 @triton.jit
@@ -33,16 +33,20 @@ def _matrix(end0, end1, end2):
 
 @triton.jit(do_not_specialize=["n_blocks", "total_rows", "per_split0", "per_split1", "per_split2", "per_split3",
                                "end0", "end1", "end2", "y_at0", "y_at1", "y_at2", "y_at3",
-                               "part_at0", "part_at1", "part_at2", "part_at3"])
-def grouped_rows_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, y_ptr, part_ptr, n_in, n_blocks, total_rows, stride_x,
-                        stride_w0, stride_w1, stride_w2, stride_w3, n_out0, n_out1, n_out2, n_out3,
+                               "part_at0", "part_at1", "part_at2", "part_at3",
+                               "count_at0", "count_at1", "count_at2", "count_at3"])
+def grouped_rows_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, y_ptr, part_ptr, count_ptr, n_in, n_blocks, total_rows,
+                        stride_x, stride_w0, stride_w1, stride_w2, stride_w3, n_out0, n_out1, n_out2, n_out3,
                         per_split0, per_split1, per_split2, per_split3, end0, end1, end2,
                         y_at0, y_at1, y_at2, y_at3, part_at0, part_at1, part_at2, part_at3,
+                        count_at0, count_at1, count_at2, count_at3,
                         QTYPE: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr,
-                        ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+                        ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, LAST_ADDS: tl.constexpr):
     """y_g[m, n] = Σ_k x[m, k] W_g[n, k]: y_g a contiguous [ROWS, n_out_g] block at y + y_at_g. A matrix
     cut into pieces (per_split_g < n_blocks) writes its float32 sums to part + part_at_g, laid out
-    [pieces, ROWS, n_out_g] as the single-matrix kernel's, for grouped_sum_kernel."""
+    [pieces, ROWS, n_out_g] as the single-matrix kernel's; with LAST_ADDS the last piece of a tile to
+    finish adds them in order into y_g (the single-matrix kernel's _last_arrival, the tile's counter
+    at count + count_at_g + tile), else grouped_sum_kernel does."""
     g, local = _matrix(end0, end1, end2)
     n_out = _pick(g, n_out0, n_out1, n_out2, n_out3)
     per_split = _pick(g, per_split0, per_split1, per_split2, per_split3)
@@ -67,11 +71,18 @@ def grouped_rows_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, y_ptr, part_ptr, 
     m_index = tl.arange(0, ROWS_P2)
     keep = (m_index[:, None] < ROWS) & row_ok[None, :]
     out_row = m_index.to(tl.int64)[:, None]
+    y_at = _pick(g, y_at0, y_at1, y_at2, y_at3).to(tl.int64)
     if splits > 1:
         part_at = _pick(g, part_at0, part_at1, part_at2, part_at3).to(tl.int64)
-        tl.store(part_ptr + part_at + (piece * total_rows + out_row) * n_out + n[None, :], acc, mask=keep)
+        values = out_row * n_out + n[None, :]  # this tile's values in each part [ROWS, n_out]
+        tl.store(part_ptr + part_at + piece.to(tl.int64) * total_rows * n_out + values, acc, mask=keep)
+        if LAST_ADDS:
+            counter = count_ptr + _pick(g, count_at0, count_at1, count_at2, count_at3) + tile
+            if _last_arrival(counter, splits):
+                total = _parts_sum(part_ptr + part_at, values, keep, total_rows * n_out, splits)
+                tl.store(y_ptr + y_at + values, total.to(y_ptr.dtype.element_ty), mask=keep)
+                tl.store(counter, 0)  # every other piece has counted: zero again for the next launch
     else:
-        y_at = _pick(g, y_at0, y_at1, y_at2, y_at3).to(tl.int64)
         tl.store(y_ptr + y_at + out_row * n_out + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=keep)
 
 
@@ -80,13 +91,14 @@ def grouped_rows_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, y_ptr, part_ptr, 
 def grouped_sum_kernel(part_ptr, y_ptr, count0, count1, count2, count3, splits0, splits1, splits2, splits3,
                        end0, end1, end2, y_at0, y_at1, y_at2, y_at3, part_at0, part_at1, part_at2, part_at3,
                        BLOCK: tl.constexpr):
-    """The second pass of up to four cut matrices: y_g[i] = part_g[0, i] + part_g[1, i] + ... in that
-    order over its count_g = ROWS · n_out_g values (sum_parts_kernel's sums), rounded once into y."""
+    """The second pass of up to four cut matrices when no tile counters are at hand (grouped_rows_kernel
+    LAST_ADDS): y_g[i] = part_g[0, i] + part_g[1, i] + ... in that order over its count_g = ROWS · n_out_g
+    values (sum_parts_kernel's sums), rounded once into y."""
     g, local = _matrix(end0, end1, end2)
     count = _pick(g, count0, count1, count2, count3)
     idx = local * BLOCK + tl.arange(0, BLOCK)
     ok = idx < count
     part_at = _pick(g, part_at0, part_at1, part_at2, part_at3).to(tl.int64)
-    acc = _parts_sum(part_ptr + part_at, idx, ok, count, _pick(g, splits0, splits1, splits2, splits3), BLOCK)
+    acc = _parts_sum(part_ptr + part_at, idx, ok, count, _pick(g, splits0, splits1, splits2, splits3))
     y_at = _pick(g, y_at0, y_at1, y_at2, y_at3).to(tl.int64)
     tl.store(y_ptr + y_at + idx, acc.to(y_ptr.dtype.element_ty), mask=ok)

@@ -145,20 +145,23 @@ def _tile_sums(x_ptr, u_ptr, rows, row_ok, n_in, first, last, stride_x, stride_u
 
 
 @triton.jit(do_not_specialize=["n_blocks", "blocks_per_split", "total_rows"])
-def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, sel_ptr, n_out, n_in, n_blocks,
+def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, count_ptr, sel_ptr, n_out, n_in, n_blocks,
                       blocks_per_split, total_rows,
                       stride_x, stride_u, stride_w, stride_e, stride_y,
                       QTYPE: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr,
                       ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PARTIAL: tl.constexpr,
-                      PAIRS: tl.constexpr, FANOUT: tl.constexpr, MATRICES: tl.constexpr, ACT: tl.constexpr):
+                      LAST_ADDS: tl.constexpr, PAIRS: tl.constexpr, FANOUT: tl.constexpr,
+                      MATRICES: tl.constexpr, ACT: tl.constexpr):
     """y[m, n] = Σ_k x[m, k] W[n, k] for ROWS activation rows (with a GLU activation ACT, x[m, k] =
     act(gate) · up of the rows of x and u: _tile_sums). Program (p, q, r) takes BLOCK_N weight rows
     and the q-th run of `blocks_per_split` blocks of them (_tile_sums); with PARTIAL its float32 sums
-    go to part[q] (summed over q in order by sum_parts_kernel), else straight into y. Row m's result
-    is the same sequence of float32 operations whatever ROWS is (the split depends on W's shape
-    only), so a row's output does not depend on the batch it is in. With PAIRS (ROWS = 1), program r
-    multiplies activation row r by expert sel[r] of a 3-D expert tensor (experts stride_e bytes
-    apart): routed experts by index, on the device, each pair the same operations as a one-row
+    go to part[q], else straight into y. The pieces are added over q in order, rounded once into y:
+    with LAST_ADDS by the last program of the tile to finish (_last_arrival, one int32 counter per
+    tile (p, r) at count_ptr, zero before and after the launch), else by sum_parts_kernel. Row m's
+    result is the same sequence of float32 operations whatever ROWS is (the split depends on W's
+    shape only), so a row's output does not depend on the batch it is in. With PAIRS (ROWS = 1),
+    program r multiplies activation row r by expert sel[r] of a 3-D expert tensor (experts stride_e
+    bytes apart): routed experts by index, on the device, each pair the same operations as a one-row
     product by that expert; pair r reads activation row r // FANOUT (a row's k pairs share it). With
     MATRICES = 2 (PAIRS) the total_rows outputs are the pairs by the experts of W (first half) and of
     W2 (second half, the same shape and layout): two expert products of the same pairs, one launch."""
@@ -184,28 +187,49 @@ def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, sel_ptr, n_o
     keep = (m_index[:, None] < ROWS) & row_ok[None, :]
     out_row = (r + m_index).to(tl.int64)[:, None]
     if PARTIAL:
-        out = part_ptr + (tl.program_id(1) * total_rows + out_row) * n_out + n[None, :]
-        tl.store(out, acc, mask=keep)
+        piece = out_row * n_out + n[None, :]  # this tile's values in each part [total_rows, n_out]
+        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * total_rows * n_out + piece, acc, mask=keep)
+        if LAST_ADDS:
+            counter = count_ptr + r * tl.num_programs(0) + tl.program_id(0)
+            splits = tl.num_programs(1)
+            if _last_arrival(counter, splits):
+                total = _parts_sum(part_ptr, piece, keep, total_rows * n_out, splits)
+                tl.store(y_ptr + out_row * stride_y + n[None, :], total.to(y_ptr.dtype.element_ty), mask=keep)
+                tl.store(counter, 0)  # every other piece has counted: zero again for the next launch
     else:
         out = y_ptr + out_row * stride_y + n[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=keep)
 
 
 @triton.jit
-def _parts_sum(part_ptr, idx, ok, count, splits, BLOCK: tl.constexpr):
-    """float32 [BLOCK]: part[0, idx] + part[1, idx] + ... in that order (parts `count` values apart)."""
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+def _last_arrival(counter, splits):
+    """Whether this program is the last of its tile's `splits` pieces to have stored its part: all
+    the program's threads' stores done (the barrier), one atomic increment of the tile's counter
+    that releases them to the GPU and acquires the others' (acq_rel at gpu scope; Triton broadcasts
+    the old count from the one thread that made it through shared memory, behind another barrier,
+    so every thread reads the parts after the acquire). The semaphore of CUTLASS's serial split-K."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1
+
+
+@triton.jit
+def _parts_sum(part_ptr, idx, ok, count, splits):
+    """float32 like idx: part[0, idx] + part[1, idx] + ... in that order (parts `count` values apart),
+    the same operations whoever adds them (sum_parts_kernel, the last piece's program), so the bits
+    do not depend on which piece finished last. Read from L2 (.cg): other multiprocessors wrote them."""
+    acc = tl.zeros(idx.shape, dtype=tl.float32)
     for q in range(splits):
-        acc += tl.load(part_ptr + q * count + idx, mask=ok, other=0.0)
+        acc += tl.load(part_ptr + q * count + idx, mask=ok, other=0.0, cache_modifier=".cg")
     return acc
 
 
 @triton.jit
 def sum_parts_kernel(part_ptr, y_ptr, rows, n_out, splits, stride_y, BLOCK: tl.constexpr):
-    """y[m, n] = part[0, m, n] + part[1, m, n] + ... in that order (float32), rounded once into y."""
+    """y[m, n] = part[0, m, n] + part[1, m, n] + ... in that order (float32), rounded once into y: the
+    second launch of a cut product when no tile counters are at hand (fused_rows_kernel LAST_ADDS)."""
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < rows * n_out
-    acc = _parts_sum(part_ptr, idx, ok, rows * n_out, splits, BLOCK)
+    acc = _parts_sum(part_ptr, idx, ok, rows * n_out, splits)
     m = idx // n_out
     tl.store(y_ptr + m * stride_y + idx - m * n_out, acc.to(y_ptr.dtype.element_ty), mask=ok)
 

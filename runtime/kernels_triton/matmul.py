@@ -22,12 +22,14 @@ and no [rows, F] tensor in between; more rows run glu, then the prompt path.
   the call holds (each row's sum runs the same operations in the same order), so a verification
   batch reproduces the one-row decode step bit for bit. A matrix with few rows of tiles is also cut
   along its inner dimension (`split_plan`: a function of W's shape and the device only), so that the
-  whole GPU streams it; the float32 sums of the pieces are added in order by a second small kernel.
+  whole GPU streams it; the float32 sums of the pieces are added in order (part 0 + part 1 + ...)
+  by the last program of each tile to finish, in the same launch (a per-tile arrival counter,
+  _common.tile_counters; a second small kernel where none can be had: during a CUDA graph capture).
 * Several matrices of one type and inner dimension times the same rows (`grouped_matmul`: a block's
   projections of one normed input): up to GROUP_MAX matrices in one launch of the one-pass kernel,
   a program id standing for (matrix, tile of weight rows, piece), each matrix with its own tiling
-  and split plan, so that each output has the bits quant_matmul gives that matrix alone; the pieces
-  of the cut ones added by one more launch.
+  and split plan, so that each output has the bits quant_matmul gives that matrix alone, the pieces
+  of the cut ones added as quant_matmul adds them.
 * More rows (prompts): W a piece at a time through dequant.dequantize_rows into the result's dtype, each
   piece multiplied by torch's dense product (cuBLAS on a GPU). A float W in the result's dtype (a
   16-bit one in x's, an F32 one) is multiplied as it is stored.
@@ -117,9 +119,8 @@ def grouped_matmul(x: torch.Tensor, packed: Sequence[torch.Tensor], qtype: QType
                    n_in: int) -> tuple[torch.Tensor, ...]:
     """(x @ W₀ᵀ, x @ W₁ᵀ, ...) for packed matrices Wᵢ [n_outs[i], n_in] of one type: each output a
     contiguous [..., n_outs[i]] tensor in result_dtype, the outputs consecutive parts of one allocation.
-    Up to FUSED_MAX_ROWS rows: one launch per GROUP_MAX matrices (and one adding the pieces of those
-    split_plan cuts), each output the bits of quant_matmul by that matrix alone; more rows:
-    quant_matmul per matrix."""
+    Up to FUSED_MAX_ROWS rows: one launch per GROUP_MAX matrices, each output the bits of quant_matmul
+    by that matrix alone; more rows: quant_matmul per matrix."""
     op = "grouped_matmul"
     if not packed or len(packed) != len(n_outs):
         raise SpecconvError(f"{op}: one n_out per matrix, at least one matrix (got {len(packed)} matrices, "
@@ -150,26 +151,32 @@ def grouped_matmul(x: torch.Tensor, packed: Sequence[torch.Tensor], qtype: QType
 def _grouped_pass(xs: torch.Tensor, mats: list[torch.Tensor], n_outs: list[int], buffer: torch.Tensor,
                   y_ats: list[int], qtype: QType, n_in: int, device: torch.device) -> None:
     """Up to GROUP_MAX products into `buffer` (matrix g's [rows, n_outs[g]] at element y_ats[g]): one
-    launch of grouped_rows_kernel, each matrix tiled and cut as _one_pass would, and one of
-    grouped_sum_kernel where any is cut."""
+    launch of grouped_rows_kernel, each matrix tiled and cut as _one_pass would and its pieces added
+    as _one_pass adds them (a launch of grouped_sum_kernel more where no tile counters can be had)."""
     values, size = GEOMETRY[qtype]
     n_blocks = _common.cdiv(n_in, values)
     rows = xs.shape[0]
     plans = [split_plan(qtype, n_out, n_blocks, device) for n_out in n_outs]
-    ends = list(accumulate(_common.cdiv(n_out, FUSED_ROWS) * splits for n_out, (splits, _) in zip(n_outs, plans)))
+    tiles = [_common.cdiv(n_out, FUSED_ROWS) for n_out in n_outs]
+    ends = list(accumulate(n_tiles * splits for n_tiles, (splits, _) in zip(tiles, plans)))
     cut = [g for g, (splits, _) in enumerate(plans) if splits > 1]
-    part_ats = [0] * len(mats)
+    part_ats, count_ats = [0] * len(mats), [0] * len(mats)
     for g, start in zip(cut, accumulate((plans[g][0] * rows * n_outs[g] for g in cut), initial=0)):
         part_ats[g] = start
+    for g, start in zip(cut, accumulate((tiles[g] for g in cut), initial=0)):
+        count_ats[g] = start
     parts = (torch.empty(sum(plans[g][0] * rows * n_outs[g] for g in cut), dtype=torch.float32, device=device)
              if cut else buffer)
+    counters = _common.tile_counters(device, sum(tiles[g] for g in cut)) if cut else None
     jit = _common.jit_module("_grouped_jit")
     jit.grouped_rows_kernel[(ends[-1],)](
-        xs, *_four(mats), buffer, parts, n_in, n_blocks, rows, xs.stride(0), *_four([w.stride(0) for w in mats]),
-        *_four(n_outs), *_four([per_split for _, per_split in plans]), *_ends(ends), *_four(y_ats), *_four(part_ats),
+        xs, *_four(mats), buffer, parts, buffer if counters is None else counters, n_in, n_blocks, rows, xs.stride(0),
+        *_four([w.stride(0) for w in mats]), *_four(n_outs), *_four([per_split for _, per_split in plans]),
+        *_ends(ends), *_four(y_ats), *_four(part_ats), *_four(count_ats),
         QTYPE=int(qtype), VALUES=values, BYTES=size, ROWS=rows, ROWS_P2=_common.next_power_of_2(rows),
-        BLOCK_N=FUSED_ROWS, NB=STEP_BLOCKS[qtype], num_warps=FUSED_WARPS, enable_fp_fusion=FUSED_FMA)
-    if cut:
+        BLOCK_N=FUSED_ROWS, NB=STEP_BLOCKS[qtype], LAST_ADDS=counters is not None, num_warps=FUSED_WARPS,
+        enable_fp_fusion=FUSED_FMA)
+    if cut and counters is None:
         sum_ends = list(accumulate(_common.cdiv(rows * n_outs[g], SUM_BLOCK) for g in cut))
         jit.grouped_sum_kernel[(sum_ends[-1],)](
             parts, buffer, *_four([rows * n_outs[g] for g in cut]), *_four([plans[g][0] for g in cut]),
@@ -255,28 +262,31 @@ def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: Q
               second: torch.Tensor | None = None, up: torch.Tensor | None = None, act: str | None = None) -> None:
     """ys = xs @ Wᵀ by the one-pass kernel (every row against W; with `chosen`, row r // fanout against
     expert chosen[r] of the 3-D `packed`, and with `second` the same pairs against its experts into
-    the second half of ys), cut along the inner dimension per split_plan. With `up` (rows like xs'),
-    the rows are act(xs) · up, computed by the kernel as it reads them."""
+    the second half of ys), cut along the inner dimension per split_plan: one launch, the pieces added
+    by the last of each tile's programs to finish (a second launch where no tile counters can be had,
+    _common.tile_counters). With `up` (rows like xs'), the rows are act(xs) · up, computed by the
+    kernel as it reads them."""
     values, size = GEOMETRY[qtype]
     n_blocks = _common.cdiv(n_in, values)
     rows = ys.shape[0]
     splits, per_split = split_plan(qtype, n_out, n_blocks, device)
-    parts = torch.empty(splits, rows, n_out, dtype=torch.float32, device=device) if splits > 1 else ys
-    jit = _common.jit_module("_quant_jit")
     pairs = chosen is not None
     grid = (_common.cdiv(n_out, FUSED_ROWS), splits, rows if pairs else 1)
+    parts = torch.empty(splits, rows, n_out, dtype=torch.float32, device=device) if splits > 1 else ys
+    counters = _common.tile_counters(device, grid[0] * grid[2]) if splits > 1 else None
+    jit = _common.jit_module("_quant_jit")
     glu = up is not None
     jit.fused_rows_kernel[grid](xs, up if glu else xs, packed, packed if second is None else second, ys, parts,
-                                chosen if pairs else xs, n_out, n_in, n_blocks, per_split, rows,
-                                xs.stride(0), up.stride(0) if glu else 0, packed.stride(-2),
+                                ys if counters is None else counters, chosen if pairs else xs, n_out, n_in, n_blocks,
+                                per_split, rows, xs.stride(0), up.stride(0) if glu else 0, packed.stride(-2),
                                 packed.stride(0) if pairs else 0, ys.stride(0),
                                 QTYPE=int(qtype), VALUES=values, BYTES=size, ROWS=1 if pairs else rows,
                                 ROWS_P2=1 if pairs else _common.next_power_of_2(rows), BLOCK_N=FUSED_ROWS,
-                                NB=STEP_BLOCKS[qtype], PARTIAL=splits > 1, PAIRS=pairs, FANOUT=fanout,
-                                MATRICES=1 if second is None else 2,
+                                NB=STEP_BLOCKS[qtype], PARTIAL=splits > 1, LAST_ADDS=counters is not None,
+                                PAIRS=pairs, FANOUT=fanout, MATRICES=1 if second is None else 2,
                                 ACT=activation.GLU[act] if glu else activation.NO_ACTIVATION, num_warps=FUSED_WARPS,
                                 enable_fp_fusion=FUSED_FMA)
-    if splits > 1:
+    if splits > 1 and counters is None:
         jit.sum_parts_kernel[(_common.cdiv(rows * n_out, SUM_BLOCK),)](parts, ys, rows, n_out, splits,
                                                                        ys.stride(0), BLOCK=SUM_BLOCK)
 

@@ -231,7 +231,8 @@ def test_the_router_is_one_launch_per_moe_block(moe_q8):
         assert not any(new.by_op[op] for op in ("softmax", "topk"))
 
 
-PAIR_LAUNCHES = {"triton.fused_rows_kernel", "triton.sum_parts_kernel", "triton.combine_kernel"}
+# a product cut along its inner dimension adds its pieces in its own launch: no sum_parts_kernel
+PAIR_LAUNCHES = {"triton.fused_rows_kernel", "triton.combine_kernel"}
 
 
 class CountedMoe(CudaBackend, CountedCalls):
@@ -273,8 +274,8 @@ def test_the_shared_expert_add_is_one_launch_per_moe_block(moe_q8):
 
 def test_routed_experts_launch_their_products_and_one_combine(moe_q8):
     """Per MoE block: the expert products by pairs (gate and up in one launch, down reading SwiGLU's
-    product as it loads its rows: no GLU launch) and one combine; no argsort, gather,
-    repeat_interleave, zeros or per-slot mul / add / cast."""
+    product as it loads its rows: no GLU launch, each adding its own pieces) and one combine: three
+    launches; no argsort, gather, repeat_interleave, zeros or per-slot mul / add / cast."""
     backend = CountedMoe()
     counts = cuda_op_count.count_steps(moe_q8, "bf16", 3, backend=backend)
     for name, tally in (("step", counts.step), ("verification", counts.verify)):
@@ -283,6 +284,7 @@ def test_routed_experts_launch_their_products_and_one_combine(moe_q8):
         assert len(calls) == len(counts.recurrent)
         for ops in calls:
             assert set(ops) <= PAIR_LAUNCHES, set(ops) - PAIR_LAUNCHES
+            assert sum(ops.values()) == 3, ops
             assert ops["triton.combine_kernel"] == 1
             assert ops["triton.fused_rows_kernel"] == 2  # gate and up by pairs in one launch, down
         assert not any(tally.by_op[op] for op in ("argsort", "gather", "repeat_interleave", "zeros"))
