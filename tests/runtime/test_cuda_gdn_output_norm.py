@@ -17,7 +17,9 @@
   its three separate launches (interpreter), within float32 noise of the torch reference (TorchBackend: the conv, the rule, then gated_rms_norm, what
   the CPU runs); a 20-token batch in batch-invariant mode folds the norm into each piece's launch;
   a gate the norm kernel cannot read in place takes gated_rms_norm's launch after the rule;
-* bad input: a gate or weight of the wrong shape, an out_dtype without a kernel: one-line errors.
+* bad input: a gate or weight of the wrong shape, an out_dtype without a kernel: one-line errors;
+* the compiled code (sm_90 PTX, on the CPU): the head's arrival is an acq_rel atomic at gpu scope
+  behind barriers, o read back through L2, y rounded to nearest, the counter reset.
 """
 
 from __future__ import annotations
@@ -221,3 +223,59 @@ def test_bad_input_is_a_one_line_error():
         step(inputs, windows, weight, ring, 3, [0, 1], 1, True, gated_norm=(w[:8], z, EPS, BF16))
     with pytest.raises(SpecconvError, match="gdn_step: the gated norm's out_dtype must be float32, bfloat16 or"):
         step(inputs, windows, weight, ring, 3, [0, 1], 1, True, gated_norm=(w, z, EPS, torch.float64))
+
+
+def test_the_compiled_arrival_is_a_release_acquire_behind_barriers():
+    """sm_90 PTX of gdn_step_kernel with the norm folded in (Qwen3.5's 1.1 B heads: 16 key, 16 value
+    heads of 128, bf16, one token, recorded on `meta` as the CUDA backend launches it): its one
+    atomic is the head counter's acq_rel add at gpu scope after the o block's stores and a barrier;
+    the last program then reads o through L2 (ld.global.cg), writes y rounded to nearest
+    (cvt.rn.bf16) and zeroes the counter."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from benchmarks import cuda_op_count, triton_launches
+    from tests.runtime.test_cuda_split_products import ARCH, instructions
+    from tools import triton_aot
+
+    specs = []
+
+    def observe(module, kernel, grid, args, kwargs):
+        specs.append(triton_launches.specialize(module, kernel, args, kwargs))
+
+    nk = nv = 16
+    dk = dv = 128
+    meta = torch.device("meta")
+    cuda_op_count.launch_observers.append(observe)
+    try:
+        with cuda_op_count.meta_launches(cuda_op_count.H200_SMS):
+            m = torch.empty(1, 2 * nk * dk + nv * dv, dtype=BF16, device=meta)
+            q, k, v = gdn.qkv_heads(m, (nk, dk, nv, dv))
+            ba = torch.empty(1, 2 * nv, dtype=BF16, device=meta)
+            weights = tuple(torch.empty(nv, device=meta) for _ in range(2))
+            ring, windows = torch.empty(4, nv, dk, dv, device=meta), torch.empty(4, 3, m.shape[1], device=meta)
+            z = torch.empty(1, 2 * nv * dv, dtype=BF16, device=meta)[:, nv * dv:].view(1, nv, dv)
+            kt.gdn_step(q, k, v, ba[:, nv:], ba[:, :nv], ring, torch.zeros(1, dtype=torch.int64, device=meta),
+                        torch.ones(1, dtype=torch.int64, device=meta), eps=EPS, scale=dk ** -0.5, gate_weights=weights,
+                        conv=(windows, torch.empty(m.shape[1], 4, device=meta)),
+                        gated_norm=(torch.empty(dv, device=meta), z, EPS, BF16))
+    finally:
+        cuda_op_count.launch_observers.remove(observe)
+    assert [s.kernel for s in specs] == ["gdn_step_kernel"] and specs[0].constant("GATED_NORM")
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=triton_aot._worker_init) as pool:
+        ptx = pool.submit(triton_aot.ptx, specs[0].to_json(), ARCH).result()
+    ops = instructions(ptx)
+    atomics = [i for i, op in enumerate(ops) if op.startswith("atom")]
+    assert [ops[i] for i in atomics] == ["atom.global.gpu.acq_rel.add.u32"], [ops[i] for i in atomics]
+    at = atomics[0]
+    before = [op for op in ops[:at] if op.startswith(("st.global", "bar.sync"))]
+    assert before[-1] == "bar.sync" and any(op.endswith("b32") for op in before), before[-4:]  # o, a barrier
+    after = ops[at + 1:]
+    first_read = next(i for i, op in enumerate(after) if op.startswith("ld.global.cg"))  # o, read through L2
+    assert "bar.sync" in after[:first_read]  # the acquirer's count reaches the other threads
+    reads = after[first_read:]
+    assert any(op.startswith("cvt.rn.bf16") for op in reads)  # y rounded to nearest into bf16
+    stores = [op for op in reads if op.startswith("st.global")]
+    assert any(op.endswith("b16") for op in stores) and stores[-1] == "st.global.b32"  # y, then the counter
+    print(f"\nsm_{ARCH} gdn_step_kernel GATED_NORM: ... {' '.join(before[-3:])} | {ops[at]} | bar.sync ... "
+          f"ld.global.cg.b32 ... cvt.rn.bf16 ... st.global.b32 (counter)")
