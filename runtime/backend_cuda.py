@@ -45,8 +45,9 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   and the gates' projections as they are: the L2 norms and the gates are computed in its launch
   (the bits of the separate kernels under the interpreter). `conv_delta_rule_slots` folds the
   conv in as well (gdn_step's `conv=`) for a batch of up to MAX_TOKENS whose source slot is not a
-  destination (gdn.Recurrence: the memory's spare slot): the mixer is one launch between its
-  products.
+  destination (gdn.Recurrence: the memory's spare slot), and both fold the layer's gated output
+  norm (gdn_step's `gated_norm=`, the bits of `gated_rms_norm`'s kernel) where that kernel would
+  take it: the mixer is one launch between its products.
 * around the products, one launch each where the tensors are float32 / bfloat16 / float16 on the
   kernels' device: `rms_norm` (also with the residual add before it, `add_rms_norm`, a SiLU gate
   after it, `gated_rms_norm`, or its output added to the residual stream and scaled, `add_normed`),
@@ -524,9 +525,10 @@ class CudaBackend(TorchBackend):
 
 
     def delta_rule_from_conv_slots(self, q, k, v, b, alpha, a, dt_bias, eps: float, scale: float, ring,
-                                   src_slot, dst_slots, key_heads: str = gdn.TILED):
-        """One gdn_step launch (per piece of MAX_TOKENS) with q and k's norms and the gates in it; b,
-        alpha [n, nv] or Qwen3-Next's [n, nk, r] views read through their strides."""
+                                   src_slot, dst_slots, key_heads: str = gdn.TILED, gated_norm=None):
+        """One gdn_step launch (per piece of MAX_TOKENS) with q and k's norms and the gates in it, and
+        the output norm where `gated_norm` is given and `_folded_norm` takes it; b, alpha [n, nv] or
+        Qwen3-Next's [n, nk, r] views read through their strides."""
         n = q.shape[0]
         weights = tuple(dense(w, torch.float32) for w in (a, dt_bias))
         # a long batch the chunked kernel takes: the norms and gates first (their kernels), then it
@@ -535,18 +537,20 @@ class CudaBackend(TorchBackend):
                 and all(w.device == q.device for w in weights)
                 and all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (q, k, b, alpha))):
             return super().delta_rule_from_conv_slots(q, k, v, b, alpha, a, dt_bias, eps, scale, ring, src_slot,
-                                                      dst_slots, key_heads)
+                                                      dst_slots, key_heads, gated_norm)
         group = v.shape[1] // q.shape[1] if key_heads == gdn.GROUPED else 1
-        return _joined([self.kernels.gdn_step(q[start:end], k[start:end], v[start:end], alpha[start:end],
-                                              b[start:end], ring, src, dst, group=group, eps=eps, scale=scale,
-                                              gate_weights=weights)
-                        for start, end, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
+        folded = self._folded_norm(v, gated_norm)
+        out = _joined([self.kernels.gdn_step(q[start:end], k[start:end], v[start:end], alpha[start:end],
+                                             b[start:end], ring, src, dst, group=group, eps=eps, scale=scale,
+                                             gate_weights=weights, gated_norm=_rows(folded, start, end))
+                       for start, end, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
+        return self._normed_apart(out, gated_norm, folded)
 
     def conv_delta_rule_slots(self, m, windows, conv_weight, heads, b, alpha, a, dt_bias, eps: float, scale: float,
-                              ring, src_slot, dst_slots, key_heads: str = gdn.TILED):
-        """The conv folded into gdn_step's launch too (`conv=`: one launch for the mixer between its
-        products), for a batch of one launch (MAX_TOKENS: a longer one reads ring_pieces' scratch slot
-        it writes)."""
+                              ring, src_slot, dst_slots, key_heads: str = gdn.TILED, gated_norm=None):
+        """The conv folded into gdn_step's launch too (`conv=`), and the output norm where `gated_norm`
+        is given and `_folded_norm` takes it: one launch for the mixer between its products, for a
+        batch of one launch (MAX_TOKENS: a longer one reads ring_pieces' scratch slot it writes)."""
         n = m.shape[0]
         q, k, v = gdn.qkv_heads(m, heads)
         values = dense(conv_weight, torch.float32)
@@ -557,10 +561,29 @@ class CudaBackend(TorchBackend):
                 and all(w.device == m.device for w in (values,) + weights)
                 and all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (b, alpha))):
             return super().conv_delta_rule_slots(m, windows, conv_weight, heads, b, alpha, a, dt_bias, eps, scale, ring,
-                                                 src_slot, dst_slots, key_heads)
+                                                 src_slot, dst_slots, key_heads, gated_norm)
         group = heads[2] // heads[0] if key_heads == gdn.GROUPED else 1
-        return self.kernels.gdn_step(q, k, v, alpha, b, ring, src_slot, dst_slots, group=group, eps=eps, scale=scale,
-                                     gate_weights=weights, conv=(windows, values))
+        folded = self._folded_norm(v, gated_norm)
+        out = self.kernels.gdn_step(q, k, v, alpha, b, ring, src_slot, dst_slots, group=group, eps=eps, scale=scale,
+                                    gate_weights=weights, conv=(windows, values), gated_norm=folded)
+        return self._normed_apart(out, gated_norm, folded)
+
+    def _folded_norm(self, v: torch.Tensor, gated_norm):
+        """gated_norm = (weight, gate, eps, out_dtype) as gdn_step's `gated_norm=` takes it (the
+        weight's float32 values), or None where the norm kernel would not take it: the rule's o is
+        then normed by `gated_rms_norm` (`_normed_apart`). v [n, nv, dv] stands for o's shape."""
+        if gated_norm is None:
+            return None
+        weight, gate, eps, out_dtype = gated_norm
+        values = self._norm_weight(weight, v) if self._norm_fits(v) and self._pointwise(v, gate) else False
+        if (values is False or values is None or gate.shape != v.shape or out_dtype not in (None,) + KERNEL_DTYPES
+                or (gate.shape[-1] > 1 and gate.stride(-1) != 1)):
+            return None
+        return values, gate, eps, out_dtype
+
+    def _normed_apart(self, out: torch.Tensor, gated_norm, folded) -> torch.Tensor:
+        """gdn_step's result: y where the norm was folded in, else o (normed here where asked)."""
+        return out if gated_norm is None or folded is not None else self.gated_rms_norm(out, *gated_norm)
 
 
 class PairedExperts:
@@ -603,6 +626,14 @@ def _count(w: StoredWeight) -> None:
 def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
     """The pieces' rows in order: a single piece as it is (no copy, no launch)."""
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _rows(gated_norm, start: int, end: int):
+    """gdn_step's `gated_norm=` for the piece of tokens start..end-1: its gate's rows."""
+    if gated_norm is None:
+        return None
+    weight, gate, eps, out_dtype = gated_norm
+    return weight, gate[start:end], eps, out_dtype
 
 
 def ring_pieces(n: int, step: int, src_slot: torch.Tensor, dst_slots: torch.Tensor):

@@ -21,7 +21,8 @@ checked for host reads: tests/runtime/test_backend.py).
   `causal_conv_slots`, `delta_rule_slots`: the same forms reading and writing the memory's ring of
   states by slot index tensors (what a backend with `slot_states` is given; the reference of the
   CUDA backend's kernels); `delta_rule_from_conv_slots`: the q, k norms and the gates, then
-  `delta_rule_slots`; `conv_delta_rule_slots`: the conv, then `delta_rule_from_conv_slots`.
+  `delta_rule_slots` (and `gated_rms_norm` of its output where given the layer's output norm);
+  `conv_delta_rule_slots`: the conv, then `delta_rule_from_conv_slots`.
 """
 
 from __future__ import annotations
@@ -445,21 +446,24 @@ class TorchBackend:
 
     def delta_rule_from_conv_slots(self, q, k, v, b, alpha, a, dt_bias, eps: float, scale: float,
                                    ring: torch.Tensor, src_slot: torch.Tensor, dst_slots: torch.Tensor,
-                                   key_heads: str = gdn.TILED) -> torch.Tensor:
+                                   key_heads: str = gdn.TILED, gated_norm=None) -> torch.Tensor:
         """`delta_rule_slots` from the conv's q, k not yet normed and the gates' projections b, alpha
-        with the per-head weights a, dt_bias (gdn.rule_from_conv: the norms, then the gates)."""
+        with the per-head weights a, dt_bias (gdn.rule_from_conv: the norms, then the gates); with
+        `gated_norm` = (weight, gate, eps, out_dtype), `gated_rms_norm` of its output after it."""
         q, k, g, beta = gdn.rule_from_conv(q, k, b, alpha, a, dt_bias, eps, scale)
-        return self.delta_rule_slots(q, k, v, g, beta, ring, src_slot, dst_slots, key_heads)
+        o = self.delta_rule_slots(q, k, v, g, beta, ring, src_slot, dst_slots, key_heads)
+        return o if gated_norm is None else self.gated_rms_norm(o, *gated_norm)
 
     def conv_delta_rule_slots(self, m, windows: torch.Tensor, conv_weight, heads: tuple[int, int, int, int], b,
                               alpha, a, dt_bias, eps: float, scale: float, ring: torch.Tensor, src_slot: torch.Tensor,
-                              dst_slots: torch.Tensor, key_heads: str = gdn.TILED) -> torch.Tensor:
+                              dst_slots: torch.Tensor, key_heads: str = gdn.TILED, gated_norm=None) -> torch.Tensor:
         """`causal_conv_slots` of the pre-conv rows m into the windows ring, then
-        `delta_rule_from_conv_slots` of its gdn.qkv_heads (heads = (nk, dk, nv, dv)). The caller
-        guarantees the source slot is not a destination (gdn.Recurrence.conv_delta_rule)."""
+        `delta_rule_from_conv_slots` of its gdn.qkv_heads (heads = (nk, dk, nv, dv)), `gated_norm`
+        included. The caller guarantees the source slot is not a destination
+        (gdn.Recurrence.conv_delta_rule)."""
         c = self.causal_conv_slots(m, windows, conv_weight, src_slot, dst_slots)
         return self.delta_rule_from_conv_slots(*gdn.qkv_heads(c, heads), b, alpha, a, dt_bias, eps, scale, ring,
-                                               src_slot, dst_slots, key_heads)
+                                               src_slot, dst_slots, key_heads, gated_norm)
 
     def _one_token(self, q, k, v, g, beta, state):
         """(o [1, nv, dv], the state after the token) for a batch of one token."""

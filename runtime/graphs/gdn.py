@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from specconv.runtime.backend import for_device, rows_alone
-from specconv.runtime.graphs.ops import dense, l2_norm
+from specconv.runtime.graphs.ops import dense, gated_rms_norm, l2_norm
 
 CHUNK = 64  # as HF torch_chunk_gated_delta_rule and llama.cpp's prefill path
 MAX_ALONE_ROWS = 16  # batches up to this many tokens compute their gates a token at a time (gates)
@@ -289,32 +289,42 @@ class Recurrence:
         return o
 
     def delta_rule_from_conv(self, q, k, v, b, alpha, a, dt_bias, eps: float, scale: float,
-                             key_heads: str = TILED) -> torch.Tensor:
+                             key_heads: str = TILED, gated_norm=None) -> torch.Tensor:
         """o [n, nv, dv] as `delta_rule` from what the conv and the projections leave: q, k
         [n, nk, dk] not yet normed, v, the projections b, alpha and the per-head weights a, dt_bias
-        (`rule_from_conv`). A backend with `slot_states` takes them in one call (the CUDA backend
-        folds the norms and the gates into the rule's kernel)."""
+        (`rule_from_conv`); with `gated_norm` (`gated_output`) the layer's normed output instead. A
+        backend with `slot_states` takes them in one call (the CUDA backend folds the norms, the
+        gates and the output norm into the rule's kernel)."""
         if self.slots:
             batch = self.batch
             index = batch.index(q.device)
             return for_device(q.device).delta_rule_from_conv_slots(
                 q, k, v, b, alpha, a, dt_bias, eps, scale, batch.memory.ssm[self.layer][batch.seq],
-                index.src_slot, index.dst_slots, key_heads=key_heads)
+                index.src_slot, index.dst_slots, key_heads=key_heads, gated_norm=gated_norm)
         q, k, g, beta = rule_from_conv(q, k, b, alpha, a, dt_bias, eps, scale)
-        return self.delta_rule(q, k, v, g, beta, key_heads=key_heads)
+        return gated_output(self.delta_rule(q, k, v, g, beta, key_heads=key_heads), gated_norm)
 
     def conv_delta_rule(self, m, conv_weight, heads: tuple[int, int, int, int], b, alpha, a, dt_bias, eps: float,
-                        scale: float, key_heads: str = TILED) -> torch.Tensor:
+                        scale: float, key_heads: str = TILED, gated_norm=None) -> torch.Tensor:
         """o [n, nv, dv]: `conv` of the pre-conv rows m [n, C] = [q | k | v], its `qkv_heads` (heads =
-        (nk, dk, nv, dv)), then `delta_rule_from_conv`. A backend with `slot_states` takes it all in
-        one call where the memory keeps a spare slot, so that the batch never writes the slot it
-        reads (the CUDA backend: one kernel, whose programs share the key heads' windows)."""
+        (nk, dk, nv, dv)), then `delta_rule_from_conv` (with `gated_norm`: its normed output). A
+        backend with `slot_states` takes it all in one call where the memory keeps a spare slot, so
+        that the batch never writes the slot it reads (the CUDA backend: one kernel, whose programs
+        share the key heads' windows)."""
         memory = self.batch.memory
         if self.slots and memory.slots > memory.ring:
             batch = self.batch
             index = batch.index(m.device)
             return for_device(m.device).conv_delta_rule_slots(
                 m, memory.conv[self.layer][batch.seq], conv_weight, heads, b, alpha, a, dt_bias, eps, scale,
-                memory.ssm[self.layer][batch.seq], index.src_slot, index.dst_slots, key_heads=key_heads)
+                memory.ssm[self.layer][batch.seq], index.src_slot, index.dst_slots, key_heads=key_heads,
+                gated_norm=gated_norm)
         q, k, v = qkv_heads(self.conv(m, conv_weight), heads)
-        return self.delta_rule_from_conv(q, k, v, b, alpha, a, dt_bias, eps, scale, key_heads=key_heads)
+        return self.delta_rule_from_conv(q, k, v, b, alpha, a, dt_bias, eps, scale, key_heads=key_heads,
+                                         gated_norm=gated_norm)
+
+
+def gated_output(o: torch.Tensor, gated_norm) -> torch.Tensor:
+    """o, or with gated_norm = (weight, gate, eps, out_dtype) the Gated DeltaNet's output norm
+    ops.gated_rms_norm(o, weight, gate, eps, out_dtype): what the mixer hands its output product."""
+    return o if gated_norm is None else gated_rms_norm(o, *gated_norm)

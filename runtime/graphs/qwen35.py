@@ -18,7 +18,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn, trunk
 from specconv.runtime.graphs.decoder import Residual
 from specconv.runtime.graphs.ops import (
-    add_gated_shared, cached_attention, check_rope_scaling, gated_rms_norm, linear, linear_group,
+    add_gated_shared, cached_attention, check_rope_scaling, linear, linear_group,
     linear_wide, moe_softmax_topk, rope_cos_sin_scaled, swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
@@ -69,10 +69,11 @@ def gated_deltanet(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch, 
     rec = gdn.Recurrence(batch, i, mode)  # states in and out of the memory's ring
     # GGUF value heads are tiled: value head h reads key head h mod nk. The conv, q and k L2-normed
     # (q · dk^-1/2) and the gates (accumulation dtype) before the rule, which takes the key heads and v
-    # in the compute dtype as they are (the CUDA backend: conv, norms, gates and rule in one kernel)
-    o = rec.conv_delta_rule(m, w[f"blk.{i}.ssm_conv1d.weight"], (nk, dk, nv, dv), b, alpha, w[f"blk.{i}.ssm_a"],
-                            w[f"blk.{i}.ssm_dt.bias"], hp.rms_norm_eps, dk ** -0.5, key_heads=gdn.TILED)
-    y = gated_rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], z, hp.rms_norm_eps, out_dtype=a.dtype)  # one kernel on CUDA
+    # in the compute dtype as they are; then the gated output norm, rounded into the compute dtype
+    # (the CUDA backend: conv, norms, gates, rule and output norm in one kernel)
+    y = rec.conv_delta_rule(m, w[f"blk.{i}.ssm_conv1d.weight"], (nk, dk, nv, dv), b, alpha, w[f"blk.{i}.ssm_a"],
+                            w[f"blk.{i}.ssm_dt.bias"], hp.rms_norm_eps, dk ** -0.5, key_heads=gdn.TILED,
+                            gated_norm=(w[f"blk.{i}.ssm_norm.weight"], z, hp.rms_norm_eps, a.dtype))
     return linear(y.reshape(n, nv * dv), w[f"blk.{i}.ssm_out.weight"])
 
 

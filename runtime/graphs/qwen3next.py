@@ -20,7 +20,7 @@ from specconv.archs.qwen3next import QWEN3NEXT_TABLE, Qwen3NextHParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn, trunk
 from specconv.runtime.graphs import qwen35 as q35
-from specconv.runtime.graphs.ops import gated_rms_norm, linear
+from specconv.runtime.graphs.ops import linear
 from specconv.runtime.memory import Batch
 
 # the family's table (archs/qwen3next.py), whose shapes read the hparams (Qwen3NextHParams)
@@ -38,11 +38,11 @@ def gated_deltanet(w, hp: Qwen3NextHParams, i: int, a: torch.Tensor, batch: Batc
     ba = linear(a, w[f"blk.{i}.ssm_ba.weight"]).view(n, nk, 2 * r)
     b, alpha = ba[..., :r], ba[..., r:]  # [n, nk, r]: value heads in order (gdn.gates reads the views)
     rec = gdn.Recurrence(batch, i, mode)  # states in and out of the memory's ring
-    # the conv, q, k L2-normed (q · dk^-1/2) and the gates before the rule (one kernel on CUDA); value
-    # head h reads key head h // r
-    o = rec.conv_delta_rule(m, w[f"blk.{i}.ssm_conv1d.weight"], (nk, dk, nv, dv), b, alpha, w[f"blk.{i}.ssm_a"],
-                            w[f"blk.{i}.ssm_dt.bias"], hp.rms_norm_eps, dk ** -0.5, key_heads=gdn.GROUPED)
-    y = gated_rms_norm(o, w[f"blk.{i}.ssm_norm.weight"], z, hp.rms_norm_eps, out_dtype=a.dtype)  # one kernel on CUDA
+    # the conv, q, k L2-normed (q · dk^-1/2) and the gates before the rule, the gated output norm after
+    # it (one kernel on CUDA); value head h reads key head h // r
+    y = rec.conv_delta_rule(m, w[f"blk.{i}.ssm_conv1d.weight"], (nk, dk, nv, dv), b, alpha, w[f"blk.{i}.ssm_a"],
+                            w[f"blk.{i}.ssm_dt.bias"], hp.rms_norm_eps, dk ** -0.5, key_heads=gdn.GROUPED,
+                            gated_norm=(w[f"blk.{i}.ssm_norm.weight"], z, hp.rms_norm_eps, a.dtype))
     return linear(y.reshape(n, nv * dv), w[f"blk.{i}.ssm_out.weight"])
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from specconv.runtime.kernels_triton._pointwise_jit import gdn_gate_values, inverse_root
+from specconv.runtime.kernels_triton._pointwise_jit import _rounded, _silu, gdn_gate_values, inverse_root
+from specconv.runtime.kernels_triton._quant_jit import _last_arrival
 
 
 # n and keep are never specialized as constants (Triton makes an argument equal to 1 one): a one-token
@@ -22,12 +23,15 @@ from specconv.runtime.kernels_triton._pointwise_jit import gdn_gate_values, inve
 @triton.jit(do_not_specialize=["n", "keep"])
 def gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, bias_ptr, m_ptr, windows_ptr, conv_w_ptr,
                     states_ptr, src_slot_ptr, dst_slots_ptr,
-                    o_ptr, n, keep, n_key_heads, group, dk, dv, per_group, eps, scale,
+                    o_ptr, norm_w_ptr, z_ptr, y_ptr, count_ptr, n, keep, n_key_heads, group, dk, dv, per_group,
+                    eps, scale, norm_eps, norm_count,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gg,
                     stride_bt, stride_bg, stride_mt, stride_wslot, stride_wrow, stride_cw,
-                    stride_slot, stride_sh, stride_sk, stride_ot, stride_oh,
+                    stride_slot, stride_sh, stride_sk, stride_ot, stride_oh, stride_zt, stride_zh,
+                    stride_yt, stride_yh,
                     NORM_QK: tl.constexpr, GATES: tl.constexpr, CONV: tl.constexpr, K: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                    GATED_NORM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                    BLOCK_DV: tl.constexpr):
     """One program per (value head h, BLOCK_V columns of its state [dk, dv]): a column of the state
     needs only itself through the tokens, so the program keeps its [dk, BLOCK_V] block in registers
     for all n tokens, reading the state once and writing each kept token's state once. Per token
@@ -102,6 +106,31 @@ def gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, bias_ptr, m_ptr
                          stride_wrow, K)
             write_window(m_ptr, windows_ptr, src, dst, first + i, v_channels, col_ok, stride_mt, stride_wslot,
                          stride_wrow, K)
+    if GATED_NORM:
+        counter = count_ptr + h
+        if _last_arrival(counter, tl.num_programs(1)):
+            gated_norm_rows(o_ptr + h * stride_oh, norm_w_ptr, z_ptr + h * stride_zh, y_ptr + h * stride_yh, n, dv,
+                            norm_count, norm_eps, stride_ot, stride_zt, stride_yt, BLOCK_DV)
+            tl.store(counter, 0)  # every program of the head has counted: zero again for the next launch
+
+
+@triton.jit
+def gated_norm_rows(x_ptr, w_ptr, z_ptr, y_ptr, n, width, count, eps, stride_xt, stride_zt, stride_yt,
+                    BLOCK: tl.constexpr):
+    """Rows t < n of x (float32 o: stride_xt apart): y = x · (Σ x² / count + eps)^(-1/2) · w, rounded
+    into x's dtype, · silu(z), stored in y's dtype: the float32 operations of _pointwise_jit
+    norm_kernel with a weight and a gate (the same block of BLOCK = width rounded up to a power of
+    two, so the same sum), per row, whatever n is. x is read from L2 (.cg): other multiprocessors
+    wrote it."""
+    cols = tl.arange(0, BLOCK)
+    ok = cols < width
+    for t in range(n):
+        x = tl.load(x_ptr + t * stride_xt + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        y = x * inverse_root(tl.div_rn(tl.sum(x * x, axis=0), count), eps)
+        y = y * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + t * stride_zt + cols, mask=ok, other=0.0).to(tl.float32)
+        y = _rounded(y, x_ptr.dtype.element_ty) * _silu(z)
+        tl.store(y_ptr + t * stride_yt + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

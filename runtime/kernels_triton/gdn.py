@@ -1,7 +1,8 @@
 """The gated delta rule for 1-16 tokens in one Triton launch, each kept token's state in its own slot.
 
     gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, out=None, group=1,
-             eps=None, scale=None, gate_weights=None, conv=None) -> o [n, nv, dv]
+             eps=None, scale=None, gate_weights=None, conv=None, gated_norm=None)
+        -> o [n, nv, dv] (y with gated_norm)
 
 Shapes (one sequence, docs/reference/model-math.md §2.2): q, k [n, nk, dk] (L2-normed, q scaled;
 value head h reads key head (h // group) mod nk: group 1 reads h mod nk, GGUF's tiled Qwen3.5
@@ -35,6 +36,14 @@ bits on a GPU too:
   the window before the batch meanwhile, so the source slot must not be a destination (the
   memory's rings hold a spare slot; a ring of one, or ring_pieces' scratch slot, take the separate
   conv). Checked where the slots are ints.
+* `gated_norm=(weight, gate, eps, out_dtype)` given: the layer's output norm after the rule, and y
+  returned instead of o: y = rms_norm(o, weight, eps) rounded into o's dtype · silu(gate), rounded
+  into out_dtype (float32 where None): kernels_triton.norm.rms_norm(o, weight, eps, gate=gate,
+  out_dtype=out_dtype), weight [dv], gate [n, nv, dv] (read through its strides). The head's last
+  program to finish its columns norms the head's rows (an int32 counter per head,
+  _common.tile_counters), with norm_kernel's operations on each (token, head) row: its bits, and a
+  row's y does not depend on the batch. Where no counters can be had (a CUDA graph capture before
+  any were made) the norm is its own launch after the rule (rms_norm: the same bits).
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from __future__ import annotations
 import torch
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.kernels_triton import _common
+from specconv.runtime.kernels_triton import _common, norm
 
 MAX_TOKENS = 16  # longer inputs (prompts) take runtime/graphs/gdn.py's chunked form
 BLOCK_V = 32  # state columns per program
@@ -87,7 +96,8 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              states: torch.Tensor, src_slot, dst_slots, out: torch.Tensor | None = None,
              group: int = 1, eps: float | None = None, scale: float | None = None,
              gate_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
-             conv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             conv: tuple[torch.Tensor, torch.Tensor] | None = None,
+             gated_norm: tuple[torch.Tensor, torch.Tensor, float, torch.dtype | None] | None = None) -> torch.Tensor:
     op = "gdn_step"
     if q.dim() != 3 or v.dim() != 3 or states.dim() != 4:
         raise SpecconvError(f"{op}: expected q, k [n, nk, dk], v [n, nv, dv], states [slots, nv, dk, dv] "
@@ -121,24 +131,36 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     windows, conv_weight = (states, states) if conv is None else _conv_inputs(op, q, k, v, states, conv)
     src, dst, out = slots_and_out(op, src_slot, dst_slots, states, q, out, n, nv, dv)
     keep = dst.shape[0]
+    norm_w, z, norm_eps, out_dtype = (out, out, 0.0, None) if gated_norm is None else \
+        _gated_norm_inputs(op, q, out, gated_norm)
     if conv is not None and not isinstance(src_slot, torch.Tensor) and not isinstance(dst_slots, torch.Tensor):
         source = src_slot if isinstance(src_slot, int) else list(src_slot)[0]  # values known here
         if source in ([dst_slots] if isinstance(dst_slots, int) else list(dst_slots)):
             raise SpecconvError(f"{op}: with the conv folded in, the source slot may not be a destination")
+    counters = None if gated_norm is None else _common.tile_counters(out.device, nv)
+    folded = counters is not None  # the norm in this launch
+    y = torch.empty(out.shape, dtype=out_dtype, device=out.device) if folded else out
     jit = _common.jit_module("_recurrent_jit")
     grid = (nv, _common.cdiv(dv, BLOCK_V))
     per_group, stride_gg, stride_bg = gate_rows
-    jit.gdn_step_kernel[grid](q, k, v, g, beta, a, dt_bias, q, windows, conv_weight, states, src, dst, out, n, keep,
+    jit.gdn_step_kernel[grid](q, k, v, g, beta, a, dt_bias, q, windows, conv_weight, states, src, dst, out,
+                              norm_w, z, y, counters if folded else out, n, keep,
                               nk, group, dk, dv, per_group, 0.0 if eps is None else float(eps),
-                              1.0 if scale is None else float(scale),
+                              1.0 if scale is None else float(scale), norm_eps, float(dv),
                               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                               g.stride(0), stride_gg, beta.stride(0), stride_bg,
                               q.stride(0), windows.stride(0), windows.stride(1), conv_weight.stride(0),
                               states.stride(0), states.stride(1), states.stride(2), out.stride(0), out.stride(1),
+                              z.stride(0), z.stride(1), y.stride(0), y.stride(1),
                               NORM_QK=eps is not None, GATES=gate_weights is not None, CONV=conv is not None,
-                              K=conv_weight.shape[1] if conv is not None else 2,
-                              BLOCK_K=_common.next_power_of_2(dk), BLOCK_V=BLOCK_V, enable_fp_fusion=False)
-    return out
+                              K=conv_weight.shape[1] if conv is not None else 2, GATED_NORM=folded,
+                              BLOCK_K=_common.next_power_of_2(dk), BLOCK_V=BLOCK_V,
+                              BLOCK_DV=_common.next_power_of_2(dv) if folded else 1, enable_fp_fusion=False)
+    if gated_norm is None:
+        return out
+    if not folded:
+        return norm.rms_norm(out, norm_w, norm_eps, gate=z, out_dtype=out_dtype)
+    return y
 
 
 def _gate_rows(op: str, g: torch.Tensor, beta: torch.Tensor, n: int, nv: int, projections: bool):
@@ -155,6 +177,24 @@ def _gate_rows(op: str, g: torch.Tensor, beta: torch.Tensor, n: int, nv: int, pr
     _common.check_shape(op, "alpha" if projections else "g", g, (n, nv))
     _common.check_shape(op, "b" if projections else "beta", beta, (n, nv))
     return max(nv, 1), 0, 0
+
+
+def _gated_norm_inputs(op: str, q: torch.Tensor, o: torch.Tensor, gated_norm):
+    """(weight, gate, eps, out_dtype) of `gated_norm=`, checked against o [n, nv, dv]: weight [dv],
+    gate [n, nv, dv], out_dtype a float dtype (float32 where None)."""
+    weight, gate, eps, out_dtype = gated_norm
+    out_dtype = torch.float32 if out_dtype is None else out_dtype
+    if out_dtype not in _common.FLOAT_DTYPES:
+        raise SpecconvError(f"{op}: the gated norm's out_dtype must be float32, bfloat16 or float16 (got {out_dtype})")
+    if o.shape[-1] > norm.MAX_WIDTH:
+        raise SpecconvError(f"{op}: the gated norm takes rows of at most {norm.MAX_WIDTH} values (got {o.shape[-1]})")
+    _common.check_shape(op, "norm weight", weight, (o.shape[-1],))
+    _common.check_shape(op, "gate", gate, tuple(o.shape))
+    for name, t in (("norm weight", weight), ("gate", gate)):
+        _common.check_float(op, name, t)
+        _common.check_last_contiguous(op, name, t)
+    _common.check_device(op, q, weight, gate)
+    return weight, gate, float(eps), out_dtype
 
 
 def _conv_inputs(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: torch.Tensor, conv):
