@@ -190,21 +190,15 @@ def rows_per_launch(heads: int, pieces: int, dv: int) -> int:
     return max(1, WORKSPACE_VALUES // (heads * pieces * dv))
 
 
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
 def piece_counters(device: torch.device, count: int) -> torch.Tensor:
-    """`count` int32 zeros on `device`, which each launch with several pieces leaves zero again: one
-    buffer per device (the launches of a device run one after the other, on one stream), made (or
-    grown) outside CUDA-graph capture (a graph's warm-up call), the smaller ones kept alive (a
-    captured graph holds their addresses)."""
-    made = _COUNTERS.setdefault(device, [])
-    if not made or made[-1].numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise SpecconvError(f"attention: {count} piece counters needed inside a CUDA-graph capture; "
-                                f"run the forward once before capturing it")
-        made.append(torch.zeros(max(1024, _common.next_power_of_2(count)), dtype=torch.int32, device=device))
-    return made[-1]
+    """`count` int32 zeros on `device` (_common.tile_counters: the buffer the cut products' tiles use
+    too; each launch leaves its counters zero again), made or grown outside CUDA-graph capture (a
+    graph's warm-up call makes them): inside one, too few is an error, not a second launch."""
+    counters = _common.tile_counters(device, count)
+    if counters is None:
+        raise SpecconvError(f"attention: {count} piece counters needed inside a CUDA-graph capture; "
+                            f"run the forward once before capturing it")
+    return counters
 
 
 def values_in_keys(k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -39,9 +39,10 @@ from tests.fixtures.quant_rows import sane_rows
 
 torch.set_num_threads(1)
 # (type, n_out, n_in): under the interpreter's 2 stand-in multiprocessors (8 programs wanted) 37 rows
-# (3 tiles) of 352 Q8_0 values are cut in 2, 16 rows of 2048 in 8, 16 rows of 512 Q4_K values in 2;
+# (3 tiles) of 352 Q8_0 values are cut in 2, 16 rows of 2048 in 8, 16 rows of 1024 Q4_K values
+# (two steps of matmul.STEP_BLOCKS = 2 super-blocks) in 2;
 # 130 rows (9 tiles) and a row of one kernel step are not cut
-SHAPES = [(QType.Q8_0, 37, 352), (QType.Q8_0, 16, 2048), (QType.Q4_K, 16, 512), (QType.BF16, 21, 520),
+SHAPES = [(QType.Q8_0, 37, 352), (QType.Q8_0, 16, 2048), (QType.Q4_K, 16, 1024), (QType.BF16, 21, 520),
           (QType.Q8_0, 130, 352), (QType.Q8_0, 37, 256)]
 PRODUCT_KERNELS = {"fused_rows_kernel", "grouped_rows_kernel"}
 SECOND_LAUNCHES = {"sum_parts_kernel", "grouped_sum_kernel"}
@@ -157,7 +158,7 @@ def test_the_glu_product_in_one_launch(act, monkeypatch):
 
 # (type, inner dimension, rows of the group's matrices): cut and uncut matrices in one launch (the
 # K-quant's cut ones only: an uncut one needs 8 tiles under the interpreter, slow there)
-GROUPS = [(QType.Q8_0, 352, (37, 130, 16, 5)), (QType.Q4_K, 512, (9, 16)), (QType.BF16, 520, (21, 130, 3))]
+GROUPS = [(QType.Q8_0, 352, (37, 130, 16, 5)), (QType.Q4_K, 1024, (9, 16)), (QType.BF16, 520, (21, 130, 3))]
 
 
 @pytest.mark.parametrize("qtype, n_in, n_outs", GROUPS, ids=lambda v: getattr(v, "name", str(v)))
@@ -188,7 +189,7 @@ def test_grouped_products_in_one_launch(qtype, n_in, n_outs, monkeypatch):
 
 # (type, n_out, n_in, activation rows): a pair's program has one row whatever the batch, so the pair
 # counts sample 2..32 (the interpreter runs each of a launch's pairs × tiles × pieces programs)
-PAIR_SHAPES = [(QType.Q8_0, 37, 352, (1, 2, 3, 5, 8, 16)), (QType.Q4_K, 16, 512, (1, 3))]
+PAIR_SHAPES = [(QType.Q8_0, 37, 352, (1, 2, 3, 5, 8, 16)), (QType.Q4_K, 16, 1024, (1, 3))]
 
 
 @pytest.mark.parametrize("qtype, n_out, n_in, counts", PAIR_SHAPES, ids=lambda v: getattr(v, "name", str(v)))
