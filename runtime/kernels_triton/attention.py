@@ -210,6 +210,18 @@ def values_in_keys(k: torch.Tensor, v: torch.Tensor) -> bool:
             and v.stride() == k.stride() and v.storage_offset() == k.storage_offset() and root(v) is root(k))
 
 
+def check_stored_rows(op: str, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> None:
+    """k and v float rows of their caches' dtypes, the last dimension of each contiguous (write_kv's and
+    rope.rope_qk_store's stores copy bits)."""
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        _common.check_float(op, name, t)
+        if t.dtype != cache.dtype:
+            raise SpecconvError(f"{op}: {name} is {t.dtype}, its cache {cache.dtype}")
+        _common.check_last_contiguous(op, name, t)
+        _common.check_last_contiguous(op, f"{name}_cache", cache)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
     op = "write_kv"
@@ -223,12 +235,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor, 
     _common.check_shape(op, "v", v, (n, *v_cache.shape[1:]))
     if cells.dtype != torch.int64 or (n > 1 and cells.stride(0) != 1):
         raise SpecconvError(f"{op}: cells must be a contiguous int64 vector (got {cells.dtype})")
-    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
-        _common.check_float(op, name, t)
-        if t.dtype != cache.dtype:
-            raise SpecconvError(f"{op}: {name} is {t.dtype}, its cache {cache.dtype}")
-        _common.check_last_contiguous(op, name, t)
-        _common.check_last_contiguous(op, f"{name}_cache", cache)
+    check_stored_rows(op, k, v, k_cache, v_cache)
     _common.check_device(op, k_cache, v_cache, cells, k, v)
     kv_heads, dk, dv = k.shape[1], k.shape[2], v.shape[2]
     if n * kv_heads == 0:

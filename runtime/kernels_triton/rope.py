@@ -26,6 +26,7 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.kernels_triton import _common
+from specconv.runtime.kernels_triton.attention import check_stored_rows
 
 STYLES = {"neox": 0, "norm": 1}
 
@@ -78,12 +79,7 @@ def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     _common.check_shape(op, "k_cache", k_cache, (k_cache.shape[0], *k.shape[1:]))
     _common.check_shape(op, "v", v, (n, k.shape[1], v_cache.shape[2]))
     _common.check_shape(op, "v_cache", v_cache, (k_cache.shape[0], *v.shape[1:]))
-    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
-        _common.check_float(op, name, t)
-        if t.dtype != cache.dtype:
-            raise SpecconvError(f"{op}: {name} is {t.dtype}, its cache {cache.dtype}")
-        _common.check_last_contiguous(op, name, t)
-        _common.check_last_contiguous(op, f"{name}_cache", cache)
+    check_stored_rows(op, k, v, k_cache, v_cache)
     _common.check_device(op, q, k, v, k_cache, v_cache, cells)
     yq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _launch_qk(q, k, cos, sin, style, q_norm, k_norm, eps, yq, k_cache, v, v_cache, cells)
