@@ -24,6 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specconv.runtime.kernels_triton._quant_jit import _last_arrival
+
 
 @triton.jit
 def _rounded(x, dtype: tl.constexpr):
@@ -147,9 +149,8 @@ def attention_kernel(q_ptr, qr_ptr, k_ptr, v_ptr, kpos_ptr, qpos_ptr, keep_ptr, 
         tl.store(part_m_ptr + part + piece, m_run, mask=h_ok)
         tl.store(part_l_ptr + part + piece, l_run, mask=h_ok)
         tl.store(part_acc_ptr + (part + piece)[:, None] * dv + dvs[None, :], acc, mask=h_ok[:, None] & dv_ok[None, :])
-        tl.debug_barrier()  # every thread's stores issued before the count that publishes them
         counter = counts_ptr + r * tl.num_programs(2) + t
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == pieces - 1:  # the last piece done
+        if _last_arrival(counter, pieces):  # the last piece done (the cut products' arrival)
             m_all = tl.full((HEAD_TILE,), float("-inf"), tl.float32)
             for i in range(0, pieces):
                 m_all = tl.maximum(m_all, tl.load(part_m_ptr + part + i, mask=h_ok, other=0.0, cache_modifier=".cg"))
