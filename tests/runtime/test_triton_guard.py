@@ -1,9 +1,10 @@
 """tests/fixtures/triton_guard.py, the interpreter's out-of-bounds check, on tiny kernels of its own:
-one element past (or before) a tensor is caught in a load, a store, an atomic add and a
-compare-and-swap, before the access, with the kernel, the operation and the miss in bytes named; a
-masked-off address outside is not; an in-bounds kernel, and one reading a view's storage beyond the
-view, run and give the right values. Also: the session runs with the guard (tests/fixtures/
-pytest_plugin.py), and a Triton without one of the wrapped methods is refused in words.
+one element past (or before) a tensor is caught in a load, a store, an atomic add, a
+compare-and-swap and a tensor descriptor's load, before the access, with the kernel, the program,
+the operation and the miss in bytes named; a masked-off address outside is not; an in-bounds
+kernel, and one reading a view's storage beyond the view, run and give the right values. Also: the
+session runs with the guard (tests/fixtures/pytest_plugin.py), and a Triton without one of the
+wrapped methods is refused in words.
 
 Interpreter only (the guard wraps it): skipped where the kernels run compiled on a GPU.
 """
@@ -60,6 +61,13 @@ def _count(counter, index):
 @triton.jit
 def _swap(cell, index):
     tl.atomic_cas(cell + index, 0, 1)
+
+
+@triton.jit
+def _through_descriptor(src, dst, n_claimed, start, BLOCK: tl.constexpr):
+    """dst = src[start:start + BLOCK] through a tensor descriptor claiming src has n_claimed values."""
+    desc = tl.make_tensor_descriptor(src, shape=[n_claimed], strides=[1], block_shape=[BLOCK])
+    tl.store(dst + tl.arange(0, BLOCK), desc.load([start]))
 
 
 def test_the_session_runs_with_the_guard():
@@ -128,6 +136,15 @@ def test_a_compare_and_swap_past_is_caught():
     assert cells.tolist() == [0, 1]
     with pytest.raises(triton_guard.OutOfBounds, match="_swap: atomic cas .* of 8 bytes .* misses by 8 bytes"):
         _swap[(1,)](cells, 2)
+
+
+def test_a_tensor_descriptor_past_its_tensor_is_caught():
+    src, dst = torch.arange(32, dtype=torch.float32), torch.zeros(16)
+    _through_descriptor[(1,)](src, dst, 32, 24, BLOCK=16)  # values 32.. lie outside the shape: zeros
+    assert torch.equal(dst, torch.cat([src[24:], torch.zeros(8)]))
+    with pytest.raises(triton_guard.OutOfBounds, match="_through_descriptor: load .* misses by 4 bytes: past "
+                                                       "the end of the storage of 'src'"):
+        _through_descriptor[(1,)](src, dst, 40, 24, BLOCK=16)  # a shape larger than the tensor
 
 
 def test_the_bad_program_is_named():
