@@ -36,6 +36,7 @@ from specconv.runtime import Context, GraphType, kernels_triton as kt, load_mode
 from specconv.runtime.backend import batch_invariant  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
 from specconv.runtime.graphs import gdn, qwen35, qwen3next  # noqa: E402
+from specconv.runtime.graphs.ops import made  # noqa: E402
 from specconv.runtime.kernels_triton import _common as kt_common  # noqa: E402
 from tests.fixtures.runtime_common import tiny_gguf  # noqa: E402
 
@@ -238,7 +239,7 @@ def test_a_mixer_call_launches_its_products_and_one_kernel(arch, q8_files):
 
                 backend.linear, backend.linear_group = linear, linear_group
                 try:
-                    y = mixer(model.weights, hp, layer, a, batch, "auto")
+                    y = made(mixer(model.weights, hp, layer, a, batch, "auto"))  # its output product too
                 finally:
                     del backend.linear, backend.linear_group
             launched = Counter({op: c for op, c in counter.tally.by_op.items()})
