@@ -14,8 +14,8 @@ seam (`linear_add_rms_norm`) and the graphs' deferred products (ops.Deferred):
   batch-invariant mode 17+ rows in 16-row pieces with each row's one-row bits), TorchBackend's and
   the CPU backend's are exactly linear then add_rms_norm; ops.add_rms_norm of a Deferred product
   is that, and under an activation observer the observer still sees the product's rows;
-* launches: the tiny Qwen3.5 step (benchmarks/cuda_op_count.py, meta) has no norm_kernel launch
-  left but the first block's input norm: two launches fewer per block.
+* launches (benchmarks/cuda_op_count.py, meta): in the tiny Qwen3.5 step and the llama family's,
+  each add_rms_norm after a product is in the product's launch: two launches fewer per block.
 
 Without a GPU the kernels run in Triton's interpreter (one program after another); with one,
 compiled on CUDA, in any order.
@@ -37,6 +37,7 @@ from specconv.runtime.backend_torch import TorchBackend
 from specconv.runtime.dequant import dequantize_rows as torch_dequantize
 from specconv.runtime.kernels_triton import _common
 from specconv.runtime.stored import StoredWeight
+from tests.fixtures.counted_calls import CountedCalls, family_q8_0, fused_against_separate
 from tests.fixtures.quant_rows import sane_rows
 
 torch.set_num_threads(1)
@@ -220,25 +221,36 @@ def test_bad_input_one_line_errors():
         assert "\n" not in str(e.value)
 
 
-def test_a_qwen35_step_launches_no_norm_of_its_own_but_the_first(tmp_path_factory):
-    """The tiny Qwen3.5 (q8_0, bf16) step and 4-row verification on meta with the CUDA backend's
-    choices: every block's two add_rms_norm launches are in its products (the attention / Gated
-    DeltaNet output product and the FFN's down product, the last one with the output norm): one
-    norm_kernel launch left, the first block's input norm, and two launches per block fewer than
-    the same backend with the product and the norm launched apart."""
-    from benchmarks import cuda_op_count
+class CountedTail(CudaBackend, CountedCalls):
+    """The CUDA backend with linear_add_rms_norm counted: its own (the product's launch with the norm
+    tail), or with `separate` the torch backend's form (the product, then add_rms_norm's launch)."""
+
+    def __init__(self, separate: bool):
+        super().__init__(kt, device_types=("meta",))
+        self.init_counts()
+        self.separate = separate
+
+    def linear_add_rms_norm(self, *args):
+        run = TorchBackend.linear_add_rms_norm if self.separate else CudaBackend.linear_add_rms_norm
+        return self.counted(lambda: run(self, *args))
+
+
+@pytest.mark.parametrize("name", ["qwen35", "llama-release"])
+def test_each_block_launches_two_fewer(name, tmp_path_factory):
+    """A bf16 decode step and 4-row verification on meta with the CUDA backend's choices: each
+    add_rms_norm after a product (each block's two, the last block's FFN with the output norm) is
+    in the product's launch, one launch where the separate forms take two, nothing else in the step
+    changed: two launches fewer per block. The tiny Qwen3.5 keeps one norm_kernel launch, the first
+    block's input norm."""
     from tests.fixtures.runtime_common import tiny_gguf
 
-    class Apart(CudaBackend):
-        def linear_add_rms_norm(self, x, w, h, weight, eps, up=None, act=None):
-            return TorchBackend.linear_add_rms_norm(self, x, w, h, weight, eps, up, act)
-
-    path = tiny_gguf(tmp_path_factory, outtype="q8_0")[1]
-    fused = cuda_op_count.count_steps(path, "bf16", 3)
-    apart = cuda_op_count.count_steps(path, "bf16", 3, backend=Apart(kt, device_types=("meta",)))
-    blocks = len(fused.recurrent)
-    for name, new, old in (("step", fused.step, apart.step), ("verification", fused.verify, apart.verify)):
-        print(f"\n[meta, bf16] {name}: {old.total} launches with the norms apart -> {new.total} with the tails "
-              f"({blocks} blocks)")
-        assert new.by_op["triton.norm_kernel"] == 1 and old.by_op["triton.norm_kernel"] == 2 * blocks + 1
+    root = tmp_path_factory.mktemp(name)
+    path = tiny_gguf(tmp_path_factory, outtype="q8_0")[1] if name == "qwen35" else family_q8_0(root, name)
+    blocks, results = fused_against_separate(path, CountedTail)
+    for what, calls, inside, new, old in results:
+        print(f"\n[meta, bf16] {name} {what}: {old.total} launches with the norms apart -> {new.total} with the tails "
+              f"({blocks} blocks, {calls} products with a norm tail)")
+        assert calls == 2 * blocks and inside == 2 * calls
         assert old.total - new.total == 2 * blocks
+        if name == "qwen35":
+            assert new.by_op["triton.norm_kernel"] == 1
