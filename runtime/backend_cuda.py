@@ -368,17 +368,16 @@ class CudaBackend(TorchBackend):
     def linear_add_rms_norm(self, x: torch.Tensor, w, h: torch.Tensor, weight, eps: float,
                             up: torch.Tensor | None = None, act: str | None = None):
         """For the weights `linear` (`linear_glu` with `up`) gives the product kernel and a norm
-        add_rms_norm gives its kernel, up to FUSED_MAX_ROWS rows of up to TAIL_MAX_WIDTH values: one
-        launch, the product's, which ends with the residual add and the norm
-        (kernels_triton.quant_matmul_add_rms_norm, the bits of the two launches); in batch-invariant
+        add_rms_norm gives its kernel, up to FUSED_MAX_ROWS rows: kernels_triton.quant_matmul_add_rms_norm
+        (one launch, the product's, which ends with the residual add and the norm where the rows' width
+        allows, else the two launches: the same bits either way); in batch-invariant
         mode longer batches in pieces of that many rows (each row as in a decode step); otherwise
         the product, then add_rms_norm."""
         product = (not isinstance(w, PairedExperts) and (up is None or self._glu_input(x, up))
                    and (self._stored_matrix(x, w, x.dtype) or self._dense_float32(x, w, x.dtype)))
         values = (self._norm_weight(weight, h) if product and self._norm_fits(h) and self._pointwise(h, x)
                   else False)
-        if (values is False or h.dtype != x.dtype or h.shape != (*x.shape[:-1], w.shape[0])
-                or w.shape[0] > self.kernels.TAIL_MAX_WIDTH):
+        if values is False or h.dtype != x.dtype or h.shape != (*x.shape[:-1], w.shape[0]):
             return super().linear_add_rms_norm(x, w, h, weight, eps, up, act)
         n_out, n_in = w.shape
         step = self.kernels.FUSED_MAX_ROWS

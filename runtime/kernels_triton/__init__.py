@@ -46,7 +46,7 @@ from specconv.runtime.kernels_triton.conv import causal_conv
 from specconv.runtime.kernels_triton.dequant import KERNEL_TYPES, dequantize_rows
 from specconv.runtime.kernels_triton.gdn import MAX_TOKENS, gdn_step
 from specconv.runtime.kernels_triton.indexer import MAX_INDEX_DIM, index_scores
-from specconv.runtime.kernels_triton.matmul import (FUSED_MAX_ROWS, TAIL_MAX_WIDTH, expert_matmul, expert_matmul_pair,
+from specconv.runtime.kernels_triton.matmul import (FUSED_MAX_ROWS, expert_matmul, expert_matmul_pair,
                                                     grouped_matmul, quant_matmul, quant_matmul_add_rms_norm,
                                                     result_dtype)
 from specconv.runtime.kernels_triton.norm import MAX_WIDTH as MAX_NORM_WIDTH, l2_norm, rms_norm
@@ -59,6 +59,6 @@ __all__ = ["add_gated_shared", "attention", "available", "causal_conv", "dequant
            "expert_matmul_pair", "gdn_gates", "gdn_step", "gelu_mul", "glu", "grouped_matmul", "l2_norm", "moe_combine",
            "quant_matmul", "quant_matmul_add_rms_norm", "result_dtype", "rms_norm", "rope", "rope_qk", "rope_qk_store",
            "silu_mul", "softmax_topk",
-           "write_kv", "FUSED_MAX_ROWS", "TAIL_MAX_WIDTH",
+           "write_kv", "FUSED_MAX_ROWS",
            "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS", "MAX_TOKENS",
            "gdn_chunked", "add_shared", "grouped_topk", "index_scores", "MAX_INDEX_DIM"]

@@ -70,9 +70,13 @@ FUSED_WARPS = 4
 FUSED_FMA = True
 SUM_BLOCK = 1024
 GROUP_MAX = 4  # matrices per launch of grouped_matmul (one pointer argument each)
-# widest rows the product kernel's norm tail takes (one block of a program's 4 warps); wider rows:
-# the product, then the norm kernel's launch
-TAIL_MAX_WIDTH = 8192
+# the rows the product kernel's norm tail takes: those norm_kernel reduces with FUSED_WARPS warps too
+# (norm.warps), whose every row starts 16 elements after the last (Triton's divisibility unit): both
+# kernels then read them as whole vectors, and their sums compile to the same reduction (the same
+# layout: tools/triton_aot.py's digests), with the same bits. Other rows: the product, then the
+# norm kernel's launch
+TAIL_MAX_WIDTH = 2048
+TAIL_ALIGN = 16
 # values of W dequantized per piece of the prompt path (32 MB in bfloat16)
 TILE_VALUES = 1 << 24
 _FLOAT_TYPES = {QType.BF16: torch.bfloat16, QType.F16: torch.float16, QType.F32: torch.float32}
@@ -137,13 +141,18 @@ class NormTail:
     o: torch.Tensor
 
 
+def tail_fits(width: int) -> bool:
+    """Whether the norm tail takes rows of `width` values (TAIL_MAX_WIDTH, TAIL_ALIGN)."""
+    return width <= TAIL_MAX_WIDTH and width % TAIL_ALIGN == 0
+
+
 def quant_matmul_add_rms_norm(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int, n_in: int,
                               h: torch.Tensor, weight: torch.Tensor, eps: float, up: torch.Tensor | None = None,
                               act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, o) = (h + y, rms_norm(h + y) · weight) for y = quant_matmul(x, packed, ..., up=up, act=act):
     a block's residual add and the norm after it, h [..., n_out] in y's dtype, weight [n_out]; s and
-    o new tensors (h is not written). Up to FUSED_MAX_ROWS rows of up to TAIL_MAX_WIDTH values: one
-    launch, the product's, which ends with them (its last tile to finish adds and normalises every
+    o new tensors (h is not written). Up to FUSED_MAX_ROWS rows whose width the tail takes
+    (`tail_fits`): one launch, the product's, which ends with them (its last tile to finish adds and normalises every
     row: fused_rows_kernel TAIL); otherwise, and where no counter can be had (during a CUDA graph
     capture), quant_matmul then norm.rms_norm(h, weight, eps, residual=y), whose bits the tail has."""
     op = "quant_matmul_add_rms_norm"
@@ -160,7 +169,7 @@ def quant_matmul_add_rms_norm(x: torch.Tensor, packed: torch.Tensor, qtype: QTyp
     device = _common.check_device(op, x, packed, h, weight)
     y = torch.empty(*x.shape[:-1], n_out, dtype=dtype, device=device)
     rows = y.numel() // n_out if n_out else 0
-    if 0 < rows <= FUSED_MAX_ROWS and n_out <= TAIL_MAX_WIDTH:
+    if 0 < rows <= FUSED_MAX_ROWS and tail_fits(n_out):
         xs, us = _input_rows(op, x, up, act, n_in)
         tail = NormTail(h.reshape(rows, n_out).contiguous(), weight.contiguous(), eps,
                         torch.empty(rows, n_out, dtype=dtype, device=device),

@@ -23,6 +23,8 @@ compiled on CUDA, in any order.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
@@ -43,10 +45,10 @@ from tests.fixtures.quant_rows import sane_rows
 torch.set_num_threads(1)
 REF = TorchBackend()
 EPS = 1e-6
-# (type, n_out = the stream's width, n_in): under the interpreter's 2 stand-in multiprocessors
-# 37 rows of 352 Q8_0 values and 37 of 1024 Q4_K values are cut in 2, 21 of 520 BF16 in some;
-# 130 rows (9 tiles) are not cut
-SHAPES = [(QType.Q8_0, 37, 352), (QType.Q8_0, 130, 352), (QType.Q4_K, 37, 1024), (QType.BF16, 21, 520)]
+# (type, n_out = the stream's width, n_in): widths the tail takes (multiples of 16), not powers of
+# two; under the interpreter's 2 stand-in multiprocessors 48 rows of 352 Q8_0 values and 48 of 1024
+# Q4_K values are cut in 2, 48 of 520 BF16 in 3; 144 rows (9 tiles) are not cut
+SHAPES = [(QType.Q8_0, 48, 352), (QType.Q8_0, 144, 352), (QType.Q4_K, 48, 1024), (QType.BF16, 48, 520)]
 
 
 def rows_of(n: int, width: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -121,7 +123,7 @@ def test_the_glu_down_product_with_its_tail(monkeypatch):
     """A SwiGLU's down product (the GLU read by the product kernel) with the tail: the bits of the GLU
     product then the norm launch, 1..16 rows, one launch; a row alone its row's bits."""
     launched = record_launches(monkeypatch)
-    qtype, n_out, n_in = QType.Q8_0, 37, 352
+    qtype, n_out, n_in = QType.Q8_0, 48, 352
     packed = sane_rows(qtype, n_out, n_in, seed=5).to(DEVICE)
     gate, up = rows_of(16, n_in, torch.bfloat16, 6, scale=3.0), rows_of(16, n_in, torch.bfloat16, 7)
     h, w = rows_of(16, n_out, torch.bfloat16, 8, scale=4.0), norm_weight(n_out, 9)
@@ -138,6 +140,21 @@ def test_the_glu_down_product_with_its_tail(monkeypatch):
     print(f"\n[{WHERE}] SwiGLU down product + tail: the two launches' bits, 1..16 rows")
 
 
+def test_rows_the_tail_does_not_take(monkeypatch):
+    """A width not a multiple of 16 (37), one wider than TAIL_MAX_WIDTH, and 17 rows: the product,
+    then the norm launch, the bits of the two launches."""
+    from specconv.runtime.kernels_triton import matmul as qm
+
+    launched = record_launches(monkeypatch)
+    for n_out, rows in ((37, 3), (qm.TAIL_MAX_WIDTH + 16, 1), (48, 17)):
+        packed = sane_rows(QType.Q8_0, n_out, 64, seed=n_out).to(DEVICE)
+        x, h, w = rows_of(rows, 64, torch.bfloat16, 1), rows_of(rows, n_out, torch.bfloat16, 2), norm_weight(n_out, 3)
+        del launched[:]
+        got = kt.quant_matmul_add_rms_norm(x, packed, QType.Q8_0, n_out, 64, h, w, EPS)
+        assert launched[-1] == "norm_kernel" and ("fused_rows_kernel" in launched) == (rows <= 16), launched
+        assert same(got, two_launches(x, packed, QType.Q8_0, n_out, 64, h, w)), n_out
+
+
 def stored(qtype: QType, n_out: int, n_in: int, seed: int) -> StoredWeight:
     return StoredWeight(sane_rows(qtype, n_out, n_in, seed=seed).to(DEVICE), qtype, (n_out, n_in), torch.bfloat16,
                         DEVICE)
@@ -150,7 +167,7 @@ def test_the_backend_seam(monkeypatch):
     add_rms_norm."""
     launched = record_launches(monkeypatch)
     cuda = CudaBackend(kt, device_types=(DEVICE.type,))
-    n_in, n_out = 352, 37
+    n_in, n_out = 352, 48
     w, nw = stored(QType.Q8_0, n_out, n_in, 1), norm_weight(n_out, 2)
     x, h = rows_of(20, n_in, torch.bfloat16, 3), rows_of(20, n_out, torch.bfloat16, 4, scale=4.0)
     gate, up = rows_of(20, n_in, torch.bfloat16, 5, scale=3.0), rows_of(20, n_in, torch.bfloat16, 6)
@@ -187,7 +204,7 @@ def test_a_deferred_product_through_ops(monkeypatch):
     launched = record_launches(monkeypatch)
     cuda = CudaBackend(kt, device_types=(DEVICE.type,))
     monkeypatch.setattr(backend_module, "_backend", lambda kind: cuda)
-    n_in, ff, n_out = 256, 256, 37
+    n_in, ff, n_out = 256, 256, 48
     gate_w, up_w, down_w = stored(QType.Q8_0, ff, n_in, 1), stored(QType.Q8_0, ff, n_in, 2), stored(QType.Q4_K, n_out,
                                                                                                    ff, 3)
     x, h, nw = rows_of(3, n_in, torch.bfloat16, 4), rows_of(3, n_out, torch.bfloat16, 5, scale=4.0), norm_weight(n_out, 6)
@@ -254,3 +271,49 @@ def test_each_block_launches_two_fewer(name, tmp_path_factory):
         assert old.total - new.total == 2 * blocks
         if name == "qwen35":
             assert new.by_op["triton.norm_kernel"] == 1
+
+
+def test_the_tails_sum_compiles_to_the_norm_kernels_reduction():
+    """sm_90, Triton's compiler on the CPU (tools/triton_aot.py): for rows of TAIL_MAX_WIDTH values
+    and of a width not a power of two, bfloat16 and float32, the product kernel with its tail (1 and
+    3 rows) holds, once per row, the very reduction norm_kernel's residual form compiles to (the
+    same float operations feeding it and the same layout: their bits on a GPU are the same).
+    norm_kernel sums wider rows with another number of warps, and rows of a width not a multiple of
+    16 (1000: its loads of 4 values, the tail's of 8) in another layout: those take no tail."""
+    jit = pytest.importorskip("triton.runtime.jit")
+    if not (hasattr(jit, "create_function_from_signature") and hasattr(jit.JITFunction, "_pack_args")):
+        pytest.skip("this Triton's JIT has no binder the recorder can call")
+    from benchmarks import cuda_op_count, triton_launches
+    from specconv.runtime.kernels_triton import matmul as qm, norm
+    from tools import triton_aot
+
+    assert norm.warps(qm.TAIL_MAX_WIDTH) == qm.FUSED_WARPS != norm.warps(2 * qm.TAIL_MAX_WIDTH)
+    recorder = triton_launches.Recorder(widths=(1,))
+    cuda_op_count.launch_observers.append(recorder)
+    try:
+        with cuda_op_count.meta_launches():
+            for width, dtype, rows in itertools.product((qm.TAIL_MAX_WIDTH, 896), (torch.bfloat16, torch.float32),
+                                                        (1, 3)):
+                    recorder.key = ("tail", f"{width} {dtype}", str(rows))
+                    x = torch.empty(rows, 256, dtype=dtype, device="meta")
+                    h = torch.empty(rows, width, dtype=dtype, device="meta")
+                    w = torch.empty(width, dtype=torch.float32, device="meta")
+                    packed = torch.empty(width, 8 * 34, dtype=torch.uint8, device="meta")
+                    kt.quant_matmul_add_rms_norm(x, packed, QType.Q8_0, width, 256, h, w, EPS)
+                    recorder.key = ("norm", f"{width} {dtype}", str(rows))
+                    kt.rms_norm(h, w, EPS, residual=torch.empty_like(h))
+    finally:
+        cuda_op_count.launch_observers.remove(recorder)
+    specs = {key: seq[0] for key, seq in recorder.sequences.items()}
+    results = triton_aot.compile_all([s.to_json() for s in set(specs.values())], archs=(90,), jobs=2, sass=False)
+    compiled = {triton_launches.Specialization.from_json(r.spec): r for r in results}
+    assert not triton_aot.failures(list(compiled.values()))
+    for (kind, width, rows), spec in specs.items():
+        if kind != "tail":
+            continue
+        tail, alone = compiled[spec], compiled[specs[("norm", width, rows)]]
+        (form, count), = alone.reduce_forms.items()
+        assert count == 1 and tail.reduce_forms.get(form) == int(rows), (width, rows, tail.reduce_forms)
+        assert set(alone.reduce_layouts) <= set(tail.reduce_layouts), (width, alone.reduce_layouts)
+        print(f"\nsm_90, width and dtype {width}, {rows} row(s): the tail's sum is norm_kernel's reduction {form} "
+              f"({alone.reduce_layouts[0].split(',')[0]}...), once per row")
