@@ -71,10 +71,10 @@ FUSED_FMA = True
 SUM_BLOCK = 1024
 GROUP_MAX = 4  # matrices per launch of grouped_matmul (one pointer argument each)
 # the rows the product kernel's norm tail takes: those norm_kernel reduces with FUSED_WARPS warps too
-# (norm.warps), whose every row starts 16 elements after the last (Triton's divisibility unit): both
-# kernels then read them as whole vectors, and their sums compile to the same reduction (the same
-# layout: tools/triton_aot.py's digests), with the same bits. Other rows: the product, then the
-# norm kernel's launch
+# (norm.warps), a multiple of 16 values wide (Triton's divisibility unit: every row's start aligned),
+# so that both kernels read them as whole vectors and their sums compile to the same reduction (the
+# same layout: tools/triton_aot.py's digests), with the same bits. Other rows: the product, then
+# the norm kernel's launch
 TAIL_MAX_WIDTH = 2048
 TAIL_ALIGN = 16
 # values of W dequantized per piece of the prompt path (32 MB in bfloat16)
