@@ -25,7 +25,7 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
                                                 the product ending a mixer / FFN with the residual add
                                                 and norm after it (one launch on CUDA)
     rms_norm, add_rms_norm, add_normed, gated_rms_norm, l2_norm, rope, normed_rope, silu_mul, gelu_mul, glu,
-    gdn_gates
+    gdn_gates, rope_table
                                                 the small operations around the products (ops.py's
                                                 helpers and gdn.gates reach them)
     attention(q, k, v, q_pos, k_pos, scale, gate, window, sinks)   causal attention over a layer's K/V

@@ -424,6 +424,13 @@ class CudaBackend(TorchBackend):
         return (x.dim() == 3 and cos.dim() == 2 and self._pointwise(x) and cos.device == x.device
                 and self._pointwise(cos, sin, dtypes=(torch.float32,)) and x.shape[-1] >= 2 * cos.shape[-1] >= 2)
 
+    def rope_table(self, positions: torch.Tensor, inv_freq: torch.Tensor, divisor: float | None = None,
+                   scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (self._pointwise(inv_freq, dtypes=(torch.float32,)) and positions.device == inv_freq.device
+                and positions.dim() == 1 and positions.dtype in (torch.int32, torch.int64) and inv_freq.dim() == 1):
+            return super().rope_table(positions, inv_freq, divisor, scale)
+        return self.kernels.rope_table(positions, inv_freq, divisor, scale)
+
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
         if not self._rope_fits(x, cos, sin):
             return super().rope(x, cos, sin, style)

@@ -242,6 +242,17 @@ class TorchBackend:
         y = xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
         return y if scale is None else y * scale
 
+    def rope_table(self, positions: torch.Tensor, inv_freq: torch.Tensor, divisor: float | None = None,
+                   scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [n, half] of the angles p · inv_freq[i] in inv_freq's dtype, p each position (divided
+        by `divisor` first: linear rope scaling), times `scale` when given (YaRN's attention factor)."""
+        p = positions.to(inv_freq.dtype)
+        if divisor is not None:
+            p = p / divisor
+        angles = p[:, None] * inv_freq[None, :]
+        cos, sin = angles.cos(), angles.sin()
+        return (cos, sin) if scale is None else (cos * scale, sin * scale)
+
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
         """Rotate the first d = 2·cos.shape[-1] dims of every head of x [n, heads, hd] by the angles of
         its token's row: pairs (i, i + d/2) for "neox", adjacent pairs (2i, 2i + 1) for "norm"."""

@@ -94,7 +94,8 @@ class Memory:
         self.k = {l: torch.zeros(shape(l), dtype=dtype, device=where(l)) for l in layout.attn_layers}
         self.v = {l: self.k[l][..., :layout.value_width] if layout.value_width
                   else torch.zeros(shape(l), dtype=dtype, device=where(l)) for l in layout.attn_layers}
-        self.cell_pos = torch.full((n_seq, n_ctx), -1, dtype=torch.long, device=device)
+        # UNWRITTEN where no cell is: a batch's view of the whole buffer is this with its own cells set
+        self.cell_pos = torch.full((n_seq, n_ctx), UNWRITTEN, dtype=torch.long, device=device)
         # the same positions on the host: bookkeeping never reads the device tensor back
         self.cell_pos_host: list[list[int]] = [[] for _ in range(n_seq)]
         self.n_cells = [0] * n_seq
@@ -201,14 +202,14 @@ class Memory:
     def _truncate_cells(self, seq: int, from_pos: int):
         n = self.n_cells[seq]
         keep = bisect_left(self.cell_pos_host[seq], from_pos)  # cells are in increasing positions
-        self.cell_pos[seq, keep:n] = -1
+        self.cell_pos[seq, keep:n] = UNWRITTEN
         del self.cell_pos_host[seq][keep:]
         self.n_cells[seq] = keep
 
     def clear(self, seq: int | None = None):
         for s in range(self.n_seq) if seq is None else [seq]:
             self.n_cells[s] = 0
-            self.cell_pos[s] = -1
+            self.cell_pos[s] = UNWRITTEN
             self.cell_pos_host[s] = []
             self.last_pos[s] = -1
             self.slot_pos[s] = [EMPTY] * self.slots
@@ -394,9 +395,8 @@ class Batch:
         m, s = self.memory, self.seq
         cells = self.index(device).cells
 
-        def whole_positions(dev):
-            pos = m.cell_pos[s].to(dev, copy=True).index_copy_(0, cells, self.positions.to(dev))
-            return pos.masked_fill_(pos < 0, UNWRITTEN)
+        def whole_positions(dev):  # a copy with this batch's cells set: two launches
+            return torch.index_copy(m.cell_pos[s].to(dev), 0, cells, self.positions.to(dev))
 
         return m.k[layer][s], m.v[layer][s], self._on(device, "whole", whole_positions)
 

@@ -17,6 +17,7 @@ The FFN is dense SwiGLU for the leading dense blocks and the sigmoid group-limit
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -28,7 +29,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    Deferred, cached_latent_attention, linear, linear_group, linear_per_head, rms_norm, rope_pairs,
+    Deferred, cached_latent_attention, linear, linear_group, linear_per_head, rms_norm, rope_pairs, rope_table,
 )
 from specconv.runtime.memory import Batch
 
@@ -70,7 +71,18 @@ def yarn(hp: HParams) -> RopeScaling | None:
 
 def inv_freq(hp: HParams, device) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [dr/2] in float32, cos/sin factor), as transformers' default / YaRN rope."""
-    d, base, scaling = hp.qk_rope_head_dim, hp.rope_theta, yarn(hp)
+    return _inv_freq(hp.qk_rope_head_dim, float(hp.rope_theta), yarn(hp), torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq(d: int, base: float, scaling: RopeScaling | None, device: torch.device) -> tuple[torch.Tensor, float]:
+    """inv_freq's values, made once per device and kept (constants of the file: a forward launches
+    nothing for them, and a captured step reads them at fixed addresses)."""
+    with torch.inference_mode(False):
+        return _frequencies(d, base, scaling, device)
+
+
+def _frequencies(d: int, base: float, scaling: RopeScaling | None, device: torch.device) -> tuple[torch.Tensor, float]:
     pos_freqs = base ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d)
     if scaling is None:
         return 1.0 / pos_freqs, 1.0
@@ -104,8 +116,7 @@ def softmax_scale(hp: HParams) -> float:
 
 def rope_cos_sin(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
     freq, attn = inv_freq(hp, positions.device)
-    angles = positions.to(dtype)[:, None] * freq.to(dtype)[None, :]
-    return angles.cos() * attn, angles.sin() * attn
+    return rope_table(positions, freq.to(dtype), scale=attn)
 
 
 # ---- blocks -------------------------------------------------------------------------------------

@@ -185,8 +185,15 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float,
                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [n, rotary_dim/2] for NEOX rope with θ_i = base^(-2i/rotary_dim). The frequencies are rounded to
     float32 as HF and llama.cpp hold them; angles and cos/sin in `dtype` (float32 or float64)."""
-    angles = positions.to(dtype)[:, None] * rope_inv_freq(rotary_dim, float(base), positions.device, dtype)[None, :]
-    return angles.cos(), angles.sin()
+    return rope_table(positions, rope_inv_freq(rotary_dim, float(base), positions.device, dtype))
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, divisor: float | None = None,
+               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, len(inv_freq)] of the angles position · θ_i in inv_freq's dtype: each position
+    divided by `divisor` first (linear rope scaling), cos and sin times `scale` (YaRN's attention
+    factor) when given. One launch on CUDA."""
+    return for_device(positions.device).rope_table(positions, inv_freq, divisor, scale)
 
 
 @functools.lru_cache(maxsize=64)
@@ -200,12 +207,19 @@ def rope_inv_freq(rotary_dim: int, base: float, device: torch.device, dtype: tor
         return (1.0 / (base ** exponent)).to(dtype)
 
 
+@functools.lru_cache(maxsize=64)
 def yarn_inv_freq(rotary_dim: int, base: float, yarn: RopeScaling, device) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [rotary_dim/2] in float32, cos/sin factor) of YaRN as transformers computes them:
     a linear ramp between extrapolated (θ_i) and interpolated (θ_i / factor) frequencies over the
     correction range of dimensions (floored / ceiled), β_fast 32 and β_slow 1 unless the file gives
     them, and attention factor 0.1·ln(factor) + 1 unless given. The file's yarn_ext_factor is not read:
-    transformers has no such parameter and llama.cpp takes it from its context parameters (1 for YaRN)."""
+    transformers has no such parameter and llama.cpp takes it from its context parameters (1 for YaRN).
+    Made once per device and kept, as rope_inv_freq."""
+    with torch.inference_mode(False):
+        return _yarn_inv_freq(rotary_dim, base, yarn, device)
+
+
+def _yarn_inv_freq(rotary_dim: int, base: float, yarn: RopeScaling, device) -> tuple[torch.Tensor, float]:
     d, factor = rotary_dim, yarn.factor
     beta_fast = 32.0 if yarn.beta_fast is None else yarn.beta_fast
     beta_slow = 1.0 if yarn.beta_slow is None else yarn.beta_slow
@@ -231,10 +245,10 @@ def rope_cos_sin_scaled(positions: torch.Tensor, rotary_dim: int, base: float, s
     if scaling is None:
         return rope_cos_sin(positions, rotary_dim, base, dtype)
     if scaling.kind == "linear":
-        return rope_cos_sin(positions.to(dtype) / scaling.factor, rotary_dim, base, dtype)
+        return rope_table(positions, rope_inv_freq(rotary_dim, float(base), positions.device, dtype),
+                          divisor=scaling.factor)
     inv, attn = yarn_inv_freq(rotary_dim, base, scaling, positions.device)
-    angles = positions.to(dtype)[:, None] * inv.to(dtype)[None, :]
-    return angles.cos() * attn, angles.sin() * attn
+    return rope_table(positions, inv.to(dtype), scale=attn)
 
 
 SCALED_ROPE_KINDS = ("linear", "yarn")  # what rope_cos_sin_scaled runs

@@ -16,6 +16,7 @@
     rope(x, cos, sin, style)                             NEOX / NORM rope of q or k
     rope_qk(q, k, cos, sin, style)                       q's and k's rope (and norms) in one launch
     rope_qk_store(q, k, v, ..., k_cache, v_cache, cells)  the same, k and v written into the caches
+    rope_table(positions, inv_freq, divisor, scale)      a batch's rope cos / sin [n, half], one launch
     glu(gate, up, act)                                   a GLU's act(gate) · up (act "silu", "gelu_tanh")
     silu_mul(gate, up)                                   SwiGLU's silu(gate) · up
     softmax_topk(logits, k)                              the MoE softmax router: top-k experts, weights
@@ -50,7 +51,7 @@ from specconv.runtime.kernels_triton.matmul import (FUSED_MAX_ROWS, expert_matmu
                                                     grouped_matmul, quant_matmul, quant_matmul_add_rms_norm,
                                                     result_dtype)
 from specconv.runtime.kernels_triton.norm import MAX_WIDTH as MAX_NORM_WIDTH, l2_norm, rms_norm
-from specconv.runtime.kernels_triton.rope import rope, rope_qk, rope_qk_store
+from specconv.runtime.kernels_triton.rope import rope, rope_qk, rope_qk_store, rope_table
 from specconv.runtime.kernels_triton.routing import (MAX_EXPERTS as MAX_ROUTED_EXPERTS, add_gated_shared, add_shared,
                                                      grouped_topk, moe_combine, softmax_topk)
 from specconv.runtime.kernels_triton.gdn_chunked import gdn_chunked
@@ -58,7 +59,7 @@ from specconv.runtime.kernels_triton.gdn_chunked import gdn_chunked
 __all__ = ["add_gated_shared", "attention", "available", "causal_conv", "dequantize_rows", "expert_matmul",
            "expert_matmul_pair", "gdn_gates", "gdn_step", "gelu_mul", "glu", "grouped_matmul", "l2_norm", "moe_combine",
            "quant_matmul", "quant_matmul_add_rms_norm", "result_dtype", "rms_norm", "rope", "rope_qk", "rope_qk_store",
-           "silu_mul", "softmax_topk",
+           "rope_table", "silu_mul", "softmax_topk",
            "write_kv", "FUSED_MAX_ROWS",
            "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS", "MAX_TOKENS",
            "gdn_chunked", "add_shared", "grouped_topk", "index_scores", "MAX_INDEX_DIM"]

@@ -183,6 +183,29 @@ def qk_rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qy_ptr
             tl.store(vy_ptr + row * stride_vyt + hk * stride_vyh + d, values, mask=d < dv)
 
 
+
+@triton.jit
+def rope_table_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, half, divisor, scale, HAS_DIVISOR: tl.constexpr,
+                      HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """Row t (program t) of cos / sin [n, half] (contiguous): the angles p · inv[i], p the position
+    as float32 (divided by `divisor`, correctly rounded, with HAS_DIVISOR), each cos and sin times
+    `scale` with HAS_SCALE: the float32 operations of runtime/backend_torch.py `rope_table`."""
+    t = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    ok = i < half
+    p = tl.load(pos_ptr + t).to(tl.float32)
+    if HAS_DIVISOR:
+        p = tl.math.div_rn(p, divisor)
+    angles = p * tl.load(inv_ptr + i, mask=ok, other=0.0)
+    cos = tl.cos(angles)
+    sin = tl.sin(angles)
+    if HAS_SCALE:
+        cos = cos * scale
+        sin = sin * scale
+    tl.store(cos_ptr + t * half + i, cos, mask=ok)
+    tl.store(sin_ptr + t * half + i, sin, mask=ok)
+
+
 GELU_BETA = tl.constexpr(0.7978845608028654)  # √(2/π)
 GELU_KAPPA = tl.constexpr(0.044715)
 # the activation of a GLU (activation.GLU's numbers; NO_ACTIVATION: the input read as it is)

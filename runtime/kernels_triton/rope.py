@@ -4,6 +4,7 @@
     rope_qk(q, k, cos, sin, style, q_norm=None, k_norm=None, eps=0.0) -> (q', k'), each rope's result
     rope_qk_store(q, k, v, cos, sin, style, k_cache, v_cache, cells, q_norm=None, k_norm=None, eps=0.0)
         -> q'; k' and v written into the caches at `cells` (attention.write_kv), no k' tensor
+    rope_table(positions, inv_freq, divisor=None, scale=None) -> (cos, sin) float32 [n, half]
 
 x [n, heads, head_dim] (float32 / bfloat16 / float16, the last dimension contiguous, the others read
 through their strides); cos, sin float32 [n, half] (runtime/graphs/ops.py `rope_cos_sin`). The first
@@ -18,6 +19,12 @@ its own optional norm weight), one program per head of either: each head gets th
 makes for it, so the same bits as two `rope` calls. rope_qk_store: the same launch writes k' and v
 [n, k_heads, dv] into the caches [cells, k_heads, ·] (their dtype k's and v's) at rows `cells`
 (int64 [n]) instead of returning k': an attention layer's norms, rope and K/V store in one launch.
+
+rope_table: the angles of a batch's rows, cos / sin [n, half] = cos / sin(p · inv_freq[i]) for p each
+position (int32 / int64 [n]) as float32, divided by `divisor` first (linear rope scaling), times
+`scale` (YaRN's attention factor) when given: runtime/backend_torch.py `rope_table`'s float32
+operations (correctly rounded product and quotient; cos and sin from Triton's libdevice, the CUDA
+math library's functions), one launch where four to six torch operations ran.
 """
 
 from __future__ import annotations
@@ -145,3 +152,27 @@ def _launch_qk(q, k, cos, sin, style, q_norm, k_norm, eps, yq, yk, v=None, yv=No
         STORE=store, BLOCK_HALF=_common.next_power_of_2(half),
         BLOCK_REST=_common.next_power_of_2(rest) if rest else 0,
         BLOCK_DV=_common.next_power_of_2(dv) if store else 1, num_warps=1, enable_fp_fusion=False)
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, divisor: float | None = None,
+               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "rope_table"
+    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
+        raise SpecconvError(f"{op}: positions must be an int32 or int64 vector (got {positions.dtype} "
+                            f"{tuple(positions.shape)})")
+    if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32 or inv_freq.shape[0] == 0:
+        raise SpecconvError(f"{op}: inv_freq must be a non-empty float32 vector (got {inv_freq.dtype} "
+                            f"{tuple(inv_freq.shape)})")
+    if divisor is not None and not divisor > 0:
+        raise SpecconvError(f"{op}: divisor must be positive (got {divisor})")
+    device = _common.check_device(op, positions, inv_freq)
+    n, half = positions.shape[0], inv_freq.shape[0]
+    cos, sin = (torch.empty(n, half, dtype=torch.float32, device=device) for _ in range(2))
+    if n == 0:
+        return cos, sin
+    jit = _common.jit_module("_pointwise_jit")
+    jit.rope_table_kernel[(n,)](positions.contiguous(), inv_freq.contiguous(), cos, sin, half,
+                                float(divisor or 1.0), float(1.0 if scale is None else scale),
+                                HAS_DIVISOR=divisor is not None, HAS_SCALE=scale is not None,
+                                BLOCK=_common.next_power_of_2(half), num_warps=1, enable_fp_fusion=False)
+    return cos, sin
