@@ -21,6 +21,9 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
                                                 a MoE block's routed sum plus its shared expert
     causal_conv(m, conv_state, weight, keep)    the Gated DeltaNet's short conv + SiLU
     delta_rule(q, k, v, g, beta, state, keep, lazy, out, exact)   the gated delta rule
+    linear_add_rms_norm(x, w, h, weight, eps, up, act)   add_rms_norm(h, x @ wᵀ (or linear_glu's), weight):
+                                                the product ending a mixer / FFN with the residual add
+                                                and norm after it (one launch on CUDA)
     rms_norm, add_rms_norm, add_normed, gated_rms_norm, l2_norm, rope, normed_rope, silu_mul, gelu_mul, glu,
     gdn_gates, rope_table
                                                 the small operations around the products (ops.py's

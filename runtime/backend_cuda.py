@@ -48,6 +48,11 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   destination (gdn.Recurrence: the memory's spare slot), and both fold the layer's gated output
   norm (gdn_step's `gated_norm=`, the bits of `gated_rms_norm`'s kernel) where that kernel would
   take it: the mixer is one launch between its products.
+* `linear_add_rms_norm`: the product that ends a block's mixer or FFN (`linear`'s, `linear_glu`'s)
+  with the residual add and RMSNorm after it in the product's launch (kernels_triton
+  quant_matmul_add_rms_norm: its last tile to finish adds and normalises the rows, the bits of
+  the product then `add_rms_norm`), up to FUSED_MAX_ROWS rows (in batch-invariant mode in pieces
+  of that many); the two launches otherwise.
 * around the products, one launch each where the tensors are float32 / bfloat16 / float16 on the
   kernels' device: `rms_norm` (also with the residual add before it, `add_rms_norm`, a SiLU gate
   after it, `gated_rms_norm`, or its output added to the residual stream and scaled, `add_normed`),
@@ -359,6 +364,41 @@ class CudaBackend(TorchBackend):
         if values is False or delta.dtype != h.dtype or delta.shape != h.shape:
             return super().add_rms_norm(h, delta, weight, eps)
         return self.kernels.rms_norm(h, values, eps, residual=delta)
+
+    def linear_add_rms_norm(self, x: torch.Tensor, w, h: torch.Tensor, weight, eps: float,
+                            up: torch.Tensor | None = None, act: str | None = None):
+        """For the weights `linear` (`linear_glu` with `up`) gives the product kernel and a norm
+        add_rms_norm gives its kernel, up to FUSED_MAX_ROWS rows: kernels_triton.quant_matmul_add_rms_norm
+        (one launch, the product's, which ends with the residual add and the norm where the rows' width
+        allows, else the two launches: the same bits either way); in batch-invariant
+        mode longer batches in pieces of that many rows (each row as in a decode step); otherwise
+        the product, then add_rms_norm."""
+        product = (not isinstance(w, PairedExperts) and (up is None or self._glu_input(x, up))
+                   and (self._stored_matrix(x, w, x.dtype) or self._dense_float32(x, w, x.dtype)))
+        values = (self._norm_weight(weight, h) if product and self._norm_fits(h) and self._pointwise(h, x)
+                  else False)
+        if values is False or h.dtype != x.dtype or h.shape != (*x.shape[:-1], w.shape[0]):
+            return super().linear_add_rms_norm(x, w, h, weight, eps, up, act)
+        n_out, n_in = w.shape
+        step = self.kernels.FUSED_MAX_ROWS
+        xs = (x.contiguous() if up is None else x).reshape(-1, n_in)
+        rows = xs.shape[0]
+        if rows == 0 or (rows > step and not rows_alone()):
+            return super().linear_add_rms_norm(x, w, h, weight, eps, up, act)
+        if isinstance(w, StoredWeight):
+            _count(w)
+            raw, qtype = w.raw, w.qtype
+        else:
+            raw, qtype = w.view(torch.uint8), QType.F32
+        us = None if up is None else up.reshape(-1, n_in)
+        hs = h.reshape(-1, n_out)
+        pieces = [self.kernels.quant_matmul_add_rms_norm(xs[a:a + step], raw, qtype, n_out, n_in, hs[a:a + step],
+                                                         values, eps, up=None if us is None else us[a:a + step],
+                                                         act=act)
+                  for a in range(0, rows, step)]
+        if len(pieces) == 1:
+            return tuple(t.view(h.shape) for t in pieces[0])
+        return tuple(torch.cat(parts).view(h.shape) for parts in zip(*pieces))
 
     def add_normed(self, h: torch.Tensor, x: torch.Tensor, weight, eps: float, scale=None) -> torch.Tensor:
         values = self._norm_weight(weight, x) if self._norm_fits(x) and self._pointwise(x, h) else False

@@ -211,6 +211,13 @@ class TorchBackend:
         total = h + delta
         return total, self.rms_norm(total, weight, eps)
 
+    def linear_add_rms_norm(self, x: torch.Tensor, w, h: torch.Tensor, weight, eps: float,
+                            up: torch.Tensor | None = None, act: str | None = None):
+        """add_rms_norm(h, delta, weight) for delta = linear(x, w) (with `up`: linear_glu(x, up, w, act)):
+        the product that ends a block's mixer or FFN, its residual add and the norm after it."""
+        delta = self.linear(x, w) if up is None else self.linear_glu(x, up, w, act)
+        return self.add_rms_norm(h, delta, weight, eps)
+
     def add_normed(self, h: torch.Tensor, x: torch.Tensor, weight, eps: float, scale=None) -> torch.Tensor:
         """h + rms_norm(x) (a sandwich norm's output joining the residual stream), times a one-value
         `scale` in the accumulation dtype when given, rounded into h's dtype (Gemma 4's layer output

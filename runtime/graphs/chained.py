@@ -21,7 +21,7 @@ from specconv.runtime.backend import Experts
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.contract import Graph
-from specconv.runtime.graphs.ops import moe_out, swiglu
+from specconv.runtime.graphs.ops import Deferred, deferred_swiglu, made, moe_out, swiglu
 
 
 # ---- tensors and caches -------------------------------------------------------------------------------------
@@ -84,10 +84,12 @@ def layouts(width: Callable[[Any], int]) -> trunk.Layouts:
 
 # ---- compute ------------------------------------------------------------------------------------------------
 
-def ffn(w, hp, i: int, x: torch.Tensor, bias: str, dense=swiglu, expert=swiglu, shared: bool = True) -> torch.Tensor:
+def ffn(w, hp, i: int, x: torch.Tensor, bias: str, dense=deferred_swiglu, expert=swiglu,
+        shared: bool = True) -> torch.Tensor | Deferred:
     """A dense SwiGLU (blocks without `ffn_gate_inp`) or the routed experts (ms.route, selection bias
     `blk.i.<bias>`) plus, when `shared`, the always-on shared expert. `dense(x, gate, up, down)` runs the
-    dense and shared SwiGLUs, `expert(...)` each routed one (step35 clamps them differently)."""
+    dense and shared SwiGLUs, `expert(...)` each routed one (step35 clamps them differently); a dense
+    block's output may stay a Deferred product (made with the add and norm after it)."""
     p = f"blk.{i}."
     if p + "ffn_gate_inp.weight" not in w:
         if p + "ffn_gate.weight" not in w:
@@ -95,8 +97,8 @@ def ffn(w, hp, i: int, x: torch.Tensor, bias: str, dense=swiglu, expert=swiglu, 
         return dense(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
     weights, chosen = ms.route(x, w[p + "ffn_gate_inp.weight"], w[p + bias], hp)
     experts = Experts(*(w[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down")), expert)
-    always_on = dense(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
-                      w[p + "ffn_down_shexp.weight"]) if shared else None
+    always_on = made(dense(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+                           w[p + "ffn_down_shexp.weight"])) if shared else None
     return moe_out(x, weights, chosen, experts, always_on)
 
 

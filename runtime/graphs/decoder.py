@@ -9,15 +9,17 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from specconv.runtime.graphs.ops import acc, acc_dtype, add_rms_norm, linear, rms_norm
+from specconv.runtime.graphs.ops import Deferred, acc, acc_dtype, add_rms_norm, linear, made, rms_norm
 from specconv.runtime.placement import move, on_layer_device, running_on
 
 
 class Residual(NamedTuple):
     """The residual stream h + delta with its last add left to the norm that reads it next (the next
-    block's input norm, the output norm): ops.add_rms_norm adds and normalises in one launch on CUDA."""
+    block's input norm, the output norm): ops.add_rms_norm adds and normalises in one launch on CUDA.
+    delta may be a product not made yet (ops.Deferred: an FFN's down product), which that launch
+    then makes too."""
     h: torch.Tensor
-    delta: torch.Tensor
+    delta: torch.Tensor | Deferred
 
 
 # block(i, h, rope) -> h after block i; a block may take and return its stream as a Residual
@@ -26,11 +28,12 @@ Block = Callable[[int, "torch.Tensor | Residual", object], "torch.Tensor | Resid
 
 def settled(h: torch.Tensor | Residual) -> torch.Tensor:
     """The residual stream as one tensor (its pending add done)."""
-    return h.h + h.delta if isinstance(h, Residual) else h
+    return h.h + made(h.delta) if isinstance(h, Residual) else h
 
 
 def normed(h: torch.Tensor | Residual, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the stream as one tensor, rms_norm of it): a pending add and the norm in one ops.add_rms_norm."""
+    """(the stream as one tensor, rms_norm of it): a pending add (and a deferred product) and the norm
+    in one ops.add_rms_norm."""
     if isinstance(h, Residual):
         return add_rms_norm(h.h, h.delta, weight, eps)
     return h, rms_norm(h, weight, eps)

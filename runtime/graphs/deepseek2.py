@@ -29,7 +29,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    cached_latent_attention, linear, linear_group, linear_per_head, rms_norm, rope_pairs, rope_table,
+    Deferred, cached_latent_attention, linear, linear_group, linear_per_head, rms_norm, rope_pairs, rope_table,
 )
 from specconv.runtime.memory import Batch
 
@@ -121,7 +121,7 @@ def rope_cos_sin(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
 
 # ---- blocks -------------------------------------------------------------------------------------
 
-def mla(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+def mla(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> Deferred:
     n, p = a.shape[0], f"blk.{i}."
     nh, dn, dr, kvl = hp.num_attention_heads, hp.qk_nope_head_dim, hp.qk_rope_head_dim, hp.kv_lora_rank
     # the query's first product and the latent's read the same rows: one launch on CUDA
@@ -138,7 +138,7 @@ def mla(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Te
     q_lat = linear_per_head(q[..., :dn], w[p + "attn_k_b.weight"])
     o = cached_latent_attention(batch, i, q_lat, q_pe, c[:, None, :], k_pe, softmax_scale(hp))  # [n, nh, kv_lora]
     o = linear_per_head(o, w[p + "attn_v_b.weight"])  # attn_v_b[h] is [dv, kv_lora]
-    return linear(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])
+    return Deferred(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])  # made with the add and norm
 
 
 def _rope(w, hp: HParams, batch: Batch):

@@ -36,7 +36,7 @@ from specconv.runtime.graphs import deepseek2 as ds
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    acc, attend_latent_cells, attended_kv, index_scores as ops_index_scores, linear, linear_group, linear_per_head,
+    Deferred, acc, attend_latent_cells, attended_kv, index_scores as ops_index_scores, linear_group, linear_per_head,
     linear_wide, rms_norm, rope_neox_partial, rope_pairs,
 )
 from specconv.runtime.memory import Batch
@@ -104,7 +104,7 @@ def select(hp: HParams, scores: torch.Tensor, visible: torch.Tensor) -> torch.Te
 
 # ---- blocks -------------------------------------------------------------------------------------
 
-def mla_dsa(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope, state: dict) -> torch.Tensor:
+def mla_dsa(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope, state: dict) -> Deferred:
     """Absorbed MLA (runtime/graphs/deepseek2.py `mla`) restricted to the indexer's keys."""
     n, p = a.shape[0], f"blk.{i}."
     nh, dn, dr, kvl = hp.num_attention_heads, hp.qk_nope_head_dim, hp.qk_rope_head_dim, hp.kv_lora_rank
@@ -136,7 +136,7 @@ def mla_dsa(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope, state: 
     q_lat = linear_per_head(acc(q[..., :dn]), w[p + "attn_k_b.weight"])
     o = attend_latent_cells(q_lat, q_pe, k_all[..., :kvl + dr], batch.positions, k_pos, ds.softmax_scale(hp), chosen)
     o = linear_per_head(o, w[p + "attn_v_b.weight"]).to(a.dtype)
-    return linear(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])
+    return Deferred(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])  # made with the add and norm
 
 
 def _block(w, hp: HParams, batch: Batch, gdn_mode: str):

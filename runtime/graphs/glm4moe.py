@@ -18,7 +18,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import moe_sigmoid as ms
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    add_bias, cached_attention, check_rope_scaling, linear, linear_group, rope_cos_sin_scaled,
+    Deferred, add_bias, cached_attention, check_rope_scaling, linear_group, rope_cos_sin_scaled,
 )
 from specconv.runtime.memory import Batch
 
@@ -33,7 +33,7 @@ _tensors = GraphTensors(TABLE, lambda hp: hp)
 _layouts = trunk.Layouts(lambda hp: hp.head_dim, trunk.nextn_block)  # the nextn block has its own KV
 
 
-def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> Deferred:
     n, p = a.shape[0], f"blk.{i}."
     parts = ("attn_q", "attn_k", "attn_v")  # one normed input: one grouped product, then the optional biases
     q, k, v = (add_bias(y, w.get(p + part + ".bias"))
@@ -43,7 +43,8 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     v = v.view(n, hp.num_key_value_heads, hp.head_dim)
     o = cached_attention(batch, i, q, k, v, w.get(p + "attn_q_norm.weight"), w.get(p + "attn_k_norm.weight"),
                          hp.rms_norm_eps, rope, hp.head_dim ** -0.5)  # q / k norms optional
-    return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[p + "attn_output.weight"])
+    # the output product made with the residual add and the norm after it (ops.add_rms_norm)
+    return Deferred(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[p + "attn_output.weight"])
 
 
 def rope(w, hp: HParams, batch: Batch):

@@ -16,7 +16,7 @@ from specconv.archs.errors import SpecconvError
 from specconv.archs.llama import LLAMA_TABLE, ROPE_FREQS, LlamaHParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import trunk
-from specconv.runtime.graphs.ops import cached_attention, head_projections, linear, swiglu
+from specconv.runtime.graphs.ops import Deferred, cached_attention, deferred_swiglu, head_projections
 from specconv.runtime.memory import Batch
 
 HParams = LlamaHParams  # read from GGUF metadata by LlamaHParams.from_kv (archs/llama.py)
@@ -48,19 +48,20 @@ def rope_norm(positions: torch.Tensor, rotary_dim: int, base: float, dtype: torc
     return angles.cos(), angles.sin()
 
 
-def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
-    """Plain GQA attention of block i on input rows `a` (any width the q/k/v matrices take)."""
+def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> Deferred:
+    """Plain GQA attention of block i on input rows `a` (any width the q/k/v matrices take), its output
+    product left to the add and norm after it (ops.add_rms_norm)."""
     n = a.shape[0]
     q, k, v = head_projections(a, [w[f"blk.{i}.attn_{x}.weight"] for x in "qkv"],
                                (hp.num_attention_heads, hp.num_key_value_heads, hp.num_key_value_heads), hp.head_dim)
     # NORM rope of q and k (no norms), K/V stored: one kernel on CUDA
     o = cached_attention(batch, i, q, k, v, None, None, 0.0, rope, hp.head_dim ** -0.5, style="norm")
-    return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
+    return Deferred(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
 
 
-def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
+def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> Deferred:
     p = f"blk.{i}."
-    return swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+    return deferred_swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
 
 
 def rope_for(w, hp: HParams, positions: torch.Tensor, dtype: torch.dtype):

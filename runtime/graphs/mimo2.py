@@ -25,7 +25,7 @@ from specconv.archs.mimo2_hparams import Mimo2HParams
 from specconv.runtime.graphs import chained, trunk
 from specconv.runtime.graphs.decoder import nextn_input, normed, output_head
 from specconv.runtime.graphs.ops import (
-    acc, acc_dtype, attend_cells, attended_kv, linear, normed_rope_qk, rope_cos_sin,
+    Deferred, acc, acc_dtype, attend_cells, attended_kv, linear, normed_rope_qk, rope_cos_sin,
 )
 from specconv.runtime.memory import Batch
 from specconv.runtime.placement import on_layer_device
@@ -58,7 +58,7 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
-def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor | Deferred:
     n, p = a.shape[0], f"blk.{i}."
     nh, nkv = hp.num_attention_heads, hp.num_key_value_heads[i]
     if p + "attn_qkv.weight" in w:
@@ -75,10 +75,12 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     window = hp.sliding_window if hp.is_sliding(i) else 0
     o = attend_cells(q, k_all[..., :hp.head_dim], v_all[..., :hp.v_head_dim], batch.positions, k_pos,
                      hp.head_dim ** -0.5, window=window, sinks=None if sinks is None else acc(sinks))
-    out = linear(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])
+    out = Deferred(o.reshape(n, nh * hp.v_head_dim), w[p + "attn_output.weight"])
     scale = hp.attention_value_scale
+    if scale is None or scale == 1.0:
+        return out  # made with the residual add and the norm after it
     # (acc(out) * scale).to(out.dtype)'s bits in one launch: torch scales a 16-bit tensor in float32
-    return out if scale is None or scale == 1.0 else out * scale
+    return out.made() * scale
 
 
 def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from specconv.archs.nextn_moe_hparams import NextnMoeHParams
 from specconv.runtime.backend import Experts, for_device
-from specconv.runtime.graphs.ops import linear_wide, moe_out, swiglu
+from specconv.runtime.graphs.ops import Deferred, deferred_swiglu, linear_wide, moe_out, swiglu
 
 
 def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, hp) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,8 +38,9 @@ def sigmoid_group_moe(w, hp: NextnMoeHParams, i: int, x: torch.Tensor) -> torch.
     return moe_out(x, weights, chosen, experts, shared)
 
 
-def ffn(w, hp: NextnMoeHParams, i: int, x: torch.Tensor) -> torch.Tensor:
+def ffn(w, hp: NextnMoeHParams, i: int, x: torch.Tensor) -> torch.Tensor | Deferred:
+    """A dense SwiGLU (its down product Deferred: made with the add and norm after it) or the MoE block."""
     p = f"blk.{i}."
     if not hp.is_moe_block(i):
-        return swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+        return deferred_swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
     return sigmoid_group_moe(w, hp, i, x)

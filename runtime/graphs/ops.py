@@ -9,14 +9,16 @@ A weight `w[name]` is a torch tensor or a `StoredWeight` (runtime/stored.py: kep
 type). Graphs multiply by weights only through `linear` (`linear_group` for the same rows by
 several weights) and `moe`, which hand the product to the backend of the activations' device
 (runtime/backend.py); they take embedding rows as `w[token_ids]` and values as `dense(w, dtype)`
-for anything else, so both kinds work everywhere.
+for anything else, so both kinds work everywhere. A block's mixer or FFN may return its last
+product unmade (`Deferred`): add_rms_norm then makes it with the residual add and the norm after it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
@@ -43,10 +45,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return for_device(x.device).rms_norm(x, weight, eps)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class Deferred:
+    """The product x @ wᵀ (with `up` and `act`: a GLU's down product (act(x) · up) @ wᵀ, glu_linear)
+    not made yet: what a block's mixer or FFN returns where its output only joins the residual
+    stream, so that add_rms_norm makes it together with the add and the norm after it (one launch
+    on CUDA). `made` gives it as a tensor, for whatever needs the value itself."""
+    x: torch.Tensor
+    w: Any
+    up: torch.Tensor | None = None
+    act: str | None = None
+
+    def made(self) -> torch.Tensor:
+        return linear(self.x, self.w) if self.up is None else glu_linear(self.x, self.up, self.w, self.act)
+
+
+def made(t: "torch.Tensor | Deferred") -> torch.Tensor:
+    """t as a tensor: a Deferred product made, a tensor as it is."""
+    return t.made() if isinstance(t, Deferred) else t
+
+
+def add_rms_norm(h: torch.Tensor, delta: "torch.Tensor | Deferred", weight, eps: float) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
     """(h + delta, rms_norm(h + delta, weight)): a block's residual add and the norm that follows it,
-    one kernel on CUDA."""
-    return for_device(h.device).add_rms_norm(h, delta, weight, eps)
+    one kernel on CUDA; a Deferred delta is made by the backend's linear_add_rms_norm (on CUDA in the
+    product's launch: no launch of its own for the add and norm)."""
+    backend = for_device(h.device)
+    if isinstance(delta, Deferred) and activation_observer() is None:  # an observer sees the product's rows
+        return backend.linear_add_rms_norm(delta.x, delta.w, h, weight, eps, delta.up, delta.act)
+    return backend.add_rms_norm(h, made(delta), weight, eps)
 
 
 def add_normed(h: torch.Tensor, x: torch.Tensor, weight, eps: float, scale=None) -> torch.Tensor:
@@ -414,8 +441,13 @@ def linear_per_head(x: torch.Tensor, w) -> torch.Tensor:
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return deferred_swiglu(x, gate, up, down).made()
+
+
+def deferred_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> Deferred:
+    """A SwiGLU FFN with its down product not made yet (Deferred): gate and up multiplied now."""
     g, u = linear_group(x, (gate, up))
-    return glu_linear(g, u, down, "silu")
+    return Deferred(g, down, u, "silu")
 
 
 def glu_linear(gate: torch.Tensor, up: torch.Tensor, w, act: str) -> torch.Tensor:

@@ -19,7 +19,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts, for_device
 from specconv.runtime.graphs import trunk
 from specconv.runtime.graphs.ops import (
-    cached_attention, head_projections, linear, linear_wide, moe_out, rope_cos_sin_scaled, swiglu,
+    Deferred, cached_attention, deferred_swiglu, head_projections, linear_wide, moe_out, rope_cos_sin_scaled, swiglu,
 )
 from specconv.runtime.memory import Batch
 
@@ -41,16 +41,16 @@ def rope_for(hp: HParams, positions: torch.Tensor, dtype: torch.dtype):
     return rope_cos_sin_scaled(positions, hp.rotary_dim, hp.rope_freq_base, hp.rope_scaling, dtype)
 
 
-def attention(w, hp, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+def attention(w, hp, i: int, a: torch.Tensor, batch: Batch, rope) -> Deferred:
     """GQA with per-head RMS-normed q and k, NEOX rope on the first rotary_dim dims (Qwen3's block,
-    and Hy3's: runtime/graphs/hy_v3.py)."""
+    and Hy3's: runtime/graphs/hy_v3.py); the output product left to the add and norm after it."""
     n, p, eps = a.shape[0], f"blk.{i}.", hp.rms_norm_eps
     q, k, v = head_projections(a, [w[p + f"attn_{x}.weight"] for x in "qkv"],
                                (hp.num_attention_heads, hp.num_key_value_heads, hp.num_key_value_heads), hp.head_dim)
     # q and k normed and roped, K/V stored: one kernel on CUDA
     o = cached_attention(batch, i, q, k, v, w[p + "attn_q_norm.weight"], w[p + "attn_k_norm.weight"], eps, rope,
                          hp.head_dim ** -0.5)
-    return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[p + "attn_output.weight"])
+    return Deferred(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[p + "attn_output.weight"])
 
 
 def moe(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -69,11 +69,11 @@ def moe(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
     return moe_out(x, weights, chosen, experts)
 
 
-def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor:
+def ffn(w, hp: HParams, i: int, x: torch.Tensor) -> torch.Tensor | Deferred:
     if hp.is_moe:
         return moe(w, hp, i, x)
     p = f"blk.{i}."
-    return swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+    return deferred_swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
 
 
 GRAPH = trunk.graph(

@@ -18,7 +18,7 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn, trunk
 from specconv.runtime.graphs.decoder import Residual
 from specconv.runtime.graphs.ops import (
-    add_gated_shared, cached_attention, check_rope_scaling, linear, linear_group,
+    Deferred, add_gated_shared, cached_attention, check_rope_scaling, deferred_swiglu, linear_group,
     linear_wide, moe_softmax_topk, rope_cos_sin_scaled, swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
@@ -46,7 +46,7 @@ def mtp_layout(hp: Qwen35HParams) -> MemoryLayout:
 
 # ---- blocks -----------------------------------------------------------------------------------
 
-def gated_attention(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+def gated_attention(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> Deferred:
     n = a.shape[0]
     qg, k, v = linear_group(a, [w[f"blk.{i}.attn_{t}.weight"] for t in "qkv"])
     qg = qg.view(n, hp.num_attention_heads, 2 * hp.head_dim)
@@ -56,10 +56,11 @@ def gated_attention(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch,
     # q and k normed and roped, K/V stored: one kernel on CUDA; attention and o · sigmoid(gate): another
     o = cached_attention(batch, i, q, k, v, w[f"blk.{i}.attn_q_norm.weight"], w[f"blk.{i}.attn_k_norm.weight"],
                          hp.rms_norm_eps, rope, hp.head_dim ** -0.5, gate)
-    return linear(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
+    # the output product made with the residual add and the norm after it (ops.add_rms_norm)
+    return Deferred(o.reshape(n, hp.num_attention_heads * hp.head_dim), w[f"blk.{i}.attn_output.weight"])
 
 
-def gated_deltanet(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch, mode: str) -> torch.Tensor:
+def gated_deltanet(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch, mode: str) -> Deferred:
     n = a.shape[0]
     nk, nv = hp.linear_num_key_heads, hp.linear_num_value_heads
     dk, dv = hp.linear_key_head_dim, hp.linear_value_head_dim
@@ -74,13 +75,13 @@ def gated_deltanet(w, hp: Qwen35HParams, i: int, a: torch.Tensor, batch: Batch, 
     y = rec.conv_delta_rule(m, w[f"blk.{i}.ssm_conv1d.weight"], (nk, dk, nv, dv), b, alpha, w[f"blk.{i}.ssm_a"],
                             w[f"blk.{i}.ssm_dt.bias"], hp.rms_norm_eps, dk ** -0.5, key_heads=gdn.TILED,
                             gated_norm=(w[f"blk.{i}.ssm_norm.weight"], z, hp.rms_norm_eps, a.dtype))
-    return linear(y.reshape(n, nv * dv), w[f"blk.{i}.ssm_out.weight"])
+    return Deferred(y.reshape(n, nv * dv), w[f"blk.{i}.ssm_out.weight"])  # made with the add and norm after it
 
 
-def ffn(w, hp: Qwen35HParams, i: int, x: torch.Tensor) -> torch.Tensor:
+def ffn(w, hp: Qwen35HParams, i: int, x: torch.Tensor) -> torch.Tensor | Deferred:
     p = f"blk.{i}."
-    if not hp.is_moe:
-        return swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+    if not hp.is_moe:  # the down product made with the next norm (ops.Deferred)
+        return deferred_swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
     routed = moe_softmax_topk(x, w[p + "ffn_gate_inp.weight"], hp.num_experts_per_tok, w[p + "ffn_gate_exps.weight"],
                               w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"])
     shared = swiglu(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])

@@ -20,7 +20,7 @@ from specconv.archs.qwen3next import QWEN3NEXT_TABLE, Qwen3NextHParams
 from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn, trunk
 from specconv.runtime.graphs import qwen35 as q35
-from specconv.runtime.graphs.ops import linear
+from specconv.runtime.graphs.ops import Deferred, linear
 from specconv.runtime.memory import Batch
 
 # the family's table (archs/qwen3next.py), whose shapes read the hparams (Qwen3NextHParams)
@@ -28,7 +28,7 @@ TABLE = QWEN3NEXT_TABLE
 _tensors = GraphTensors(TABLE, lambda hp: hp)
 
 
-def gated_deltanet(w, hp: Qwen3NextHParams, i: int, a: torch.Tensor, batch: Batch, mode: str) -> torch.Tensor:
+def gated_deltanet(w, hp: Qwen3NextHParams, i: int, a: torch.Tensor, batch: Batch, mode: str) -> Deferred:
     n = a.shape[0]
     nk, nv = hp.linear_num_key_heads, hp.linear_num_value_heads
     dk, dv = hp.linear_key_head_dim, hp.linear_value_head_dim
@@ -43,7 +43,7 @@ def gated_deltanet(w, hp: Qwen3NextHParams, i: int, a: torch.Tensor, batch: Batc
     y = rec.conv_delta_rule(m, w[f"blk.{i}.ssm_conv1d.weight"], (nk, dk, nv, dv), b, alpha, w[f"blk.{i}.ssm_a"],
                             w[f"blk.{i}.ssm_dt.bias"], hp.rms_norm_eps, dk ** -0.5, key_heads=gdn.GROUPED,
                             gated_norm=(w[f"blk.{i}.ssm_norm.weight"], z, hp.rms_norm_eps, a.dtype))
-    return linear(y.reshape(n, nv * dv), w[f"blk.{i}.ssm_out.weight"])
+    return Deferred(y.reshape(n, nv * dv), w[f"blk.{i}.ssm_out.weight"])  # made with the add and norm after it
 
 
 # qwen35's blocks with this module's Gated DeltaNet mixer; the MTP block (at n_layer) is full attention,

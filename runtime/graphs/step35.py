@@ -25,7 +25,7 @@ from specconv.archs.step35 import STEP35_TABLE
 from specconv.archs.step35_hparams import Step35HParams
 from specconv.runtime.graphs import chained
 from specconv.runtime.graphs.ops import (
-    attend_cells, head_projections, linear, rope_cos_sin, roped_attended_kv, swiglu,
+    Deferred, attend_cells, head_projections, linear, rope_cos_sin, roped_attended_kv, swiglu,
 )
 from specconv.runtime.memory import Batch
 from specconv.runtime.validate import check_rope_width
@@ -48,7 +48,7 @@ def check_values(file, hp: HParams, needed: list[str]) -> None:
 _layouts = chained.layouts(lambda hp: hp.head_dim)
 
 
-def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> torch.Tensor:
+def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> Deferred:
     n, p, hd = a.shape[0], f"blk.{i}.", hp.head_dim
     nh, nkv = hp.num_attention_heads[i], hp.num_key_value_heads[i]
     q, k, v = head_projections(a, [w[p + f"attn_{x}.weight"] for x in "qkv"], (nh, nkv, nkv), hd)
@@ -58,7 +58,7 @@ def attention(w, hp: HParams, i: int, a: torch.Tensor, batch: Batch, rope) -> to
     gate = linear(a, w[p + "attn_gate.weight"]) if p + "attn_gate.weight" in w else None  # one per head
     o = attend_cells(q, k_all, v_all, batch.positions, k_pos, hd ** -0.5,
                      window=hp.sliding_window if hp.is_sliding(i) else 0, gate=gate)
-    return linear(o.reshape(n, nh * hd), w[p + "attn_output.weight"])
+    return Deferred(o.reshape(n, nh * hd), w[p + "attn_output.weight"])  # made with the add and norm after it
 
 
 def swiglu_clamped(x: torch.Tensor, gate, up, down, limit: float) -> torch.Tensor:

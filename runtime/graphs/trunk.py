@@ -37,7 +37,9 @@ def pending_block(w, hp, i: int, h: torch.Tensor | Residual, batch: Batch, rope,
     """Pre-norm residual block: h + attention(attn_norm(h)), then + ffn(<ffn_norm>(h)). Each residual
     add is done with the norm after it, one ops.add_rms_norm (one launch on CUDA, the same two torch
     operations elsewhere): the input's pending add with attn_norm, the attention's with the FFN's
-    norm; the FFN's add is left pending (a Residual) for the norm that reads the block's output."""
+    norm; the FFN's add is left pending (a Residual) for the norm that reads the block's output.
+    attention and ffn may return their last product unmade (ops.Deferred): on CUDA it is then made
+    in the same launch as the add and the norm that follow it."""
     h, a = normed(h, w[f"blk.{i}.attn_norm.weight"], hp.rms_norm_eps)
     mixed = attention(w, hp, i, a, batch, rope)
     h, x = add_rms_norm(h, mixed, w[f"blk.{i}.{ffn_norm}.weight"], hp.rms_norm_eps)

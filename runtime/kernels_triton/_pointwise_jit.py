@@ -40,35 +40,53 @@ def inverse_root(total, eps):
 
 
 @triton.jit
-def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, h_ptr, s_ptr, y_ptr, inner, width, count, stride_xa,
-                stride_xb, stride_ra, stride_rb, stride_za, stride_zb, eps, scale, MEAN: tl.constexpr,
-                HAS_W: tl.constexpr, HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                ADD_TO: tl.constexpr, OUT_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-    """Row r (= a · inner + b) of x [A, inner, width]: s = x (+ res, rounded into sum's dtype and
-    written to sum), y = s · (Σ s² (/ width with MEAN) + eps)^(-1/2) (· scale, rounded after the
-    norm) (· w), with a gate rounded into x's dtype first and multiplied by silu(z); y, sum
-    contiguous [A · inner, width]. `count`: width as a float (the mean's divisor). With ADD_TO, y is
-    rounded into y's dtype and added to row r of h (contiguous, y's dtype): a sandwich norm's output
-    joining the residual stream; with OUT_SCALE that sum, rounded, times the float32 scalar at s_ptr
-    (a layer's output scale)."""
-    r = tl.program_id(0)
-    a = r // inner
-    b = r % inner
-    cols = tl.arange(0, BLOCK)
-    ok = cols < width
-    x = tl.load(x_ptr + a * stride_xa + b * stride_xb + cols, mask=ok, other=0.0).to(tl.float32)
+def norm_row(x, res, w, count, eps, scale, SUM_DTYPE: tl.constexpr, MEAN: tl.constexpr, HAS_RES: tl.constexpr,
+             HAS_SCALE: tl.constexpr, HAS_W: tl.constexpr):
+    """(s, y) of one row of float32 values x (masked lanes 0): s = x (+ res, rounded into SUM_DTYPE),
+    y = s · (Σ s² (/ count with MEAN) + eps)^(-1/2) (· scale) (· w). The one formula of norm_kernel
+    and of the product kernel's norm tail (_quant_jit), so both give a row the same bits. Each square
+    is an FMA with a zero addend (one rounding, the product's value): no launch's FMA contraction
+    can merge it with the sum."""
     if HAS_RES:
-        x = x + tl.load(res_ptr + a * stride_ra + b * stride_rb + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(sum_ptr + r * width + cols, x.to(sum_ptr.dtype.element_ty), mask=ok)
-        x = _rounded(x, sum_ptr.dtype.element_ty)
-    total = tl.sum(x * x, axis=0)
+        x = _rounded(x + res, SUM_DTYPE)
+    total = tl.sum(tl.fma(x, x, 0.0), axis=0)
     if MEAN:
         total = tl.div_rn(total, count)
     y = x * inverse_root(total, eps)
     if HAS_SCALE:
         y = y * scale
     if HAS_W:
-        y = y * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        y = y * w
+    return x, y
+
+
+@triton.jit
+def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, h_ptr, s_ptr, y_ptr, inner, width, count, stride_xa,
+                stride_xb, stride_ra, stride_rb, stride_za, stride_zb, eps, scale, MEAN: tl.constexpr,
+                HAS_W: tl.constexpr, HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                ADD_TO: tl.constexpr, OUT_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r (= a · inner + b) of x [A, inner, width]: s = x (+ res, rounded into sum's dtype and
+    written to sum), y = s · (Σ s² (/ width with MEAN) + eps)^(-1/2) (· scale, rounded after the
+    norm) (· w) (norm_row), with a gate rounded into x's dtype first and multiplied by silu(z); y,
+    sum contiguous [A · inner, width]. `count`: width as a float (the mean's divisor). With ADD_TO,
+    y is rounded into y's dtype and added to row r of h (contiguous, y's dtype): a sandwich norm's
+    output joining the residual stream; with OUT_SCALE that sum, rounded, times the float32 scalar
+    at s_ptr (a layer's output scale)."""
+    r = tl.program_id(0)
+    a = r // inner
+    b = r % inner
+    cols = tl.arange(0, BLOCK)
+    ok = cols < width
+    x = tl.load(x_ptr + a * stride_xa + b * stride_xb + cols, mask=ok, other=0.0).to(tl.float32)
+    res = x
+    if HAS_RES:
+        res = tl.load(res_ptr + a * stride_ra + b * stride_rb + cols, mask=ok, other=0.0).to(tl.float32)
+    w = x
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    x, y = norm_row(x, res, w, count, eps, scale, sum_ptr.dtype.element_ty, MEAN, HAS_RES, HAS_SCALE, HAS_W)
+    if HAS_RES:
+        tl.store(sum_ptr + r * width + cols, x.to(sum_ptr.dtype.element_ty), mask=ok)
     if HAS_GATE:
         z = tl.load(z_ptr + a * stride_za + b * stride_zb + cols, mask=ok, other=0.0).to(tl.float32)
         y = _rounded(y, x_ptr.dtype.element_ty) * _silu(z)

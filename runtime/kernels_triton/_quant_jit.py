@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from specconv.runtime.kernels_triton._pointwise_jit import NO_ACTIVATION, _glu
+from specconv.runtime.kernels_triton._pointwise_jit import NO_ACTIVATION, _glu, norm_row
 
 # ggml type numbers (gguf.GGMLQuantizationType), as compile-time constants
 F32 = tl.constexpr(0)
@@ -280,13 +280,13 @@ def _tile_sums(x_ptr, u_ptr, rows, row_ok, n_in, first, last, stride_x, stride_u
 
 
 @triton.jit(do_not_specialize=["n_blocks", "blocks_per_split", "total_rows"])
-def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, count_ptr, sel_ptr, n_out, n_in, n_blocks,
-                      blocks_per_split, total_rows,
-                      stride_x, stride_u, stride_w, stride_e, stride_y,
+def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, count_ptr, sel_ptr, h_ptr, nw_ptr, s_ptr, o_ptr,
+                      n_out, n_in, n_blocks, blocks_per_split, total_rows,
+                      stride_x, stride_u, stride_w, stride_e, stride_y, count, eps,
                       QTYPE: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr,
                       ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PARTIAL: tl.constexpr,
                       LAST_ADDS: tl.constexpr, PAIRS: tl.constexpr, FANOUT: tl.constexpr,
-                      MATRICES: tl.constexpr, ACT: tl.constexpr):
+                      MATRICES: tl.constexpr, ACT: tl.constexpr, TAIL: tl.constexpr, NORM_BLOCK: tl.constexpr):
     """y[m, n] = Σ_k x[m, k] W[n, k] for ROWS activation rows (with a GLU activation ACT, x[m, k] =
     act(gate) · up of the rows of x and u: _tile_sums). Program (p, q, r) takes BLOCK_N weight rows
     and the q-th run of `blocks_per_split` blocks of them (_tile_sums); with PARTIAL its float32 sums
@@ -299,7 +299,12 @@ def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, count_ptr, s
     bytes apart): routed experts by index, on the device, each pair the same operations as a one-row
     product by that expert; pair r reads activation row r // FANOUT (a row's k pairs share it). With
     MATRICES = 2 (PAIRS) the total_rows outputs are the pairs by the experts of W (first half) and of
-    W2 (second half, the same shape and layout): two expert products of the same pairs, one launch."""
+    W2 (second half, the same shape and layout): two expert products of the same pairs, one launch.
+
+    With TAIL (not PAIRS; every tile's output stored in y by the launch: a cut tile's by its last
+    piece), the launch ends with a residual add and RMSNorm of y's ROWS rows (_norm_tail): s = h + y
+    into s, its norm by the weight at nw into o, done by the last tile to finish (one more counter
+    at count_ptr, after the tiles' own)."""
     r = tl.program_id(2)
     pair = r
     w_base = w_ptr
@@ -331,9 +336,36 @@ def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, count_ptr, s
                 total = _parts_sum(part_ptr, in_part, keep, total_rows * n_out, splits)
                 tl.store(y_ptr + out_row * stride_y + n[None, :], total.to(y_ptr.dtype.element_ty), mask=keep)
                 tl.store(counter, 0)  # every other piece has counted: zero again for the next launch
+                if TAIL:
+                    _norm_tail(y_ptr, h_ptr, nw_ptr, s_ptr, o_ptr, count_ptr + tl.num_programs(0), tl.num_programs(0),
+                               n_out, stride_y, count, eps, ROWS, NORM_BLOCK)
     else:
         out = y_ptr + out_row * stride_y + n[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=keep)
+        if TAIL:
+            _norm_tail(y_ptr, h_ptr, nw_ptr, s_ptr, o_ptr, count_ptr + tl.num_programs(0), tl.num_programs(0), n_out,
+                       stride_y, count, eps, ROWS, NORM_BLOCK)
+
+
+@triton.jit
+def _norm_tail(y_ptr, h_ptr, w_ptr, s_ptr, o_ptr, counter, tiles, width, stride_y, count, eps, ROWS: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """Once all `tiles` tiles have stored their part of y (_last_arrival on the launch's counter), the
+    last of them: for each of the ROWS rows, s = h + y rounded into s's dtype and o = rms_norm(s) ·
+    w (norm_row: norm_kernel's residual form, its bits), s and o contiguous [ROWS, width] like h,
+    each row one reduction over BLOCK values in the same order whatever ROWS is; then the counter is
+    zeroed for the next launch. y is read from L2 (.cg): other multiprocessors wrote it."""
+    if _last_arrival(counter, tiles):
+        cols = tl.arange(0, BLOCK)
+        ok = cols < width
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        for m in tl.static_range(ROWS):
+            y = tl.load(y_ptr + m * stride_y + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            h = tl.load(h_ptr + m * width + cols, mask=ok, other=0.0).to(tl.float32)
+            s, o = norm_row(h, y, w, count, eps, 1.0, s_ptr.dtype.element_ty, True, True, False, True)
+            tl.store(s_ptr + m * width + cols, s.to(s_ptr.dtype.element_ty), mask=ok)
+            tl.store(o_ptr + m * width + cols, o.to(o_ptr.dtype.element_ty), mask=ok)
+        tl.store(counter, 0)
 
 
 @triton.jit

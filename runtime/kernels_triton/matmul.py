@@ -2,6 +2,8 @@
 
     quant_matmul(x, packed, qtype, n_out, n_in, out=None, up=None, act=None) -> y [..., n_out]   (result_dtype)
     grouped_matmul(x, [packed, ...], qtype, [n_out, ...], n_in) -> (y, ...)    (x @ Wᵢᵀ for each i)
+    quant_matmul_add_rms_norm(x, packed, qtype, n_out, n_in, h, weight, eps, up=None, act=None)
+        -> (h + y, rms_norm(h + y) · weight)   (y quant_matmul's; its launch ends with the add and norm)
 
 x: float32 / bfloat16 / float16 [..., n_in]; `packed`: W's bytes as runtime/stored.py keeps them
 (`StoredWeight.raw`, uint8 [n_out, row bytes]), on x's device (CUDA, or the CPU under
@@ -30,6 +32,11 @@ and no [rows, F] tensor in between; more rows run glu, then the prompt path.
   a program id standing for (matrix, tile of weight rows, piece), each matrix with its own tiling
   and split plan, so that each output has the bits quant_matmul gives that matrix alone, the pieces
   of the cut ones added as quant_matmul adds them.
+* A residual add and RMSNorm after the product (`quant_matmul_add_rms_norm`: a block's mixer or
+  FFN output joining the stream, normed for the next half-block): up to FUSED_MAX_ROWS rows, the
+  last tile of the one-pass launch to finish (a launch-wide arrival counter after the tiles' own)
+  adds y to the stream and normalises each row with norm_kernel's formula (_pointwise_jit.norm_row),
+  one row at a time: the bits of the product then the norm launch, in one launch.
 * More rows (prompts): W a piece at a time through dequant.dequantize_rows into the result's dtype, each
   piece multiplied by torch's dense product (cuBLAS on a GPU). A float W in the result's dtype (a
   16-bit one in x's, an F32 one) is multiplied as it is stored.
@@ -37,6 +44,7 @@ and no [rows, F] tensor in between; more rows run glu, then the prompt path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence
 
@@ -44,7 +52,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from specconv.archs.errors import SpecconvError
-from specconv.runtime.kernels_triton import _common, activation
+from specconv.runtime.kernels_triton import _common, activation, norm
 from specconv.runtime.kernels_triton.dequant import GEOMETRY, dequantize_rows, packed_matrix
 
 FUSED_MAX_ROWS = 16
@@ -62,6 +70,13 @@ FUSED_WARPS = 4
 FUSED_FMA = True
 SUM_BLOCK = 1024
 GROUP_MAX = 4  # matrices per launch of grouped_matmul (one pointer argument each)
+# the rows the product kernel's norm tail takes: those norm_kernel reduces with FUSED_WARPS warps too
+# (norm.warps), a multiple of 16 values wide (Triton's divisibility unit: every row's start aligned),
+# so that both kernels read them as whole vectors and their sums compile to the same reduction (the
+# same layout: tools/triton_aot.py's digests), with the same bits. Other rows: the product, then
+# the norm kernel's launch
+TAIL_MAX_WIDTH = 2048
+TAIL_ALIGN = 16
 # values of W dequantized per piece of the prompt path (32 MB in bfloat16)
 TILE_VALUES = 1 << 24
 _FLOAT_TYPES = {QType.BF16: torch.bfloat16, QType.F16: torch.float16, QType.F32: torch.float32}
@@ -113,6 +128,57 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int
         piece = dequantize_rows(packed[start:start + step], qtype, min(step, n_out - start), n_in, dtype)
         ys[:, start:start + piece.shape[0]] = xs @ piece.t()
     return out
+
+
+@dataclass(frozen=True)
+class NormTail:
+    """The residual add and RMSNorm a product's launch ends with: h, s, o contiguous [rows, n_out]
+    (h the stream, s = h + y, o = rms_norm(s) · weight), weight [n_out]."""
+    h: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    s: torch.Tensor
+    o: torch.Tensor
+
+
+def tail_fits(width: int) -> bool:
+    """Whether the norm tail takes rows of `width` values (TAIL_MAX_WIDTH, TAIL_ALIGN)."""
+    return width <= TAIL_MAX_WIDTH and width % TAIL_ALIGN == 0
+
+
+def quant_matmul_add_rms_norm(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int, n_in: int,
+                              h: torch.Tensor, weight: torch.Tensor, eps: float, up: torch.Tensor | None = None,
+                              act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, o) = (h + y, rms_norm(h + y) · weight) for y = quant_matmul(x, packed, ..., up=up, act=act):
+    a block's residual add and the norm after it, h [..., n_out] in y's dtype, weight [n_out]; s and
+    o new tensors (h is not written). Up to FUSED_MAX_ROWS rows whose width the tail takes
+    (`tail_fits`): one launch, the product's, which ends with them (its last tile to finish adds and normalises every
+    row: fused_rows_kernel TAIL); otherwise, and where no counter can be had (during a CUDA graph
+    capture), quant_matmul then norm.rms_norm(h, weight, eps, residual=y), whose bits the tail has."""
+    op = "quant_matmul_add_rms_norm"
+    packed = packed_matrix(op, packed, qtype, n_out, n_in)
+    _common.check_float(op, "x", x)
+    if x.dim() == 0 or x.shape[-1] != n_in:
+        raise SpecconvError(f"{op}: x has shape {tuple(x.shape)}, expected [..., {n_in}]")
+    dtype = result_dtype(qtype, x.dtype)
+    if h.dtype != dtype:
+        raise SpecconvError(f"{op}: h must be {dtype}, the product's dtype (got {h.dtype})")
+    _common.check_shape(op, "h", h, (*x.shape[:-1], n_out))
+    _common.check_shape(op, "weight", weight, (n_out,))
+    _common.check_float(op, "weight", weight)
+    device = _common.check_device(op, x, packed, h, weight)
+    y = torch.empty(*x.shape[:-1], n_out, dtype=dtype, device=device)
+    rows = y.numel() // n_out if n_out else 0
+    if 0 < rows <= FUSED_MAX_ROWS and tail_fits(n_out):
+        xs, us = _input_rows(op, x, up, act, n_in)
+        tail = NormTail(h.reshape(rows, n_out).contiguous(), weight.contiguous(), eps,
+                        torch.empty(rows, n_out, dtype=dtype, device=device),
+                        torch.empty(rows, n_out, dtype=dtype, device=device))
+        if _one_pass(xs, packed, y.view(rows, n_out), qtype, n_out, n_in, device, up=us, act=act, tail=tail):
+            return tail.s.view(h.shape), tail.o.view(h.shape)
+    else:
+        quant_matmul(x, packed, qtype, n_out, n_in, out=y, up=up, act=act)
+    return norm.rms_norm(h, weight, eps, residual=y)
 
 
 def grouped_matmul(x: torch.Tensor, packed: Sequence[torch.Tensor], qtype: QType, n_outs: Sequence[int],
@@ -259,13 +325,15 @@ def _input_rows(op: str, x: torch.Tensor, up: torch.Tensor | None, act: str | No
 
 def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: QType, n_out: int, n_in: int,
               device: torch.device, chosen: torch.Tensor | None = None, fanout: int = 1,
-              second: torch.Tensor | None = None, up: torch.Tensor | None = None, act: str | None = None) -> None:
+              second: torch.Tensor | None = None, up: torch.Tensor | None = None, act: str | None = None,
+              tail: "NormTail | None" = None) -> bool:
     """ys = xs @ Wᵀ by the one-pass kernel (every row against W; with `chosen`, row r // fanout against
     expert chosen[r] of the 3-D `packed`, and with `second` the same pairs against its experts into
     the second half of ys), cut along the inner dimension per split_plan: one launch, the pieces added
     by the last of each tile's programs to finish (a second launch where no tile counters can be had,
     _common.tile_counters). With `up` (rows like xs'), the rows are act(xs) · up, computed by the
-    kernel as it reads them."""
+    kernel as it reads them. With `tail` (no `chosen`), the launch ends with the residual add and
+    RMSNorm of ys (fused_rows_kernel TAIL) where counters can be had. Returns whether it did."""
     values, size = GEOMETRY[qtype]
     n_blocks = _common.cdiv(n_in, values)
     rows = ys.shape[0]
@@ -273,22 +341,30 @@ def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: Q
     pairs = chosen is not None
     grid = (_common.cdiv(n_out, FUSED_ROWS), splits, rows if pairs else 1)
     parts = torch.empty(splits, rows, n_out, dtype=torch.float32, device=device) if splits > 1 else ys
-    counters = _common.tile_counters(device, grid[0] * grid[2]) if splits > 1 else None
+    # the tiles' own counters (cut products), then the launch's (a norm tail)
+    slots = grid[0] * grid[2] + (tail is not None)
+    counters = _common.tile_counters(device, slots) if splits > 1 or tail is not None else None
+    if tail is not None and counters is None:
+        tail = None  # the caller's own add_rms_norm launch follows
     jit = _common.jit_module("_quant_jit")
     glu = up is not None
+    h, nw, s, o = (ys,) * 4 if tail is None else (tail.h, tail.weight, tail.s, tail.o)
     jit.fused_rows_kernel[grid](xs, up if glu else xs, packed, packed if second is None else second, ys, parts,
-                                ys if counters is None else counters, chosen if pairs else xs, n_out, n_in, n_blocks,
-                                per_split, rows, xs.stride(0), up.stride(0) if glu else 0, packed.stride(-2),
-                                packed.stride(0) if pairs else 0, ys.stride(0),
+                                ys if counters is None else counters, chosen if pairs else xs, h, nw, s, o,
+                                n_out, n_in, n_blocks, per_split, rows, xs.stride(0), up.stride(0) if glu else 0,
+                                packed.stride(-2), packed.stride(0) if pairs else 0, ys.stride(0), float(n_out),
+                                0.0 if tail is None else float(tail.eps),
                                 QTYPE=int(qtype), VALUES=values, BYTES=size, ROWS=1 if pairs else rows,
                                 ROWS_P2=1 if pairs else _common.next_power_of_2(rows), BLOCK_N=FUSED_ROWS,
                                 NB=STEP_BLOCKS[qtype], PARTIAL=splits > 1, LAST_ADDS=counters is not None,
                                 PAIRS=pairs, FANOUT=fanout, MATRICES=1 if second is None else 2,
-                                ACT=activation.GLU[act] if glu else activation.NO_ACTIVATION, num_warps=FUSED_WARPS,
-                                enable_fp_fusion=FUSED_FMA)
+                                ACT=activation.GLU[act] if glu else activation.NO_ACTIVATION, TAIL=tail is not None,
+                                NORM_BLOCK=1 if tail is None else _common.next_power_of_2(n_out),
+                                num_warps=FUSED_WARPS, enable_fp_fusion=FUSED_FMA)
     if splits > 1 and counters is None:
         jit.sum_parts_kernel[(_common.cdiv(rows * n_out, SUM_BLOCK),)](parts, ys, rows, n_out, splits,
                                                                        ys.stride(0), BLOCK=SUM_BLOCK)
+    return tail is not None
 
 
 def split_plan(qtype: QType, n_out: int, n_blocks: int, device: torch.device) -> tuple[int, int]:

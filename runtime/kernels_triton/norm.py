@@ -44,7 +44,8 @@ def as_rows(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
     return t.reshape((1,) * (3 - t.dim()) + tuple(t.shape))
 
 
-def _warps(block: int) -> int:
+def warps(block: int) -> int:
+    """The warps of norm_kernel's program for a row block of `block` values (its sum's layout)."""
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
@@ -92,7 +93,7 @@ def _norm(op: str, x, weight, eps: float, residual, gate, out_dtype, mean: bool,
                                   1.0 if scale is None else float(scale), MEAN=mean, HAS_W=weight is not None,
                                   HAS_RES=residual is not None, HAS_GATE=gate is not None,
                                   HAS_SCALE=scale is not None, ADD_TO=add_to is not None,
-                                  OUT_SCALE=out_scale is not None, BLOCK=block, num_warps=_warps(block),
+                                  OUT_SCALE=out_scale is not None, BLOCK=block, num_warps=warps(block),
                                   enable_fp_fusion=False)
     return y if total is None else (total, y)
 

@@ -75,7 +75,8 @@ def files(tmp_path_factory):
 class CountedFusions(CudaBackend, CountedCalls):
     """The CUDA backend (its launches recorded on `meta`) that counts, per active op counter, the
     calls of the fused operations and the launches inside them. With `separate`, it runs them as the
-    graphs did before: the residual add, then the norm kernel; NORM rope as its torch formula."""
+    graphs did before: the residual add, then the norm kernel (after a product: the product first,
+    whose launch otherwise ends with the add and norm); NORM rope as its torch formula."""
 
     def __init__(self, separate: bool):
         super().__init__(kernels_triton, device_types=("meta",))
@@ -88,6 +89,10 @@ class CountedFusions(CudaBackend, CountedCalls):
             return total, self.rms_norm(total, weight, eps)
         return self.counted(separate if self.separate else lambda: super(CountedFusions, self).add_rms_norm(
             h, delta, weight, eps))
+
+    def linear_add_rms_norm(self, x, w, h, weight, eps, up=None, act=None):
+        form = TorchBackend.linear_add_rms_norm if self.separate else CudaBackend.linear_add_rms_norm
+        return self.counted(lambda: form(self, x, w, h, weight, eps, up, act))
 
     def rope(self, x, cos, sin, style):
         if style != "norm":  # NEOX rope was one launch already (ops.rope_neox_partial)
@@ -128,6 +133,9 @@ class CountedAttention(CountedFusions):
     def add_rms_norm(self, h, delta, weight, eps):
         return CudaBackend.add_rms_norm(self, h, delta, weight, eps)
 
+    def linear_add_rms_norm(self, x, w, h, weight, eps, up=None, act=None):
+        return CudaBackend.linear_add_rms_norm(self, x, w, h, weight, eps, up, act)
+
     def rope(self, x, cos, sin, style):
         return CudaBackend.rope(self, x, cos, sin, style)
 
@@ -166,6 +174,15 @@ class CountedGlu(CountedAttention):
         if self.separate:
             return self.counted(lambda: self.linear(self.glu(gate, up, act), w))
         return self.counted(lambda: CudaBackend.linear_glu(self, gate, up, w, act))
+
+    def linear_add_rms_norm(self, x, w, h, weight, eps, up=None, act=None):
+        """A GLU's down product with the add and norm after it (a dense FFN's, ops.Deferred): counted
+        like linear_glu, the GLU's launch apart with `separate`."""
+        if up is None:
+            return CudaBackend.linear_add_rms_norm(self, x, w, h, weight, eps)
+        if self.separate:
+            return self.counted(lambda: CudaBackend.linear_add_rms_norm(self, self.glu(x, up, act), w, h, weight, eps))
+        return self.counted(lambda: CudaBackend.linear_add_rms_norm(self, x, w, h, weight, eps, up, act))
 
 
 @pytest.mark.parametrize("name", sorted(STEP_LAUNCHES))

@@ -14,6 +14,8 @@ change in a decode step with the CUDA backend's choices, checked on the CPU:
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -40,6 +42,15 @@ class TorchAroundProducts(CudaBackend, CountedCalls):
     def __init__(self, device_type: str):
         super().__init__(kernels_triton, device_types=(device_type,))
         self.init_counts()
+        self.folded = Counter()  # per op counter: add_rms_norm calls after a product (linear_add_rms_norm)
+
+    def linear_add_rms_norm(self, x, w, h, weight, eps, up=None, act=None):
+        """The product, then the counted add_rms_norm formula: the norm that the CUDA backend runs in
+        the product's launch instead (tests/runtime/test_cuda_norm_tail.py), so no launch of its own."""
+        counters = cuda_op_count.active_counters()
+        if counters:
+            self.folded[id(counters[0].tally)] += 1
+        return TorchBackend.linear_add_rms_norm(self, x, w, h, weight, eps, up, act)
 
 
 def _formula(name: str):
@@ -65,11 +76,11 @@ def test_each_call_around_the_products_becomes_one_launch(q8_file):
     print(f"\n[meta, bf16] with the one-launch kernels:\n{cuda_op_count.report(fused, k)}")
     print(f"[meta, bf16] torch formulas around the products:\n{cuda_op_count.report(unfused, k)}")
     for name, new, old in (("step", fused.step, unfused.step), ("verification", fused.verify, unfused.verify)):
-        calls, inside = before.calls[id(old)], before.inside[id(old)]
+        calls, inside, folded = before.calls[id(old)], before.inside[id(old)], before.folded[id(old)]
         launches = sum(new.by_op[op] for op in FUSED)
-        print(f"{name}: {old.total} -> {new.total} launches: {calls} seam calls, {inside} launches of their "
-              f"torch formulas -> {launches}")
-        assert calls > 0 and launches == calls  # one launch per call
+        print(f"{name}: {old.total} -> {new.total} launches: {calls} seam calls ({folded} in a product's launch), "
+              f"{inside} launches of their torch formulas -> {launches}")
+        assert calls > 0 and launches == calls - folded  # one launch per call, none for one a product makes
         assert new.total == old.total - inside + launches  # and nothing else changed
         assert not any(new.by_op[op] for op in ("rms_norm", "rsqrt", "softplus"))  # all inside kernels now
         for kind, (_, each) in cuda_op_count.block_summary(new, fused.recurrent).items():
