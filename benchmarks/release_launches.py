@@ -56,8 +56,8 @@ class ReleaseRecorder(triton_launches.Recorder):
     """A Recorder that also keeps each specialization's launches: {Specialization: {(integer
     arguments by name, grid)}}."""
 
-    def __init__(self):
-        super().__init__(WIDTHS)
+    def __init__(self, widths: Iterable[int] = WIDTHS):
+        super().__init__(widths)
         self.launches: dict = {}
 
     def __call__(self, module: str, kernel: str, grid, args: tuple, kwargs: dict) -> None:
@@ -290,16 +290,23 @@ def _without_tile_counters() -> Iterator[None]:
 
 
 def record(releases: Iterable[ReleaseShape] = RELEASES, dtypes: Iterable[str] = tuple(DTYPES),
-           long_prompt: bool = True, progress: Callable[[str], None] | None = None) -> ReleaseRecorder:
+           widths: Iterable[int] = WIDTHS, product_dtypes: Iterable[str] | None = None,
+           product_widths: Iterable[int] | None = None, long_prompt: bool = True,
+           progress: Callable[[str], None] | None = None) -> ReleaseRecorder:
     """A ReleaseRecorder that ran launch_model for every release, compute dtype, width and the prompt
-    (and with `long_prompt`, a prompt of the whole context, without the products)."""
-    recorder = ReleaseRecorder()
+    (and with `long_prompt`, a prompt of the whole context, without the products); the products in
+    `product_dtypes` at `product_widths` only (default: `dtypes`, `widths`)."""
+    product_dtypes = tuple(dtypes if product_dtypes is None else product_dtypes)
+    product_widths = tuple(widths if product_widths is None else product_widths)
+    recorder = ReleaseRecorder(widths)
     cuda_op_count.launch_observers.append(recorder)
     try:
         with cuda_op_count.meta_launches():
             for r in releases:
                 for dtype in dtypes:
-                    runs = [(f"width {n}", n, True) for n in WIDTHS] + [(f"prompt {PROMPT}", PROMPT, True)]
+                    products_too = dtype in product_dtypes
+                    runs = [(f"width {n}", n, products_too and n in product_widths) for n in widths]
+                    runs.append((f"prompt {PROMPT}", PROMPT, products_too))
                     if long_prompt:
                         runs.append((f"prompt {r.context}", r.context, False))
                     for batch, n, with_products in runs:
@@ -307,7 +314,8 @@ def record(releases: Iterable[ReleaseShape] = RELEASES, dtypes: Iterable[str] = 
                         launch_model(r, n, DTYPES[dtype], with_products)
                     recorder.key = (r.name, dtype, "width 1, captured")
                     with _without_tile_counters():
-                        products(r, 1, DTYPES[dtype])
+                        if products_too:
+                            products(r, 1, DTYPES[dtype])
                         if r.deltanet:
                             deltanet(r, 1, DTYPES[dtype])
                 if progress:
