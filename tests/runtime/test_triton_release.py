@@ -31,6 +31,10 @@ from collections import Counter
 
 import pytest
 
+# before Triton's first import: the interpreter's mode (no GPU) is read then, and the tests after
+# this module run their kernels in it
+from tests.fixtures.triton_mode import WHERE  # noqa: E402
+
 triton_jit = pytest.importorskip("triton.runtime.jit", reason="triton is not installed: nothing to compile")
 if not (hasattr(triton_jit, "create_function_from_signature") and hasattr(triton_jit.JITFunction, "_pack_args")):
     pytest.skip("this Triton's JIT has no binder the recorder can call (create_function_from_signature, "
@@ -94,7 +98,7 @@ def test_every_kernel_is_launched_at_release_shapes():
     missing = _kernels_defined() - launched
     models = {key[0] for key in recorder.sequences}
     print(f"\n{len(recorder.found)} specializations of {len(launched)} kernels from {len(models)} releases, "
-          f"recorded in {_cache['record_s']:.0f} s")
+          f"recorded in {_cache['record_s']:.0f} s (kernels in this process: {WHERE})")
     assert not missing, f"kernels never launched at release shapes: {sorted(missing)}"
     assert models == {r.name for r in RELEASES}
 
