@@ -9,12 +9,12 @@ global and the sliding-window layers where they differ), the Gated DeltaNet's he
 multi-head latent attention and its sparse indexer, the vocabulary and the longest context (a
 prompt of that many tokens in one call, a K/V buffer of that many cells). Values from the releases'
 config.json files (transformers 5.23's config defaults where those are the release's: HYV3Config,
-Step3p7TextConfig, MiMoV2FlashConfig, DeepseekV32Config).
+Step3p7TextConfig, MiMoV2FlashConfig, DeepseekV32Config; Step-3.5-Flash's sliding layers from its
+`attention_other_setting`).
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 
@@ -167,4 +167,4 @@ def describe(r: ReleaseShape) -> str:
 
 
 if __name__ == "__main__":
-    print("\n".join(describe(r) for r in RELEASES), file=sys.stdout)
+    print("\n".join(describe(r) for r in RELEASES))

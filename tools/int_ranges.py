@@ -69,7 +69,7 @@ def _div(a: int, b: int) -> int:
     return q if (a >= 0) == (b > 0) else -q
 
 
-def _evaluate(name: str, operands: list, rest: str, pid: tuple, grid: tuple):
+def _evaluate(name: str, operands: list, rest: str, grid: tuple):
     """The interval of one operation's integer result, or None where it cannot be bounded."""
     if name == "arith.constant":
         m = re.match(r"\s*(?:dense<)?(-?\d+)>?\s*:", rest)
@@ -144,7 +144,7 @@ def overflows(ttir: str, launches) -> list[str]:
                 continue
             body = re.sub(r"\s*loc\(.*$", "", rest)
             operands = [known.get(v) for v in _VALUE.findall(body.split(" : ")[0])]
-            interval = _evaluate(name, operands, body, (), grid)
+            interval = _evaluate(name, operands, body, grid)
             if interval is None:
                 continue
             known[value] = interval
