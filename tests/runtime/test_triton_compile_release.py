@@ -20,7 +20,8 @@ keeps them across runs) and checked:
   glu_kernel, norm_kernel, rope_kernel, qk_rope_kernel and gdn_chunked_kernel were made int64
   (a prompt of a whole context times a feed-forward's width, or times q's row).
 
-Skips where triton is not installed (or has no binder the recorder can call).
+Skips where triton is not installed (or has no binder the recorder can call). A CPU check: its name
+keeps it out of tools/device_check.sh's GPU run (`not triton_compile`).
 """
 
 from __future__ import annotations
