@@ -17,8 +17,8 @@ keeps them across runs) and checked:
 * no int32 add / sub / mul / shift of its TTIR leaves the int32 range at any of its recorded
   launches (tools/int_ranges.py: intervals from the launch's integer arguments and grid): an
   index that wraps reads and writes elsewhere, silently. This failed before the row indices of
-  glu_kernel, norm_kernel, rope_kernel, qk_rope_kernel and gdn_chunked_kernel were made int64
-  (a prompt of a whole context times a feed-forward's width, or times q's row).
+  glu_kernel, norm_kernel, qk_rope_kernel and gdn_chunked_kernel were made int64 (a prompt of a
+  whole context times a feed-forward's width, q's row or the conv's channels).
 
 Skips where triton is not installed (or has no binder the recorder can call). A CPU check: its name
 keeps it out of tools/device_check.sh's GPU run (`not triton_compile`).
