@@ -3,6 +3,7 @@
     python3 tools/triton_aot.py                 # record, compile for sm_90 and sm_80, report failures
     python3 tools/triton_aot.py --check --cost  # and the tests' checks on everything; the cost report
     python3 tools/triton_aot.py --quick --widths 4 --arch 90 --json   # a small run, one JSON object
+    python3 tools/triton_aot.py --release       # the wrappers at released models' shapes: resources, int32
 
 The specializations come from benchmarks/triton_launches.py (forwards on the `meta` device with the
 CUDA backend; each launch turned into what Triton's JIT would compile). Each distinct one is
@@ -24,7 +25,12 @@ tests/runtime/test_triton_compile.py (`Compiled`):
   even; `.rz` truncates);
 * `reassociating`: whether the LLVM IR lets the backend reorder float operations (`reassoc` / `fast`);
 * `sass`: SASS opcode counts (`cuobjdump -sass`), for the contraction check (FFMA, FMUL);
-* `loop`: the main loop's instructions in SASS (the longest backward branch), for `--cost`.
+* `loop`: the main loop's instructions in SASS (the longest backward branch), for `--cost`;
+* `shared`, `num_warps`, `registers`: what a launch needs of a multiprocessor; a kernel whose shared
+  memory passes the device's per-block limit (tools/triton_release.py) compiles but does not launch;
+* `overflows`: with the launches' integer arguments and grids (`--release`:
+  benchmarks/release_launches.py, the wrappers at the shapes of released checkpoints), the int32
+  operations of the TTIR that wrap at one of them (tools/int_ranges.py).
 """
 
 from __future__ import annotations
@@ -68,6 +74,10 @@ class Compiled:
     fp_fusion: bool = True  # the options it was compiled with
     sass: dict = field(default_factory=dict)  # opcode -> count
     loop: dict = field(default_factory=dict)  # main loop: instructions, opcode counts, global loads
+    shared: int = 0  # bytes of shared memory a program needs (the launch fails past the device's limit)
+    num_warps: int = 0
+    registers: int = 0  # per thread (cuobjdump -res-usage; 0 without the SASS step)
+    overflows: list = field(default_factory=list)  # int32 operations that wrap at the launches given (int_ranges)
 
 
 # ------------------------------------------------------------------ TTGIR
@@ -271,15 +281,37 @@ def ptx(spec_json: dict, arch: int) -> str:
     return compile_kernel(spec_json, arch)[0].asm["ptx"]
 
 
-def compile_spec(spec_json: dict, arch: int, sass: bool = True) -> Compiled:
-    """Compile one specialization for sm_`arch` (in a process without TRITON_INTERPRET) and summarise it."""
+def registers(cubin: bytes) -> int:
+    """Registers per thread of a compiled kernel (`cuobjdump -res-usage`'s REG), 0 where not given."""
+    import subprocess
+    import tempfile
+
+    from triton.tools.disasm import path_to_cuobjdump
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([path_to_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"\bREG:(\d+)", out)
+    return int(m.group(1)) if m else 0
+
+
+def compile_spec(spec_json: dict, arch: int, sass: bool = True, launches=None) -> Compiled:
+    """Compile one specialization for sm_`arch` (in a process without TRITON_INTERPRET) and summarise it;
+    with `launches` ((integer arguments, grid) of each launch: benchmarks/release_launches.py), the
+    int32 operations of its TTIR that wrap at any of them (tools/int_ranges.py)."""
     start = time.perf_counter()
     try:
         kernel, options = compile_kernel(spec_json, arch)
     except Exception as e:  # Triton's message is the report
         message = " ".join(str(e).split())
         return Compiled(spec_json, arch, False, f"{type(e).__name__}: {message[:2000]}", time.perf_counter() - start)
-    out = Compiled(spec_json, arch, True, seconds=time.perf_counter() - start, fp_fusion=options.enable_fp_fusion)
+    out = Compiled(spec_json, arch, True, seconds=time.perf_counter() - start, fp_fusion=options.enable_fp_fusion,
+                   shared=kernel.metadata.shared, num_warps=kernel.metadata.num_warps)
+    if launches:
+        from tools.int_ranges import overflows
+
+        out.overflows = overflows(kernel.asm["ttir"], launches)
     out.reduce_forms, out.reduce_layouts = reduce_summary(kernel.asm["ttgir"])
     out.narrowing = narrowing(kernel.asm["ptx"])
     out.reassociating = reassociating(kernel.asm["llir"])
@@ -289,18 +321,20 @@ def compile_spec(spec_json: dict, arch: int, sass: bool = True) -> Compiled:
         ops = sass_ops(get_sass(kernel.asm["cubin"]))
         out.sass = dict(Counter(o[0] for o in ops if o[0] != "LABEL"))
         out.loop = main_loop(ops)
+        out.registers = registers(kernel.asm["cubin"])
     return out
 
 
 def compile_all(specs: list[dict], archs=ARCHS, jobs: int | None = None, sass: bool = True,
-                progress=None) -> list[Compiled]:
-    """compile_spec for every specialization and architecture, in `jobs` worker processes."""
+                progress=None, launches: list | None = None) -> list[Compiled]:
+    """compile_spec for every specialization and architecture, in `jobs` worker processes (`launches`:
+    each specialization's launches, in the order of `specs`, for the int32 check)."""
     jobs = jobs or os.cpu_count() or 1
-    tasks = [(s, a) for a in archs for s in specs]
+    tasks = [(s, a, launches[i] if launches else None) for a in archs for i, s in enumerate(specs)]
     # the heaviest first (the product kernels with many rows), so that the workers finish together
     tasks.sort(key=lambda t: -dict(map(tuple, t[0]["constexprs"])).get("ROWS", 0))
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), initializer=_worker_init) as pool:
-        futures = [pool.submit(compile_spec, s, a, sass) for s, a in tasks]
+        futures = [pool.submit(compile_spec, s, a, sass, ls) for s, a, ls in tasks]
         out = []
         for n, f in enumerate(futures, 1):
             out.append(f.result())
@@ -438,10 +472,17 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="also check rounding and batch invariance (as the tests)")
     p.add_argument("--cost", action="store_true", help="the product kernel's main loop per weight byte (SASS)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout: specializations and results")
+    p.add_argument("--release", action="store_true",
+                   help="the wrappers at released models' shapes instead (benchmarks/release_launches.py): "
+                        "shared memory within the launch limit, no int32 index arithmetic that wraps")
     args = p.parse_args(argv)
     from benchmarks import triton_launches
 
     say = (lambda line: print(line, file=sys.stderr))
+    if args.release:
+        from tools import triton_release
+
+        return triton_release.release(tuple(args.arch or ARCHS), args.jobs, not args.no_sass, args.json, say)
     widths = range(1, (args.widths or triton_launches.WIDTHS) + 1)
     recorder = triton_launches.record(triton_launches.workloads(args.quick), widths=widths,
                                       products=not args.no_products, progress=say)

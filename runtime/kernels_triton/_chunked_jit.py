@@ -73,16 +73,17 @@ def gdn_chunked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, src_slo
     for start in range(0, n, CHUNK):
         tok = start + idx
         tok_ok = tok < n
+        row = tok.to(tl.int64)  # a token's offset: a prompt of a whole context times a row passes 2^31
         key_ok = tok_ok[:, None] & dim_ok[None, :]
         val_ok = tok_ok[:, None] & col_ok[None, :]
-        k = tl.load(k_ptr + tok[:, None] * stride_kt + key_head * stride_kh + dims[None, :], mask=key_ok,
+        k = tl.load(k_ptr + row[:, None] * stride_kt + key_head * stride_kh + dims[None, :], mask=key_ok,
                     other=0.0).to(tl.float32)
-        q = tl.load(q_ptr + tok[:, None] * stride_qt + key_head * stride_qh + dims[None, :], mask=key_ok,
+        q = tl.load(q_ptr + row[:, None] * stride_qt + key_head * stride_qh + dims[None, :], mask=key_ok,
                     other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :], mask=val_ok,
+        v = tl.load(v_ptr + row[:, None] * stride_vt + h * stride_vh + cols[None, :], mask=val_ok,
                     other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + tok * stride_gt + h, mask=tok_ok, other=0.0).to(tl.float64)
-        beta = tl.load(beta_ptr + tok * stride_bt + h, mask=tok_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_gt + h, mask=tok_ok, other=0.0).to(tl.float64)
+        beta = tl.load(beta_ptr + row * stride_bt + h, mask=tok_ok, other=0.0).to(tl.float32)
         gamma = tl.cumsum(g, axis=0)
         # e^{Γ_i − Γ_j} on and below the diagonal only (above it the exponent is positive: no inf)
         decay = tl.where(causal, tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], 0.0).to(tl.float32)), 0.0)
@@ -95,7 +96,7 @@ def gdn_chunked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, src_slo
         scores = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay, 0.0)
         o = (tl.dot(q * growth[:, None], s, input_precision=PRECISION)
              + tl.dot(scores, v_new, input_precision=PRECISION))
-        tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + cols[None, :], o.to(o_ptr.dtype.element_ty),
+        tl.store(o_ptr + row[:, None] * stride_ot + h * stride_oh + cols[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=val_ok)
         last = tl.minimum(start + CHUNK, n) - 1  # the chunk's last token
         for t in range(tl.maximum(first, start), last):  # kept tokens before it (the ring's snapshots)

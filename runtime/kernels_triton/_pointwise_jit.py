@@ -72,7 +72,7 @@ def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, h_ptr, s_ptr, y_ptr, inne
     y is rounded into y's dtype and added to row r of h (contiguous, y's dtype): a sandwich norm's
     output joining the residual stream; with OUT_SCALE that sum, rounded, times the float32 scalar
     at s_ptr (a layer's output scale)."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # rows times their stride pass 2^31 in a long prompt
     a = r // inner
     b = r % inner
     cols = tl.arange(0, BLOCK)
@@ -140,7 +140,7 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, y_ptr, heads, half, head_dim, co
                 BLOCK_REST: tl.constexpr):
     """Head h of token t (program t · heads + h) of x [n, heads, head_dim] by _rope_head with the
     angles of row t of cos / sin [n, half]; y contiguous [n, heads, head_dim]."""
-    p = tl.program_id(0)
+    p = tl.program_id(0).to(tl.int64)  # tokens times heads times head_dim pass 2^31 in a long prompt
     t = p // heads
     h = p % heads
     _rope_head(x_ptr + t * stride_xn + h * stride_xh, y_ptr + p * head_dim, cos_ptr + t * stride_cn,
@@ -162,7 +162,7 @@ def qk_rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qy_ptr
     unchanged (write_kv_kernel's copy)."""
     p = tl.program_id(0)
     heads = q_heads + k_heads
-    t = p // heads
+    t = (p // heads).to(tl.int64)  # tokens times a row's stride pass 2^31 in a long prompt
     h = p % heads
     cos_row = cos_ptr + t * stride_cn
     sin_row = sin_ptr + t * stride_sn
@@ -240,7 +240,7 @@ def _glu(g, u, ACT: tl.constexpr, dtype: tl.constexpr):
 def glu_kernel(g_ptr, u_ptr, y_ptr, width, stride_g, stride_u, ACT: tl.constexpr, BLOCK: tl.constexpr):
     """y = act(g) · u (_glu: SILU or GELU_TANH) for row program_id(0), columns of block program_id(1),
     in y's dtype (the reference's F.silu(g) * u, F.gelu(g, approximate="tanh") * u)."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # a long prompt's rows times a feed-forward's width pass 2^31
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
     g = tl.load(g_ptr + r * stride_g + cols, mask=ok, other=0.0).to(tl.float32)

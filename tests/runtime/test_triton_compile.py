@@ -49,6 +49,10 @@ from collections import Counter
 
 import pytest
 
+# before Triton's first import: the interpreter's mode (no GPU) is read then, and the tests after
+# this module run their kernels in it
+import tests.fixtures.triton_mode  # noqa: E402,F401
+
 triton_jit = pytest.importorskip("triton.runtime.jit", reason="triton is not installed: nothing to compile")
 if not (hasattr(triton_jit, "create_function_from_signature") and hasattr(triton_jit.JITFunction, "_pack_args")):
     pytest.skip("this Triton's JIT has no binder the recorder can call (create_function_from_signature, "
