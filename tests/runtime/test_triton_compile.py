@@ -51,7 +51,7 @@ import pytest
 
 # before Triton's first import: the interpreter's mode (no GPU) is read then, and the tests after
 # this module run their kernels in it
-import tests.fixtures.triton_mode  # noqa: E402,F401
+from tests.fixtures.triton_mode import WHERE  # noqa: E402
 
 triton_jit = pytest.importorskip("triton.runtime.jit", reason="triton is not installed: nothing to compile")
 if not (hasattr(triton_jit, "create_function_from_signature") and hasattr(triton_jit.JITFunction, "_pack_args")):
@@ -97,7 +97,8 @@ def test_recorded_launches_cover_every_width():
         assert len(batches) == len(WIDTHS), key
         assert len(set(batches.values())) == 1, (key, batches)
     kernels = {s.name for s in recorder.found}
-    print(f"\n{len(recorder.found)} specializations of {len(kernels)} kernels: {sorted(kernels)}")
+    print(f"\n{len(recorder.found)} specializations of {len(kernels)} kernels (recorded on meta; other "
+          f"kernel tests of this session in the {WHERE}): {sorted(kernels)}")
     assert {"_quant_jit.fused_rows_kernel", "_grouped_jit.grouped_rows_kernel", "_quant_jit.dequantize_kernel"} <= kernels
 
 
