@@ -206,6 +206,7 @@ def attention(r: ReleaseShape, n: int, dtype: torch.dtype, cells: int) -> None:
     q_pos, k_pos, at = _empty(n, dtype=i64), _empty(cells, dtype=i64), _empty(n, dtype=i64)
     for h in r.attention_kinds:
         half = h.rotated // 2
+        K.rope_table(q_pos, _empty(half, dtype=f32), scale=1.0)  # the batch's angles (YaRN's factor)
         cos = sin = _empty(n, half, dtype=f32)
         width = h.head_dim * (2 if h.gate == "value" else 1)
         qg = _empty(n, h.heads, width, dtype=dtype)
