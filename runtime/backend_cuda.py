@@ -162,28 +162,39 @@ class CudaBackend(TorchBackend):
         return (self._pointwise(gate, up) and gate.dtype == up.dtype and gate.shape == up.shape and gate.dim() > 0
                 and gate.stride(-1) == 1 and up.stride(-1) == 1)
 
-    def _kernel_product(self, x: torch.Tensor, w, up: torch.Tensor | None = None, act: str | None = None):
-        """x @ wᵀ by the product kernel: a stored matrix's bytes, or a dense float32 one's as F32 (with
-        `up`, (act(x) · up) @ wᵀ)."""
+    @staticmethod
+    def _weight_bytes(w) -> tuple[torch.Tensor, QType]:
+        """(bytes, type) the product kernel reads for w: a stored matrix's (counted as a use), a dense
+        float32 one's as F32."""
         if isinstance(w, StoredWeight):
             _count(w)
-            return self._packed_product(x, w.raw, w.qtype, *w.shape, up, act)
-        return self._packed_product(x, w.view(torch.uint8), QType.F32, *w.shape, up, act)
+            return w.raw, w.qtype
+        return w.view(torch.uint8), QType.F32
+
+    def _kernel_product(self, x: torch.Tensor, w, up: torch.Tensor | None = None, act: str | None = None):
+        """x @ wᵀ by the product kernel (_weight_bytes; with `up`, (act(x) · up) @ wᵀ)."""
+        return self._packed_product(x, *self._weight_bytes(w), *w.shape, up, act)
+
+    def _in_pieces(self, xs: torch.Tensor, us: torch.Tensor | None, product) -> list:
+        """product(first row, x rows, up rows or None) over pieces of FUSED_MAX_ROWS rows of xs [rows,
+        n_in] (and us): a batch-invariant batch's rows each through the one-pass kernel, as in a
+        decode step."""
+        step = self.kernels.FUSED_MAX_ROWS
+        return [product(i, xs[i:i + step], None if us is None else us[i:i + step])
+                for i in range(0, xs.shape[0], step)]
 
     def _packed_product(self, x: torch.Tensor, raw: torch.Tensor, qtype, n_out: int, n_in: int,
                         up: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
         """x @ Wᵀ (with `up`, (act(x) · up) @ Wᵀ) by kernels_triton.quant_matmul, W's bytes `raw`
-        [n_out, row bytes]; in batch-invariant mode a longer batch in pieces of FUSED_MAX_ROWS rows,
-        every row as in a decode step."""
+        [n_out, row bytes]; in batch-invariant mode a longer batch in pieces of FUSED_MAX_ROWS rows
+        (_in_pieces)."""
         if up is None:
             x = x.contiguous()
-        step = self.kernels.FUSED_MAX_ROWS
         xs = x.reshape(-1, n_in)
-        us = None if up is None else up.reshape(-1, n_in)
-        if rows_alone() and xs.shape[0] > step:  # every row through the one-pass kernel, as in decode
-            pieces = [self.kernels.quant_matmul(xs[i:i + step], raw, qtype, n_out, n_in,
-                                                up=None if us is None else us[i:i + step], act=act)
-                      for i in range(0, xs.shape[0], step)]
+        if rows_alone() and xs.shape[0] > self.kernels.FUSED_MAX_ROWS:
+            pieces = self._in_pieces(xs, None if up is None else up.reshape(-1, n_in),
+                                     lambda _, xp, up_rows: self.kernels.quant_matmul(xp, raw, qtype, n_out, n_in,
+                                                                                      up=up_rows, act=act))
             return torch.cat(pieces).reshape(*x.shape[:-1], n_out)
         return self.kernels.quant_matmul(x, raw, qtype, n_out, n_in, up=up, act=act)
 
@@ -385,17 +396,14 @@ class CudaBackend(TorchBackend):
         rows = xs.shape[0]
         if rows == 0 or (rows > step and not rows_alone()):
             return super().linear_add_rms_norm(x, w, h, weight, eps, up, act)
-        if isinstance(w, StoredWeight):
-            _count(w)
-            raw, qtype = w.raw, w.qtype
-        else:
-            raw, qtype = w.view(torch.uint8), QType.F32
-        us = None if up is None else up.reshape(-1, n_in)
+        raw, qtype = self._weight_bytes(w)
         hs = h.reshape(-1, n_out)
-        pieces = [self.kernels.quant_matmul_add_rms_norm(xs[a:a + step], raw, qtype, n_out, n_in, hs[a:a + step],
-                                                         values, eps, up=None if us is None else us[a:a + step],
-                                                         act=act)
-                  for a in range(0, rows, step)]
+
+        def piece(first: int, xp: torch.Tensor, up_rows: torch.Tensor | None):
+            return self.kernels.quant_matmul_add_rms_norm(xp, raw, qtype, n_out, n_in, hs[first:first + xp.shape[0]],
+                                                          values, eps, up=up_rows, act=act)
+
+        pieces = self._in_pieces(xs, None if up is None else up.reshape(-1, n_in), piece)
         if len(pieces) == 1:
             return tuple(t.view(h.shape) for t in pieces[0])
         return tuple(torch.cat(parts).view(h.shape) for parts in zip(*pieces))
