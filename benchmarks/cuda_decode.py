@@ -16,6 +16,9 @@ Q4_K_M. Per file, one process, one device:
 - plain greedy decoding of -n tokens (tokens per second of the decode phase);
 - the synthetic drafter at A = 0.8, k = 3 (runtime/drafters/synthetic.py): decode speed-up over plain
   and whether its tokens equal plain decoding's (in the default compute dtype);
+- the steady state of both (in brackets): the same runs at 2n tokens, less the n-token runs, so that
+  what a new context pays once (each width's first forward eager, then its CUDA graph's capture)
+  drops out;
 - torch.profiler over one decode step after two warm-up steps (with CUDA graphs, the default on
   CUDA: a replay): device kernels launched and host<->device copies or syncs;
 - host<->device copies or syncs per speculative round, k = 3: the synthetic drafter's, and the MTP
@@ -295,8 +298,18 @@ def run_file(path: Path, args, head: Path | None = None) -> dict:
     ref = greedy_reference(model, prompt, n)
     synthetic = _one(model, ref, prompt, n, 0.8, 3, 0, out["t_s"][0])
     again = generate(model, prompt, n)
+    # the same runs at 2n tokens: the difference is n tokens of the steady state, without the cost
+    # every new context pays once (the first forward of each width eager, its CUDA graph's capture)
+    ref2 = greedy_reference(model, prompt, 2 * n)
+    plain2 = generate(model, prompt, 2 * n)
+    synthetic2 = _one(model, ref2, prompt, 2 * n, 0.8, 3, 0, out["t_s"][0])
+    steady_plain = (_decode_seconds(plain2) - _decode_seconds(plain)) / n
+    steady_spec = (synthetic2["decode_s"] - synthetic["decode_s"]) / n
+    out["plain_steady_tokens_per_s"] = 1 / steady_plain
     out["synthetic"] = {"speedup": synthetic["decode_rate"] / statistics.mean(map(_decode_rate, (plain, again))),
-                        "tokens_identical": synthetic["tokens"] == plain.tokens == again.tokens,
+                        "steady_speedup": steady_plain / steady_spec,
+                        "tokens_identical": (synthetic["tokens"] == plain.tokens == again.tokens
+                                             and synthetic2["tokens"] == plain2.tokens == ref2[len(prompt):]),
                         "acceptance": synthetic["acceptance_rate"], "tokens_per_forward": synthetic["tokens_per_forward"]}
     out["profile"] = profile_step(model)
     out["round_profile"] = profile_rounds(model, ref, prompt, min(n, 24))
@@ -311,11 +324,15 @@ def run_file(path: Path, args, head: Path | None = None) -> dict:
     return out
 
 
+def _decode_seconds(result) -> float:
+    return result.seconds - result.prompt_seconds
+
+
 def print_table(results: list[dict]) -> None:
     def ms(x):
         return "n/a" if x is None else f"{x * 1e3:.2f}"
 
-    print("| file | dtype | t(1) ms | t(4)/t(1) | t(8)/t(1) | plain tok/s | A=0.8 k=3 | identical | "
+    print("| file | dtype | t(1) ms | t(4)/t(1) | t(8)/t(1) | plain tok/s (steady) | A=0.8 k=3 (steady) | identical | "
           "kernels | syncs | syncs/round | MTP blocking (all) syncs/round | replayed | floor ms | bf16 chain eager / graph ms | "
           "GB after load / file / peak |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -327,8 +344,9 @@ def print_table(results: list[dict]) -> None:
         mtp = r.get("mtp_round_profile")
         mtp = (f"{mtp['host_syncs_per_round']:.1f} ({mtp['syncs_per_round']:.1f})"
                + ("" if mtp["tokens_identical"] else " ≠ plain") if mtp else "n/a")
-        print(f"| {r['file']} | {r['dtype']} | {ms(t[0])} | {ratio[0]} | {ratio[1]} | {r['plain_tokens_per_s']:.1f} | "
-              f"{r['synthetic']['speedup']:.2f}x | {r['synthetic']['tokens_identical']} | {r['profile']['kernels']} | "
+        print(f"| {r['file']} | {r['dtype']} | {ms(t[0])} | {ratio[0]} | {ratio[1]} | {r['plain_tokens_per_s']:.1f} "
+              f"({r['plain_steady_tokens_per_s']:.1f}) | {r['synthetic']['speedup']:.2f}x "
+              f"({r['synthetic']['steady_speedup']:.2f}x) | {r['synthetic']['tokens_identical']} | {r['profile']['kernels']} | "
               f"{r['profile']['syncs']} | {r['round_profile']['syncs_per_round']:.1f} | {mtp} | "
               f"{r['profile']['graph_replays'] > 0} | {ms(r['floor_s'])} | {ms(r['dense_chain']['eager_s'])} / "
               f"{ms(r['dense_chain']['graph_s'])} | {mem} |")

@@ -236,7 +236,7 @@ def trunk_logits(target, prompt: list[int]) -> dict[str, np.ndarray]:
     ctx.clear()
     ctx.decode(prompt[:-TRUNK_ROWS], logits=None)
     steps = [ctx.decode([t]).logits for t in prompt[-TRUNK_ROWS:]]
-    return {"trunk": batch.double().numpy(), "trunk_steps": torch.cat(steps).double().numpy()}
+    return {"trunk": batch.cpu().double().numpy(), "trunk_steps": torch.cat(steps).cpu().double().numpy()}
 
 
 def draft_logits(target, make_drafter: Callable, prompt: list[int]) -> dict[str, np.ndarray]:
@@ -254,7 +254,7 @@ def draft_logits(target, make_drafter: Callable, prompt: list[int]) -> dict[str,
     drafter.start(prompt[:-1], drafter_rows(hidden, want))
     rows: list[np.ndarray] = []
     if isinstance(drafter, DFlashDrafter):  # its block is one graph call, not a Context decode
-        rows.append(drafter.block_logits(prompt[-1]).double().numpy())
+        rows.append(drafter.block_logits(prompt[-1]).cpu().double().numpy())
     with decode_logits(rows):
         tokens = drafter.draft(prompt[-1], DRAFT_MAX).tokens
     return {"draft": np.concatenate([r.reshape(-1, r.shape[-1]) for r in rows]),

@@ -202,12 +202,13 @@ def piece_counters(device: torch.device, count: int) -> torch.Tensor:
 
 
 def values_in_keys(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether V is a view of K's first v.shape[-1] entries (multi-head latent attention's one buffer)."""
-    def root(t):  # the tensor whose memory a view reads (identity: meta tensors have no addresses)
-        return t._base if t._base is not None else t
-
+    """Whether V is K's first v.shape[-1] entries in memory (multi-head latent attention's one buffer):
+    the same storage, offset and strides. Storage identity, not view tracking: views of tensors made
+    under torch.inference_mode (a context's caches made there) record no base, and meta tensors have
+    no addresses."""
     return (v.shape[-1] < k.shape[-1] and v.shape[:-1] == k.shape[:-1] and v.dtype == k.dtype
-            and v.stride() == k.stride() and v.storage_offset() == k.storage_offset() and root(v) is root(k))
+            and v.stride() == k.stride() and v.storage_offset() == k.storage_offset()
+            and v.untyped_storage()._cdata == k.untyped_storage()._cdata)
 
 
 def check_stored_rows(op: str, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

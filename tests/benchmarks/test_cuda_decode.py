@@ -2,7 +2,8 @@
 with `--device cuda`): every figure of its table present and consistent, and the synthetic drafter's
 tokens equal to plain decoding's.
 
-Evidence: t(n) has one positive time per batch size; the synthetic run drafted (acceptance > 0) and
+Evidence: t(n) has one positive time per batch size, the steady-state rates (2n tokens less n) are
+positive; the synthetic run drafted (acceptance > 0) and
 produced the plain tokens; the MTP head's rounds (a --mtp only sidecar) drafted and produced them too; the profiler saw the step (CPU-only: no device kernels, no CUDA syncs, no graph replayed);
 the dense chain covered every 2-D matrix but the token embedding; the JSON file holds the same rows.
 """
@@ -24,8 +25,9 @@ def test_cpu_run_reports_every_figure(qwen35_dir, tmp_path, capsys):
                               "-n", "12", "--mtp-head", str(head), "--json", str(out)])
     print(capsys.readouterr().out)
     assert len(row["t_s"]) == 3 and all(t > 0 for t in row["t_s"])
-    assert row["plain_tokens_per_s"] > 0
-    assert row["synthetic"]["tokens_identical"] is True
+    assert row["plain_tokens_per_s"] > 0 and row["plain_steady_tokens_per_s"] > 0
+    assert row["synthetic"]["tokens_identical"] is True  # the n- and 2n-token runs both
+    assert row["synthetic"]["steady_speedup"] > 0
     assert 0 < row["synthetic"]["acceptance"] <= 1
     profile = dict(row["profile"])
     top = profile.pop("top")

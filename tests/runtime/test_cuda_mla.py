@@ -34,6 +34,7 @@ from specconv.runtime import backend as backend_module, kernels_triton as kt  # 
 from specconv.runtime.backend import batch_invariant  # noqa: E402
 from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
+from specconv.runtime.kernels_triton.attention import values_in_keys  # noqa: E402
 from specconv.runtime.dequant import dequantize_rows  # noqa: E402
 from specconv.runtime.memory import UNWRITTEN  # noqa: E402
 from specconv.runtime.stored import StoredWeight  # noqa: E402
@@ -185,6 +186,22 @@ def test_a_wide_head_without_values_in_keys_is_refused():
         kt.attention(q, kv, kv.clone(), q_pos, k_pos, SCALE)
     with pytest.raises(SpecconvError, match="q_rest"):
         kt.attention(q_lat, kv[..., :KV_LORA], kv[..., :KV_LORA].clone(), q_pos, k_pos, SCALE, q_rest=q_pe)
+
+
+def test_values_in_keys_under_inference_mode():
+    """V as K's first entries is found by storage, not view tracking: views of a cache made under
+    torch.inference_mode record no base (a context made there), and the latent path takes the kernel
+    with the same bits as outside it; a V of its own with the same layout is not V in K."""
+    q_lat, q_pe, kv, q_pos, k_pos = (t.to(DEVICE) for t in latent_case(2, 24, 24, seed=11))
+    outside = kt.attention(q_lat, kv, kv[..., :KV_LORA], q_pos, k_pos, SCALE, q_rest=q_pe)
+    with torch.inference_mode():
+        cache = kv.clone()  # an inference tensor: its views have no _base
+        k = cache[:24]
+        assert k._base is None
+        assert values_in_keys(k, k[..., :KV_LORA])
+        assert not values_in_keys(k, torch.empty_like(k)[..., :KV_LORA])
+        inside = kt.attention(q_lat, k, k[..., :KV_LORA], q_pos, k_pos, SCALE, q_rest=q_pe)
+    assert torch.equal(inside, outside)
 
 
 # ---- the graph --------------------------------------------------------------------------------------
