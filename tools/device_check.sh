@@ -11,7 +11,11 @@
 # N: tokens decoded per rate measurement (default 64); TESTS: the test paths (default: every test,
 # -k "(cuda or triton) and not triton_compile": compiling without a GPU is the CPU's check); JOBS:
 # pytest workers; T_TESTS / T_MATMUL / T_BENCH / T_FAMILIES / T_DEMO: time
-# limits in seconds (T_DEMO=0 skips the demo).
+# limits in seconds (T_MATMUL=0 / T_FAMILIES=0 / T_DEMO=0 skip that step); NATIVE=0 skips building the C
+# extensions (a faster install: the GPU path needs none of them, the K-quant files' conversion does);
+# BENCH_ARGS: more arguments for benchmarks/cuda_decode.py. Failing tests are written to
+# $OUT/failures.log as they are reported (SPECCONV_FAILURE_LOG), and the test run is interrupted at its
+# limit with SIGINT, so pytest still prints its summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/device-out}
@@ -25,6 +29,7 @@ export PYTHONPATH=/tmp/site
 # the C extensions are optional (install goes on without them) but the benchmark's K-quant conversion
 # wants them; built in parallel
 printf '[build_ext]\nparallel = 16\n' >/tmp/build_ext.cfg
+[ "${NATIVE:-1}" = 0 ] && export CC=false
 DIST_EXTRA_CONFIG=/tmp/build_ext.cfg python3 -m pip install -q --no-deps --no-build-isolation -e . >"$SETUP" 2>&1 \
   || { tail "$SETUP"; exit 1; }
 python3 -c "import specconv.convert._kquants, specconv.runtime._dequant; print('native extensions built')" 2>&1 | tee -a "$SETUP"
@@ -34,18 +39,20 @@ stamp installed
 
 TYPES=${TYPES:-q8_0,Q4_K_M,bf16}
 MOE_FLAG=$([ "${MOE:-1}" = 0 ] && echo --no-moe)
-BENCH=(python3 benchmarks/cuda_decode.py --workdir /tmp/bench-cuda --types "$TYPES" -n "${N:-64}" $MOE_FLAG)
+BENCH=(python3 benchmarks/cuda_decode.py --workdir /tmp/bench-cuda --types "$TYPES" -n "${N:-64}" $MOE_FLAG ${BENCH_ARGS:-})
 "${BENCH[@]}" --build-only >/tmp/build.log 2>&1 &
 BUILD=$!
 
 stamp "CUDA tests"
-timeout "${T_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider -n "${JOBS:-12}" -k "(cuda or triton) and not triton_compile" --tb=short -rfE \
+SPECCONV_FAILURE_LOG="$OUT/failures.log" timeout -s INT -k 20 "${T_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n "${JOBS:-12}" -k "(cuda or triton) and not triton_compile" --tb=short -rfE \
   --durations=15 ${TESTS:-tests} >"$OUT/cuda_tests.log" 2>&1
 tail -n 30 "$OUT/cuda_tests.log"
 
-stamp "benchmarks/cuda_matmul.py"
-timeout "${T_MATMUL:-60}" python3 benchmarks/cuda_matmul.py --sweep >"$OUT/cuda_matmul.log" 2>&1
-tail -n 36 "$OUT/cuda_matmul.log"
+if [ "${T_MATMUL:-60}" != 0 ]; then
+  stamp "benchmarks/cuda_matmul.py"
+  timeout "${T_MATMUL:-60}" python3 benchmarks/cuda_matmul.py --sweep >"$OUT/cuda_matmul.log" 2>&1
+  tail -n 36 "$OUT/cuda_matmul.log"
+fi
 
 stamp "waiting for the benchmark's files"
 wait $BUILD; tail -n 6 /tmp/build.log | tee -a "$SETUP"
@@ -53,9 +60,11 @@ stamp "benchmarks/cuda_decode.py"
 timeout "${T_BENCH:-200}" "${BENCH[@]}" --json "$OUT/cuda_decode.json" >"$OUT/cuda_decode.log" 2>&1
 tail -n 8 "$OUT/cuda_decode.log"
 
-stamp "tools/cuda_families.py"
-timeout "${T_FAMILIES:-90}" python3 tools/cuda_families.py --json "$OUT/cuda_families.json" >"$OUT/cuda_families.log" 2>&1
-tail -n 34 "$OUT/cuda_families.log"
+if [ "${T_FAMILIES:-90}" != 0 ]; then
+  stamp "tools/cuda_families.py"
+  timeout "${T_FAMILIES:-90}" python3 tools/cuda_families.py --json "$OUT/cuda_families.json" >"$OUT/cuda_families.log" 2>&1
+  grep -v "^\[transformers\]" "$OUT/cuda_families.log" | tail -n 34
+fi
 
 if [ "${T_DEMO:-90}" != 0 ]; then
   stamp "demo on the GPU"
