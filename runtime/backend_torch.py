@@ -248,7 +248,9 @@ class TorchBackend:
         by `divisor` first: linear rope scaling), times `scale` when given (YaRN's attention factor)."""
         p = positions.to(inv_freq.dtype)
         if divisor is not None:
-            p = p / divisor
+            # by a tensor on p's device: a Python number would make CUDA multiply by its reciprocal
+            # (not the correctly rounded quotient the CPU and the rope_table kernel give)
+            p = p / torch.full((), divisor, dtype=p.dtype, device=p.device)
         angles = p[:, None] * inv_freq[None, :]
         cos, sin = angles.cos(), angles.sin()
         return (cos, sin) if scale is None else (cos * scale, sin * scale)

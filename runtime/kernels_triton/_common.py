@@ -71,6 +71,15 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+MIN_DOT = 16  # tl.dot's smallest inner dimension on a GPU (the interpreter takes any)
+
+
+def dot_width(n: int) -> int:
+    """A tile side that tl.dot multiplies over: n padded to a power of two, at least MIN_DOT (the padding
+    is masked to zero, adding nothing to the products)."""
+    return max(MIN_DOT, next_power_of_2(n))
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

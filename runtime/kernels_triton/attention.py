@@ -135,8 +135,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     mask = q_pos if keep is None else (keep.view(torch.uint8) if keep.dtype == torch.bool else keep)
     jit = _common.jit_module("_attention_jit")
     group = heads // kv_heads
-    block_dk, block_dv = _common.next_power_of_2(dk), _common.next_power_of_2(dv)
-    block_dr = _common.next_power_of_2(dk - dv) if v_in_k else 1
+    # the head widths are tl.dot's inner dimensions (q·kᵀ; with V in K, q·vᵀ and the rest)
+    block_dk, block_dv = _common.dot_width(dk), _common.dot_width(dv)
+    block_dr = _common.dot_width(dk - dv) if v_in_k else 1
     widest = max(block_dv, block_dr) if v_in_k else max(block_dk, block_dv)
     tile = head_tile(group)
     tiles = _common.cdiv(group, tile)

@@ -26,7 +26,6 @@ from specconv.runtime.kernels_triton.gdn import slots_and_out
 
 CHUNK = 64  # tokens per chunk, as runtime/graphs/gdn.py CHUNK
 BLOCK_V = 32  # state columns per program
-MIN_DOT = 16  # tl.dot's smallest tile side
 PRECISION = "ieee"  # float32 products: TF32's 10-bit operands would be the error's largest part
 NUM_WARPS = 8  # a chunk's [64, dk] tiles of k, q and W in registers at once
 
@@ -62,6 +61,6 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                  g.stride(0), beta.stride(0), states.stride(0), states.stride(1), states.stride(2),
                                  out.stride(0), out.stride(1),
-                                 CHUNK=CHUNK, BLOCK_K=max(MIN_DOT, _common.next_power_of_2(dk)), BLOCK_V=BLOCK_V,
+                                 CHUNK=CHUNK, BLOCK_K=_common.dot_width(dk), BLOCK_V=BLOCK_V,
                                  PRECISION=PRECISION, num_warps=NUM_WARPS)
     return out

@@ -445,18 +445,18 @@ def test_each_attention_and_kv_write_becomes_one_launch(q8_file):
 
 
 def test_the_backend_falls_back_to_the_formula_where_the_kernel_does_not_apply():
-    """float64 and heads wider than the kernel's take TorchBackend.attention, with its bits."""
+    """float64 and heads wider than the kernel's take TorchBackend.attention, with its bits (on the same
+    device: a GPU's torch ops are not the CPU's)."""
     backend = CudaBackend(kt, device_types=(DEVICE.type,))
     for dtype, hd in ((torch.float64, 64), (torch.float32, kt.MAX_ATTENTION_HEAD_DIM + 64)):
-        q, k, v, q_pos, k_pos = (t.to(dtype) if t.is_floating_point() else t
-                                 for t in case(2, 2, 1, hd, cells=8, written=6, seed=hd))
-        got = backend.attention(*on_device(q, k, v, q_pos, k_pos), 0.1)
-        assert torch.equal(got.cpu(), TorchBackend().attention(q, k, v, q_pos, k_pos, 0.1)), (dtype, hd)
-        sinks, gate = rand(2, seed=hd), rand(2, 2, seed=hd + 1).to(dtype)  # a gate per head
-        got = backend.attention(*on_device(q, k, v, q_pos, k_pos), 0.1, gate.to(DEVICE), window=3,
-                                sinks=sinks.to(DEVICE))
+        q, k, v, q_pos, k_pos = on_device(*(t.to(dtype) if t.is_floating_point() else t
+                                            for t in case(2, 2, 1, hd, cells=8, written=6, seed=hd)))
+        got = backend.attention(q, k, v, q_pos, k_pos, 0.1)
+        assert torch.equal(got, TorchBackend().attention(q, k, v, q_pos, k_pos, 0.1)), (dtype, hd)
+        sinks, gate = rand(2, seed=hd).to(DEVICE), rand(2, 2, seed=hd + 1).to(dtype).to(DEVICE)  # a gate per head
+        got = backend.attention(q, k, v, q_pos, k_pos, 0.1, gate, window=3, sinks=sinks)
         ref = TorchBackend().attention(q, k, v, q_pos, k_pos, 0.1, gate, window=3, sinks=sinks)
-        assert torch.equal(got.cpu(), ref), (dtype, hd, "window, sinks, gate per head")
+        assert torch.equal(got, ref), (dtype, hd, "window, sinks, gate per head")
 
 
 def test_greedy_speculative_decoding_equals_plain_with_the_attention_kernel_in_bf16(q8_file, monkeypatch):

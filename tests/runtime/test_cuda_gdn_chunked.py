@@ -260,8 +260,8 @@ def test_a_prompt_then_decode_steps_equal_the_torch_backend_in_float32(tiny_file
     ids = [int(t) for t in prompt_ids(74, seed=31)]
 
     def run(backend, prompt_batch: int):
-        ctx = Context(model, GraphType.MAIN, n_ctx=len(ids), n_rs_seq=3)
-        with on(backend):
+        with on(backend):  # the context made inside: it reads the graph mode ("off": each launch counted)
+            ctx = Context(model, GraphType.MAIN, n_ctx=len(ids), n_rs_seq=3)
             logits = [ctx.decode(ids[:prompt_batch]).logits] + [ctx.decode([t]).logits for t in ids[prompt_batch:]]
         layers = ctx.memory.layout.rec_layers
         return torch.cat(logits), [s for layer in layers for s in ctx.recurrent_state(0, layer)], len(layers)
