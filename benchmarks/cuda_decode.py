@@ -16,9 +16,9 @@ Q4_K_M. Per file, one process, one device:
 - plain greedy decoding of -n tokens (tokens per second of the decode phase);
 - the synthetic drafter at A = 0.8, k = 3 (runtime/drafters/synthetic.py): decode speed-up over plain
   and whether its tokens equal plain decoding's (in the default compute dtype);
-- the steady state of both (in brackets): the same runs at 2n tokens, less the n-token runs, so that
-  what a new context pays once (each width's first forward eager, then its CUDA graph's capture)
-  drops out;
+- the steady state of both (in brackets): runs of 2n tokens timed step by step (round by round),
+  their second halves, so that what a new context pays once (each width's first forward eager, then
+  its CUDA graph's capture) drops out;
 - torch.profiler over one decode step after two warm-up steps (with CUDA graphs, the default on
   CUDA: a replay): device kernels launched and host<->device copies or syncs;
 - host<->device copies or syncs per speculative round, k = 3: the synthetic drafter's, and the MTP
@@ -298,18 +298,11 @@ def run_file(path: Path, args, head: Path | None = None) -> dict:
     ref = greedy_reference(model, prompt, n)
     synthetic = _one(model, ref, prompt, n, 0.8, 3, 0, out["t_s"][0])
     again = generate(model, prompt, n)
-    # the same runs at 2n tokens: the difference is n tokens of the steady state, without the cost
-    # every new context pays once (the first forward of each width eager, its CUDA graph's capture)
-    ref2 = greedy_reference(model, prompt, 2 * n)
-    plain2 = generate(model, prompt, 2 * n)
-    synthetic2 = _one(model, ref2, prompt, 2 * n, 0.8, 3, 0, out["t_s"][0])
-    steady_plain = (_decode_seconds(plain2) - _decode_seconds(plain)) / n
-    steady_spec = (synthetic2["decode_s"] - synthetic["decode_s"]) / n
-    out["plain_steady_tokens_per_s"] = 1 / steady_plain
+    steady = steady_rates(model, prompt, 2 * n)
+    out["plain_steady_tokens_per_s"] = steady["plain"]
     out["synthetic"] = {"speedup": synthetic["decode_rate"] / statistics.mean(map(_decode_rate, (plain, again))),
-                        "steady_speedup": steady_plain / steady_spec,
-                        "tokens_identical": (synthetic["tokens"] == plain.tokens == again.tokens
-                                             and synthetic2["tokens"] == plain2.tokens == ref2[len(prompt):]),
+                        "steady_speedup": steady["synthetic"] / steady["plain"],
+                        "tokens_identical": synthetic["tokens"] == plain.tokens == again.tokens and steady["identical"],
                         "acceptance": synthetic["acceptance_rate"], "tokens_per_forward": synthetic["tokens_per_forward"]}
     out["profile"] = profile_step(model)
     out["round_profile"] = profile_rounds(model, ref, prompt, min(n, 24))
@@ -324,8 +317,33 @@ def run_file(path: Path, args, head: Path | None = None) -> dict:
     return out
 
 
-def _decode_seconds(result) -> float:
-    return result.seconds - result.prompt_seconds
+def steady_rates(model, prompt: list[int], n: int) -> dict:
+    """Tokens per second of plain greedy decoding and of the synthetic drafter (A = 0.8, k = 3) over the
+    second half of an n-token run each, timed step by step (round by round): what a new context pays
+    once (each width's first forward eager, then its CUDA graph's capture) falls in the first half.
+    "identical": the speculative tokens are plain decoding's."""
+    from specconv.runtime.drafters.synthetic import SyntheticDrafter
+    from specconv.runtime.generate import generate
+    from specconv.runtime.speculative import SpecConfig, speculative_generate
+
+    plain_stamps, spec_stamps = [], []
+    plain = generate(model, prompt, n, on_token=lambda _: plain_stamps.append((time.perf_counter(), len(plain_stamps) + 1)))
+    made = [0]
+
+    def on_round(ctx, r):
+        made[0] += len(r.tokens)
+        spec_stamps.append((time.perf_counter(), made[0]))
+
+    drafter = SyntheticDrafter(list(prompt) + plain.tokens, model.vocab_size, 0.8, seed=0)
+    spec = speculative_generate(model, drafter, prompt, n, SpecConfig(draft_max=3), on_round=on_round)
+    return {"plain": _second_half_rate(plain_stamps), "synthetic": _second_half_rate(spec_stamps),
+            "identical": spec.tokens == plain.tokens}
+
+
+def _second_half_rate(stamps: list[tuple[float, int]]) -> float:
+    """Tokens per second between the first stamp of the second half and the last: (time, tokens so far)."""
+    (t0, n0), (t1, n1) = stamps[(len(stamps) - 1) // 2], stamps[-1]
+    return (n1 - n0) / (t1 - t0)
 
 
 def print_table(results: list[dict]) -> None:

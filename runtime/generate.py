@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.backend import evaluating_prompt_prefix
@@ -58,8 +58,10 @@ def _rate(count: int, seconds: float) -> float | None:
 
 
 def generate(model: Model, prompt_tokens: Sequence[int], n_predict: int, temperature: float = 0.0,
-             seed: int | None = 0, stop_at_eos: bool = False, n_ctx: int | None = None) -> GenerationResult:
-    """Greedy (T = 0) or sampled decoding of up to `n_predict` tokens after `prompt_tokens`."""
+             seed: int | None = 0, stop_at_eos: bool = False, n_ctx: int | None = None,
+             on_token: Callable[[int], None] | None = None) -> GenerationResult:
+    """Greedy (T = 0) or sampled decoding of up to `n_predict` tokens after `prompt_tokens`; `on_token`
+    is called with each token as it is chosen (a caller timing the steps)."""
     prompt = [int(t) for t in prompt_tokens]
     if not prompt:
         raise SpecconvError("generate: the prompt is empty")
@@ -85,6 +87,8 @@ def generate(model: Model, prompt_tokens: Sequence[int], n_predict: int, tempera
         while True:
             token = sample(logits, temperature, gen)
             out.append(token)
+            if on_token is not None:
+                on_token(token)
             if len(out) >= n_predict or (stop_at_eos and model.tokenizer.is_end_of_generation(token)):
                 break
             logits = ctx.decode([token], hidden=(), logits="last").logits[-1]
