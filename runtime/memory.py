@@ -83,8 +83,10 @@ class Memory:
         self.layout = layout
         self.n_seq, self.n_ctx = n_seq, n_ctx
         self.ring = n_rs_seq + 1  # states held
-        # physical slots: a spare keeps a batch's starting state intact (none needed when one is held)
-        self.slots = self.ring + 1 if self.ring > 1 else 1
+        # physical slots: a spare keeps a batch's starting state intact, also when one state is held
+        # (plain decoding): a step then never writes the slot it reads, which lets the CUDA backend
+        # run the short conv inside the delta rule's launch (gdn.Recurrence.conv_delta_rule)
+        self.slots = self.ring + 1
         self.device, self.dtype = device, dtype
         where = layer_device or (lambda _l: device)
 

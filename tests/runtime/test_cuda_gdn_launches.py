@@ -283,3 +283,16 @@ def test_a_decode_steps_recurrent_blocks_launch_only_kernels(q8_files, monkeypat
             kernels = sum(c for (label, op), c in ops.items() if label == f"block {i}" and op.startswith("triton."))
             assert kernels == GDN_BLOCK_LAUNCHES, (name, i, kernels)
         print(f"{name}: {GDN_BLOCK_LAUNCHES} kernel launches in each of the {len(recurrent)} Gated DeltaNet blocks")
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen3next"])
+def test_plain_decoding_folds_the_conv_too(arch, q8_files):
+    """A plain decoding context holds one recurrent state (n_rs_seq = 0) in two slots, so a step
+    never writes the slot it reads and the conv runs inside the delta rule's launch, as in a
+    speculative context: the same launches per step (on a GPU the profiler counted a separate
+    causal_conv_kernel per Gated DeltaNet block of plain steps while the ring had one slot)."""
+    plain, speculative = (cuda_op_count.count_steps(q8_files[arch], "bf16", k) for k in (0, 3))
+    print(f"\n[{arch}, meta, bf16] plain step {plain.step.total} launches, speculative context's step "
+          f"{speculative.step.total}")
+    assert plain.step.by_op == speculative.step.by_op
+    assert not plain.step.by_op["triton.causal_conv_kernel"]

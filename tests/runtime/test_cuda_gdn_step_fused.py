@@ -275,19 +275,22 @@ def test_the_backend_folds_the_conv_into_one_launch_where_it_may(key_heads, monk
     assert launched == ["causal_conv", "causal_conv", "gdn_step", "gdn_step"]
 
 
-def test_a_ring_of_one_takes_the_separate_conv(tmp_path_factory, monkeypatch):
-    """gdn.Recurrence folds the conv only where the memory keeps a spare slot (n_rs_seq ≥ 1): in the
-    checkpoint mode's ring of one, the batch writes the slot its programs read."""
+def test_every_ring_keeps_a_spare_slot_and_folds_the_conv(tmp_path_factory, monkeypatch):
+    """gdn.Recurrence folds the conv where the memory keeps a spare slot, so that a batch never writes
+    the slot its programs read. Every ring keeps one, the checkpoint mode's ring of one state (plain
+    decoding) too: both modes take the folded form."""
     from specconv.runtime import Context, GraphType, load_model
     from tests.fixtures.runtime_common import tiny_gguf
 
     model = load_model(tiny_gguf(tmp_path_factory, outtype="f32")[1], device=DEVICE, dtype="f32")
     monkeypatch.setattr(backend_module, "_backend", lambda kind: CUDA)
     calls = recorded(monkeypatch, CUDA, ("conv_delta_rule_slots", "causal_conv_slots"))
-    for rollback, expected in ((3, "conv_delta_rule_slots"), (0, "causal_conv_slots")):
+    for rollback in (3, 0):
         calls.clear()
-        Context(model, GraphType.MAIN, n_ctx=8, n_rs_seq=rollback).decode([1, 2])
-        assert calls and set(calls) == {expected}, (rollback, calls)
+        ctx = Context(model, GraphType.MAIN, n_ctx=8, n_rs_seq=rollback)
+        assert ctx.memory.slots == ctx.memory.ring + 1 == rollback + 2
+        ctx.decode([1, 2])
+        assert calls and set(calls) == {"conv_delta_rule_slots"}, (rollback, calls)
 
 
 def test_bad_conv_input_is_a_one_line_error():
