@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.backend import evaluating_prompt_prefix
 from specconv.runtime.context import Context
+from specconv.runtime.context_pool import pooled
 from specconv.runtime.model import Model
 from specconv.runtime.sampling import make_generator, sample
 from specconv.runtime.types import GraphType
@@ -67,8 +68,13 @@ def generate(model: Model, prompt_tokens: Sequence[int], n_predict: int, tempera
         raise SpecconvError("generate: the prompt is empty")
     if n_predict < 0:
         raise SpecconvError("generate: -n must be ≥ 0")
-    ctx = Context(model, GraphType.MAIN, n_seq=1, n_ctx=n_ctx or len(prompt) + n_predict + 1, n_rs_seq=0,
-                  rollback="checkpoint")
+    with pooled(model, GraphType.MAIN, n_ctx or len(prompt) + n_predict + 1, 0, rollback="checkpoint") as ctx:
+        return _generate(ctx, prompt, n_predict, temperature, seed, stop_at_eos, on_token)
+
+
+def _generate(ctx: Context, prompt: list[int], n_predict: int, temperature: float, seed: int | None,
+              stop_at_eos: bool, on_token: Callable[[int], None] | None) -> GenerationResult:
+    model = ctx.model
     gen = make_generator(seed)
     out: list[int] = []
     counter = model.weights.counter

@@ -29,6 +29,7 @@ import torch
 
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.context import ROLLBACK_MODES, Context
+from specconv.runtime.context_pool import pooled
 from specconv.runtime.drafters import Draft, Drafter
 from specconv.runtime.generate import GenerationResult, decode_text
 from specconv.runtime.model import Model
@@ -125,37 +126,38 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
     if not prompt:
         raise SpecconvError("generate: the prompt is empty")
     n_ctx = n_ctx or len(prompt) + n_predict + cfg.draft_max + 2
-    ctx = Context(target, GraphType.MAIN, n_ctx=n_ctx, n_rs_seq=cfg.draft_max, rollback=cfg.rollback)
-    lengths = (AutoDraft(cached_target_costs(target, cfg.draft_max + 1), k_max=cfg.draft_max) if cfg.auto
-               else FixedDraft(cfg.draft_max))
-    link, stats, gen = DrafterLink(drafter, defer=cfg.auto), SpecStats(cfg.draft_max), make_generator(cfg.seed)
-    out: list[int] = []
-    start = time.perf_counter()
-    prompt_seconds = 0.0  # the prompt minus its last token, and the drafter's start on it
-    if n_predict > 0:
-        id_last = start_prompt(ctx, drafter, prompt)
-        prompt_seconds = time.perf_counter() - start
-        while len(out) < n_predict:
-            plan = lengths.next_round().capped(min(n_predict - len(out) - 1, n_ctx - ctx.n_past() - 2))
-            t0 = time.perf_counter()
-            r = speculative_round(ctx, link, id_last, plan, cfg, gen, stats)
-            lengths.observe_round(plan, len(r.drafts), r.accepted, link.times(time.perf_counter() - t0))
-            if on_round is not None:
-                on_round(ctx, r)
-            new, ended = _until_end(r.tokens, target.tokenizer) if cfg.stop_at_eos else (r.tokens, False)
-            out.extend(new)
-            id_last = out[-1]
-            if ended:
-                break
-    seconds = time.perf_counter() - start
-    stats.generated = len(out)
-    result = GenerationResult(prompt_tokens=prompt, tokens=out, text=decode_text(target, out), seconds=seconds,
-                              target_evaluations=ctx.n_decode_calls,
-                              prefix_calls=int(n_predict > 0 and len(prompt) > 1),
-                              stats={"speculative": _report(stats, drafter, cfg, lengths, seconds, prompt_seconds),
-                                     "rounds": [dict(r) for r in stats.round_log]})
-    result.spec_stats = stats  # the raw counts, for merging runs (verify)
-    return result
+    # a pooled context: its CUDA graphs captured by an earlier call are replayed (context_pool.py)
+    with pooled(target, GraphType.MAIN, n_ctx, cfg.draft_max, rollback=cfg.rollback) as ctx:
+        lengths = (AutoDraft(cached_target_costs(target, cfg.draft_max + 1), k_max=cfg.draft_max) if cfg.auto
+                   else FixedDraft(cfg.draft_max))
+        link, stats, gen = DrafterLink(drafter, defer=cfg.auto), SpecStats(cfg.draft_max), make_generator(cfg.seed)
+        out: list[int] = []
+        start = time.perf_counter()
+        prompt_seconds = 0.0  # the prompt minus its last token, and the drafter's start on it
+        if n_predict > 0:
+            id_last = start_prompt(ctx, drafter, prompt)
+            prompt_seconds = time.perf_counter() - start
+            while len(out) < n_predict:
+                plan = lengths.next_round().capped(min(n_predict - len(out) - 1, n_ctx - ctx.n_past() - 2))
+                t0 = time.perf_counter()
+                r = speculative_round(ctx, link, id_last, plan, cfg, gen, stats)
+                lengths.observe_round(plan, len(r.drafts), r.accepted, link.times(time.perf_counter() - t0))
+                if on_round is not None:
+                    on_round(ctx, r)
+                new, ended = _until_end(r.tokens, target.tokenizer) if cfg.stop_at_eos else (r.tokens, False)
+                out.extend(new)
+                id_last = out[-1]
+                if ended:
+                    break
+        seconds = time.perf_counter() - start
+        stats.generated = len(out)
+        result = GenerationResult(prompt_tokens=prompt, tokens=out, text=decode_text(target, out), seconds=seconds,
+                                  target_evaluations=ctx.n_decode_calls,
+                                  prefix_calls=int(n_predict > 0 and len(prompt) > 1),
+                                  stats={"speculative": _report(stats, drafter, cfg, lengths, seconds, prompt_seconds),
+                                         "rounds": [dict(r) for r in stats.round_log]})
+        result.spec_stats = stats  # the raw counts, for merging runs (verify)
+        return result
 
 
 def _until_end(tokens: list[int], tokenizer) -> tuple[list[int], bool]:

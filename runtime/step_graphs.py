@@ -68,13 +68,18 @@ def cuda_graphs(mode: str):
         _mode.reset(token)
 
 
+def current_mode() -> str:
+    """The mode contexts created now take ("auto", "on", "off": `cuda_graphs`)."""
+    return _mode.get()
+
+
 def enabled_for(ctx) -> bool:
     """Whether a new context replays its decode steps and verifications as graphs: a MAIN or MTP
     context of a graph declared CAPTURABLE (runtime/graphs/contract.py) with a memory of its own (not
     a drafter reading its target's K/V: `kv_from`), on one device with resident weights, computing in
     float32 / bfloat16 / float16 with float32 recurrent states, whose backend attends over fixed-size
     K/V buffers and writes recurrent states into ring slots; on CUDA unless the mode is "on" or "off"."""
-    mode = _mode.get()
+    mode = current_mode()
     model = ctx.model
     if mode == "off" or ctx.graph_type not in GRAPH_TYPES or ctx.kv_from is not None:
         return False
