@@ -27,7 +27,7 @@ def test_cpu_run_reports_every_figure(qwen35_dir, tmp_path, capsys):
     assert len(row["t_s"]) == 3 and all(t > 0 for t in row["t_s"])
     assert row["plain_tokens_per_s"] > 0 and row["plain_steady_tokens_per_s"] > 0
     assert row["synthetic"]["tokens_identical"] is True  # the n- and 2n-token runs both
-    assert row["synthetic"]["steady_speedup"] > 0
+    assert row["synthetic"]["steady_speedup"] > 0 and row["synthetic"]["first_call_speedup"] > 0
     assert 0 < row["synthetic"]["acceptance"] <= 1
     profile = dict(row["profile"])
     top = profile.pop("top")
