@@ -7,7 +7,8 @@ quant_matmul per matrix.
     python3 benchmarks/cuda_matmul.py --json $OUT/cuda_matmul.json
 
 Weights are random blocks through the real encoders' layouts (runtime/dequant.py decodes them);
-timings are CUDA-event medians over --repeats launches after a warm-up (compilation excluded).
+timings are CUDA-event medians over --repeats replays of a CUDA graph of 20 calls after a warm-up
+(compilation and the host's Python excluded: the device time a decode step's replay sees).
 """
 
 from __future__ import annotations
@@ -41,26 +42,50 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--sweep", action="store_true",
                    help="also time the kernel's tiling settings (programs per SM, blocks per step, warps) "
-                        "on the FFN down projection, one row")
+                        "on the FFN down projection, one and four rows")
     p.add_argument("--no-grouped", action="store_true", help="skip the grouped products")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
 
+CALLS_PER_GRAPH = 20  # calls of fn captured in one CUDA graph (the replay's launch gaps, not Python's)
+
+
 def timed(fn, repeats: int) -> float:
-    """Median seconds of fn() by CUDA events."""
+    """Median seconds of one fn() on the device, as a decode step's graph replays it: CALLS_PER_GRAPH
+    calls captured in one CUDA graph, replayed `repeats` times between CUDA events. A Python call
+    costs tens of microseconds on the host, longer than a product of a few megabytes on the device,
+    so timing it eagerly would time the host. Eagerly only where the capture fails."""
     import torch
 
+    fn()  # compiles, and makes what a capture may not allocate (the products' arrival counters)
     fn()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # a warm-up on the capture stream
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(CALLS_PER_GRAPH):
+                    fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        run, per = graph.replay, CALLS_PER_GRAPH
+    except RuntimeError as e:  # timed eagerly, said so
+        print(f"(eager timing: capture failed: {str(e).splitlines()[0][:100]})", flush=True)
+        run, per = fn, 1
+    run()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / per)
     return statistics.median(times)
 
 
@@ -143,7 +168,8 @@ def grouped_products(args, device) -> list[dict]:
 
 
 def tiling_sweep(args, device) -> list[dict]:
-    """One row through the FFN down projection (2048 x 6144) under each tiling setting of the kernel."""
+    """One and four rows through the FFN down projection (2048 x 6144) under each tiling setting of the
+    kernel."""
     import torch
     from gguf import GGMLQuantizationType as QType
 
@@ -157,16 +183,18 @@ def tiling_sweep(args, device) -> list[dict]:
         for name in ("Q8_0", "Q4_K"):
             qtype = QType[name]
             packed = random_packed(qtype, n_out, n_in, device)
-            x = torch.randn(1, n_in, device=device, dtype=torch.bfloat16)
             # (warps, blocks per step as a multiple of the default, programs per SM)
-            for warps, scale, per_sm in ((4, 1, 2), (4, 1, 4), (4, 1, 8), (8, 1, 4), (4, 2, 4), (8, 2, 4)):
+            for warps, scale, per_sm in ((4, 1, 2), (4, 1, 4), (4, 1, 8), (4, 1, 16), (8, 1, 4), (8, 1, 8),
+                                         (4, 2, 4), (4, 2, 8), (8, 2, 4)):
                 qm.PROGRAMS_PER_SM, qm.FUSED_WARPS = per_sm, warps
                 qm.STEP_BLOCKS[qtype] = saved[1][qtype] * scale
-                t = timed(lambda: kt.quant_matmul(x, packed, qtype, n_out, n_in), args.repeats)
-                out.append({"type": name, "warps": warps, "step_blocks": qm.STEP_BLOCKS[qtype],
-                            "programs_per_sm": per_sm, "s": t, "gb_s": packed.numel() / t / 1e9})
-                print(f"sweep {name} warps {warps} step blocks {qm.STEP_BLOCKS[qtype]:2} programs/SM "
-                      f"{per_sm}: {t * 1e6:7.1f} us ({out[-1]['gb_s']:6.0f} GB/s)", flush=True)
+                for rows in (1, 4):
+                    x = torch.randn(rows, n_in, device=device, dtype=torch.bfloat16)
+                    t = timed(lambda: kt.quant_matmul(x, packed, qtype, n_out, n_in), args.repeats)
+                    out.append({"type": name, "warps": warps, "step_blocks": qm.STEP_BLOCKS[qtype],
+                                "programs_per_sm": per_sm, "rows": rows, "s": t, "gb_s": packed.numel() / t / 1e9})
+                    print(f"sweep {name} warps {warps} step blocks {qm.STEP_BLOCKS[qtype]:2} programs/SM "
+                          f"{per_sm:2} rows {rows}: {t * 1e6:7.1f} us ({out[-1]['gb_s']:6.0f} GB/s)", flush=True)
     finally:
         qm.PROGRAMS_PER_SM, qm.FUSED_WARPS = saved[0], saved[2]
         qm.STEP_BLOCKS.clear()

@@ -11,8 +11,17 @@
 # N: tokens decoded per rate measurement (default 64); TESTS: the test paths (default: every test,
 # -k "(cuda or triton) and not triton_compile": compiling without a GPU is the CPU's check); JOBS:
 # pytest workers; T_TESTS / T_MATMUL / T_BENCH / T_FAMILIES / T_DEMO: time
-# limits in seconds (T_MATMUL=0 / T_FAMILIES=0 / T_DEMO=0 skip that step); NATIVE=0 skips building the C
-# extensions (a faster install: the GPU path needs none of them, the K-quant files' conversion does);
+# limits in seconds (0 skips that step); NATIVE=0 skips building the C extensions (a faster install:
+# the GPU path needs none of them, the K-quant files' conversion does).
+#
+# Every step at its default limit takes more than one command may; a session's 15 device minutes (a
+# start costs about 30 s) hold two runs (measured on an H200, 2026-11-28: the 730 tests take about
+# 210 s on 14 workers; building the 1 B q8_0 file about 100 s of the CPU, beside the GPU's work):
+#   run(command="NATIVE=0 T_BENCH=0 T_MATMUL=0 T_TESTS=250 T_FAMILIES=90 T_DEMO=60 bash tools/device_check.sh",
+#       carry=[".whl"], timeout_s=440)
+#   run(command="NATIVE=0 T_TESTS=0 T_FAMILIES=0 T_DEMO=0 TYPES=q8_0 MOE=0 T_MATMUL=90 T_BENCH=180
+#       bash tools/device_check.sh", carry=[".whl"], timeout_s=330)
+# (the first: the tests, every family, the demo; the second: the product alone and the decode benchmark);
 # BENCH_ARGS: more arguments for benchmarks/cuda_decode.py. Failing tests are written to
 # $OUT/failures.log as they are reported (SPECCONV_FAILURE_LOG), and the test run is interrupted at its
 # limit with SIGINT, so pytest still prints its summary.
@@ -29,9 +38,10 @@ export PYTHONPATH=/tmp/site
 # the C extensions are optional (install goes on without them) but the benchmark's K-quant conversion
 # wants them; built in parallel
 printf '[build_ext]\nparallel = 16\n' >/tmp/build_ext.cfg
-[ "${NATIVE:-1}" = 0 ] && export CC=false
-DIST_EXTRA_CONFIG=/tmp/build_ext.cfg python3 -m pip install -q --no-deps --no-build-isolation -e . >"$SETUP" 2>&1 \
-  || { tail "$SETUP"; exit 1; }
+# NATIVE=0: CC=false for this install only (Triton compiles its launcher with $CC when it first runs)
+NO_CC=$([ "${NATIVE:-1}" = 0 ] && echo "CC=false")
+env $NO_CC DIST_EXTRA_CONFIG=/tmp/build_ext.cfg python3 -m pip install -q --no-deps --no-build-isolation -e . \
+  >"$SETUP" 2>&1 || { tail "$SETUP"; exit 1; }
 python3 -c "import specconv.convert._kquants, specconv.runtime._dequant; print('native extensions built')" 2>&1 | tee -a "$SETUP"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$SETUP"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$SETUP"
@@ -40,13 +50,18 @@ stamp installed
 TYPES=${TYPES:-q8_0,Q4_K_M,bf16}
 MOE_FLAG=$([ "${MOE:-1}" = 0 ] && echo --no-moe)
 BENCH=(python3 benchmarks/cuda_decode.py --workdir /tmp/bench-cuda --types "$TYPES" -n "${N:-64}" $MOE_FLAG ${BENCH_ARGS:-})
-"${BENCH[@]}" --build-only >/tmp/build.log 2>&1 &
-BUILD=$!
+if [ "${T_BENCH:-200}" != 0 ]; then
+  "${BENCH[@]}" --build-only >/tmp/build.log 2>&1 &
+  BUILD=$!
+fi
 
-stamp "CUDA tests"
-SPECCONV_FAILURE_LOG="$OUT/failures.log" timeout -s INT -k 20 "${T_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n "${JOBS:-12}" -k "(cuda or triton) and not triton_compile" --tb=short -rfE \
-  --durations=15 ${TESTS:-tests} >"$OUT/cuda_tests.log" 2>&1
-tail -n 30 "$OUT/cuda_tests.log"
+if [ "${T_TESTS:-200}" != 0 ]; then
+  stamp "CUDA tests"
+  SPECCONV_FAILURE_LOG="$OUT/failures.log" timeout -s INT -k 20 "${T_TESTS:-200}" python3 -m pytest -q \
+    -p no:cacheprovider -p no:benchmark -n "${JOBS:-12}" -k "(cuda or triton) and not triton_compile" --tb=short \
+    -rfE --durations=15 ${TESTS:-tests} >"$OUT/cuda_tests.log" 2>&1
+  tail -n 30 "$OUT/cuda_tests.log"
+fi
 
 if [ "${T_MATMUL:-60}" != 0 ]; then
   stamp "benchmarks/cuda_matmul.py"
@@ -54,11 +69,13 @@ if [ "${T_MATMUL:-60}" != 0 ]; then
   tail -n 36 "$OUT/cuda_matmul.log"
 fi
 
-stamp "waiting for the benchmark's files"
-wait $BUILD; tail -n 6 /tmp/build.log | tee -a "$SETUP"
-stamp "benchmarks/cuda_decode.py"
-timeout "${T_BENCH:-200}" "${BENCH[@]}" --json "$OUT/cuda_decode.json" >"$OUT/cuda_decode.log" 2>&1
-tail -n 8 "$OUT/cuda_decode.log"
+if [ "${T_BENCH:-200}" != 0 ]; then
+  stamp "waiting for the benchmark's files"
+  wait $BUILD; tail -n 6 /tmp/build.log | tee -a "$SETUP"
+  stamp "benchmarks/cuda_decode.py"
+  timeout "${T_BENCH:-200}" "${BENCH[@]}" --json "$OUT/cuda_decode.json" >"$OUT/cuda_decode.log" 2>&1
+  tail -n 8 "$OUT/cuda_decode.log"
+fi
 
 if [ "${T_FAMILIES:-90}" != 0 ]; then
   stamp "tools/cuda_families.py"
