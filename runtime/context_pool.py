@@ -11,6 +11,12 @@ after the call:
 * the key is the graph type, the snapshot ring (n_rs_seq), the rollback mode, the graph mode and
   the K/V buffer's cells, n_ctx rounded up to a power of two of at least MIN_CELLS (so that
   calls of nearby lengths share one context; a few masked cells more cost next to nothing);
+* a call that gives its `span` (prompt + tokens to generate) gets cells for the span plus
+  SPAN_SLACK, so a plain and a speculative call over the same span (n_ctx span + 1 and
+  span + k + 2) get buffers of the same size: the attention kernel cuts a buffer into pieces by
+  its size (kernels_triton/attention.py `cell_pieces`), and another cut would sum a row's
+  attention in another order, and the greedy tokens compared could differ in a near tie. This
+  holds on a GPU with graphs off too;
 * a context is taken out of the pool while a call uses it: a second call with the same key at
   the same time gets a context of its own, and the last one given back is kept (one per key);
 * only contexts that replay graphs are kept (on the CPU nothing changes: a new context per call,
@@ -32,22 +38,27 @@ from specconv.runtime.model import Model
 from specconv.runtime.types import GraphType
 
 MIN_CELLS = 256
+SPAN_SLACK = 66  # positions a speculative call asks beyond its span at the longest CLI draft (64 + 2)
 
 
-def pooled_cells(n_ctx: int) -> int:
-    """The K/V cells of a pooled context asked for n_ctx: a power of two, at least MIN_CELLS."""
-    return max(MIN_CELLS, 1 << max(0, n_ctx - 1).bit_length())
+def pooled_cells(n_ctx: int, span: int | None = None) -> int:
+    """The K/V cells of a pooled context asked for n_ctx (and for a call over `span` positions): a
+    power of two, at least MIN_CELLS, n_ctx and span + SPAN_SLACK."""
+    need = n_ctx if span is None else max(n_ctx, span + SPAN_SLACK)
+    return max(MIN_CELLS, 1 << max(0, need - 1).bit_length())
 
 
 @contextmanager
-def pooled(model: Model, graph_type: GraphType, n_ctx: int, n_rs_seq: int, rollback: str = "snapshot"
-           ) -> Iterator[Context]:
+def pooled(model: Model, graph_type: GraphType, n_ctx: int, n_rs_seq: int, rollback: str = "snapshot",
+           span: int | None = None) -> Iterator[Context]:
     """A cleared context of at least n_ctx cells for the length of the `with` block."""
     mode = step_graphs.current_mode()
-    if not _replays(model, mode):
-        yield Context(model, graph_type, n_ctx=n_ctx, n_rs_seq=n_rs_seq, rollback=rollback)
+    cells = pooled_cells(n_ctx, span)
+    if not _replays(model, mode):  # on a GPU the span's cells all the same (the kernel's pieces)
+        exact = model.device.type == "cpu"
+        yield Context(model, graph_type, n_ctx=n_ctx if exact else cells, n_rs_seq=n_rs_seq, rollback=rollback)
         return
-    key = (graph_type, pooled_cells(n_ctx), n_rs_seq, rollback, mode)
+    key = (graph_type, cells, n_rs_seq, rollback, mode)
     pool = _pool(model)
     ctx = pool.pop(key, None)
     if ctx is None:

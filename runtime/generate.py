@@ -68,7 +68,8 @@ def generate(model: Model, prompt_tokens: Sequence[int], n_predict: int, tempera
         raise SpecconvError("generate: the prompt is empty")
     if n_predict < 0:
         raise SpecconvError("generate: -n must be ≥ 0")
-    with pooled(model, GraphType.MAIN, n_ctx or len(prompt) + n_predict + 1, 0, rollback="checkpoint") as ctx:
+    with pooled(model, GraphType.MAIN, n_ctx or len(prompt) + n_predict + 1, 0, rollback="checkpoint",
+                span=len(prompt) + n_predict) as ctx:
         return _generate(ctx, prompt, n_predict, temperature, seed, stop_at_eos, on_token)
 
 

@@ -127,7 +127,8 @@ def speculative_generate(target: Model, drafter: Drafter, prompt_tokens: Sequenc
         raise SpecconvError("generate: the prompt is empty")
     n_ctx = n_ctx or len(prompt) + n_predict + cfg.draft_max + 2
     # a pooled context: its CUDA graphs captured by an earlier call are replayed (context_pool.py)
-    with pooled(target, GraphType.MAIN, n_ctx, cfg.draft_max, rollback=cfg.rollback) as ctx:
+    with pooled(target, GraphType.MAIN, n_ctx, cfg.draft_max, rollback=cfg.rollback,
+                span=len(prompt) + n_predict) as ctx:
         lengths = (AutoDraft(cached_target_costs(target, cfg.draft_max + 1), k_max=cfg.draft_max) if cfg.auto
                    else FixedDraft(cfg.draft_max))
         link, stats, gen = DrafterLink(drafter, defer=cfg.auto), SpecStats(cfg.draft_max), make_generator(cfg.seed)

@@ -31,6 +31,28 @@ def test_cells_are_powers_of_two_of_at_least_256():
     assert [pooled_cells(n) for n in (1, 200, 256, 257, 1000, 4096, 4097)] == [256, 256, 256, 512, 1024, 4096, 8192]
 
 
+def test_plain_and_speculative_spans_get_one_buffer_size():
+    """A plain call over a span asks span + 1 positions, a speculative one span + k + 2: the same
+    cells for every k up to the CLI's 64, at every span, so the attention kernel cuts both buffers
+    alike (at the old rule, spans just under a power of two got two sizes)."""
+    for span in list(range(1, 3000, 7)) + [190, 254, 255, 446, 510, 511, 4030, 4094]:
+        plain = pooled_cells(span + 1, span)
+        assert all(pooled_cells(span + k + 2, span) == plain for k in (1, 3, 8, 16, 64)), span
+        assert plain >= span + 66
+
+
+def test_on_a_device_without_graphs_the_span_decides_too(q8_file):
+    """Where contexts do not replay and the device is not the CPU (a GPU with --no-cuda-graphs; the
+    meta device here), nothing is pooled but the buffers still follow the span."""
+    model = load_model(q8_file, device="meta", dtype="bf16")
+    sizes = set()
+    for n_ctx, n_rs_seq in ((20 + 1, 0), (20 + 3 + 2, 3)):
+        with pooled(model, GraphType.MAIN, n_ctx, n_rs_seq, span=20) as ctx:
+            assert ctx.graphs is None
+            sizes.add(ctx.n_ctx)
+    assert sizes == {pooled_cells(21, 20)} and "_context_pool" not in model.__dict__
+
+
 def test_calls_reuse_the_context_and_its_graphs(q8_file, graphable):
     model = load_model(q8_file, device="cpu", dtype="bf16")
     prompts = [[int(t) for t in prompt_ids(12, seed=s)] for s in (3, 4)]
@@ -62,6 +84,7 @@ def test_speculative_calls_reuse_theirs_and_equal_plain(q8_file, graphable):
     assert all(r.tokens == plain for r in runs)
     assert len(pool) == 2  # one plain (checkpoint) context, one speculative (snapshot ring of 3)
     assert {k[2] for k in pool} == {0, 3}
+    assert len({k[1] for k in pool}) == 1  # over one span: buffers of one size
 
 
 def test_a_reused_context_gives_the_bits_of_a_new_one(q8_file, graphable):
