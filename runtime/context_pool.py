@@ -54,7 +54,7 @@ def pooled(model: Model, graph_type: GraphType, n_ctx: int, n_rs_seq: int, rollb
     """A cleared context of at least n_ctx cells for the length of the `with` block."""
     mode = step_graphs.current_mode()
     cells = pooled_cells(n_ctx, span)
-    if not _replays(model, mode):  # on a GPU the span's cells all the same (the kernel's pieces)
+    if not step_graphs.mode_replays_on(mode, model.device):  # on a GPU still the span's cells (kernel pieces)
         exact = model.device.type == "cpu"
         yield Context(model, graph_type, n_ctx=n_ctx if exact else cells, n_rs_seq=n_rs_seq, rollback=rollback)
         return
@@ -81,8 +81,3 @@ def _pool(model: Model) -> dict:
     # on the model itself: the pool lives and dies with it (a model deleted frees its contexts)
     return model.__dict__.setdefault("_context_pool", {})
 
-
-def _replays(model: Model, mode: str) -> bool:
-    """Whether the model's contexts may replay graphs in this mode (step_graphs.enabled_for decides
-    per context; this is its device test, before any context is made)."""
-    return mode == "on" or (mode == "auto" and model.device.type == "cuda")

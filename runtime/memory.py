@@ -161,10 +161,9 @@ class Memory:
         for slot, pos in zip(batch.slots, kept):
             self.slot_pos[seq][slot] = pos
         self.cur[seq] = batch.slots[-1]
-        if self.slots > self.ring:  # the spare: R+1 states held
-            spare = (self.cur[seq] + 1) % self.slots
-            self.slot_pos[seq][spare] = EMPTY
-            self.pending[seq].pop(spare, None)
+        spare = (self.cur[seq] + 1) % self.slots  # the spare: R+1 states held
+        self.slot_pos[seq][spare] = EMPTY
+        self.pending[seq].pop(spare, None)
         self.last_pos[seq] = batch.host_positions[-1]
 
     # ---- rollback -----------------------------------------------------------------------------

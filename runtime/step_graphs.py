@@ -73,6 +73,11 @@ def current_mode() -> str:
     return _mode.get()
 
 
+def mode_replays_on(mode: str, device: torch.device) -> bool:
+    """Whether `mode` lets contexts on `device` replay graphs ("on" anywhere, "auto" on CUDA)."""
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
 def enabled_for(ctx) -> bool:
     """Whether a new context replays its decode steps and verifications as graphs: a MAIN or MTP
     context of a graph declared CAPTURABLE (runtime/graphs/contract.py) with a memory of its own (not
@@ -87,7 +92,7 @@ def enabled_for(ctx) -> bool:
     fits = (model.graph.CAPTURABLE and backend.static_kv and backend.slot_states
             and not model.weights.placement.multi and not model.offload and ctx.gdn_mode != "recurrent"
             and model.dtype in GRAPH_DTYPES and ctx.memory.layout.state_dtype == torch.float32)
-    return fits and (mode == "on" or model.device.type == "cuda")
+    return fits and mode_replays_on(mode, model.device)
 
 
 class CudaCapture:

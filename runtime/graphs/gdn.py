@@ -308,12 +308,11 @@ class Recurrence:
                         scale: float, key_heads: str = TILED, gated_norm=None) -> torch.Tensor:
         """o [n, nv, dv]: `conv` of the pre-conv rows m [n, C] = [q | k | v], its `qkv_heads` (heads =
         (nk, dk, nv, dv)), then `delta_rule_from_conv` (with `gated_norm`: its normed output). A
-        backend with `slot_states` takes it all in one call where the memory keeps a spare slot, so
-        that the batch never writes the slot it reads (the CUDA backend: one kernel, whose programs
-        share the key heads' windows)."""
-        memory = self.batch.memory
-        if self.slots and memory.slots > memory.ring:
-            batch = self.batch
+        backend with `slot_states` takes it all in one call: the memory's spare slot means the batch
+        never writes the slot it reads (the CUDA backend: one kernel, whose programs share the key
+        heads' windows)."""
+        if self.slots:  # every ring keeps a spare slot (memory.Memory)
+            batch, memory = self.batch, self.batch.memory
             index = batch.index(m.device)
             return for_device(m.device).conv_delta_rule_slots(
                 m, memory.conv[self.layer][batch.seq], conv_weight, heads, b, alpha, a, dt_bias, eps, scale,
