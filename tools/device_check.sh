@@ -10,7 +10,8 @@
 # TYPES: the dense 1 B file types to measure (default q8_0,Q4_K_M,bf16); MOE=0 skips the MoE file;
 # N: tokens decoded per rate measurement (default 64); TESTS: the test paths (default: every test,
 # -k "(cuda or triton) and not triton_compile": compiling without a GPU is the CPU's check); JOBS:
-# pytest workers; T_TESTS / T_MATMUL / T_BENCH / T_FAMILIES / T_DEMO: time
+# pytest workers; T_TESTS / T_MATMUL / T_VARIANTS (benchmarks/cuda_matmul_variants.py, off unless
+# given) / T_BENCH / T_FAMILIES / T_DEMO: time
 # limits in seconds (0 skips that step); NATIVE=0 skips building the C extensions (a faster install:
 # the GPU path needs none of them, the K-quant files' conversion does).
 #
@@ -22,7 +23,8 @@
 #   run(command="NATIVE=0 T_TESTS=0 T_FAMILIES=0 T_DEMO=0 TYPES=q8_0 MOE=0 T_MATMUL=90 T_BENCH=180
 #       bash tools/device_check.sh", carry=[".whl"], timeout_s=330)
 # (the first: the tests, every family, the demo; the second: the product alone and the decode benchmark);
-# BENCH_ARGS: more arguments for benchmarks/cuda_decode.py. Failing tests are written to
+# BENCH_ARGS: more arguments for benchmarks/cuda_decode.py; MATMUL_ARGS: benchmarks/cuda_matmul.py's
+# (default --sweep). Failing tests are written to
 # $OUT/failures.log as they are reported (SPECCONV_FAILURE_LOG), and the test run is interrupted at its
 # limit with SIGINT, so pytest still prints its summary.
 set -uo pipefail
@@ -65,8 +67,14 @@ fi
 
 if [ "${T_MATMUL:-60}" != 0 ]; then
   stamp "benchmarks/cuda_matmul.py"
-  timeout "${T_MATMUL:-60}" python3 benchmarks/cuda_matmul.py --sweep >"$OUT/cuda_matmul.log" 2>&1
+  timeout "${T_MATMUL:-60}" python3 benchmarks/cuda_matmul.py ${MATMUL_ARGS:---sweep} >"$OUT/cuda_matmul.log" 2>&1
   tail -n 36 "$OUT/cuda_matmul.log"
+fi
+
+if [ "${T_VARIANTS:-0}" != 0 ]; then
+  stamp "benchmarks/cuda_matmul_variants.py"
+  timeout "${T_VARIANTS}" python3 benchmarks/cuda_matmul_variants.py --json "$OUT/variants.json" >"$OUT/variants.log" 2>&1
+  tail -n 40 "$OUT/variants.log"
 fi
 
 if [ "${T_BENCH:-200}" != 0 ]; then
