@@ -6,7 +6,8 @@ quant_matmul per matrix.
 
     python3 benchmarks/cuda_matmul.py --json $OUT/cuda_matmul.json
 
-Weights are random blocks through the real encoders' layouts (runtime/dequant.py decodes them);
+Weights are random blocks through the real encoders' layouts (runtime/dequant.py decodes them), in
+the type the CUDA backend keeps them in (a Q8_0 matrix as Q8_0_ROWS: runtime/rows_first.py);
 timings are CUDA-event medians over --repeats replays of a CUDA graph of 20 calls after a warm-up
 (compilation and the host's Python excluded: the device time a decode step's replay sees).
 """
@@ -41,8 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--types", default=",".join(TYPES))
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--sweep", action="store_true",
-                   help="also time the kernel's tiling settings (programs per SM, blocks per step, warps) "
-                        "on the FFN down projection, one and four rows")
+                   help="also time the per-lane kernel's tiling settings (programs per SM, blocks per step, "
+                        "warps) on the FFN down projection, one and four rows")
     p.add_argument("--no-grouped", action="store_true", help="skip the grouped products")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
@@ -96,6 +97,17 @@ def random_packed(qtype, n_out: int, n_in: int, device):
     return sane_rows(qtype, n_out, n_in, seed=n_out + n_in).to(device)
 
 
+def kept_matrix(qtype, n_out: int, n_in: int, device):
+    """(bytes, type) of a random `qtype` matrix as the CUDA backend keeps it once loaded (a Q8_0 matrix as
+    Q8_0_ROWS where it takes it: runtime/rows_first.py), on `device`."""
+    from specconv.runtime import rows_first
+    from specconv.runtime.backend_cuda import CudaBackend
+
+    kept = CudaBackend().stored_type(qtype, (n_out, n_in))
+    packed = random_packed(qtype, n_out, n_in, device)
+    return (rows_first.to_rows_layout(packed, kept) if kept is not qtype else packed), kept
+
+
 def main(argv=None) -> list[dict]:
     import torch
     from gguf import GGMLQuantizationType as QType
@@ -108,20 +120,20 @@ def main(argv=None) -> list[dict]:
     for name in args.types.split(","):
         qtype = QType[name]
         for n_out, n_in in SHAPES:
-            packed = random_packed(qtype, n_out, n_in, device)
-            dense = kt.dequantize_rows(packed, qtype, n_out, n_in, torch.bfloat16)
+            packed, kept = kept_matrix(qtype, n_out, n_in, device)
+            dense = kt.dequantize_rows(packed, kept, n_out, n_in, torch.bfloat16)
             copy = torch.empty_like(packed)
             copy_s = timed(lambda: copy.copy_(packed), args.repeats)
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, n_in, device=device, dtype=torch.bfloat16)
-                fused_s = timed(lambda: kt.quant_matmul(x, packed, qtype, n_out, n_in), args.repeats)
+                fused_s = timed(lambda: kt.quant_matmul(x, packed, kept, n_out, n_in), args.repeats)
                 dense_s = timed(lambda: x @ dense.t(), args.repeats)
-                row = {"type": name, "n_out": n_out, "n_in": n_in, "rows": rows, "bytes": packed.numel(),
-                       "fused_s": fused_s, "bf16_dense_s": dense_s, "copy_s": copy_s,
+                row = {"type": name, "kept_as": kept.name, "n_out": n_out, "n_in": n_in, "rows": rows,
+                       "bytes": packed.numel(), "fused_s": fused_s, "bf16_dense_s": dense_s, "copy_s": copy_s,
                        "fused_gb_s": packed.numel() / fused_s / 1e9,
                        "copy_gb_s": 2 * packed.numel() / copy_s / 1e9}
                 results.append(row)
-                print(f"{name:5} {n_out:6}x{n_in:<5} rows {rows:2}: fused {fused_s * 1e6:7.1f} us "
+                print(f"{kept.name:9} {n_out:6}x{n_in:<5} rows {rows:2}: fused {fused_s * 1e6:7.1f} us "
                       f"({row['fused_gb_s']:6.0f} GB/s)  bf16 dense {dense_s * 1e6:7.1f} us  "
                       f"copy {row['copy_gb_s']:6.0f} GB/s", flush=True)
             del packed, dense, copy
@@ -145,31 +157,34 @@ def grouped_products(args, device) -> list[dict]:
     for name in args.types.split(","):
         qtype = QType[name]
         for case, (n_in, n_outs) in GROUPS.items():
-            mats = [random_packed(qtype, n_out, n_in, device) for n_out in n_outs]
+            kept_mats = [kept_matrix(qtype, n_out, n_in, device) for n_out in n_outs]
+            mats, kept = [m for m, _ in kept_mats], kept_mats[0][1]
+            if any(k is not kept for _, k in kept_mats):  # a group holds one type
+                mats, kept = [random_packed(qtype, n_out, n_in, device) for n_out in n_outs], qtype
             size = sum(m.numel() for m in mats)
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, n_in, device=device, dtype=torch.bfloat16)
 
                 def separate():
-                    return [kt.quant_matmul(x, m, qtype, n_out, n_in) for m, n_out in zip(mats, n_outs)]
+                    return [kt.quant_matmul(x, m, kept, n_out, n_in) for m, n_out in zip(mats, n_outs)]
 
                 def grouped():
-                    return kt.grouped_matmul(x, mats, qtype, n_outs, n_in)
+                    return kt.grouped_matmul(x, mats, kept, n_outs, n_in)
 
                 same = all(torch.equal(a, b) for a, b in zip(separate(), grouped()))
                 separate_s, grouped_s = timed(separate, args.repeats), timed(grouped, args.repeats)
-                row = {"type": name, "case": case, "n_in": n_in, "n_outs": list(n_outs), "rows": rows, "bytes": size,
-                       "separate_s": separate_s, "grouped_s": grouped_s, "same_bits": same,
+                row = {"type": name, "kept_as": kept.name, "case": case, "n_in": n_in, "n_outs": list(n_outs),
+                       "rows": rows, "bytes": size, "separate_s": separate_s, "grouped_s": grouped_s, "same_bits": same,
                        "grouped_gb_s": size / grouped_s / 1e9}
                 out.append(row)
-                print(f"{name:5} {case:38} rows {rows:2}: {len(n_outs)} products {separate_s * 1e6:7.1f} us, grouped "
-                      f"{grouped_s * 1e6:7.1f} us ({row['grouped_gb_s']:6.0f} GB/s), same bits: {same}", flush=True)
+                print(f"{kept.name:9} {case:38} rows {rows:2}: {len(n_outs)} products {separate_s * 1e6:7.1f} us, "
+                      f"grouped {grouped_s * 1e6:7.1f} us ({row['grouped_gb_s']:6.0f} GB/s), same bits: {same}", flush=True)
     return out
 
 
 def tiling_sweep(args, device) -> list[dict]:
-    """One and four rows through the FFN down projection (2048 x 6144) under each tiling setting of the
-    kernel."""
+    """One and four rows through the FFN down projection (2048 x 6144, the file's layout) under each
+    tiling setting of the per-lane kernel."""
     import torch
     from gguf import GGMLQuantizationType as QType
 

@@ -189,7 +189,7 @@ class Recorder:
         cuda_op_count.launch_observers.append(self)
         try:
             with cuda_op_count.meta_launches():
-                for qtype, (values, size) in sorted(GEOMETRY.items()):
+                for qtype, (values, size) in sorted(GEOMETRY.items(), key=lambda item: int(item[0])):
                     packed = torch.empty(n_out, n_in // values * size, dtype=torch.uint8, device="meta")
                     for width in self.widths:
                         self.key = (f"products {qtype.name}", dtype, f"width {width}")

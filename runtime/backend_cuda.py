@@ -84,10 +84,10 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
 from __future__ import annotations
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
+from gguf import GGMLQuantizationType as QType
 
 from specconv.archs import names
-from specconv.runtime import dequant
+from specconv.runtime import dequant, rows_first
 from specconv.runtime.backend import Experts, prompt_prefix, rows_alone
 from specconv.runtime.backend_torch import GATHER_MAX_ROWS, TorchBackend
 from specconv.runtime.graphs import gdn
@@ -110,6 +110,12 @@ class CudaBackend(TorchBackend):
         self.device_types = device_types
         self._head_indices: dict = {}  # (heads, device) -> linear_per_head's pair -> head index
 
+    def stored_type(self, qtype, shape: tuple[int, ...]):
+        """A Q8_0 matrix whose rows the kernels read 16 bytes at a time once rearranged is kept as Q8_0_ROWS
+        (runtime/rows_first.py) where the kernels run."""
+        kept = rows_first.kept_as(qtype, shape) if self.kernels is not None else None
+        return qtype if kept is None else kept
+
     def _kernel_for(self, raw: torch.Tensor, qtype) -> bool:
         return (self.kernels is not None and qtype in self.kernels.KERNEL_TYPES
                 and raw.device.type in self.device_types and raw.numel() > 0)
@@ -119,7 +125,7 @@ class CudaBackend(TorchBackend):
         if (self._kernel_for(raw, qtype) and dtype in KERNEL_DTYPES and not dequant.is_view(qtype, dtype)
                 and qtype != QType.F32):
             dequant.check_rows(raw, qtype, dtype)
-            block, size = GGML_QUANT_SIZES[qtype]
+            block, size = dequant.block_geometry(qtype)
             row_bytes = raw.shape[-1]
             rows, n_in = raw.numel() // row_bytes, row_bytes // size * block
             values = self.kernels.dequantize_rows(raw.reshape(rows, row_bytes), qtype, rows, n_in, dtype)

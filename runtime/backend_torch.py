@@ -81,6 +81,11 @@ class TorchBackend:
     slot_states = False
 
     # ---- weights ----------------------------------------------------------------------------------
+    def stored_type(self, qtype, shape: tuple[int, ...]):
+        """The type a weight of `qtype` and torch-order `shape` is kept in on this backend's device: the
+        file's (the CUDA backend keeps Q8_0 matrices as runtime/rows_first.py's Q8_0_ROWS)."""
+        return qtype
+
     def dequantize_rows(self, raw: torch.Tensor, qtype, dtype: torch.dtype) -> torch.Tensor:
         return dequant.dequantize_rows(raw, qtype, dtype)
 

@@ -40,6 +40,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 from gguf import quants as gguf_quants
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime.rows_first import RowsFirstType, file_type, to_ggml_layout
 
 
 # --- small helpers -------------------------------------------------------------------------------
@@ -274,18 +275,25 @@ SUPPORTED: frozenset[QType] = frozenset(_DECODERS) | frozenset(_FLOATS)
 
 def row_bytes(qtype: QType, n_elems: int) -> int:
     """Bytes of one row of `n_elems` values stored as `qtype` (any type gguf knows the size of)."""
-    if qtype not in GGML_QUANT_SIZES:
-        raise SpecconvError(f"tensor type {_name(qtype)} has no known block size")
-    block, size = GGML_QUANT_SIZES[qtype]
+    block, size = block_geometry(qtype)
     if n_elems < 0 or n_elems % block:
         raise SpecconvError(f"a row of {n_elems} values is not a whole number of {_name(qtype)} "
                             f"blocks ({block} values each)")
     return n_elems // block * size
 
 
+def block_geometry(qtype) -> tuple[int, int]:
+    """(values, bytes) of a block of `qtype` (any type gguf knows the size of; a rows-first type: its
+    file type's, runtime/rows_first.py)."""
+    qtype = file_type(qtype)
+    if qtype not in GGML_QUANT_SIZES:
+        raise SpecconvError(f"tensor type {_name(qtype)} has no known block size")
+    return GGML_QUANT_SIZES[qtype]
+
+
 def require_supported(qtype: QType) -> None:
     """A one-line SpecconvError naming `qtype` unless the runtime can dequantize it."""
-    if qtype not in SUPPORTED:
+    if file_type(qtype) not in SUPPORTED:
         raise SpecconvError(f"tensor type {_name(qtype)} is not supported by the runtime "
                             f"(supported: {', '.join(sorted(t.name for t in SUPPORTED))})")
 
@@ -296,8 +304,11 @@ def dequantize_rows(raw: torch.Tensor, qtype: QType, dtype: torch.dtype = torch.
     Values are computed in float32 (bit-identical to gguf.quants) and then cast. `raw` is only
     read. For F32/F16/BF16 in their own dtype the result is a view of `raw` (no copy). These are
     the torch decoders, the reference; a backend's `dequantize_rows` (runtime/backend.py) gives the
-    same values from native or Triton decoders where it has them."""
+    same values from native or Triton decoders where it has them. Rows of a rows-first type
+    (runtime/rows_first.py) are put back in the file's order first."""
     check_rows(raw, qtype, dtype)
+    if isinstance(qtype, RowsFirstType):
+        raw, qtype = to_ggml_layout(raw, qtype), qtype.file_type
     if is_view(qtype, dtype):
         return _reinterpret(raw, dtype)
     if qtype in _FLOATS:
@@ -319,7 +330,7 @@ def check_rows(raw: torch.Tensor, qtype: QType, dtype: torch.dtype) -> None:
     if raw.dtype != torch.uint8 or raw.dim() == 0:
         raise SpecconvError(f"{qtype.name} rows must be a uint8 tensor with a byte dimension "
                             f"(got {raw.dtype}, shape {tuple(raw.shape)})")
-    size = GGML_QUANT_SIZES[qtype][1]
+    size = block_geometry(qtype)[1]
     if raw.shape[-1] % size:
         raise SpecconvError(f"a {qtype.name} row has a whole number of {size}-byte blocks "
                             f"(got {raw.shape[-1]} bytes)")

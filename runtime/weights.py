@@ -25,6 +25,7 @@ from specconv.runtime.backend import for_device
 from specconv.runtime.dequant import SUPPORTED, require_supported, row_bytes
 from specconv.runtime.gguf_file import GGUFModelFile
 from specconv.runtime.placement import Placement
+from specconv.runtime.rows_first import RowsFirstType, to_rows_layout
 from specconv.runtime.stored import ReadCounter, StoredWeight
 
 MODES = ("stored", "dense")
@@ -71,6 +72,11 @@ def load_tensor(file: GGUFModelFile, name: str, device: torch.device, dtype: tor
         return raw.view(_INTEGER[t.tensor_type]).reshape(shape).to(device)
     if mode == "dense" or len(shape) < 2:
         return for_device(device).dequantize_rows(raw.to(device), t.tensor_type, dtype).reshape(shape)
-    if not offload and device.type != "cpu":
-        raw = raw.to(device)  # resident on the device, still packed
-    return StoredWeight(raw, t.tensor_type, shape, dtype, device, counter)
+    qtype = t.tensor_type
+    if not offload:  # resident: in the type the device's backend keeps it in (the file's, on the CPU)
+        qtype = for_device(device).stored_type(qtype, shape)
+        if isinstance(qtype, RowsFirstType):  # rearranged on the host, so the device holds one copy
+            raw = to_rows_layout(raw, qtype)
+        if device.type != "cpu":
+            raw = raw.to(device)  # resident on the device, still packed
+    return StoredWeight(raw, qtype, shape, dtype, device, counter)

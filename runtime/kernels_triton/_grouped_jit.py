@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from specconv.runtime.kernels_triton._pointwise_jit import NO_ACTIVATION
-from specconv.runtime.kernels_triton._quant_jit import _last_arrival, _parts_sum, _tile_sums
+from specconv.runtime.kernels_triton._quant_jit import _dot_sums, _last_arrival, _parts_sum, _tile_sums
 
 
 @triton.jit
@@ -41,7 +41,8 @@ def grouped_rows_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, y_ptr, part_ptr, 
                         y_at0, y_at1, y_at2, y_at3, part_at0, part_at1, part_at2, part_at3,
                         count_at0, count_at1, count_at2, count_at3,
                         QTYPE: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr,
-                        ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, LAST_ADDS: tl.constexpr):
+                        ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, LAST_ADDS: tl.constexpr,
+                        DOT: tl.constexpr, WIDE: tl.constexpr):
     """y_g[m, n] = Σ_k x[m, k] W_g[n, k]: y_g a contiguous [ROWS, n_out_g] block at y + y_at_g. A matrix
     cut into pieces (per_split_g < n_blocks) writes its float32 sums to part + part_at_g, laid out
     [pieces, ROWS, n_out_g] as the single-matrix kernel's; with LAST_ADDS the last piece of a tile to
@@ -66,8 +67,11 @@ def grouped_rows_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, y_ptr, part_ptr, 
     rows = w_ptr + n.to(tl.int64) * stride_w
     first = piece * per_split
     last = tl.minimum(first + per_split, n_blocks)
-    acc = _tile_sums(x_ptr, x_ptr, rows, row_ok, n_in, first, last, stride_x, 0, QTYPE, VALUES, BYTES, ROWS, ROWS_P2,
-                     BLOCK_N, NB, NO_ACTIVATION)
+    if DOT:  # the single-matrix kernel's tensor-core sums (ROWS_P2 is DOT_ROWS)
+        acc = _dot_sums(x_ptr, rows, row_ok, n_in, first, last, stride_x, ROWS, BLOCK_N, NB, WIDE)
+    else:
+        acc = _tile_sums(x_ptr, x_ptr, rows, row_ok, n_in, first, last, stride_x, 0, QTYPE, VALUES, BYTES, ROWS,
+                         ROWS_P2, BLOCK_N, NB, NO_ACTIVATION)
     m_index = tl.arange(0, ROWS_P2)
     keep = (m_index[:, None] < ROWS) & row_ok[None, :]
     out_row = m_index.to(tl.int64)[:, None]

@@ -25,6 +25,9 @@ Q4_K = tl.constexpr(12)
 Q5_K = tl.constexpr(13)
 Q6_K = tl.constexpr(14)
 BF16 = tl.constexpr(30)
+Q8_0_ROWS = tl.constexpr(108)  # runtime/rows_first.py: a row's [32 int8 q] per block, then its [f16 d] per block
+DOT_ROWS = tl.constexpr(16)  # activation rows of the tensor-core product (_dot_sums): 1-16 padded to 16
+WIDE_F32, WIDE_BF16, WIDE_F16 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # _dot's operand types
 
 
 @triton.jit
@@ -67,6 +70,10 @@ def _decode(rows, blk, s: tl.constexpr, i, row_ok, blk_ok, n_in, QTYPE: tl.const
     if QTYPE == Q8_0:  # 34 B: f16 d, 32 int8 q; x = d * q
         q = tl.load(at + 2, mask=ok, other=0).to(tl.int8, bitcast=True)
         return q.to(tl.float32) * _f16(base, ok2)[:, :, None]
+    elif QTYPE == Q8_0_ROWS:  # a row's 32-value blocks of q (n_in bytes), then its blocks' d
+        values = rows[:, None, None] + (blk.to(tl.int64) * 32)[None, :, None] + i[None, None, :]
+        q = tl.load(values, mask=ok, other=0).to(tl.int8, bitcast=True)
+        return q.to(tl.float32) * _f16(rows[:, None] + n_in + 2 * blk.to(tl.int64)[None, :], ok2)[:, :, None]
     elif QTYPE == Q4_K or QTYPE == Q5_K:  # x = (d * scale) * q - (dmin * min)
         scale, low_min = _k_scale_min(base + 4, s, ok2)
         step = _f16(base, ok2) * scale.to(tl.float32)
@@ -242,6 +249,46 @@ def _k_sums(x_ptr, u_ptr, rows, row_ok, n_in, first, last, stride_x, stride_u, Q
 
 
 @triton.jit
+def _dot(x, q, WIDE: tl.constexpr):
+    """float32 [DOT_ROWS, n] = x [DOT_ROWS, k] (float32 values exact in the operand type) @ q [k, n] (small
+    integers, exact in it) on tensor cores, the operands in bfloat16 (WIDE = WIDE_BF16) or float16
+    (WIDE_F16); WIDE_F32 (the interpreter, which has no bfloat16 arithmetic) multiplies in IEEE float32."""
+    if WIDE == WIDE_BF16:
+        return tl.dot(x.to(tl.bfloat16), q.to(tl.bfloat16), out_dtype=tl.float32)
+    if WIDE == WIDE_F16:
+        return tl.dot(x.to(tl.float16), q.to(tl.float16), out_dtype=tl.float32)
+    return tl.dot(x, q.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+
+
+@triton.jit
+def _dot_sums(x_ptr, rows, row_ok, n_in, first, last, stride_x, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+              NB: tl.constexpr, WIDE: tl.constexpr):
+    """float32 [DOT_ROWS, BLOCK_N]: _tile_sums of a Q8_0_ROWS matrix on tensor cores, NB 32-value blocks a
+    step, 16-bit rows multiplied in the operand type WIDE (_dot; a GLU's rows arrive computed: the
+    wrapper runs glu first). The activation rows are padded to DOT_ROWS (rows past ROWS read as 0),
+    so one row and sixteen run the same operations and each row's sums do not depend on the batch.
+    Per block: its int8 values widened exactly to the operand type, multiplied with the rows by
+    tl.dot into float32 (exact products of 16-bit values), scaled by the block's f16 scale and added
+    to the sums in one FMA. The values are read 16 bytes at a time: every block's values start
+    16-byte aligned (runtime/rows_first.py)."""
+    m = tl.arange(0, DOT_ROWS)
+    m_ok = m < ROWS
+    i = tl.arange(0, 32)
+    acc = tl.zeros([DOT_ROWS, BLOCK_N], dtype=tl.float32)
+    for b0 in range(first, last, NB):
+        for s in tl.static_range(NB):
+            b = b0 + s
+            k = b * 32 + i
+            k_ok = k < last * 32  # the whole block inside the piece, or none of it
+            at = m[:, None] * stride_x + k[None, :]
+            x = _input(x_ptr, x_ptr, at, at, m_ok[:, None] & k_ok[None, :], NO_ACTIVATION)
+            q = tl.load(rows[None, :] + k[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0)
+            d = _f16(rows + n_in + 2 * b, row_ok & (tl.full([BLOCK_N], 0, tl.int32) + b < last))
+            acc += _dot(x, q.to(tl.int8, bitcast=True), WIDE) * d[None, :]
+    return acc
+
+
+@triton.jit
 def _tile_sums(x_ptr, u_ptr, rows, row_ok, n_in, first, last, stride_x, stride_u, QTYPE: tl.constexpr,
                VALUES: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, NB: tl.constexpr, ACT: tl.constexpr):
@@ -286,7 +333,8 @@ def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, count_ptr, s
                       QTYPE: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr,
                       ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PARTIAL: tl.constexpr,
                       LAST_ADDS: tl.constexpr, PAIRS: tl.constexpr, FANOUT: tl.constexpr,
-                      MATRICES: tl.constexpr, ACT: tl.constexpr, TAIL: tl.constexpr, NORM_BLOCK: tl.constexpr):
+                      MATRICES: tl.constexpr, ACT: tl.constexpr, TAIL: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                      DOT: tl.constexpr, WIDE: tl.constexpr):
     """y[m, n] = Σ_k x[m, k] W[n, k] for ROWS activation rows (with a GLU activation ACT, x[m, k] =
     act(gate) · up of the rows of x and u: _tile_sums). Program (p, q, r) takes BLOCK_N weight rows
     and the q-th run of `blocks_per_split` blocks of them (_tile_sums); with PARTIAL its float32 sums
@@ -294,12 +342,14 @@ def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, count_ptr, s
     with LAST_ADDS by the last program of the tile to finish (_last_arrival, one int32 counter per
     tile (p, r) at count_ptr, zero before and after the launch), else by sum_parts_kernel. Row m's
     result is the same sequence of float32 operations whatever ROWS is (the split depends on W's
-    shape only), so a row's output does not depend on the batch it is in. With PAIRS (ROWS = 1),
-    program r multiplies activation row r by expert sel[r] of a 3-D expert tensor (experts stride_e
-    bytes apart): routed experts by index, on the device, each pair the same operations as a one-row
-    product by that expert; pair r reads activation row r // FANOUT (a row's k pairs share it). With
-    MATRICES = 2 (PAIRS) the total_rows outputs are the pairs by the experts of W (first half) and of
-    W2 (second half, the same shape and layout): two expert products of the same pairs, one launch.
+    shape only), so a row's output does not depend on the batch it is in. With DOT (a Q8_0_ROWS
+    matrix, 16-bit rows, not PAIRS, no ACT) the sums are _dot_sums' (ROWS_P2 = DOT_ROWS, WIDE the
+    operand type: _dot). With PAIRS (ROWS = 1), program r multiplies activation row r by expert
+    sel[r] of a 3-D expert tensor (experts stride_e bytes apart): routed experts by index, on the
+    device, each pair the same operations as a one-row product by that expert; pair r reads
+    activation row r // FANOUT (a row's k pairs share it). With MATRICES = 2 (PAIRS) the total_rows
+    outputs are the pairs by the experts of W (first half) and of W2 (second half, the same shape and
+    layout): two expert products of the same pairs, one launch.
 
     With TAIL (not PAIRS; every tile's output stored in y by the launch: a cut tile's by its last
     piece), the launch ends with a residual add and RMSNorm of y's ROWS rows (_norm_tail): s = h + y
@@ -321,8 +371,11 @@ def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, count_ptr, s
     u_ptr += (pair // FANOUT).to(tl.int64) * stride_u
     first = tl.program_id(1) * blocks_per_split
     last = tl.minimum(first + blocks_per_split, n_blocks)
-    acc = _tile_sums(x_ptr, u_ptr, rows, row_ok, n_in, first, last, stride_x, stride_u, QTYPE, VALUES, BYTES, ROWS,
-                     ROWS_P2, BLOCK_N, NB, ACT)
+    if DOT:  # ROWS_P2 is DOT_ROWS; no GLU (ACT): the wrapper hands over its rows
+        acc = _dot_sums(x_ptr, rows, row_ok, n_in, first, last, stride_x, ROWS, BLOCK_N, NB, WIDE)
+    else:
+        acc = _tile_sums(x_ptr, u_ptr, rows, row_ok, n_in, first, last, stride_x, stride_u, QTYPE, VALUES, BYTES,
+                         ROWS, ROWS_P2, BLOCK_N, NB, ACT)
     m_index = tl.arange(0, ROWS_P2)
     keep = (m_index[:, None] < ROWS) & row_ok[None, :]
     out_row = (r + m_index).to(tl.int64)[:, None]

@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.dequant import row_bytes
 from specconv.runtime.kernels_triton import _common
+from specconv.runtime.rows_first import Q8_0_ROWS
 
 # type -> (values, bytes) of the unit a kernel step walks: the GGUF block, or 32 values of a
 # 16/32-bit float row (whose rows may end part-way through one)
@@ -26,6 +27,7 @@ GEOMETRY = {
     QType.Q8_0: GGML_QUANT_SIZES[QType.Q8_0], QType.Q4_K: GGML_QUANT_SIZES[QType.Q4_K],
     QType.Q5_K: GGML_QUANT_SIZES[QType.Q5_K], QType.Q6_K: GGML_QUANT_SIZES[QType.Q6_K],
     QType.BF16: (32, 64), QType.F16: (32, 64), QType.F32: (32, 128),
+    Q8_0_ROWS: GGML_QUANT_SIZES[QType.Q8_0],  # runtime/rows_first.py: Q8_0's bytes, each row's values first
 }
 KERNEL_TYPES = frozenset(GEOMETRY)
 BLOCK_N = 32  # weight rows per program

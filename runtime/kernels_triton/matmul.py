@@ -54,14 +54,25 @@ from gguf import GGMLQuantizationType as QType
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.kernels_triton import _common, activation, norm
 from specconv.runtime.kernels_triton.dequant import GEOMETRY, dequantize_rows, packed_matrix
+from specconv.runtime.rows_first import Q8_0_ROWS
 
 FUSED_MAX_ROWS = 16
 FUSED_ROWS = 16  # weight rows per program of the one-pass kernel
 # blocks per step of the one-pass kernel: the decoded tile [16, NB·32] is also each activation row's
 # elementwise accumulator, so its size is registers per row (Q8_0's 8 blocks serve one to four rows
 # best and spill past eight; 16-bit floats stay unspilled to 8 rows at 4)
-STEP_BLOCKS = {QType.Q8_0: 8, QType.Q4_K: 2, QType.Q5_K: 2, QType.Q6_K: 1, QType.BF16: 4, QType.F16: 4,
-               QType.F32: 4}
+STEP_BLOCKS = {QType.Q8_0: 8, Q8_0_ROWS: 8, QType.Q4_K: 2, QType.Q5_K: 2, QType.Q6_K: 1, QType.BF16: 4,
+               QType.F16: 4, QType.F32: 4}
+# The tensor-core form (_quant_jit._dot_sums): the types it reads with their (weight rows per program,
+# blocks per step), the rows' dtypes (16-bit: exact products) and the rows it pads to. Measured on an
+# H200 (benchmarks/cuda_matmul.py and _variants.py, docs/benchmarks.md): a Q8_0_ROWS product flat
+# from 1 to 8 rows, where the per-lane form's time grows with every row. The same form over Q4_K and
+# over rows-first Q6_K took 22 and 19 µs for a 6144 x 2048 matrix at any width, against 12.5 µs for
+# Q4_K's per-lane form at one row: the K-quants keep the per-lane form
+DOT_TILE = {Q8_0_ROWS: (64, 2)}
+DOT_TYPES = frozenset(DOT_TILE)
+DOT_DTYPES = (torch.bfloat16, torch.float16)
+DOT_ROWS = 16
 PROGRAMS_PER_SM = 4  # programs in flight per multiprocessor that keep the memory system busy
 FUSED_WARPS = 4
 # the products' multiply-adds as FMAs, said explicitly (Triton's default changes between versions):
@@ -80,6 +91,31 @@ TAIL_ALIGN = 16
 # values of W dequantized per piece of the prompt path (32 MB in bfloat16)
 TILE_VALUES = 1 << 24
 _FLOAT_TYPES = {QType.BF16: torch.bfloat16, QType.F16: torch.float16, QType.F32: torch.float32}
+
+
+def uses_dot(qtype, x_dtype: torch.dtype | None) -> bool:
+    """Whether products by a `qtype` matrix of rows in `x_dtype` take the tensor-core form: a choice made
+    by the weight's type and the model's dtype, never by the number of rows."""
+    return qtype in DOT_TYPES and x_dtype in DOT_DTYPES
+
+
+def tile_shape(qtype, x_dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """(weight rows per program, blocks per step) of the one-pass kernel for `qtype` and rows in `x_dtype`."""
+    return DOT_TILE[qtype] if uses_dot(qtype, x_dtype) else (FUSED_ROWS, STEP_BLOCKS[qtype])
+
+
+# _quant_jit's WIDE: the tensor-core operands' type (WIDE_F32 = 0, WIDE_BF16 = 1, WIDE_F16 = 2)
+_WIDE = {torch.bfloat16: 1, torch.float16: 2}
+
+
+def _form_args(qtype, x_dtype: torch.dtype | None, rows: int) -> dict:
+    """The one-pass kernels' form arguments: DOT, the tensor-core operand type WIDE (the rows' 16-bit
+    type; float32 under the interpreter, which has no bfloat16 arithmetic), ROWS_P2, BLOCK_N and NB."""
+    dot = uses_dot(qtype, x_dtype)
+    block_n, nb = tile_shape(qtype, x_dtype)
+    wide = _WIDE[x_dtype] if dot and not _common.interpreting() else 0
+    return dict(DOT=dot, WIDE=wide, ROWS_P2=DOT_ROWS if dot else _common.next_power_of_2(rows), BLOCK_N=block_n,
+                NB=nb)
 
 
 def result_dtype(qtype: QType, x_dtype: torch.dtype) -> torch.dtype:
@@ -222,8 +258,10 @@ def _grouped_pass(xs: torch.Tensor, mats: list[torch.Tensor], n_outs: list[int],
     values, size = GEOMETRY[qtype]
     n_blocks = _common.cdiv(n_in, values)
     rows = xs.shape[0]
-    plans = [split_plan(qtype, n_out, n_blocks, device) for n_out in n_outs]
-    tiles = [_common.cdiv(n_out, FUSED_ROWS) for n_out in n_outs]
+    plans = [split_plan(qtype, n_out, n_blocks, device, xs.dtype) for n_out in n_outs]
+    jit = _common.jit_module("_grouped_jit")
+    form = _form_args(qtype, xs.dtype, rows)
+    tiles = [_common.cdiv(n_out, form["BLOCK_N"]) for n_out in n_outs]
     ends = list(accumulate(n_tiles * splits for n_tiles, (splits, _) in zip(tiles, plans)))
     cut = [g for g, (splits, _) in enumerate(plans) if splits > 1]
     part_ats, count_ats = [0] * len(mats), [0] * len(mats)
@@ -234,14 +272,12 @@ def _grouped_pass(xs: torch.Tensor, mats: list[torch.Tensor], n_outs: list[int],
     parts = (torch.empty(sum(plans[g][0] * rows * n_outs[g] for g in cut), dtype=torch.float32, device=device)
              if cut else buffer)
     counters = _common.tile_counters(device, sum(tiles[g] for g in cut)) if cut else None
-    jit = _common.jit_module("_grouped_jit")
     jit.grouped_rows_kernel[(ends[-1],)](
         xs, *_four(mats), buffer, parts, buffer if counters is None else counters, n_in, n_blocks, rows, xs.stride(0),
         *_four([w.stride(0) for w in mats]), *_four(n_outs), *_four([per_split for _, per_split in plans]),
         *_ends(ends), *_four(y_ats), *_four(part_ats), *_four(count_ats),
-        QTYPE=int(qtype), VALUES=values, BYTES=size, ROWS=rows, ROWS_P2=_common.next_power_of_2(rows),
-        BLOCK_N=FUSED_ROWS, NB=STEP_BLOCKS[qtype], LAST_ADDS=counters is not None, num_warps=FUSED_WARPS,
-        enable_fp_fusion=FUSED_FMA)
+        QTYPE=int(qtype), VALUES=values, BYTES=size, ROWS=rows, LAST_ADDS=counters is not None, num_warps=FUSED_WARPS,
+        enable_fp_fusion=FUSED_FMA, **form)
     if cut and counters is None:
         sum_ends = list(accumulate(_common.cdiv(rows * n_outs[g], SUM_BLOCK) for g in cut))
         jit.grouped_sum_kernel[(sum_ends[-1],)](
@@ -332,21 +368,27 @@ def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: Q
     the second half of ys), cut along the inner dimension per split_plan: one launch, the pieces added
     by the last of each tile's programs to finish (a second launch where no tile counters can be had,
     _common.tile_counters). With `up` (rows like xs'), the rows are act(xs) · up, computed by the
-    kernel as it reads them. With `tail` (no `chosen`), the launch ends with the residual add and
-    RMSNorm of ys (fused_rows_kernel TAIL) where counters can be had. Returns whether it did."""
+    kernel as it reads them (by a glu launch first where the product takes the tensor-core form).
+    With `tail` (no `chosen`), the launch ends with the residual add and RMSNorm of ys
+    (fused_rows_kernel TAIL) where counters can be had. Returns whether it did."""
     values, size = GEOMETRY[qtype]
     n_blocks = _common.cdiv(n_in, values)
     rows = ys.shape[0]
-    splits, per_split = split_plan(qtype, n_out, n_blocks, device)
     pairs = chosen is not None
-    grid = (_common.cdiv(n_out, FUSED_ROWS), splits, rows if pairs else 1)
+    if up is not None and not pairs and uses_dot(qtype, xs.dtype):
+        # the tensor-core form pads the rows to 16 and every tile of weight rows would compute the GLU
+        # of all 16 again: one glu launch first (its bits are the fused form's)
+        xs, up, act = activation.glu(xs, up, act), None, None
+    jit = _common.jit_module("_quant_jit")
+    form = _form_args(qtype, None if pairs else xs.dtype, 1 if pairs else rows)
+    splits, per_split = split_plan(qtype, n_out, n_blocks, device, None if pairs else xs.dtype)
+    grid = (_common.cdiv(n_out, form["BLOCK_N"]), splits, rows if pairs else 1)
     parts = torch.empty(splits, rows, n_out, dtype=torch.float32, device=device) if splits > 1 else ys
     # the tiles' own counters (cut products), then the launch's (a norm tail)
     slots = grid[0] * grid[2] + (tail is not None)
     counters = _common.tile_counters(device, slots) if splits > 1 or tail is not None else None
     if tail is not None and counters is None:
         tail = None  # the caller's own add_rms_norm launch follows
-    jit = _common.jit_module("_quant_jit")
     glu = up is not None
     h, nw, s, o = (ys,) * 4 if tail is None else (tail.h, tail.weight, tail.s, tail.o)
     jit.fused_rows_kernel[grid](xs, up if glu else xs, packed, packed if second is None else second, ys, parts,
@@ -355,25 +397,25 @@ def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: Q
                                 packed.stride(-2), packed.stride(0) if pairs else 0, ys.stride(0), float(n_out),
                                 0.0 if tail is None else float(tail.eps),
                                 QTYPE=int(qtype), VALUES=values, BYTES=size, ROWS=1 if pairs else rows,
-                                ROWS_P2=1 if pairs else _common.next_power_of_2(rows), BLOCK_N=FUSED_ROWS,
-                                NB=STEP_BLOCKS[qtype], PARTIAL=splits > 1, LAST_ADDS=counters is not None,
+                                PARTIAL=splits > 1, LAST_ADDS=counters is not None,
                                 PAIRS=pairs, FANOUT=fanout, MATRICES=1 if second is None else 2,
                                 ACT=activation.GLU[act] if glu else activation.NO_ACTIVATION, TAIL=tail is not None,
                                 NORM_BLOCK=1 if tail is None else _common.next_power_of_2(n_out),
-                                num_warps=FUSED_WARPS, enable_fp_fusion=FUSED_FMA)
+                                num_warps=FUSED_WARPS, enable_fp_fusion=FUSED_FMA, **form)
     if splits > 1 and counters is None:
         jit.sum_parts_kernel[(_common.cdiv(rows * n_out, SUM_BLOCK),)](parts, ys, rows, n_out, splits,
                                                                        ys.stride(0), BLOCK=SUM_BLOCK)
     return tail is not None
 
 
-def split_plan(qtype: QType, n_out: int, n_blocks: int, device: torch.device) -> tuple[int, int]:
+def split_plan(qtype: QType, n_out: int, n_blocks: int, device: torch.device,
+               x_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """(pieces, blocks per piece) along W's inner dimension for the one-pass kernel: enough programs
-    for PROGRAMS_PER_SM on every multiprocessor, each piece a whole number of kernel steps. Depends on
-    W's shape and the device only, never on the number of activation rows (a row's sums must not
-    depend on its batch)."""
-    step = STEP_BLOCKS[qtype]
+    for PROGRAMS_PER_SM on every multiprocessor, each piece a whole number of kernel steps (of the
+    form `tile_shape` gives rows in `x_dtype`). Depends on W's shape, the rows' dtype and the device
+    only, never on the number of activation rows (a row's sums must not depend on its batch)."""
+    block_n, step = tile_shape(qtype, x_dtype)
     wanted = PROGRAMS_PER_SM * _common.multiprocessors(device)
-    splits = max(1, min(_common.cdiv(wanted, _common.cdiv(n_out, FUSED_ROWS)), _common.cdiv(n_blocks, step)))
+    splits = max(1, min(_common.cdiv(wanted, _common.cdiv(n_out, block_n)), _common.cdiv(n_blocks, step)))
     per_split = _common.cdiv(_common.cdiv(n_blocks, splits), step) * step
     return _common.cdiv(n_blocks, per_split), per_split
