@@ -46,3 +46,12 @@ def test_cpu_run_reports_every_figure(qwen35_dir, tmp_path, capsys):
     two_d = [n for n, w in model.weights.items() if w.ndim == 2 and not n.startswith("token_embd") and min(w.shape) > 1]
     assert row["dense_chain"]["matrices"] == len(two_d) > 0
     assert json.loads(out.read_text())["results"] == [json.loads(json.dumps(row))]
+
+
+def test_the_steady_rate_leaves_out_rounds_the_budget_narrows():
+    """64 tokens, k = 3: rounds of 3 tokens every 10 ms until 63 made, then the last token's round,
+    narrowed to one row by the budget, which captured that width's graph (100 ms). The rate is the
+    full-width rounds' alone (300 tokens/s)."""
+    stamps = [(0.01 * (i + 1), 3 * (i + 1)) for i in range(21)] + [(0.31, 64)]
+    assert abs(cuda_decode._second_half_rate(stamps, full_width_until=64 - 4) - 300.0) < 1e-6
+    assert cuda_decode._second_half_rate(stamps) < 160.0  # with the narrowed round: about half
