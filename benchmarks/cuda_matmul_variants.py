@@ -1,25 +1,25 @@
-"""Candidate forms of the Q8_0 one-pass product, timed against kernels_triton.quant_matmul on one GPU:
-which main loop the decode step's products should take next.
+"""Forms of the Q8_0 one-pass product on one GPU: the two kernels_triton.quant_matmul runs (the per-lane
+form over the file's bytes, the tensor-core form over Q8_0_ROWS) against two forms it does not run,
+the evidence for the choice of the tensor-core form over rows-first bytes (docs/benchmarks.md, "The
+third measurement").
 
     python3 benchmarks/cuda_matmul_variants.py --json $OUT/variants.json
 
-Forms (each a main loop writing float32 pieces [splits, rows, n_out], cut along the inner dimension
-by the production split plan, the pieces then added by torch):
+* `packed-lanes`: quant_matmul over the file's bytes (34-byte blocks read at 2-byte alignment, each
+  value decoded, scaled and multiplied with every row in its own lane: the form of float32 rows and
+  of Q8_0 tensors not kept rows first).
+* `rows-dot`: quant_matmul over Q8_0_ROWS (runtime/rows_first.py) with 16-bit rows: tensor cores.
+* `split-lanes` (not run by the runtime): the per-lane loop over a split layout of the same bytes
+  (the int8 values of the whole matrix [n_out, n_in], 16-byte aligned rows, then the f16 scales
+  [n_out, blocks]): whole 16-byte loads.
+* `packed-dot` (not run by the runtime): tensor cores over the file's bytes, one block a step, rows
+  padded to 16 (the 2026-11-28 figures were taken with 2 blocks a step).
 
-* `packed-lanes`: the production kernel itself (quant_matmul: 34-byte blocks read at 2-byte
-  alignment, each value decoded, scaled and multiplied with every row in its own lane).
-* `split-lanes`: the same per-lane loop over a split layout of the same bytes (the int8 values of the
-  whole matrix [n_out, n_in], 16-byte aligned rows, then the f16 scales [n_out, blocks]): whole
-  16-byte loads.
-* `split-dot` / `packed-dot`: tensor cores. The activation rows padded to 16 (one code path for 1-16
-  rows: the same operations whatever the batch), each 32-value block's int8 values widened exactly
-  to the activations' 16-bit type, multiplied by tl.dot into float32 and scaled by the block's f16
-  scale in float32 (x · q is exact in bf16 inputs; the scale is applied exactly as the dequantizer
-  would not: once per block rather than per value, so bits differ from dequant-then-multiply).
-
-The bytes moved are the same in every form (the split layout is the packed bytes rearranged).
-Timings are CUDA-graph replays (benchmarks/cuda_matmul.py `timed`); each form's result is checked
-against torch's product of the dequantized matrix (max |Δ| printed).
+The two forms the runtime does not run write float32 pieces [splits, rows, n_out], cut along the
+inner dimension by the production split plan, the pieces then added by torch (a launch the
+production kernel does not make). The bytes moved are the same in every form. Timings are CUDA-graph
+replays (benchmarks/cuda_matmul.py `timed`); each form's result is checked against torch's product
+of the dequantized matrix (max |Δ| printed).
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ import triton.language as tl  # noqa: E402
 
 # (n_out, n_in): a 1.1 B Qwen3.5-shaped block's FFN up and down projections, the Gated DeltaNet qkv
 SHAPES = [(6144, 2048), (2048, 6144), (4096, 2048)]
-# (form, BLOCK_N, blocks per step, warps)
+# (form, BLOCK_N, blocks per step, warps) of the forms the runtime does not run
 CONFIGS = [("split-lanes", 16, 8, 4), ("split-lanes", 32, 4, 4), ("split-lanes", 16, 4, 2),
-           ("split-dot", 16, 2, 4), ("split-dot", 32, 2, 4), ("split-dot", 64, 2, 4), ("split-dot", 64, 4, 4),
-           ("split-dot", 128, 2, 4), ("split-dot", 64, 2, 8), ("packed-dot", 64, 2, 4), ("packed-dot", 32, 2, 4)]
+           ("packed-dot", 64, 1, 4), ("packed-dot", 32, 1, 4)]
 DOT_ROWS = 16
 
 
@@ -73,42 +72,29 @@ def split_lanes_kernel(x_ptr, q_ptr, d_ptr, part_ptr, n_out, n_in, n_blocks, per
 
 
 @triton.jit
-def dot_kernel(x_ptr, q_ptr, d_ptr, part_ptr, n_out, n_in, n_blocks, per_split, stride_w,
-               ROWS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-               PACKED: tl.constexpr, WIDE: tl.constexpr):
-    """WIDE: the dot's operand type (bfloat16 on a GPU; float32 under the interpreter)."""
+def packed_dot_kernel(x_ptr, w_ptr, part_ptr, n_out, n_in, n_blocks, per_split, stride_w,
+                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr):
+    """Tensor cores over the file's Q8_0 bytes, one block a step; WIDE the dot's operand type (bfloat16
+    on a GPU; float32, multiplied in IEEE float32, under the interpreter)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = n < n_out
+    rows_of_w = w_ptr + n.to(tl.int64) * stride_w
     first = tl.program_id(1) * per_split
-    last = tl.minimum(first + per_split, n_blocks)
-    m = tl.arange(0, M)
-    m_ok = m < ROWS
-    i = tl.arange(0, 32)
-    acc = tl.zeros([M, BLOCK_N], dtype=tl.float32)
-    for b0 in range(first, last, NB):
-        for s in tl.static_range(NB):
-            b = b0 + s
-            k = b * 32 + i
-            k_ok = k < last * 32
-            x = tl.load(x_ptr + m[:, None] * n_in + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
-            ok = row_ok[None, :] & k_ok[:, None]  # [32, BLOCK_N]
-            d_ok = row_ok[None, :] & (n * 0 + b < last)[None, :]
-            if PACKED:  # [32, BLOCK_N]: value i of block b of row n at byte 34 b + 2 + i
-                base = q_ptr + n.to(tl.int64)[None, :] * stride_w + b * 34
-                q = tl.load(base + 2 + i[:, None], mask=ok, other=0).to(tl.int8, bitcast=True)
-                low = tl.load(base, mask=d_ok, other=0).to(tl.uint16)
-                high = tl.load(base + 1, mask=d_ok, other=0).to(tl.uint16)
-                d = (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-            else:
-                q = tl.load(q_ptr + n.to(tl.int64)[None, :] * n_in + k[:, None], mask=ok, other=0)
-                d = tl.load(d_ptr + n.to(tl.int64)[None, :] * n_blocks + b, mask=d_ok, other=0).to(tl.float32)
-            if WIDE == tl.float32:  # exact float32 products (not TF32) where the inputs are float32
-                part = tl.dot(x.to(WIDE), q.to(WIDE), input_precision="ieee", out_dtype=tl.float32)
-            else:
-                part = tl.dot(x.to(WIDE), q.to(WIDE), out_dtype=tl.float32)
-            acc += part * d
-    out = part_ptr + (tl.program_id(1) * ROWS + m[:, None]) * n_out + n[None, :]
-    tl.store(out, acc, mask=m_ok[:, None] & row_ok[None, :])
+    padded = tl.arange(0, DOT_ROWS)
+    sums = tl.zeros([DOT_ROWS, BLOCK_N], dtype=tl.float32)
+    for blk in range(first, tl.minimum(first + per_split, n_blocks)):
+        at = rows_of_w[None, :] + blk * 34  # value v of the block at byte 2 + v, its f16 scale at 0
+        xs = tl.load(x_ptr + padded[:, None] * n_in + blk * 32 + tl.arange(0, 32)[None, :],
+                     mask=(padded < ROWS)[:, None], other=0).to(WIDE)
+        w = tl.load(at + 2 + tl.arange(0, 32)[:, None], mask=(n < n_out)[None, :], other=0)
+        scale_bits = tl.load(at, mask=(n < n_out)[None, :], other=0).to(tl.uint16) | (
+            tl.load(at + 1, mask=(n < n_out)[None, :], other=0).to(tl.uint16) << 8)
+        if WIDE == tl.float32:
+            product = tl.dot(xs, w.to(tl.int8, bitcast=True).to(WIDE), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            product = tl.dot(xs, w.to(tl.int8, bitcast=True).to(WIDE), out_dtype=tl.float32)
+        sums += product * scale_bits.to(tl.float16, bitcast=True).to(tl.float32)
+    out = part_ptr + (tl.program_id(1) * ROWS + padded[:, None]) * n_out + n[None, :]
+    tl.store(out, sums, mask=(padded < ROWS)[:, None] & (n < n_out)[None, :])
 
 
 def split_layout(packed, n_out: int, n_in: int):
@@ -139,12 +125,10 @@ def run_form(form: str, x, packed, q, d, n_out: int, n_in: int, block_n: int, nb
         split_lanes_kernel[grid](x, q, d, parts, n_out, n_in, n_blocks, per_split, ROWS=rows, BLOCK_N=block_n, NB=nb,
                                  num_warps=warps)
     else:
-        packed_form = form == "packed-dot"
         wide = tl.float32 if _common.interpreting() or x.dtype == torch.float32 else (
             tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
-        dot_kernel[grid](x, packed if packed_form else q, d, parts, n_out, n_in, n_blocks, per_split,
-                         packed.stride(0), ROWS=rows, M=max(DOT_ROWS, _common.next_power_of_2(rows)), BLOCK_N=block_n,
-                         NB=nb, PACKED=packed_form, WIDE=wide, num_warps=warps)
+        packed_dot_kernel[grid](x, packed, parts, n_out, n_in, n_blocks, per_split, packed.stride(0), ROWS=rows,
+                                BLOCK_N=block_n, WIDE=wide, num_warps=warps)
     return parts.sum(0)
 
 
@@ -153,7 +137,7 @@ def main(argv=None) -> list[dict]:
     from gguf import GGMLQuantizationType as QType
 
     from benchmarks.cuda_matmul import random_packed, timed
-    from specconv.runtime import kernels_triton as kt
+    from specconv.runtime import kernels_triton as kt, rows_first
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="1,4,8")
@@ -165,6 +149,7 @@ def main(argv=None) -> list[dict]:
     for n_out, n_in in SHAPES:
         packed = random_packed(QType.Q8_0, n_out, n_in, device)
         q, d = split_layout(packed, n_out, n_in)
+        kept = rows_first.to_rows_layout(packed, rows_first.Q8_0_ROWS)
         dense = kt.dequantize_rows(packed, QType.Q8_0, n_out, n_in, torch.float32)
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, n_in, device=device, dtype=torch.bfloat16)
@@ -175,6 +160,13 @@ def main(argv=None) -> list[dict]:
             results.append(line)
             print(f"{n_out:5}x{n_in:<5} rows {rows:2} packed-lanes (quant_matmul)       {base_s * 1e6:7.1f} us "
                   f"({line['gb_s']:5.0f} GB/s)", flush=True)
+            got = kt.quant_matmul(x, kept, rows_first.Q8_0_ROWS, n_out, n_in).float()
+            t = timed(lambda: kt.quant_matmul(x, kept, rows_first.Q8_0_ROWS, n_out, n_in), args.repeats)
+            results.append({"form": "rows-dot", "n_out": n_out, "n_in": n_in, "rows": rows, "s": t,
+                            "gb_s": packed.numel() / t / 1e9, "max_abs_err": (got - want).abs().max().item(),
+                            "vs_quant_matmul": base_s / t})
+            print(f"{n_out:5}x{n_in:<5} rows {rows:2} rows-dot (quant_matmul, Q8_0_ROWS) {t * 1e6:7.1f} us "
+                  f"({results[-1]['gb_s']:5.0f} GB/s, {base_s / t:4.2f}x)", flush=True)
             for form, block_n, nb, warps in CONFIGS:
                 try:
                     got = run_form(form, x, packed, q, d, n_out, n_in, block_n, nb, warps)
