@@ -16,7 +16,8 @@ With `up` (x's shape and dtype) and a GLU activation `act` (activation.GLU: "sil
 the rows multiplied are act(x) · up, x the gate: a GLU feed-forward's down product. The one-pass
 kernel computes each value where it reads its input, rounded into x's dtype as activation.glu
 rounds it, so the result has the bits of glu followed by the product, with no launch for the GLU
-and no [rows, F] tensor in between; more rows run glu, then the prompt path.
+and no [rows, F] tensor in between (the tensor-core form, below, runs glu first); more rows run
+glu, then the prompt path.
 
 * Up to FUSED_MAX_ROWS activation rows (a decode step, the check of k drafts): one kernel that walks
   W once, decoding each block in registers and multiplying it with every row; float32 products and
@@ -27,6 +28,11 @@ and no [rows, F] tensor in between; more rows run glu, then the prompt path.
   whole GPU streams it; the float32 sums of the pieces are added in order (part 0 + part 1 + ...)
   by the last program of each tile to finish, in the same launch (a per-tile arrival counter,
   _common.tile_counters; a second small kernel where none can be had: during a CUDA graph capture).
+  Two forms of that kernel, chosen by W's type and x's dtype (`uses_dot`), never by the number of
+  rows: per lane (each value decoded and multiplied with every row in its own float32 lane), and,
+  for a Q8_0_ROWS W (runtime/rows_first.py) and 16-bit rows, on tensor cores (the rows padded to
+  DOT_ROWS, each block's values by tl.dot, then its scale: _quant_jit._dot_sums; a GLU input
+  computed by one glu launch first).
 * Several matrices of one type and inner dimension times the same rows (`grouped_matmul`: a block's
   projections of one normed input): up to GROUP_MAX matrices in one launch of the one-pass kernel,
   a program id standing for (matrix, tile of weight rows, piece), each matrix with its own tiling
