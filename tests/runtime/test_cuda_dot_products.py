@@ -6,8 +6,8 @@ as Q8_0_ROWS (runtime/rows_first.py) times 1-16 rows of bfloat16 / float16 value
   not depend on the number of rows;
 * the product within one rounding of the result's dtype of the float64 product of gguf.quants'
   values (the max |Δ| printed);
-* a row alone gets the bits it gets in batches of 3 and 16: the batch-invariance that keeps greedy
-  speculative decoding equal to plain decoding;
+* a row alone (the first, a middle and the last of the tile) gets the bits it gets in batches of 3
+  and 16: the batch-invariance that keeps greedy speculative decoding equal to plain decoding;
 * a grouped launch, the GLU input and the norm tail give the bits of the single product, of glu then
   the product, of the product then the norm; the GLU input is one glu launch before the product (the
   padded rows would make every tile compute it 16 times over);
@@ -70,7 +70,7 @@ def test_each_row_gets_its_own_bits_within_one_rounding(file_type, n_out, n_in, 
     print(f"{WHERE} {qtype.name} {n_out}x{n_in} in {cut} pieces, {dtype}: max |Δ| {err:.3g} against float64 "
           f"(the output's ulp at its largest value: {ulp:.3g})")
     assert err <= ulp
-    for i in range(16):
+    for i in (0, 6, 15):  # the first, a middle and the last row of the padded tile, each alone
         assert torch.equal(kt.quant_matmul(x[i:i + 1], w, qtype, n_out, n_in), batch[i:i + 1]), i
     assert torch.equal(kt.quant_matmul(x[4:7], w, qtype, n_out, n_in), batch[4:7])
 

@@ -118,8 +118,8 @@ def test_a_model_keeps_its_matrices_rows_first_and_decodes_greedily_alike(qwen35
     assert not any(w.qtype == QType.Q8_0 and rows_first.kept_as(w.qtype, tuple(w.shape)) for w in stored)
     assert all(w.raw.numel() == row_bytes(QType.Q8_0, w.shape[-1]) * w.shape[0] for w in kept)
     prompt = [int(t) for t in prompt_ids(6, seed=3)]
-    plain = generate(model, prompt, 10).tokens
-    spec = speculative_generate(model, SyntheticDrafter(prompt + plain, model.vocab_size, 0.6, seed=2), prompt, 10,
+    plain = generate(model, prompt, 8).tokens
+    spec = speculative_generate(model, SyntheticDrafter(prompt + plain, model.vocab_size, 0.6, seed=2), prompt, 8,
                                 SpecConfig(draft_max=3))
     stats = spec.stats["speculative"]
     print(f"[{WHERE}] {len(kept)} matrices kept as Q8_0_ROWS; {stats['accepted']} of {stats['drafted']} drafts "
