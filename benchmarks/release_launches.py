@@ -81,12 +81,12 @@ def _packed(qtype, rows: int, n_in: int, experts: int = 0) -> torch.Tensor:
 
 
 def _types(n_in: int) -> list:
-    """The kernel weight types a matrix with rows of n_in values can be stored in (whole blocks)."""
-    from gguf import GGML_QUANT_SIZES
-
+    """The kernel weight types a matrix with rows of n_in values can be stored in (whole blocks; the
+    runtime's own rows-first types too)."""
+    from specconv.runtime.dequant import block_geometry
     from specconv.runtime.kernels_triton.dequant import GEOMETRY
 
-    return [t for t in sorted(GEOMETRY) if n_in % GGML_QUANT_SIZES[t][0] == 0]
+    return [t for t in sorted(GEOMETRY, key=int) if n_in % block_geometry(t)[0] == 0]
 
 
 def matrices(r: ReleaseShape) -> list[tuple[str, int, int]]:
