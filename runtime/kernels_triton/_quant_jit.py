@@ -12,9 +12,12 @@ indices are read (no address comes from a loaded value), which Triton's CPU inte
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from specconv.runtime import rows_first
+from specconv.runtime.kernels_triton import matmul
 from specconv.runtime.kernels_triton._pointwise_jit import NO_ACTIVATION, _glu, norm_row
 
 # ggml type numbers (gguf.GGMLQuantizationType), as compile-time constants
@@ -25,9 +28,10 @@ Q4_K = tl.constexpr(12)
 Q5_K = tl.constexpr(13)
 Q6_K = tl.constexpr(14)
 BF16 = tl.constexpr(30)
-Q8_0_ROWS = tl.constexpr(108)  # runtime/rows_first.py: a row's [32 int8 q] per block, then its [f16 d] per block
-DOT_ROWS = tl.constexpr(16)  # activation rows of the tensor-core product (_dot_sums): 1-16 padded to 16
-WIDE_F32, WIDE_BF16, WIDE_F16 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # _dot's operand types
+Q8_0_ROWS = tl.constexpr(int(rows_first.Q8_0_ROWS))  # a row's [32 int8 q] per block, then its [f16 d] per block
+DOT_ROWS = tl.constexpr(matmul.DOT_ROWS)  # activation rows of the tensor-core product (_dot_sums): 1-16 padded
+# _dot's operand types (matmul.WIDE)
+WIDE_F32, WIDE_BF16, WIDE_F16 = (tl.constexpr(matmul.WIDE[t]) for t in (torch.float32, torch.bfloat16, torch.float16))
 
 
 @triton.jit

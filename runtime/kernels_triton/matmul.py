@@ -110,8 +110,9 @@ def tile_shape(qtype, x_dtype: torch.dtype | None = None) -> tuple[int, int]:
     return DOT_TILE[qtype] if uses_dot(qtype, x_dtype) else (FUSED_ROWS, STEP_BLOCKS[qtype])
 
 
-# _quant_jit's WIDE: the tensor-core operands' type (WIDE_F32 = 0, WIDE_BF16 = 1, WIDE_F16 = 2)
-_WIDE = {torch.bfloat16: 1, torch.float16: 2}
+# the tensor-core operands' type by the rows' dtype (_quant_jit's WIDE; float32: IEEE float32 products,
+# the interpreter's, which has no bfloat16 arithmetic)
+WIDE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _form_args(qtype, x_dtype: torch.dtype | None, rows: int) -> dict:
@@ -119,7 +120,7 @@ def _form_args(qtype, x_dtype: torch.dtype | None, rows: int) -> dict:
     type; float32 under the interpreter, which has no bfloat16 arithmetic), ROWS_P2, BLOCK_N and NB."""
     dot = uses_dot(qtype, x_dtype)
     block_n, nb = tile_shape(qtype, x_dtype)
-    wide = _WIDE[x_dtype] if dot and not _common.interpreting() else 0
+    wide = WIDE[x_dtype if dot and not _common.interpreting() else torch.float32]
     return dict(DOT=dot, WIDE=wide, ROWS_P2=DOT_ROWS if dot else _common.next_power_of_2(rows), BLOCK_N=block_n,
                 NB=nb)
 
