@@ -29,4 +29,8 @@ fi
 # of CPU, cached in $SRC_CACHE) for the --imatrix whole-file tests.
 export SPECCONV_BUILD_LLAMA_TOOLS=1
 export SPECCONV_REQUIRE_PEERS=1 SPECCONV_REQUIRE_NATIVE=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
-exec "$PY" -m pytest -q -s "$@"
+# Every test runs on one thread, so one pytest-xdist worker per core (SPECCONV_TEST_JOBS sets the
+# count, 0 runs in this process); a module's tests stay on one worker and share its fixtures. Each
+# test's printed measurements reach the terminal through SPECCONV_ECHO_OUTPUT (xdist hides -s).
+export SPECCONV_ECHO_OUTPUT=1
+exec "$PY" -m pytest -q -n "${SPECCONV_TEST_JOBS:-auto}" --dist loadfile "$@"
