@@ -14,6 +14,7 @@ def report(failed: bool, nodeid: str):
 def test_failures_are_appended_as_reported(tmp_path, monkeypatch):
     log = tmp_path / "failures.log"
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.delenv("SPECCONV_ECHO_OUTPUT", raising=False)
     monkeypatch.setenv("SPECCONV_FAILURE_LOG", str(log))
     pytest_plugin.pytest_runtest_logreport(report(True, "a.py::first"))
     pytest_plugin.pytest_runtest_logreport(report(False, "a.py::passes"))
@@ -26,6 +27,7 @@ def test_failures_are_appended_as_reported(tmp_path, monkeypatch):
 def test_nothing_is_written_unasked_or_by_a_worker(tmp_path, monkeypatch):
     log = tmp_path / "failures.log"
     monkeypatch.delenv("SPECCONV_FAILURE_LOG", raising=False)
+    monkeypatch.delenv("SPECCONV_ECHO_OUTPUT", raising=False)
     pytest_plugin.pytest_runtest_logreport(report(True, "a.py::first"))
     monkeypatch.setenv("SPECCONV_FAILURE_LOG", str(log))
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
