@@ -162,14 +162,31 @@ def profile_step(model) -> dict:
 
 
 def sync_sites(events) -> dict[str, int]:
-    """Host<->device copies and syncs counted by the innermost project frame that asked for them."""
+    """Host<->device copies and syncs counted by the innermost project frame that asked for them and
+    the operator that made the call ("runtime/context.py(88): decode [aten::copy_]"). A CUDA runtime
+    call carries no Python stack of its own: it is found on the operators enclosing it."""
     sites: dict[str, int] = {}
     for e in events:
         if e.name in SYNC_CALLS:
-            frames = [f for f in (e.stack or []) if "specconv" in f or "/runtime/" in f or "/benchmarks/" in f]
-            site = frames[0] if frames else "(no project frame)"
+            site = _call_site(e)
             sites[site] = sites.get(site, 0) + 1
     return dict(sorted(sites.items(), key=lambda kv: -kv[1]))
+
+
+def _call_site(event) -> str:
+    op, node = None, getattr(event, "cpu_parent", None)
+    frames = _project_frames(event)
+    while node is not None and not frames:
+        op = op or node.name
+        frames = _project_frames(node)
+        node = getattr(node, "cpu_parent", None)
+    where = frames[0] if frames else "(no project frame)"
+    return f"{where} [{op}]" if op else where
+
+
+def _project_frames(event) -> list[str]:
+    return [f for f in (getattr(event, "stack", None) or [])
+            if "specconv" in f or "/runtime/" in f or "/benchmarks/" in f]
 
 
 def profile_rounds(model, ref: list[int], prompt: list[int], n: int, head: Path | None = None) -> dict:

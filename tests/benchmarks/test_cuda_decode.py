@@ -55,3 +55,24 @@ def test_the_steady_rate_leaves_out_rounds_the_budget_narrows():
     stamps = [(0.01 * (i + 1), 3 * (i + 1)) for i in range(21)] + [(0.31, 64)]
     assert abs(cuda_decode._second_half_rate(stamps, full_width_until=64 - 4) - 300.0) < 1e-6
     assert cuda_decode._second_half_rate(stamps) < 160.0  # with the narrowed round: about half
+
+
+def test_a_sync_is_placed_at_the_project_frame_of_its_enclosing_operator():
+    """The profiler gives a CUDA runtime call (cudaMemcpyAsync) no stack: the site is the innermost
+    project frame of the operators around it, named with the operator that made the call; a call
+    under no project frame is counted apart; kernels and other host calls are not counted."""
+    from types import SimpleNamespace as Event
+
+    step = Event(name="decode", stack=["/x/runtime/context.py(88): decode", "/x/benchmarks/cuda_decode.py(9): run"],
+                 cpu_parent=None)
+    copy = Event(name="aten::copy_", stack=[], cpu_parent=step)
+    read = Event(name="aten::_local_scalar_dense", stack=[], cpu_parent=Event(name="aten::item", stack=[],
+                                                                                cpu_parent=step))
+    events = [Event(name="cudaMemcpyAsync", stack=[], cpu_parent=copy),
+              Event(name="cudaMemcpyAsync", stack=[], cpu_parent=copy),
+              Event(name="cudaStreamSynchronize", stack=[], cpu_parent=read),
+              Event(name="cudaMemcpyAsync", stack=[], cpu_parent=Event(name="aten::copy_", stack=[], cpu_parent=None)),
+              Event(name="cudaLaunchKernel", stack=[], cpu_parent=copy)]
+    assert cuda_decode.sync_sites(events) == {"/x/runtime/context.py(88): decode [aten::copy_]": 2,
+                                             "/x/runtime/context.py(88): decode [aten::_local_scalar_dense]": 1,
+                                             "(no project frame) [aten::copy_]": 1}
