@@ -74,7 +74,9 @@ def _perturbed(build_edit) -> fs.Family:
 
 def test_snapshot_sees_a_metadata_value_written_differently(tmp_path, monkeypatch):
     """The plugin writes one key (the context length) one higher: that key is named in every file,
-    and nothing else (the logits do not read it)."""
+    and nothing else. The logits do not read it: they stay within the float64 reordering noise of
+    another CPU (~1e-15; the smallest real change is ~5e-7), not exactly equal, since the snapshot
+    was stored on another machine."""
     plugin = plugin_class_for({"architectures": fs.load(CHEAP)[0]["_architectures"]})
     metadata = plugin.metadata
 
@@ -84,9 +86,9 @@ def test_snapshot_sees_a_metadata_value_written_differently(tmp_path, monkeypatc
 
     monkeypatch.setattr(plugin, "metadata", one_more)
     diffs, deltas = fs.check(FAMILIES[CHEAP], tmp_path)
-    print("\n" + "\n".join(diffs))
+    print("\n" + "\n".join(diffs) + f"\nmax relative |Δlogit| {max(deltas.values()):.1e}")
     assert len(diffs) == len(fs.OUTTYPES) and all("metadata" in d and ".context_length" in d for d in diffs)
-    assert max(deltas.values()) == 0.0
+    assert max(deltas.values()) < fs.RTOL / 1000
 
 
 def test_snapshot_sees_one_weight_changed(tmp_path):
