@@ -83,6 +83,8 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from gguf import GGMLQuantizationType as QType
 
@@ -720,7 +722,13 @@ def ring_pieces(n: int, step: int, src_slot: torch.Tensor, dst_slots: torch.Tens
 
 
 def _triton_kernels():
-    """runtime/kernels_triton where Triton can run its kernels here, else None."""
+    """runtime/kernels_triton where Triton can run its kernels here, else None; on a machine with a
+    GPU, why not is said once (the torch reference then runs every operation, far slower)."""
     from specconv.runtime import kernels_triton
 
-    return kernels_triton if kernels_triton.available() else None
+    why = kernels_triton.why_unavailable()
+    if why is None:
+        return kernels_triton
+    if torch.cuda.is_available():
+        sys.stderr.write(f"warning: the CUDA kernels are off: {why}; the torch reference backend runs instead\n")
+    return None

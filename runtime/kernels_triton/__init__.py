@@ -36,11 +36,12 @@
     index_scores(q, weights, keys, scale)                DeepSeek Sparse Attention's indexer scores [n, cells]
 
 Importing this package does not import Triton; the first call does (a SpecconvError if it is not
-installed). The kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter
+installed). A Triton older than MIN_TRITON (3.6, the oldest they are tested on) counts as none:
+`why_unavailable()` says so, and the CUDA backend warns once and runs the torch reference instead. The kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter
 (TRITON_INTERPRET=1 set before the first call), which is how the tests check them without a GPU.
 """
 
-from specconv.runtime.kernels_triton._common import available
+from specconv.runtime.kernels_triton._common import MIN_TRITON, available, why_unavailable
 from specconv.runtime.kernels_triton.activation import gdn_gates, gelu_mul, glu, silu_mul
 from specconv.runtime.kernels_triton.attention import MAX_HEAD_DIM as MAX_ATTENTION_HEAD_DIM, attention, write_kv
 from specconv.runtime.kernels_triton.conv import causal_conv
@@ -60,6 +61,6 @@ __all__ = ["add_gated_shared", "attention", "available", "causal_conv", "dequant
            "expert_matmul_pair", "gdn_gates", "gdn_step", "gelu_mul", "glu", "grouped_matmul", "l2_norm", "moe_combine",
            "quant_matmul", "quant_matmul_add_rms_norm", "result_dtype", "rms_norm", "rope", "rope_qk", "rope_qk_store",
            "rope_table", "silu_mul", "softmax_topk",
-           "write_kv", "FUSED_MAX_ROWS",
+           "why_unavailable", "write_kv", "FUSED_MAX_ROWS", "MIN_TRITON",
            "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS", "MAX_TOKENS",
            "gdn_chunked", "add_shared", "grouped_topk", "index_scores", "MAX_INDEX_DIM"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 
 import torch
 
@@ -20,13 +21,37 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def available() -> bool:
-    """Whether the kernels can run here: Triton installed, and a CUDA device or the interpreter."""
+# The oldest Triton the kernels are known to compile and run on: the version a GPU run used
+# (docs/benchmarks.md); older releases refuse some of their forms (tl.dot over narrow tiles, a
+# constexpr rebound in a static loop), so they are not tried.
+MIN_TRITON = (3, 6)
+
+
+def why_unavailable() -> str | None:
+    """Why the kernels cannot run here (one line), or None: Triton missing or older than MIN_TRITON,
+    or neither a CUDA device nor the interpreter."""
     try:
-        importlib.import_module("triton")
+        triton = importlib.import_module("triton")
     except ImportError:
-        return False
-    return interpreting() or torch.cuda.is_available()
+        return "the `triton` package is not installed (pip install triton)"
+    found = _version(getattr(triton, "__version__", "0"))
+    if found < MIN_TRITON:
+        return (f"Triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON))}, the oldest the "
+                "kernels are tested on (pip install -U triton)")
+    if not (interpreting() or torch.cuda.is_available()):
+        return "no CUDA device (and TRITON_INTERPRET is not 1)"
+    return None
+
+
+def available() -> bool:
+    """Whether the kernels can run here (`why_unavailable`)."""
+    return why_unavailable() is None
+
+
+def _version(text: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as "3.6.0" or "3.7.0+git1234"; (0, 0) if unreadable."""
+    found = re.match(r"(\d+)\.(\d+)", text)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
 
 
 def jit_module(name: str):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -404,3 +405,27 @@ def test_package_imports_without_triton():
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr
     assert "need the `triton` package" in done.stdout
+
+
+@pytest.mark.parametrize("version, usable", [("3.1.0", False), ("3.5.1", False), ("2.3.1", False), ("3.6.0", True),
+                                             ("3.10.1", True), ("3.7.0+git1a2b3c", True), ("4.0.0", True)])
+def test_a_triton_older_than_the_tested_floor_is_not_used(monkeypatch, version, usable):
+    """Versions compare as numbers (3.10 is newer than 3.6); an older one is named in the reason."""
+    from specconv.runtime.kernels_triton import _common
+
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=version))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    why = _common.why_unavailable()
+    assert _common.available() == usable and (why is None) == usable
+    if not usable:
+        assert version in why and "3.6" in why
+
+
+def test_a_gpu_machine_with_an_old_triton_is_told_and_runs_the_torch_reference(monkeypatch, capsys):
+    from specconv.runtime import backend_cuda
+
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.2.0"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    backend = backend_cuda.CudaBackend()
+    assert backend.kernels is None
+    assert "CUDA kernels are off: Triton 3.2.0 is older than 3.6" in capsys.readouterr().err
