@@ -37,8 +37,9 @@
 
 Importing this package does not import Triton; the first call does (a SpecconvError if it is not
 installed). A Triton older than MIN_TRITON (3.6, the oldest they are tested on) counts as none:
-`why_unavailable()` says so, and the CUDA backend warns once and runs the torch reference instead. The kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter
-(TRITON_INTERPRET=1 set before the first call), which is how the tests check them without a GPU.
+`why_unavailable()` says so, and the CUDA backend warns once and runs the torch reference instead.
+The kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1
+set before the first call), which is how the tests check them without a GPU.
 """
 
 from specconv.runtime.kernels_triton._common import MIN_TRITON, available, why_unavailable

@@ -34,9 +34,9 @@ def why_unavailable() -> str | None:
         triton = importlib.import_module("triton")
     except ImportError:
         return "the `triton` package is not installed (pip install triton)"
-    found = _version(getattr(triton, "__version__", "0"))
-    if found < MIN_TRITON:
-        return (f"Triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON))}, the oldest the "
+    version = triton.__version__
+    if _version(version) < MIN_TRITON:
+        return (f"Triton {version} is older than {'.'.join(map(str, MIN_TRITON))}, the oldest the "
                 "kernels are tested on (pip install -U triton)")
     if not (interpreting() or torch.cuda.is_available()):
         return "no CUDA device (and TRITON_INTERPRET is not 1)"

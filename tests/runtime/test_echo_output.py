@@ -12,8 +12,9 @@ MEASURED = "max |Δlogit| 1.25e-03 (echo check)"
 
 def run_pytest(tmp_path: Path, echo: bool) -> str:
     (tmp_path / "test_prints.py").write_text(f"def test_prints():\n    print({MEASURED!r})\n", encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "SPECCONV_TRITON_GUARD": "0"}
-    env.pop("SPECCONV_ECHO_OUTPUT", None)
+    # not this run's pytest-xdist variables: the inner run would take itself for a worker
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k != "SPECCONV_ECHO_OUTPUT"}
+    env.update(PYTHONPATH=str(REPO), SPECCONV_TRITON_GUARD="0")
     if echo:
         env["SPECCONV_ECHO_OUTPUT"] = "1"
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "1", "-p", "tests.fixtures.pytest_plugin",
