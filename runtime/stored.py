@@ -47,7 +47,7 @@ class ReadCounter:
 class StoredWeight:
     """One GGUF tensor in its stored type; `shape` is the torch-order shape of its values."""
 
-    __slots__ = ("raw", "qtype", "shape", "dtype", "device", "counter")
+    __slots__ = ("raw", "qtype", "shape", "dtype", "device", "counter", "_view")
 
     def __init__(self, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device, counter: ReadCounter | None = None):
@@ -57,6 +57,7 @@ class StoredWeight:
         self.dtype = dtype  # the values' dtype when used
         self.device = torch.device(device)  # where the values are computed
         self.counter = counter
+        self._view = None  # the values as a view of `raw` (a float type in its own dtype), once built
 
     # ---- tensor-like surface --------------------------------------------------------------------
     @property
@@ -93,8 +94,19 @@ class StoredWeight:
         return for_device(device).dequantize_rows(raw, self.qtype, dtype or self.dtype)
 
     def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """All values, dequantized into `dtype` (default: the weight's compute dtype)."""
-        return self._values(self.raw, dtype).reshape(self.shape)
+        """All values, dequantized into `dtype` (default: the weight's compute dtype). A float type read
+        in its own dtype is a view of the stored bytes: built once and kept, so each product by a small
+        float weight does not pay the reinterpretation again (a decode step of a small model makes
+        dozens)."""
+        view = self._view
+        if view is not None and view.dtype == (dtype or self.dtype) and view.device == (active_device() or self.device):
+            if self.counter is not None:
+                self.counter.bytes += self.raw.numel()
+            return view
+        values = self._values(self.raw, dtype).reshape(self.shape)
+        if values.untyped_storage().data_ptr() == self.raw.untyped_storage().data_ptr():
+            self._view = values
+        return values
 
     def to(self, *args, **kwargs) -> torch.Tensor:
         """As torch.Tensor.to: the values, dequantized, in the dtype / on the device asked for."""

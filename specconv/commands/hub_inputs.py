@@ -74,12 +74,12 @@ def gguf_input(path, hf_repo: str | None, *, what: str = "MODEL.gguf", spec: str
     """(model file, MTP file, draft file) from MODEL.gguf or from `-hf`. With `-hf` and a `spec` drafter
     (mtp, eagle3, dflash) that no --mtp / --draft file gives, the model file's sibling drafter is fetched
     and returned as the MTP file (mtp) or the draft file."""
-    from specconv.hub.fetch import DRAFT_KEYWORDS, parse_ref
-
     if (path is None) == (hf_repo is None):
         raise click.UsageError(f"give {what} or -hf {HF_REPO_METAVAR}" + (", not both" if path is not None else ""))
     if hf_repo is None:
         return Path(path), mtp, draft
+    from specconv.hub.fetch import DRAFT_KEYWORDS, parse_ref  # huggingface_hub: only for a Hub id
+
     sibling = spec if spec in DRAFT_KEYWORDS and mtp is None and draft is None else None
     got = _fetch_gguf(parse_ref(hf_repo, quant=True), sibling)
     if got.draft is None:
@@ -121,13 +121,14 @@ def _fetch_gguf(ref, draft: str | None, local_dir: Path | None = None):
 def checkpoint_input(src, local_dir: Path | None = None) -> Path:
     """A checkpoint folder: SRC itself when it exists (a local folder keeps priority), else SRC read as
     the Hub id OWNER/NAME[@REVISION] and fetched (into `local_dir` when given)."""
-    from specconv.hub.fetch import fetch_checkpoint, looks_like_hub_id, parse_ref
-
     text = str(src)
-    if Path(text).exists() or not looks_like_hub_id(text):
+    local = Path(text).exists()
+    if not local:  # huggingface_hub only for what may be a Hub id
+        from specconv.hub.fetch import fetch_checkpoint, looks_like_hub_id, parse_ref
+    if local or not looks_like_hub_id(text):
         if local_dir is not None:
             raise click.UsageError("--local-dir is for a Hub id (OWNER/NAME[@REVISION]) as the source")
-        if not Path(text).exists():
+        if not local:
             raise SpecconvError(f"{text}: no such checkpoint folder, and not a Hub id (OWNER/NAME[@REVISION])")
         if not Path(text).is_dir():
             raise SpecconvError(f"{text} is a file, not a checkpoint folder")

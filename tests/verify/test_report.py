@@ -12,9 +12,10 @@ Evidence:
   speed-up, its range and verdict, cost ratios and the predicted speed-up), and every check's name,
   detail and work appear in the table;
 * the default round trips are K with both rollbacks on every prompt and k < K on the first prompt,
-  16 tokens; --thorough runs every k on every prompt, 32 tokens, and llama.cpp's cost ratios;
-* the bundled model with --hf verifies in at most 10 s of CPU time (what its wall time is on an
-  idle machine: the run is single-threaded by --threads 0's rule).
+  12 tokens; --thorough runs every k on every prompt, 32 tokens, and llama.cpp's cost ratios;
+* the bundled model with --hf verifies in at most 10 s of CPU time on the development VM (what its
+  wall time is on an idle machine: the run is single-threaded by --threads 0's rule), held as a
+  ratio to the bare imports of torch and the transformers reference measured in the same run.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -134,8 +134,10 @@ def test_default_work_and_thorough(capsys, tmp_path):
     quick = json.loads(out)
     checks = {c["name"]: c for c in quick["checks"]}
     print({n: c["work"] for n, c in checks.items()})
-    assert code == 0 and quick["settings"]["n_predict"] == 16 and quick["settings"]["thorough"] is False
-    assert checks["greedy exact: mtp"]["work"] == "3 prompts x 16 tokens, 8 runs"  # K=3: 2 x 3 at K, k=1,2 once
+    assert code == 0 and quick["settings"]["n_predict"] == 12 and quick["settings"]["thorough"] is False
+    assert checks["greedy exact: mtp"]["work"] == "3 prompts x 12 tokens, 8 runs"  # K=3: 2 x 3 at K, k=1,2 once
+    assert checks["greedy exact: ngram"]["work"] == "3 prompts x 12 tokens, 3 runs"  # not the main drafter: K, snapshot
+    assert checks["greedy exact: ngram"]["detail"].endswith("draft_max 3 (snapshot rollback) on every prompt")
     assert "llama.cpp" not in quick["speculative"]["costs"]
     code, out, _ = run(capsys, "verify", model, "--device", "cpu", "--json", "--thorough", "-n", "4", "--draft-max", "2")
     full = json.loads(out)
@@ -148,6 +150,22 @@ def test_default_work_and_thorough(capsys, tmp_path):
     assert json.loads(out)["settings"]["n_predict"] == 32
 
 
+# The goal: the bundled model verifies with --hf in at most 10 s of CPU time on the 2-core development
+# VM (docs/verify.md, "How much work"), where the bare imports below take 5.3 s (best of two, the
+# median of three pairs: 5.0 / 5.3 / 5.5; torch 2.13, transformers 5.23). Held as a ratio to those
+# imports measured in the same run, so that the goal means the same on a faster or slower machine,
+# or one busy with other tests.
+VERIFY_GOAL_RATIO = 10.0 / 5.3
+
+
+def _child_cpu(args: list[str], env: dict) -> tuple[float, subprocess.CompletedProcess]:
+    """CPU seconds (user + system) of one child process, and its result."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), proc
+
+
 @pytest.mark.skipif(not (ROOT / "specconv" / "data" / "tiny-qwen35-mtp").exists(), reason="bundled model absent")
 def test_bundled_model_verifies_in_seconds(tmp_path):
     from tests.fixtures.gguf_files import convert_gguf
@@ -155,17 +173,20 @@ def test_bundled_model_verifies_in_seconds(tmp_path):
     src = ROOT / "specconv" / "data" / "tiny-qwen35-mtp"
     model = convert_gguf(src, tmp_path / "tiny.gguf", outtype="f32", mtp="embed")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "specconv", "verify", str(model), "--hf", str(src), "--json"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    wall = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    report = json.loads(proc.stdout)
-    print(f"bundled model, verify --hf: {cpu:.1f} s of CPU, {wall:.1f} s wall (load {os.getloadavg()[0]:.1f}); "
+    # what any comparison with transformers pays before it computes anything: the interpreter, torch
+    # and the reference's class
+    cls = json.loads((src / "config.json").read_text())["architectures"][0]
+    imports = [sys.executable, "-c", f"import torch, transformers; transformers.{cls}"]
+    verify = [sys.executable, "-m", "specconv", "verify", str(model), "--hf", str(src), "--json", "--device", "cpu"]
+    baseline = min(_child_cpu(imports, env)[0] for _ in range(2))  # best of two: interference only adds
+    runs = [_child_cpu(verify, env) for _ in range(2)]
+    for _, proc in runs:
+        assert proc.returncode == 0 and json.loads(proc.stdout)["passed"], proc.stderr
+    cpu = min(c for c, _ in runs)
+    report = json.loads(runs[0][1].stdout)
+    print(f"bundled model, verify --hf: {cpu:.1f} s of CPU (best of two), the bare imports {baseline:.1f} s: "
+          f"{cpu / baseline:.2f}x (goal ≤ {VERIFY_GOAL_RATIO:.2f}x, load {os.getloadavg()[0]:.1f}); "
           f"threads {report['settings']['threads']}; parity {report['parity']['max_abs_logit_diff']:.2e}; "
           f"{report['speculative']['timing']['verdict']}")
-    assert proc.returncode == 0 and report["passed"], proc.stderr
     assert report["settings"]["threads"] == 1
-    assert cpu <= 10.0
+    assert cpu <= VERIFY_GOAL_RATIO * baseline
