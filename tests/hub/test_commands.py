@@ -176,3 +176,20 @@ def test_upload_with_hf_republishes_the_model_and_its_sidecar(hub, tmp_path, mon
     for name in names:
         assert copied[name].sha256 == sha256(src / name), name
     assert "README.md" in copied
+
+
+def test_local_inputs_do_not_import_the_hub_client(tmp_path):
+    """A local file or folder needs no huggingface_hub (its import costs a local `verify` a few tenths
+    of a second); a Hub id does."""
+    import subprocess
+    import sys
+
+    from tests.fixtures.paths import ROOT
+
+    probe = ("import sys; from specconv.commands.hub_inputs import checkpoint_input, gguf_input; "
+             "gguf_input(sys.argv[1], None); checkpoint_input(sys.argv[2]); "
+             "print('huggingface_hub' in sys.modules, end=' '); "
+             "from specconv.hub.fetch import looks_like_hub_id; print('huggingface_hub' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "m.gguf"), str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.split() == ["False", "True"], out.stderr

@@ -169,6 +169,27 @@ def test_embedding_rows_and_expert_slices_equal_the_dense_tensor():
     assert torch.equal(taken.dense(), full3[[4, 0, 4]])
 
 
+def test_a_float_weight_in_its_own_dtype_keeps_one_view_of_its_bytes():
+    """Each product by a small float weight would otherwise reinterpret its bytes again: the view is
+    built once and is the stored bytes (no copy); other dtypes and quantized types are computed each
+    time, and the read counter counts every use."""
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, ())))
+    values = rng.standard_normal((24, 40)).astype(np.float32)
+    raw = torch.from_numpy(values.copy()).view(torch.uint8)
+    counter = stored_module.ReadCounter()
+    w = StoredWeight(raw, GGMLQuantizationType.F32, (24, 40), torch.float32, torch.device("cpu"), counter)
+    first, second = w.dense(), w.dense(torch.float32)
+    assert second is first and first.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
+    assert torch.equal(first, torch.from_numpy(values)) and counter.bytes == 2 * raw.numel()
+    half = w.dense(torch.float16)
+    assert half.dtype == torch.float16 and torch.equal(half, torch.from_numpy(values).half())
+    assert w.dense() is first
+    raw[0, :4] = torch.tensor([0.5], dtype=torch.float32).view(torch.uint8)  # the bytes change: so does the view
+    assert w.dense()[0, 0] == 0.5
+    q8, _ = _q8_weight(8, 32)
+    assert q8.dense() is not q8.dense()
+
+
 def test_a_stored_weight_given_to_a_torch_function_is_an_error_naming_it():
     """No silent whole-tensor dequantization: products go through ops.linear / ops.moe, values
     through .to() / dense()."""
