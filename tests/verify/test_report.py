@@ -32,6 +32,7 @@ import sys
 import pytest
 
 from specconv.cli import main as cli_main
+from specconv.verify.run import QUICK_N, THOROUGH_N
 from tests.fixtures import speculative_models
 from tests.fixtures.paths import ROOT
 
@@ -134,11 +135,13 @@ def test_default_work_and_thorough(capsys, tmp_path):
     quick = json.loads(out)
     checks = {c["name"]: c for c in quick["checks"]}
     print({n: c["work"] for n, c in checks.items()})
-    assert code == 0 and quick["settings"]["n_predict"] == 12 and quick["settings"]["thorough"] is False
+    assert code == 0 and quick["settings"]["n_predict"] == QUICK_N == 12 and quick["settings"]["thorough"] is False
     assert checks["greedy exact: mtp"]["work"] == "3 prompts x 12 tokens, 8 runs"  # K=3: 2 x 3 at K, k=1,2 once
     assert checks["greedy exact: ngram"]["work"] == "3 prompts x 12 tokens, 3 runs"  # not the main drafter: K, snapshot
     assert checks["greedy exact: ngram"]["detail"].endswith("draft_max 3 (snapshot rollback) on every prompt")
     assert "llama.cpp" not in quick["speculative"]["costs"]
+    code, out, _ = run(capsys, "verify", "--help")
+    assert code == 0 and f"(default {QUICK_N}; {THOROUGH_N} with --thorough)" in " ".join(out.split())
     code, out, _ = run(capsys, "verify", model, "--device", "cpu", "--json", "--thorough", "-n", "4", "--draft-max", "2")
     full = json.loads(out)
     checks = {c["name"]: c for c in full["checks"]}
