@@ -25,6 +25,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from specconv.archs.errors import SpecconvError
+from specconv.runtime import dequant
 from specconv.runtime.backend import for_device
 from specconv.runtime.placement import active_device
 
@@ -42,6 +43,14 @@ class ReadCounter:
     def reset(self) -> int:
         seen, self.bytes = self.bytes, 0
         return seen
+
+
+def _same_bytes(values: torch.Tensor, raw: torch.Tensor) -> bool:
+    """Whether `values` reads raw's memory (a view, not a copy). Meta tensors have no memory to compare:
+    there the dequantizer's own rule says so (a float type read in its own dtype is a view)."""
+    if values.device != raw.device:
+        return False
+    return raw.is_meta or values.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
 
 
 class StoredWeight:
@@ -104,7 +113,7 @@ class StoredWeight:
                 self.counter.bytes += self.raw.numel()
             return view
         values = self._values(self.raw, dtype).reshape(self.shape)
-        if values.untyped_storage().data_ptr() == self.raw.untyped_storage().data_ptr():
+        if dequant.is_view(self.qtype, values.dtype) and _same_bytes(values, self.raw):
             self._view = values
         return values
 

@@ -25,6 +25,18 @@ if [ -z "${SPECCONV_LLAMA_CPP_SRC:-}" ]; then
   export SPECCONV_LLAMA_CPP_SRC="$tree"
 fi
 
+# The oldest Triton the CUDA kernels are held to (kernels_triton.MIN_TRITON), in a folder of its own
+# (cached), for tests/runtime/test_triton_floor.py: the kernels compiled under it as well as under the
+# newest release the test extras install.
+FLOOR=$("$PY" -c "from specconv.runtime.kernels_triton._common import MIN_TRITON; print('.'.join(map(str, MIN_TRITON)))")
+TRITON_FLOOR_DIR="$SRC_CACHE/triton-$FLOOR"
+if [ ! -f "$TRITON_FLOOR_DIR/triton/__init__.py" ]; then
+  rm -rf "$TRITON_FLOOR_DIR.partial"
+  "$PY" -m pip install -q --no-deps --target "$TRITON_FLOOR_DIR.partial" "triton==$FLOOR.*"
+  mv "$TRITON_FLOOR_DIR.partial" "$TRITON_FLOOR_DIR"
+fi
+export SPECCONV_TRITON_FLOOR="$TRITON_FLOOR_DIR" SPECCONV_REQUIRE_TRITON_FLOOR=1
+
 # llama.cpp's quantize and imatrix tools, built from the same sdist on first use (about 8 minutes
 # of CPU, cached in $SRC_CACHE) for the --imatrix whole-file tests.
 export SPECCONV_BUILD_LLAMA_TOOLS=1

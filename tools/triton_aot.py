@@ -496,7 +496,10 @@ def main(argv=None) -> int:
             lines += [f"sm_{arch}: {line}" for line in rounding_problems(compiled)[0]]
             lines += [f"sm_{arch}: {line}" for line in invariance_problems(recorder, compiled)[0]]
     if args.json:
-        json.dump({"specializations": [{"spec": s.to_json(), "workloads": w} for s, w in recorder.found.items()],
+        import triton
+
+        json.dump({"triton": triton.__version__,
+                   "specializations": [{"spec": s.to_json(), "workloads": w} for s, w in recorder.found.items()],
                    "results": [asdict(r) for r in results], "problems": lines}, sys.stdout)
         print()
     else:

@@ -44,9 +44,9 @@ _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 @click.option("-n", "--n-predict", default=None, type=click.IntRange(1, 100_000),
               help="Tokens per prompt (default 12; 32 with --thorough).")
 @click.option("--draft-max", default=3, show_default=True, type=click.IntRange(1, MAX_DRAFT),
-              help="K: the main drafter's round trips at draft_max K (both rollbacks, every prompt) and below K "
-                   "(the first prompt), the other drafters' at K (snapshot rollback); with --thorough every k ≤ K on "
-                   "every prompt for every drafter. Statistics and timing at K.")
+              help="K: round trips at draft_max K (both rollbacks, every prompt) and below K (the first prompt; "
+                   "the n-gram drafter beside a drafter of the model's: K, snapshot rollback); with --thorough "
+                   "every k ≤ K on every prompt for every drafter. Statistics and timing at K.")
 @click.option("--thorough", is_flag=True,
               help="The full set: round trips at every draft_max 1..K on every prompt, 32 tokens per prompt, and "
                    "llama.cpp's cost ratios on the same file (a child process).")

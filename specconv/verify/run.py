@@ -269,22 +269,23 @@ def _tokenize(report: Report, target, texts):
     return [i for i in ids if i]
 
 
-def round_trip_trials(k: int, n_prompts: int, thorough: bool, main: bool) -> list[tuple[int, str, int]]:
+def round_trip_trials(k: int, n_prompts: int, thorough: bool, full: bool) -> list[tuple[int, str, int]]:
     """(draft_max, rollback, prompt index) of the greedy round trips of one drafter. --thorough: every
-    k ≤ K (snapshot) and K (checkpoint) on every prompt. Default: the main drafter at K with both
-    rollbacks on every prompt and k < K (snapshot) on the first; another drafter at K (snapshot) on
-    every prompt (the rollbacks are the target's: the main drafter's runs have exercised them)."""
+    k ≤ K (snapshot) and K (checkpoint) on every prompt. Default, `full`: K with both rollbacks on every
+    prompt and k < K (snapshot) on the first; otherwise (the n-gram drafter beside a drafter of the
+    model's, which needs no file and whose rollbacks are the target's, already run): K (snapshot) on
+    every prompt."""
     if thorough:
         return ([(kk, "snapshot", i) for kk in range(1, k) for i in range(n_prompts)]
                 + [(k, rollback, i) for rollback in ("snapshot", "checkpoint") for i in range(n_prompts)])
-    if not main:
+    if not full:
         return [(k, "snapshot", i) for i in range(n_prompts)]
     return ([(kk, "snapshot", 0) for kk in range(1, k)]
             + [(k, rollback, i) for rollback in ("snapshot", "checkpoint") for i in range(n_prompts)])
 
 
-def _trials_text(k: int, thorough: bool, main: bool) -> str:
-    if not (thorough or main):
+def _trials_text(k: int, thorough: bool, full: bool) -> str:
+    if not (thorough or full):
         return f"draft_max {k} (snapshot rollback) on every prompt"
     at_k = f"draft_max {k} with snapshot and checkpoint rollback on every prompt"
     if k == 1:
@@ -333,7 +334,8 @@ def _speculative(report: Report, target, head, draft_model, prompts, opts: Verif
         timed = m.runs[0]
         failed = next((d for i, (tokens, ref) in enumerate(zip(timed.tokens, plain))
                        if (d := roundtrip.divergence(target, prompts[i], i, k, "snapshot", tokens, ref))), None)
-    trials = {name: round_trip_trials(k, len(prompts), opts.thorough, name == main_name) for name in drafters}
+    full = {name: name == main_name or name != "ngram" for name in drafters}
+    trials = {name: round_trip_trials(k, len(prompts), opts.thorough, full[name]) for name in drafters}
     todo = {name: [t for t in trials[name] if name != main_name or t[:2] != (k, "snapshot")] for name in drafters}
     progress.stage("greedy round trips", sum(map(len, todo.values())))
     exact = True
@@ -345,7 +347,7 @@ def _speculative(report: Report, target, head, draft_model, prompts, opts: Verif
         div = div or roundtrip.greedy_round_trips(target, make, prompts, plain, todo[name], n, on_run=step)
         with report.work(f"{work}, {len(trials[name])} runs"):
             report.add(f"greedy exact: {name}", div is None, str(div) if div else
-                       f"identical to plain greedy: {_trials_text(k, opts.thorough, name == main_name)}")
+                       f"identical to plain greedy: {_trials_text(k, opts.thorough, full[name])}")
         exact &= div is None
     if m is None:
         report.speculative = {"exact": False, "drafter": main_name, "rollback": "snapshot"}
