@@ -157,10 +157,11 @@ def test_default_work_and_thorough(capsys, tmp_path):
 
 
 # The goal: the bundled model verifies with --hf in at most 10 s of CPU time on the 2-core development
-# VM (docs/verify.md, "How much work"), where the bare imports below take 5.3 s (best of two, the
-# median of three pairs: 5.0 / 5.3 / 5.5; torch 2.13, transformers 5.23). Held as a ratio to those
-# imports measured in the same run, so that the goal means the same on a faster or slower machine,
-# or one busy with other tests.
+# VM (docs/verify.md, "How much work"), where the bare imports below took 4.6-5.5 s over the session
+# that set this ratio (torch 2.13, transformers 5.23; the VM's speed drifts by about 10 %): 5.3 s, the
+# slower reading, so the stricter ratio. Held as a ratio to those imports measured in the same run
+# (each side the best of three runs: interference from other processes only adds), so that the goal
+# means the same on a faster or slower machine, or one busy with other tests.
 VERIFY_GOAL_RATIO = 10.0 / 5.3
 
 
@@ -184,13 +185,13 @@ def test_bundled_model_verifies_in_seconds(tmp_path):
     cls = json.loads((src / "config.json").read_text())["architectures"][0]
     imports = [sys.executable, "-c", f"import torch, transformers; transformers.{cls}"]
     verify = [sys.executable, "-m", "specconv", "verify", str(model), "--hf", str(src), "--json", "--device", "cpu"]
-    baseline = min(_child_cpu(imports, env)[0] for _ in range(2))  # best of two: interference only adds
-    runs = [_child_cpu(verify, env) for _ in range(2)]
+    baseline = min(_child_cpu(imports, env)[0] for _ in range(3))  # best of three: interference only adds
+    runs = [_child_cpu(verify, env) for _ in range(3)]
     for _, proc in runs:
         assert proc.returncode == 0 and json.loads(proc.stdout)["passed"], proc.stderr
     cpu = min(c for c, _ in runs)
     report = json.loads(runs[0][1].stdout)
-    print(f"bundled model, verify --hf: {cpu:.1f} s of CPU (best of two), the bare imports {baseline:.1f} s: "
+    print(f"bundled model, verify --hf: {cpu:.1f} s of CPU (best of three), the bare imports {baseline:.1f} s: "
           f"{cpu / baseline:.2f}x (goal ≤ {VERIFY_GOAL_RATIO:.2f}x, load {os.getloadavg()[0]:.1f}); "
           f"threads {report['settings']['threads']}; parity {report['parity']['max_abs_logit_diff']:.2e}; "
           f"{report['speculative']['timing']['verdict']}")
