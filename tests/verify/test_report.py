@@ -11,8 +11,8 @@ Evidence:
   formulas of docs/verify.md (acceptance rate, AL, bound E(alpha, K), medians of the timed repeats,
   speed-up, its range and verdict, cost ratios and the predicted speed-up), and every check's name,
   detail and work appear in the table;
-* the default round trips are K with both rollbacks on every prompt and k < K on the first prompt,
-  12 tokens; --thorough runs every k on every prompt, 32 tokens, and llama.cpp's cost ratios;
+* the default round trips are K with both rollbacks on every prompt and k < K on the first prompt
+  (the n-gram drafter beside the MTP head: K with snapshot rollback on every prompt), 12 tokens; --thorough runs every k on every prompt, 32 tokens, and llama.cpp's cost ratios;
 * the bundled model with --hf verifies in at most 10 s of CPU time on the development VM (what its
   wall time is on an idle machine: the run is single-threaded by --threads 0's rule), held as a
   ratio to the bare imports of torch and the transformers reference measured in the same run.
@@ -138,7 +138,7 @@ def test_default_work_and_thorough(capsys, tmp_path):
     print({n: c["work"] for n, c in checks.items()})
     assert code == 0 and quick["settings"]["n_predict"] == QUICK_N == 12 and quick["settings"]["thorough"] is False
     assert checks["greedy exact: mtp"]["work"] == "3 prompts x 12 tokens, 8 runs"  # K=3: 2 x 3 at K, k=1,2 once
-    assert checks["greedy exact: ngram"]["work"] == "3 prompts x 12 tokens, 3 runs"  # not the main drafter: K, snapshot
+    assert checks["greedy exact: ngram"]["work"] == "3 prompts x 12 tokens, 3 runs"  # beside the MTP head: K, snapshot
     assert checks["greedy exact: ngram"]["detail"].endswith("draft_max 3 (snapshot rollback) on every prompt")
     assert "llama.cpp" not in quick["speculative"]["costs"]
     capsys.readouterr()
