@@ -12,7 +12,8 @@ Evidence:
   speed-up, its range and verdict, cost ratios and the predicted speed-up), and every check's name,
   detail and work appear in the table;
 * the default round trips are K with both rollbacks on every prompt and k < K on the first prompt
-  (the n-gram drafter beside the MTP head: K with snapshot rollback on every prompt), 12 tokens; --thorough runs every k on every prompt, 32 tokens, and llama.cpp's cost ratios;
+  (the n-gram drafter beside the MTP head: K with snapshot rollback on every prompt), 12 tokens;
+  --thorough runs every k on every prompt, 32 tokens, and llama.cpp's cost ratios;
 * the bundled model with --hf verifies in at most 10 s of CPU time on the development VM (what its
   wall time is on an idle machine: the run is single-threaded by --threads 0's rule), held as a
   ratio to the bare imports of torch and the transformers reference measured in the same run.
