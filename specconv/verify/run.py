@@ -275,13 +275,10 @@ def round_trip_trials(k: int, n_prompts: int, thorough: bool, full: bool) -> lis
     prompt and k < K (snapshot) on the first; otherwise (the n-gram drafter beside a drafter of the
     model's, which needs no file and whose rollbacks are the target's, already run): K (snapshot) on
     every prompt."""
-    if thorough:
-        return ([(kk, "snapshot", i) for kk in range(1, k) for i in range(n_prompts)]
-                + [(k, rollback, i) for rollback in ("snapshot", "checkpoint") for i in range(n_prompts)])
-    if not full:
+    if not (thorough or full):
         return [(k, "snapshot", i) for i in range(n_prompts)]
-    return ([(kk, "snapshot", 0) for kk in range(1, k)]
-            + [(k, rollback, i) for rollback in ("snapshot", "checkpoint") for i in range(n_prompts)])
+    below = [(kk, "snapshot", i) for kk in range(1, k) for i in range(n_prompts if thorough else 1)]
+    return below + [(k, rollback, i) for rollback in ("snapshot", "checkpoint") for i in range(n_prompts)]
 
 
 def _trials_text(k: int, thorough: bool, full: bool) -> str:
