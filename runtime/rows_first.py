@@ -22,6 +22,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 ROW_VALUES_MULTIPLE = 256  # rows this wide or a multiple: every block's values 16-byte aligned
+# bytes of rows rearranged at a time on a device: its memory holds the file's bytes plus about twice this
+CHUNK_BYTES = 64 << 20
 
 
 class RowsFirstType:
@@ -63,6 +65,31 @@ def to_rows_layout(raw: torch.Tensor, kind: RowsFirstType) -> torch.Tensor:
     size = GGML_QUANT_SIZES[kind.file_type][1]
     blocks = raw.unflatten(-1, (raw.shape[-1] // size, size))
     return torch.cat([blocks[..., a:b].flatten(-2) for a, b in kind.parts], dim=-1)
+
+
+def moved_as_rows(raw: torch.Tensor, kind: RowsFirstType, device: torch.device,
+                  chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """Host rows of kind.file_type (uint8 [..., blocks · size], contiguous) -> the same rows as `kind` on
+    `device`. Off the CPU the file's bytes are copied there as they are and rearranged there in place
+    (`rearrange_in_place`): a GPU does it at its memory's bandwidth where the host takes about a
+    second per GB (runtime/weights.py loads tens of GB this way), and the device never holds a
+    second copy of the matrix. On the CPU, a new tensor (to_rows_layout)."""
+    if device.type == "cpu":
+        return to_rows_layout(raw, kind)
+    return rearrange_in_place(raw.to(device), kind, chunk_bytes)
+
+
+def rearrange_in_place(raw: torch.Tensor, kind: RowsFirstType, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """Rows of kind.file_type (uint8 [..., blocks · size], contiguous and writable) rewritten as `kind`,
+    `chunk_bytes` of whole rows at a time (at least one row); returns raw."""
+    if not raw.is_contiguous():
+        raise ValueError("rearrange_in_place: rows must be contiguous")
+    rows = raw.view(-1, raw.shape[-1])
+    step = max(1, chunk_bytes // max(1, rows.shape[-1]))
+    for start in range(0, rows.shape[0], step):
+        part = rows[start:start + step]
+        part.copy_(to_rows_layout(part, kind))
+    return raw
 
 
 def to_ggml_layout(raw: torch.Tensor, kind: RowsFirstType) -> torch.Tensor:

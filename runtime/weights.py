@@ -25,7 +25,7 @@ from specconv.runtime.backend import for_device
 from specconv.runtime.dequant import SUPPORTED, require_supported, row_bytes
 from specconv.runtime.gguf_file import GGUFModelFile
 from specconv.runtime.placement import Placement
-from specconv.runtime.rows_first import RowsFirstType, to_rows_layout
+from specconv.runtime.rows_first import RowsFirstType, moved_as_rows
 from specconv.runtime.stored import ReadCounter, StoredWeight
 
 MODES = ("stored", "dense")
@@ -75,8 +75,8 @@ def load_tensor(file: GGUFModelFile, name: str, device: torch.device, dtype: tor
     qtype = t.tensor_type
     if not offload:  # resident: in the type the device's backend keeps it in (the file's, on the CPU)
         qtype = for_device(device).stored_type(qtype, shape)
-        if isinstance(qtype, RowsFirstType):  # rearranged on the host, so the device holds one copy
-            raw = to_rows_layout(raw, qtype)
-        if device.type != "cpu":
+        if isinstance(qtype, RowsFirstType):  # rearranged where it will stay, one copy of the bytes there
+            raw = moved_as_rows(raw, qtype, device)
+        elif device.type != "cpu":
             raw = raw.to(device)  # resident on the device, still packed
     return StoredWeight(raw, qtype, shape, dtype, device, counter)

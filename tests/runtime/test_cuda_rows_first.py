@@ -57,6 +57,23 @@ def test_the_layout_holds_the_file_bytes_rearranged():
     assert row_bytes(kind, 512) == row_bytes(kind.file_type, 512)
 
 
+@pytest.mark.parametrize("chunk_rows", [0.5, 1, 2.5, 7, 100])
+def test_a_device_rearranges_the_rows_in_place_a_chunk_at_a_time(chunk_rows):
+    """Off the CPU the file's bytes go to the device as they are and are rewritten there, a chunk of
+    whole rows at a time (less than a row: one row), with the bits of to_rows_layout."""
+    kind = Q8_0_ROWS
+    packed, _ = matrix(kind.file_type, 7, 512, seed=13)
+    work = packed.clone()
+    out = rows_first.rearrange_in_place(work, kind, chunk_bytes=int(chunk_rows * packed.shape[1]))
+    assert out.data_ptr() == work.data_ptr()
+    assert torch.equal(out, rows_first.to_rows_layout(packed, kind))
+    with pytest.raises(ValueError, match="contiguous"):
+        rows_first.rearrange_in_place(packed.t(), kind)
+    on_meta = rows_first.moved_as_rows(packed, kind, torch.device("meta"), chunk_bytes=packed.shape[1])
+    assert on_meta.is_meta and on_meta.shape == packed.shape and on_meta.dtype == torch.uint8
+    assert torch.equal(rows_first.moved_as_rows(packed, kind, torch.device("cpu")), out)
+
+
 @pytest.mark.parametrize("qtype, shape, kept", [
     (QType.Q8_0, (2048, 6144), Q8_0_ROWS), (QType.Q8_0, (10, 256), Q8_0_ROWS), (QType.Q8_0, (10, 1280), Q8_0_ROWS),
     (QType.Q8_0, (10, 288), None), (QType.Q8_0, (4, 64, 512), None), (QType.Q6_K, (64, 512), None),
