@@ -48,6 +48,13 @@ def _f16(ptr, mask):
 
 
 @triton.jit
+def _f16_even(ptr, mask):
+    """The f16 at an even address `ptr` (a uint8 pointer), widened exactly to float32: one 2-byte load
+    (a rows-first row's scales, runtime/rows_first.py: every row starts 16-byte aligned)."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _k_scale_min(ptr, s: tl.constexpr, mask):
     """Q4_K / Q5_K: the 6-bit scale and min of sub-block s from the 12 bytes at `ptr`. Sub-blocks
     0-3 take the low 6 bits of bytes s and s+4; 4-7 a nibble of byte s+4 and the top 2 bits of
@@ -77,7 +84,7 @@ def _decode(rows, blk, s: tl.constexpr, i, row_ok, blk_ok, n_in, QTYPE: tl.const
     elif QTYPE == Q8_0_ROWS:  # a row's 32-value blocks of q (n_in bytes), then its blocks' d
         values = rows[:, None, None] + (blk.to(tl.int64) * 32)[None, :, None] + i[None, None, :]
         q = tl.load(values, mask=ok, other=0).to(tl.int8, bitcast=True)
-        return q.to(tl.float32) * _f16(rows[:, None] + n_in + 2 * blk.to(tl.int64)[None, :], ok2)[:, :, None]
+        return q.to(tl.float32) * _f16_even(rows[:, None] + n_in + 2 * blk.to(tl.int64)[None, :], ok2)[:, :, None]
     elif QTYPE == Q4_K or QTYPE == Q5_K:  # x = (d * scale) * q - (dmin * min)
         scale, low_min = _k_scale_min(base + 4, s, ok2)
         step = _f16(base, ok2) * scale.to(tl.float32)
@@ -287,7 +294,7 @@ def _dot_sums(x_ptr, rows, row_ok, n_in, first, last, stride_x, ROWS: tl.constex
             at = m[:, None] * stride_x + k[None, :]
             x = _input(x_ptr, x_ptr, at, at, m_ok[:, None] & k_ok[None, :], NO_ACTIVATION)
             q = tl.load(rows[None, :] + k[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0)
-            d = _f16(rows + n_in + 2 * b, row_ok & (tl.full([BLOCK_N], 0, tl.int32) + b < last))
+            d = _f16_even(rows + n_in + 2 * b, row_ok & (tl.full([BLOCK_N], 0, tl.int32) + b < last))
             acc += _dot(x, q.to(tl.int8, bitcast=True), WIDE) * d[None, :]
     return acc
 
