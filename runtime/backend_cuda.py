@@ -33,21 +33,6 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   latent cells with V the view of their first kv_lora entries (each cell read once), the query in
   its two pieces and DSA's chosen keys as the key mask; `index_scores` (DSA's lightning indexer)
   runs kernels_triton.index_scores. One launch each, one program per row (batch-invariant).
-* Gated DeltaNet states in ring slots (`slot_states`): `causal_conv_slots` and `delta_rule_slots`
-  run kernels_triton.causal_conv / gdn_step, one launch each for up to MAX_TOKENS tokens, reading
-  the state before the batch from its slot and writing each kept token's state into its own slot
-  (slot indices as device tensors: nothing read on the host, a rollback picks a slot). Longer
-  inputs take kernels_triton.gdn_chunked for the delta rule (chunks of 64 tokens, one launch) and
-  the torch conv; inside `batch_invariant(True)` only a prompt's prefix does (`prompt_prefix`),
-  other long batches take the kernels in pieces of MAX_TOKENS tokens, so that each of their tokens
-  gets the bits of a decode step. float64 states take the torch forms.
-  `delta_rule_from_conv_slots` hands gdn_step the conv's q, k
-  and the gates' projections as they are: the L2 norms and the gates are computed in its launch
-  (the bits of the separate kernels under the interpreter). `conv_delta_rule_slots` folds the
-  conv in as well (gdn_step's `conv=`) for a batch of up to MAX_TOKENS whose source slot is not a
-  destination (gdn.Recurrence: the memory's spare slot), and both fold the layer's gated output
-  norm (gdn_step's `gated_norm=`, the bits of `gated_rms_norm`'s kernel) where that kernel would
-  take it: the mixer is one launch between its products.
 * `linear_add_rms_norm`: the product that ends a block's mixer or FFN (`linear`'s, `linear_glu`'s)
   with the residual add and RMSNorm after it in the product's launch (kernels_triton
   quant_matmul_add_rms_norm: its last tile to finish adds and normalises the rows, the bits of
@@ -63,53 +48,31 @@ still in host memory, types without a kernel: Q2_K, Q3_K, the legacy and IQ4 typ
   k in one launch (kernels_triton.rope_qk, each head the bits of its own `normed_rope`);
   `normed_rope_store`: that launch also writes k and v into the layer's buffers (rope_qk_store), so
   an attention layer's norms, rope and K/V store are one launch.
-* `route_softmax_topk`: a softmax router's softmax, top-k and renormalisation in one launch
-  (kernels_triton.softmax_topk), one program per row.
-* `route_grouped`: a router with a selection bias, expert groups and scales (sigmoid or softmax
-  scores: DeepSeek-V3, GLM-4.5, Gemma 4, Qwen3-MoE without renormalisation) in one launch
-  (kernels_triton.grouped_topk), one program per row.
-* `add_gated_shared`, `add_shared`: a MoE block's routed sum plus its (sigmoid-gated) shared
-  expert, one launch. `moe_out`: by pairs, the un-gated shared experts' add and the rounding into
-  the compute dtype inside the combine launch (no launch of their own).
-* `moe`: decode and verification batches (up to GATHER_MAX_ROWS rows) of stored experts of a
-  KERNEL_TYPE pair every row with each of its k experts and run experts.ffn once over the n·k
-  pairs, each product `kernels_triton.expert_matmul` (one launch: the expert index read on the
-  device, no gathered copy of the experts' bytes or of x; gate and up together,
-  `expert_matmul_pair`, where `linear_group` gets both); the pairs' outputs summed per row in
-  increasing expert order by `kernels_triton.moe_combine` (one launch), as the torch reference's
-  by-index form sums them, with the same bits. Longer batches and other weights take the torch
-  reference.
+* routed experts and their routers: runtime/backend_cuda_experts.py; Gated DeltaNet's states in
+  ring slots: runtime/backend_cuda_recurrent.py (CudaBackend is both).
 """
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from specconv.archs import names
 from specconv.runtime import dequant, rows_first
-from specconv.runtime.backend import Experts, prompt_prefix, rows_alone
-from specconv.runtime.backend_torch import GATHER_MAX_ROWS, TorchBackend
-from specconv.runtime.graphs import gdn
-from specconv.runtime.graphs.ops import dense
+from specconv.runtime.backend import rows_alone
+from specconv.runtime.backend_cuda_base import KERNEL_DTYPES, count_read, joined_rows
+from specconv.runtime.backend_cuda_experts import CudaExperts, PairedExperts
+from specconv.runtime.backend_cuda_recurrent import CudaRecurrence
+from specconv.runtime.backend_torch import GATHER_MAX_ROWS
 from specconv.runtime.stored import StoredWeight
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-
-class CudaBackend(TorchBackend):
+class CudaBackend(CudaExperts, CudaRecurrence):
     name = "cuda"
     static_kv = True
     slot_states = True
 
     def __init__(self, kernels=None, device_types: tuple[str, ...] = ("cuda",)):
-        """`kernels`: the kernel module (runtime/kernels_triton; found by itself when None: none without
-        Triton). `device_types`: where the kernels run (the CPU too under TRITON_INTERPRET=1, which is
-        how the tests run this backend without a GPU)."""
-        self.kernels = _triton_kernels() if kernels is None else kernels
-        self.device_types = device_types
+        super().__init__(kernels, device_types)
         self._head_indices: dict = {}  # (heads, device) -> linear_per_head's pair -> head index
 
     def stored_type(self, qtype, shape: tuple[int, ...]):
@@ -117,10 +80,6 @@ class CudaBackend(TorchBackend):
         (runtime/rows_first.py) where the kernels run."""
         kept = rows_first.kept_as(qtype, shape) if self.kernels is not None else None
         return qtype if kept is None else kept
-
-    def _kernel_for(self, raw: torch.Tensor, qtype) -> bool:
-        return (self.kernels is not None and qtype in self.kernels.KERNEL_TYPES
-                and raw.device.type in self.device_types and raw.numel() > 0)
 
     def dequantize_rows(self, raw: torch.Tensor, qtype, dtype: torch.dtype) -> torch.Tensor:
         # F32 rows into another dtype: torch's one cast launch, rounded as the reference rounds
@@ -175,7 +134,7 @@ class CudaBackend(TorchBackend):
         """(bytes, type) the product kernel reads for w: a stored matrix's (counted as a use), a dense
         float32 one's as F32."""
         if isinstance(w, StoredWeight):
-            _count(w)
+            count_read(w)
             return w.raw, w.qtype
         return w.view(torch.uint8), QType.F32
 
@@ -243,7 +202,7 @@ class CudaBackend(TorchBackend):
             if len(members) < 2:
                 continue
             for i in members:
-                _count(ws[i])
+                count_read(ws[i])
             ys = self.kernels.grouped_matmul(packed_x, [ws[i].raw for i in members], qtype,
                                              [ws[i].shape[0] for i in members], x.shape[-1])
             for i, y in zip(members, ys):
@@ -267,7 +226,7 @@ class CudaBackend(TorchBackend):
         pieces = [self.kernels.expert_matmul(x[a:a + GATHER_MAX_ROWS].reshape(-1, n_in), w.raw, w.qtype, w.shape[1],
                                              n_in, index[:min(GATHER_MAX_ROWS, n - a) * heads])
                   for a in range(0, n, GATHER_MAX_ROWS)]
-        return _joined(pieces).view(n, heads, w.shape[1])
+        return joined_rows(pieces).view(n, heads, w.shape[1])
 
     def _head_index(self, heads: int, device: torch.device) -> torch.Tensor:
         """[GATHER_MAX_ROWS · heads] int32: pair r's head r % heads, made on the device once (its first
@@ -277,101 +236,7 @@ class CudaBackend(TorchBackend):
             self._head_indices[key] = torch.arange(GATHER_MAX_ROWS * heads, dtype=torch.int32, device=device) % heads
         return self._head_indices[key]
 
-    # ---- routed experts ------------------------------------------------------------------------------
-    def moe(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts) -> torch.Tensor:
-        if self._pairs_fit(x, weights, experts):
-            return self.moe_by_pairs(x, weights, chosen, experts)
-        return super().moe(x, weights, chosen, experts)
-
-    def moe_out(self, x, weights, chosen, experts: Experts, shared=None) -> torch.Tensor:
-        """By pairs, the shared experts' add and the rounding into x's dtype inside the combine launch
-        (shared: x's dtype and shape [n, out], on x's device)."""
-        width = experts.down.shape[1]
-        if self._pairs_fit(x, weights, experts) and (shared is None or (
-                shared.dtype == x.dtype and shared.device == x.device and shared.shape == (x.shape[0], width))):
-            return self.moe_by_pairs(x, weights, chosen, experts, shared, x.dtype)
-        return super().moe_out(x, weights, chosen, experts, shared)
-
-    def _pairs_fit(self, x: torch.Tensor, weights: torch.Tensor, experts: Experts) -> bool:
-        """Whether moe_by_pairs takes the batch: decode / verification rows, stored experts of a kernel type."""
-        stored = [w for w in (experts.gate, experts.up, experts.down) if w is not None]
-        return (0 < x.shape[0] <= GATHER_MAX_ROWS and x.dtype in KERNEL_DTYPES and weights.dtype in KERNEL_DTYPES
-                and all(isinstance(w, StoredWeight) and w.ndim == 3 and self._kernel_for(w.raw, w.qtype)
-                        and w.raw.device == x.device and self.kernels.result_dtype(w.qtype, x.dtype) == x.dtype
-                        for w in stored))
-
-    def route_softmax_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One launch (kernels_triton.softmax_topk) for float32 logits of up to MAX_ROUTED_EXPERTS
-        experts: the chosen set is the reference's where no logits tie (a tie: the lowest index)."""
-        if not (self._pointwise(logits, dtypes=(torch.float32,)) and logits.dim() == 2
-                and 0 < k <= logits.shape[-1] <= self.kernels.MAX_ROUTED_EXPERTS):
-            return super().route_softmax_topk(logits, k)
-        return self.kernels.softmax_topk(logits.contiguous(), k)
-
-    def route_grouped(self, logits, k, gating, bias=None, groups=1, groups_used=1, renormalise=True, scale=1.0,
-                      expert_scale=None):
-        """One launch (kernels_triton.grouped_topk) for float32 logits of up to MAX_ROUTED_EXPERTS experts
-        and float32 bias / expert scale vectors on their device: the reference's chosen experts
-        (equal choices: the lowest index) wherever the kernel's scores have its bits."""
-        n_experts = logits.shape[-1] if logits.dim() == 2 else 0
-        vectors = [t for t in (bias, expert_scale) if t is not None]
-        grouped = groups is not None and groups > 1 and groups_used != groups
-        if not (self._pointwise(logits, *vectors, dtypes=(torch.float32,)) and 0 < k <= n_experts
-                and n_experts <= self.kernels.MAX_ROUTED_EXPERTS and all(t.shape == (n_experts,) for t in vectors)
-                and gating in (names.EXPERT_GATING_SIGMOID, names.EXPERT_GATING_SOFTMAX)
-                and (not grouped or (n_experts % groups == 0 and n_experts // groups >= 2
-                                     and 0 < groups_used < groups and k <= groups_used * (n_experts // groups)))):
-            return super().route_grouped(logits, k, gating, bias, groups, groups_used, renormalise, scale, expert_scale)
-        bias, expert_scale = (None if t is None else t.contiguous() for t in (bias, expert_scale))
-        return self.kernels.grouped_topk(logits.contiguous(), k, gating == names.EXPERT_GATING_SIGMOID, bias,
-                                         groups=groups if grouped else 1, groups_used=groups_used if grouped else 1,
-                                         renormalise=renormalise, scale=scale, expert_scale=expert_scale)
-
-    def add_shared(self, routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-        """One launch (kernels_triton.add_shared) for a float32 routed sum."""
-        if not (self._pointwise(shared) and self._pointwise(routed, dtypes=(torch.float32,)) and shared.dim() == 2
-                and routed.shape == shared.shape and routed.device == shared.device):
-            return super().add_shared(routed, shared)
-        return self.kernels.add_shared(routed.contiguous(), shared.contiguous())
-
-    def add_gated_shared(self, routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """One launch (kernels_triton.add_gated_shared) for float32 routed sums and gate logits."""
-        if not (self._pointwise(shared) and self._pointwise(routed, gate, dtypes=(torch.float32,))
-                and shared.dim() == 2 and routed.shape == shared.shape and gate.shape == (shared.shape[0], 1)
-                and routed.device == gate.device == shared.device):
-            return super().add_gated_shared(routed, shared, gate)
-        return self.kernels.add_gated_shared(routed.contiguous(), shared.contiguous(), gate.contiguous())
-
-    def moe_by_pairs(self, x, weights, chosen, experts: Experts, shared=None,
-                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Every (row, slot) pair through its expert at once: experts.ffn over the n·k pairs in row-major
-        order, each product expert_matmul (the first ones read each row of x once for its k pairs);
-        then kernels_triton.moe_combine adds a row's terms in increasing expert order, as the by-index
-        reference does (then `shared`, rounded into out_dtype: moe_out). No sort, gather or repeated
-        copy of x: one launch per product, one to combine."""
-        pairs = chosen.reshape(-1)
-        y = experts.ffn(x, *(None if w is None else PairedExperts(w, pairs)
-                             for w in (experts.gate, experts.up, experts.down)))
-        return self.kernels.moe_combine(y.reshape(pairs.shape[0], -1), weights.contiguous(), chosen.contiguous(),
-                                        None if shared is None else shared.contiguous(), out_dtype)
-
     # ---- around the products: one kernel each ------------------------------------------------------
-    def _pointwise(self, *tensors: torch.Tensor, dtypes=KERNEL_DTYPES) -> bool:
-        """Whether the one-launch kernels of norms, rope and activations take these tensors."""
-        return (self.kernels is not None and all(t.device.type in self.device_types and t.dtype in dtypes
-                                                  and t.device == tensors[0].device for t in tensors))
-
-    def _norm_weight(self, weight, x: torch.Tensor):
-        """A norm's weight as a tensor the kernel reads (None: no weight), or False where it cannot."""
-        if weight is None:
-            return None
-        values = weight.dense(torch.float32) if isinstance(weight, StoredWeight) else weight
-        fits = values.dim() == 1 and values.shape[0] == x.shape[-1] and self._pointwise(x, values)
-        return values if fits else False
-
-    def _norm_fits(self, x: torch.Tensor) -> bool:
-        return self._pointwise(x) and x.dim() > 0 and 0 < x.shape[-1] <= self.kernels.MAX_NORM_WIDTH
-
     def rms_norm(self, x: torch.Tensor, weight, eps: float) -> torch.Tensor:
         values = self._norm_weight(weight, x) if self._norm_fits(x) else False
         if values is False:
@@ -545,190 +410,3 @@ class CudaBackend(TorchBackend):
                 and cells.device == k.device and cells.dtype == torch.int64 and cells.dim() == 1):
             return super().write_kv(k_cache, v_cache, cells, k, v)
         self.kernels.write_kv(k_cache, v_cache, cells, k, v)
-
-    # ---- Gated DeltaNet, states in ring slots ------------------------------------------------------
-    def _recurrent_kernels(self, ring: torch.Tensor, *tensors: torch.Tensor) -> bool:
-        """Whether the Triton recurrent kernels take a float32 ring and these inputs."""
-        return (self.kernels is not None and ring.device.type in self.device_types and ring.dtype == torch.float32
-                and all(t.dtype in KERNEL_DTYPES for t in tensors))
-
-    def _recurrent_pieces(self, n: int, ring: torch.Tensor, *tensors: torch.Tensor) -> bool:
-        """Whether the Triton recurrent kernels take these n tokens (in pieces where n > MAX_TOKENS)."""
-        return self._recurrent_kernels(ring, *tensors) and (n <= self.kernels.MAX_TOKENS or rows_alone())
-
-    def _chunked(self, n: int, ring: torch.Tensor, *tensors: torch.Tensor) -> bool:
-        """Whether n tokens take the chunked kernel (kernels_triton.gdn_chunked, one launch): more than a
-        gdn_step launch holds, outside batch-invariant mode or in a prompt's prefix
-        (backend.prompt_prefix, evaluated alike by plain and speculative decoding). Other long batches
-        in batch-invariant mode — a verification of more than MAX_TOKENS - 1 drafts, its re-evaluation
-        after a checkpoint rollback — keep gdn_step's per-token bits, as the decode steps they must
-        equal."""
-        return (self._recurrent_kernels(ring, *tensors) and n > self.kernels.MAX_TOKENS
-                and (not rows_alone() or prompt_prefix()))
-
-    def causal_conv_slots(self, m, ring, weight, src_slot, dst_slots):
-        n = m.shape[0]
-        if not (self._recurrent_pieces(n, ring, m) and ring.shape[1] >= 1):
-            return super().causal_conv_slots(m, ring, weight, src_slot, dst_slots)
-        values = weight.dense(torch.float32) if isinstance(weight, StoredWeight) else weight.to(torch.float32)
-        return _joined([self.kernels.causal_conv(m[a:b], ring, values, src, dst)
-                        for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
-
-    def delta_rule_slots(self, q, k, v, g, beta, ring, src_slot, dst_slots, key_heads: str = gdn.TILED):
-        """The kernel reads each value head's key head (`key_heads` layout) and every input in its
-        dtype: q, k with the key heads only and v in the compute dtype need no copy first."""
-        n = q.shape[0]
-        group = v.shape[1] // q.shape[1] if key_heads == gdn.GROUPED else 1  # value heads per key head, in order
-        if self._chunked(n, ring, q, k, v, g, beta):
-            return self.kernels.gdn_chunked(q, k, v, g, beta, ring, src_slot, dst_slots, group=group)
-        if not self._recurrent_pieces(n, ring, q, k, v, g, beta):
-            return super().delta_rule_slots(q, k, v, g, beta, ring, src_slot, dst_slots, key_heads)
-        return _joined([self.kernels.gdn_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ring, src, dst, group=group)
-                        for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
-
-
-    def delta_rule_from_conv_slots(self, q, k, v, b, alpha, a, dt_bias, eps: float, scale: float, ring,
-                                   src_slot, dst_slots, key_heads: str = gdn.TILED, gated_norm=None):
-        """One gdn_step launch (per piece of MAX_TOKENS) with q and k's norms and the gates in it, and
-        the output norm where `gated_norm` is given and `_folded_norm` takes it; b, alpha [n, nv] or
-        Qwen3-Next's [n, nk, r] views read through their strides."""
-        n = q.shape[0]
-        weights = tuple(dense(w, torch.float32) for w in (a, dt_bias))
-        # a long batch the chunked kernel takes: the norms and gates first (their kernels), then it
-        if self._chunked(n, ring, q, k, v, b, alpha) or not (
-                self._recurrent_pieces(n, ring, q, k, v, b, alpha) and b.dim() in (2, 3) and b.shape == alpha.shape
-                and all(w.device == q.device for w in weights)
-                and all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (q, k, b, alpha))):
-            return super().delta_rule_from_conv_slots(q, k, v, b, alpha, a, dt_bias, eps, scale, ring, src_slot,
-                                                      dst_slots, key_heads, gated_norm)
-        group = v.shape[1] // q.shape[1] if key_heads == gdn.GROUPED else 1
-        folded = self._folded_norm(v, gated_norm)
-        out = _joined([self.kernels.gdn_step(q[start:end], k[start:end], v[start:end], alpha[start:end],
-                                             b[start:end], ring, src, dst, group=group, eps=eps, scale=scale,
-                                             gate_weights=weights, gated_norm=_rows(folded, start, end))
-                       for start, end, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
-        return self._normed_apart(out, gated_norm, folded)
-
-    def conv_delta_rule_slots(self, m, windows, conv_weight, heads, b, alpha, a, dt_bias, eps: float, scale: float,
-                              ring, src_slot, dst_slots, key_heads: str = gdn.TILED, gated_norm=None):
-        """The conv folded into gdn_step's launch too (`conv=`), and the output norm where `gated_norm`
-        is given and `_folded_norm` takes it: one launch for the mixer between its products, for a
-        batch of one launch (MAX_TOKENS: a longer one reads ring_pieces' scratch slot it writes)."""
-        n = m.shape[0]
-        q, k, v = gdn.qkv_heads(m, heads)
-        values = dense(conv_weight, torch.float32)
-        weights = tuple(dense(w, torch.float32) for w in (a, dt_bias))
-        if not (n <= self.kernels.MAX_TOKENS and self._recurrent_pieces(n, ring, m, b, alpha)
-                and windows.dtype == torch.float32 and windows.device == ring.device and windows.shape[1] >= 1
-                and m.stride(-1) == 1 and b.dim() in (2, 3) and b.shape == alpha.shape
-                and all(w.device == m.device for w in (values,) + weights)
-                and all(t.shape[-1] <= 1 or t.stride(-1) == 1 for t in (b, alpha))):
-            return super().conv_delta_rule_slots(m, windows, conv_weight, heads, b, alpha, a, dt_bias, eps, scale, ring,
-                                                 src_slot, dst_slots, key_heads, gated_norm)
-        group = heads[2] // heads[0] if key_heads == gdn.GROUPED else 1
-        folded = self._folded_norm(v, gated_norm)
-        out = self.kernels.gdn_step(q, k, v, alpha, b, ring, src_slot, dst_slots, group=group, eps=eps, scale=scale,
-                                    gate_weights=weights, conv=(windows, values), gated_norm=folded)
-        return self._normed_apart(out, gated_norm, folded)
-
-    def _folded_norm(self, v: torch.Tensor, gated_norm):
-        """gated_norm = (weight, gate, eps, out_dtype) as gdn_step's `gated_norm=` takes it (the
-        weight's float32 values), or None where the norm kernel would not take it: the rule's o is
-        then normed by `gated_rms_norm` (`_normed_apart`). v [n, nv, dv] stands for o's shape."""
-        if gated_norm is None:
-            return None
-        weight, gate, eps, out_dtype = gated_norm
-        values = self._norm_weight(weight, v) if self._norm_fits(v) and self._pointwise(v, gate) else False
-        if (values is False or values is None or gate.shape != v.shape or out_dtype not in (None,) + KERNEL_DTYPES
-                or (gate.shape[-1] > 1 and gate.stride(-1) != 1)):
-            return None
-        return values, gate, eps, out_dtype
-
-    def _normed_apart(self, out: torch.Tensor, gated_norm, folded) -> torch.Tensor:
-        """gdn_step's result: y where the norm was folded in, else o (normed here where asked)."""
-        return out if gated_norm is None or folded is not None else self.gated_rms_norm(out, *gated_norm)
-
-
-class PairedExperts:
-    """One weight per pair: pair r is multiplied by expert pairs[r] of a stored 3-D expert tensor
-    [E, out, in] (what CudaBackend.moe_by_pairs hands experts.ffn in place of one expert's 2-D
-    slice). Only CudaBackend.linear takes it, with activations of one row per pair, or of one row per
-    P / rows consecutive pairs (x itself, before the first product: [P, out] out either way)."""
-
-    __slots__ = ("experts", "pairs")
-    ndim = 2
-
-    def __init__(self, experts: StoredWeight, pairs: torch.Tensor):
-        self.experts, self.pairs = experts, pairs
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.experts.shape[1:])
-
-    def pairs_with(self, other: "PairedExperts") -> bool:
-        """Whether expert_matmul_pair takes both: the same pairs, expert tensors of one type and layout."""
-        a, b = self.experts, other.experts
-        return (self.pairs is other.pairs and a.qtype == b.qtype and a.shape == b.shape
-                and a.raw.shape == b.raw.shape and a.raw.stride() == b.raw.stride() and a.raw.device == b.raw.device)
-
-    def rows_of(self, x: torch.Tensor, *others: "PairedExperts") -> tuple[torch.Tensor, int]:
-        """(x as [rows, in], pairs per row), counting the read experts' bytes (where a counter is attached)."""
-        for w in (self, *others):
-            if w.experts.counter is not None:
-                w.experts.counter.bytes += w.experts.raw[0].numel() * w.pairs.shape[0]
-        xs = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, self.shape[1])  # row strides kept
-        return xs, (self.pairs.shape[0] // xs.shape[0] if xs.shape[0] else 1)
-
-
-def _count(w: StoredWeight) -> None:
-    """Add a product's read of w's bytes to its counter (where one is attached)."""
-    if w.counter is not None:
-        w.counter.bytes += w.raw.numel()
-
-
-def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """The pieces' rows in order: a single piece as it is (no copy, no launch)."""
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-
-
-def _rows(gated_norm, start: int, end: int):
-    """gdn_step's `gated_norm=` for the piece of tokens start..end-1: its gate's rows."""
-    if gated_norm is None:
-        return None
-    weight, gate, eps, out_dtype = gated_norm
-    return weight, gate[start:end], eps, out_dtype
-
-
-def ring_pieces(n: int, step: int, src_slot: torch.Tensor, dst_slots: torch.Tensor):
-    """(start, end, source slot, destination slots) of n tokens cut into pieces of at most `step`, for
-    a kernel that reads the state before its piece from one slot and writes the states after the
-    piece's last len(destinations) tokens: the batch's kept tokens (its last len(dst_slots)) go to
-    their own slots; a piece holding none of them leaves its last state in the batch's last
-    destination slot, which the next piece reads and the last kept token finally overwrites. The
-    slots stay device tensors (slices: no host read)."""
-    keep = dst_slots.shape[0]
-    first_kept = n - keep
-    scratch = dst_slots[keep - 1:]
-    source = src_slot
-    for a in range(0, n, step):
-        b = min(a + step, n)
-        if b <= first_kept:
-            yield a, b, source, scratch
-            source = scratch
-        else:
-            lo = max(a, first_kept) - first_kept
-            yield a, b, source, dst_slots[lo:b - first_kept]
-            source = dst_slots[b - 1 - first_kept:b - first_kept]
-
-
-def _triton_kernels():
-    """runtime/kernels_triton where Triton can run its kernels here, else None; on a machine with a
-    GPU, why not is said once (the torch reference then runs every operation, far slower)."""
-    from specconv.runtime import kernels_triton
-
-    why = kernels_triton.why_unavailable()
-    if why is None:
-        return kernels_triton
-    if torch.cuda.is_available():
-        sys.stderr.write(f"warning: the CUDA kernels are off: {why}; the torch reference backend runs instead\n")
-    return None

@@ -12,7 +12,7 @@ The tokens go through chunks of CHUNK in order (runtime/graphs/gdn.py `chunked_d
 formulas, _chunked_jit.py), each chunk's products on [CHUNK, dk] tiles: one launch for the whole
 input, where gdn_step takes MAX_TOKENS tokens a launch. The sums run in another order than the
 recurrence's, so a token's bits depend on its chunk: the CUDA backend takes this form for prompts
-only (runtime/backend_cuda.py `delta_rule_slots`). Outputs and the final state do not depend on
+only (runtime/backend_cuda_recurrent.py `delta_rule_slots`). Outputs and the final state do not depend on
 `keep`; the kept states before the last are computed besides (one product each).
 """
 

@@ -1,5 +1,5 @@
 """The chunked gated delta rule kernel (runtime/kernels_triton/gdn_chunked.py) and where the CUDA
-backend takes it (runtime/backend_cuda.py `delta_rule_slots`):
+backend takes it (runtime/backend_cuda_recurrent.py `delta_rule_slots`):
 
 * the kernel against runtime/graphs/gdn.py's recurrence evaluated in float64 (the exact reference;
   the torch float32 recurrence's own error printed beside it) on the released head shapes (dk = dv

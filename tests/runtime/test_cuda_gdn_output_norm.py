@@ -1,5 +1,5 @@
 """gdn_step with the Gated DeltaNet's gated output norm folded in (runtime/kernels_triton/gdn.py
-`gated_norm=`; runtime/backend_cuda.py `conv_delta_rule_slots` / `delta_rule_from_conv_slots`):
+`gated_norm=`; runtime/backend_cuda_recurrent.py `conv_delta_rule_slots` / `delta_rule_from_conv_slots`):
 
 * one launch = the two launches it replaces (gdn_step, then kernels_triton.rms_norm with the gate
   and out_dtype), y and every kept state bit for bit under Triton's interpreter: bf16 and float32,
@@ -34,6 +34,7 @@ from specconv.archs.errors import SpecconvError  # noqa: E402
 from specconv.runtime import backend as backend_module, kernels_triton as kt  # noqa: E402
 from specconv.runtime.backend import batch_invariant  # noqa: E402
 from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
+from specconv.runtime.backend_cuda_base import CudaKernelBase  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
 from specconv.runtime.graphs import gdn  # noqa: E402
 from specconv.runtime.kernels_triton import _common  # noqa: E402
@@ -188,7 +189,7 @@ def test_the_backend_folds_the_norm_and_keeps_the_reference(key_heads, monkeypat
     y, rings = call(CUDA, n, z[:n])
     assert launched == ["gdn_step"] and counters_at_rest()
     launched.clear()
-    o_sep, rings_sep = call(super(CudaBackend, CUDA), n, None)  # TorchBackend's method: the conv, the step
+    o_sep, rings_sep = call(super(CudaKernelBase, CUDA), n, None)  # TorchBackend's method: the conv, the step
     y_sep = CUDA.gated_rms_norm(o_sep, w, z[:n], EPS, BF16)  # then the norm
     assert launched == ["causal_conv", "gdn_step", "rms_norm"]
     if not ON_GPU:

@@ -1,5 +1,5 @@
 """gdn_step with the Gated DeltaNet's L2 norms of q, k and its gates folded in (runtime/kernels_triton/
-gdn.py `eps=`, `scale=`, `gate_weights=`; runtime/backend_cuda.py `delta_rule_from_conv_slots`):
+gdn.py `eps=`, `scale=`, `gate_weights=`; runtime/backend_cuda_recurrent.py `delta_rule_from_conv_slots`):
 
 * the fused kernel = the separate kernels (l2_norm of q with scale and of k, gdn_gates, then
   gdn_step on their float32 results): outputs and every kept state bit for bit under Triton's
@@ -35,6 +35,7 @@ from specconv.archs.errors import SpecconvError  # noqa: E402
 from specconv.runtime import backend as backend_module, kernels_triton as kt  # noqa: E402
 from specconv.runtime.backend import batch_invariant  # noqa: E402
 from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
+from specconv.runtime.backend_cuda_base import CudaKernelBase  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
 from specconv.runtime.graphs import gdn  # noqa: E402
 
@@ -262,7 +263,7 @@ def test_the_backend_folds_the_conv_into_one_launch_where_it_may(key_heads, monk
     o, rings = call(CUDA, n)
     assert launched == ["gdn_step"]
     launched.clear()
-    o_sep, rings_sep = call(super(CudaBackend, CUDA), n)  # TorchBackend's method: the conv, then the step
+    o_sep, rings_sep = call(super(CudaKernelBase, CUDA), n)  # TorchBackend's method: the conv, then the step
     assert launched == ["causal_conv", "gdn_step"]
     diff = float((o - o_sep).abs().max())
     print(f"\n[{WHERE}] conv_delta_rule_slots {key_heads}: one launch; max |Δ| vs separate conv {diff:.1e}")

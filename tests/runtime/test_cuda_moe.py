@@ -1,4 +1,4 @@
-"""Routed experts by index on the CUDA backend (runtime/backend_cuda.py `moe_by_pairs`,
+"""Routed experts by index on the CUDA backend (runtime/backend_cuda_experts.py `moe_by_pairs`,
 runtime/kernels_triton `expert_matmul`): each (row, slot) pair multiplied by its expert in one launch,
 the expert index read on the device.
 

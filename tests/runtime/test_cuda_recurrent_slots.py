@@ -1,4 +1,4 @@
-"""The CUDA backend's Gated DeltaNet in ring slots (runtime/backend_cuda.py `causal_conv_slots`,
+"""The CUDA backend's Gated DeltaNet in ring slots (runtime/backend_cuda_recurrent.py `causal_conv_slots`,
 `delta_rule_slots` -> runtime/kernels_triton's causal_conv and gdn_step): a tiny Qwen3.5 run through
 the CUDA backend's code path against the torch reference backend, and against itself token by token.
 
@@ -199,7 +199,7 @@ def test_quantized_forward_equals_the_torch_backend(tmp_path_factory):
 
 @pytest.mark.parametrize("keep,slots", [(1, 3), (5, 7), (20, 22), (1, 1)], ids=["keep1", "keep5", "keep20", "one-slot"])
 def test_prompts_in_pieces_give_the_bits_of_one_token_launches(keep, slots):
-    """37 tokens in batch-invariant mode: the kernels in pieces of MAX_TOKENS (backend_cuda.ring_pieces),
+    """37 tokens in batch-invariant mode: the kernels in pieces of MAX_TOKENS (backend_cuda_recurrent.ring_pieces),
     outputs and the kept states bit-identical to 37 one-token launches and within float32 noise of
     the torch form's; only the kept slots (and the source's, in a ring of one) written."""
     n, nv, dk, dv, channels, taps = 37, 2, 16, 32, 40, 4
@@ -256,7 +256,7 @@ def test_prompts_in_pieces_give_the_bits_of_one_token_launches(keep, slots):
 def test_pieces_cover_the_tokens_and_keep_the_last_states():
     """ring_pieces' plan (host arithmetic only): consecutive pieces of at most `step` tokens, each
     reading the slot its predecessor wrote, the kept tokens' states in their own slots."""
-    from specconv.runtime.backend_cuda import ring_pieces
+    from specconv.runtime.backend_cuda_recurrent import ring_pieces
 
     for n, step, keep in [(37, 16, 1), (37, 16, 20), (16, 16, 4), (5, 16, 5), (33, 16, 17)]:
         src, dst = torch.tensor([99]), torch.arange(keep) + 10
