@@ -130,15 +130,27 @@ class _Op:
     operands: list
     element: str
     detail: str  # what else decides its bits (a reduction's axis, operand type and body; a float constant)
+    line: int = 0  # where it stands in the module's text
 
 
-def parse_ops(ttgir: str) -> tuple[dict[str, _Op], list[_Op]]:
-    """(defining op of each SSA value, the tt.reduce ops in program order) of a TTGIR module."""
+class _Defs(dict):
+    """SSA name -> the ops defining it, in text order. Sibling regions (two loops' bodies) may reuse a
+    name: a use means the last definition above it (a name visible at the use is never reused by a
+    region nested below its definition, so no other definition stands between)."""
+
+    def before(self, name: str, line: int) -> _Op | None:
+        ops = [o for o in self.get(name, ()) if o.line < line]
+        return ops[-1] if ops else None
+
+
+def parse_ops(ttgir: str) -> tuple[_Defs, list[_Op]]:
+    """(defining ops of each SSA value, the tt.reduce ops in program order) of a TTGIR module."""
     text, expand = resolve_aliases(ttgir)
     lines = text.splitlines()
-    defs, reduces, i = {}, [], 0
+    defs, reduces, i = _Defs(), [], 0
     while i < len(lines):
         m = _OP.match(lines[i])
+        at = i
         i += 1
         if not m:
             continue
@@ -156,7 +168,7 @@ def parse_ops(ttgir: str) -> tuple[dict[str, _Op], list[_Op]]:
             operand_type = tail.split("(", 1)[1].rsplit(") ->", 1)[0] if "(" in tail else ""
             operand_type = expand(operand_type)
             detail = f"axis={axis.group(1) if axis else '?'} operand={operand_type} body={','.join(body)}"
-            op = _Op(name, _VALUE.findall(rest.split(")", 1)[0]), _element(tail.rsplit("->", 1)[-1]), detail)
+            op = _Op(name, _VALUE.findall(rest.split(")", 1)[0]), _element(tail.rsplit("->", 1)[-1]), detail, at)
             reduces.append(op)
         else:
             args = _LOC.sub("", rest)
@@ -164,12 +176,12 @@ def parse_ops(ttgir: str) -> tuple[dict[str, _Op], list[_Op]]:
             detail = ""
             if name == "arith.constant" and _element(result) in FLOAT_TYPES:
                 detail = args.split(" : ")[0].strip()
-            op = _Op(name, _VALUE.findall(args.split(" : ")[0]), _element(result), detail)
-        defs[value] = op
+            op = _Op(name, _VALUE.findall(args.split(" : ")[0]), _element(result), detail, at)
+        defs.setdefault(value, []).append(op)
     return defs, reduces
 
 
-def reduce_form(op: _Op, defs: dict[str, _Op]) -> str:
+def reduce_form(op: _Op, defs: _Defs) -> str:
     """The float operations a reduction computes and is fed by, in post-order over its operands (see
     the module doc); loads are leaves (their `other` for masked lanes is the source's constant)."""
     seen, out = set(), []
@@ -182,9 +194,10 @@ def reduce_form(op: _Op, defs: dict[str, _Op]) -> str:
             continue
         stack.append((o, True))
         for v in reversed(o.operands):
-            if v in defs and v not in seen:
-                seen.add(v)
-                stack.append((defs[v], False))
+            source = defs.before(v, o.line)
+            if source is not None and id(source) not in seen:
+                seen.add(id(source))
+                stack.append((source, False))
     return "\n".join(out)
 
 
