@@ -47,53 +47,111 @@ def inverse_root(total, eps):
 
 
 @triton.jit
-def norm_row(x, res, w, count, eps, scale, SUM_DTYPE: tl.constexpr, MEAN: tl.constexpr, HAS_RES: tl.constexpr,
-             HAS_SCALE: tl.constexpr, HAS_W: tl.constexpr):
-    """(s, y) of one row of float32 values x (masked lanes 0): s = x (+ res, rounded into SUM_DTYPE),
-    y = s · (Σ s² (/ count with MEAN) + eps)^(-1/2) (· scale) (· w). The one formula of norm_kernel
-    and of the product kernel's norm tail (_quant_jit), so both give a row the same bits. Each square
-    is an FMA with a zero addend (one rounding, the product's value): no launch's FMA contraction
-    can merge it with the sum."""
-    if HAS_RES:
-        x = _rounded(x + res, SUM_DTYPE)
-    total = tl.sum(tl.fma(x, x, 0.0), axis=0)
+def square_sum(x):
+    """Σ x² of a block of float32 values (masked lanes 0). Each square is an FMA with a zero addend
+    (one rounding, the product's value): no launch's FMA contraction can merge it with the sum."""
+    return tl.sum(tl.fma(x, x, 0.0), axis=0)
+
+
+@triton.jit
+def norm_factor(total, count, eps, MEAN: tl.constexpr):
+    """(total (/ count with MEAN) + eps)^(-1/2): what a norm scales its row by."""
     if MEAN:
         total = tl.div_rn(total, count)
-    y = x * inverse_root(total, eps)
+    return inverse_root(total, eps)
+
+
+@triton.jit
+def normed(x, factor, w, scale, HAS_SCALE: tl.constexpr, HAS_W: tl.constexpr):
+    """x · factor (· scale) (· w), in that order."""
+    y = x * factor
     if HAS_SCALE:
         y = y * scale
     if HAS_W:
         y = y * w
-    return x, y
+    return y
+
+
+@triton.jit
+def norm_row(x, res, w, count, eps, scale, SUM_DTYPE: tl.constexpr, MEAN: tl.constexpr, HAS_RES: tl.constexpr,
+             HAS_SCALE: tl.constexpr, HAS_W: tl.constexpr):
+    """(s, y) of one row of float32 values x (masked lanes 0) held in one block: s = x (+ res, rounded
+    into SUM_DTYPE), y = s · (Σ s² (/ count with MEAN) + eps)^(-1/2) (· scale) (· w). The one formula
+    of norm_kernel and of the product kernel's norm tail (_quant_jit), so both give a row the same
+    bits. Rows wider than a block go in blocks (norm_kernel CHUNKS, _quant_jit._norm_tail): the
+    blocks' square_sum added in order from 0.0, then `normed` block by block."""
+    if HAS_RES:
+        x = _rounded(x + res, SUM_DTYPE)
+    return x, normed(x, norm_factor(square_sum(x), count, eps, MEAN), w, scale, HAS_SCALE, HAS_W)
 
 
 @triton.jit
 def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, h_ptr, s_ptr, y_ptr, inner, width, count, stride_xa,
                 stride_xb, stride_ra, stride_rb, stride_za, stride_zb, eps, scale, MEAN: tl.constexpr,
                 HAS_W: tl.constexpr, HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                ADD_TO: tl.constexpr, OUT_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                ADD_TO: tl.constexpr, OUT_SCALE: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
     """Row r (= a · inner + b) of x [A, inner, width]: s = x (+ res, rounded into sum's dtype and
     written to sum), y = s · (Σ s² (/ width with MEAN) + eps)^(-1/2) (· scale, rounded after the
     norm) (· w) (norm_row), with a gate rounded into x's dtype first and multiplied by silu(z); y,
     sum contiguous [A · inner, width]. `count`: width as a float (the mean's divisor). With ADD_TO,
     y is rounded into y's dtype and added to row r of h (contiguous, y's dtype): a sandwich norm's
     output joining the residual stream; with OUT_SCALE that sum, rounded, times the float32 scalar
-    at s_ptr (a layer's output scale)."""
+    at s_ptr (a layer's output scale). The row is one block of BLOCK values, or CHUNKS > 1 blocks:
+    their sums of squares first, added in order, then each block normed (s computed again, the same
+    bits). The blocks are unrolled, so that their loads are in flight together."""
     r = tl.program_id(0).to(tl.int64)  # rows times their stride pass 2^31 in a long prompt
     a = r // inner
     b = r % inner
-    cols = tl.arange(0, BLOCK)
+    x_row = x_ptr + a * stride_xa + b * stride_xb
+    res_row = res_ptr + a * stride_ra + b * stride_rb
+    if CHUNKS > 1:
+        total = 0.0
+        for c in tl.static_range(CHUNKS):
+            cols = c * BLOCK + tl.arange(0, BLOCK)
+            s = _norm_input(x_row, res_row, cols, width, sum_ptr.dtype.element_ty, HAS_RES)
+            total += square_sum(s)
+        factor = norm_factor(total, count, eps, MEAN)
+        for c in tl.static_range(CHUNKS):
+            cols = c * BLOCK + tl.arange(0, BLOCK)
+            s = _norm_input(x_row, res_row, cols, width, sum_ptr.dtype.element_ty, HAS_RES)
+            w = s
+            if HAS_W:
+                w = tl.load(w_ptr + cols, mask=cols < width, other=0.0).to(tl.float32)
+            _norm_out(s, normed(s, factor, w, scale, HAS_SCALE, HAS_W), r, a, b, cols, width, x_ptr, sum_ptr, z_ptr,
+                      h_ptr, s_ptr, y_ptr, stride_za, stride_zb, HAS_RES, HAS_GATE, ADD_TO, OUT_SCALE)
+    else:
+        cols = tl.arange(0, BLOCK)
+        ok = cols < width
+        x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+        res = x
+        if HAS_RES:
+            res = tl.load(res_row + cols, mask=ok, other=0.0).to(tl.float32)
+        w = x
+        if HAS_W:
+            w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        x, y = norm_row(x, res, w, count, eps, scale, sum_ptr.dtype.element_ty, MEAN, HAS_RES, HAS_SCALE, HAS_W)
+        _norm_out(x, y, r, a, b, cols, width, x_ptr, sum_ptr, z_ptr, h_ptr, s_ptr, y_ptr, stride_za, stride_zb,
+                  HAS_RES, HAS_GATE, ADD_TO, OUT_SCALE)
+
+
+@triton.jit
+def _norm_input(x_row, res_row, cols, width, SUM_DTYPE: tl.constexpr, HAS_RES: tl.constexpr):
+    """float32 values `cols` of a row: x, or x + res rounded into SUM_DTYPE (norm_row's s)."""
     ok = cols < width
-    x = tl.load(x_ptr + a * stride_xa + b * stride_xb + cols, mask=ok, other=0.0).to(tl.float32)
-    res = x
+    x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_RES:
-        res = tl.load(res_ptr + a * stride_ra + b * stride_rb + cols, mask=ok, other=0.0).to(tl.float32)
-    w = x
-    if HAS_W:
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    x, y = norm_row(x, res, w, count, eps, scale, sum_ptr.dtype.element_ty, MEAN, HAS_RES, HAS_SCALE, HAS_W)
+        x = _rounded(x + tl.load(res_row + cols, mask=ok, other=0.0).to(tl.float32), SUM_DTYPE)
+    return x
+
+
+@triton.jit
+def _norm_out(s, y, r, a, b, cols, width, x_ptr, sum_ptr, z_ptr, h_ptr, s_ptr, y_ptr, stride_za, stride_zb,
+              HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, ADD_TO: tl.constexpr, OUT_SCALE: tl.constexpr):
+    """norm_kernel's stores for values `cols` of row r: s (with a residual), y after its gate or its
+    add to h (and scale)."""
+    ok = cols < width
     if HAS_RES:
-        tl.store(sum_ptr + r * width + cols, x.to(sum_ptr.dtype.element_ty), mask=ok)
+        tl.store(sum_ptr + r * width + cols, s.to(sum_ptr.dtype.element_ty), mask=ok)
     if HAS_GATE:
         z = tl.load(z_ptr + a * stride_za + b * stride_zb + cols, mask=ok, other=0.0).to(tl.float32)
         y = _rounded(y, x_ptr.dtype.element_ty) * _silu(z)

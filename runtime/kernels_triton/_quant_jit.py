@@ -18,7 +18,7 @@ import triton.language as tl
 
 from specconv.runtime import rows_first
 from specconv.runtime.kernels_triton import matmul
-from specconv.runtime.kernels_triton._pointwise_jit import NO_ACTIVATION, _glu, norm_row
+from specconv.runtime.kernels_triton._pointwise_jit import NO_ACTIVATION, _glu, _rounded, norm_factor, norm_row, normed, square_sum
 
 # ggml type numbers (gguf.GGMLQuantizationType), as compile-time constants
 F32 = tl.constexpr(0)
@@ -345,6 +345,7 @@ def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, count_ptr, s
                       ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PARTIAL: tl.constexpr,
                       LAST_ADDS: tl.constexpr, PAIRS: tl.constexpr, FANOUT: tl.constexpr,
                       MATRICES: tl.constexpr, ACT: tl.constexpr, TAIL: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                      NORM_CHUNKS: tl.constexpr,
                       DOT: tl.constexpr, WIDE: tl.constexpr):
     """y[m, n] = Σ_k x[m, k] W[n, k] for ROWS activation rows (with a GLU activation ACT, x[m, k] =
     act(gate) · up of the rows of x and u: _tile_sums). Program (p, q, r) takes BLOCK_N weight rows
@@ -402,34 +403,61 @@ def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, count_ptr, s
                 tl.store(counter, 0)  # every other piece has counted: zero again for the next launch
                 if TAIL:
                     _norm_tail(y_ptr, h_ptr, nw_ptr, s_ptr, o_ptr, count_ptr + tl.num_programs(0), tl.num_programs(0),
-                               n_out, stride_y, count, eps, ROWS, NORM_BLOCK)
+                               n_out, stride_y, count, eps, ROWS, NORM_BLOCK, NORM_CHUNKS)
     else:
         out = y_ptr + out_row * stride_y + n[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=keep)
         if TAIL:
             _norm_tail(y_ptr, h_ptr, nw_ptr, s_ptr, o_ptr, count_ptr + tl.num_programs(0), tl.num_programs(0), n_out,
-                       stride_y, count, eps, ROWS, NORM_BLOCK)
+                       stride_y, count, eps, ROWS, NORM_BLOCK, NORM_CHUNKS)
 
 
 @triton.jit
 def _norm_tail(y_ptr, h_ptr, w_ptr, s_ptr, o_ptr, counter, tiles, width, stride_y, count, eps, ROWS: tl.constexpr,
-               BLOCK: tl.constexpr):
+               BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
     """Once all `tiles` tiles have stored their part of y (_last_arrival on the launch's counter), the
     last of them: for each of the ROWS rows, s = h + y rounded into s's dtype and o = rms_norm(s) ·
     w (norm_row: norm_kernel's residual form, its bits), s and o contiguous [ROWS, width] like h,
-    each row one reduction over BLOCK values in the same order whatever ROWS is; then the counter is
-    zeroed for the next launch. y is read from L2 (.cg): other multiprocessors wrote it."""
+    each row's reduction over blocks of BLOCK values in the same order whatever ROWS is (one block,
+    or CHUNKS blocks as norm_kernel's, unrolled); then the counter is zeroed for the next launch. y
+    is read from L2 (.cg): other multiprocessors wrote it."""
     if _last_arrival(counter, tiles):
-        cols = tl.arange(0, BLOCK)
-        ok = cols < width
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        for m in tl.static_range(ROWS):
-            y = tl.load(y_ptr + m * stride_y + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            h = tl.load(h_ptr + m * width + cols, mask=ok, other=0.0).to(tl.float32)
-            s, o = norm_row(h, y, w, count, eps, 1.0, s_ptr.dtype.element_ty, True, True, False, True)
-            tl.store(s_ptr + m * width + cols, s.to(s_ptr.dtype.element_ty), mask=ok)
-            tl.store(o_ptr + m * width + cols, o.to(o_ptr.dtype.element_ty), mask=ok)
+        if CHUNKS > 1:
+            for m in tl.static_range(ROWS):
+                total = 0.0
+                for c in tl.static_range(CHUNKS):
+                    cols = c * BLOCK + tl.arange(0, BLOCK)
+                    total += square_sum(_tail_sum(y_ptr + m * stride_y, h_ptr + m * width, cols, width,
+                                                  s_ptr.dtype.element_ty))
+                factor = norm_factor(total, count, eps, True)
+                for c in tl.static_range(CHUNKS):
+                    cols = c * BLOCK + tl.arange(0, BLOCK)
+                    ok = cols < width
+                    s = _tail_sum(y_ptr + m * stride_y, h_ptr + m * width, cols, width, s_ptr.dtype.element_ty)
+                    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+                    tl.store(s_ptr + m * width + cols, s.to(s_ptr.dtype.element_ty), mask=ok)
+                    tl.store(o_ptr + m * width + cols, normed(s, factor, w, 1.0, False, True).to(o_ptr.dtype.element_ty),
+                             mask=ok)
+        else:
+            cols = tl.arange(0, BLOCK)
+            ok = cols < width
+            w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+            for m in tl.static_range(ROWS):
+                y = tl.load(y_ptr + m * stride_y + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+                h = tl.load(h_ptr + m * width + cols, mask=ok, other=0.0).to(tl.float32)
+                s, o = norm_row(h, y, w, count, eps, 1.0, s_ptr.dtype.element_ty, True, True, False, True)
+                tl.store(s_ptr + m * width + cols, s.to(s_ptr.dtype.element_ty), mask=ok)
+                tl.store(o_ptr + m * width + cols, o.to(o_ptr.dtype.element_ty), mask=ok)
         tl.store(counter, 0)
+
+
+@triton.jit
+def _tail_sum(y_row, h_row, cols, width, SUM_DTYPE: tl.constexpr):
+    """float32 h + y of values `cols` of a row, rounded into SUM_DTYPE (y from L2: .cg)."""
+    ok = cols < width
+    y = tl.load(y_row + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    h = tl.load(h_row + cols, mask=ok, other=0.0).to(tl.float32)
+    return _rounded(h + y, SUM_DTYPE)
 
 
 @triton.jit

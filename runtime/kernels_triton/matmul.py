@@ -87,12 +87,11 @@ FUSED_WARPS = 4
 FUSED_FMA = True
 SUM_BLOCK = 1024
 GROUP_MAX = 4  # matrices per launch of grouped_matmul (one pointer argument each)
-# the rows the product kernel's norm tail takes: those norm_kernel reduces with FUSED_WARPS warps too
-# (norm.warps), a multiple of 16 values wide (Triton's divisibility unit: every row's start aligned),
-# so that both kernels read them as whole vectors and their sums compile to the same reduction (the
-# same layout: tools/triton_aot.py's digests), with the same bits. Other rows: the product, then
-# the norm kernel's launch
-TAIL_MAX_WIDTH = 2048
+# the rows the product kernel's norm tail takes: a multiple of 16 values wide (Triton's divisibility
+# unit: every row's start aligned), so that it and norm_kernel (norm.WARPS warps, FUSED_WARPS here)
+# read them as whole vectors in blocks of norm.row_block and their sums compile to the same reduction
+# (the same layout: tools/triton_aot.py's digests), with the same bits. Other rows: the product,
+# then the norm kernel's launch
 TAIL_ALIGN = 16
 # values of W dequantized per piece of the prompt path (32 MB in bfloat16)
 TILE_VALUES = 1 << 24
@@ -185,8 +184,8 @@ class NormTail:
 
 
 def tail_fits(width: int) -> bool:
-    """Whether the norm tail takes rows of `width` values (TAIL_MAX_WIDTH, TAIL_ALIGN)."""
-    return width <= TAIL_MAX_WIDTH and width % TAIL_ALIGN == 0
+    """Whether the norm tail takes rows of `width` values (TAIL_ALIGN; up to norm.MAX_WIDTH)."""
+    return width <= norm.MAX_WIDTH and width % TAIL_ALIGN == 0
 
 
 def quant_matmul_add_rms_norm(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int, n_in: int,
@@ -407,7 +406,8 @@ def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: Q
                                 PARTIAL=splits > 1, LAST_ADDS=counters is not None,
                                 PAIRS=pairs, FANOUT=fanout, MATRICES=1 if second is None else 2,
                                 ACT=activation.GLU[act] if glu else activation.NO_ACTIVATION, TAIL=tail is not None,
-                                NORM_BLOCK=1 if tail is None else _common.next_power_of_2(n_out),
+                                NORM_BLOCK=1 if tail is None else norm.row_block(n_out)[0],
+                                NORM_CHUNKS=1 if tail is None else norm.row_block(n_out)[1],
                                 num_warps=FUSED_WARPS, enable_fp_fusion=FUSED_FMA, **form)
     if splits > 1 and counters is None:
         jit.sum_parts_kernel[(_common.cdiv(rows * n_out, SUM_BLOCK),)](parts, ys, rows, n_out, splits,

@@ -18,7 +18,8 @@
 x, residual, gate: [..., width], float32 / bfloat16 / float16, on CUDA (or the CPU under the
 interpreter), the last dimension contiguous; up to three dimensions are read through their strides
 (a head's slice of a projection needs no copy). One program per row: its sum does not depend on the
-other rows, so a row gives the same bits alone or in a batch.
+other rows, so a row gives the same bits alone or in a batch. A row wider than ROW_CHUNK values is
+summed in chunks of it, in order.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ import torch
 from specconv.archs.errors import SpecconvError
 from specconv.runtime.kernels_triton import _common
 
-MAX_WIDTH = 1 << 15  # a row is one program's block; wider rows take the torch reference
+MAX_WIDTH = 1 << 15  # wider rows take the torch reference
+# a row up to this wide is one block of one program; a wider one is cut in blocks this wide (the
+# program's sum of squares over the blocks in order, then each block normed): one layout, and one
+# number of warps, for every row
+ROW_CHUNK = 2048
+WARPS = 4
 
 
 def as_rows(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -44,9 +50,11 @@ def as_rows(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
     return t.reshape((1,) * (3 - t.dim()) + tuple(t.shape))
 
 
-def warps(block: int) -> int:
-    """The warps of norm_kernel's program for a row block of `block` values (its sum's layout)."""
-    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+def row_block(width: int) -> tuple[int, int]:
+    """(block, blocks): the block of values a program takes of a row `width` values wide, and how many
+    of them make the row (norm_kernel CHUNKS; the product kernel's norm tail alike)."""
+    block = min(_common.next_power_of_2(width), ROW_CHUNK)
+    return block, _common.cdiv(width, block)
 
 
 def _norm(op: str, x, weight, eps: float, residual, gate, out_dtype, mean: bool, scale: float | None = None,
@@ -84,7 +92,7 @@ def _norm(op: str, x, weight, eps: float, residual, gate, out_dtype, mean: bool,
     if a * inner == 0:
         return y if total is None else (total, y)
     res, z = views.get("residual", rows3), views.get("gate", rows3)
-    block = _common.next_power_of_2(width)
+    block, chunks = row_block(width)
     jit = _common.jit_module("_pointwise_jit")
     jit.norm_kernel[(a * inner,)](rows3, res, y if total is None else total, x if weight is None else weight, z,
                                   y if add_to is None else add_to, y if out_scale is None else out_scale, y,
@@ -93,7 +101,7 @@ def _norm(op: str, x, weight, eps: float, residual, gate, out_dtype, mean: bool,
                                   1.0 if scale is None else float(scale), MEAN=mean, HAS_W=weight is not None,
                                   HAS_RES=residual is not None, HAS_GATE=gate is not None,
                                   HAS_SCALE=scale is not None, ADD_TO=add_to is not None,
-                                  OUT_SCALE=out_scale is not None, BLOCK=block, num_warps=warps(block),
+                                  OUT_SCALE=out_scale is not None, BLOCK=block, CHUNKS=chunks, num_warps=WARPS,
                                   enable_fp_fusion=False)
     return y if total is None else (total, y)
 

@@ -58,7 +58,7 @@ def within_bf16_rounding(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 # ---- float32 against the reference formulas ------------------------------------------------------
 
-@pytest.mark.parametrize("width", [16, 64, 200, 2048])
+@pytest.mark.parametrize("width", [16, 64, 200, 2048, 2 * kt.norm.ROW_CHUNK + 200])
 def test_rms_norm_and_l2_norm_float32(width):
     x = rand(3, 5, width, seed=width)
     w = rand(width, seed=width + 1, scale=0.5) + 1
@@ -81,6 +81,42 @@ def test_residual_add_then_rms_norm_float32():
     print(f"\n[{WHERE}] residual add + rms_norm: sum max |Δ| {float((total - ref_total).abs().max()):.1e}, "
           f"norm max |Δ| {float((y - ref_y).abs().max()):.2e} ({units:.1f} ulps)")
     assert torch.equal(total.cpu(), ref_total.cpu()) and units <= ULPS
+
+
+def test_rows_wider_than_a_block_go_in_chunks():
+    """A row wider than norm.ROW_CHUNK (Gemma's and 9B+ models' hidden sizes) in chunks of it, every
+    form, float32: the residual add + norm and the gated norm within ULPS of the reference (the
+    residual sum bit for bit); the sandwich norm (h + norm(x)) · scale exactly as the norm kernel's
+    own rows added and scaled (its add within an ulp of h or of the norm would hide under a
+    relative bound where they cancel; the plain norm of a wide row is held to the reference in
+    test_rms_norm_and_l2_norm_float32). A row alone: the bits of its row in a batch of 5."""
+    width = 2 * kt.norm.ROW_CHUNK + 200
+    x, delta, z, h = (rand(5, width, seed=60 + i, scale=2.0) for i in range(4))
+    w, scale = rand(width, seed=64, scale=0.5) + 1, rand(1, seed=65).abs() + 0.5
+    forms = {
+        "residual + rms_norm": (lambda s: kt.rms_norm(x[s], w, EPS, residual=delta[s]),
+                                lambda: REF.add_rms_norm(x, delta, w, EPS)),
+        "gated rms_norm": (lambda s: kt.rms_norm(x[s], w, EPS, gate=z[s]), lambda: REF.gated_rms_norm(x, w, z, EPS)),
+    }
+    for name, (kernel, reference) in forms.items():
+        got, ref = kernel(slice(None)), reference()
+        got, ref = (got, ref) if isinstance(got, tuple) else ((got,), (ref,))
+        units = ulps(got[-1], ref[-1])
+        print(f"\n[{WHERE}] {name}, width {width}: max |Δ| {float((got[-1] - ref[-1]).abs().max()):.2e} "
+              f"({units:.1f} ulps)")
+        assert units <= ULPS, name
+        if len(got) == 2:
+            assert torch.equal(got[0].cpu(), ref[0].cpu()), name
+    sandwich = kt.rms_norm(x, w, EPS, add_to=h, out_scale=scale)
+    assert torch.equal(sandwich.cpu(), ((h + kt.rms_norm(x, w, EPS)) * scale).cpu())
+    forms["sandwich norm, scaled"] = (lambda s: kt.rms_norm(x[s], w, EPS, add_to=h[s], out_scale=scale), None)
+    for name, (kernel, _) in forms.items():
+        together = kernel(slice(None))
+        together = together if isinstance(together, tuple) else (together,)
+        for i in (0, 4):
+            alone = kernel(slice(i, i + 1))
+            alone = alone if isinstance(alone, tuple) else (alone,)
+            assert all(torch.equal(a, t[i:i + 1]) for a, t in zip(alone, together, strict=True)), (name, i)
 
 
 def test_gated_rms_norm_float32():

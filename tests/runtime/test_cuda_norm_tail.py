@@ -37,7 +37,7 @@ from specconv.runtime.backend import batch_invariant, observing
 from specconv.runtime.backend_cuda import CudaBackend
 from specconv.runtime.backend_torch import TorchBackend
 from specconv.runtime.dequant import dequantize_rows as torch_dequantize
-from specconv.runtime.kernels_triton import _common
+from specconv.runtime.kernels_triton import _common, norm as kt_norm
 from specconv.runtime.stored import StoredWeight
 from tests.fixtures.counted_calls import CountedCalls, family_q8_0, fused_against_separate
 from tests.fixtures.quant_rows import sane_rows
@@ -47,8 +47,11 @@ REF = TorchBackend()
 EPS = 1e-6
 # (type, n_out = the stream's width, n_in): widths the tail takes (multiples of 16), not powers of
 # two; under the interpreter's 2 stand-in multiprocessors 48 rows of 352 Q8_0 values and 48 of 1024
-# Q4_K values are cut in 2, 48 of 520 BF16 in 3; 144 rows (9 tiles) are not cut
-SHAPES = [(QType.Q8_0, 48, 352), (QType.Q8_0, 144, 352), (QType.Q4_K, 48, 1024), (QType.BF16, 48, 520)]
+# Q4_K values are cut in 2, 48 of 520 BF16 in 3; 144 rows (9 tiles) are not cut; 4176 is wider than
+# a norm block (norm.ROW_CHUNK): two whole chunks and a part of one
+WIDE_ROW = 2 * kt_norm.ROW_CHUNK + 80
+SHAPES = [(QType.Q8_0, 48, 352), (QType.Q8_0, 144, 352), (QType.Q4_K, 48, 1024), (QType.BF16, 48, 520),
+          (QType.Q8_0, WIDE_ROW, 64)]
 
 
 def rows_of(n: int, width: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -141,12 +144,10 @@ def test_the_glu_down_product_with_its_tail(monkeypatch):
 
 
 def test_rows_the_tail_does_not_take(monkeypatch):
-    """A width not a multiple of 16 (37), one wider than TAIL_MAX_WIDTH, and 17 rows: the product,
-    then the norm launch, the bits of the two launches."""
-    from specconv.runtime.kernels_triton import matmul as qm
-
+    """A width not a multiple of 16 (37, and 2085: wider than a norm block too) and 17 rows: the
+    product, then the norm launch, the bits of the two launches."""
     launched = record_launches(monkeypatch)
-    for n_out, rows in ((37, 3), (qm.TAIL_MAX_WIDTH + 16, 1), (48, 17)):
+    for n_out, rows in ((37, 3), (kt_norm.ROW_CHUNK + 37, 1), (48, 17)):
         packed = sane_rows(QType.Q8_0, n_out, 64, seed=n_out).to(DEVICE)
         x, h, w = rows_of(rows, 64, torch.bfloat16, 1), rows_of(rows, n_out, torch.bfloat16, 2), norm_weight(n_out, 3)
         del launched[:]
@@ -274,12 +275,13 @@ def test_each_block_launches_two_fewer(name, tmp_path_factory):
 
 
 def test_the_tails_sum_compiles_to_the_norm_kernels_reduction():
-    """sm_90, Triton's compiler on the CPU (tools/triton_aot.py): for rows of TAIL_MAX_WIDTH values
-    and of a width not a power of two, bfloat16 and float32, the product kernel with its tail (1 and
-    3 rows) holds, once per row, the very reduction norm_kernel's residual form compiles to (the
-    same float operations feeding it and the same layout: their bits on a GPU are the same).
-    norm_kernel sums wider rows with another number of warps, and rows of a width not a multiple of
-    16 (1000: its loads of 4 values, the tail's of 8) in another layout: those take no tail."""
+    """sm_90, Triton's compiler on the CPU (tools/triton_aot.py): for rows of one norm block
+    (ROW_CHUNK values), of a width not a power of two, and wider than a block (WIDE_ROW: 3 blocks),
+    bfloat16 and float32, the product kernel with its tail (1 and 3 rows) holds, once per block of
+    each row, the very reduction norm_kernel's residual form compiles to (the same float operations
+    feeding it and the same layout: their bits on a GPU are the same). Rows of a width not a
+    multiple of 16 (1000: norm_kernel's loads of 4 values, the tail's of 8) sum in another layout:
+    those take no tail."""
     jit = pytest.importorskip("triton.runtime.jit")
     if not (hasattr(jit, "create_function_from_signature") and hasattr(jit.JITFunction, "_pack_args")):
         pytest.skip("this Triton's JIT has no binder the recorder can call")
@@ -287,13 +289,13 @@ def test_the_tails_sum_compiles_to_the_norm_kernels_reduction():
     from specconv.runtime.kernels_triton import matmul as qm, norm
     from tools import triton_aot
 
-    assert norm.warps(qm.TAIL_MAX_WIDTH) == qm.FUSED_WARPS != norm.warps(2 * qm.TAIL_MAX_WIDTH)
+    assert norm.WARPS == qm.FUSED_WARPS
     recorder = triton_launches.Recorder(widths=(1,))
     cuda_op_count.launch_observers.append(recorder)
     try:
         with cuda_op_count.meta_launches():
-            for width, dtype, rows in itertools.product((qm.TAIL_MAX_WIDTH, 896), (torch.bfloat16, torch.float32),
-                                                        (1, 3)):
+            for width, dtype, rows in itertools.product((norm.ROW_CHUNK, 896, WIDE_ROW),
+                                                        (torch.bfloat16, torch.float32), (1, 3)):
                     recorder.key = ("tail", f"{width} {dtype}", str(rows))
                     x = torch.empty(rows, 256, dtype=dtype, device="meta")
                     h = torch.empty(rows, width, dtype=dtype, device="meta")
@@ -313,7 +315,8 @@ def test_the_tails_sum_compiles_to_the_norm_kernels_reduction():
             continue
         tail, alone = compiled[spec], compiled[specs[("norm", width, rows)]]
         (form, count), = alone.reduce_forms.items()
-        assert count == 1 and tail.reduce_forms.get(form) == int(rows), (width, rows, tail.reduce_forms)
+        blocks = norm.row_block(int(width.split()[0]))[1]  # a row's blocks: one reduction each
+        assert count == blocks and tail.reduce_forms.get(form) == blocks * int(rows), (width, rows, tail.reduce_forms)
         assert set(alone.reduce_layouts) <= set(tail.reduce_layouts), (width, alone.reduce_layouts)
         print(f"\nsm_90, width and dtype {width}, {rows} row(s): the tail's sum is norm_kernel's reduction {form} "
-              f"({alone.reduce_layouts[0].split(',')[0]}...), once per row")
+              f"({alone.reduce_layouts[0].split(',')[0]}...), once per block of a row")
