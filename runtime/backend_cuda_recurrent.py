@@ -67,8 +67,9 @@ class CudaRecurrence(CudaKernelBase):
             return self.kernels.gdn_chunked(q, k, v, g, beta, ring, src_slot, dst_slots, group=group)
         if not self._recurrent_pieces(n, ring, q, k, v, g, beta):
             return super().delta_rule_slots(q, k, v, g, beta, ring, src_slot, dst_slots, key_heads)
-        return joined_rows([self.kernels.gdn_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ring, src, dst, group=group)
-                        for a, b, src, dst in ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)])
+        pieces = ring_pieces(n, self.kernels.MAX_TOKENS, src_slot, dst_slots)
+        return joined_rows([self.kernels.gdn_step(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ring, src, dst,
+                                                  group=group) for a, b, src, dst in pieces])
 
 
     def delta_rule_from_conv_slots(self, q, k, v, b, alpha, a, dt_bias, eps: float, scale: float, ring,

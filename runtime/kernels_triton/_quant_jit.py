@@ -18,7 +18,8 @@ import triton.language as tl
 
 from specconv.runtime import rows_first
 from specconv.runtime.kernels_triton import matmul
-from specconv.runtime.kernels_triton._pointwise_jit import NO_ACTIVATION, _glu, _rounded, norm_factor, norm_row, normed, square_sum
+from specconv.runtime.kernels_triton._pointwise_jit import (NO_ACTIVATION, _glu, _rounded, norm_factor, norm_row,
+                                                            normed, square_sum)
 
 # ggml type numbers (gguf.GGMLQuantizationType), as compile-time constants
 F32 = tl.constexpr(0)
@@ -436,8 +437,8 @@ def _norm_tail(y_ptr, h_ptr, w_ptr, s_ptr, o_ptr, counter, tiles, width, stride_
                     s = _tail_sum(y_ptr + m * stride_y, h_ptr + m * width, cols, width, s_ptr.dtype.element_ty)
                     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
                     tl.store(s_ptr + m * width + cols, s.to(s_ptr.dtype.element_ty), mask=ok)
-                    tl.store(o_ptr + m * width + cols, normed(s, factor, w, 1.0, False, True).to(o_ptr.dtype.element_ty),
-                             mask=ok)
+                    o = normed(s, factor, w, 1.0, False, True)
+                    tl.store(o_ptr + m * width + cols, o.to(o_ptr.dtype.element_ty), mask=ok)
         else:
             cols = tl.arange(0, BLOCK)
             ok = cols < width
