@@ -39,8 +39,9 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
                                                 place by cell index (runtime/memory.py `Batch.attend_kv`)
     normed_rope_qk(q, k, q_weight, k_weight, eps, cos, sin, style)   normed_rope of a layer's q, then
                                                 of its k (ops.normed_rope_qk)
-    normed_rope_store(q, k, v, q_weight, k_weight, eps, cos, sin, style, k_cache, v_cache, cells)
-                                                normed_rope_qk, then write_kv of k and v: q roped
+    normed_rope_store(q, k, v, q_weight, k_weight, eps, cos, sin, style, k_cache, v_cache, cells, v_norm)
+                                                normed_rope_qk, then write_kv of k and v (v RMS-normed
+                                                without a weight first with v_norm): q roped
                                                 (ops.roped_attended_kv; one launch on CUDA)
 
 * "torch" (runtime/backend_torch.py): torch operations only, on any device (CPU, CUDA, meta): the

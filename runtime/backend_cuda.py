@@ -339,16 +339,18 @@ class CudaBackend(CudaExperts, CudaRecurrence):
             return super().normed_rope_qk(q, k, q_weight, k_weight, eps, cos, sin, style)
         return self.kernels.rope_qk(q, k, cos, sin, style, *weights, eps=eps)
 
-    def normed_rope_store(self, q, k, v, q_weight, k_weight, eps, cos, sin, style, k_cache, v_cache, cells):
-        """One launch: q's and k's norms and rope, k and v into the caches (kernels_triton.rope_qk_store),
-        where write_kv's kernel would take k and v."""
+    def normed_rope_store(self, q, k, v, q_weight, k_weight, eps, cos, sin, style, k_cache, v_cache, cells,
+                          v_norm: bool = False):
+        """One launch: q's and k's norms and rope, v's norm, k and v into the caches
+        (kernels_triton.rope_qk_store), where write_kv's kernel would take k and v."""
         weights = self._qk_weights(q, k, q_weight, k_weight, cos, sin)
         if not (weights is not None and self._pointwise(k_cache, v_cache, v) and k_cache.device == q.device
                 and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype and cells.device == q.device
                 and cells.dtype == torch.int64 and cells.dim() == 1):
             return super().normed_rope_store(q, k, v, q_weight, k_weight, eps, cos, sin, style, k_cache, v_cache,
-                                             cells)
-        return self.kernels.rope_qk_store(q, k, v, cos, sin, style, k_cache, v_cache, cells, *weights, eps=eps)
+                                             cells, v_norm)
+        return self.kernels.rope_qk_store(q, k, v, cos, sin, style, k_cache, v_cache, cells, *weights, eps=eps,
+                                          v_norm=v_norm)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if not (self._pointwise(gate, up) and gate.dtype == up.dtype and gate.shape == up.shape and gate.dim()):

@@ -15,7 +15,8 @@ checked for host reads: tests/runtime/test_backend.py).
 * `attention`: ops.causal_attention, or with a window or sinks ops.windowed_attention (einsums, a
   mask and torch's softmax; in batch-invariant mode each query row alone), then an optional sigmoid
   output gate. `write_kv`: a batch's K/V into a layer's fixed-size buffers by cell index
-  (index_copy_); `normed_rope_store`: `normed_rope` of q, of k, then `write_kv`, in that order.
+  (index_copy_); `normed_rope_store`: (v's weightless norm,) `normed_rope` of q, of k, then
+  `write_kv`, in that order.
 * `causal_conv`, `delta_rule`: the torch forms of runtime/graphs/gdn.py; in batch-invariant mode
   the delta rule runs token by token, each token as a batch of one would (`exact`).
   `causal_conv_slots`, `delta_rule_slots`: the same forms reading and writing the memory's ring of
@@ -294,9 +295,11 @@ class TorchBackend:
 
     def normed_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight, k_weight, eps: float,
                           cos: torch.Tensor, sin: torch.Tensor, style: str, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
-        """normed_rope_qk, then write_kv of the roped k and of v at `cells` (a layer's whole buffers):
-        the roped q."""
+                          v_cache: torch.Tensor, cells: torch.Tensor, v_norm: bool = False) -> torch.Tensor:
+        """normed_rope_qk, then write_kv of the roped k and of v (with `v_norm` rms_norm(v, None, eps)
+        first) at `cells` (a layer's whole buffers): the roped q."""
+        if v_norm:
+            v = self.rms_norm(v, None, eps)
         q, k = self.normed_rope_qk(q, k, q_weight, k_weight, eps, cos, sin, style)
         self.write_kv(k_cache, v_cache, cells, k, v)
         return q

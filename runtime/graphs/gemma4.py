@@ -143,8 +143,8 @@ def query_own_kv(w, hp: Gemma4HParams, i: int, a: torch.Tensor, batch: Batch, ro
     k_raw = linear(a, w[_blk(i, "attn_k")]).view(n, nkv, hd)
     v_w = w.get(_blk(i, "attn_v"))
     v = k_raw if v_w is None else linear(a, v_w).view(n, nkv, hd)  # attention_k_eq_v: V is the raw K
-    return roped_attended_kv(batch, i, q, k_raw, rms_norm(v, None, hp.rms_norm_eps), w[_blk(i, "attn_q_norm")],
-                             w[_blk(i, "attn_k_norm")], hp.rms_norm_eps, *rope[hp.is_sliding(i)])
+    return roped_attended_kv(batch, i, q, k_raw, v, w[_blk(i, "attn_q_norm")], w[_blk(i, "attn_k_norm")],
+                             hp.rms_norm_eps, *rope[hp.is_sliding(i)], v_norm=True)
 
 
 def attention_out(w, hp: Gemma4HParams, i: int, o: torch.Tensor) -> torch.Tensor:

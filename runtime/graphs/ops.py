@@ -350,18 +350,21 @@ def attended_kv(batch, layer: int, k: torch.Tensor, v: torch.Tensor):
 
 
 def roped_attended_kv(batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight, k_weight,
-                      eps: float, cos: torch.Tensor, sin: torch.Tensor, style: str = "neox"):
-    """(q', K, V, positions): normed_rope_qk of q and k, then attended_kv of k' and v. Where
-    attended_kv writes the layer's whole buffers in a plain layout (memory.py `Batch.kv_cells`), the
-    backend's normed_rope_store writes k' and v itself: the norms, the rope and the K/V store in one
-    launch on CUDA; the same operations, in the same order, on the torch backend."""
+                      eps: float, cos: torch.Tensor, sin: torch.Tensor, style: str = "neox", v_norm: bool = False):
+    """(q', K, V, positions): normed_rope_qk of q and k, then attended_kv of k' and v (with `v_norm`
+    rms_norm(v, None, eps) first: Gemma 4). Where attended_kv writes the layer's whole buffers in a
+    plain layout (memory.py `Batch.kv_cells`), the backend's normed_rope_store writes k' and v
+    itself: the norms, the rope and the K/V store in one launch on CUDA; the same operations, in the
+    same order, on the torch backend."""
     backend = for_device(q.device)
     whole = rows_alone() or backend.static_kv
     target = batch.kv_cells(layer, q.device) if whole else None
     if target is None:
+        if v_norm:
+            v = rms_norm(v, None, eps)
         q, k = normed_rope_qk(q, k, q_weight, k_weight, eps, cos, sin, style)
         return (q, *batch.attend_kv(layer, k, v, whole=whole))
-    q = backend.normed_rope_store(q, k, v, q_weight, k_weight, eps, cos, sin, style, *target)
+    q = backend.normed_rope_store(q, k, v, q_weight, k_weight, eps, cos, sin, style, *target, v_norm)
     return (q, *batch.attend_written(layer, q.device))
 
 

@@ -217,14 +217,16 @@ def qk_rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qy_ptr
                    q_heads, k_heads, half, head_dim, dv, count, eps, stride_qn, stride_qh, stride_kn, stride_kh,
                    stride_vn, stride_vh, stride_cn, stride_sn, stride_kyt, stride_kyh, stride_vyt, stride_vyh,
                    STYLE: tl.constexpr, Q_NORMED: tl.constexpr, K_NORMED: tl.constexpr, STORE: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_DV: tl.constexpr):
+                   V_NORMED: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+                   BLOCK_DV: tl.constexpr):
     """q [n, q_heads, head_dim] and k [n, k_heads, head_dim] of one layer, each head by _rope_head
     with the angles of its token's row (program t · (q_heads + k_heads) + h: a q head for h <
     q_heads, else k head h - q_heads), each with its own norm weight when Q_NORMED / K_NORMED: the
     operations rope_kernel makes for it. q's heads go to qy contiguous [n, q_heads, head_dim]; k's
     to row t of ky (strides stride_kyt, stride_kyh), or with STORE to row cells[t] of the K cache
     ky, where the k head's program also copies v[t, h] into row cells[t] of the V cache vy, bits
-    unchanged (write_kv_kernel's copy)."""
+    unchanged (write_kv_kernel's copy), or with V_NORMED RMS-normed without a weight over its dv
+    values first (norm_row: norm_kernel's formula; Gemma 4's V norm)."""
     p = tl.program_id(0)
     heads = q_heads + k_heads
     t = (p // heads).to(tl.int64)  # tokens times a row's stride pass 2^31 in a long prompt
@@ -244,7 +246,11 @@ def qk_rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qy_ptr
                    sin_row, kw_ptr, half, head_dim, count, eps, STYLE, K_NORMED, BLOCK_HALF, BLOCK_REST)
         if STORE:
             d = tl.arange(0, BLOCK_DV)
-            values = tl.load(v_ptr + t * stride_vn + hk * stride_vh + d, mask=d < dv)
+            values = tl.load(v_ptr + t * stride_vn + hk * stride_vh + d, mask=d < dv, other=0.0)
+            if V_NORMED:
+                x = values.to(tl.float32)
+                _, y = norm_row(x, x, x, dv * 1.0, eps, 1.0, vy_ptr.dtype.element_ty, True, False, False, False)
+                values = y.to(vy_ptr.dtype.element_ty)
             tl.store(vy_ptr + row * stride_vyt + hk * stride_vyh + d, values, mask=d < dv)
 
 

@@ -2,7 +2,8 @@
 
     rope(x, cos, sin, style, norm_weight=None, eps=0.0) -> y [n, heads, head_dim] in x's dtype
     rope_qk(q, k, cos, sin, style, q_norm=None, k_norm=None, eps=0.0) -> (q', k'), each rope's result
-    rope_qk_store(q, k, v, cos, sin, style, k_cache, v_cache, cells, q_norm=None, k_norm=None, eps=0.0)
+    rope_qk_store(q, k, v, cos, sin, style, k_cache, v_cache, cells, q_norm=None, k_norm=None, eps=0.0,
+                  v_norm=False)
         -> q'; k' and v written into the caches at `cells` (attention.write_kv), no k' tensor
     rope_table(positions, inv_freq, divisor=None, scale=None) -> (cos, sin) float32 [n, half]
 
@@ -19,6 +20,8 @@ its own optional norm weight), one program per head of either: each head gets th
 makes for it, so the same bits as two `rope` calls. rope_qk_store: the same launch writes k' and v
 [n, k_heads, dv] into the caches [cells, k_heads, ·] (their dtype k's and v's) at rows `cells`
 (int64 [n]) instead of returning k': an attention layer's norms, rope and K/V store in one launch.
+With `v_norm`, each head of v is RMS-normed without a weight (eps; over dv, rounded into v's dtype:
+Gemma 4's V norm, norm.rms_norm(v, None, eps)'s formula) before it is stored.
 
 rope_table: the angles of a batch's rows, cos / sin [n, half] = cos / sin(p · inv_freq[i]) for p each
 position (int32 / int64 [n]) as float32, divided by `divisor` first (linear rope scaling), times
@@ -73,7 +76,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   style: str, k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor,
                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                  eps: float = 0.0) -> torch.Tensor:
+                  eps: float = 0.0, v_norm: bool = False) -> torch.Tensor:
     op = "rope_qk_store"
     q_norm, k_norm = _check_qk(op, q, k, cos, sin, style, q_norm, k_norm)
     if k_cache.dim() != 3 or v_cache.dim() != 3:
@@ -89,7 +92,7 @@ def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     check_stored_rows(op, k, v, k_cache, v_cache)
     _common.check_device(op, q, k, v, k_cache, v_cache, cells)
     yq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch_qk(q, k, cos, sin, style, q_norm, k_norm, eps, yq, k_cache, v, v_cache, cells)
+    _launch_qk(q, k, cos, sin, style, q_norm, k_norm, eps, yq, k_cache, v, v_cache, cells, v_norm)
     return yq
 
 
@@ -131,9 +134,11 @@ def _check_qk(op: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin:
     return tuple(None if w is None else w.contiguous() for w in (q_norm, k_norm))
 
 
-def _launch_qk(q, k, cos, sin, style, q_norm, k_norm, eps, yq, yk, v=None, yv=None, cells=None) -> None:
+def _launch_qk(q, k, cos, sin, style, q_norm, k_norm, eps, yq, yk, v=None, yv=None, cells=None,
+               v_norm: bool = False) -> None:
     """qk_rope_kernel over every head of q and k: q' into yq (contiguous), k' into row t of yk, or
-    with `cells` into row cells[t] of the cache yk and v into row cells[t] of the cache yv."""
+    with `cells` into row cells[t] of the cache yk and v (RMS-normed per head with `v_norm`) into
+    row cells[t] of the cache yv."""
     n, q_heads, head_dim = q.shape
     k_heads, half = k.shape[1], cos.shape[1]
     if n * (q_heads + k_heads) == 0:
@@ -149,7 +154,7 @@ def _launch_qk(q, k, cos, sin, style, q_norm, k_norm, eps, yq, yk, v=None, yv=No
         q_heads, k_heads, half, head_dim, dv, float(head_dim), float(eps), q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), yk.stride(0), yk.stride(1),
         yv.stride(0), yv.stride(1), STYLE=STYLES[style], Q_NORMED=q_norm is not None, K_NORMED=k_norm is not None,
-        STORE=store, BLOCK_HALF=_common.next_power_of_2(half),
+        STORE=store, V_NORMED=store and v_norm, BLOCK_HALF=_common.next_power_of_2(half),
         BLOCK_REST=_common.next_power_of_2(rest) if rest else 0,
         BLOCK_DV=_common.next_power_of_2(dv) if store else 1, num_warps=1, enable_fp_fusion=False)
 

@@ -13,9 +13,12 @@
   the batch's cells and nothing else written; a row alone = the same row in a batch of 16;
 * through the seam (normed_rope_qk, normed_rope_store): one launch, the torch formulas' order where
   the kernel does not fit (another cache dtype, float64);
+* with the store, Gemma 4's weightless V norm in the same launch (v_norm): the reference's norm
+  within its rounding, a row alone = in a batch;
 * every family whose attention norms and ropes q and k (Qwen3, Qwen3.5, GLM-4.5, Gemma 4, Step-3.5,
   Hy3, llama's NORM rope) makes one launch per layer where the two ropes and the K/V store made
-  three (MiMo-V2, which pads its K/V before the store: two ropes, one launch), nothing else in its
+  three (Gemma 4: four, with its V norm; MiMo-V2, which pads its K/V before the store: two ropes,
+  one launch), nothing else in its
   step changes, and its float32 forward through the kernels equals the torch reference's logits; a
   bf16 forward has the bits of the separate launches.
 
@@ -231,6 +234,49 @@ def test_the_seam_takes_q_and_k_in_one_launch_and_keeps_the_formulas_elsewhere(m
     assert torch.equal(c64[0][cells], REF.normed_rope(k64, wk, EPS, cos, sin, "neox"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_store_norms_v_without_a_weight_in_the_same_launch(dtype, monkeypatch):
+    """Gemma 4's V norm (v_norm): v's heads RMS-normed without a weight before the store, in the
+    rope launch: float32 within ULPS of the reference's rms_norm(v, None, eps), bfloat16 within its
+    one rounding (2^-8 |v| to nearest, 2^-7 truncated under the interpreter, plus float32 noise); q
+    and k as without it; a row alone the bits of its row in a batch of 16; through the seam one
+    launch, the torch backend's form the norm, then the store."""
+    launched = record_launches(monkeypatch)
+    cuda = CudaBackend(kt, device_types=(DEVICE.type,))
+    q, k, v, cos, sin = qk_inputs(16, dtype, seed=70, rotated=16)
+    v = v * 3
+    wq, wk = rand(32, seed=75), rand(32, seed=76)
+    cells = torch.arange(16, device=DEVICE).flip(0).contiguous()
+    caches = [torch.zeros(20, 2, 32, dtype=dtype, device=DEVICE) for _ in range(2)]
+    plain = [torch.zeros(20, 2, 32, dtype=dtype, device=DEVICE) for _ in range(2)]
+    yq = kt.rope_qk_store(q, k, v, cos, sin, "neox", *caches, cells, wq, wk, eps=EPS, v_norm=True)
+    assert torch.equal(yq, kt.rope_qk_store(q, k, v, cos, sin, "neox", *plain, cells, wq, wk, eps=EPS))
+    assert torch.equal(caches[0], plain[0])
+    got, ref = caches[1][cells].float(), REF.rms_norm(v, None, EPS).float()
+    exact = REF.rms_norm(v.float(), None, EPS)
+    if dtype == torch.float32:
+        units = spacing_units(got, ref, ref)
+        print(f"\n[{WHERE}] V norm in the store, f32: {units:.1f} ulps of the reference")
+        assert units <= ULPS
+    else:
+        worst = float(((got - exact).abs() / (2.0 ** -7 * exact.abs()).clamp_min(1e-30)).max())
+        print(f"\n[{WHERE}] V norm in the store, bf16: {worst:.2f} x 2^-7 |v| from the float32 norm")
+        assert worst <= 1.05
+    for i in (0, 9):
+        alone = [torch.zeros_like(c) for c in caches]
+        kt.rope_qk_store(q[i:i + 1], k[i:i + 1], v[i:i + 1], cos[i:i + 1], sin[i:i + 1], "neox", *alone,
+                         cells[i:i + 1], wq, wk, eps=EPS, v_norm=True)
+        assert torch.equal(alone[1][cells[i]], caches[1][cells[i]]), i
+    seam = [torch.zeros_like(c) for c in caches]
+    launched.clear()
+    assert torch.equal(cuda.normed_rope_store(q, k, v, wq, wk, EPS, cos, sin, "neox", *seam, cells, True), yq)
+    assert launched == ["qk_rope_kernel"] and torch.equal(seam[1], caches[1])
+    torch_form = [torch.zeros_like(c) for c in caches]
+    REF.normed_rope_store(q.cpu(), k.cpu(), v.cpu(), wq.cpu(), wk.cpu(), EPS, cos.cpu(), sin.cpu(), "neox",
+                          *torch_form, cells.cpu(), True)
+    assert torch.equal(torch_form[1][cells.cpu()], REF.rms_norm(v.cpu(), None, EPS))
+
+
 class CountedQKRope(CudaBackend, CountedCalls):
     """The CUDA backend (launches recorded on `meta`) counting the calls of normed_rope_qk and
     normed_rope_store and the launches inside them; with `separate`, running them as the graphs did
@@ -251,22 +297,23 @@ class CountedQKRope(CudaBackend, CountedCalls):
 
 
 # the families whose attention norms (or not: GLM-4.5's optional norms, llama, MiMo-V2) and ropes q
-# and k, and the launches each call replaces: q's rope, k's rope and write_kv (normed_rope_store), or
-# the two ropes (normed_rope_qk: MiMo-V2 pads its K/V before the store)
-QK_FAMILIES = {"qwen3-release": 3, "qwen35-release": 3, "glm4moe-release": 3, "gemma4-release": 3,
+# and k, and the launches each call replaces: q's rope, k's rope and write_kv (normed_rope_store; and
+# Gemma 4's V norm), or the two ropes (normed_rope_qk: MiMo-V2 pads its K/V before the store)
+QK_FAMILIES = {"qwen3-release": 3, "qwen35-release": 3, "glm4moe-release": 3, "gemma4-release": 4,
                "chained-step35": 3, "chained-hy_v3": 3, "llama-release": 3, "chained-mimo2": 2}
 
 
 @pytest.mark.parametrize("name", sorted(QK_FAMILIES))
 def test_families_norm_rope_and_store_q_k_v_in_one_launch_per_layer(tmp_path, name):
-    """Each attention layer: one launch where q's rope, k's rope (and write_kv) made three (two)."""
+    """Each attention layer: one launch where q's rope, k's rope (and write_kv, and Gemma 4's V norm)
+    made three (two; four)."""
     _, counts = fused_against_separate(family_q8_0(tmp_path, name), CountedQKRope)
     replaced = QK_FAMILIES[name]
     for what, calls, inside, new, old in counts:
         print(f"\n[{name}, meta, bf16] {what}: {old.total} -> {new.total} launches; {calls} q/k ropes "
-              f"{'with the K/V store ' if replaced == 3 else ''}({inside} launches as separate operations)")
+              f"{'with the K/V store ' if replaced >= 3 else ''}({inside} launches as separate operations)")
         assert calls >= 1 and inside == replaced * calls
-        if replaced == 3:
+        if replaced >= 3:
             assert old.by_op["triton.write_kv_kernel"] == calls and not new.by_op["triton.write_kv_kernel"]
 
 
