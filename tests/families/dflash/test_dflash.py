@@ -331,3 +331,22 @@ def test_runtime_refuses_variants_it_does_not_implement(root):
             graph.serves(hp, File(extra=[name]))
     with pytest.raises(SpecconvError, match="shared K/V"):
         graph.serves(hp, File(drop=["attn_v"]))
+
+
+def test_the_converted_pair_is_built_again_once_its_first_root_is_gone(tmp_path):
+    """tiny_dflash.built caches a process's pair under the first caller's root; pytest removes a passed
+    test's tmp_path, so a later caller gets the pair built again under its own root, not paths to
+    removed files (a test of tests/verify reaching `built` first on an xdist worker did that)."""
+    import shutil
+    from pathlib import Path
+
+    saved = tiny._built.pop("qwen3", None)
+    try:
+        first = built(tmp_path / "first", "qwen3")
+        shutil.rmtree(tmp_path / "first")
+        again = built(tmp_path / "second", "qwen3")
+        assert all(Path(p).exists() for p in again) and all(tmp_path / "second" in Path(p).parents for p in again)
+        assert [Path(p).name for p in again] == [Path(p).name for p in first]
+    finally:
+        if saved is not None and all(Path(p).exists() for p in saved):
+            tiny._built["qwen3"] = saved
