@@ -397,6 +397,7 @@ def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: Q
         tail = None  # the caller's own add_rms_norm launch follows
     glu = up is not None
     h, nw, s, o = (ys,) * 4 if tail is None else (tail.h, tail.weight, tail.s, tail.o)
+    norm_block, norm_blocks = (1, 1) if tail is None else norm.row_block(n_out)
     jit.fused_rows_kernel[grid](xs, up if glu else xs, packed, packed if second is None else second, ys, parts,
                                 ys if counters is None else counters, chosen if pairs else xs, h, nw, s, o,
                                 n_out, n_in, n_blocks, per_split, rows, xs.stride(0), up.stride(0) if glu else 0,
@@ -406,8 +407,7 @@ def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: Q
                                 PARTIAL=splits > 1, LAST_ADDS=counters is not None,
                                 PAIRS=pairs, FANOUT=fanout, MATRICES=1 if second is None else 2,
                                 ACT=activation.GLU[act] if glu else activation.NO_ACTIVATION, TAIL=tail is not None,
-                                NORM_BLOCK=1 if tail is None else norm.row_block(n_out)[0],
-                                NORM_CHUNKS=1 if tail is None else norm.row_block(n_out)[1],
+                                NORM_BLOCK=norm_block, NORM_CHUNKS=norm_blocks,
                                 num_warps=FUSED_WARPS, enable_fp_fusion=FUSED_FMA, **form)
     if splits > 1 and counters is None:
         jit.sum_parts_kernel[(_common.cdiv(rows * n_out, SUM_BLOCK),)](parts, ys, rows, n_out, splits,
