@@ -18,8 +18,8 @@ import triton.language as tl
 
 from specconv.runtime import rows_first
 from specconv.runtime.kernels_triton import matmul
-from specconv.runtime.kernels_triton._pointwise_jit import (NO_ACTIVATION, _glu, _rounded, norm_factor, norm_row,
-                                                            normed, square_sum)
+from specconv.runtime.kernels_triton._pointwise_jit import (NO_ACTIVATION, _glu, blocked_norm_factor,
+                                                            norm_input, norm_row, normed)
 
 # ggml type numbers (gguf.GGMLQuantizationType), as compile-time constants
 F32 = tl.constexpr(0)
@@ -425,16 +425,14 @@ def _norm_tail(y_ptr, h_ptr, w_ptr, s_ptr, o_ptr, counter, tiles, width, stride_
     if _last_arrival(counter, tiles):
         if CHUNKS > 1:
             for m in tl.static_range(ROWS):
-                total = 0.0
-                for c in tl.static_range(CHUNKS):
-                    cols = c * BLOCK + tl.arange(0, BLOCK)
-                    total += square_sum(_tail_sum(y_ptr + m * stride_y, h_ptr + m * width, cols, width,
-                                                  s_ptr.dtype.element_ty))
-                factor = norm_factor(total, count, eps, True)
+                h_row = h_ptr + m * width
+                y_row = y_ptr + m * stride_y
+                factor = blocked_norm_factor(h_row, y_row, width, count, eps, s_ptr.dtype.element_ty, True, True, ".cg",
+                                             BLOCK, CHUNKS)
                 for c in tl.static_range(CHUNKS):
                     cols = c * BLOCK + tl.arange(0, BLOCK)
                     ok = cols < width
-                    s = _tail_sum(y_ptr + m * stride_y, h_ptr + m * width, cols, width, s_ptr.dtype.element_ty)
+                    s = norm_input(h_row, y_row, cols, width, s_ptr.dtype.element_ty, True, ".cg")
                     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
                     tl.store(s_ptr + m * width + cols, s.to(s_ptr.dtype.element_ty), mask=ok)
                     o = normed(s, factor, w, 1.0, False, True)
@@ -450,15 +448,6 @@ def _norm_tail(y_ptr, h_ptr, w_ptr, s_ptr, o_ptr, counter, tiles, width, stride_
                 tl.store(s_ptr + m * width + cols, s.to(s_ptr.dtype.element_ty), mask=ok)
                 tl.store(o_ptr + m * width + cols, o.to(o_ptr.dtype.element_ty), mask=ok)
         tl.store(counter, 0)
-
-
-@triton.jit
-def _tail_sum(y_row, h_row, cols, width, SUM_DTYPE: tl.constexpr):
-    """float32 h + y of values `cols` of a row, rounded into SUM_DTYPE (y from L2: .cg)."""
-    ok = cols < width
-    y = tl.load(y_row + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    h = tl.load(h_row + cols, mask=ok, other=0.0).to(tl.float32)
-    return _rounded(h + y, SUM_DTYPE)
 
 
 @triton.jit
