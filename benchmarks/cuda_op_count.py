@@ -322,6 +322,21 @@ def tiny_fixture(root: Path, outtype: str = "q8_0", moe: bool = False) -> Path:
     return convert_gguf(build_qwen35(root / "hf", moe=moe), root / "model.gguf", outtype=outtype)
 
 
+def wide_fixture(root: Path, outtype: str = "q8_0") -> Path:
+    """A 4-block Qwen3.5 (tools/synth_qwen35.py) whose hidden size (2304) is wider than a norm block
+    (kernels_triton.norm.ROW_CHUNK): rows normed in blocks, alone and in a product's tail. Its FFN is
+    320 wide, so that the down product stays in the file's layout and reads the GLU itself (rows of a
+    multiple of 256 values take a GLU launch before the tensor-core form)."""
+    import torch
+
+    from tests.fixtures.gguf_files import convert_gguf
+    from tools import synth_qwen35
+
+    source = synth_qwen35.write_checkpoint(root / "wide", n_layers=4, hidden_size=2304, intermediate_size=320,
+                                           vocab_size=8192, seed=int(torch.randint(1 << 30, ())))
+    return convert_gguf(source, root / "wide.gguf", outtype=outtype)
+
+
 def family_fixture(root: Path, name: str, outtype: str = "q8_0") -> Path:
     """The target of family snapshot fixture `name` (tools/family_snapshot.py: the tiny checkpoints of
     tests/fixtures/tiny_*.py in a release layout or the shapes that switch behaviour), converted."""
@@ -346,6 +361,7 @@ def main(argv=None) -> list[StepCounts]:
                    help=f"a family snapshot fixture instead (repeatable; 'all': {', '.join(FAMILIES)})")
     p.add_argument("--outtype", default="q8_0", help="the fixtures' type (without --model)")
     p.add_argument("--moe", action="store_true", help="the tiny Qwen3.5's MoE sibling (without --model)")
+    p.add_argument("--wide", action="store_true", help="a 2304-wide Qwen3.5, wider than a norm block (without --model)")
     p.add_argument("--dtype", default="bf16", help="compute dtype (bf16: the CUDA default)")
     p.add_argument("-k", type=int, default=3, help="drafts per verification batch")
     p.add_argument("--sms", type=int, default=H200_SMS, help="multiprocessors of the GPU the launches are planned for")
@@ -354,8 +370,9 @@ def main(argv=None) -> list[StepCounts]:
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.model or not families:
-            out.append(count_steps(args.model or tiny_fixture(Path(tmp), args.outtype, args.moe), args.dtype, args.k,
-                                   sms=args.sms))
+            model = args.model or (wide_fixture(Path(tmp), args.outtype) if args.wide
+                                   else tiny_fixture(Path(tmp), args.outtype, args.moe))
+            out.append(count_steps(model, args.dtype, args.k, sms=args.sms))
             print(report(out[-1], args.k))
         for name in families:
             path = family_fixture(Path(tmp) / name, name, args.outtype)

@@ -206,15 +206,22 @@ class Workload:
     build: Callable[[Path], Path]  # writes the GGUF into a fresh folder, returns its path
 
 
-def workloads(quick: bool = False) -> list[Workload]:
-    """The tiny Qwen3.5 in each weight type and its MoE sibling, and (unless quick) every family
-    fixture cuda_op_count counts."""
+def workloads(quick: bool = False, also: Iterable[str] = ()) -> list[Workload]:
+    """The tiny Qwen3.5 in each weight type, its MoE sibling, the 2304-wide Qwen3.5 (rows normed in
+    blocks) and every family fixture cuda_op_count counts; with `quick`, the tiny Qwen3.5 in q8_0, its
+    MoE sibling and the workloads labelled in `also`."""
     out = [Workload(f"qwen35 {t}", functools.partial(cuda_op_count.tiny_fixture, outtype=t))
-           for t in (QWEN35_OUTTYPES[:1] if quick else QWEN35_OUTTYPES)]
+           for t in QWEN35_OUTTYPES]
     out.append(Workload("qwen35-moe q8_0", functools.partial(cuda_op_count.tiny_fixture, moe=True)))
+    out.append(Workload("qwen35-wide q8_0", cuda_op_count.wide_fixture))
+    out += [Workload(f"{name} q8_0", functools.partial(_family, name=name)) for name in cuda_op_count.FAMILIES]
     if not quick:
-        out += [Workload(f"{name} q8_0", functools.partial(_family, name=name)) for name in cuda_op_count.FAMILIES]
-    return out
+        return out
+    also = set(also)
+    unknown = also - {w.label for w in out}
+    if unknown:
+        raise SystemExit(f"no workload {', '.join(sorted(unknown))}; one of {', '.join(w.label for w in out)}")
+    return [w for w in out if w.label in ("qwen35 q8_0", "qwen35-moe q8_0") or w.label in also]
 
 
 def _family(root: Path, name: str) -> Path:
@@ -246,10 +253,13 @@ def record(chosen: Iterable[Workload], dtypes: Iterable[str] = DTYPES, widths: I
 def main(argv=None) -> Recorder:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="the tiny Qwen3.5 (q8_0) and its MoE sibling only")
+    p.add_argument("--also", action="append", default=[], metavar="LABEL",
+                   help="with --quick, also this workload (repeatable; e.g. 'qwen35-wide q8_0', 'gemma4-release q8_0')")
     p.add_argument("--products", action="store_true", help="also products by a matrix of each kernel weight type")
     p.add_argument("-v", "--verbose", action="store_true", help="every specialization, one per line")
     args = p.parse_args(argv)
-    recorder = record(workloads(args.quick), products=args.products, progress=lambda line: print(line, file=sys.stderr))
+    recorder = record(workloads(args.quick, args.also), products=args.products,
+                      progress=lambda line: print(line, file=sys.stderr))
     found = recorder.found
     kernels: dict[str, int] = {}
     for spec in found:

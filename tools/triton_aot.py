@@ -476,6 +476,8 @@ def cost_report(results: list[Compiled], rows=(1, 4)) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="the tiny Qwen3.5 (q8_0) and its MoE sibling only")
+    p.add_argument("--also", action="append", default=[], metavar="LABEL",
+                   help="with --quick, also this workload (repeatable; e.g. 'qwen35-wide q8_0', 'gemma4-release q8_0')")
     p.add_argument("--widths", type=int, default=None, help="batch widths 1..N (default 16)")
     p.add_argument("--no-products", action="store_true",
                    help="without the products by a matrix of each kernel weight type (benchmarks/triton_launches.py)")
@@ -497,7 +499,7 @@ def main(argv=None) -> int:
 
         return triton_release.release(tuple(args.arch or ARCHS), args.jobs, not args.no_sass, args.json, say)
     widths = range(1, (args.widths or triton_launches.WIDTHS) + 1)
-    recorder = triton_launches.record(triton_launches.workloads(args.quick), widths=widths,
+    recorder = triton_launches.record(triton_launches.workloads(args.quick, args.also), widths=widths,
                                       products=not args.no_products, progress=say)
     specs = list(recorder.found)
     say(f"{len(specs)} distinct specializations")

@@ -253,18 +253,6 @@ class CountedTail(CudaBackend, CountedCalls):
         return self.counted(lambda: run(self, *args))
 
 
-def wide_qwen35_q8_0(root):
-    """A 4-block Qwen3.5 q8_0 file whose hidden size (2304) is wider than a norm block (ROW_CHUNK). Its
-    FFN is 320 wide, so that the down product stays in the file's layout and reads the GLU itself
-    (rows of a multiple of 256 values take a GLU launch before the tensor-core form)."""
-    from tests.fixtures.gguf_files import convert_gguf
-    from tools import synth_qwen35
-
-    source = synth_qwen35.write_checkpoint(root / "wide", n_layers=4, hidden_size=2304, intermediate_size=320,
-                                           vocab_size=8192, seed=int(torch.randint(1 << 30, ())))
-    return convert_gguf(source, root / "wide.q8_0.gguf", outtype="q8_0")
-
-
 @pytest.mark.parametrize("name", ["qwen35", "qwen35-wide", "llama-release"])
 def test_each_block_launches_two_fewer(name, tmp_path_factory):
     """A bf16 decode step and 4-row verification on meta with the CUDA backend's choices: each
@@ -272,13 +260,14 @@ def test_each_block_launches_two_fewer(name, tmp_path_factory):
     in the product's launch, one launch where the separate forms take two, nothing else in the step
     changed: two launches fewer per block; in a model wider than a norm block too (qwen35-wide).
     The Qwen3.5 files keep one norm_kernel launch, the first block's input norm."""
+    from benchmarks import cuda_op_count
     from tests.fixtures.runtime_common import tiny_gguf
 
     root = tmp_path_factory.mktemp(name)
     if name == "qwen35":
         path = tiny_gguf(tmp_path_factory, outtype="q8_0")[1]
     else:
-        path = wide_qwen35_q8_0(root) if name == "qwen35-wide" else family_q8_0(root, name)
+        path = cuda_op_count.wide_fixture(root) if name == "qwen35-wide" else family_q8_0(root, name)
     blocks, results = fused_against_separate(path, CountedTail)
     for what, calls, inside, new, old in results:
         print(f"\n[meta, bf16] {name} {what}: {old.total} launches with the norms apart -> {new.total} with the tails "

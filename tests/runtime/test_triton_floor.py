@@ -9,7 +9,9 @@ tools/triton_aot.py in a child process with that folder first on its path, over 
 test_triton_compile.py at widths 1 and 2 (the tiny Qwen3.5 and its MoE sibling, the products of every
 kernel weight type: every kernel, in its one-row and several-row forms, with fewer row counts;
 Triton 3.6 compiles several times slower than the newest release, and widths 1..8 would be 428
-specializations), and requires every specialization to compile. Without the folder it is skipped, and
+specializations), plus the workloads in ALSO: a model wider than a norm block (rows normed in
+unrolled blocks, alone and in a product's tail) and Gemma 4 (its V norm inside the rope launch,
+its sandwich norms), and requires every specialization to compile. Without the folder it is skipped, and
 under SPECCONV_REQUIRE_TRITON_FLOOR=1 (CI) that is a failure.
 """
 
@@ -27,6 +29,7 @@ from specconv.runtime.kernels_triton._common import MIN_TRITON
 from tests.fixtures.paths import ROOT
 
 WIDTHS = 2  # the decode step and the smallest verification
+ALSO = ("qwen35-wide q8_0", "gemma4-release q8_0")
 JOBS = max(1, min(4, os.cpu_count() or 1))
 
 
@@ -45,14 +48,17 @@ def test_every_specialization_compiles_under_the_oldest_triton():
     path = [str(folder), str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "tools/triton_aot.py", "--quick", "--widths", str(WIDTHS), "--arch", "90",
-                           "--no-sass", "--json", "--jobs", str(JOBS)], capture_output=True, text=True, cwd=ROOT,
+    also = [a for label in ALSO for a in ("--also", label)]
+    proc = subprocess.run([sys.executable, "tools/triton_aot.py", "--quick", *also, "--widths", str(WIDTHS), "--arch",
+                           "90", "--no-sass", "--json", "--jobs", str(JOBS)], capture_output=True, text=True, cwd=ROOT,
                           env=env, timeout=3000)
     assert proc.stdout.strip(), proc.stderr[-4000:]
     report = json.loads(proc.stdout)
     version = tuple(int(p) for p in report["triton"].split(".")[:2])
     results = report["results"]
     kernels = {(r["spec"]["module"], r["spec"]["kernel"]) for r in results}
+    launched = [w for s in report["specializations"] for w in s["workloads"]]
+    assert all(any(w.startswith(label + " ") for w in launched) for label in ALSO), "a workload of ALSO is missing"
     print(f"\nTriton {report['triton']} (from {folder}): {sum(r['ok'] for r in results)}/{len(results)} "
           f"specializations of {len(kernels)} kernels compiled for sm_90, "
           f"{sum(r['seconds'] for r in results):.0f} s of compilation")
