@@ -71,9 +71,9 @@ def moved_as_rows(raw: torch.Tensor, kind: RowsFirstType, device: torch.device,
                   chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
     """Host rows of kind.file_type (uint8 [..., blocks · size], contiguous) -> the same rows as `kind` on
     `device`. Off the CPU the file's bytes are copied there as they are and rearranged there in place
-    (`rearrange_in_place`): a GPU does it at its memory's bandwidth where the host takes about a
-    second per GB (runtime/weights.py loads tens of GB this way), and the device never holds a
-    second copy of the matrix. On the CPU, a new tensor (to_rows_layout)."""
+    (`rearrange_in_place`): a GPU does it at its memory's bandwidth where a host core manages 2–3
+    GB/s (benchmarks/rows_first.py; runtime/weights.py loads tens of GB this way), and the device
+    never holds a second copy of the matrix. On the CPU, a new tensor (to_rows_layout)."""
     if device.type == "cpu":
         return to_rows_layout(raw, kind)
     return rearrange_in_place(raw.to(device), kind, chunk_bytes)

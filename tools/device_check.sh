@@ -10,8 +10,8 @@
 # TYPES: the dense 1 B file types to measure (default q8_0,Q4_K_M,bf16); MOE=0 skips the MoE file;
 # N: tokens decoded per rate measurement (default 64); TESTS: the test paths (default: every test,
 # -k "(cuda or triton) and not triton_compile": compiling without a GPU is the CPU's check); JOBS:
-# pytest workers; T_TESTS / T_MATMUL / T_VARIANTS (benchmarks/cuda_matmul_variants.py, off unless
-# given) / T_BENCH / T_FAMILIES / T_DEMO: time
+# pytest workers; T_ROWS (benchmarks/rows_first.py, into setup.log) / T_TESTS / T_MATMUL / T_VARIANTS
+# (benchmarks/cuda_matmul_variants.py, off unless given) / T_BENCH / T_FAMILIES / T_DEMO: time
 # limits in seconds (0 skips that step); NATIVE=0 skips building the C extensions (a faster install:
 # the GPU path needs none of them, the K-quant files' conversion does).
 #
@@ -48,6 +48,9 @@ python3 -c "import specconv.convert._kquants, specconv.runtime._dequant; print('
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$SETUP"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$SETUP"
 stamp installed
+# the device-side rows-first rearrangement of Q8_0 at load, against a copy of the same bytes (seconds)
+[ "${T_ROWS:-20}" != 0 ] && timeout "${T_ROWS:-20}" python3 benchmarks/rows_first.py --device cuda \
+  --shape 16384x4096 2>&1 | tee -a "$SETUP"
 
 TYPES=${TYPES:-q8_0,Q4_K_M,bf16}
 MOE_FLAG=$([ "${MOE:-1}" = 0 ] && echo --no-moe)
