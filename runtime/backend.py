@@ -24,6 +24,9 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
     linear_add_rms_norm(x, w, h, weight, eps, up, act)   add_rms_norm(h, x @ wᵀ (or linear_glu's), weight):
                                                 the product ending a mixer / FFN with the residual add
                                                 and norm after it (one launch on CUDA)
+    linear_add_normed(x, w, h, weight, eps, scale, then, up, act)   (s, o): s = add_normed(h, x @ wᵀ, weight,
+                                                scale), o = rms_norm(s, then) or None: a product joining the
+                                                stream through a sandwich norm (one launch on CUDA)
     rms_norm, add_rms_norm, add_normed, gated_rms_norm, l2_norm, rope, normed_rope, silu_mul, gelu_mul, glu,
     gdn_gates, rope_table
                                                 the small operations around the products (ops.py's

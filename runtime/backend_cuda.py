@@ -257,29 +257,51 @@ class CudaBackend(CudaExperts, CudaRecurrence):
         allows, else the two launches: the same bits either way); in batch-invariant
         mode longer batches in pieces of that many rows (each row as in a decode step); otherwise
         the product, then add_rms_norm."""
-        product = (not isinstance(w, PairedExperts) and (up is None or self._glu_input(x, up))
-                   and (self._stored_matrix(x, w, x.dtype) or self._dense_float32(x, w, x.dtype)))
-        values = (self._norm_weight(weight, h) if product and self._norm_fits(h) and self._pointwise(h, x)
-                  else False)
-        if values is False or h.dtype != x.dtype or h.shape != (*x.shape[:-1], w.shape[0]):
-            return super().linear_add_rms_norm(x, w, h, weight, eps, up, act)
+        values = self._norm_weight(weight, h)
+        if values is not False and values is not None:
+            out = self._tailed_product(x, w, h, up, lambda xp, raw, qtype, n_out, n_in, hp, up_rows: (
+                self.kernels.quant_matmul_add_rms_norm(xp, raw, qtype, n_out, n_in, hp, values, eps, up=up_rows,
+                                                       act=act)))
+            if out is not None:
+                return out
+        return super().linear_add_rms_norm(x, w, h, weight, eps, up, act)
+
+    def linear_add_normed(self, x: torch.Tensor, w, h: torch.Tensor, weight, eps: float, scale=None, then=None,
+                          up: torch.Tensor | None = None, act: str | None = None):
+        """linear_add_rms_norm's choices for a sandwich norm's output joining the stream
+        (kernels_triton.quant_matmul_add_normed: the product's launch ends with the norm, the add, the
+        scale and the norm by `then`); otherwise the product, then add_normed and rms_norm."""
+        values, after = self._norm_weight(weight, h), self._norm_weight(then, h)
+        s = scale.dense(torch.float32) if isinstance(scale, StoredWeight) else scale
+        if (values is not False and values is not None and after is not False
+                and (s is None or (s.numel() == 1 and s.dtype == torch.float32 and s.device == h.device))):
+            out = self._tailed_product(x, w, h, up, lambda xp, raw, qtype, n_out, n_in, hp, up_rows: (
+                self.kernels.quant_matmul_add_normed(xp, raw, qtype, n_out, n_in, hp, values, eps, scale=s,
+                                                     then=after, up=up_rows, act=act)))
+            if out is not None:
+                return out
+        return super().linear_add_normed(x, w, h, weight, eps, scale, then, up, act)
+
+    def _tailed_product(self, x: torch.Tensor, w, h: torch.Tensor, up: torch.Tensor | None, run):
+        """A product with a norm tail, run(x rows, bytes, type, n_out, n_in, h rows, up rows) -> outputs
+        shaped like h's rows (None for one not made), where the product kernel takes x @ wᵀ (with `up`,
+        its GLU input) in h's dtype and shape, up to FUSED_MAX_ROWS rows, in batch-invariant mode in
+        pieces of that many rows (each row as in a decode step); None where it does not apply."""
+        if (isinstance(w, PairedExperts) or (up is not None and not self._glu_input(x, up))
+                or not (self._stored_matrix(x, w, x.dtype) or self._dense_float32(x, w, x.dtype))
+                or not self._norm_fits(h) or not self._pointwise(h, x)
+                or h.dtype != x.dtype or h.shape != (*x.shape[:-1], w.shape[0])):
+            return None
         n_out, n_in = w.shape
-        step = self.kernels.FUSED_MAX_ROWS
         xs = (x.contiguous() if up is None else x).reshape(-1, n_in)
         rows = xs.shape[0]
-        if rows == 0 or (rows > step and not rows_alone()):
-            return super().linear_add_rms_norm(x, w, h, weight, eps, up, act)
+        if rows == 0 or (rows > self.kernels.FUSED_MAX_ROWS and not rows_alone()):
+            return None
         raw, qtype = self._weight_bytes(w)
         hs = h.reshape(-1, n_out)
-
-        def piece(first: int, xp: torch.Tensor, up_rows: torch.Tensor | None):
-            return self.kernels.quant_matmul_add_rms_norm(xp, raw, qtype, n_out, n_in, hs[first:first + xp.shape[0]],
-                                                          values, eps, up=up_rows, act=act)
-
-        pieces = self._in_pieces(xs, None if up is None else up.reshape(-1, n_in), piece)
-        if len(pieces) == 1:
-            return tuple(t.view(h.shape) for t in pieces[0])
-        return tuple(torch.cat(parts).view(h.shape) for parts in zip(*pieces))
+        pieces = self._in_pieces(xs, None if up is None else up.reshape(-1, n_in), lambda first, xp, up_rows: (
+            run(xp, raw, qtype, n_out, n_in, hs[first:first + xp.shape[0]], up_rows)))
+        return tuple(None if parts[0] is None else joined_rows(list(parts)).view(h.shape) for parts in zip(*pieces))
 
     def add_normed(self, h: torch.Tensor, x: torch.Tensor, weight, eps: float, scale=None) -> torch.Tensor:
         values = self._norm_weight(weight, x) if self._norm_fits(x) and self._pointwise(x, h) else False

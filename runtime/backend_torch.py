@@ -224,6 +224,16 @@ class TorchBackend:
         delta = self.linear(x, w) if up is None else self.linear_glu(x, up, w, act)
         return self.add_rms_norm(h, delta, weight, eps)
 
+    def linear_add_normed(self, x: torch.Tensor, w, h: torch.Tensor, weight, eps: float, scale=None, then=None,
+                          up: torch.Tensor | None = None, act: str | None = None):
+        """(s, o): s = add_normed(h, delta, weight, eps, scale) for delta = linear(x, w) (with `up`:
+        linear_glu(x, up, w, act)), o = rms_norm(s, then) where `then` is given, else None: a product
+        whose output joins the residual stream through a sandwich norm (Gemma), and the norm that
+        reads the stream next."""
+        delta = self.linear(x, w) if up is None else self.linear_glu(x, up, w, act)
+        s = self.add_normed(h, delta, weight, eps, scale)
+        return s, (None if then is None else self.rms_norm(s, then, eps))
+
     def add_normed(self, h: torch.Tensor, x: torch.Tensor, weight, eps: float, scale=None) -> torch.Tensor:
         """h + rms_norm(x) (a sandwich norm's output joining the residual stream), times a one-value
         `scale` in the accumulation dtype when given, rounded into h's dtype (Gemma 4's layer output

@@ -25,8 +25,8 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.backend import Experts, for_device
 from specconv.runtime.graphs.contract import Graph, no_tensors
 from specconv.runtime.graphs.ops import (
-    acc, acc_dtype, add_normed, add_rms_norm, attend_cells, glu_linear, linear, linear_group, moe_out,
-    normed_rope_neox, rms_norm, rope_cos_sin, rope_inv_freq, roped_attended_kv,
+    Deferred, acc, acc_dtype, add_normed, add_normed_rms_norm, attend_cells, deferred_glu, glu_linear, linear,
+    made, moe_out, normed_rope_neox, rms_norm, rope_cos_sin, rope_inv_freq, roped_attended_kv,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -107,8 +107,7 @@ def rope_tables(w, hp: Gemma4HParams, positions: torch.Tensor, dtype: torch.dtyp
 def geglu(x, gate, up, down):
     """down · (gelu_tanh(gate · x) ⊙ up · x): gate and up in one group, down by ops.glu_linear (one
     launch each on CUDA)."""
-    g, u = linear_group(x, (gate, up))
-    return glu_linear(g, u, down, "gelu_tanh")
+    return deferred_glu(x, gate, up, down, "gelu_tanh").made()
 
 
 def geglu_fused(x, gate_up, _up, down):
@@ -147,23 +146,40 @@ def query_own_kv(w, hp: Gemma4HParams, i: int, a: torch.Tensor, batch: Batch, ro
                              hp.rms_norm_eps, *rope[hp.is_sliding(i)], v_norm=True)
 
 
-def attention_out(w, hp: Gemma4HParams, i: int, o: torch.Tensor) -> torch.Tensor:
-    """post_attention_norm(attn_output · o): what attention adds to the residual stream."""
-    y = linear(o.reshape(o.shape[0], -1), w[_blk(i, "attn_output")])
-    return rms_norm(y, w[_blk(i, "post_attention_norm")], hp.rms_norm_eps)
+def attention_out(w, hp: Gemma4HParams, i: int, o: torch.Tensor) -> Deferred:
+    """attn_output · o, not made yet: what attention adds to the residual stream through
+    post_attention_norm (ffn_block: made with that norm, the add and the FFN norm)."""
+    return Deferred(o.reshape(o.shape[0], -1), w[_blk(i, "attn_output")])
 
 
-def ffn_block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, attn: torch.Tensor, scale=None) -> torch.Tensor:
-    """h' + post_ffw_norm(dense GeGLU [+ MoE branch]) of h' = h + attn (attention_out), times the
-    layer output `scale` when given (the block's last step). h + attn and ffn_norm are one
-    ops.add_rms_norm, post_ffw_norm with the add to h' (and the scale) one ops.add_normed: one launch
-    each on CUDA."""
-    h, x = add_rms_norm(h, attn, w[_blk(i, "ffn_norm")], hp.rms_norm_eps)
-    f = geglu(x, w[_blk(i, "ffn_gate")], w[_blk(i, "ffn_up")], w[_blk(i, "ffn_down")])
+def ffn_block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, attn: Deferred, scale=None,
+              then=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h'', rms_norm(h'', then) or None): h'' = h' + post_ffw_norm(dense GeGLU [+ MoE branch]) of
+    h' = h + post_attention_norm(attn) (attention_out), times the layer output `scale` when given
+    (the block's last step), and the norm that reads h'' next where `then` is its weight. Each side
+    joins the stream in the launch of the product that ends it on CUDA: attn's with
+    post_attention_norm, the add and ffn_norm, the GeGLU's down product with post_ffw_norm, the add,
+    the scale and the next norm (ops.add_normed_rms_norm, ops.add_normed)."""
+    h, x = add_normed_rms_norm(h, attn, w[_blk(i, "post_attention_norm")], hp.rms_norm_eps, w[_blk(i, "ffn_norm")])
+    f = deferred_glu(x, w[_blk(i, "ffn_gate")], w[_blk(i, "ffn_up")], w[_blk(i, "ffn_down")], "gelu_tanh")
     if hp.num_experts and i < hp.num_hidden_layers:
-        f1 = rms_norm(f, w[_blk(i, "post_ffw_norm_1")], hp.rms_norm_eps)
+        f1 = rms_norm(made(f), w[_blk(i, "post_ffw_norm_1")], hp.rms_norm_eps)
         f = f1 + rms_norm(moe(w, hp, i, h), w[_blk(i, "post_ffw_norm_2")], hp.rms_norm_eps)
-    return add_normed(h, f, w[_blk(i, "post_ffw_norm")], hp.rms_norm_eps, scale)
+    return sandwich_out(h, f, w[_blk(i, "post_ffw_norm")], hp.rms_norm_eps, scale, then)
+
+
+def sandwich_out(h: torch.Tensor, x, weight, eps: float, scale, then) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h + rms_norm(x, weight) (· scale), its norm by `then` or None): ops.add_normed_rms_norm where a
+    norm reads the stream next, ops.add_normed where none does."""
+    if then is None:
+        return add_normed(h, x, weight, eps, scale), None
+    return add_normed_rms_norm(h, x, weight, eps, then, scale)
+
+
+def next_norm(w, i: int, layers: int, output_norm: str = names.OUTPUT_NORM):
+    """The weight of the norm that reads the stream after block i: block i + 1's input norm, or the
+    output norm after the last of `layers` blocks."""
+    return w[_blk(i + 1, "attn_norm")] if i + 1 < layers else w[output_norm]
 
 
 def moe(w, hp: Gemma4HParams, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -203,12 +219,15 @@ def output_logits(w, hp: Gemma4HParams, rows: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, batch: Batch, rope, kv_of: dict[int, tuple],
-           ple: torch.Tensor | None) -> torch.Tensor:
-    """Block i on the residual stream h: attention to its own K/V or to those of the layer it shares
-    (`kv_of`: the K/V of the blocks run so far), the FFN with its sandwich norms, the per-layer input
-    (PLE rows [n, N, P], or None), times the layer output scale."""
-    a = rms_norm(h, w[_blk(i, "attn_norm")], hp.rms_norm_eps)
+def _block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, a: torch.Tensor | None, batch: Batch, rope,
+           kv_of: dict[int, tuple], ple: torch.Tensor | None, then) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block i on the residual stream h (a: its input norm, made by the block before, or None: made
+    here): attention to its own K/V or to those of the layer it shares (`kv_of`: the K/V of the
+    blocks run so far), the FFN with its sandwich norms, the per-layer input (PLE rows [n, N, P], or
+    None), times the layer output scale. Returns the stream and its norm by `then` (next_norm),
+    made with the block's last sandwich."""
+    if a is None:
+        a = rms_norm(h, w[_blk(i, "attn_norm")], hp.rms_norm_eps)
     if hp.owns_kv(i):
         q, k_all, v_all, k_pos = query_own_kv(w, hp, i, a, batch, rope)
         kv_of[i] = k_all, v_all, k_pos
@@ -217,11 +236,11 @@ def _block(w, hp: Gemma4HParams, i: int, h: torch.Tensor, batch: Batch, rope, kv
     k_all, v_all, k_pos = kv_of[hp.kv_layer(i)]
     o = attend(q, k_all, v_all, batch.positions, k_pos, hp.sliding_window if hp.is_sliding(i) else 0)
     scale = w[_blk(i, "layer_output_scale")]
-    h = ffn_block(w, hp, i, h, attention_out(w, hp, i, o), None if ple is not None else scale)
-    if ple is not None:
-        g = glu_linear(linear(h, w[_blk(i, "inp_gate")]), ple[:, i].to(h.dtype), w[_blk(i, "proj")], "gelu_tanh")
-        h = add_normed(h, g, w[_blk(i, "post_norm")], hp.rms_norm_eps, scale)
-    return h
+    if ple is None:
+        return ffn_block(w, hp, i, h, attention_out(w, hp, i, o), scale, then)
+    h, _ = ffn_block(w, hp, i, h, attention_out(w, hp, i, o))
+    g = Deferred(linear(h, w[_blk(i, "inp_gate")]), w[_blk(i, "proj")], ple[:, i].to(h.dtype), "gelu_tanh")
+    return sandwich_out(h, g, w[_blk(i, "post_norm")], hp.rms_norm_eps, scale, then)  # one launch on CUDA
 
 
 # ---- graph ------------------------------------------------------------------------------------
@@ -237,11 +256,12 @@ def forward_main(w, hp: Gemma4HParams, tokens: torch.Tensor, batch: Batch, want_
     rope = rope_tables(w, hp, batch.positions, acc_dtype(h.dtype))
     kv_of: dict[int, tuple] = {}
     layer_inputs = {}
+    a = None  # each block's input norm, made by the block before it (the first block's by itself)
     for i in range(hp.num_hidden_layers):
         if i in want_layers:
             layer_inputs[i] = h
-        h = _block(w, hp, i, h, batch, rope, kv_of, ple)
-    post = rms_norm(h, w["output_norm.weight"], hp.rms_norm_eps)
+        h, a = _block(w, hp, i, h, a, batch, rope, kv_of, ple, next_norm(w, i, hp.num_hidden_layers))
+    post = a  # the output norm of h, made with the last block's last sandwich
     if hp.num_hidden_layers in want_layers:
         layer_inputs[hp.num_hidden_layers] = post
     rows = post if want_logits is None else post[want_logits]

@@ -70,14 +70,18 @@ def forward_mtp(w, hp, tokens: torch.Tensor, h: torch.Tensor, batch: Batch, kv_f
     x = linear(torch.cat([e, h.to(e.dtype)], dim=-1), w[names.NEXTN_PRE_PROJECTION])
     rope = gemma4.rope_tables(w, hp, batch.positions, acc_dtype(x.dtype))
     target_hp, memory = kv_from.model.hparams, kv_from.memory
-    for i in range(hp.num_nextn_predict_layers):
-        a = rms_norm(x, w[gemma4._blk(i, "attn_norm")], hp.rms_norm_eps)
+    a = rms_norm(x, w[gemma4._blk(0, "attn_norm")], hp.rms_norm_eps)
+    layers = hp.num_nextn_predict_layers
+    for i in range(layers):
         q = gemma4.query(w, hp, i, a, rope)
         k, v, k_pos = memory.cells(batch.seq, target_layer_for(target_hp, hp.is_sliding(i)))
         o = gemma4.attend(q, k.to(q.dtype), v.to(q.dtype), batch.positions, k_pos,
                           hp.sliding_window if hp.is_sliding(i) else 0)
-        x = gemma4.ffn_block(w, hp, i, x, gemma4.attention_out(w, hp, i, o), w[gemma4._blk(i, "layer_output_scale")])
-    y = rms_norm(x, w[names.OUTPUT_NORM], hp.rms_norm_eps)
+        # the next layer's input norm, after the last the output norm: made with the FFN's sandwich
+        scale = w[gemma4._blk(i, "layer_output_scale")]
+        x, a = gemma4.ffn_block(w, hp, i, x, gemma4.attention_out(w, hp, i, o), scale,
+                                gemma4.next_norm(w, i, layers, names.OUTPUT_NORM))
+    y = a
     logits = acc(linear(y, w[names.TOKEN_EMBD]))
     return logits, linear(y, w[names.NEXTN_POST_PROJECTION]), y
 

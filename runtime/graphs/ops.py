@@ -76,10 +76,27 @@ def add_rms_norm(h: torch.Tensor, delta: "torch.Tensor | Deferred", weight, eps:
     return backend.add_rms_norm(h, made(delta), weight, eps)
 
 
-def add_normed(h: torch.Tensor, x: torch.Tensor, weight, eps: float, scale=None) -> torch.Tensor:
+def add_normed(h: torch.Tensor, x: "torch.Tensor | Deferred", weight, eps: float, scale=None) -> torch.Tensor:
     """h + rms_norm(x, weight), times the one-value `scale` (in the accumulation dtype) when given:
-    a sandwich norm's output joining the residual stream (Gemma), one kernel on CUDA."""
-    return for_device(h.device).add_normed(h, x, weight, eps, scale)
+    a sandwich norm's output joining the residual stream (Gemma), one kernel on CUDA; a Deferred x
+    is made by the backend's linear_add_normed (on CUDA in the product's launch)."""
+    backend = for_device(h.device)
+    if isinstance(x, Deferred) and activation_observer() is None:  # an observer sees the product's rows
+        return backend.linear_add_normed(x.x, x.w, h, weight, eps, scale, None, x.up, x.act)[0]
+    return backend.add_normed(h, made(x), weight, eps, scale)
+
+
+def add_normed_rms_norm(h: torch.Tensor, x: "torch.Tensor | Deferred", weight, eps: float, then,
+                        scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s, then)) for s = add_normed(h, x, weight, scale): a sandwich norm's output
+    joining the stream and the norm that reads the stream next (Gemma's post-attention norm,
+    residual add and FFN norm; a block's last sandwich and the next block's input norm); a Deferred
+    x in the product's launch on CUDA (linear_add_normed), else two norm kernels."""
+    backend = for_device(h.device)
+    if isinstance(x, Deferred) and activation_observer() is None:
+        return backend.linear_add_normed(x.x, x.w, h, weight, eps, scale, then, x.up, x.act)
+    s = backend.add_normed(h, made(x), weight, eps, scale)
+    return s, backend.rms_norm(s, then, eps)
 
 
 def gated_rms_norm(x: torch.Tensor, weight, gate: torch.Tensor, eps: float,
@@ -449,8 +466,14 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
 
 def deferred_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> Deferred:
     """A SwiGLU FFN with its down product not made yet (Deferred): gate and up multiplied now."""
+    return deferred_glu(x, gate, up, down, "silu")
+
+
+def deferred_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str) -> Deferred:
+    """A GLU FFN (act "silu": SwiGLU, "gelu_tanh": GeGLU) with its down product not made yet
+    (Deferred): gate and up multiplied now, in one group."""
     g, u = linear_group(x, (gate, up))
-    return Deferred(g, down, u, "silu")
+    return Deferred(g, down, u, act)
 
 
 def glu_linear(gate: torch.Tensor, up: torch.Tensor, w, act: str) -> torch.Tensor:

@@ -7,6 +7,8 @@
     grouped_matmul(x, [packed, ...], qtype, [n_out, ...], n_in)   x @ Wᵢᵀ for several matrices, one launch
     quant_matmul_add_rms_norm(x, packed, qtype, n_out, n_in, h, weight, eps)   (h + x @ Wᵀ, its RMSNorm):
                                                          a residual add and norm ending the product's launch
+    quant_matmul_add_normed(x, packed, ..., h, weight, eps, scale=None, then=None)   (h + rms_norm(x @ Wᵀ))
+                                                         (· scale), its RMSNorm by `then`: Gemma's sandwich norm
     dequantize_rows(packed, qtype, rows, n_in, dtype)    packed rows -> values
     gdn_step(q, k, v, g, beta, states, src_slot, dst_slots, group=1)   the gated delta rule, 1-16 tokens
              (eps=, scale=, gate_weights=, conv=)        with q, k's norms, the gates and the conv in it
@@ -50,8 +52,8 @@ from specconv.runtime.kernels_triton.dequant import KERNEL_TYPES, dequantize_row
 from specconv.runtime.kernels_triton.gdn import MAX_TOKENS, gdn_step
 from specconv.runtime.kernels_triton.indexer import MAX_INDEX_DIM, index_scores
 from specconv.runtime.kernels_triton.matmul import (FUSED_MAX_ROWS, expert_matmul, expert_matmul_pair,
-                                                    grouped_matmul, quant_matmul, quant_matmul_add_rms_norm,
-                                                    result_dtype)
+                                                    grouped_matmul, quant_matmul, quant_matmul_add_normed,
+                                                    quant_matmul_add_rms_norm, result_dtype)
 from specconv.runtime.kernels_triton.norm import MAX_WIDTH as MAX_NORM_WIDTH, l2_norm, rms_norm
 from specconv.runtime.kernels_triton.rope import rope, rope_qk, rope_qk_store, rope_table
 from specconv.runtime.kernels_triton.routing import (MAX_EXPERTS as MAX_ROUTED_EXPERTS, add_gated_shared, add_shared,
@@ -60,8 +62,8 @@ from specconv.runtime.kernels_triton.gdn_chunked import gdn_chunked
 
 __all__ = ["add_gated_shared", "attention", "available", "causal_conv", "dequantize_rows", "expert_matmul",
            "expert_matmul_pair", "gdn_gates", "gdn_step", "gelu_mul", "glu", "grouped_matmul", "l2_norm", "moe_combine",
-           "quant_matmul", "quant_matmul_add_rms_norm", "result_dtype", "rms_norm", "rope", "rope_qk", "rope_qk_store",
-           "rope_table", "silu_mul", "softmax_topk",
+           "quant_matmul", "quant_matmul_add_normed", "quant_matmul_add_rms_norm", "result_dtype", "rms_norm", "rope",
+           "rope_qk", "rope_qk_store", "rope_table", "silu_mul", "softmax_topk",
            "why_unavailable", "write_kv", "FUSED_MAX_ROWS", "MIN_TRITON",
            "KERNEL_TYPES", "MAX_ATTENTION_HEAD_DIM", "MAX_NORM_WIDTH", "MAX_ROUTED_EXPERTS", "MAX_TOKENS",
            "gdn_chunked", "add_shared", "grouped_topk", "index_scores", "MAX_INDEX_DIM"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from specconv.runtime.kernels_triton._quant_jit import _last_arrival
+from specconv.runtime.kernels_triton._tail_jit import _last_arrival
 
 
 @triton.jit

@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from specconv.runtime.kernels_triton._pointwise_jit import NO_ACTIVATION
-from specconv.runtime.kernels_triton._quant_jit import _dot_sums, _last_arrival, _parts_sum, _tile_sums
+from specconv.runtime.kernels_triton._quant_jit import _dot_sums, _parts_sum, _tile_sums
+from specconv.runtime.kernels_triton._tail_jit import _last_arrival
 
 
 @triton.jit

@@ -78,7 +78,7 @@ def norm_row(x, res, w, count, eps, scale, SUM_DTYPE: tl.constexpr, MEAN: tl.con
     """(s, y) of one row of float32 values x (masked lanes 0) held in one block: s = x (+ res, rounded
     into SUM_DTYPE), y = s · (Σ s² (/ count with MEAN) + eps)^(-1/2) (· scale) (· w). The one formula
     of norm_kernel and of the product kernel's norm tail (_quant_jit), so both give a row the same
-    bits. Rows wider than a block go in blocks (norm_kernel CHUNKS, _quant_jit._norm_tail):
+    bits. Rows wider than a block go in blocks (norm_kernel CHUNKS, _tail_jit._norm_tail):
     blocked_norm_factor, then `normed` block by block."""
     if HAS_RES:
         x = _rounded(x + res, SUM_DTYPE)
@@ -106,10 +106,10 @@ def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, h_ptr, s_ptr, y_ptr, inne
     res_row = res_ptr + a * stride_ra + b * stride_rb
     if CHUNKS > 1:
         factor = blocked_norm_factor(x_row, res_row, width, count, eps, sum_ptr.dtype.element_ty, MEAN, HAS_RES, "",
-                                     BLOCK, CHUNKS)
+                                     "", BLOCK, CHUNKS)
         for c in tl.static_range(CHUNKS):
             cols = c * BLOCK + tl.arange(0, BLOCK)
-            s = norm_input(x_row, res_row, cols, width, sum_ptr.dtype.element_ty, HAS_RES, "")
+            s = norm_input(x_row, res_row, cols, width, sum_ptr.dtype.element_ty, HAS_RES, "", "")
             w = s
             if HAS_W:
                 w = tl.load(w_ptr + cols, mask=cols < width, other=0.0).to(tl.float32)
@@ -131,11 +131,12 @@ def norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, z_ptr, h_ptr, s_ptr, y_ptr, inne
 
 
 @triton.jit
-def norm_input(x_row, res_row, cols, width, SUM_DTYPE: tl.constexpr, HAS_RES: tl.constexpr, RES_CACHE: tl.constexpr):
-    """float32 values `cols` of a row: x, or x + res rounded into SUM_DTYPE (norm_row's s). RES_CACHE:
-    the residual's load cache modifier ("" or ".cg", for values other multiprocessors just wrote)."""
+def norm_input(x_row, res_row, cols, width, SUM_DTYPE: tl.constexpr, HAS_RES: tl.constexpr, X_CACHE: tl.constexpr,
+               RES_CACHE: tl.constexpr):
+    """float32 values `cols` of a row: x, or x + res rounded into SUM_DTYPE (norm_row's s). X_CACHE,
+    RES_CACHE: the loads' cache modifiers ("" or ".cg", for values other multiprocessors just wrote)."""
     ok = cols < width
-    x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_row + cols, mask=ok, other=0.0, cache_modifier=X_CACHE).to(tl.float32)
     if HAS_RES:
         res = tl.load(res_row + cols, mask=ok, other=0.0, cache_modifier=RES_CACHE).to(tl.float32)
         x = _rounded(x + res, SUM_DTYPE)
@@ -144,14 +145,15 @@ def norm_input(x_row, res_row, cols, width, SUM_DTYPE: tl.constexpr, HAS_RES: tl
 
 @triton.jit
 def blocked_norm_factor(x_row, res_row, width, count, eps, SUM_DTYPE: tl.constexpr, MEAN: tl.constexpr,
-                        HAS_RES: tl.constexpr, RES_CACHE: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+                        HAS_RES: tl.constexpr, X_CACHE: tl.constexpr, RES_CACHE: tl.constexpr, BLOCK: tl.constexpr,
+                        CHUNKS: tl.constexpr):
     """The first pass of a row wider than a block (norm_kernel's and the product tail's alike): the
     square_sum of each of its CHUNKS blocks of norm_input, added in order from 0.0, made into the
     norm's factor. The blocks are unrolled, so that their loads are in flight together."""
     total = 0.0
     for c in tl.static_range(CHUNKS):
         total += square_sum(norm_input(x_row, res_row, c * BLOCK + tl.arange(0, BLOCK), width, SUM_DTYPE, HAS_RES,
-                                       RES_CACHE))
+                                       X_CACHE, RES_CACHE))
     return norm_factor(total, count, eps, MEAN)
 
 

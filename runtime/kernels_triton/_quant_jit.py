@@ -18,8 +18,8 @@ import triton.language as tl
 
 from specconv.runtime import rows_first
 from specconv.runtime.kernels_triton import matmul
-from specconv.runtime.kernels_triton._pointwise_jit import (NO_ACTIVATION, _glu, blocked_norm_factor,
-                                                            norm_input, norm_row, normed)
+from specconv.runtime.kernels_triton._pointwise_jit import NO_ACTIVATION, _glu
+from specconv.runtime.kernels_triton._tail_jit import _last_arrival, _tail
 
 # ggml type numbers (gguf.GGMLQuantizationType), as compile-time constants
 F32 = tl.constexpr(0)
@@ -340,14 +340,14 @@ def _tile_sums(x_ptr, u_ptr, rows, row_ok, n_in, first, last, stride_x, stride_u
 
 @triton.jit(do_not_specialize=["n_blocks", "blocks_per_split", "total_rows"])
 def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, count_ptr, sel_ptr, h_ptr, nw_ptr, s_ptr, o_ptr,
-                      n_out, n_in, n_blocks, blocks_per_split, total_rows,
+                      pw_ptr, scale_ptr, n_out, n_in, n_blocks, blocks_per_split, total_rows,
                       stride_x, stride_u, stride_w, stride_e, stride_y, count, eps,
                       QTYPE: tl.constexpr, VALUES: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr,
                       ROWS_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PARTIAL: tl.constexpr,
                       LAST_ADDS: tl.constexpr, PAIRS: tl.constexpr, FANOUT: tl.constexpr,
                       MATRICES: tl.constexpr, ACT: tl.constexpr, TAIL: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                      NORM_CHUNKS: tl.constexpr,
-                      DOT: tl.constexpr, WIDE: tl.constexpr):
+                      NORM_CHUNKS: tl.constexpr, SANDWICH: tl.constexpr, OUT_SCALE: tl.constexpr,
+                      NORM_OUT: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr):
     """y[m, n] = Σ_k x[m, k] W[n, k] for ROWS activation rows (with a GLU activation ACT, x[m, k] =
     act(gate) · up of the rows of x and u: _tile_sums). Program (p, q, r) takes BLOCK_N weight rows
     and the q-th run of `blocks_per_split` blocks of them (_tile_sums); with PARTIAL its float32 sums
@@ -365,9 +365,11 @@ def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, count_ptr, s
     layout): two expert products of the same pairs, one launch.
 
     With TAIL (not PAIRS; every tile's output stored in y by the launch: a cut tile's by its last
-    piece), the launch ends with a residual add and RMSNorm of y's ROWS rows (_norm_tail): s = h + y
-    into s, its norm by the weight at nw into o, done by the last tile to finish (one more counter
-    at count_ptr, after the tiles' own)."""
+    piece), the launch ends with a residual add and RMSNorm of y's ROWS rows (_tail_jit._norm_tail):
+    s = h + y into s, its norm by the weight at nw into o, done by the last tile to finish (one more
+    counter at count_ptr, after the tiles' own). With SANDWICH too, y is normed (by the weight at pw) before
+    it is added, the sum times the float32 value at scale_ptr with OUT_SCALE, and o written only
+    with NORM_OUT (_tail_jit._sandwich_tail)."""
     r = tl.program_id(2)
     pair = r
     w_base = w_ptr
@@ -403,62 +405,16 @@ def fused_rows_kernel(x_ptr, u_ptr, w_ptr, w2_ptr, y_ptr, part_ptr, count_ptr, s
                 tl.store(y_ptr + out_row * stride_y + n[None, :], total.to(y_ptr.dtype.element_ty), mask=keep)
                 tl.store(counter, 0)  # every other piece has counted: zero again for the next launch
                 if TAIL:
-                    _norm_tail(y_ptr, h_ptr, nw_ptr, s_ptr, o_ptr, count_ptr + tl.num_programs(0), tl.num_programs(0),
-                               n_out, stride_y, count, eps, ROWS, NORM_BLOCK, NORM_CHUNKS)
+                    _tail(y_ptr, h_ptr, nw_ptr, s_ptr, o_ptr, pw_ptr, scale_ptr, count_ptr + tl.num_programs(0),
+                          tl.num_programs(0), n_out, stride_y, count, eps, ROWS, NORM_BLOCK, NORM_CHUNKS, SANDWICH,
+                          OUT_SCALE, NORM_OUT)
     else:
         out = y_ptr + out_row * stride_y + n[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=keep)
         if TAIL:
-            _norm_tail(y_ptr, h_ptr, nw_ptr, s_ptr, o_ptr, count_ptr + tl.num_programs(0), tl.num_programs(0), n_out,
-                       stride_y, count, eps, ROWS, NORM_BLOCK, NORM_CHUNKS)
-
-
-@triton.jit
-def _norm_tail(y_ptr, h_ptr, w_ptr, s_ptr, o_ptr, counter, tiles, width, stride_y, count, eps, ROWS: tl.constexpr,
-               BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
-    """Once all `tiles` tiles have stored their part of y (_last_arrival on the launch's counter), the
-    last of them: for each of the ROWS rows, s = h + y rounded into s's dtype and o = rms_norm(s) ·
-    w (norm_row: norm_kernel's residual form, its bits), s and o contiguous [ROWS, width] like h,
-    each row's reduction over blocks of BLOCK values in the same order whatever ROWS is (one block,
-    or CHUNKS blocks as norm_kernel's, unrolled); then the counter is zeroed for the next launch. y
-    is read from L2 (.cg): other multiprocessors wrote it."""
-    if _last_arrival(counter, tiles):
-        if CHUNKS > 1:
-            for m in tl.static_range(ROWS):
-                h_row = h_ptr + m * width
-                y_row = y_ptr + m * stride_y
-                factor = blocked_norm_factor(h_row, y_row, width, count, eps, s_ptr.dtype.element_ty, True, True, ".cg",
-                                             BLOCK, CHUNKS)
-                for c in tl.static_range(CHUNKS):
-                    cols = c * BLOCK + tl.arange(0, BLOCK)
-                    ok = cols < width
-                    s = norm_input(h_row, y_row, cols, width, s_ptr.dtype.element_ty, True, ".cg")
-                    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-                    tl.store(s_ptr + m * width + cols, s.to(s_ptr.dtype.element_ty), mask=ok)
-                    o = normed(s, factor, w, 1.0, False, True)
-                    tl.store(o_ptr + m * width + cols, o.to(o_ptr.dtype.element_ty), mask=ok)
-        else:
-            cols = tl.arange(0, BLOCK)
-            ok = cols < width
-            w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-            for m in tl.static_range(ROWS):
-                y = tl.load(y_ptr + m * stride_y + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-                h = tl.load(h_ptr + m * width + cols, mask=ok, other=0.0).to(tl.float32)
-                s, o = norm_row(h, y, w, count, eps, 1.0, s_ptr.dtype.element_ty, True, True, False, True)
-                tl.store(s_ptr + m * width + cols, s.to(s_ptr.dtype.element_ty), mask=ok)
-                tl.store(o_ptr + m * width + cols, o.to(o_ptr.dtype.element_ty), mask=ok)
-        tl.store(counter, 0)
-
-
-@triton.jit
-def _last_arrival(counter, splits):
-    """Whether this program is the last of its tile's `splits` pieces to have stored its part: all
-    the program's threads' stores done (the barrier), one atomic increment of the tile's counter
-    that releases them to the GPU and acquires the others' (acq_rel at gpu scope; Triton broadcasts
-    the old count from the one thread that made it through shared memory, behind another barrier,
-    so every thread reads the parts after the acquire). The semaphore of CUTLASS's serial split-K."""
-    tl.debug_barrier()
-    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1
+            _tail(y_ptr, h_ptr, nw_ptr, s_ptr, o_ptr, pw_ptr, scale_ptr, count_ptr + tl.num_programs(0),
+                  tl.num_programs(0), n_out, stride_y, count, eps, ROWS, NORM_BLOCK, NORM_CHUNKS, SANDWICH, OUT_SCALE,
+                  NORM_OUT)
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from specconv.runtime.kernels_triton._pointwise_jit import _rounded, _silu, gdn_gate_values, inverse_root
-from specconv.runtime.kernels_triton._quant_jit import _last_arrival
+from specconv.runtime.kernels_triton._tail_jit import _last_arrival
 
 
 # n and keep are never specialized as constants (Triton makes an argument equal to 1 one): a one-token

@@ -4,6 +4,8 @@
     grouped_matmul(x, [packed, ...], qtype, [n_out, ...], n_in) -> (y, ...)    (x @ Wᵢᵀ for each i)
     quant_matmul_add_rms_norm(x, packed, qtype, n_out, n_in, h, weight, eps, up=None, act=None)
         -> (h + y, rms_norm(h + y) · weight)   (y quant_matmul's; its launch ends with the add and norm)
+    quant_matmul_add_normed(x, packed, qtype, n_out, n_in, h, weight, eps, scale=None, then=None, up=None, act=None)
+        -> (s, o) = ((h + rms_norm(y) · weight) (· scale), rms_norm(s) · then or None)   (Gemma's sandwich)
 
 x: float32 / bfloat16 / float16 [..., n_in]; `packed`: W's bytes as runtime/stored.py keeps them
 (`StoredWeight.raw`, uint8 [n_out, row bytes]), on x's device (CUDA, or the CPU under
@@ -42,7 +44,9 @@ glu, then the prompt path.
   FFN output joining the stream, normed for the next half-block): up to FUSED_MAX_ROWS rows, the
   last tile of the one-pass launch to finish (a launch-wide arrival counter after the tiles' own)
   adds y to the stream and normalises each row with norm_kernel's formula (_pointwise_jit.norm_row),
-  one row at a time: the bits of the product then the norm launch, in one launch.
+  one row at a time: the bits of the product then the norm launch, in one launch. Gemma's sandwich
+  norms likewise (`quant_matmul_add_normed`): y normed, added to the stream (and scaled by the
+  layer's output scale), then normed for the next half-block where one reads it.
 * More rows (prompts): W a piece at a time through dequant.dequantize_rows into the result's dtype, each
   piece multiplied by torch's dense product (cuBLAS on a GPU). A float W in the result's dtype (a
   16-bit one in x's, an F32 one) is multiplied as it is stored.
@@ -175,12 +179,16 @@ def quant_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int
 @dataclass(frozen=True)
 class NormTail:
     """The residual add and RMSNorm a product's launch ends with: h, s, o contiguous [rows, n_out]
-    (h the stream, s = h + y, o = rms_norm(s) · weight), weight [n_out]."""
+    (h the stream, s = h + y, o = rms_norm(s) · weight), weight [n_out]. With `first` (a sandwich
+    norm's weight [n_out]): s = h + rms_norm(y) · first, times `scale` (one float32 value) when
+    given, and o (with weight) only where `weight` is given."""
     h: torch.Tensor
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     eps: float
     s: torch.Tensor
-    o: torch.Tensor
+    o: torch.Tensor | None
+    first: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
 
 
 def tail_fits(width: int) -> bool:
@@ -198,6 +206,56 @@ def quant_matmul_add_rms_norm(x: torch.Tensor, packed: torch.Tensor, qtype: QTyp
     row: fused_rows_kernel TAIL); otherwise, and where no counter can be had (during a CUDA graph
     capture), quant_matmul then norm.rms_norm(h, weight, eps, residual=y), whose bits the tail has."""
     op = "quant_matmul_add_rms_norm"
+    packed, y, rows, device = _tail_checks(op, x, packed, qtype, n_out, n_in, h, weight)
+    if 0 < rows <= FUSED_MAX_ROWS and tail_fits(n_out):
+        xs, us = _input_rows(op, x, up, act, n_in)
+        tail = NormTail(h.reshape(rows, n_out).contiguous(), weight.contiguous(), eps,
+                        torch.empty(rows, n_out, dtype=y.dtype, device=device),
+                        torch.empty(rows, n_out, dtype=y.dtype, device=device))
+        if _one_pass(xs, packed, y.view(rows, n_out), qtype, n_out, n_in, device, up=us, act=act, tail=tail):
+            return tail.s.view(h.shape), tail.o.view(h.shape)
+    else:
+        quant_matmul(x, packed, qtype, n_out, n_in, out=y, up=up, act=act)
+    return norm.rms_norm(h, weight, eps, residual=y)
+
+
+def quant_matmul_add_normed(x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int, n_in: int,
+                            h: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor | None = None,
+                            then: torch.Tensor | None = None, up: torch.Tensor | None = None,
+                            act: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(s, o) for y = quant_matmul(x, packed, ..., up=up, act=act): s = h + rms_norm(y) · weight (a
+    sandwich norm's output joining the residual stream, Gemma's), times `scale` (one float32 value)
+    when given; o = rms_norm(s) · then (the norm that reads s next) when `then` is given, else None.
+    h [..., n_out] in y's dtype, weight and then [n_out]; s and o new tensors. Up to FUSED_MAX_ROWS
+    rows whose width the tail takes: one launch, the product's (fused_rows_kernel SANDWICH);
+    otherwise, and where no counter can be had, quant_matmul, then norm.rms_norm(y, weight, eps,
+    add_to=h, out_scale=scale) and norm.rms_norm(s, then, eps), whose bits the tail has."""
+    op = "quant_matmul_add_normed"
+    packed, y, rows, device = _tail_checks(op, x, packed, qtype, n_out, n_in, h, weight)
+    if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32):
+        raise SpecconvError(f"{op}: scale is one float32 value (got {scale.dtype}, {scale.numel()} values)")
+    if then is not None:
+        _common.check_shape(op, "then", then, (n_out,))
+        _common.check_float(op, "then", then)
+    _common.check_device(op, x, *(t for t in (scale, then) if t is not None))
+    if 0 < rows <= FUSED_MAX_ROWS and tail_fits(n_out):
+        xs, us = _input_rows(op, x, up, act, n_in)
+        tail = NormTail(h.reshape(rows, n_out).contiguous(), None if then is None else then.contiguous(), eps,
+                        torch.empty(rows, n_out, dtype=y.dtype, device=device),
+                        None if then is None else torch.empty(rows, n_out, dtype=y.dtype, device=device),
+                        first=weight.contiguous(), scale=scale)
+        if _one_pass(xs, packed, y.view(rows, n_out), qtype, n_out, n_in, device, up=us, act=act, tail=tail):
+            return tail.s.view(h.shape), None if then is None else tail.o.view(h.shape)
+    else:
+        quant_matmul(x, packed, qtype, n_out, n_in, out=y, up=up, act=act)
+    s = norm.rms_norm(y, weight, eps, add_to=h, out_scale=scale)
+    return s, None if then is None else norm.rms_norm(s, then, eps)
+
+
+def _tail_checks(op: str, x: torch.Tensor, packed: torch.Tensor, qtype: QType, n_out: int, n_in: int,
+                 h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, torch.device]:
+    """The checks of a product with a norm tail: (packed as a matrix, y uninitialised [..., n_out] in
+    the result's dtype, its row count, the device)."""
     packed = packed_matrix(op, packed, qtype, n_out, n_in)
     _common.check_float(op, "x", x)
     if x.dim() == 0 or x.shape[-1] != n_in:
@@ -210,17 +268,7 @@ def quant_matmul_add_rms_norm(x: torch.Tensor, packed: torch.Tensor, qtype: QTyp
     _common.check_float(op, "weight", weight)
     device = _common.check_device(op, x, packed, h, weight)
     y = torch.empty(*x.shape[:-1], n_out, dtype=dtype, device=device)
-    rows = y.numel() // n_out if n_out else 0
-    if 0 < rows <= FUSED_MAX_ROWS and tail_fits(n_out):
-        xs, us = _input_rows(op, x, up, act, n_in)
-        tail = NormTail(h.reshape(rows, n_out).contiguous(), weight.contiguous(), eps,
-                        torch.empty(rows, n_out, dtype=dtype, device=device),
-                        torch.empty(rows, n_out, dtype=dtype, device=device))
-        if _one_pass(xs, packed, y.view(rows, n_out), qtype, n_out, n_in, device, up=us, act=act, tail=tail):
-            return tail.s.view(h.shape), tail.o.view(h.shape)
-    else:
-        quant_matmul(x, packed, qtype, n_out, n_in, out=y, up=up, act=act)
-    return norm.rms_norm(h, weight, eps, residual=y)
+    return packed, y, (y.numel() // n_out if n_out else 0), device
 
 
 def grouped_matmul(x: torch.Tensor, packed: Sequence[torch.Tensor], qtype: QType, n_outs: Sequence[int],
@@ -396,10 +444,12 @@ def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: Q
     if tail is not None and counters is None:
         tail = None  # the caller's own add_rms_norm launch follows
     glu = up is not None
-    h, nw, s, o = (ys,) * 4 if tail is None else (tail.h, tail.weight, tail.s, tail.o)
+    h, nw, s, o, pw, scale = (ys,) * 6 if tail is None else (
+        tail.h, *(ys if t is None else t for t in (tail.weight, tail.s, tail.o, tail.first, tail.scale)))
     norm_block, norm_blocks = (1, 1) if tail is None else norm.row_block(n_out)
+    sandwich = tail is not None and tail.first is not None
     jit.fused_rows_kernel[grid](xs, up if glu else xs, packed, packed if second is None else second, ys, parts,
-                                ys if counters is None else counters, chosen if pairs else xs, h, nw, s, o,
+                                ys if counters is None else counters, chosen if pairs else xs, h, nw, s, o, pw, scale,
                                 n_out, n_in, n_blocks, per_split, rows, xs.stride(0), up.stride(0) if glu else 0,
                                 packed.stride(-2), packed.stride(0) if pairs else 0, ys.stride(0), float(n_out),
                                 0.0 if tail is None else float(tail.eps),
@@ -407,7 +457,9 @@ def _one_pass(xs: torch.Tensor, packed: torch.Tensor, ys: torch.Tensor, qtype: Q
                                 PARTIAL=splits > 1, LAST_ADDS=counters is not None,
                                 PAIRS=pairs, FANOUT=fanout, MATRICES=1 if second is None else 2,
                                 ACT=activation.GLU[act] if glu else activation.NO_ACTIVATION, TAIL=tail is not None,
-                                NORM_BLOCK=norm_block, NORM_CHUNKS=norm_blocks,
+                                NORM_BLOCK=norm_block, NORM_CHUNKS=norm_blocks, SANDWICH=sandwich,
+                                OUT_SCALE=sandwich and tail.scale is not None,
+                                NORM_OUT=tail is not None and tail.weight is not None,
                                 num_warps=FUSED_WARPS, enable_fp_fusion=FUSED_FMA, **form)
     if splits > 1 and counters is None:
         jit.sum_parts_kernel[(_common.cdiv(rows * n_out, SUM_BLOCK),)](parts, ys, rows, n_out, splits,

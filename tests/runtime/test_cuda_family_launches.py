@@ -4,7 +4,8 @@ counted on the `meta` device by benchmarks/cuda_op_count.py, and the forward thr
 
 * The families route a residual add and the norm after it through ops.add_rms_norm (trunk.py's
   pre-norm blocks: the attention's add with the FFN's norm, the FFN's with the next block's input
-  norm or the output norm; Gemma 4's sandwich norms; the EAGLE-3 and DFlash heads) and llama.cpp's
+  norm or the output norm; the EAGLE-3 and DFlash heads), Gemma 4's sandwich norms with the product
+  before them through ops.add_normed(_rms_norm) (the backend's linear_add_normed) and llama.cpp's
   NORM rope through ops.rope_pairs (llama, DeepSeek-V3, GLM-DSA): one launch each on CUDA. Counted
   against the same backend running those calls as separate operations (the residual add, then the
   norm kernel, as the graphs did; rope as the backend's torch formula, which the graphs' own
@@ -94,6 +95,10 @@ class CountedFusions(CudaBackend, CountedCalls):
         form = TorchBackend.linear_add_rms_norm if self.separate else CudaBackend.linear_add_rms_norm
         return self.counted(lambda: form(self, x, w, h, weight, eps, up, act))
 
+    def linear_add_normed(self, *args):
+        form = TorchBackend.linear_add_normed if self.separate else CudaBackend.linear_add_normed
+        return self.counted(lambda: form(self, *args))
+
     def rope(self, x, cos, sin, style):
         if style != "norm":  # NEOX rope was one launch already (ops.rope_neox_partial)
             return super().rope(x, cos, sin, style)
@@ -135,6 +140,9 @@ class CountedAttention(CountedFusions):
 
     def linear_add_rms_norm(self, x, w, h, weight, eps, up=None, act=None):
         return CudaBackend.linear_add_rms_norm(self, x, w, h, weight, eps, up, act)
+
+    def linear_add_normed(self, *args):
+        return CudaBackend.linear_add_normed(self, *args)
 
     def rope(self, x, cos, sin, style):
         return CudaBackend.rope(self, x, cos, sin, style)
@@ -183,6 +191,15 @@ class CountedGlu(CountedAttention):
         if self.separate:
             return self.counted(lambda: CudaBackend.linear_add_rms_norm(self, self.glu(x, up, act), w, h, weight, eps))
         return self.counted(lambda: CudaBackend.linear_add_rms_norm(self, x, w, h, weight, eps, up, act))
+
+    def linear_add_normed(self, x, w, h, weight, eps, scale=None, then=None, up=None, act=None):
+        """A GeGLU's down product with the sandwich norm after it (Gemma 4's): likewise."""
+        if up is None:
+            return CudaBackend.linear_add_normed(self, x, w, h, weight, eps, scale, then)
+        if self.separate:
+            return self.counted(lambda: CudaBackend.linear_add_normed(self, self.glu(x, up, act), w, h, weight, eps,
+                                                                      scale, then))
+        return self.counted(lambda: CudaBackend.linear_add_normed(self, x, w, h, weight, eps, scale, then, up, act))
 
 
 @pytest.mark.parametrize("name", sorted(STEP_LAUNCHES))

@@ -1,6 +1,6 @@
 """A block's residual add and RMSNorm done by the product that ends its mixer or FFN: the one-pass
 product kernel's norm tail (runtime/kernels_triton/matmul.py `quant_matmul_add_rms_norm`,
-_quant_jit._norm_tail, the formula _pointwise_jit.norm_row shared with norm_kernel), the backend
+_tail_jit._norm_tail, the formula _pointwise_jit.norm_row shared with norm_kernel), the backend
 seam (`linear_add_rms_norm`) and the graphs' deferred products (ops.Deferred):
 
 * bit for bit the product then the norm kernel's add_rms_norm (kernels_triton.quant_matmul, then

@@ -7,9 +7,10 @@ output scale), as one launch of the norm kernel (runtime/kernels_triton/norm.py 
 * bfloat16: within the three roundings of the torch formula (norm, sum, scaled sum), measured
   against the reference backend;
 * a row alone gets the bits it gets in a batch of 16;
-* through the seam: one launch, the torch formula for float64; Gemma 4's decode step on `meta`
-  makes one launch per such call where the separate operations made two (five with the scale), and
-  nothing else in the step changes.
+* through the seam: one launch, the torch formula for float64; the decode step of Gemma 4's MoE
+  sibling on `meta` makes one launch per such call where the separate operations made two (five
+  with the scale), and nothing else in the step changes (where a product comes before the norm,
+  its launch makes the norm instead: tests/runtime/test_cuda_sandwich_tail.py).
 
 Without a GPU the kernel runs in Triton's interpreter (tests/fixtures/triton_mode.py).
 """
@@ -110,7 +111,10 @@ class CountedSandwich(CudaBackend, CountedCalls):
         return self.counted(lambda: form(self, h, x, weight, eps, scale))
 
 
-@pytest.mark.parametrize("name", ["gemma4-release", "gemma4-moe-shapes"])
+# gemma4-release makes every sandwich norm in the launch of the product before it (linear_add_normed,
+# tests/runtime/test_cuda_sandwich_tail.py); the MoE sibling's FFN output is a sum of two branches,
+# so its post-FFN norm, add and scale are this launch
+@pytest.mark.parametrize("name", ["gemma4-moe-shapes"])
 def test_gemma4_sandwich_norms_are_one_launch_each(tmp_path, name):
     blocks, counts = fused_against_separate(family_q8_0(tmp_path, name), CountedSandwich)
     for what, calls, inside, new, old in counts:
