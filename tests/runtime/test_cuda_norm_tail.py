@@ -286,38 +286,28 @@ def test_the_tails_sum_compiles_to_the_norm_kernels_reduction():
     feeding it and the same layout: their bits on a GPU are the same). Rows of a width not a
     multiple of 16 (1000: norm_kernel's loads of 4 values, the tail's of 8) sum in another layout:
     those take no tail."""
-    jit = pytest.importorskip("triton.runtime.jit")
-    if not (hasattr(jit, "create_function_from_signature") and hasattr(jit.JITFunction, "_pack_args")):
-        pytest.skip("this Triton's JIT has no binder the recorder can call")
-    from benchmarks import cuda_op_count, triton_launches
     from specconv.runtime.kernels_triton import matmul as qm, norm
-    from tools import triton_aot
+    from tests.fixtures.compiled_launches import compiled_launches
 
     assert norm.WARPS == qm.FUSED_WARPS
-    recorder = triton_launches.Recorder(widths=(1,))
-    cuda_op_count.launch_observers.append(recorder)
-    try:
-        with cuda_op_count.meta_launches():
-            for width, dtype, rows in itertools.product((norm.ROW_CHUNK, 896, WIDE_ROW),
-                                                        (torch.bfloat16, torch.float32), (1, 3)):
-                    recorder.key = ("tail", f"{width} {dtype}", str(rows))
-                    x = torch.empty(rows, 256, dtype=dtype, device="meta")
-                    h = torch.empty(rows, width, dtype=dtype, device="meta")
-                    w = torch.empty(width, dtype=torch.float32, device="meta")
-                    packed = torch.empty(width, 8 * 34, dtype=torch.uint8, device="meta")
-                    kt.quant_matmul_add_rms_norm(x, packed, QType.Q8_0, width, 256, h, w, EPS)
-                    recorder.key = ("norm", f"{width} {dtype}", str(rows))
-                    kt.rms_norm(h, w, EPS, residual=torch.empty_like(h))
-    finally:
-        cuda_op_count.launch_observers.remove(recorder)
-    specs = {key: seq[0] for key, seq in recorder.sequences.items()}
-    results = triton_aot.compile_all([s.to_json() for s in set(specs.values())], archs=(90,), jobs=2, sass=False)
-    compiled = {triton_launches.Specialization.from_json(r.spec): r for r in results}
-    assert not triton_aot.failures(list(compiled.values()))
-    for (kind, width, rows), spec in specs.items():
+
+    def make(recorder):
+        for width, dtype, rows in itertools.product((norm.ROW_CHUNK, 896, WIDE_ROW), (torch.bfloat16, torch.float32),
+                                                    (1, 3)):
+            recorder.key = ("tail", f"{width} {dtype}", str(rows))
+            x = torch.empty(rows, 256, dtype=dtype, device="meta")
+            h = torch.empty(rows, width, dtype=dtype, device="meta")
+            w = torch.empty(width, dtype=torch.float32, device="meta")
+            packed = torch.empty(width, 8 * 34, dtype=torch.uint8, device="meta")
+            kt.quant_matmul_add_rms_norm(x, packed, QType.Q8_0, width, 256, h, w, EPS)
+            recorder.key = ("norm", f"{width} {dtype}", str(rows))
+            kt.rms_norm(h, w, EPS, residual=torch.empty_like(h))
+
+    compiled = compiled_launches(make)
+    for (kind, width, rows), tail in compiled.items():
         if kind != "tail":
             continue
-        tail, alone = compiled[spec], compiled[specs[("norm", width, rows)]]
+        alone = compiled[("norm", width, rows)]
         (form, count), = alone.reduce_forms.items()
         blocks = norm.row_block(int(width.split()[0]))[1]  # a row's blocks: one reduction each
         assert count == blocks and tail.reduce_forms.get(form) == blocks * int(rows), (width, rows, tail.reduce_forms)

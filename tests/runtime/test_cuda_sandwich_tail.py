@@ -294,41 +294,29 @@ def test_the_sandwich_tails_sums_compile_to_norm_kernels_reductions():
     squares: the same float operations, the same layout), and with the norm after, as many more in
     that layout (the sum's: its values are the bits norm_kernel reads): no reduction or layout
     beyond the product's own and norm_kernel's."""
-    jit = pytest.importorskip("triton.runtime.jit")
-    if not (hasattr(jit, "create_function_from_signature") and hasattr(jit.JITFunction, "_pack_args")):
-        pytest.skip("this Triton's JIT has no binder the recorder can call")
-    from benchmarks import cuda_op_count, triton_launches
     from specconv.runtime.kernels_triton import norm
-    from tools import triton_aot
+    from tests.fixtures.compiled_launches import compiled_launches
 
-    recorder = triton_launches.Recorder(widths=(1,))
-    cuda_op_count.launch_observers.append(recorder)
-    try:
-        with cuda_op_count.meta_launches():
-            for width, dtype, rows, after in itertools.product((896, WIDE_ROW), (torch.bfloat16, torch.float32),
-                                                               (1, 3), (False, True)):
-                recorder.key = ("tail", f"{width} {dtype} {after}", str(rows))
-                x = torch.empty(rows, 256, dtype=dtype, device="meta")
-                h = torch.empty(rows, width, dtype=dtype, device="meta")
-                w = torch.empty(width, dtype=torch.float32, device="meta")
-                packed = torch.empty(width, 8 * 34, dtype=torch.uint8, device="meta")
-                kt.quant_matmul_add_normed(x, packed, QType.Q8_0, width, 256, h, w, EPS,
-                                           scale=torch.empty(1, device="meta"), then=w if after else None)
-                recorder.key = ("norm", f"{width} {dtype} {after}", str(rows))
-                kt.rms_norm(h, w, EPS)
-                recorder.key = ("product", f"{width} {dtype} {after}", str(rows))
-                kt.quant_matmul(x, packed, QType.Q8_0, width, 256)
-    finally:
-        cuda_op_count.launch_observers.remove(recorder)
-    specs = {key: seq[0] for key, seq in recorder.sequences.items()}
-    results = triton_aot.compile_all([s.to_json() for s in set(specs.values())], archs=(90,), jobs=2, sass=False)
-    compiled = {triton_launches.Specialization.from_json(r.spec): r for r in results}
-    assert not triton_aot.failures(list(compiled.values()))
-    for (kind, what, rows), spec in specs.items():
+    def make(recorder):
+        for width, dtype, rows, after in itertools.product((896, WIDE_ROW), (torch.bfloat16, torch.float32), (1, 3),
+                                                           (False, True)):
+            recorder.key = ("tail", f"{width} {dtype} {after}", str(rows))
+            x = torch.empty(rows, 256, dtype=dtype, device="meta")
+            h = torch.empty(rows, width, dtype=dtype, device="meta")
+            w = torch.empty(width, dtype=torch.float32, device="meta")
+            packed = torch.empty(width, 8 * 34, dtype=torch.uint8, device="meta")
+            kt.quant_matmul_add_normed(x, packed, QType.Q8_0, width, 256, h, w, EPS,
+                                       scale=torch.empty(1, device="meta"), then=w if after else None)
+            recorder.key = ("norm", f"{width} {dtype} {after}", str(rows))
+            kt.rms_norm(h, w, EPS)
+            recorder.key = ("product", f"{width} {dtype} {after}", str(rows))
+            kt.quant_matmul(x, packed, QType.Q8_0, width, 256)
+
+    compiled = compiled_launches(make)
+    for (kind, what, rows), tail in compiled.items():
         if kind != "tail":
             continue
-        tail, alone, product = (compiled[spec], compiled[specs[("norm", what, rows)]],
-                                compiled[specs[("product", what, rows)]])
+        alone, product = compiled[("norm", what, rows)], compiled[("product", what, rows)]
         (form, count), = alone.reduce_forms.items()
         blocks = norm.row_block(int(what.split()[0]))[1]
         after = what.endswith("True")
