@@ -7,6 +7,7 @@ Graphs reach stored weights and the heavy kernels only through runtime/graphs/op
     dequantize_rows(raw, qtype, dtype)          packed rows -> values (runtime/dequant.py's values)
     linear(x, w)                                x @ wᵀ, w a StoredWeight or a tensor [out, in]
     linear_wide(x, w)                           acc(x) @ wᵀ (a weight kept float32: x read as it is)
+    linear_wide_group(x, [w, ...])              (acc(x) @ w₀ᵀ, ...): the same rows by several float32 weights
     linear_group(x, [w, ...])                   (x @ w₀ᵀ, x @ w₁ᵀ, ...): the same rows by several weights
     linear_glu(gate, up, w, act)                (act(gate) · up) @ wᵀ: a GLU's down product (act "silu",
                                                 "gelu_tanh"; glu(gate, up, act) is its input alone)

@@ -110,6 +110,20 @@ class CudaBackend(CudaExperts, CudaRecurrence):
             return self._kernel_product(x, w)
         return super().linear_wide(x, w)
 
+    def linear_wide_group(self, x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
+        """Float32 weights the product kernel takes (linear_wide's) by the same rows, up to
+        FUSED_MAX_ROWS of them: one grouped launch (kernels_triton.grouped_matmul, each output the
+        bits of its own product: a MoE block's router and shared-expert gate); else linear_wide each."""
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        if (len(ws) > 1 and 0 < rows <= self.kernels.FUSED_MAX_ROWS
+                and all(w.shape[1] == x.shape[-1] and (self._stored_matrix(x, w, torch.float32)
+                                                       or self._dense_float32(x, w, torch.float32)) for w in ws)):
+            packed = [self._weight_bytes(w) for w in ws]
+            if all(qtype == QType.F32 for _, qtype in packed):
+                return self.kernels.grouped_matmul(x.contiguous(), [raw for raw, _ in packed], QType.F32,
+                                                   [w.shape[0] for w in ws], x.shape[-1])
+        return super().linear_wide_group(x, ws)
+
     def linear_glu(self, gate: torch.Tensor, up: torch.Tensor, w, act: str) -> torch.Tensor:
         """The product kernel computes act(gate) · up where it reads its input rows (the bits of glu
         then linear), for the weights `linear` gives the kernel; glu then linear otherwise."""

@@ -38,14 +38,17 @@ class CudaExperts(CudaKernelBase):
             return self.moe_by_pairs(x, weights, chosen, experts)
         return super().moe(x, weights, chosen, experts)
 
-    def moe_out(self, x, weights, chosen, experts: Experts, shared=None) -> torch.Tensor:
-        """By pairs, the shared experts' add and the rounding into x's dtype inside the combine launch
-        (shared: x's dtype and shape [n, out], on x's device)."""
+    def moe_out(self, x, weights, chosen, experts: Experts, shared=None, shared_gate=None) -> torch.Tensor:
+        """By pairs, the shared experts' add (gated by σ(shared_gate) where given) and the rounding
+        into x's dtype inside the combine launch (shared: x's dtype and shape [n, out], shared_gate
+        float32 [n, 1], on x's device)."""
         width = experts.down.shape[1]
         if self._pairs_fit(x, weights, experts) and (shared is None or (
-                shared.dtype == x.dtype and shared.device == x.device and shared.shape == (x.shape[0], width))):
-            return self.moe_by_pairs(x, weights, chosen, experts, shared, x.dtype)
-        return super().moe_out(x, weights, chosen, experts, shared)
+                shared.dtype == x.dtype and shared.device == x.device and shared.shape == (x.shape[0], width))) and (
+                shared_gate is None or (shared is not None and shared_gate.dtype == torch.float32
+                                        and shared_gate.device == x.device and shared_gate.shape == (x.shape[0], 1))):
+            return self.moe_by_pairs(x, weights, chosen, experts, shared, x.dtype, shared_gate)
+        return super().moe_out(x, weights, chosen, experts, shared, shared_gate)
 
     def _pairs_fit(self, x: torch.Tensor, weights: torch.Tensor, experts: Experts) -> bool:
         """Whether moe_by_pairs takes the batch: decode / verification rows, stored experts of a kernel type."""
@@ -98,17 +101,19 @@ class CudaExperts(CudaKernelBase):
         return self.kernels.add_gated_shared(routed.contiguous(), shared.contiguous(), gate.contiguous())
 
     def moe_by_pairs(self, x, weights, chosen, experts: Experts, shared=None,
-                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.float32, shared_gate=None) -> torch.Tensor:
         """Every (row, slot) pair through its expert at once: experts.ffn over the n·k pairs in row-major
         order, each product expert_matmul (the first ones read each row of x once for its k pairs);
         then kernels_triton.moe_combine adds a row's terms in increasing expert order, as the by-index
-        reference does (then `shared`, rounded into out_dtype: moe_out). No sort, gather or repeated
+        reference does (then `shared`, gated by σ(shared_gate) where given, rounded into out_dtype:
+        moe_out). No sort, gather or repeated
         copy of x: one launch per product, one to combine."""
         pairs = chosen.reshape(-1)
         y = experts.ffn(x, *(None if w is None else PairedExperts(w, pairs)
                              for w in (experts.gate, experts.up, experts.down)))
         return self.kernels.moe_combine(y.reshape(pairs.shape[0], -1), weights.contiguous(), chosen.contiguous(),
-                                        None if shared is None else shared.contiguous(), out_dtype)
+                                        None if shared is None else shared.contiguous(), out_dtype,
+                                        None if shared_gate is None else shared_gate.contiguous())
 
 
 class PairedExperts:

@@ -107,6 +107,10 @@ class TorchBackend:
         """x in the accumulation dtype, then `linear`."""
         return self.linear(ops.acc(x), w)
 
+    def linear_wide_group(self, x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
+        """(acc(x) @ w₀ᵀ, acc(x) @ w₁ᵀ, ...): `linear_wide` by each weight in turn."""
+        return tuple(self.linear_wide(x, w) for w in ws)
+
     def linear_per_head(self, x: torch.Tensor, w) -> torch.Tensor:
         """y[:, h] = x[:, h] @ w[h]ᵀ for x [n, heads, in] and a 3-D weight [heads, out, in] (stored or
         dense; multi-head latent attention's attn_k_b / attn_v_b): float32 products of w's values,
@@ -127,11 +131,14 @@ class TorchBackend:
         return self.moe_by_expert(x, weights, chosen, experts)
 
     def moe_out(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts,
-                shared: torch.Tensor | None = None) -> torch.Tensor:
+                shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
         """A MoE block's output in x's dtype: `moe`'s sum (accumulation dtype) rounded, or with
-        un-gated shared experts' output shared [n, out] (x's dtype) `add_shared`'s sum."""
+        shared experts' output shared [n, out] (x's dtype) `add_shared`'s sum, or `add_gated_shared`'s
+        with a shared expert gated by σ(shared_gate [n, 1])."""
         out = self.moe(x, weights, chosen, experts)
-        return out.to(x.dtype) if shared is None else self.add_shared(out, shared)
+        if shared is None:
+            return out.to(x.dtype)
+        return self.add_shared(out, shared) if shared_gate is None else self.add_gated_shared(out, shared, shared_gate)
 
     def route_softmax_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, chosen) [n, k] of a softmax router: softmax over the experts, the k largest, the

@@ -136,6 +136,16 @@ def linear_wide(x: torch.Tensor, w) -> torch.Tensor:
     return for_device(x.device).linear_wide(x, w)
 
 
+def linear_wide_group(x: torch.Tensor, ws) -> tuple[torch.Tensor, ...]:
+    """(acc(x) @ w₀ᵀ, acc(x) @ w₁ᵀ, ...): linear_wide by several float32 weights (a MoE block's router
+    and its shared expert's gate), each output what linear_wide gives; one launch on CUDA."""
+    observer = activation_observer()
+    if observer is not None:
+        for w in ws:
+            observer.product(x, w)
+    return for_device(x.device).linear_wide_group(x, ws)
+
+
 def head_projections(x: torch.Tensor, ws, heads: Sequence[int], head_dim: int) -> tuple[torch.Tensor, ...]:
     """x @ wᵢᵀ for each weight (attention's q / k / v of one normed input), each viewed as [n, heads[i],
     head_dim]: one grouped product (linear_group), each output the bits `linear` gives it."""
@@ -171,15 +181,18 @@ def moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: E
 
 
 def moe_out(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: Experts,
-            shared: torch.Tensor | None = None) -> torch.Tensor:
+            shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """A MoE block's output in x's dtype: `moe`'s sum rounded, or (routed + acc(shared)).to(dtype)
-    with un-gated shared experts' output `shared` (add_shared). On CUDA the rounding and the shared
-    add happen inside the launch that sums the routed experts."""
+    with un-gated shared experts' output `shared` (add_shared), or add_gated_shared's sum with a
+    shared expert gated by σ(shared_gate [n, 1]). On CUDA the rounding and the shared add happen
+    inside the launch that sums the routed experts."""
     observer = activation_observer()
     if observer is not None:
         out = _observed_moe(x, weights, chosen, experts, observer)
-        return out.to(x.dtype) if shared is None else add_shared(out, shared)
-    return for_device(x.device).moe_out(x, weights, chosen, experts, shared)
+        if shared is None:
+            return out.to(x.dtype)
+        return add_shared(out, shared) if shared_gate is None else add_gated_shared(out, shared, shared_gate)
+    return for_device(x.device).moe_out(x, weights, chosen, experts, shared, shared_gate)
 
 
 def _observed_moe(x, weights, chosen, experts: Experts, observer) -> torch.Tensor:
@@ -495,6 +508,16 @@ def moe_softmax_topk(x: torch.Tensor, router: torch.Tensor, n_used: int, gate_ex
     """
     weights, chosen = for_device(x.device).route_softmax_topk(linear_wide(x, router), n_used)
     return moe(x, weights, chosen, Experts(gate_exps, up_exps, down_exps, swiglu))
+
+
+def moe_softmax_topk_gated_shared(x: torch.Tensor, logits: torch.Tensor, n_used: int, gate_exps: torch.Tensor,
+                                  up_exps: torch.Tensor, down_exps: torch.Tensor, shared: torch.Tensor,
+                                  shared_gate: torch.Tensor) -> torch.Tensor:
+    """add_gated_shared(moe_softmax_topk(...), shared, shared_gate) in x's dtype from the router's
+    logits (linear_wide(x, router), float32 [n, E]): a MoE block with a sigmoid-gated shared expert
+    (Qwen3.5), its shared add inside the launch that sums the routed experts on CUDA (moe_out)."""
+    weights, chosen = for_device(x.device).route_softmax_topk(logits, n_used)
+    return moe_out(x, weights, chosen, Experts(gate_exps, up_exps, down_exps, swiglu), shared, shared_gate)
 
 
 def add_gated_shared(routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,8 @@ from specconv.archs.tensor_table import GraphTensors
 from specconv.runtime.graphs import gdn, trunk
 from specconv.runtime.graphs.decoder import Residual
 from specconv.runtime.graphs.ops import (
-    Deferred, add_gated_shared, cached_attention, check_rope_scaling, deferred_swiglu, linear_group,
-    linear_wide, moe_softmax_topk, rope_cos_sin_scaled, swiglu,
+    Deferred, cached_attention, check_rope_scaling, deferred_swiglu, linear_group, linear_wide_group,
+    moe_softmax_topk_gated_shared, rope_cos_sin_scaled, swiglu,
 )
 from specconv.runtime.memory import Batch, MemoryLayout
 
@@ -82,12 +82,13 @@ def ffn(w, hp: Qwen35HParams, i: int, x: torch.Tensor) -> torch.Tensor | Deferre
     p = f"blk.{i}."
     if not hp.is_moe:  # the down product made with the next norm (ops.Deferred)
         return deferred_swiglu(x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
-    routed = moe_softmax_topk(x, w[p + "ffn_gate_inp.weight"], hp.num_experts_per_tok, w[p + "ffn_gate_exps.weight"],
-                              w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"])
-    shared = swiglu(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
     gate_w = w[p + "ffn_gate_inp_shexp.weight"]  # [1, H]; [H] as llama.cpp's converter writes it
-    gate = linear_wide(x, gate_w if gate_w.ndim == 2 else gate_w.reshape(1, -1))  # σ applied in add_gated_shared
-    return add_gated_shared(routed, shared, gate)
+    # the router's logits and the shared expert's gate logit (σ applied with the shared add): one launch
+    logits, gate = linear_wide_group(x, (w[p + "ffn_gate_inp.weight"], gate_w if gate_w.ndim == 2
+                                         else gate_w.reshape(1, -1)))
+    shared = swiglu(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
+    return moe_softmax_topk_gated_shared(x, logits, hp.num_experts_per_tok, w[p + "ffn_gate_exps.weight"],
+                                         w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"], shared, gate)
 
 
 # ---- graphs -----------------------------------------------------------------------------------

@@ -44,12 +44,15 @@ def softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, n_experts, stride_l, K: tl.c
 
 
 @triton.jit
-def combine_kernel(y_ptr, w_ptr, idx_ptr, out_ptr, shared_ptr, width, stride_y, stride_w, stride_i, stride_s,
-                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, HAS_SHARED: tl.constexpr):
+def combine_kernel(y_ptr, w_ptr, idx_ptr, out_ptr, shared_ptr, gate_ptr, width, stride_y, stride_w, stride_i,
+                   stride_s, stride_g, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
+                   HAS_SHARED: tl.constexpr, GATED: tl.constexpr):
     """Columns of program (r, c) of out[r] = Σ_s float32(y[r·K + s]) · w[r, s] over the K slots of row
     r, added in increasing order of chosen[r, s] (distinct experts), each product rounded to float32
     before its sum, starting from 0: the reference's `total = total + y_s · w_s` in that order. With
-    HAS_SHARED, + float32(shared[r]) last; the float32 result rounded once into out's dtype."""
+    HAS_SHARED, + float32(shared[r]) last; the float32 result rounded once into out's dtype. With
+    GATED too, the shared expert is gated by σ(gate[r]) instead (_gated_sum: gated_shared_kernel's
+    formula on the float32 sum)."""
     r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
@@ -65,8 +68,20 @@ def combine_kernel(y_ptr, w_ptr, idx_ptr, out_ptr, shared_ptr, width, stride_y, 
         y = tl.load(y_ptr + (r * K + s).to(tl.int64) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
         acc = acc + y * weight
     if HAS_SHARED:
-        acc = acc + tl.load(shared_ptr + r * stride_s + cols, mask=ok, other=0.0).to(tl.float32)
+        shared = tl.load(shared_ptr + r * stride_s + cols, mask=ok, other=0.0).to(tl.float32)
+        if GATED:
+            acc = _gated_sum(acc, shared, tl.load(gate_ptr + r * stride_g).to(tl.float32), out_ptr.dtype.element_ty)
+        else:
+            acc = acc + shared
     tl.store(out_ptr + r.to(tl.int64) * width + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gated_sum(routed, shared, g, DTYPE: tl.constexpr):
+    """float32 rounded(routed) + rounded(shared · σ(g)), each rounding into DTYPE, σ(g) = 1 / (1 + exp(-g))
+    in float32: a MoE block's routed sum and its sigmoid-gated shared expert."""
+    gated = (shared * tl.div_rn(1.0, 1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+    return routed.to(DTYPE).to(tl.float32) + gated
 
 
 @triton.jit
@@ -77,12 +92,11 @@ def gated_shared_kernel(routed_ptr, shared_ptr, gate_ptr, y_ptr, width, stride_r
     r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
-    dtype = y_ptr.dtype.element_ty
-    routed = tl.load(routed_ptr + r * stride_r + cols, mask=ok, other=0.0).to(tl.float32).to(dtype).to(tl.float32)
+    routed = tl.load(routed_ptr + r * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
     shared = tl.load(shared_ptr + r * stride_s + cols, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + r * stride_g).to(tl.float32)
-    gated = (shared * tl.div_rn(1.0, 1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    tl.store(y_ptr + r.to(tl.int64) * width + cols, (routed + gated).to(dtype), mask=ok)
+    y = _gated_sum(routed, shared, g, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + r.to(tl.int64) * width + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

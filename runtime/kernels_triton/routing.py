@@ -3,7 +3,7 @@
     softmax_topk(logits, k) -> (weights float32 [n, k], chosen int64 [n, k])
     grouped_topk(logits, k, sigmoid, bias=None, groups=1, groups_used=1, renormalise=True, scale=1.0,
                  expert_scale=None) -> (weights float32 [n, k], chosen int64 [n, k])
-    moe_combine(y, weights, chosen, shared=None, out_dtype=float32) -> [n, out] in out_dtype
+    moe_combine(y, weights, chosen, shared=None, out_dtype=float32, shared_gate=None) -> [n, out] in out_dtype
     add_gated_shared(routed, shared, gate) -> [n, out] in shared's dtype
     add_shared(routed, shared) -> [n, out] in shared's dtype
 
@@ -36,7 +36,9 @@ bfloat16 / float16, the last dimension contiguous), weights [n, k] float, chosen
 distinct experts per row: Σ over the slots of float32(y) · weight, added in increasing expert
 order from 0 in float32 (CudaBackend.moe_by_pairs: the torch reference's by-index sum, its bits);
 then float32(shared) [n, out] added where given (un-gated shared experts), the float32 result
-rounded once into out_dtype (the torch formula's `(routed + acc(shared)).to(dtype)`).
+rounded once into out_dtype (the torch formula's `(routed + acc(shared)).to(dtype)`). With
+`shared_gate` (float32 logits [n, 1]) the shared expert is gated instead: add_gated_shared's
+formula on the float32 routed sum, in the same launch.
 
 add_gated_shared: a MoE block's output with its sigmoid-gated shared expert (Qwen3.5): routed
 [n, out] (the float32 sum of the routed experts) rounded into shared's dtype, plus shared [n, out]
@@ -121,10 +123,14 @@ def grouped_topk(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tensor
 
 
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, shared: torch.Tensor | None = None,
-                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                out_dtype: torch.dtype = torch.float32, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     op = "moe_combine"
     if out_dtype not in _common.FLOAT_DTYPES:
         raise SpecconvError(f"{op}: out_dtype must be float32, bfloat16 or float16 (got {out_dtype})")
+    if shared_gate is not None and (shared is None or shared_gate.dtype != torch.float32
+                                    or shared_gate.shape != (weights.shape[0], 1)):
+        raise SpecconvError(f"{op}: shared_gate is float32 [n, 1], with shared (got {shared_gate.dtype}, "
+                            f"{tuple(shared_gate.shape)})")
     for name, t in (("y", y), ("weights", weights)) + ((("shared", shared),) if shared is not None else ()):
         _common.check_float(op, name, t)
     if weights.dim() != 2 or chosen.dtype not in (torch.int32, torch.int64):
@@ -140,17 +146,21 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, sh
     if shared is not None:
         _common.check_shape(op, "shared", shared, (n, width))
         _common.check_last_contiguous(op, "shared", shared)
-    device = _common.check_device(op, y, weights, chosen, *(() if shared is None else (shared,)))
+    extra = tuple(t for t in (shared, shared_gate) if t is not None)
+    device = _common.check_device(op, y, weights, chosen, *extra)
     out = torch.empty(n, width, dtype=out_dtype, device=device)
     if out.numel() == 0:
         return out
     block = min(COMBINE_BLOCK, _common.next_power_of_2(width))
     jit = _common.jit_module("_routing_jit")
-    jit.combine_kernel[(n, _common.cdiv(width, block))](y, weights, chosen, out, y if shared is None else shared, width,
+    jit.combine_kernel[(n, _common.cdiv(width, block))](y, weights, chosen, out, y if shared is None else shared,
+                                                        y if shared_gate is None else shared_gate, width,
                                                         y.stride(0), weights.stride(0), chosen.stride(0),
-                                                        0 if shared is None else shared.stride(0), K=k,
+                                                        0 if shared is None else shared.stride(0),
+                                                        0 if shared_gate is None else shared_gate.stride(0), K=k,
                                                         BLOCK_K=_common.next_power_of_2(max(k, 1)), BLOCK=block,
-                                                        HAS_SHARED=shared is not None, enable_fp_fusion=False)
+                                                        HAS_SHARED=shared is not None, GATED=shared_gate is not None,
+                                                        enable_fp_fusion=False)
     return out
 
 

@@ -12,7 +12,9 @@
 * the gate and up products of the pairs in one launch (`expert_matmul_pair`), each the bits of its
   own `expert_matmul`;
 * the routed sum plus the sigmoid-gated shared expert in one launch (`add_gated_shared`) against the
-  torch formula: float32 within a stated ulp bound, bf16 within one bf16 ulp (printed);
+  torch formula: float32 within a stated ulp bound, bf16 within one bf16 ulp (printed); inside the
+  combine launch (`moe_combine(..., shared_gate=)`) the bits of the combine then that launch, and
+  in the tiny Qwen3.5 MoE step one launch fewer per block;
 * launches of one decode step and one verification batch of the tiny Qwen3.5 MoE (counted on the
   `meta` device by benchmarks/cuda_op_count.py): the router's torch formula (softmax, topk, sum,
   div) becomes one launch per MoE block, nothing else changes.
@@ -197,6 +199,69 @@ def test_gated_shared_expert_add_matches_the_torch_formula(dtype):
     assert torch.equal(alone, got[3:4])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_with_the_gated_shared_expert_has_the_bits_of_the_two_launches(dtype):
+    """moe_combine with `shared_gate`: the bits of moe_combine's float32 sum, then add_gated_shared's
+    launch (rows 1..16 of a batch; a row alone = in the batch); a gate without shared, or not [n, 1]
+    float32, is a one-line error."""
+    gen = torch.Generator().manual_seed(31)
+    n, k, width = 16, 3, 1500
+    chosen = torch.stack([torch.randperm(40, generator=gen)[:k] for _ in range(n)]).to(DEVICE)
+    weights = torch.rand(n, k, generator=gen)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(DEVICE)
+    y = torch.randn(n * k, width, generator=gen).to(dtype).to(DEVICE)
+    shared = torch.randn(n, width, generator=gen).to(dtype).to(DEVICE)
+    gate = (torch.randn(n, 1, generator=gen) * 4).to(DEVICE)
+    got = kt.moe_combine(y, weights, chosen, shared, dtype, shared_gate=gate)
+    want = kt.add_gated_shared(kt.moe_combine(y, weights, chosen), shared, gate)
+    assert got.dtype == dtype and torch.equal(got, want)
+    alone = kt.moe_combine(y[3 * k:4 * k], weights[3:4], chosen[3:4], shared[3:4], dtype, shared_gate=gate[3:4])
+    assert torch.equal(alone, got[3:4])
+    print(f"\n[moe_combine + gated shared, {DEVICE.type}, {dtype}] the bits of the combine then add_gated_shared")
+    for kwargs, needle in (({"shared_gate": gate}, "with shared"), ({"shared": shared, "shared_gate": gate.double()},
+                                                                    "float32 \\[n, 1\\]")):
+        with pytest.raises(SpecconvError, match=needle):
+            kt.moe_combine(y, weights, chosen, **kwargs)
+
+
+def test_the_router_and_the_shared_gate_in_one_launch(monkeypatch):
+    """CudaBackend.linear_wide_group of float32 weights (a router [E, H], a shared-expert gate [1, H],
+    dense or stored F32) by 1..16 bf16 rows: one grouped launch, each output the bits of its own
+    linear_wide; TorchBackend's (and 17 rows, and a quantized weight): linear_wide each."""
+    from gguf import GGMLQuantizationType as QType
+
+    from specconv.runtime.stored import StoredWeight
+    from tests.fixtures.quant_rows import sane_rows
+    from tests.fixtures.triton_mode import record_launches
+
+    launched = record_launches(monkeypatch)
+    cuda = CudaBackend(kt, device_types=(DEVICE.type,))
+    gen = torch.Generator().manual_seed(41)
+    router = torch.randn(24, 256, generator=gen).to(DEVICE)
+    gate = StoredWeight(torch.randn(1, 256, generator=gen).view(torch.uint8).to(DEVICE), QType.F32, (1, 256),
+                        torch.float32, DEVICE)
+    x = torch.randn(17, 256, generator=gen).to(torch.bfloat16).to(DEVICE)
+    for rows in (1, 4, 16):
+        del launched[:]
+        got = cuda.linear_wide_group(x[:rows], (router, gate))
+        assert launched == ["grouped_rows_kernel"], launched
+        want = tuple(cuda.linear_wide(x[:rows], w) for w in (router, gate))
+        assert all(g.dtype == torch.float32 and torch.equal(g, w) for g, w in zip(got, want, strict=True)), rows
+    del launched[:]
+    assert all(torch.equal(g, w) for g, w in zip(cuda.linear_wide_group(x, (router, gate)),
+                                                  (cuda.linear_wide(x, router), cuda.linear_wide(x, gate))))
+    assert "grouped_rows_kernel" not in launched
+    quantized = StoredWeight(sane_rows(QType.Q8_0, 8, 256, seed=42).to(DEVICE), QType.Q8_0, (8, 256), torch.bfloat16,
+                             DEVICE)
+    del launched[:]
+    mixed = cuda.linear_wide_group(x[:2], (router, quantized))
+    assert "grouped_rows_kernel" not in launched and torch.equal(mixed[1], cuda.linear_wide(x[:2], quantized))
+    ref, xc = TorchBackend(), x[:3].cpu()
+    assert all(torch.equal(g, ref.linear_wide(xc, w)) for g, w in zip(ref.linear_wide_group(xc, (router.cpu(),)),
+                                                                       (router.cpu(),)))
+    print(f"\n[{DEVICE.type}] router + shared gate: one grouped launch, each the bits of its own linear_wide")
+
+
 class TorchRouter(CudaBackend, CountedCalls):
     """The CUDA backend with the router's torch formula (the backend before the router kernel);
     counts the launches inside that formula per active op counter."""
@@ -245,31 +310,63 @@ class CountedMoe(CudaBackend, CountedCalls):
     def moe(self, x, weights, chosen, experts):
         return self.counted(lambda: super(CountedMoe, self).moe(x, weights, chosen, experts))
 
+    def moe_out(self, x, weights, chosen, experts, shared=None, shared_gate=None):
+        return self.counted(lambda: super(CountedMoe, self).moe_out(x, weights, chosen, experts, shared, shared_gate))
 
-class TorchSharedAdd(CudaBackend, CountedCalls):
-    """The CUDA backend with add_gated_shared's torch formula; counts the launches inside it."""
+
+class SharedAddApart(CudaBackend, CountedCalls):
+    """The CUDA backend counting, per active op counter, its moe_out calls with a gated shared expert
+    and the launches inside them; with `formula`, the shared add as add_gated_shared's torch
+    formula after the routed sum, else as its one launch (the backend before the combine made it)."""
+
+    def __init__(self, formula: bool):
+        super().__init__(kt, device_types=("meta",))
+        self.init_counts()
+        self.formula = formula
+
+    def moe_out(self, x, weights, chosen, experts, shared=None, shared_gate=None):
+        add = TorchBackend.add_gated_shared if self.formula else CudaBackend.add_gated_shared
+        return self.counted(lambda: add(self, self.moe(x, weights, chosen, experts), shared, shared_gate))
+
+
+class WideApart(CudaBackend, CountedCalls):
+    """The CUDA backend running linear_wide_group as linear_wide each (the backend before the group),
+    counting the launches inside."""
 
     def __init__(self):
         super().__init__(kt, device_types=("meta",))
         self.init_counts()
 
-    def add_gated_shared(self, routed, shared, gate):
-        return self.counted(lambda: TorchBackend.add_gated_shared(self, routed, shared, gate))
+    def linear_wide_group(self, x, ws):
+        return self.counted(lambda: TorchBackend.linear_wide_group(self, x, ws))
 
 
-def test_the_shared_expert_add_is_one_launch_per_moe_block(moe_q8):
+def test_the_router_and_the_shared_gate_are_one_launch_per_moe_block(moe_q8):
     fused = cuda_op_count.count_steps(moe_q8, "bf16", 3)
-    before = TorchSharedAdd()
+    before = WideApart()
     unfused = cuda_op_count.count_steps(moe_q8, "bf16", 3, backend=before)
     for name, new, old in (("step", fused.step, unfused.step), ("verification", fused.verify, unfused.verify)):
         calls, inside = before.calls[id(old)], before.inside[id(old)]
-        launches = new.by_op["triton.gated_shared_kernel"]
-        print(f"\n[meta, bf16, {name}] {old.total} -> {new.total} launches: {calls} shared-expert adds, "
-              f"{inside} launches of their torch formula -> {launches}")
-        assert calls == launches == len(fused.recurrent)
-        assert inside == 6 * calls  # two roundings, the widening, sigmoid, mul, add
-        assert new.total == old.total - inside + launches
-        assert not new.by_op["sigmoid"]
+        print(f"\n[meta, bf16, {name}] {old.total} -> {new.total} launches: {calls} router + gate products")
+        assert calls == len(fused.recurrent) and inside == 2 * calls
+        assert new.total == old.total - calls
+
+
+def test_the_shared_expert_add_is_inside_the_combine_launch(moe_q8):
+    """Per MoE block the routed experts' combine also adds the gated shared expert: one launch fewer
+    than the combine then add_gated_shared's launch, six fewer than its torch formula (two roundings,
+    the widening, sigmoid, mul, add), nothing else changed, no gated_shared_kernel or sigmoid left."""
+    fused = cuda_op_count.count_steps(moe_q8, "bf16", 3)
+    for formula, apart in ((False, 1), (True, 6)):
+        before = SharedAddApart(formula)
+        unfused = cuda_op_count.count_steps(moe_q8, "bf16", 3, backend=before)
+        for name, new, old in (("step", fused.step, unfused.step), ("verification", fused.verify, unfused.verify)):
+            calls, inside = before.calls[id(old)], before.inside[id(old)]
+            print(f"\n[meta, bf16, {name}] {old.total} -> {new.total} launches: {calls} shared-expert adds "
+                  f"{'as the torch formula' if formula else 'in a launch of their own'}")
+            assert calls == len(fused.recurrent) and inside == calls * (3 + apart)  # pair products, combine
+            assert new.total == old.total - apart * calls
+            assert not new.by_op["triton.gated_shared_kernel"] and not new.by_op["sigmoid"]
 
 
 def test_routed_experts_launch_their_products_and_one_combine(moe_q8):
