@@ -106,8 +106,7 @@ class CudaExperts(CudaKernelBase):
         order, each product expert_matmul (the first ones read each row of x once for its k pairs);
         then kernels_triton.moe_combine adds a row's terms in increasing expert order, as the by-index
         reference does (then `shared`, gated by σ(shared_gate) where given, rounded into out_dtype:
-        moe_out). No sort, gather or repeated
-        copy of x: one launch per product, one to combine."""
+        moe_out). No sort, gather or repeated copy of x: one launch per product, one to combine."""
         pairs = chosen.reshape(-1)
         y = experts.ffn(x, *(None if w is None else PairedExperts(w, pairs)
                              for w in (experts.gate, experts.up, experts.down)))
