@@ -13,9 +13,10 @@ _quant_jit.py), and the CUDA backend taking them there:
   that dtype, through the reference (its bits). CudaBackend.linear_wide (acc(x) @ wᵀ, what the
   graphs ask of a router or a gate): bfloat16 rows by an F32 weight straight into the kernel, the
   bits of the widened rows' product; by a weight of another type, the widened rows through `linear`;
-* launches of the tiny Qwen3.5 MoE (counted on `meta` by benchmarks/cuda_op_count.py): each F32
-  product one launch, the same in a decode step and in a 4-row verification, where the reference
-  took the widening cast, a cast and a product per row and a concatenation.
+* launches of the tiny Qwen3.5 MoE (counted on `meta` by benchmarks/cuda_op_count.py): a block's
+  two F32 products (the router, the shared gate) one grouped launch, the same in a decode step and
+  in a 4-row verification, where the reference took, per product, the widening cast, a cast and a
+  product per row and a concatenation.
 Without a GPU the kernels run in Triton's interpreter; with one, compiled on CUDA.
 """
 
@@ -256,6 +257,14 @@ class CountedF32(CudaBackend, CountedCalls):
     def linear_wide(self, x, w):
         return self._counted(x, w, CudaBackend.linear_wide, TorchBackend.linear_wide)
 
+    def linear_wide_group(self, x, ws):
+        """The kernel form: one counted call (one grouped launch); the reference: linear_wide each."""
+        if self.reference:  # each product counted as the torch reference's
+            return TorchBackend.linear_wide_group(self, x, ws)
+        if cuda_op_count.active_counters() and all(_is_f32(w) for w in ws):
+            return self.counted(lambda: CudaBackend.linear_wide_group(self, x, ws))
+        return CudaBackend.linear_wide_group(self, x, ws)
+
     def _counted(self, x, w, kernel_form, torch_form):
         counters = cuda_op_count.active_counters()
         if not (counters and _is_f32(w)):
@@ -278,9 +287,9 @@ def test_an_f32_product_is_one_launch_in_a_step_and_a_verification(moe_q8):
     for name, fresh, before in (("step", new.step, old.step), ("verification", new.verify, old.verify)):
         calls, inside = new_backend.calls[id(fresh)], new_backend.inside[id(fresh)]
         old_calls, old_inside = old_backend.calls[id(before)], old_backend.inside[id(before)]
-        print(f"\n[meta, bf16, {name}] {before.total} -> {fresh.total} launches: {calls} F32 products, "
+        print(f"\n[meta, bf16, {name}] {before.total} -> {fresh.total} launches: {calls} grouped F32 products, "
               f"{old_inside} launches of the torch reference -> {inside}")
-        assert calls == old_calls == 2 * n_blocks
+        assert old_calls == 2 * n_blocks and calls == n_blocks  # the router and the shared gate: one group
         assert inside == calls  # one launch each (these matrices are not cut)
         assert fresh.total == before.total - old_inside + inside
     rows = k + 1  # the reference: the widening, a cast and a product per row, a concatenation

@@ -236,25 +236,18 @@ def test_a_moe_decode_step_reads_only_the_routed_experts(tmp_path_factory, monke
     chosen = {}  # layer -> experts the last token was routed to
     from specconv.runtime.graphs import ops
 
-    real = ops.moe_softmax_topk
+    real = ops.moe_softmax_topk_gated_shared
 
-    def spy(x, router, n_used, gate, up, down):
-        before = model.weights.counter.bytes  # the spy's own look at the router is not the model's
-        xf = ops.acc(x)
-        probs = torch.softmax(xf @ router.to(xf.dtype).t(), dim=-1)
+    def spy(x, logits, n_used, *rest):  # the router's logits: the experts the block routes to
+        probs = torch.softmax(logits.float(), dim=-1)
         chosen[len(chosen)] = set(torch.topk(probs, n_used, dim=-1).indices.flatten().tolist())
-        model.weights.counter.bytes = before
-        return real(x, router, n_used, gate, up, down)
+        return real(x, logits, n_used, *rest)
 
     import specconv.runtime.graphs.qwen35 as graph
-    original = graph.moe_softmax_topk
-    graph.moe_softmax_topk = spy
-    try:
-        model.weights.counter.reset()
-        ctx.decode([IDS[3]], hidden=())
-        read = model.weights.counter.reset()
-    finally:
-        graph.moe_softmax_topk = original
+    monkeypatch.setattr(graph, "moe_softmax_topk_gated_shared", spy)
+    model.weights.counter.reset()
+    ctx.decode([IDS[3]], hidden=())
+    read = model.weights.counter.reset()
     expected = 0
     for name, w in model.weights.items():
         if not isinstance(w, StoredWeight):
