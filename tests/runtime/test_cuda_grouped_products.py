@@ -215,8 +215,8 @@ def test_ops_linear_group_shows_every_product_to_the_observer():
 # ---- a decode step ------------------------------------------------------------------------------
 
 class PerWeightOn(CudaBackend):
-    """The CUDA backend on `device_type` with `linear` per weight in linear_group (what it ran before
-    grouping)."""
+    """The CUDA backend on `device_type` with `linear` per weight in linear_group, and `linear_wide` per
+    weight in linear_wide_group (what it ran before grouping)."""
 
     def __init__(self, device_type: str):
         super().__init__(kt, device_types=(device_type,))
@@ -225,6 +225,9 @@ class PerWeightOn(CudaBackend):
         if any(isinstance(w, PairedExperts) for w in ws):  # routed experts by pairs: not the grouping of matrices
             return super().linear_group(x, ws)
         return TorchBackend.linear_group(self, x, ws)
+
+    def linear_wide_group(self, x, ws):
+        return TorchBackend.linear_wide_group(self, x, ws)
 
 
 class PerWeight(PerWeightOn):
@@ -237,11 +240,17 @@ class PerWeight(PerWeightOn):
         self.calls, self.weights, self.inside = Counter(), Counter(), Counter()
 
     def linear_group(self, x, ws):
+        return self._counted(ws, lambda: super(PerWeight, self).linear_group(x, ws))
+
+    def linear_wide_group(self, x, ws):  # a MoE block's router and shared gate (float32 weights)
+        return self._counted(ws, lambda: super(PerWeight, self).linear_wide_group(x, ws))
+
+    def _counted(self, ws, run):
         counters = cuda_op_count.active_counters()
         if not counters or not all(isinstance(w, StoredWeight) for w in ws):
-            return super().linear_group(x, ws)
+            return run()
         with cuda_op_count.counting() as inside:
-            out = super().linear_group(x, ws)
+            out = run()
         key = id(counters[0].tally)
         self.calls[key] += 1
         self.weights[key] += len(ws)
