@@ -39,7 +39,7 @@ from specconv.runtime.backend_torch import TorchBackend
 from specconv.runtime.dequant import dequantize_rows as torch_dequantize
 from specconv.runtime.kernels_triton import _common, norm as kt_norm
 from specconv.runtime.stored import StoredWeight
-from tests.fixtures.counted_calls import CountedCalls, family_q8_0, fused_against_separate
+from tests.fixtures.counted_calls import family_q8_0, fused_against_separate, fused_or_separate
 from tests.fixtures.quant_rows import sane_rows
 
 torch.set_num_threads(1)
@@ -246,18 +246,8 @@ def test_bad_input_one_line_errors():
         assert "\n" not in str(e.value)
 
 
-class CountedTail(CudaBackend, CountedCalls):
-    """The CUDA backend with linear_add_rms_norm counted: its own (the product's launch with the norm
-    tail), or with `separate` the torch backend's form (the product, then add_rms_norm's launch)."""
-
-    def __init__(self, separate: bool):
-        super().__init__(kt, device_types=("meta",))
-        self.init_counts()
-        self.separate = separate
-
-    def linear_add_rms_norm(self, *args):
-        run = TorchBackend.linear_add_rms_norm if self.separate else CudaBackend.linear_add_rms_norm
-        return self.counted(lambda: run(self, *args))
+# linear_add_rms_norm counted, as the CUDA backend runs it or as the separate operations it replaces
+CountedTail = fused_or_separate("linear_add_rms_norm")
 
 
 @pytest.mark.parametrize("name", ["qwen35", "qwen35-wide", "llama-release"])

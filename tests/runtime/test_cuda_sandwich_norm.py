@@ -27,7 +27,7 @@ from specconv.archs.errors import SpecconvError  # noqa: E402
 from specconv.runtime import kernels_triton as kt  # noqa: E402
 from specconv.runtime.backend_cuda import CudaBackend  # noqa: E402
 from specconv.runtime.backend_torch import TorchBackend  # noqa: E402
-from tests.fixtures.counted_calls import CountedCalls, family_q8_0, fused_against_separate  # noqa: E402
+from tests.fixtures.counted_calls import family_q8_0, fused_against_separate, fused_or_separate  # noqa: E402
 
 REF = TorchBackend()
 EPS = 1e-6
@@ -96,19 +96,8 @@ def test_the_seam_launches_once_and_keeps_the_torch_formula_for_float64(monkeypa
     assert torch.equal(cuda.add_normed(h64, x64, w, EPS, s), REF.add_normed(h64, x64, w, EPS, s)) and launched == []
 
 
-class CountedSandwich(CudaBackend, CountedCalls):
-    """The CUDA backend (launches recorded on `meta`) counting the calls of add_normed and the
-    launches inside them; with `separate`, running them as the torch formula (the add, the norm
-    kernel, the scale's casts and product) the graph ran before."""
-
-    def __init__(self, separate: bool):
-        super().__init__(kt, device_types=("meta",))
-        self.separate = separate
-        self.init_counts()
-
-    def add_normed(self, h, x, weight, eps, scale=None):
-        form = TorchBackend.add_normed if self.separate else CudaBackend.add_normed
-        return self.counted(lambda: form(self, h, x, weight, eps, scale))
+# add_normed counted, as the CUDA backend runs it or as the separate operations it replaces
+CountedSandwich = fused_or_separate("add_normed")
 
 
 # gemma4-release makes every sandwich norm in the launch of the product before it (linear_add_normed,

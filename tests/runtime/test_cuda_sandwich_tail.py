@@ -40,7 +40,7 @@ from specconv.runtime.backend import batch_invariant, observing
 from specconv.runtime.backend_cuda import CudaBackend
 from specconv.runtime.backend_torch import TorchBackend
 from specconv.runtime.dequant import dequantize_rows as torch_dequantize
-from tests.fixtures.counted_calls import CountedCalls, fused_against_separate
+from tests.fixtures.counted_calls import fused_against_separate, fused_or_separate
 from tests.fixtures.quant_rows import sane_rows
 
 torch.set_num_threads(1)
@@ -250,19 +250,8 @@ def test_bad_input_one_line_errors():
         kt.quant_matmul_add_normed(x, packed, QType.Q8_0, 48, 352, h.float(), w, EPS)
 
 
-class CountedSandwich(CudaBackend, CountedCalls):
-    """The CUDA backend with linear_add_normed counted: its own (the product's launch with the
-    sandwich tail), or with `separate` the torch backend's form (the product, then the norm
-    launches)."""
-
-    def __init__(self, separate: bool):
-        super().__init__(kt, device_types=("meta",))
-        self.init_counts()
-        self.separate = separate
-
-    def linear_add_normed(self, *args):
-        run = TorchBackend.linear_add_normed if self.separate else CudaBackend.linear_add_normed
-        return self.counted(lambda: run(self, *args))
+# linear_add_normed counted, as the CUDA backend runs it or as the separate operations it replaces
+CountedSandwich = fused_or_separate("linear_add_normed")
 
 
 @pytest.mark.parametrize("name, per_block, apart", [("gemma4-release", 3, 8), ("gemma4-moe-shapes", 1, 3)])
